@@ -1,0 +1,464 @@
+"""Typed configuration: one dataclass per section, YAML as the file format, ``a.b=c`` overrides.
+
+Precedence: dataclass defaults < YAML file < command-line overrides. Every field is documented
+where it is declared (``doc``); ``docs/configuration.md`` is generated from these declarations.
+This module must not import torch: it runs on the login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from clusterflow.errors import UserError
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None) -> Any:  # noqa: A002
+    """A dataclass field with its documentation attached (read by the config reference)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise UserError(f"{key} = {value!r}: {why}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how it is seeded."""
+
+    dir: str = doc("runs/demo", "Run directory (local path or fsspec URL for checkpoints). Holds config.yaml, checkpoints/, tb/, logs/.")
+    name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
+    seed: int = doc(0, "Master seed. Per-rank seeds, data order and the synthetic demo data derive from it.")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
+        _check(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+
+
+@dataclass
+class ClusterConfig:
+    """Resources asked of Slurm (ignored by --local except tasks_per_node)."""
+
+    nodes: int = doc(1, "Number of nodes.")
+    tasks_per_node: int = doc(1, "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).")
+    gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
+    cpus_per_task: int = doc(1, "CPU cores per process.")
+    mem_gb: float = doc(0.0, "Memory per node in GB; 0 leaves Slurm's default.")
+    partition: str = doc("", "Slurm partition; empty uses the cluster default.")
+    account: str = doc("", "Slurm account to charge.")
+    qos: str = doc("", "Slurm quality of service.")
+    constraint: str = doc("", "Slurm node feature constraint, e.g. a100|h100.")
+    time_min: int = doc(60, "Time limit of one attempt, in minutes.")
+    exclusive: bool = doc(False, "Ask for whole nodes.")
+    signal_delay_s: int = doc(120, "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue).")
+    max_timeout_requeues: int = doc(5, "How many times a run may requeue itself after hitting the time limit. Preemptions are not counted.")
+    setup: list[str] = doc(factory=list, help="Shell lines run before the job on each node (module load, conda activate).")
+    sbatch_extra: dict[str, Any] = doc(factory=dict, help="Extra #SBATCH parameters, e.g. {mail-type: END}.")
+    srun_args: list[str] = doc(factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores].")
+
+    def __post_init__(self) -> None:
+        _check(self.nodes >= 1, "cluster.nodes", self.nodes, "must be >= 1 (a job needs at least one node)")
+        _check(self.tasks_per_node >= 1, "cluster.tasks_per_node", self.tasks_per_node, "must be >= 1")
+        _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        if self.gpus_per_node > 0:
+            _check(
+                self.tasks_per_node in (1, self.gpus_per_node),
+                "cluster.tasks_per_node",
+                self.tasks_per_node,
+                f"with cluster.gpus_per_node={self.gpus_per_node} clusterflow runs one process per GPU; "
+                f"set cluster.tasks_per_node={self.gpus_per_node} (or leave it at 1 and it is set for you)",
+            )
+            self.tasks_per_node = self.gpus_per_node
+        _check(self.cpus_per_task >= 1, "cluster.cpus_per_task", self.cpus_per_task, "must be >= 1")
+        _check(self.mem_gb >= 0, "cluster.mem_gb", self.mem_gb, "must be >= 0")
+        _check(self.time_min >= 1, "cluster.time_min", self.time_min, "must be >= 1 minute")
+        _check(
+            0 <= self.signal_delay_s < self.time_min * 60,
+            "cluster.signal_delay_s",
+            self.signal_delay_s,
+            f"must be between 0 and the time limit ({self.time_min * 60} s)",
+        )
+        _check(self.max_timeout_requeues >= 0, "cluster.max_timeout_requeues", self.max_timeout_requeues, "must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class DistConfig:
+    """Process group settings."""
+
+    backend: str = doc("auto", "auto (nccl with CUDA, gloo without), nccl or gloo.")
+    timeout_s: int = doc(600, "Process-group timeout: a rank that stops answering fails the job after this long.")
+    find_unused_parameters: bool = doc(False, "DDP find_unused_parameters (needed when some parameters get no gradient).")
+    bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
+    sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
+
+    def __post_init__(self) -> None:
+        _choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        _check(self.timeout_s >= 10, "dist.timeout_s", self.timeout_s, "must be >= 10 seconds")
+        _check(self.bucket_cap_mb >= 1, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    epochs: int = doc(4, "Number of epochs.")
+    batch_size: int = doc(128, "Global batch per optimizer step, over all ranks and accumulation steps.")
+    grad_accum: int = doc(1, "Micro-steps accumulated per optimizer step.")
+    lr: float = doc(1e-3, "Learning rate for one process (see lr_scaling).")
+    lr_scaling: str = doc("none", "How lr grows with world size: none, linear or sqrt.")
+    warmup_steps: int = doc(0, "Linear warm-up steps.")
+    schedule: str = doc("cosine", "Learning-rate schedule after warm-up: cosine or constant.")
+    optimizer: str = doc("adamw", "adamw or sgd (momentum 0.9).")
+    weight_decay: float = doc(0.0, "Weight decay.")
+    amp: str = doc("auto", "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.")
+    tf32: bool = doc(True, "Allow TF32 matrix products on Ampere+ GPUs (off for bitwise comparisons across GPU types).")
+    grad_clip: float = doc(0.0, "Clip the gradient norm to this value; 0 disables.")
+    log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
+    eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
+    progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
+        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
+        _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", self.lr, "must be a positive number")
+        _choice("train.lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
+        _choice("train.schedule", self.schedule, ("cosine", "constant"))
+        _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("train.amp", self.amp, ("auto", "none", "bf16", "fp16"))
+        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _check(self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1")
+        _check(self.eval_every_epochs >= 0, "train.eval_every_epochs", self.eval_every_epochs, "must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Committed checkpoints."""
+
+    every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
+    keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
+    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. Any fsspec URL works (memory://, s3://...).")
+    fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
+
+    def __post_init__(self) -> None:
+        _check(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        _check(self.keep_last >= 2, "checkpoint.keep_last", self.keep_last, "must be >= 2 so a damaged newest checkpoint has a fallback")
+
+
+@dataclass
+class MiningConfig:
+    """The pseudo-label mining stage run between epochs."""
+
+    enabled: bool = doc(True, "Run the mining stage (only for tasks that can embed).")
+    every_epochs: int = doc(1, "Mine after every N-th epoch.")
+    start_epoch: int = doc(1, "First epoch (1-based, counted as finished epochs) after which mining runs.")
+    k: int = doc(10, "Neighbours per sample in the k-NN graph.")
+    threshold: float = doc(0.5, "Minimum cosine similarity of a kept mutual edge.")
+    index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
+    engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
+    nlist: int = doc(1024, "ivf: number of inverted lists.")
+    nprobe: int = doc(16, "ivf: lists visited per query.")
+    hnsw_m: int = doc(32, "hnsw: graph degree M.")
+    ef_search: int = doc(128, "hnsw: efSearch.")
+    query_batch: int = doc(65536, "Queries per search batch (bounds rank 0's memory).")
+    embed_batch: int = doc(512, "Samples per embedding batch on each rank.")
+    singletons: str = doc("cluster", "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.")
+    max_cluster_size: int = doc(0, "Split components larger than this by raising the threshold inside them; 0 disables.")
+    timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
+
+    def __post_init__(self) -> None:
+        _check(self.every_epochs >= 1, "mining.every_epochs", self.every_epochs, "must be >= 1")
+        _check(self.start_epoch >= 1, "mining.start_epoch", self.start_epoch, "must be >= 1")
+        _check(self.k >= 1, "mining.k", self.k, "must be >= 1")
+        _check(-1.0 <= self.threshold <= 1.0, "mining.threshold", self.threshold, "is a cosine similarity: between -1 and 1")
+        _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
+        _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
+        _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
+        for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
+            _check(getattr(self, key) >= 1, f"mining.{key}", getattr(self, key), "must be >= 1")
+        _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")
+        _check(self.timeout_s >= 10, "mining.timeout_s", self.timeout_s, "must be >= 10")
+
+
+@dataclass
+class TaskConfig:
+    """What is trained."""
+
+    target: str = doc("clusterflow.tasks.pseudo_id:PseudoIDTask", "The task class, as package.module:Class.")
+    params: dict[str, Any] = doc(factory=dict, help="Keyword arguments of the task (validated by the task).")
+    init_from: str = doc("", "Load model weights from this model.pt (e.g. a stage-1 checkpoint) before training.")
+
+    def __post_init__(self) -> None:
+        mod, sep, cls = self.target.partition(":")
+        _check(
+            bool(sep and mod and cls and cls.isidentifier()),
+            "task.target",
+            self.target,
+            "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
+        )
+
+
+@dataclass
+class DataConfig:
+    """Data loading."""
+
+    num_workers: int = doc(0, "DataLoader worker processes per rank.")
+    pin_memory: bool = doc(True, "Pin host memory when training on GPU.")
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mining: MiningConfig = field(default_factory=MiningConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        world = self.cluster.world_size
+        per_step = world * self.train.grad_accum
+        _check(
+            self.train.batch_size % per_step == 0,
+            "train.batch_size",
+            self.train.batch_size,
+            f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} = {per_step} "
+            f"so every rank gets the same micro-batch; try train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def fingerprint(self) -> str:
+        """Hash of everything except where the run lives, so a moved run dir still resumes."""
+        data = self.to_dict()
+        data["run"] = {k: v for k, v in data["run"].items() if k != "dir"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or join(self.run.dir, "checkpoints")
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "cluster": ClusterConfig,
+    "dist": DistConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "mining": MiningConfig,
+    "task": TaskConfig,
+    "data": DataConfig,
+}
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts with '/', keeping URLs such as s3://bucket intact (a Path would mangle them)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Type coercion
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (list,):
+        return "a list"
+    if origin in (dict,):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Return ``value`` as type ``tp`` or raise a UserError naming the key, the value and the type."""
+    origin = typing.get_origin(tp)
+    bad = UserError(f"{key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+            return value.lower() in ("true", "yes", "1", "on")
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise bad
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)  # a partition named 01 or a job name 2025 is still a name
+        if not isinstance(value, str):
+            raise bad
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise bad
+        (item,) = typing.get_args(tp)
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    raise TypeError(f"unsupported config type {tp!r} for {key}")  # a programming error, not a user one
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def build(raw: dict[str, Any], source: str = "config") -> Config:
+    """Build a validated Config from a nested mapping (what the YAML file holds)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+    sections = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise UserError(f"{source}: unknown section {name!r}; valid sections: {', '.join(SECTIONS)}")
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise UserError(f"{source}: section {name!r} must be a mapping of keys, got {value!r}")
+        types_ = _field_types(SECTIONS[name])
+        kwargs = {}
+        for key, v in value.items():
+            if key not in types_:
+                raise UserError(
+                    f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
+                )
+            kwargs[key] = _coerce(f"{name}.{key}", v, types_[key])
+        sections[name] = kwargs
+    built = {name: cls(**sections.get(name, {})) for name, cls in SECTIONS.items()}
+    return Config(**built)
+
+
+def _parse_override(text: str) -> tuple[str, str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise UserError(f"override {text!r} must look like section.key=value, e.g. train.epochs=3")
+    section, _, name = key.strip().partition(".")
+    if section not in SECTIONS:
+        raise UserError(f"override {text!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+    types_ = _field_types(SECTIONS[section])
+    if name not in types_:
+        raise UserError(f"override {text!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError:
+        parsed = value  # not YAML: take it as the plain string the user typed
+    if types_[name] is str and not isinstance(parsed, str):
+        parsed = value  # keep '007' as '007', not 7
+    return section, name, parsed
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise UserError(f"config file not found: {path!r} (cwd is {os.getcwd()}); pass the path of a YAML file such as configs/demo.yaml")
+    if os.path.isdir(path):
+        raise UserError(f"config path {path!r} is a directory; pass a YAML file such as configs/demo.yaml")
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise UserError(f"malformed YAML at {where}: {problem}; fix the file (indentation and ':' after each key)") from None
+
+
+def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < file < overrides, validated. Raises UserError on any bad input."""
+    raw = read_yaml(path) if path else {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    # Validate the file alone first, so an error names the file rather than an override.
+    build(raw, source=path or "config")
+    for text in overrides:
+        section, name, value = _parse_override(text)
+        raw.setdefault(section, {})
+        if raw[section] is None:
+            raw[section] = {}
+        raw[section][name] = value
+    return build(raw, source=f"{path} with overrides" if overrides else (path or "config"))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    return build(data, source="resolved config")
+
+
+def reference_markdown() -> str:
+    """The configuration reference, generated from the dataclasses (docs/configuration.md)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `clusterflow/config.py` by `python -m clusterflow.config > docs/configuration.md`;",
+        "a test fails when this page and the code disagree.",
+        "",
+        "Precedence: defaults < YAML file < `section.key=value` overrides on the command line.",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        hints = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            tp = hints[f.name]
+            tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+            if typing.get_origin(tp) is not None:
+                tname = str(tp).replace("typing.", "")
+            lines.append(f"| `{name}.{f.name}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())
+

@@ -1,0 +1,165 @@
+"""k nearest neighbours by inner product on L2-normalised rows: FAISS or an exact torch engine.
+
+Both return, for every row, its ``k`` nearest *other* rows (self excluded) as ``(sims, ids)``
+arrays of shape (N, k), most similar first; missing neighbours (N <= k) are id -1, sim -inf.
+Queries are processed in batches of ``query_batch`` to bound memory, and ``should_abort`` is
+polled between batches so a preemption signal can cut a long search short.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger("clusterflow.knn")
+
+
+def faiss_available() -> bool:
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_engine(requested: str) -> tuple[str, str]:
+    """Which engine runs, and why (logged with every mining round)."""
+    import torch
+
+    if requested == "faiss":
+        if not faiss_available():
+            raise RuntimeError("mining.engine=faiss but faiss is not installed; pip install faiss-cpu, or set mining.engine=torch")
+        return "faiss", "asked for by mining.engine"
+    if requested == "torch":
+        return "torch", "asked for by mining.engine"
+    if faiss_available():
+        import faiss
+
+        if torch.cuda.is_available() and not hasattr(faiss, "StandardGpuResources"):
+            return "torch", "CUDA is available but this faiss build has no GPU support; the exact torch engine uses the GPU"
+        return "faiss", "faiss is installed" + (" with GPU support" if hasattr(faiss, "StandardGpuResources") else " (CPU build)")
+    return "torch", "faiss is not installed"
+
+
+def _drop_self(sims: np.ndarray, ids: np.ndarray, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Remove each query's own id from its k+1 results, keeping k."""
+    q = np.arange(start, start + ids.shape[0])[:, None]
+    is_self = ids == q
+    # Rows where self was not returned (duplicates outranked it): drop the last column instead.
+    no_self = ~is_self.any(1)
+    is_self[no_self, -1] = True
+    keep = ~is_self
+    return sims[keep].reshape(len(ids), k), ids[keep].reshape(len(ids), k)
+
+
+def build_faiss_index(x: np.ndarray, index: str = "flat", nlist: int = 1024, nprobe: int = 16,
+                      hnsw_m: int = 32, ef_search: int = 128, use_gpu: bool = True):
+    import faiss
+
+    d = x.shape[1]
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    if index == "flat":
+        idx = faiss.IndexFlatIP(d)
+    elif index == "ivf":
+        nlist = max(1, min(nlist, x.shape[0] // 39 or 1))  # faiss wants >= 39 training points per list
+        quant = faiss.IndexFlatIP(d)
+        idx = faiss.IndexIVFFlat(quant, d, nlist, faiss.METRIC_INNER_PRODUCT)
+        idx.train(x)
+        idx.nprobe = min(nprobe, nlist)
+    elif index == "hnsw":
+        idx = faiss.IndexHNSWFlat(d, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        idx.hnsw.efSearch = ef_search
+    else:
+        raise ValueError(f"unknown index {index!r}")
+    if use_gpu and hasattr(faiss, "index_cpu_to_all_gpus") and faiss.get_num_gpus() > 0 and index != "hnsw":
+        idx = faiss.index_cpu_to_all_gpus(idx)  # shards the database over every local GPU
+    idx.add(x)
+    return idx
+
+
+def faiss_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
+                 timings: dict | None = None, **index_args) -> tuple[np.ndarray, np.ndarray] | None:
+    import time
+
+    t0 = time.perf_counter()
+    idx = build_faiss_index(x, **index_args)
+    t1 = time.perf_counter()
+    kk = min(k + 1, x.shape[0])
+    sims = np.empty((x.shape[0], k), np.float32)
+    ids = np.empty((x.shape[0], k), np.int64)
+    for start in range(0, x.shape[0], query_batch):
+        if should_abort and should_abort():
+            return None
+        s, i = idx.search(x[start : start + query_batch], kk)
+        if kk < k + 1:  # fewer rows than k + 1: pad with "no neighbour"
+            s = np.pad(s, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
+            i = np.pad(i, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
+        s, i = _drop_self(s, i, start, k)
+        sims[start : start + len(s)], ids[start : start + len(s)] = s, i
+    if timings is not None:
+        timings["index"] = t1 - t0
+        timings["search"] = time.perf_counter() - t1
+    return sims, ids
+
+
+def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
+                 timings: dict | None = None, device: str | None = None, db_chunk: int = 262144,
+                 candidate_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray] | None:
+    """Exact k-NN with chunked matrix products and top-k.
+
+    On GPU the candidates are scored in bf16 (fast tensor cores), ``2k + 16`` of them kept per
+    query, then re-ranked in fp32, so the returned neighbours and similarities are the fp32
+    ones. On CPU everything is fp32. Ties are broken by the smaller id, like a stable sort.
+    """
+    import time
+
+    import torch
+
+    t0 = time.perf_counter()
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if candidate_dtype == "auto":
+        candidate_dtype = "bf16" if dev.type == "cuda" else "fp32"
+    db32 = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+    db_c = db32.to(torch.bfloat16) if candidate_dtype == "bf16" else db32
+    n = x.shape[0]
+    kk = min(k + 1, n)
+    cand = min(n, kk if candidate_dtype == "fp32" else 2 * kk + 16)
+    t1 = time.perf_counter()
+    sims_out = np.full((n, k), -np.inf, np.float32)
+    ids_out = np.full((n, k), -1, np.int64)
+    for qs in range(0, n, query_batch):
+        if should_abort and should_abort():
+            return None
+        q_c = db_c[qs : qs + query_batch]
+        best_s, best_i = None, None
+        for ds in range(0, n, db_chunk):
+            s = q_c @ db_c[ds : ds + db_chunk].T
+            top = min(cand, s.shape[1])
+            sv, si = torch.topk(s.float(), top, dim=1)
+            si = si + ds
+            if best_s is None:
+                best_s, best_i = sv, si
+            else:
+                best_s, order = torch.topk(torch.cat([best_s, sv], 1), min(cand, best_s.shape[1] + sv.shape[1]), dim=1)
+                best_i = torch.gather(torch.cat([best_i, si], 1), 1, order)
+        if candidate_dtype != "fp32":  # exact re-rank of the candidates in fp32
+            q32 = db32[qs : qs + query_batch]
+            best_s = torch.einsum("qd,qcd->qc", q32, db32[best_i])
+        # stable order: similarity descending, then id ascending
+        order = torch.argsort(best_i, dim=1)
+        best_s, best_i = torch.gather(best_s, 1, order), torch.gather(best_i, 1, order)
+        order = torch.argsort(-best_s, dim=1, stable=True)
+        best_s, best_i = torch.gather(best_s, 1, order)[:, :kk], torch.gather(best_i, 1, order)[:, :kk]
+        s_np, i_np = best_s.cpu().numpy(), best_i.cpu().numpy()
+        if kk < k + 1:
+            s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
+            i_np = np.pad(i_np, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
+        s_np, i_np = _drop_self(s_np, i_np, qs, k)
+        sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np
+    if timings is not None:
+        timings["index"] = t1 - t0
+        timings["search"] = time.perf_counter() - t1
+    return sims_out, ids_out

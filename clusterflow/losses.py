@@ -1,0 +1,59 @@
+"""Losses shared by the built-in tasks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
+
+class _GatherWithGrad(torch.autograd.Function):
+    """all_gather whose backward hands each rank the gradient of its own rows, summed over
+    ranks. Implemented with all_reduce so it works on gloo (no reduce_scatter there)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.rank, ctx.n = tdist.get_rank(), x.shape[0]
+        parts = [torch.empty_like(x) for _ in range(tdist.get_world_size())]
+        tdist.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        grad = grad.contiguous()
+        tdist.all_reduce(grad)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
+
+
+def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rows of every rank (equal counts), and where this rank's rows start."""
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return x, 0
+    return _GatherWithGrad.apply(x), tdist.get_rank() * x.shape[0]
+
+
+def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised contrastive loss over the global batch.
+
+    ``z``: this rank's L2-normalised embeddings (n, d); ``labels``: (n,) ids, equal ids are
+    positives. Candidates are the rows of every rank, so the loss equals the single-process loss on
+    the global batch: the same weights train the same way on 1 or N processes. Anchors without
+    any positive are skipped. Returns the mean over this rank's anchors (DDP averages ranks).
+    """
+    zg, offset = gather_with_grad(z)
+    lg, _ = gather_with_grad(labels.to(z.dtype))
+    lg = lg.round().long()
+    n = z.shape[0]
+    sim = z @ zg.T / temperature  # (n, N)
+    self_mask = torch.zeros_like(sim, dtype=torch.bool)
+    self_mask[torch.arange(n), offset + torch.arange(n)] = True
+    sim = sim.masked_fill(self_mask, float("-inf"))
+    log_prob = sim - torch.logsumexp(sim, dim=1, keepdim=True)
+    pos = (labels[:, None] == lg[None, :]) & ~self_mask
+    n_pos = pos.sum(1)
+    has = n_pos > 0
+    mean_log_pos = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(1) / n_pos.clamp(min=1)
+    loss = -(mean_log_pos[has]).sum() / max(int(has.sum()), 1)
+    with torch.no_grad():
+        pos_cos = (torch.where(pos, sim * temperature, torch.zeros_like(sim)).sum(1) / n_pos.clamp(min=1))[has].mean()
+    return loss, {"pos_cos": float(pos_cos) if has.any() else 0.0, "anchors_with_pos": float(has.float().mean())}

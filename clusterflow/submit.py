@@ -1,0 +1,257 @@
+"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait]
+
+Runs on the login node: resolve and validate the config, create the run directory and write
+``config.yaml`` once, then hand the job to submitit (Slurm) or to submitit's local executor
+(``--local``: this machine, cluster.tasks_per_node processes, gloo on CPU). Importing this module
+loads neither torch nor faiss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from clusterflow import config as cfgmod
+from clusterflow import rundir
+from clusterflow.config import Config
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+
+EXAMPLES = """examples:
+  python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
+  python -m clusterflow.submit configs/demo.yaml cluster.nodes=2 --dry-run  # print the sbatch script
+  python -m clusterflow.submit configs/demo.yaml run.dir=runs/exp1 cluster.partition=gpu --wait
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m clusterflow.submit", description=__doc__.split("\n\n")[1],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=3")
+    p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and the resolved config; submit nothing")
+    p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 when it failed")
+    return p.parse_args(argv)
+
+
+# -- Slurm parameters ---------------------------------------------------------------------------
+
+def slurm_parameters(cfg: Config) -> dict[str, Any]:
+    """The submitit SlurmExecutor parameters for this config (also what --dry-run renders)."""
+    c = cfg.cluster
+    params: dict[str, Any] = {
+        "job_name": cfg.run.name,
+        "nodes": c.nodes,
+        "ntasks_per_node": c.tasks_per_node,
+        "cpus_per_task": c.cpus_per_task,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": list(c.setup),
+        # requeue: preempted or time-limited jobs come back; kill-on-bad-exit: one crashed rank ends the step
+        "additional_parameters": {"requeue": True, **c.sbatch_extra},
+        "srun_args": ["--kill-on-bad-exit=1", *c.srun_args],
+        "stderr_to_stdout": False,
+    }
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    if c.mem_gb:
+        params["mem"] = f"{int(c.mem_gb)}GB" if c.mem_gb == int(c.mem_gb) else f"{int(c.mem_gb * 1024)}MB"
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+def slurm_folder(cfg: Config) -> str:
+    return os.path.abspath(rundir.path(cfg.run.dir, "logs", "slurm"))
+
+
+def sbatch_script(cfg: Config, python: str | None = None) -> str:
+    """The exact script submitit would submit (rendered without needing srun on this host)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    python = python or shlex.quote(sys.executable)
+    folder = os.path.join(slurm_folder(cfg), "%j")
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
+    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
+
+
+def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+
+
+def check_cluster(cfg: Config) -> None:
+    """Checks that need Slurm to answer; skipped (not failed) when sinfo does not answer in time."""
+    c = cfg.cluster
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G"])
+    if out is None or out.returncode != 0:
+        print("warning: sinfo did not answer within 10 s; partition and node counts are not checked", file=sys.stderr)
+        return
+    rows = [line.split("|") for line in out.stdout.split() if "|" in line]
+    parts = {r[0].rstrip("*"): r for r in rows}
+    default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
+    name = c.partition or default
+    if c.partition and c.partition not in parts:
+        raise UserError(f"cluster.partition = {c.partition!r} does not exist; partitions here: {', '.join(parts)}")
+    if name in parts:
+        nodes = int(parts[name][1])
+        if c.nodes > nodes:
+            raise UserError(f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); lower cluster.nodes")
+
+
+# -- the run directory -------------------------------------------------------------------------
+
+def prepare_run_dir(cfg: Config) -> bool:
+    """Create RUN_DIR and write config.yaml once. Returns True when resuming an existing run."""
+    target = rundir.path(cfg.run.dir, rundir.CONFIG)
+    if os.path.exists(target):
+        try:
+            old = cfgmod.load(target)
+        except UserError as exc:
+            raise UserError(f"{target} exists but cannot be read ({exc}); pick a new run.dir") from None
+        if old.fingerprint() != cfg.fingerprint():
+            a, b = old.to_dict(), cfg.to_dict()
+            diffs = [f"{s}.{k}: {a[s][k]!r} -> {b[s][k]!r}" for s in a for k in a[s] if a[s][k] != b[s].get(k) and s != "run"]
+            diffs += [f"run.{k}: {a['run'][k]!r} -> {b['run'][k]!r}" for k in ("seed", "name") if a["run"][k] != b["run"][k]]
+            raise UserError(
+                f"run dir {cfg.run.dir!r} already holds a run with a different config ({'; '.join(diffs[:6])}); "
+                f"to resume it, submit with the same config; to start a new run, set run.dir=<new path>"
+            )
+        return True
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    rundir.write_atomic(target, cfg.to_yaml())
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- launching ---------------------------------------------------------------------------------
+
+def submit_local(cfg: Config) -> int:
+    import submitit
+
+    from clusterflow.job import Job
+
+    folder = os.path.abspath(rundir.path(cfg.run.dir, "logs", "submitit"))
+    ex = submitit.LocalExecutor(folder=folder)
+    ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
+                         gpus_per_node=cfg.cluster.gpus_per_node or 0)
+    os.environ["MASTER_PORT"] = str(_free_port())  # inherited by the local processes
+    job = ex.submit(Job(cfg.to_dict()))
+    print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
+    print(f"logs: {rundir.path(cfg.run.dir, 'logs')}   tensorboard --logdir {rundir.path(cfg.run.dir, 'tb')}")
+    try:
+        _follow(cfg.run.dir, job)
+        results = job.results()
+    except KeyboardInterrupt:
+        job.cancel()
+        print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
+        status = rundir.read_json(rundir.path(cfg.run.dir, "status.json"), {}) or {}
+        print(f"job failed: {status.get('error') or 'see the logs'}", file=sys.stderr)
+        print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {rundir.path(cfg.run.dir, 'logs')}", file=sys.stderr)
+        return EXIT_JOB_FAILED
+    outcome = results[0]
+    print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
+    return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
+
+
+def _follow(run_dir: str, job: Any) -> None:
+    """Echo rank 0's log of the newest attempt to the terminal until the local job ends."""
+    import time
+
+    attempt = len(rundir.read_jsonl(rundir.path(run_dir, "attempts.jsonl")))
+    target = rundir.log_file(run_dir, 0, attempt)
+    pos = 0
+    while True:
+        done = job.done()
+        if os.path.exists(target):
+            with open(target, encoding="utf-8", errors="replace") as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+        if done:
+            return
+        time.sleep(0.5)
+
+
+def submit_slurm(cfg: Config, wait: bool) -> int:
+    import submitit
+
+    from clusterflow.job import Job
+
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run here or --dry-run to see the script")
+    check_cluster(cfg)
+    ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"), max_num_timeout=cfg.cluster.max_timeout_requeues)
+    ex.update_parameters(**slurm_parameters(cfg))
+    job = ex.submit(Job(cfg.to_dict()))
+    logs = rundir.path(cfg.run.dir, "logs")
+    print(f"submitted job {job.job_id}")
+    print(f"run dir: {cfg.run.dir}")
+    print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job.job_id}/")
+    print(f"status: python -m clusterflow.status {cfg.run.dir}")
+    print(f"tensorboard: tensorboard --logdir {rundir.path(cfg.run.dir, 'tb')}")
+    if not wait:
+        return EXIT_OK
+    return wait_for(cfg.run.dir, job.job_id)
+
+
+def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
+    """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
+    A requeued job stays in the queue, so waiting spans all its attempts."""
+    import time
+
+    while True:
+        out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
+        if out is not None and out.returncode == 0 and not out.stdout.strip():
+            break
+        time.sleep(poll_s)
+    state = (rundir.read_json(rundir.path(run_dir, "status.json"), {}) or {}).get("state")
+    print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
+    return EXIT_OK if state == "completed" else EXIT_JOB_FAILED
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = cfgmod.load(args.config, args.overrides)
+    if args.dry_run:
+        if args.local:
+            print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
+        else:
+            print(sbatch_script(cfg))
+        print("# resolved config")
+        print(cfg.to_yaml())
+        return EXIT_OK
+    resumed = prepare_run_dir(cfg)
+    if resumed:
+        print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
+    if args.local:
+        return submit_local(cfg)
+    return submit_slurm(cfg, args.wait)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""The built-in demo: pseudo-ID contrastive learning on a synthetic identity dataset.
+
+The data stands in for face or re-identification crops, without a download. Each sample is
+
+    x = A · identity_code[y] + B · nuisance_i + noise
+
+where the identity code lives in a small subspace and the per-sample nuisance ("pose, lighting")
+in another one with larger variance. A randomly initialised encoder mixes both, so clustering its
+embeddings groups samples by nuisance as much as by identity. Two augmented views of a sample
+share its identity but resample part of its nuisance; contrastive learning on them, then on the
+pseudo-identities mined between epochs, teaches the encoder to ignore the nuisance, and the
+mined clusters approach the true identities round after round.
+
+Everything is generated from ``run.seed``; each view depends only on (seed, epoch, index, view),
+never on which rank draws it, so 1 and N processes see the same data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from clusterflow.errors import UserError
+from clusterflow.losses import supcon_loss
+from clusterflow.tasks import Task
+
+
+class SyntheticIdentities(Dataset):
+    """``identities`` x ``samples_per_identity`` samples of dimension ``input_dim``, shuffled."""
+
+    def __init__(self, seed: int, identities: int, samples_per_identity: int, input_dim: int,
+                 id_dim: int, nuisance_dim: int, nuisance_scale: float, noise: float,
+                 keep: float = 0.5, augment: bool = True, split: int = 0) -> None:
+        rng = np.random.default_rng([seed, 7])  # the world: shared by every split
+        self.A = rng.standard_normal((id_dim, input_dim)).astype(np.float32) / np.sqrt(id_dim)
+        self.B = rng.standard_normal((nuisance_dim, input_dim)).astype(np.float32) / np.sqrt(nuisance_dim)
+        codes = rng.standard_normal((identities, id_dim)).astype(np.float32)
+        srng = np.random.default_rng([seed, 11, split])  # the samples of this split
+        n = identities * samples_per_identity
+        self.labels = srng.permutation(np.repeat(np.arange(identities), samples_per_identity)).astype(np.int64)
+        self.nuisance = srng.standard_normal((n, nuisance_dim)).astype(np.float32) * nuisance_scale
+        self.signal = codes[self.labels] @ self.A
+        self.base = self.signal + self.nuisance @ self.B + noise * srng.standard_normal((n, input_dim)).astype(np.float32)
+        self.A, self.B = self.A.astype(np.float32), self.B.astype(np.float32)
+        self.signal, self.base = self.signal.astype(np.float32), self.base.astype(np.float32)
+        self.seed, self.split, self.noise, self.keep, self.augment = seed, split, noise, keep, augment
+        self.nuisance_scale = nuisance_scale
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def _view(self, index: int, view: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, 13, self.split, self.epoch, index, view])
+        fresh = rng.standard_normal(self.nuisance.shape[1]).astype(np.float32) * self.nuisance_scale
+        nuis = self.keep * self.nuisance[index] + float(np.sqrt(1 - self.keep**2)) * fresh
+        eps = rng.standard_normal(self.base.shape[1]).astype(np.float32) * self.noise
+        return (self.signal[index] + nuis @ self.B + eps).astype(np.float32)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not self.augment:
+            return {"x": torch.from_numpy(self.base[index]), "index": index}
+        return {"x1": torch.from_numpy(self._view(index, 0)), "x2": torch.from_numpy(self._view(index, 1)), "index": index}
+
+
+class Encoder(nn.Module):
+    """A small MLP; LayerNorm, not BatchNorm, so per-rank batch statistics never differ."""
+
+    def __init__(self, input_dim: int, hidden: int, embed_dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(input_dim, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(hidden, embed_dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(self.net(x), dim=-1)
+
+
+class PseudoIDTask(Task):
+    """Parameters (``task.params``): identities, samples_per_identity, input_dim, id_dim,
+    nuisance_dim, nuisance_scale, noise, hidden, embed_dim, temperature, eval_identities."""
+
+    def __init__(self, seed: int = 0, identities: int = 100, samples_per_identity: int = 20, input_dim: int = 64,
+                 id_dim: int = 8, nuisance_dim: int = 16, nuisance_scale: float = 1.5, noise: float = 0.1,
+                 hidden: int = 128, embed_dim: int = 32, temperature: float = 0.1, keep: float = 0.5) -> None:
+        self.seed = seed
+        checks = {"identities": identities >= 2, "samples_per_identity": samples_per_identity >= 2, "input_dim": input_dim >= 2,
+                  "id_dim": id_dim >= 1, "nuisance_dim": nuisance_dim >= 0, "hidden": hidden >= 1, "embed_dim": embed_dim >= 2,
+                  "temperature": temperature > 0, "noise": noise >= 0, "nuisance_scale": nuisance_scale >= 0, "keep": 0 <= keep <= 1}
+        for name, ok in checks.items():
+            if not ok:
+                raise UserError(f"task.params.{name} = {locals()[name]!r} is out of range for PseudoIDTask")
+        self.data_args = dict(identities=identities, samples_per_identity=samples_per_identity, input_dim=input_dim,
+                              id_dim=id_dim, nuisance_dim=max(nuisance_dim, 1), nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
+                              noise=noise, keep=keep)
+        self.hidden, self.embed_dim, self.temperature = hidden, embed_dim, temperature
+        self._train: SyntheticIdentities | None = None
+        self._embed: SyntheticIdentities | None = None
+
+    def build_model(self) -> nn.Module:
+        return Encoder(self.data_args["input_dim"], self.hidden, self.embed_dim)
+
+    def train_dataset(self) -> SyntheticIdentities:
+        if self._train is None:
+            self._train = SyntheticIdentities(self.seed, **self.data_args, split=0)
+        return self._train
+
+    def eval_dataset(self) -> SyntheticIdentities:
+        return SyntheticIdentities(self.seed, **{**self.data_args, "samples_per_identity": 4}, split=1)
+
+    def embed_dataset(self) -> SyntheticIdentities:
+        if self._embed is None:
+            self._embed = SyntheticIdentities(self.seed, **self.data_args, split=0, augment=False)
+        return self._embed
+
+    def set_epoch(self, epoch: int) -> None:
+        self.train_dataset().epoch = epoch
+
+    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+        index = batch["index"]
+        n_total = len(self.train_dataset())
+        if labels is None:
+            ids = index  # before any mining round: each sample is its own identity (instance discrimination)
+        else:
+            ids = torch.where(labels >= 0, labels, n_total + index)  # -1 (ignored singleton): its own views only
+        z = model(torch.cat([batch["x1"], batch["x2"]]))
+        return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
+
+    def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[float, float]]:
+        z = model(torch.cat([batch["x1"], batch["x2"]])).float()
+        n = batch["x1"].shape[0]
+        cos = (z[:n] * z[n:]).sum(1)
+        return {"eval/view_cos": (float(cos.sum()), float(n))}
+
+    def embed(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        return model(batch["x"])
+
+    def ground_truth(self) -> np.ndarray:
+        return self.embed_dataset().labels
