@@ -60,7 +60,6 @@ def build_faiss_index(x: np.ndarray, index: str = "flat", nlist: int = 1024, npr
     import faiss
 
     d = x.shape[1]
-    faiss.omp_set_num_threads(os.cpu_count() or 1)
     if index == "flat":
         idx = faiss.IndexFlatIP(d)
     elif index == "ivf":
@@ -82,6 +81,22 @@ def build_faiss_index(x: np.ndarray, index: str = "flat", nlist: int = 1024, npr
 
 def faiss_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
                  timings: dict | None = None, **index_args) -> tuple[np.ndarray, np.ndarray] | None:
+    import time
+
+    import faiss
+
+    # All cores for the search, then the previous setting back: the OpenMP runtime is shared
+    # with torch, and a changed thread count changes float summation order in training (a
+    # resumed run would then drift from an uninterrupted one in the last bits).
+    previous = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    try:
+        return _faiss_search(x, k, query_batch, should_abort, timings, **index_args)
+    finally:
+        faiss.omp_set_num_threads(previous)
+
+
+def _faiss_search(x, k, query_batch, should_abort, timings, **index_args):
     import time
 
     t0 = time.perf_counter()

@@ -6,6 +6,8 @@ do nothing, so call sites never test the rank.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any, Mapping
 
@@ -32,11 +34,16 @@ class TensorBoardWriter(NullWriter):
         from torch.utils.tensorboard import SummaryWriter
 
         self._w = SummaryWriter(log_dir=logdir, purge_step=purge_step, filename_suffix=f".attempt{attempt}")
+        # The same scalars as JSON lines beside tb/, for scripts and tests that do not read event files.
+        self._jsonl = open(os.path.join(os.path.dirname(logdir.rstrip("/")), "metrics.jsonl"), "a", encoding="utf-8")
+        self._attempt = attempt
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         for k, v in values.items():
             self._w.add_scalar(k, v, step)
         self._w.flush()
+        self._jsonl.write(json.dumps({"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}}) + "\n")
+        self._jsonl.flush()
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         self._w.add_histogram(tag, values, step)
@@ -46,6 +53,7 @@ class TensorBoardWriter(NullWriter):
 
     def close(self) -> None:
         self._w.close()
+        self._jsonl.close()
 
 
 def writer_for(is_main: bool, logdir: str, attempt: int, purge_step: int | None) -> NullWriter:

@@ -77,26 +77,33 @@ def number_by_smallest_member(labels: np.ndarray) -> np.ndarray:
 
 
 def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) -> np.ndarray:
-    """Split components larger than ``max_size`` by raising the threshold inside each of them."""
+    """Split components larger than ``max_size`` by raising the threshold inside each of them.
+
+    Each round drops the weakest quarter of a too-large piece's remaining edges (at least one
+    edge, so it always ends) and looks at its components again; small enough pieces are final.
+    """
     labels = labels.copy()
-    next_label = labels.max() + 1
-    queue = [c for c, size in enumerate(np.bincount(labels)) if size > max_size]
-    while queue:
-        c = queue.pop()
-        members = np.flatnonzero(labels == c)
-        sub = graph[members][:, members].tocsr()
+    next_label = int(labels.max()) + 1
+    stack: list[tuple[np.ndarray, sparse.csr_matrix]] = [
+        (m, graph[m][:, m].tocsr()) for m in (np.flatnonzero(labels == c) for c, size in enumerate(np.bincount(labels)) if size > max_size)
+    ]
+    while stack:
+        members, sub = stack.pop()
         if sub.nnz == 0:
             continue
-        cut = np.quantile(sub.data, 0.25)  # drop the weakest quarter of the edges, then look again
-        sub.data[sub.data <= cut] = 0
+        sub = sub.copy()
+        sub.data[sub.data <= np.quantile(sub.data, 0.25)] = 0
         sub.eliminate_zeros()
-        _, parts = connected_components(sub, directed=False)
-        for p in np.unique(parts)[1:]:
-            labels[members[parts == p]] = next_label
+        ncomp, parts = connected_components(sub, directed=False)
+        if ncomp == 1:
+            stack.append((members, sub))
+            continue
+        for p in range(ncomp):
+            inside = parts == p
+            labels[members[inside]] = next_label
             next_label += 1
-        for lab in np.unique(labels[members]):
-            if (labels == lab).sum() > max_size and sub.nnz > 0:
-                queue.append(lab)
+            if inside.sum() > max_size:
+                stack.append((members[inside], sub[inside][:, inside].tocsr()))
     return labels
 
 

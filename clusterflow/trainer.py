@@ -284,8 +284,12 @@ class Trainer:
         if due:
             from clusterflow.mining import mine
 
-            result = mine(self.task, self.module, mcfg, self.device, self.amp, self.mining_group, self.preemption,
-                          finished, progress_bar=cfg.train.progress_bar)
+            threads = torch.get_num_threads()
+            try:
+                result = mine(self.task, self.module, mcfg, self.device, self.amp, self.mining_group, self.preemption,
+                              finished, progress_bar=cfg.train.progress_bar)
+            finally:
+                torch.set_num_threads(threads)  # bitwise resume needs the same thread count before and after
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round is redone on restart.
                 self.stop_reason = self.preemption.agree(self.device) or "preempted"

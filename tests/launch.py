@@ -1,0 +1,47 @@
+"""Launch `python -m clusterflow.run` as N local ranks (torchrun-style environment), like a user would."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import REPO
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(world, config, overrides, log_dir):
+    port = free_port()
+    procs = []
+    os.makedirs(log_dir, exist_ok=True)
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        out = open(os.path.join(log_dir, f"launch-rank{r}-{time.time():.0f}.txt"), "a")
+        procs.append(subprocess.Popen([sys.executable, "-m", "clusterflow.run", config, *overrides], cwd=REPO, env=env,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait(procs, timeout=600):
+    codes = [p.wait(timeout=timeout) for p in procs]
+    return codes
+
+
+def run(world, config, overrides, log_dir, timeout=600):
+    return wait(start(world, config, overrides, log_dir), timeout)
+
+
+def kill(procs, sig=signal.SIGKILL):
+    for p in procs:
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass

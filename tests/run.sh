@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The test command of the README: sets up everything, then runs the whole suite.
+#   - a virtual environment in .venv with torch 2.13.0 (CPU build) and clusterflow[cpu,test]
+#   - Slurm and munge from Debian, and the local two-node cluster (tests/slurm/cluster.sh)
+#   - pytest over tests/
+# Safe to run again: each step is skipped when already done.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+# torch first: a plain `torch` requirement would otherwise pull the multi-GB CUDA build.
+python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
+python -m pip install -q -e '.[cpu,test]'
+if [ "$(id -u)" = 0 ] && [ "${CLUSTERFLOW_NO_SLURM:-0}" != 1 ]; then
+  bash tests/slurm/cluster.sh up
+else
+  echo "note: not root (or CLUSTERFLOW_NO_SLURM=1): the Slurm tests will be skipped" >&2
+fi
+exec python -m pytest -q -rs "$@"

@@ -1,0 +1,119 @@
+import textwrap
+
+import pytest
+import yaml
+
+from clusterflow import config
+from clusterflow.errors import UserError
+
+
+def write(tmp_path, text, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return str(p)
+
+
+def test_defaults_file_overrides_precedence(tmp_path):
+    path = write(tmp_path, """
+        train: {epochs: 7, lr: 0.01}
+        cluster: {nodes: 2}
+    """)
+    cfg = config.load(path, ["train.epochs=3", "cluster.partition=007", "task.params={identities: 5}", "train.amp=bf16"])
+    assert cfg.train.epochs == 3  # override beats file
+    assert cfg.train.lr == 0.01  # file beats default
+    assert cfg.train.batch_size == config.TrainConfig().batch_size  # default
+    assert cfg.cluster.partition == "007"  # a string stays a string
+    assert cfg.task.params == {"identities": 5}
+    assert cfg.cluster.nodes == 2
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.epochz=3", "unknown key train.epochz; valid keys of [train]: epochs, batch_size"),
+    ("trian.epochs=3", "unknown section 'trian'; valid sections: run, cluster"),
+    ("train.epochs=three", "train.epochs = 'three': expected an integer, got str"),
+    ("train.lr=abc", "train.lr = 'abc': expected a number"),
+    ("cluster.exclusive=maybe", "expected true or false"),
+    ("cluster.nodes=0", "cluster.nodes = 0: must be >= 1"),
+    ("train.amp=fp8", "must be one of auto, none, bf16, fp16"),
+    ("checkpoint.keep_last=1", "must be >= 2"),
+    ("epochs", "must look like section.key=value"),
+    ("cluster.tasks_per_node=3", "must be divisible by world size x grad_accum = 3 x 1"),
+])
+def test_bad_overrides_name_key_value_and_fix(override, needle):
+    with pytest.raises(UserError) as e:
+        config.load(None, [override])
+    assert needle in str(e.value)
+
+
+def test_unknown_key_in_file_lists_valid_keys(tmp_path):
+    path = write(tmp_path, "mining:\n  kk: 3\n")
+    with pytest.raises(UserError, match=r"unknown key mining.kk; valid keys of \[mining\]: enabled, every_epochs"):
+        config.load(path)
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "train:\n  epochs: 3\n  lr: [1, 2\nmining:\n  k: 3\n")
+    with pytest.raises(UserError) as e:
+        config.load(path)
+    assert path in str(e.value) and ":4:" in str(e.value) or ":5:" in str(e.value)
+
+
+def test_missing_file_names_path(tmp_path):
+    with pytest.raises(UserError, match="config file not found: '.*nope.yaml'"):
+        config.load(str(tmp_path / "nope.yaml"))
+
+
+def test_gpus_set_tasks_per_node():
+    cfg = config.load(None, ["cluster.gpus_per_node=4", "train.batch_size=128"])
+    assert cfg.cluster.tasks_per_node == 4
+    with pytest.raises(UserError, match="one process per GPU"):
+        config.load(None, ["cluster.gpus_per_node=4", "cluster.tasks_per_node=3"])
+
+
+def test_round_trip_and_fingerprint_ignores_run_dir(tmp_path):
+    cfg = config.load(None, ["train.epochs=2", "run.dir=a"])
+    again = config.from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg
+    moved = config.load(None, ["train.epochs=2", "run.dir=b"])
+    assert moved.fingerprint() == cfg.fingerprint()
+    assert config.load(None, ["train.epochs=3"]).fingerprint() != cfg.fingerprint()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["configs/nope.yaml"], "config file not found"),
+    (["configs/demo.yaml", "train.epochz=1"], "unknown key train.epochz"),
+    (["configs/demo.yaml", "cluster.nodes=0"], "cluster.nodes = 0"),
+    (["configs/demo.yaml", "cluster.tasks_per_node=0"], "cluster.tasks_per_node = 0"),
+])
+def test_cli_bad_input_exits_2_without_traceback(cli, args, needle):
+    out = cli("clusterflow.submit", *args, "--dry-run")
+    assert out.returncode == 2, out.stderr
+    assert needle in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_cli_malformed_yaml(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  epochs: 3\n   lr: 1\n")
+    out = cli("clusterflow.submit", str(bad), "--dry-run")
+    assert out.returncode == 2 and "malformed YAML at" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_reference_doc_is_current():
+    import os
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(here, "docs", "configuration.md")) as f:
+        assert f.read().strip() == config.reference_markdown().strip(), \
+            "docs/configuration.md is stale: python -m clusterflow.config > docs/configuration.md"
+
+
+def test_login_node_import_is_light(cli):
+    out = cli("clusterflow.cli", "--help")
+    assert out.returncode == 0
+    import subprocess
+    import sys
+
+    code = "import sys, clusterflow.submit, clusterflow.status, clusterflow.config; print('torch' in sys.modules, 'faiss' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.stdout.strip() == "False False", res.stderr

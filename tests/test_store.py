@@ -1,0 +1,82 @@
+import json
+import os
+
+import pytest
+import torch
+
+from clusterflow.store import CheckpointStore, serialize
+
+
+def files(v):
+    return {"model.pt": serialize({"w": torch.full((4,), float(v))}), "train_state.pt": serialize({"step": v})}
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return CheckpointStore(str(tmp_path / "ck"), keep_last=2)
+    import uuid
+
+    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2)
+
+
+def test_commit_latest_and_retention(store):
+    assert store.latest() is None
+    for s in (10, 20, 30):
+        assert store.save(s, files(s), {"epoch": 0})
+    assert store.steps() == [20, 30]  # keep_last=2
+    ck = store.latest()
+    assert ck.step == 30 and ck.manifest["epoch"] == 0
+    assert torch.equal(ck.load("model.pt")["w"], torch.full((4,), 30.0))
+    assert set(ck.manifest["files"]) == {"model.pt", "train_state.pt"}
+    assert len(ck.manifest["files"]["model.pt"]["sha256"]) == 64
+
+
+def test_committed_step_is_never_overwritten(store):
+    store.save(5, files(5))
+    assert store.save(5, files(6)) is None
+    assert torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 5.0))
+
+
+def test_plain_model_pt_loads_without_clusterflow(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store.save(1, files(1))
+    sd = torch.load(os.path.join(tmp_path, "step-1", "model.pt"), weights_only=True)
+    assert torch.equal(sd["w"], torch.full((4,), 1.0))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "manifest", "missing"])
+def test_damaged_newest_is_skipped(tmp_path, caplog, damage):
+    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store.save(1, files(1))
+    store.save(2, files(2))
+    newest = tmp_path / "step-2"
+    target = newest / "model.pt"
+    data = target.read_bytes()
+    if damage == "truncate":
+        target.write_bytes(data[: len(data) // 2])
+    elif damage == "bitflip":
+        b = bytearray(data)
+        b[len(b) // 2] ^= 0x01
+        target.write_bytes(bytes(b))
+    elif damage == "manifest":
+        (newest / "manifest.json").write_text("{not json")
+    else:
+        target.unlink()
+    with caplog.at_level("WARNING"):
+        ck = store.latest()
+    assert ck.step == 1
+    assert "step-2" in caplog.text and "skipping damaged checkpoint" in caplog.text
+
+
+def test_folder_without_manifest_is_not_a_checkpoint_and_debris_is_cleaned(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store.save(1, files(1))
+    (tmp_path / "step-9").mkdir()
+    (tmp_path / "step-9" / "model.pt").write_bytes(b"partial")
+    (tmp_path / ".tmp-step-10-abcd").mkdir()
+    assert store.steps() == [1]
+    assert store.clean_debris() == [".tmp-step-10-abcd"]
+    assert store.save(9, files(9))  # a manifest-less folder is debris, replaced by the real commit
+    assert store.latest().step == 9
+    assert json.loads((tmp_path / "step-9" / "manifest.json").read_text())["step"] == 9
