@@ -105,6 +105,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         if env.is_main:
             outcome = _after_stop(cfg, env, outcome, preemption)
         outcome = dist.broadcast_object(outcome)
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job

@@ -142,8 +142,11 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
     n = x.shape[0]
     kk = min(k + 1, n)
     cand = min(n, kk if candidate_dtype == "fp32" else 2 * kk + 16)
+    # Bound one score block (queries x database chunk) to 2**26 floats (256 MB in fp32).
+    db_chunk = min(db_chunk, 65536)
+    query_batch = max(1, min(query_batch, (1 << 26) // db_chunk))
     t1 = time.perf_counter()
-    sims_out = np.full((n, k), -np.inf, np.float32)
+    sims_out = np.full((n, k), -np.inf, np.float32)  # noqa: E501 (filled per query batch below)
     ids_out = np.full((n, k), -1, np.int64)
     for qs in range(0, n, query_batch):
         if should_abort and should_abort():

@@ -51,5 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     return EXIT_OK if outcome in ("completed", "preempted", "requeued") else EXIT_JOB_FAILED
 
 
+def _exit(code: int) -> None:
+    """Flush everything, then leave without interpreter teardown: once the job has finished,
+    C++ threads of the communication library can abort the process while Python unwinds
+    ("terminate called without an active exception"), turning a completed run into exit -6."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    _exit(code)
