@@ -378,23 +378,27 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
     return Config(**built)
 
 
-def _parse_override(text: str) -> tuple[str, str, Any]:
+def _parse_override(text: str) -> tuple[str, str, str, Any]:
+    """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params, a, 1)."""
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
         raise UserError(f"override {text!r} must look like section.key=value, e.g. train.epochs=3")
     section, _, name = key.strip().partition(".")
+    name, _, sub = name.partition(".")
     if section not in SECTIONS:
         raise UserError(f"override {text!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
     types_ = _field_types(SECTIONS[section])
     if name not in types_:
         raise UserError(f"override {text!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
+    if sub and typing.get_origin(types_[name]) is not dict:
+        raise UserError(f"override {text!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE")
     try:
         parsed = yaml.safe_load(value) if value.strip() else ""
     except yaml.YAMLError:
         parsed = value  # not YAML: take it as the plain string the user typed
     if types_[name] is str and not isinstance(parsed, str):
         parsed = value  # keep '007' as '007', not 7
-    return section, name, parsed
+    return section, name, sub, parsed
 
 
 def read_yaml(path: str) -> dict[str, Any]:
@@ -422,11 +426,15 @@ def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     # Validate the file alone first, so an error names the file rather than an override.
     build(raw, source=path or "config")
     for text in overrides:
-        section, name, value = _parse_override(text)
+        section, name, sub, value = _parse_override(text)
         raw.setdefault(section, {})
         if raw[section] is None:
             raw[section] = {}
-        raw[section][name] = value
+        if sub:  # one entry of a mapping such as task.params, keeping the file's other entries
+            old = raw[section].get(name)
+            raw[section][name] = {**(old if isinstance(old, dict) else {}), sub: value}
+        else:
+            raw[section][name] = value
     return build(raw, source=f"{path} with overrides" if overrides else (path or "config"))
 
 

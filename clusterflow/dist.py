@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
+import socket
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -94,6 +95,13 @@ def parse_nodelist(text: str) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------
 # The environment
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a rendezvous of processes started here."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def derive_port(job_id: str, attempt: int) -> int:
@@ -374,6 +382,21 @@ def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any =
     if op == "mean":
         t /= world()
     return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_sum(values: Any, device: Any = None) -> Any:
+    """Element-wise float64 sum of a 1-D array across ranks (a numpy array comes back)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    if not _initialized():
+        return values
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.from_numpy(values.copy()).to(device or "cpu")
+    tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+    return t.cpu().numpy()
 
 
 def any_rank(flag: bool, device: Any = None) -> bool:

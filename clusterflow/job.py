@@ -141,12 +141,36 @@ def _after_stop(cfg: Config, env: DistEnv, outcome: str, preemption: Any) -> str
             rundir.write_status(run_dir, state="stopped", error=f"time limit reached {timeouts} times (cluster.max_timeout_requeues="
                                 f"{cfg.cluster.max_timeout_requeues}); resume by submitting the same config again")
             return "timeout"
-        return "requeued" if requeue(os.environ["SLURM_JOB_ID"], run_dir) else "timeout"
+        return "requeued" if requeue(os.environ["SLURM_JOB_ID"], run_dir, why="the time-limit signal") else "timeout"
+    if outcome == "preempted" and env.source in ("slurm", "torchrun") and os.environ.get("SLURM_JOB_ID"):
+        job_id = os.environ["SLURM_JOB_ID"]
+        state = slurm_job_state(job_id)
+        # Slurm requeues a preempted job only if it is still running when the grace time ends; one that
+        # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
+        # runs (preemption, or a bare SIGTERM) it requeues itself. COMPLETING means a requeue is already
+        # under way (scontrol requeue); CANCELLED means the user ended it with scancel.
+        if state == "RUNNING":
+            return "requeued" if requeue(job_id, run_dir, why="the preemption signal (SIGTERM)") else outcome
+        log.info("job %s is %s; leaving its fate to Slurm", job_id, state or "in an unknown state")
+        rundir.write_status(run_dir, state="stopped" if state == "CANCELLED" else "requeued")
+        return outcome
     rundir.write_status(run_dir, state="requeued" if env.source != "submitit-local" else "stopped")
     return outcome
 
 
-def requeue(job_id: str, run_dir: str) -> bool:
+def slurm_job_state(job_id: str) -> str:
+    """JobState from `scontrol show job`, or "" when Slurm does not answer."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for field in proc.stdout.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return ""
+
+
+def requeue(job_id: str, run_dir: str, why: str) -> bool:
     try:
         proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -158,7 +182,7 @@ def requeue(job_id: str, run_dir: str) -> bool:
         rundir.write_status(run_dir, state="stopped", error=f"scontrol requeue failed: {proc.stderr.strip()}")
         return False
     rundir.write_status(run_dir, state="requeued")
-    log.info("requeued job %s after the time-limit signal", job_id)
+    log.info("requeued job %s after %s", job_id, why)
     return True
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -81,8 +81,6 @@ def build_faiss_index(x: np.ndarray, index: str = "flat", nlist: int = 1024, npr
 
 def faiss_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
                  timings: dict | None = None, **index_args) -> tuple[np.ndarray, np.ndarray] | None:
-    import time
-
     import faiss
 
     # All cores for the search, then the previous setting back: the OpenMP runtime is shared
@@ -121,24 +119,34 @@ def _faiss_search(x, k, query_batch, should_abort, timings, **index_args):
 
 
 def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
-                 timings: dict | None = None, device: str | None = None, db_chunk: int = 262144,
+                 timings: dict | None = None, device: str | list[str] | None = None, db_chunk: int = 262144,
                  candidate_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k-NN with chunked matrix products and top-k.
 
     On GPU the candidates are scored in bf16 (fast tensor cores), ``2k + 16`` of them kept per
     query, then re-ranked in fp32, so the returned neighbours and similarities are the fp32
     ones. On CPU everything is fp32. Ties are broken by the smaller id, like a stable sort.
+
+    ``device`` may name several devices: by default every visible GPU (else the CPU). Each holds a
+    copy of the database and takes every n-th query batch, on its own thread (CUDA kernels and
+    copies release the GIL), so the search scales with the GPUs of rank 0's node.
     """
+    import threading
     import time
 
     import torch
 
     t0 = time.perf_counter()
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device is None:
+        devices = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+    else:
+        devices = [torch.device(d) for d in ([device] if isinstance(device, str) else device)]
     if candidate_dtype == "auto":
-        candidate_dtype = "bf16" if dev.type == "cuda" else "fp32"
-    db32 = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
-    db_c = db32.to(torch.bfloat16) if candidate_dtype == "bf16" else db32
+        candidate_dtype = "bf16" if devices[0].type == "cuda" else "fp32"
+    replicas = []
+    for dev in devices:
+        db32 = torch.from_numpy(np.ascontiguousarray(x)).to(dev)
+        replicas.append((db32, db32.to(torch.bfloat16) if candidate_dtype == "bf16" else db32))
     n = x.shape[0]
     kk = min(k + 1, n)
     cand = min(n, kk if candidate_dtype == "fp32" else 2 * kk + 16)
@@ -146,11 +154,13 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
     db_chunk = min(db_chunk, 65536)
     query_batch = max(1, min(query_batch, (1 << 26) // db_chunk))
     t1 = time.perf_counter()
-    sims_out = np.full((n, k), -np.inf, np.float32)  # noqa: E501 (filled per query batch below)
+    sims_out = np.full((n, k), -np.inf, np.float32)
     ids_out = np.full((n, k), -1, np.int64)
-    for qs in range(0, n, query_batch):
-        if should_abort and should_abort():
-            return None
+    starts = list(range(0, n, query_batch))
+    aborted = threading.Event()
+    failures: list[BaseException] = []
+
+    def one_block(qs: int, db32: Any, db_c: Any) -> None:
         q_c = db_c[qs : qs + query_batch]
         best_s, best_i = None, None
         for ds in range(0, n, db_chunk):
@@ -176,7 +186,32 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
             s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
             i_np = np.pad(i_np, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
         s_np, i_np = _drop_self(s_np, i_np, qs, k)
-        sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np
+        sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np  # disjoint rows per block
+
+    def worker(slot: int) -> None:
+        db32, db_c = replicas[slot]
+        try:
+            for qs in starts[slot :: len(replicas)]:
+                if aborted.is_set() or (should_abort and should_abort()):
+                    aborted.set()
+                    return
+                one_block(qs, db32, db_c)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failures.append(exc)
+            aborted.set()
+
+    if len(replicas) == 1:
+        worker(0)
+    else:
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(len(replicas))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    if failures:
+        raise failures[0]
+    if aborted.is_set():
+        return None
     if timings is not None:
         timings["index"] = t1 - t0
         timings["search"] = time.perf_counter() - t1

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 
 
 class _GatherWithGrad(torch.autograd.Function):

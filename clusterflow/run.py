@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     cfg = cfgmod.load(args.config, args.overrides)
     from clusterflow.dist import DistEnv
 

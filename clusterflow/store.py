@@ -15,6 +15,9 @@ else is skipped with a warning naming it, and the previous step is used.
 The seam for sharded state (torch.distributed.checkpoint) is the ``files`` mapping: a sharded
 writer would add one entry per rank's shard and the manifest would list them all; the commit
 protocol stays the same.
+
+A damaged committed step is never deleted: when the run reaches that step again it is renamed to
+``damaged-step-<N>-<random>/`` (kept for inspection) and the step is written anew.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import re
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -59,6 +63,44 @@ def serialize(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
+
+
+_CHUNK = 16 << 20  # bytes per write/read: large enough to amortise, small enough to overlap
+
+
+class _HashingWriter:
+    """A file wrapper that hashes what it writes: each large buffer is hashed on a second thread
+    while it is being written (hashlib and file writes both release the GIL).
+
+    Every write waits for its own hash before returning, because torch.save reuses its buffers
+    (hashing them later, after the write returned, gives a wrong digest).
+    """
+
+    def __init__(self, f: Any, pool: ThreadPoolExecutor) -> None:
+        self.f, self.pool, self.sha, self.size = f, pool, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _CHUNK):
+            part = view[start:start + _CHUNK]
+            if len(part) < (1 << 20):
+                self.sha.update(part)
+                self.f.write(part)
+                continue
+            hashing = self.pool.submit(self.sha.update, part)
+            self.f.write(part)
+            hashing.result()
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _read_into(f: Any, view: memoryview) -> int:
+    data = f.read(len(view))
+    view[: len(data)] = data
+    return len(data)
 
 
 def _versions() -> dict[str, str]:
@@ -114,12 +156,43 @@ class CheckpointStore:
         return sorted(out)
 
     # -- writing ------------------------------------------------------------------------------
-    def _write(self, path: str, data: bytes) -> None:
-        with self.fs.open(path, "wb") as f:
-            f.write(data)
+    def _write(self, path: str, payload: Any) -> dict[str, Any]:
+        """Write bytes, or stream ``torch.save(payload)``, hashing on the way; returns size and sha256."""
+        with self.fs.open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+            w = _HashingWriter(f, pool)
+            if isinstance(payload, (bytes, bytearray, memoryview)):
+                w.write(payload)
+            else:
+                import torch
+
+                torch.save(payload, w)
             f.flush()
             if self.fsync and self.local:
                 os.fsync(f.fileno())
+        return {"size": w.size, "sha256": w.sha.hexdigest()}
+
+    def _read(self, path: str, size: int) -> tuple[bytes, str]:
+        """Read a whole file of known size; each chunk is hashed on a second thread while the next
+        one is read (the buffer is never reused, so the hash may lag behind the reads)."""
+        buf = bytearray(size)
+        view = memoryview(buf)
+        sha = hashlib.sha256()
+        got = 0
+        with self.fs.open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
+            pending = []
+            while got < size:
+                n = f.readinto(view[got:got + _CHUNK]) if hasattr(f, "readinto") else _read_into(f, view[got:got + _CHUNK])
+                if not n:
+                    break
+                pending.append(pool.submit(sha.update, view[got:got + n]))
+                got += n
+            extra = f.read(1)  # a file that grew after the size check
+            for p in pending:
+                p.result()
+        if got != size or extra:
+            raise ValueError(f"{path.rsplit('/', 1)[-1]} changed size while being read")
+        del view
+        return bytes(buf), sha.hexdigest()
 
     def _fsync_dir(self, path: str) -> None:
         if self.fsync and self.local:
@@ -129,20 +202,27 @@ class CheckpointStore:
             finally:
                 os.close(fd)
 
-    def save(self, step: int, files: Mapping[str, bytes], meta: Mapping[str, Any] | None = None) -> str | None:
-        """Commit ``files`` (name -> bytes) as step ``step``. Returns the step path, or None when
+    def save(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> str | None:
+        """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step ``step``. Returns the step path, or None when
         that step is already committed (a committed step is never overwritten)."""
         final = self.step_path(step)
         if self.fs.exists(self._p(f"step-{step}", MANIFEST)):
-            log.info("checkpoint step %d is already committed at %s; not overwriting it", step, final)
-            return None
+            try:
+                self.verify(step)
+            except ValueError as exc:
+                # A run that resumed from an older step because this one was damaged reaches it again:
+                # keep the damaged folder for inspection, out of the way, and commit the step anew.
+                aside = self._p(f"damaged-step-{step}-{uuid.uuid4().hex[:8]}")
+                log.warning("checkpoint %s is damaged (%s); moving it to %s and committing step %d anew",
+                            self.url_of(step), exc, aside, step)
+                self.fs.mv(final, aside, recursive=True)
+            else:
+                log.info("checkpoint step %d is already committed at %s; not overwriting it", step, final)
+                return None
         self.fs.makedirs(self.root, exist_ok=True)
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
         self.fs.makedirs(tmp, exist_ok=True)
-        listing = {}
-        for name, data in files.items():
-            self._write(f"{tmp}/{name}", data)
-            listing[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        listing = {name: self._write(f"{tmp}/{name}", payload) for name, payload in files.items()}
         manifest = {"step": step, **dict(meta or {}), "files": listing, "versions": _versions(), "committed_at": time.time()}
         self._write(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
         if self.local:
@@ -185,13 +265,14 @@ class CheckpointStore:
         blobs = {}
         for name, info in manifest.get("files", {}).items():
             try:
-                with self.fs.open(f"{path}/{name}", "rb") as f:
-                    data = f.read()
+                if self.fs.size(f"{path}/{name}") != info["size"]:  # cheap check before reading it all
+                    raise ValueError(f"{name} has {self.fs.size(f'{path}/{name}')} bytes, the manifest says {info['size']}")
+                data, digest = self._read(f"{path}/{name}", info["size"])
             except FileNotFoundError:
                 raise ValueError(f"{name} is missing") from None
             if len(data) != info["size"]:
                 raise ValueError(f"{name} has {len(data)} bytes, the manifest says {info['size']}")
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            if digest != info["sha256"]:
                 raise ValueError(f"{name} does not match its sha256 (bit rot or a partial write)")
             blobs[name] = data
         return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, blobs=blobs)

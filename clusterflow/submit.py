@@ -12,12 +12,12 @@ import argparse
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from typing import Any
 
 from clusterflow import config as cfgmod
+from clusterflow import dist
 from clusterflow import rundir
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and the resolved config; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 when it failed")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # flags may come after the overrides too
 
 
 # -- Slurm parameters ---------------------------------------------------------------------------
@@ -136,12 +136,6 @@ def prepare_run_dir(cfg: Config) -> bool:
     return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # -- launching ---------------------------------------------------------------------------------
 
 def submit_local(cfg: Config) -> int:
@@ -153,7 +147,7 @@ def submit_local(cfg: Config) -> int:
     ex = submitit.LocalExecutor(folder=folder)
     ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
                          gpus_per_node=cfg.cluster.gpus_per_node or 0)
-    os.environ["MASTER_PORT"] = str(_free_port())  # inherited by the local processes
+    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
     print(f"logs: {rundir.path(cfg.run.dir, 'logs')}   tensorboard --logdir {rundir.path(cfg.run.dir, 'tb')}")

@@ -59,7 +59,7 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = cfg.train.tf32
         model = task.build_model()
         if cfg.task.init_from:
-            model.load_state_dict(_load_weights(cfg.task.init_from), strict=False)
+            init_weights(model, cfg.task.init_from)
         if cfg.dist.sync_batchnorm and self.world > 1:
             model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
         self.module = model.to(device)
@@ -127,7 +127,8 @@ class Trainer:
         rngs = dist.gather_object(capture_rng())
         if self.rank == 0:
             t0 = time.perf_counter()
-            files = {"model.pt": serialize(self.module.state_dict()), "train_state.pt": serialize(self.train_state(rngs))}
+            # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
+            files = {"model.pt": self.module.state_dict(), "train_state.pt": self.train_state(rngs)}
             meta = {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
                     "config_hash": self.cfg.fingerprint(), "world_size": self.world, "attempt": self.attempt}
             path = self.store.save(self.global_step, files, meta)
@@ -324,24 +325,10 @@ class Trainer:
         ds = self.task.eval_dataset()
         if ds is None:
             return
-        from clusterflow.sampler import shard_range
+        from clusterflow.evaluate import evaluate
 
-        shard = shard_range(len(ds), self.rank, self.world)
-        loader = torch.utils.data.DataLoader(torch.utils.data.Subset(ds, list(shard)), batch_size=max(1, self.micro_global // self.world))
-        sums: dict[str, float] = {}
-        self.module.eval()
-        with torch.no_grad():
-            for batch in loader:
-                batch = _to(batch, self.device)
-                with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
-                    out = self.task.eval_step(self.module, batch)
-                for k, (s, c) in out.items():
-                    sums[f"{k}::s"] = sums.get(f"{k}::s", 0.0) + s
-                    sums[f"{k}::c"] = sums.get(f"{k}::c", 0.0) + c
-        self.module.train()
-        keys = dist.broadcast_object(sorted(sums))  # every rank reduces the same keys (a shard may be empty)
-        reduced = dist.all_reduce_dict({k: sums.get(k, 0.0) for k in keys}, op="sum", device=self.device)
-        metrics = {k[:-3]: reduced[k] / max(reduced[k[:-3] + "::c"], 1e-12) for k in keys if k.endswith("::s")}
+        metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world)
+        metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
         self.writer.scalars(metrics, self.global_step)
         if self.rank == 0 and metrics:
             log.info("eval after epoch %d: %s", self.epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
@@ -373,13 +360,44 @@ class _null:
         return None
 
 
-def _load_weights(path: str) -> dict[str, Any]:
+def init_weights(model: torch.nn.Module, where: str) -> None:
+    """Start from another run's weights (``task.init_from``): a model.pt, a run dir or a checkpoint dir.
+
+    Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
+    (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
+    """
     import fsspec
 
     from clusterflow.errors import UserError
 
+    fs, path = fsspec.core.url_to_fs(where)
+    if fs.isdir(path):
+        candidates = [f"{path.rstrip('/')}/model.pt"]
+        if not fs.exists(candidates[0]):
+            from clusterflow.store import CheckpointStore
+
+            ckpt = CheckpointStore(f"{where.rstrip('/')}/checkpoints").latest()
+            if ckpt is None:
+                raise UserError(f"task.init_from={where!r} is a folder without model.pt or committed checkpoints; "
+                                f"point it at a finished run dir, a checkpoints/step-N folder or a model.pt file")
+            candidates = [f"{ckpt.path}/model.pt"]
+        path = candidates[0]
     try:
-        with fsspec.open(path, "rb") as f:
-            return torch.load(f, map_location="cpu", weights_only=True)
+        with fs.open(path, "rb") as f:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"task.init_from={path!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1") from None
+        raise UserError(f"task.init_from={where!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise UserError(f"task.init_from={where!r}: {path} is not a readable state_dict ({type(exc).__name__}: {exc})") from None
+    if not isinstance(sd, dict):
+        raise UserError(f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict")
+    own = model.state_dict()
+    matched = {k: v for k, v in sd.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    if not matched:
+        raise UserError(f"task.init_from={where!r}: none of its {len(sd)} tensors ({', '.join(list(sd)[:3])}, ...) match the "
+                        f"model's names and shapes ({', '.join(list(own)[:3])}, ...); was it written by a different model?")
+    model.load_state_dict(matched, strict=False)
+    fresh = [k for k in own if k not in matched]
+    skipped = [k for k in sd if k not in matched]
+    log.info("initialised %d of %d tensors from %s; fresh: %s; not used: %s", len(matched), len(own), path,
+             ", ".join(fresh) or "none", ", ".join(skipped) or "none")

@@ -1,4 +1,5 @@
 import os
+import shutil
 import subprocess
 import sys
 
@@ -20,3 +21,23 @@ def run_cli(*args, cwd=REPO, env=None, timeout=600):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The local two-node Slurm cluster, booted (idempotently) by tests/slurm/cluster.sh."""
+    if os.geteuid() != 0 or shutil.which("sinfo") is None and shutil.which("apt-get") is None:
+        pytest.skip("the local Slurm cluster needs root and Debian's slurm-wlm")
+    out = subprocess.run(["bash", os.path.join(REPO, "tests", "slurm", "cluster.sh"), "up"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.fixture(scope="session")
+def reference_run(cluster, tmp_path_factory):
+    """An uninterrupted run of configs/tiny.yaml on two nodes: what every resume must reproduce bitwise."""
+    from slurmjobs import submit
+
+    d = str(tmp_path_factory.mktemp("reference") / "run")
+    _, out = submit(d, wait=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return d, out

@@ -2,18 +2,12 @@
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from clusterflow.dist import free_port
 from conftest import REPO
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(world, config, overrides, log_dir):

@@ -1,16 +1,11 @@
 """Run a function on N real gloo processes (torch.multiprocessing), collecting each rank's result."""
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clusterflow.dist import free_port
 
 
 def _entry(rank, world, port, fn, args, queue):
@@ -33,7 +28,7 @@ def _entry(rank, world, port, fn, args, queue):
 def run_ranks(world, fn, *args, timeout=300):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -92,6 +92,21 @@ def test_torch_engine_bf16_candidates_rerank_is_exact():
     np.testing.assert_allclose(s1, s2, atol=1e-5)
 
 
+def test_torch_engine_splits_query_batches_over_several_devices():
+    """What every local GPU does on a GPU node, with two CPU "devices": the same exact result,
+    and a signal still stops the search between query batches."""
+    from clusterflow.knn import torch_search
+    from clusterflow.mining import normalize
+
+    x = normalize(blobs(n=601, d=32)[0])
+    one = torch_search(x, 8, db_chunk=128, query_batch=50, device="cpu")
+    two = torch_search(x, 8, db_chunk=128, query_batch=50, device=["cpu", "cpu"])
+    np.testing.assert_array_equal(one[1], two[1])
+    np.testing.assert_array_equal(one[0], two[0])
+    calls = []
+    assert torch_search(x, 8, query_batch=50, device=["cpu", "cpu"], should_abort=lambda: calls.append(1) or len(calls) > 3) is None
+
+
 def test_quality_metrics_known_values():
     truth = np.array([0, 0, 0, 1, 1, 1])
     perfect = quality(np.array([5, 5, 5, 2, 2, 2]), truth)

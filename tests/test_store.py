@@ -80,3 +80,18 @@ def test_folder_without_manifest_is_not_a_checkpoint_and_debris_is_cleaned(tmp_p
     assert store.save(9, files(9))  # a manifest-less folder is debris, replaced by the real commit
     assert store.latest().step == 9
     assert json.loads((tmp_path / "step-9" / "manifest.json").read_text())["step"] == 9
+
+
+def test_damaged_step_is_moved_aside_when_the_run_reaches_it_again(tmp_path, caplog):
+    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store.save(1, files(1))
+    store.save(2, files(2))
+    (tmp_path / "step-2" / "model.pt").write_bytes(b"torn")
+    assert store.latest().step == 1  # the run resumes from step 1 ...
+    with caplog.at_level("WARNING"):
+        assert store.save(2, files(22))  # ... and commits step 2 again when it gets there
+    assert "moving it to" in caplog.text
+    assert torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 22.0))
+    aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("damaged-step-2-")]
+    assert len(aside) == 1 and (tmp_path / aside[0] / "model.pt").read_bytes() == b"torn"
+    assert store.steps() == [1, 2]

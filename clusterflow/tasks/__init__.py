@@ -13,7 +13,11 @@ A task is named in config as ``task.target: "package.module:Class"`` and built a
 and optionally:
 
 - ``eval_dataset() -> Dataset | None`` and ``eval_step(model, batch) -> {name: (sum, count)}``;
-  sums and counts are all-reduced over ranks, so the reported value is exact, not a mean of means
+  sums and counts are all-reduced over ranks, so the reported value is exact, not a mean of means.
+  A sum may be a vector (e.g. per-class true positives), summed element-wise
+- ``eval_metrics(totals) -> {name: float}``: turns the reduced ``{name: (sum, count)}`` into the
+  reported metrics; the default reports ``sum / count`` for every scalar sum (override it for
+  metrics such as macro F1 that are not a ratio of two sums)
 - ``embed(model, batch) -> Tensor (B, d)``: what the mining stage clusters (``can_embed`` True)
 - ``embed_dataset() -> Dataset``: what is embedded (defaults to the train dataset)
 - ``ground_truth() -> np.ndarray | None``: true labels of the embedded samples, for quality metrics
@@ -50,8 +54,11 @@ class Task:
     def eval_dataset(self) -> Any:
         return None
 
-    def eval_step(self, model: Any, batch: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    def eval_step(self, model: Any, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
         return {}
+
+    def eval_metrics(self, totals: dict[str, tuple[Any, float]]) -> dict[str, float]:
+        return {k: s / max(c, 1e-12) for k, (s, c) in totals.items() if isinstance(s, float)}
 
     @property
     def can_embed(self) -> bool:

@@ -32,7 +32,7 @@ from clusterflow.tasks import Task
 class SyntheticIdentities(Dataset):
     """``identities`` x ``samples_per_identity`` samples of dimension ``input_dim``, shuffled."""
 
-    def __init__(self, seed: int, identities: int, samples_per_identity: int, input_dim: int,
+    def __init__(self, seed: int, identities: int, samples_per_identity: int | np.ndarray, input_dim: int,
                  id_dim: int, nuisance_dim: int, nuisance_scale: float, noise: float,
                  keep: float = 0.5, augment: bool = True, split: int = 0) -> None:
         rng = np.random.default_rng([seed, 7])  # the world: shared by every split
@@ -40,8 +40,9 @@ class SyntheticIdentities(Dataset):
         self.B = rng.standard_normal((nuisance_dim, input_dim)).astype(np.float32) / np.sqrt(nuisance_dim)
         codes = rng.standard_normal((identities, id_dim)).astype(np.float32)
         srng = np.random.default_rng([seed, 11, split])  # the samples of this split
-        n = identities * samples_per_identity
-        self.labels = srng.permutation(np.repeat(np.arange(identities), samples_per_identity)).astype(np.int64)
+        per_identity = np.broadcast_to(np.asarray(samples_per_identity), (identities,))  # one count, or one per identity
+        self.labels = srng.permutation(np.repeat(np.arange(identities), per_identity)).astype(np.int64)
+        n = len(self.labels)
         self.nuisance = srng.standard_normal((n, nuisance_dim)).astype(np.float32) * nuisance_scale
         self.signal = codes[self.labels] @ self.A
         self.base = self.signal + self.nuisance @ self.B + noise * srng.standard_normal((n, input_dim)).astype(np.float32)
@@ -62,9 +63,11 @@ class SyntheticIdentities(Dataset):
         return (self.signal[index] + nuis @ self.B + eps).astype(np.float32)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        # "label" is the true identity: for supervised tasks and quality metrics, never for pseudo-ID training.
         if not self.augment:
-            return {"x": torch.from_numpy(self.base[index]), "index": index}
-        return {"x1": torch.from_numpy(self._view(index, 0)), "x2": torch.from_numpy(self._view(index, 1)), "index": index}
+            return {"x": torch.from_numpy(self.base[index]), "index": index, "label": int(self.labels[index])}
+        return {"x1": torch.from_numpy(self._view(index, 0)), "x2": torch.from_numpy(self._view(index, 1)), "index": index,
+                "label": int(self.labels[index])}
 
 
 class Encoder(nn.Module):

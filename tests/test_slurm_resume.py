@@ -1,0 +1,128 @@
+"""Preemption proofs on the real local Slurm cluster: every interrupted run must end with a
+model.pt bitwise equal to the uninterrupted reference run of the same config and topology.
+
+(a) `scontrol requeue` in mid-epoch, then the time-limit signal (SIGUSR2), which makes rank 0
+    requeue the job itself; (b) real preemption by an --exclusive job in the high partition;
+(c) SIGKILL of the whole job in the middle of a checkpoint write; (d) damaged newest checkpoints
+    skipped on resume.
+"""
+
+import glob
+import json
+import os
+import re
+
+import pytest
+
+from clusterflow.store import CheckpointStore
+from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
+
+pytestmark = pytest.mark.slurm
+
+SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.4")  # 6 steps per epoch, 3 epochs, 18 in all
+HANG = ("task.target=testtasks:HangInSave", "task.params.step_sleep=0", "task.params.hang_at_step=12")
+
+
+def at_step(run_dir, step, attempt=0):
+    s = live_status(run_dir)
+    return s.get("attempt") == attempt and s.get("global_step", 0) >= step and s.get("state") == "running"
+
+
+def assert_same_weights(run_dir, reference_run):
+    ref_dir, _ = reference_run
+    assert sha256(os.path.join(run_dir, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+
+
+def stop_and_resume_steps(run_dir):
+    """The step saved at each stop and the step each later attempt resumed from: they must match."""
+    logs = rank0_logs(run_dir)
+    saved = [int(s) for s in re.findall(r"saving at global step (\d+) and stopping", logs)]
+    resumed = [int(s) for s in re.findall(r"resumed from \S+/step-(\d+):", logs)]
+    return saved, resumed
+
+
+def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_path):
+    d = str(tmp_path / "run")
+    job, _ = submit(d, *SLOW)
+    wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
+    scmd("scontrol", "requeue", job)  # Slurm sends SIGTERM to every task, then requeues the job
+    wait_until("the requeued attempt in mid-epoch 2", lambda: at_step(d, 9, attempt=1), job_id=job)
+    # What Slurm sends ahead of the time limit (--signal=USR2@...): rank 0 requeues the job itself.
+    scmd("scancel", "--signal=USR2", job)
+    wait_gone(job)
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 3, s
+    reasons = [json.loads(line)["reason"] for line in open(os.path.join(d, "stops.jsonl"))]
+    assert reasons == ["preempted", "timeout"]
+    assert "requeued job %s after the time-limit signal" % job in rank0_logs(d)
+    saved, resumed = stop_and_resume_steps(d)
+    assert len(saved) == 2 and saved == resumed, (saved, resumed)  # no step lost, none repeated
+    assert_same_weights(d, reference_run)
+
+
+def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_path):
+    d = str(tmp_path / "run")
+    job, _ = submit(d, *SLOW)
+    wait_until("mid-epoch 2", lambda: at_step(d, 8), job_id=job)
+    high = scmd("sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "2", "-t", "2", f"--output={tmp_path}/high-%j.out",
+                "--wrap", "hostname; sleep 2")
+    wait_gone(high)
+    wait_gone(job)
+    assert os.path.exists(tmp_path / f"high-{high}.out")  # the preemptor really ran
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 2, s
+    saved, resumed = stop_and_resume_steps(d)
+    assert len(saved) == 1 and saved == resumed, (saved, resumed)
+    assert_same_weights(d, reference_run)
+
+
+def killed_while_writing_step_12(run_dir):
+    """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process of the job."""
+    job, _ = submit(run_dir, *HANG)
+    ckpts = os.path.join(run_dir, "checkpoints")
+    partial = wait_until("a half-written step 12", lambda: glob.glob(os.path.join(ckpts, ".tmp-step-12-*", "model.pt")), job_id=job)
+    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
+    scmd("scancel", "--signal=KILL", "--full", job)
+    wait_gone(job)
+    assert status(run_dir)["state"] == "failed"  # left the queue without an outcome
+    assert os.path.exists(partial[0])
+    return ckpts, committed
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, reference_run, tmp_path):
+    d = str(tmp_path / "run")
+    ckpts, committed = killed_while_writing_step_12(d)
+    store = CheckpointStore(ckpts, keep_last=3)
+    assert store.steps() == [4, 6, 8]
+    assert store.latest().step == 8
+    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
+    _, out = submit(d, *HANG, wait=True)  # the next attempt: the same command again
+    assert out.returncode == 0, out.stdout + out.stderr
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 2, s
+    logs = rank0_logs(d)
+    assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-12-" in logs
+    assert re.search(r"resumed from \S+/step-8: epoch 1, step 2 of the epoch", logs)
+    assert_same_weights(d, reference_run)
+
+
+def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run, tmp_path):
+    d = str(tmp_path / "run")
+    ckpts, _ = killed_while_writing_step_12(d)
+    model8 = os.path.join(ckpts, "step-8", "model.pt")
+    data = bytearray(open(model8, "rb").read())
+    data[len(data) // 2] ^= 0x10  # one flipped bit
+    open(model8, "wb").write(bytes(data))
+    state6 = os.path.join(ckpts, "step-6", "train_state.pt")
+    os.truncate(state6, os.path.getsize(state6) // 2)  # a torn write
+    _, out = submit(d, *HANG, wait=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    logs = rank0_logs(d)
+    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its sha256", logs)
+    assert re.search(r"skipping damaged checkpoint \S+/step-6: train_state.pt has \d+ bytes", logs)
+    assert re.search(r"resumed from \S+/step-4:", logs)
+    # The damaged steps are kept aside for inspection when the run commits those steps anew.
+    assert len(glob.glob(os.path.join(ckpts, "damaged-step-8-*"))) == 1
+    assert len(glob.glob(os.path.join(ckpts, "damaged-step-6-*"))) == 1
+    assert status(d)["state"] == "completed"
+    assert_same_weights(d, reference_run)
