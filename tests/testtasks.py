@@ -59,6 +59,6 @@ class HangInSave(Slow):
                     f.flush()
                     os.fsync(f.fileno())
                 time.sleep(3600)
-            plain_write(self_, path, data)
+            return plain_write(self_, path, data)
 
         store.CheckpointStore._write = write
