@@ -9,7 +9,8 @@ checkpoint.
 Save and load are measured interleaved, repeat by repeat, in one run; the printed ratios are the
 claim. Two baselines for saving: torch.save alone (the data may still sit in the page cache when it
 returns) and torch.save followed by fsync (as durable as the store, which fsyncs every file, the
-manifest and the folder). Loading is warm-cache for both sides, so the ratio shows the store's own
+manifest and the folder); both sides keep the newest two copies on disk, as the store does with
+``keep_last=2``, and every timed operation starts with ``os.sync()``. Loading is warm-cache for both sides, so the ratio shows the store's own
 work (reading into memory, the sha256 check, weights_only unpickling).
 """
 
@@ -87,14 +88,24 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
     nbytes += sum(t.numel() * t.element_size() for s in train_state["optimizer"]["state"].values() for t in s.values() if torch.is_tensor(t))
     store = CheckpointStore(os.path.join(root, "store"), keep_last=2)
     times: dict[str, list[float]] = {k: [] for k in ("torch.save", "torch.save+fsync", "store.save", "torch.load", "store.load")}
-    for r in range(repeats):
-        shutil.rmtree(os.path.join(root, "plain"), ignore_errors=True)
-        times["torch.save"].append(timed(plain_save, os.path.join(root, "plain"), model_sd, train_state, False))
-        shutil.rmtree(os.path.join(root, "plain"), ignore_errors=True)
-        times["torch.save+fsync"].append(timed(plain_save, os.path.join(root, "plain"), model_sd, train_state, True))
-        times["store.save"].append(timed(store_save, store, r, model_sd, train_state))
-        times["torch.load"].append(timed(plain_load, os.path.join(root, "plain")))
-        times["store.load"].append(timed(store_load, store))
+
+    def plain(kind: str, r: int) -> str:
+        return os.path.join(root, f"{kind}-{r}")
+
+    # Both sides keep the newest 2 copies, like the store's keep_last=2, so both write to freshly
+    # allocated blocks as often (on thin-provisioned disks a first write to a block is slow).
+    for r in range(-1, repeats):  # r = -1: an untimed warm-up round
+        record = r >= 0
+        for kind, fsync in (("nofsync", False), ("fsync", True)):
+            t = timed(plain_save, plain(kind, r), model_sd, train_state, fsync)
+            shutil.rmtree(plain(kind, r - 2), ignore_errors=True)
+            if record:
+                times["torch.save+fsync" if fsync else "torch.save"].append(t)
+        t = timed(store_save, store, r + 1, model_sd, train_state)
+        if record:
+            times["store.save"].append(t)
+            times["torch.load"].append(timed(plain_load, plain("fsync", r)))
+            times["store.load"].append(timed(store_load, store))
     nparams = sum(t.numel() for t in model_sd.values())
     print(f"\nsave/load, {nparams / 1e6:.1f}M parameters + AdamW state = {nbytes / 2**20:.0f} MiB, {repeats} repeats, in {root}")
     print(f"  {'':18s} {'median':>8s} {'best':>8s}")

@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -48,13 +49,10 @@ class Checkpoint:
     step: int
     path: str
     manifest: dict[str, Any]
-    blobs: dict[str, bytes]
+    objects: dict[str, Any]  # each file, deserialized with weights_only=True while its hash was checked
 
     def load(self, name: str) -> Any:
-        """Deserialize one file with ``weights_only=True`` (no arbitrary code from disk)."""
-        import torch
-
-        return torch.load(io.BytesIO(self.blobs[name]), map_location="cpu", weights_only=True)
+        return self.objects[name]
 
 
 def serialize(obj: Any) -> bytes:
@@ -97,10 +95,84 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _read_into(f: Any, view: memoryview) -> int:
-    data = f.read(len(view))
-    view[: len(data)] = data
-    return len(data)
+class _TailHasher:
+    """sha256 of a file that another object is appending to, computed on a thread that reads the
+    file back (from the page cache) up to the length written so far."""
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        self.sha = hashlib.sha256()
+        self.written, self.closed, self.error = 0, False, None
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def advance(self, n: int) -> None:
+        with self.cond:
+            self.written += n
+            self.cond.notify()
+
+    def digest(self) -> str:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.sha.hexdigest()
+
+    def _run(self) -> None:
+        buf = bytearray(_CHUNK)
+        view = memoryview(buf)
+        offset = 0
+        try:
+            while True:
+                with self.cond:
+                    while offset >= self.written and not self.closed:
+                        self.cond.wait()
+                    target, closed = self.written, self.closed
+                if offset >= target and closed:
+                    return
+                while offset < target:
+                    n = os.preadv(self.fd, [view[: min(_CHUNK, target - offset)]], offset)
+                    if n <= 0:
+                        raise OSError(f"short read at byte {offset} while hashing a checkpoint file")
+                    self.sha.update(view[:n])  # releases the GIL
+                    offset += n
+        except BaseException as exc:  # noqa: BLE001 - re-raised by digest()
+            self.error = exc
+
+    def __enter__(self) -> "_TailHasher":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.thread.is_alive():  # an error in the writer: stop the reader before closing its fd
+            with self.cond:
+                self.closed = True
+                self.written = -1
+                self.cond.notify()
+            self.thread.join()
+        os.close(self.fd)
+
+
+class _AppendOnly:
+    """An unbuffered file seen by torch.save: every byte reaches the kernel before write returns
+    (so the tail hasher may read it), partial writes are retried, and the length is counted."""
+
+    def __init__(self, f: Any, tail: _TailHasher) -> None:
+        self.f, self.tail, self.size = f, tail, 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += self.f.write(view[done:])
+        self.size += done
+        self.tail.advance(done)
+        return done
+
+    def flush(self) -> None:
+        pass
 
 
 def _versions() -> dict[str, str]:
@@ -126,6 +198,7 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.fsync = fsync
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self._pruning: threading.Thread | None = None
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -157,42 +230,73 @@ class CheckpointStore:
 
     # -- writing ------------------------------------------------------------------------------
     def _write(self, path: str, payload: Any) -> dict[str, Any]:
-        """Write bytes, or stream ``torch.save(payload)``, hashing on the way; returns size and sha256."""
-        with self.fs.open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
-            w = _HashingWriter(f, pool)
-            if isinstance(payload, (bytes, bytearray, memoryview)):
-                w.write(payload)
-            else:
-                import torch
+        """Write bytes, or ``torch.save(payload)``, durably; returns the size and sha256 written."""
+        import torch
 
-                torch.save(payload, w)
-            f.flush()
-            if self.fsync and self.local:
-                os.fsync(f.fileno())
-        return {"size": w.size, "sha256": w.sha.hexdigest()}
+        raw = isinstance(payload, (bytes, bytearray, memoryview))
+        if not self.local:
+            # Object stores: hash while streaming (reading back would download it again).
+            with self.fs.open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
+                w = _HashingWriter(f, pool)
+                w.write(payload) if raw else torch.save(payload, w)
+            return {"size": w.size, "sha256": w.sha.hexdigest()}
+        # The file is hashed from a second descriptor as it grows (a thread reading back what the
+        # kernel already holds), so the sha256 runs beside torch.save and then beside the fsync
+        # instead of after them. torch.save only ever appends through ``write``.
+        with open(path, "wb", buffering=0) as f, _TailHasher(path) as tail, ThreadPoolExecutor(1) as pool:
+            w = _AppendOnly(f, tail)
+            w.write(payload) if raw else torch.save(payload, w)
+            syncing = pool.submit(os.fsync, f.fileno()) if self.fsync else None
+            digest = tail.digest()
+            if syncing is not None:
+                syncing.result()
+        return {"size": w.size, "sha256": digest}
 
-    def _read(self, path: str, size: int) -> tuple[bytes, str]:
-        """Read a whole file of known size; each chunk is hashed on a second thread while the next
-        one is read (the buffer is never reused, so the hash may lag behind the reads)."""
-        buf = bytearray(size)
-        view = memoryview(buf)
+    @staticmethod
+    def _hash_local(path: str, sync: bool = False) -> str:
         sha = hashlib.sha256()
-        got = 0
-        with self.fs.open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
-            pending = []
-            while got < size:
-                n = f.readinto(view[got:got + _CHUNK]) if hasattr(f, "readinto") else _read_into(f, view[got:got + _CHUNK])
-                if not n:
-                    break
-                pending.append(pool.submit(sha.update, view[got:got + n]))
-                got += n
-            extra = f.read(1)  # a file that grew after the size check
-            for p in pending:
-                p.result()
-        if got != size or extra:
-            raise ValueError(f"{path.rsplit('/', 1)[-1]} changed size while being read")
-        del view
-        return bytes(buf), sha.hexdigest()
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(1) as pool:
+                syncing = pool.submit(os.fsync, fd) if sync else None
+                buf = bytearray(_CHUNK)
+                view = memoryview(buf)
+                while n := os.readv(fd, [buf]):
+                    sha.update(view[:n])  # releases the GIL: runs beside the fsync
+                if syncing is not None:
+                    syncing.result()
+        finally:
+            os.close(fd)
+        return sha.hexdigest()
+
+    def _hash_remote(self, path: str) -> str:
+        sha = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                sha.update(chunk)
+        return sha.hexdigest()
+
+    def _load_checked(self, name: str, path: str, info: Mapping[str, Any]) -> Any:
+        """Deserialize one file while a second thread checks its sha256; raises ValueError if damaged."""
+        import torch
+
+        with ThreadPoolExecutor(1) as pool:
+            hashing = pool.submit(self._hash_local if self.local else self._hash_remote, path)
+            loaded, failure = None, None
+            try:
+                if self.local:
+                    loaded = torch.load(path, map_location="cpu", weights_only=True)
+                else:
+                    with self.fs.open(path, "rb") as f:
+                        loaded = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - judged below, once the hash says whether the bytes are intact
+                failure = exc
+            digest = hashing.result()
+        if digest != info["sha256"]:
+            raise ValueError(f"{name} does not match its sha256 (bit rot or a partial write)")
+        if failure is not None:
+            raise ValueError(f"{name} is intact but cannot be loaded ({type(failure).__name__}: {failure})")
+        return loaded
 
     def _fsync_dir(self, path: str) -> None:
         if self.fsync and self.local:
@@ -240,16 +344,42 @@ class CheckpointStore:
         return final
 
     def prune(self) -> None:
-        """Keep the newest ``keep_last`` committed steps."""
+        """Keep the newest ``keep_last`` committed steps.
+
+        Locally an old step is renamed to ``.tmp-step-N-pruned-*`` (atomic: it stops being a
+        checkpoint at once) and deleted on a background thread, off the training loop's path;
+        a deletion cut short by the process ending is finished by the next ``clean_debris``.
+        """
+        self.wait_for_pruning()
+        doomed = []
         for step in self.steps()[: -self.keep_last]:
-            self.fs.rm(self.step_path(step), recursive=True)
+            if not self.local:
+                self.fs.rm(self.step_path(step), recursive=True)
+                continue
+            aside = self._p(f".tmp-step-{step}-pruned-{uuid.uuid4().hex[:8]}")
+            os.rename(self.step_path(step), aside)
+            doomed.append(aside)
+        if doomed:
+            import shutil
+
+            self._pruning = threading.Thread(target=lambda: [shutil.rmtree(d, ignore_errors=True) for d in doomed], daemon=True)
+            self._pruning.start()
+
+    def wait_for_pruning(self) -> None:
+        if self._pruning is not None:
+            self._pruning.join()
+            self._pruning = None
 
     def clean_debris(self) -> list[str]:
         """Remove temporary folders left by a writer that was killed (call before writing anew)."""
+        self.wait_for_pruning()
         removed = []
         for name in self._entries():
             if name.startswith(".tmp-step-"):
-                self.fs.rm(self._p(name), recursive=True)
+                try:
+                    self.fs.rm(self._p(name), recursive=True)
+                except FileNotFoundError:
+                    continue
                 removed.append(name)
         return removed
 
@@ -262,20 +392,17 @@ class CheckpointStore:
                 manifest = json.loads(f.read())
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
-        blobs = {}
+        objects = {}
         for name, info in manifest.get("files", {}).items():
+            file = f"{path}/{name}"
             try:
-                if self.fs.size(f"{path}/{name}") != info["size"]:  # cheap check before reading it all
-                    raise ValueError(f"{name} has {self.fs.size(f'{path}/{name}')} bytes, the manifest says {info['size']}")
-                data, digest = self._read(f"{path}/{name}", info["size"])
+                size = self.fs.size(file)
             except FileNotFoundError:
                 raise ValueError(f"{name} is missing") from None
-            if len(data) != info["size"]:
-                raise ValueError(f"{name} has {len(data)} bytes, the manifest says {info['size']}")
-            if digest != info["sha256"]:
-                raise ValueError(f"{name} does not match its sha256 (bit rot or a partial write)")
-            blobs[name] = data
-        return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, blobs=blobs)
+            if size != info["size"]:
+                raise ValueError(f"{name} has {size} bytes, the manifest says {info['size']}")
+            objects[name] = self._load_checked(name, file, info)
+        return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""

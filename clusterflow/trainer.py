@@ -191,6 +191,7 @@ class Trainer:
             return "completed"
         finally:
             self.writer.close()
+            self.store.wait_for_pruning()  # leave no half-deleted old step behind at exit
 
     def _train_epoch(self) -> bool:
         cfg = self.cfg

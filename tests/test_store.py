@@ -25,6 +25,8 @@ def test_commit_latest_and_retention(store):
     for s in (10, 20, 30):
         assert store.save(s, files(s), {"epoch": 0})
     assert store.steps() == [20, 30]  # keep_last=2
+    store.wait_for_pruning()  # old steps are deleted off the caller's path, locally
+    assert sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)) == ["step-20", "step-30"]
     ck = store.latest()
     assert ck.step == 30 and ck.manifest["epoch"] == 0
     assert torch.equal(ck.load("model.pt")["w"], torch.full((4,), 30.0))
