@@ -35,14 +35,16 @@ def _squeue_state(job_id: str) -> str | None:
     return out.stdout.strip() or ""  # "" means: not in the queue any more
 
 
-def _checkpoints(run_dir: str, cfg_dir: str | None) -> list[str]:
+def _checkpoints(run_dir: str, cfg_dir: str | None) -> tuple[list[str], list[str]]:
+    """Committed steps (oldest first), and the damaged ones the store set aside."""
     from clusterflow.store import CheckpointStore
 
     try:
         store = CheckpointStore(cfg_dir or rundir.path(run_dir, "checkpoints"))
-        return [store.url_of(s) for s in store.steps()]
+        damaged = sorted(store._p(name) for name in store._entries() if name.startswith("damaged-step-"))
+        return [store.url_of(s) for s in store.steps()], damaged
     except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
-        return []
+        return [], []
 
 
 def collect(run_dir: str) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def collect(run_dir: str) -> dict[str, Any]:
     with open(rundir.path(run_dir, rundir.CONFIG), encoding="utf-8") as f:
         cfg = yaml.safe_load(f) or {}
     ckdir = (cfg.get("checkpoint") or {}).get("dir") or None
-    cks = _checkpoints(run_dir, ckdir)
+    cks, damaged = _checkpoints(run_dir, ckdir)
     last = attempts[-1] if attempts else {}
     job_id = str(last.get("job_id") or st.get("job_id") or "")
     state = st.get("state") or ("pending" if not attempts else "running")
@@ -95,6 +97,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": age,
         "checkpoints": cks,
+        "damaged_checkpoints": damaged,
         "mining": [{k: m.get(k) for k in ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari",
                                           "pairwise_f", "bcubed_f") if k in m} | {"seconds": (m.get("seconds") or {}).get("total")}
                    for m in st.get("mining", [])],
@@ -117,6 +120,9 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"checkpoint   {s['latest_checkpoint']}{age}; {len(s['checkpoints'])} kept")
     else:
         lines.append("checkpoint   none yet")
+    if s["damaged_checkpoints"]:
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their sha256 check and were set aside: "
+                     f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
     if s["mining"]:
         m = s["mining"][-1]
         q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)

@@ -124,5 +124,7 @@ def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run
     # The damaged steps are kept aside for inspection when the run commits those steps anew.
     assert len(glob.glob(os.path.join(ckpts, "damaged-step-8-*"))) == 1
     assert len(glob.glob(os.path.join(ckpts, "damaged-step-6-*"))) == 1
-    assert status(d)["state"] == "completed"
+    s = status(d)
+    assert s["state"] == "completed"
+    assert sorted(os.path.basename(p)[:14] for p in s["damaged_checkpoints"]) == ["damaged-step-6", "damaged-step-8"]
     assert_same_weights(d, reference_run)
