@@ -177,6 +177,9 @@ class MiningConfig:
     threshold: float = doc(0.5, "Minimum cosine similarity of a kept mutual edge.")
     index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
     engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
+    search: str = doc("rank0", "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
+                      "its GPUs or cores) or all (every rank searches its own block with the exact torch engine; query "
+                      "blocks are broadcast and the partial top-k merged).")
     nlist: int = doc(1024, "ivf: number of inverted lists.")
     nprobe: int = doc(16, "ivf: lists visited per query.")
     hnsw_m: int = doc(32, "hnsw: graph degree M.")
@@ -195,6 +198,12 @@ class MiningConfig:
         _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
         _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
         _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
+        _choice("mining.search", self.search, ("rank0", "all"))
+        if self.search == "all":
+            _check(self.engine != "faiss", "mining.engine", self.engine,
+                   "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch")
+            _check(self.index == "flat", "mining.index", self.index,
+                   "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0")
         for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
             _check(getattr(self, key) >= 1, f"mining.{key}", getattr(self, key), "must be >= 1")
         _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")

@@ -118,14 +118,48 @@ def _faiss_search(x, k, query_batch, should_abort, timings, **index_args):
     return sims, ids
 
 
+def _sorted_top(best_s: Any, best_i: Any, keep: int) -> tuple[Any, Any]:
+    """The ``keep`` best per row: similarity descending, ties by the smaller id (a stable sort)."""
+    import torch
+
+    order = torch.argsort(best_i, dim=1)
+    best_s, best_i = torch.gather(best_s, 1, order), torch.gather(best_i, 1, order)
+    order = torch.argsort(-best_s, dim=1, stable=True)
+    return torch.gather(best_s, 1, order)[:, :keep], torch.gather(best_i, 1, order)[:, :keep]
+
+
+def _topk_block(q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, db_chunk: int, id_offset: int) -> tuple[Any, Any]:
+    """Exact top-``keep`` of the query block against the database block (ids shifted by
+    ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in fp32."""
+    import torch
+
+    n = db32.shape[0]
+    best_s, best_i = None, None
+    for ds in range(0, n, db_chunk):
+        s = q_c @ db_c[ds : ds + db_chunk].T
+        sv, si = torch.topk(s.float(), min(cand, s.shape[1]), dim=1)
+        si = si + ds
+        if best_s is None:
+            best_s, best_i = sv, si
+        else:
+            best_s, order = torch.topk(torch.cat([best_s, sv], 1), min(cand, best_s.shape[1] + sv.shape[1]), dim=1)
+            best_i = torch.gather(torch.cat([best_i, si], 1), 1, order)
+    # Re-rank the candidates in fp32 with one dot product per pair: exact when candidates were
+    # scored in bf16, and independent of the block shapes (a matmul's summation order changes
+    # with them), so one device, several devices and several ranks give bitwise the same result.
+    best_s = (q32.unsqueeze(1) * db32[best_i]).sum(-1)
+    best_s, best_i = _sorted_top(best_s, best_i, keep)
+    return best_s, best_i + id_offset
+
+
 def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
                  timings: dict | None = None, device: str | list[str] | None = None, db_chunk: int = 262144,
                  candidate_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k-NN with chunked matrix products and top-k.
 
-    On GPU the candidates are scored in bf16 (fast tensor cores), ``2k + 16`` of them kept per
-    query, then re-ranked in fp32, so the returned neighbours and similarities are the fp32
-    ones. On CPU everything is fp32. Ties are broken by the smaller id, like a stable sort.
+    On GPU the candidates are scored in bf16 (fast tensor cores), on CPU in fp32; ``2k + 16`` of
+    them are kept per query and re-ranked in fp32, so the returned neighbours and similarities
+    are the fp32 ones. Ties are broken by the smaller id, like a stable sort.
 
     ``device`` may name several devices: by default every visible GPU (else the CPU). Each holds a
     copy of the database and takes every n-th query batch, on its own thread (CUDA kernels and
@@ -149,7 +183,7 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
         replicas.append((db32, db32.to(torch.bfloat16) if candidate_dtype == "bf16" else db32))
     n = x.shape[0]
     kk = min(k + 1, n)
-    cand = min(n, kk if candidate_dtype == "fp32" else 2 * kk + 16)
+    cand = min(n, 2 * kk + 16)  # a margin over k+1, so near-ties at the cut are re-ranked exactly
     # Bound one score block (queries x database chunk) to 2**26 floats (256 MB in fp32).
     db_chunk = min(db_chunk, 65536)
     query_batch = max(1, min(query_batch, (1 << 26) // db_chunk))
@@ -161,26 +195,7 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
     failures: list[BaseException] = []
 
     def one_block(qs: int, db32: Any, db_c: Any) -> None:
-        q_c = db_c[qs : qs + query_batch]
-        best_s, best_i = None, None
-        for ds in range(0, n, db_chunk):
-            s = q_c @ db_c[ds : ds + db_chunk].T
-            top = min(cand, s.shape[1])
-            sv, si = torch.topk(s.float(), top, dim=1)
-            si = si + ds
-            if best_s is None:
-                best_s, best_i = sv, si
-            else:
-                best_s, order = torch.topk(torch.cat([best_s, sv], 1), min(cand, best_s.shape[1] + sv.shape[1]), dim=1)
-                best_i = torch.gather(torch.cat([best_i, si], 1), 1, order)
-        if candidate_dtype != "fp32":  # exact re-rank of the candidates in fp32
-            q32 = db32[qs : qs + query_batch]
-            best_s = torch.einsum("qd,qcd->qc", q32, db32[best_i])
-        # stable order: similarity descending, then id ascending
-        order = torch.argsort(best_i, dim=1)
-        best_s, best_i = torch.gather(best_s, 1, order), torch.gather(best_i, 1, order)
-        order = torch.argsort(-best_s, dim=1, stable=True)
-        best_s, best_i = torch.gather(best_s, 1, order)[:, :kk], torch.gather(best_i, 1, order)[:, :kk]
+        best_s, best_i = _topk_block(db32[qs : qs + query_batch], db_c[qs : qs + query_batch], db32, db_c, cand, kk, db_chunk, 0)
         s_np, i_np = best_s.cpu().numpy(), best_i.cpu().numpy()
         if kk < k + 1:
             s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
@@ -215,4 +230,68 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
     if timings is not None:
         timings["index"] = t1 - t0
         timings["search"] = time.perf_counter() - t1
+    return sims_out, ids_out
+
+
+def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: Any, query_batch: int = 65536,
+                       db_chunk: int = 65536, should_abort: Callable[[], bool] | None = None,
+                       timings: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Exact k-NN spread over every rank (collective: all ranks call it).
+
+    Rank r holds rows ``offsets[r]:offsets[r+1]`` of the normalised database. Each rank in turn
+    broadcasts its rows as query blocks; every rank scores a block against its own rows (bf16
+    candidates re-ranked in fp32 on GPU, fp32 on CPU) and the partial top-k are all-gathered and
+    merged by the block's owner. Returns this rank's rows' (sims, ids), k nearest others each, or
+    None on every rank when any rank's ``should_abort`` said so (checked before each block).
+    """
+    import time
+
+    import torch
+    import torch.distributed as tdist
+
+    from clusterflow import dist
+
+    t0 = time.perf_counter()
+    rank, world = dist.rank(), dist.world()
+    n, d = offsets[-1], x_local.shape[1]
+    dev = torch.device(device)
+    db32 = torch.from_numpy(np.ascontiguousarray(x_local, dtype=np.float32)).to(dev)
+    db_c = db32.to(torch.bfloat16) if dev.type == "cuda" else db32
+    kk = min(k + 1, n)
+    cand = min(n, 2 * kk + 16)
+    db_chunk = min(db_chunk, 65536)
+    query_batch = max(1, min(query_batch, (1 << 26) // db_chunk))
+    sims_out = np.full((len(x_local), k), -np.inf, np.float32)
+    ids_out = np.full((len(x_local), k), -1, np.int64)
+    t1 = time.perf_counter()
+    for owner in range(world):
+        lo, hi = offsets[owner], offsets[owner + 1]
+        for qs in range(lo, hi, query_batch):
+            if dist.any_rank(bool(should_abort and should_abort()), device=dev):
+                return None
+            m = min(query_batch, hi - qs)
+            q = db32[qs - lo : qs - lo + m].contiguous() if rank == owner else torch.empty((m, d), dtype=torch.float32, device=dev)
+            tdist.broadcast(q, src=owner)
+            s = torch.full((m, kk), -torch.inf, device=dev)
+            i = torch.full((m, kk), -1, dtype=torch.int64, device=dev)
+            if len(x_local):
+                ps, pi = _topk_block(q, q.to(db_c.dtype), db32, db_c, cand, kk, db_chunk, offsets[rank])
+                s[:, : ps.shape[1]], i[:, : pi.shape[1]] = ps, pi  # a block with fewer than kk rows pads with -inf
+            all_s = [torch.empty_like(s) for _ in range(world)]
+            all_i = [torch.empty_like(i) for _ in range(world)]
+            tdist.all_gather(all_s, s)
+            tdist.all_gather(all_i, i)
+            if rank != owner:
+                continue
+            best_s, best_i = _sorted_top(torch.cat(all_s, 1), torch.cat(all_i, 1), kk)
+            s_np, i_np = best_s.cpu().numpy(), best_i.cpu().numpy()
+            if kk < k + 1:
+                s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
+                i_np = np.pad(i_np, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
+            s_np, i_np = _drop_self(s_np, i_np, qs, k)
+            sims_out[qs - lo : qs - lo + m], ids_out[qs - lo : qs - lo + m] = s_np, i_np
+    if timings is not None:
+        timings["index"] = t1 - t0
+        timings["search"] = time.perf_counter() - t1
+        timings["engine"] = f"torch (exact, distributed over {world} ranks)"
     return sims_out, ids_out

@@ -203,7 +203,7 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     return torch.cat(idx).numpy().astype(np.int64), torch.cat(out).numpy()
 
 
-def gather_to_main(indices: np.ndarray, emb: np.ndarray, n: int, dim: int) -> np.ndarray | None:
+def gather_to_main(indices: np.ndarray, emb: np.ndarray, n: int, dim: int, dtype: Any = np.float32) -> np.ndarray | None:
     """Rank 0 receives every shard and places rows by index; others get None and keep O(shard).
 
     The collective needs equal sizes (gloo refuses uneven ones), so shards are padded to the
@@ -215,12 +215,12 @@ def gather_to_main(indices: np.ndarray, emb: np.ndarray, n: int, dim: int) -> np
     from clusterflow import dist
 
     if not dist._initialized():
-        full = np.zeros((n, dim), np.float32)
+        full = np.zeros((n, dim), dtype)
         full[indices] = emb
         return full
     world, rank = dist.world(), dist.rank()
     pad = -(-n // world)
-    e = torch.zeros((pad, dim), dtype=torch.float32)
+    e = torch.zeros((pad, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
     i = torch.full((pad,), -1, dtype=torch.int64)
     e[: len(indices)] = torch.from_numpy(emb) if len(indices) else e[:0]
     i[: len(indices)] = torch.from_numpy(indices)
@@ -233,7 +233,7 @@ def gather_to_main(indices: np.ndarray, emb: np.ndarray, n: int, dim: int) -> np
     tdist.gather(i, is_, dst=0)
     if rank != 0:
         return None
-    full = np.zeros((n, dim), np.float32)
+    full = np.zeros((n, dim), dtype)
     seen = np.zeros(n, bool)
     for ee, ii in zip(es, is_):
         ii = ii.cpu().numpy()
@@ -279,6 +279,23 @@ class MiningGroup:
         return t.numpy()
 
 
+def _search_everywhere(indices: np.ndarray, emb: np.ndarray, n: int, cfg: Any, device: Any, preemption: Any,
+                       timings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
+    """mining.search=all: this rank's rows' k-NN over the whole set, from knn.distributed_search."""
+    from clusterflow import dist
+    from clusterflow.knn import distributed_search
+    from clusterflow.sampler import shard_range
+
+    world = dist.world()
+    offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
+    mine_ = np.arange(offsets[dist.rank()], offsets[dist.rank() + 1])
+    order = np.argsort(indices, kind="stable")
+    if not np.array_equal(indices[order], mine_):
+        raise RuntimeError("mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow")
+    return distributed_search(normalize(emb[order]), offsets, cfg.k, device, query_batch=cfg.query_batch,
+                              should_abort=lambda: preemption.requested, timings=timings)
+
+
 def mine(task: Any, model: Any, cfg: Any, device: Any, amp_dtype: Any, group: MiningGroup,
          preemption: Any, epoch: int, progress_bar: bool = True) -> dict[str, Any] | None:
     """One round. Returns {"labels", "stats"} on every rank, or None when a preemption signal cut
@@ -303,17 +320,30 @@ def mine(task: Any, model: Any, cfg: Any, device: Any, amp_dtype: Any, group: Mi
     if preemption.agree(device) != "":
         return None
     dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
+    timings: dict[str, Any] = {}
     t1 = time.perf_counter()
-    full = gather_to_main(indices, emb, n, dim)
-    phases["gather"] = time.perf_counter() - t1
+    if cfg.search == "all" and world > 1:
+        # Every rank searches its own block; only the k-NN lists travel to rank 0.
+        result = _search_everywhere(indices, emb, n, cfg, device, preemption, timings)
+        if result is None:
+            return None  # every rank saw the abort at the same query block
+        rows = np.sort(indices)  # the search returns this rank's rows in index order
+        sims = gather_to_main(rows, result[0], n, cfg.k)
+        ids = gather_to_main(rows, result[1], n, cfg.k, np.int64)
+        phases["gather"] = time.perf_counter() - t1 - timings["index"] - timings["search"]
+    else:
+        full = gather_to_main(indices, emb, n, dim)
+        phases["gather"] = time.perf_counter() - t1
     labels, stats = None, None
     if rank == 0:
-        assert full is not None
-        timings: dict[str, Any] = {}
-        x = normalize(full)
-        result = knn_graph(x, cfg.k, index=cfg.index, engine=cfg.engine, query_batch=cfg.query_batch,
-                           should_abort=lambda: preemption.requested, timings=timings, nlist=cfg.nlist,
-                           nprobe=cfg.nprobe, hnsw_m=cfg.hnsw_m, ef_search=cfg.ef_search)
+        if cfg.search == "all" and world > 1:
+            result = (sims, ids)
+        else:
+            assert full is not None
+            x = normalize(full)
+            result = knn_graph(x, cfg.k, index=cfg.index, engine=cfg.engine, query_batch=cfg.query_batch,
+                               should_abort=lambda: preemption.requested, timings=timings, nlist=cfg.nlist,
+                               nprobe=cfg.nprobe, hnsw_m=cfg.hnsw_m, ef_search=cfg.ef_search)
         if result is not None:
             t2 = time.perf_counter()
             graph = mutual_edges(*result, cfg.threshold)

@@ -38,6 +38,8 @@ def test_defaults_file_overrides_precedence(tmp_path):
     ("checkpoint.keep_last=1", "must be >= 2"),
     ("epochs", "must look like section.key=value"),
     ("cluster.tasks_per_node=3", "must be divisible by world size x grad_accum = 3 x 1"),
+    ("train.epochs.x=3", "train.epochs is a single value, not a mapping; write train.epochs=VALUE"),
+    ("mining.search=everywhere", "must be one of rank0, all"),
 ])
 def test_bad_overrides_name_key_value_and_fix(override, needle):
     with pytest.raises(UserError) as e:
@@ -117,3 +119,17 @@ def test_login_node_import_is_light(cli):
     code = "import sys, clusterflow.submit, clusterflow.status, clusterflow.config; print('torch' in sys.modules, 'faiss' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.stdout.strip() == "False False", res.stderr
+
+
+def test_one_task_param_overrides_keep_the_others(tmp_path):
+    path = write(tmp_path, "task:\n  params: {identities: 24, hidden: 64}\n")
+    cfg = config.load(path, ["task.params.hidden=128", "task.params.extra=x"])
+    assert cfg.task.params == {"identities": 24, "hidden": 128, "extra": "x"}
+
+
+def test_spread_search_needs_the_exact_torch_engine():
+    with pytest.raises(UserError, match="mining.engine = 'faiss': cannot run with mining.search=all"):
+        config.load(None, ["mining.search=all", "mining.engine=faiss"])
+    with pytest.raises(UserError, match="mining.search=all is exact"):
+        config.load(None, ["mining.search=all", "mining.index=hnsw"])
+    assert config.load(None, ["mining.search=all"]).mining.search == "all"

@@ -67,7 +67,7 @@ def test_every_index_embedded_exactly_once(n, batch):
     assert res[1][1] is None and res[2][1] is None  # other ranks hold only their shard
 
 
-def _mine(params):
+def _mine(params, search="rank0"):
     import torch
 
     from clusterflow import config, dist
@@ -78,7 +78,7 @@ def _mine(params):
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, **params)
     model = task.build_model()
-    cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97)
+    cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search)
     out = mine(task, model, cfg, torch.device("cpu"), None, MiningGroup(60), Preemption(), epoch=1, progress_bar=False)
     return out["labels"].tolist(), {k: out["stats"][k] for k in ("num_clusters", "nmi")}, dist.world()
 
@@ -88,9 +88,52 @@ def test_mining_end_to_end_same_labels_whatever_world_size():
     one = run_ranks(1, _mine, params)[0]
     three = run_ranks(3, _mine, params)
     two = run_ranks(2, _mine, params)
-    for labels, stats, world in three + two:
+    spread = run_ranks(3, _mine, params, "all")  # the k-NN search itself spread over the 3 ranks
+    for labels, stats, world in three + two + spread:
         assert labels == one[0] and stats == one[1]
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     assert len(one[0]) == 350 and one[1]["num_clusters"] > 1
     assert isinstance(PseudoIDTask(identities=50, samples_per_identity=7).ground_truth(), np.ndarray)
+
+
+def _knn_data(n):
+    from clusterflow.mining import normalize
+
+    x = normalize(np.random.default_rng(3).standard_normal((n, 16)).astype(np.float32))
+    if n > 7:
+        x[7] = x[3]  # an exact duplicate: ties must break by the smaller id, as in one process
+    return x
+
+
+def _distributed_knn(n, k, query_batch, abort_at):
+    import torch
+
+    from clusterflow import dist
+    from clusterflow.knn import distributed_search
+    from clusterflow.sampler import shard_range
+
+    x = _knn_data(n)
+    world, rank = dist.world(), dist.rank()
+    offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
+    calls = []
+    out = distributed_search(x[offsets[rank]:offsets[rank + 1]], offsets, k, torch.device("cpu"), query_batch=query_batch,
+                             db_chunk=16, should_abort=lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at)
+    return None if out is None else (out[0].tolist(), out[1].tolist())
+
+
+@pytest.mark.parametrize("n,k", [(101, 6), (5, 6)])  # k >= n: fewer neighbours than asked, padded like one process
+def test_distributed_knn_equals_one_process(n, k):
+    from clusterflow.knn import torch_search
+
+    x = _knn_data(n)
+    want_s, want_i = torch_search(x, k, query_batch=10, db_chunk=16, device="cpu")
+    parts = run_ranks(3, _distributed_knn, n, k, 10, 10**9)
+    got_s = np.concatenate([np.array(p[0], dtype=np.float32).reshape(-1, k) for p in parts])
+    got_i = np.concatenate([np.array(p[1], dtype=np.int64).reshape(-1, k) for p in parts])
+    np.testing.assert_array_equal(got_i, want_i)
+    np.testing.assert_array_equal(got_s, want_s)
+
+
+def test_distributed_knn_abort_on_one_rank_stops_every_rank():
+    assert run_ranks(3, _distributed_knn, 101, 6, 10, 2) == [None, None, None]  # no hang, no partial result
