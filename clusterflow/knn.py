@@ -55,6 +55,17 @@ def _drop_self(sims: np.ndarray, ids: np.ndarray, start: int, k: int) -> tuple[n
     return sims[keep].reshape(len(ids), k), ids[keep].reshape(len(ids), k)
 
 
+def _k_others(best_s: Any, best_i: Any, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top k+1 (or fewer, when the set is that small) of queries ``start..`` (numpy arrays or
+    tensors), as numpy padded to k+1 columns, without each query itself: its k nearest others."""
+    s_np, i_np = (t.cpu().numpy() if hasattr(t, "cpu") else t for t in (best_s, best_i))
+    missing = k + 1 - s_np.shape[1]
+    if missing > 0:
+        s_np = np.pad(s_np, ((0, 0), (0, missing)), constant_values=-np.inf)
+        i_np = np.pad(i_np, ((0, 0), (0, missing)), constant_values=-1)
+    return _drop_self(s_np, i_np, start, k)
+
+
 def build_faiss_index(x: np.ndarray, index: str = "flat", nlist: int = 1024, nprobe: int = 16,
                       hnsw_m: int = 32, ef_search: int = 128, use_gpu: bool = True):
     import faiss
@@ -106,11 +117,7 @@ def _faiss_search(x, k, query_batch, should_abort, timings, **index_args):
     for start in range(0, x.shape[0], query_batch):
         if should_abort and should_abort():
             return None
-        s, i = idx.search(x[start : start + query_batch], kk)
-        if kk < k + 1:  # fewer rows than k + 1: pad with "no neighbour"
-            s = np.pad(s, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
-            i = np.pad(i, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
-        s, i = _drop_self(s, i, start, k)
+        s, i = _k_others(*idx.search(x[start : start + query_batch], kk), start, k)
         sims[start : start + len(s)], ids[start : start + len(s)] = s, i
     if timings is not None:
         timings["index"] = t1 - t0
@@ -196,11 +203,7 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
 
     def one_block(qs: int, db32: Any, db_c: Any) -> None:
         best_s, best_i = _topk_block(db32[qs : qs + query_batch], db_c[qs : qs + query_batch], db32, db_c, cand, kk, db_chunk, 0)
-        s_np, i_np = best_s.cpu().numpy(), best_i.cpu().numpy()
-        if kk < k + 1:
-            s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
-            i_np = np.pad(i_np, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
-        s_np, i_np = _drop_self(s_np, i_np, qs, k)
+        s_np, i_np = _k_others(best_s, best_i, qs, k)
         sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np  # disjoint rows per block
 
     def worker(slot: int) -> None:
@@ -284,11 +287,7 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
             if rank != owner:
                 continue
             best_s, best_i = _sorted_top(torch.cat(all_s, 1), torch.cat(all_i, 1), kk)
-            s_np, i_np = best_s.cpu().numpy(), best_i.cpu().numpy()
-            if kk < k + 1:
-                s_np = np.pad(s_np, ((0, 0), (0, k + 1 - kk)), constant_values=-np.inf)
-                i_np = np.pad(i_np, ((0, 0), (0, k + 1 - kk)), constant_values=-1)
-            s_np, i_np = _drop_self(s_np, i_np, qs, k)
+            s_np, i_np = _k_others(best_s, best_i, qs, k)
             sims_out[qs - lo : qs - lo + m], ids_out[qs - lo : qs - lo + m] = s_np, i_np
     if timings is not None:
         timings["index"] = t1 - t0

@@ -322,23 +322,21 @@ def mine(task: Any, model: Any, cfg: Any, device: Any, amp_dtype: Any, group: Mi
     dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
     timings: dict[str, Any] = {}
     t1 = time.perf_counter()
-    if cfg.search == "all" and world > 1:
+    spread = cfg.search == "all" and world > 1
+    if spread:
         # Every rank searches its own block; only the k-NN lists travel to rank 0.
-        result = _search_everywhere(indices, emb, n, cfg, device, preemption, timings)
-        if result is None:
+        local = _search_everywhere(indices, emb, n, cfg, device, preemption, timings)
+        if local is None:
             return None  # every rank saw the abort at the same query block
         rows = np.sort(indices)  # the search returns this rank's rows in index order
-        sims = gather_to_main(rows, result[0], n, cfg.k)
-        ids = gather_to_main(rows, result[1], n, cfg.k, np.int64)
+        result = (gather_to_main(rows, local[0], n, cfg.k), gather_to_main(rows, local[1], n, cfg.k, np.int64))
         phases["gather"] = time.perf_counter() - t1 - timings["index"] - timings["search"]
     else:
         full = gather_to_main(indices, emb, n, dim)
         phases["gather"] = time.perf_counter() - t1
     labels, stats = None, None
     if rank == 0:
-        if cfg.search == "all" and world > 1:
-            result = (sims, ids)
-        else:
+        if not spread:
             assert full is not None
             x = normalize(full)
             result = knn_graph(x, cfg.k, index=cfg.index, engine=cfg.engine, query_batch=cfg.query_batch,

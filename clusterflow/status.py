@@ -41,8 +41,7 @@ def _checkpoints(run_dir: str, cfg_dir: str | None) -> tuple[list[str], list[str
 
     try:
         store = CheckpointStore(cfg_dir or rundir.path(run_dir, "checkpoints"))
-        damaged = sorted(store._p(name) for name in store._entries() if name.startswith("damaged-step-"))
-        return [store.url_of(s) for s in store.steps()], damaged
+        return [store.url_of(s) for s in store.steps()], store.damaged()
     except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
         return [], []
 

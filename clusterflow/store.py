@@ -253,27 +253,16 @@ class CheckpointStore:
         return {"size": w.size, "sha256": digest}
 
     @staticmethod
-    def _hash_local(path: str, sync: bool = False) -> str:
+    def _hash_local(path: str) -> str:
         sha = hashlib.sha256()
         fd = os.open(path, os.O_RDONLY)
         try:
-            with ThreadPoolExecutor(1) as pool:
-                syncing = pool.submit(os.fsync, fd) if sync else None
-                buf = bytearray(_CHUNK)
-                view = memoryview(buf)
-                while n := os.readv(fd, [buf]):
-                    sha.update(view[:n])  # releases the GIL: runs beside the fsync
-                if syncing is not None:
-                    syncing.result()
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := os.readv(fd, [buf]):
+                sha.update(view[:n])  # releases the GIL: runs beside the unpickling
         finally:
             os.close(fd)
-        return sha.hexdigest()
-
-    def _hash_remote(self, path: str) -> str:
-        sha = hashlib.sha256()
-        with self.fs.open(path, "rb") as f:
-            while chunk := f.read(_CHUNK):
-                sha.update(chunk)
         return sha.hexdigest()
 
     def _load_checked(self, name: str, path: str, info: Mapping[str, Any]) -> Any:
@@ -281,14 +270,17 @@ class CheckpointStore:
         import torch
 
         with ThreadPoolExecutor(1) as pool:
-            hashing = pool.submit(self._hash_local if self.local else self._hash_remote, path)
+            if self.local:  # both read the file from the page cache: no copy of it in memory
+                hashing = pool.submit(self._hash_local, path)
+                source: Any = path
+            else:  # download once; hash and unpickle the same bytes
+                with self.fs.open(path, "rb") as f:
+                    data = f.read()
+                hashing = pool.submit(lambda: hashlib.sha256(data).hexdigest())
+                source = io.BytesIO(data)
             loaded, failure = None, None
             try:
-                if self.local:
-                    loaded = torch.load(path, map_location="cpu", weights_only=True)
-                else:
-                    with self.fs.open(path, "rb") as f:
-                        loaded = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+                loaded = torch.load(source, map_location="cpu", weights_only=True)
             except Exception as exc:  # noqa: BLE001 - judged below, once the hash says whether the bytes are intact
                 failure = exc
             digest = hashing.result()
@@ -307,8 +299,9 @@ class CheckpointStore:
                 os.close(fd)
 
     def save(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> str | None:
-        """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step ``step``. Returns the step path, or None when
-        that step is already committed (a committed step is never overwritten)."""
+        """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step
+        ``step``. Returns the step path, or None when that step is already committed (a committed
+        step is never overwritten)."""
         final = self.step_path(step)
         if self.fs.exists(self._p(f"step-{step}", MANIFEST)):
             try:
@@ -342,6 +335,10 @@ class CheckpointStore:
             self.fs.mv(tmp, final, recursive=True)
         self.prune()
         return final
+
+    def damaged(self) -> list[str]:
+        """Folders of steps that failed verification and were set aside (``damaged-step-<N>-*``)."""
+        return sorted(self._p(name) for name in self._entries() if name.startswith("damaged-step-"))
 
     def prune(self) -> None:
         """Keep the newest ``keep_last`` committed steps.
