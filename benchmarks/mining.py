@@ -50,7 +50,7 @@ def _embed_rate(n: int) -> float:
     import torch
 
     from clusterflow import dist
-    from clusterflow.mining import embed_shard, gather_to_main
+    from clusterflow.mining import embed_shard
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     task = PseudoIDTask(identities=n // 20, samples_per_identity=20)
@@ -59,7 +59,7 @@ def _embed_rate(n: int) -> float:
     dist.barrier()
     t0 = time.perf_counter()
     idx, emb = embed_shard(task, model, ds, dist.rank(), dist.world(), 1024, torch.device("cpu"), None)
-    gather_to_main(idx, emb, len(ds), emb.shape[1])
+    dist.gather_rows(idx, emb, len(ds), emb.shape[1])
     return len(ds) / (time.perf_counter() - t0)
 
 

@@ -1,270 +1,20 @@
-"""The distributed environment: who am I, who are the others, and the few collectives we use.
+"""The process group and the collectives clusterflow uses, with single-process defaults.
 
-One place reads the environment: :meth:`DistEnv.from_env` takes a plain mapping (``os.environ``
-in production, a dict in tests) and understands Slurm's ``srun``, torchrun, submitit's local
-executor and a bare single process. The helpers below have single-process defaults, so the same
-code runs with and without a process group. torch is imported lazily: parsing an environment or
-a nodelist must work on a login node without torch.
+``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
+exists, so the same code runs as one process. Nothing else in clusterflow calls
+``torch.distributed``: what mining, the k-NN search and the losses need lives here. torch is
+imported lazily (``clusterflow.submit`` imports this module on login nodes).
+
+Who this process is comes from ``dist_env.py``; its names are re-exported here.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-import re
-import socket
-import zlib
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from clusterflow.dist_env import DistEnv, derive_port, free_port, parse_nodelist  # noqa: F401 - re-exported
 from clusterflow.errors import UserError
-
-# ---------------------------------------------------------------------------------------------
-# Slurm nodelists, parsed without calling scontrol (it may not exist on compute nodes' PATH).
-
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-
-
-def _split_top(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        if ch == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError("nested brackets")
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("']' without '['")
-        elif ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError("'[' without ']'")
-    parts.append(text[start:])
-    return parts
-
-
-def _expand_ranges(body: str) -> list[str]:
-    out = []
-    for piece in body.split(","):
-        m = _RANGE.match(piece)
-        if not m:
-            raise ValueError(f"bad range {piece!r}")
-        lo, hi = m.group(1), m.group(2)
-        if hi is None:
-            out.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"descending range {piece!r}")
-        width = len(lo)  # node[01-10] keeps the zero padding
-        out.extend(str(i).zfill(width) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
-def _expand_host(pattern: str) -> list[str]:
-    """Expand one host pattern, possibly with several bracket groups: rack1-[1-2]-gpu[3-4]."""
-    m = re.search(r"\[([^\]]*)\]", pattern)
-    if not m:
-        if not pattern or any(c in pattern for c in "[], "):
-            raise ValueError(f"bad host name {pattern!r}")
-        return [pattern]
-    head, tail = pattern[: m.start()], pattern[m.end() :]
-    tails = _expand_host(tail) if tail else [""]
-    return [head + x + t for x in _expand_ranges(m.group(1)) for t in tails]
-
-
-def parse_nodelist(text: str) -> list[str]:
-    """Expand a Slurm hostlist: ``node[01-04,07]``, ``a[1-3],b1``, ``rack1-[1-2]-gpu[3-4]``."""
-    text = (text or "").strip()
-    if not text:
-        raise UserError("SLURM_JOB_NODELIST is empty; it should name the job's nodes, e.g. node[01-04]")
-    try:
-        hosts: list[str] = []
-        for part in _split_top(text):
-            if not part:
-                raise ValueError("empty entry")
-            hosts.extend(_expand_host(part))
-        return hosts
-    except ValueError as exc:
-        raise UserError(
-            f"cannot parse the Slurm nodelist {text!r}: {exc}; expected a form like node[01-04,07] or a[1-3],b1"
-        ) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# The environment
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a rendezvous of processes started here."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def derive_port(job_id: str, attempt: int) -> int:
-    """A port in [20000, 40000) from the job id and the attempt, the same on every rank.
-
-    A requeued attempt gets a different port, so it never trips over the previous attempt's
-    socket lingering in TIME_WAIT on the master node.
-    """
-    return 20000 + zlib.crc32(f"{job_id}:{attempt}".encode()) % 20000
-
-
-def _tasks_per_node(value: str | None, num_nodes: int, ntasks: int, node_id: int) -> int:
-    """Read SLURM_TASKS_PER_NODE ('2(x3),1') for this node; fall back to an even split."""
-    if value:
-        counts: list[int] = []
-        for piece in value.split(","):
-            m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", piece.strip())
-            if not m:
-                break
-            counts.extend([int(m.group(1))] * int(m.group(2) or 1))
-        if len(counts) == num_nodes and 0 <= node_id < num_nodes:
-            return counts[node_id]
-    return max(1, ntasks // max(1, num_nodes))
-
-
-def _ints(env: Mapping[str, str], names: list[str], source: str) -> dict[str, int]:
-    missing = [n for n in names if n not in env or env[n] == ""]
-    if missing:
-        present = [n for n in names if n not in missing]
-        raise UserError(
-            f"incomplete {source} environment: {', '.join(missing)} not set while {', '.join(present)} "
-            f"{'is' if len(present) == 1 else 'are'}; launch with {'srun' if source == 'Slurm' else source} "
-            f"so all of them are set, or unset the stray ones to run as a single process"
-        )
-    out = {}
-    for n in names:
-        try:
-            out[n] = int(env[n])
-        except ValueError:
-            raise UserError(f"{n}={env[n]!r} in the {source} environment is not an integer") from None
-    return out
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """Where this process sits in the job. Built only by :meth:`from_env`."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    node_rank: int = 0
-    num_nodes: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    job_id: str = "local"
-    attempt: int = 0
-    hosts: tuple[str, ...] = field(default_factory=tuple)
-    source: str = "single"
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def distributed(self) -> bool:
-        return self.world_size > 1
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "DistEnv":
-        env = os.environ if env is None else env
-        if "RANK" in env or "LOCAL_RANK" in env or "WORLD_SIZE" in env:
-            # torchrun wins even inside a Slurm allocation: it sets the exact layout it launched.
-            return cls._torchrun(env)
-        if "SLURM_PROCID" in env:
-            return cls._slurm(env)
-        if "SUBMITIT_LOCAL_GLOBALID" in env:
-            return cls._submitit_local(env)
-        return cls(master_port=int(env.get("MASTER_PORT", 29500)), hosts=(env.get("HOSTNAME", "localhost"),))
-
-    @classmethod
-    def _torchrun(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = _ints(env, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], "torchrun")
-        local_world = int(env.get("LOCAL_WORLD_SIZE", v["WORLD_SIZE"]))
-        _consistent(v["RANK"] < v["WORLD_SIZE"], f"RANK={v['RANK']} must be below WORLD_SIZE={v['WORLD_SIZE']}")
-        _consistent(v["LOCAL_RANK"] < local_world, f"LOCAL_RANK={v['LOCAL_RANK']} must be below LOCAL_WORLD_SIZE={local_world}")
-        if v["WORLD_SIZE"] > 1 and "MASTER_ADDR" not in env:
-            raise UserError("torchrun environment without MASTER_ADDR: launch with torchrun, which sets it, or export MASTER_ADDR")
-        return cls(
-            rank=v["RANK"],
-            world_size=v["WORLD_SIZE"],
-            local_rank=v["LOCAL_RANK"],
-            local_world_size=local_world,
-            node_rank=int(env.get("GROUP_RANK", v["RANK"] // max(1, local_world))),
-            num_nodes=max(1, v["WORLD_SIZE"] // max(1, local_world)),
-            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-            master_port=int(env.get("MASTER_PORT", 29500)),
-            job_id=env.get("SLURM_JOB_ID", env.get("TORCHELASTIC_RUN_ID", "torchrun")),
-            attempt=int(env.get("SLURM_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", 0)) or 0),
-            hosts=tuple(parse_nodelist(env["SLURM_JOB_NODELIST"])) if env.get("SLURM_JOB_NODELIST") else (env.get("MASTER_ADDR", "127.0.0.1"),),
-            source="torchrun",
-        )
-
-    @classmethod
-    def _slurm(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = _ints(env, ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_NUM_NODES"], "Slurm")
-        if not env.get("SLURM_JOB_NODELIST"):
-            raise UserError("incomplete Slurm environment: SLURM_JOB_NODELIST not set while SLURM_PROCID is; launch with srun")
-        hosts = parse_nodelist(env["SLURM_JOB_NODELIST"])
-        rank, ntasks, nodes, node = v["SLURM_PROCID"], v["SLURM_NTASKS"], v["SLURM_JOB_NUM_NODES"], v["SLURM_NODEID"]
-        _consistent(rank < ntasks, f"SLURM_PROCID={rank} must be below SLURM_NTASKS={ntasks}")
-        _consistent(node < nodes, f"SLURM_NODEID={node} must be below SLURM_JOB_NUM_NODES={nodes}")
-        _consistent(len(hosts) == nodes, f"SLURM_JOB_NODELIST names {len(hosts)} hosts ({', '.join(hosts)}) but SLURM_JOB_NUM_NODES={nodes}")
-        job_id = env.get("SLURM_JOB_ID", "")
-        if not job_id:
-            raise UserError("incomplete Slurm environment: SLURM_JOB_ID not set while SLURM_PROCID is; launch with srun inside a job")
-        attempt = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-        local_world = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE"), nodes, ntasks, node)
-        _consistent(v["SLURM_LOCALID"] < local_world, f"SLURM_LOCALID={v['SLURM_LOCALID']} must be below the tasks on this node ({local_world})")
-        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt)
-        return cls(
-            rank=rank,
-            world_size=ntasks,
-            local_rank=v["SLURM_LOCALID"],
-            local_world_size=local_world,
-            node_rank=node,
-            num_nodes=nodes,
-            master_addr=env.get("MASTER_ADDR") or hosts[0],
-            master_port=port,
-            job_id=job_id,
-            attempt=attempt,
-            hosts=tuple(hosts),
-            source="slurm",
-        )
-
-    @classmethod
-    def _submitit_local(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = _ints(env, ["SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_NTASKS"], "submitit local")
-        _consistent(v["SUBMITIT_LOCAL_GLOBALID"] < v["SUBMITIT_LOCAL_NTASKS"],
-                    f"SUBMITIT_LOCAL_GLOBALID={v['SUBMITIT_LOCAL_GLOBALID']} must be below SUBMITIT_LOCAL_NTASKS={v['SUBMITIT_LOCAL_NTASKS']}")
-        job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "local")
-        attempt = int(env.get("CLUSTERFLOW_ATTEMPT", "0") or 0)
-        return cls(
-            rank=v["SUBMITIT_LOCAL_GLOBALID"],
-            world_size=v["SUBMITIT_LOCAL_NTASKS"],
-            local_rank=v["SUBMITIT_LOCAL_LOCALID"],
-            local_world_size=v["SUBMITIT_LOCAL_NTASKS"],
-            master_addr="127.0.0.1",
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt),
-            job_id=job_id,
-            attempt=attempt,
-            hosts=(env.get("HOSTNAME", "localhost"),),
-            source="submitit-local",
-        )
-
-
-def _consistent(ok: bool, message: str) -> None:
-    if not ok:
-        raise UserError(f"inconsistent distributed environment: {message}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Process group and collectives (torch imported lazily)
 
 
 def pick_backend(requested: str = "auto") -> str:
@@ -314,7 +64,8 @@ def shutdown() -> None:
         tdist.destroy_process_group()
 
 
-def _initialized() -> bool:
+def initialized() -> bool:
+    """True when a process group exists (more than one rank)."""
     try:
         import torch.distributed as tdist
     except ImportError:
@@ -325,13 +76,13 @@ def _initialized() -> bool:
 def rank() -> int:
     import torch.distributed as tdist
 
-    return tdist.get_rank() if _initialized() else 0
+    return tdist.get_rank() if initialized() else 0
 
 
 def world() -> int:
     import torch.distributed as tdist
 
-    return tdist.get_world_size() if _initialized() else 1
+    return tdist.get_world_size() if initialized() else 1
 
 
 def is_main() -> bool:
@@ -339,15 +90,19 @@ def is_main() -> bool:
 
 
 def barrier() -> None:
-    if _initialized():
+    if initialized():
         import torch.distributed as tdist
 
         tdist.barrier()
 
 
+# ---------------------------------------------------------------------------------------------
+# Python objects and numbers
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s object on every rank (pickled; for configs, labels and small state)."""
-    if not _initialized():
+    if not initialized():
         return obj
     import torch.distributed as tdist
 
@@ -358,7 +113,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Every rank's object on rank ``dst`` (None elsewhere)."""
-    if not _initialized():
+    if not initialized():
         return [obj]
     import torch.distributed as tdist
 
@@ -372,7 +127,7 @@ def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any =
     if not metrics:
         return {}
     keys = sorted(metrics)
-    if not _initialized():
+    if not initialized():
         return {k: float(metrics[k]) for k in keys}
     import torch
     import torch.distributed as tdist
@@ -389,7 +144,7 @@ def all_reduce_sum(values: Any, device: Any = None) -> Any:
     import numpy as np
 
     values = np.asarray(values, dtype=np.float64)
-    if not _initialized():
+    if not initialized():
         return values
     import torch
     import torch.distributed as tdist
@@ -401,6 +156,112 @@ def all_reduce_sum(values: Any, device: Any = None) -> Any:
 
 def any_rank(flag: bool, device: Any = None) -> bool:
     """True on every rank when it is true on at least one (one tiny all-reduce)."""
-    if not _initialized():
+    if not initialized():
         return bool(flag)
     return all_reduce_dict({"f": 1.0 if flag else 0.0}, op="max", device=device)["f"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def broadcast_tensor(t: Any, src: int) -> Any:
+    """``t`` filled in place with rank ``src``'s values."""
+    if initialized():
+        import torch.distributed as tdist
+
+        tdist.broadcast(t, src=src)
+    return t
+
+
+def all_gather_tensors(t: Any) -> list[Any]:
+    """Every rank's ``t`` (same shape on each), in rank order."""
+    if not initialized():
+        return [t]
+    import torch
+    import torch.distributed as tdist
+
+    parts = [torch.empty_like(t) for _ in range(world())]
+    tdist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def all_reduce_tensor(t: Any) -> Any:
+    """``t`` summed over ranks, in place."""
+    if initialized():
+        import torch.distributed as tdist
+
+        tdist.all_reduce(t)
+    return t
+
+
+def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) -> Any:
+    """Rank 0 receives every rank's rows and places them by index into an (n, dim) array; the
+    others get None and keep O(shard) memory. Indices travel with the rows, so uneven or
+    padded shards can never shift a row (the collective needs equal sizes: gloo refuses uneven
+    ones, so shards are padded with index -1 and trimmed on arrival)."""
+    import numpy as np
+    import torch
+
+    dtype = np.dtype(dtype or np.float32)
+    if not initialized():
+        full = np.zeros((n, dim), dtype)
+        full[indices] = rows
+        return full
+    import torch.distributed as tdist
+
+    pad = -(-n // world())
+    e = torch.zeros((pad, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
+    i = torch.full((pad,), -1, dtype=torch.int64)
+    e[: len(indices)] = torch.from_numpy(rows) if len(indices) else e[:0]
+    i[: len(indices)] = torch.from_numpy(indices)
+    if tdist.get_backend() == "nccl":
+        e, i = e.cuda(), i.cuda()
+    es = [torch.empty_like(e) for _ in range(world())] if rank() == 0 else None
+    is_ = [torch.empty_like(i) for _ in range(world())] if rank() == 0 else None
+    tdist.gather(e, es, dst=0)
+    tdist.gather(i, is_, dst=0)
+    if rank() != 0:
+        return None
+    full = np.zeros((n, dim), dtype)
+    seen = np.zeros(n, bool)
+    for ee, ii in zip(es, is_):
+        ii = ii.cpu().numpy()
+        ok = ii >= 0
+        full[ii[ok]] = ee.cpu().numpy()[ok]
+        seen[ii[ok]] = True
+    if not seen.all():
+        raise RuntimeError(f"gathering rows lost {int((~seen).sum())} of {n}; this is a bug in clusterflow")
+    return full
+
+
+class Subgroup:
+    """A gloo group with its own timeout, for waits that may outlast the default one (ranks wait
+    in it while rank 0 runs the k-NN search). Collective to create: every rank, same order."""
+
+    def __init__(self, timeout_s: int) -> None:
+        self.group = None
+        if initialized():
+            import torch.distributed as tdist
+
+            self.group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if self.group is None:
+            return obj
+        import torch.distributed as tdist
+
+        box = [obj]
+        tdist.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+    def broadcast_array(self, values: Any, n: int, src: int = 0) -> Any:
+        """Rank ``src``'s int64 array of length ``n`` on every rank (``values`` is ignored elsewhere)."""
+        if self.group is None:
+            return values
+        import torch
+        import torch.distributed as tdist
+
+        t = torch.from_numpy(values) if rank() == src else torch.empty(n, dtype=torch.int64)
+        tdist.broadcast(t, src=src, group=self.group)
+        return t.numpy()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
+
+from clusterflow import dist
 
 
 class _GatherWithGrad(torch.autograd.Function):
@@ -12,23 +13,20 @@ class _GatherWithGrad(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.rank, ctx.n = tdist.get_rank(), x.shape[0]
-        parts = [torch.empty_like(x) for _ in range(tdist.get_world_size())]
-        tdist.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        ctx.rank, ctx.n = dist.rank(), x.shape[0]
+        return torch.cat(dist.all_gather_tensors(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        grad = grad.contiguous()
-        tdist.all_reduce(grad)
+        grad = dist.all_reduce_tensor(grad.contiguous())
         return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
 
 
 def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Rows of every rank (equal counts), and where this rank's rows start."""
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+    if dist.world() == 1:
         return x, 0
-    return _GatherWithGrad.apply(x), tdist.get_rank() * x.shape[0]
+    return _GatherWithGrad.apply(x), dist.rank() * x.shape[0]
 
 
 def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1) -> tuple[torch.Tensor, dict[str, float]]:
@@ -40,8 +38,8 @@ def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1)
     any positive are skipped. Returns the mean over this rank's anchors (DDP averages ranks).
     """
     zg, offset = gather_with_grad(z)
-    lg, _ = gather_with_grad(labels.to(z.dtype))
-    lg = lg.round().long()
+    # Ids travel as integers: they need no gradient, and a float32 cannot tell apart ids past 2**24.
+    lg = torch.cat(dist.all_gather_tensors(labels.long()))
     n = z.shape[0]
     sim = z @ zg.T / temperature  # (n, N)
     self_mask = torch.zeros_like(sim, dtype=torch.bool)

@@ -1,4 +1,4 @@
-"""Side effects on rank 0 only, through a null object; throughput bookkeeping.
+"""Side effects on rank 0 only, through a null object; reading the metrics back; throughput.
 
 Rank 0 gets a :class:`TensorBoardWriter`; every other rank gets a :class:`NullWriter` whose methods
 do nothing, so call sites never test the rank.
@@ -7,9 +7,11 @@ do nothing, so call sites never test the rank.
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any, Mapping
+
+from clusterflow import rundir
+from clusterflow.rundir import RunPaths
 
 
 class NullWriter:
@@ -27,23 +29,32 @@ class NullWriter:
 
 
 class TensorBoardWriter(NullWriter):
-    """One event file per attempt (SummaryWriter never reuses a file name); ``purge_step`` tells
-    TensorBoard to drop the steps an earlier attempt logged after the checkpoint we resumed from."""
+    """One event file per attempt (SummaryWriter never reuses a file name), and the same scalars as
+    JSON lines in ``metrics.jsonl``.
 
-    def __init__(self, logdir: str, attempt: int, purge_step: int | None) -> None:
+    Every attempt starts its events with a TensorBoard START at ``purge_step`` (a fresh run too:
+    an attempt killed before its first checkpoint leaves steps that the next one logs again), so
+    TensorBoard drops what earlier attempts logged at or after it; ``metrics.jsonl`` gets a marker
+    row with the same step, and :func:`read_metrics` applies the same rule.
+    """
+
+    def __init__(self, paths: RunPaths, attempt: int, purge_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=logdir, purge_step=purge_step, filename_suffix=f".attempt{attempt}")
-        # The same scalars as JSON lines beside tb/, for scripts and tests that do not read event files.
-        self._jsonl = open(os.path.join(os.path.dirname(logdir.rstrip("/")), "metrics.jsonl"), "a", encoding="utf-8")
+        self._w = SummaryWriter(log_dir=paths.tb, purge_step=purge_step, filename_suffix=f".attempt{attempt}")
+        self._jsonl = rundir.open_jsonl(paths.metrics)
         self._attempt = attempt
+        self._row({"step": purge_step, "attempt": attempt, "purge_step": purge_step})
+
+    def _row(self, record: dict[str, Any]) -> None:
+        self._jsonl.write((json.dumps(record) + "\n").encode())
+        self._jsonl.flush()
 
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         for k, v in values.items():
             self._w.add_scalar(k, v, step)
         self._w.flush()
-        self._jsonl.write(json.dumps({"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}}) + "\n")
-        self._jsonl.flush()
+        self._row({"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}})
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         self._w.add_histogram(tag, values, step)
@@ -56,8 +67,23 @@ class TensorBoardWriter(NullWriter):
         self._jsonl.close()
 
 
-def writer_for(is_main: bool, logdir: str, attempt: int, purge_step: int | None) -> NullWriter:
-    return TensorBoardWriter(logdir, attempt, purge_step) if is_main else NullWriter()
+def writer_for(is_main: bool, paths: RunPaths, attempt: int, purge_step: int) -> NullWriter:
+    return TensorBoardWriter(paths, attempt, purge_step) if is_main else NullWriter()
+
+
+def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:
+    """``{step: {tag: value}}`` from ``RUN_DIR/metrics.jsonl``, one value per (step, tag) as
+    TensorBoard shows them: when an attempt starts, what earlier attempts logged at or after its
+    ``purge_step`` (the first step it logs again) is dropped, and a later row wins over an
+    earlier one at the same (step, tag)."""
+    out: dict[int, dict[str, float]] = {}
+    for row in rundir.read_jsonl(RunPaths(run_dir).metrics):
+        if "purge_step" in row:
+            out = {s: v for s, v in out.items() if s < row["purge_step"]}
+            continue
+        values = {k: v for k, v in row.items() if k not in ("step", "attempt")}
+        out.setdefault(int(row["step"]), {}).update(values)
+    return dict(sorted(out.items()))
 
 
 class Throughput:

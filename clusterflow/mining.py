@@ -1,168 +1,44 @@
-"""The mining stage: shard embedding on every rank, rank-0 k-NN graph, mutual-kNN components.
+"""The mining stage between epochs; one round reads as its contract (docs/mining.md)::
 
-Flow of one round (``mine``)::
+    embed      every rank embeds its contiguous shard (eval mode, no grad, AMP on GPU); each row
+               carries its index
+    gather     search=rank0: every row to rank 0 only (dist.gather_rows), placed back by index
+    + graph    and rank 0 finds the k nearest others of each (knn.search: FAISS or exact torch);
+               search=all: every rank searches its own block against all rows
+               (knn_torch.distributed_search) and only the k-NN lists travel to rank 0
+    cluster    rank 0: mutual edges >= threshold, connected components (clustering.py, the very
+               functions behind ``mutual_knn_clusters``), stats
+    broadcast  labels (int64) from rank 0 on a subgroup whose timeout covers the search
 
-    every rank: embed its contiguous shard (eval mode, no grad, AMP on GPU), index travels with row
-    gather to rank 0 only (padded for the collective, placed back by index)   -> other ranks O(shard)
-    rank 0:     k-NN search (FAISS or the exact torch engine) -> mutual filter -> components
-    broadcast:  labels (int64, N) from rank 0 on a group whose timeout covers the search
-
-``mutual_knn_clusters`` is the pure function the stage uses; its definition is a contract
-(docs/mining.md): cosine similarity on L2-normalised rows; edge i-j kept iff j is among i's k
-nearest others, i among j's, and similarity >= threshold; labels are connected components
-numbered 0..C-1 in order of each component's smallest member.
+``mutual_knn_clusters``, ``normalize`` and ``cluster_stats`` are re-exported from clustering.py:
+``clusterflow.mining.mutual_knn_clusters`` is a public contract.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
-from scipy import sparse
-from scipy.sparse.csgraph import connected_components
+
+from clusterflow import dist, phases
+from clusterflow.clustering import cluster_stats, clusters_from_knn, mutual_knn_clusters, normalize  # noqa: F401 - re-exported
+from clusterflow.knn import KnnParams
 
 log = logging.getLogger("clusterflow.mining")
 
-
-# ---------------------------------------------------------------------------------------------
-# The pure function
+KnnLists = tuple[np.ndarray, np.ndarray]  # (sims, ids), (N, k) each
 
 
-def normalize(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    norms = np.linalg.norm(x, axis=1, keepdims=True)
-    return x / np.maximum(norms, 1e-12)
+@dataclass
+class Round:
+    """What one round hands the next epoch (labels) and the logs (stats, the same on every rank
+    except ``seconds``, each rank's own)."""
 
-
-def knn_graph(x: np.ndarray, k: int, index: str = "flat", engine: str = "auto", query_batch: int = 65536,
-              should_abort: Callable[[], bool] | None = None, timings: dict | None = None,
-              **index_args: Any) -> tuple[np.ndarray, np.ndarray] | None:
-    """k nearest others of every (already normalised) row, with the chosen engine."""
-    from clusterflow import knn
-
-    name, why = knn.choose_engine(engine)
-    if timings is not None:
-        timings["engine"] = f"{name} ({why})"
-    if name == "torch":
-        if index != "flat":
-            log.info("the torch engine is exact; mining.index=%s applies to faiss only", index)
-        return knn.torch_search(x, k, query_batch=query_batch, should_abort=should_abort, timings=timings)
-    return knn.faiss_search(x, k, query_batch=query_batch, should_abort=should_abort, timings=timings, index=index, **index_args)
-
-
-def mutual_edges(sims: np.ndarray, ids: np.ndarray, threshold: float) -> sparse.csr_matrix:
-    """Symmetric sparse matrix of the mutual k-NN edges with similarity >= threshold."""
-    n, k = ids.shape
-    rows = np.repeat(np.arange(n, dtype=np.int64), k)
-    cols = ids.ravel()
-    keep = (cols >= 0) & (sims.ravel() >= threshold)
-    rows, cols, vals = rows[keep], cols[keep], sims.ravel()[keep]
-    a = sparse.csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(n, n))
-    w = sparse.csr_matrix((vals.astype(np.float32), (rows, cols)), shape=(n, n))
-    mutual = a.multiply(a.T)  # 1 where i->j and j->i
-    return w.multiply(mutual).tocsr()
-
-
-def number_by_smallest_member(labels: np.ndarray) -> np.ndarray:
-    """Renumber so component c is the one whose smallest member is the c-th smallest."""
-    _, first = np.unique(labels, return_index=True)
-    order = np.argsort(first)
-    remap = np.empty_like(order)
-    remap[order] = np.arange(len(order))
-    _, inv = np.unique(labels, return_inverse=True)
-    return remap[inv].astype(np.int64)
-
-
-def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) -> np.ndarray:
-    """Split components larger than ``max_size`` by raising the threshold inside each of them.
-
-    Each round drops the weakest quarter of a too-large piece's remaining edges (at least one
-    edge, so it always ends) and looks at its components again; small enough pieces are final.
-    """
-    labels = labels.copy()
-    next_label = int(labels.max()) + 1
-    stack: list[tuple[np.ndarray, sparse.csr_matrix]] = [
-        (m, graph[m][:, m].tocsr()) for m in (np.flatnonzero(labels == c) for c, size in enumerate(np.bincount(labels)) if size > max_size)
-    ]
-    while stack:
-        members, sub = stack.pop()
-        if sub.nnz == 0:
-            continue
-        sub = sub.copy()
-        sub.data[sub.data <= np.quantile(sub.data, 0.25)] = 0
-        sub.eliminate_zeros()
-        ncomp, parts = connected_components(sub, directed=False)
-        if ncomp == 1:
-            stack.append((members, sub))
-            continue
-        for p in range(ncomp):
-            inside = parts == p
-            labels[members[inside]] = next_label
-            next_label += 1
-            if inside.sum() > max_size:
-                stack.append((members[inside], sub[inside][:, inside].tocsr()))
-    return labels
-
-
-def clusters_from_graph(graph: sparse.csr_matrix, singletons: str = "cluster", max_cluster_size: int = 0) -> np.ndarray:
-    _, labels = connected_components(graph, directed=False)
-    if max_cluster_size:
-        labels = _split_large(graph, labels, max_cluster_size)
-    labels = number_by_smallest_member(labels)
-    if singletons == "ignore":
-        sizes = np.bincount(labels)
-        single = sizes[labels] == 1
-        labels = np.where(single, -1, labels)
-        kept = labels >= 0
-        if kept.any():
-            labels[kept] = number_by_smallest_member(labels[kept])
-    return labels
-
-
-def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float, index: str = "flat", *,
-                        engine: str = "auto", singletons: str = "cluster", max_cluster_size: int = 0,
-                        query_batch: int = 65536, timings: dict | None = None, **index_args: Any) -> np.ndarray:
-    """Pseudo-labels from the mutual k-NN graph (see the module docstring for the definition).
-
-    ``embeddings``: float32 (N, d). Returns int64 (N,). With ``singletons="ignore"`` samples
-    without any kept edge get -1; ``max_cluster_size`` splits giant chained components.
-    """
-    emb = np.asarray(embeddings)
-    if emb.ndim != 2 or emb.shape[0] == 0:
-        raise ValueError(f"embeddings must be a non-empty (N, d) array, got shape {emb.shape}")
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
-    timings = {} if timings is None else timings
-    t0 = time.perf_counter()
-    x = normalize(emb)
-    timings["normalize"] = time.perf_counter() - t0
-    result = knn_graph(x, k, index=index, engine=engine, query_batch=query_batch, timings=timings, **index_args)
-    assert result is not None  # no abort callback here
-    t1 = time.perf_counter()
-    graph = mutual_edges(*result, threshold)
-    labels = clusters_from_graph(graph, singletons, max_cluster_size)
-    timings["cluster"] = time.perf_counter() - t1
-    return labels
-
-
-def cluster_stats(labels: np.ndarray) -> dict[str, Any]:
-    kept = labels[labels >= 0]
-    sizes = np.bincount(kept) if len(kept) else np.zeros(0, np.int64)
-    edges = [1, 2, 3, 5, 10, 20, 50, 100, 1000, 10**9]
-    hist, _ = np.histogram(sizes, bins=edges)
-    return {
-        "num_clusters": int(len(sizes) + (labels < 0).sum()),
-        "num_singletons": int((sizes == 1).sum() + (labels < 0).sum()),
-        "largest_cluster": int(sizes.max()) if len(sizes) else 1,
-        "size_histogram": {f"{lo}-{hi - 1}" if hi - 1 != lo else str(lo): int(h) for lo, hi, h in zip(edges[:-1], edges[1:], hist)},
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# The distributed stage
+    labels: np.ndarray
+    stats: dict[str, Any]
 
 
 def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batch: int, device: Any,
@@ -171,7 +47,6 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     of loop turns (shards differ by at most one sample), so the progress all-reduce lines up."""
     import torch
 
-    from clusterflow import dist
     from clusterflow.sampler import shard_range
 
     n = len(dataset)
@@ -203,167 +78,139 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     return torch.cat(idx).numpy().astype(np.int64), torch.cat(out).numpy()
 
 
-def gather_to_main(indices: np.ndarray, emb: np.ndarray, n: int, dim: int, dtype: Any = np.float32) -> np.ndarray | None:
-    """Rank 0 receives every shard and places rows by index; others get None and keep O(shard).
+class Rank0Search:
+    """mining.search=rank0: every row gathered to rank 0, which searches alone (FAISS with any
+    index, or the exact torch engine on all its GPUs or cores)."""
 
-    The collective needs equal sizes (gloo refuses uneven ones), so shards are padded to the
-    largest with index -1 and trimmed by index on arrival.
-    """
-    import torch
-    import torch.distributed as tdist
+    def __init__(self, params: KnnParams) -> None:
+        self.params = params
 
-    from clusterflow import dist
+    def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
+                 seconds: dict[str, float]) -> tuple[KnnLists | None, str]:
+        """Collective. Rank 0 gets the k-NN lists of all n rows (None when aborted) and the engine used."""
+        from clusterflow import knn
 
-    if not dist._initialized():
-        full = np.zeros((n, dim), dtype)
-        full[indices] = emb
-        return full
-    world, rank = dist.world(), dist.rank()
-    pad = -(-n // world)
-    e = torch.zeros((pad, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
-    i = torch.full((pad,), -1, dtype=torch.int64)
-    e[: len(indices)] = torch.from_numpy(emb) if len(indices) else e[:0]
-    i[: len(indices)] = torch.from_numpy(indices)
-    backend = tdist.get_backend()
-    if backend == "nccl":
-        e, i = e.cuda(), i.cuda()
-    es = [torch.empty_like(e) for _ in range(world)] if rank == 0 else None
-    is_ = [torch.empty_like(i) for _ in range(world)] if rank == 0 else None
-    tdist.gather(e, es, dst=0)
-    tdist.gather(i, is_, dst=0)
-    if rank != 0:
-        return None
-    full = np.zeros((n, dim), dtype)
-    seen = np.zeros(n, bool)
-    for ee, ii in zip(es, is_):
-        ii = ii.cpu().numpy()
-        ok = ii >= 0
-        full[ii[ok]] = ee.cpu().numpy()[ok]
-        seen[ii[ok]] = True
-    if not seen.all():
-        raise RuntimeError(f"mining gather lost {int((~seen).sum())} samples; this is a bug in clusterflow")
-    return full
+        t0 = time.perf_counter()
+        full = dist.gather_rows(indices, emb, n, dim)
+        seconds["gather"] = time.perf_counter() - t0
+        if full is None:
+            return None, ""
+        timings: dict[str, Any] = {}
+        lists = knn.search(normalize(full), self.params, should_abort, timings)
+        if lists is not None:
+            seconds.update(index=timings["index"], search=timings["search"])
+        return lists, timings["engine"]
 
 
-class MiningGroup:
-    """A gloo group with the mining timeout: ranks wait in it while rank 0 searches, which can
-    take far longer than the default process-group timeout."""
+class SpreadSearch:
+    """mining.search=all: every rank searches its own block with the exact torch engine (query
+    blocks broadcast, partial top-k merged); only the k-NN lists travel to rank 0."""
 
-    def __init__(self, timeout_s: int) -> None:
-        from clusterflow import dist
+    def __init__(self, params: KnnParams, device: Any) -> None:
+        self.params, self.device = params, device
 
-        self.group = None
-        if dist._initialized():
-            import torch.distributed as tdist
+    def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
+                 seconds: dict[str, float]) -> tuple[KnnLists | None, str]:
+        from clusterflow.knn_torch import distributed_search
+        from clusterflow.sampler import shard_range
 
-            self.group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        t0 = time.perf_counter()
+        world, rank = dist.world(), dist.rank()
+        offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
+        order = np.argsort(indices, kind="stable")
+        if not np.array_equal(indices[order], np.arange(offsets[rank], offsets[rank + 1])):
+            raise RuntimeError("mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow")
+        timings: dict[str, Any] = {}
+        local = distributed_search(normalize(emb[order]), offsets, self.params.k, self.device,
+                                   query_batch=self.params.query_batch, should_abort=should_abort, timings=timings)
+        if local is None:
+            return None, ""  # every rank saw the abort at the same query block
+        rows = indices[order]  # the search returns this rank's rows in index order
+        sims, ids = (dist.gather_rows(rows, local[0], n, self.params.k), dist.gather_rows(rows, local[1], n, self.params.k, np.int64))
+        seconds.update(gather=time.perf_counter() - t0 - timings["index"] - timings["search"],
+                       index=timings["index"], search=timings["search"])
+        return (None if sims is None else (sims, ids)), timings["engine"]
 
-    def broadcast_object(self, obj: Any) -> Any:
-        if self.group is None:
-            return obj
-        import torch.distributed as tdist
 
-        box = [obj]
-        tdist.broadcast_object_list(box, src=0, group=self.group)
-        return box[0]
+class Miner:
+    """The mining stage of one trainer: when a round is due, and running it."""
 
-    def broadcast_labels(self, labels: np.ndarray | None, n: int) -> np.ndarray:
-        if self.group is None:
-            assert labels is not None
-            return labels
+    def __init__(self, cfg: Any, device: Any, amp_dtype: Any, stop: Any, tracker: phases.Phases | None = None,
+                 progress_bar: bool = True) -> None:
+        self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
+        self.phases = tracker or phases.Phases()
+        self.progress_bar = progress_bar
+        self.group = dist.Subgroup(cfg.timeout_s)  # ranks wait here, on the mining timeout, for rank 0's search
+        params = KnnParams.from_config(cfg)
+        self.search = SpreadSearch(params, device) if cfg.search == "all" and dist.world() > 1 else Rank0Search(params)
+
+    def due(self, finished_epochs: int, total_epochs: int, can_embed: bool) -> bool:
+        c = self.cfg
+        return (c.enabled and can_embed and c.start_epoch <= finished_epochs < total_epochs
+                and (finished_epochs - c.start_epoch) % c.every_epochs == 0)
+
+    def run(self, task: Any, model: Any, epoch: int) -> Round | None:
+        """One round, collective. None on every rank when a preemption signal cut it short (the
+        caller saves and exits; the round is redone on restart)."""
         import torch
-        import torch.distributed as tdist
 
-        t = torch.from_numpy(labels) if labels is not None else torch.empty(n, dtype=torch.int64)
-        tdist.broadcast(t, src=0, group=self.group)
-        return t.numpy()
+        threads = torch.get_num_threads()
+        try:
+            return self._round(task, model, epoch)
+        finally:
+            torch.set_num_threads(threads)  # bitwise resume needs the same thread count before and after
 
+    def _round(self, task: Any, model: Any, epoch: int) -> Round | None:
+        rank, world = dist.rank(), dist.world()
+        dataset = task.embed_dataset()
+        n = len(dataset)
+        seconds: dict[str, float] = {}
+        with self.phases.enter(phases.MINING_EMBED):
+            t0 = time.perf_counter()
+            bar = self._bar(n, epoch)
+            indices, emb = embed_shard(task, model, dataset, rank, world, self.cfg.embed_batch, self.device, self.amp, bar)
+            seconds["embed"] = time.perf_counter() - t0
+            if bar is not None:
+                bar.close()
+        rates = dist.gather_object(len(indices) / max(seconds["embed"], 1e-9))
+        if self.stop.poll():
+            return None
+        dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
+        with self.phases.enter(phases.MINING_SEARCH):
+            lists, engine = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds)
+        labels, stats = self._cluster(task, lists, n, epoch, engine, seconds) if lists is not None else (None, None)
+        with self.phases.enter(phases.MINING_WAIT):
+            stats = self.group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
+            if stats is None:
+                return None  # rank 0 aborted the search on a signal
+            t3 = time.perf_counter()
+            labels = self.group.broadcast_array(labels, n)
+            seconds["broadcast"] = time.perf_counter() - t3
+        seconds["total"] = sum(seconds.values())
+        stats["seconds"] = seconds
+        stats["embed_per_s_rank"] = [float(r) for r in rates] if rates else []
+        stats["embed_per_s_total"] = n / max(seconds["embed"], 1e-9)
+        return Round(labels=labels, stats=stats)
 
-def _search_everywhere(indices: np.ndarray, emb: np.ndarray, n: int, cfg: Any, device: Any, preemption: Any,
-                       timings: dict[str, Any]) -> tuple[np.ndarray, np.ndarray] | None:
-    """mining.search=all: this rank's rows' k-NN over the whole set, from knn.distributed_search."""
-    from clusterflow import dist
-    from clusterflow.knn import distributed_search
-    from clusterflow.sampler import shard_range
-
-    world = dist.world()
-    offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
-    mine_ = np.arange(offsets[dist.rank()], offsets[dist.rank() + 1])
-    order = np.argsort(indices, kind="stable")
-    if not np.array_equal(indices[order], mine_):
-        raise RuntimeError("mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow")
-    return distributed_search(normalize(emb[order]), offsets, cfg.k, device, query_batch=cfg.query_batch,
-                              should_abort=lambda: preemption.requested, timings=timings)
-
-
-def mine(task: Any, model: Any, cfg: Any, device: Any, amp_dtype: Any, group: MiningGroup,
-         preemption: Any, epoch: int, progress_bar: bool = True) -> dict[str, Any] | None:
-    """One round. Returns {"labels", "stats"} on every rank, or None when a preemption signal cut
-    it short (the caller saves and exits; the round is redone on restart)."""
-    from clusterflow import dist
-
-    rank, world = dist.rank(), dist.world()
-    dataset = task.embed_dataset()
-    n = len(dataset)
-    phases: dict[str, Any] = {}
-    bar = None
-    if rank == 0 and progress_bar:
+    def _bar(self, n: int, epoch: int) -> Any:
+        if dist.rank() != 0 or not self.progress_bar:
+            return None
         from tqdm import tqdm
 
-        bar = tqdm(total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0)
-    t0 = time.perf_counter()
-    indices, emb = embed_shard(task, model, dataset, rank, world, cfg.embed_batch, device, amp_dtype, bar)
-    phases["embed"] = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    rates = dist.gather_object(len(indices) / max(phases["embed"], 1e-9))
-    if preemption.agree(device) != "":
-        return None
-    dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
-    timings: dict[str, Any] = {}
-    t1 = time.perf_counter()
-    spread = cfg.search == "all" and world > 1
-    if spread:
-        # Every rank searches its own block; only the k-NN lists travel to rank 0.
-        local = _search_everywhere(indices, emb, n, cfg, device, preemption, timings)
-        if local is None:
-            return None  # every rank saw the abort at the same query block
-        rows = np.sort(indices)  # the search returns this rank's rows in index order
-        result = (gather_to_main(rows, local[0], n, cfg.k), gather_to_main(rows, local[1], n, cfg.k, np.int64))
-        phases["gather"] = time.perf_counter() - t1 - timings["index"] - timings["search"]
-    else:
-        full = gather_to_main(indices, emb, n, dim)
-        phases["gather"] = time.perf_counter() - t1
-    labels, stats = None, None
-    if rank == 0:
-        if not spread:
-            assert full is not None
-            x = normalize(full)
-            result = knn_graph(x, cfg.k, index=cfg.index, engine=cfg.engine, query_batch=cfg.query_batch,
-                               should_abort=lambda: preemption.requested, timings=timings, nlist=cfg.nlist,
-                               nprobe=cfg.nprobe, hnsw_m=cfg.hnsw_m, ef_search=cfg.ef_search)
-        if result is not None:
-            t2 = time.perf_counter()
-            graph = mutual_edges(*result, cfg.threshold)
-            labels = clusters_from_graph(graph, cfg.singletons, cfg.max_cluster_size)
-            phases.update(index=timings["index"], search=timings["search"], cluster=time.perf_counter() - t2)
-            stats = {"epoch": epoch, **cluster_stats(labels), "engine": timings["engine"], "num_samples": n,
-                     "mutual_edges": int(graph.nnz // 2)}
-            truth = task.ground_truth()
-            if truth is not None:
-                from clusterflow.cluster_metrics import quality
+        return tqdm(total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0)
 
-                stats.update(quality(labels, truth))
-            log.info("mining epoch %d: %s engine, %d clusters, %d singletons, largest %d",
-                     epoch, timings["engine"], stats["num_clusters"], stats["num_singletons"], stats["largest_cluster"])
-    stats = group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
-    if stats is None:
-        return None  # rank 0 aborted the search on a signal
-    t3 = time.perf_counter()
-    labels = group.broadcast_labels(labels, n)
-    phases["broadcast"] = time.perf_counter() - t3
-    phases["total"] = sum(v for k, v in phases.items() if k != "total")
-    stats["seconds"] = phases
-    stats["embed_per_s_rank"] = [float(r) for r in rates] if rates else []
-    stats["embed_per_s_total"] = n / max(phases["embed"], 1e-9)
-    return {"labels": labels, "stats": stats}
+    def _cluster(self, task: Any, lists: KnnLists, n: int, epoch: int, engine: str,
+                 seconds: dict[str, float]) -> tuple[np.ndarray, dict[str, Any]]:
+        """Rank 0: labels and their stats from the k-NN lists."""
+        t0 = time.perf_counter()
+        labels, edges = clusters_from_knn(*lists, self.cfg.threshold, self.cfg.singletons, self.cfg.max_cluster_size)
+        seconds["cluster"] = time.perf_counter() - t0
+        stats = {"epoch": epoch, **cluster_stats(labels), "engine": engine, "num_samples": n, "mutual_edges": edges}
+        truth = task.ground_truth()
+        if truth is not None:
+            from clusterflow.cluster_metrics import quality
+
+            stats.update(quality(labels, truth))
+        log.info("mining epoch %d: %s engine, %d clusters, %d singletons, largest %d",
+                 epoch, engine, stats["num_clusters"], stats["num_singletons"], stats["largest_cluster"])
+        return labels, stats

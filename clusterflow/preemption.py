@@ -1,7 +1,7 @@
 """Signals become a flag; ranks agree at a step boundary; the trainer saves and stops.
 
 A handler does no I/O and no collective (either could deadlock inside a signal handler): it
-only records which signal arrived. ``should_stop`` runs one tiny all-reduce at each step
+only records which signal arrived. ``StopAgreement.poll`` runs one tiny all-reduce at each step
 boundary so that all ranks stop at the same step even when only one of them was signalled.
 
 SIGUSR2 (cluster.signal_delay_s ahead of the time limit, sent by Slurm through
@@ -53,16 +53,33 @@ class Preemption:
     def is_timeout(self) -> bool:
         return self.signum in TIMEOUT_SIGNALS
 
-    def agree(self, device: Any = None) -> str:
-        """Collective, one tiny all-reduce: every rank gets "" (carry on), "preempted" or
-        "timeout", the strongest reason any rank received."""
-        from clusterflow import dist
-
-        code = 0 if self.signum is None else (2 if self.is_timeout else 1)
-        agreed = dist.all_reduce_dict({"s": code}, op="max", device=device)["s"]
-        return ("", "preempted", "timeout")[int(agreed)]
-
     def reason(self) -> str:
         if self.signum is None:
             return ""
         return "timeout" if self.is_timeout else "preempted"
+
+
+class StopAgreement:
+    """The one question the loop asks at each step boundary: do all ranks stop here, and why?
+
+    ``poll`` is collective: every rank gets "" (carry on), "preempted" or "timeout", the strongest
+    reason any rank received, so all ranks stop at the same step even when only one was signalled.
+    Today it is one tiny blocking all-reduce per step; it can be made asynchronous (started at one
+    step, read at the next) by changing this class alone, as long as every rank still gets the same
+    answer at the same step. ``requested`` is this rank's own flag (no collective), for work that
+    polls between batches, such as the k-NN search.
+    """
+
+    def __init__(self, preemption: Preemption, device: Any = None) -> None:
+        self.preemption, self.device = preemption, device
+
+    @property
+    def requested(self) -> bool:
+        return self.preemption.requested
+
+    def poll(self) -> str:
+        from clusterflow import dist
+
+        code = {"": 0, "preempted": 1, "timeout": 2}[self.preemption.reason()]
+        agreed = dist.all_reduce_dict({"s": code}, op="max", device=self.device)["s"]
+        return ("", "preempted", "timeout")[int(agreed)]

@@ -3,8 +3,9 @@
 The in-allocation entry point: run this process's share of the job, reading rank and world from
 Slurm (``srun``), torchrun, or nothing (a single process). The sbatch template calls it under
 ``srun``. The config is resolved once: the first attempt writes RUN_DIR/config.yaml, and every
-later attempt (a requeue) and every rank uses that file as rank 0 read it, never the YAML you
-may have edited since.
+rank of every later attempt runs on that file as rank 0 read it. A later launch into the same run
+dir must ask for the same config (``config.check_resume``), except a requeue of the same job, which
+runs on the saved config even if the YAML was edited since.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 import sys
 
 from clusterflow import config as cfgmod
-from clusterflow import rundir
+from clusterflow import durable, rundir
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, cli
 
 EXAMPLES = """examples:
@@ -35,16 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     from clusterflow.dist import DistEnv
 
     env = DistEnv.from_env(os.environ)
-    saved = rundir.path(cfg.run.dir, rundir.CONFIG)
+    saved = rundir.RunPaths(cfg.run.dir).config
     if env.is_main:
         if os.path.exists(saved):
             first = cfgmod.load(saved)
-            if first.fingerprint() != cfg.fingerprint():
-                print(f"note: {saved} (from the first attempt) differs from {args.config}; using the saved one", file=sys.stderr)
-            cfg = first
+            # A requeued job re-runs this command with the YAML as it is now: it keeps the saved config.
+            cfgmod.check_resume(first.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=env.attempt > 0)
+            cfg = cfgmod.resume_config(first, cfg)
         else:
             os.makedirs(cfg.run.dir, exist_ok=True)
-            rundir.write_atomic(saved, cfg.to_yaml())
+            durable.write_atomic(saved, cfg.to_yaml())
     from clusterflow.job import run_job
 
     outcome = run_job(cfg)  # broadcasts rank 0's config to every rank before anything else

@@ -1,42 +1,94 @@
-"""The run directory: its layout, and the small JSON records that `status` reads.
+"""The run directory: every file name in it (:class:`RunPaths`), and the small records `status` reads.
 
     RUN_DIR/config.yaml            resolved config, written once by the submitting process
-    RUN_DIR/checkpoints/step-<N>/  committed checkpoints (see store.py)
+    RUN_DIR/checkpoints/step-<N>/  committed checkpoints (see store.py), unless checkpoint.dir says elsewhere
     RUN_DIR/tb/                    TensorBoard events, a new file per attempt
-    RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ for Slurm's own output
+    RUN_DIR/metrics.jsonl          the same scalars as JSON lines (read them with metrics.read_metrics)
+    RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ or submitit/ for the launcher's output
     RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
+    RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
     RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0
     RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank
     RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
 
 Only local paths are supported for the run dir itself (logs and status need a POSIX filesystem);
-checkpoints may live elsewhere through `checkpoint.dir`.
+checkpoints may live elsewhere through `checkpoint.dir`. Every file here that a reader may open
+while it is being replaced goes through ``durable.write_atomic``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
+from dataclasses import dataclass
 from typing import Any
 
-CONFIG = "config.yaml"
+from clusterflow import durable
 
 
-def path(run_dir: str, *parts: str) -> str:
-    return os.path.join(run_dir, *parts)
+@dataclass(frozen=True)
+class RunPaths:
+    """The names of everything in one run directory (like submitit's ``JobPaths``)."""
 
+    root: str
 
-def write_atomic(target: str, text: str) -> None:
-    """Write a small file so readers see the old or the new content, never half of it."""
-    os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target) or ".", prefix=".tmp-")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, target)
+    def _p(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @property
+    def config(self) -> str:
+        return self._p("config.yaml")
+
+    @property
+    def checkpoints(self) -> str:
+        return self._p("checkpoints")
+
+    @property
+    def tb(self) -> str:
+        return self._p("tb")
+
+    @property
+    def metrics(self) -> str:
+        return self._p("metrics.jsonl")
+
+    @property
+    def logs(self) -> str:
+        return self._p("logs")
+
+    @property
+    def slurm_logs(self) -> str:
+        return self._p("logs", "slurm")
+
+    @property
+    def submitit_logs(self) -> str:
+        return self._p("logs", "submitit")
+
+    @property
+    def attempts(self) -> str:
+        return self._p("attempts.jsonl")
+
+    @property
+    def stops(self) -> str:
+        return self._p("stops.jsonl")
+
+    @property
+    def status(self) -> str:
+        return self._p("status.json")
+
+    @property
+    def errors(self) -> str:
+        return self._p("errors")
+
+    @property
+    def model(self) -> str:
+        return self._p("model.pt")
+
+    def log_file(self, rank: int, attempt: int) -> str:
+        return self._p("logs", f"rank{rank}.attempt{attempt}.log")
+
+    def error_file(self, rank: int) -> str:
+        return self._p("errors", f"rank{rank}.json")
 
 
 def read_json(target: str, default: Any = None) -> Any:
@@ -63,34 +115,46 @@ def read_jsonl(target: str) -> list[dict[str, Any]]:
     return out
 
 
-def append_jsonl(target: str, record: dict[str, Any]) -> None:
+def open_jsonl(target: str) -> Any:
+    """Open a JSON-lines file for appending. A line left unfinished by a killed writer is closed
+    first, so it cannot swallow the next record."""
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    with open(target, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, sort_keys=True) + "\n")
+    f = open(target, "a+b")
+    if f.tell() > 0:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n":
+            f.write(b"\n")
+    return f
+
+
+def append_jsonl(target: str, record: dict[str, Any]) -> None:
+    with open_jsonl(target) as f:
+        f.write((json.dumps(record, sort_keys=True) + "\n").encode())
         f.flush()
         os.fsync(f.fileno())
 
 
-def record_attempt(run_dir: str, **fields: Any) -> int:
+def record_attempt(paths: RunPaths, **fields: Any) -> int:
     """Append this job start to attempts.jsonl; returns its 0-based attempt number."""
-    target = path(run_dir, "attempts.jsonl")
-    n = len(read_jsonl(target))
-    append_jsonl(target, {"attempt": n, "started_at": time.time(), **fields})
+    n = len(read_jsonl(paths.attempts))
+    append_jsonl(paths.attempts, {"attempt": n, "started_at": time.time(), **fields})
     return n
 
 
-def write_status(run_dir: str, **fields: Any) -> None:
-    current = read_json(path(run_dir, "status.json"), {}) or {}
+def record_stop(paths: RunPaths, **fields: Any) -> None:
+    append_jsonl(paths.stops, fields)
+
+
+def count_stops(paths: RunPaths, reason: str) -> int:
+    return sum(1 for r in read_jsonl(paths.stops) if r.get("reason") == reason)
+
+
+def write_status(paths: RunPaths, **fields: Any) -> None:
+    current = read_json(paths.status, {}) or {}
     current.update(fields, updated_at=time.time())
-    write_atomic(path(run_dir, "status.json"), json.dumps(current, indent=1, sort_keys=True))
+    durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
 
 
-def write_error(run_dir: str, rank: int, host: str, error: str, trace: str) -> None:
-    write_atomic(
-        path(run_dir, "errors", f"rank{rank}.json"),
-        json.dumps({"rank": rank, "host": host, "error": error, "traceback": trace, "time": time.time()}, indent=1),
-    )
-
-
-def log_file(run_dir: str, rank: int, attempt: int) -> str:
-    return path(run_dir, "logs", f"rank{rank}.attempt{attempt}.log")
+def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:
+    record = {"rank": rank, "host": host, "error": error, "traceback": trace, "time": time.time()}
+    durable.write_atomic(paths.error_file(rank), json.dumps(record, indent=1))

@@ -35,55 +35,67 @@ def _squeue_state(job_id: str) -> str | None:
     return out.stdout.strip() or ""  # "" means: not in the queue any more
 
 
-def _checkpoints(run_dir: str, cfg_dir: str | None) -> tuple[list[str], list[str]]:
+def _checkpoints(paths: rundir.RunPaths, cfg_dir: str | None) -> tuple[list[str], list[str]]:
     """Committed steps (oldest first), and the damaged ones the store set aside."""
     from clusterflow.store import CheckpointStore
 
     try:
-        store = CheckpointStore(cfg_dir or rundir.path(run_dir, "checkpoints"))
+        store = CheckpointStore(cfg_dir or paths.checkpoints)
         return [store.url_of(s) for s in store.steps()], store.damaged()
     except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
         return [], []
 
 
-def collect(run_dir: str) -> dict[str, Any]:
-    if not os.path.isdir(run_dir):
-        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
-    if not os.path.exists(rundir.path(run_dir, rundir.CONFIG)):
-        raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
-    st = rundir.read_json(rundir.path(run_dir, "status.json"), {}) or {}
-    attempts = rundir.read_jsonl(rundir.path(run_dir, "attempts.jsonl"))
-    import yaml
-
-    with open(rundir.path(run_dir, rundir.CONFIG), encoding="utf-8") as f:
-        cfg = yaml.safe_load(f) or {}
-    ckdir = (cfg.get("checkpoint") or {}).get("dir") or None
-    cks, damaged = _checkpoints(run_dir, ckdir)
-    last = attempts[-1] if attempts else {}
-    job_id = str(last.get("job_id") or st.get("job_id") or "")
+def _state(st: dict[str, Any], attempts: list[dict[str, Any]], job_id: str) -> str:
+    """The run's state from status.json, corrected by what squeue says (when it answers)."""
     state = st.get("state") or ("pending" if not attempts else "running")
     queue = _squeue_state(job_id)
-    if queue is not None:
-        qstate = queue.split("|")[0] if queue else ""
-        if qstate == "PENDING":
-            state = "requeued" if attempts else "pending"
-        elif qstate in ("RUNNING", "COMPLETING", "CONFIGURING"):
-            state = "running"
-        elif qstate == "" and state == "running":
-            state = "failed"  # left the queue without writing an outcome: killed or crashed
+    if queue is None:
+        return state
+    qstate = queue.split("|")[0] if queue else ""
+    if qstate == "PENDING":
+        return "requeued" if attempts else "pending"
+    if qstate in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        return "running"
+    if qstate == "" and state == "running":
+        return "failed"  # left the queue without writing an outcome: killed or crashed
+    return state
+
+
+def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
+    """What ended each rank of the last attempt."""
     errors = []
-    err_dir = rundir.path(run_dir, "errors")
-    if os.path.isdir(err_dir):
-        for name in sorted(os.listdir(err_dir)):
-            e = rundir.read_json(os.path.join(err_dir, name))
-            if e and e.get("time", 0) >= last.get("started_at", 0):
+    if os.path.isdir(paths.errors):
+        for name in sorted(os.listdir(paths.errors)):
+            e = rundir.read_json(os.path.join(paths.errors, name))
+            if e and e.get("time", 0) >= since:
                 errors.append({k: e[k] for k in ("rank", "host", "error")})
+    return errors
+
+
+def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f")
+    return [{k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")} for m in rounds]
+
+
+def collect(run_dir: str) -> dict[str, Any]:
+    paths = rundir.RunPaths(run_dir)
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
+    if not os.path.exists(paths.config):
+        raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
+    st = rundir.read_json(paths.status, {}) or {}
+    attempts = rundir.read_jsonl(paths.attempts)
+    import yaml
+
+    with open(paths.config, encoding="utf-8") as f:
+        cfg = yaml.safe_load(f) or {}
+    cks, damaged = _checkpoints(paths, (cfg.get("checkpoint") or {}).get("dir") or None)
+    last = attempts[-1] if attempts else {}
+    job_id = str(last.get("job_id") or st.get("job_id") or "")
     latest = cks[-1] if cks else None
-    age = None
-    if latest and os.path.exists(latest):
-        age = time.time() - os.path.getmtime(latest)
     return {
-        "state": state,
+        "state": _state(st, attempts, job_id),
         "run_dir": run_dir,
         "job_id": job_id,
         "epoch": st.get("epoch", 0),
@@ -94,17 +106,15 @@ def collect(run_dir: str) -> dict[str, Any]:
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "latest_checkpoint": latest,
-        "latest_checkpoint_age_s": age,
+        "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest) if latest and os.path.exists(latest) else None,
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
-        "mining": [{k: m.get(k) for k in ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari",
-                                          "pairwise_f", "bcubed_f") if k in m} | {"seconds": (m.get("seconds") or {}).get("total")}
-                   for m in st.get("mining", [])],
+        "mining": _mining(st.get("mining", [])),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
-        "errors": errors,
+        "errors": _errors(paths, last.get("started_at", 0)),
         "error": st.get("error"),
-        "logs": rundir.path(run_dir, "logs"),
+        "logs": paths.logs,
         "updated_at": st.get("updated_at"),
     }
 

@@ -17,8 +17,7 @@ import sys
 from typing import Any
 
 from clusterflow import config as cfgmod
-from clusterflow import dist
-from clusterflow import rundir
+from clusterflow import dist, durable, rundir
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -71,7 +70,7 @@ def slurm_parameters(cfg: Config) -> dict[str, Any]:
 
 
 def slurm_folder(cfg: Config) -> str:
-    return os.path.abspath(rundir.path(cfg.run.dir, "logs", "slurm"))
+    return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
 
 
 def sbatch_script(cfg: Config, python: str | None = None) -> str:
@@ -116,23 +115,16 @@ def check_cluster(cfg: Config) -> None:
 
 def prepare_run_dir(cfg: Config) -> bool:
     """Create RUN_DIR and write config.yaml once. Returns True when resuming an existing run."""
-    target = rundir.path(cfg.run.dir, rundir.CONFIG)
+    target = rundir.RunPaths(cfg.run.dir).config
     if os.path.exists(target):
         try:
             old = cfgmod.load(target)
         except UserError as exc:
             raise UserError(f"{target} exists but cannot be read ({exc}); pick a new run.dir") from None
-        if old.fingerprint() != cfg.fingerprint():
-            a, b = old.to_dict(), cfg.to_dict()
-            diffs = [f"{s}.{k}: {a[s][k]!r} -> {b[s][k]!r}" for s in a for k in a[s] if a[s][k] != b[s].get(k) and s != "run"]
-            diffs += [f"run.{k}: {a['run'][k]!r} -> {b['run'][k]!r}" for k in ("seed", "name") if a["run"][k] != b["run"][k]]
-            raise UserError(
-                f"run dir {cfg.run.dir!r} already holds a run with a different config ({'; '.join(diffs[:6])}); "
-                f"to resume it, submit with the same config; to start a new run, set run.dir=<new path>"
-            )
+        cfgmod.check_resume(old.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}")
         return True
     os.makedirs(cfg.run.dir, exist_ok=True)
-    rundir.write_atomic(target, cfg.to_yaml())
+    durable.write_atomic(target, cfg.to_yaml())
     return False
 
 
@@ -143,14 +135,15 @@ def submit_local(cfg: Config) -> int:
 
     from clusterflow.job import Job
 
-    folder = os.path.abspath(rundir.path(cfg.run.dir, "logs", "submitit"))
+    paths = rundir.RunPaths(cfg.run.dir)
+    folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)
     ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
                          gpus_per_node=cfg.cluster.gpus_per_node or 0)
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
-    print(f"logs: {rundir.path(cfg.run.dir, 'logs')}   tensorboard --logdir {rundir.path(cfg.run.dir, 'tb')}")
+    print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
     try:
         _follow(cfg.run.dir, job)
         results = job.results()
@@ -159,9 +152,9 @@ def submit_local(cfg: Config) -> int:
         print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        status = rundir.read_json(rundir.path(cfg.run.dir, "status.json"), {}) or {}
+        status = rundir.read_json(paths.status, {}) or {}
         print(f"job failed: {status.get('error') or 'see the logs'}", file=sys.stderr)
-        print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {rundir.path(cfg.run.dir, 'logs')}", file=sys.stderr)
+        print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
         return EXIT_JOB_FAILED
     outcome = results[0]
     print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
@@ -172,8 +165,8 @@ def _follow(run_dir: str, job: Any) -> None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends."""
     import time
 
-    attempt = len(rundir.read_jsonl(rundir.path(run_dir, "attempts.jsonl")))
-    target = rundir.log_file(run_dir, 0, attempt)
+    paths = rundir.RunPaths(run_dir)
+    target = paths.log_file(0, len(rundir.read_jsonl(paths.attempts)))
     pos = 0
     while True:
         done = job.done()
@@ -198,15 +191,18 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     if shutil.which("sbatch") is None:
         raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run here or --dry-run to see the script")
     check_cluster(cfg)
-    ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"), max_num_timeout=cfg.cluster.max_timeout_requeues)
+    # No max_num_timeout: clusterflow handles the time-limit signal and counts those requeues itself
+    # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
+    ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
     ex.update_parameters(**slurm_parameters(cfg))
     job = ex.submit(Job(cfg.to_dict()))
-    logs = rundir.path(cfg.run.dir, "logs")
+    paths = rundir.RunPaths(cfg.run.dir)
+    logs = paths.logs
     print(f"submitted job {job.job_id}")
     print(f"run dir: {cfg.run.dir}")
     print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job.job_id}/")
     print(f"status: python -m clusterflow.status {cfg.run.dir}")
-    print(f"tensorboard: tensorboard --logdir {rundir.path(cfg.run.dir, 'tb')}")
+    print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:
         return EXIT_OK
     return wait_for(cfg.run.dir, job.job_id)
@@ -222,7 +218,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
         if out is not None and out.returncode == 0 and not out.stdout.strip():
             break
         time.sleep(poll_s)
-    state = (rundir.read_json(rundir.path(run_dir, "status.json"), {}) or {}).get("state")
+    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
     return EXIT_OK if state == "completed" else EXIT_JOB_FAILED
 

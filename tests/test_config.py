@@ -133,3 +133,30 @@ def test_spread_search_needs_the_exact_torch_engine():
     with pytest.raises(UserError, match="mining.search=all is exact"):
         config.load(None, ["mining.search=all", "mining.index=hnsw"])
     assert config.load(None, ["mining.search=all"]).mining.search == "all"
+
+
+def test_one_resume_rule_for_submit_run_and_restore(tmp_path, capsys):
+    """config.check_resume: a differing key is refused with its old and new value, except a
+    relaunch of the same job (a Slurm requeue re-reading an edited YAML), which keeps the saved
+    config with a note; where the run dir is may change; keys one side lacks are not differences."""
+    saved = config.load(None, ["run.dir=/a", "train.epochs=3"]).to_dict()
+    config.check_resume(saved, config.load(None, ["run.dir=/moved", "train.epochs=3"]).to_dict(), "run dir '/a'")
+    edited = config.load(None, ["run.dir=/a", "train.epochs=5", "mining.k=7"]).to_dict()
+    with pytest.raises(UserError, match=r"run dir '/a' holds a run with a different config \(train.epochs: 3 -> 5; "
+                                        r"mining.k: 10 -> 7\); to resume it, use the same config"):
+        config.check_resume(saved, edited, "run dir '/a'")
+    config.check_resume(saved, edited, "run dir '/a'", relaunch=True)
+    assert "runs on the config of run dir '/a'" in capsys.readouterr().err
+    older = {s: {k: v for k, v in keys.items() if k != "eval_every_epochs"} for s, keys in saved.items()}
+    config.check_resume(older, saved, "a checkpoint")  # written before a key existed: not a difference
+    resumed = config.resume_config(config.from_dict(saved), config.from_dict(edited | {"run": {**saved["run"], "dir": "/b"}}))
+    assert resumed.run.dir == "/b" and resumed.train.epochs == 3
+
+
+def test_run_refuses_a_different_config_in_an_existing_run_dir(cli, tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.yaml").write_text(config.load("configs/tiny.yaml", [f"run.dir={d}"]).to_yaml())
+    out = cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=9")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "holds a run with a different config (train.epochs: 3 -> 9)" in out.stderr

@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 
 from clusterflow.dist import DistEnv, derive_port, parse_nodelist
@@ -71,3 +74,19 @@ def test_port_depends_on_job_and_attempt():
     assert derive_port("1", 0) == derive_port("1", 0)
     assert derive_port("1", 0) != derive_port("1", 1)
     assert all(20000 <= derive_port(str(j), a) < 40000 for j in range(50) for a in range(3))
+
+
+def test_slurm_limit_on_hosts_is_enforced_before_expanding():
+    """A range of more hosts than Slurm allows is refused at once, naming the value and the limit
+    (run under a 1 GiB address-space cap: expanding 100 million names would need far more)."""
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "from clusterflow.dist import parse_nodelist\n"
+            "parse_nodelist('n[0-100000000]')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "MemoryError" not in out.stderr, out.stderr[-2000:]
+    assert "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over Slurm's limit " \
+           "of 65536 hosts" in out.stderr
+    assert len(parse_nodelist("n[1-65536]")) == 65536
+    for text in ("n[0-65536]", "n[1-300]-[1-300]", "a[1-40000],b[1-40000]"):
+        with pytest.raises(UserError, match="over Slurm's limit of 65536 hosts"):
+            parse_nodelist(text)

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_torch_engine_on_gpu_equals_faiss_cpu():
     faiss = pytest.importorskip("faiss")
-    from clusterflow.knn import torch_search
+    from clusterflow.knn_torch import torch_search
     from clusterflow.mining import normalize
 
     rng = np.random.default_rng(0)

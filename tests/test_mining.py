@@ -82,11 +82,13 @@ def test_ivf_and_hnsw_run_and_mostly_agree():
 
 
 def test_torch_engine_bf16_candidates_rerank_is_exact():
-    from clusterflow.knn import faiss_search, torch_search
+    from clusterflow.knn import KnnParams
+    from clusterflow.knn_faiss import faiss_search
+    from clusterflow.knn_torch import torch_search
     from clusterflow.mining import normalize
 
     x = normalize(blobs(n=600, d=32)[0])
-    s1, i1 = faiss_search(x, 8)
+    s1, i1 = faiss_search(x, KnnParams(k=8))
     s2, i2 = torch_search(x, 8, candidate_dtype="bf16", db_chunk=128, query_batch=100)
     np.testing.assert_array_equal(i1, i2)
     np.testing.assert_allclose(s1, s2, atol=1e-5)
@@ -95,7 +97,7 @@ def test_torch_engine_bf16_candidates_rerank_is_exact():
 def test_torch_engine_splits_query_batches_over_several_devices():
     """What every local GPU does on a GPU node, with two CPU "devices": the same exact result,
     and a signal still stops the search between query batches."""
-    from clusterflow.knn import torch_search
+    from clusterflow.knn_torch import torch_search
     from clusterflow.mining import normalize
 
     x = normalize(blobs(n=601, d=32)[0])

@@ -46,12 +46,12 @@ def _embed_and_gather(n, batch):
     import torch
 
     from clusterflow import dist
-    from clusterflow.mining import embed_shard, gather_to_main
+    from clusterflow.mining import embed_shard
 
     task = IndexTask(n)
     idx, emb = embed_shard(task, torch.nn.Identity(), task.embed_dataset(), dist.rank(), dist.world(), batch,
                            torch.device("cpu"), None)
-    full = gather_to_main(idx, emb, n, 2)
+    full = dist.gather_rows(idx, emb, n, 2)
     return idx.tolist(), None if full is None else full[:, 0].tolist()
 
 
@@ -71,16 +71,17 @@ def _mine(params, search="rank0"):
     import torch
 
     from clusterflow import config, dist
-    from clusterflow.mining import MiningGroup, mine
-    from clusterflow.preemption import Preemption
+    from clusterflow.mining import Miner
+    from clusterflow.preemption import Preemption, StopAgreement
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, **params)
     model = task.build_model()
-    cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search)
-    out = mine(task, model, cfg, torch.device("cpu"), None, MiningGroup(60), Preemption(), epoch=1, progress_bar=False)
-    return out["labels"].tolist(), {k: out["stats"][k] for k in ("num_clusters", "nmi")}, dist.world()
+    cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search, timeout_s=60)
+    cpu = torch.device("cpu")
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption(), cpu), progress_bar=False).run(task, model, epoch=1)
+    return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
 
 
 def test_mining_end_to_end_same_labels_whatever_world_size():
@@ -110,7 +111,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
     import torch
 
     from clusterflow import dist
-    from clusterflow.knn import distributed_search
+    from clusterflow.knn_torch import distributed_search
     from clusterflow.sampler import shard_range
 
     x = _knn_data(n)
@@ -124,7 +125,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
 
 @pytest.mark.parametrize("n,k", [(101, 6), (5, 6)])  # k >= n: fewer neighbours than asked, padded like one process
 def test_distributed_knn_equals_one_process(n, k):
-    from clusterflow.knn import torch_search
+    from clusterflow.knn_torch import torch_search
 
     x = _knn_data(n)
     want_s, want_i = torch_search(x, k, query_batch=10, db_chunk=16, device="cpu")
@@ -137,3 +138,22 @@ def test_distributed_knn_equals_one_process(n, k):
 
 def test_distributed_knn_abort_on_one_rank_stops_every_rank():
     assert run_ranks(3, _distributed_knn, 101, 6, 10, 2) == [None, None, None]  # no hang, no partial result
+
+
+def _supcon_big_ids():
+    import torch
+
+    from clusterflow import dist
+    from clusterflow.losses import supcon_loss
+
+    torch.manual_seed(dist.rank())
+    z = torch.nn.functional.normalize(torch.randn(2, 4), dim=1)
+    ids = torch.tensor([2**24 + 2 * dist.rank(), 2**24 + 2 * dist.rank() + 1])  # all distinct: no anchor has a positive
+    _, metrics = supcon_loss(z, ids)
+    return metrics["anchors_with_pos"]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_supcon_ids_past_2_pow_24_stay_distinct(world):
+    """2**24 + 1 is not a float32: ids that travel as floats collide with their neighbours."""
+    assert run_ranks(world, _supcon_big_ids) == [0.0] * world

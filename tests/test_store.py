@@ -4,7 +4,8 @@ import os
 import pytest
 import torch
 
-from clusterflow.store import CheckpointStore, serialize
+from clusterflow.durable import serialize
+from clusterflow.store import CheckpointStore
 
 
 def files(v):

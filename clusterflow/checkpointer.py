@@ -1,0 +1,121 @@
+"""The one owner of checkpoints in a run: when one is due, what goes in it, writing and reading it.
+
+The loop only says what happened (:data:`STEP`, :data:`EPOCH_END`, :data:`STOP`); the checkpointer
+decides whether a save is due:
+
+- every ``checkpoint.every_steps`` optimizer steps, except at the last step of an epoch, which is
+  saved after its eval and mining instead (so the labels of a finished round are in it);
+- at the end of every epoch (after eval and mining);
+- on a stop (a signal agreed by every rank).
+
+What is saved is registered, not listed (torchtitan's ``CheckpointManager(states=...)``): ``model``
+goes to ``model.pt`` as a plain state_dict, and every object in ``states`` (anything with
+``state_dict``/``load_state_dict``) to ``train_state.pt`` under its name, beside every rank's RNG
+state. The manifest carries the train state's ``position``, so the state after the end-of-epoch
+work supersedes a stop checkpoint taken at the same step before it (see store.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Mapping, Protocol
+
+from clusterflow import config as cfgmod
+from clusterflow import dist, phases
+from clusterflow.state import capture_rng, restore_rng
+from clusterflow.store import CheckpointStore
+from clusterflow.train_state import TrainState
+
+log = logging.getLogger("clusterflow.checkpointer")
+
+STEP, EPOCH_END, STOP = "step", "epoch end", "stop"
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class Checkpointer:
+    def __init__(self, cfg: Any, model: Any, states: Mapping[str, Stateful], progress: TrainState, steps_per_epoch: int,
+                 attempt: int = 0, tracker: phases.Phases | None = None) -> None:
+        c = cfg.checkpoint
+        self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
+        self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
+        self.every_steps, self.steps_per_epoch, self.attempt = c.every_steps, steps_per_epoch, attempt
+        self.phases = tracker or phases.Phases()
+
+    def due(self, event: str) -> bool:
+        if event != STEP:
+            return True
+        p = self.progress
+        return p.global_step % self.every_steps == 0 and p.step_in_epoch < self.steps_per_epoch
+
+    def save(self, event: str) -> float | None:
+        """Collective when due: every rank hands its RNG state to rank 0, which commits. Returns the
+        seconds the commit took on rank 0, None elsewhere and when nothing was committed."""
+        if not self.due(event):
+            return None
+        with self.phases.enter(phases.CHECKPOINT):
+            rngs = dist.gather_object(capture_rng())
+            seconds = self._commit(rngs) if dist.rank() == 0 else None
+            dist.barrier()
+        return seconds
+
+    def _commit(self, rngs: list[Any] | None) -> float | None:
+        t0 = time.perf_counter()
+        p = self.progress
+        train_state = {name: obj.state_dict() for name, obj in self.states.items()}
+        train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
+        # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
+        files = {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
+        meta = {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
+                "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": self.cfg.to_dict(),
+                "world_size": dist.world(), "attempt": self.attempt}
+        path = self.store.save(p.global_step, files, meta)
+        if not path:
+            return None
+        seconds = time.perf_counter() - t0
+        log.info("checkpoint step %d committed at %s (%.2f s)", p.global_step, path, seconds)
+        return seconds
+
+    def restore(self) -> bool:
+        """Collective, at the start of every attempt: rank 0 finishes what a killed writer left,
+        then every rank loads the newest committed checkpoint. Returns True when resumed."""
+        if dist.rank() == 0:
+            removed = self.store.clean_debris()
+            if removed:
+                log.warning("removed unfinished checkpoint folders left by a killed writer: %s", ", ".join(removed))
+        dist.barrier()
+        ckpt = self.store.latest()
+        if ckpt is None:
+            return False
+        self._check_config(ckpt.path, ckpt.manifest)
+        self.model.load_state_dict(ckpt.load("model.pt"))
+        saved = ckpt.load("train_state.pt")
+        for name, obj in self.states.items():
+            obj.load_state_dict(saved.get(name, saved))  # checkpoints before 0.x kept the counters at the top level
+        if saved["world_size"] == dist.world():
+            restore_rng(saved["rng"][dist.rank()])
+        else:
+            log.warning("resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
+                        dist.world(), saved["world_size"])
+        p = self.progress
+        log.info("resumed from %s: epoch %d, step %d of the epoch, global step %d", ckpt.path, p.epoch, p.step_in_epoch, p.global_step)
+        return True
+
+    def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
+        if "config" in manifest:
+            cfgmod.check_resume(manifest["config"], self.cfg.to_dict(), f"checkpoint {path}")
+            return
+        # Older manifests carry only a hash, which cannot say what differs (or whether a key was
+        # merely added by a newer clusterflow): warn, as those versions did.
+        want, got = self.cfg.fingerprint(), manifest.get("config_hash")
+        if got and got != want:
+            log.warning("checkpoint %s was written with a different config (hash %s, now %s); resuming anyway", path, got, want)
+
+    def close(self) -> None:
+        """Leave no half-deleted old step behind at exit."""
+        self.store.wait_for_pruning()

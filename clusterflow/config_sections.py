@@ -1,0 +1,234 @@
+"""The config sections: one dataclass per section, each field documented where it is declared.
+
+Every field's ``doc`` text is the configuration reference (``docs/configuration.md`` is generated
+from it by ``python -m clusterflow.config``); ``__post_init__`` checks say what is wrong and how
+to fix it. ``clusterflow.config`` assembles the sections, reads YAML and overrides, and re-exports
+these classes. No torch here: this runs on the login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from clusterflow.errors import UserError
+
+
+def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None) -> Any:  # noqa: A002
+    """A dataclass field with its documentation attached (read by the config reference)."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise UserError(f"{key} = {value!r}: {why}")
+
+
+def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
+
+
+@dataclass
+class RunConfig:
+    """Where the run lives and how it is seeded."""
+
+    dir: str = doc("runs/demo", "Run directory (local path or fsspec URL for checkpoints). Holds config.yaml, checkpoints/, tb/, logs/.")
+    name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
+    seed: int = doc(0, "Master seed. Per-rank seeds, data order and the synthetic demo data derive from it.")
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
+        _check(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+
+
+@dataclass
+class ClusterConfig:
+    """Resources asked of Slurm (ignored by --local except tasks_per_node)."""
+
+    nodes: int = doc(1, "Number of nodes.")
+    tasks_per_node: int = doc(1, "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).")
+    gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
+    cpus_per_task: int = doc(1, "CPU cores per process.")
+    mem_gb: float = doc(0.0, "Memory per node in GB; 0 leaves Slurm's default.")
+    partition: str = doc("", "Slurm partition; empty uses the cluster default.")
+    account: str = doc("", "Slurm account to charge.")
+    qos: str = doc("", "Slurm quality of service.")
+    constraint: str = doc("", "Slurm node feature constraint, e.g. a100|h100.")
+    time_min: int = doc(60, "Time limit of one attempt, in minutes.")
+    exclusive: bool = doc(False, "Ask for whole nodes.")
+    signal_delay_s: int = doc(120, "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue).")
+    max_timeout_requeues: int = doc(5, "How many times a run may requeue itself after hitting the time limit. Preemptions are not counted.")
+    setup: list[str] = doc(factory=list, help="Shell lines run before the job on each node (module load, conda activate).")
+    sbatch_extra: dict[str, Any] = doc(factory=dict, help="Extra #SBATCH parameters, e.g. {mail-type: END}.")
+    srun_args: list[str] = doc(factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores].")
+
+    def __post_init__(self) -> None:
+        _check(self.nodes >= 1, "cluster.nodes", self.nodes, "must be >= 1 (a job needs at least one node)")
+        _check(self.tasks_per_node >= 1, "cluster.tasks_per_node", self.tasks_per_node, "must be >= 1")
+        _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        if self.gpus_per_node > 0:
+            _check(
+                self.tasks_per_node in (1, self.gpus_per_node),
+                "cluster.tasks_per_node",
+                self.tasks_per_node,
+                f"with cluster.gpus_per_node={self.gpus_per_node} clusterflow runs one process per GPU; "
+                f"set cluster.tasks_per_node={self.gpus_per_node} (or leave it at 1 and it is set for you)",
+            )
+            self.tasks_per_node = self.gpus_per_node
+        _check(self.cpus_per_task >= 1, "cluster.cpus_per_task", self.cpus_per_task, "must be >= 1")
+        _check(self.mem_gb >= 0, "cluster.mem_gb", self.mem_gb, "must be >= 0")
+        _check(self.time_min >= 1, "cluster.time_min", self.time_min, "must be >= 1 minute")
+        _check(
+            0 <= self.signal_delay_s < self.time_min * 60,
+            "cluster.signal_delay_s",
+            self.signal_delay_s,
+            f"must be between 0 and the time limit ({self.time_min * 60} s)",
+        )
+        _check(self.max_timeout_requeues >= 0, "cluster.max_timeout_requeues", self.max_timeout_requeues, "must be >= 0")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+
+@dataclass
+class DistConfig:
+    """Process group settings."""
+
+    backend: str = doc("auto", "auto (nccl with CUDA, gloo without), nccl or gloo.")
+    timeout_s: int = doc(600, "Process-group timeout: a rank that stops answering fails the job after this long.")
+    find_unused_parameters: bool = doc(False, "DDP find_unused_parameters (needed when some parameters get no gradient).")
+    bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
+    sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
+
+    def __post_init__(self) -> None:
+        _choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        _check(self.timeout_s >= 10, "dist.timeout_s", self.timeout_s, "must be >= 10 seconds")
+        _check(self.bucket_cap_mb >= 1, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop."""
+
+    epochs: int = doc(4, "Number of epochs.")
+    batch_size: int = doc(128, "Global batch per optimizer step, over all ranks and accumulation steps.")
+    grad_accum: int = doc(1, "Micro-steps accumulated per optimizer step.")
+    lr: float = doc(1e-3, "Learning rate for one process (see lr_scaling).")
+    lr_scaling: str = doc("none", "How lr grows with world size: none, linear or sqrt.")
+    warmup_steps: int = doc(0, "Linear warm-up steps.")
+    schedule: str = doc("cosine", "Learning-rate schedule after warm-up: cosine or constant.")
+    optimizer: str = doc("adamw", "adamw or sgd (momentum 0.9).")
+    weight_decay: float = doc(0.0, "Weight decay.")
+    amp: str = doc("auto", "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.")
+    tf32: bool = doc(True, "Allow TF32 matrix products on Ampere+ GPUs (off for bitwise comparisons across GPU types).")
+    grad_clip: float = doc(0.0, "Clip the gradient norm to this value; 0 disables.")
+    log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
+    eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
+    progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
+        _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
+        _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
+        _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", self.lr, "must be a positive number")
+        _choice("train.lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
+        _choice("train.schedule", self.schedule, ("cosine", "constant"))
+        _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
+        _choice("train.amp", self.amp, ("auto", "none", "bf16", "fp16"))
+        _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _check(self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1")
+        _check(self.eval_every_epochs >= 0, "train.eval_every_epochs", self.eval_every_epochs, "must be >= 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Committed checkpoints."""
+
+    every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
+    keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
+    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. Any fsspec URL works (memory://, s3://...).")
+    fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
+
+    def __post_init__(self) -> None:
+        _check(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        _check(self.keep_last >= 2, "checkpoint.keep_last", self.keep_last, "must be >= 2 so a damaged newest checkpoint has a fallback")
+
+
+@dataclass
+class MiningConfig:
+    """The pseudo-label mining stage run between epochs."""
+
+    enabled: bool = doc(True, "Run the mining stage (only for tasks that can embed).")
+    every_epochs: int = doc(1, "Mine after every N-th epoch.")
+    start_epoch: int = doc(1, "First epoch (1-based, counted as finished epochs) after which mining runs.")
+    k: int = doc(10, "Neighbours per sample in the k-NN graph.")
+    threshold: float = doc(0.5, "Minimum cosine similarity of a kept mutual edge.")
+    index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
+    engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
+    search: str = doc("rank0", "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
+                      "its GPUs or cores) or all (every rank searches its own block with the exact torch engine; query "
+                      "blocks are broadcast and the partial top-k merged).")
+    nlist: int = doc(1024, "ivf: number of inverted lists.")
+    nprobe: int = doc(16, "ivf: lists visited per query.")
+    hnsw_m: int = doc(32, "hnsw: graph degree M.")
+    ef_search: int = doc(128, "hnsw: efSearch.")
+    query_batch: int = doc(65536, "Queries per search batch (bounds rank 0's memory).")
+    embed_batch: int = doc(512, "Samples per embedding batch on each rank.")
+    singletons: str = doc("cluster", "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.")
+    max_cluster_size: int = doc(0, "Split components larger than this by raising the threshold inside them; 0 disables.")
+    timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
+
+    def __post_init__(self) -> None:
+        _check(self.every_epochs >= 1, "mining.every_epochs", self.every_epochs, "must be >= 1")
+        _check(self.start_epoch >= 1, "mining.start_epoch", self.start_epoch, "must be >= 1")
+        _check(self.k >= 1, "mining.k", self.k, "must be >= 1")
+        _check(-1.0 <= self.threshold <= 1.0, "mining.threshold", self.threshold, "is a cosine similarity: between -1 and 1")
+        _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
+        _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
+        _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
+        _choice("mining.search", self.search, ("rank0", "all"))
+        if self.search == "all":
+            _check(self.engine != "faiss", "mining.engine", self.engine,
+                   "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch")
+            _check(self.index == "flat", "mining.index", self.index,
+                   "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0")
+        for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
+            _check(getattr(self, key) >= 1, f"mining.{key}", getattr(self, key), "must be >= 1")
+        _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")
+        _check(self.timeout_s >= 10, "mining.timeout_s", self.timeout_s, "must be >= 10")
+
+
+@dataclass
+class TaskConfig:
+    """What is trained."""
+
+    target: str = doc("clusterflow.tasks.pseudo_id:PseudoIDTask", "The task class, as package.module:Class.")
+    params: dict[str, Any] = doc(factory=dict, help="Keyword arguments of the task (validated by the task).")
+    init_from: str = doc("", "Load model weights from this model.pt (e.g. a stage-1 checkpoint) before training.")
+
+    def __post_init__(self) -> None:
+        mod, sep, cls = self.target.partition(":")
+        _check(
+            bool(sep and mod and cls and cls.isidentifier()),
+            "task.target",
+            self.target,
+            "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
+        )
+
+
+@dataclass
+class DataConfig:
+    """Data loading."""
+
+    num_workers: int = doc(0, "DataLoader worker processes per rank.")
+    pin_memory: bool = doc(True, "Pin host memory when training on GPU.")
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
