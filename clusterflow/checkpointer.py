@@ -17,6 +17,7 @@ work supersedes a stop checkpoint taken at the same step before it (see store.py
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Mapping, Protocol
@@ -96,7 +97,8 @@ class Checkpointer:
         self.model.load_state_dict(ckpt.load("model.pt"))
         saved = ckpt.load("train_state.pt")
         for name, obj in self.states.items():
-            obj.load_state_dict(saved.get(name, saved))  # checkpoints before 0.x kept the counters at the top level
+            # Checkpoints written before the train state was registered hold its counters at the top level.
+            obj.load_state_dict(saved.get(name, saved))
         if saved["world_size"] == dist.world():
             restore_rng(saved["rng"][dist.rank()])
         else:
@@ -108,7 +110,8 @@ class Checkpointer:
 
     def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
         if "config" in manifest:
-            cfgmod.check_resume(manifest["config"], self.cfg.to_dict(), f"checkpoint {path}")
+            now = json.loads(json.dumps(self.cfg.to_dict()))  # as the manifest holds it (JSON: string keys, lists)
+            cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}")
             return
         # Older manifests carry only a hash, which cannot say what differs (or whether a key was
         # merely added by a newer clusterflow): warn, as those versions did.

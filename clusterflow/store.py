@@ -148,14 +148,7 @@ class CheckpointStore:
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
             return True  # nothing there, or a folder without manifest: debris that _publish replaces
         try:
-            old = self._read_manifest(self.step_path(step))
-        except ValueError:
-            old = None
-        if old is not None and position(meta) > position(old):
-            log.info("step %d: the state after the end-of-epoch work supersedes the one committed before it", step)
-            return True
-        try:
-            self.verify(step)
+            old = self.verify(step).manifest
         except ValueError as exc:
             # A run that resumed from an older step because this one was damaged reaches it again:
             # keep the damaged folder for inspection, out of the way, and commit the step anew.
@@ -163,6 +156,9 @@ class CheckpointStore:
             log.warning("checkpoint %s is damaged (%s); moving it to %s and committing step %d anew",
                         self.url_of(step), exc, aside, step)
             self.fs.mv(self.step_path(step), aside, recursive=True)
+            return True
+        if position(meta) > position(old):
+            log.info("step %d: the state after the end-of-epoch work supersedes the one committed before it", step)
             return True
         log.info("checkpoint step %d is already committed at %s; not overwriting it", step, self.step_path(step))
         return False

@@ -95,3 +95,12 @@ def test_pruned_and_superseded_folders_are_deleted_never_published(tmp_path):
     os.rename(store._stage(6, files(5), BEFORE), tmp_path / ".superseded-step-6-0123abcd")
     assert store.clean_debris() == []
     assert names(tmp_path) == ["step-4", "step-6"] and value(store) == 6
+
+
+def test_a_damaged_step_is_kept_aside_even_when_a_later_state_replaces_it(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store.save(6, files(1), BEFORE)
+    (tmp_path / "step-6" / "model.pt").write_bytes(b"torn")
+    assert store.save(6, files(2), AFTER)
+    store.wait_for_pruning()
+    assert value(store) == 2 and [n[:14] for n in names(tmp_path)] == ["damaged-step-6", "step-6"]
