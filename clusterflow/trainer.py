@@ -173,10 +173,10 @@ class Trainer:
 
     def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: _Window) -> None:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
-        batch = _to(batch, self.device)
         labels = self.state.labels
-        if labels is not None:
-            labels = torch.from_numpy(labels[batch["index"].cpu().numpy()]).to(self.device)
+        if labels is not None:  # picked with the index still on the host: nothing read back from the device
+            labels = torch.from_numpy(labels[batch["index"].numpy()]).to(self.device, non_blocking=True)
+        batch = _to(batch, self.device)
         sync = last_micro or self.world == 1
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
         with ctx:

@@ -23,6 +23,18 @@ def cli():
     return run_cli
 
 
+@pytest.fixture(params=["local", "memory"])
+def store(request, tmp_path):
+    """A checkpoint store keeping two steps, on a local folder and on fsspec's memory://."""
+    from clusterflow.store import CheckpointStore
+
+    if request.param == "local":
+        return CheckpointStore(str(tmp_path / "ck"), keep_last=2)
+    import uuid
+
+    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2)
+
+
 @pytest.fixture(scope="session")
 def cluster():
     """The local two-node Slurm cluster, booted (idempotently) by tests/slurm/cluster.sh."""

@@ -12,15 +12,6 @@ def files(v):
     return {"model.pt": serialize({"w": torch.full((4,), float(v))}), "train_state.pt": serialize({"step": v})}
 
 
-@pytest.fixture(params=["local", "memory"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return CheckpointStore(str(tmp_path / "ck"), keep_last=2)
-    import uuid
-
-    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2)
-
-
 def test_commit_latest_and_retention(store):
     assert store.latest() is None
     for s in (10, 20, 30):

@@ -3,7 +3,6 @@ that replacement (and of a plain commit) is finished by clean_debris without los
 
 import os
 
-import pytest
 import torch
 
 from clusterflow.durable import serialize
@@ -23,15 +22,6 @@ def names(root):
 
 
 BEFORE, AFTER = {"position": [0, 6]}, {"position": [1, 0]}  # (epoch, step in epoch): before / after the end-of-epoch work
-
-
-@pytest.fixture(params=["local", "memory"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return CheckpointStore(str(tmp_path / "ck"), keep_last=2)
-    import uuid
-
-    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2)
 
 
 def test_a_later_state_at_the_same_step_supersedes_the_committed_one(store):
