@@ -222,9 +222,10 @@ def summary(ranks: list[dict[str, Any]]) -> str | None:
     parts = []
     for r in ranks:
         who = f"rank {r['rank']} on {r.get('host') or '?'}"
-        if r["silent"]:
-            age = "never" if r["heartbeat_age_s"] is None else f"{r['heartbeat_age_s']:.0f} s ago"
-            parts.append(f"{who} is silent (last heartbeat {age})")
+        if r["silent"] and r["heartbeat_age_s"] is None:
+            parts.append(f"rank {r['rank']} has sent no heartbeat in this attempt")
+        elif r["silent"]:
+            parts.append(f"{who} is silent (last heartbeat {r['heartbeat_age_s']:.0f} s ago)")
         elif r["straggler"]:
             parts.append(f"{who} straggles ({r['step_time_s']:.3f} s/step, others' median {r['median_step_time_s']:.3f} s)")
     return "; ".join(parts) or None

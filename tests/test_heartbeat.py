@@ -139,6 +139,7 @@ def test_render_and_summary_name_the_odd_ranks():
     assert summary(ranks) == ("rank 2 on node3 straggles (0.610 s/step, others' median 0.200 s); "
                               "rank 3 on node4 is silent (last heartbeat 95 s ago)")
     assert summary(ranks[:2]) is None
+    assert summary(mark([{"rank": 5, "time": None}], 10, now=1000.0)) == "rank 5 has sent no heartbeat in this attempt"
 
 
 def test_tensorboard_scalars_cover_every_node():
