@@ -8,9 +8,10 @@ allowance: the mining wait is legitimately long) the thread
 1. records the first cause, ``rank R on HOST stalled N s at step S in PHASE (file:line function)``,
    in RUN_DIR/errors/first.attempt<A>.json, which a peer's later error cannot overwrite;
 2. dumps every thread's Python stack (``faulthandler``) into the rank's log file and into
-   RUN_DIR/stalls/rank<R>.attempt<A>.stacks.txt;
-3. dumps PyTorch's flight recorder (the last collectives, with their Python stacks) into
-   RUN_DIR/stalls/ when one is recording (see :func:`flight_recorder_env`);
+   RUN_DIR/stalls/attempt<A>/rank<R>.stacks.txt;
+3. dumps PyTorch's flight recorder (the last collectives) into
+   RUN_DIR/stalls/attempt<A>/flight_recorder_rank_<R> when one is recording (see
+   :func:`flight_recorder_env`), named as ``torchfrtrace DIR --prefix flight_recorder_rank_`` reads;
 4. ends the process with ``os._exit(EXIT_STALLED)``, so ``srun --kill-on-bad-exit`` (or the local
    launcher) takes the job down at once.
 
@@ -45,7 +46,8 @@ log = logging.getLogger("clusterflow.watchdog")
 
 
 class Watchdog:
-    """``Watchdog(heartbeat.progress, run_dir, rank, stall_s=...).start()``; ``stop()`` when the loop ends."""
+    """``with Watchdog(heartbeat.progress, run_dir, rank, stall_s=...):`` around the loop (or
+    ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles it."""
 
     def __init__(self, progress: Progress, run_dir: str, rank: int, *, stall_s: float, attempt: int = 0,
                  host: str | None = None, allowances: Mapping[str, float] | None = None, log_file: str | None = None,
@@ -66,6 +68,14 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def __enter__(self) -> "Watchdog":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        # stopped before any error handler runs: reporting an error (a flight-recorder dump, a slow
+        # write) is no progress, and the watchdog must not end a rank that is busy failing properly
+        self.stop()
 
     def limit(self, phase: str) -> float:
         return float(self.allowances.get(phase, self.stall_s))
@@ -95,15 +105,14 @@ class Watchdog:
             msg += f", waiting in {waiting} for its peers"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         record = {"step": step, "phase": phase, "stalled_s": round(idle, 1), "where": where, "traceback": stack}
-        stalls = os.path.join(self.run_dir, "stalls")
-        tag = f"rank{self.rank}.attempt{self.attempt}"
+        stalls = stalls_dir(self.run_dir, self.attempt)
         _guard(lambda: record.update(won=first_error.record(self.run_dir, self.attempt, self.rank, msg, host=self.host,
                                                             kind="stall", **record)))
         header = f"clusterflow watchdog: {msg}\nstacks of every thread (loop thread 0x{self.loop_thread or 0:016x}):\n"
-        for target in (self.log_file, os.path.join(stalls, f"{tag}.stacks.txt")):
+        for target in (self.log_file, os.path.join(stalls, f"rank{self.rank}.stacks.txt")):
             if target:
                 _guard(lambda t=target: dump_stacks(t, header))
-        _guard(lambda: record.update(flight_recorder=dump_flight_recorder(stalls, tag)))
+        _guard(lambda: record.update(flight_recorder=dump_flight_recorder(stalls, self.rank)))
         if self.on_stall is not None:
             _guard(lambda: self.on_stall({"error": msg, "rank": self.rank, "host": self.host, **record}))
         _guard(lambda: log.error("%s; stacks in %s; exiting with %d", msg, stalls, EXIT_STALLED))
@@ -181,11 +190,17 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
 
 # -- PyTorch's flight recorder ----------------------------------------------------------------
 
-def flight_recorder_env(run_dir: str, environ: Mapping[str, str]) -> dict[str, str]:
+def stalls_dir(run_dir: str, attempt: int) -> str:
+    return os.path.join(run_dir, "stalls", f"attempt{attempt}")
+
+
+def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
-    NCCL's own timeout dump lands in RUN_DIR/stalls/ (torch appends the rank to the prefix). Both
-    the current names (TORCH_FR_*) and the older NCCL-only ones; a variable the user set is kept."""
-    prefix = os.path.join(run_dir, "stalls", "nccl_trace_rank_")
+    NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
+    prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and the
+    older NCCL-only ones; a variable the user set is kept."""
+    prefix = os.path.join(stalls_dir(run_dir, attempt), "nccl_trace_rank_")
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {"TORCH_FR_BUFFER_SIZE": FR_BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
@@ -241,12 +256,14 @@ def _active_in(trace: Mapping[str, Any]) -> str | None:
     return None
 
 
-def dump_flight_recorder(folder: str, tag: str, stacks_budget_s: float = 3.0) -> list[str]:
+def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -> list[str]:
     """Write what the flight recorders hold; returns a line per recorder saying what happened.
 
     ``_dump_fr_trace`` is the generic recorder (gloo in torch >= 2.8, verified here on CPU);
     ``_dump_nccl_trace`` is ProcessGroupNCCL's own (CUDA builds; not run here, no GPU). Both return
-    a pickle that ``torchfrtrace`` (PyTorch's tools/flight_recorder) reads. The first dump that
+    a pickle that ``torchfrtrace`` (PyTorch's tools/flight_recorder) reads. A peer that fails in a
+    collective should call this too (job.py's error path): torchfrtrace compares the ranks' dumps to
+    name the rank that never joined a collective. The first dump that
     includes stack traces symbolizes them (5-10 s measured here), so the dump without them is
     written first, and the one with them replaces it only if it comes within ``stacks_budget_s``.
     """
@@ -254,11 +271,11 @@ def dump_flight_recorder(folder: str, tag: str, stacks_budget_s: float = 3.0) ->
     if c10d is None:
         return ["no flight recorder: torch.distributed not loaded"]
     done = []
-    for fn_name, name in (("_dump_fr_trace", "flight_recorder"), ("_dump_nccl_trace", "nccl_trace")):
+    for fn_name, name in (("_dump_fr_trace", "flight_recorder_rank_"), ("_dump_nccl_trace", "nccl_trace_rank_")):
         fn = getattr(c10d, fn_name, None)
         if fn is None:
             continue
-        target = os.path.join(folder, f"{name}.{tag}.pkl")
+        target = os.path.join(folder, f"{name}{rank}")
         for stacks, budget in ((False, 10.0), (True, stacks_budget_s)):
             try:
                 data = _with_timeout(lambda fn=fn, s=stacks: fn(includeCollectives=True, includeStackTraces=s,

@@ -15,7 +15,7 @@ import time
 
 from clusterflow import first_error
 from clusterflow.heartbeat import Heartbeat
-from clusterflow.watchdog import Watchdog, flight_recorder_env
+from clusterflow.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env, stalls_dir
 
 
 def sleeping_in_loss():
@@ -41,22 +41,17 @@ def ranks(run_dir, mode, hb, rank):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(flight_recorder_env(run_dir, os.environ))  # after importing torch, before the group
+    os.environ.update(flight_recorder_env(run_dir, 0, os.environ))  # after importing torch, before the group
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=__import__("datetime").timedelta(seconds=120))
     t = torch.ones(8)
-    try:
-        for step in range(1, 6):
-            if mode == "embed" and step == 3:
-                hb.beat(step - 1, "mining embed")  # the embedding loop beats once per batch
-            if rank == 1 and step == 3:
-                sleeping_in_loss() if mode == "ranks" else embedding_batch()
-            dist.all_reduce(t)
-            hb.beat(step, "mining embed" if mode == "embed" and step >= 3 else "train")
-    except Exception as exc:  # what job.py does with a failed collective: record it, fail the rank
-        won = first_error.record(run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname())
-        print(f"rank {rank} collective failed; first cause recorded: {won}", flush=True)
-        sys.exit(1)
+    for step in range(1, 6):
+        if mode == "embed" and step == 3:
+            hb.beat(step - 1, "mining embed")  # the embedding loop beats once per batch
+        if rank == 1 and step == 3:
+            sleeping_in_loss() if mode == "ranks" else embedding_batch()
+        dist.all_reduce(t)
+        hb.beat(step, "mining embed" if mode == "embed" and step >= 3 else "train")
 
 
 def main():
@@ -66,12 +61,18 @@ def main():
     log_file = os.path.join(run_dir, "logs", f"rank{rank}.attempt0.log")
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     wd = Watchdog(hb.progress, run_dir, rank, stall_s=stall_s, log_file=log_file, allowances={"mining wait": stall_s * 10},
-                  victim_grace_s=stall_s * 2).start()
-    if mode in ("stall", "mining-wait"):
-        single(run_dir, mode, hb)
-    else:
-        ranks(run_dir, mode, hb, rank)
-    wd.stop()
+                  victim_grace_s=stall_s * 2)
+    try:
+        with wd:
+            if mode in ("stall", "mining-wait"):
+                single(run_dir, mode, hb)
+            else:
+                ranks(run_dir, mode, hb, rank)
+    except Exception as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
+        won = first_error.record(run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname())
+        dump_flight_recorder(stalls_dir(run_dir, 0), rank)  # so the ranks' recorders can be compared
+        print(f"rank {rank} collective failed; first cause recorded: {won}", flush=True)
+        sys.exit(1)
     hb.close()
     print("finished", flush=True)
 
