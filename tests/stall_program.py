@@ -1,0 +1,81 @@
+"""A small training-like loop that stalls on purpose, for the watchdog tests (run as a subprocess).
+
+    python tests/stall_program.py RUN_DIR MODE STALL_S
+
+MODE: ``stall`` (sleeps forever in sleeping_in_loss at step 5), ``mining-wait`` (a wait longer than
+STALL_S inside the mining-wait allowance, then finishes), ``ranks`` (RANK/WORLD_SIZE/MASTER_* set:
+gloo all_reduce every step; rank 1 sleeps in sleeping_in_loss at step 3 while rank 0 waits in the
+all_reduce), ``embed`` (as ranks, but rank 1 hangs in embedding_batch during the mining embed phase).
+"""
+
+import os
+import socket
+import sys
+import time
+
+from clusterflow import first_error
+from clusterflow.heartbeat import Heartbeat
+from clusterflow.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env, stalls_dir
+
+
+def sleeping_in_loss():
+    time.sleep(3600)
+
+
+def embedding_batch():
+    time.sleep(3600)
+
+
+def single(run_dir, mode, hb):
+    for step in range(1, 6):
+        hb.beat(step, "train")
+        time.sleep(0.05)
+    if mode == "stall":
+        sleeping_in_loss()
+    hb.beat(5, "mining wait")
+    time.sleep(float(sys.argv[3]) * 3)
+    hb.beat(6, "train")
+
+
+def ranks(run_dir, mode, hb, rank):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(flight_recorder_env(run_dir, 0, os.environ))  # after importing torch, before the group
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=__import__("datetime").timedelta(seconds=120))
+    t = torch.ones(8)
+    for step in range(1, 6):
+        if mode == "embed" and step == 3:
+            hb.beat(step - 1, "mining embed")  # the embedding loop beats once per batch
+        if rank == 1 and step == 3:
+            sleeping_in_loss() if mode == "ranks" else embedding_batch()
+        dist.all_reduce(t)
+        hb.beat(step, "mining embed" if mode == "embed" and step >= 3 else "train")
+
+
+def main():
+    run_dir, mode, stall_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    rank = int(os.environ.get("RANK", "0"))
+    hb = Heartbeat(run_dir, rank, every_s=0.2)
+    log_file = os.path.join(run_dir, "logs", f"rank{rank}.attempt0.log")
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    wd = Watchdog(hb.progress, run_dir, rank, stall_s=stall_s, log_file=log_file, allowances={"mining wait": stall_s * 10},
+                  victim_grace_s=stall_s * 2)
+    try:
+        with wd:
+            if mode in ("stall", "mining-wait"):
+                single(run_dir, mode, hb)
+            else:
+                ranks(run_dir, mode, hb, rank)
+    except Exception as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
+        won = first_error.record(run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname())
+        dump_flight_recorder(stalls_dir(run_dir, 0), rank)  # so the ranks' recorders can be compared
+        print(f"rank {rank} collective failed; first cause recorded: {won}", flush=True)
+        sys.exit(1)
+    hb.close()
+    print("finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
