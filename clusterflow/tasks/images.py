@@ -72,11 +72,12 @@ def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
         raise UserError(f"task.params.root={root!r} {what}; point it at a folder of images (one sub-folder per class, "
                         f"or flat), or for the digits example run `python -m clusterflow.tasks.digits {root}` first "
                         f"(or set task.params.make_digits=true)")
-    entries = sorted(e for e in os.listdir(root) if not e.startswith("."))
+    # scandir: the entry types come with the listing, no stat per file (a flat folder may hold millions)
+    entries = sorted((e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name)
     if not entries:
         raise UserError(f"task.params.root={root!r} is an empty folder; put image files in it (one sub-folder per class, or flat)")
-    top = [e for e in entries if os.path.isfile(os.path.join(root, e)) and _is_image(e)]
-    classes = {d: _images_under(os.path.join(root, d)) for d in entries if os.path.isdir(os.path.join(root, d))}
+    top = [e.name for e in entries if e.is_file() and _is_image(e.name)]
+    classes = {e.name: _images_under(e.path) for e in entries if e.is_dir()}
     classes = {d: files for d, files in classes.items() if files}
     if top and classes:
         raise UserError(f"task.params.root={root!r} holds both image files ({top[0]}, ...) and class folders with images "
@@ -84,7 +85,7 @@ def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
     if top:
         return top, None, []
     if not classes:
-        raise UserError(f"task.params.root={root!r} holds no image files ({len(entries)} entries, e.g. {entries[0]!r}); "
+        raise UserError(f"task.params.root={root!r} holds no image files ({len(entries)} entries, e.g. {entries[0].name!r}); "
                         f"accepted extensions: {' '.join(IMAGE_EXTENSIONS)}")
     paths, labels = [], []
     for c, files in enumerate(classes.values()):
