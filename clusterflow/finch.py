@@ -1,0 +1,116 @@
+"""FINCH, the first-neighbour clustering hierarchy (Sarfraz, Sharma, Stiefelhagen, CVPR 2019),
+on the k-NN lists a mining round already has.
+
+Level 0 links every sample to its first neighbour (column 0 of the round's ``ids``: no new
+search) and takes the connected components. Each next level does the same to the clusters of
+the level before, represented by their mean direction (the normalised sum of their L2-normalised
+rows), with a k=1 search over the means by one of ``clusterflow.knn``'s engines. It stops, as the
+authors' code does, when a level would leave one cluster or merge only one pair; that level is
+not kept. No threshold, no k.
+
+Written here rather than taken from ``finch-clust`` (MIT): that package can take level 0's first
+neighbours (``initial_rank``) but searches every later level itself, with a dense N x N distance
+matrix up to 20,000 clusters (1.6 GB in float32) and pynndescent (numba) or a FAISS IVF-PQ index
+beyond, approximate and not our engines; the algorithm itself is a few lines.
+
+Which level: the one whose cluster count is closest to ``num_clusters`` when given, else the one
+of highest modularity on the round's mutual k-NN graph (the criterion of ``curves.auto_threshold``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+from scipy import sparse
+from scipy.sparse.csgraph import connected_components
+
+from clusterflow.curves import MutualGraph, modularity
+
+Search = Callable[[np.ndarray, int], "tuple[np.ndarray, np.ndarray] | None"]
+
+
+def first_neighbour_components(first: np.ndarray) -> np.ndarray:
+    """Components of the graph with an edge from every i to ``first[i]`` (-1: none), numbered
+    0..C-1 in order of each component's smallest member (scipy labels components in the order it
+    meets their first node; the tests check this)."""
+    n = len(first)
+    to = np.where(first >= 0, first, np.arange(n))
+    graph = sparse.coo_matrix((np.ones(n, np.int8), (np.arange(n), to)), shape=(n, n))
+    return connected_components(graph, directed=False)[1].astype(np.int64)
+
+
+def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """Per cluster, the normalised sum of its rows: the direction of its mean (float32 (C, d))."""
+    c = int(labels.max()) + 1
+    member = sparse.csr_matrix((np.ones(len(labels), np.float32), (labels, np.arange(len(labels)))), shape=(c, len(labels)))
+    sums = np.asarray(member @ x, dtype=np.float32)
+    return sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
+
+
+def default_search(engine: str = "auto") -> Search:
+    """k-NN of normalised rows with ``clusterflow.knn``'s engine choice (exact: faiss flat or torch)."""
+
+    def search(x: np.ndarray, k: int):
+        from clusterflow import knn
+
+        name, _ = knn.choose_engine(engine)
+        return knn.torch_search(x, k) if name == "torch" else knn.faiss_search(x, k)
+
+    return search
+
+
+def finch_levels(x: np.ndarray, ids: np.ndarray, search: Search | None = None, max_levels: int = 64) -> list[np.ndarray]:
+    """The FINCH partitions, finest first: int64 (N,) labels each, numbered by smallest member.
+
+    ``x``: the L2-normalised rows the k-NN lists were computed on (float32 (N, d)); ``ids``: their
+    k-NN lists (N, k), nearest first, as ``clusterflow.knn`` returns them; ``search(x, k)``: the
+    engine for the cluster means (default: ``default_search()``).
+    """
+    x = np.asarray(x, dtype=np.float32)
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.shape[1] < 1 or len(ids) != len(x):
+        raise ValueError(f"ids must be the (N, k>=1) k-NN lists of the {len(x)} rows, got shape {ids.shape}")
+    search = default_search() if search is None else search
+    levels = [first_neighbour_components(ids[:, 0])]
+    while len(levels) < max_levels:
+        current = levels[-1]
+        count = int(current.max()) + 1
+        if count <= 2:
+            break  # the next level is one cluster
+        result = search(mean_directions(x, current), 1)
+        if result is None:
+            raise RuntimeError("the k-NN search over the cluster means was aborted")
+        merged = first_neighbour_components(result[1][:, 0])
+        if merged.max() == 0 or merged.max() + 1 >= count - 1:
+            break  # one cluster left, or only one pair merged: the authors stop and drop it
+        levels.append(merged[current])
+    return levels
+
+
+def choose_level(levels: list[np.ndarray], graph: MutualGraph | None = None, num_clusters: int | None = None) -> int:
+    """Index of the level to use: closest to ``num_clusters`` when given (the finer on a tie),
+    else the highest modularity on ``graph`` (the finer on a tie)."""
+    counts = [int(level.max()) + 1 for level in levels]
+    if num_clusters is not None:
+        return int(np.argmin([abs(c - num_clusters) for c in counts]))
+    if graph is None:
+        raise ValueError("choose_level needs the mutual graph (curves.mutual_graph) or num_clusters")
+    return int(np.argmax([modularity(graph, level) for level in levels]))
+
+
+def finch_clusters(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, num_clusters: int | None = None,
+                   search: Search | None = None, graph: MutualGraph | None = None) -> tuple[np.ndarray, dict]:
+    """FINCH labels for a mining round: (int64 (N,) labels, info). ``info`` has ``level`` (the
+    chosen index), ``num_clusters`` (per level) and ``modularity`` (per level, on the mutual graph)."""
+    from clusterflow.curves import mutual_graph
+
+    levels = finch_levels(x, ids, search)
+    graph = mutual_graph(sims, ids) if graph is None else graph
+    scores = [modularity(graph, level) for level in levels]
+    if num_clusters is not None:
+        chosen = choose_level(levels, num_clusters=num_clusters)
+    else:
+        chosen = int(np.argmax(scores))
+    info = {"level": chosen, "num_clusters": [int(level.max()) + 1 for level in levels], "modularity": scores}
+    return levels[chosen], info
