@@ -124,6 +124,9 @@ def timing(n: int, d: int, k: int) -> None:
     from mining import data
 
     x = normalize(data(n, d))
+    rng = np.random.default_rng(0)  # data()'s first draws again, for its ground truth (each row's centre)
+    centres = rng.standard_normal((max(2, n // 20), d))
+    truth = rng.integers(0, len(centres), n)
     faiss_search(x[:1000], k)  # warm up (imports, thread pool)
     t0 = time.perf_counter()
     sims, ids = faiss_search(x, k)
@@ -138,14 +141,20 @@ def timing(n: int, d: int, k: int) -> None:
     curve = curves.threshold_curve(sims, ids, graph=graph)
     t_curve = time.perf_counter() - t0
     t0 = time.perf_counter()
-    levels = finch.finch_levels(x, ids, finch.default_search("faiss"))
+    with_truth = curves.threshold_curve(sims, ids, truth=truth, graph=graph)
+    t_truth = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    labels, info = finch.finch_clusters(x, sims, ids, search=finch.default_search("faiss"), graph=graph)
     t_finch = time.perf_counter() - t0
     print(f"N={n} d={d} k={k} cores={os.cpu_count()}, {len(graph.w)} mutual edges, {len(curve.thresholds)} thresholds")
     print(f"faiss flat search (k nearest others):          {t_search:8.2f} s")
     print(f"today's mutual filter + components (one t):     {t_today:8.2f} s   {t_today / t_search:.4f} of the search")
     print(f"mutual graph (sorted edges):                    {t_graph:8.2f} s   {t_graph / t_search:.4f} of the search")
     print(f"curve over the grid (modularity, no labels):    {t_curve:8.2f} s   {t_curve / t_search:.4f} of the search")
-    print(f"FINCH levels after level 0 ({[int(lv.max()) + 1 for lv in levels]} clusters): {t_finch:8.2f} s   {t_finch / t_search:.4f} of the search")
+    print(f"the same with NMI/ARI at every grid point:      {t_truth:8.2f} s   {t_truth / t_search:.4f} of the search")
+    print(f"auto threshold {curve.auto()}: NMI {with_truth.nmi[np.argmax(with_truth.modularity)]:.3f}, best on the grid {with_truth.nmi.max():.3f}")
+    print(f"FINCH, levels of {info['num_clusters']} clusters, level {info['level']} chosen by silhouette:")
+    print(f"   searches over the means + the choice:        {t_finch:8.2f} s   {t_finch / t_search:.4f} of the search")
 
 
 def main() -> None:

@@ -216,10 +216,11 @@ def threshold_curve(sims: np.ndarray, ids: np.ndarray, thresholds: np.ndarray | 
         raise ValueError(f"thresholds must be a non-empty, finite, strictly descending 1-d array, got {grid!r}")
     rows = []
     scores: list[tuple[float, float]] = []
+    agreement = _Agreement(truth) if truth is not None else None
     for t, kept, size, q, comp in _sweep(graph, grid, labels=truth is not None):
         rows.append((len(size), int((size == 1).sum()), int(size.max()), kept, q))
-        if truth is not None:
-            scores.append(_nmi_ari(truth, comp))
+        if agreement is not None:
+            scores.append(agreement(comp))
     cols = list(zip(*rows))
     curve = Curve(grid, *(np.array(c, np.int64) for c in cols[:4]), np.array(cols[4], np.float64))
     if truth is not None:
@@ -227,15 +228,44 @@ def threshold_curve(sims: np.ndarray, ids: np.ndarray, thresholds: np.ndarray | 
     return curve
 
 
-def _nmi_ari(truth: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
-    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+class _Agreement:
+    """NMI (arithmetic normalisation) and ARI of partitions against one fixed ground truth, as
+    scikit-learn defines them (limit cases included), from a sparse contingency table: one
+    O(N) table per grid point where scikit-learn's functions took 1.1 s at 200,000 samples."""
 
-    return float(normalized_mutual_info_score(truth, labels)), float(adjusted_rand_score(truth, labels))
+    def __init__(self, truth: np.ndarray) -> None:
+        _, self.truth = np.unique(np.asarray(truth), return_inverse=True)
+        self.n = len(self.truth)
+        self.b = np.bincount(self.truth).astype(np.float64)
+        self.h_b = _entropy(self.b, self.n)
+        self.pairs_b = float((self.b * (self.b - 1) / 2).sum())
+
+    def __call__(self, labels: np.ndarray) -> tuple[float, float]:
+        n, rows = self.n, int(labels.max()) + 1
+        table = sparse.csr_matrix((np.ones(n), (labels, self.truth)), shape=(rows, len(self.b)))  # sums repeats
+        nij = table.data
+        a = np.asarray(table.sum(1)).ravel()
+        row_of = np.repeat(np.arange(rows), np.diff(table.indptr))
+        mi = max(float((nij / n * (np.log(nij * n) - np.log(a[row_of]) - np.log(self.b[table.indices]))).sum()), 0.0)
+        if rows == len(self.b) == 1:
+            nmi = 1.0
+        else:
+            nmi = 0.0 if mi == 0 else mi / ((_entropy(a, n) + self.h_b) / 2)
+        pairs_a = float((a * (a - 1) / 2).sum())
+        expected = pairs_a * self.pairs_b / (n * (n - 1) / 2) if n > 1 else 0.0
+        spread = (pairs_a + self.pairs_b) / 2 - expected
+        ari = 1.0 if spread == 0 else (float((nij * (nij - 1) / 2).sum()) - expected) / spread
+        return nmi, ari
+
+
+def _entropy(counts: np.ndarray, n: int) -> float:
+    p = counts[counts > 0] / n
+    return float(-(p * np.log(p)).sum())
 
 
 def modularity(graph: MutualGraph, labels: np.ndarray) -> float:
     """Weighted modularity of any partition (labels (N,), -1 = own singleton) on the whole
-    mutual graph, as in the curve: how ``auto_threshold`` and FINCH's level choice compare."""
+    mutual graph, as the curve computes it for the components (also reported for FINCH's levels)."""
     labels = np.asarray(labels, dtype=np.int64)
     labels = np.where(labels >= 0, labels, labels.max(initial=-1) + 1 + np.arange(len(labels)))
     weight = np.maximum(graph.w, 0).astype(np.float64)

@@ -193,3 +193,17 @@ def test_deterministic():
     sims, ids = faiss_search(normalize(emb), 10)
     a, b = (curves.threshold_curve(sims, ids, truth=y).to_dict() for _ in range(2))
     assert a == b
+
+
+def test_fast_nmi_ari_are_sklearns_limit_cases_included():
+    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+    rng = np.random.default_rng(0)
+    cases = [(rng.integers(0, 5, 300), rng.integers(0, 7, 300)), (np.zeros(50), np.zeros(50)), (np.zeros(50), np.arange(50)),
+             (np.arange(50), np.arange(50)), (np.arange(50) % 3, np.zeros(50)), (np.array([3]), np.array([0])),
+             (rng.integers(0, 40, 1000), rng.integers(0, 40, 1000) // 2)]
+    for truth, labels in cases:
+        labels = np.unique(labels, return_inverse=True)[1]
+        got = curves._Agreement(truth)(labels)
+        want = (normalized_mutual_info_score(truth, labels), adjusted_rand_score(truth, labels))
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
