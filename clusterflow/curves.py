@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 from scipy import sparse
-from scipy.sparse.csgraph import connected_components
+from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,23 @@ def default_thresholds(graph: MutualGraph, step: float = 0.0025) -> np.ndarray:
     top = math.floor(float(graph.w[0]) / step) + 1
     bottom = math.floor(float(graph.w[-1]) / step) - 1  # one step of margin for the rounding
     return np.round(np.arange(top, bottom - 1, -1) * step, 10)
+
+
+def merge_similarities(graph: MutualGraph) -> np.ndarray:
+    """The similarity of every merge, strongest first (float32, at most N-1): the edge weights of
+    a maximum spanning forest (Kruskal, scipy's ``minimum_spanning_tree`` on the edges' ranks, so
+    ties and float rounding cannot reorder them). At any threshold t, not only on a grid, the
+    number of clusters is N minus the merges >= t (``clusters_at``)."""
+    if len(graph.w) == 0:
+        return np.zeros(0, np.float32)
+    rank = np.arange(1, len(graph.w) + 1, dtype=np.float64)  # graph.w is sorted: rank 1 = strongest
+    forest = minimum_spanning_tree(sparse.csr_matrix((rank, (graph.u, graph.v)), shape=(graph.n, graph.n)))
+    return graph.w[np.sort(forest.data).astype(np.int64) - 1]
+
+
+def clusters_at(n: int, merges: np.ndarray, threshold: float) -> int:
+    """Number of clusters at ``threshold`` from ``merge_similarities`` (compared as ``kept_edges``)."""
+    return n - _count_at_least(merges[::-1], threshold)
 
 
 @dataclass

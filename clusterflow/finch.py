@@ -92,7 +92,7 @@ def finch_levels(x: np.ndarray, ids: np.ndarray, search: Search | None = None, m
     return levels
 
 
-def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int = 0, block: int = 1024) -> float:
+def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int = 0) -> float:
     """Mean cosine silhouette (Rousseeuw 1987) of ``sample`` rows drawn without replacement (all
     rows when N <= sample), each exact against the whole data: on L2-normalised rows the mean
     cosine distance from x_i to a cluster c is 1 - x_i . sum(c) / |c|, so one product with the
@@ -102,20 +102,20 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
     count = np.bincount(labels).astype(np.float64)
     if len(count) < 2:
         return 0.0
-    member = sparse.csr_matrix((np.ones(n), (labels, np.arange(n))), shape=(len(count), n))
-    sums = np.asarray(member @ x.astype(np.float64))
+    member = sparse.csr_matrix((np.ones(n, np.float32), (labels, np.arange(n))), shape=(len(count), n))
+    sums = np.asarray(member @ np.asarray(x, dtype=np.float32))  # float32 (C, d): no float64 copy of x
+    block = max(1, (1 << 24) // len(count))  # at most 16M scores (64 MB) at a time
     scores = []
     for start in range(0, len(rows), block):
         r = rows[start : start + block]
-        own = labels[r]
-        dots = x[r].astype(np.float64) @ sums.T  # (rows, clusters)
-        self_dot = np.einsum("ij,ij->i", x[r].astype(np.float64), x[r].astype(np.float64))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            a = 1 - (dots[np.arange(len(r)), own] - self_dot) / (count[own] - 1)
+        own, xr = labels[r], x[r].astype(np.float64)
+        dots = (x[r] @ sums.T).astype(np.float64)  # (rows, clusters)
         others = 1 - dots / count
         others[np.arange(len(r)), own] = np.inf
         b = others.min(1)
-        s = (b - a) / np.maximum(a, b)
+        with np.errstate(invalid="ignore", divide="ignore"):  # singletons (0/0) and a = b = 0 score 0, as in scikit-learn
+            a = 1 - (dots[np.arange(len(r)), own] - np.einsum("ij,ij->i", xr, xr)) / (count[own] - 1)
+            s = np.nan_to_num((b - a) / np.maximum(a, b))
         scores.append(np.where(count[own] > 1, s, 0.0))
     return float(np.concatenate(scores).mean())
 

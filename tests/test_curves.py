@@ -207,3 +207,15 @@ def test_fast_nmi_ari_are_sklearns_limit_cases_included():
         got = curves._Agreement(truth)(labels)
         want = (normalized_mutual_info_score(truth, labels), adjusted_rand_score(truth, labels))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("data,k", [(blobs, 10), (with_ties, 8)])
+def test_cluster_counts_at_every_breakpoint(data, k):
+    sims, ids = faiss_search(normalize(data()[0]), k)
+    g = curves.mutual_graph(sims, ids)
+    merges = curves.merge_similarities(g)
+    assert np.all(np.diff(merges) <= 0)
+    for t in np.unique(g.w).tolist() + [2.0, -2.0]:  # every distinct similarity, exactly
+        assert curves.clusters_at(g.n, merges, t) == today(sims, ids, t)[0].max() + 1, t
+    curve = curves.threshold_curve(sims, ids, graph=g)
+    assert [curves.clusters_at(g.n, merges, t) for t in curve.thresholds.tolist()] == curve.num_clusters.tolist()
