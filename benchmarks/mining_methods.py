@@ -144,6 +144,9 @@ def timing(n: int, d: int, k: int) -> None:
     with_truth = curves.threshold_curve(sims, ids, truth=truth, graph=graph)
     t_truth = time.perf_counter() - t0
     t0 = time.perf_counter()
+    merges = curves.merge_similarities(graph)
+    t_merges = time.perf_counter() - t0
+    t0 = time.perf_counter()
     labels, info = finch.finch_clusters(x, sims, ids, search=finch.default_search("faiss"), graph=graph)
     t_finch = time.perf_counter() - t0
     print(f"N={n} d={d} k={k} cores={os.cpu_count()}, {len(graph.w)} mutual edges, {len(curve.thresholds)} thresholds")
@@ -152,6 +155,7 @@ def timing(n: int, d: int, k: int) -> None:
     print(f"mutual graph (sorted edges):                    {t_graph:8.2f} s   {t_graph / t_search:.4f} of the search")
     print(f"curve over the grid (modularity, no labels):    {t_curve:8.2f} s   {t_curve / t_search:.4f} of the search")
     print(f"the same with NMI/ARI at every grid point:      {t_truth:8.2f} s   {t_truth / t_search:.4f} of the search")
+    print(f"cluster counts at all {len(merges)} merges (MST):   {t_merges:8.2f} s   {t_merges / t_search:.4f} of the search")
     print(f"auto threshold {curve.auto()}: NMI {with_truth.nmi[np.argmax(with_truth.modularity)]:.3f}, best on the grid {with_truth.nmi.max():.3f}")
     print(f"FINCH, levels of {info['num_clusters']} clusters, level {info['level']} chosen by silhouette:")
     print(f"   searches over the means + the choice:        {t_finch:8.2f} s   {t_finch / t_search:.4f} of the search")
