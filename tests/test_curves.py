@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
 from clusterflow import curves
