@@ -119,6 +119,11 @@ class Checkpointer:
         if got and got != want:
             log.warning("checkpoint %s was written with a different config (hash %s, now %s); resuming anyway", path, got, want)
 
+    def committed_epoch(self) -> int:
+        """Epochs finished in the newest committed checkpoint, from its manifest (-1: none)."""
+        manifest = self.store.newest_manifest()
+        return int(manifest.get("epoch", -1)) if manifest else -1
+
     def close(self) -> None:
         """Leave no half-deleted old step behind at exit."""
         self.store.wait_for_pruning()

@@ -3,7 +3,10 @@
 ``mutual_knn_clusters`` is the contract (docs/mining.md): cosine similarity on L2-normalised rows;
 edge i-j kept iff j is among i's k nearest others, i among j's, and similarity >= threshold;
 labels are connected components numbered 0..C-1 in order of each component's smallest member.
-The mining stage runs the same pieces: ``normalize`` -> ``knn.search`` -> ``clusters_from_knn``.
+``threshold="auto"`` picks the threshold from the round's curve (``curves.auto_threshold``).
+The mining stage runs the same pieces: ``normalize`` -> ``knn.search`` -> ``mutual_graph`` ->
+``clusters_from_graph(edges_at(graph, threshold))``. The mutual edges are defined once, in
+``mutual_graph.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
+from clusterflow import curves
+from clusterflow.mutual_graph import edges_at, mutual_graph
+
 
 def normalize(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -23,16 +29,9 @@ def normalize(x: np.ndarray) -> np.ndarray:
 
 
 def mutual_edges(sims: np.ndarray, ids: np.ndarray, threshold: float) -> sparse.csr_matrix:
-    """Symmetric sparse matrix of the mutual k-NN edges with similarity >= threshold."""
-    n, k = ids.shape
-    rows = np.repeat(np.arange(n, dtype=np.int64), k)
-    cols = ids.ravel()
-    keep = (cols >= 0) & (sims.ravel() >= threshold)
-    rows, cols, vals = rows[keep], cols[keep], sims.ravel()[keep]
-    a = sparse.csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(n, n))
-    w = sparse.csr_matrix((vals.astype(np.float32), (rows, cols)), shape=(n, n))
-    mutual = a.multiply(a.T)  # 1 where i->j and j->i
-    return w.multiply(mutual).tocsr()
+    """Symmetric sparse matrix of the mutual k-NN edges with similarity >= threshold (each
+    direction holds its own listing's similarity)."""
+    return edges_at(mutual_graph(sims, ids), threshold)
 
 
 def number_by_smallest_member(labels: np.ndarray) -> np.ndarray:
@@ -81,31 +80,38 @@ def clusters_from_graph(graph: sparse.csr_matrix, singletons: str = "cluster", m
     if max_cluster_size:
         labels = _split_large(graph, labels, max_cluster_size)
     labels = number_by_smallest_member(labels)
-    if singletons == "ignore":
-        sizes = np.bincount(labels)
-        single = sizes[labels] == 1
-        labels = np.where(single, -1, labels)
-        kept = labels >= 0
-        if kept.any():
-            labels[kept] = number_by_smallest_member(labels[kept])
+    return ignore_singletons(labels) if singletons == "ignore" else labels
+
+
+def ignore_singletons(labels: np.ndarray) -> np.ndarray:
+    """Label -1 for every cluster of one sample; the others renumbered by smallest member."""
+    sizes = np.bincount(labels)
+    labels = np.where(sizes[labels] == 1, -1, labels)
+    kept = labels >= 0
+    if kept.any():
+        labels[kept] = number_by_smallest_member(labels[kept])
     return labels
 
 
-def clusters_from_knn(sims: np.ndarray, ids: np.ndarray, threshold: float, singletons: str = "cluster",
+def clusters_from_knn(sims: np.ndarray, ids: np.ndarray, threshold: float | str, singletons: str = "cluster",
                       max_cluster_size: int = 0) -> tuple[np.ndarray, int]:
     """Labels from k-NN lists (mutual edges >= threshold, then components), and the number of
-    mutual edges kept."""
-    graph = mutual_edges(sims, ids, threshold)
-    return clusters_from_graph(graph, singletons, max_cluster_size), int(graph.nnz // 2)
+    mutual edges kept. ``threshold="auto"``: the one ``curves.auto_threshold`` picks."""
+    graph = mutual_graph(sims, ids)
+    if isinstance(threshold, str):
+        threshold, _ = curves.resolve_threshold(sims, ids, threshold, graph=graph)
+    edges = edges_at(graph, threshold)
+    return clusters_from_graph(edges, singletons, max_cluster_size), int(edges.nnz // 2)
 
 
-def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float, index: str = "flat", *,
+def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float | str, index: str = "flat", *,
                         engine: str = "auto", singletons: str = "cluster", max_cluster_size: int = 0,
                         query_batch: int = 65536, timings: dict | None = None, **index_args: Any) -> np.ndarray:
     """Pseudo-labels from the mutual k-NN graph (see the module docstring for the definition).
 
-    ``embeddings``: float32 (N, d). Returns int64 (N,). With ``singletons="ignore"`` samples
-    without any kept edge get -1; ``max_cluster_size`` splits giant chained components.
+    ``embeddings``: float32 (N, d). Returns int64 (N,). ``threshold``: a cosine similarity, or
+    ``"auto"`` (the threshold of highest modularity on the round's curve, docs/mining.md). With
+    ``singletons="ignore"`` samples without any kept edge get -1; ``max_cluster_size`` splits giant chained components.
     ``index_args``: the FAISS knobs of :class:`clusterflow.knn.KnnParams` (nlist, nprobe, hnsw_m,
     ef_search, use_gpu); ``timings`` receives seconds per phase and the engine used.
     """
@@ -114,6 +120,8 @@ def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float, index:
     emb = np.asarray(embeddings)
     if emb.ndim != 2 or emb.shape[0] == 0:
         raise ValueError(f"embeddings must be a non-empty (N, d) array, got shape {emb.shape}")
+    if isinstance(threshold, str) and threshold != "auto":
+        raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
     params = knn.KnnParams(k=k, engine=engine, index=index, query_batch=query_batch, **index_args)
     timings = {} if timings is None else timings
     t0 = time.perf_counter()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import sys
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -149,6 +150,8 @@ def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: s
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
     if origin in (list,):
         return "a list"
     if origin in (dict,):
@@ -160,6 +163,13 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Return ``value`` as type ``tp`` or raise a UserError naming the key, the value and the type."""
     origin = typing.get_origin(tp)
     bad = UserError(f"{key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
+    if origin in (typing.Union, types.UnionType):  # the first member that takes the value (mining.threshold: a number or auto)
+        for member in typing.get_args(tp):
+            try:
+                return _coerce(key, value, member)
+            except UserError:
+                pass
+        raise bad
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -169,7 +169,11 @@ class MiningConfig:
     every_epochs: int = doc(1, "Mine after every N-th epoch.")
     start_epoch: int = doc(1, "First epoch (1-based, counted as finished epochs) after which mining runs.")
     k: int = doc(10, "Neighbours per sample in the k-NN graph.")
-    threshold: float = doc(0.5, "Minimum cosine similarity of a kept mutual edge.")
+    method: str = doc("mutual_knn", "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, connected "
+                      "components) or finch (first-neighbour clustering hierarchy, no threshold; the level of highest "
+                      "silhouette). docs/mining.md compares them.")
+    threshold: float | str = doc(0.5, "mutual_knn: minimum cosine similarity of a kept mutual edge, or auto: each round, the "
+                                 "threshold of highest modularity on that round's threshold curve.")
     index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
     engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
     search: str = doc("rank0", "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
@@ -184,12 +188,18 @@ class MiningConfig:
     singletons: str = doc("cluster", "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.")
     max_cluster_size: int = doc(0, "Split components larger than this by raising the threshold inside them; 0 disables.")
     timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
+    resume: bool = doc(True, "Keep each rank's embeddings and the finished k-NN query blocks of a round in RUN_DIR/mining/ "
+                       "until its labels are committed, so a round cut short resumes where it stopped.")
 
     def __post_init__(self) -> None:
         _check(self.every_epochs >= 1, "mining.every_epochs", self.every_epochs, "must be >= 1")
         _check(self.start_epoch >= 1, "mining.start_epoch", self.start_epoch, "must be >= 1")
         _check(self.k >= 1, "mining.k", self.k, "must be >= 1")
-        _check(-1.0 <= self.threshold <= 1.0, "mining.threshold", self.threshold, "is a cosine similarity: between -1 and 1")
+        if isinstance(self.threshold, str):
+            _check(self.threshold == "auto", "mining.threshold", self.threshold, "must be a number between -1 and 1, or auto")
+        else:
+            _check(-1.0 <= self.threshold <= 1.0, "mining.threshold", self.threshold, "is a cosine similarity: between -1 and 1, or auto")
+        _choice("mining.method", self.method, ("mutual_knn", "finch"))
         _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
         _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
         _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
@@ -199,6 +209,11 @@ class MiningConfig:
                    "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch")
             _check(self.index == "flat", "mining.index", self.index,
                    "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0")
+            _check(self.method != "finch", "mining.method", self.method,
+                   "needs every embedding on rank 0 (cluster means at every level), which mining.search=all never gathers; "
+                   "set mining.search=rank0")
+        _check(self.method != "finch" or not self.max_cluster_size, "mining.max_cluster_size", self.max_cluster_size,
+               "splits components by raising a threshold, which mining.method=finch does not have; set it to 0")
         for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
             _check(getattr(self, key) >= 1, f"mining.{key}", getattr(self, key), "must be >= 1")
         _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")

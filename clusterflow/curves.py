@@ -1,8 +1,8 @@
 """Threshold curves of the mutual k-NN graph, and the automatic threshold.
 
-One round's k-NN lists hold every threshold's clustering at once. The mutual edges (j among i's
-k nearest others and i among j's, as in ``mining.mutual_edges``) are sorted once by similarity;
-lowering the threshold only adds edges, so the components at every threshold of a grid come from
+One round's k-NN lists hold every threshold's clustering at once. The mutual edges
+(``mutual_graph.py``, the one definition ``clustering.mutual_edges`` uses too) come sorted by
+similarity; lowering the threshold only adds edges, so the components at every threshold of a grid come from
 one sweep that merges each band of new edges into the components of the band before
 (``scipy.sparse.csgraph.connected_components`` on the small graph of the current components: a
 union-find in C, one call per grid point). Per grid point the curve holds the number of clusters,
@@ -14,10 +14,10 @@ mutual graph; with ground truth also NMI and ARI.
 modularity of Newman (Phys. Rev. E 70, 056131, 2004); the dendrogram here is the single-linkage
 tree of the mutual graph that the sweep walks down. docs/mining.md says why this rule.
 
-A numeric threshold never goes through this module (``resolve_threshold`` hands it back as it
-came): ``mining.mutual_knn_clusters`` keeps its exact definition. The curve agrees with it at
-every grid point (tested): thresholds are compared with the similarities as ``mutual_edges``
-compares them, a Python float against float32.
+A numeric threshold is handed back as it came (``resolve_threshold``): the labels at it are
+``clustering.mutual_edges``'s, and the curve agrees with them at every grid point (tested):
+thresholds are compared with the similarities as ``mutual_graph.edges_at`` compares them, a
+Python float against float32.
 """
 
 from __future__ import annotations
@@ -30,63 +30,7 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
 
-
-@dataclass(frozen=True)
-class MutualGraph:
-    """The mutual k-NN edges, strongest first. ``w`` is the lower of the two directed
-    similarities: the edge is kept at threshold t iff both are >= t, i.e. iff ``w >= t``."""
-
-    n: int
-    u: np.ndarray  # int64 (E,), u < v
-    v: np.ndarray  # int64 (E,)
-    w: np.ndarray  # float32 (E,), descending
-
-
-def mutual_graph(sims: np.ndarray, ids: np.ndarray, block: int = 65536) -> MutualGraph:
-    """The mutual edges of k-NN lists ``(sims, ids)`` (N, k) from ``clusterflow.knn``.
-
-    No sort of the N*k entries: entry i -> j (i < j) is mutual iff i is in row j, which one
-    comparison of row j with i finds (O(N k^2), in blocks of rows to bound memory), and the same
-    comparison says where, for the similarity j -> i (not always bitwise the similarity i -> j:
-    a FAISS search may sum the two dot products in different orders).
-    """
-    n, k = ids.shape
-    narrow = np.int32 if n < 2**31 else np.int64  # half the bytes for the row gathers
-    ids, sims = _one_listing_per_neighbour(np.asarray(ids).astype(narrow), np.asarray(sims, dtype=np.float32))
-    us, vs, ws = [], [], []
-    for start in range(0, n, block):
-        row_ids = ids[start : start + block]
-        rows = np.arange(start, start + len(row_ids), dtype=narrow)[:, None]
-        r, c = np.nonzero(row_ids > rows)  # from the smaller end; -1 and self excluded
-        j = row_ids[r, c]
-        hit_row, hit_col = np.nonzero(ids[j] == rows[r])  # where row j lists i: at most once
-        r, c, j = r[hit_row], c[hit_row], j[hit_row]
-        us.append(r + start), vs.append(j), ws.append(np.minimum(sims[start + r, c], sims[j, hit_col]))
-    u, v, w = (np.concatenate(a) for a in (us, vs, ws))
-    keep = ~np.isnan(w)  # a NaN similarity is never >= any threshold
-    u, v, w = u[keep], v[keep], w[keep]
-    order = np.argsort(-w)  # ties in any order: tied edges enter at the same threshold
-    return MutualGraph(n, u[order].astype(np.int64), v[order].astype(np.int64), w[order])
-
-
-def _one_listing_per_neighbour(ids: np.ndarray, sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """An approximate index may list a neighbour twice in a row; ``mutual_edges`` then keeps the
-    entry when either listing passes the threshold. Keep the first listing with the higher
-    similarity and blank the others (-1). Exact engines never repeat, so only rows with a repeat
-    pay for the per-row work, and the arrays are copied only then."""
-    srt = np.sort(ids, axis=1)
-    repeats = np.flatnonzero(((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(1))
-    if len(repeats) == 0:
-        return ids, sims
-    ids, sims = ids.copy(), sims.copy()
-    for i in repeats:
-        uniq, first, inverse = np.unique(ids[i], return_index=True, return_inverse=True)
-        best = np.full(len(uniq), np.nan, np.float32)
-        np.fmax.at(best, inverse, sims[i])  # fmax: a NaN listing never wins
-        ids[i] = -1
-        ids[i, first] = uniq
-        sims[i, first] = best
-    return ids, sims
+from clusterflow.mutual_graph import MutualGraph, mutual_graph
 
 
 def kept_edges(graph: MutualGraph, threshold: float) -> int:
@@ -169,16 +113,28 @@ def auto_threshold(curve: Curve) -> float:
     return float(curve.thresholds[int(np.argmax(curve.modularity))])
 
 
-def resolve_threshold(sims: np.ndarray, ids: np.ndarray, threshold: float | str,
-                      truth: np.ndarray | None = None) -> tuple[float, Curve]:
+def resolve_threshold(sims: np.ndarray, ids: np.ndarray, threshold: float | str, truth: np.ndarray | None = None,
+                      graph: MutualGraph | None = None) -> tuple[float, Curve]:
     """What a mining round calls: (the threshold to cluster at, the round's curve).
 
-    ``threshold``: a number, handed back unchanged (today's exact definition), or ``"auto"``.
+    ``threshold``: a number, handed back unchanged (the same object), or ``"auto"``.
     """
     if isinstance(threshold, str) and threshold != "auto":
         raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
-    curve = threshold_curve(sims, ids, truth=truth)
-    return (curve.auto() if threshold == "auto" else threshold), curve
+    curve = threshold_curve(sims, ids, truth=truth, graph=graph)
+    return (curve.auto() if isinstance(threshold, str) else threshold), curve
+
+
+def thin(curve: dict[str, Any], keep: float | None, points: int = 41) -> dict[str, Any]:
+    """At most ``points`` evenly spaced grid points of a ``Curve.to_dict()``, both ends and the
+    threshold ``keep`` (when on the grid) included: the curve as status.json carries it."""
+    count = len(curve["thresholds"])
+    if count <= points:
+        return curve
+    rows = set(np.linspace(0, count - 1, points).round().astype(int).tolist())
+    rows.update(i for i, t in enumerate(curve["thresholds"]) if t == keep)
+    rows = sorted(rows)
+    return {name: [values[i] for i in rows] for name, values in curve.items()}
 
 
 def _sweep(graph: MutualGraph, thresholds: np.ndarray, labels: bool = False):

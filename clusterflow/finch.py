@@ -23,13 +23,18 @@ where the silhouette picks 228 (NMI 0.99); docs/mining.md has the table.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
-from clusterflow.curves import MutualGraph, modularity, mutual_graph
+from clusterflow.curves import modularity
+from clusterflow.mutual_graph import MutualGraph, mutual_graph
+
+if TYPE_CHECKING:
+    from clusterflow.knn import KnnParams
 
 Search = Callable[[np.ndarray, int], "tuple[np.ndarray, np.ndarray] | None"]
 
@@ -52,14 +57,15 @@ def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
 
 
-def default_search(engine: str = "auto") -> Search:
-    """k-NN of normalised rows with ``clusterflow.knn``'s engine choice (exact: faiss flat or torch)."""
+def default_search(params: "KnnParams | None" = None) -> Search:
+    """The search over the cluster means: ``knn.search`` with ``params`` (a mining round passes
+    its own; default: exact, FAISS flat or torch) and the k each level asks for."""
+    from clusterflow import knn
+
+    base = params or knn.KnnParams(k=1)
 
     def search(x: np.ndarray, k: int):
-        from clusterflow import knn
-
-        name, _ = knn.choose_engine(engine)
-        return knn.torch_search(x, k) if name == "torch" else knn.faiss_search(x, k)
+        return knn.search(x, dataclasses.replace(base, k=k))
 
     return search
 

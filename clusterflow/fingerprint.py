@@ -86,6 +86,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "mining.start_epoch": (RESULT, "mining"),
     "mining.k": (RESULT, "mining"),
     "mining.threshold": (RESULT, "mining"),
+    "mining.method": (RESULT, "mining"),
     "mining.index": (RESULT, "approximate indexes find other neighbours"),
     "mining.engine": (RESULT, "FAISS and torch may break similarity ties differently"),
     "mining.search": (RESULT, "decides the engine"),
@@ -98,6 +99,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "mining.singletons": (RESULT, "mining"),
     "mining.max_cluster_size": (RESULT, "mining"),
     "mining.timeout_s": (RESOURCE, "how long ranks wait for rank 0's search"),
+    "mining.resume": (RESOURCE, "a round read back from its files gives the labels of one computed anew, and mining "
+                                "leaves the random streams as it found them"),
     "task.target": (RESULT, "the task"),
     "task.params": (RESULT, "the task"),
     "task.init_from": (RESULT, "the initial weights"),

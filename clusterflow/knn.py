@@ -6,14 +6,17 @@ ids)`` arrays of shape (N, k), most similar first; missing neighbours (N <= k) a
 ``knn_faiss.py`` (FAISS: flat, ivf, hnsw; every local GPU with a GPU build) and ``knn_torch.py``
 (exact chunked matmul + top-k, on every local GPU, or spread over every rank). Queries run in
 batches of ``query_batch`` to bound memory, and ``should_abort`` is polled between batches so a
-preemption signal can cut a long search short (the result is then None).
+preemption signal can cut a long search short (the result is then None). ``blocks`` (a
+:class:`Blocks`, ``mining_rounds.SearchBlocks`` in a mining round) hands back the query blocks an
+earlier attempt finished and takes each block just computed, so a search cut short continues
+where it stopped; a block's result does not depend on which others were computed with it.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -44,6 +47,16 @@ class KnnParams:
                    nlist=mining.nlist, nprobe=mining.nprobe, hnsw_m=mining.hnsw_m, ef_search=mining.ef_search)
 
 
+class Blocks(Protocol):
+    """Finished query blocks of one search, kept across attempts."""
+
+    def get(self, start: int, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """(sims, ids) of the ``rows`` queries from ``start`` when an earlier attempt finished them."""
+
+    def put(self, start: int, sims: np.ndarray, ids: np.ndarray) -> None:
+        """The block of queries from ``start``, just computed."""
+
+
 def faiss_available() -> bool:
     try:
         import faiss  # noqa: F401
@@ -72,7 +85,7 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
 
 def search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None = None,
-           timings: dict[str, Any] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+           timings: dict[str, Any] | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """k nearest others of every (already normalised) row of ``x``, with the chosen engine.
     ``timings`` receives ``engine`` (which and why), ``index`` and ``search`` seconds."""
     name, why = choose_engine(params.engine)
@@ -83,10 +96,11 @@ def search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | 
 
         if params.index != "flat":
             log.info("the torch engine is exact; mining.index=%s applies to faiss only", params.index)
-        return torch_search(x, params.k, query_batch=params.query_batch, should_abort=should_abort, timings=timings)
+        return torch_search(x, params.k, query_batch=params.query_batch, should_abort=should_abort, timings=timings,
+                            blocks=blocks)
     from clusterflow.knn_faiss import faiss_search
 
-    return faiss_search(x, params, should_abort=should_abort, timings=timings)
+    return faiss_search(x, params, should_abort=should_abort, timings=timings, blocks=blocks)
 
 
 def _drop_self(sims: np.ndarray, ids: np.ndarray, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:

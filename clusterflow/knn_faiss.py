@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clusterflow.knn import KnnParams, k_others
+from clusterflow.knn import Blocks, KnnParams, k_others
 
 
 def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
@@ -35,7 +35,7 @@ def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
 
 
 def faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None = None,
-                 timings: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                 timings: dict | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     import faiss
 
     # All cores for the search, then the previous setting back: the OpenMP runtime is shared
@@ -44,26 +44,33 @@ def faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bo
     previous = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(os.cpu_count() or 1)
     try:
-        return _faiss_search(x, params, should_abort, timings)
+        return _faiss_search(x, params, should_abort, timings, blocks)
     finally:
         faiss.omp_set_num_threads(previous)
 
 
 def _faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None,
-                  timings: dict | None) -> tuple[np.ndarray, np.ndarray] | None:
+                  timings: dict | None, blocks: Blocks | None) -> tuple[np.ndarray, np.ndarray] | None:
     t0 = time.perf_counter()
-    idx = build_faiss_index(x, params)
-    t1 = time.perf_counter()
+    idx, built = None, 0.0  # built on the first block to compute: a resumed search may have none left
     k, qb = params.k, params.query_batch
     kk = min(k + 1, x.shape[0])
     sims = np.empty((x.shape[0], k), np.float32)
     ids = np.empty((x.shape[0], k), np.int64)
     for start in range(0, x.shape[0], qb):
-        if should_abort and should_abort():
-            return None
-        s, i = k_others(*idx.search(x[start : start + qb], kk), start, k)
-        sims[start : start + len(s)], ids[start : start + len(s)] = s, i
+        done = blocks.get(start, min(qb, x.shape[0] - start)) if blocks is not None else None
+        if done is None:
+            if should_abort and should_abort():
+                return None
+            if idx is None:
+                t1 = time.perf_counter()
+                idx = build_faiss_index(x, params)
+                built = time.perf_counter() - t1
+            done = k_others(*idx.search(x[start : start + qb], kk), start, k)
+            if blocks is not None:
+                blocks.put(start, *done)
+        sims[start : start + len(done[0])], ids[start : start + len(done[0])] = done
     if timings is not None:
-        timings["index"] = t1 - t0
-        timings["search"] = time.perf_counter() - t1
+        timings["index"] = built
+        timings["search"] = time.perf_counter() - t0 - built
     return sims, ids

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clusterflow.knn import k_others
+from clusterflow.knn import Blocks, k_others
 
 
 def _sizes(n: int, k: int, query_batch: int, db_chunk: int) -> tuple[int, int, int, int]:
@@ -80,7 +80,7 @@ def _replicas(x: np.ndarray, device: str | list[str] | None, candidate_dtype: st
 
 def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
                  timings: dict | None = None, device: str | list[str] | None = None, db_chunk: int = 262144,
-                 candidate_dtype: str = "auto") -> tuple[np.ndarray, np.ndarray] | None:
+                 candidate_dtype: str = "auto", blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k nearest others of every row of ``x``; None when ``should_abort`` said so.
 
     ``device`` may name several devices: each holds a copy of the database and takes every n-th
@@ -102,11 +102,16 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
         db32, db_c = replicas[slot]
         try:
             for qs in starts[slot :: len(replicas)]:
-                if aborted.is_set() or (should_abort and should_abort()):
-                    aborted.set()
-                    return
-                best = _topk_block(db32[qs : qs + query_batch], db_c[qs : qs + query_batch], db32, db_c, cand, kk, db_chunk, 0)
-                s_np, i_np = k_others(*best, qs, k)
+                done = blocks.get(qs, min(query_batch, n - qs)) if blocks is not None else None
+                if done is None:
+                    if aborted.is_set() or (should_abort and should_abort()):
+                        aborted.set()
+                        return
+                    best = _topk_block(db32[qs : qs + query_batch], db_c[qs : qs + query_batch], db32, db_c, cand, kk, db_chunk, 0)
+                    done = k_others(*best, qs, k)
+                    if blocks is not None:
+                        blocks.put(qs, *done)  # from several threads: SearchBlocks locks
+                s_np, i_np = done
                 sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np  # disjoint rows per block
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failures.append(exc)
@@ -130,14 +135,15 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
 
 def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: Any, query_batch: int = 65536,
                        db_chunk: int = 65536, should_abort: Callable[[], bool] | None = None,
-                       timings: dict | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                       timings: dict | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k-NN spread over every rank (collective: all ranks call it).
 
     Rank r holds rows ``offsets[r]:offsets[r+1]`` of the normalised database. Each rank in turn
     broadcasts its rows as query blocks; every rank scores a block against its own rows and the
     partial top-k are all-gathered and merged by the block's owner. Returns this rank's rows'
     (sims, ids), k nearest others each, or None on every rank when any rank's ``should_abort``
-    said so (checked before each block).
+    said so (checked before each block). ``blocks``: each rank's own finished blocks (the owner
+    keeps a block); every rank skips the blocks some owner already has.
     """
     import torch
 
@@ -152,14 +158,21 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
     kk, cand, db_chunk, query_batch = _sizes(n, k, query_batch, db_chunk)
     sims_out = np.full((len(x_local), k), -np.inf, np.float32)
     ids_out = np.full((len(x_local), k), -1, np.int64)
+    lo = offsets[rank]
+    skip = _finished_anywhere(_read_back(blocks, lo, offsets[rank + 1], query_batch, sims_out, ids_out)) \
+        if blocks is not None else set()
+    if timings is not None:
+        timings["blocks_skipped"] = len(skip)
     t1 = time.perf_counter()
     for owner in range(world):
-        lo, hi = offsets[owner], offsets[owner + 1]
-        for qs in range(lo, hi, query_batch):
+        o_lo, o_hi = offsets[owner], offsets[owner + 1]
+        for qs in range(o_lo, o_hi, query_batch):
+            if qs in skip:
+                continue
             if dist.any_rank(bool(should_abort and should_abort()), device=dev):
                 return None
-            m = min(query_batch, hi - qs)
-            q = db32[qs - lo : qs - lo + m].contiguous() if rank == owner else torch.empty((m, d), dtype=torch.float32, device=dev)
+            m = min(query_batch, o_hi - qs)
+            q = db32[qs - o_lo : qs - o_lo + m].contiguous() if rank == owner else torch.empty((m, d), dtype=torch.float32, device=dev)
             dist.broadcast_tensor(q, src=owner)
             s = torch.full((m, kk), -torch.inf, device=dev)
             i = torch.full((m, kk), -1, dtype=torch.int64, device=dev)
@@ -172,8 +185,29 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
             best_s, best_i = _sorted_top(torch.cat(all_s, 1), torch.cat(all_i, 1), kk)
             s_np, i_np = k_others(best_s, best_i, qs, k)
             sims_out[qs - lo : qs - lo + m], ids_out[qs - lo : qs - lo + m] = s_np, i_np
+            if blocks is not None:
+                blocks.put(qs, s_np, i_np)
     if timings is not None:
         timings["index"] = t1 - t0
         timings["search"] = time.perf_counter() - t1
         timings["engine"] = f"torch (exact, distributed over {world} ranks)"
     return sims_out, ids_out
+
+
+def _read_back(blocks: Blocks, lo: int, hi: int, query_batch: int, sims_out: np.ndarray, ids_out: np.ndarray) -> list[int]:
+    """Fill this rank's rows ``lo:hi`` from the blocks an earlier attempt finished; their starts."""
+    found = []
+    for qs in range(lo, hi, query_batch):
+        done = blocks.get(qs, min(query_batch, hi - qs))
+        if done is not None:
+            sims_out[qs - lo : qs - lo + len(done[0])], ids_out[qs - lo : qs - lo + len(done[0])] = done
+            found.append(qs)
+    return found
+
+
+def _finished_anywhere(starts: list[int]) -> set[int]:
+    """Collective: the query blocks that any rank already has (each rank holds only its own)."""
+    from clusterflow import dist
+
+    every = dist.gather_object(starts)
+    return set(dist.broadcast_object(sorted(set().union(*every)) if every is not None else None))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from clusterflow import rundir
 from clusterflow.rundir import RunPaths
@@ -23,6 +23,9 @@ class NullWriter:
 
     def text(self, tag: str, value: str, step: int) -> None:
         pass
+
+    def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
+        """``draw()`` returns an (H, W, 3) uint8 array; only a writer that keeps images calls it."""
 
     def close(self) -> None:
         pass
@@ -61,6 +64,10 @@ class TensorBoardWriter(NullWriter):
 
     def text(self, tag: str, value: str, step: int) -> None:
         self._w.add_text(tag, value, step)
+
+    def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
+        self._w.add_image(tag, draw(), step, dataformats="HWC")
+        self._w.flush()
 
     def close(self) -> None:
         self._w.close()

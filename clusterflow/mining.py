@@ -6,9 +6,16 @@
     + graph    and rank 0 finds the k nearest others of each (knn.search: FAISS or exact torch);
                search=all: every rank searches its own block against all rows
                (knn_torch.distributed_search) and only the k-NN lists travel to rank 0
-    cluster    rank 0: mutual edges >= threshold, connected components (clustering.py, the very
-               functions behind ``mutual_knn_clusters``), stats
+    cluster    rank 0: the threshold curve of the mutual graph (curves.py), then mining.method:
+               mutual_knn (edges >= the threshold, a number or the curve's "auto", then
+               connected components: the very functions behind ``mutual_knn_clusters``) or
+               finch (finch.py); stats
     broadcast  labels (int64) from rank 0 on a subgroup whose timeout covers the search
+
+With ``mining.resume`` each rank's embeddings and the finished query blocks are committed to the
+run dir as the round goes (mining_rounds.py), so a round cut short continues where it stopped, and
+a round leaves the global random streams as it found them (skipping an embedding then changes no
+later draw).
 
 ``mutual_knn_clusters``, ``normalize`` and ``cluster_stats`` are re-exported from clustering.py:
 ``clusterflow.mining.mutual_knn_clusters`` is a public contract.
@@ -16,6 +23,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -23,13 +31,16 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clusterflow import dist, phases
-from clusterflow.clustering import cluster_stats, clusters_from_knn, mutual_knn_clusters, normalize  # noqa: F401 - re-exported
+from clusterflow import curves, dist, finch, phases
+from clusterflow.clustering import cluster_stats, clusters_from_graph, ignore_singletons, mutual_knn_clusters, normalize  # noqa: F401 - re-exported
 from clusterflow.knn import KnnParams
+from clusterflow.mining_rounds import RoundFiles, SearchBlocks, round_key
+from clusterflow.mutual_graph import edges_at, mutual_graph
 
 log = logging.getLogger("clusterflow.mining")
 
 KnnLists = tuple[np.ndarray, np.ndarray]  # (sims, ids), (N, k) each
+Found = tuple["KnnLists | None", str, "np.ndarray | None"]  # rank 0: lists (None: aborted), engine, normalised rows (rank0 search)
 
 
 @dataclass
@@ -78,6 +89,10 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     return torch.cat(idx).numpy().astype(np.int64), torch.cat(out).numpy()
 
 
+def _blocks(files: RoundFiles | None) -> SearchBlocks | None:
+    return files.search_blocks() if files is not None else None
+
+
 class Rank0Search:
     """mining.search=rank0: every row gathered to rank 0, which searches alone (FAISS with any
     index, or the exact torch engine on all its GPUs or cores)."""
@@ -86,20 +101,25 @@ class Rank0Search:
         self.params = params
 
     def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
-                 seconds: dict[str, float]) -> tuple[KnnLists | None, str]:
-        """Collective. Rank 0 gets the k-NN lists of all n rows (None when aborted) and the engine used."""
+                 seconds: dict[str, Any], files: RoundFiles | None) -> Found:
+        """Collective. Rank 0 gets the k-NN lists of all n rows (None when aborted), the engine
+        used and the normalised rows; ``files``: rank 0 keeps its finished query blocks there."""
         from clusterflow import knn
 
         t0 = time.perf_counter()
         full = dist.gather_rows(indices, emb, n, dim)
         seconds["gather"] = time.perf_counter() - t0
         if full is None:
-            return None, ""
+            return None, "", None
         timings: dict[str, Any] = {}
-        lists = knn.search(normalize(full), self.params, should_abort, timings)
+        x, blocks = normalize(full), _blocks(files)
+        lists = knn.search(x, self.params, should_abort, timings, blocks)
+        if blocks is not None:
+            blocks.flush()  # on a signal too: the grace period keeps the finished blocks
+            seconds["blocks_from_disk"] = blocks.reused
         if lists is not None:
             seconds.update(index=timings["index"], search=timings["search"])
-        return lists, timings["engine"]
+        return lists, timings["engine"], x
 
 
 class SpreadSearch:
@@ -110,7 +130,7 @@ class SpreadSearch:
         self.params, self.device = params, device
 
     def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
-                 seconds: dict[str, float]) -> tuple[KnnLists | None, str]:
+                 seconds: dict[str, Any], files: RoundFiles | None) -> Found:
         from clusterflow.knn_torch import distributed_search
         from clusterflow.sampler import shard_range
 
@@ -121,64 +141,74 @@ class SpreadSearch:
         if not np.array_equal(indices[order], np.arange(offsets[rank], offsets[rank + 1])):
             raise RuntimeError("mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow")
         timings: dict[str, Any] = {}
-        local = distributed_search(normalize(emb[order]), offsets, self.params.k, self.device,
-                                   query_batch=self.params.query_batch, should_abort=should_abort, timings=timings)
+        blocks = _blocks(files)
+        local = distributed_search(normalize(emb[order]), offsets, self.params.k, self.device, query_batch=self.params.query_batch,
+                                   should_abort=should_abort, timings=timings, blocks=blocks)
+        if blocks is not None:
+            blocks.flush()
+            seconds["blocks_from_disk"] = timings["blocks_skipped"]
         if local is None:
-            return None, ""  # every rank saw the abort at the same query block
+            return None, "", None  # every rank saw the abort at the same query block
         rows = indices[order]  # the search returns this rank's rows in index order
         sims, ids = (dist.gather_rows(rows, local[0], n, self.params.k), dist.gather_rows(rows, local[1], n, self.params.k, np.int64))
         seconds.update(gather=time.perf_counter() - t0 - timings["index"] - timings["search"],
                        index=timings["index"], search=timings["search"])
-        return (None if sims is None else (sims, ids)), timings["engine"]
+        return (None if sims is None else (sims, ids)), timings["engine"], None
 
 
 class Miner:
-    """The mining stage of one trainer: when a round is due, and running it."""
+    """The mining stage of one trainer: when a round is due, and running it. ``rounds_dir``:
+    where rounds keep their work until their labels are committed (None: nowhere)."""
 
     def __init__(self, cfg: Any, device: Any, amp_dtype: Any, stop: Any, tracker: phases.Phases | None = None,
-                 progress_bar: bool = True) -> None:
+                 progress_bar: bool = True, rounds_dir: str | None = None, fsync: bool = True) -> None:
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
         self.phases = tracker or phases.Phases()
         self.progress_bar = progress_bar
+        self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
         self.group = dist.Subgroup(cfg.timeout_s)  # ranks wait here, on the mining timeout, for rank 0's search
-        params = KnnParams.from_config(cfg)
-        self.search = SpreadSearch(params, device) if cfg.search == "all" and dist.world() > 1 else Rank0Search(params)
+        self.params = KnnParams.from_config(cfg)
+        self.search = SpreadSearch(self.params, device) if cfg.search == "all" and dist.world() > 1 else Rank0Search(self.params)
 
     def due(self, finished_epochs: int, total_epochs: int, can_embed: bool) -> bool:
         c = self.cfg
         return (c.enabled and can_embed and c.start_epoch <= finished_epochs < total_epochs
                 and (finished_epochs - c.start_epoch) % c.every_epochs == 0)
 
+    def forget_rounds(self, committed_epoch: int) -> None:
+        """Delete the files of the rounds whose labels a committed checkpoint holds (one rank calls it)."""
+        if self.rounds_dir is not None:
+            from clusterflow.mining_rounds import forget_rounds
+
+            forget_rounds(self.rounds_dir, committed_epoch)
+
     def run(self, task: Any, model: Any, epoch: int) -> Round | None:
         """One round, collective. None on every rank when a preemption signal cut it short (the
-        caller saves and exits; the round is redone on restart)."""
+        caller saves and exits; the round continues from its files on restart)."""
         import torch
 
-        threads = torch.get_num_threads()
+        from clusterflow.state import capture_rng, restore_rng
+
+        threads, rng = torch.get_num_threads(), capture_rng()
         try:
             return self._round(task, model, epoch)
         finally:
             torch.set_num_threads(threads)  # bitwise resume needs the same thread count before and after
+            restore_rng(rng)  # the embed's DataLoader draws a seed; a resumed round may skip the embed
 
     def _round(self, task: Any, model: Any, epoch: int) -> Round | None:
-        rank, world = dist.rank(), dist.world()
         dataset = task.embed_dataset()
         n = len(dataset)
-        seconds: dict[str, float] = {}
-        with self.phases.enter(phases.MINING_EMBED):
-            t0 = time.perf_counter()
-            bar = self._bar(n, epoch)
-            indices, emb = embed_shard(task, model, dataset, rank, world, self.cfg.embed_batch, self.device, self.amp, bar)
-            seconds["embed"] = time.perf_counter() - t0
-            if bar is not None:
-                bar.close()
+        seconds: dict[str, Any] = {}
+        files = self._files(model, epoch, n)
+        indices, emb, reused = self._embed(task, model, dataset, epoch, files, seconds)
         rates = dist.gather_object(len(indices) / max(seconds["embed"], 1e-9))
         if self.stop.poll():
             return None
-        dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
+        dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
-            lists, engine = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds)
-        labels, stats = self._cluster(task, lists, n, epoch, engine, seconds) if lists is not None else (None, None)
+            lists, engine, x = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds, files)
+        labels, stats = self._cluster(task, lists, x, n, epoch, engine, seconds) if lists is not None else (None, None)
         with self.phases.enter(phases.MINING_WAIT):
             stats = self.group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
             if stats is None:
@@ -186,11 +216,48 @@ class Miner:
             t3 = time.perf_counter()
             labels = self.group.broadcast_array(labels, n)
             seconds["broadcast"] = time.perf_counter() - t3
+        stats["resumed"] = {"embeddings": reused, "search_blocks": int(seconds.pop("blocks_from_disk", 0))}
         seconds["total"] = sum(seconds.values())
         stats["seconds"] = seconds
         stats["embed_per_s_rank"] = [float(r) for r in rates] if rates else []
         stats["embed_per_s_total"] = n / max(seconds["embed"], 1e-9)
         return Round(labels=labels, stats=stats)
+
+    def _files(self, model: Any, epoch: int, n: int) -> RoundFiles | None:
+        if self.rounds_dir is None:
+            return None
+        c = self.cfg
+        settings = {"knn": dataclasses.asdict(self.params), "embed_batch": c.embed_batch, "search": c.search,
+                    "amp": str(self.amp), "device": str(self.device.type)}
+        if c.search != "all":
+            from clusterflow import knn
+
+            settings["engine"] = knn.choose_engine(c.engine)
+        key = round_key(model, epoch, dist.world(), n, settings)
+        return RoundFiles(self.rounds_dir, epoch, dist.rank(), key, self.fsync)
+
+    def _embed(self, task: Any, model: Any, dataset: Any, epoch: int, files: RoundFiles | None,
+               seconds: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
+        """This rank's (indices, rows) and whether they were read back: every rank reads its shard
+        back, or every rank embeds (the embed's progress is a collective)."""
+        kept = files.load_shard() if files is not None else None
+        if not dist.any_rank(kept is None, device=self.device):
+            indices, emb, seconds["embed"] = kept
+            log.info("mining epoch %d: rank %d read its %d embeddings back from %s", epoch, dist.rank(), len(indices), files.dir)
+            return indices, emb, True
+        if files is not None:
+            files.discard()  # another attempt's files, or a partial round: start afresh
+        with self.phases.enter(phases.MINING_EMBED):
+            t0 = time.perf_counter()
+            bar = self._bar(len(dataset), epoch)
+            indices, emb = embed_shard(task, model, dataset, dist.rank(), dist.world(), self.cfg.embed_batch, self.device,
+                                       self.amp, bar)
+            seconds["embed"] = time.perf_counter() - t0
+            if bar is not None:
+                bar.close()
+        if files is not None:
+            files.save_shard(indices, emb, seconds["embed"])
+        return indices, emb, False
 
     def _bar(self, n: int, epoch: int) -> Any:
         if dist.rank() != 0 or not self.progress_bar:
@@ -199,18 +266,48 @@ class Miner:
 
         return tqdm(total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0)
 
-    def _cluster(self, task: Any, lists: KnnLists, n: int, epoch: int, engine: str,
-                 seconds: dict[str, float]) -> tuple[np.ndarray, dict[str, Any]]:
-        """Rank 0: labels and their stats from the k-NN lists."""
+    def _cluster(self, task: Any, lists: KnnLists, x: np.ndarray | None, n: int, epoch: int, engine: str,
+                 seconds: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+        """Rank 0: labels and their stats from the k-NN lists (and, for FINCH, the rows)."""
+        c, truth = self.cfg, task.ground_truth()
         t0 = time.perf_counter()
-        labels, edges = clusters_from_knn(*lists, self.cfg.threshold, self.cfg.singletons, self.cfg.max_cluster_size)
-        seconds["cluster"] = time.perf_counter() - t0
-        stats = {"epoch": epoch, **cluster_stats(labels), "engine": engine, "num_samples": n, "mutual_edges": edges}
-        truth = task.ground_truth()
+        graph = mutual_graph(*lists)
+        rule = c.threshold if c.method == "mutual_knn" else "auto"
+        threshold, curve = curves.resolve_threshold(*lists, rule, truth, graph)
+        t1 = time.perf_counter()
+        if c.method == "finch":
+            labels, info = finch.finch_clusters(x, *lists, search=finch.default_search(self.params), graph=graph)
+            labels = ignore_singletons(labels) if c.singletons == "ignore" else labels
+            found = {"threshold": None, "finch": info, "mutual_edges": len(graph.w)}
+        else:
+            edges = edges_at(graph, threshold)
+            labels = clusters_from_graph(edges, c.singletons, c.max_cluster_size)
+            found = {"threshold": threshold, "threshold_rule": "auto" if rule == "auto" else "fixed", "mutual_edges": edges.nnz // 2}
+        seconds.update(curve=t1 - t0, cluster=time.perf_counter() - t1)
+        stats = {"epoch": epoch, **cluster_stats(labels), "engine": engine, "num_samples": n, "method": c.method, **found,
+                 "curve": curve.to_dict()}
         if truth is not None:
             from clusterflow.cluster_metrics import quality
 
             stats.update(quality(labels, truth))
-        log.info("mining epoch %d: %s engine, %d clusters, %d singletons, largest %d",
-                 epoch, engine, stats["num_clusters"], stats["num_singletons"], stats["largest_cluster"])
+        log.info("mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d", epoch, engine, _how(stats),
+                 stats["num_clusters"], stats["num_singletons"], stats["largest_cluster"])
         return labels, stats
+
+
+def _how(stats: dict[str, Any]) -> str:
+    """How a round's labels were made, in words (logs and status)."""
+    if stats.get("method") == "finch":
+        info = stats["finch"]
+        return f"FINCH level {info['level']} of {len(info['num_clusters'])}"
+    rule = " (auto)" if stats.get("threshold_rule") == "auto" else ""
+    return f"threshold {stats['threshold']:.4g}{rule}"
+
+
+def for_status(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rounds as status.json carries them: the last round's curve thinned to a few dozen
+    points, none for the earlier rounds (the checkpoint and TensorBoard keep them all)."""
+    out = [{k: v for k, v in m.items() if k != "curve"} for m in history]
+    if history and "curve" in history[-1]:
+        out[-1]["curve"] = curves.thin(history[-1]["curve"], history[-1].get("threshold"))
+    return out

@@ -16,6 +16,7 @@
     RUN_DIR/stalls/attempt<A>/     stacks (rank<R>.stacks.txt) and flight recorder dumps of a stall (see watchdog.py)
     RUN_DIR/code/<version>/        the task's code frozen at submission; code/current.json names the one
                                    the next attempt imports (see snapshot.py)
+    RUN_DIR/mining/epoch-<E>/      a mining round's embeddings and k-NN blocks until its labels are committed (mining_rounds.py)
     RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
 
 A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
@@ -89,6 +90,10 @@ class RunPaths:
     @property
     def errors(self) -> str:
         return self._p("errors")
+
+    @property
+    def mining_rounds(self) -> str:
+        return self._p("mining")
 
     @property
     def model(self) -> str:

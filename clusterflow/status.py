@@ -74,8 +74,26 @@ def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
 
 
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f")
+    keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f",
+            "method", "threshold", "threshold_rule", "curve")
     return [{k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")} for m in rounds]
+
+
+def _curve_summary(m: dict[str, Any]) -> str:
+    """Five evenly spaced points of the last round's curve and the threshold it used (marked *):
+    threshold: clusters, largest[, NMI]."""
+    curve = m.get("curve") or {}
+    ts = curve.get("thresholds") or []
+    if not ts:
+        return ""
+    chosen = m.get("threshold")
+    rows = {round(i * (len(ts) - 1) / 4) for i in range(5)} | {i for i, t in enumerate(ts) if t == chosen}
+    nmi = curve.get("nmi")
+    out = " | ".join(f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: {curve['num_clusters'][i]} clusters, largest "
+                     f"{curve['largest_cluster'][i]}" + (f", NMI {nmi[i]:.3f}" if nmi else "") for i in sorted(rows))
+    if chosen is not None and chosen < min(ts):
+        out += f" ({chosen:.4g} keeps every mutual edge)"
+    return out
 
 
 def collect(run_dir: str) -> dict[str, Any]:
@@ -137,6 +155,13 @@ def render(s: dict[str, Any]) -> str:
         q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)
         lines.append(f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: {m['num_clusters']} clusters, "
                      f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}")
+        if m.get("threshold") is not None:
+            lines.append(f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); per round: "
+                         + ", ".join(f"{r['threshold']:.4g}" for r in s["mining"] if r.get("threshold") is not None))
+        elif m.get("method"):
+            lines.append(f"method       {m['method']}")
+        if _curve_summary(m):
+            lines.append(f"curve        {_curve_summary(m)}")
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
     for e in s["errors"]:

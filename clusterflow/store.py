@@ -297,6 +297,14 @@ class CheckpointStore:
             objects[name] = durable.load_checked(name, file, info, self._remote_fs)
         return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
 
+    def newest_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the newest committed step, unverified (one small read; None when none)."""
+        steps = self.steps()
+        try:
+            return self._read_manifest(self.step_path(steps[-1])) if steps else None
+        except ValueError:
+            return None
+
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""
         for step in reversed(self.steps()):

@@ -27,10 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from clusterflow import builders, checkpointer, dist, durable, phases, rundir
 from clusterflow.config import Config
 from clusterflow.metrics import Throughput, gpu_stats, writer_for
-from clusterflow.mining import Miner
+from clusterflow.mining import Miner, for_status
 from clusterflow.preemption import Preemption, StopAgreement
 from clusterflow.sampler import GlobalBatchSampler
-from clusterflow.state import rank_seed, seed_everything
+from clusterflow.state import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.tasks import Task
 from clusterflow.train_state import TrainState
 
@@ -90,7 +90,8 @@ class Trainer:
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases)
-        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar)
+        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
+                           rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync)
 
     def _build_data(self) -> None:
         t = self.cfg.train
@@ -107,6 +108,7 @@ class Trainer:
     def fit(self) -> str:
         """Train to the end or until a signal. Returns "completed", "preempted" or "timeout"."""
         resumed = self.checkpointer.restore()
+        self._forget_mined_rounds()
         self.writer = writer_for(self.rank == 0, self.paths, self.attempt, self._purge_step(resumed))
         self._status(state="running")
         try:
@@ -202,13 +204,15 @@ class Trainer:
     def _end_of_epoch(self) -> str:
         """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop reason, or ""."""
         finished = self.state.epoch + 1
+        rng = capture_rng()  # a round cut short is redone from here, eval included
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
         if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
             result = self.miner.run(self.task, self.module, finished)
             if result is None:
-                # A signal arrived during the round: commit the finished epoch; the round is redone on restart.
+                # A signal arrived during the round: commit the finished epoch; the round continues on restart.
                 reason = self.stop.poll() or "preempted"
+                restore_rng(rng)
                 self._save(checkpointer.STOP)
                 return reason
             self.state.labels = result.labels
@@ -216,7 +220,13 @@ class Trainer:
             self._log_mining(result.stats)
         self.state.epoch_done()
         self._save(checkpointer.EPOCH_END)
+        self._forget_mined_rounds()
         return self.stop.poll()
+
+    def _forget_mined_rounds(self) -> None:
+        """Delete the files of the mining rounds whose labels a committed checkpoint holds."""
+        if self.rank == 0:
+            self.miner.forget_rounds(self.checkpointer.committed_epoch())
 
     def _save(self, event: str) -> None:
         seconds = self.checkpointer.save(event)
@@ -248,11 +258,15 @@ class Trainer:
             sizes = np.bincount(labels[labels >= 0])
             if len(sizes):
                 self.writer.histogram("mining/cluster_sizes", sizes, self.state.global_step)
+        if "curve" in s:
+            from clusterflow import curve_figure
+
+            self.writer.image("mining/curve", lambda: curve_figure.render(s), self.state.global_step)
         if self.rank == 0:
             q = "".join(f" {k} {s[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if k in s)
             log.info("mining after epoch %d: %d clusters, %d singletons, largest %d, %.2f s;%s",
                      s["epoch"], s["num_clusters"], s["num_singletons"], s["largest_cluster"], s["seconds"]["total"], q)
-        self._status(mining=self.state.mining_history)
+        self._status(mining=for_status(self.state.mining_history))
 
     def _evaluate(self) -> None:
         ds = self.task.eval_dataset()

@@ -6,8 +6,16 @@ from scipy.sparse.csgraph import connected_components
 
 from clusterflow import curves
 from clusterflow.cluster_metrics import quality
-from clusterflow.knn import faiss_search, torch_search
-from clusterflow.mining import clusters_from_graph, mutual_edges, mutual_knn_clusters, normalize, number_by_smallest_member
+from clusterflow.knn import KnnParams, search
+from clusterflow.clustering import clusters_from_graph, mutual_edges, mutual_knn_clusters, normalize, number_by_smallest_member
+
+
+def faiss_search(x, k):
+    return search(x, KnnParams(k=k, engine="faiss"))
+
+
+def torch_search(x, k):
+    return search(x, KnnParams(k=k, engine="torch"))
 
 
 def blobs(n=400, d=16, centers=30, spread=0.4, seed=0):
@@ -68,34 +76,56 @@ def test_the_public_function_agrees_with_the_curve():
 
 
 def random_lists(n, k, seed):
-    """Arbitrary "k-NN lists": random ids (with -1 and repeats), random similarities with ties
-    and a NaN, not from any geometry; a hard case for the mutual filter and the sweep. No row
-    lists itself (the engines never do; mutual_edges would count a self-loop as half an edge),
-    and no similarity is exactly 0: mutual_edges loses such an edge (scipy's sparse multiply
-    drops explicit zeros), a deviation from the definition reported with this work."""
+    """Arbitrary "k-NN lists": random ids (with -1 and repeats), random similarities with ties,
+    exact zeros, negatives and a NaN, not from any geometry; a hard case for the mutual filter
+    and the sweep. No row lists itself (the engines never do)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(-1, n, (n, k))
     near = (np.arange(n)[:, None] + rng.integers(-3, 4, (n, k))) % n  # mostly close ids, so many pairs are mutual
     ids = np.where(rng.random((n, k)) < 0.7, near, ids)
     ids[ids == np.arange(n)[:, None]] = -1
-    sims = np.round(0.01 + 0.99 * rng.random((n, k)), 2).astype(np.float32)
+    sims = np.round(rng.uniform(-0.5, 1.0, (n, k)) * 20) / 20  # steps of 0.05: ties and exact zeros
+    sims = sims.astype(np.float32)
     sims[0, 0] = np.nan
     sims[ids < 0] = -np.inf
     return sims, ids
 
 
+def brute_force(sims, ids, t):
+    """The definition the slow obvious way: each listed neighbour once, with its best similarity
+    (a NaN never passes); edge i-j iff each lists the other with a similarity >= t."""
+    best = [{} for _ in range(len(ids))]
+    for i, row in enumerate(ids):
+        for j, s in zip(row.tolist(), sims[i].tolist()):
+            if j >= 0 and j != i and s == s:
+                best[i][j] = max(best[i].get(j, -np.inf), s)
+    passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t  # noqa: E731 - compared as float32, like numpy
+    edges = sorted((i, j) for i in range(len(ids)) for j in best[i] if i < j and passes(i, j) and passes(j, i))
+    parent = list(range(len(ids)))
+
+    def root(a):
+        while parent[a] != a:
+            a = parent[a]
+        return a
+
+    for i, j in edges:
+        parent[root(i)] = root(j)
+    return number_by_smallest_member(np.array([root(i) for i in range(len(ids))])), len(edges)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_sweep_matches_scipy_components_on_random_graphs(seed):
+def test_sweep_and_mutual_edges_match_brute_force_on_random_graphs(seed):
     sims, ids = random_lists(120, 6, seed)
-    grid = np.round(np.arange(1.0, -0.02, -0.01), 2)
+    ids[5, :2] = [9, 9]  # one neighbour listed twice
+    ids[9, 0], sims[5, :2], sims[9, 0] = 5, [0.0, np.nan], 0.0  # mutual at exactly 0.0 (its other listing NaN)
+    grid = np.round(np.arange(1.0, -0.6, -0.05), 2)
     curve = curves.threshold_curve(sims, ids, grid)
     labels = sweep_labels(sims, ids, grid)
     for i, t in enumerate(grid.tolist()):
-        want, edges = today(sims, ids, t)
-        _, direct = connected_components(mutual_edges(sims, ids, t), directed=False)
+        want, edges = brute_force(sims, ids, t)
         np.testing.assert_array_equal(labels[i], want)
-        np.testing.assert_array_equal(want, number_by_smallest_member(direct))
-        assert curve.mutual_edges[i] == edges
+        np.testing.assert_array_equal(today(sims, ids, t)[0], want)
+        assert curve.mutual_edges[i] == edges == today(sims, ids, t)[1], t
 
 
 def test_thresholds_compare_like_mutual_edges_in_float32():
@@ -220,3 +250,77 @@ def test_cluster_counts_at_every_breakpoint(data, k):
         assert curves.clusters_at(g.n, merges, t) == today(sims, ids, t)[0].max() + 1, t
     curve = curves.threshold_curve(sims, ids, graph=g)
     assert [curves.clusters_at(g.n, merges, t) for t in curve.thresholds.tolist()] == curve.num_clusters.tolist()
+
+
+# -- the one mutual-edge definition (clusterflow/mutual_graph.py) --------------------------------
+
+def mutual_edges_before_issue_18(sims, ids, threshold):
+    """clustering.mutual_edges as it was: kept for the bitwise comparison below."""
+    from scipy import sparse
+
+    n, k = ids.shape
+    rows = np.repeat(np.arange(n, dtype=np.int64), k)
+    cols = ids.ravel()
+    keep = (cols >= 0) & (sims.ravel() >= threshold)
+    rows, cols, vals = rows[keep], cols[keep], sims.ravel()[keep]
+    a = sparse.csr_matrix((np.ones(len(rows), np.int8), (rows, cols)), shape=(n, n))
+    w = sparse.csr_matrix((vals.astype(np.float32), (rows, cols)), shape=(n, n))
+    return w.multiply(a.multiply(a.T)).tocsr()
+
+
+def test_a_mutual_edge_of_similarity_zero_is_kept():
+    """Two orthogonal rows are each other's only neighbour at similarity exactly 0.0: kept at
+    threshold 0 by the definition (the sparse multiply used to drop it: two clusters)."""
+    x = np.array([[1, 0], [0, 1], [5, 5], [5, 5.001]], np.float32)
+    assert mutual_knn_clusters(x[:2], 1, 0.0, engine="torch").tolist() == [0, 0]
+    sims, ids = np.array([[0.0], [0.0], [0.5], [0.5]], np.float32), np.array([[1], [0], [3], [2]])
+    graph = mutual_edges(sims, ids, 0.0)
+    assert graph.nnz == 4 and graph[0, 1] == 0.0 and clusters_from_graph(graph).tolist() == [0, 0, 1, 1]
+    assert mutual_edges_before_issue_18(sims, ids, 0.0).nnz == 2  # the defect
+
+
+def test_a_neighbour_listed_twice_counts_once_with_its_best_similarity():
+    sims = np.array([[0.3, 0.4], [0.35, -np.inf]], np.float32)
+    ids = np.array([[1, 1], [0, -1]])
+    assert mutual_edges(sims, ids, 0.3).toarray().tolist() == [[0, np.float32(0.4)], [np.float32(0.35), 0]]
+    assert mutual_edges_before_issue_18(sims, ids, 0.3)[0, 1] == pytest.approx(1.4)  # the defect: (0.3 + 0.4) x 2
+    assert mutual_edges(sims, ids, 0.36).nnz == 0  # 1 lists 0 at 0.35 only
+
+
+@pytest.mark.parametrize("data,k,engine", [(blobs, 10, "faiss"), (blobs, 20, "torch"), (with_ties, 8, "faiss"), (digits, 10, "faiss")])
+def test_every_other_result_is_bitwise_what_it_was(data, k, engine):
+    """Without zeros, repeats or self listings, the matrix (structure and values) is the one the
+    old implementation built, at every threshold: labels, edge counts and max_cluster_size's
+    splits (which read the values) are unchanged."""
+    x = normalize(data()[0])
+    sims, ids = search(x, KnnParams(k=k, engine=engine))
+    for t in (-1.0, 0.0, 0.3, 0.5, 0.6, 0.7, 0.8225, 0.9, np.float32(0.7), np.float64(0.7)):
+        new, old = mutual_edges(sims, ids, t), mutual_edges_before_issue_18(sims, ids, t)
+        new.sort_indices(), old.sort_indices()
+        assert new.dtype == old.dtype == np.float32 and new.shape == old.shape
+        np.testing.assert_array_equal(new.indptr, old.indptr)
+        np.testing.assert_array_equal(new.indices, old.indices)
+        np.testing.assert_array_equal(new.data, old.data)
+        for size in (0, 40):
+            np.testing.assert_array_equal(clusters_from_graph(new, max_cluster_size=size), clusters_from_graph(old, max_cluster_size=size))
+
+
+def test_auto_threshold_in_the_public_function():
+    x, y = digits()
+    labels = mutual_knn_clusters(x, 10, "auto")
+    assert quality(labels, y)["nmi"] >= 0.70
+    with pytest.raises(ValueError, match="'automatic'"):
+        mutual_knn_clusters(x, 10, "automatic")
+
+
+def test_thin_keeps_the_ends_and_the_chosen_threshold():
+    sims, ids = faiss_search(normalize(digits()[0]), 10)
+    t, curve = curves.resolve_threshold(sims, ids, "auto")
+    full = curve.to_dict()
+    small = curves.thin(full, t, points=10)
+    assert len(full["thresholds"]) > 100 and 10 <= len(small["thresholds"]) <= 11
+    assert small["thresholds"][0] == full["thresholds"][0] and small["thresholds"][-1] == full["thresholds"][-1]
+    assert t in small["thresholds"] and set(small) == set(full)
+    i = small["thresholds"].index(t)
+    assert {name: values[i] for name, values in small.items()} == curve.row(t)
+    assert curves.thin(small, t, points=50) == small

@@ -5,8 +5,16 @@ import pytest
 
 from clusterflow.cluster_metrics import quality
 from clusterflow.finch import default_search, finch_clusters, finch_levels, silhouette
-from clusterflow.knn import faiss_search, torch_search
-from clusterflow.mining import normalize, number_by_smallest_member
+from clusterflow.knn import KnnParams, search
+from clusterflow.clustering import normalize, number_by_smallest_member
+
+
+def faiss_search(x, k):
+    return search(x, KnnParams(k=k, engine="faiss"))
+
+
+def torch_search(x, k):
+    return search(x, KnnParams(k=k, engine="torch"))
 
 
 def reference(x):
@@ -52,7 +60,7 @@ def test_levels_match_brute_force(seed, engine):
     x, _ = blobs(seed=seed)
     search = torch_search if engine == "torch" else faiss_search
     ids = search(x, 5)[1]
-    got = finch_levels(x, ids, default_search(engine))
+    got = finch_levels(x, ids, default_search(KnnParams(k=1, engine=engine)))
     want = reference(x)
     assert len(got) == len(want) >= 3
     for g, w in zip(got, want):
@@ -62,7 +70,7 @@ def test_levels_match_brute_force(seed, engine):
 def test_duplicate_rows():
     x, _ = blobs(n=200, seed=3)
     x = np.concatenate([x, x[:50]])
-    got = finch_levels(x, torch_search(x, 3)[1], default_search("torch"))
+    got = finch_levels(x, torch_search(x, 3)[1], default_search(KnnParams(k=1, engine="torch")))
     for g, w in zip(got, reference(x)):
         np.testing.assert_array_equal(g, w)
 

@@ -90,3 +90,42 @@ class Signals(PseudoIDTask):
         if sig is not None:
             os.kill(os.getpid(), sig)
         return super().loss(model, batch, labels)
+
+
+class SignalInMining(PseudoIDTask):
+    """Sends itself a signal inside a mining round, like a scheduler would.
+
+    ``at``: ``"ATTEMPT:RANK:WHERE:N:SIG,..."``; RANK a number or ``*``; WHERE ``embed`` (during the
+    N-th embedding batch of the process) or ``block`` (after the N-th k-NN query block the process
+    computed, once it is handed to the round's files). E.g. ``"0:*:embed:1:TERM,1:0:block:3:TERM"``.
+    """
+
+    def __init__(self, seed=0, run_dir="", at="", **params):
+        super().__init__(seed, **params)
+        self.run_dir, self.counts, self.plan = run_dir, {"embed": 0, "block": 0}, {}
+        for item in filter(None, at.split(",")):
+            attempt, rank, where, n, sig = item.split(":")
+            self.plan[(int(attempt), rank, where, int(n))] = getattr(signal, f"SIG{sig}")
+        from clusterflow import mining_rounds
+
+        task, put = self, mining_rounds.SearchBlocks.put
+
+        def counted_put(blocks, start, sims, ids):
+            put(blocks, start, sims, ids)
+            task._tick("block")
+
+        mining_rounds.SearchBlocks.put = counted_put
+
+    def _tick(self, where):
+        self.counts[where] += 1
+        with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+            attempt = len(f.readlines()) - 1
+        rank = str(tdist.get_rank() if tdist.is_initialized() else 0)
+        for who in (rank, "*"):
+            sig = self.plan.get((attempt, who, where, self.counts[where]))
+            if sig is not None:
+                os.kill(os.getpid(), sig)
+
+    def embed(self, model, batch):
+        self._tick("embed")
+        return super().embed(model, batch)
