@@ -24,8 +24,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from clusterflow import curves, finch  # noqa: E402
 from clusterflow.cluster_metrics import quality  # noqa: E402
-from clusterflow.knn import faiss_search  # noqa: E402
-from clusterflow.mining import clusters_from_graph, mutual_edges, normalize  # noqa: E402
+from clusterflow.clustering import clusters_from_graph, mutual_edges, normalize  # noqa: E402
+from clusterflow.knn import KnnParams, search  # noqa: E402
+from clusterflow.mutual_graph import MutualGraph, mutual_graph  # noqa: E402
+
+EXACT = KnnParams(k=1, engine="faiss")  # FAISS flat: exact
+
+
+def faiss_search(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    return search(x, KnnParams(k=k, engine="faiss"))
 
 
 def digits() -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +74,7 @@ def row(name: str, labels: np.ndarray, truth: np.ndarray, note: str = "") -> str
     return f"| {name} | {len(sizes)} | {sizes.max()} | {(sizes == 1).sum()} | {q['nmi']:.3f} | {q['ari']:.3f} | {note} |"
 
 
-def louvain(graph: curves.MutualGraph) -> np.ndarray:
+def louvain(graph: MutualGraph) -> np.ndarray:
     import networkx as nx
 
     g = nx.Graph()
@@ -84,7 +91,7 @@ def table(name: str, x_raw: np.ndarray, truth: np.ndarray, k: int, fixed: float)
 
     x = normalize(x_raw)
     sims, ids = faiss_search(x, k)
-    graph = curves.mutual_graph(sims, ids)
+    graph = mutual_graph(sims, ids)
     curve = curves.threshold_curve(sims, ids, truth=truth, graph=graph)
     at = lambda t: clusters_from_graph(mutual_edges(sims, ids, t))  # noqa: E731 - today's definition
     best = float(curve.thresholds[int(np.argmax(curve.nmi))])
@@ -94,8 +101,8 @@ def table(name: str, x_raw: np.ndarray, truth: np.ndarray, k: int, fixed: float)
            row(f"mutual k-NN, threshold {fixed}", at(fixed), truth),
            row("mutual k-NN, best fixed threshold (oracle)", at(best), truth, f"threshold {best}"),
            row("mutual k-NN, threshold auto", at(auto), truth, f"threshold {auto}")]
-    levels = finch.finch_levels(x, ids, finch.default_search("faiss"))
-    _, info = finch.finch_clusters(x, sims, ids, search=finch.default_search("faiss"), graph=graph)
+    levels = finch.finch_levels(x, ids, finch.default_search(EXACT))
+    _, info = finch.finch_clusters(x, sims, ids, search=finch.default_search(EXACT), graph=graph)
     for i, level in enumerate(levels):
         note = f"silhouette {info['silhouette'][i]:.3f}, modularity {info['modularity'][i]:.3f}"
         out.append(row(f"FINCH level {i}" + (" (chosen)" if i == info["level"] else ""), level, truth, note))
@@ -135,7 +142,7 @@ def timing(n: int, d: int, k: int) -> None:
     clusters_from_graph(mutual_edges(sims, ids, 0.5))
     t_today = time.perf_counter() - t0
     t0 = time.perf_counter()
-    graph = curves.mutual_graph(sims, ids)
+    graph = mutual_graph(sims, ids)
     t_graph = time.perf_counter() - t0
     t0 = time.perf_counter()
     curve = curves.threshold_curve(sims, ids, graph=graph)
@@ -147,7 +154,7 @@ def timing(n: int, d: int, k: int) -> None:
     merges = curves.merge_similarities(graph)
     t_merges = time.perf_counter() - t0
     t0 = time.perf_counter()
-    labels, info = finch.finch_clusters(x, sims, ids, search=finch.default_search("faiss"), graph=graph)
+    labels, info = finch.finch_clusters(x, sims, ids, search=finch.default_search(EXACT), graph=graph)
     t_finch = time.perf_counter() - t0
     print(f"N={n} d={d} k={k} cores={os.cpu_count()}, {len(graph.w)} mutual edges, {len(curve.thresholds)} thresholds")
     print(f"faiss flat search (k nearest others):          {t_search:8.2f} s")
@@ -159,6 +166,37 @@ def timing(n: int, d: int, k: int) -> None:
     print(f"auto threshold {curve.auto()}: NMI {with_truth.nmi[np.argmax(with_truth.modularity)]:.3f}, best on the grid {with_truth.nmi.max():.3f}")
     print(f"FINCH, levels of {info['num_clusters']} clusters, level {info['level']} chosen by silhouette:")
     print(f"   searches over the means + the choice:        {t_finch:8.2f} s   {t_finch / t_search:.4f} of the search")
+    keep_files(x, sims, ids, t_search)
+
+
+def keep_files(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, t_search: float) -> None:
+    """What mining.resume costs a round, as if one rank held every row: commit the embeddings
+    (float32, fsynced), commit every query block of the search in one batch, read both back."""
+    import tempfile
+
+    from clusterflow.mining_rounds import RoundFiles
+
+    qb = 65536
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:
+        files = RoundFiles(root, 1, 0, "key")
+        t0 = time.perf_counter()
+        files.save_shard(np.arange(len(x)), x, 1.0)
+        t_shard = time.perf_counter() - t0
+        blocks = files.search_blocks(every_s=3600)
+        t0 = time.perf_counter()
+        for start in range(0, len(x), qb):
+            blocks.put(start, sims[start : start + qb], ids[start : start + qb])
+        blocks.flush()
+        t_blocks = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        files.load_shard()
+        back = files.search_blocks()
+        assert back.get(0, min(qb, len(x))) is not None
+        t_read = time.perf_counter() - t0
+    mb = (x.nbytes + sims.nbytes + ids.nbytes) / 2**20
+    print(f"mining.resume, {mb:.0f} MB: embeddings kept   {t_shard:8.2f} s   {t_shard / t_search:.4f} of the search")
+    print(f"   every query block kept (one batch):          {t_blocks:8.2f} s   {t_blocks / t_search:.4f} of the search")
+    print(f"   both read back and verified (a resume):      {t_read:8.2f} s   {t_read / t_search:.4f} of the search")
 
 
 def main() -> None:

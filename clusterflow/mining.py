@@ -116,7 +116,7 @@ class Rank0Search:
         lists = knn.search(x, self.params, should_abort, timings, blocks)
         if blocks is not None:
             blocks.flush()  # on a signal too: the grace period keeps the finished blocks
-            seconds["blocks_from_disk"] = blocks.reused
+            seconds.update(blocks_from_disk=blocks.reused, keep_blocks=blocks.seconds)
         if lists is not None:
             seconds.update(index=timings["index"], search=timings["search"])
         return lists, timings["engine"], x
@@ -146,7 +146,7 @@ class SpreadSearch:
                                    should_abort=should_abort, timings=timings, blocks=blocks)
         if blocks is not None:
             blocks.flush()
-            seconds["blocks_from_disk"] = timings["blocks_skipped"]
+            seconds.update(blocks_from_disk=timings["blocks_skipped"], keep_blocks=blocks.seconds)
         if local is None:
             return None, "", None  # every rank saw the abort at the same query block
         rows = indices[order]  # the search returns this rank's rows in index order
@@ -256,7 +256,9 @@ class Miner:
             if bar is not None:
                 bar.close()
         if files is not None:
+            t1 = time.perf_counter()
             files.save_shard(indices, emb, seconds["embed"])
+            seconds["keep_embeddings"] = time.perf_counter() - t1
         return indices, emb, False
 
     def _bar(self, n: int, epoch: int) -> Any:

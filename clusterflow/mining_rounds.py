@@ -109,7 +109,8 @@ class RoundFiles:
 
 class SearchBlocks:
     """``knn.Blocks`` over a store: the blocks earlier attempts committed, and new ones committed
-    in batches. ``put`` may be called from several threads (one per GPU)."""
+    in batches (and then let go: the search holds them). ``put`` may be called from several
+    threads (one per GPU). ``seconds``: the time spent committing."""
 
     def __init__(self, store: CheckpointStore, key: str, every_s: float) -> None:
         self.store, self.key, self.every_s = store, key, every_s
@@ -126,14 +127,15 @@ class SearchBlocks:
             if saved.manifest.get("key") == key:
                 self.done.update(_unpack(saved.load("blocks.pt")))
         self.next_step = max(steps, default=0) + 1
-        self.reused = 0
+        self.reused, self.seconds = 0, 0.0
         self.last = time.monotonic()
 
     def get(self, start: int, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
         found = self.done.get(start)
         if found is None or len(found[0]) != rows:
             return None
-        self.reused += 1
+        with self.lock:
+            self.reused += 1
         return found
 
     def put(self, start: int, sims: np.ndarray, ids: np.ndarray) -> None:
@@ -149,11 +151,12 @@ class SearchBlocks:
             self._commit()
 
     def _commit(self) -> None:
+        t0 = time.monotonic()
         if self.pending:
             self.store.save(self.next_step, {"blocks.pt": _pack(self.pending)}, {"key": self.key})
-            self.done.update(self.pending)
             self.pending, self.next_step = {}, self.next_step + 1
         self.last = time.monotonic()
+        self.seconds += self.last - t0
 
 
 def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:

@@ -197,3 +197,22 @@ def test_a_kill_during_the_embed_redoes_the_round(uninterrupted, tmp_path, monke
     assert signalled(d, "rank0", "0:*:embed:1:KILL", 2, monkeypatch) == [[-9, -9], [0, 0]]
     history = same_run(d, uninterrupted["rank0"])
     assert history[0]["resumed"] == {"embeddings": False, "search_blocks": 0}
+
+
+def test_each_round_shows_its_curve_in_tensorboard_and_status(uninterrupted):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from clusterflow.status import collect, render
+
+    d = uninterrupted["rank0"]
+    acc = EventAccumulator(os.path.join(d, "tb"), size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert [(i.width, i.height) for i in acc.Images("mining/curve")] == [(760, 500)] * 2  # one figure per round
+    assert [e.value for e in acc.Scalars("mining/threshold")] == [0.5, 0.5]
+    rounds = collect(d)["mining"]
+    assert [(r["threshold"], r["threshold_rule"], r["method"]) for r in rounds] == [(0.5, "fixed", "mutual_knn")] * 2
+    assert "curve" not in rounds[0] and 20 < len(rounds[1]["curve"]["thresholds"]) <= 42  # thinned, the last round only
+    assert set(rounds[1]["curve"]) == {"thresholds", "num_clusters", "num_singletons", "largest_cluster", "mutual_edges",
+                                       "modularity", "nmi", "ari"}
+    text = render(collect(d))
+    assert "threshold    0.5 (fixed); per round: 0.5, 0.5" in text and "(0.5 keeps every mutual edge)" in text

@@ -98,6 +98,38 @@ def test_mining_end_to_end_same_labels_whatever_world_size():
     assert isinstance(PseudoIDTask(identities=50, samples_per_identity=7).ground_truth(), np.ndarray)
 
 
+def _mine_with(mining):
+    import torch
+
+    from clusterflow import config
+    from clusterflow.mining import Miner
+    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+
+    torch.manual_seed(0)
+    task = PseudoIDTask(seed=0, identities=40, samples_per_identity=6)
+    cfg = config.MiningConfig(k=5, embed_batch=97, timeout_s=60, **mining)
+    cpu = torch.device("cpu")
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption(), cpu), progress_bar=False).run(task, task.build_model(), epoch=1)
+    s = out.stats
+    return out.labels.tolist(), {k: s.get(k) for k in ("method", "threshold", "threshold_rule", "finch", "num_clusters", "nmi")}, s["curve"]
+
+
+@pytest.mark.parametrize("mining", [{"threshold": "auto"}, {"method": "finch"}, {"threshold": "auto", "search": "all", "engine": "torch"}])
+def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_size(mining):
+    """The round's curve, its auto threshold and FINCH's levels come from rank 0's k-NN lists, which
+    are the same for 1 and 2 ranks (the spread search: as the exact torch engine finds them; FAISS
+    may differ in the last bits of a similarity, and the auto threshold sees them)."""
+    one = run_ranks(1, _mine_with, mining)[0]
+    assert run_ranks(2, _mine_with, mining) == [one, one]
+    labels, stats, curve = one
+    assert stats["num_clusters"] > 1 and len(curve["thresholds"]) > 20 and len(curve["nmi"]) == len(curve["thresholds"])
+    if stats["method"] == "finch":
+        assert stats["threshold"] is None and stats["finch"]["num_clusters"][stats["finch"]["level"]] == stats["num_clusters"]
+    else:
+        assert stats["threshold_rule"] == "auto" and stats["threshold"] == curve["thresholds"][int(np.argmax(curve["modularity"]))]
+
+
 def _knn_data(n):
     from clusterflow.mining import normalize
 
