@@ -4,6 +4,7 @@ and Louvain (networkx) as a reference; NMI, ARI and cluster counts on the same k
 
     python benchmarks/mining_methods.py                       # digits (k=10) and demo-like identities
     python benchmarks/mining_methods.py --curve               # also the digits' per-threshold curve
+    python benchmarks/mining_methods.py --k-sweep             # also the digits across k
     python benchmarks/mining_methods.py --demo-run RUN_DIR/checkpoints/step-31 ...   # a demo model's embeddings
     python benchmarks/mining_methods.py --timing              # 200k x 128, k=20: curve and FINCH vs the search
 
@@ -126,6 +127,18 @@ def print_curve(x_raw: np.ndarray, truth: np.ndarray, k: int, every: int) -> Non
                   f"{r['modularity']:.3f} | {r['nmi']:.3f} | {r['ari']:.3f} |")
 
 
+def k_sweep(x_raw: np.ndarray, truth: np.ndarray, fixed: float) -> None:
+    """NMI at the fixed threshold, at auto and at the best grid threshold (oracle), across k."""
+    print(f"\ndigits across k\n\n| k | NMI at {fixed} | auto threshold | NMI auto | oracle threshold | NMI oracle |\n|---|---|---|---|---|---|")
+    x = normalize(x_raw)
+    for k in (5, 8, 10, 12, 15, 20):
+        sims, ids = faiss_search(x, k)
+        curve = curves.threshold_curve(sims, ids, truth=truth)
+        auto, best = int(np.argmax(curve.modularity)), int(np.argmax(curve.nmi))
+        at = quality(clusters_from_graph(mutual_edges(sims, ids, fixed)), truth)["nmi"]
+        print(f"| {k} | {at:.3f} | {curve.thresholds[auto]:.4f} | {curve.nmi[auto]:.3f} | {curve.thresholds[best]:.4f} | {curve.nmi[best]:.3f} |")
+
+
 def timing(n: int, d: int, k: int) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from mining import data
@@ -205,6 +218,8 @@ def main() -> None:
     p.add_argument("--threshold", type=float, default=0.6, help="the fixed threshold to compare with (the demo's)")
     p.add_argument("--demo-run", action="append", default=[], help="a demo run dir or checkpoint dir (repeatable)")
     p.add_argument("--curve", action="store_true", help="print the digits' per-threshold curve")
+    p.add_argument("--no-tables", action="store_true", help="skip the methods tables (with --curve or --k-sweep)")
+    p.add_argument("--k-sweep", action="store_true", help="print the digits' NMI at the fixed, auto and best threshold across k")
     p.add_argument("--timing", action="store_true", help="time the curve and FINCH against the search at --n x --d, k=20")
     p.add_argument("--n", type=int, default=200_000)
     p.add_argument("--d", type=int, default=128)
@@ -214,11 +229,13 @@ def main() -> None:
         return
     sets = [("digits, raw pixels centred", digits())]
     sets += [(f"demo identities, raw inputs, nuisance_scale {s}", identities(s)) for s in (0.5, 1.0, 1.5)]
-    sets += [(f"demo embeddings, {path}", demo_embeddings(path)) for path in a.demo_run]
+    sets = [] if a.no_tables else sets + [(f"demo embeddings, {path}", demo_embeddings(path)) for path in a.demo_run]
     for name, (x, y) in sets:
         print("\n".join(table(name, x, y, a.k, a.threshold)))
     if a.curve:
         print_curve(*digits(), a.k, every=8)
+    if a.k_sweep:
+        k_sweep(*digits(), a.threshold)
 
 
 if __name__ == "__main__":
