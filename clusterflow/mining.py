@@ -97,8 +97,8 @@ class Rank0Search:
     """mining.search=rank0: every row gathered to rank 0, which searches alone (FAISS with any
     index, or the exact torch engine on all its GPUs or cores)."""
 
-    def __init__(self, params: KnnParams) -> None:
-        self.params = params
+    def __init__(self, params: KnnParams, keep_rows: bool = False) -> None:
+        self.params, self.keep_rows = params, keep_rows  # keep_rows: hand the rows to the clustering (FINCH)
 
     def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
                  seconds: dict[str, Any], files: RoundFiles | None) -> Found:
@@ -113,13 +113,14 @@ class Rank0Search:
             return None, "", None
         timings: dict[str, Any] = {}
         x, blocks = normalize(full), _blocks(files)
+        del full  # rank 0 holds one copy of the rows during the search
         lists = knn.search(x, self.params, should_abort, timings, blocks)
         if blocks is not None:
             blocks.flush()  # on a signal too: the grace period keeps the finished blocks
             seconds.update(blocks_from_disk=blocks.reused, keep_blocks=blocks.seconds)
         if lists is not None:
             seconds.update(index=timings["index"], search=timings["search"])
-        return lists, timings["engine"], x
+        return lists, timings["engine"], (x if self.keep_rows else None)
 
 
 class SpreadSearch:
@@ -168,7 +169,8 @@ class Miner:
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
         self.group = dist.Subgroup(cfg.timeout_s)  # ranks wait here, on the mining timeout, for rank 0's search
         self.params = KnnParams.from_config(cfg)
-        self.search = SpreadSearch(self.params, device) if cfg.search == "all" and dist.world() > 1 else Rank0Search(self.params)
+        self.search = SpreadSearch(self.params, device) if cfg.search == "all" and dist.world() > 1 \
+            else Rank0Search(self.params, keep_rows=cfg.method == "finch")
 
     def due(self, finished_epochs: int, total_epochs: int, can_embed: bool) -> bool:
         c = self.cfg
