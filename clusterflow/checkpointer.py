@@ -42,12 +42,14 @@ class Stateful(Protocol):
 
 class Checkpointer:
     def __init__(self, cfg: Any, model: Any, states: Mapping[str, Stateful], progress: TrainState, steps_per_epoch: int,
-                 attempt: int = 0, tracker: phases.Phases | None = None) -> None:
+                 attempt: int = 0, tracker: phases.Phases | None = None,
+                 before_commit: Callable[[str], None] | None = None) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
         self.every_steps, self.steps_per_epoch, self.attempt = c.every_steps, steps_per_epoch, attempt
         self.phases = tracker or phases.Phases()
+        self.before_commit = before_commit  # collective; raises to refuse a state (the trainer: non-finite)
 
     def due(self, event: str) -> bool:
         if event != STEP:
@@ -60,6 +62,8 @@ class Checkpointer:
         seconds the commit took on rank 0, None elsewhere and when nothing was committed."""
         if not self.due(event):
             return None
+        if self.before_commit is not None:
+            self.before_commit(event)
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
             seconds = self._commit(rngs) if dist.rank() == 0 else None

@@ -130,6 +130,11 @@ class TrainConfig:
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
     eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+    on_nonfinite: str = doc("fail", "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the run "
+                            "naming the step, never saving the non-finite state (checked on log steps and before saves: no "
+                            "per-step host sync); skip_step skips that optimizer step (reads a flag every step: one host "
+                            "sync and one all-reduce per step). May change on resume.")
+    max_consecutive_skips: int = doc(10, "skip_step: fail the run when more optimizer steps than this in a row are skipped.")
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
@@ -145,6 +150,8 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
         _check(self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1")
         _check(self.eval_every_epochs >= 0, "train.eval_every_epochs", self.eval_every_epochs, "must be >= 0")
+        _choice("train.on_nonfinite", self.on_nonfinite, ("fail", "skip_step"))
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 0")
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 from clusterflow import rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, UserError
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 
 log = logging.getLogger("clusterflow")
 
@@ -126,9 +126,9 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
     """Write who failed and why; a UserError becomes one line and exit 2 (no traceback)."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
-    user = isinstance(exc, UserError)
-    message = str(exc) if user else f"{type(exc).__name__}: {exc}"
-    trace = "" if user else traceback.format_exc()
+    user, stated = isinstance(exc, UserError), isinstance(exc, RunFailed)  # messages that say it all
+    message = str(exc) if user or stated else f"{type(exc).__name__}: {exc}"
+    trace = "" if user or stated else traceback.format_exc()
     paths = rundir.RunPaths(cfg.run.dir)
     try:
         rundir.write_error(paths, rank, socket.gethostname(), message, trace)
@@ -136,9 +136,9 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
     except OSError:
         pass
     log.error("rank %d failed: %s", rank, message)
-    if user:
+    if user or stated:
         print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        raise SystemExit(EXIT_BAD_INPUT if user else EXIT_JOB_FAILED) from None
 
 
 __all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

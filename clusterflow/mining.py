@@ -25,6 +25,7 @@ import numpy as np
 
 from clusterflow import dist, phases
 from clusterflow.clustering import cluster_stats, clusters_from_knn, mutual_knn_clusters, normalize  # noqa: F401 - re-exported
+from clusterflow.errors import RunFailed
 from clusterflow.knn import KnnParams
 
 log = logging.getLogger("clusterflow.mining")
@@ -172,6 +173,10 @@ class Miner:
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
+        if dist.any_rank(not np.isfinite(emb).all()):  # clusters of NaN would look like a result
+            raise RunFailed(f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
+                            "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
+                            "them (a division by a zero norm?); no round was run on them")
         rates = dist.gather_object(len(indices) / max(seconds["embed"], 1e-9))
         if self.stop.poll():
             return None

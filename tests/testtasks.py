@@ -90,3 +90,22 @@ class Signals(PseudoIDTask):
         if sig is not None:
             os.kill(os.getpid(), sig)
         return super().loss(model, batch, labels)
+
+
+class NanAt(PseudoIDTask):
+    """A corrupt batch: the loss is NaN at the chosen optimizer steps (``nan_at``: "4" or "4,9",
+    counted per process and attempt, one loss call per step with grad_accum 1); SIGTERM to itself
+    at call ``term_at`` (0: never), like a preemption right after the bad step."""
+
+    def __init__(self, seed=0, nan_at="", term_at=0, **params):
+        super().__init__(seed, **params)
+        self.nan_at = {int(s) for s in str(nan_at).split(",") if s}
+        self.term_at, self.calls = int(term_at), 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        loss, metrics = super().loss(model, batch, labels)
+        if self.calls == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return (loss * float("nan") if self.calls in self.nan_at else loss), metrics
+
