@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 from clusterflow import config as cfgmod
 from clusterflow import dist, phases
+from clusterflow.saved_config import portable
 from clusterflow.state import capture_rng, restore_rng
 from clusterflow.store import CheckpointStore
 from clusterflow.train_state import TrainState
@@ -78,7 +79,7 @@ class Checkpointer:
         # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
         files = {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
         meta = {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
-                "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": self.cfg.to_dict(),
+                "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": portable(self.cfg.to_dict()),
                 "world_size": dist.world(), "attempt": self.attempt}
         path = self.store.save(p.global_step, files, meta)
         if not path:

@@ -39,10 +39,13 @@ class RunConfig:
     dir: str = doc("runs/demo", "Run directory (local path or fsspec URL for checkpoints). Holds config.yaml, checkpoints/, tb/, logs/.")
     name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
     seed: int = doc(0, "Master seed. Per-rank seeds, data order and the synthetic demo data derive from it.")
+    lease_s: int = doc(30, "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
+                       "lease not renewed for 4x as long is taken over by the next job. May change on resume.")
 
     def __post_init__(self) -> None:
         _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
         _check(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+        _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 second")
 
 
 @dataclass
@@ -160,7 +163,8 @@ class CheckpointConfig:
 
     every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
     keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
-    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. Any fsspec URL works (memory://, s3://...).")
+    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
+                   "moves with it); an absolute path or any fsspec URL (memory://, s3://...) is used as given.")
     fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
 
     def __post_init__(self) -> None:

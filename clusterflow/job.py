@@ -96,10 +96,12 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
+    held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
-        cfg = from_dict(dist.broadcast_object(cfg.to_dict()))
+        cfg = from_dict(_take_run_dir(env, cfg, environ))
+        held = True
         attempt = _start(env, cfg, device)
         _threads(env, environ)
         from clusterflow.preemption import Preemption
@@ -113,17 +115,51 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         if env.is_main:
             outcome = after_stop(rundir.RunPaths(cfg.run.dir), outcome, env, environ, cfg.cluster.max_timeout_requeues,
                                  preemption.received_at)
+            _let_go(cfg, env, environ, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
-        _record_failure(exc, cfg, env.rank)
+        if held and env.is_main:
+            _let_go(cfg, env, environ, "failed")
+        _record_failure(exc, cfg, env.rank, write=held)
         raise
 
 
-def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
-    """Write who failed and why; a UserError becomes one line and exit 2 (no traceback)."""
+def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
+    config against the saved one (writing it on a first start); every rank gets that config, or
+    the reason this job may not run there."""
+    from clusterflow import dist, lease, saved_config
+
+    answer: Any = None
+    if env.is_main:
+        try:
+            lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
+            answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
+            answer = answer.to_dict()
+        except UserError as exc:
+            lease.release(cfg.run.dir)
+            answer = str(exc)
+    answer = dist.broadcast_object(answer)
+    if isinstance(answer, str):
+        raise UserError(answer)
+    return answer
+
+
+def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
+    """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
+    requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
+    from clusterflow import lease
+
+    if outcome in ("completed", "failed") or not environ.get("SLURM_JOB_ID"):
+        lease.release(cfg.run.dir)
+
+
+def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
+    """Write who failed and why (only into a run dir this job holds); a UserError becomes one line
+    and exit 2 (no traceback)."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
     user, stated = isinstance(exc, UserError), isinstance(exc, RunFailed)  # messages that say it all
@@ -131,8 +167,9 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
     trace = "" if user or stated else traceback.format_exc()
     paths = rundir.RunPaths(cfg.run.dir)
     try:
-        rundir.write_error(paths, rank, socket.gethostname(), message, trace)
-        rundir.write_status(paths, state="failed", error=f"rank {rank}: {message}")
+        if write:
+            rundir.write_error(paths, rank, socket.gethostname(), message, trace)
+            rundir.write_status(paths, state="failed", error=f"rank {rank}: {message}")
     except OSError:
         pass
     log.error("rank %d failed: %s", rank, message)

@@ -16,8 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import config as cfgmod
-from clusterflow import dist, durable, rundir
+from clusterflow import dist, lease, rundir, saved_config
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -113,19 +112,14 @@ def check_cluster(cfg: Config) -> None:
 
 # -- the run directory -------------------------------------------------------------------------
 
-def prepare_run_dir(cfg: Config) -> bool:
-    """Create RUN_DIR and write config.yaml once. Returns True when resuming an existing run."""
-    target = rundir.RunPaths(cfg.run.dir).config
-    if os.path.exists(target):
-        try:
-            old = cfgmod.load(target)
-        except UserError as exc:
-            raise UserError(f"{target} exists but cannot be read ({exc}); pick a new run.dir") from None
-        cfgmod.check_resume(old.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}")
-        return True
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    durable.write_atomic(target, cfg.to_yaml())
-    return False
+def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
+    """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
+    write config.yaml once. Returns the config to run, and True when resuming an existing run (a
+    different config is refused: saved_config.resolve). The job takes the lease when it starts."""
+    note = lease.check(cfg.run.dir, lease.identity())
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return saved_config.resolve(cfg)
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -226,7 +220,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = cfgmod.load(args.config, args.overrides)
+    cfg = saved_config.load(args.config, args.overrides)
     if args.dry_run:
         if args.local:
             print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
@@ -235,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config")
         print(cfg.to_yaml())
         return EXIT_OK
-    resumed = prepare_run_dir(cfg)
+    cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
     if args.local:

@@ -109,3 +109,20 @@ class NanAt(PseudoIDTask):
             os.kill(os.getpid(), signal.SIGTERM)
         return (loss * float("nan") if self.calls in self.nan_at else loss), metrics
 
+
+
+class KillAtEnv(PseudoIDTask):
+    """SIGKILLs itself at loss call ``$CLUSTERFLOW_TEST_KILL_AT`` (counted per process) when that is
+    set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an exact
+    step and resumes with another launch of the very same config. ``$CLUSTERFLOW_TEST_KILL_RANK``
+    limits it to one rank (e.g. 1: a rank that dies while its peers wait)."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        at, rank = os.environ.get("CLUSTERFLOW_TEST_KILL_AT"), os.environ.get("CLUSTERFLOW_TEST_KILL_RANK")
+        me = tdist.get_rank() if tdist.is_initialized() else 0
+        if at and self.calls == int(at) and (rank is None or int(rank) == me):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)
