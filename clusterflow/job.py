@@ -15,7 +15,7 @@ import sys
 import traceback
 from typing import Any, Mapping
 
-from clusterflow import rundir
+from clusterflow import first_error, rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
@@ -69,20 +69,21 @@ def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
 
 def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
-    from clusterflow import dist
+    from clusterflow import dist, lease
 
     paths = rundir.RunPaths(cfg.run.dir)
+    # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
+    procs = dist.gather_object([socket.gethostname(), os.getpid(), lease.process_start(os.getpid())])
     attempt = 0
     if env.is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
         attempt = rundir.record_attempt(paths, job_id=env.job_id, restart_count=env.attempt, hosts=list(env.hosts),
-                                        world_size=env.world_size, source=env.source, host=socket.gethostname())
+                                        world_size=env.world_size, source=env.source, host=socket.gethostname(), procs=procs)
     attempt = int(dist.broadcast_object(attempt))
-    hosts = dist.gather_object(socket.gethostname())
     setup_logging(paths, env.rank, attempt)
     if env.is_main:
         rundir.write_status(paths, state="running", job_id=env.job_id, world_size=env.world_size,
-                            hosts=sorted(set(hosts or [])), attempt=attempt, error=None)
+                            hosts=sorted({p[0] for p in procs or []}), attempt=attempt, error=None)
     log.info("rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
              env.rank, env.world_size, socket.gethostname(), env.source, env.local_rank, device, env.job_id,
              attempt, env.master_addr, env.master_port)
@@ -169,7 +170,10 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
     try:
         if write:
             rundir.write_error(paths, rank, socket.gethostname(), message, trace)
-            rundir.write_status(paths, state="failed", error=f"rank {rank}: {message}")
+            # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
+            attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+            first = first_error.record(cfg.run.dir, attempt, rank, message)
+            rundir.write_status(paths, state="failed", **({"error": f"rank {rank}: {message}"} if first else {}))
     except OSError:
         pass
     log.error("rank %d failed: %s", rank, message)

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import dist, lease, rundir, saved_config
+from clusterflow import dist, lease, local_watch, rundir, saved_config
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -138,16 +138,17 @@ def submit_local(cfg: Config) -> int:
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
+    why = None
     try:
-        _follow(cfg.run.dir, job)
+        why = _follow(cfg.run.dir, job, local_watch.RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
         results = job.results()
     except KeyboardInterrupt:
         job.cancel()
         print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        status = rundir.read_json(paths.status, {}) or {}
-        print(f"job failed: {status.get('error') or 'see the logs'}", file=sys.stderr)
+        status, _ = rundir.read_object(paths.status)
+        print(f"job failed: {why or status.get('error') or 'see the logs'}", file=sys.stderr)
         print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
         return EXIT_JOB_FAILED
     outcome = results[0]
@@ -155,8 +156,9 @@ def submit_local(cfg: Config) -> int:
     return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
 
 
-def _follow(run_dir: str, job: Any) -> None:
-    """Echo rank 0's log of the newest attempt to the terminal until the local job ends."""
+def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
+    """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
+    at once when a rank dies (its peers would wait for it), returning why."""
     import time
 
     paths = rundir.RunPaths(run_dir)
@@ -164,6 +166,9 @@ def _follow(run_dir: str, job: Any) -> None:
     pos = 0
     while True:
         done = job.done()
+        dead = None if done else watch.first_dead()
+        if dead is not None:
+            return watch.stop(dead)
         if os.path.exists(target):
             with open(target, encoding="utf-8", errors="replace") as f:
                 f.seek(pos)
@@ -173,7 +178,7 @@ def _follow(run_dir: str, job: Any) -> None:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
         if done:
-            return
+            return None
         time.sleep(0.5)
 
 
@@ -191,6 +196,7 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     ex.update_parameters(**slurm_parameters(cfg))
     job = ex.submit(Job(cfg.to_dict()))
     paths = rundir.RunPaths(cfg.run.dir)
+    rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
     logs = paths.logs
     print(f"submitted job {job.job_id}")
     print(f"run dir: {cfg.run.dir}")
