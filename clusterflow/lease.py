@@ -37,12 +37,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from clusterflow import slurm_queue
+from clusterflow import rundir, slurm_queue
 from clusterflow.errors import UserError
 
 log = logging.getLogger("clusterflow")
 
-FOLDER = "lease"
 STALE_RENEWALS = 4  # a lease not renewed for this many periods is abandoned
 _GEN = re.compile(r"^gen-(\d+)\.json$")
 _held: dict[str, "Lease"] = {}  # run dir (real path) -> the lease this process holds
@@ -54,7 +53,7 @@ class RunDirBusy(UserError):
 
 
 def folder(run_dir: str) -> str:
-    return os.path.join(run_dir, FOLDER)
+    return rundir.RunPaths(run_dir).lease
 
 
 def process_start(pid: int) -> str | None:

@@ -17,6 +17,8 @@
     RUN_DIR/code/<version>/        the task's code frozen at submission; code/current.json names the one
                                    the next attempt imports (see snapshot.py)
     RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
+    RUN_DIR/lease/gen-<N>.json     which job holds the run dir, renewed while it runs (see lease.py)
+    RUN_DIR/config.yaml.damaged-*  a config.yaml that could not be read, set aside (see saved_config.py)
 
 A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
 run dir per member, ``SWEEP_DIR/<member name>/``.
@@ -93,6 +95,10 @@ class RunPaths:
     @property
     def model(self) -> str:
         return self._p("model.pt")
+
+    @property
+    def lease(self) -> str:
+        return self._p("lease")
 
     @property
     def submissions(self) -> str:
