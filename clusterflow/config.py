@@ -107,9 +107,11 @@ def join(base: str, *parts: str) -> str:
 # Resuming: one rule for submit, run and the checkpoint restore
 
 # Keys that may differ between a run's saved config and a later launch of it: where the run dir
-# is now (a moved or copied run dir resumes from its new place), and what to do about a
-# non-finite loss (a diverged run resumes from its last finite checkpoint, skipping such steps).
-MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "run.lease_s", "train.on_nonfinite", "train.max_consecutive_skips"})
+# and its checkpoints are now (a moved or copied run dir resumes from its new place), how often
+# the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
+# last finite checkpoint, skipping such steps).
+MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "checkpoint.dir", "run.lease_s", "train.on_nonfinite",
+                                                  "train.max_consecutive_skips"})
 
 
 def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:

@@ -76,6 +76,20 @@ def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
     return errors
 
 
+def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> str | None:
+    """The error to show for a failed Slurm job: srun names the task that failed first (a SIGKILL
+    leaves that rank no chance to record anything), so a peer's later error is put after it."""
+    try:
+        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8", errors="replace") as f:
+            first = slurm_queue.first_task_failure(f.read())
+    except OSError:
+        return error
+    if first is None or (error or "").startswith(f"rank {first[0]}:"):
+        return error
+    rank, node, what = first
+    return f"rank {rank} on {node} ended first ({what}, as srun reports it)" + (f"; then {error}" if error else "")
+
+
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f")
     return [{k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")} for m in rounds]
@@ -123,7 +137,8 @@ def collect(run_dir: str) -> dict[str, Any]:
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, float(last.get("started_at") or 0)),
-        "error": st.get("error") or note,
+        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and job_id.isdigit() else
+        st.get("error") or note,
         "logs": paths.logs,
         "updated_at": st.get("updated_at"),
     }
@@ -153,10 +168,10 @@ def render(s: dict[str, Any]) -> str:
                      f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}")
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
+    if s["error"]:
+        lines.append(f"cause        {s['error']}")  # the first cause; then what each rank recorded
     for e in s["errors"]:
         lines.append(f"error        rank {e['rank']} on {e['host']}: {e['error']}")
-    if s["error"] and not s["errors"]:
-        lines.append(f"error        {s['error']}")
     lines.append(f"logs         {s['logs']}")
     return "\n".join(lines)
 
