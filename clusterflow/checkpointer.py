@@ -107,8 +107,9 @@ class Checkpointer:
             if dist.any_rank(bool(problem)):
                 if undo is not None:
                     undo()
-                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path,
-                            problem or "another rank could not load it (see its log)")
+                why = problem or "another rank could not load it (see its log)"
+                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path, why)
+                self.store.refused[ckpt.step] = why  # set aside, like a bad hash, when the run gets there again
                 continue
             self.model.load_state_dict(model_state)  # keys and shapes checked in _stage: it cannot half-apply
             p = self.progress

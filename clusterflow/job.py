@@ -140,9 +140,9 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
             lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
             answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
             answer = answer.to_dict()
-        except UserError as exc:
+        except (UserError, OSError) as exc:  # every rank must hear it, or the others wait for rank 0
             lease.release(cfg.run.dir)
-            answer = str(exc)
+            answer = str(exc) if isinstance(exc, UserError) else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
     answer = dist.broadcast_object(answer)
     if isinstance(answer, str):
         raise UserError(answer)

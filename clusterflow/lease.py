@@ -85,24 +85,33 @@ def describe(rec: dict[str, Any]) -> str:
 
 # -- reading ------------------------------------------------------------------------------------
 
-def current(run_dir: str) -> tuple[int, dict[str, Any] | None, float]:
-    """(generation, holder record or None, age in storage seconds); (0, None, 0) when nobody holds it.
-    An unreadable record counts as a holder that is gone (records are published whole)."""
+def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
+    """(generation, holder record, its path); (0, None, "") when nobody holds the run dir. An
+    unreadable record is {} (records are published whole, so it is damage, not a write in progress)."""
     try:
         gens = [int(m.group(1)) for m in map(_GEN.match, os.listdir(folder(run_dir))) if m]
     except OSError:
-        return 0, None, 0.0
+        return 0, None, ""
     if not gens:
-        return 0, None, 0.0
-    gen = max(gens)
-    path = os.path.join(folder(run_dir), f"gen-{gen}.json")
+        return 0, None, ""
+    path = os.path.join(folder(run_dir), f"gen-{max(gens)}.json")
     try:
         with open(path, "rb") as f:
             rec = json.loads(f.read())
-        mtime = os.stat(path).st_mtime
     except (OSError, ValueError):
-        return gen, {}, float("inf")
-    return gen, rec if isinstance(rec, dict) else {}, max(0.0, storage_now(run_dir) - mtime)
+        rec = {}
+    return max(gens), rec if isinstance(rec, dict) else {}, path
+
+
+def current(run_dir: str) -> tuple[int, dict[str, Any] | None, float]:
+    """(generation, holder record or None, seconds since its last renewal by the storage's clock)."""
+    gen, rec, path = _read(run_dir)
+    if not gen:
+        return 0, None, 0.0
+    try:
+        return gen, rec, max(0.0, storage_now(run_dir) - os.stat(path).st_mtime)
+    except OSError:
+        return gen, rec, float("inf")
 
 
 def storage_now(run_dir: str) -> float:
@@ -151,15 +160,20 @@ def judge(rec: dict[str, Any], age_s: float, me: dict[str, Any], queue: Callable
 
 def check(run_dir: str, me: dict[str, Any]) -> str:
     """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone ("" if none)."""
+    return _judge_holder(run_dir, me)[1]
+
+
+def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
+    """(the holder's generation, a note when it is gone); raises RunDirBusy while it lives."""
     gen, rec, age = current(run_dir)
     if gen == 0:
-        return ""
+        return 0, ""
     alive, why = judge(rec or {}, age, me, slurm_queue.state)
     who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
     if alive:
         raise RunDirBusy(f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
                          f"cancel it, or choose another run.dir")
-    return f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
+    return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
 
 
 def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
@@ -189,8 +203,7 @@ def acquire(run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | N
         return _held[key]
     os.makedirs(folder(run_dir), exist_ok=True)
     for _ in range(10):  # each turn: someone else linked first; judge the new holder
-        gen, _rec, _age = current(run_dir)
-        note = check(run_dir, me)
+        gen, note = _judge_holder(run_dir, me)
         if note:
             log.warning("%s", note)
         if _publish(run_dir, gen + 1, me):
@@ -241,7 +254,7 @@ def _drop_older(run_dir: str, gen: int) -> None:
 
 
 def _still_mine(lease: Lease) -> bool:
-    gen, rec, _ = current(lease.run_dir)
+    gen, rec, _ = _read(lease.run_dir)
     return gen == lease.gen and (rec or {}).get("token") == lease.rec["token"]
 
 
@@ -264,7 +277,7 @@ def _start_renewing(lease: Lease, on_lost: Callable[[str], None]) -> None:
         while not lease.stop.wait(float(lease.rec["renew_s"])):
             try:
                 if not renew(lease):
-                    gen, rec, _ = current(lease.run_dir)
+                    _, rec, _ = _read(lease.run_dir)
                     on_lost(f"this job lost run dir {lease.run_dir!r} to {describe(rec) if rec else 'another job'}")
                     return
             except OSError as exc:  # storage hiccup: try again next period; a long outage ends in takeover

@@ -98,6 +98,7 @@ class CheckpointStore:
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self._remote_fs = None if self.local else self.fs  # what durable.* takes for "not a local path"
         self._deleting: list[threading.Thread] = []
+        self.refused: dict[int, str] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -148,6 +149,8 @@ class CheckpointStore:
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
             return True  # nothing there, or a folder without manifest: debris that _publish replaces
         try:
+            if step in self.refused:  # verified, but the reader could not load it (checkpointer.restore)
+                raise ValueError(self.refused.pop(step))
             old = self.verify(step).manifest
         except ValueError as exc:
             # A run that resumed from an older step because this one was damaged reaches it again:

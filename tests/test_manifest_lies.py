@@ -154,3 +154,29 @@ def test_schema_accepts_what_the_store_writes(run):
     tmp_path, _ = run
     m = json.loads((step8(tmp_path) / "manifest.json").read_text())
     assert manifest.check(m, 8) is m
+
+
+def test_a_run_resumes_past_lying_checkpoints_bitwise(tmp_path, monkeypatch):
+    """End to end: a run killed in step 10 leaves steps 4, 6 and 8; step 8 gets correct hashes of a
+    model that does not fit, step 6 a manifest listing no files. The resume skips both, naming them,
+    starts from step 4 and ends bitwise equal to an uninterrupted run."""
+    from conftest import REPO, run_cli
+
+    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
+    d = tmp_path / "run"
+    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv"]
+    assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
+    lie_foreign_model(d)  # step-8, found under RUN/checkpoints by the helpers
+    m6 = d / "checkpoints" / "step-6" / "manifest.json"
+    m6.write_text(json.dumps({**json.loads(m6.read_text()), "files": {}}))
+    out = run_cli("clusterflow.run", "configs/tiny.yaml", *over)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = open(d / "logs" / "rank0.attempt1.log").read()
+    assert f"skipping damaged checkpoint {d}/checkpoints/step-8: model.pt does not fit the model" in log
+    assert f"skipping damaged checkpoint {d}/checkpoints/step-6: the manifest lists no files" in log
+    assert f"resumed from {d}/checkpoints/step-4" in log
+    # Reached again, each refused step is set aside for inspection and committed anew.
+    assert f"checkpoint {d}/checkpoints/step-8 is damaged (model.pt does not fit the model" in log
+    assert len([n for n in os.listdir(d / "checkpoints") if n.startswith("damaged-step-")]) == 2
+    sha = hashlib.sha256((d / "model.pt").read_bytes()).hexdigest()
+    assert sha == "19697e8dbf4ef0ce225091c1f78e435edecfcbef6cc97b31c87a9c44abcddbf9"  # configs/tiny.yaml, one process
