@@ -155,7 +155,7 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
-        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their sha256 check and were set aside: "
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (sha256, manifest or fit) and were set aside: "
                      f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
     if s["liveness"]:
         lines.append(f"liveness     {s['liveness']}")
