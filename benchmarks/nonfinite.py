@@ -61,14 +61,16 @@ def run(policy: str, model, opt, data, device, steps: int, log_every: int) -> fl
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--width", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared machine)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
     layers = [m for _ in range(args.layers) for m in (torch.nn.Linear(args.width, args.width), torch.nn.ReLU())]
