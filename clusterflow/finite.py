@@ -34,6 +34,18 @@ log = logging.getLogger("clusterflow.trainer")
 _NONE = 1 << 40  # "no non-finite loss" in the all-reduced minimum
 
 
+def _all_finite(tensors: list[Any]) -> bool:
+    """Every element of every tensor is finite (a host read). An inf or NaN makes its tensor's sum
+    inf or NaN, so finite sums prove it with one cheap reduction each; only when a sum is not
+    finite (an element that is not, or finite values that overflowed) does the exact test decide."""
+    if not tensors:
+        return True
+    device = tensors[0].device
+    if bool(torch.isfinite(torch.stack([t.detach().sum().to(device, torch.float64) for t in tensors]).sum())):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 class FiniteGuard:
     """``train``: the train section; ``committed``: the committed steps, for the failure message."""
 
@@ -63,12 +75,10 @@ class FiniteGuard:
     def check(self, global_step: int, state: Iterable[Any] = ()) -> None:
         """Collective. Returns when every loss since the last check (and every tensor of ``state``)
         is finite on every rank; raises RunFailed naming the step otherwise."""
-        local = [torch.where(self.ok, _NONE, self.count)]
-        tensors = [t for t in state if torch.is_tensor(t) and (t.is_floating_point() or t.is_complex())]
-        if tensors:
-            local.append(torch.stack([torch.isfinite(t).all() for t in tensors]).all().logical_not().to(torch.int64))
-        values = torch.stack(local).tolist()  # the one host read
-        agreed = dist.all_reduce_dict({"first": _NONE - values[0], "state": values[1] if tensors else 0}, op="max")
+        first = int(torch.where(self.ok, _NONE, self.count))  # the host read
+        tensors = [t for t in state if torch.is_tensor(t) and t.is_floating_point()]
+        bad_state = not _all_finite(tensors)
+        agreed = dist.all_reduce_dict({"first": _NONE - first, "state": float(bad_state)}, op="max")
         first, since = _NONE - int(agreed["first"]), self.checked_at
         if first < _NONE:
             step = since + first // self.train.grad_accum + 1
@@ -85,11 +95,9 @@ class FiniteGuard:
         are finite; else the step is to be skipped (a warning says so), and too many in a row fail.
         With fp16 loss scaling, infinite gradients are the scaler's business (it skips those
         steps itself), so only the loss is judged."""
-        ok = self.ok
         grads = [] if scaler.is_enabled() else [p.grad for p in params if p.grad is not None]
-        if grads:
-            ok = ok & torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        good = not dist.any_rank(not bool(ok))  # the one host read, and the ranks agree
+        ok = bool(self.ok) and _all_finite(grads)  # host reads: the step waits for its gradients here
+        good = not dist.any_rank(not ok)  # the ranks agree (each saw only its own losses)
         self._reset()
         if good:
             self.in_a_row = 0
