@@ -70,7 +70,7 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> str:
-        return self.checkpoint.dir or join(self.run.dir, "checkpoints")
+        return checkpoint_root(self.run.dir, self.checkpoint.dir)
 
 
 SECTIONS: dict[str, type] = {
@@ -83,6 +83,16 @@ SECTIONS: dict[str, type] = {
     "task": TaskConfig,
     "data": DataConfig,
 }
+
+
+def checkpoint_root(run_dir: str, configured: str) -> str:
+    """Where a run's checkpoints are: RUN_DIR/checkpoints by default; ``checkpoint.dir`` as given
+    when it is a URL or an absolute path; inside the run dir when relative (it moves with it)."""
+    if not configured:
+        return join(run_dir, "checkpoints")
+    if "://" in configured or os.path.isabs(configured):
+        return configured
+    return join(run_dir, configured)
 
 
 def join(base: str, *parts: str) -> str:
@@ -98,8 +108,11 @@ def join(base: str, *parts: str) -> str:
 # Resuming: one rule for submit, run and the checkpoint restore
 
 # Keys that may differ between a run's saved config and a later launch of it: where the run dir
-# is now (a moved or copied run dir resumes from its new place).
-MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir"})
+# and its checkpoints are now (a moved or copied run dir resumes from its new place), how often
+# the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
+# last finite checkpoint, skipping such steps).
+MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "checkpoint.dir", "run.lease_s", "train.on_nonfinite",
+                                                  "train.max_consecutive_skips"})
 
 
 def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:

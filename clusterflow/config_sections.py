@@ -39,10 +39,13 @@ class RunConfig:
     dir: str = doc("runs/demo", "Run directory (local path or fsspec URL for checkpoints). Holds config.yaml, checkpoints/, tb/, logs/.")
     name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
     seed: int = doc(0, "Master seed. Per-rank seeds, data order and the synthetic demo data derive from it.")
+    lease_s: int = doc(30, "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
+                       "lease not renewed for 4x as long is taken over by the next job. May change on resume.")
 
     def __post_init__(self) -> None:
         _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
         _check(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
+        _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 second")
 
 
 @dataclass
@@ -130,6 +133,11 @@ class TrainConfig:
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
     eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+    on_nonfinite: str = doc("fail", "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the run "
+                            "naming the step, never saving the non-finite state (checked on log steps and before saves: no "
+                            "per-step host sync); skip_step skips that optimizer step (reads a flag every step: one host "
+                            "sync and one all-reduce per step). May change on resume.")
+    max_consecutive_skips: int = doc(10, "skip_step: fail the run when more optimizer steps than this in a row are skipped.")
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
@@ -145,6 +153,8 @@ class TrainConfig:
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
         _check(self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1")
         _check(self.eval_every_epochs >= 0, "train.eval_every_epochs", self.eval_every_epochs, "must be >= 0")
+        _choice("train.on_nonfinite", self.on_nonfinite, ("fail", "skip_step"))
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 0")
 
 
 @dataclass
@@ -153,7 +163,8 @@ class CheckpointConfig:
 
     every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
     keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
-    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. Any fsspec URL works (memory://, s3://...).")
+    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
+                   "moves with it); an absolute path or any fsspec URL (memory://, s3://...) is used as given.")
     fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
 
     def __post_init__(self) -> None:

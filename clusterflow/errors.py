@@ -19,6 +19,11 @@ class UserError(Exception):
     """A mistake in input the user controls. The message names the cause, the value and the fix."""
 
 
+class RunFailed(Exception):
+    """The run cannot go on, for a reason its message states in full (the loss diverged): the job
+    fails (exit 1) with that one line, and no traceback, which would add nothing."""
+
+
 def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(EXIT_BAD_INPUT)

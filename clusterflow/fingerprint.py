@@ -36,6 +36,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "run.dir": (RESOURCE, "where the run lives; a run dir may be moved"),
     "run.name": (RESOURCE, "the Slurm job name"),
     "run.seed": (RESULT, "initial weights, data order and per-rank streams derive from it"),
+    "run.lease_s": (RESOURCE, "how often the job holding the run dir renews its lease"),
     "cluster.nodes": (NUMERICS, _WORLD),
     "cluster.tasks_per_node": (NUMERICS, _WORLD),
     "cluster.gpus_per_node": (NUMERICS, "CPU and GPU kernels compute the same math in another order "
@@ -77,6 +78,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "train.eval_every_epochs": (NUMERICS, "each evaluation's DataLoader draws one number from the global torch "
                                           "random stream, so dropout after it draws other numbers"),
     "train.progress_bar": (RESOURCE, "display only"),
+    "train.on_nonfinite": (RESOURCE, "what a non-finite loss does (stop, or skip the step); a run that never "
+                                     "meets one trains identically either way"),
+    "train.max_consecutive_skips": (RESOURCE, "when skipping non-finite steps gives up"),
     "checkpoint.every_steps": (RESOURCE, "saving reads the state and draws no random number; the weights do not change"),
     "checkpoint.keep_last": (RESOURCE, "retention"),
     "checkpoint.dir": (RESOURCE, "where checkpoints live; a resume reads the newest one there, so move them first"),

@@ -15,10 +15,10 @@ import sys
 import traceback
 from typing import Any, Mapping
 
-from clusterflow import rundir
+from clusterflow import first_error, rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, UserError
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 
 log = logging.getLogger("clusterflow")
 
@@ -69,20 +69,21 @@ def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
 
 def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
-    from clusterflow import dist
+    from clusterflow import dist, lease
 
     paths = rundir.RunPaths(cfg.run.dir)
+    # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
+    procs = dist.gather_object([socket.gethostname(), os.getpid(), lease.process_start(os.getpid())])
     attempt = 0
     if env.is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
         attempt = rundir.record_attempt(paths, job_id=env.job_id, restart_count=env.attempt, hosts=list(env.hosts),
-                                        world_size=env.world_size, source=env.source, host=socket.gethostname())
+                                        world_size=env.world_size, source=env.source, host=socket.gethostname(), procs=procs)
     attempt = int(dist.broadcast_object(attempt))
-    hosts = dist.gather_object(socket.gethostname())
     setup_logging(paths, env.rank, attempt)
     if env.is_main:
         rundir.write_status(paths, state="running", job_id=env.job_id, world_size=env.world_size,
-                            hosts=sorted(set(hosts or [])), attempt=attempt, error=None)
+                            hosts=sorted({p[0] for p in procs or []}), attempt=attempt, error=None)
     log.info("rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
              env.rank, env.world_size, socket.gethostname(), env.source, env.local_rank, device, env.job_id,
              attempt, env.master_addr, env.master_port)
@@ -96,10 +97,12 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
+    held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
-        cfg = from_dict(dist.broadcast_object(cfg.to_dict()))
+        cfg = from_dict(_take_run_dir(env, cfg, environ))
+        held = True
         attempt = _start(env, cfg, device)
         _threads(env, environ)
         from clusterflow.preemption import Preemption
@@ -113,32 +116,70 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         if env.is_main:
             outcome = after_stop(rundir.RunPaths(cfg.run.dir), outcome, env, environ, cfg.cluster.max_timeout_requeues,
                                  preemption.received_at)
+            _let_go(cfg, env, environ, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
-        _record_failure(exc, cfg, env.rank)
+        if held and env.is_main:
+            _let_go(cfg, env, environ, "failed")
+        _record_failure(exc, cfg, env.rank, write=held)
         raise
 
 
-def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
-    """Write who failed and why; a UserError becomes one line and exit 2 (no traceback)."""
+def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
+    config against the saved one (writing it on a first start); every rank gets that config, or
+    the reason this job may not run there."""
+    from clusterflow import dist, lease, saved_config
+
+    answer: Any = None
+    if env.is_main:
+        try:
+            lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
+            answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
+            answer = answer.to_dict()
+        except (UserError, OSError) as exc:  # every rank must hear it, or the others wait for rank 0
+            lease.release(cfg.run.dir)
+            answer = str(exc) if isinstance(exc, UserError) else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+    answer = dist.broadcast_object(answer)
+    if isinstance(answer, str):
+        raise UserError(answer)
+    return answer
+
+
+def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
+    """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
+    requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
+    from clusterflow import lease
+
+    if outcome in ("completed", "failed") or not environ.get("SLURM_JOB_ID"):
+        lease.release(cfg.run.dir)
+
+
+def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
+    """Write who failed and why (only into a run dir this job holds); a UserError becomes one line
+    and exit 2 (no traceback)."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
-    user = isinstance(exc, UserError)
-    message = str(exc) if user else f"{type(exc).__name__}: {exc}"
-    trace = "" if user else traceback.format_exc()
+    user, stated = isinstance(exc, UserError), isinstance(exc, RunFailed)  # messages that say it all
+    message = str(exc) if user or stated else f"{type(exc).__name__}: {exc}"
+    trace = "" if user or stated else traceback.format_exc()
     paths = rundir.RunPaths(cfg.run.dir)
     try:
-        rundir.write_error(paths, rank, socket.gethostname(), message, trace)
-        rundir.write_status(paths, state="failed", error=f"rank {rank}: {message}")
+        if write:
+            rundir.write_error(paths, rank, socket.gethostname(), message, trace)
+            # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
+            attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+            first = first_error.record(cfg.run.dir, attempt, rank, message)
+            rundir.write_status(paths, state="failed", **({"error": f"rank {rank}: {message}"} if first else {}))
     except OSError:
         pass
     log.error("rank %d failed: %s", rank, message)
-    if user:
+    if user or stated:
         print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+        raise SystemExit(EXIT_BAD_INPUT if user else EXIT_JOB_FAILED) from None
 
 
 __all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

@@ -33,6 +33,7 @@ import numpy as np
 
 from clusterflow import curves, dist, finch, phases
 from clusterflow.clustering import cluster_stats, clusters_from_graph, ignore_singletons, mutual_knn_clusters, normalize  # noqa: F401 - re-exported
+from clusterflow.errors import RunFailed
 from clusterflow.knn import KnnParams
 from clusterflow.mining_rounds import RoundFiles, SearchBlocks, round_key
 from clusterflow.mutual_graph import edges_at, mutual_graph
@@ -204,6 +205,10 @@ class Miner:
         seconds: dict[str, Any] = {}
         files = self._files(model, epoch, n)
         indices, emb, reused = self._embed(task, model, dataset, epoch, files, seconds)
+        if dist.any_rank(not np.isfinite(emb).all(), device=self.device):  # clusters of NaN would look like a result
+            raise RunFailed(f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
+                            "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
+                            "them (a division by a zero norm?); no round was run on them")
         rates = dist.gather_object(len(indices) / max(seconds["embed"], 1e-9))
         if self.stop.poll():
             return None

@@ -14,8 +14,7 @@ import argparse
 import os
 import sys
 
-from clusterflow import config as cfgmod
-from clusterflow import durable, rundir
+from clusterflow import saved_config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, cli
 
 EXAMPLES = """examples:
@@ -32,23 +31,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     args = p.parse_intermixed_args(argv)
-    cfg = cfgmod.load(args.config, args.overrides)
-    from clusterflow.dist import DistEnv
-
-    env = DistEnv.from_env(os.environ)
-    saved = rundir.RunPaths(cfg.run.dir).config
-    if env.is_main:
-        if os.path.exists(saved):
-            first = cfgmod.load(saved)
-            # A requeued job re-runs this command with the YAML as it is now: it keeps the saved config.
-            cfgmod.check_resume(first.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=env.attempt > 0)
-            cfg = cfgmod.resume_config(first, cfg)
-        else:
-            os.makedirs(cfg.run.dir, exist_ok=True)
-            durable.write_atomic(saved, cfg.to_yaml())
+    cfg = saved_config.load(args.config, args.overrides)
     from clusterflow.job import run_job
 
-    outcome = run_job(cfg)  # broadcasts rank 0's config to every rank before anything else
+    # Rank 0 takes the run dir's lease, then resumes with the saved config (a requeued job re-runs
+    # this command with the YAML as it is now: it keeps the saved config) or writes it, and
+    # broadcasts it to every rank before anything else.
+    outcome = run_job(cfg)
     return EXIT_OK if outcome in ("completed", "preempted", "requeued") else EXIT_JOB_FAILED
 
 

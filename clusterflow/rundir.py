@@ -18,6 +18,8 @@
                                    the next attempt imports (see snapshot.py)
     RUN_DIR/mining/epoch-<E>/      a mining round's embeddings and k-NN blocks until its labels are committed (mining_rounds.py)
     RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
+    RUN_DIR/lease/gen-<N>.json     which job holds the run dir, renewed while it runs (see lease.py)
+    RUN_DIR/config.yaml.damaged-*  a config.yaml that could not be read, set aside (see saved_config.py)
 
 A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
 run dir per member, ``SWEEP_DIR/<member name>/``.
@@ -100,6 +102,10 @@ class RunPaths:
         return self._p("model.pt")
 
     @property
+    def lease(self) -> str:
+        return self._p("lease")
+
+    @property
     def submissions(self) -> str:
         return self._p("submissions.jsonl")
 
@@ -158,26 +164,47 @@ class RunPaths:
 
 
 def read_json(target: str, default: Any = None) -> Any:
+    """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8, a folder)."""
     try:
         with open(target, encoding="utf-8") as f:
             return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
+    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
         return default
 
 
+def read_object(target: str) -> tuple[dict[str, Any], str]:
+    """A JSON object record (status.json): (record, "") or, when it is damaged, ({}, what is wrong);
+    ({}, "") when it does not exist. A damaged record never stops a run or `status`."""
+    if not os.path.exists(target):
+        return {}, ""
+    rec = read_json(target, _DAMAGED)
+    if rec is _DAMAGED:
+        return {}, f"{os.path.basename(target)} is not readable JSON"
+    if not isinstance(rec, dict):
+        return {}, f"{os.path.basename(target)} holds a JSON {type(rec).__name__}, not an object"
+    return rec, ""
+
+
+_DAMAGED = object()
+
+
 def read_jsonl(target: str) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; lines that are not one (cut by a kill mid-write,
+    garbage bytes, another type) are skipped: the rest is still good."""
     out = []
     try:
-        with open(target, encoding="utf-8") as f:
+        with open(target, "rb") as f:
             for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        pass  # a line cut by a kill mid-write; the rest is still good
+                try:
+                    rec = json.loads(line.decode("utf-8")) if line.strip() else None
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    out.append(rec)
     except FileNotFoundError:
         pass
+    except OSError:
+        pass  # a folder where the file should be: nothing readable
     return out
 
 
@@ -216,7 +243,7 @@ def count_stops(paths: RunPaths, reason: str) -> int:
 
 
 def write_status(paths: RunPaths, **fields: Any) -> None:
-    current = read_json(paths.status, {}) or {}
+    current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
     current.update(fields, updated_at=time.time())
     durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
 

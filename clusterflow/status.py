@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from typing import Any
 
-from clusterflow import rundir
+from clusterflow import liveness, rundir, slurm_queue
+from clusterflow.config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
@@ -23,33 +22,37 @@ EXAMPLES = """examples:
 """
 
 
-def _squeue_state(job_id: str) -> str | None:
-    if not job_id or not job_id.isdigit() or shutil.which("squeue") is None:
-        return None
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], capture_output=True, text=True, timeout=5)
-    except (subprocess.TimeoutExpired, OSError):
-        return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or ""  # "" means: not in the queue any more
-
-
-def _checkpoints(paths: rundir.RunPaths, cfg_dir: str | None) -> tuple[list[str], list[str]]:
+def _checkpoints(root: str) -> tuple[list[str], list[str]]:
     """Committed steps (oldest first), and the damaged ones the store set aside."""
     from clusterflow.store import CheckpointStore
 
     try:
-        store = CheckpointStore(cfg_dir or paths.checkpoints)
+        store = CheckpointStore(root)
         return [store.url_of(s) for s in store.steps()], store.damaged()
     except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
         return [], []
 
 
-def _state(st: dict[str, Any], attempts: list[dict[str, Any]], job_id: str) -> str:
-    """The run's state from status.json, corrected by what squeue says (when it answers)."""
-    state = st.get("state") or ("pending" if not attempts else "running")
-    queue = _squeue_state(job_id)
+def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
+    """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
+    status: then the default place, and what is wrong)."""
+    import yaml
+
+    try:
+        with open(paths.config, "rb") as f:
+            data = yaml.safe_load(f.read().decode("utf-8"))
+        configured = data["checkpoint"].get("dir") or ""
+        if not isinstance(configured, str):
+            raise TypeError("checkpoint.dir is not a string")
+    except (OSError, ValueError, yaml.YAMLError, TypeError, KeyError, AttributeError) as exc:
+        return join_checkpoints(paths.root, ""), f"config.yaml is damaged ({type(exc).__name__}); the next launch sets it aside"
+    return join_checkpoints(paths.root, configured), ""
+
+
+def _state(st: dict[str, Any], attempts: list[dict[str, Any]], queue: str | None, started: bool) -> str:
+    """The run's state from status.json, corrected by what squeue says (when it answers).
+    ``started``: something shows the run began (attempts, checkpoints), when status.json does not say."""
+    state = st.get("state") or ("running" if attempts or started else "pending")
     if queue is None:
         return state
     qstate = queue.split("|")[0] if queue else ""
@@ -57,7 +60,7 @@ def _state(st: dict[str, Any], attempts: list[dict[str, Any]], job_id: str) -> s
         return "requeued" if attempts else "pending"
     if qstate in ("RUNNING", "COMPLETING", "CONFIGURING"):
         return "running"
-    if qstate == "" and state == "running":
+    if qstate == "" and state in ("running", "pending"):
         return "failed"  # left the queue without writing an outcome: killed or crashed
     return state
 
@@ -67,10 +70,24 @@ def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
     errors = []
     if os.path.isdir(paths.errors):
         for name in sorted(os.listdir(paths.errors)):
-            e = rundir.read_json(os.path.join(paths.errors, name))
-            if e and e.get("time", 0) >= since:
-                errors.append({k: e[k] for k in ("rank", "host", "error")})
+            e = rundir.read_json(os.path.join(paths.errors, name)) if name.startswith("rank") else None
+            if isinstance(e, dict) and float(e.get("time") or 0) >= since:
+                errors.append({k: e.get(k) for k in ("rank", "host", "error")})
     return errors
+
+
+def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> str | None:
+    """The error to show for a failed Slurm job: srun names the task that failed first (a SIGKILL
+    leaves that rank no chance to record anything), so a peer's later error is put after it."""
+    try:
+        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8", errors="replace") as f:
+            first = slurm_queue.first_task_failure(f.read())
+    except OSError:
+        return error
+    if first is None or (error or "").startswith(f"rank {first[0]}:"):
+        return error
+    rank, node, what = first
+    return f"rank {rank} on {node} ended first ({what}, as srun reports it)" + (f"; then {error}" if error else "")
 
 
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -102,18 +119,24 @@ def collect(run_dir: str) -> dict[str, Any]:
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
     if not os.path.exists(paths.config):
         raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
-    st = rundir.read_json(paths.status, {}) or {}
+    st, damaged_status = rundir.read_object(paths.status)
     attempts = rundir.read_jsonl(paths.attempts)
-    import yaml
-
-    with open(paths.config, encoding="utf-8") as f:
-        cfg = yaml.safe_load(f) or {}
-    cks, damaged = _checkpoints(paths, (cfg.get("checkpoint") or {}).get("dir") or None)
+    root, damaged_config = _checkpoint_root(paths)
+    cks, damaged = _checkpoints(root)
     last = attempts[-1] if attempts else {}
     job_id = str(last.get("job_id") or st.get("job_id") or "")
+    queue = slurm_queue.state(job_id) if (last.get("source") or "slurm") in ("slurm", "torchrun") else None
+    state, alive, note = _state(st, attempts, queue, bool(cks)), None, None
+    if state in ("running", "failed") and st.get("state") in ("running", "pending", None):
+        life = liveness.check(run_dir, last, queue)
+        alive = life.alive
+        if alive is False:
+            state, note = "failed", life.note(st.get("global_step", 0))
     latest = cks[-1] if cks else None
     return {
-        "state": _state(st, attempts, job_id),
+        "state": state,
+        "alive": alive,
+        "liveness": note,
         "run_dir": run_dir,
         "job_id": job_id,
         "epoch": st.get("epoch", 0),
@@ -127,11 +150,13 @@ def collect(run_dir: str) -> dict[str, Any]:
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest) if latest and os.path.exists(latest) else None,
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
-        "mining": _mining(st.get("mining", [])),
+        "damaged_records": [d for d in (damaged_status, damaged_config) if d],
+        "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
-        "errors": _errors(paths, last.get("started_at", 0)),
-        "error": st.get("error"),
+        "errors": _errors(paths, float(last.get("started_at") or 0)),
+        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and job_id.isdigit() else
+        st.get("error") or note,
         "logs": paths.logs,
         "updated_at": st.get("updated_at"),
     }
@@ -148,8 +173,12 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
-        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their sha256 check and were set aside: "
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (sha256, manifest or fit) and were set aside: "
                      f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
+    if s["liveness"]:
+        lines.append(f"liveness     {s['liveness']}")
+    for d in s["damaged_records"]:
+        lines.append(f"warning      {d}: ignored (the run carries on from its checkpoints)")
     if s["mining"]:
         m = s["mining"][-1]
         q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)
@@ -164,10 +193,10 @@ def render(s: dict[str, Any]) -> str:
             lines.append(f"curve        {_curve_summary(m)}")
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
+    if s["error"]:
+        lines.append(f"cause        {s['error']}")  # the first cause; then what each rank recorded
     for e in s["errors"]:
         lines.append(f"error        rank {e['rank']} on {e['host']}: {e['error']}")
-    if s["error"] and not s["errors"]:
-        lines.append(f"error        {s['error']}")
     lines.append(f"logs         {s['logs']}")
     return "\n".join(lines)
 

@@ -43,11 +43,11 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import fsspec
 
-from clusterflow import durable
+from clusterflow import durable, manifest as schema
 
 log = logging.getLogger("clusterflow.store")
 
@@ -98,6 +98,7 @@ class CheckpointStore:
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self._remote_fs = None if self.local else self.fs  # what durable.* takes for "not a local path"
         self._deleting: list[threading.Thread] = []
+        self.refused: dict[int, str] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -148,6 +149,8 @@ class CheckpointStore:
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
             return True  # nothing there, or a folder without manifest: debris that _publish replaces
         try:
+            if step in self.refused:  # verified, but the reader could not load it (checkpointer.restore)
+                raise ValueError(self.refused.pop(step))
             old = self.verify(step).manifest
         except ValueError as exc:
             # A run that resumed from an older step because this one was damaged reaches it again:
@@ -234,7 +237,7 @@ class CheckpointStore:
         removed, complete = [], {}
         for name in self._entries():
             m = _STAGED.match(name)
-            manifest = self._complete(self._p(name)) if m else None
+            manifest = self._complete(self._p(name), int(m.group(1))) if m else None
             if manifest is not None:
                 complete.setdefault(int(m.group(1)), []).append((position(manifest), name, manifest))
             elif name.startswith(_SET_ASIDE):
@@ -261,40 +264,44 @@ class CheckpointStore:
         except FileNotFoundError:
             pass
 
-    def _complete(self, path: str) -> dict[str, Any] | None:
+    def _complete(self, path: str, step: int) -> dict[str, Any] | None:
         """The manifest of a folder whose files all match it (size and sha256), else None."""
         try:
-            manifest = self._read_manifest(path)
-            for name, info in manifest.get("files", {}).items():
+            manifest = self._read_manifest(path, step)
+            for name, info in manifest["files"].items():
                 if self.fs.size(f"{path}/{name}") != info["size"] or \
                         durable.sha256_file(f"{path}/{name}", self._remote_fs) != info["sha256"]:
                     return None
-        except (ValueError, OSError, KeyError):
+        except (ValueError, OSError):
             return None
         return manifest
 
     # -- reading ------------------------------------------------------------------------------
-    def _read_manifest(self, path: str) -> dict[str, Any]:
+    def _read_manifest(self, path: str, step: int | None = None) -> dict[str, Any]:
+        """The manifest, its schema checked (manifest.check): ValueError naming what is wrong."""
         try:
             with self.fs.open(f"{path}/{MANIFEST}", "rb") as f:
-                return json.loads(f.read())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+                data = json.loads(f.read())
+        except (OSError, ValueError) as exc:  # missing, a directory, unreadable, not JSON, not UTF-8
             raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
+        return schema.check(data, step)
 
     def verify(self, step: int) -> Checkpoint:
         """Read and check one step; raises ValueError naming what is wrong."""
         path = self.step_path(step)
-        manifest = self._read_manifest(path)
+        manifest = self._read_manifest(path, step)
         objects = {}
-        for name, info in manifest.get("files", {}).items():
+        for name, info in manifest["files"].items():
             file = f"{path}/{name}"
             try:
                 size = self.fs.size(file)
+                if size != info["size"]:
+                    raise ValueError(f"{name} has {size} bytes, the manifest says {info['size']}")
+                objects[name] = durable.load_checked(name, file, info, self._remote_fs)
             except FileNotFoundError:
                 raise ValueError(f"{name} is missing") from None
-            if size != info["size"]:
-                raise ValueError(f"{name} has {size} bytes, the manifest says {info['size']}")
-            objects[name] = durable.load_checked(name, file, info, self._remote_fs)
+            except OSError as exc:  # a directory where a file should be, a permission, an I/O error
+                raise ValueError(f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
         return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
 
     def newest_manifest(self) -> dict[str, Any] | None:
@@ -305,11 +312,16 @@ class CheckpointStore:
         except ValueError:
             return None
 
-    def latest(self) -> Checkpoint | None:
-        """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""
+    def candidates(self) -> Iterator[Checkpoint]:
+        """Verified checkpoints, newest first; damaged ones are skipped with a warning naming them."""
         for step in reversed(self.steps()):
             try:
-                return self.verify(step)
+                ckpt = self.verify(step)
             except ValueError as exc:
                 log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", self.url_of(step), exc)
-        return None
+                continue
+            yield ckpt
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""
+        return next(self.candidates(), None)

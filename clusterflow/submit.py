@@ -16,8 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import config as cfgmod
-from clusterflow import dist, durable, rundir
+from clusterflow import dist, lease, local_watch, rundir, saved_config
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -113,19 +112,14 @@ def check_cluster(cfg: Config) -> None:
 
 # -- the run directory -------------------------------------------------------------------------
 
-def prepare_run_dir(cfg: Config) -> bool:
-    """Create RUN_DIR and write config.yaml once. Returns True when resuming an existing run."""
-    target = rundir.RunPaths(cfg.run.dir).config
-    if os.path.exists(target):
-        try:
-            old = cfgmod.load(target)
-        except UserError as exc:
-            raise UserError(f"{target} exists but cannot be read ({exc}); pick a new run.dir") from None
-        cfgmod.check_resume(old.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}")
-        return True
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    durable.write_atomic(target, cfg.to_yaml())
-    return False
+def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
+    """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
+    write config.yaml once. Returns the config to run, and True when resuming an existing run (a
+    different config is refused: saved_config.resolve). The job takes the lease when it starts."""
+    note = lease.check(cfg.run.dir, lease.identity())
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return saved_config.resolve(cfg)
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -144,16 +138,17 @@ def submit_local(cfg: Config) -> int:
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
+    why = None
     try:
-        _follow(cfg.run.dir, job)
+        why = _follow(cfg.run.dir, job, local_watch.RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
         results = job.results()
     except KeyboardInterrupt:
         job.cancel()
         print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        status = rundir.read_json(paths.status, {}) or {}
-        print(f"job failed: {status.get('error') or 'see the logs'}", file=sys.stderr)
+        status, _ = rundir.read_object(paths.status)
+        print(f"job failed: {why or status.get('error') or 'see the logs'}", file=sys.stderr)
         print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
         return EXIT_JOB_FAILED
     outcome = results[0]
@@ -161,8 +156,9 @@ def submit_local(cfg: Config) -> int:
     return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
 
 
-def _follow(run_dir: str, job: Any) -> None:
-    """Echo rank 0's log of the newest attempt to the terminal until the local job ends."""
+def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
+    """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
+    at once when a rank dies (its peers would wait for it), returning why."""
     import time
 
     paths = rundir.RunPaths(run_dir)
@@ -170,6 +166,9 @@ def _follow(run_dir: str, job: Any) -> None:
     pos = 0
     while True:
         done = job.done()
+        dead = None if done else watch.first_dead()
+        if dead is not None:
+            return watch.stop(dead)
         if os.path.exists(target):
             with open(target, encoding="utf-8", errors="replace") as f:
                 f.seek(pos)
@@ -179,7 +178,7 @@ def _follow(run_dir: str, job: Any) -> None:
                 sys.stdout.write(chunk)
                 sys.stdout.flush()
         if done:
-            return
+            return None
         time.sleep(0.5)
 
 
@@ -197,6 +196,7 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     ex.update_parameters(**slurm_parameters(cfg))
     job = ex.submit(Job(cfg.to_dict()))
     paths = rundir.RunPaths(cfg.run.dir)
+    rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
     logs = paths.logs
     print(f"submitted job {job.job_id}")
     print(f"run dir: {cfg.run.dir}")
@@ -226,7 +226,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    cfg = cfgmod.load(args.config, args.overrides)
+    cfg = saved_config.load(args.config, args.overrides)
     if args.dry_run:
         if args.local:
             print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config")
         print(cfg.to_yaml())
         return EXIT_OK
-    resumed = prepare_run_dir(cfg)
+    cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
     if args.local:

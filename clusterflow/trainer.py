@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow import builders, checkpointer, dist, durable, phases, rundir
 from clusterflow.config import Config
+from clusterflow.finite import FiniteGuard
 from clusterflow.metrics import Throughput, gpu_stats, writer_for
 from clusterflow.mining import Miner, for_status
 from clusterflow.preemption import Preemption, StopAgreement
@@ -89,7 +90,8 @@ class Trainer:
         self.state = TrainState()
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
-            self.state, self.steps_per_epoch, attempt, self.phases)
+            self.state, self.steps_per_epoch, attempt, self.phases, before_commit=lambda event: self._check_finite(state=True))
+        self.guard = FiniteGuard(device, t, self.checkpointer.store.steps)
         self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
                            rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync)
 
@@ -109,6 +111,7 @@ class Trainer:
         """Train to the end or until a signal. Returns "completed", "preempted" or "timeout"."""
         resumed = self.checkpointer.restore()
         self._forget_mined_rounds()
+        self.guard.start(self.state.global_step)
         self.writer = writer_for(self.rank == 0, self.paths, self.attempt, self._purge_step(resumed))
         self._status(state="running")
         try:
@@ -185,17 +188,31 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
+        self.guard.observe(loss)
         window.add(loss, metrics, len(batch["index"]))
 
     def _optimizer_step(self) -> None:
         if self.cfg.train.grad_clip:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
-        self.scaler.step(self.opt)
-        self.scaler.update()
+        s = self.state
+        if self.guard.policy != "skip_step" or self.guard.step_ok(self.module.parameters(), self.scaler, s.global_step + 1):
+            self.scaler.step(self.opt)
+            self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.state.step_done()
+
+    def _check_finite(self, state: bool = False) -> None:
+        """Collective: every loss since the last check finite (and with ``state``, every weight and
+        optimizer tensor), or the run stops here. At log steps, before each commit, at epoch end."""
+        self.guard.check(self.state.global_step, self._state_tensors() if state else ())
+
+    def _state_tensors(self) -> Iterator[Any]:
+        yield from self.module.parameters()
+        yield from self.module.buffers()
+        for per_param in self.opt.state.values():
+            yield from per_param.values()
 
     def _log_due(self) -> bool:
         s = self.state
@@ -204,6 +221,7 @@ class Trainer:
     def _end_of_epoch(self) -> str:
         """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop reason, or ""."""
         finished = self.state.epoch + 1
+        self._check_finite(state=True)  # eval and mining never run on non-finite weights
         rng = capture_rng()  # a round cut short is redone from here, eval included
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
@@ -235,6 +253,7 @@ class Trainer:
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_interval(self, window: _Window) -> None:
+        self._check_finite()
         rep = window.throughput.report()
         s = self.state
         reduced = dist.all_reduce_dict(window.means(), op="mean", device=self.device)

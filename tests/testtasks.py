@@ -129,3 +129,39 @@ class SignalInMining(PseudoIDTask):
     def embed(self, model, batch):
         self._tick("embed")
         return super().embed(model, batch)
+
+
+class NanAt(PseudoIDTask):
+    """A corrupt batch: the loss is NaN at the chosen optimizer steps (``nan_at``: "4" or "4,9",
+    counted per process and attempt, one loss call per step with grad_accum 1); SIGTERM to itself
+    at call ``term_at`` (0: never), like a preemption right after the bad step."""
+
+    def __init__(self, seed=0, nan_at="", term_at=0, **params):
+        super().__init__(seed, **params)
+        self.nan_at = {int(s) for s in str(nan_at).split(",") if s}
+        self.term_at, self.calls = int(term_at), 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        loss, metrics = super().loss(model, batch, labels)
+        if self.calls == self.term_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return (loss * float("nan") if self.calls in self.nan_at else loss), metrics
+
+
+
+class KillAtEnv(PseudoIDTask):
+    """SIGKILLs itself at loss call ``$CLUSTERFLOW_TEST_KILL_AT`` (counted per process) when that is
+    set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an exact
+    step and resumes with another launch of the very same config. ``$CLUSTERFLOW_TEST_KILL_RANK``
+    limits it to one rank (e.g. 1: a rank that dies while its peers wait)."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        at, rank = os.environ.get("CLUSTERFLOW_TEST_KILL_AT"), os.environ.get("CLUSTERFLOW_TEST_KILL_RANK")
+        me = tdist.get_rank() if tdist.is_initialized() else 0
+        if at and self.calls == int(at) and (rank is None or int(rank) == me):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)

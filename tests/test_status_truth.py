@@ -1,0 +1,121 @@
+"""Status that never lies: a run whose processes are all gone is not 'running'; damaged records
+neither crash status nor block a resume; under --local a dead rank ends the job at once, named."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import launch
+from conftest import REPO, run_cli
+
+ONE_RANK_SHA = "19697e8dbf4ef0ce225091c1f78e435edecfcbef6cc97b31c87a9c44abcddbf9"  # configs/tiny.yaml, one process
+
+
+@pytest.fixture(autouse=True)
+def _tasks_importable(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
+    monkeypatch.delenv("CLUSTERFLOW_TEST_KILL_AT", raising=False)
+
+
+def status(run_dir):
+    out = run_cli("clusterflow.status", run_dir, "--json")
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_for(fn, timeout=180):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        value = fn()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError("timed out")
+
+
+def test_a_run_whose_processes_were_all_killed_is_not_running(tmp_path):
+    d = str(tmp_path / "run")
+    procs = launch.start(2, "configs/tiny.yaml", [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.3"], d)
+    live = wait_for(lambda: os.path.exists(os.path.join(d, "status.json")) and (s := status(d))["global_step"] >= 2 and s)
+    assert live["state"] == "running" and live["alive"] is True
+    launch.kill(procs)
+    launch.wait(procs)
+    dead = status(d)
+    assert dead["state"] == "failed" and dead["alive"] is False
+    assert dead["liveness"].startswith("no live process since ") and "its 2 process(es) on " in dead["liveness"]
+    assert f"last step {dead['global_step']}" in dead["liveness"] and dead["error"] == dead["liveness"]
+    text = run_cli("clusterflow.status", d).stdout
+    assert "state        failed" in text and "liveness     no live process since" in text
+
+
+DAMAGE = {
+    "garbage bytes": b"\x00\xff\xfe garbage \x89PNG\r\n\x1a\n" * 20,
+    "non-object JSON": b"[1, 2, 3]\n",
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_records_neither_crash_status_nor_block_resume(tmp_path, damage):
+    d = str(tmp_path / "run")
+    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv"]  # one process, as `python -m clusterflow.run` alone runs
+    assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
+    for name in ("status.json", "attempts.jsonl", "config.yaml"):
+        with open(os.path.join(d, name), "wb") as f:
+            f.write(DAMAGE[damage])
+    s = status(d)
+    assert s["state"] == "failed" and s["alive"] is False  # the lease left by the killed process says so
+    assert len(s["damaged_records"]) == 2 and s["latest_checkpoint"].endswith("step-8")
+    out = run_cli("clusterflow.run", "configs/tiny.yaml", *over)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "config.yaml is damaged" in out.stderr and "resumed from" in out.stdout
+    assert hashlib.sha256(open(os.path.join(d, "model.pt"), "rb").read()).hexdigest() == ONE_RANK_SHA
+    s = status(d)
+    assert s["state"] == "completed" and s["damaged_records"] == [] and s["attempts"] >= 1
+    assert [n for n in os.listdir(d) if n.startswith("config.yaml.damaged-")]
+
+
+def rank_pid(run_dir, rank):
+    """The pid of a --local task of this run dir (its command line names the run dir's submitit folder)."""
+    folder = os.path.join(run_dir, "logs", "submitit")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if folder.encode() in cmd and b"submitit.core._submit" in cmd and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+            return int(pid)
+    return None
+
+
+def test_a_rank_killed_before_the_rendezvous_ends_the_local_job_at_once(tmp_path):
+    d = str(tmp_path / "run")
+    t0 = time.time()
+    sub = subprocess.Popen([sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "dist.timeout_s=600",
+                            "--local"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid = wait_for(lambda: rank_pid(d, 1), timeout=60)
+    os.kill(pid, signal.SIGKILL)  # within moments of its start: rank 0 waits for it at the rendezvous
+    out, err = sub.communicate(timeout=300)
+    assert sub.returncode == 1, out + err
+    assert time.time() - t0 < 120  # not dist.timeout_s (600 s)
+    # The watcher may see rank 1 only after it is gone (its pid then unknown to it): both forms name it.
+    expected = "died first, before the rendezvous: it recorded no Python error: killed by a signal"
+    assert (f"rank 1 (pid {pid}) {expected}" in err or f"rank 1 {expected}" in err), err
+    s = status(d)
+    assert s["state"] == "failed" and s["error"].startswith("rank 1") and expected in s["error"]
+
+
+def test_a_rank_that_raises_is_named_with_its_own_error_not_a_peers(tmp_path):
+    d = str(tmp_path / "run")
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "task.target=testtasks:CrashOnRank1", "--local")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "rank 1 (pid " in out.stderr and "died first, during the run: ValueError: deliberate failure in the test task" in out.stderr
+    s = status(d)
+    assert s["state"] == "failed" and "rank 1" in s["error"] and "deliberate failure" in s["error"]
+    assert "Connection closed" not in s["error"]
