@@ -3,6 +3,7 @@
 Anything a user can get wrong (a YAML typo, an impossible resource request, a bad
 environment) raises :class:`UserError`. The command-line entry points catch it, print
 the message and exit with status 2, so a tired researcher sees a sentence, not a traceback.
+A job that fails while running exits 1 (see ``failure.py`` for what it prints).
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ EXIT_BAD_INPUT = 2
 
 class UserError(Exception):
     """A mistake in input the user controls. The message names the cause, the value and the fix."""
+
+
+class RunError(Exception):
+    """The run cannot go on, for a reason outside the code that clusterflow can name in one line
+    (a full disk). The job records the message, prints it without a traceback and exits 1."""
 
 
 def fail(message: str) -> NoReturn:

@@ -12,13 +12,12 @@ import logging
 import os
 import socket
 import sys
-import traceback
 from typing import Any, Mapping
 
-from clusterflow import rundir
+from clusterflow import failure, rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, UserError
+from clusterflow.errors import EXIT_JOB_FAILED, RunError
 
 log = logging.getLogger("clusterflow")
 
@@ -123,22 +122,27 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
 
 def _record_failure(exc: BaseException, cfg: Config, rank: int) -> None:
-    """Write who failed and why; a UserError becomes one line and exit 2 (no traceback)."""
+    """Write who failed and why, with the exit status (``failure.describe``): bad input is one line
+    and exit 2; a full disk one line and exit 1; the task's own code its traceback and exit 1."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
-    user = isinstance(exc, UserError)
-    message = str(exc) if user else f"{type(exc).__name__}: {exc}"
-    trace = "" if user else traceback.format_exc()
+    f = failure.describe(exc, cfg.task.target)
     paths = rundir.RunPaths(cfg.run.dir)
     try:
-        rundir.write_error(paths, rank, socket.gethostname(), message, trace)
-        rundir.write_status(paths, state="failed", error=f"rank {rank}: {message}")
-    except OSError:
+        rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
+        rundir.write_status(paths, state="failed", error=f"rank {rank}: {f.message}", exit_code=f.code)
+    except (OSError, RunError):  # a full disk or a vanished run dir: the message below still reaches the user
         pass
-    log.error("rank %d failed: %s", rank, message)
-    if user:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT) from None
+    shown = f.trace if f.named and f.trace else ""  # the task's traceback, in the rank log (echoed by --local)
+    log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
+    if f.named:
+        later = f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}" if shown else ""
+        print(f"error: {f.message}{later}", file=sys.stderr)
+        raise SystemExit(f.code) from None
+
+
+def _attempt_of(paths: rundir.RunPaths) -> int:
+    return max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
 
 
 __all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

@@ -1,7 +1,7 @@
 """python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait]
 
-Runs on the login node: resolve and validate the config, create the run directory and write
-``config.yaml`` once, then hand the job to submitit (Slurm) or to submitit's local executor
+Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
+(``preflight``), create the run directory and write ``config.yaml``, then hand the job to submitit (Slurm) or to submitit's local executor
 (``--local``: this machine, cluster.tasks_per_node processes, gloo on CPU). Importing this module
 loads neither torch nor faiss.
 """
@@ -17,9 +17,9 @@ import sys
 from typing import Any
 
 from clusterflow import config as cfgmod
-from clusterflow import dist, durable, rundir
+from clusterflow import dist, preflight, rundir
 from clusterflow.config import Config
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
   python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
@@ -114,18 +114,22 @@ def check_cluster(cfg: Config) -> None:
 # -- the run directory -------------------------------------------------------------------------
 
 def prepare_run_dir(cfg: Config) -> bool:
-    """Create RUN_DIR and write config.yaml once. Returns True when resuming an existing run."""
-    target = rundir.RunPaths(cfg.run.dir).config
-    if os.path.exists(target):
-        try:
-            old = cfgmod.load(target)
-        except UserError as exc:
-            raise UserError(f"{target} exists but cannot be read ({exc}); pick a new run.dir") from None
-        cfgmod.check_resume(old.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}")
-        return True
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    durable.write_atomic(target, cfg.to_yaml())
-    return False
+    """Create RUN_DIR and write config.yaml (see ``preflight.settle_config``). Returns True when
+    resuming an existing run."""
+    _, how = preflight.settle_config(cfg)
+    return how == "resumed"
+
+
+def _status(paths: rundir.RunPaths) -> dict[str, Any]:
+    status = rundir.read_json(paths.status, {})
+    return status if isinstance(status, dict) else {}
+
+
+def failed_exit_code(status: dict[str, Any]) -> int:
+    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
+    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
+    code = status.get("exit_code")
+    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -144,18 +148,25 @@ def submit_local(cfg: Config) -> int:
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
+    results = None
     try:
         _follow(cfg.run.dir, job)
-        results = job.results()
+        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
+        if _status(paths).get("state") != "failed":
+            results = job.results()
     except KeyboardInterrupt:
         job.cancel()
         print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        status = rundir.read_json(paths.status, {}) or {}
-        print(f"job failed: {status.get('error') or 'see the logs'}", file=sys.stderr)
-        print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        pass
+    if results is None:
+        status = _status(paths)
+        code = failed_exit_code(status)
+        print(f"error: {status.get('error') or 'the job failed; see the logs'}", file=sys.stderr)
+        if code != EXIT_BAD_INPUT:
+            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
+        return code
     outcome = results[0]
     print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
     return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
@@ -195,7 +206,12 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
     ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
     ex.update_parameters(**slurm_parameters(cfg))
-    job = ex.submit(Job(cfg.to_dict()))
+    try:
+        job = ex.submit(Job(cfg.to_dict()))
+    except submitit.core.utils.FailedJobError as exc:  # sbatch said no; its message was printed above
+        said = " ".join(str(exc).split()) or "no reason given"
+        raise UserError(f"sbatch refused the job ({said}); fix the cluster.* keys it names "
+                        f"(see python -m clusterflow.submit ... --dry-run for the script)") from None
     paths = rundir.RunPaths(cfg.run.dir)
     logs = paths.logs
     print(f"submitted job {job.job_id}")
@@ -218,16 +234,19 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
         if out is not None and out.returncode == 0 and not out.stdout.strip():
             break
         time.sleep(poll_s)
-    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
+    status = _status(rundir.RunPaths(run_dir))
+    state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
-    return EXIT_OK if state == "completed" else EXIT_JOB_FAILED
+    return EXIT_OK if state == "completed" else failed_exit_code(status)
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = cfgmod.load(args.config, args.overrides)
+    preflight.check_paths(cfg)
     if args.dry_run:
+        preflight.settle_config(cfg, write=False)  # would the run dir take this config?
         if args.local:
             print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
         else:

@@ -29,9 +29,13 @@ See docs/tasks.md for a complete example.
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from typing import Any
 
+from clusterflow.config_types import coerce
 from clusterflow.errors import UserError
+from clusterflow.failure import TaskError
 
 
 class Task:
@@ -78,16 +82,68 @@ class Task:
 
 
 def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
+    """Import and construct ``task.target``. A target that does not exist and parameters that do not
+    fit the class are a UserError (exit 2); the task's own code raising while it is imported or
+    constructed is a TaskError that keeps its traceback (exit 1), see ``clusterflow.failure``."""
     module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise UserError(f"task.target={target!r}: module {module_name!r} not found ({exc}); check the spelling and that it is importable (pip install -e . or PYTHONPATH)") from None
+    module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
-    if cls is None:
+    if cls is None or not callable(cls):
         names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
         raise UserError(f"task.target={target!r}: {module_name} has no class {cls_name!r}; classes there: {', '.join(names) or 'none'}")
+    missing = [m for m in ("build_model", "train_dataset", "loss") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise UserError(f"task.target={target!r} is not a task: it has no {', '.join(missing)} (see docs/tasks.md "
+                        f"for the Task protocol)")
+    params = _check_params(target, cls, seed, params)
     try:
         return cls(seed=seed, **params)
+    except UserError:
+        raise  # the task checked its parameters and said what is wrong
+    except Exception as exc:  # noqa: BLE001 - the task's own code: keep its traceback
+        raise TaskError(f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}") from exc
+
+
+def _import(target: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UserError(f"task.target={target!r}: module {exc.name!r} not found; check the spelling and that it "
+                            f"is importable here (pip install -e . or PYTHONPATH)") from None
+        # The task module exists; something it imports does not.
+        raise TaskError(f"task.target {target!r}: importing {module_name} failed because the module it imports, "
+                        f"{exc.name!r}, is not installed; install it where the job runs "
+                        f"(e.g. pip install {(exc.name or '?').split('.')[0]})") from exc
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a SyntaxError or anything raised at import: the task's code
+        raise TaskError(f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` checked against the signature of ``cls``: unknown or missing names are refused, and
+    a value whose parameter is annotated int, float, bool or str is read as that type (so a task gets
+    ``identities=24``, not ``'24'``, and a wrong type is named before the task runs)."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return params
+    try:
+        sig.bind(seed=seed, **params)
     except TypeError as exc:
-        raise UserError(f"task.params for {target}: {exc}; see the task's docstring for its parameters") from None
+        names = [n for n, p in sig.parameters.items() if n != "seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        raise UserError(f"task.params for {target}: {exc}; its parameters: {', '.join(names) or 'none'}") from None
+    try:
+        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
+    except Exception:  # noqa: BLE001 - annotations we cannot resolve are simply not checked
+        hints = {}
+    out = {}
+    for name, value in params.items():
+        tp = hints.get(name)
+        fits = {int: isinstance(value, int) and not isinstance(value, bool), bool: isinstance(value, bool),
+                float: isinstance(value, (int, float)) and not isinstance(value, bool), str: isinstance(value, str)}
+        if tp in fits and not fits[tp]:
+            value = coerce(f"task.params.{name}", value, tp)
+        out[name] = value
+    return out
