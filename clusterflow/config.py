@@ -16,8 +16,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-import yaml
-
 from clusterflow.config_sections import (  # noqa: F401 - re-exported: clusterflow.config.TrainConfig etc.
     CheckpointConfig,
     ClusterConfig,
@@ -60,7 +58,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return config_yaml.dump(self.to_dict())
 
     def fingerprint(self) -> str:
         """Hash of everything except where the run lives, so a moved run dir still resumes."""

@@ -128,6 +128,18 @@ _Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
 
 
+class _Dumper(yaml.SafeDumper):
+    """Quotes every string that :func:`parse` would read as something else (``'1e3'``), so a
+    config written and read back is the same config."""
+
+
+_Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
+
+
+def dump(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
+
+
 def _check_expansion(root: Any) -> None:
     """Count the values ``root`` expands to, aliases followed, without building them (a node shared
     through an alias is counted once per use). Iterative: the graph may be deeper than the stack."""
