@@ -113,7 +113,9 @@ def test_batch_larger_than_the_dataset(tmp_path):
     (["task.target=no_such_module:Task"], "module 'no_such_module' not found"),
     (["task.target=.relative:Task"], "must look like package.module:ClassName"),
     (["task.params.sise=3"], "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its parameters: size, fail_in, hidden"),
-    (["task.params.size=abc"], "task.params.size = 'abc': expected an integer, got str"),
+    (["task.params.size=abc"], "task.params.size = 'abc' is invalid for Tiny: expected an integer"),
+    (["task.params.size=1.5"], "task.params.size = 1.5 is invalid for Tiny: expected an integer"),
+    (["task.params.fail_in=3"], "task.params.fail_in = 3 is invalid for Tiny: expected a string"),
     (["task.params.size=1"], "task.params.size = 1: must be between 4 and 256"),
 ])
 def test_task_that_cannot_be_built_is_bad_input(tmp_path, args, needle):

@@ -33,7 +33,6 @@ import inspect
 import typing
 from typing import Any
 
-from clusterflow.config_types import coerce
 from clusterflow.errors import UserError
 from clusterflow.failure import TaskError
 
@@ -121,10 +120,13 @@ def _import(target: str, module_name: str) -> Any:
         raise TaskError(f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
 
 
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
 def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> dict[str, Any]:
     """``params`` checked against the signature of ``cls``: unknown or missing names are refused, and
-    a value whose parameter is annotated int, float, bool or str is read as that type (so a task gets
-    ``identities=24``, not ``'24'``, and a wrong type is named before the task runs)."""
+    so is a value of the wrong type for a parameter annotated int, float, bool or str, before the
+    task runs (a whole number written as ``1e3`` is the int 1000). Finer checks are the task's."""
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
@@ -138,12 +140,14 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
         hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
     except Exception:  # noqa: BLE001 - annotations we cannot resolve are simply not checked
         hints = {}
-    out = {}
+    out = dict(params)
     for name, value in params.items():
         tp = hints.get(name)
-        fits = {int: isinstance(value, int) and not isinstance(value, bool), bool: isinstance(value, bool),
-                float: isinstance(value, (int, float)) and not isinstance(value, bool), str: isinstance(value, str)}
-        if tp in fits and not fits[tp]:
-            value = coerce(f"task.params.{name}", value, tp)
-        out[name] = value
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is int and isinstance(value, float) and value.is_integer():
+            out[name] = int(value)
+        elif tp in _KINDS and not {int: number and isinstance(value, int), float: number, bool: isinstance(value, bool),
+                                   str: isinstance(value, str)}[tp]:
+            raise UserError(f"task.params.{name} = {value!r} is invalid for {getattr(cls, '__name__', target)}: "
+                            f"expected {_KINDS[tp]}")
     return out
