@@ -9,6 +9,8 @@ loads neither torch nor faiss.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import shutil
@@ -206,12 +208,15 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
     ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
     ex.update_parameters(**slurm_parameters(cfg))
+    said = io.StringIO()  # submitit prints sbatch's complaint itself; it goes into our one line instead
     try:
-        job = ex.submit(Job(cfg.to_dict()))
-    except submitit.core.utils.FailedJobError as exc:  # sbatch said no; its message was printed above
-        said = " ".join(str(exc).split()) or "no reason given"
-        raise UserError(f"sbatch refused the job ({said}); fix the cluster.* keys it names "
+        with contextlib.redirect_stderr(said):
+            job = ex.submit(Job(cfg.to_dict()))
+    except submitit.core.utils.FailedJobError as exc:
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
+        raise UserError(f"sbatch refused the job ({why}); fix the cluster.* keys it names "
                         f"(see python -m clusterflow.submit ... --dry-run for the script)") from None
+    sys.stderr.write(said.getvalue())
     paths = rundir.RunPaths(cfg.run.dir)
     logs = paths.logs
     print(f"submitted job {job.job_id}")

@@ -41,6 +41,17 @@ def test_run_dir_that_is_a_file_or_under_one(tmp_path):
     assert "checkpoint.dir" in both_refuse([f"run.dir={tmp_path}/ok", f"checkpoint.dir={f}/ck"])
 
 
+def test_real_submit_and_run_refuse_a_bad_run_dir(cli, tmp_path):
+    """Not only the dry run and the check: the commands that would start a job refuse too."""
+    f = tmp_path / "file"
+    f.write_text("x")
+    for cmd in (["clusterflow.submit", "--local"], ["clusterflow.submit"], ["clusterflow.run"]):
+        out = cli(*cmd, "configs/tiny.yaml", f"run.dir={f}/run", env=TESTS_ENV)
+        assert out.returncode == 2 and "Traceback" not in out.stderr, (cmd, out.stderr)
+        assert one_error_line(out.stderr) == f"error: run.dir = '{f}/run' lies under '{f}', which is a file, not a " \
+                                             f"directory; pick another path, or move the file away"
+
+
 @pytest.mark.parametrize("path", ["/proc/run", "/sys/kernel/run", "/dev/run", "/proc"])
 def test_run_dir_in_a_kernel_filesystem(path):
     top = "/" + path.split("/")[1]
@@ -242,4 +253,6 @@ def test_long_values_are_cut_in_messages():
 def test_sbatch_refusal_is_one_line(cluster, tmp_path):
     code, out, err = call(submit.main, [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", "cluster.sbatch_extra={begin: notatime}"])
     assert code == 2 and "Traceback" not in err
-    assert one_error_line(err).startswith("error: sbatch refused the job (sbatch: error: Invalid time specification")
+    line = one_error_line(err)
+    assert line.startswith("error: sbatch refused the job (") and "Invalid --begin specification" in line, err
+    assert err.strip() == line
