@@ -11,14 +11,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sys
-import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
-
-import yaml
 
 from clusterflow.config_sections import (  # noqa: F401 - re-exported: clusterflow.config.TrainConfig etc.
     CheckpointConfig,
@@ -31,6 +27,8 @@ from clusterflow.config_sections import (  # noqa: F401 - re-exported: clusterfl
     TrainConfig,
     _check,
 )
+from clusterflow import config_yaml
+from clusterflow.config_types import coerce, short, shown
 from clusterflow.errors import UserError
 
 
@@ -60,7 +58,7 @@ class Config:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        return config_yaml.dump(self.to_dict())
 
     def fingerprint(self) -> str:
         """Hash of everything except where the run lives, so a moved run dir still resumes."""
@@ -158,69 +156,7 @@ def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: s
                     f"to start a new run, set run.dir=<new path>")
 
 # ---------------------------------------------------------------------------------------------
-# Type coercion
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(t) for t in typing.get_args(tp))
-    if origin in (list,):
-        return "a list"
-    if origin in (dict,):
-        return "a mapping"
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-    """Return ``value`` as type ``tp`` or raise a UserError naming the key, the value and the type."""
-    origin = typing.get_origin(tp)
-    bad = UserError(f"{key} = {value!r}: expected {_type_name(tp)}, got {type(value).__name__}")
-    if origin in (typing.Union, types.UnionType):  # the first member that takes the value (mining.threshold: a number or auto)
-        for member in typing.get_args(tp):
-            try:
-                return _coerce(key, value, member)
-            except UserError:
-                pass
-        raise bad
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
-            return value.lower() in ("true", "yes", "1", "on")
-        raise bad
-    if tp is int:
-        if isinstance(value, bool):
-            raise bad
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise bad
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        return float(value)
-    if tp is str:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)  # a partition named 01 or a job name 2025 is still a name
-        if not isinstance(value, str):
-            raise bad
-        return value
-    if origin is list:
-        if isinstance(value, str):
-            value = [value]
-        if not isinstance(value, list):
-            raise bad
-        (item,) = typing.get_args(tp)
-        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
-    if origin is dict:
-        if value is None:
-            return {}
-        if not isinstance(value, dict):
-            raise bad
-        return dict(value)
-    raise TypeError(f"unsupported config type {tp!r} for {key}")  # a programming error, not a user one
+# Building a Config from what the YAML file and the overrides hold
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
@@ -228,28 +164,36 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
 
 
+def _name(source: str, name: Any, what: str, example: str) -> str:
+    """``name`` if it is a string; else a UserError (YAML reads ``1:`` or ``null:`` as a number or null)."""
+    if not isinstance(name, str):
+        raise UserError(f"{source}: {what} {shown(name)} is not a name; {example}")
+    return name
+
+
 def build(raw: dict[str, Any], source: str = "config") -> Config:
     """Build a validated Config from a nested mapping (what the YAML file holds)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), got {type(raw).__name__}")
+        raise UserError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
     sections = {}
     for name, value in raw.items():
-        if name not in SECTIONS:
+        if _name(source, name, "section", f"sections are words: {', '.join(SECTIONS)}") not in SECTIONS:
             raise UserError(f"{source}: unknown section {name!r}; valid sections: {', '.join(SECTIONS)}")
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise UserError(f"{source}: section {name!r} must be a mapping of keys, got {value!r}")
+            raise UserError(f"{source}: section {name!r} must be a mapping of keys, got {shown(value)}")
         types_ = _field_types(SECTIONS[name])
         kwargs = {}
         for key, v in value.items():
-            if key not in types_:
+            if _name(source, key, "key", f"keys of [{name}] are words: {', '.join(types_)}") not in types_:
                 raise UserError(
                     f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
                 )
-            kwargs[key] = _coerce(f"{name}.{key}", v, types_[key])
+            kwargs[key] = coerce(f"{name}.{key}", v, types_[key])
         sections[name] = kwargs
     built = {name: cls(**sections.get(name, {})) for name, cls in SECTIONS.items()}
     return Config(**built)
@@ -257,55 +201,54 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
 
 def _parse_override(text: str) -> tuple[str, str, str, Any]:
     """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params, a, 1)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
+        raw = text.encode("utf-8", "surrogateescape")
+        raise UserError(f"override {raw!r} is not UTF-8 text; type it in a UTF-8 terminal "
+                        f"(check the locale: LANG=C.UTF-8)") from None
+    text_shown = short(text)
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
-        raise UserError(f"override {text!r} must look like section.key=value, e.g. train.epochs=3")
+        raise UserError(f"override {text_shown!r} must look like section.key=value, e.g. train.epochs=3")
     section, _, name = key.strip().partition(".")
     name, _, sub = name.partition(".")
     if section not in SECTIONS:
-        raise UserError(f"override {text!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        raise UserError(f"override {text_shown!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
     types_ = _field_types(SECTIONS[section])
     if name not in types_:
-        raise UserError(f"override {text!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
+        raise UserError(f"override {text_shown!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
     if sub and typing.get_origin(types_[name]) is not dict:
-        raise UserError(f"override {text!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE")
-    try:
-        parsed = yaml.safe_load(value) if value.strip() else ""
-    except yaml.YAMLError:
-        parsed = value  # not YAML: take it as the plain string the user typed
-    if types_[name] is str and not isinstance(parsed, str):
-        parsed = value  # keep '007' as '007', not 7
+        raise UserError(f"override {text_shown!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE")
+    if types_[name] is str:
+        try:
+            parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True)
+        except UserError:
+            parsed = None
+        # YAML only to unquote: '007' stays '007', not 7, and a value YAML cannot read is the text typed
+        return section, name, sub, parsed if isinstance(parsed, str) else value
+    parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True) if value.strip() else ""
     return section, name, sub, parsed
 
 
-def read_yaml(path: str) -> dict[str, Any]:
-    if not os.path.exists(path):
-        raise UserError(f"config file not found: {path!r} (cwd is {os.getcwd()}); pass the path of a YAML file such as configs/demo.yaml")
-    if os.path.isdir(path):
-        raise UserError(f"config path {path!r} is a directory; pass a YAML file such as configs/demo.yaml")
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    try:
-        return yaml.safe_load(text) or {}
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else path
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise UserError(f"malformed YAML at {where}: {problem}; fix the file (indentation and ':' after each key)") from None
+def read_yaml(path: str) -> Any:
+    """What the YAML file ``path`` holds (None for an empty file); UserError on anything unreadable."""
+    return config_yaml.parse(config_yaml.read_text(path), path)
 
 
 def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults < file < overrides, validated. Raises UserError on any bad input."""
-    raw = read_yaml(path) if path else {}
+    raw = read_yaml(path) if path else None
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+        raise UserError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     # Validate the file alone first, so an error names the file rather than an override.
     build(raw, source=path or "config")
     for text in overrides:
         section, name, sub, value = _parse_override(text)
-        raw.setdefault(section, {})
-        if raw[section] is None:
+        if not isinstance(raw.get(section), dict):
             raw[section] = {}
         if sub:  # one entry of a mapping such as task.params, keeping the file's other entries
             old = raw[section].get(name)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from clusterflow.config_types import short
 from clusterflow.errors import UserError
 
 
@@ -23,29 +25,51 @@ def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None)
     return field(default=default, metadata={"help": help})
 
 
+_YEAR_S = 365 * 24 * 3600  # timeouts become a timedelta, and then int64 milliseconds in torch
+_INT32 = 2**31 - 1
+
+
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
     if not ok:
-        raise UserError(f"{key} = {value!r}: {why}")
+        raise UserError(f"{key} = {short(repr(value))}: {why}")
 
 
 def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
 
 
+SEED_LIMIT = 2**32  # numpy's legacy seeding takes seeds below 2**32; the derived seeds stay within int64
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|::")
+
+
+def is_url(text: str) -> bool:
+    """``scheme://...`` or an fsspec chain (``simplecache::s3://...``), as opposed to a path."""
+    return bool(_URL.search(text))
+
+
 @dataclass
 class RunConfig:
     """Where the run lives and how it is seeded."""
 
-    dir: str = doc("runs/demo", "Run directory (local path or fsspec URL for checkpoints). Holds config.yaml, checkpoints/, tb/, logs/.")
+    dir: str = doc("runs/demo", "Run directory: a filesystem path that every node sees (a shared filesystem on a "
+                   "cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, logs/, tb/, status and, "
+                   "unless checkpoint.dir says otherwise, checkpoints/.")
     name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
-    seed: int = doc(0, "Master seed. Per-rank seeds, data order and the synthetic demo data derive from it.")
+    seed: int = doc(0, "Master seed, 0 <= seed < 2**32. Per-rank seeds, data order and the synthetic demo data derive from it.")
     lease_s: int = doc(30, "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
                        "lease not renewed for 4x as long is taken over by the next job. May change on resume.")
 
     def __post_init__(self) -> None:
+        if self.dir.startswith("file://"):
+            self.dir = self.dir[len("file://"):]  # fsspec's spelling of a local path
         _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
-        _check(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
-        _check(self.lease_s >= 1, "run.lease_s", self.lease_s, "must be >= 1 second")
+        _check(not is_url(self.dir), "run.dir", self.dir,
+               "is a URL, but the run dir must be a filesystem path shared by all nodes (logs, status and the "
+               "config live there); keep run.dir on a shared filesystem and put checkpoints on the object "
+               f"store with checkpoint.dir={self.dir}")
+        _check(0 <= self.seed < SEED_LIMIT, "run.seed", self.seed, f"must be between 0 and 2**32-1 = {SEED_LIMIT - 1}")
+        _check(1 <= self.lease_s <= _YEAR_S, "run.lease_s", self.lease_s, "must be between 1 second and a year")
 
 
 @dataclass
@@ -92,6 +116,12 @@ class ClusterConfig:
             f"must be between 0 and the time limit ({self.time_min * 60} s)",
         )
         _check(self.max_timeout_requeues >= 0, "cluster.max_timeout_requeues", self.max_timeout_requeues, "must be >= 0")
+        for key, value in self.sbatch_extra.items():
+            # Each becomes a line "#SBATCH --key=value" of the job script.
+            _check(bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key)), "cluster.sbatch_extra", key,
+                   "keys are sbatch option names such as mail-type (letters, digits, - and _)")
+            _check(isinstance(value, (str, int, float, bool)) and not re.search(r"[\x00-\x1f\x7f]", str(value)),
+                   f"cluster.sbatch_extra.{key}", value, "must be one value on one line, such as END or 4")
 
     @property
     def world_size(self) -> int:
@@ -110,8 +140,8 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         _choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
-        _check(self.timeout_s >= 10, "dist.timeout_s", self.timeout_s, "must be >= 10 seconds")
-        _check(self.bucket_cap_mb >= 1, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be >= 1")
+        _check(10 <= self.timeout_s <= _YEAR_S, "dist.timeout_s", self.timeout_s, f"must be between 10 and {_YEAR_S} seconds (a year)")
+        _check(1 <= self.bucket_cap_mb <= 1 << 20, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be between 1 and 1048576 (1 TB)")
 
 
 @dataclass
@@ -164,7 +194,8 @@ class CheckpointConfig:
     every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
     keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
     dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
-                   "moves with it); an absolute path or any fsspec URL (memory://, s3://...) is used as given.")
+                   "moves with it); an absolute path or any fsspec URL (s3://, gs://, memory://, ...) is used as given, "
+                   "when its fsspec package (s3fs, gcsfs, ...) is installed; submit checks that it is.")
     fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
 
     def __post_init__(self) -> None:
@@ -206,6 +237,7 @@ class MiningConfig:
         _check(self.every_epochs >= 1, "mining.every_epochs", self.every_epochs, "must be >= 1")
         _check(self.start_epoch >= 1, "mining.start_epoch", self.start_epoch, "must be >= 1")
         _check(self.k >= 1, "mining.k", self.k, "must be >= 1")
+        _check(self.k <= _INT32, "mining.k", self.k, f"must be at most {_INT32} (FAISS takes it as a C int)")
         if isinstance(self.threshold, str):
             _check(self.threshold == "auto", "mining.threshold", self.threshold, "must be a number between -1 and 1, or auto")
         else:
@@ -226,9 +258,10 @@ class MiningConfig:
         _check(self.method != "finch" or not self.max_cluster_size, "mining.max_cluster_size", self.max_cluster_size,
                "splits components by raising a threshold, which mining.method=finch does not have; set it to 0")
         for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
-            _check(getattr(self, key) >= 1, f"mining.{key}", getattr(self, key), "must be >= 1")
+            # FAISS takes these as C ints
+            _check(1 <= getattr(self, key) <= _INT32, f"mining.{key}", getattr(self, key), f"must be between 1 and {_INT32}")
         _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")
-        _check(self.timeout_s >= 10, "mining.timeout_s", self.timeout_s, "must be >= 10")
+        _check(10 <= self.timeout_s <= _YEAR_S, "mining.timeout_s", self.timeout_s, f"must be between 10 and {_YEAR_S} seconds (a year)")
 
 
 @dataclass
@@ -242,7 +275,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         mod, sep, cls = self.target.partition(":")
         _check(
-            bool(sep and mod and cls and cls.isidentifier()),
+            bool(sep and mod and cls and cls.isidentifier() and all(p.isidentifier() for p in mod.split("."))),
             "task.target",
             self.target,
             "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
@@ -257,4 +290,4 @@ class DataConfig:
     pin_memory: bool = doc(True, "Pin host memory when training on GPU.")
 
     def __post_init__(self) -> None:
-        _check(self.num_workers >= 0, "data.num_workers", self.num_workers, "must be >= 0")
+        _check(0 <= self.num_workers <= 256, "data.num_workers", self.num_workers, "must be between 0 and 256 (processes per rank)")

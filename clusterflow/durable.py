@@ -20,6 +20,8 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping
 
+from clusterflow import diskfull
+
 _CHUNK = 16 << 20  # bytes per write/read: large enough to amortise, small enough to overlap
 
 
@@ -190,11 +192,12 @@ def write_atomic(target: str, payload: Any, fsync: bool = True, make_folder: boo
     try:
         info = write_file(tmp, payload, fsync)
         os.replace(tmp, target)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        diskfull.raise_if_full(exc, os.path.basename(target), target, diskfull.payload_bytes(payload))
         raise
     if fsync:
         fsync_dir(folder)

@@ -3,6 +3,7 @@
 Anything a user can get wrong (a YAML typo, an impossible resource request, a bad
 environment) raises :class:`UserError`. The command-line entry points catch it, print
 the message and exit with status 2, so a tired researcher sees a sentence, not a traceback.
+A job that fails while running exits 1 (see ``failure.py`` for what it prints).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ class UserError(Exception):
 
 
 class RunFailed(Exception):
-    """The run cannot go on, for a reason its message states in full (the loss diverged): the job
-    fails (exit 1) with that one line, and no traceback, which would add nothing."""
+    """The run cannot go on, for a reason its message states in full (the loss diverged, a full
+    disk): the job records the message, prints it without a traceback (which would add nothing)
+    and exits 1."""
 
 
 def fail(message: str) -> NoReturn:

@@ -12,13 +12,12 @@ import logging
 import os
 import socket
 import sys
-import traceback
 from typing import Any, Mapping
 
-from clusterflow import first_error, rundir
+from clusterflow import failure, first_error, rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
+from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 
 log = logging.getLogger("clusterflow")
 
@@ -159,27 +158,32 @@ def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str)
 
 
 def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
-    """Write who failed and why (only into a run dir this job holds); a UserError becomes one line
-    and exit 2 (no traceback)."""
+    """Write who failed and why, with the exit status (``failure.describe``; only into a run dir this
+    job holds): bad input is one line and exit 2; a full disk or a diverged loss one line and exit 1;
+    the task's own code its traceback and exit 1."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
-    user, stated = isinstance(exc, UserError), isinstance(exc, RunFailed)  # messages that say it all
-    message = str(exc) if user or stated else f"{type(exc).__name__}: {exc}"
-    trace = "" if user or stated else traceback.format_exc()
+    f = failure.describe(exc, cfg.task.target)
     paths = rundir.RunPaths(cfg.run.dir)
     try:
         if write:
-            rundir.write_error(paths, rank, socket.gethostname(), message, trace)
+            rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
             # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
-            attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
-            first = first_error.record(cfg.run.dir, attempt, rank, message)
-            rundir.write_status(paths, state="failed", **({"error": f"rank {rank}: {message}"} if first else {}))
-    except OSError:
+            first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
+            rundir.write_status(paths, state="failed", exit_code=f.code,
+                                **({"error": f"rank {rank}: {f.message}"} if first else {}))
+    except (OSError, RunFailed):  # a full disk or a vanished run dir: the message below still reaches the user
         pass
-    log.error("rank %d failed: %s", rank, message)
-    if user or stated:
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT if user else EXIT_JOB_FAILED) from None
+    shown = f.trace if f.named and f.trace else ""  # the task's traceback, in the rank log (echoed by --local)
+    log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
+    if f.named:
+        later = f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}" if shown and write else ""
+        print(f"error: {f.message}{later}", file=sys.stderr)
+        raise SystemExit(f.code) from None
+
+
+def _attempt_of(paths: rundir.RunPaths) -> int:
+    return max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
 
 
 __all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

@@ -17,12 +17,29 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
+from clusterflow.errors import UserError
+
 
 def shard_range(n: int, rank: int, world: int) -> range:
     """Contiguous block of ``range(n)`` for ``rank``; sizes differ by at most one."""
     base, extra = divmod(n, world)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
+
+
+def check_fits(n: int, batch_size: int, per_step: int, target: str) -> None:
+    """An epoch needs at least one global batch (``train.batch_size`` samples; the incomplete tail
+    is dropped); ``per_step`` (world size x grad_accum) must divide the batch."""
+    if batch_size % per_step:  # the config checks cluster.*; torchrun may start another number of processes
+        raise UserError(f"train.batch_size = {batch_size} must be divisible by world size x grad_accum = {per_step} "
+                        f"(the processes this job runs); try train.batch_size={max(per_step, batch_size // per_step * per_step)}")
+    if n >= batch_size:
+        return
+    fit = n // per_step * per_step
+    fix = (f"lower train.batch_size to at most {fit} (a multiple of world size x grad_accum = {per_step})" if fit
+           else f"the dataset is smaller than world size x grad_accum = {per_step}: use fewer processes or a larger dataset")
+    raise UserError(f"train.batch_size = {batch_size} is larger than the training set of {target} ({n} samples), "
+                    f"so an epoch has no full batch; {fix}")
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:

@@ -60,15 +60,15 @@ def load(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     return cfg
 
 
-def write(cfg: Config) -> None:
+def write_config(cfg: Config) -> None:
     paths = rundir.RunPaths(cfg.run.dir)
     os.makedirs(paths.root, exist_ok=True)
     durable.write_atomic(paths.config, _NOTE + yaml.safe_dump(portable(cfg.to_dict()), sort_keys=False))
 
 
-def read(run_dir: str) -> Config | None:
+def read(run_dir: str, set_aside: bool = True) -> Config | None:
     """The saved config, with ``run.dir`` = ``run_dir``; None when there is none, or when it is
-    damaged (then it is set aside with a warning)."""
+    damaged (then it is set aside with a warning, unless ``set_aside`` is False)."""
     target = rundir.RunPaths(run_dir).config
     if not os.path.exists(target):
         return None
@@ -83,6 +83,9 @@ def read(run_dir: str) -> Config | None:
         data["run"] = {**data["run"], "dir": run_dir}
         return cfgmod.build(data, source=target)
     except (UserError, OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
+        if not set_aside:
+            print(f"warning: {target} is damaged ({exc}); a run would keep it aside and write it anew", file=sys.stderr)
+            return None
         aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(target, aside)
         print(f"warning: {target} is damaged ({exc}); kept as {aside} and written anew from the config given now "
@@ -90,14 +93,35 @@ def read(run_dir: str) -> Config | None:
         return None
 
 
-def resolve(cfg: Config, relaunch: bool = False) -> tuple[Config, bool]:
+def _has_checkpoint(cfg: Config) -> bool:
+    """Whether the run of ``cfg`` committed a checkpoint; True when that cannot be told."""
+    from clusterflow.store import CheckpointStore
+
+    try:
+        return bool(CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint.keep_last).steps())
+    except Exception:  # noqa: BLE001 - an unreachable store: assume there is something to protect
+        return True
+
+
+def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
     """The config to run and whether the run dir already held a run. An existing run continues
     with its saved config; a different one is refused (``config.check_resume``), except where the
     run dir is (``MAY_CHANGE_ON_RESUME``) and, for a ``relaunch`` by the launcher (a Slurm
-    requeue re-reads a YAML that may have been edited since), with a note."""
-    saved = read(cfg.run.dir)
+    requeue re-reads a YAML that may have been edited since), with a note. A run that committed
+    no checkpoint yet has nothing to resume: a different config replaces its config.yaml, with a
+    note (a first start that failed on a bad task parameter can be fixed and resubmitted into the
+    same run dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
+    saved = read(cfg.run.dir, set_aside=write)
     if saved is None:
-        write(cfg)
+        if write:
+            write_config(cfg)
+        return cfg, False
+    diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
+    if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
+        print(f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: its config.yaml is "
+              f"replaced by this config ({'; '.join(diffs[:6])})", file=sys.stderr)
+        if write:
+            write_config(cfg)
         return cfg, False
     cfgmod.check_resume(saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch)
     return cfgmod.resume_config(saved, cfg), True

@@ -47,7 +47,7 @@ from typing import Any, Iterator, Mapping
 
 import fsspec
 
-from clusterflow import durable, manifest as schema
+from clusterflow import diskfull, durable, manifest as schema
 
 log = logging.getLogger("clusterflow.store")
 
@@ -168,15 +168,21 @@ class CheckpointStore:
 
     def _stage(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         """Write every file, then the manifest, into a fresh ``.tmp-step-<N>-*`` folder."""
-        self.fs.makedirs(self.root, exist_ok=True)
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
-        self.fs.makedirs(tmp, exist_ok=True)
-        listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
-                   for name, payload in files.items()}
-        manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
-        durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
-        if self.local and self.fsync:
-            durable.fsync_dir(tmp)
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.makedirs(tmp, exist_ok=True)
+            listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                       for name, payload in files.items()}
+            manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
+            durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
+            if self.local and self.fsync:
+                durable.fsync_dir(tmp)
+        except Exception as exc:
+            if diskfull.cause(exc) is None:
+                raise  # other failures leave the folder to clean_debris, as a kill does
+            self._rm(tmp.rsplit("/", 1)[-1])  # give the space back before saying how much is free
+            diskfull.raise_if_full(exc, f"checkpoint step {step}", self.url_of(step), diskfull.payload_bytes(files), self.local)
         return tmp
 
     def _publish(self, staged: str, step: int) -> None:

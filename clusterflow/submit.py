@@ -1,7 +1,7 @@
 """python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait]
 
-Runs on the login node: resolve and validate the config, create the run directory and write
-``config.yaml`` once, then hand the job to submitit (Slurm) or to submitit's local executor
+Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
+(``preflight``), create the run directory and write ``config.yaml``, then hand the job to submitit (Slurm) or to submitit's local executor
 (``--local``: this machine, cluster.tasks_per_node processes, gloo on CPU). Importing this module
 loads neither torch nor faiss.
 """
@@ -9,6 +9,8 @@ loads neither torch nor faiss.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import os
 import shlex
 import shutil
@@ -16,9 +18,9 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import dist, lease, local_watch, rundir, saved_config
+from clusterflow import dist, lease, local_watch, preflight, rundir, saved_config
 from clusterflow.config import Config
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
   python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
@@ -122,6 +124,13 @@ def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
     return saved_config.resolve(cfg)
 
 
+def failed_exit_code(status: dict[str, Any]) -> int:
+    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
+    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
+    code = status.get("exit_code")
+    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
+
+
 # -- launching ---------------------------------------------------------------------------------
 
 def submit_local(cfg: Config) -> int:
@@ -138,19 +147,25 @@ def submit_local(cfg: Config) -> int:
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
-    why = None
+    why, results = None, None
     try:
         why = _follow(cfg.run.dir, job, local_watch.RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
-        results = job.results()
+        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
+        if rundir.read_object(paths.status)[0].get("state") != "failed":
+            results = job.results()
     except KeyboardInterrupt:
         job.cancel()
         print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
+        pass
+    if results is None:
         status, _ = rundir.read_object(paths.status)
-        print(f"job failed: {why or status.get('error') or 'see the logs'}", file=sys.stderr)
-        print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
-        return EXIT_JOB_FAILED
+        code = failed_exit_code(status)
+        print(f"error: {why or status.get('error') or 'the job failed; see the logs'}", file=sys.stderr)
+        if code != EXIT_BAD_INPUT:
+            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
+        return code
     outcome = results[0]
     print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
     return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
@@ -194,7 +209,15 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
     ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
     ex.update_parameters(**slurm_parameters(cfg))
-    job = ex.submit(Job(cfg.to_dict()))
+    said = io.StringIO()  # submitit prints sbatch's complaint itself; it goes into our one line instead
+    try:
+        with contextlib.redirect_stderr(said):
+            job = ex.submit(Job(cfg.to_dict()))
+    except submitit.core.utils.FailedJobError as exc:
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
+        raise UserError(f"sbatch refused the job ({why}); fix the cluster.* keys it names "
+                        f"(see python -m clusterflow.submit ... --dry-run for the script)") from None
+    sys.stderr.write(said.getvalue())
     paths = rundir.RunPaths(cfg.run.dir)
     rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
     logs = paths.logs
@@ -218,16 +241,19 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
         if out is not None and out.returncode == 0 and not out.stdout.strip():
             break
         time.sleep(poll_s)
-    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
+    status = _status(rundir.RunPaths(run_dir))
+    state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
-    return EXIT_OK if state == "completed" else EXIT_JOB_FAILED
+    return EXIT_OK if state == "completed" else failed_exit_code(status)
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
+    preflight.check_paths(cfg)
     if args.dry_run:
+        saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:
             print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
         else:

@@ -30,7 +30,7 @@ from clusterflow.finite import FiniteGuard
 from clusterflow.metrics import Throughput, gpu_stats, writer_for
 from clusterflow.mining import Miner, for_status
 from clusterflow.preemption import Preemption, StopAgreement
-from clusterflow.sampler import GlobalBatchSampler
+from clusterflow.sampler import GlobalBatchSampler, check_fits
 from clusterflow.state import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.tasks import Task
 from clusterflow.train_state import TrainState
@@ -98,13 +98,10 @@ class Trainer:
     def _build_data(self) -> None:
         t = self.cfg.train
         self.dataset = self.task.train_dataset()
+        check_fits(len(self.dataset), t.batch_size, self.world * t.grad_accum, self.cfg.task.target)
         self.micro_global = t.batch_size // t.grad_accum
         self.sampler = GlobalBatchSampler(len(self.dataset), self.micro_global, self.rank, self.world, self.cfg.run.seed)
         self.steps_per_epoch = self.sampler.batches_per_epoch() // t.grad_accum
-        if self.steps_per_epoch < 1:
-            from clusterflow.errors import UserError
-
-            raise UserError(f"train.batch_size={t.batch_size} is larger than the dataset ({len(self.dataset)} samples); lower it")
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:

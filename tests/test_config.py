@@ -157,6 +157,8 @@ def test_run_refuses_a_different_config_in_an_existing_run_dir(cli, tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     (d / "config.yaml").write_text(config.load("configs/tiny.yaml", [f"run.dir={d}"]).to_yaml())
+    (d / "checkpoints" / "step-4").mkdir(parents=True)  # a committed step: the run has something to resume
+    (d / "checkpoints" / "step-4" / "manifest.json").write_text("{}")
     out = cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=9")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "holds a run with a different config (train.epochs: 3 -> 9)" in out.stderr

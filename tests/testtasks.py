@@ -164,4 +164,56 @@ class KillAtEnv(PseudoIDTask):
         me = tdist.get_rank() if tdist.is_initialized() else 0
         if at and self.calls == int(at) and (rank is None or int(rank) == me):
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Tiny(PseudoIDTask):
+    """``size`` samples of 8 numbers and a two-layer model: a run of a few steps takes well under a
+    second. ``fail_in`` names a method that raises (the user's code failing); ``size`` is checked
+    the way a task should check its parameters (a UserError, exit 2)."""
+
+    def __init__(self, seed: int = 0, size: int = 16, fail_in: str = "", hidden: int = 8) -> None:
+        from clusterflow.errors import UserError
+
+        if not 4 <= size <= 256:
+            raise UserError(f"task.params.size = {size}: must be between 4 and 256")
+        super().__init__(seed, identities=2, samples_per_identity=size // 2, input_dim=8, hidden=hidden, embed_dim=4)
+        self.fail_in = fail_in
+        self._fail("__init__")
+
+    def _fail(self, where):
+        if self.fail_in == where:
+            raise ValueError(f"deliberate failure in {where}")
+
+    def build_model(self):
+        self._fail("build_model")
+        return super().build_model()
+
+    def train_dataset(self):
+        self._fail("train_dataset")
+        return super().train_dataset()
+
+    def loss(self, model, batch, labels):
+        self._fail("loss")
+        return super().loss(model, batch, labels)
+
+
+class FillDisk(Tiny):
+    """At its ``at_call``-th loss call, fills the filesystem of ``path`` (another program using the
+    disk), leaving ``leave_kb`` free: the next checkpoint cannot be written. Once per ``path``
+    (a marker beside it remembers), so the same command can resume after the user frees space."""
+
+    def __init__(self, seed: int = 0, path: str = "", at_call: int = 3, leave_kb: int = 64, **params) -> None:
+        super().__init__(seed, **params)
+        self.path, self.at_call, self.leave, self.calls = path, at_call, leave_kb << 10, 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == self.at_call and not os.path.exists(self.path + ".filled"):
+            import shutil
+
+            open(self.path + ".filled", "w").close()
+
+            free = shutil.disk_usage(os.path.dirname(self.path)).free
+            with open(self.path, "wb") as f:
+                f.write(b"\0" * max(0, free - self.leave))
         return super().loss(model, batch, labels)

@@ -29,9 +29,12 @@ See docs/tasks.md for a complete example.
 from __future__ import annotations
 
 import importlib
+import inspect
+import typing
 from typing import Any
 
 from clusterflow.errors import UserError
+from clusterflow.failure import TaskError
 
 
 class Task:
@@ -78,16 +81,73 @@ class Task:
 
 
 def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
+    """Import and construct ``task.target``. A target that does not exist and parameters that do not
+    fit the class are a UserError (exit 2); the task's own code raising while it is imported or
+    constructed is a TaskError that keeps its traceback (exit 1), see ``clusterflow.failure``."""
     module_name, _, cls_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        raise UserError(f"task.target={target!r}: module {module_name!r} not found ({exc}); check the spelling and that it is importable (pip install -e . or PYTHONPATH)") from None
+    module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
-    if cls is None:
+    if cls is None or not callable(cls):
         names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
         raise UserError(f"task.target={target!r}: {module_name} has no class {cls_name!r}; classes there: {', '.join(names) or 'none'}")
+    missing = [m for m in ("build_model", "train_dataset", "loss") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise UserError(f"task.target={target!r} is not a task: it has no {', '.join(missing)} (see docs/tasks.md "
+                        f"for the Task protocol)")
+    params = _check_params(target, cls, seed, params)
     try:
         return cls(seed=seed, **params)
+    except UserError:
+        raise  # the task checked its parameters and said what is wrong
+    except Exception as exc:  # noqa: BLE001 - the task's own code: keep its traceback
+        raise TaskError(f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}") from exc
+
+
+def _import(target: str, module_name: str) -> Any:
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise UserError(f"task.target={target!r}: module {exc.name!r} not found; check the spelling and that it "
+                            f"is importable here (pip install -e . or PYTHONPATH)") from None
+        # The task module exists; something it imports does not.
+        raise TaskError(f"task.target {target!r}: importing {module_name} failed because the module it imports, "
+                        f"{exc.name!r}, is not installed; install it where the job runs "
+                        f"(e.g. pip install {(exc.name or '?').split('.')[0]})") from exc
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a SyntaxError or anything raised at import: the task's code
+        raise TaskError(f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` checked against the signature of ``cls``: unknown or missing names are refused, and
+    so is a value of the wrong type for a parameter annotated int, float, bool or str, before the
+    task runs (a whole number written as ``1e3`` is the int 1000). Finer checks are the task's."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return params
+    try:
+        sig.bind(seed=seed, **params)
     except TypeError as exc:
-        raise UserError(f"task.params for {target}: {exc}; see the task's docstring for its parameters") from None
+        names = [n for n, p in sig.parameters.items() if n != "seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
+        raise UserError(f"task.params for {target}: {exc}; its parameters: {', '.join(names) or 'none'}") from None
+    try:
+        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
+    except Exception:  # noqa: BLE001 - annotations we cannot resolve are simply not checked
+        hints = {}
+    out = dict(params)
+    for name, value in params.items():
+        tp = hints.get(name)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if tp is int and isinstance(value, float) and value.is_integer():
+            out[name] = int(value)
+        elif tp in _KINDS and not {int: number and isinstance(value, int), float: number, bool: isinstance(value, bool),
+                                   str: isinstance(value, str)}[tp]:
+            raise UserError(f"task.params.{name} = {value!r} is invalid for {getattr(cls, '__name__', target)}: "
+                            f"expected {_KINDS[tp]}")
+    return out

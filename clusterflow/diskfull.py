@@ -1,0 +1,89 @@
+"""A full disk, said in one sentence instead of ``[enforce fail at inline_container.cc:672] unexpected pos``.
+
+torch.save reports a failed write as that RuntimeError, with the ``OSError(ENOSPC)`` it hit as its
+context; :func:`cause` finds it under any wrapping. The writer that hit it (the checkpoint store,
+``durable.write_atomic``) removes its partial file first, then calls :func:`raise_if_full`, whose
+:class:`~clusterflow.errors.RunFailed` the job records as its error (status ``failed``, exit 1, no
+traceback): "no space left on /dev/sdb1 (mounted at /scratch) writing checkpoint step 40 to
+/scratch/run/checkpoints/step-40 (it needs about 120 MB, 3.2 MB free)".
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from typing import Any
+
+from clusterflow.errors import RunFailed
+
+_FULL = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}
+
+
+def cause(exc: BaseException | None) -> OSError | None:
+    """The ENOSPC or EDQUOT error behind ``exc`` (itself, or what it was raised from or during)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in _FULL:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def payload_bytes(obj: Any) -> int:
+    """About how many bytes ``obj`` takes on disk: its tensors' and byte strings' sizes."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return int(obj.numel() * obj.element_size())
+    if isinstance(obj, (bytes, bytearray, memoryview, str)):
+        return len(obj)
+    if isinstance(obj, dict):
+        return sum(payload_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(payload_bytes(v) for v in obj)
+    return 0
+
+
+def _existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def device_of(path: str) -> str:
+    """The device a local path is on and where it is mounted, e.g. ``/dev/sdb1 (mounted at /scratch)``."""
+    mount = _existing(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    source = None
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 1 and fields[1].replace("\\040", " ") == mount:
+                    source = fields[0]  # the last mount on a point is the one in effect
+    except OSError:
+        pass
+    return f"{source} (mounted at {mount})" if source else mount
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB" if n < 10e6 else f"{n / 1e6:.0f} MB"
+
+
+def raise_if_full(exc: BaseException, what: str, path: str, needed: int, local: bool = True) -> None:
+    """Raise a RunFailed naming the device, ``what`` was written, ``path``, the size and the free
+    space, when ``exc`` comes from a full disk (or quota); return otherwise."""
+    err = cause(exc)
+    if err is None:
+        return
+    device, free = path, ""
+    if local:
+        device = device_of(path)
+        try:
+            free = f", {_mb(shutil.disk_usage(_existing(path)).free)} free"
+        except OSError:
+            pass
+    raise RunFailed(f"{_FULL[err.errno]} on {device} writing {what} to {path} (it needs about {_mb(needed)}{free}); "
+                   f"free space there and resubmit: the run resumes from its last committed checkpoint") from None
