@@ -54,7 +54,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.batches_per_epoch() - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        perm = epoch_permutation(self.n, self.seed, self.epoch)
+        perm = epoch_permutation(self.n, self.seed, self.epoch).tolist()  # once per epoch, not once per batch
         for b in range(self.start, self.batches_per_epoch()):
             lo = b * self.global_batch + self.rank * self.local
-            yield perm[lo : lo + self.local].tolist()
+            yield perm[lo : lo + self.local]

@@ -43,7 +43,8 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 class _Window:
     """Sums over the micro-steps since the last log. Losses and tensor metrics stay on the device
-    (float64, the same sums a Python float gives), so a step that does not log reads nothing back."""
+    (float64, the same sums a Python float gives), so a step that does not log reads nothing back;
+    a log step reads them all in one transfer."""
 
     def __init__(self) -> None:
         self.throughput = Throughput()  # resets itself at each report
@@ -55,19 +56,32 @@ class _Window:
         self.extra: dict[str, Any] = {}
 
     @staticmethod
-    def _value(v: Any) -> Any:
-        return v.detach().to(torch.float64) if torch.is_tensor(v) else float(v)
+    def _value(v: Any, name: str = "loss") -> Any:
+        if not torch.is_tensor(v):
+            return float(v)
+        if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
+            from clusterflow.errors import UserError
+
+            raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
+                            f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")
+        return v.detach().reshape(()).to(torch.float64)
 
     def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:
         self.loss = self.loss + self._value(loss)
         self.n += 1
         for k, v in metrics.items():
-            self.extra[k] = self.extra.get(k, 0.0) + self._value(v)
+            self.extra[k] = self.extra.get(k, 0.0) + self._value(v, k)
         self.throughput.add(samples)
 
     def means(self) -> dict[str, float]:
+        """Read on log steps only: the sums come back in one transfer (one sync on a GPU)."""
         n = max(self.n, 1)
-        return {"train/loss": float(self.loss) / n, **{f"train/{k}": float(v) / n for k, v in self.extra.items()}}
+        sums = {"train/loss": self.loss, **{f"train/{k}": v for k, v in self.extra.items()}}
+        on_device = [k for k, v in sums.items() if torch.is_tensor(v)]
+        if on_device:
+            read = torch.stack([sums[k] for k in on_device]).tolist()
+            sums.update(zip(on_device, read))
+        return {k: float(v) / n for k, v in sums.items()}
 
 
 class Trainer:
@@ -76,7 +90,7 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
-        self.stop = StopAgreement(preemption, device)
+        self.stop = StopAgreement(preemption, cfg.dist.timeout_s)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
         seed_everything(rank_seed(cfg.run.seed, self.rank))  # distinct per-rank streams from here on
@@ -90,7 +104,7 @@ class Trainer:
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases)
-        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar)
+        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar, data=cfg.data)
 
     def _build_data(self) -> None:
         t = self.cfg.train
@@ -134,7 +148,7 @@ class Trainer:
         window = _Window()
         self.model.train()
         self.phases.set(phases.TRAIN)
-        micro = 0
+        micro, reason = 0, ""
         for batch in self._loader():
             micro += 1
             self._forward_backward(batch, last_micro=micro == self.cfg.train.grad_accum, window=window)
@@ -147,17 +161,19 @@ class Trainer:
             if self._log_due():
                 self._log_interval(window)
                 window.clear()
-            reason = self.stop.poll()
+            reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
             if reason:
-                log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
-                self._save(checkpointer.STOP)
-                if bar is not None:
-                    bar.close()
-                return reason
+                break
             self._save(checkpointer.STEP)
         if bar is not None:
             bar.close()
-        return ""
+        # After the last step, the reduce in flight is read at once (blocking costs nothing here):
+        # a signal during the last step stops before the end-of-epoch work, not after it.
+        reason = reason or self.stop.agree()
+        if reason:
+            log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
+            self._save(checkpointer.STOP)
+        return reason
 
     def _loader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.cfg.data.num_workers,
@@ -175,7 +191,7 @@ class Trainer:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
         labels = self.state.labels
         if labels is not None:  # picked with the index still on the host: nothing read back from the device
-            labels = torch.from_numpy(labels[batch["index"].numpy()]).to(self.device, non_blocking=True)
+            labels = torch.from_numpy(labels)[batch["index"]].to(self.device, non_blocking=True)
         batch = _to(batch, self.device)
         sync = last_micro or self.world == 1
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
@@ -208,7 +224,7 @@ class Trainer:
             result = self.miner.run(self.task, self.module, finished)
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round is redone on restart.
-                reason = self.stop.poll() or "preempted"
+                reason = self.stop.agree() or "preempted"
                 self._save(checkpointer.STOP)
                 return reason
             self.state.labels = result.labels
@@ -216,7 +232,7 @@ class Trainer:
             self._log_mining(result.stats)
         self.state.epoch_done()
         self._save(checkpointer.EPOCH_END)
-        return self.stop.poll()
+        return self.stop.agree()
 
     def _save(self, event: str) -> None:
         seconds = self.checkpointer.save(event)
@@ -242,6 +258,7 @@ class Trainer:
         scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
         scalars.update({f"mining/seconds_{k}": float(v) for k, v in s["seconds"].items()})
         scalars["mining/embed_per_s_total"] = s["embed_per_s_total"]
+        scalars.update({f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))})
         self.writer.scalars(scalars, self.state.global_step)
         labels = self.state.labels
         if labels is not None:

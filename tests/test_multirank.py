@@ -80,7 +80,7 @@ def _mine(params, search="rank0"):
     model = task.build_model()
     cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search, timeout_s=60)
     cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption(), cpu), progress_bar=False).run(task, model, epoch=1)
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(task, model, epoch=1)
     return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
 
 
@@ -150,7 +150,7 @@ def _supcon_big_ids():
     z = torch.nn.functional.normalize(torch.randn(2, 4), dim=1)
     ids = torch.tensor([2**24 + 2 * dist.rank(), 2**24 + 2 * dist.rank() + 1])  # all distinct: no anchor has a positive
     _, metrics = supcon_loss(z, ids)
-    return metrics["anchors_with_pos"]
+    return float(metrics["anchors_with_pos"])
 
 
 @pytest.mark.parametrize("world", [1, 2])
