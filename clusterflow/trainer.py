@@ -101,6 +101,8 @@ class Trainer:
         self.amp = builders.amp_dtype(t.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.state = TrainState()
+        self._labels_of: Any = None  # the labels array that self._labels holds on the device
+        self._labels: torch.Tensor | None = None
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases)
@@ -189,10 +191,10 @@ class Trainer:
 
     def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: _Window) -> None:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
-        labels = self.state.labels
-        if labels is not None:  # picked with the index still on the host: nothing read back from the device
-            labels = torch.from_numpy(labels)[batch["index"]].to(self.device, non_blocking=True)
         batch = _to(batch, self.device)
+        labels = self._device_labels()
+        if labels is not None:  # picked on the device by the batch's index: no copy, nothing read back
+            labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
         with ctx:
@@ -200,6 +202,15 @@ class Trainer:
                 loss, metrics = self.task.loss(self.model, batch, labels)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
         window.add(loss, metrics, len(batch["index"]))
+
+    def _device_labels(self) -> torch.Tensor | None:
+        """The pseudo-labels of every sample, copied to the device once per mining round (or resume)."""
+        labels = self.state.labels
+        if labels is None:
+            return None
+        if self._labels_of is not labels:
+            self._labels_of, self._labels = labels, torch.from_numpy(labels).to(self.device)
+        return self._labels
 
     def _optimizer_step(self) -> None:
         if self.cfg.train.grad_clip:
@@ -243,9 +254,10 @@ class Trainer:
     def _log_interval(self, window: _Window) -> None:
         rep = window.throughput.report()
         s = self.state
-        reduced = dist.all_reduce_dict(window.means(), op="mean", device=self.device)
-        rates = dist.all_reduce_dict({"rate": rep["samples_per_s_rank"]}, op="sum", device=self.device)
-        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rates["rate"],
+        # One collective for the means and the throughput (a sum: the mean times the world size).
+        reduced = dist.all_reduce_dict({**window.means(), "rate": rep["samples_per_s_rank"]}, op="mean", device=self.device)
+        rate = reduced.pop("rate") * self.world
+        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
                "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
                "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats()}
         self.writer.scalars(out, s.global_step)
