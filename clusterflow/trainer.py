@@ -29,7 +29,7 @@ from clusterflow.config import Config
 from clusterflow.metrics import Throughput, gpu_stats, writer_for
 from clusterflow.mining import Miner
 from clusterflow.preemption import Preemption, StopAgreement
-from clusterflow.sampler import GlobalBatchSampler
+from clusterflow.sampler import EpochItems, GlobalBatchSampler, WithEpoch
 from clusterflow.state import rank_seed, seed_everything
 from clusterflow.tasks import Task
 from clusterflow.train_state import TrainState
@@ -103,6 +103,7 @@ class Trainer:
         self.state = TrainState()
         self._labels_of: Any = None  # the labels array that self._labels holds on the device
         self._labels: torch.Tensor | None = None
+        self._persistent_loader: torch.utils.data.DataLoader | None = None
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases)
@@ -178,8 +179,21 @@ class Trainer:
         return reason
 
     def _loader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.cfg.data.num_workers,
-                                           pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda")
+        """This epoch's DataLoader; with persistent workers, one per attempt."""
+        d = self.cfg.data
+        persistent = d.persistent_workers and d.num_workers > 0
+        if persistent and self._persistent_loader is not None:
+            return self._persistent_loader
+        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global random
+        # stream (dropout) is not drawn from, so a resume in mid-epoch continues that stream exactly.
+        g = torch.Generator().manual_seed(rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch)
+        data, batches = (EpochItems(self.task), WithEpoch(self.sampler)) if persistent else (self.dataset, self.sampler)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=d.num_workers, generator=g,
+                                             pin_memory=d.pin_memory and self.device.type == "cuda", persistent_workers=persistent,
+                                             prefetch_factor=d.prefetch_factor if d.num_workers else None)
+        if persistent:
+            self._persistent_loader = loader
+        return loader
 
     def _progress_bar(self) -> Any:
         if self.rank != 0 or not self.cfg.train.progress_bar:
