@@ -1,7 +1,7 @@
 """Embedding benchmark: images per second of the mining stage's embed (``mining.embed_shard``)
 against a bare ``torch.no_grad()`` loop over the same DataLoader and model.
 
-    python benchmarks/embed.py                               # 2,000 generated 256x256 JPEGs -> 64 px
+    python benchmarks/embed.py                               # 2,000 generated 256x256 JPEGs -> 32 px
     python benchmarks/embed.py --root data/digits --image-size 16 --channels 1
     python benchmarks/embed.py --workers 0 8 --backbone resnet18 --image-size 128   # a GPU node
 
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--root", help="an image folder; default: generate --n JPEGs of --size px in a temporary folder")
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--size", type=int, default=256)
-    p.add_argument("--image-size", type=int, default=64)
+    p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--backbone", default="small")
     p.add_argument("--batch", type=int, default=256, help="mining.embed_batch")

@@ -42,7 +42,7 @@ class IndexTask:
         return batch["x"]
 
 
-def _embed_and_gather(n, batch):
+def _embed_and_gather(n, batch, workers):
     import torch
 
     from clusterflow import dist
@@ -50,14 +50,14 @@ def _embed_and_gather(n, batch):
 
     task = IndexTask(n)
     idx, emb = embed_shard(task, torch.nn.Identity(), task.embed_dataset(), dist.rank(), dist.world(), batch,
-                           torch.device("cpu"), None)
+                           torch.device("cpu"), None, num_workers=workers, pin_memory=True)
     full = dist.gather_rows(idx, emb, n, 2)
     return idx.tolist(), None if full is None else full[:, 0].tolist()
 
 
-@pytest.mark.parametrize("n,batch", [(1001, 64), (10, 4), (2, 8)])
-def test_every_index_embedded_exactly_once(n, batch):
-    res = run_ranks(3, _embed_and_gather, n, batch)
+@pytest.mark.parametrize("n,batch,workers", [(1001, 64, 0), (1001, 64, 2), (10, 4, 0), (2, 8, 0)])
+def test_every_index_embedded_exactly_once(n, batch, workers):
+    res = run_ranks(3, _embed_and_gather, n, batch, workers)
     seen = sorted(i for idx, _ in res for i in idx)
     assert seen == list(range(n))  # no duplicate padding, nothing lost
     shards = [idx for idx, _ in res]
