@@ -23,7 +23,9 @@ and optionally:
 - ``embed(model, batch) -> Tensor (B, d)``: what the mining stage clusters (``can_embed`` True)
 - ``embed_dataset() -> Dataset``: what is embedded (defaults to the train dataset)
 - ``ground_truth() -> np.ndarray | None``: true labels of the embedded samples, for quality metrics
-- ``set_epoch(epoch)``: called before each epoch (augmentations that depend on the epoch)
+- ``set_epoch(epoch)``: called before each epoch (augmentations that depend on the epoch); with
+  ``data.persistent_workers`` also in each DataLoader worker, on its own copy of the task, when
+  the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
 
 See docs/tasks.md for a complete example.
 """
