@@ -182,13 +182,18 @@ class Miner:
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
-        embed_times = dist.gather_object((len(indices), seconds["embed"]))  # on rank 0, which logs them
+        embed_times = dist.gather_object((len(indices), seconds["embed"]))  # on rank 0: into the stats it broadcasts
         if self.stop.agree():
             return None
         dim = int(dist.broadcast_object(emb.shape[1] if rank == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds)
         labels, stats = self._cluster(task, lists, n, epoch, engine, seconds) if lists is not None else (None, None)
+        if stats is not None:  # rank 0, which gathered every rank's embedding time
+            # Per rank: its shard over its own time. Total: every sample over the time of the
+            # slowest rank (the ranks start together, and the round waits for the last one).
+            stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
+            stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
         with self.phases.enter(phases.MINING_WAIT):
             stats = self.group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
             if stats is None:
@@ -198,10 +203,6 @@ class Miner:
             seconds["broadcast"] = time.perf_counter() - t3
         seconds["total"] = sum(seconds.values())
         stats["seconds"] = seconds
-        # Per rank: its shard over its own time. Total: every sample over the time of the slowest
-        # rank (the ranks start together, and the round waits for the last one).
-        stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times] if embed_times else []
-        stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9) if embed_times else 0.0
         return Round(labels=labels, stats=stats)
 
     def _bar(self, n: int, epoch: int) -> Any:
