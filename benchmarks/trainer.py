@@ -10,10 +10,12 @@ DistributedDataParallel + DistributedSampler + DataLoader + AdamW around ``Pseud
 nothing else: no logging, no checkpoints, no stop agreement). Each runs 1 + E epochs and rank 0
 notes the time at which every epoch starts and the last one ends (for clusterflow, by wrapping
 ``Trainer._train_epoch`` and ``Trainer._end_of_epoch`` with a clock read, nothing else); the time
-from the start of epoch 2 to the end over E is the marginal time of an epoch, so start-up
-(imports, rendezvous, building the data, the first epoch's warm-up) is left out. Repeats are interleaved and alternate the order of the sides; the
-best of each side is the claim (the least disturbed by whatever else runs on the machine), the
-median is printed beside it, and the load average before each run shows how busy the machine was.
+of each of epochs 2 to 1 + E is a marginal epoch time, so start-up (imports, rendezvous, building
+the data, the first epoch's warm-up) is left out. Repeats are interleaved and alternate the order of the sides; the
+best epoch of each side is the claim (the least disturbed by whatever else runs on the machine:
+on a shared machine a burst of someone else's work lands in one epoch, not in all of them), the
+best run (mean of its E epochs) and the medians are printed beside it, and the load average
+before each run shows how busy the machine was.
 
 clusterflow's figure includes its end-of-epoch checkpoint (the state must be saved somewhere),
 written with ``checkpoint.fsync=false``, and no step checkpoints (``checkpoint.every_steps``
@@ -79,6 +81,10 @@ def bare_loop(epochs: int, identities: int, amp: str) -> None:
         print("EPOCH_TIMES", *times, flush=True)
     tdist.barrier()
     tdist.destroy_process_group()
+    # Leave without interpreter teardown, as clusterflow.run does: gloo's threads can otherwise
+    # abort a finished process (SIGABRT, seen once in a few dozen runs here). After the timing.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def clusterflow_rank(argv: list[str]) -> None:
@@ -107,8 +113,8 @@ def clusterflow_rank(argv: list[str]) -> None:
     run._exit(code)
 
 
-def torchrun(nproc: int, args: list[str]) -> float:
-    """Marginal seconds per epoch of one torchrun job (from rank 0's EPOCH_TIMES line)."""
+def torchrun(nproc: int, args: list[str]) -> list[float]:
+    """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES line)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     env["PYTHONPATH"] = REPO
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
@@ -117,11 +123,11 @@ def torchrun(nproc: int, args: list[str]) -> float:
     if done.returncode or len(lines) != 1 or len(lines[0]) < 3:
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
     times = [float(t) for t in lines[0]]
-    return (times[-1] - times[1]) / (len(times) - 2)
+    return [b - a for a, b in zip(times[1:], times[2:])]
 
 
-def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False) -> tuple[float, list[float]]:
-    """(marginal seconds per epoch, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
+def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False) -> tuple[list[float], list[float]]:
+    """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
     from clusterflow.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"cf-{epochs}-", dir=root)
@@ -134,12 +140,13 @@ def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool =
     return seconds, saves
 
 
-def bare_run(a: argparse.Namespace, epochs: int) -> float:
+def bare_run(a: argparse.Namespace, epochs: int) -> list[float]:
     return torchrun(a.nproc, [os.path.abspath(__file__), "--bare", str(epochs), f"--identities={a.identities}", f"--amp={a.amp}"])
 
 
-def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[float]], list[float]]:
-    marginal: dict[str, list[float]] = {"clusterflow": [], "bare": []}
+def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float]]], list[float]]:
+    """Per side, each run's epoch times; and the end-of-epoch save times clusterflow logged."""
+    marginal: dict[str, list[list[float]]] = {"clusterflow": [], "bare": []}
     saves: list[float] = []
     for r in range(a.repeats):
         order = ("clusterflow", "bare") if r % 2 == 0 else ("bare", "clusterflow")
@@ -151,8 +158,22 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[float]], l
             else:
                 seconds = bare_run(a, 1 + a.epochs)
             marginal[side].append(seconds)
-            print(f"  repeat {r + 1} {side:11s} {seconds:.3f} s/epoch (load average before: {load:.2f})", flush=True)
+            print(f"  repeat {r + 1} {side:11s} epochs {' '.join(f'{t:.3f}' for t in seconds)} s, mean "
+                  f"{statistics.mean(seconds):.3f} (load average before: {load:.2f})", flush=True)
     return marginal, saves
+
+
+def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
+    best: dict[str, dict[str, float]] = {}
+    for side, runs in marginal.items():
+        epochs = [t for run in runs for t in run]
+        means = [statistics.mean(run) for run in runs]
+        best[side] = {"epoch": min(epochs), "run": min(means), "median": statistics.median(epochs)}
+        print(f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best run {min(means):.3f} s/epoch, "
+              f"median epoch {statistics.median(epochs):.3f} s, spread {min(epochs):.3f}-{max(epochs):.3f}")
+    cf, bare = best["clusterflow"], best["bare"]
+    print(f"ratio clusterflow / bare: best epoch {cf['epoch'] / bare['epoch']:.3f}x, best run {cf['run'] / bare['run']:.3f}x, "
+          f"median epoch {cf['median'] / bare['median']:.3f}x")
 
 
 def main() -> None:
@@ -181,12 +202,8 @@ def main() -> None:
         fsynced = [] if a.no_fsync_run else clusterflow_run(a, 1 + a.epochs, root, fsync=True)[1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for side, v in marginal.items():
-        print(f"{side:11s} best {min(v):.3f} s/epoch ({steps / min(v):.1f} steps/s), median {statistics.median(v):.3f}, "
-              f"spread {min(v):.3f}-{max(v):.3f}")
-    cf, bare = marginal["clusterflow"], marginal["bare"]
-    print(f"ratio clusterflow / bare: best {min(cf) / min(bare):.3f}x, median {statistics.median(cf) / statistics.median(bare):.3f}x")
-    print(f"end-of-epoch save (in clusterflow's figure), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}")
+    report(marginal, steps)
+    print(f"end-of-epoch save (in clusterflow's epochs), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}")
     if fsynced:
         print(f"the same save with fsync on (not in the figure): median {statistics.median(fsynced):.3f} s, "
               f"max {max(fsynced):.3f} s of {len(fsynced)}")
