@@ -223,7 +223,10 @@ class Trainer:
         if labels is None:
             return None
         if self._labels_of is not labels:
-            self._labels_of, self._labels = labels, torch.from_numpy(labels).to(self.device)
+            src = torch.from_numpy(labels)
+            if self.device.type == "cuda":
+                src = src.pin_memory()  # so the copy need not wait; torch keeps the pinned block until it is done
+            self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
         return self._labels
 
     def _optimizer_step(self) -> None:
