@@ -286,8 +286,13 @@ class TaskConfig:
 class DataConfig:
     """Data loading."""
 
-    num_workers: int = doc(0, "DataLoader worker processes per rank.")
-    pin_memory: bool = doc(True, "Pin host memory when training on GPU.")
+    num_workers: int = doc(0, "DataLoader worker processes per rank, for training and for the mining embed.")
+    pin_memory: bool = doc(True, "Pin host memory when training on GPU (faster, non-blocking copies to the device).")
+    persistent_workers: bool = doc(False, "Keep the training DataLoader's workers from one epoch to the next (with "
+                                   "num_workers > 0) instead of starting new ones each epoch. Each index travels with its "
+                                   "epoch, so augmentations stay exactly those of fresh workers.")
+    prefetch_factor: int = doc(2, "Batches each worker prepares ahead (with num_workers > 0).")
 
     def __post_init__(self) -> None:
         _check(0 <= self.num_workers <= 256, "data.num_workers", self.num_workers, "must be between 0 and 256 (processes per rank)")
+        _check(1 <= self.prefetch_factor <= 1024, "data.prefetch_factor", self.prefetch_factor, "must be between 1 and 1024")

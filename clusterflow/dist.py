@@ -265,3 +265,40 @@ class Subgroup:
         t = torch.from_numpy(values) if rank() == src else torch.empty(n, dtype=torch.int64)
         tdist.broadcast(t, src=src, group=self.group)
         return t.numpy()
+
+
+class AsyncMax:
+    """The maximum over ranks of one integer per rank, started now and read later (``start``,
+    then ``finish``), on a gloo group of its own. The buffer is a CPU tensor read through a numpy
+    view, so neither end touches a CUDA stream or reads a device value: the loop can start one at
+    a step boundary and read it at the next without stopping the GPU's queue.
+    Collective to create, and every rank must call ``start`` and ``finish`` in the same order."""
+
+    def __init__(self, timeout_s: int) -> None:
+        import torch
+
+        self.group = Subgroup(timeout_s).group
+        self._buf = torch.zeros(1, dtype=torch.int64)
+        self._view = self._buf.numpy()  # shares the buffer: reads and writes without a tensor call
+        self._work: Any = None
+        self.pending = False
+
+    def start(self, value: int) -> None:
+        if self.pending:
+            raise RuntimeError("AsyncMax.start while a reduce is in flight; this is a bug in clusterflow")
+        self._view[0] = value
+        self.pending = True
+        if self.group is not None:
+            import torch.distributed as tdist
+
+            self._work = tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
+
+    def finish(self) -> int:
+        """The started reduce's result (waiting for it if it is still in flight); 0 when none was started."""
+        if not self.pending:
+            return 0
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self.pending = False
+        return int(self._view[0])

@@ -111,6 +111,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "data.num_workers": (RESOURCE, "items depend only on (seed, epoch, index), as the Task protocol asks; a task "
                                    "that draws from the global random stream in __getitem__ breaks this"),
     "data.pin_memory": (RESOURCE, "transfer speed"),
+    "data.persistent_workers": (RESOURCE, "each index travels with its epoch, so persistent workers fetch the same items"),
+    "data.prefetch_factor": (RESOURCE, "how far ahead workers fetch; not what they fetch"),
 }
 
 

@@ -54,40 +54,47 @@ class Round:
 
 
 def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batch: int, device: Any,
-                amp_dtype: Any, progress: Any = None) -> tuple[np.ndarray, np.ndarray]:
-    """This rank's contiguous shard: (indices, float32 embeddings). Every rank runs the same number
-    of loop turns (shards differ by at most one sample), so the progress all-reduce lines up."""
+                amp_dtype: Any, progress: Any = None, num_workers: int = 0, pin_memory: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's contiguous shard: (indices, float32 embeddings).
+
+    Built to keep a GPU fed: the DataLoader decodes in ``num_workers`` processes into pinned
+    memory, batches go to the device with non-blocking copies, and each batch's embeddings go
+    back with a non-blocking copy into one preallocated (pinned) host array, synchronised once at
+    the end, so the host never waits for the device inside the loop. No collective runs here:
+    ``progress`` (rank 0's bar) advances by this rank's batches times the world size (shards
+    differ by at most one sample), so no rank ever waits for another's progress. Indices are the
+    host copies of the batch's ``index``, in shard order."""
     import torch
 
     from clusterflow.sampler import shard_range
 
-    n = len(dataset)
-    shard = shard_range(n, rank, world)
-    max_shard = -(-n // world)
-    turns = -(-max_shard // batch)
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(shard)), batch_size=batch, shuffle=False)
-    it = iter(loader)
-    out, idx = [], []
+    shard = shard_range(len(dataset), rank, world)
+    pin = pin_memory and device.type == "cuda"
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(shard)), batch_size=batch, shuffle=False,
+                                         num_workers=num_workers, pin_memory=pin)
+    host: Any = None
+    idx = []
+    done = 0
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for _ in range(turns):
-            b = next(it, None)
-            done = 0
-            if b is not None:
-                b = {k: v.to(device, non_blocking=True) if hasattr(v, "to") else v for k, v in b.items()}
-                with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                    z = task.embed(model, b)
-                out.append(z.float().cpu())
-                idx.append(b["index"].cpu())
-                done = len(b["index"])
-            total = dist.all_reduce_dict({"n": done})["n"]
+        for b in loader:
+            idx.append(b["index"])
+            b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                z = task.embed(model, b).float()
+            if host is None:  # the width is known from the first batch
+                host = torch.empty((len(shard), *z.shape[1:]), dtype=torch.float32, pin_memory=pin)
+            host[done : done + len(z)].copy_(z, non_blocking=True)
+            done += len(z)
             if progress is not None:
-                progress.update(int(total))
+                progress.update(min(len(z) * world, progress.total - progress.n))
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()  # the one wait: every copy into `host` has landed
     model.train(was_training)
-    if not out:
+    if host is None:
         return np.zeros(0, np.int64), np.zeros((0, 1), np.float32)
-    return torch.cat(idx).numpy().astype(np.int64), torch.cat(out).numpy()
+    return torch.cat(idx).numpy().astype(np.int64), host.numpy()
 
 
 def _blocks(files: RoundFiles | None) -> SearchBlocks | None:
@@ -163,8 +170,10 @@ class Miner:
     where rounds keep their work until their labels are committed (None: nowhere)."""
 
     def __init__(self, cfg: Any, device: Any, amp_dtype: Any, stop: Any, tracker: phases.Phases | None = None,
-                 progress_bar: bool = True, rounds_dir: str | None = None, fsync: bool = True) -> None:
+                 progress_bar: bool = True, rounds_dir: str | None = None, fsync: bool = True, data: Any = None) -> None:
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
+        # The data section: worker processes and pinned memory for the embedding's DataLoader.
+        self.loader_args = {"num_workers": data.num_workers, "pin_memory": data.pin_memory} if data is not None else {}
         self.phases = tracker or phases.Phases()
         self.progress_bar = progress_bar
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
@@ -209,13 +218,18 @@ class Miner:
             raise RunFailed(f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
                             "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
                             "them (a division by a zero norm?); no round was run on them")
-        rates = dist.gather_object(len(indices) / max(seconds["embed"], 1e-9))
-        if self.stop.poll():
+        embed_times = dist.gather_object((len(indices), seconds["embed"]))  # on rank 0: into the stats it broadcasts
+        if self.stop.agree():
             return None
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine, x = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds, files)
         labels, stats = self._cluster(task, lists, x, n, epoch, engine, seconds) if lists is not None else (None, None)
+        if stats is not None:  # rank 0, which gathered every rank's embedding time
+            # Per rank: its shard over its own time. Total: every sample over the time of the
+            # slowest rank (the ranks start together, and the round waits for the last one).
+            stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
+            stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
         with self.phases.enter(phases.MINING_WAIT):
             stats = self.group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
             if stats is None:
@@ -226,8 +240,6 @@ class Miner:
         stats["resumed"] = {"embeddings": reused, "search_blocks": int(seconds.pop("blocks_from_disk", 0))}
         seconds["total"] = sum(seconds.values())
         stats["seconds"] = seconds
-        stats["embed_per_s_rank"] = [float(r) for r in rates] if rates else []
-        stats["embed_per_s_total"] = n / max(seconds["embed"], 1e-9)
         return Round(labels=labels, stats=stats)
 
     def _files(self, model: Any, epoch: int, n: int) -> RoundFiles | None:
@@ -258,7 +270,7 @@ class Miner:
             t0 = time.perf_counter()
             bar = self._bar(len(dataset), epoch)
             indices, emb = embed_shard(task, model, dataset, dist.rank(), dist.world(), self.cfg.embed_batch, self.device,
-                                       self.amp, bar)
+                                       self.amp, bar, **self.loader_args)
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
                 bar.close()

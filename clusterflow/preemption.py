@@ -1,8 +1,9 @@
 """Signals become a flag; ranks agree at a step boundary; the trainer saves and stops.
 
 A handler does no I/O and no collective (either could deadlock inside a signal handler): it
-only records which signal arrived. ``StopAgreement.poll`` runs one tiny all-reduce at each step
-boundary so that all ranks stop at the same step even when only one of them was signalled.
+only records which signal arrived. ``StopAgreement.poll`` agrees on it at each step boundary, with
+an all-reduce read one step later, so that all ranks stop at the same step even when only one of
+them was signalled, and no step waits for the answer.
 
 SIGUSR2 (cluster.signal_delay_s ahead of the time limit, sent by Slurm through
 ``--signal``) and SIGUSR1 mean "time is up: save and requeue yourself". SIGTERM means
@@ -59,27 +60,59 @@ class Preemption:
         return "timeout" if self.is_timeout else "preempted"
 
 
+REASONS = ("", "preempted", "timeout")  # by strength: the agreed reason is the strongest any rank received
+
+
 class StopAgreement:
     """The one question the loop asks at each step boundary: do all ranks stop here, and why?
 
-    ``poll`` is collective: every rank gets "" (carry on), "preempted" or "timeout", the strongest
-    reason any rank received, so all ranks stop at the same step even when only one was signalled.
-    Today it is one tiny blocking all-reduce per step; it can be made asynchronous (started at one
-    step, read at the next) by changing this class alone, as long as every rank still gets the same
-    answer at the same step. ``requested`` is this rank's own flag (no collective), for work that
-    polls between batches, such as the k-NN search.
+    ``poll`` (every step boundary) never blocks on the answer: it reads the result of the
+    all-reduce started at the previous boundary and starts the next one with this rank's flag
+    (``dist.AsyncMax``: CPU tensors on a gloo group of their own, so nothing waits on the GPU).
+    Every rank calls ``poll`` at the same steps, so every rank reads the result of the same
+    collective at the same step, and all stop there together: a signal that reached any rank
+    before it started the reduce of step s stops every rank at step s + 1 (docs/preemption.md:
+    at most two step boundaries after the signal, one more than a blocking reduce would take).
+
+    ``agree`` blocks: it finishes the reduce in flight and reduces the flags as they are now.
+    The loop calls it where a blocking read costs nothing (after an epoch's last step, after the
+    end-of-epoch checkpoint, after the mining embed). Every reason is "", "preempted" or
+    "timeout", the strongest any rank received. ``requested`` is this rank's own flag (no
+    collective), for work that polls between batches, such as the k-NN search.
+
+    One process has nobody to agree with: both answer its own flag at once.
     """
 
-    def __init__(self, preemption: Preemption, device: Any = None) -> None:
-        self.preemption, self.device = preemption, device
+    def __init__(self, preemption: Preemption, timeout_s: int = 600) -> None:
+        from clusterflow import dist
+
+        self.preemption = preemption
+        self.single = not dist.initialized()
+        self._flag = None if self.single else dist.AsyncMax(timeout_s)
 
     @property
     def requested(self) -> bool:
         return self.preemption.requested
 
-    def poll(self) -> str:
-        from clusterflow import dist
+    def _own(self) -> int:
+        return REASONS.index(self.preemption.reason())
 
-        code = {"": 0, "preempted": 1, "timeout": 2}[self.preemption.reason()]
-        agreed = dist.all_reduce_dict({"s": code}, op="max", device=self.device)["s"]
-        return ("", "preempted", "timeout")[int(agreed)]
+    def poll(self) -> str:
+        """Collective, at every step boundary: the agreed reason of the previous boundary's reduce."""
+        if self._flag is None:
+            return self.preemption.reason()
+        agreed = self._flag.finish()
+        if agreed:
+            return REASONS[agreed]  # the same on every rank: nobody starts another reduce
+        self._flag.start(self._own())
+        return ""
+
+    def agree(self) -> str:
+        """Collective and blocking: the agreed reason, counting every signal received until now."""
+        if self._flag is None:
+            return self.preemption.reason()
+        agreed = self._flag.finish()
+        if agreed:
+            return REASONS[agreed]
+        self._flag.start(self._own())
+        return REASONS[self._flag.finish()]

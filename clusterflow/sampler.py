@@ -8,14 +8,19 @@ exactly the batches the uninterrupted run would have seen.
 
 Mining: :func:`shard_range` gives each rank a contiguous, exact block of indices, with no padding
 by repetition (DistributedSampler pads with repeats and strides its slices).
+
+Persistent DataLoader workers keep the copy of the task they were started with, so the epoch
+that ``Task.set_epoch`` sets in the main process never reaches them: :class:`WithEpoch` sends
+each index with its epoch, and :class:`EpochItems` sets the epoch in whichever process fetches
+the item before fetching it.
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from clusterflow.errors import UserError
 
@@ -71,7 +76,39 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.batches_per_epoch() - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        perm = epoch_permutation(self.n, self.seed, self.epoch)
+        perm = epoch_permutation(self.n, self.seed, self.epoch).tolist()  # once per epoch, not once per batch
         for b in range(self.start, self.batches_per_epoch()):
             lo = b * self.global_batch + self.rank * self.local
-            yield perm[lo : lo + self.local].tolist()
+            yield perm[lo : lo + self.local]
+
+
+class WithEpoch(Sampler[list[tuple[int, int]]]):
+    """A batch sampler's batches as lists of (epoch, index), the epoch read when iteration starts."""
+
+    def __init__(self, batches: GlobalBatchSampler) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.batches.epoch
+        return ([(epoch, i) for i in batch] for batch in self.batches)
+
+
+class EpochItems(Dataset):
+    """The task's train dataset, fetched by (epoch, index): ``task.set_epoch`` runs in the fetching
+    process (a persistent worker holds its own copy of the task) whenever the epoch changes."""
+
+    def __init__(self, task: Any) -> None:
+        self.task, self.dataset, self.epoch = task, task.train_dataset(), None
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        if epoch != self.epoch:
+            self.task.set_epoch(epoch)
+            self.epoch = epoch
+        return self.dataset[index]

@@ -30,7 +30,7 @@ from clusterflow.finite import FiniteGuard
 from clusterflow.metrics import Throughput, gpu_stats, writer_for
 from clusterflow.mining import Miner, for_status
 from clusterflow.preemption import Preemption, StopAgreement
-from clusterflow.sampler import GlobalBatchSampler, check_fits
+from clusterflow.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.state import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.tasks import Task
 from clusterflow.train_state import TrainState
@@ -44,7 +44,8 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 class _Window:
     """Sums over the micro-steps since the last log. Losses and tensor metrics stay on the device
-    (float64, the same sums a Python float gives), so a step that does not log reads nothing back."""
+    (float64, the same sums a Python float gives), so a step that does not log reads nothing back;
+    a log step reads them all in one transfer."""
 
     def __init__(self) -> None:
         self.throughput = Throughput()  # resets itself at each report
@@ -56,19 +57,32 @@ class _Window:
         self.extra: dict[str, Any] = {}
 
     @staticmethod
-    def _value(v: Any) -> Any:
-        return v.detach().to(torch.float64) if torch.is_tensor(v) else float(v)
+    def _value(v: Any, name: str = "loss") -> Any:
+        if not torch.is_tensor(v):
+            return float(v)
+        if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
+            from clusterflow.errors import UserError
+
+            raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
+                            f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")
+        return v.detach().reshape(()).to(torch.float64)
 
     def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:
         self.loss = self.loss + self._value(loss)
         self.n += 1
         for k, v in metrics.items():
-            self.extra[k] = self.extra.get(k, 0.0) + self._value(v)
+            self.extra[k] = self.extra.get(k, 0.0) + self._value(v, k)
         self.throughput.add(samples)
 
     def means(self) -> dict[str, float]:
+        """Read on log steps only: the sums come back in one transfer (one sync on a GPU)."""
         n = max(self.n, 1)
-        return {"train/loss": float(self.loss) / n, **{f"train/{k}": float(v) / n for k, v in self.extra.items()}}
+        sums = {"train/loss": self.loss, **{f"train/{k}": v for k, v in self.extra.items()}}
+        on_device = [k for k, v in sums.items() if torch.is_tensor(v)]
+        if on_device:
+            read = torch.stack([sums[k] for k in on_device]).tolist()
+            sums.update(zip(on_device, read))
+        return {k: float(v) / n for k, v in sums.items()}
 
 
 class Trainer:
@@ -77,7 +91,7 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
-        self.stop = StopAgreement(preemption, device)
+        self.stop = StopAgreement(preemption, cfg.dist.timeout_s)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
         seed_everything(rank_seed(cfg.run.seed, self.rank))  # distinct per-rank streams from here on
@@ -88,12 +102,15 @@ class Trainer:
         self.amp = builders.amp_dtype(t.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.state = TrainState()
+        self._labels_of: Any = None  # the labels array that self._labels holds on the device
+        self._labels: torch.Tensor | None = None
+        self._persistent_loader: torch.utils.data.DataLoader | None = None
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases, before_commit=lambda event: self._check_finite(state=True))
         self.guard = FiniteGuard(device, t, self.checkpointer.store.steps)
         self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
-                           rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync)
+                           rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync, data=cfg.data)
 
     def _build_data(self) -> None:
         t = self.cfg.train
@@ -136,7 +153,7 @@ class Trainer:
         window = _Window()
         self.model.train()
         self.phases.set(phases.TRAIN)
-        micro = 0
+        micro, reason = 0, ""
         for batch in self._loader():
             micro += 1
             self._forward_backward(batch, last_micro=micro == self.cfg.train.grad_accum, window=window)
@@ -149,21 +166,36 @@ class Trainer:
             if self._log_due():
                 self._log_interval(window)
                 window.clear()
-            reason = self.stop.poll()
+            reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
             if reason:
-                log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
-                self._save(checkpointer.STOP)
-                if bar is not None:
-                    bar.close()
-                return reason
+                break
             self._save(checkpointer.STEP)
         if bar is not None:
             bar.close()
-        return ""
+        # After the last step, the reduce in flight is read at once (blocking costs nothing here):
+        # a signal during the last step stops before the end-of-epoch work, not after it.
+        reason = reason or self.stop.agree()
+        if reason:
+            log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
+            self._save(checkpointer.STOP)
+        return reason
 
     def _loader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(self.dataset, batch_sampler=self.sampler, num_workers=self.cfg.data.num_workers,
-                                           pin_memory=self.cfg.data.pin_memory and self.device.type == "cuda")
+        """This epoch's DataLoader; with persistent workers, one per attempt."""
+        d = self.cfg.data
+        persistent = d.persistent_workers and d.num_workers > 0
+        if persistent and self._persistent_loader is not None:
+            return self._persistent_loader
+        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global random
+        # stream (dropout) is not drawn from, so a resume in mid-epoch continues that stream exactly.
+        g = torch.Generator().manual_seed(rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch)
+        data, batches = (EpochItems(self.task), WithEpoch(self.sampler)) if persistent else (self.dataset, self.sampler)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=d.num_workers, generator=g,
+                                             pin_memory=d.pin_memory and self.device.type == "cuda", persistent_workers=persistent,
+                                             prefetch_factor=d.prefetch_factor if d.num_workers else None)
+        if persistent:
+            self._persistent_loader = loader
+        return loader
 
     def _progress_bar(self) -> Any:
         if self.rank != 0 or not self.cfg.train.progress_bar:
@@ -175,10 +207,10 @@ class Trainer:
 
     def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: _Window) -> None:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
-        labels = self.state.labels
-        if labels is not None:  # picked with the index still on the host: nothing read back from the device
-            labels = torch.from_numpy(labels[batch["index"].numpy()]).to(self.device, non_blocking=True)
         batch = _to(batch, self.device)
+        labels = self._device_labels()
+        if labels is not None:  # picked on the device by the batch's index: no copy, nothing read back
+            labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
         ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
         with ctx:
@@ -187,6 +219,18 @@ class Trainer:
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
         self.guard.observe(loss)
         window.add(loss, metrics, len(batch["index"]))
+
+    def _device_labels(self) -> torch.Tensor | None:
+        """The pseudo-labels of every sample, copied to the device once per mining round (or resume)."""
+        labels = self.state.labels
+        if labels is None:
+            return None
+        if self._labels_of is not labels:
+            src = torch.from_numpy(labels)
+            if self.device.type == "cuda":
+                src = src.pin_memory()  # so the copy need not wait; torch keeps the pinned block until it is done
+            self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
+        return self._labels
 
     def _optimizer_step(self) -> None:
         if self.cfg.train.grad_clip:
@@ -226,7 +270,7 @@ class Trainer:
             result = self.miner.run(self.task, self.module, finished)
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round continues on restart.
-                reason = self.stop.poll() or "preempted"
+                reason = self.stop.agree() or "preempted"
                 restore_rng(rng)
                 self._save(checkpointer.STOP)
                 return reason
@@ -236,7 +280,7 @@ class Trainer:
         self.state.epoch_done()
         self._save(checkpointer.EPOCH_END)
         self._forget_mined_rounds()
-        return self.stop.poll()
+        return self.stop.agree()
 
     def _forget_mined_rounds(self) -> None:
         """Delete the files of the mining rounds whose labels a committed checkpoint holds."""
@@ -253,9 +297,10 @@ class Trainer:
         self._check_finite()
         rep = window.throughput.report()
         s = self.state
-        reduced = dist.all_reduce_dict(window.means(), op="mean", device=self.device)
-        rates = dist.all_reduce_dict({"rate": rep["samples_per_s_rank"]}, op="sum", device=self.device)
-        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rates["rate"],
+        # One collective for the means and the throughput (a sum: the mean times the world size).
+        reduced = dist.all_reduce_dict({**window.means(), "rate": rep["samples_per_s_rank"]}, op="mean", device=self.device)
+        rate = reduced.pop("rate") * self.world
+        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
                "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
                "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats()}
         self.writer.scalars(out, s.global_step)
@@ -268,6 +313,7 @@ class Trainer:
         scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
         scalars.update({f"mining/seconds_{k}": float(v) for k, v in s["seconds"].items()})
         scalars["mining/embed_per_s_total"] = s["embed_per_s_total"]
+        scalars.update({f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))})
         self.writer.scalars(scalars, self.state.global_step)
         labels = self.state.labels
         if labels is not None:

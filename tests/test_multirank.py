@@ -42,7 +42,7 @@ class IndexTask:
         return batch["x"]
 
 
-def _embed_and_gather(n, batch):
+def _embed_and_gather(n, batch, workers):
     import torch
 
     from clusterflow import dist
@@ -50,14 +50,14 @@ def _embed_and_gather(n, batch):
 
     task = IndexTask(n)
     idx, emb = embed_shard(task, torch.nn.Identity(), task.embed_dataset(), dist.rank(), dist.world(), batch,
-                           torch.device("cpu"), None)
+                           torch.device("cpu"), None, num_workers=workers, pin_memory=True)
     full = dist.gather_rows(idx, emb, n, 2)
     return idx.tolist(), None if full is None else full[:, 0].tolist()
 
 
-@pytest.mark.parametrize("n,batch", [(1001, 64), (10, 4), (2, 8)])
-def test_every_index_embedded_exactly_once(n, batch):
-    res = run_ranks(3, _embed_and_gather, n, batch)
+@pytest.mark.parametrize("n,batch,workers", [(1001, 64, 0), (1001, 64, 2), (10, 4, 0), (2, 8, 0)])
+def test_every_index_embedded_exactly_once(n, batch, workers):
+    res = run_ranks(3, _embed_and_gather, n, batch, workers)
     seen = sorted(i for idx, _ in res for i in idx)
     assert seen == list(range(n))  # no duplicate padding, nothing lost
     shards = [idx for idx, _ in res]
@@ -80,7 +80,7 @@ def _mine(params, search="rank0"):
     model = task.build_model()
     cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search, timeout_s=60)
     cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption(), cpu), progress_bar=False).run(task, model, epoch=1)
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(task, model, epoch=1)
     return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
 
 
@@ -182,7 +182,7 @@ def _supcon_big_ids():
     z = torch.nn.functional.normalize(torch.randn(2, 4), dim=1)
     ids = torch.tensor([2**24 + 2 * dist.rank(), 2**24 + 2 * dist.rank() + 1])  # all distinct: no anchor has a positive
     _, metrics = supcon_loss(z, ids)
-    return metrics["anchors_with_pos"]
+    return float(metrics["anchors_with_pos"])
 
 
 @pytest.mark.parametrize("world", [1, 2])

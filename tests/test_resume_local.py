@@ -36,10 +36,10 @@ def uninterrupted(tmp_path_factory):
     return d
 
 
-def signalled_run(run_dir, signals, attempts, monkeypatch):
+def signalled_run(run_dir, signals, attempts, monkeypatch, task="Signals"):
     """Run tiny.yaml with the Signals test task until it completes; returns the exit codes."""
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
-    over = [f"run.dir={run_dir}", *ONE, "task.target=testtasks:Signals", f"task.params.run_dir={run_dir}",
+    over = [f"run.dir={run_dir}", *ONE, f"task.target=testtasks:{task}", f"task.params.run_dir={run_dir}",
             f"task.params.signals={signals}"]
     return [launch.run(1, "configs/tiny.yaml", over, run_dir)[0] for _ in range(attempts)]
 
@@ -85,3 +85,14 @@ def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(uninterrupt
     assert {s: v["train/loss"] for s, v in rows.items() if "train/loss" in v} == \
         {s: v["train/loss"] for s, v in plain.items() if "train/loss" in v}  # exact resume: the same losses
     assert same_weights(weights(d), weights(uninterrupted))
+
+
+def test_a_stop_in_mid_epoch_continues_the_global_random_stream_exactly(tmp_path, monkeypatch):
+    """Dropout draws from the global torch stream; the stop at step 9 (mid-epoch 2) and the resume
+    must leave it where the uninterrupted run has it (a DataLoader that seeds its workers from
+    that stream when its iterator starts would shift it by one draw on resume)."""
+    plain, stopped = str(tmp_path / "plain"), str(tmp_path / "stopped")
+    assert signalled_run(plain, "", 1, monkeypatch, "DropoutSignals") == [0]
+    assert signalled_run(stopped, "0:9:TERM", 2, monkeypatch, "DropoutSignals") == [0, 0]
+    assert "saving at global step 9 and stopping" in rank0_log(stopped)
+    assert same_weights(weights(stopped), weights(plain))

@@ -149,7 +149,6 @@ class NanAt(PseudoIDTask):
         return (loss * float("nan") if self.calls in self.nan_at else loss), metrics
 
 
-
 class KillAtEnv(PseudoIDTask):
     """SIGKILLs itself at loss call ``$CLUSTERFLOW_TEST_KILL_AT`` (counted per process) when that is
     set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an exact
@@ -164,6 +163,7 @@ class KillAtEnv(PseudoIDTask):
         me = tdist.get_rank() if tdist.is_initialized() else 0
         if at and self.calls == int(at) and (rank is None or int(rank) == me):
             os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)
 
 
 class Tiny(PseudoIDTask):
@@ -217,3 +217,13 @@ class FillDisk(Tiny):
             with open(self.path, "wb") as f:
                 f.write(b"\0" * max(0, free - self.leave))
         return super().loss(model, batch, labels)
+
+
+class DropoutSignals(Signals):
+    """Signals, with dropout on the input: training draws from the global torch random stream, so
+    a resume is exact only if that stream continues exactly where the checkpoint left it."""
+
+    def build_model(self):
+        import torch
+
+        return torch.nn.Sequential(torch.nn.Dropout(0.2), super().build_model())

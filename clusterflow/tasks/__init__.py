@@ -8,7 +8,9 @@ A task is named in config as ``task.target: "package.module:Class"`` and built a
   position in the dataset; labels and mining are keyed by it)
 - ``loss(model, batch, labels) -> (loss, metrics)``: ``labels`` holds the current pseudo-labels of
   the batch (a LongTensor, -1 = ignore) or None before the first mining round; ``metrics`` maps
-  names to floats averaged over the batch (logged after an all-reduce)
+  names to numbers averaged over the batch (logged after an all-reduce): 0-dim tensors, which stay
+  on the device until a log step (best: no step waits for the GPU), or Python floats (each
+  ``float(tensor)`` makes every step wait for the device)
 
 and optionally:
 
@@ -21,7 +23,9 @@ and optionally:
 - ``embed(model, batch) -> Tensor (B, d)``: what the mining stage clusters (``can_embed`` True)
 - ``embed_dataset() -> Dataset``: what is embedded (defaults to the train dataset)
 - ``ground_truth() -> np.ndarray | None``: true labels of the embedded samples, for quality metrics
-- ``set_epoch(epoch)``: called before each epoch (augmentations that depend on the epoch)
+- ``set_epoch(epoch)``: called before each epoch (augmentations that depend on the epoch); with
+  ``data.persistent_workers`` also in each DataLoader worker, on its own copy of the task, when
+  the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
 
 See docs/tasks.md for a complete example.
 """
@@ -51,7 +55,7 @@ class Task:
     def train_dataset(self) -> Any:
         raise NotImplementedError("a Task must implement train_dataset()")
 
-    def loss(self, model: Any, batch: dict[str, Any], labels: Any) -> tuple[Any, dict[str, float]]:
+    def loss(self, model: Any, batch: dict[str, Any], labels: Any) -> tuple[Any, dict[str, Any]]:
         raise NotImplementedError("a Task must implement loss()")
 
     def eval_dataset(self) -> Any:

@@ -94,12 +94,12 @@ class ClassifierTask(Task):
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: dict[str, Any], labels: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = model(batch["x1"]).float()
         y = batch["label"]
         weight = self.weights.to(logits.device) if self.weights is not None else None
         loss = nn.functional.cross_entropy(logits, y, weight=weight, label_smoothing=self.label_smoothing)
-        return loss, {"accuracy": float((logits.argmax(1) == y).float().mean())}
+        return loss, {"accuracy": (logits.argmax(1) == y).float().mean()}  # a tensor: read back on log steps only
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
         logits = model(batch["x"]).float()

@@ -227,7 +227,7 @@ class ImageFolderTask(Task):
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index = batch["index"]
         if labels is None:
             ids = index  # before any mining round: each image is its own identity

@@ -125,7 +125,7 @@ class PseudoIDTask(Task):
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index = batch["index"]
         n_total = len(self.train_dataset())
         if labels is None:

@@ -97,12 +97,13 @@ class SparseAutoencoderTask(Task):
         l1 = (z.float() * inner.dec.weight.norm(dim=0)).sum(1)
         return {"mse": mse, "l1": l1, "l0": (z > 0).float().sum(1), "var": ((x - x.mean(0)) ** 2).sum(1)}
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: Any) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, model: nn.Module, batch: dict[str, Any], labels: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p = self._parts(model, batch["x"])
         loss = p["mse"].mean() + self.l1 * p["l1"].mean()
         p = {k: v.detach() for k, v in p.items()}
-        metrics = {"mse": float(p["mse"].mean()), "l1": float(p["l1"].mean()), "l0": float(p["l0"].mean()),
-                   "explained_variance": float(1 - p["mse"].sum() / p["var"].sum().clamp_min(1e-12))}
+        # Tensors: the trainer reads them back on log steps only.
+        metrics = {"mse": p["mse"].mean(), "l1": p["l1"].mean(), "l0": p["l0"].mean(),
+                   "explained_variance": 1 - p["mse"].sum() / p["var"].sum().clamp_min(1e-12)}
         return loss, metrics
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
