@@ -109,6 +109,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest) if latest and os.path.exists(latest) else None,
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
+        "checkpoint_error": st.get("checkpoint_error"),
         "mining": _mining(st.get("mining", [])),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
@@ -132,6 +133,8 @@ def render(s: dict[str, Any]) -> str:
     if s["damaged_checkpoints"]:
         lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their sha256 check and were set aside: "
                      f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
+    if s["checkpoint_error"]:
+        lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
     if s["mining"]:
         m = s["mining"][-1]
         q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)

@@ -4,12 +4,13 @@ Layout under the store root (``RUN_DIR/checkpoints`` by default, or any fsspec U
 
     step-<N>/model.pt         plain state_dict (torch.load(..., weights_only=True) works without clusterflow)
     step-<N>/train_state.pt   optimizer, scheduler, scaler, counters, RNG states, pseudo-labels, ...
-    step-<N>/manifest.json    written last: files, sizes, sha256, step, position, config, versions
+    step-<N>/manifest.json    written last: files (size and digest each), step, position, config, versions
 
 Commit protocol: every file is written into ``.tmp-step-<N>-<random>/``, flushed and fsynced, the
 manifest is written last, and the folder is renamed to ``step-<N>`` (atomic on a POSIX
 filesystem; on object stores the manifest check below covers a partial copy). A reader trusts
-only a step whose manifest lists files that exist with the recorded size and sha256; anything
+only a step whose manifest lists files that exist with the recorded size and digest (BLAKE3, or
+sha256 in manifests of older versions: each file's record names its algorithm); anything
 else is skipped with a warning naming it, and the previous step is used.
 
 One step, two states: at the last step of an epoch the trainer holds a state before and one after
@@ -168,12 +169,18 @@ class CheckpointStore:
         self.fs.makedirs(self.root, exist_ok=True)
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
         self.fs.makedirs(tmp, exist_ok=True)
-        listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
-                   for name, payload in files.items()}
-        manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
-        durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
-        if self.local and self.fsync:
-            durable.fsync_dir(tmp)
+        try:
+            listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                       for name, payload in files.items()}
+            manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
+            durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
+            if self.local and self.fsync:
+                durable.fsync_dir(tmp)
+        except BaseException:
+            # A failed write (a full disk, an object store error) gives its space back at once; a
+            # kill leaves the folder to the next clean_debris.
+            self._rm(tmp.rsplit("/", 1)[-1])
+            raise
         return tmp
 
     def _publish(self, staged: str, step: int) -> None:
@@ -262,12 +269,13 @@ class CheckpointStore:
             pass
 
     def _complete(self, path: str) -> dict[str, Any] | None:
-        """The manifest of a folder whose files all match it (size and sha256), else None."""
+        """The manifest of a folder whose files all match it (size and digest), else None."""
         try:
             manifest = self._read_manifest(path)
             for name, info in manifest.get("files", {}).items():
+                algorithm, digest = durable.recorded_digest(info)
                 if self.fs.size(f"{path}/{name}") != info["size"] or \
-                        durable.sha256_file(f"{path}/{name}", self._remote_fs) != info["sha256"]:
+                        durable.hash_file(f"{path}/{name}", algorithm, self._remote_fs) != digest:
                     return None
         except (ValueError, OSError, KeyError):
             return None

@@ -118,7 +118,7 @@ def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run
     _, out = submit(d, *HANG, wait=True)
     assert out.returncode == 0, out.stdout + out.stderr
     logs = rank0_logs(d)
-    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its sha256", logs)
+    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its blake3 digest", logs)
     assert re.search(r"skipping damaged checkpoint \S+/step-6: train_state.pt has \d+ bytes", logs)
     assert re.search(r"resumed from \S+/step-4:", logs)
     # The damaged steps are kept aside for inspection when the run commits those steps anew.
