@@ -95,7 +95,7 @@ class Checkpointer:
         t0 = time.perf_counter()
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
-            failed = dist.broadcast_object(self._wait_for_write() if dist.rank() == 0 else None)
+            failed = dist.broadcast_object(self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None)
             new_round = self._new_round()
             if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
                 if dist.rank() == 0:
@@ -119,8 +119,8 @@ class Checkpointer:
             self._write_now(dist.gather_object(capture_rng()), failed)
 
     def _wait_for_write(self, expected: bool = False) -> str | None:
-        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: the
-        end of the run, where waiting is the point, not a sign of saves due too often."""
+        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a stop
+        or the end of the run, where waiting is the point, not a sign of saves due too often."""
         outcome = self.writes.wait()
         if outcome is None:
             return None
@@ -134,11 +134,17 @@ class Checkpointer:
     def _start_write(self, rngs: list[Any] | None) -> None:
         """Rank 0: snapshot the state and commit it on the background thread."""
         step, files, meta = self.progress.global_step, self._files(rngs), self._meta()
-        snap = self.staging.take(files)
+        try:
+            snap = self.staging.take(files)
+        except Exception as exc:  # noqa: BLE001 - e.g. no host memory for the copy: a failed write like any other
+            failure = exc
 
-        def write() -> None:
-            self.staging.copy_rest(snap)
-            self._commit(step, self.staging.result(snap), meta, "in the background")
+            def write() -> None:
+                raise failure
+        else:
+            def write() -> None:
+                self.staging.copy_rest(snap)
+                self._commit(step, self.staging.result(snap), meta, "in the background")
 
         self.writes.start(step, write, self._background_failed)
 

@@ -19,6 +19,10 @@ into host buffers that it keeps between saves: one extra host copy of rank 0's s
   value at the boundary: a tensor changed by something other than a gated ``optimizer.step``
   (a task updating a teacher network by hand) tears the snapshot, and that write fails
   (:class:`TornSnapshot`) instead of committing a state that never existed.
+
+One GPU per rank (clusterflow's layout): tensors on another GPU, sparse or subclassed tensors are
+copied to the host at the boundary, the plain blocking way. The first background save allocates
+the buffers (pinned allocation is slow); later ones reuse them.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class Snapshot:
     sources: list[Any]  # the live tensors, held until copied
     copies: list[Any]
     alias: dict[int, int] = field(default_factory=dict)  # a tensor that is another one's view -> that one
+    odd: set[int] = field(default_factory=set)  # sparse, subclassed or on a second GPU: copied at once, no buffer
     rest: list[int] = field(default_factory=list)  # copied by the writer's thread
     versions: dict[int, int] = field(default_factory=dict)
     device: Any = None  # the GPU of the state's CUDA tensors, if any
@@ -88,22 +93,25 @@ class Staging:
         skeleton, tensors = tree.flatten(state)
         paths = [s.path for s in tree.slots(skeleton)]
         snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
-        self._buffers = {p: b for p, b in self._buffers.items() if p in set(paths)}
+        live = set(paths)
+        self._buffers = {p: b for p, b in self._buffers.items() if p in live}  # one copy of the state, no more
         snap.device = next((t.device for t in tensors if t.is_cuda), None)
         if snap.device is not None:
             snap.ready = torch.cuda.Event()
             snap.ready.record(torch.cuda.current_stream(snap.device))
+        # One GPU per rank is what the events cover; anything else is copied the plain, blocking way.
+        snap.odd = {i for i, t in enumerate(tensors) if not _plain(t) or (t.is_cuda and t.device != snap.device)}
         deferred = self._deferred_ptrs() if self.optimizers else set()
         first: dict[Any, int] = {}
         now = []
         for i, t in enumerate(tensors):
-            key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) if _plain(t) else ("other", i)
+            key = ("odd", i) if i in snap.odd else (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
             if key in first:
                 snap.alias[i] = first[key]
                 continue
             first[key] = i
             version = _version(t)
-            if _plain(t) and t.data_ptr() in deferred and version is not None:
+            if i not in snap.odd and t.data_ptr() in deferred and version is not None:
                 snap.rest.append(i)
                 snap.versions[i] = version
             else:
@@ -158,7 +166,7 @@ class Staging:
         with torch.no_grad():
             for i in indices:
                 t = snap.sources[i]
-                if not _plain(t):
+                if i in snap.odd:
                     snap.copies[i] = t.detach().to("cpu", copy=True)
                     continue
                 buf = self._buffer(snap.paths[i], t)
