@@ -20,10 +20,9 @@ import sys
 import time
 from typing import Any
 
-from clusterflow import jobids, rundir, sweep_index
+from clusterflow import durable, jobids, rundir, sweep_index
 from clusterflow.errors import EXIT_OK, UserError, cli
 
-MARKER = "cancelled.json"
 # States after which a job may still hold the run (status.json can lag behind a crash; scancel of a
 # finished job only costs a warning).
 STOPPED = ("completed", "failed", "stopped", "cancelled")
@@ -33,13 +32,9 @@ EXAMPLES = """examples:
 """
 
 
-def marker(run_dir: str) -> str:
-    return rundir.path(run_dir, MARKER)
-
-
 def is_cancelled(run_dir: str) -> bool:
     """True once a user cancelled the run: the job must neither requeue nor start training."""
-    return os.path.exists(marker(run_dir))
+    return os.path.exists(rundir.RunPaths(run_dir).cancelled)
 
 
 def mark_cancelled(run_dir: str, job_id: str | None, now: float | None = None) -> None:
@@ -48,13 +43,13 @@ def mark_cancelled(run_dir: str, job_id: str | None, now: float | None = None) -
     except (KeyError, OSError):
         user = str(os.getuid())
     record = {"cancelled_at": time.time() if now is None else now, "job_id": job_id, "by": f"{user}@{socket.gethostname()}"}
-    rundir.write_atomic(marker(run_dir), json.dumps(record, indent=1))
+    durable.write_atomic(rundir.RunPaths(run_dir).cancelled, json.dumps(record, indent=1))
 
 
 def clear(run_dir: str) -> bool:
     """Remove the marker (an explicit resubmission of this run). Returns True when there was one."""
     try:
-        os.remove(marker(run_dir))
+        os.remove(rundir.RunPaths(run_dir).cancelled)
         return True
     except FileNotFoundError:
         return False
@@ -73,16 +68,17 @@ def runs_of(target: str) -> list[str]:
     index = sweep_index.read_index(target) if sweep_index.is_sweep_dir(target) else None
     if index is not None:
         return list(sweep_index.member_dirs(target, index).values())
-    if not os.path.exists(rundir.path(target, rundir.CONFIG)):
-        raise UserError(f"{target!r} holds neither config.yaml nor {sweep_index.INDEX}: not a clusterflow run or sweep dir")
+    if not os.path.exists(rundir.RunPaths(target).config):
+        raise UserError(f"{target!r} holds neither config.yaml nor sweep.json: not a clusterflow run or sweep dir")
     return [target]
 
 
 def job_state(run_dir: str) -> str | None:
     """The state the run's job last wrote (not the marker's: after a failed scancel, cancelling
     again retries it), or None when a submission is newer than it (a resubmitted job may be pending)."""
-    st = rundir.read_json(rundir.path(run_dir, "status.json"), {}) or {}
-    submitted = [float(r.get("submitted_at") or 0) for r in rundir.read_jsonl(rundir.path(run_dir, jobids.SUBMISSIONS))]
+    paths = rundir.RunPaths(run_dir)
+    st = rundir.read_json(paths.status, {}) or {}
+    submitted = [float(r.get("submitted_at") or 0) for r in rundir.read_jsonl(paths.submissions)]
     if submitted and max(submitted) > float(st.get("updated_at") or 0):
         return None
     return st.get("state")
@@ -136,7 +132,7 @@ def cancel(target: str) -> list[str]:
     runs: list[tuple[str, Any, Any]] = []
     skipped = []
     for run_dir in runs_of(target):
-        if not os.path.exists(rundir.path(run_dir, rundir.CONFIG)):
+        if not os.path.exists(rundir.RunPaths(run_dir).config):
             skipped.append(f"{run_dir}: never submitted; nothing to cancel")
             continue
         runs.append((run_dir, job_state(run_dir), jobids.current_job_id(run_dir)))

@@ -214,11 +214,14 @@ def _torch_save(obj: Any, f: Any) -> None:
     torch.save(obj, f)
 
 
-def write_atomic(target: str, payload: Any, fsync: bool = True) -> dict[str, Any]:
+def write_atomic(target: str, payload: Any, fsync: bool = True, make_folder: bool = True) -> dict[str, Any]:
     """Replace the local file ``target`` so that readers see the old or the new content, never
-    half of it. The temporary sibling is hidden (``.tmp-<name>-<random>``) and removed on error."""
+    half of it. The temporary sibling is hidden (``.tmp-<name>-<random>``) and removed on error.
+    ``make_folder=False``: fail (FileNotFoundError) rather than recreate a folder that was moved or
+    deleted under a periodic writer (heartbeats must not resurrect a run dir the user moved)."""
     folder = os.path.dirname(target) or "."
-    os.makedirs(folder, exist_ok=True)
+    if make_folder:
+        os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}")
     try:
         info = write_file(tmp, payload, fsync)

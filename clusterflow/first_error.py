@@ -20,25 +20,20 @@ import socket
 import time
 from typing import Any
 
-
-def path_for(run_dir: str, attempt: int) -> str:
-    return os.path.join(run_dir, "errors", f"first.attempt{attempt}.json")
+from clusterflow import durable, rundir
 
 
 def record(run_dir: str, attempt: int, rank: int, error: str, *, host: str | None = None, kind: str = "error",
            **extra: Any) -> bool:
     """Record ``error`` as this attempt's first cause. True when it won, False when a cause was already there."""
-    target = path_for(run_dir, attempt)
+    target = rundir.RunPaths(run_dir).first_error_file(attempt)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(target):
         return False  # the common loser's path: skip writing a temp file
     rec = {"rank": rank, "host": host or socket.gethostname(), "error": error, "kind": kind, "time": time.time(),
            "attempt": attempt, "pid": os.getpid(), **extra}
     tmp = f"{target}.{socket.gethostname()}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(rec, indent=1))
-        f.flush()
-        os.fsync(f.fileno())
+    durable.write_file(tmp, json.dumps(rec, indent=1))  # complete and fsynced before anyone can see it
     try:
         os.link(tmp, target)
         return True
@@ -61,11 +56,7 @@ def _create_exclusive(target: str, rec: dict[str, Any]) -> bool:
 
 
 def read(run_dir: str, attempt: int) -> dict[str, Any] | None:
-    try:
-        with open(path_for(run_dir, attempt), encoding="utf-8") as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
-        return None
+    rec = rundir.read_json(rundir.RunPaths(run_dir).first_error_file(attempt))
     return rec if isinstance(rec, dict) else None
 
 

@@ -8,14 +8,15 @@ heartbeat, never a step. The thread also reads NVML for this rank's GPU (memory,
 temperature: a few ms of driver calls, which is why they are not on the loop's thread either).
 
 Storage: one small JSON file per rank, RUN_DIR/heartbeats/rank<R>.json, replaced atomically
-(write ``.rank<R>.tmp``, then rename), not fsynced (a heartbeat lost to a crash is replaced 10 s
-later). At 1,000 ranks and heartbeat_s=10 that is 1,000 files of ~400 bytes (~0.4 MB), 100 replaces
-per second, i.e. ~400 NFS RPCs/s (open, write, close, rename) and ~40 KB/s into one directory: a
-small load for any NFS server, which serves thousands of metadata operations per second. `status`
-reads the 1,000 files in about a second (~3 RPCs each) and only when someone asks. Per-node
-aggregation would cut the writes eightfold but needs a second channel between the ranks of a node,
-and a hung aggregator would silence every rank of its node: the very moment a heartbeat must speak.
-One file per rank keeps every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
+(``durable.write_atomic``: a hidden temp file, then rename), not fsynced (a heartbeat lost to a
+crash is replaced 10 s later), and never recreating a run dir moved away under it. At 1,000 ranks
+and heartbeat_s=10 that is 1,000 files of ~400 bytes (~0.4 MB), 100 replaces per second, i.e. ~400
+NFS RPCs/s (open, write, close, rename) and ~40 KB/s into one directory: a small load for any NFS
+server, which serves thousands of metadata operations per second. `status` reads the 1,000 files in
+about a second (~3 RPCs each) and only when someone asks. Per-node aggregation would cut the writes
+eightfold but needs a second channel between the ranks of a node, and a hung aggregator would
+silence every rank of its node: the very moment a heartbeat must speak. One file per rank keeps
+every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
 
 A record also carries ``progress_at``: the writer keeps running while the loop is stuck in Python
 (time.sleep, a lock, a collective), so a fresh ``time`` with an old ``progress_at`` reads "alive but
@@ -32,10 +33,9 @@ import threading
 import time
 from typing import Any, Callable
 
-from clusterflow import nvml
+from clusterflow import durable, nvml, rundir
 
 PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
-DIR = "heartbeats"
 STRAGGLER_RATIO = 1.5  # step time above 1.5 x the median of the other ranks ...
 STRAGGLER_FLOOR_S = 0.05  # ... and at least 50 ms above it, so jitter on tiny steps marks nobody
 SILENT_FLOOR_S = 30.0  # clock skew between nodes and NFS attribute caching stay well below this
@@ -59,10 +59,6 @@ class Progress:
         return self._state
 
 
-def path_for(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, DIR, f"rank{rank}.json")
-
-
 class Heartbeat:
     """``Heartbeat(run_dir, rank, host, every_s).beat(step=..., phase=...)``; ``close()`` at exit.
 
@@ -76,6 +72,7 @@ class Heartbeat:
                  gpu: int | str | None = None, gather: bool = False, start: bool = True,
                  snapshot: Callable[[], list[dict[str, Any]] | None] = nvml.read_snapshot) -> None:
         self.run_dir, self.rank, self.every_s = run_dir, rank, float(every_s)
+        self.paths = rundir.RunPaths(run_dir)
         self.host = host or socket.gethostname()
         self.gpu, self.gather, self._snapshot = gpu, gather, snapshot
         self.progress = Progress()
@@ -84,7 +81,7 @@ class Heartbeat:
         self._ranks: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        os.makedirs(os.path.join(run_dir, DIR), exist_ok=True)
+        os.makedirs(self.paths.heartbeats, exist_ok=True)
         if start:
             self._thread = threading.Thread(target=self._run, name=f"clusterflow-heartbeat-{rank}", daemon=True)
             self._thread.start()
@@ -100,11 +97,7 @@ class Heartbeat:
     def write(self) -> dict[str, Any]:
         """Write this rank's record now (the thread does it every ``every_s``); returns the record."""
         record = self.record()
-        target = path_for(self.run_dir, self.rank)
-        tmp = os.path.join(os.path.dirname(target), f".rank{self.rank}.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(record))
-        os.replace(tmp, target)
+        durable.write_atomic(self.paths.heartbeat_file(self.rank), json.dumps(record), fsync=False, make_folder=False)
         return record
 
     def record(self) -> dict[str, Any]:
@@ -160,7 +153,7 @@ def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, si
     rank that has not written yet in this attempt is listed too, as silent with no phase.
     """
     now = time.time() if now is None else now
-    folder = os.path.join(run_dir, DIR)
+    folder = rundir.RunPaths(run_dir).heartbeats
     records: dict[int, dict[str, Any]] = {}
     try:
         names = os.listdir(folder)
@@ -169,8 +162,8 @@ def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, si
     for name in names:
         if not (name.startswith("rank") and name.endswith(".json")):
             continue
-        rec = _load(os.path.join(folder, name))
-        if rec is None or not isinstance(rec.get("rank"), int) or (since is not None and rec.get("time", 0) < since):
+        rec = rundir.read_json(os.path.join(folder, name))
+        if not isinstance(rec, dict) or not isinstance(rec.get("rank"), int) or (since is not None and rec.get("time", 0) < since):
             continue
         if world_size is not None and rec["rank"] >= world_size:
             continue  # a larger earlier attempt's rank
@@ -179,15 +172,6 @@ def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, si
         for r in range(world_size):
             records.setdefault(r, {"rank": r, "host": None, "step": None, "phase": None, "time": None})
     return mark([records[r] for r in sorted(records)], heartbeat_s, now)
-
-
-def _load(target: str) -> dict[str, Any] | None:
-    try:
-        with open(target, encoding="utf-8") as f:
-            rec = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return rec if isinstance(rec, dict) else None
 
 
 def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[dict[str, Any]]:

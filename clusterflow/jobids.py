@@ -20,7 +20,6 @@ from clusterflow import rundir
 from clusterflow.errors import UserError
 
 SLURM_ID = re.compile(r"^\d+(_\d+)?$")
-SUBMISSIONS = "submissions.jsonl"
 # Attempt sources (DistEnv.source) whose job_id is a Slurm job id; torchrun inside sbatch reports SLURM_JOB_ID.
 SLURM_SOURCES = ("slurm", "torchrun")
 
@@ -48,17 +47,17 @@ def record_submission(run_dir: str, job_id: str, now: float | None = None) -> No
     """Called by submit for every run dir it submits to Slurm (one run, or each member of a sweep)."""
     if not is_slurm_id(job_id):
         raise ValueError(f"not a Slurm job id: {job_id!r}")  # a programming error: local runs are not recorded
-    rundir.append_jsonl(rundir.path(run_dir, SUBMISSIONS),
+    rundir.append_jsonl(rundir.RunPaths(run_dir).submissions,
                         {"job_id": str(job_id), "submitted_at": time.time() if now is None else now})
 
 
 def current_job_id(run_dir: str) -> str | None:
     """The Slurm job that holds the run now (or held it last), or None (never submitted to Slurm:
     a local run, whose job id is a process id that must never reach scancel, or a run by hand)."""
-    records = [(float(r.get("submitted_at") or 0), str(r.get("job_id") or ""))
-               for r in rundir.read_jsonl(rundir.path(run_dir, SUBMISSIONS))]
+    paths = rundir.RunPaths(run_dir)
+    records = [(float(r.get("submitted_at") or 0), str(r.get("job_id") or "")) for r in rundir.read_jsonl(paths.submissions)]
     records += [(float(r.get("started_at") or 0), str(r.get("job_id") or ""))
-                for r in rundir.read_jsonl(rundir.path(run_dir, "attempts.jsonl")) if r.get("source") in SLURM_SOURCES]
+                for r in rundir.read_jsonl(paths.attempts) if r.get("source") in SLURM_SOURCES]
     records = [r for r in records if is_slurm_id(r[1])]
     return max(records, key=lambda r: r[0])[1] if records else None
 

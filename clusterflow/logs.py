@@ -30,7 +30,7 @@ _NAME = re.compile(r"^rank(\d+)\.attempt(\d+)\.log$")
 
 def _names(run_dir: str) -> list[tuple[int, int]]:
     try:
-        names = os.listdir(rundir.path(run_dir, "logs"))
+        names = os.listdir(rundir.RunPaths(run_dir).logs)
     except FileNotFoundError:
         return []
     return [(int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, names) if m]
@@ -46,7 +46,8 @@ def ranks(run_dir: str) -> list[int]:
 
 
 def header(run_dir: str, rank: int, attempt: int) -> str:
-    rec = next((r for r in rundir.read_jsonl(rundir.path(run_dir, "attempts.jsonl")) if r.get("attempt") == attempt), {})
+    paths = rundir.RunPaths(run_dir)
+    rec = next((r for r in rundir.read_jsonl(paths.attempts) if r.get("attempt") == attempt), {})
     parts = [f"attempt {attempt}"]
     if rec.get("job_id"):
         parts.append(f"job {rec['job_id']}")
@@ -54,13 +55,13 @@ def header(run_dir: str, rank: int, attempt: int) -> str:
         parts.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["started_at"])))
     if rec.get("hosts"):
         parts.append("on " + ",".join(sorted(set(rec["hosts"]))))
-    return f"==> {rundir.log_file(run_dir, rank, attempt)} ({', '.join(parts)}) <=="
+    return f"==> {paths.log_file(rank, attempt)} ({', '.join(parts)}) <=="
 
 
 def ended(run_dir: str) -> bool:
     from clusterflow.cancel import is_cancelled
 
-    state = (rundir.read_json(rundir.path(run_dir, "status.json"), {}) or {}).get("state")
+    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
     return state in ENDED or is_cancelled(run_dir)
 
 
@@ -96,13 +97,14 @@ def _check(run_dir: str, rank: int) -> None:
     if sweep_index.is_sweep_dir(run_dir):
         raise UserError(f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
                         f"(python -m clusterflow.status {run_dir} lists them)")
-    if not os.path.exists(rundir.path(run_dir, rundir.CONFIG)):
+    paths = rundir.RunPaths(run_dir)
+    if not os.path.exists(paths.config):
         raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
     if rank < 0:
         raise UserError(f"--rank {rank}: ranks are numbered from 0")
     have = ranks(run_dir)
     if have and rank not in have:
-        raise UserError(f"rank {rank} has no logs in {rundir.path(run_dir, 'logs')}; ranks with logs: "
+        raise UserError(f"rank {rank} has no logs in {paths.logs}; ranks with logs: "
                         f"{', '.join(map(str, have))}")
 
 
@@ -116,7 +118,7 @@ def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: fl
             if tail is not None:
                 tail.drain(out)  # finish the previous attempt before the next header
             out.write(("\n" if tail is not None else "") + header(run_dir, rank, attempt) + "\n")
-            tail, current = _Tail(rundir.log_file(run_dir, rank, attempt)), attempt
+            tail, current = _Tail(rundir.RunPaths(run_dir).log_file(rank, attempt)), attempt
         if tail is not None:
             tail.drain(out)
         if not follow:
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _check(args.run_dir, args.rank)
     if not attempts(args.run_dir, args.rank) and not args.follow:
-        print(f"no log yet in {rundir.path(args.run_dir, 'logs')} (the job has not started); "
+        print(f"no log yet in {rundir.RunPaths(args.run_dir).logs} (the job has not started); "
               f"python -m clusterflow.logs {args.run_dir} -f waits for it", file=sys.stderr)
         return EXIT_OK
     try:

@@ -7,9 +7,19 @@
     RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ or submitit/ for the launcher's output
     RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
     RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
+    RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see jobids.py)
     RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0
+    RUN_DIR/cancelled.json         present once a user cancelled the run (see cancel.py)
     RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank
+    RUN_DIR/errors/first.attempt<A>.json   the first cause of a failed attempt, written once (see first_error.py)
+    RUN_DIR/heartbeats/rank<R>.json        each rank's latest heartbeat (see heartbeat.py)
+    RUN_DIR/stalls/attempt<A>/     stacks (rank<R>.stacks.txt) and flight recorder dumps of a stall (see watchdog.py)
+    RUN_DIR/code/<version>/        the task's code frozen at submission; code/current.json names the one
+                                   the next attempt imports (see snapshot.py)
     RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
+
+A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
+run dir per member, ``SWEEP_DIR/<member name>/``.
 
 Only local paths are supported for the run dir itself (logs and status need a POSIX filesystem);
 checkpoints may live elsewhere through `checkpoint.dir`. Every file here that a reader may open
@@ -85,11 +95,62 @@ class RunPaths:
     def model(self) -> str:
         return self._p("model.pt")
 
+    @property
+    def submissions(self) -> str:
+        return self._p("submissions.jsonl")
+
+    @property
+    def cancelled(self) -> str:
+        return self._p("cancelled.json")
+
+    @property
+    def heartbeats(self) -> str:
+        return self._p("heartbeats")
+
+    @property
+    def code(self) -> str:
+        return self._p("code")
+
+    @property
+    def code_pointer(self) -> str:
+        return self._p("code", "current.json")
+
+    @property
+    def sweep_index(self) -> str:
+        return self._p("sweep.json")
+
+    @property
+    def sweep_lock(self) -> str:
+        return self._p(".sweep.lock")
+
     def log_file(self, rank: int, attempt: int) -> str:
         return self._p("logs", f"rank{rank}.attempt{attempt}.log")
 
     def error_file(self, rank: int) -> str:
         return self._p("errors", f"rank{rank}.json")
+
+    def first_error_file(self, attempt: int) -> str:
+        return self._p("errors", f"first.attempt{attempt}.json")
+
+    def heartbeat_file(self, rank: int) -> str:
+        return self._p("heartbeats", f"rank{rank}.json")
+
+    def stalls(self, attempt: int) -> str:
+        return self._p("stalls", f"attempt{attempt}")
+
+    def stacks_file(self, rank: int, attempt: int) -> str:
+        return self._p("stalls", f"attempt{attempt}", f"rank{rank}.stacks.txt")
+
+    def nccl_trace_prefix(self, attempt: int) -> str:
+        """NCCL's own dump on a timeout: torch appends the rank (the name torchfrtrace's --prefix reads)."""
+        return self._p("stalls", f"attempt{attempt}", "nccl_trace_rank_")
+
+    def code_version(self, version: str) -> str:
+        return self._p("code", version)
+
+    def member(self, name: str) -> str:
+        """A sweep member's run dir, inside the sweep's run.dir."""
+        return self._p(name)
 
 
 def read_json(target: str, default: Any = None) -> Any:

@@ -61,7 +61,7 @@ def array_plan(sweep_dir: str, configs: list[Config], names: list[str], max_para
     if len(timeouts) > 1:
         raise UserError(f"sweep members differ in cluster.max_timeout_requeues ({sorted(timeouts)}); give it once")
     parameters = dict(params[0], array_parallelism=min(max_parallel or len(configs), len(configs)))
-    folder = os.path.abspath(rundir.path(sweep_dir, "logs", "slurm", "%j"))
+    folder = os.path.abspath(os.path.join(rundir.RunPaths(sweep_dir).slurm_logs, "%j"))
     return ArrayPlan(list(names), list(configs), parameters, folder, timeouts.pop())
 
 

@@ -34,11 +34,9 @@ import tempfile
 import time
 from typing import Any, MutableMapping
 
-from clusterflow import rundir
+from clusterflow import durable, rundir
 from clusterflow.errors import UserError
 
-CODE = "code"
-POINTER = "current.json"
 MAX_BYTES = 20 * 2**20
 MAX_FILES = 2000
 MAX_DIFF_BYTES = 5 * 2**20
@@ -149,7 +147,8 @@ def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_B
     """Called by submit (login node) before each submission. Returns the manifest, or None when
     nothing is frozen (disabled, installed code, clusterflow's own tasks); then the pointer is
     removed so that no older snapshot is imported by mistake."""
-    pointer = rundir.path(run_dir, CODE, POINTER)
+    paths = rundir.RunPaths(run_dir)
+    pointer = paths.code_pointer
     found = locate(target) if enabled else None
     if found is None:
         if os.path.exists(pointer):
@@ -159,8 +158,8 @@ def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_B
     files = _files(source)
     total = _check_size(files, source, max_bytes)
     git, diff = git_state(source)
-    os.makedirs(rundir.path(run_dir, CODE), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=rundir.path(run_dir, CODE))
+    os.makedirs(paths.code, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=paths.code)
     try:
         digest = hashlib.sha256()
         for full, rel in files:
@@ -177,7 +176,7 @@ def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_B
             f.write(diff)
         with open(os.path.join(tmp, "snapshot.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
-        final = rundir.path(run_dir, CODE, version)
+        final = paths.code_version(version)
         if os.path.isdir(final):
             shutil.rmtree(tmp)  # the same code was frozen before: keep that copy (a job may be reading it)
         else:
@@ -185,18 +184,19 @@ def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_B
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    rundir.write_atomic(pointer, json.dumps(manifest, indent=1))
+    durable.write_atomic(pointer, json.dumps(manifest, indent=1))
     return manifest
 
 
 def describe(run_dir: str) -> dict[str, Any] | None:
     """For status: {module, version, commit, dirty, path} of the snapshot the next attempt imports."""
-    manifest = rundir.read_json(rundir.path(run_dir, CODE, POINTER))
+    paths = rundir.RunPaths(run_dir)
+    manifest = rundir.read_json(paths.code_pointer)
     if not manifest:
         return None
     git = manifest.get("git") or {}
     return {"module": manifest["module"], "version": manifest["version"], "commit": git.get("commit"),
-            "dirty": git.get("dirty"), "path": rundir.path(run_dir, CODE, manifest["version"])}
+            "dirty": git.get("dirty"), "path": paths.code_version(manifest["version"])}
 
 
 def activate(run_dir: str, environ: MutableMapping[str, str] | None = None) -> dict[str, Any] | None:
@@ -207,7 +207,7 @@ def activate(run_dir: str, environ: MutableMapping[str, str] | None = None) -> d
         return None
     path = os.path.abspath(info["path"])
     if not os.path.isdir(os.path.join(path, info["module"])) and not os.path.isfile(os.path.join(path, info["module"] + ".py")):
-        raise UserError(f"the code snapshot {path} named by {rundir.path(run_dir, CODE, POINTER)} is missing or incomplete; "
+        raise UserError(f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} is missing or incomplete; "
                         f"submit the run again to take a new one")
     if path in sys.path:
         sys.path.remove(path)

@@ -20,13 +20,12 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
 import unicodedata
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterflow import config as cfgmod
-from clusterflow import fingerprint
+from clusterflow import fingerprint, rundir
 from clusterflow.config import Config
 from clusterflow.errors import UserError
 
@@ -179,7 +178,7 @@ def member_name(values: dict[str, Any], result_fingerprint: str) -> str:
 
 def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
     d = cfg.to_dict()
-    d["run"]["dir"] = os.path.join(sweep_dir, name)
+    d["run"]["dir"] = rundir.RunPaths(sweep_dir).member(name)
     if d["checkpoint"]["dir"]:  # members must never share a checkpoint dir (they would resume each other)
         d["checkpoint"]["dir"] = d["checkpoint"]["dir"].rstrip("/") + "/" + name
     return cfgmod.from_dict(d)

@@ -24,32 +24,28 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from clusterflow import fingerprint, rundir
+from clusterflow import durable, fingerprint, rundir
 from clusterflow.errors import UserError
 from clusterflow.sweep import Sweep
 
-INDEX = "sweep.json"
 VERSION = 1
 ACTIVE = ("pending", "running", "requeued")
 
 
-def index_path(sweep_dir: str) -> str:
-    return rundir.path(sweep_dir, INDEX)
-
-
 def is_sweep_dir(path: str) -> bool:
-    return os.path.isfile(index_path(path))
+    return os.path.isfile(rundir.RunPaths(path).sweep_index)
 
 
 def read_index(sweep_dir: str) -> dict[str, Any] | None:
     """The index, or None for a directory that holds no sweep yet. Refuses a single run's dir."""
-    target = index_path(sweep_dir)
+    paths = rundir.RunPaths(sweep_dir)
+    target = paths.sweep_index
     if not os.path.exists(target):
-        if os.path.exists(rundir.path(sweep_dir, rundir.CONFIG)):
+        if os.path.exists(paths.config):
             raise UserError(f"run.dir {sweep_dir!r} holds a single run (config.yaml), not a sweep; "
                             f"choose another run.dir for the sweep")
         return None
-    try:
+    try:  # not rundir.read_json: a damaged index is refused with its reason, never taken for no index
         with open(target, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError) as exc:
@@ -60,14 +56,14 @@ def read_index(sweep_dir: str) -> dict[str, Any] | None:
 
 
 def write_index(sweep_dir: str, index: dict[str, Any]) -> None:
-    rundir.write_atomic(index_path(sweep_dir), json.dumps(index, indent=1, sort_keys=False, default=str))
+    durable.write_atomic(rundir.RunPaths(sweep_dir).sweep_index, json.dumps(index, indent=1, sort_keys=False, default=str))
 
 
 @contextlib.contextmanager
 def locked(sweep_dir: str) -> Iterator[None]:
     """Hold ``SWEEP_DIR/.sweep.lock`` (flock): one submission of a sweep at a time."""
     os.makedirs(sweep_dir, exist_ok=True)
-    with open(rundir.path(sweep_dir, ".sweep.lock"), "a") as f:
+    with open(rundir.RunPaths(sweep_dir).sweep_lock, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -89,7 +85,7 @@ def merge(index: dict[str, Any] | None, sweep: Sweep) -> tuple[dict[str, Any], l
     if index is None:
         new["members"] = [member_record(m) for m in sweep.members]
         return new, []
-    where = index_path(sweep.dir)
+    where = rundir.RunPaths(sweep.dir).sweep_index
     if set(index["keys"]) != set(sweep.keys):
         raise UserError(f"{where} holds a sweep over {', '.join(index['keys'])}; this one sweeps {', '.join(sweep.keys)}. "
                         f"A sweep dir holds one sweep: sweep the same keys, or choose another run.dir")
@@ -151,7 +147,8 @@ def record_submission(index: dict[str, Any], array_job_id: str, jobs: dict[str, 
 
 def member_dirs(sweep_dir: str, index: dict[str, Any]) -> dict[str, str]:
     """name -> run dir, in sweep order."""
-    return {m["name"]: rundir.path(sweep_dir, m["name"]) for m in index["members"]}
+    paths = rundir.RunPaths(sweep_dir)
+    return {m["name"]: paths.member(m["name"]) for m in index["members"]}
 
 
 def member_job_id(index: dict[str, Any], name: str) -> str | None:

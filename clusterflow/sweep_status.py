@@ -51,10 +51,10 @@ def collect(sweep_dir: str, collect_run: Callable[[str], dict[str, Any]]) -> lis
     """Read the index and every member's status (a member that cannot be read gets state unknown)."""
     index = sweep_index.read_index(sweep_dir) if sweep_index.is_sweep_dir(sweep_dir) else None
     if index is None:
-        raise UserError(f"{sweep_dir!r} has no {sweep_index.INDEX}, so it is not a sweep dir")
+        raise UserError(f"{sweep_dir!r} has no sweep.json, so it is not a sweep dir")
     statuses: dict[str, dict[str, Any] | None] = {}
     for name, run_dir in sweep_index.member_dirs(sweep_dir, index).items():
-        if not os.path.exists(rundir.path(run_dir, rundir.CONFIG)):
+        if not os.path.exists(rundir.RunPaths(run_dir).config):
             statuses[name] = None
             continue
         try:

@@ -36,7 +36,7 @@ import traceback
 from types import FrameType
 from typing import Any, Callable, Mapping
 
-from clusterflow import first_error
+from clusterflow import durable, first_error, rundir
 from clusterflow.heartbeat import Progress
 
 EXIT_STALLED = 86  # distinct from 1 (job failed) and 2 (bad input): `sacct` shows ExitCode 86:0
@@ -105,11 +105,12 @@ class Watchdog:
             msg += f", waiting in {waiting} for its peers"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         record = {"step": step, "phase": phase, "stalled_s": round(idle, 1), "where": where, "traceback": stack}
-        stalls = stalls_dir(self.run_dir, self.attempt)
+        paths = rundir.RunPaths(self.run_dir)
+        stalls = paths.stalls(self.attempt)
         _guard(lambda: record.update(won=first_error.record(self.run_dir, self.attempt, self.rank, msg, host=self.host,
                                                             kind="stall", **record)))
         header = f"clusterflow watchdog: {msg}\nstacks of every thread (loop thread 0x{self.loop_thread or 0:016x}):\n"
-        for target in (self.log_file, os.path.join(stalls, f"rank{self.rank}.stacks.txt")):
+        for target in (self.log_file, paths.stacks_file(self.rank, self.attempt)):
             if target:
                 _guard(lambda t=target: dump_stacks(t, header))
         _guard(lambda: record.update(flight_recorder=dump_flight_recorder(stalls, self.rank)))
@@ -190,16 +191,12 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
 
 # -- PyTorch's flight recorder ----------------------------------------------------------------
 
-def stalls_dir(run_dir: str, attempt: int) -> str:
-    return os.path.join(run_dir, "stalls", f"attempt{attempt}")
-
-
 def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
     prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and the
     older NCCL-only ones; a variable the user set is kept."""
-    prefix = os.path.join(stalls_dir(run_dir, attempt), "nccl_trace_rank_")
+    prefix = rundir.RunPaths(run_dir).nccl_trace_prefix(attempt)
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {"TORCH_FR_BUFFER_SIZE": FR_BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
@@ -280,10 +277,9 @@ def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -
             try:
                 data = _with_timeout(lambda fn=fn, s=stacks: fn(includeCollectives=True, includeStackTraces=s,
                                                                  onlyActive=False), budget)
-                os.makedirs(folder, exist_ok=True)
-                with open(target + ".tmp", "wb") as f:
-                    f.write(data)
-                os.replace(target + ".tmp", target)
+                # not fsynced: the process exits next and the page cache outlives it; an fsync
+                # on a slow NFS server would keep a hung rank alive
+                durable.write_atomic(target, data, fsync=False)
                 done.append(f"{fn_name}{' with stack traces' if stacks else ''}: {len(data)} bytes in {target}")
             except Exception as exc:  # noqa: BLE001 - best effort; the Python stacks are already on disk
                 done.append(f"{fn_name}{' with stack traces' if stacks else ''}: {type(exc).__name__}: {exc}")

@@ -13,9 +13,9 @@ import socket
 import sys
 import time
 
-from clusterflow import first_error
+from clusterflow import first_error, rundir
 from clusterflow.heartbeat import Heartbeat
-from clusterflow.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env, stalls_dir
+from clusterflow.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
 
 
 def sleeping_in_loss():
@@ -70,7 +70,7 @@ def main():
                 ranks(run_dir, mode, hb, rank)
     except Exception as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
         won = first_error.record(run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname())
-        dump_flight_recorder(stalls_dir(run_dir, 0), rank)  # so the ranks' recorders can be compared
+        dump_flight_recorder(rundir.RunPaths(run_dir).stalls(0), rank)  # so the ranks' recorders can be compared
         print(f"rank {rank} collective failed; first cause recorded: {won}", flush=True)
         sys.exit(1)
     hb.close()

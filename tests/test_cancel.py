@@ -18,9 +18,9 @@ def make_run(path, state=None, job=None, source="slurm", **status):
     with open(os.path.join(d, "config.yaml"), "w") as f:
         f.write("run: {dir: x}\n")
     if state:
-        rundir.write_status(d, state=state, **status)
+        rundir.write_status(rundir.RunPaths(d), state=state, **status)
     if job:
-        rundir.append_jsonl(rundir.path(d, "attempts.jsonl"), {"attempt": 0, "job_id": job, "started_at": time.time(), "source": source})
+        rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 0, "job_id": job, "started_at": time.time(), "source": source})
     return d
 
 
@@ -28,7 +28,7 @@ def test_marker_and_effective_state(tmp_path):
     d = make_run(tmp_path / "r", "running", "7")
     assert not cancel.is_cancelled(d) and cancel.effective_state(d, "running") == "running"
     cancel.mark_cancelled(d, "7", now=1.0)
-    rec = json.load(open(cancel.marker(d)))
+    rec = json.load(open(rundir.RunPaths(d).cancelled))
     assert cancel.is_cancelled(d) and rec["job_id"] == "7" and rec["cancelled_at"] == 1.0 and "@" in rec["by"]
     assert cancel.effective_state(d, "running") == "cancelled" and cancel.effective_state(d, "requeued") == "cancelled"
     assert cancel.effective_state(d, "completed") == "completed"  # finished just before the cancel arrived

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from clusterflow import heartbeat
+from clusterflow import rundir
 from clusterflow.heartbeat import Heartbeat, mark, read_ranks, render, summary, tensorboard_scalars
 
 GPU0 = {"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H100", "memory_total_mb": 81559, "memory_used_mb": 30720,
@@ -106,7 +106,7 @@ def test_marks(records, heartbeat_s, silent, stragglers):
 
 def _write(run_dir, rec):
     os.makedirs(os.path.join(run_dir, "heartbeats"), exist_ok=True)
-    with open(heartbeat.path_for(run_dir, rec["rank"]), "w") as f:
+    with open(rundir.RunPaths(run_dir).heartbeat_file(rec["rank"]), "w") as f:
         json.dump(rec, f)
 
 

@@ -34,12 +34,12 @@ def test_current_job_id_is_the_newest_slurm_record(tmp_path):
     assert jobids.current_job_id(d) is None
     jobids.record_submission(d, "100_2", now=10.0)
     assert jobids.current_job_id(d) == "100_2"  # pending: no attempt yet
-    rundir.append_jsonl(rundir.path(d, "attempts.jsonl"), {"attempt": 0, "job_id": "103", "started_at": 20.0, "source": "slurm"})
+    rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 0, "job_id": "103", "started_at": 20.0, "source": "slurm"})
     assert jobids.current_job_id(d) == "103"  # the task's own id once it runs
     jobids.record_submission(d, "200", now=30.0)
     assert jobids.current_job_id(d) == "200"  # a resubmission
     # a local run's job id is a process id: it must never reach scancel
-    rundir.append_jsonl(rundir.path(d, "attempts.jsonl"), {"attempt": 1, "job_id": "4242", "started_at": 40.0, "source": "submitit-local"})
+    rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 1, "job_id": "4242", "started_at": 40.0, "source": "submitit-local"})
     assert jobids.current_job_id(d) == "200"
     with pytest.raises(ValueError):
         jobids.record_submission(d, "local")

@@ -24,12 +24,12 @@ def make_run(tmp_path):
 
 
 def attempt(d, a, job, hosts=("node1",)):
-    rundir.append_jsonl(rundir.path(d, "attempts.jsonl"), {"attempt": a, "job_id": job, "started_at": 1.7e9 + a,
-                                                           "hosts": list(hosts), "source": "slurm"})
+    rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": a, "job_id": job, "started_at": 1.7e9 + a,
+                                                      "hosts": list(hosts), "source": "slurm"})
 
 
 def append(d, rank, a, text):
-    with open(rundir.log_file(d, rank, a), "a", encoding="utf-8") as f:
+    with open(rundir.RunPaths(d).log_file(rank, a), "a", encoding="utf-8") as f:
         f.write(text)
         f.flush()
 
@@ -44,7 +44,7 @@ def test_prints_every_attempt_in_order_under_a_header(tmp_path):
     logs.show(d, 0, out)
     lines = out.getvalue().splitlines()
     assert [ln for ln in lines if not ln.startswith("==>") and ln] == [f"rank0 attempt {a} line" for a in (0, 1, 2, 10)]
-    assert lines[0].startswith(f"==> {rundir.log_file(d, 0, 0)} (attempt 0, job 500, started ")
+    assert lines[0].startswith(f"==> {rundir.RunPaths(d).log_file(0, 0)} (attempt 0, job 500, started ")
     assert lines[0].endswith("on node1,node2) <==")
     cli = run_cli("clusterflow.logs", d, "--rank", "1")
     assert cli.returncode == 0 and "rank1 attempt 10 line" in cli.stdout and "rank0" not in cli.stdout.replace("rank1", "")
@@ -71,7 +71,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
 def test_a_character_split_between_two_writes_stays_whole(tmp_path):
     d = make_run(tmp_path)
     text = "épreuve ✓\n".encode()
-    path = rundir.log_file(d, 0, 0)
+    path = rundir.RunPaths(d).log_file(0, 0)
     tail = logs._Tail(path)
     out = io.StringIO()
     with open(path, "wb") as f:
@@ -117,7 +117,7 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
     d = make_run(tmp_path)
     attempt(d, 0, "900")
     append(d, 0, 0, "first attempt starts\n")
-    rundir.write_status(d, state="running")
+    rundir.write_status(rundir.RunPaths(d), state="running")
     proc = subprocess.Popen([sys.executable, "-m", "clusterflow.logs", d, "-f"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -125,15 +125,15 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
         _expect(lines, "first attempt starts")
         append(d, 0, 0, "first attempt saves and is preempted\n")
         _expect(lines, "is preempted")
-        rundir.write_status(d, state="requeued")  # not an end: the follower waits for the next attempt
+        rundir.write_status(rundir.RunPaths(d), state="requeued")  # not an end: the follower waits for the next attempt
         time.sleep(1.0)
         assert proc.poll() is None
         attempt(d, 1, "900")
         append(d, 0, 1, "second attempt resumes\n")
         seen = _expect(lines, "second attempt resumes")
-        assert any(s.startswith(f"==> {rundir.log_file(d, 0, 1)} (attempt 1, job 900") for s in seen)
+        assert any(s.startswith(f"==> {rundir.RunPaths(d).log_file(0, 1)} (attempt 1, job 900") for s in seen)
         if end == "completed":
-            rundir.write_status(d, state="completed")
+            rundir.write_status(rundir.RunPaths(d), state="completed")
         else:
             with open(os.path.join(d, "cancelled.json"), "w") as f:
                 f.write("{}")

@@ -45,11 +45,11 @@ def test_index_round_trip_is_atomic_and_relative(conf, tmp_path):
 def test_a_damaged_index_or_a_single_run_dir_is_refused(conf, tmp_path):
     sw = expand(conf)
     os.makedirs(sw.dir)
-    with open(sweep_index.index_path(sw.dir), "w") as f:
+    with open(rundir.RunPaths(sw.dir).sweep_index, "w") as f:
         f.write('{"version": 1, "memb')
     with pytest.raises(UserError, match="sweep.json cannot be read"):
         sweep_index.read_index(sw.dir)
-    with open(sweep_index.index_path(sw.dir), "w") as f:
+    with open(rundir.RunPaths(sw.dir).sweep_index, "w") as f:
         json.dump({"version": 99, "members": []}, f)
     with pytest.raises(UserError, match="not a clusterflow sweep index of version 1"):
         sweep_index.read_index(sw.dir)
@@ -102,11 +102,12 @@ def test_plan_skips_completed_active_and_cancelled_and_resumes_the_rest():
 
 def _member_run(run_dir, **st):
     os.makedirs(run_dir, exist_ok=True)
-    with open(rundir.path(run_dir, "config.yaml"), "w") as f:
+    paths = rundir.RunPaths(run_dir)
+    with open(paths.config, "w") as f:
         f.write("run: {dir: x}\n")
     if st:
-        rundir.write_status(run_dir, **st)
-        rundir.record_attempt(run_dir, job_id=st.get("job_id"), source="slurm")
+        rundir.write_status(paths, **st)
+        rundir.record_attempt(paths, job_id=st.get("job_id"), source="slurm")
 
 
 def test_status_rows_of_a_sweep(conf):
