@@ -13,7 +13,7 @@ claim. Two baselines for saving: torch.save alone (the data may still sit in the
 returns) and torch.save followed by fsync (as durable as the store, which fsyncs every file, the
 manifest and the folder); both sides keep the newest two copies on disk, as the store does with
 ``keep_last=2``, and every timed operation starts with ``os.sync()``. Loading is warm-cache for both sides, so the ratio shows the store's own
-work (reading into memory, the sha256 check, weights_only unpickling).
+work (reading into memory, the digest check, weights_only unpickling).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
         print(f"  {k:18s} {statistics.median(v):7.3f}s {min(v):7.3f}s  ({nbytes / 2**20 / statistics.median(v):6.0f} MiB/s median)")
     for label, a, b in (("save, store / torch.save+fsync (same durability)", "store.save", "torch.save+fsync"),
                         ("save, store / torch.save (no fsync)", "store.save", "torch.save"),
-                        ("load, store (sha256 verified) / torch.load", "store.load", "torch.load")):
+                        ("load, store (digest verified) / torch.load", "store.load", "torch.load")):
         print(f"  ratio {label:50s} median {statistics.median(times[a]) / statistics.median(times[b]):.2f}x, "
               f"best {min(times[a]) / min(times[b]):.2f}x")
     return times

@@ -131,7 +131,7 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
-        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their sha256 check and were set aside: "
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) failed their digest check and were set aside: "
                      f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
     if s["checkpoint_error"]:
         lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
