@@ -13,6 +13,20 @@ goes to ``model.pt`` as a plain state_dict, and every object in ``states`` (anyt
 ``state_dict``/``load_state_dict``) to ``train_state.pt`` under its name, beside every rank's RNG
 state. The manifest carries the train state's ``position``, so the state after the end-of-epoch
 work supersedes a stop checkpoint taken at the same step before it (see store.py).
+
+Saving (``checkpoint.async``, docs/preemption.md): every rank hands its RNG state to rank 0, which
+alone writes. A step or end-of-epoch save is snapshotted into host memory (``staging.py``) and
+committed by a background thread with the store's protocol, so the other ranks go on at once and
+rank 0 as soon as the snapshot is taken. At most one write is in flight: the next save waits for
+it (that wait is the "stall" logged and sent to TensorBoard). A stop, and the end of the run,
+wait for the write in flight and then write synchronously, so a stopped job has committed its
+last step before any rank exits. A background write that fails is logged and put in ``status``
+at once, and the next save is its retry, written synchronously; a synchronous write that fails
+fails the job on every rank. Committed steps are never touched by a failure.
+
+Restoring: rank 0 alone reads, verifies and loads the newest committed checkpoint (one read of the
+shared filesystem per job, and one decision on which step is good); the others receive the state
+over the process group (``dist.broadcast_state``) and their own RNG state (``dist.scatter_object``).
 """
 
 from __future__ import annotations
@@ -23,9 +37,14 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
 
+import torch
+
 from clusterflow import config as cfgmod
-from clusterflow import dist, phases
+from clusterflow import dist, phases, rundir
+from clusterflow.background import BackgroundWrite
+from clusterflow.errors import UserError
 from clusterflow.saved_config import portable
+from clusterflow.staging import Staging
 from clusterflow.state import capture_rng, restore_rng
 from clusterflow.store import CheckpointStore
 from clusterflow.train_state import TrainState
@@ -33,6 +52,10 @@ from clusterflow.train_state import TrainState
 log = logging.getLogger("clusterflow.checkpointer")
 
 STEP, EPOCH_END, STOP = "step", "epoch end", "stop"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written synchronously; raised on every rank (the job fails)."""
 
 
 class Stateful(Protocol):
@@ -51,6 +74,14 @@ class Checkpointer:
         self.every_steps, self.steps_per_epoch, self.attempt = c.every_steps, steps_per_epoch, attempt
         self.phases = tracker or phases.Phases()
         self.before_commit = before_commit  # collective; raises to refuse a state (the trainer: non-finite)
+        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.writes = BackgroundWrite()
+        self.staging = None
+        if c.async_ and dist.rank() == 0:
+            optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
+            self.staging = Staging(model, optimizers)
+        self._last_write_s: float | None = None
+        self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
 
     def due(self, event: str) -> bool:
         if event != STEP:
@@ -58,96 +89,196 @@ class Checkpointer:
         p = self.progress
         return p.global_step % self.every_steps == 0 and p.step_in_epoch < self.steps_per_epoch
 
-    def save(self, event: str) -> float | None:
-        """Collective when due: every rank hands its RNG state to rank 0, which commits. Returns the
-        seconds the commit took on rank 0, None elsewhere and when nothing was committed."""
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, event: str) -> dict[str, float]:
+        """Collective when due. Returns scalars for the metrics: ``checkpoint/stall_s`` (how long this
+        call blocked the loop), ``checkpoint/gate_s`` (how long the last optimizer step waited for
+        the previous snapshot), ``checkpoint/save_s`` (the last finished write); empty when not due."""
         if not self.due(event):
-            return None
+            return {}
         if self.before_commit is not None:
             self.before_commit(event)
+        t0 = time.perf_counter()
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
-            seconds = self._commit(rngs) if dist.rank() == 0 else None
-            dist.barrier()
-        return seconds
+            failed = dist.broadcast_object(self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None)
+            new_round = self._new_round()
+            if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
+                if dist.rank() == 0:
+                    self._start_write(rngs)
+            else:
+                self._write_now(rngs, failed)
+        return self._scalars(time.perf_counter() - t0)
 
-    def _commit(self, rngs: list[Any] | None) -> float | None:
-        t0 = time.perf_counter()
-        p = self.progress
+    def _new_round(self) -> bool:
+        """True when the state holds a mining round no earlier save held: that save is written
+        synchronously, so no kill can make the run mine that round again (a round costs far more
+        than a write)."""
+        rounds = len(self.progress.mining_history)
+        new, self._rounds_saved = rounds > self._rounds_saved, rounds
+        return new
+
+    def finish(self) -> None:
+        """Collective, at the end of the run: wait for the write in flight; write a failed one again now."""
+        failed = dist.broadcast_object(self._wait_for_write(expected=True) if dist.rank() == 0 else None)
+        if failed:
+            self._write_now(dist.gather_object(capture_rng()), failed)
+
+    def _wait_for_write(self, expected: bool = False) -> str | None:
+        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a stop
+        or the end of the run, where waiting is the point, not a sign of saves due too often."""
+        outcome = self.writes.wait()
+        if outcome is None:
+            return None
+        self._last_write_s = outcome.seconds
+        if outcome.waited >= 0.01 and not expected:
+            (log.warning if outcome.waited >= 1.0 else log.info)(
+                "checkpoint: the loop waited %.2f s for the background write of step %d (saves are due faster than "
+                "they are written; raise checkpoint.every_steps, or write to a faster filesystem)", outcome.waited, outcome.step)
+        return outcome.error
+
+    def _start_write(self, rngs: list[Any] | None) -> None:
+        """Rank 0: snapshot the state and commit it on the background thread."""
+        step, files, meta = self.progress.global_step, self._files(rngs), self._meta()
+        try:
+            snap = self.staging.take(files)
+        except Exception as exc:  # noqa: BLE001 - e.g. no host memory for the copy: a failed write like any other
+            failure = exc
+
+            def write() -> None:
+                raise failure
+        else:
+            def write() -> None:
+                self.staging.copy_rest(snap)
+                self._commit(step, self.staging.result(snap), meta, "in the background")
+
+        self.writes.start(step, write, self._background_failed)
+
+    def _background_failed(self, step: int, exc: BaseException) -> str:
+        """On the writer's thread: report at once; the next save retries synchronously."""
+        message = self._failure(step, exc)
+        log.error("%s; the committed steps are untouched; the next save is written synchronously and fails the job "
+                  "if it fails too", message)
+        rundir.write_status(self.paths, checkpoint_error=message)
+        return message
+
+    def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+        """Collective: rank 0 commits before anyone goes on; a failure fails the job on every rank."""
+        error = None
+        if dist.rank() == 0:
+            step = self.progress.global_step
+            if retry_of:
+                log.warning("writing checkpoint step %d synchronously: the background write before it failed (%s)", step, retry_of)
+            try:
+                self._last_write_s = self._commit(step, self._files(rngs), self._meta(), "")
+                if retry_of:
+                    rundir.write_status(self.paths, checkpoint_error=None)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                error = self._failure(step, exc)
+                log.error("%s; the committed steps are untouched; the job stops", error)
+                rundir.write_status(self.paths, checkpoint_error=error)
+        error = dist.broadcast_object(error)  # instead of a barrier: every rank knows the outcome
+        if error:
+            raise CheckpointWriteError(error)
+
+    def _failure(self, step: int, exc: BaseException) -> str:
+        cause = _cause(exc)
+        return f"checkpoint step {step} could not be written to {self.store.url}: {type(cause).__name__}: {cause}"
+
+    def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
         train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
-        # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
-        files = {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
-        meta = {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
+        return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
+
+    def _meta(self) -> dict[str, Any]:
+        p = self.progress
+        return {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
                 "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": portable(self.cfg.to_dict()),
                 "world_size": dist.world(), "attempt": self.attempt}
-        path = self.store.save(p.global_step, files, meta)
-        if not path:
-            return None
+
+    def _commit(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str) -> float:
+        t0 = time.perf_counter()
+        # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
+        path = self.store.save(step, files, meta)
         seconds = time.perf_counter() - t0
-        log.info("checkpoint step %d committed at %s (%.2f s)", p.global_step, path, seconds)
+        if path:
+            log.info("checkpoint step %d committed at %s %s(%.2f s)", step, path, f"{how} " if how else "", seconds)
         return seconds
 
-    def restore(self) -> bool:
-        """Collective, at the start of every attempt: rank 0 finishes what a killed writer left,
-        then every rank loads the newest checkpoint that verifies *and* loads. Returns True when resumed.
+    def _scalars(self, stall: float) -> dict[str, float]:
+        out = {"checkpoint/stall_s": stall}
+        if self.staging is not None:
+            out["checkpoint/gate_s"], self.staging.gate_s = self.staging.gate_s, 0.0
+        if self._last_write_s is not None:
+            out["checkpoint/save_s"], self._last_write_s = self._last_write_s, None
+        return out
 
-        Every way a checkpoint can fail to load makes it damaged: the store skips a lying manifest
-        or a bad hash, and here a model.pt that does not fit the model or a train state that the
-        optimizer, scheduler or counters refuse is skipped with a warning naming it, and the previous
-        one is tried. A skipped checkpoint leaves the model, the states and the RNG as they were,
-        and every rank skips the same ones (they agree before anything is applied to the model)."""
-        if dist.rank() == 0:
-            removed = self.store.clean_debris()
-            if removed:
-                log.warning("removed unfinished checkpoint folders left by a killed writer: %s", ", ".join(removed))
-        dist.barrier()
-        for ckpt in self.store.candidates():
-            problem, undo, model_state = self._stage(ckpt)
+    # -- restoring ----------------------------------------------------------------------------
+    def restore(self) -> bool:
+        """Collective, at the start of every attempt. Returns True when resumed.
+
+        Rank 0 finishes what a killed writer left, then reads the newest checkpoint that verifies
+        and fits the model, once; every rank receives it and applies it. Every way a checkpoint can
+        fail to load makes it damaged: the store skips a lying manifest or a bad digest, rank 0 a
+        model.pt that does not fit the model or a train state without a registered state, and a
+        state that the optimizer, scheduler or counters refuse on any rank is undone everywhere.
+        Each is skipped with a warning naming it (and set aside when the run reaches its step
+        again), and the previous one is tried; a skipped checkpoint leaves the model, the states
+        and the RNG as they were."""
+        skipped: set[int] = set()
+        while True:
+            head, state, rngs, failure = self._read(skipped) if dist.rank() == 0 else ({}, None, None, None)
+            head = dist.broadcast_object(head)
+            if failure is not None:
+                raise failure
+            if "user_error" in head:
+                raise UserError(head["user_error"])
+            if "error" in head:
+                raise RuntimeError(f"rank 0 could not read the checkpoint: {head['error']}")
+            if head["path"] is None:
+                return False
+            mine = dist.scatter_object(rngs) if head["world_size"] == dist.world() else None
+            state = dist.broadcast_state(state)
+            problem, undo = self._apply(state["train_state.pt"], mine)
             if dist.any_rank(bool(problem)):
                 if undo is not None:
                     undo()
                 why = problem or "another rank could not load it (see its log)"
-                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path, why)
-                self.store.refused[ckpt.step] = why  # set aside, like a bad hash, when the run gets there again
+                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", head["path"], why)
+                self.store.refused[head["step"]] = why  # set aside, like a bad digest, when the run gets there again
+                skipped.add(head["step"])
                 continue
-            self.model.load_state_dict(model_state)  # keys and shapes checked in _stage: it cannot half-apply
+            self.model.load_state_dict(state["model.pt"])  # keys and shapes checked by rank 0: it cannot half-apply
+            self._rounds_saved = len(self.progress.mining_history)
+            if mine is None:
+                log.warning("resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
+                            dist.world(), head["world_size"])
             p = self.progress
-            log.info("resumed from %s: epoch %d, step %d of the epoch, global step %d", ckpt.path, p.epoch, p.step_in_epoch, p.global_step)
+            log.info("resumed from %s: epoch %d, step %d of the epoch, global step %d", head["path"], p.epoch,
+                     p.step_in_epoch, p.global_step)
             return True
-        return False
 
-    def _stage(self, ckpt: Any) -> tuple[str, Callable[[], None] | None, Any]:
-        """Check one checkpoint against the model and apply its registered states and RNG.
-        Returns (problem, undo, model state): on a problem nothing is changed; otherwise ``undo``
-        puts the states and RNG back (another rank may still refuse it)."""
-        try:
-            self._check_config(ckpt.path, ckpt.manifest)
-            model_state, saved = ckpt.objects.get("model.pt"), ckpt.objects.get("train_state.pt")
-            _check_fits(self.model, model_state)
-            parts = self._parts(saved)
-        except ValueError as exc:
-            return str(exc), None, None
+    def _apply(self, saved: Mapping[str, Any], rng: Any) -> tuple[str, Callable[[], None] | None]:
+        """Apply the registered states and this rank's RNG. Returns (problem, undo): on a problem
+        nothing is changed; otherwise ``undo`` puts them back (another rank may still refuse)."""
+        parts = self._parts(saved)
         before = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.states.items()}
-        rng = capture_rng()
+        rng_before = capture_rng()
 
         def undo() -> None:
             for name, obj in self.states.items():
                 obj.load_state_dict(before[name])
-            restore_rng(rng)
+            restore_rng(rng_before)
 
         try:
             for name, obj in self.states.items():
                 obj.load_state_dict(parts[name])
-            if saved["world_size"] == dist.world():
-                restore_rng(saved["rng"][dist.rank()])
-            else:
-                log.warning("resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
-                            dist.world(), saved["world_size"])
+            if rng is not None:
+                restore_rng(rng)
         except Exception as exc:  # noqa: BLE001 - any refusal of a saved state makes the checkpoint unloadable
             undo()
-            return f"train_state.pt does not fit this run ({type(exc).__name__}: {exc})", None, None
-        return "", undo, model_state
+            return f"train_state.pt does not fit this run ({type(exc).__name__}: {exc})", None
+        return "", undo
 
     def _parts(self, saved: Any) -> dict[str, Any]:
         """Each registered state's saved form; ValueError when one is missing."""
@@ -161,10 +292,40 @@ class Checkpointer:
                 parts[name] = saved  # written before the train state was registered: its counters at the top level
             else:
                 raise ValueError(f"train_state.pt has no {name!r} state")
-        world = saved.get("world_size")
-        if not isinstance(world, int) or not isinstance(saved.get("rng"), list) or len(saved["rng"]) != world:
-            raise ValueError("train_state.pt has no RNG state for each of its ranks")
         return parts
+
+    def _read(self, skipped: set[int]) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
+        """Rank 0: finish what a killed writer left, then the newest committed step (not in
+        ``skipped``) that verifies and fits. Returns (what every rank needs to know, the state without
+        RNG, each rank's RNG, rank 0's error)."""
+        try:
+            if not skipped:
+                removed = self.store.clean_debris()
+                if removed:
+                    log.warning("removed unfinished checkpoint folders left by a killed writer: %s", ", ".join(removed))
+            for ckpt in self.store.candidates(skip=skipped):
+                try:
+                    self._check_config(ckpt.path, ckpt.manifest)
+                    model_state, saved = ckpt.objects.get("model.pt"), ckpt.objects.get("train_state.pt")
+                    _check_fits(self.model, model_state)
+                    self._parts(saved)
+                    world = saved.get("world_size")
+                    if not isinstance(world, int) or not isinstance(saved.get("rng"), list) or len(saved["rng"]) != world:
+                        raise ValueError("train_state.pt has no RNG state for each of its ranks")
+                except ValueError as exc:
+                    log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path, exc)
+                    self.store.refused[ckpt.step] = str(exc)
+                    skipped.add(ckpt.step)
+                    continue
+                saved = dict(saved)
+                rngs = saved.pop("rng")
+                return ({"path": ckpt.path, "step": ckpt.step, "world_size": world},
+                        {"model.pt": model_state, "train_state.pt": saved}, rngs, None)
+            return {"path": None}, None, None, None
+        except UserError as exc:
+            return {"user_error": str(exc)}, None, None, exc
+        except Exception as exc:  # noqa: BLE001 - the other ranks must not wait for a broadcast that never comes
+            return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
 
     def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
         if "config" in manifest:
@@ -185,15 +346,18 @@ class Checkpointer:
         return int(manifest.get("epoch", -1)) if manifest else -1
 
     def close(self) -> None:
-        """Leave no half-deleted old step behind at exit."""
+        """At exit, whatever the reason: let the write in flight finish (a failure is already logged),
+        and leave no half-deleted old step behind."""
+        if dist.rank() == 0:
+            self.writes.wait()
+        if self.staging is not None:
+            self.staging.close()
         self.store.wait_for_pruning()
 
 
 def _check_fits(model: Any, state: Any) -> None:
     """ValueError unless ``state`` has exactly the model's keys, each a tensor of its shape, so
     that ``load_state_dict`` cannot fail half-way (it copies matching entries before it raises)."""
-    import torch
-
     if state is None:
         raise ValueError("the manifest lists no model.pt")
     if not isinstance(state, dict):
@@ -208,3 +372,12 @@ def _check_fits(model: Any, state: Any) -> None:
         if not torch.is_tensor(got) or got.shape != t.shape:
             seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
             raise ValueError(f"model.pt does not fit the model: {key} is {seen} in the checkpoint, {tuple(t.shape)} in the model")
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What to report for a failed write: torch.save turns a failed file write (a full disk) into an
+    opaque RuntimeError ("unexpected pos ...") whose context is the OSError that says what happened."""
+    seen: BaseException | None = exc
+    while isinstance(seen, RuntimeError) and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen if isinstance(seen, BaseException) else exc

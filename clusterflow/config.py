@@ -26,6 +26,7 @@ from clusterflow.config_sections import (  # noqa: F401 - re-exported: clusterfl
     TaskConfig,
     TrainConfig,
     _check,
+    keys,
 )
 from clusterflow import config_yaml
 from clusterflow.config_types import coerce, short, shown
@@ -55,7 +56,9 @@ class Config:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Sections by their config keys (``checkpoint.async``, not the field name ``async_``)."""
+        data = dataclasses.asdict(self)
+        return {name: {key: data[name][fname] for key, fname in keys(SECTIONS[name]).items()} for name in data}
 
     def to_yaml(self) -> str:
         return config_yaml.dump(self.to_dict())
@@ -160,8 +163,9 @@ def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: s
 
 
 def _field_types(section_cls: type) -> dict[str, Any]:
+    """Config key -> type."""
     hints = typing.get_type_hints(section_cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+    return {key: hints[fname] for key, fname in keys(section_cls).items()}
 
 
 def _name(source: str, name: Any, what: str, example: str) -> str:
@@ -193,7 +197,7 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
                 raise UserError(
                     f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
                 )
-            kwargs[key] = coerce(f"{name}.{key}", v, types_[key])
+            kwargs[keys(SECTIONS[name])[key]] = coerce(f"{name}.{key}", v, types_[key])
         sections[name] = kwargs
     built = {name: cls(**sections.get(name, {})) for name, cls in SECTIONS.items()}
     return Config(**built)
@@ -278,11 +282,12 @@ def reference_markdown() -> str:
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-            tp = hints[f.name]
+            key = f.metadata.get("key", f.name)
+            tp = hints[key]
             tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
             if typing.get_origin(tp) is not None:
                 tname = str(tp).replace("typing.", "")
-            lines.append(f"| `{name}.{f.name}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+            lines.append(f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
         lines.append("")
     return "\n".join(lines)
 

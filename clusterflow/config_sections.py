@@ -18,11 +18,18 @@ from clusterflow.config_types import short
 from clusterflow.errors import UserError
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None) -> Any:  # noqa: A002
-    """A dataclass field with its documentation attached (read by the config reference)."""
+def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, key: str = "") -> Any:  # noqa: A002
+    """A dataclass field with its documentation attached (read by the config reference). ``key``:
+    the name in YAML and overrides when it cannot be a Python name (``checkpoint.async``)."""
+    metadata = {"help": help, **({"key": key} if key else {})}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def keys(section_cls: type) -> dict[str, str]:
+    """Config key -> dataclass field name, in declaration order (they differ only where ``doc(key=...)`` says)."""
+    return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(section_cls)}
 
 
 _YEAR_S = 365 * 24 * 3600  # timeouts become a timedelta, and then int64 milliseconds in torch
@@ -197,6 +204,10 @@ class CheckpointConfig:
                    "moves with it); an absolute path or any fsspec URL (s3://, gs://, memory://, ...) is used as given, "
                    "when its fsspec package (s3fs, gcsfs, ...) is installed; submit checks that it is.")
     fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
+    async_: bool = doc(True, "Save in the background: the loop is blocked only while the state is snapshotted into host "
+                       "memory (one extra host copy of rank 0's state, kept between saves); a background thread writes, "
+                       "hashes, fsyncs and commits it. Stops and the end of the run still wait for the write "
+                       "(docs/preemption.md).", key="async")
 
     def __post_init__(self) -> None:
         _check(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")

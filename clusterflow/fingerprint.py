@@ -85,6 +85,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "checkpoint.keep_last": (RESOURCE, "retention"),
     "checkpoint.dir": (RESOURCE, "where checkpoints live; a resume reads the newest one there, so move them first"),
     "checkpoint.fsync": (RESOURCE, "durability"),
+    "checkpoint.async": (RESOURCE, "the background writer commits the same state the loop would have written; the loop computes the same steps"),
     "mining.enabled": (RESULT, "mining"),
     "mining.every_epochs": (RESULT, "mining"),
     "mining.start_epoch": (RESULT, "mining"),

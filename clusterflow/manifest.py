@@ -4,7 +4,7 @@ A manifest is JSON that anything may have written: a torn copy, a hand edit, a f
 from another run. Valid JSON is not enough: ``[]``, ``{"files": {}}``, an entry without
 ``size``, ``"files": "model.pt"`` or a file name that climbs out of the folder each make the
 checkpoint *damaged*. :func:`check` names what is wrong (``ValueError``), and the store skips
-that checkpoint for the previous one, as it does for a file whose sha256 does not match.
+that checkpoint for the previous one, as it does for a file whose digest does not match.
 No torch here: ``status`` reads manifests on the login node.
 """
 
@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+from clusterflow.durable import HASHES
+
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")  # sha256 and blake3 (its default 32-byte output) alike
 
 
 def _is_int(v: Any) -> bool:
@@ -24,12 +26,14 @@ def _check_entry(name: Any, info: Any) -> None:
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError(f"the manifest names a file that is not in its folder: {name!r}")
     if not isinstance(info, dict):
-        raise ValueError(f"the manifest entry of {name} is {type(info).__name__}, not {{size, sha256}}")
-    size, sha = info.get("size"), info.get("sha256")
+        raise ValueError(f"the manifest entry of {name} is {type(info).__name__}, not {{size, digest}}")
+    size = info.get("size")
     if not _is_int(size) or size < 0:
         raise ValueError(f"the manifest entry of {name} has no valid size ({size!r})")
-    if not isinstance(sha, str) or not _SHA256.match(sha):
-        raise ValueError(f"the manifest entry of {name} has no valid sha256 ({sha!r})")
+    algorithm = next((a for a in HASHES if a in info), None)
+    digest = info.get(algorithm) if algorithm else None
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        raise ValueError(f"the manifest entry of {name} has no valid digest ({', '.join(HASHES)}): {digest!r}")
 
 
 def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
@@ -39,7 +43,7 @@ def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
         raise ValueError(f"the manifest is a JSON {type(manifest).__name__}, not an object")
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise ValueError(f"the manifest's 'files' is {type(files).__name__}, not a mapping of name -> {{size, sha256}}")
+        raise ValueError(f"the manifest's 'files' is {type(files).__name__}, not a mapping of name -> {{size, digest}}")
     if not files:
         raise ValueError("the manifest lists no files")
     for name, info in files.items():

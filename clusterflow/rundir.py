@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -242,10 +243,14 @@ def count_stops(paths: RunPaths, reason: str) -> int:
     return sum(1 for r in read_jsonl(paths.stops) if r.get("reason") == reason)
 
 
+_STATUS_LOCK = threading.Lock()  # the loop and the checkpoint writer's thread both update status.json
+
+
 def write_status(paths: RunPaths, **fields: Any) -> None:
-    current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
-    current.update(fields, updated_at=time.time())
-    durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
+    with _STATUS_LOCK:
+        current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
+        current.update(fields, updated_at=time.time())
+        durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:

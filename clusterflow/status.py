@@ -151,6 +151,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
         "damaged_records": [d for d in (damaged_status, damaged_config) if d],
+        "checkpoint_error": st.get("checkpoint_error"),
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
@@ -173,8 +174,10 @@ def render(s: dict[str, Any]) -> str:
     else:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
-        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (sha256, manifest or fit) and were set aside: "
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (digest, manifest or fit) and were set aside: "
                      f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
+    if s["checkpoint_error"]:
+        lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
     if s["liveness"]:
         lines.append(f"liveness     {s['liveness']}")
     for d in s["damaged_records"]:

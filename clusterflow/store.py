@@ -4,12 +4,13 @@ Layout under the store root (``RUN_DIR/checkpoints`` by default, or any fsspec U
 
     step-<N>/model.pt         plain state_dict (torch.load(..., weights_only=True) works without clusterflow)
     step-<N>/train_state.pt   optimizer, scheduler, scaler, counters, RNG states, pseudo-labels, ...
-    step-<N>/manifest.json    written last: files, sizes, sha256, step, position, config, versions
+    step-<N>/manifest.json    written last: files (size and digest each), step, position, config, versions
 
 Commit protocol: every file is written into ``.tmp-step-<N>-<random>/``, flushed and fsynced, the
 manifest is written last, and the folder is renamed to ``step-<N>`` (atomic on a POSIX
 filesystem; on object stores the manifest check below covers a partial copy). A reader trusts
-only a step whose manifest lists files that exist with the recorded size and sha256; anything
+only a step whose manifest lists files that exist with the recorded size and digest (BLAKE3, or
+sha256 in manifests of older versions: each file's record names its algorithm); anything
 else is skipped with a warning naming it, and the previous step is used.
 
 One step, two states: at the last step of an epoch the trainer holds a state before and one after
@@ -178,11 +179,13 @@ class CheckpointStore:
             durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
             if self.local and self.fsync:
                 durable.fsync_dir(tmp)
-        except Exception as exc:
-            if diskfull.cause(exc) is None:
-                raise  # other failures leave the folder to clean_debris, as a kill does
-            self._rm(tmp.rsplit("/", 1)[-1])  # give the space back before saying how much is free
-            diskfull.raise_if_full(exc, f"checkpoint step {step}", self.url_of(step), diskfull.payload_bytes(files), self.local)
+        except BaseException as exc:
+            # A failed write (a full disk, an object store error) gives its space back at once; a
+            # kill leaves the folder to the next clean_debris.
+            self._rm(tmp.rsplit("/", 1)[-1])
+            if isinstance(exc, Exception):  # a full disk: one line naming the device, the size and the free space
+                diskfull.raise_if_full(exc, f"checkpoint step {step}", self.url_of(step), diskfull.payload_bytes(files), self.local)
+            raise
         return tmp
 
     def _publish(self, staged: str, step: int) -> None:
@@ -271,12 +274,13 @@ class CheckpointStore:
             pass
 
     def _complete(self, path: str, step: int) -> dict[str, Any] | None:
-        """The manifest of a folder whose files all match it (size and sha256), else None."""
+        """The manifest of a folder whose files all match it (size and digest), else None."""
         try:
             manifest = self._read_manifest(path, step)
             for name, info in manifest["files"].items():
+                algorithm, digest = durable.recorded_digest(info)
                 if self.fs.size(f"{path}/{name}") != info["size"] or \
-                        durable.sha256_file(f"{path}/{name}", self._remote_fs) != info["sha256"]:
+                        durable.hash_file(f"{path}/{name}", algorithm, self._remote_fs) != digest:
                     return None
         except (ValueError, OSError):
             return None
@@ -318,9 +322,12 @@ class CheckpointStore:
         except ValueError:
             return None
 
-    def candidates(self) -> Iterator[Checkpoint]:
-        """Verified checkpoints, newest first; damaged ones are skipped with a warning naming them."""
+    def candidates(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Checkpoint]:
+        """Verified checkpoints, newest first, but for the steps in ``skip``; damaged ones are
+        skipped with a warning naming them."""
         for step in reversed(self.steps()):
+            if step in skip:
+                continue
             try:
                 ckpt = self.verify(step)
             except ValueError as exc:

@@ -288,9 +288,9 @@ class Trainer:
             self.miner.forget_rounds(self.checkpointer.committed_epoch())
 
     def _save(self, event: str) -> None:
-        seconds = self.checkpointer.save(event)
-        if seconds is not None:
-            self.writer.scalars({"checkpoint/save_s": seconds}, self.state.global_step)
+        scalars = self.checkpointer.save(event)
+        if scalars:
+            self.writer.scalars(scalars, self.state.global_step)
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_interval(self, window: _Window) -> None:
@@ -346,6 +346,7 @@ class Trainer:
 
     def _finish(self) -> None:
         self._status(state="running")
+        self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
         if self.rank == 0:
             durable.write_atomic(self.paths.model, self.module.state_dict())
         dist.barrier()

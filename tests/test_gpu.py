@@ -36,3 +36,39 @@ def test_demo_on_one_gpu_with_nccl_and_bf16(tmp_path):
     assert status["state"] == "completed" and len(status["mining"]) == 2
     log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert "device cuda:0" in log
+
+
+def test_background_snapshot_of_gpu_state_is_the_state_at_the_boundary():
+    """Side-stream copies into pinned buffers, gated by the optimizer step on the device: the
+    snapshot equals the state at the save even though the loop's next step runs at once."""
+    import copy
+
+    from clusterflow import tree
+    from clusterflow.staging import Staging
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(256, 2048, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    staging = Staging(model, [opt])
+    live = {"model.pt": model.state_dict(), "optimizer": opt.state_dict()}
+    want = copy.deepcopy(live)
+    snap = staging.take(live)
+    import threading
+
+    writer = threading.Thread(target=staging.copy_rest, args=(snap,))
+    writer.start()
+    for _ in range(3):
+        step()  # queued at once; the first optimizer step waits for the copies on the device
+    writer.join()
+    got = staging.result(snap)
+    _, g = tree.flatten(got)
+    _, w = tree.flatten(want)
+    assert all(a.device.type == "cpu" and torch.equal(a, b.cpu()) for a, b in zip(g, w))
+    assert all(a.is_pinned() for a in g if a.numel() > 1)

@@ -3,7 +3,8 @@ model.pt bitwise equal to the uninterrupted reference run of the same config and
 
 (a) `scontrol requeue` in mid-epoch, then the time-limit signal (SIGUSR2), which makes rank 0
     requeue the job itself; (b) real preemption by an --exclusive job in the high partition;
-(c) SIGKILL of the whole job in the middle of a checkpoint write; (d) damaged newest checkpoints
+(c) SIGKILL of the whole job in the middle of a checkpoint write, synchronous (after a mining
+    round) and in the background while both nodes train on; (d) damaged newest checkpoints
     skipped on resume.
 """
 
@@ -21,6 +22,8 @@ pytestmark = pytest.mark.slurm
 
 SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.4")  # 6 steps per epoch, 3 epochs, 18 in all
 HANG = ("task.target=testtasks:HangInSave", "task.params.step_sleep=0", "task.params.hang_at_step=12")
+# Step 8 is an every_steps save, written in the background (step 12 follows a mining round: synchronous).
+HANG_BACKGROUND = ("task.target=testtasks:HangInSave", "task.params.step_sleep=0.2", "task.params.hang_at_step=8")
 
 
 def at_step(run_dir, step, attempt=0):
@@ -106,6 +109,25 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, referen
     assert_same_weights(d, reference_run)
 
 
+def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(cluster, reference_run, tmp_path):
+    d = str(tmp_path / "run")
+    ckpts = os.path.join(d, "checkpoints")
+    job, _ = submit(d, *HANG_BACKGROUND)
+    wait_until("a half-written step 8", lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")), job_id=job)
+    wait_until("both nodes training past step 8 while it is written", lambda: at_step(d, 10), job_id=job)
+    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
+    scmd("scancel", "--signal=KILL", "--full", job)
+    wait_gone(job)
+    assert CheckpointStore(ckpts, keep_last=3).steps() == [4, 6]
+    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
+    _, out = submit(d, *HANG_BACKGROUND, wait=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    logs = rank0_logs(d)
+    assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-8-" in logs
+    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)
+    assert_same_weights(d, reference_run)
+
+
 def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run, tmp_path):
     d = str(tmp_path / "run")
     ckpts, _ = killed_while_writing_step_12(d)
@@ -118,7 +140,7 @@ def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run
     _, out = submit(d, *HANG, wait=True)
     assert out.returncode == 0, out.stdout + out.stderr
     logs = rank0_logs(d)
-    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its sha256", logs)
+    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its blake3 digest", logs)
     assert re.search(r"skipping damaged checkpoint \S+/step-6: train_state.pt has \d+ bytes", logs)
     assert re.search(r"resumed from \S+/step-4:", logs)
     # The damaged steps are kept aside for inspection when the run commits those steps anew.

@@ -23,7 +23,7 @@ def test_commit_latest_and_retention(store):
     assert ck.step == 30 and ck.manifest["epoch"] == 0
     assert torch.equal(ck.load("model.pt")["w"], torch.full((4,), 30.0))
     assert set(ck.manifest["files"]) == {"model.pt", "train_state.pt"}
-    assert len(ck.manifest["files"]["model.pt"]["sha256"]) == 64
+    assert len(ck.manifest["files"]["model.pt"]["blake3"]) == 64  # each file's record names its algorithm
 
 
 def test_committed_step_is_never_overwritten(store):
@@ -89,3 +89,37 @@ def test_damaged_step_is_moved_aside_when_the_run_reaches_it_again(tmp_path, cap
     aside = [p.name for p in tmp_path.iterdir() if p.name.startswith("damaged-step-2-")]
     assert len(aside) == 1 and (tmp_path / aside[0] / "model.pt").read_bytes() == b"torn"
     assert store.steps() == [1, 2]
+
+
+OLD_STORE = os.path.join(os.path.dirname(__file__), "data", "sha256-store")  # written by the code of 19ebe49
+
+
+def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found(tmp_path):
+    """tests/data/sha256-store was written by the store as it was before BLAKE3: steps 4 and 6
+    committed, and a complete step 8 whose rename a kill cut short."""
+    import shutil
+
+    root = tmp_path / "ck"
+    shutil.copytree(OLD_STORE, root)
+    store = CheckpointStore(str(root), keep_last=2)
+    assert "sha256" in json.loads((root / "step-6" / "manifest.json").read_text())["files"]["model.pt"]
+    assert store.latest().step == 6 and torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 6.0))
+    assert store.clean_debris() == []  # the complete staged step 8 verifies by its sha256 and is published
+    assert store.latest().step == 8
+    data = bytearray((root / "step-8" / "train_state.pt").read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (root / "step-8" / "train_state.pt").write_bytes(bytes(data))
+    assert store.latest().step == 6  # a flipped bit is found by the old digest too
+    store.save(10, files(10))  # a new save next to old ones gets the new digest
+    assert "blake3" in json.loads((root / "step-10" / "manifest.json").read_text())["files"]["model.pt"]
+    assert store.latest().step == 10
+
+
+def test_a_record_naming_an_unknown_algorithm_is_damaged_not_trusted(tmp_path):
+    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store.save(1, files(1))
+    store.save(2, files(2))
+    manifest = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
+    manifest["files"]["model.pt"] = {"size": manifest["files"]["model.pt"]["size"], "md5": "0" * 32}
+    (tmp_path / "step-2" / "manifest.json").write_text(json.dumps(manifest))
+    assert store.latest().step == 1

@@ -1,0 +1,65 @@
+"""One checkpoint write at a time, on a background thread.
+
+:meth:`BackgroundWrite.start` runs a write on a fresh thread; :meth:`BackgroundWrite.wait` blocks
+until it has finished and hands back its :class:`Outcome` once (how long it took, how long the
+caller waited for it, and the error that ended it, if any). The checkpointer decides what a
+failure means; this module only makes sure none goes unnoticed: the error is kept until someone
+waits, and ``on_error`` runs on the writer's thread at once (to log it and put it in ``status``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: int
+    seconds: float  # the write itself
+    waited: float  # how long ``wait`` blocked its caller
+    error: str | None  # None: committed (or already committed)
+
+
+class BackgroundWrite:
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._result: tuple[float, str | None] = (0.0, None)
+        self._step = -1
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, step: int, write: Callable[[], Any], on_error: Callable[[int, BaseException], str]) -> None:
+        """Run ``write`` on a new thread; the previous write must have been waited for.
+        ``on_error(step, exc)`` returns the message kept for ``wait``."""
+        if self._thread is not None:
+            raise RuntimeError("a checkpoint write is still in flight; wait() for it first (this is a bug in clusterflow)")
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            error = None
+            try:
+                write()
+            except BaseException as exc:  # noqa: BLE001 - kept and reported: a failed save is never silent
+                error = on_error(step, exc)
+            self._result = (time.perf_counter() - t0, error)
+
+        self._step = step
+        # A daemon: a write hung on a dead filesystem must not keep a failed job alive; the
+        # checkpointer waits for it on every normal path, and a kill leaves only a .tmp- folder.
+        self._thread = threading.Thread(target=run, name=f"checkpoint-step-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> Outcome | None:
+        """The outcome of the write in flight or just finished (None when there is none)."""
+        if self._thread is None:
+            return None
+        t0 = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        seconds, error = self._result
+        return Outcome(self._step, seconds, time.perf_counter() - t0, error)

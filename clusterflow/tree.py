@@ -1,0 +1,93 @@
+"""A nested state (dicts, lists, tuples of tensors and small objects) taken apart and put back.
+
+``flatten`` returns a *skeleton*, the same nesting with every tensor replaced by a :class:`Slot`
+naming its place in the returned list, and the list of tensors. ``unflatten`` fills a skeleton
+with other tensors (host copies, or tensors received from another rank). The skeleton is small
+and picklable, so it can travel where the tensors should not: the checkpointer snapshots the
+tensors into host buffers, and the restore broadcasts them as tensors while only the skeleton is
+pickled. Dict subclasses and their ``_metadata`` (what ``Module.state_dict`` attaches) survive.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int  # place in the tensor list
+    path: str  # where it sits in the state, for messages ("model.pt/0.weight")
+
+
+def _empty(d: dict) -> dict:
+    try:
+        return type(d)()  # OrderedDict (state_dicts) and plain dicts
+    except TypeError:
+        return {}  # a dict subclass that needs arguments: its items are what matters
+
+
+def _is_tensor(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.Tensor)
+
+
+def flatten(obj: Any, path: str = "") -> tuple[Any, list[Any]]:
+    """(skeleton, tensors). Non-tensor leaves are kept as they are (``copy.deepcopy`` the skeleton
+    to keep them from changing later)."""
+    tensors: list[Any] = []
+
+    def walk(o: Any, where: str) -> Any:
+        if _is_tensor(o):
+            tensors.append(o)
+            return Slot(len(tensors) - 1, where)
+        if isinstance(o, dict):
+            out = _empty(o)
+            for k, v in o.items():
+                out[k] = walk(v, f"{where}/{k}" if where else str(k))
+            if hasattr(o, "_metadata"):
+                out._metadata = copy.deepcopy(o._metadata)  # type: ignore[attr-defined]
+            return out
+        if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
+            items = [walk(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(o)]
+            return items if isinstance(o, list) else tuple(items)
+        return o
+
+    return walk(obj, path), tensors
+
+
+def slots(skeleton: Any) -> list[Slot]:
+    """Every slot of a skeleton, in tensor-list order."""
+    found: list[Slot] = []
+
+    def walk(o: Any) -> None:
+        if isinstance(o, Slot):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                walk(v)
+
+    walk(skeleton)
+    return sorted(found, key=lambda s: s.index)
+
+
+def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
+    """The skeleton with each slot replaced by ``tensors[slot.index]`` (containers are rebuilt)."""
+    if isinstance(skeleton, Slot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        out = _empty(skeleton)
+        for k, v in skeleton.items():
+            out[k] = unflatten(v, tensors)
+        if hasattr(skeleton, "_metadata"):
+            out._metadata = skeleton._metadata  # type: ignore[attr-defined]
+        return out
+    if isinstance(skeleton, (list, tuple)) and type(skeleton) in (list, tuple):
+        items = [unflatten(v, tensors) for v in skeleton]
+        return items if isinstance(skeleton, list) else tuple(items)
+    return skeleton
