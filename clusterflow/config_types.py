@@ -66,8 +66,9 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
         for member in typing.get_args(tp):
             try:
                 return coerce(key, value, member)
-            except UserError:
-                pass
+            except UserError as exc:
+                if not str(exc).startswith(f"{key} = {shown(value)}: expected "):
+                    raise  # of that type, but a bad value ("inf": not finite), not a value of another type
         raise bad
     if tp is bool:
         if isinstance(value, bool):
