@@ -113,7 +113,8 @@ def join(base: str, *parts: str) -> str:
 # the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
 # last finite checkpoint, skipping such steps).
 MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "checkpoint.dir", "run.lease_s", "train.on_nonfinite",
-                                                  "train.max_consecutive_skips"})
+                                                  "train.max_consecutive_skips", "dist.heartbeat_s", "dist.stall_s",
+                                                  "cluster.gpus"})
 
 
 def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:

@@ -86,6 +86,10 @@ class ClusterConfig:
     nodes: int = doc(1, "Number of nodes.")
     tasks_per_node: int = doc(1, "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).")
     gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
+    gpus: str | list[int] = doc("auto", "submit --local only: which of this machine's GPUs to use, one per process. auto: "
+                                "the free ones (no other process, enough free memory), in nvidia-smi order; or a list of "
+                                "nvidia-smi indices, e.g. [0, 2], each of which must be free. Slurm jobs get the GPUs "
+                                "Slurm allocates.")
     cpus_per_task: int = doc(1, "CPU cores per process.")
     mem_gb: float = doc(0.0, "Memory per node in GB; 0 leaves Slurm's default.")
     partition: str = doc("", "Slurm partition; empty uses the cluster default.")
@@ -113,6 +117,7 @@ class ClusterConfig:
                 f"set cluster.tasks_per_node={self.gpus_per_node} (or leave it at 1 and it is set for you)",
             )
             self.tasks_per_node = self.gpus_per_node
+        self.gpus = _gpu_list(self.gpus)
         _check(self.cpus_per_task >= 1, "cluster.cpus_per_task", self.cpus_per_task, "must be >= 1")
         _check(self.mem_gb >= 0, "cluster.mem_gb", self.mem_gb, "must be >= 0")
         _check(self.time_min >= 1, "cluster.time_min", self.time_min, "must be >= 1 minute")
@@ -135,6 +140,18 @@ class ClusterConfig:
         return self.nodes * self.tasks_per_node
 
 
+def _gpu_list(value: str | list[int]) -> str | list[int]:
+    """cluster.gpus: auto, a list, or the list as one word on the command line (cluster.gpus=0,2)."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)*\s*\]?\s*", value):
+        value = [int(v) for v in re.findall(r"\d+", value)]
+    if isinstance(value, str):
+        _check(value == "auto", "cluster.gpus", value, "must be auto or a list of GPU indices as nvidia-smi numbers them, e.g. [0, 2]")
+        return value
+    _check(len(set(value)) == len(value) and all(v >= 0 for v in value), "cluster.gpus", value,
+           "must list distinct GPU indices (>= 0), e.g. [0, 2]")
+    return value
+
+
 @dataclass
 class DistConfig:
     """Process group settings."""
@@ -144,10 +161,33 @@ class DistConfig:
     find_unused_parameters: bool = doc(False, "DDP find_unused_parameters (needed when some parameters get no gradient).")
     bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
     sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
+    heartbeat_s: float = doc(10.0, "Each rank writes its step, phase, step time, host and GPU memory/utilisation to "
+                             "RUN_DIR/heartbeats/ this often, from a background thread (status --ranks shows them); 0 "
+                             "turns heartbeats off. May change on resume.")
+    stall_s: int | str = doc("auto", "Stall watchdog: a rank whose loop has not moved for this many seconds prints every "
+                             "thread's stack into its log, names itself in status and ends the job (exit code 86), "
+                             "instead of holding it until dist.timeout_s. auto: half of dist.timeout_s, at most 300; "
+                             "0: no watchdog. Must be below dist.timeout_s and above the slowest step or checkpoint "
+                             "save; the mining wait follows mining.timeout_s instead. May change on resume.")
 
     def __post_init__(self) -> None:
         _choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         _check(10 <= self.timeout_s <= _YEAR_S, "dist.timeout_s", self.timeout_s, f"must be between 10 and {_YEAR_S} seconds (a year)")
+        _check(self.heartbeat_s == 0 or 0.1 <= self.heartbeat_s <= 3600, "dist.heartbeat_s", self.heartbeat_s,
+               "must be 0 (off) or between 0.1 and 3600 seconds")
+        if isinstance(self.stall_s, str):
+            _check(self.stall_s == "auto", "dist.stall_s", self.stall_s, "must be auto, 0 (off) or a number of seconds")
+        elif self.stall_s != 0:
+            _check(1 <= self.stall_s < self.timeout_s, "dist.stall_s", self.stall_s,
+                   f"must be 0 (off), or at least 1 s and below dist.timeout_s ({self.timeout_s} s), or the process-group timeout "
+                   f"fires first and blames a waiting peer; raise dist.timeout_s or lower dist.stall_s")
+
+    @property
+    def stall_limit_s(self) -> float | None:
+        """The watchdog's limit in seconds, None when it is off."""
+        if self.stall_s == 0:
+            return None
+        return float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
         _check(1 <= self.bucket_cap_mb <= 1 << 20, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be between 1 and 1048576 (1 TB)")
 
 

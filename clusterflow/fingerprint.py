@@ -41,6 +41,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "cluster.tasks_per_node": (NUMERICS, _WORLD),
     "cluster.gpus_per_node": (NUMERICS, "CPU and GPU kernels compute the same math in another order "
                                         "(with train.amp=auto the precision changes too: refused)"),
+    "cluster.gpus": (RESOURCE, "which of a workstation's GPUs run the job (submit --local)"),
     "cluster.cpus_per_task": (RESOURCE, "cores asked of Slurm; torch's thread count is set from the node's cores"),
     "cluster.mem_gb": (RESOURCE, "memory asked of Slurm"),
     "cluster.partition": (RESOURCE, "where Slurm runs the job (other hardware computes in another order)"),
@@ -57,6 +58,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "dist.backend": (NUMERICS, "gloo and nccl reduce in another order (gloo trains on CPU: with train.amp=auto "
                                "the precision changes too: refused)"),
     "dist.timeout_s": (RESOURCE, "how long a silent rank is waited for"),
+    "dist.heartbeat_s": (RESOURCE, "how often each rank reports where it is; touches no weight"),
+    "dist.stall_s": (RESOURCE, "when a rank that stopped moving ends the job; touches no weight"),
     "dist.find_unused_parameters": (RESOURCE, "both values give the same gradients whenever both run; false "
                                               "only refuses models with unused parameters"),
     "dist.bucket_cap_mb": (NUMERICS, "the bucket layout decides the order in which ranks' gradients are "
