@@ -22,8 +22,8 @@ def _as_array(value: Any) -> np.ndarray:
 
 
 def evaluate(task: Any, model: torch.nn.Module, dataset: Any, device: torch.device, amp: torch.dtype | None,
-             batch_size: int) -> dict[str, float]:
-    """Collective: every rank must call it. Returns the same metrics on every rank."""
+             batch_size: int, tick: Any = None) -> dict[str, float]:
+    """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()`` once per batch."""
     shard = shard_range(len(dataset), dist.rank(), dist.world())
     loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(shard)), batch_size=max(1, batch_size))
     sums: dict[str, np.ndarray] = {}
@@ -39,6 +39,8 @@ def evaluate(task: Any, model: torch.nn.Module, dataset: Any, device: torch.devi
                 s = _as_array(s)
                 sums[k] = sums[k] + s if k in sums else s
                 counts[k] = counts.get(k, 0.0) + float(c)
+            if tick is not None:
+                tick()
     model.train(was_training)
     # Every rank reduces the same keys with the same sizes, even one whose shard was empty.
     shapes: dict[str, int] = {}

@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import Any, Mapping
 
-from clusterflow import failure, first_error, rundir
+from clusterflow import failure, first_error, observe, rundir
 from clusterflow.config import Config, from_dict
 from clusterflow.dist import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
@@ -98,6 +98,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
     held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
+        observe.before_init(cfg, environ)  # the flight recorder reads its variables when the group starts
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         cfg = from_dict(_take_run_dir(env, cfg, environ))
@@ -111,7 +112,9 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
         preemption = Preemption().install()
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
-        outcome = Trainer(cfg, task, device, attempt, preemption).fit()
+        trainer = Trainer(cfg, task, device, attempt, preemption)
+        with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):  # heartbeats, stall watchdog
+            outcome = trainer.fit()
         if env.is_main:
             outcome = after_stop(rundir.RunPaths(cfg.run.dir), outcome, env, environ, cfg.cluster.max_timeout_requeues,
                                  preemption.received_at)

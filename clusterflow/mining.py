@@ -54,7 +54,8 @@ class Round:
 
 
 def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batch: int, device: Any,
-                amp_dtype: Any, progress: Any = None, num_workers: int = 0, pin_memory: bool = False) -> tuple[np.ndarray, np.ndarray]:
+                amp_dtype: Any, progress: Any = None, num_workers: int = 0, pin_memory: bool = False,
+                tick: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """This rank's contiguous shard: (indices, float32 embeddings).
 
     Built to keep a GPU fed: the DataLoader decodes in ``num_workers`` processes into pinned
@@ -63,7 +64,8 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     the end, so the host never waits for the device inside the loop. No collective runs here:
     ``progress`` (rank 0's bar) advances by this rank's batches times the world size (shards
     differ by at most one sample), so no rank ever waits for another's progress. Indices are the
-    host copies of the batch's ``index``, in shard order."""
+    host copies of the batch's ``index``, in shard order. ``tick()`` is called once per batch (the
+    heartbeat: a rank stuck in one batch is a stall)."""
     import torch
 
     from clusterflow.sampler import shard_range
@@ -89,6 +91,8 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
             done += len(z)
             if progress is not None:
                 progress.update(min(len(z) * world, progress.total - progress.n))
+            if tick is not None:
+                tick()
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()  # the one wait: every copy into `host` has landed
     model.train(was_training)
@@ -224,7 +228,7 @@ class Miner:
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine, x = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds, files)
-        labels, stats = self._cluster(task, lists, x, n, epoch, engine, seconds) if lists is not None else (None, None)
+            labels, stats = self._cluster(task, lists, x, n, epoch, engine, seconds) if lists is not None else (None, None)
         if stats is not None:  # rank 0, which gathered every rank's embedding time
             # Per rank: its shard over its own time. Total: every sample over the time of the
             # slowest rank (the ranks start together, and the round waits for the last one).
@@ -270,7 +274,7 @@ class Miner:
             t0 = time.perf_counter()
             bar = self._bar(len(dataset), epoch)
             indices, emb = embed_shard(task, model, dataset, dist.rank(), dist.world(), self.cfg.embed_batch, self.device,
-                                       self.amp, bar, **self.loader_args)
+                                       self.amp, bar, tick=self.phases.tick, **self.loader_args)
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
                 bar.close()

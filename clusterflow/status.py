@@ -1,4 +1,4 @@
-"""python -m clusterflow.status RUN_DIR [--json]
+"""python -m clusterflow.status RUN_DIR [--json] [--ranks]
 
 What a run is doing, from its run directory (and squeue, when it answers within a few seconds).
 """
@@ -12,13 +12,14 @@ import sys
 import time
 from typing import Any
 
-from clusterflow import liveness, rundir, slurm_queue
+from clusterflow import liveness, rank_status, rundir, slurm_queue
 from clusterflow.config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
   python -m clusterflow.status runs/demo
   python -m clusterflow.status runs/demo --json | jq .state
+  python -m clusterflow.status runs/demo --ranks            # every rank: step, phase, heartbeat age, GPU
 """
 
 
@@ -133,7 +134,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         if alive is False:
             state, note = "failed", life.note(st.get("global_step", 0))
     latest = cks[-1] if cks else None
-    return {
+    out = {
         "state": state,
         "alive": alive,
         "liveness": note,
@@ -161,6 +162,8 @@ def collect(run_dir: str) -> dict[str, Any]:
         "logs": paths.logs,
         "updated_at": st.get("updated_at"),
     }
+    rank_status.extend(out, paths, last, queue)  # ranks, a stall's line as the error, Slurm's verdict
+    return out
 
 
 def render(s: dict[str, Any]) -> str:
@@ -194,6 +197,7 @@ def render(s: dict[str, Any]) -> str:
             lines.append(f"method       {m['method']}")
         if _curve_summary(m):
             lines.append(f"curve        {_curve_summary(m)}")
+    lines += rank_status.render(s)
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
     if s["error"]:
@@ -210,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true", help="print one JSON object (fields in docs/status.md)")
+    p.add_argument("--ranks", action="store_true", help="one row per rank from its heartbeat: step, phase, ages, step time, GPU")
     args = p.parse_args(argv)
     s = collect(args.run_dir)
-    print(json.dumps(s, indent=1) if args.json else render(s))
+    print(json.dumps(s, indent=1) if args.json else rank_status.table(s) if args.ranks else render(s))
     return EXIT_OK
 
 

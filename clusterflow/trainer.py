@@ -152,6 +152,7 @@ class Trainer:
         bar = self._progress_bar()
         window = _Window()
         self.model.train()
+        self.phases.step = self.state.global_step
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
         for batch in self._loader():
@@ -161,6 +162,7 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step()
+            self.phases.tick(self.state.global_step)  # a Python int: the heartbeat reads nothing from the device
             if bar is not None:
                 bar.update(1)
             if self._log_due():
@@ -302,7 +304,7 @@ class Trainer:
         rate = reduced.pop("rate") * self.world
         out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
                "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
-               "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats()}
+               "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats(), **self.phases.scalars()}
         self.writer.scalars(out, s.global_step)
         if self.rank == 0:
             log.info("epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s", s.epoch + 1, s.step_in_epoch,
@@ -337,7 +339,8 @@ class Trainer:
         from clusterflow.evaluate import evaluate
 
         with self.phases.enter(phases.EVAL):
-            metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world)
+            metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world,
+                               self.phases.tick)
         metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
         self.writer.scalars(metrics, self.state.global_step)
         if self.rank == 0 and metrics:

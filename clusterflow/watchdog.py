@@ -191,13 +191,14 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
 
 # -- PyTorch's flight recorder ----------------------------------------------------------------
 
-def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str]) -> dict[str, str]:
+def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str], make_folder: bool = True) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
     prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and the
     older NCCL-only ones; a variable the user set is kept."""
     prefix = rundir.RunPaths(run_dir).nccl_trace_prefix(attempt)
-    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    if make_folder:  # job.py makes it later, once the job holds the run dir
+        os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {"TORCH_FR_BUFFER_SIZE": FR_BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
               "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
               "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}

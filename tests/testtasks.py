@@ -227,3 +227,39 @@ class DropoutSignals(Signals):
         import torch
 
         return torch.nn.Sequential(torch.nn.Dropout(0.2), super().build_model())
+
+
+def sleeping_in_loss():
+    """Where a stalled rank sleeps: the watchdog's stack must name this function."""
+    time.sleep(3600)
+
+
+def sleeping_in_embed():
+    time.sleep(3600)
+
+
+class StallOnRank1(PseudoIDTask):
+    """Rank ``rank`` sleeps forever in ``sleeping_in_loss`` at its loss call ``at`` (1-based, per process),
+    or, with ``in_embed``, in ``sleeping_in_embed`` at its first embedding batch; the others wait for it
+    in the next collective. Optional ``step_sleep`` slows every step (a running job to look at)."""
+
+    calls = 0
+
+    def __init__(self, seed=0, at=3, rank=1, in_embed=False, step_sleep=0.0, **params):
+        super().__init__(seed, **params)
+        self.at, self.rank, self.in_embed, self.step_sleep = int(at), int(rank), bool(in_embed), float(step_sleep)
+
+    def _me(self):
+        return tdist.get_rank() if tdist.is_initialized() else 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if not self.in_embed and self.calls == self.at and self._me() == self.rank:
+            sleeping_in_loss()
+        time.sleep(self.step_sleep)
+        return super().loss(model, batch, labels)
+
+    def embed(self, model, batch):
+        if self.in_embed and self._me() == self.rank:
+            sleeping_in_embed()
+        return super().embed(model, batch)
