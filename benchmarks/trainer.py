@@ -17,6 +17,10 @@ on a shared machine a burst of someone else's work lands in one epoch, not in al
 best run (mean of its E epochs) and the medians are printed beside it, and the load average
 before each run shows how busy the machine was.
 
+``--heartbeats`` adds a third side, clusterflow with heartbeats and the stall watchdog off (the
+clusterflow side runs them every ``--heartbeat-s`` seconds): "ratio clusterflow / no-heartbeat" is what
+they cost a step.
+
 clusterflow's figure includes its end-of-epoch checkpoint (the state must be saved somewhere),
 written with ``checkpoint.fsync=false``, and no step checkpoints (``checkpoint.every_steps``
 larger than the run): fsync on a shared VM disk swings by seconds, so the saves are reported
@@ -126,14 +130,16 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
     return [b - a for a, b in zip(times[1:], times[2:])]
 
 
-def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False) -> tuple[list[float], list[float]]:
+def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False,
+                    heartbeats: bool = True) -> tuple[list[float], list[float]]:
     """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
     from clusterflow.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"cf-{epochs}-", dir=root)
     overrides = [f"run.dir={run_dir}", f"task.params.identities={a.identities}", f"train.epochs={epochs}",
                  "mining.enabled=false", "train.eval_every_epochs=0", "train.progress_bar=false", f"train.amp={a.amp}",
-                 f"checkpoint.fsync={str(fsync).lower()}", "checkpoint.every_steps=100000000"]
+                 f"checkpoint.fsync={str(fsync).lower()}", "checkpoint.every_steps=100000000",
+                 *([f"dist.heartbeat_s={a.heartbeat_s}"] if heartbeats else ["dist.heartbeat_s=0", "dist.stall_s=0"])]
     seconds = torchrun(a.nproc, [os.path.abspath(__file__), "--clusterflow", "configs/demo.yaml", *overrides])
     saves = [m["checkpoint/save_s"] for m in read_metrics(run_dir).values() if "checkpoint/save_s" in m]
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -146,15 +152,18 @@ def bare_run(a: argparse.Namespace, epochs: int) -> list[float]:
 
 def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float]]], list[float]]:
     """Per side, each run's epoch times; and the end-of-epoch save times clusterflow logged."""
-    marginal: dict[str, list[list[float]]] = {"clusterflow": [], "bare": []}
+    sides = ("clusterflow", "bare") + (("no-heartbeat",) if a.heartbeats else ())
+    marginal: dict[str, list[list[float]]] = {side: [] for side in sides}
     saves: list[float] = []
     for r in range(a.repeats):
-        order = ("clusterflow", "bare") if r % 2 == 0 else ("bare", "clusterflow")
+        order = sides[r % len(sides):] + sides[:r % len(sides)]
         for side in order:
             load = os.getloadavg()[0]
             if side == "clusterflow":
                 seconds, s = clusterflow_run(a, 1 + a.epochs, root)
                 saves += s
+            elif side == "no-heartbeat":  # heartbeats and the stall watchdog off, all else equal
+                seconds, _ = clusterflow_run(a, 1 + a.epochs, root, heartbeats=False)
             else:
                 seconds = bare_run(a, 1 + a.epochs)
             marginal[side].append(seconds)
@@ -171,9 +180,11 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
         best[side] = {"epoch": min(epochs), "run": min(means), "median": statistics.median(epochs)}
         print(f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best run {min(means):.3f} s/epoch, "
               f"median epoch {statistics.median(epochs):.3f} s, spread {min(epochs):.3f}-{max(epochs):.3f}")
-    cf, bare = best["clusterflow"], best["bare"]
-    print(f"ratio clusterflow / bare: best epoch {cf['epoch'] / bare['epoch']:.3f}x, best run {cf['run'] / bare['run']:.3f}x, "
-          f"median epoch {cf['median'] / bare['median']:.3f}x")
+    cf = best["clusterflow"]
+    for other in [side for side in best if side != "clusterflow"]:
+        o = best[other]
+        print(f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run {cf['run'] / o['run']:.3f}x, "
+              f"median epoch {cf['median'] / o['median']:.3f}x")
 
 
 def main() -> None:
@@ -184,6 +195,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--amp", default="none", choices=("none", "bf16"))
     p.add_argument("--no-fsync-run", action="store_true", help="skip the extra run that times fsynced saves")
+    p.add_argument("--heartbeats", action="store_true", help="also run clusterflow with heartbeats and the stall watchdog "
+                   "off (dist.heartbeat_s=0 dist.stall_s=0), side by side: the ratio is their cost")
+    p.add_argument("--heartbeat-s", type=float, default=10.0, help="dist.heartbeat_s of the clusterflow side (default 10)")
     p.add_argument("--bare", type=int, help=argparse.SUPPRESS)  # internal: run the bare loop for this many epochs
     if sys.argv[1:2] == ["--clusterflow"]:  # internal: a clusterflow rank, with the rest of the command line
         clusterflow_rank(sys.argv[2:])

@@ -138,3 +138,16 @@ def _explicit(request: Sequence[int], verdicts: Mapping[int, tuple[bool, str]], 
             raise UserError(f"cluster.gpus={listed}: GPU {i} is {why}; {alt}, use cluster.gpus=auto, "
                             "or wait for or stop that process")
     return listed
+
+
+def for_local(gpus_per_node: int, request: str | Sequence[int], environ: Mapping[str, str]) -> list[int] | None:
+    """`submit --local`: the NVML indices its processes use (None on CPU), said on stdout with why.
+    The processes see them in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID, set by the caller), so
+    local rank i runs on the i-th chosen GPU."""
+    if gpus_per_node <= 0:
+        return None
+    from clusterflow import nvml
+
+    sel = select_gpus(nvml.read_snapshot(), gpus_per_node, request, cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"))
+    print(sel.summary())
+    return list(sel.indices)

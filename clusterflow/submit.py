@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import dist, lease, local_watch, preflight, rundir, saved_config
+from clusterflow import dist, gpu_select, lease, local_watch, preflight, rundir, saved_config
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -133,7 +133,8 @@ def failed_exit_code(status: dict[str, Any]) -> int:
 
 # -- launching ---------------------------------------------------------------------------------
 
-def submit_local(cfg: Config) -> int:
+def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
+    """Run here; ``gpus``: the NVML indices chosen by gpu_select.for_local (one per process)."""
     import submitit
 
     from clusterflow.job import Job
@@ -141,8 +142,10 @@ def submit_local(cfg: Config) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)
+    if gpus is not None:
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
     ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
-                         gpus_per_node=cfg.cluster.gpus_per_node or 0)
+                         gpus_per_node=cfg.cluster.gpus_per_node or 0, **({"visible_gpus": gpus} if gpus else {}))
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
     job = ex.submit(Job(cfg.to_dict()))
     print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
@@ -261,11 +264,13 @@ def main(argv: list[str] | None = None) -> int:
         print("# resolved config")
         print(cfg.to_yaml())
         return EXIT_OK
+    # the free GPUs, chosen (or a busy one refused) before anything is written
+    gpus = gpu_select.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ) if args.local else None
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
     if args.local:
-        return submit_local(cfg)
+        return submit_local(cfg, gpus)
     return submit_slurm(cfg, args.wait)
 
 

@@ -110,3 +110,11 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     stalls = os.path.join(d, "stalls", "attempt0")
     assert "rank1.stacks.txt" in os.listdir(stalls)
     assert {"flight_recorder_rank_0", "flight_recorder_rank_1"} <= set(os.listdir(stalls))  # the peer's too
+
+
+def test_local_gpus_are_chosen_before_anything_is_written(tmp_path):
+    d = str(tmp_path / "run")
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "cluster.gpus_per_node=2", "--local")
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "cluster.gpus_per_node=2 asks for GPUs, but NVML sees none on this machine" in out.stderr
+    assert not os.path.exists(d)
