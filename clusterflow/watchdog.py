@@ -100,7 +100,7 @@ class Watchdog:
     def fire(self, idle: float, step: int, phase: str, frame: FrameType | None, waiting: str | None) -> None:
         """Record, dump, exit. Each step is guarded: a full disk must not keep a hung rank alive."""
         where = describe_frame(frame)
-        msg = f"rank {self.rank} on {self.host} stalled {idle:.0f} s at step {step} in {phase} ({where})"
+        msg = f"rank {self.rank} on {self.host} stalled {int(idle)} s at step {step} in {phase} ({where})"
         if waiting:
             msg += f", waiting in {waiting} for its peers"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""

@@ -26,7 +26,8 @@ def _ended_within_stall_and_a_minute(d, s):
 def test_a_rank_that_sleeps_in_its_loss_is_named_with_its_stack(cluster, tmp_path):
     d = str(tmp_path / "run")
     _, out = submit(d, *STALL, "task.params.at=3", wait=True)
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert "ended: failed" in out.stdout, out.stdout
     s = status(d)
     assert s["state"] == "failed"
     assert s["error"].startswith(f"rank 1 on node2 stalled {STALL_S} s at step 2 in train (tests/testtasks.py:"), s["error"]
