@@ -60,3 +60,5 @@ def test_running_ranks_are_listed_then_a_rank_stuck_in_mining_embed_is_named(clu
     assert s["error"].endswith("sleeping_in_embed)"), s["error"]
     log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()
     assert "in sleeping_in_embed" in log
+    # rank 0 logged every rank's step time from the heartbeats (no collective), node2's included
+    assert '"ranks/step_time_s/rank1"' in open(os.path.join(d, "metrics.jsonl")).read()
