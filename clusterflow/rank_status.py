@@ -20,7 +20,7 @@ DEFAULT_HEARTBEAT_S = 10.0
 
 
 def _heartbeat_s(paths: rundir.RunPaths) -> float:
-    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop status)."""
+    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop status); 0: off."""
     import yaml
 
     try:
@@ -28,16 +28,17 @@ def _heartbeat_s(paths: rundir.RunPaths) -> float:
             value = float(yaml.safe_load(f.read().decode("utf-8"))["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
     except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
         return DEFAULT_HEARTBEAT_S
-    return value if value > 0 else DEFAULT_HEARTBEAT_S
+    return value if value >= 0 else DEFAULT_HEARTBEAT_S
 
 
 def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list[dict[str, Any]]:
     """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no attempt began)."""
-    if not last:
-        return []
+    every_s = _heartbeat_s(paths)
+    if not last or not every_s:
+        return []  # heartbeats off: no rank is silent for want of one
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
     since = float(last.get("started_at") or 0) - 60  # nodes' clocks differ by seconds; an older attempt by minutes
-    return heartbeat.read_ranks(paths.root, _heartbeat_s(paths), since=since, world_size=world)
+    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world)
 
 
 def extend(out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None) -> None:

@@ -50,11 +50,11 @@ def test_phases_hand_every_change_and_tick_to_the_beat():
     assert seen == [(0, "train"), (5, "train"), (5, "mining embed"), (5, "mining embed"), (5, "train")]
 
 
-def _run_dir(tmp_path, attempt_started):
+def _run_dir(tmp_path, attempt_started, heartbeat_s=1):
     paths = rundir.RunPaths(str(tmp_path))
     os.makedirs(paths.heartbeats)
     with open(paths.config, "w") as f:
-        f.write("dist: {heartbeat_s: 1}\n")
+        f.write(f"dist: {{heartbeat_s: {heartbeat_s}}}\n")
     for r in (0, 1):
         with open(paths.heartbeat_file(r), "w") as f:
             json.dump({"rank": r, "host": f"node{r + 1}", "time": time.time() - 40 * r, "step": 7, "phase": "train",
@@ -83,6 +83,14 @@ def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
     assert out["stalled"]["rank"] == 1 and out["stalled"]["host"] == "node2"
     assert not any(r["silent"] for r in out["ranks"])  # a finished run's ranks are quiet by design
     assert out["ranks_summary"] is None
+
+
+def test_with_heartbeats_off_no_rank_is_called_silent(tmp_path):
+    paths, last = _run_dir(tmp_path, time.time() - 100, heartbeat_s=0)
+    out = {"state": "running", "world_size": 2, "job_id": "", "error": None}
+    rank_status.extend(out, paths, last, None)
+    assert out["ranks"] == [] and out["ranks_summary"] is None
+    assert rank_status.table(out).startswith("no heartbeats in this attempt")
 
 
 def test_heartbeats_of_an_earlier_attempt_are_not_shown(tmp_path):
