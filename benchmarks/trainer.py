@@ -187,6 +187,22 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
               f"median epoch {cf['median'] / o['median']:.3f}x")
 
 
+def tick_cost_s(n: int = 200_000) -> float:
+    """Seconds one ``phases.tick(step)`` costs the loop with a heartbeat attached (what every step
+    calls): the writer thread is left out here, its share is in the no-heartbeat side's ratio."""
+    from clusterflow.heartbeat import Heartbeat
+    from clusterflow.phases import Phases
+
+    with tempfile.TemporaryDirectory() as d:
+        tracker, hb = Phases(), Heartbeat(d, 0, every_s=10, start=False)
+        tracker.beat = hb.beat
+        tracker.set("train")
+        t0 = time.perf_counter()
+        for step in range(n):
+            tracker.tick(step)
+        return (time.perf_counter() - t0) / n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (one per GPU on a GPU node)")
@@ -217,6 +233,11 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(marginal, steps)
+    if a.heartbeats:
+        per_step = min(t for run in marginal["clusterflow"] for t in run) / steps
+        tick = tick_cost_s()
+        print(f"the loop's own heartbeat call: {tick * 1e6:.2f} us per step, {100 * tick / per_step:.4f}% of the best "
+              f"epoch's {per_step * 1e3:.2f} ms step")
     print(f"end-of-epoch save (in clusterflow's epochs), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}")
     if fsynced:
         print(f"the same save with fsync on (not in the figure): median {statistics.median(fsynced):.3f} s, "
