@@ -159,7 +159,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, float(last.get("started_at") or 0)),
-        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and job_id.isdigit() else
+        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and jobids.is_slurm_id(job_id) else
         st.get("error") or note,
         "logs": paths.logs,
         "code": snapshot.describe(run_dir),
