@@ -12,6 +12,7 @@ earlier run must have completed (run the stages one after another). Login-node m
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from clusterflow import jobids
@@ -24,8 +25,15 @@ def _state(run_dir: str) -> str | None:
     return status.collect(run_dir)["state"]
 
 
-def dependency(after: list[str], local: bool = False) -> str | None:
-    """The ``--dependency`` value for ``--after`` run dirs, or None; refuses runs that cannot complete."""
+def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> str | None:
+    """The ``--dependency`` value for ``--after`` run dirs, or None; refuses runs that cannot complete.
+    A dry run only warns (the earlier stage is often not submitted yet when one looks at the script)."""
+    if dry_run:
+        try:
+            return dependency(after, local)
+        except UserError as exc:
+            print(f"# warning: {exc} (a real submission refuses this)", file=sys.stderr)
+            return None
     runs = []
     for run_dir in after:
         if not os.path.isdir(run_dir):

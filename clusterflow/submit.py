@@ -261,7 +261,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    dependency = stages.dependency(args.after, args.local)
+    dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
         from clusterflow import sweep_submit
 
