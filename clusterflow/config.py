@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -121,11 +122,11 @@ def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[
     ``MAY_CHANGE_ON_RESUME``. A key only one side holds (added or removed by another clusterflow
     version, so it takes its default) is not a difference."""
     out = []
-    for section, keys in saved.items():
+    for section, values in saved.items():
         other = requested.get(section)
-        if not isinstance(keys, Mapping) or not isinstance(other, Mapping):
+        if not isinstance(values, Mapping) or not isinstance(other, Mapping):
             continue
-        for key, old in keys.items():
+        for key, old in values.items():
             name = f"{section}.{key}"
             if key in other and other[key] != old and name not in MAY_CHANGE_ON_RESUME:
                 out.append(f"{name}: {old!r} -> {other[key]!r}")

@@ -252,7 +252,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
         if out is not None and out.returncode == 0 and not out.stdout.strip():
             break
         time.sleep(poll_s)
-    status = _status(rundir.RunPaths(run_dir))
+    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
     return EXIT_OK if state == "completed" else failed_exit_code(status)

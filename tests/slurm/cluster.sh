@@ -104,13 +104,25 @@ EOF
 
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+# Daemons must not inherit our open files: a `flock LOCK bash tests/run.sh` around the suite would
+# otherwise leave the lock held by munged or slurmd for as long as they live.
+detached() {
+  (
+    for fd in /proc/$BASHPID/fd/*; do
+      fd=${fd##*/}
+      if [ "$fd" -gt 2 ] 2>/dev/null; then eval "exec $fd>&-" 2>/dev/null || true; fi
+    done
+    exec "$@"
+  )
+}
+
 start() {
   if ! pgrep -x munged >/dev/null; then
     mkdir -p /run/munge /var/lib/munge /var/log/munge /etc/munge
     [ -s /etc/munge/munge.key ] || { dd if=/dev/urandom bs=1 count=1024 of=/etc/munge/munge.key 2>/dev/null; }
     chown -R munge:munge /etc/munge /var/lib/munge /var/log/munge /run/munge 2>/dev/null || true
     chmod 400 /etc/munge/munge.key
-    munged --force 2>/dev/null || sudo -u munge munged --force
+    detached munged --force 2>/dev/null || detached sudo -u munge munged --force
     echo started > "$STATE/munged"
   fi
   if [ -f "$STATE/config-changed" ] && alive /run/slurmctld.pid; then
@@ -118,7 +130,7 @@ start() {
     kill "$(cat /run/slurmctld.pid)"; sleep 2
   fi
   if ! alive /run/slurmctld.pid; then
-    slurmctld -i
+    detached slurmctld -i
     echo started > "$STATE/slurmctld"
   fi
   for n in "${NODES[@]}"; do
@@ -126,7 +138,7 @@ start() {
     if ! alive "/run/slurmd-$n.pid"; then
       mkdir -p "/var/spool/slurmd/$n"
       # nsenter, not `ip netns exec`: the latter remounts /sys and slurmd then misses cgroups.
-      nsenter --net="/run/netns/$n" unshare --uts sh -c "hostname $n; exec slurmd -N $n"
+      detached nsenter --net="/run/netns/$n" unshare --uts sh -c "hostname $n; exec slurmd -N $n"
       echo started > "$STATE/slurmd-$n"
     fi
   done
