@@ -27,7 +27,7 @@ import sys
 from typing import Any
 
 from clusterflow import cancel, jobids, preflight, rundir, saved_config, slurm_array, snapshot, stages, sweep, sweep_index
-from clusterflow.errors import EXIT_OK, UserError
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
 
 
 def member_state(run_dir: str) -> str | None:
@@ -150,4 +150,18 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int
     print(f"sweep dir: {sw.dir}")
     print(f"status: python -m clusterflow.status {sw.dir}")
     print(f"cancel: python -m clusterflow.cancel {sw.dir}")
-    return EXIT_OK
+    return wait_for(sw.dir, jobs[names[0]].split("_")[0]) if args.wait else EXIT_OK
+
+
+def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
+    """``--wait``: block until the array left the queue (requeues included); exit 0 when every
+    member completed, else 1."""
+    import time
+
+    from clusterflow import slurm_queue, status, sweep_status
+
+    while slurm_queue.state(array_id) != "":
+        time.sleep(poll_s)
+    rows = sweep_status.collect(sweep_dir, status.collect)
+    print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
+    return EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED

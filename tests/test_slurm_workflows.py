@@ -130,4 +130,4 @@ def test_a_task_edited_while_its_job_is_held_runs_the_submitted_version(cluster,
     wait_gone(job)
     s = status(d)
     assert s["state"] == "completed" and s["code"]["module"] == "frozentask", s
-    assert "frozentask version submitted" in rank0_logs(d) and "edited" not in rank0_logs(d)
+    assert "frozentask version submitted" in rank0_logs(d) and "frozentask version edited" not in rank0_logs(d)
