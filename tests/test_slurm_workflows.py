@@ -1,7 +1,13 @@
-"""Issue 15 on the real two-node Slurm cluster: a 2x2 sweep as one job array (one member requeued
-alone by its own time-limit signal; resubmitting submits nothing), stage 2 queued --after stage 1
-(which is requeued meanwhile), cancel, a time-limit stop resumed with a longer time limit, and a
-task file edited while its job is held runs the submitted version."""
+"""Issue 15 on the real two-node Slurm cluster, in few jobs (each test proves several things):
+
+- a 2x2 sweep runs as one job array; one member's time-limit signal requeues that array task
+  alone; another member, stopped at cluster.max_timeout_requeues, resumes when the sweep is
+  submitted again with a longer cluster.time_min (alone: the completed members are skipped); a
+  third submission submits nothing;
+- stage 2 queued --after stage 1 waits across stage 1's requeue, loads its weights, and runs the
+  task file as submitted although the file was edited while stage 2 was pending;
+- cancel leaves status cancelled and nothing requeues.
+"""
 
 import json
 import os
@@ -25,41 +31,74 @@ def at_step(run_dir, step, attempt=0):
 
 
 def sweep_submit(sweep_dir, *extra):
-    return run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={sweep_dir}", *ONE_TASK, *SLOW, "train.epochs=2",
+    return run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={sweep_dir}", *ONE_TASK, "task.target=testtasks:Slow",
+                   "task.params.step_sleep=0.5", "train.epochs=2", "cluster.max_timeout_requeues=1",
                    "--sweep", "train.lr=0.001,0.003", "--sweep", "mining.k=3,5", *extra, env=env())
 
 
-def test_sweep_is_one_job_array_a_member_requeues_alone_and_resubmitting_submits_nothing(cluster, tmp_path):
+def test_sweep_is_one_job_array_members_requeue_alone_and_resubmissions_resume_only_the_stopped(cluster, tmp_path):
     d = str(tmp_path / "sweep")
     out = sweep_submit(d)
     assert out.returncode == 0, out.stdout + out.stderr
     array = re.search(r"submitted job array (\d+): 4 member\(s\)", out.stdout).group(1)
     rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert [r["job_id"] for r in rows] == [f"{array}_{i}" for i in range(4)]
-    # The time-limit signal to one member: its rank 0 saves and requeues that array task only.
-    member = rows[1]["run_dir"]
-    wait_until("member 1 in mid-epoch 1", lambda: at_step(member, 3), job_id=array)
+    # The time-limit signal to member 1: its rank 0 saves and requeues that array task only.
+    one, two = rows[1]["run_dir"], rows[2]["run_dir"]
+    wait_until("member 1 in mid-epoch 1", lambda: at_step(one, 3), job_id=array)
     scmd("scancel", "--signal=USR2", f"{array}_1")
+    # Member 2 gets it twice: the second time is over cluster.max_timeout_requeues=1, so it stops.
+    wait_until("member 2 in mid-epoch 1", lambda: at_step(two, 2), job_id=array)
+    scmd("scancel", "--signal=USR2", f"{array}_2")
+    wait_until("member 2's second attempt", lambda: at_step(two, 5, attempt=1), job_id=array)
+    scmd("scancel", "--signal=USR2", f"{array}_2")
     wait_gone(array)
     rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
-    assert [r["state"] for r in rows] == ["completed"] * 4, rows
+    assert [r["state"] for r in rows] == ["completed", "completed", "stopped", "completed"], rows
     attempts = [len(open(os.path.join(r["run_dir"], "attempts.jsonl")).readlines()) for r in rows]
-    assert attempts == [1, 2, 1, 1], attempts
-    assert f"requeued job {array}_1 after the time-limit signal" in rank0_logs(member)
-    table = run_cli("clusterflow.status", d).stdout
-    assert "4 member(s), 4 completed" in table
+    assert attempts == [1, 2, 2, 1], attempts
+    assert f"requeued job {array}_1 after the time-limit signal" in rank0_logs(one)
+    assert "time limit reached 2 times" in rows[2]["error"]
     again = sweep_submit(d, "cluster.time_min=20")  # a resource may change: still the same sweep
-    assert again.returncode == 0 and "nothing to submit" in again.stdout, again.stdout + again.stderr
-    assert "submitted" not in again.stdout and len(json.load(open(os.path.join(d, "sweep.json")))["submissions"]) == 1
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "cluster.time_min 10 -> 20" in again.stderr and again.stdout.count("skip (completed)") == 3
+    job = re.search(r"submitted job array (\d+): 1 member\(s\)", again.stdout).group(1)
+    wait_gone(job)
+    rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert [r["state"] for r in rows] == ["completed"] * 4 and rows[2]["job_id"] == job, rows
+    assert "4 member(s), 4 completed" in run_cli("clusterflow.status", d).stdout
+    third = sweep_submit(d, "cluster.time_min=20")
+    assert third.returncode == 0 and "nothing to submit" in third.stdout, third.stdout + third.stderr
+    assert len(json.load(open(os.path.join(d, "sweep.json")))["submissions"]) == 2
 
 
-def test_stage_two_waits_for_stage_one_across_its_requeue(cluster, tmp_path):
+FROZEN = textwrap.dedent("""
+    import logging
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+
+    class Task(PseudoIDTask):
+        def __init__(self, seed=0, **params):
+            super().__init__(seed, **params)
+            logging.getLogger("clusterflow").info("frozentask version %s", VERSION)
+
+    VERSION = "submitted"
+""")
+
+
+def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_submitted(cluster, tmp_path):
     s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "frozentask.py").write_text(FROZEN)
     job1, _ = submit(s1, *SLOW)
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={s2}", *TWO_NODES, f"task.init_from={s1}",
-                  "--after", s1, env=env())
+    e = env()
+    e["PYTHONPATH"] = f"{code}{os.pathsep}{e['PYTHONPATH']}"
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={s2}", *TWO_NODES, "task.target=frozentask:Task",
+                  f"task.init_from={s1}", "train.epochs=1", "--after", s1, env=e)
     assert out.returncode == 0, out.stdout + out.stderr
     job2 = re.search(r"submitted job (\d+)", out.stdout).group(1)
+    # Edited while stage 2 is pending: the job must run the version frozen at submission.
+    (code / "frozentask.py").write_text(FROZEN.replace('"submitted"', '"edited"') + "\nraise RuntimeError('edited file ran')\n")
     wait_until("stage 1 in mid-epoch 1", lambda: at_step(s1, 3), job_id=job1)
     assert queue(job2).startswith("PENDING Dependency")
     scmd("scontrol", "requeue", job1)
@@ -71,7 +110,10 @@ def test_stage_two_waits_for_stage_one_across_its_requeue(cluster, tmp_path):
     assert one["state"] == "completed" and one["attempts"] == 2 and two["state"] == "completed", (one, two)
     started = json.loads(open(os.path.join(s2, "attempts.jsonl")).readline())["started_at"]
     assert started >= os.path.getmtime(os.path.join(s1, "model.pt"))
-    assert f"from {s1}/model.pt" in rank0_logs(s2)
+    logs = rank0_logs(s2)
+    assert f"from {s1}/model.pt" in logs
+    assert "frozentask version submitted" in logs and "frozentask version edited" not in logs
+    assert two["code"]["module"] == "frozentask" and "frozen at commit (no git)" in run_cli("clusterflow.status", s2).stdout
 
 
 def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
@@ -84,50 +126,3 @@ def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
     s = status(d)
     assert s["state"] == "cancelled" and s["attempts"] == 1, s
     assert not queue(job)
-
-
-def test_time_limit_stop_resumes_with_a_longer_time_limit(cluster, tmp_path):
-    d = str(tmp_path / "run")
-    job, _ = submit(d, *SLOW, "cluster.max_timeout_requeues=0")
-    wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
-    scmd("scancel", "--signal=USR2", job)  # what Slurm sends ahead of the time limit
-    wait_gone(job)
-    s = status(d)
-    assert s["state"] == "stopped" and "time limit reached 1 times" in s["error"], s
-    job2, out = submit(d, *SLOW, "cluster.max_timeout_requeues=0", "cluster.time_min=20", wait=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "resumes with changed resources: cluster.time_min 10 -> 20" in out.stderr
-    s = status(d)
-    assert s["state"] == "completed" and s["job_id"] == job2 and s["attempts"] == 2, s
-
-
-def test_a_task_edited_while_its_job_is_held_runs_the_submitted_version(cluster, tmp_path):
-    code = tmp_path / "code"
-    code.mkdir()
-    task = code / "frozentask.py"
-    source = textwrap.dedent("""
-        import logging
-        from clusterflow.tasks.pseudo_id import PseudoIDTask
-
-        class Task(PseudoIDTask):
-            def __init__(self, seed=0, **params):
-                super().__init__(seed, **params)
-                logging.getLogger("clusterflow").info("frozentask version %s", VERSION)
-
-        VERSION = "submitted"
-    """)
-    task.write_text(source)
-    d = str(tmp_path / "run")
-    e = env()
-    e["PYTHONPATH"] = f"{code}{os.pathsep}{e['PYTHONPATH']}"
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TWO_NODES, "task.target=frozentask:Task",
-                  "cluster.sbatch_extra={hold: true}", env=e)
-    assert out.returncode == 0, out.stdout + out.stderr
-    job = re.search(r"submitted job (\d+)", out.stdout).group(1)
-    assert "JobHeldUser" in queue(job) or "PENDING" in queue(job)
-    task.write_text(source.replace('"submitted"', '"edited"') + "\nraise RuntimeError('the edited file ran')\n")
-    scmd("scontrol", "release", job)
-    wait_gone(job)
-    s = status(d)
-    assert s["state"] == "completed" and s["code"]["module"] == "frozentask", s
-    assert "frozentask version submitted" in rank0_logs(d) and "frozentask version edited" not in rank0_logs(d)
