@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from conftest import run_cli
-from slurmjobs import TWO_NODES, env, live_status, queue, rank0_logs, scmd, status, submit, wait_gone, wait_until
+from slurmjobs import TWO_NODES, env, live_status, queue, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -126,3 +126,29 @@ def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
     s = status(d)
     assert s["state"] == "cancelled" and s["attempts"] == 1, s
     assert not queue(job)
+
+
+@pytest.mark.slow  # ~90 s: a sweep of two, a preemption, and an uninterrupted twin
+def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_its_twin(cluster, tmp_path):
+    d, twin = str(tmp_path / "sweep"), str(tmp_path / "twin")
+    one_node = ("cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.cpus_per_task=2", *SLOW)  # one member per node
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *one_node, "--sweep", "train.lr=0.001,0.003",
+                  env=env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    array = re.search(r"submitted job array (\d+): 2 member\(s\)", out.stdout).group(1)
+    rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    first = rows[0]["run_dir"]
+    wait_until("member 0 in mid-epoch 2", lambda: at_step(first, 8), job_id=array)
+    node = live_status(first)["hosts"][0]
+    high = scmd("sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "1", "-w", node, "-t", "2",
+                f"--output={tmp_path}/high-%j.out", "--wrap", "hostname; sleep 2")
+    wait_gone(high)
+    wait_gone(array)
+    assert os.path.exists(tmp_path / f"high-{high}.out")  # the preemptor really ran
+    rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert [r["state"] for r in rows] == ["completed", "completed"], rows
+    attempts = [len(open(os.path.join(r["run_dir"], "attempts.jsonl")).readlines()) for r in rows]
+    assert attempts == [2, 1], attempts  # only the preempted array task came back
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={twin}", *one_node, "train.lr=0.001", "--wait", env=env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert sha256(os.path.join(first, "model.pt")) == sha256(os.path.join(twin, "model.pt"))
