@@ -37,6 +37,7 @@ import torch
 
 from clusterflow import dist, phases, rundir
 from clusterflow.background import BackgroundWrite
+from clusterflow.errors import RunFailed
 from clusterflow.restore import Restorer
 from clusterflow.saved_config import portable
 from clusterflow.staging import Staging
@@ -49,8 +50,9 @@ log = logging.getLogger("clusterflow.checkpointer")
 STEP, EPOCH_END, STOP = "step", "epoch end", "stop"
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written synchronously; raised on every rank (the job fails)."""
+class CheckpointWriteError(RunFailed):
+    """A checkpoint could not be written synchronously; raised on every rank (the job fails with
+    this one line, exit 1: the message names the step, the place and the cause)."""
 
 
 class Stateful(Protocol):
@@ -178,6 +180,8 @@ class Checkpointer:
 
     def _failure(self, step: int, exc: BaseException) -> str:
         cause = _cause(exc)
+        if isinstance(cause, RunFailed):  # a full disk: its sentence names the step, the path, the size and the free space
+            return str(cause)
         return f"checkpoint step {step} could not be written to {self.store.url}: {type(cause).__name__}: {cause}"
 
     def _files(self, rngs: list[Any] | None) -> dict[str, Any]:

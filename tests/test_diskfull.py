@@ -53,7 +53,7 @@ def test_run_on_a_disk_that_fills_up(small_disk):
     args = [sys.executable, "-m", "clusterflow.run", "configs/tiny.yaml", "task.params={}", f"run.dir={run_dir}",
             "task.target=testtasks:FillDisk", f"task.params.path={filler}", "task.params.at_call=3",
             "task.params.leave_kb=512", "task.params.hidden=384", "cluster.tasks_per_node=1", "train.batch_size=4",
-            "train.epochs=2", "checkpoint.every_steps=2", "mining.enabled=false", "train.eval_every_epochs=0"]
+            "train.epochs=2", "checkpoint.every_steps=2", "checkpoint.async=false", "mining.enabled=false", "train.eval_every_epochs=0"]
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
     out = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
