@@ -128,7 +128,7 @@ def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
     assert not queue(job)
 
 
-@pytest.mark.slow  # ~90 s: a sweep of two, a preemption, and an uninterrupted twin
+@pytest.mark.slow  # ~50 s: a sweep of two, a preemption, and an uninterrupted twin
 def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_its_twin(cluster, tmp_path):
     d, twin = str(tmp_path / "sweep"), str(tmp_path / "twin")
     one_node = ("cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.cpus_per_task=2", *SLOW)  # one member per node
