@@ -143,21 +143,38 @@ def resume_config(saved: Config, requested: Config) -> Config:
     return from_dict(data)
 
 
-def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False) -> None:
+def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, Any]) -> bool:
+    """False for a section key only one side holds (added or removed by another clusterflow version,
+    so it takes its default): not a difference. Sub-keys (task.params.x) and derived values count."""
+    parts = change.key.split(".")
+    if parts[0] == "derived" or len(parts) != 2:
+        return True
+    return all(isinstance(c.get(parts[0]), Mapping) and parts[1] in c[parts[0]] for c in (saved, requested))
+
+
+def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False) -> list[Any]:
     """The one config-consistency rule, shared by ``submit``, ``run`` and the checkpoint restore:
-    a run continues only with the config it started with. ``what`` names the saved side (a run
+    a run continues only with the experiment it started with. Keys that change results
+    (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match; resources (Slurm
+    resources, world size, workers, intervals, timeouts) may change, and are returned as
+    ``fingerprint.Change`` items for the caller to report. ``what`` names the saved side (a run
     dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue re-runs the
     sbatch script, which re-reads a YAML file the user may have edited since) runs on the saved
-    config with a note; any other difference is refused, naming the keys."""
-    diffs = differences(saved, requested)
-    if not diffs:
-        return
-    listed = "; ".join(diffs[:6]) + (f"; and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+    config with a note; any other result change is refused, naming the keys."""
+    from clusterflow import fingerprint
+
+    result, other = fingerprint.compare(saved, requested)
+    result = [c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
+    other = [c for c in other if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
+    if not result:
+        return other
+    listed = fingerprint.summary(result)
     if relaunch:
         print(f"note: this relaunched job runs on the config of {what}, which differs from the one given now ({listed})",
               file=sys.stderr)
-        return
-    raise UserError(f"{what} holds a run with a different config ({listed}); to resume it, use the same config; "
+        return []
+    raise UserError(f"{what} holds a run with a different config ({listed}); to resume it, use the same values "
+                    f"for these keys (resources such as cluster.* may change: docs/workflows.md); "
                     f"to start a new run, set run.dir=<new path>")
 
 # ---------------------------------------------------------------------------------------------

@@ -66,6 +66,9 @@ class RunConfig:
     seed: int = doc(0, "Master seed, 0 <= seed < 2**32. Per-rank seeds, data order and the synthetic demo data derive from it.")
     lease_s: int = doc(30, "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
                        "lease not renewed for 4x as long is taken over by the next job. May change on resume.")
+    snapshot_code: bool = doc(True, "Freeze the task's code at submission: submit copies the task's package (when it lives "
+                              "outside site-packages) with its git commit and diff into RUN_DIR/code/, and every "
+                              "attempt imports it from there. false runs the code in place.")
 
     def __post_init__(self) -> None:
         if self.dir.startswith("file://"):

@@ -251,6 +251,9 @@ class DistEnv:
         job_id = env.get("SLURM_JOB_ID", "")
         if not job_id:
             raise UserError("incomplete Slurm environment: SLURM_JOB_ID not set while SLURM_PROCID is; launch with srun inside a job")
+        if env.get("SLURM_ARRAY_JOB_ID", "").isdigit() and env.get("SLURM_ARRAY_TASK_ID", "").isdigit():
+            # An array task as squeue, scancel and scontrol requeue name it (the bare array id means every task).
+            job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         attempt = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
         local_world = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE"), nodes, ntasks, node)
         _consistent(v["SLURM_LOCALID"] < local_world, f"SLURM_LOCALID={v['SLURM_LOCALID']} must be below the tasks on this node ({local_world})")

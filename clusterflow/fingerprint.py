@@ -37,6 +37,7 @@ KEYS: dict[str, tuple[str, str]] = {
     "run.name": (RESOURCE, "the Slurm job name"),
     "run.seed": (RESULT, "initial weights, data order and per-rank streams derive from it"),
     "run.lease_s": (RESOURCE, "how often the job holding the run dir renews its lease"),
+    "run.snapshot_code": (RESOURCE, "where the code is imported from, not which code (submit freezes it each time)"),
     "cluster.nodes": (NUMERICS, _WORLD),
     "cluster.tasks_per_node": (NUMERICS, _WORLD),
     "cluster.gpus_per_node": (NUMERICS, "CPU and GPU kernels compute the same math in another order "

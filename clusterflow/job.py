@@ -111,6 +111,9 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         from clusterflow.trainer import Trainer
 
         preemption = Preemption().install()
+        from clusterflow import snapshot
+
+        snapshot.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
         trainer = Trainer(cfg, task, device, attempt, preemption)
         with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):  # heartbeats, stall watchdog

@@ -15,7 +15,7 @@ import subprocess
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from clusterflow import rundir
+from clusterflow import cancel, jobids, rundir
 
 log = logging.getLogger("clusterflow")
 
@@ -56,7 +56,8 @@ def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[
                signal_at: float | None) -> str:
     """Rank 0: record the outcome and carry out :func:`decide`'s action; returns the job's outcome.
     ``env``: this job's DistEnv; ``environ``: the environment it was read from."""
-    job_id = environ.get("SLURM_JOB_ID", "") if env.source in ("slurm", "torchrun") else ""
+    # An array task is requeued as A_T: the bare array id would requeue every task of the array.
+    job_id = (jobids.requeue_target(environ) or "") if env.source in ("slurm", "torchrun") else ""
     timeouts = 0
     if outcome != "completed":
         rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
@@ -65,6 +66,10 @@ def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = slurm_job_state(job_id) if outcome == "preempted" else ""
     action = decide(outcome, env.source, slurm_state, timeouts, limit)
+    if outcome != "completed" and cancel.is_cancelled(paths.root):  # the user's cancel wins over any requeue
+        rundir.write_status(paths, state="cancelled")
+        log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
+        return action.outcome
     if action.requeue:
         return "requeued" if requeue(job_id, paths, action.why) else action.outcome
     if outcome == "preempted" and slurm_state is not None:

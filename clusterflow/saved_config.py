@@ -105,8 +105,9 @@ def _has_checkpoint(cfg: Config) -> bool:
 
 def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
     """The config to run and whether the run dir already held a run. An existing run continues
-    with its saved config; a different one is refused (``config.check_resume``), except where the
-    run dir is (``MAY_CHANGE_ON_RESUME``) and, for a ``relaunch`` by the launcher (a Slurm
+    with its saved config; a different experiment is refused (``config.check_resume``); changed
+    resources (``fingerprint``: cluster.*, workers, intervals) are taken, with a note, and
+    config.yaml is rewritten with them; where the run dir is may change (``MAY_CHANGE_ON_RESUME``); for a ``relaunch`` by the launcher (a Slurm
     requeue re-reads a YAML that may have been edited since), with a note. A run that committed
     no checkpoint yet has nothing to resume: a different config replaces its config.yaml, with a
     note (a first start that failed on a bad task parameter can be fixed and resubmitted into the
@@ -123,5 +124,12 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         if write:
             write_config(cfg)
         return cfg, False
-    cfgmod.check_resume(saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch)
-    return cfgmod.resume_config(saved, cfg), True
+    changed = cfgmod.check_resume(saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch)
+    if relaunch or not changed:
+        return cfgmod.resume_config(saved, cfg), True
+    # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
+    # with them, and config.yaml says what it runs with now.
+    print(f"note: run dir {cfg.run.dir!r} resumes with changed resources: {'; '.join(map(str, changed))}", file=sys.stderr)
+    if write:
+        write_config(cfg)
+    return cfg, True

@@ -1,4 +1,4 @@
-"""python -m clusterflow.status RUN_DIR [--json] [--ranks]
+"""python -m clusterflow.status RUN_DIR|SWEEP_DIR [--json] [--ranks]
 
 What a run is doing, from its run directory (and squeue, when it answers within a few seconds).
 """
@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from clusterflow import liveness, rank_status, rundir, slurm_queue
+from clusterflow import cancel, jobids, liveness, rank_status, rundir, slurm_queue, snapshot, sweep_index, sweep_status
 from clusterflow.config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 
@@ -20,6 +20,7 @@ EXAMPLES = """examples:
   python -m clusterflow.status runs/demo
   python -m clusterflow.status runs/demo --json | jq .state
   python -m clusterflow.status runs/demo --ranks            # every rank: step, phase, heartbeat age, GPU
+  python -m clusterflow.status runs/sweep1            # a sweep dir: one row per member
 """
 
 
@@ -125,14 +126,16 @@ def collect(run_dir: str) -> dict[str, Any]:
     root, damaged_config = _checkpoint_root(paths)
     cks, damaged = _checkpoints(root)
     last = attempts[-1] if attempts else {}
-    job_id = str(last.get("job_id") or st.get("job_id") or "")
-    queue = slurm_queue.state(job_id) if (last.get("source") or "slurm") in ("slurm", "torchrun") else None
+    current = jobids.current_job_id(run_dir)  # a resubmission is newer than the last attempt
+    job_id = current or str(last.get("job_id") or st.get("job_id") or "")
+    queue = slurm_queue.state(job_id) if current or (last.get("source") or "slurm") in ("slurm", "torchrun") else None
     state, alive, note = _state(st, attempts, queue, bool(cks)), None, None
     if state in ("running", "failed") and st.get("state") in ("running", "pending", None):
         life = liveness.check(run_dir, last, queue)
         alive = life.alive
         if alive is False:
             state, note = "failed", life.note(st.get("global_step", 0))
+    state = cancel.effective_state(run_dir, state)
     latest = cks[-1] if cks else None
     out = {
         "state": state,
@@ -157,9 +160,10 @@ def collect(run_dir: str) -> dict[str, Any]:
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, float(last.get("started_at") or 0)),
-        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and job_id.isdigit() else
+        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and jobids.is_slurm_id(job_id) else
         st.get("error") or note,
         "logs": paths.logs,
+        "code": snapshot.describe(run_dir),
         "updated_at": st.get("updated_at"),
     }
     rank_status.extend(out, paths, last, queue)  # ranks, a stall's line as the error, Slurm's verdict
@@ -204,6 +208,10 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"cause        {s['error']}")  # the first cause; then what each rank recorded
     for e in s["errors"]:
         lines.append(f"error        rank {e['rank']} on {e['host']}: {e['error']}")
+    if s.get("code"):
+        c = s["code"]
+        lines.append(f"code         {c['module']} frozen at commit {c['commit'] or '(no git)'}"
+                     + (" with uncommitted changes" if c["dirty"] else "") + f" ({c['path']})")
     lines.append(f"logs         {s['logs']}")
     return "\n".join(lines)
 
@@ -212,10 +220,15 @@ def render(s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m clusterflow.status", description="Show what a run is doing.",
                                 epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true", help="print one JSON object (fields in docs/status.md)")
+    p.add_argument("run_dir", metavar="RUN_DIR|SWEEP_DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object (fields in docs/status.md); "
+                                                       "for a sweep dir a list, one object per member")
     p.add_argument("--ranks", action="store_true", help="one row per rank from its heartbeat: step, phase, ages, step time, GPU")
     args = p.parse_args(argv)
+    if sweep_index.is_sweep_dir(args.run_dir):
+        rows = sweep_status.collect(args.run_dir, collect)
+        print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, sweep_status.keys_of(args.run_dir)))
+        return EXIT_OK
     s = collect(args.run_dir)
     print(json.dumps(s, indent=1) if args.json else rank_status.table(s) if args.ranks else render(s))
     return EXIT_OK

@@ -1,4 +1,4 @@
-"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait]
+"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--sweep KEY=V1,V2 ...] [--after RUN_DIR ...] [--local] [--dry-run] [--wait]
 
 Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
 (``preflight``), create the run directory and write ``config.yaml``, then hand the job to submitit (Slurm) or to submitit's local executor
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import dist, gpu_select, lease, local_watch, preflight, rundir, saved_config
+from clusterflow import cancel, dist, gpu_select, jobids, lease, local_watch, preflight, rundir, saved_config, snapshot, stages
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -26,6 +26,10 @@ EXAMPLES = """examples:
   python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
   python -m clusterflow.submit configs/demo.yaml cluster.nodes=2 --dry-run  # print the sbatch script
   python -m clusterflow.submit configs/demo.yaml run.dir=runs/exp1 cluster.partition=gpu --wait
+  python -m clusterflow.submit configs/demo.yaml run.dir=runs/sweep1 --sweep train.lr=0.001,0.003 --sweep mining.k=5,10
+                                                                        # 4 members, one job array (again: resumes it)
+  python -m clusterflow.submit configs/two_stage_2_classifier.yaml --after runs/two_stage_1
+                                                                        # starts when stage 1 has completed
 """
 
 
@@ -37,6 +41,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and the resolved config; submit nothing")
     p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 when it failed")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="sweep KEY over the values (repeatable: the cartesian product); one job array, "
+                        "one run dir per member under run.dir (docs/workflows.md)")
+    p.add_argument("--max-parallel", type=int, metavar="N", help="with --sweep: at most N members run at once")
+    p.add_argument("--after", action="append", default=[], metavar="RUN_DIR",
+                   help="start only after that run completed (Slurm afterok; repeatable); with --local it must be completed")
     return p.parse_intermixed_args(argv)  # flags may come after the overrides too
 
 
@@ -74,14 +84,14 @@ def slurm_folder(cfg: Config) -> str:
     return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
 
 
-def sbatch_script(cfg: Config, python: str | None = None) -> str:
+def sbatch_script(cfg: Config, python: str | None = None, dependency: str | None = None) -> str:
     """The exact script submitit would submit (rendered without needing srun on this host)."""
     from submitit.slurm.slurm import _make_sbatch_string
 
     python = python or shlex.quote(sys.executable)
     folder = os.path.join(slurm_folder(cfg), "%j")
     command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
-    return _make_sbatch_string(command=command, folder=folder, **slurm_parameters(cfg))
+    return _make_sbatch_string(command=command, folder=folder, **stages.with_dependency(slurm_parameters(cfg), dependency))
 
 
 def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
@@ -200,7 +210,7 @@ def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
         time.sleep(0.5)
 
 
-def submit_slurm(cfg: Config, wait: bool) -> int:
+def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     import submitit
 
     from clusterflow.job import Job
@@ -211,7 +221,7 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     # No max_num_timeout: clusterflow handles the time-limit signal and counts those requeues itself
     # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
     ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
-    ex.update_parameters(**slurm_parameters(cfg))
+    ex.update_parameters(**stages.with_dependency(slurm_parameters(cfg), dependency))
     said = io.StringIO()  # submitit prints sbatch's complaint itself; it goes into our one line instead
     try:
         with contextlib.redirect_stderr(said):
@@ -223,6 +233,7 @@ def submit_slurm(cfg: Config, wait: bool) -> int:
     sys.stderr.write(said.getvalue())
     paths = rundir.RunPaths(cfg.run.dir)
     rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
+    jobids.record_submission(cfg.run.dir, str(job.job_id))
     logs = paths.logs
     print(f"submitted job {job.job_id}")
     print(f"run dir: {cfg.run.dir}")
@@ -253,6 +264,13 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    dependency = stages.dependency(args.after, args.local, args.dry_run)
+    if args.sweep:
+        from clusterflow import sweep_submit
+
+        return sweep_submit.submit_sweep(args, dependency)
+    if args.max_parallel is not None:
+        raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
     if args.dry_run:
@@ -260,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.local:
             print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
         else:
-            print(sbatch_script(cfg))
+            print(sbatch_script(cfg, dependency=dependency))
         print("# resolved config")
         print(cfg.to_yaml())
         return EXIT_OK
@@ -269,9 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
+    cancel.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
+    snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
         return submit_local(cfg, gpus)
-    return submit_slurm(cfg, args.wait)
+    return submit_slurm(cfg, args.wait, dependency)
 
 
 if __name__ == "__main__":

@@ -142,8 +142,8 @@ def test_one_resume_rule_for_submit_run_and_restore(tmp_path, capsys):
     saved = config.load(None, ["run.dir=/a", "train.epochs=3"]).to_dict()
     config.check_resume(saved, config.load(None, ["run.dir=/moved", "train.epochs=3"]).to_dict(), "run dir '/a'")
     edited = config.load(None, ["run.dir=/a", "train.epochs=5", "mining.k=7"]).to_dict()
-    with pytest.raises(UserError, match=r"run dir '/a' holds a run with a different config \(train.epochs: 3 -> 5; "
-                                        r"mining.k: 10 -> 7\); to resume it, use the same config"):
+    with pytest.raises(UserError, match=r"run dir '/a' holds a run with a different config \(train.epochs 3 -> 5; "
+                                        r"mining.k 10 -> 7\); to resume it, use the same values"):
         config.check_resume(saved, edited, "run dir '/a'")
     config.check_resume(saved, edited, "run dir '/a'", relaunch=True)
     assert "runs on the config of run dir '/a'" in capsys.readouterr().err
@@ -161,4 +161,4 @@ def test_run_refuses_a_different_config_in_an_existing_run_dir(cli, tmp_path):
     (d / "checkpoints" / "step-4" / "manifest.json").write_text("{}")
     out = cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=9")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "holds a run with a different config (train.epochs: 3 -> 9)" in out.stderr
+    assert "holds a run with a different config (train.epochs 3 -> 9)" in out.stderr

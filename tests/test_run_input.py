@@ -208,7 +208,7 @@ def test_failed_first_start_does_not_block_the_fixed_resubmission(cli, tmp_path)
     assert saved["state"] == "completed"
     # Once a checkpoint is committed, a different config is refused as before.
     again = cli("clusterflow.run", "configs/tiny.yaml", *TINY, f"run.dir={d}", "task.params.size=32", env=TESTS_ENV)
-    assert again.returncode == 2 and "holds a run with a different config (task.params:" in again.stderr
+    assert again.returncode == 2 and "holds a run with a different config (task.params.size 16 -> 32" in again.stderr
 
 
 def test_failed_first_start_via_submit(tmp_path):

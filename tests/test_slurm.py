@@ -54,8 +54,9 @@ def test_crash_on_one_node_fails_fast_and_names_the_rank(cluster, tmp_path):
     s = status(d)
     assert s["state"] == "failed"
     assert any(e["rank"] == 1 and "deliberate failure" in e["error"] for e in s["errors"]), s
-    assert s["error"].startswith("rank 1: task.target 'testtasks:CrashOnRank1' failed in loss"), s["error"]  # the first cause, not rank 0's
-    assert "ValueError: deliberate failure" in s["error"]
+    # the first cause, not rank 0's: the task's own failure, named with the method it raised in
+    assert s["error"].startswith("rank 1: task.target 'testtasks:CrashOnRank1' failed in loss"), s["error"]
+    assert "ValueError: deliberate failure" in s["error"], s["error"]
 
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
