@@ -110,7 +110,9 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     assert "rank 1 (pid" in out.stderr and "stalled 5 s at step 2 in train" in out.stderr, out.stderr
     st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert st["state"] == "failed"
-    assert st["error"].startswith("rank 1 on ") and "stalled 5 s at step 2 in train (tests/testtasks.py:" in st["error"]
+    # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at submission
+    assert st["error"].startswith("rank 1 on ") and "stalled 5 s at step 2 in train (" in st["error"]
+    assert "testtasks.py:" in st["error"], st["error"]
     assert st["error"].endswith("sleeping_in_loss)"), st["error"]
     assert [r["rank"] for r in st["ranks"]] == [0, 1] and {r["step"] for r in st["ranks"]} == {2}
     log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()
