@@ -165,7 +165,8 @@ def test_a_run_resumes_past_lying_checkpoints_bitwise(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
     d = tmp_path / "run"
-    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv"]
+    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv",
+            "checkpoint.async=false"]  # a kill at step 10 finds step 8 committed, never still being written
     assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
     lie_foreign_model(d)  # step-8, found under RUN/checkpoints by the helpers
     m6 = d / "checkpoints" / "step-6" / "manifest.json"

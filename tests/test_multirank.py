@@ -110,7 +110,7 @@ def _mine_with(mining):
     task = PseudoIDTask(seed=0, identities=40, samples_per_identity=6)
     cfg = config.MiningConfig(k=5, embed_batch=97, timeout_s=60, **mining)
     cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption(), cpu), progress_bar=False).run(task, task.build_model(), epoch=1)
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(task, task.build_model(), epoch=1)
     s = out.stats
     return out.labels.tolist(), {k: s.get(k) for k in ("method", "threshold", "threshold_rule", "finch", "num_clusters", "nmi")}, s["curve"]
 

@@ -16,7 +16,8 @@ import pytest
 import launch
 from conftest import REPO, run_cli
 
-TASK = ["task.target=testtasks:KillAtEnv"]
+# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being written.
+TASK = ["task.target=testtasks:KillAtEnv", "checkpoint.async=false"]
 KILL10 = {"CLUSTERFLOW_TEST_KILL_AT": "10"}  # every rank SIGKILLs itself during step 10: steps 4, 6, 8 committed
 
 

@@ -12,7 +12,8 @@ from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_until
 
 pytestmark = pytest.mark.slurm
-KILL_TASK = ("task.target=testtasks:KillAtEnv",)
+# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being written.
+KILL_TASK = ("task.target=testtasks:KillAtEnv", "checkpoint.async=false")
 
 
 def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):

@@ -63,7 +63,8 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_damaged_records_neither_crash_status_nor_block_resume(tmp_path, damage):
     d = str(tmp_path / "run")
-    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv"]  # one process, as `python -m clusterflow.run` alone runs
+    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv",
+            "checkpoint.async=false"]  # a kill at step 10 finds step 8 committed, never still being written  # one process, as `python -m clusterflow.run` alone runs
     assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
     for name in ("status.json", "attempts.jsonl", "config.yaml"):
         with open(os.path.join(d, name), "wb") as f:
