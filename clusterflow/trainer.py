@@ -27,62 +27,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from clusterflow import builders, checkpointer, dist, durable, phases, rundir
 from clusterflow.config import Config
 from clusterflow.finite import FiniteGuard
-from clusterflow.metrics import Throughput, gpu_stats, writer_for
+from clusterflow.metrics import gpu_stats, writer_for
 from clusterflow.mining import Miner, for_status
 from clusterflow.preemption import Preemption, StopAgreement
 from clusterflow.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.state import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.tasks import Task
 from clusterflow.train_state import TrainState
+from clusterflow.window import LossWindow
 
 log = logging.getLogger("clusterflow.trainer")
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
-class _Window:
-    """Sums over the micro-steps since the last log. Losses and tensor metrics stay on the device
-    (float64, the same sums a Python float gives), so a step that does not log reads nothing back;
-    a log step reads them all in one transfer."""
-
-    def __init__(self) -> None:
-        self.throughput = Throughput()  # resets itself at each report
-        self.clear()
-
-    def clear(self) -> None:
-        self.loss: Any = 0.0
-        self.n = 0.0
-        self.extra: dict[str, Any] = {}
-
-    @staticmethod
-    def _value(v: Any, name: str = "loss") -> Any:
-        if not torch.is_tensor(v):
-            return float(v)
-        if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
-            from clusterflow.errors import UserError
-
-            raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
-                            f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")
-        return v.detach().reshape(()).to(torch.float64)
-
-    def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:
-        self.loss = self.loss + self._value(loss)
-        self.n += 1
-        for k, v in metrics.items():
-            self.extra[k] = self.extra.get(k, 0.0) + self._value(v, k)
-        self.throughput.add(samples)
-
-    def means(self) -> dict[str, float]:
-        """Read on log steps only: the sums come back in one transfer (one sync on a GPU)."""
-        n = max(self.n, 1)
-        sums = {"train/loss": self.loss, **{f"train/{k}": v for k, v in self.extra.items()}}
-        on_device = [k for k, v in sums.items() if torch.is_tensor(v)]
-        if on_device:
-            read = torch.stack([sums[k] for k in on_device]).tolist()
-            sums.update(zip(on_device, read))
-        return {k: float(v) / n for k, v in sums.items()}
 
 
 class Trainer:
@@ -150,7 +108,7 @@ class Trainer:
         self.task.set_epoch(self.state.epoch)
         self.sampler.set_epoch(self.state.epoch, self.state.step_in_epoch * self.cfg.train.grad_accum)
         bar = self._progress_bar()
-        window = _Window()
+        window = LossWindow()
         self.model.train()
         self.phases.step = self.state.global_step
         self.phases.set(phases.TRAIN)
@@ -207,7 +165,7 @@ class Trainer:
         return tqdm(total=self.steps_per_epoch, initial=self.state.step_in_epoch, unit="step", leave=False,
                     desc=f"epoch {self.state.epoch + 1}/{self.cfg.train.epochs}", mininterval=1.0 if sys.stderr.isatty() else 30.0)
 
-    def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: _Window) -> None:
+    def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: LossWindow) -> None:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
         batch = _to(batch, self.device)
         labels = self._device_labels()
@@ -295,7 +253,7 @@ class Trainer:
             self.writer.scalars(scalars, self.state.global_step)
 
     # -- reporting ----------------------------------------------------------------------------
-    def _log_interval(self, window: _Window) -> None:
+    def _log_interval(self, window: LossWindow) -> None:
         self._check_finite()
         rep = window.throughput.report()
         s = self.state
