@@ -218,6 +218,13 @@ class Checkpointer:
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
 
+    def committed_steps(self) -> list[int]:
+        """The committed steps once rank 0's write in flight has landed (for a failure message that
+        names the newest good checkpoint; a failed background write was already reported)."""
+        if dist.rank() == 0:
+            self.writes.wait()
+        return self.store.steps()
+
     def committed_epoch(self) -> int:
         """Epochs finished in the newest committed checkpoint, from its manifest (-1: none)."""
         manifest = self.store.newest_manifest()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import time
 from typing import Any
 
@@ -67,6 +68,16 @@ class RankWatch:
                 return rank
         return None
 
+    def _kill_survivors(self) -> None:
+        """SIGKILL any rank the controller did not stop (a busy machine can delay it past our wait):
+        a rank left in the rendezvous would live on for dist.timeout_s, holding the terminal's pipes."""
+        for pid, start in self.procs.values():
+            if start is not None and lease.process_start(pid) == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
     def _succeeded(self, rank: int) -> bool:
         from submitit.core.utils import JobPaths
 
@@ -103,6 +114,7 @@ class RankWatch:
             deadline = time.time() + 10
             while time.time() < deadline and not self.job.done():
                 time.sleep(0.1)
+        self._kill_survivors()  # also when the controller is done but left a rank behind
         paths = rundir.RunPaths(self.run_dir)
         when = "before the rendezvous" if len(rundir.read_jsonl(paths.attempts)) == self.attempts_before else "during the run"
         cause = self._cause(rank, paths)

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any
 
-from clusterflow import cancel, jobids, liveness, rank_status, rundir, slurm_queue, snapshot, sweep_index, sweep_status
+from clusterflow import cancel, first_error, jobids, liveness, rank_status, rundir, slurm_queue, snapshot, sweep_index, sweep_status
 from clusterflow.config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 
@@ -92,6 +92,16 @@ def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> st
     return f"rank {rank} on {node} ended first ({what}, as srun reports it)" + (f"; then {error}" if error else "")
 
 
+def _cause(paths: rundir.RunPaths, st: dict[str, Any], state: str, job_id: str, attempts: int) -> str | None:
+    """The first cause of a failure: status.json's, else this attempt's first-error record (written
+    atomically by the first rank to fail, so no other write to status.json can lose it)."""
+    error = st.get("error")
+    if not error and state == "failed":
+        rec = first_error.read(paths.root, max(0, attempts - 1))
+        error = f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None
+    return _first_failure(paths, job_id, error) if state == "failed" and jobids.is_slurm_id(job_id) else error
+
+
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f",
             "method", "threshold", "threshold_rule", "curve")
@@ -160,8 +170,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, float(last.get("started_at") or 0)),
-        "error": _first_failure(paths, job_id, st.get("error") or note) if state == "failed" and jobids.is_slurm_id(job_id) else
-        st.get("error") or note,
+        "error": _cause(paths, st, state, job_id, len(attempts)) or note,
         "logs": paths.logs,
         "code": snapshot.describe(run_dir),
         "updated_at": st.get("updated_at"),

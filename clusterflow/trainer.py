@@ -66,7 +66,7 @@ class Trainer:
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
             self.state, self.steps_per_epoch, attempt, self.phases, before_commit=lambda event: self._check_finite(state=True))
-        self.guard = FiniteGuard(device, t, self.checkpointer.store.steps)
+        self.guard = FiniteGuard(device, t, self.checkpointer.committed_steps)
         self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
                            rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync, data=cfg.data)
 
