@@ -175,10 +175,11 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
         if write:
             rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
             # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
-            # Only the winner writes status.json: two ranks' read-modify-writes of it at once would
-            # let the loser's copy, read before the winner wrote, erase the cause.
-            if first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message):
-                rundir.write_status(paths, state="failed", exit_code=f.code, error=f"rank {rank}: {f.message}")
+            # Two ranks' read-modify-writes of status.json at once may lose the winner's error: status
+            # then reads the cause from the first-error record, which no later write replaces.
+            first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
+            rundir.write_status(paths, state="failed", exit_code=f.code,
+                                **({"error": f"rank {rank}: {f.message}"} if first else {}))
     except (OSError, RunFailed):  # a full disk or a vanished run dir: the message below still reaches the user
         pass
     shown = f.trace if f.named and f.trace else ""  # the task's traceback, in the rank log (echoed by --local)
