@@ -66,3 +66,12 @@ def headline(rec: dict[str, Any]) -> str:
     if rec.get("kind") == "stall":
         return str(rec["error"])
     return f"rank {rec.get('rank')} on {rec.get('host')}: {rec.get('error')}"
+
+
+def cause(run_dir: str, status: dict[str, Any], attempt: int) -> str | None:
+    """The failure's first cause as status.json words it ("rank R: ..."), or, when status.json lost
+    it (two ranks' read-modify-writes of it at once), as this attempt's first-error record has it."""
+    if status.get("error"):
+        return str(status["error"])
+    rec = read(run_dir, attempt)
+    return f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None

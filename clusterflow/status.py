@@ -93,12 +93,8 @@ def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> st
 
 
 def _cause(paths: rundir.RunPaths, st: dict[str, Any], state: str, job_id: str, attempts: int) -> str | None:
-    """The first cause of a failure: status.json's, else this attempt's first-error record (written
-    atomically by the first rank to fail, so no other write to status.json can lose it)."""
-    error = st.get("error")
-    if not error and state == "failed":
-        rec = first_error.read(paths.root, max(0, attempts - 1))
-        error = f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None
+    """The first cause of a failure (``first_error.cause``), with srun's view for a Slurm job."""
+    error = first_error.cause(paths.root, st, max(0, attempts - 1)) if state == "failed" else st.get("error")
     return _first_failure(paths, job_id, error) if state == "failed" and jobids.is_slurm_id(job_id) else error
 
 

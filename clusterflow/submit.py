@@ -18,7 +18,7 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import cancel, dist, gpu_select, jobids, lease, local_watch, preflight, rundir, saved_config, snapshot, stages
+from clusterflow import cancel, dist, first_error, gpu_select, jobids, lease, local_watch, preflight, rundir, saved_config, snapshot, stages
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -175,7 +175,9 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     if results is None:
         status, _ = rundir.read_object(paths.status)
         code = failed_exit_code(status)
-        print(f"error: {why or status.get('error') or 'the job failed; see the logs'}", file=sys.stderr)
+        attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+        said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
+        print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
             print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
         return code

@@ -1,7 +1,6 @@
 """A diverging loss stops the run naming the step; nothing non-finite is ever committed; the
 newest finite checkpoint survives; skip_step skips exactly the bad step; mining never runs on NaN."""
 
-import json
 import os
 
 import pytest
@@ -39,7 +38,11 @@ def all_finite(run_dir, step):
 
 
 def status(run_dir):
-    return json.load(open(os.path.join(run_dir, "status.json")))
+    """What `status --json` says (its error is the first cause, also when two failing ranks raced
+    to write status.json)."""
+    from clusterflow import status as status_cli
+
+    return status_cli.collect(run_dir)
 
 
 def rank0_log(run_dir, attempt=0):
