@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -107,11 +108,13 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
                   "dist.stall_s=5", "dist.heartbeat_s=0.5", "--local", env={"PYTHONPATH": TESTS}, timeout=300)
     assert out.returncode == 1, out.stdout + out.stderr
     assert time.time() - t0 < 5 + 60  # not dist.timeout_s (600 s)
-    assert "rank 1 (pid" in out.stderr and "stalled 5 s at step 2 in train" in out.stderr, out.stderr
+    # The watchdog looks once a second, and a loaded machine can delay a look: 5 s or a few more.
+    said = re.search(r"stalled (\d+) s at step 2 in train", out.stderr)
+    assert "rank 1 (pid" in out.stderr and said and 5 <= int(said.group(1)) <= 15, out.stderr
     st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert st["state"] == "failed"
     # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at submission
-    assert st["error"].startswith("rank 1 on ") and "stalled 5 s at step 2 in train (" in st["error"]
+    assert st["error"].startswith("rank 1 on ") and re.search(r"stalled \d+ s at step 2 in train \(", st["error"]), st["error"]
     assert "testtasks.py:" in st["error"], st["error"]
     assert st["error"].endswith("sleeping_in_loss)"), st["error"]
     assert [r["rank"] for r in st["ranks"]] == [0, 1] and {r["step"] for r in st["ranks"]} == {2}

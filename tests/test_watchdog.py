@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import pickle
 import subprocess
 import sys
@@ -44,7 +45,9 @@ def test_a_stalled_loop_dumps_its_stacks_records_the_cause_and_exits(tmp_path):
     assert p.returncode == EXIT_STALLED, out
     rec = first_error.read(str(tmp_path), 0)
     assert rec["kind"] == "stall" and rec["rank"] == 0 and rec["step"] == 5 and rec["phase"] == "train"
-    assert rec["error"].startswith("rank 0 on ") and "stalled 3 s at step 5 in train" in rec["error"], rec["error"]
+    # The watchdog looks once a second, and a loaded machine can delay a look: 3 s or a few more.
+    said = re.search(r"stalled (\d+) s at step 5 in train", rec["error"])
+    assert rec["error"].startswith("rank 0 on ") and said and 3 <= int(said.group(1)) <= 13, rec["error"]
     assert "stall_program.py:" in rec["error"] and "sleeping_in_loss" in rec["error"]
     assert "sleeping_in_loss" in rec["traceback"]
     log = (tmp_path / "logs" / "rank0.attempt0.log").read_text()
