@@ -8,7 +8,7 @@
     RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
     RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
     RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see jobids.py)
-    RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0
+    RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0 (status.json.lock: its lock)
     RUN_DIR/cancelled.json         present once a user cancelled the run (see cancel.py)
     RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank
     RUN_DIR/errors/first.attempt<A>.json   the first cause of a failed attempt, written once (see first_error.py)
@@ -31,12 +31,14 @@ while it is being replaced goes through ``durable.write_atomic``.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 from clusterflow import durable
 
@@ -246,8 +248,29 @@ def count_stops(paths: RunPaths, reason: str) -> int:
 _STATUS_LOCK = threading.Lock()  # the loop and the checkpoint writer's thread both update status.json
 
 
+@contextlib.contextmanager
+def _locked(target: str) -> Iterator[None]:
+    """An exclusive lock across processes (``target``.lock, flock): two failing ranks and the
+    --local watcher each read, update and replace status.json, and without it one of them can
+    replace the file with a copy read before another's update (a lost cause or exit code). Where
+    the filesystem has no locks, the update goes on without one, as before."""
+    try:
+        fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def write_status(paths: RunPaths, **fields: Any) -> None:
-    with _STATUS_LOCK:
+    with _STATUS_LOCK, _locked(paths.status):
         current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         current.update(fields, updated_at=time.time())
         durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
