@@ -1,3 +1,4 @@
+import contextlib
 import os
 import shutil
 import subprocess
@@ -16,6 +17,20 @@ def run_cli(*args, cwd=REPO, env=None, timeout=600):
             del e[k]
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def tmpfs(path, options):
+    """A real tmpfs mounted at ``path`` (``options``: "size=8m", "ro,size=1m"), unmounted after;
+    skips the test where mounting needs root it does not have (CI runs as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    os.makedirs(path, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    try:
+        yield str(path)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from clusterflow import durable, rundir
 from clusterflow.errors import RunFailed
 from clusterflow.store import CheckpointStore
-from conftest import REPO
+from conftest import REPO, tmpfs
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
 
@@ -20,11 +20,8 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpf
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 8 MiB filesystem."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(d)], check=True)
-    yield str(d)
-    subprocess.run(["umount", "-l", str(d)], check=True)
+    with tmpfs(tmp_path / "disk", "size=8m") as d:
+        yield d
 
 
 def test_checkpoint_larger_than_the_disk(small_disk):
