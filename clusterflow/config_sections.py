@@ -328,12 +328,9 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         mod, sep, cls = self.target.partition(":")
-        _check(
-            bool(sep and mod and cls and cls.isidentifier() and all(p.isidentifier() for p in mod.split("."))),
-            "task.target",
-            self.target,
-            "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
-        )
+        named = bool(sep and mod and cls and cls.isidentifier() and all(p.isidentifier() for p in mod.split(".")))
+        _check(named, "task.target", self.target,
+               "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask")
 
 
 @dataclass
