@@ -134,6 +134,14 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
     return out[0]
 
 
+def collective_device() -> Any:
+    """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    import torch
+    import torch.distributed as tdist
+
+    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any = None) -> dict[str, float]:
     """Reduce a dict of numbers across ranks in one collective (sum, mean or max)."""
     if not metrics:
@@ -144,7 +152,7 @@ def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any =
     import torch
     import torch.distributed as tdist
 
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or "cpu")
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or collective_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM)
     if op == "mean":
         t /= world()
@@ -161,7 +169,7 @@ def all_reduce_sum(values: Any, device: Any = None) -> Any:
     import torch
     import torch.distributed as tdist
 
-    t = torch.from_numpy(values.copy()).to(device or "cpu")
+    t = torch.from_numpy(values.copy()).to(device or collective_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t.cpu().numpy()
 
@@ -217,7 +225,7 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     mine = rank() == src
     skeleton, tensors = tree.flatten(obj) if mine else (None, [])
     skeleton, specs = broadcast_object((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), src)
-    device = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+    device = collective_device()
     received: list[Any] = []
     buckets = _buckets(specs)
     # One buffer for every bucket: a fresh buffer per bucket costs page faults on both sides.

@@ -44,37 +44,37 @@ class Subgroup:
 
 
 class AsyncMax:
-    """The maximum over ranks of one integer per rank, started now and read later (``start``,
-    then ``finish``), on a gloo group of its own. The buffer is a CPU tensor read through a numpy
-    view, so neither end touches a CUDA stream or reads a device value: the loop can start one at
-    a step boundary and read it at the next without stopping the GPU's queue.
+    """The element-wise maximum over ranks of a few integers per rank, started now and read later
+    (``start``, then ``finish``), on a gloo group of its own. The buffer is a CPU tensor read
+    through a numpy view, so neither end touches a CUDA stream or reads a device value: the loop
+    can start one at a step boundary and read it at a later one without stopping the GPU's queue.
     Collective to create, and every rank must call ``start`` and ``finish`` in the same order."""
 
-    def __init__(self, timeout_s: int) -> None:
+    def __init__(self, timeout_s: int, size: int = 1) -> None:
         import torch
 
         self.group = Subgroup(timeout_s).group
-        self._buf = torch.zeros(1, dtype=torch.int64)
+        self._buf = torch.zeros(size, dtype=torch.int64)
         self._view = self._buf.numpy()  # shares the buffer: reads and writes without a tensor call
         self._work: Any = None
         self.pending = False
 
-    def start(self, value: int) -> None:
+    def start(self, *values: int) -> None:
         if self.pending:
             raise RuntimeError("AsyncMax.start while a reduce is in flight; this is a bug in clusterflow")
-        self._view[0] = value
+        self._view[:] = values
         self.pending = True
         if self.group is not None:
             import torch.distributed as tdist
 
             self._work = tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
 
-    def finish(self) -> int:
-        """The started reduce's result (waiting for it if it is still in flight); 0 when none was started."""
+    def finish(self) -> tuple[int, ...]:
+        """The started reduce's result (waiting for it if it is still in flight); zeros when none was started."""
         if not self.pending:
-            return 0
+            return (0,) * len(self._view)
         if self._work is not None:
             self._work.wait()
             self._work = None
         self.pending = False
-        return int(self._view[0])
+        return tuple(int(v) for v in self._view)

@@ -22,7 +22,7 @@ Policies (``train.on_nonfinite``):
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, NoReturn
+from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 import torch
 
@@ -32,6 +32,7 @@ from clusterflow.errors import RunFailed
 log = logging.getLogger("clusterflow.trainer")
 
 _NONE = 1 << 40  # "no non-finite loss" in the all-reduced minimum
+_BAD = "\0non-finite"  # the flag's key among the means: no metric name starts with a NUL
 
 
 def _all_finite(tensors: list[Any]) -> bool:
@@ -72,23 +73,32 @@ class FiniteGuard:
         self.ok.fill_(True)
         self.count.zero_()
 
-    def check(self, global_step: int, state: Iterable[Any] = ()) -> None:
+    def check(self, global_step: int, state: Iterable[Any] = (), means: Mapping[str, float] | None = None) -> dict[str, float]:
         """Collective. Returns when every loss since the last check (and every tensor of ``state``)
-        is finite on every rank; raises RunFailed naming the step otherwise."""
+        is finite on every rank; raises RunFailed naming the step otherwise. ``means``: numbers to
+        average over the ranks in the same collective (a log step's loss and rate), returned
+        averaged, so a log step pays for one collective, not two. Only when some rank saw a
+        non-finite value does a second one find the exact step for the message."""
         first = int(torch.where(self.ok, _NONE, self.count))  # the host read
         tensors = [t for t in state if torch.is_tensor(t) and t.is_floating_point()]
         bad_state = not _all_finite(tensors)
+        reduced = dist.all_reduce_dict({**(means or {}), _BAD: float(first < _NONE or bad_state)}, op="mean")
+        if reduced.pop(_BAD) > 0:
+            self._judge(first, bad_state, global_step)
+        self.checked_at = global_step
+        self._reset()
+        return reduced
+
+    def _judge(self, first: int, bad_state: bool, global_step: int) -> NoReturn:
+        """Collective, once some rank saw a non-finite value: the earliest step over the ranks."""
         agreed = dist.all_reduce_dict({"first": _NONE - first, "state": float(bad_state)}, op="max")
         first, since = _NONE - int(agreed["first"]), self.checked_at
         if first < _NONE:
             step = since + first // self.train.grad_accum + 1
             self._fail(f"the loss became non-finite (NaN or inf) at global step {step} (seen by the check at step "
                        f"{global_step}; every loss before step {step} was finite)")
-        if agreed["state"] > 0:
-            self._fail(f"the weights or optimizer state became non-finite between global steps {since} and "
-                       f"{global_step}, while every loss was finite")
-        self.checked_at = global_step
-        self._reset()
+        self._fail(f"the weights or optimizer state became non-finite between global steps {since} and "
+                   f"{global_step}, while every loss was finite")
 
     def step_ok(self, params: Iterable[Any], scaler: Any, step: int) -> bool:
         """skip_step, before optimizer step ``step``: True when its losses (every rank) and gradients

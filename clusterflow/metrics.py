@@ -7,6 +7,7 @@ do nothing, so call sites never test the rank.
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any, Callable, Mapping
 
@@ -27,8 +28,26 @@ class NullWriter:
     def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
         """``draw()`` returns an (H, W, 3) uint8 array; only a writer that keeps images calls it."""
 
+    def flush(self) -> None:
+        pass
+
     def close(self) -> None:
         pass
+
+
+class Every:
+    """Due at most once per ``seconds`` (the first ask is due): for side effects that cost
+    milliseconds on a network or journaling filesystem and need not happen at every log step."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds, self._last = seconds, -math.inf
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.seconds:
+            return False
+        self._last = now
+        return True
 
 
 class TensorBoardWriter(NullWriter):
@@ -39,7 +58,14 @@ class TensorBoardWriter(NullWriter):
     an attempt killed before its first checkpoint leaves steps that the next one logs again), so
     TensorBoard drops what earlier attempts logged at or after it; ``metrics.jsonl`` gets a marker
     row with the same step, and :func:`read_metrics` applies the same rule.
+
+    ``metrics.jsonl`` gets every row at once (one write call). The event file is flushed at most
+    every ``FLUSH_S`` seconds (a flush waits for SummaryWriter's thread: about a millisecond per
+    log step) and before every checkpoint (``flush``), so a killed attempt loses no point that
+    the next attempt keeps: it resumes from a checkpoint and logs every later step again.
     """
+
+    FLUSH_S = 5.0
 
     def __init__(self, paths: RunPaths, attempt: int, purge_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -47,6 +73,7 @@ class TensorBoardWriter(NullWriter):
         self._w = SummaryWriter(log_dir=paths.tb, purge_step=purge_step, filename_suffix=f".attempt{attempt}")
         self._jsonl = rundir.open_jsonl(paths.metrics)
         self._attempt = attempt
+        self._flush_due = Every(self.FLUSH_S)
         self._row({"step": purge_step, "attempt": attempt, "purge_step": purge_step})
 
     def _row(self, record: dict[str, Any]) -> None:
@@ -56,7 +83,8 @@ class TensorBoardWriter(NullWriter):
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         for k, v in values.items():
             self._w.add_scalar(k, v, step)
-        self._w.flush()
+        if self._flush_due.due():
+            self._w.flush()
         self._row({"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}})
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
@@ -67,6 +95,9 @@ class TensorBoardWriter(NullWriter):
 
     def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
         self._w.add_image(tag, draw(), step, dataformats="HWC")
+        self._w.flush()
+
+    def flush(self) -> None:
         self._w.flush()
 
     def close(self) -> None:

@@ -269,11 +269,14 @@ def _locked(target: str) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def write_status(paths: RunPaths, **fields: Any) -> None:
+def write_status(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
+    """Update fields of status.json. ``fsync=False`` for the training loop's progress (step, loss,
+    rate): an fsync costs milliseconds on every log step, and what a power loss can take is the
+    latest progress line, which the next log step or the checkpoints (the truth) restore."""
     with _STATUS_LOCK, _locked(paths.status):
         current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         current.update(fields, updated_at=time.time())
-        durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True))
+        durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True), fsync=fsync)
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:

@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from clusterflow import builders, checkpointer, dist, durable, phases, rundir
 from clusterflow.config import Config
 from clusterflow.finite import FiniteGuard
-from clusterflow.metrics import gpu_stats, writer_for
+from clusterflow.metrics import Every, gpu_stats, writer_for
 from clusterflow.mining import Miner, for_status
-from clusterflow.preemption import Preemption, StopAgreement
+from clusterflow.preemption import AGREE_EVERY_S, Preemption, StopAgreement
 from clusterflow.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.state import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.tasks import Task
@@ -49,7 +49,7 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
-        self.stop = StopAgreement(preemption, cfg.dist.timeout_s)
+        self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
         seed_everything(rank_seed(cfg.run.seed, self.rank))  # distinct per-rank streams from here on
@@ -63,9 +63,10 @@ class Trainer:
         self._labels_of: Any = None  # the labels array that self._labels holds on the device
         self._labels: torch.Tensor | None = None
         self._persistent_loader: torch.utils.data.DataLoader | None = None
+        self._progress_due = Every(1.0)  # status.json's progress fields
         self.checkpointer = checkpointer.Checkpointer(
             cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
-            self.state, self.steps_per_epoch, attempt, self.phases, before_commit=lambda event: self._check_finite(state=True))
+            self.state, self.steps_per_epoch, attempt, self.phases, before_commit=self._before_commit)
         self.guard = FiniteGuard(device, t, self.checkpointer.committed_steps)
         self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
                            rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync, data=cfg.data)
@@ -204,6 +205,10 @@ class Trainer:
         self.sched.step()
         self.state.step_done()
 
+    def _before_commit(self, event: str) -> None:
+        self.writer.flush()  # every point up to a checkpoint is on disk: a resume logs only later steps again
+        self._check_finite(state=True)
+
     def _check_finite(self, state: bool = False) -> None:
         """Collective: every loss since the last check finite (and with ``state``, every weight and
         optimizer tensor), or the run stops here. At log steps, before each commit, at epoch end."""
@@ -254,11 +259,10 @@ class Trainer:
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_interval(self, window: LossWindow) -> None:
-        self._check_finite()
         rep = window.throughput.report()
         s = self.state
-        # One collective for the means and the throughput (a sum: the mean times the world size).
-        reduced = dist.all_reduce_dict({**window.means(), "rate": rep["samples_per_s_rank"]}, op="mean", device=self.device)
+        # One collective for the finite check, the means and the throughput (a sum: the mean times the world size).
+        reduced = self.guard.check(s.global_step, means={**window.means(), "rate": rep["samples_per_s_rank"]})
         rate = reduced.pop("rate") * self.world
         out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
                "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
@@ -267,7 +271,8 @@ class Trainer:
         if self.rank == 0:
             log.info("epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s", s.epoch + 1, s.step_in_epoch,
                      self.steps_per_epoch, s.global_step, out["train/loss"], out["train/lr"], out["perf/samples_per_s_total"])
-        self._status(state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
+        if self._progress_due.due():  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
+            self._status(state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
@@ -315,5 +320,5 @@ class Trainer:
     def _status(self, **fields: Any) -> None:
         if self.rank == 0:
             s = self.state
-            rundir.write_status(self.paths, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
+            rundir.write_status(self.paths, fsync=False, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
                                 steps_per_epoch=self.steps_per_epoch, phase=self.phases.current, **fields)
