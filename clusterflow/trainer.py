@@ -256,6 +256,8 @@ class Trainer:
         scalars = self.checkpointer.save(event)
         if scalars:
             self.writer.scalars(scalars, self.state.global_step)
+        if event != checkpointer.STEP:
+            self._status()  # where a stop or an epoch's end left the run, whatever the progress cadence skipped
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_interval(self, window: LossWindow) -> None:

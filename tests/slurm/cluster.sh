@@ -9,6 +9,8 @@
 # controller's address. Each slurmd runs in its namespace with its own hostname (unshare --uts).
 # Partitions: "low" (default, preemptable, GraceTime) and "high" (PriorityTier above, preempts
 # "low" with PreemptMode=REQUEUE). Idempotent: running "up" twice changes nothing. Needs root.
+# bf_interval=1: a requeued job is started by the backfill scheduler (the main one leaves it), every
+# 30 s by default; every second here, so the requeue tests wait for the job, not the scheduler.
 set -euo pipefail
 
 BR=cfbr0
@@ -50,6 +52,10 @@ network() {
       ip netns exec "$n" ip route add default via "$CTL_IP" || true
     fi
     grep -q " $n\$" /etc/hosts || echo "$PREFIX.$((i + 10)) $n" >> /etc/hosts
+    # torch's TCPStore looks up the name of each peer's address as IPv4-mapped IPv6; with no DNS
+    # reachable from the namespaces each lookup waits 10 s for its timeout, twice per job start.
+    # A name of its own, so that "$n" itself still resolves to IPv4 only.
+    grep -q " $n-v4mapped\$" /etc/hosts || echo "::ffff:$PREFIX.$((i + 10)) $n-v4mapped" >> /etc/hosts
   done
 }
 
@@ -70,6 +76,7 @@ JobAcctGatherType=jobacct_gather/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval=1,sched_interval=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 JobRequeue=1
