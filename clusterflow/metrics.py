@@ -61,8 +61,9 @@ class TensorBoardWriter(NullWriter):
 
     ``metrics.jsonl`` gets every row at once (one write call). The event file is flushed at most
     every ``FLUSH_S`` seconds (a flush waits for SummaryWriter's thread: about a millisecond per
-    log step) and before every checkpoint (``flush``), so a killed attempt loses no point that
-    the next attempt keeps: it resumes from a checkpoint and logs every later step again.
+    log step), and the trainer flushes it before every checkpoint and after logging that
+    checkpoint's own scalars (``flush``), so a killed attempt loses no point that the next
+    attempt does not log again: it resumes from a checkpoint and logs every later step.
     """
 
     FLUSH_S = 5.0

@@ -271,8 +271,10 @@ def _locked(target: str) -> Iterator[None]:
 
 def write_status(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
     """Update fields of status.json. ``fsync=False`` for the training loop's progress (step, loss,
-    rate): an fsync costs milliseconds on every log step, and what a power loss can take is the
-    latest progress line, which the next log step or the checkpoints (the truth) restore."""
+    rate), where an fsync would cost milliseconds at log steps. A power loss right after such a
+    write loses that line, and on a filesystem that may commit a rename before the data (not
+    ext4's default) it can leave status.json empty: ``status`` then reports it as a damaged record
+    and the next write replaces it; the checkpoints, the truth, are untouched."""
     with _STATUS_LOCK, _locked(paths.status):
         current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         current.update(fields, updated_at=time.time())

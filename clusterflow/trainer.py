@@ -256,6 +256,7 @@ class Trainer:
         scalars = self.checkpointer.save(event)
         if scalars:
             self.writer.scalars(scalars, self.state.global_step)
+            self.writer.flush()  # a resume from this checkpoint logs from the next step: these points are not logged again
         if event != checkpointer.STEP:
             self._status()  # where a stop or an epoch's end left the run, whatever the progress cadence skipped
 
@@ -274,7 +275,7 @@ class Trainer:
             log.info("epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s", s.epoch + 1, s.step_in_epoch,
                      self.steps_per_epoch, s.global_step, out["train/loss"], out["train/lr"], out["perf/samples_per_s_total"])
         if self._progress_due.due():  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
-            self._status(state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
+            self._status(fsync=False, state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
@@ -319,8 +320,8 @@ class Trainer:
             durable.write_atomic(self.paths.model, self.module.state_dict())
         dist.barrier()
 
-    def _status(self, **fields: Any) -> None:
+    def _status(self, fsync: bool = True, **fields: Any) -> None:
         if self.rank == 0:
             s = self.state
-            rundir.write_status(self.paths, fsync=False, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
+            rundir.write_status(self.paths, fsync=fsync, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
                                 steps_per_epoch=self.steps_per_epoch, phase=self.phases.current, **fields)
