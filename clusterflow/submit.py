@@ -197,19 +197,29 @@ def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
     while True:
         done = job.done()
         dead = None if done else watch.first_dead()
+        # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
+        pos = _echo(target, pos)
         if dead is not None:
-            return watch.stop(dead)
-        if os.path.exists(target):
-            with open(target, encoding="utf-8", errors="replace") as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            if chunk:
-                sys.stdout.write(chunk)
-                sys.stdout.flush()
+            why = watch.stop(dead)
+            _echo(target, pos)  # what the others wrote while they were stopped
+            return why
         if done:
             return None
         time.sleep(0.5)
+
+
+def _echo(path: str, pos: int) -> int:
+    """Write what ``path`` holds past ``pos`` to stdout; returns the new position."""
+    if not os.path.exists(path):
+        return pos
+    with open(path, encoding="utf-8", errors="replace") as f:
+        f.seek(pos)
+        chunk = f.read()
+        pos = f.tell()
+    if chunk:
+        sys.stdout.write(chunk)
+        sys.stdout.flush()
+    return pos
 
 
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
