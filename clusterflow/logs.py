@@ -65,8 +65,9 @@ def ended(run_dir: str) -> bool:
     return state in ENDED or is_cancelled(run_dir)
 
 
-class _Tail:
-    """One log file read incrementally (a UTF-8 character cut between two reads stays whole)."""
+class Tail:
+    """One log file read incrementally (a UTF-8 character cut between two reads stays whole); also
+    what `submit --local` echoes to the terminal."""
 
     def __init__(self, path: str) -> None:
         self.path, self.pos = path, 0
@@ -110,7 +111,7 @@ def _check(run_dir: str, rank: int) -> None:
 
 def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
     """Print every attempt of ``rank``; with ``follow``, keep going until the run ends."""
-    tail: _Tail | None = None
+    tail: Tail | None = None
     current = -1
     while True:
         done = ended(run_dir)  # read before draining: lines written before the end are then printed
@@ -118,7 +119,7 @@ def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: fl
             if tail is not None:
                 tail.drain(out)  # finish the previous attempt before the next header
             out.write(("\n" if tail is not None else "") + header(run_dir, rank, attempt) + "\n")
-            tail, current = _Tail(rundir.RunPaths(run_dir).log_file(rank, attempt)), attempt
+            tail, current = Tail(rundir.RunPaths(run_dir).log_file(rank, attempt)), attempt
         if tail is not None:
             tail.drain(out)
         if not follow:

@@ -18,7 +18,8 @@ import subprocess
 import sys
 from typing import Any
 
-from clusterflow import cancel, dist, first_error, gpu_select, jobids, lease, local_watch, preflight, rundir, saved_config, snapshot, stages
+from clusterflow import (cancel, dist, first_error, gpu_select, jobids, lease, local_watch, logs, preflight, rundir,
+                         saved_config, snapshot, stages)
 from clusterflow.config import Config
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -192,34 +193,19 @@ def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
     import time
 
     paths = rundir.RunPaths(run_dir)
-    target = paths.log_file(0, len(rundir.read_jsonl(paths.attempts)))
-    pos = 0
+    tail = logs.Tail(paths.log_file(0, len(rundir.read_jsonl(paths.attempts))))
     while True:
         done = job.done()
         dead = None if done else watch.first_dead()
         # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
-        pos = _echo(target, pos)
+        tail.drain(sys.stdout)
         if dead is not None:
             why = watch.stop(dead)
-            _echo(target, pos)  # what the others wrote while they were stopped
+            tail.drain(sys.stdout)  # what the others wrote while they were stopped
             return why
         if done:
             return None
         time.sleep(0.5)
-
-
-def _echo(path: str, pos: int) -> int:
-    """Write what ``path`` holds past ``pos`` to stdout; returns the new position."""
-    if not os.path.exists(path):
-        return pos
-    with open(path, encoding="utf-8", errors="replace") as f:
-        f.seek(pos)
-        chunk = f.read()
-        pos = f.tell()
-    if chunk:
-        sys.stdout.write(chunk)
-        sys.stdout.flush()
-    return pos
 
 
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:

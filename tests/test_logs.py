@@ -72,7 +72,7 @@ def test_a_character_split_between_two_writes_stays_whole(tmp_path):
     d = make_run(tmp_path)
     text = "épreuve ✓\n".encode()
     path = rundir.RunPaths(d).log_file(0, 0)
-    tail = logs._Tail(path)
+    tail = logs.Tail(path)
     out = io.StringIO()
     with open(path, "wb") as f:
         f.write(text[:1])
