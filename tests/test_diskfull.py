@@ -14,9 +14,6 @@ from clusterflow.errors import RunFailed
 from clusterflow.store import CheckpointStore
 from conftest import REPO, tmpfs
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root (CI runs as root)")
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 8 MiB filesystem."""
