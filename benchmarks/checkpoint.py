@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from clusterflow.dist import free_port  # noqa: E402
-from clusterflow.store import CheckpointStore  # noqa: E402
+from clusterflow.storage.store import CheckpointStore  # noqa: E402
 
 
 def make_state(params: int) -> tuple[dict, dict]:
@@ -128,8 +128,8 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
     that runs beside the next forward/backward; the loop's slowdown while the writer works (the cores
     it takes) is printed too."""
     from clusterflow import config
-    from clusterflow.checkpointer import STEP, Checkpointer
-    from clusterflow.train_state import TrainState
+    from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
+    from clusterflow.checkpoint.train_state import TrainState
 
     torch.manual_seed(0)
     width = 4096

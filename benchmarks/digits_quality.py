@@ -21,9 +21,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from clusterflow import config as cfgmod  # noqa: E402
-from clusterflow import rundir  # noqa: E402
-from clusterflow.cluster_metrics import quality  # noqa: E402
+from clusterflow import config as cfgmod
+from clusterflow import rundir
+from clusterflow.mining.quality import quality  # noqa: E402
 from clusterflow.mining import mutual_knn_clusters  # noqa: E402
 
 

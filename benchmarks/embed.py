@@ -55,7 +55,7 @@ def bare(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
 
 
 def ours(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
-    from clusterflow.mining import embed_shard
+    from clusterflow.mining.stage import embed_shard
 
     return embed_shard(task, model, dataset, 0, 1, batch, device, None, None, num_workers=workers, pin_memory=True)[1]
 

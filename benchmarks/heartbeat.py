@@ -24,8 +24,8 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from clusterflow.heartbeat import Heartbeat  # noqa: E402
-from clusterflow.watchdog import Watchdog  # noqa: E402
+from clusterflow.observe.heartbeat import Heartbeat  # noqa: E402
+from clusterflow.observe.watchdog import Watchdog  # noqa: E402
 
 
 def run(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], hb: Heartbeat | None) -> float:

@@ -50,7 +50,7 @@ def _embed_rate(n: int) -> float:
     import torch
 
     from clusterflow import dist
-    from clusterflow.mining import embed_shard
+    from clusterflow.mining.stage import embed_shard
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     task = PseudoIDTask(identities=n // 20, samples_per_identity=20)

@@ -23,11 +23,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from clusterflow import curves, finch  # noqa: E402
-from clusterflow.cluster_metrics import quality  # noqa: E402
-from clusterflow.clustering import clusters_from_graph, mutual_edges, normalize  # noqa: E402
-from clusterflow.knn import KnnParams, search  # noqa: E402
-from clusterflow.mutual_graph import MutualGraph, mutual_graph  # noqa: E402
+from clusterflow.mining import curves
+from clusterflow.mining import finch
+from clusterflow.mining.quality import quality  # noqa: E402
+from clusterflow.mining.clustering import clusters_from_graph, mutual_edges, normalize  # noqa: E402
+from clusterflow.mining.knn import KnnParams, search  # noqa: E402
+from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph  # noqa: E402
 
 EXACT = KnnParams(k=1, engine="faiss")  # FAISS flat: exact
 
@@ -187,7 +188,7 @@ def keep_files(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, t_search: float
     (float32, fsynced), commit every query block of the search in one batch, read both back."""
     import tempfile
 
-    from clusterflow.mining_rounds import RoundFiles
+    from clusterflow.mining.rounds import RoundFiles
 
     qb = 65536
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as root:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from clusterflow.finite import FiniteGuard  # noqa: E402
+from clusterflow.train.finite import FiniteGuard  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

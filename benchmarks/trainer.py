@@ -94,8 +94,8 @@ def bare_loop(epochs: int, identities: int, amp: str) -> None:
 def clusterflow_rank(argv: list[str]) -> None:
     """clusterflow's side, run by torchrun on every rank: ``python -m clusterflow.run`` itself,
     with the epoch boundaries timed on rank 0."""
-    from clusterflow import run
-    from clusterflow.trainer import Trainer
+    from clusterflow.job import run
+    from clusterflow.train.trainer import Trainer
 
     times: list[float] = []
     train_epoch, end_of_epoch = Trainer._train_epoch, Trainer._end_of_epoch
@@ -133,7 +133,7 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
 def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False,
                     heartbeats: bool = True) -> tuple[list[float], list[float]]:
     """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
-    from clusterflow.metrics import read_metrics
+    from clusterflow.observe.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"cf-{epochs}-", dir=root)
     overrides = [f"run.dir={run_dir}", f"task.params.identities={a.identities}", f"train.epochs={epochs}",
@@ -190,8 +190,8 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
 def tick_cost_s(n: int = 200_000) -> float:
     """Seconds one ``phases.tick(step)`` costs the loop with a heartbeat attached (what every step
     calls): the writer thread is left out here, its share is in the no-heartbeat side's ratio."""
-    from clusterflow.heartbeat import Heartbeat
-    from clusterflow.phases import Phases
+    from clusterflow.observe.heartbeat import Heartbeat
+    from clusterflow.observe.phases import Phases
 
     with tempfile.TemporaryDirectory() as d:
         tracker, hb = Phases(), Heartbeat(d, 0, every_s=10, start=False)

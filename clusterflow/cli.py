@@ -21,11 +21,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "submit":
-        from clusterflow.submit import main as m
+        from clusterflow.launch.submit import main as m
     elif cmd == "run":
-        from clusterflow.run import main as m
+        from clusterflow.job.run import main as m
     elif cmd == "status":
-        from clusterflow.status import main as m
+        from clusterflow.manage.status import main as m
     else:
         print(f"error: unknown command {cmd!r}; choose submit, run or status\n\n{USAGE}", file=sys.stderr)
         return 2

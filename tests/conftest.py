@@ -41,7 +41,7 @@ def cli():
 @pytest.fixture(params=["local", "memory"])
 def store(request, tmp_path):
     """A checkpoint store keeping two steps, on a local folder and on fsspec's memory://."""
-    from clusterflow.store import CheckpointStore
+    from clusterflow.storage.store import CheckpointStore
 
     if request.param == "local":
         return CheckpointStore(str(tmp_path / "ck"), keep_last=2)

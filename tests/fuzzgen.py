@@ -12,7 +12,7 @@ overrides at all).
 import os
 import random
 
-from clusterflow.config import SECTIONS, _field_types
+from clusterflow.config.job_config import SECTIONS, _field_types
 
 BASE = {
     "run": {"name": "fuzz", "seed": "1"},

@@ -13,9 +13,10 @@ import socket
 import sys
 import time
 
-from clusterflow import first_error, rundir
-from clusterflow.heartbeat import Heartbeat
-from clusterflow.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
+from clusterflow import rundir
+from clusterflow.rundir import first_error
+from clusterflow.observe.heartbeat import Heartbeat
+from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
 
 
 def sleeping_in_loss():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import launch
-from clusterflow.store import CheckpointStore
+from clusterflow.storage.store import CheckpointStore
 from conftest import REPO, tmpfs
 
 HANG = ["task.target=testtasks:HangInSave", "task.params.step_sleep=0.2", "task.params.hang_at_step=8"]

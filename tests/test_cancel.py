@@ -7,7 +7,10 @@ import time
 
 import pytest
 
-from clusterflow import cancel, jobids, rundir, sweep_index
+from clusterflow import rundir
+from clusterflow.manage import cancel
+from clusterflow.slurm import jobids
+from clusterflow.sweeps import index as sweep_index
 from clusterflow.errors import UserError
 from conftest import run_cli
 

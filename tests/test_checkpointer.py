@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from clusterflow import config, dist
-from clusterflow.checkpointer import STEP, Checkpointer, CheckpointWriteError
-from clusterflow.train_state import TrainState
+from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
+from clusterflow.checkpoint.train_state import TrainState
 from multirank import run_ranks
 
 
@@ -92,7 +92,7 @@ def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_ret
 
 
 def _save_then_restore(root):
-    import clusterflow.durable as durable
+    import clusterflow.storage.durable as durable
 
     reads = []
     plain = durable.load_checked

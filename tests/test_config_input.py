@@ -10,7 +10,8 @@ import threading
 
 import pytest
 
-from clusterflow import config, config_yaml
+from clusterflow import config
+from clusterflow.config import yaml_file as config_yaml
 from clusterflow.errors import UserError
 
 
@@ -89,8 +90,8 @@ def test_seed_bound_is_the_rng_bound(tmp_path):
 
 def test_the_largest_seed_works_everywhere_it_is_used():
     """run.seed < 2**32 is enough for every seed derived from it (state.py, sampler.py, the tasks)."""
-    from clusterflow.sampler import epoch_permutation
-    from clusterflow.state import rank_seed, seed_everything
+    from clusterflow.dist.sampler import epoch_permutation
+    from clusterflow.checkpoint.rng import rank_seed, seed_everything
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     top = 2**32 - 1

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from scipy.sparse.csgraph import connected_components
 
-from clusterflow import curves
-from clusterflow.cluster_metrics import quality
-from clusterflow.knn import KnnParams, search
-from clusterflow.clustering import clusters_from_graph, mutual_edges, mutual_knn_clusters, normalize, number_by_smallest_member
+from clusterflow.mining import curves
+from clusterflow.mining.quality import quality
+from clusterflow.mining.knn import KnnParams, search
+from clusterflow.mining.clustering import clusters_from_graph, mutual_edges, mutual_knn_clusters, normalize, number_by_smallest_member
 
 
 def faiss_search(x, k):

@@ -9,9 +9,10 @@ import sys
 import pytest
 import torch
 
-from clusterflow import durable, rundir
+from clusterflow import rundir
+from clusterflow.storage import durable
 from clusterflow.errors import RunFailed
-from clusterflow.store import CheckpointStore
+from clusterflow.storage.store import CheckpointStore
 from conftest import REPO, tmpfs
 
 @pytest.fixture

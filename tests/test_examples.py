@@ -88,7 +88,7 @@ def test_sparse_autoencoder_logs_per_step_metrics(tmp_path):
 
 def _classifier_eval(seed):
     """Evaluate one fixed, partly trained classifier on this rank's shard; reduced over all ranks."""
-    from clusterflow.evaluate import evaluate
+    from clusterflow.train.evaluate import evaluate
     from clusterflow.tasks.classifier import ClassifierTask
 
     task = ClassifierTask(seed=seed, identities=7, samples_per_identity=4, eval_samples_per_identity=5, input_dim=16,

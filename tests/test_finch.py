@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from clusterflow.cluster_metrics import quality
-from clusterflow.finch import default_search, finch_clusters, finch_levels, silhouette
-from clusterflow.knn import KnnParams, search
-from clusterflow.clustering import normalize, number_by_smallest_member
+from clusterflow.mining.quality import quality
+from clusterflow.mining.finch import default_search, finch_clusters, finch_levels, silhouette
+from clusterflow.mining.knn import KnnParams, search
+from clusterflow.mining.clustering import normalize, number_by_smallest_member
 
 
 def faiss_search(x, k):

@@ -2,8 +2,9 @@
 
 import pytest
 
-from clusterflow import config, fingerprint
-from clusterflow.fingerprint import NUMERICS, RESOURCE, RESULT
+from clusterflow import config
+from clusterflow.config import fingerprint
+from clusterflow.config.fingerprint import NUMERICS, RESOURCE, RESULT
 
 
 def cfg(*overrides):

@@ -17,7 +17,8 @@ import sys
 import pytest
 
 from clihelp import call, one_error_line
-from clusterflow import run, submit
+from clusterflow.job import run
+from clusterflow.launch import submit
 from conftest import REPO
 from fuzzgen import Gen
 

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from clusterflow import config
-from clusterflow.submit import sbatch_script
+from clusterflow.launch.submit import sbatch_script
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GOLDEN = os.path.join(HERE, "golden")

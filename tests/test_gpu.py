@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_torch_engine_on_gpu_equals_faiss_cpu():
     faiss = pytest.importorskip("faiss")
-    from clusterflow.knn_torch import torch_search
+    from clusterflow.mining.knn.torch_engine import torch_search
     from clusterflow.mining import normalize
 
     rng = np.random.default_rng(0)
@@ -43,8 +43,8 @@ def test_background_snapshot_of_gpu_state_is_the_state_at_the_boundary():
     snapshot equals the state at the save even though the loop's next step runs at once."""
     import copy
 
-    from clusterflow import tree
-    from clusterflow.staging import Staging
+    from clusterflow.dist import tree
+    from clusterflow.checkpoint.staging import Staging
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048)).cuda()

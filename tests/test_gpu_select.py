@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from clusterflow import nvml
+from clusterflow.observe import nvml
 from clusterflow.errors import UserError
-from clusterflow.gpu_select import classify, select_gpus
+from clusterflow.launch.gpus import classify, select_gpus
 
 
 def gpu(index, used=300, total=81559, procs=(), util=0):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from clusterflow import rundir
-from clusterflow.heartbeat import Heartbeat, mark, read_ranks, render, summary, tensorboard_scalars
+from clusterflow.observe.heartbeat import Heartbeat, mark, read_ranks, render, summary, tensorboard_scalars
 
 GPU0 = {"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H100", "memory_total_mb": 81559, "memory_used_mb": 30720,
         "util_pct": 97, "temp_c": 64, "processes": []}

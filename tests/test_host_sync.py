@@ -91,10 +91,11 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     """Runs a real Trainer; returns {step: (kind, [call, ...])} for every step of the run."""
     import torch
 
-    from clusterflow import checkpointer, config, dist
-    from clusterflow.preemption import Preemption
+    from clusterflow import config, dist
+    from clusterflow.checkpoint import checkpointer
+    from clusterflow.train.preemption import Preemption
     from clusterflow.tasks import load_task
-    from clusterflow.trainer import Trainer
+    from clusterflow.train.trainer import Trainer
 
     cfg = config.load(config_path, [f"run.dir={run_dir}", *overrides])
     os.makedirs(run_dir, exist_ok=True)

@@ -115,7 +115,7 @@ def test_dataset_items_change_with_the_epoch_not_with_repetition(tmp_path):
 def _rank_batches(root, workers):
     """This rank's micro-batches of epoch 1, decoded by DataLoader workers as the trainer does."""
     from clusterflow import dist
-    from clusterflow.sampler import GlobalBatchSampler
+    from clusterflow.dist.sampler import GlobalBatchSampler
 
     task = ImageFolderTask(seed=5, root=root, image_size=12)
     ds = task.train_dataset()

@@ -6,7 +6,10 @@ import textwrap
 
 import pytest
 
-from clusterflow import jobids, rundir, slurm_array, sweep
+from clusterflow import rundir
+from clusterflow.slurm import jobids
+from clusterflow.slurm import array as slurm_array
+from clusterflow.sweeps import sweep
 from clusterflow.errors import UserError
 
 
@@ -101,7 +104,7 @@ def test_members_with_different_resources_cannot_share_an_array(members, tmp_pat
 
 
 def _probe(name):
-    from clusterflow import jobids as j
+    from clusterflow.slurm import jobids as j
 
     return name, j.requeue_target(os.environ), os.environ.get("SLURM_JOB_ID")
 

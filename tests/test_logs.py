@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from clusterflow import logs, rundir
+from clusterflow import rundir
+from clusterflow.manage import logs
 from conftest import REPO, run_cli
 
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from clusterflow import config as cfgmod
-from clusterflow import manifest
-from clusterflow.checkpointer import STEP, Checkpointer
-from clusterflow.durable import serialize
-from clusterflow.train_state import TrainState
+from clusterflow.storage import manifest
+from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
+from clusterflow.storage.durable import serialize
+from clusterflow.checkpoint.train_state import TrainState
 
 
 def make(run_dir, out=4):

@@ -4,7 +4,7 @@ import json
 import os
 
 from clusterflow import rundir
-from clusterflow.metrics import read_metrics
+from clusterflow.observe.metrics import read_metrics
 
 
 def test_read_metrics_drops_what_a_dead_attempt_logged_past_the_resume(tmp_path):

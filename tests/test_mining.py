@@ -3,7 +3,7 @@ import pytest
 from scipy.sparse.csgraph import connected_components
 from scipy import sparse
 
-from clusterflow.cluster_metrics import quality
+from clusterflow.mining.quality import quality
 from clusterflow.mining import cluster_stats, mutual_knn_clusters
 
 
@@ -82,9 +82,9 @@ def test_ivf_and_hnsw_run_and_mostly_agree():
 
 
 def test_torch_engine_bf16_candidates_rerank_is_exact():
-    from clusterflow.knn import KnnParams
-    from clusterflow.knn_faiss import faiss_search
-    from clusterflow.knn_torch import torch_search
+    from clusterflow.mining.knn import KnnParams
+    from clusterflow.mining.knn.faiss_engine import faiss_search
+    from clusterflow.mining.knn.torch_engine import torch_search
     from clusterflow.mining import normalize
 
     x = normalize(blobs(n=600, d=32)[0])
@@ -97,7 +97,7 @@ def test_torch_engine_bf16_candidates_rerank_is_exact():
 def test_torch_engine_splits_query_batches_over_several_devices():
     """What every local GPU does on a GPU node, with two CPU "devices": the same exact result,
     and a signal still stops the search between query batches."""
-    from clusterflow.knn_torch import torch_search
+    from clusterflow.mining.knn.torch_engine import torch_search
     from clusterflow.mining import normalize
 
     x = normalize(blobs(n=601, d=32)[0])

@@ -11,9 +11,9 @@ import torch
 
 import launch
 from conftest import REPO
-from clusterflow.clustering import normalize
-from clusterflow.knn import KnnParams, search
-from clusterflow.mining_rounds import RoundFiles, forget_rounds
+from clusterflow.mining.clustering import normalize
+from clusterflow.mining.knn import KnnParams, search
+from clusterflow.mining.rounds import RoundFiles, forget_rounds
 from multirank import run_ranks
 
 
@@ -89,8 +89,8 @@ def test_a_search_cut_short_continues_from_its_blocks(tmp_path, engine):
 
 def _spread(n, k, root, abort_rank, abort_after):
     from clusterflow import dist
-    from clusterflow.knn_torch import distributed_search
-    from clusterflow.sampler import shard_range
+    from clusterflow.mining.knn.torch_engine import distributed_search
+    from clusterflow.dist.sampler import shard_range
 
     x, world, rank = data(n), dist.world(), dist.rank()
     offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
@@ -122,7 +122,7 @@ ROUND = ["cluster.tasks_per_node=2", "mining.query_batch=32"]  # 192 samples: 6 
 
 
 def last_state(run_dir):
-    from clusterflow.store import CheckpointStore
+    from clusterflow.storage.store import CheckpointStore
 
     state = CheckpointStore(os.path.join(run_dir, "checkpoints")).latest().load("train_state.pt")["train"]
     return state["labels"].numpy(), state["mining_history"]
@@ -202,7 +202,7 @@ def test_a_kill_during_the_embed_redoes_the_round(uninterrupted, tmp_path, monke
 def test_each_round_shows_its_curve_in_tensorboard_and_status(uninterrupted):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from clusterflow.status import collect, render
+    from clusterflow.manage.status import collect, render
 
     d = uninterrupted["rank0"]
     acc = EventAccumulator(os.path.join(d, "tb"), size_guidance={"images": 0, "scalars": 0})

@@ -46,7 +46,7 @@ def _embed_and_gather(n, batch, workers):
     import torch
 
     from clusterflow import dist
-    from clusterflow.mining import embed_shard
+    from clusterflow.mining.stage import embed_shard
 
     task = IndexTask(n)
     idx, emb = embed_shard(task, torch.nn.Identity(), task.embed_dataset(), dist.rank(), dist.world(), batch,
@@ -71,8 +71,8 @@ def _mine(params, search="rank0"):
     import torch
 
     from clusterflow import config, dist
-    from clusterflow.mining import Miner
-    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.mining.stage import Miner
+    from clusterflow.train.preemption import Preemption, StopAgreement
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     torch.manual_seed(0)
@@ -102,8 +102,8 @@ def _mine_with(mining):
     import torch
 
     from clusterflow import config
-    from clusterflow.mining import Miner
-    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.mining.stage import Miner
+    from clusterflow.train.preemption import Preemption, StopAgreement
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     torch.manual_seed(0)
@@ -143,8 +143,8 @@ def _distributed_knn(n, k, query_batch, abort_at):
     import torch
 
     from clusterflow import dist
-    from clusterflow.knn_torch import distributed_search
-    from clusterflow.sampler import shard_range
+    from clusterflow.mining.knn.torch_engine import distributed_search
+    from clusterflow.dist.sampler import shard_range
 
     x = _knn_data(n)
     world, rank = dist.world(), dist.rank()
@@ -157,7 +157,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
 
 @pytest.mark.parametrize("n,k", [(101, 6), (5, 6)])  # k >= n: fewer neighbours than asked, padded like one process
 def test_distributed_knn_equals_one_process(n, k):
-    from clusterflow.knn_torch import torch_search
+    from clusterflow.mining.knn.torch_engine import torch_search
 
     x = _knn_data(n)
     want_s, want_i = torch_search(x, k, query_batch=10, db_chunk=16, device="cpu")
@@ -176,7 +176,7 @@ def _supcon_big_ids():
     import torch
 
     from clusterflow import dist
-    from clusterflow.losses import supcon_loss
+    from clusterflow.tasks.losses import supcon_loss
 
     torch.manual_seed(dist.rank())
     z = torch.nn.functional.normalize(torch.randn(2, 4), dim=1)

@@ -40,7 +40,7 @@ def all_finite(run_dir, step):
 def status(run_dir):
     """What `status --json` says (its error is the first cause, also when two failing ranks raced
     to write status.json)."""
-    from clusterflow import status as status_cli
+    from clusterflow.manage import status as status_cli
 
     return status_cli.collect(run_dir)
 
@@ -138,7 +138,7 @@ def _guard_on_two_ranks():
 
     from clusterflow import dist
     from clusterflow.errors import RunFailed
-    from clusterflow.finite import FiniteGuard
+    from clusterflow.train.finite import FiniteGuard
 
     train = SimpleNamespace(on_nonfinite="fail", grad_accum=2, max_consecutive_skips=3, lr=1.0)
     guard = FiniteGuard(torch.device("cpu"), train, lambda: [])

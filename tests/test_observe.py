@@ -8,8 +8,11 @@ import time
 
 import pytest
 
-from clusterflow import first_error, phases, rank_status, rundir
-from clusterflow.config import load
+from clusterflow import rundir
+from clusterflow.rundir import first_error
+from clusterflow.observe import phases
+from clusterflow.manage import ranks as rank_status
+from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
 from conftest import run_cli
 

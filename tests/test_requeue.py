@@ -2,7 +2,7 @@
 
 import pytest
 
-from clusterflow.requeue import Action, decide
+from clusterflow.job.requeue import Action, decide
 
 LIMIT = 2
 TABLE = [
@@ -38,7 +38,7 @@ def test_after_stop_counts_time_limit_stops_in_one_place(tmp_path):
 
     from clusterflow import rundir
     from clusterflow.dist import DistEnv
-    from clusterflow.requeue import after_stop
+    from clusterflow.job.requeue import after_stop
 
     paths = rundir.RunPaths(str(tmp_path))
     env = DistEnv.from_env({})

@@ -77,7 +77,7 @@ def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(uninterrupt
             for dead, step in enumerate(resumed_from):
                 assert not (e.step > step and e.wall_time < starts[dead + 1]), (tag, e.step, "from dead attempt", dead)
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 19))
-    from clusterflow.metrics import read_metrics  # metrics.jsonl, read back by the same rule
+    from clusterflow.observe.metrics import read_metrics  # metrics.jsonl, read back by the same rule
 
     rows = read_metrics(d)
     plain = read_metrics(uninterrupted)

@@ -104,7 +104,7 @@ def test_copied_run_dir_resumes_from_its_own_checkpoints_with_submit(tmp_path, r
 def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
     from types import SimpleNamespace
 
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     gone = str(tmp_path / "moved-away")
     env = SimpleNamespace(job_id="77", attempt=1, source="slurm")
@@ -116,7 +116,7 @@ def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
 # -- one job per run dir ----------------------------------------------------------------------------
 
 def lease_record(run_dir):
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     return lease.current(run_dir)[1]
 
@@ -173,7 +173,7 @@ def test_a_killed_holder_is_taken_over_with_a_warning(tmp_path, reference):
 
 def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
     """A lease record of a holder on another machine, last renewed ``age_s`` ago by the storage's clock."""
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     os.makedirs(lease.folder(run_dir), exist_ok=True)
     rec = {"token": "t" * 32, "job_id": slurm_job or "elsewhere", "slurm_job": slurm_job, "source": "slurm" if slurm_job else "torchrun",
@@ -187,7 +187,7 @@ def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
 
 
 def test_stale_and_fresh_leases_of_another_host(tmp_path):
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     me = lease.identity()
     d = str(tmp_path / "run")
@@ -209,7 +209,7 @@ def test_a_stale_lease_is_taken_over_by_a_real_run(tmp_path):
 
 
 def test_slurm_holders_are_judged_by_squeue_and_a_requeue_takes_its_own_lease():
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     rec = {"token": "x", "slurm_job": "123", "host": "node2", "pid": 5, "renew_s": 30}
     me = {"token": "y", "slurm_job": "", "host": "login1", "pid": 9}
@@ -222,7 +222,7 @@ def test_slurm_holders_are_judged_by_squeue_and_a_requeue_takes_its_own_lease():
 
 
 def _take(run_dir, go, results, hold_s):
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     go.wait()
     try:
@@ -249,13 +249,13 @@ def test_of_many_takers_at_once_exactly_one_wins(tmp_path):
         p.join(timeout=30)
     assert answers.count("won") == 1, answers
     assert all("is held by" in a and "its process" in a and "is alive on this host" in a for a in answers if a != "won")
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     assert [n for n in os.listdir(lease.folder(d)) if n.startswith("gen-")] == ["gen-4.json"]
 
 
 def test_a_holder_that_was_taken_over_finds_out_at_its_next_renewal(tmp_path):
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     d = str(tmp_path / "run")
     lost = []

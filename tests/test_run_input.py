@@ -11,7 +11,9 @@ import sys
 import pytest
 
 from clihelp import call, one_error_line
-from clusterflow import config, rundir, run, submit
+from clusterflow import config, rundir
+from clusterflow.job import run
+from clusterflow.launch import submit
 from conftest import REPO, tmpfs
 
 TINY = ["task.target=testtasks:Tiny", "task.params={}", "train.batch_size=8", "train.epochs=1", "mining.enabled=false",

@@ -51,7 +51,7 @@ def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_
 
 
 def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run, tmp_path):
-    from clusterflow import lease
+    from clusterflow.rundir import lease
 
     d = str(tmp_path / "run")
     job, out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from clusterflow.slurm_outcome import Verdict, ask, parse_sacct, parse_scontrol
+from clusterflow.slurm.outcome import Verdict, ask, parse_sacct, parse_scontrol
 
 # `sacct -j JOB -D -P -n --format=JobID,State,ExitCode,Reason,Start,End,NodeList`, in the shapes Slurm's
 # documentation and public reports show (job row, then .batch / .extern / numbered srun steps).

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from clusterflow.store import CheckpointStore
+from clusterflow.storage.store import CheckpointStore
 from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
 
 pytestmark = pytest.mark.slurm

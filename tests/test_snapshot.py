@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from clusterflow import snapshot
+from clusterflow.rundir import frozen_code as snapshot
 from clusterflow.errors import UserError
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")

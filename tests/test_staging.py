@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from clusterflow import tree
-from clusterflow.staging import Staging, TornSnapshot
+from clusterflow.dist import tree
+from clusterflow.checkpoint.staging import Staging, TornSnapshot
 
 
 def setup():

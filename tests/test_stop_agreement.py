@@ -11,7 +11,7 @@ def _polls(signals, polls=12, agree_at=None):
     """Polls like the loop does; ``signals`` maps a poll number to {rank: signal} sent to this
     process just before that poll. Returns (poll number, reason) of the first stop, or None."""
     from clusterflow import dist
-    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.train.preemption import Preemption, StopAgreement
 
     preemption = Preemption().install()
     stop = StopAgreement(preemption, timeout_s=60)
@@ -72,7 +72,7 @@ def _paced(signals, polls, step_s, interval_s=INTERVAL_S):
     """Like ``_polls``, with the cadence on: this rank's steps take ``step_s[rank]`` of a test
     clock. Returns (poll, reason) of the first stop or None, the cadence then, and the reduces."""
     from clusterflow import dist
-    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.train.preemption import Preemption, StopAgreement
 
     clock = _Clock()
     preemption = Preemption().install()
@@ -115,7 +115,7 @@ def test_the_cadence_fills_the_interval_and_every_rank_stops_at_the_same_poll():
 
 
 def _agree_mid_cadence(_):
-    from clusterflow.preemption import Preemption, StopAgreement
+    from clusterflow.train.preemption import Preemption, StopAgreement
 
     clock = _Clock()
     stop = StopAgreement(Preemption(), timeout_s=60, interval_s=INTERVAL_S, clock=clock)

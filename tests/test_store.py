@@ -4,8 +4,8 @@ import os
 import pytest
 import torch
 
-from clusterflow.durable import serialize
-from clusterflow.store import CheckpointStore
+from clusterflow.storage.durable import serialize
+from clusterflow.storage.store import CheckpointStore
 
 
 def files(v):

@@ -5,8 +5,8 @@ import os
 
 import torch
 
-from clusterflow.durable import serialize
-from clusterflow.store import CheckpointStore
+from clusterflow.storage.durable import serialize
+from clusterflow.storage.store import CheckpointStore
 
 
 def files(v):

@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from clusterflow import sweep
+from clusterflow.sweeps import sweep
 from clusterflow.errors import UserError
 
 

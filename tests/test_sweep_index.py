@@ -6,7 +6,11 @@ import textwrap
 
 import pytest
 
-from clusterflow import rundir, status, sweep, sweep_index, sweep_status
+from clusterflow import rundir
+from clusterflow.manage import status
+from clusterflow.sweeps import sweep
+from clusterflow.sweeps import index as sweep_index
+from clusterflow.manage import sweep_status
 from clusterflow.errors import UserError
 
 

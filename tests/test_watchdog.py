@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from clusterflow import first_error
+from clusterflow.rundir import first_error
 from clusterflow.dist import free_port
-from clusterflow.watchdog import EXIT_STALLED, _active_in, describe_frame, flight_recorder_env, waiting_in_collective
+from clusterflow.observe.watchdog import EXIT_STALLED, _active_in, describe_frame, flight_recorder_env, waiting_in_collective
 from conftest import REPO
 
 PROGRAM = os.path.join(REPO, "tests", "stall_program.py")
@@ -97,7 +97,7 @@ def test_a_rank_stuck_in_mining_embed_is_named_with_its_phase(tmp_path):
 
 RECORDER = textwrap.dedent("""
     import os, sys, time
-    from clusterflow import first_error
+    from clusterflow.rundir import first_error
     run_dir, who, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
     while time.time() < start:
         pass

@@ -8,10 +8,12 @@ import os
 import pytest
 
 import launch
-from clusterflow import cancel, config, rundir, saved_config
-from clusterflow.dist_env import DistEnv
+from clusterflow import config, rundir
+from clusterflow.manage import cancel
+from clusterflow.rundir import saved_config
+from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
-from clusterflow.requeue import after_stop
+from clusterflow.job.requeue import after_stop
 from conftest import REPO
 
 TESTS_ENV = {"PYTHONPATH": os.path.join(REPO, "tests")}

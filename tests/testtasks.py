@@ -10,7 +10,7 @@ import time
 
 import torch.distributed as tdist
 
-from clusterflow import durable
+from clusterflow.storage import durable
 from clusterflow.tasks.pseudo_id import PseudoIDTask
 
 
@@ -106,7 +106,7 @@ class SignalInMining(PseudoIDTask):
         for item in filter(None, at.split(",")):
             attempt, rank, where, n, sig = item.split(":")
             self.plan[(int(attempt), rank, where, int(n))] = getattr(signal, f"SIG{sig}")
-        from clusterflow import mining_rounds
+        from clusterflow.mining import rounds as mining_rounds
 
         task, put = self, mining_rounds.SearchBlocks.put
 

@@ -38,7 +38,7 @@ import typing
 from typing import Any
 
 from clusterflow.errors import UserError
-from clusterflow.failure import TaskError
+from clusterflow.job.failure import TaskError
 
 
 class Task:

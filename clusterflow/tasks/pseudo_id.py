@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.losses import supcon_loss
+from clusterflow.tasks.losses import supcon_loss
 from clusterflow.tasks import Task
 
 

@@ -1,0 +1,250 @@
+"""The one owner of checkpoints in a run: when one is due, what goes in it, writing and reading it.
+
+The loop only says what happened (:data:`STEP`, :data:`EPOCH_END`, :data:`STOP`); the checkpointer
+decides whether a save is due:
+
+- every ``checkpoint.every_steps`` optimizer steps, except at the last step of an epoch, which is
+  saved after its eval and mining instead (so the labels of a finished round are in it);
+- at the end of every epoch (after eval and mining);
+- on a stop (a signal agreed by every rank).
+
+What is saved is registered, not listed (torchtitan's ``CheckpointManager(states=...)``): ``model``
+goes to ``model.pt`` as a plain state_dict, and every object in ``states`` (anything with
+``state_dict``/``load_state_dict``) to ``train_state.pt`` under its name, beside every rank's RNG
+state. The manifest carries the train state's ``position``, so the state after the end-of-epoch
+work supersedes a stop checkpoint taken at the same step before it (see store.py).
+
+Saving (``checkpoint.async``, docs/preemption.md): every rank hands its RNG state to rank 0, which
+alone writes. A step or end-of-epoch save is snapshotted into host memory (``staging.py``) and
+committed by a background thread with the store's protocol, so the other ranks go on at once and
+rank 0 as soon as the snapshot is taken. At most one write is in flight: the next save waits for
+it (that wait is the "stall" logged and sent to TensorBoard). A stop, and the end of the run,
+wait for the write in flight and then write synchronously, so a stopped job has committed its
+last step before any rank exits. A background write that fails is logged and put in ``status``
+at once, and the next save is its retry, written synchronously; a synchronous write that fails
+fails the job on every rank. Committed steps are never touched by a failure.
+
+Restoring: ``restore.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+
+from clusterflow import dist, rundir
+from clusterflow.observe import phases
+from clusterflow.checkpoint.background import BackgroundWrite
+from clusterflow.errors import RunFailed
+from clusterflow.checkpoint.restore import Restorer
+from clusterflow.rundir.saved_config import portable
+from clusterflow.checkpoint.staging import Staging
+from clusterflow.checkpoint.rng import capture_rng
+from clusterflow.storage.store import CheckpointStore
+from clusterflow.checkpoint.train_state import TrainState
+
+log = logging.getLogger("clusterflow.checkpointer")
+
+STEP, EPOCH_END, STOP = "step", "epoch end", "stop"
+
+
+class CheckpointWriteError(RunFailed):
+    """A checkpoint could not be written synchronously; raised on every rank (the job fails with
+    this one line, exit 1: the message names the step, the place and the cause)."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> Any: ...
+
+
+class Checkpointer:
+    def __init__(self, cfg: Any, model: Any, states: Mapping[str, Stateful], progress: TrainState, steps_per_epoch: int,
+                 attempt: int = 0, tracker: phases.Phases | None = None,
+                 before_commit: Callable[[str], None] | None = None) -> None:
+        c = cfg.checkpoint
+        self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
+        self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
+        self.every_steps, self.steps_per_epoch, self.attempt = c.every_steps, steps_per_epoch, attempt
+        self.phases = tracker or phases.Phases()
+        self.before_commit = before_commit  # collective; raises to refuse a state (the trainer: non-finite)
+        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.writes = BackgroundWrite()
+        self.staging = None
+        if c.async_ and dist.rank() == 0:
+            optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
+            self.staging = Staging(model, optimizers)
+        self._last_write_s: float | None = None
+        self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
+
+    def due(self, event: str) -> bool:
+        if event != STEP:
+            return True
+        p = self.progress
+        return p.global_step % self.every_steps == 0 and p.step_in_epoch < self.steps_per_epoch
+
+    # -- saving -------------------------------------------------------------------------------
+    def save(self, event: str) -> dict[str, float]:
+        """Collective when due. Returns scalars for the metrics: ``checkpoint/stall_s`` (how long this
+        call blocked the loop), ``checkpoint/gate_s`` (how long the last optimizer step waited for
+        the previous snapshot), ``checkpoint/save_s`` (the last finished write); empty when not due."""
+        if not self.due(event):
+            return {}
+        if self.before_commit is not None:
+            self.before_commit(event)
+        t0 = time.perf_counter()
+        with self.phases.enter(phases.CHECKPOINT):
+            rngs = dist.gather_object(capture_rng())
+            failed = dist.broadcast_object(self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None)
+            new_round = self._new_round()
+            if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
+                if dist.rank() == 0:
+                    self._start_write(rngs)
+            else:
+                self._write_now(rngs, failed)
+        return self._scalars(time.perf_counter() - t0)
+
+    def _new_round(self) -> bool:
+        """True when the state holds a mining round no earlier save held: that save is written
+        synchronously, so no kill can make the run mine that round again (a round costs far more
+        than a write)."""
+        rounds = len(self.progress.mining_history)
+        new, self._rounds_saved = rounds > self._rounds_saved, rounds
+        return new
+
+    def finish(self) -> None:
+        """Collective, at the end of the run: wait for the write in flight; write a failed one again now."""
+        failed = dist.broadcast_object(self._wait_for_write(expected=True) if dist.rank() == 0 else None)
+        if failed:
+            self._write_now(dist.gather_object(capture_rng()), failed)
+
+    def _wait_for_write(self, expected: bool = False) -> str | None:
+        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a stop
+        or the end of the run, where waiting is the point, not a sign of saves due too often."""
+        outcome = self.writes.wait()
+        if outcome is None:
+            return None
+        self._last_write_s = outcome.seconds
+        if outcome.waited >= 0.01 and not expected:
+            (log.warning if outcome.waited >= 1.0 else log.info)(
+                "checkpoint: the loop waited %.2f s for the background write of step %d (saves are due faster than "
+                "they are written; raise checkpoint.every_steps, or write to a faster filesystem)", outcome.waited, outcome.step)
+        return outcome.error
+
+    def _start_write(self, rngs: list[Any] | None) -> None:
+        """Rank 0: snapshot the state and commit it on the background thread."""
+        step, files, meta = self.progress.global_step, self._files(rngs), self._meta()
+        try:
+            snap = self.staging.take(files)
+        except Exception as exc:  # noqa: BLE001 - e.g. no host memory for the copy: a failed write like any other
+            failure = exc
+
+            def write() -> None:
+                raise failure
+        else:
+            def write() -> None:
+                self.staging.copy_rest(snap)
+                self._commit(step, self.staging.result(snap), meta, "in the background")
+
+        self.writes.start(step, write, self._background_failed)
+
+    def _background_failed(self, step: int, exc: BaseException) -> str:
+        """On the writer's thread: report at once; the next save retries synchronously."""
+        message = self._failure(step, exc)
+        log.error("%s; the committed steps are untouched; the next save is written synchronously and fails the job "
+                  "if it fails too", message)
+        rundir.write_status(self.paths, checkpoint_error=message)
+        return message
+
+    def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+        """Collective: rank 0 commits before anyone goes on; a failure fails the job on every rank."""
+        error = None
+        if dist.rank() == 0:
+            step = self.progress.global_step
+            if retry_of:
+                log.warning("writing checkpoint step %d synchronously: the background write before it failed (%s)", step, retry_of)
+            try:
+                self._last_write_s = self._commit(step, self._files(rngs), self._meta(), "")
+                if retry_of:
+                    rundir.write_status(self.paths, checkpoint_error=None)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                error = self._failure(step, exc)
+                log.error("%s; the committed steps are untouched; the job stops", error)
+                rundir.write_status(self.paths, checkpoint_error=error)
+        error = dist.broadcast_object(error)  # instead of a barrier: every rank knows the outcome
+        if error:
+            raise CheckpointWriteError(error)
+
+    def _failure(self, step: int, exc: BaseException) -> str:
+        cause = _cause(exc)
+        if isinstance(cause, RunFailed):  # a full disk: its sentence names the step, the path, the size and the free space
+            return str(cause)
+        return f"checkpoint step {step} could not be written to {self.store.url}: {type(cause).__name__}: {cause}"
+
+    def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
+        train_state = {name: obj.state_dict() for name, obj in self.states.items()}
+        train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
+        return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
+
+    def _meta(self) -> dict[str, Any]:
+        p = self.progress
+        return {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
+                "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": portable(self.cfg.to_dict()),
+                "world_size": dist.world(), "attempt": self.attempt}
+
+    def _commit(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str) -> float:
+        t0 = time.perf_counter()
+        # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
+        path = self.store.save(step, files, meta)
+        seconds = time.perf_counter() - t0
+        if path:
+            log.info("checkpoint step %d committed at %s %s(%.2f s)", step, path, f"{how} " if how else "", seconds)
+        return seconds
+
+    def _scalars(self, stall: float) -> dict[str, float]:
+        out = {"checkpoint/stall_s": stall}
+        if self.staging is not None:
+            out["checkpoint/gate_s"], self.staging.gate_s = self.staging.gate_s, 0.0
+        if self._last_write_s is not None:
+            out["checkpoint/save_s"], self._last_write_s = self._last_write_s, None
+        return out
+
+    def restore(self) -> bool:
+        """Collective, at the start of every attempt (``restore.Restorer``). Returns True when resumed."""
+        resumed = Restorer(self.cfg, self.model, self.states, self.progress, self.store).restore()
+        self._rounds_saved = len(self.progress.mining_history)
+        return resumed
+
+    def committed_steps(self) -> list[int]:
+        """The committed steps once rank 0's write in flight has landed (for a failure message that
+        names the newest good checkpoint; a failed background write was already reported)."""
+        if dist.rank() == 0:
+            self.writes.wait()
+        return self.store.steps()
+
+    def committed_epoch(self) -> int:
+        """Epochs finished in the newest committed checkpoint, from its manifest (-1: none)."""
+        manifest = self.store.newest_manifest()
+        return int(manifest.get("epoch", -1)) if manifest else -1
+
+    def close(self) -> None:
+        """At exit, whatever the reason: let the write in flight finish (a failure is already logged),
+        and leave no half-deleted old step behind."""
+        if dist.rank() == 0:
+            self.writes.wait()
+        if self.staging is not None:
+            self.staging.close()
+        self.store.wait_for_pruning()
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """What to report for a failed write: torch.save turns a failed file write (a full disk) into an
+    opaque RuntimeError ("unexpected pos ...") whose context is the OSError that says what happened."""
+    seen: BaseException | None = exc
+    while isinstance(seen, RuntimeError) and not isinstance(seen, OSError):
+        seen = seen.__cause__ or seen.__context__
+    return seen if isinstance(seen, BaseException) else exc

@@ -1,0 +1,180 @@
+"""Resuming a run from its checkpoints: which one, read once, applied on every rank or on none.
+
+Rank 0 alone reads, verifies and loads the newest committed checkpoint (one read of the shared
+filesystem per job, and one decision on which step is good); the others receive the state over
+the process group (``dist.broadcast_state``) and their own RNG state (``dist.scatter_object``).
+
+A checkpoint that cannot be loaded is damaged, whatever the reason: the store skips a lying
+manifest or a bad digest; here rank 0 skips a model.pt that does not fit the model, a train state
+without a registered state or without an RNG state per rank, and every rank undoes a state that
+its optimizer, scheduler or counters refuse (when any rank refuses, all undo). Each is skipped
+with a warning naming it and set aside when the run reaches its step again; the previous one is
+tried. A config that differs from the checkpoint's is refused (``config.check_resume``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any, Callable, Mapping
+
+import torch
+
+from clusterflow import config as cfgmod
+from clusterflow import dist
+from clusterflow.errors import UserError
+from clusterflow.checkpoint.rng import capture_rng, restore_rng
+
+log = logging.getLogger("clusterflow.checkpointer")
+
+
+class Restorer:
+    """One restore: ``states`` are the checkpointer's registered states (``progress`` among them)."""
+
+    def __init__(self, cfg: Any, model: Any, states: Mapping[str, Any], progress: Any, store: Any) -> None:
+        self.cfg, self.model, self.states, self.progress, self.store = cfg, model, states, progress, store
+
+    def restore(self) -> bool:
+        """Collective, at the start of every attempt. Returns True when resumed.
+
+        Rank 0 finishes what a killed writer left, then reads the newest checkpoint that verifies
+        and fits the model, once; every rank receives it and applies it. Every way a checkpoint can
+        fail to load makes it damaged: the store skips a lying manifest or a bad digest, rank 0 a
+        model.pt that does not fit the model or a train state without a registered state, and a
+        state that the optimizer, scheduler or counters refuse on any rank is undone everywhere.
+        Each is skipped with a warning naming it (and set aside when the run reaches its step
+        again), and the previous one is tried; a skipped checkpoint leaves the model, the states
+        and the RNG as they were."""
+        skipped: set[int] = set()
+        while True:
+            head, state, rngs, failure = self._read(skipped) if dist.rank() == 0 else ({}, None, None, None)
+            head = dist.broadcast_object(head)
+            if failure is not None:
+                raise failure
+            if "user_error" in head:
+                raise UserError(head["user_error"])
+            if "error" in head:
+                raise RuntimeError(f"rank 0 could not read the checkpoint: {head['error']}")
+            if head["path"] is None:
+                return False
+            mine = dist.scatter_object(rngs) if head["world_size"] == dist.world() else None
+            state = dist.broadcast_state(state)
+            problem, undo = self._apply(state["train_state.pt"], mine)
+            if dist.any_rank(bool(problem)):
+                if undo is not None:
+                    undo()
+                why = problem or "another rank could not load it (see its log)"
+                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", head["path"], why)
+                self.store.refused[head["step"]] = why  # set aside, like a bad digest, when the run gets there again
+                skipped.add(head["step"])
+                continue
+            self.model.load_state_dict(state["model.pt"])  # keys and shapes checked by rank 0: it cannot half-apply
+            if mine is None:
+                log.warning("resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
+                            dist.world(), head["world_size"])
+            p = self.progress
+            log.info("resumed from %s: epoch %d, step %d of the epoch, global step %d", head["path"], p.epoch,
+                     p.step_in_epoch, p.global_step)
+            return True
+
+    def _apply(self, saved: Mapping[str, Any], rng: Any) -> tuple[str, Callable[[], None] | None]:
+        """Apply the registered states and this rank's RNG. Returns (problem, undo): on a problem
+        nothing is changed; otherwise ``undo`` puts them back (another rank may still refuse)."""
+        parts = self._parts(saved)
+        before = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.states.items()}
+        rng_before = capture_rng()
+
+        def undo() -> None:
+            for name, obj in self.states.items():
+                obj.load_state_dict(before[name])
+            restore_rng(rng_before)
+
+        try:
+            for name, obj in self.states.items():
+                obj.load_state_dict(parts[name])
+            if rng is not None:
+                restore_rng(rng)
+        except Exception as exc:  # noqa: BLE001 - any refusal of a saved state makes the checkpoint unloadable
+            undo()
+            return f"train_state.pt does not fit this run ({type(exc).__name__}: {exc})", None
+        return "", undo
+
+    def _parts(self, saved: Any) -> dict[str, Any]:
+        """Each registered state's saved form; ValueError when one is missing."""
+        if not isinstance(saved, dict):
+            raise ValueError("the manifest lists no train_state.pt" if saved is None else "train_state.pt holds no mapping")
+        parts = {}
+        for name, obj in self.states.items():
+            if name in saved:
+                parts[name] = saved[name]
+            elif obj is self.progress and "global_step" in saved:
+                parts[name] = saved  # written before the train state was registered: its counters at the top level
+            else:
+                raise ValueError(f"train_state.pt has no {name!r} state")
+        return parts
+
+    def _read(self, skipped: set[int]) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
+        """Rank 0: finish what a killed writer left, then the newest committed step (not in
+        ``skipped``) that verifies and fits. Returns (what every rank needs to know, the state without
+        RNG, each rank's RNG, rank 0's error)."""
+        try:
+            if not skipped:
+                removed = self.store.clean_debris()
+                if removed:
+                    log.warning("removed unfinished checkpoint folders left by a killed writer: %s", ", ".join(removed))
+            for ckpt in self.store.candidates(skip=skipped):
+                try:
+                    self._check_config(ckpt.path, ckpt.manifest)
+                    model_state, saved = ckpt.objects.get("model.pt"), ckpt.objects.get("train_state.pt")
+                    check_fits(self.model, model_state)
+                    self._parts(saved)
+                    world = saved.get("world_size")
+                    if not isinstance(world, int) or not isinstance(saved.get("rng"), list) or len(saved["rng"]) != world:
+                        raise ValueError("train_state.pt has no RNG state for each of its ranks")
+                except ValueError as exc:
+                    log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path, exc)
+                    self.store.refused[ckpt.step] = str(exc)
+                    skipped.add(ckpt.step)
+                    continue
+                saved = dict(saved)
+                rngs = saved.pop("rng")
+                return ({"path": ckpt.path, "step": ckpt.step, "world_size": world},
+                        {"model.pt": model_state, "train_state.pt": saved}, rngs, None)
+            return {"path": None}, None, None, None
+        except UserError as exc:
+            return {"user_error": str(exc)}, None, None, exc
+        except Exception as exc:  # noqa: BLE001 - the other ranks must not wait for a broadcast that never comes
+            return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
+
+    def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
+        if "config" in manifest:
+            if not isinstance(manifest["config"], dict):
+                raise ValueError("the manifest's config is not a mapping")
+            now = json.loads(json.dumps(self.cfg.to_dict()))  # as the manifest holds it (JSON: string keys, lists)
+            cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}")
+            return
+        # Older manifests carry only a hash, which cannot say what differs (or whether a key was
+        # merely added by a newer clusterflow): warn, as those versions did.
+        want, got = self.cfg.fingerprint(), manifest.get("config_hash")
+        if got and got != want:
+            log.warning("checkpoint %s was written with a different config (hash %s, now %s); resuming anyway", path, got, want)
+
+
+def check_fits(model: Any, state: Any) -> None:
+    """ValueError unless ``state`` has exactly the model's keys, each a tensor of its shape, so
+    that ``load_state_dict`` cannot fail half-way (it copies matching entries before it raises)."""
+    if state is None:
+        raise ValueError("the manifest lists no model.pt")
+    if not isinstance(state, dict):
+        raise ValueError(f"model.pt holds a {type(state).__name__}, not a state_dict")
+    want = model.state_dict()
+    missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
+    if missing or extra:
+        raise ValueError(f"model.pt does not fit the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+                         f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+    for key, t in want.items():
+        got = state[key]
+        if not torch.is_tensor(got) or got.shape != t.shape:
+            seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
+            raise ValueError(f"model.pt does not fit the model: {key} is {seen} in the checkpoint, {tuple(t.shape)} in the model")

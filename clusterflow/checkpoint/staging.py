@@ -1,0 +1,213 @@
+"""The state of a save, copied into host memory off the training loop's path.
+
+A save in the background needs its own copy of the state, because the loop goes on changing the
+weights and the optimizer state in place while the writer serialises. :class:`Staging` copies it
+into host buffers that it keeps between saves: one extra host copy of rank 0's state at most
+(reused while shapes and dtypes stay the same; pinned for GPU tensors).
+
+- At the step boundary (:meth:`Staging.take`, on the loop's thread) it records an event on the
+  training stream and copies what may change before the next optimizer step: the model's
+  buffers (BatchNorm statistics change in every forward), the small states (scheduler, scaler,
+  counters, labels) and any tensor whose changes it cannot see. GPU tensors are copied on a side
+  stream that waits for that event; the training stream then waits for the side stream on the
+  device (the host does not wait).
+- The model's parameters and the optimizers' state change only in ``optimizer.step``: the
+  writer's thread copies them (:meth:`Staging.copy_rest`), and a step pre-hook on every optimizer
+  holds the next step until they are copied (on a GPU the hook makes the training stream wait
+  for the side stream's event; the host waits only until the copies are queued).
+- Every deferred tensor's version counter (bumped by any in-place change) is compared with its
+  value at the boundary: a tensor changed by something other than a gated ``optimizer.step``
+  (a task updating a teacher network by hand) tears the snapshot, and that write fails
+  (:class:`TornSnapshot`) instead of committing a state that never existed.
+
+One GPU per rank (clusterflow's layout): tensors on another GPU, sparse or subclassed tensors are
+copied to the host at the boundary, the plain blocking way. The first background save allocates
+the buffers (pinned allocation is slow); later ones reuse them.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from clusterflow.dist import tree
+
+
+class TornSnapshot(RuntimeError):
+    """A deferred tensor changed before it was copied."""
+
+
+@dataclass(eq=False)
+class Snapshot:
+    skeleton: Any
+    paths: list[str]  # each tensor's place in the state, for messages
+    sources: list[Any]  # the live tensors, held until copied
+    copies: list[Any]
+    alias: dict[int, int] = field(default_factory=dict)  # a tensor that is another one's view -> that one
+    odd: set[int] = field(default_factory=set)  # sparse, subclassed or on a second GPU: copied at once, no buffer
+    rest: list[int] = field(default_factory=list)  # copied by the writer's thread
+    versions: dict[int, int] = field(default_factory=dict)
+    device: Any = None  # the GPU of the state's CUDA tensors, if any
+    ready: Any = None  # CUDA event on the training stream at the boundary
+    done: Any = None  # CUDA event on the side stream after the last copy
+    copied: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    checked: bool = False
+    gated: bool = False
+    torn: str = ""
+
+
+def _version(t: Any) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors keep no version counter
+        return None
+
+
+def _plain(t: Any) -> bool:
+    return t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+class Staging:
+    def __init__(self, model: Any, optimizers: Iterable[Any]) -> None:
+        self.model, self.optimizers = model, list(optimizers)
+        self._buffers: dict[str, Any] = {}
+        self._streams: dict[Any, Any] = {}
+        self._pending: Snapshot | None = None
+        self.gate_s = 0.0  # time the loop waited in the hook, summed until read (and reset) by the owner
+        self._hooks = [opt.register_step_pre_hook(self._gate) for opt in self.optimizers]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self._buffers, self._pending = [], {}, None
+
+    # -- on the loop's thread -----------------------------------------------------------------
+    def take(self, state: Any) -> Snapshot:
+        """Start a snapshot of ``state`` (nested dicts/lists of tensors and small objects)."""
+        skeleton, tensors = tree.flatten(state)
+        paths = [s.path for s in tree.slots(skeleton)]
+        snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
+        live = set(paths)
+        self._buffers = {p: b for p, b in self._buffers.items() if p in live}  # one copy of the state, no more
+        snap.device = next((t.device for t in tensors if t.is_cuda), None)
+        if snap.device is not None:
+            snap.ready = torch.cuda.Event()
+            snap.ready.record(torch.cuda.current_stream(snap.device))
+        # One GPU per rank is what the events cover; anything else is copied the plain, blocking way.
+        snap.odd = {i for i, t in enumerate(tensors) if not _plain(t) or (t.is_cuda and t.device != snap.device)}
+        deferred = self._deferred_ptrs() if self.optimizers else set()
+        first: dict[Any, int] = {}
+        now = []
+        for i, t in enumerate(tensors):
+            key = ("odd", i) if i in snap.odd else (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            if key in first:
+                snap.alias[i] = first[key]
+                continue
+            first[key] = i
+            version = _version(t)
+            if i not in snap.odd and t.data_ptr() in deferred and version is not None:
+                snap.rest.append(i)
+                snap.versions[i] = version
+            else:
+                now.append(i)
+        self._copy(snap, now)
+        if snap.device is not None and any(snap.sources[i].is_cuda for i in now):
+            done = torch.cuda.Event()
+            done.record(self._stream(snap.device))
+            torch.cuda.current_stream(snap.device).wait_event(done)
+        self._pending = snap
+        return snap
+
+    def _gate(self, *_: Any) -> None:
+        """Optimizer step pre-hook: the step changes deferred tensors, so they must be copied first."""
+        snap = self._pending
+        if snap is None or snap.gated:
+            return None
+        t0 = time.perf_counter()
+        snap.copied.wait()
+        self._check(snap)  # before this step's kernels are queued (on a GPU the copy may still run)
+        if snap.done is not None:
+            torch.cuda.current_stream(snap.device).wait_event(snap.done)
+        snap.gated = True
+        self.gate_s += time.perf_counter() - t0
+        return None
+
+    # -- on the writer's thread ---------------------------------------------------------------
+    def copy_rest(self, snap: Snapshot) -> None:
+        try:
+            self._copy(snap, snap.rest)
+            if snap.device is not None:
+                done = torch.cuda.Event()
+                done.record(self._stream(snap.device))
+                snap.done = done
+            else:
+                self._check(snap)  # CPU copies are complete
+        finally:
+            snap.copied.set()  # never leave the loop waiting, even when a copy failed
+
+    def result(self, snap: Snapshot) -> Any:
+        """The state as host copies, once every copy is done; raises TornSnapshot."""
+        if snap.done is not None:
+            snap.done.synchronize()
+        self._check(snap)
+        snap.sources = []
+        if snap.torn:
+            raise TornSnapshot(snap.torn)
+        return tree.unflatten(snap.skeleton, [snap.copies[snap.alias.get(i, i)] for i in range(len(snap.copies))])
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _copy(self, snap: Snapshot, indices: list[int]) -> None:
+        with torch.no_grad():
+            for i in indices:
+                t = snap.sources[i]
+                if i in snap.odd:
+                    snap.copies[i] = t.detach().to("cpu", copy=True)
+                    continue
+                buf = self._buffer(snap.paths[i], t)
+                if t.is_cuda:
+                    stream = self._stream(t.device)
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(snap.ready)
+                        buf.copy_(t, non_blocking=True)
+                        t.record_stream(stream)  # the allocator must not reuse it before the copy ran
+                else:
+                    buf.copy_(t)
+                snap.copies[i] = buf
+
+    def _buffer(self, path: str, t: Any) -> Any:
+        buf = self._buffers.get(path)
+        stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != stride:
+            buf = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[path] = buf
+        return buf
+
+    def _stream(self, device: Any) -> Any:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
+
+    def _deferred_ptrs(self) -> set[int]:
+        """Storage of what changes only in optimizer.step: parameters and optimizer state."""
+        ptrs = {p.data_ptr() for p in self.model.parameters()}
+        for opt in self.optimizers:
+            for per_param in opt.state.values():
+                ptrs.update(v.data_ptr() for v in per_param.values() if isinstance(v, torch.Tensor))
+        return ptrs
+
+    def _check(self, snap: Snapshot) -> None:
+        with snap.lock:
+            if snap.checked:
+                return
+            snap.checked = True
+            changed = [snap.paths[i] for i in snap.rest if _version(snap.sources[i]) != snap.versions[i]]
+        if changed:
+            snap.torn = (f"{len(changed)} tensor(s) of the state changed before they were copied for the background save, "
+                         f"first {changed[0]}: something other than optimizer.step changes them in place; such a state "
+                         f"cannot be saved in the background: set checkpoint.async=false")

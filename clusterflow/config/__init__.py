@@ -1,0 +1,60 @@
+"""Typed configuration (no torch: it runs on the login node).
+
+- ``job_config.py``: the :class:`Config` of sections, YAML + ``a.b=c`` overrides, ``check_resume``;
+- ``sections.py``: one dataclass per section, each field documented where it is declared;
+- ``yaml_file.py``: reading a config file defensively;
+- ``values.py``: from YAML values to typed fields;
+- ``fingerprint.py``: every key classed result / numerics / resource, for resuming.
+
+``python -m clusterflow.config`` prints the reference that docs/configuration.md holds.
+"""
+
+from clusterflow.config.job_config import (
+    SECTIONS,
+    Config,
+    build,
+    check_resume,
+    checkpoint_root,
+    differences,
+    from_dict,
+    join,
+    load,
+    read_yaml,
+    reference_markdown,
+    resume_config,
+)
+from clusterflow.config.sections import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    DistConfig,
+    MiningConfig,
+    RunConfig,
+    TaskConfig,
+    TrainConfig,
+    keys,
+)
+
+__all__ = [
+    "SECTIONS",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "Config",
+    "DataConfig",
+    "DistConfig",
+    "MiningConfig",
+    "RunConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "build",
+    "check_resume",
+    "checkpoint_root",
+    "differences",
+    "from_dict",
+    "join",
+    "keys",
+    "load",
+    "read_yaml",
+    "reference_markdown",
+    "resume_config",
+]

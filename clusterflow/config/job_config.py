@@ -1,0 +1,313 @@
+"""Typed configuration: the sections assembled, YAML as the file format, ``a.b=c`` overrides, and
+the one rule for resuming a run with a config.
+
+Precedence: dataclass defaults < YAML file < command-line overrides. The sections and their
+checks live in ``sections.py``; ``docs/configuration.md`` is generated from them
+(``python -m clusterflow.config``). This module must not import torch: it runs on the login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from clusterflow.config.sections import (
+    CheckpointConfig,
+    ClusterConfig,
+    DataConfig,
+    DistConfig,
+    MiningConfig,
+    RunConfig,
+    TaskConfig,
+    TrainConfig,
+    _check,
+    keys,
+)
+from clusterflow.config import yaml_file as config_yaml
+from clusterflow.config.values import coerce, short, shown
+from clusterflow.errors import UserError
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mining: MiningConfig = field(default_factory=MiningConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def __post_init__(self) -> None:
+        world = self.cluster.world_size
+        per_step = world * self.train.grad_accum
+        _check(
+            self.train.batch_size % per_step == 0,
+            "train.batch_size",
+            self.train.batch_size,
+            f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} = {per_step} "
+            f"so every rank gets the same micro-batch; try train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Sections by their config keys (``checkpoint.async``, not the field name ``async_``)."""
+        data = dataclasses.asdict(self)
+        return {name: {key: data[name][fname] for key, fname in keys(SECTIONS[name]).items()} for name in data}
+
+    def to_yaml(self) -> str:
+        return config_yaml.dump(self.to_dict())
+
+    def fingerprint(self) -> str:
+        """Hash of everything except where the run lives, so a moved run dir still resumes."""
+        data = self.to_dict()
+        data["run"] = {k: v for k, v in data["run"].items() if k != "dir"}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return checkpoint_root(self.run.dir, self.checkpoint.dir)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "cluster": ClusterConfig,
+    "dist": DistConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "mining": MiningConfig,
+    "task": TaskConfig,
+    "data": DataConfig,
+}
+
+
+def checkpoint_root(run_dir: str, configured: str) -> str:
+    """Where a run's checkpoints are: RUN_DIR/checkpoints by default; ``checkpoint.dir`` as given
+    when it is a URL or an absolute path; inside the run dir when relative (it moves with it)."""
+    if not configured:
+        return join(run_dir, "checkpoints")
+    if "://" in configured or os.path.isabs(configured):
+        return configured
+    return join(run_dir, configured)
+
+
+def join(base: str, *parts: str) -> str:
+    """Join path parts with '/', keeping URLs such as s3://bucket intact (a Path would mangle them)."""
+    out = base.rstrip("/")
+    for p in parts:
+        out = f"{out}/{p.strip('/')}"
+    return out
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Resuming: one rule for submit, run and the checkpoint restore
+
+# Keys that may differ between a run's saved config and a later launch of it: where the run dir
+# and its checkpoints are now (a moved or copied run dir resumes from its new place), how often
+# the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
+# last finite checkpoint, skipping such steps).
+MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "checkpoint.dir", "run.lease_s", "train.on_nonfinite",
+                                                  "train.max_consecutive_skips", "dist.heartbeat_s", "dist.stall_s",
+                                                  "cluster.gpus"})
+
+
+def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:
+    """``section.key: old -> new`` for each key both configs hold with different values, outside
+    ``MAY_CHANGE_ON_RESUME``. A key only one side holds (added or removed by another clusterflow
+    version, so it takes its default) is not a difference."""
+    out = []
+    for section, values in saved.items():
+        other = requested.get(section)
+        if not isinstance(values, Mapping) or not isinstance(other, Mapping):
+            continue
+        for key, old in values.items():
+            name = f"{section}.{key}"
+            if key in other and other[key] != old and name not in MAY_CHANGE_ON_RESUME:
+                out.append(f"{name}: {old!r} -> {other[key]!r}")
+    return out
+
+
+def resume_config(saved: Config, requested: Config) -> Config:
+    """The saved config, with the keys in ``MAY_CHANGE_ON_RESUME`` taken from ``requested``."""
+    data, new = saved.to_dict(), requested.to_dict()
+    for name in MAY_CHANGE_ON_RESUME:
+        section, key = name.split(".")
+        data[section][key] = new[section][key]
+    return from_dict(data)
+
+
+def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, Any]) -> bool:
+    """False for a section key only one side holds (added or removed by another clusterflow version,
+    so it takes its default): not a difference. Sub-keys (task.params.x) and derived values count."""
+    parts = change.key.split(".")
+    if parts[0] == "derived" or len(parts) != 2:
+        return True
+    return all(isinstance(c.get(parts[0]), Mapping) and parts[1] in c[parts[0]] for c in (saved, requested))
+
+
+def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False) -> list[Any]:
+    """The one config-consistency rule, shared by ``submit``, ``run`` and the checkpoint restore:
+    a run continues only with the experiment it started with. Keys that change results
+    (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match; resources (Slurm
+    resources, world size, workers, intervals, timeouts) may change, and are returned as
+    ``fingerprint.Change`` items for the caller to report. ``what`` names the saved side (a run
+    dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue re-runs the
+    sbatch script, which re-reads a YAML file the user may have edited since) runs on the saved
+    config with a note; any other result change is refused, naming the keys."""
+    from clusterflow.config import fingerprint
+
+    result, other = fingerprint.compare(saved, requested)
+    result = [c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
+    other = [c for c in other if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
+    if not result:
+        return other
+    listed = fingerprint.summary(result)
+    if relaunch:
+        print(f"note: this relaunched job runs on the config of {what}, which differs from the one given now ({listed})",
+              file=sys.stderr)
+        return []
+    raise UserError(f"{what} holds a run with a different config ({listed}); to resume it, use the same values "
+                    f"for these keys (resources such as cluster.* may change: docs/workflows.md); "
+                    f"to start a new run, set run.dir=<new path>")
+
+# ---------------------------------------------------------------------------------------------
+# Building a Config from what the YAML file and the overrides hold
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    """Config key -> type."""
+    hints = typing.get_type_hints(section_cls)
+    return {key: hints[fname] for key, fname in keys(section_cls).items()}
+
+
+def _name(source: str, name: Any, what: str, example: str) -> str:
+    """``name`` if it is a string; else a UserError (YAML reads ``1:`` or ``null:`` as a number or null)."""
+    if not isinstance(name, str):
+        raise UserError(f"{source}: {what} {shown(name)} is not a name; {example}")
+    return name
+
+
+def build(raw: dict[str, Any], source: str = "config") -> Config:
+    """Build a validated Config from a nested mapping (what the YAML file holds)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise UserError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
+    sections = {}
+    for name, value in raw.items():
+        if _name(source, name, "section", f"sections are words: {', '.join(SECTIONS)}") not in SECTIONS:
+            raise UserError(f"{source}: unknown section {name!r}; valid sections: {', '.join(SECTIONS)}")
+        if value is None:
+            value = {}
+        if not isinstance(value, dict):
+            raise UserError(f"{source}: section {name!r} must be a mapping of keys, got {shown(value)}")
+        types_ = _field_types(SECTIONS[name])
+        kwargs = {}
+        for key, v in value.items():
+            if _name(source, key, "key", f"keys of [{name}] are words: {', '.join(types_)}") not in types_:
+                raise UserError(
+                    f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
+                )
+            kwargs[keys(SECTIONS[name])[key]] = coerce(f"{name}.{key}", v, types_[key])
+        sections[name] = kwargs
+    built = {name: cls(**sections.get(name, {})) for name, cls in SECTIONS.items()}
+    return Config(**built)
+
+
+def _parse_override(text: str) -> tuple[str, str, str, Any]:
+    """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params, a, 1)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
+        raw = text.encode("utf-8", "surrogateescape")
+        raise UserError(f"override {raw!r} is not UTF-8 text; type it in a UTF-8 terminal "
+                        f"(check the locale: LANG=C.UTF-8)") from None
+    text_shown = short(text)
+    key, sep, value = text.partition("=")
+    if not sep or "." not in key:
+        raise UserError(f"override {text_shown!r} must look like section.key=value, e.g. train.epochs=3")
+    section, _, name = key.strip().partition(".")
+    name, _, sub = name.partition(".")
+    if section not in SECTIONS:
+        raise UserError(f"override {text_shown!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+    types_ = _field_types(SECTIONS[section])
+    if name not in types_:
+        raise UserError(f"override {text_shown!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
+    if sub and typing.get_origin(types_[name]) is not dict:
+        raise UserError(f"override {text_shown!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE")
+    if types_[name] is str:
+        try:
+            parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True)
+        except UserError:
+            parsed = None
+        # YAML only to unquote: '007' stays '007', not 7, and a value YAML cannot read is the text typed
+        return section, name, sub, parsed if isinstance(parsed, str) else value
+    parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True) if value.strip() else ""
+    return section, name, sub, parsed
+
+
+def read_yaml(path: str) -> Any:
+    """What the YAML file ``path`` holds (None for an empty file); UserError on anything unreadable."""
+    return config_yaml.parse(config_yaml.read_text(path), path)
+
+
+def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults < file < overrides, validated. Raises UserError on any bad input."""
+    raw = read_yaml(path) if path else None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    # Validate the file alone first, so an error names the file rather than an override.
+    build(raw, source=path or "config")
+    for text in overrides:
+        section, name, sub, value = _parse_override(text)
+        if not isinstance(raw.get(section), dict):
+            raw[section] = {}
+        if sub:  # one entry of a mapping such as task.params, keeping the file's other entries
+            old = raw[section].get(name)
+            raw[section][name] = {**(old if isinstance(old, dict) else {}), sub: value}
+        else:
+            raw[section][name] = value
+    return build(raw, source=f"{path} with overrides" if overrides else (path or "config"))
+
+
+def from_dict(data: dict[str, Any]) -> Config:
+    return build(data, source="resolved config")
+
+
+def reference_markdown() -> str:
+    """The configuration reference, generated from the dataclasses (docs/configuration.md)."""
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from `clusterflow/config/sections.py` by `python -m clusterflow.config > docs/configuration.md`;",
+        "a test fails when this page and the code disagree.",
+        "",
+        "Precedence: defaults < YAML file < `section.key=value` overrides on the command line.",
+        "",
+    ]
+    for name, cls in SECTIONS.items():
+        lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        hints = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            key = f.metadata.get("key", f.name)
+            tp = hints[key]
+            tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
+            if typing.get_origin(tp) is not None:
+                tname = str(tp).replace("typing.", "")
+            lines.append(f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+        lines.append("")
+    return "\n".join(lines)
+
+

@@ -1,0 +1,303 @@
+"""The process group and the collectives clusterflow uses, with single-process defaults.
+
+``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
+exists, so the same code runs as one process. Nothing else in clusterflow calls
+``torch.distributed``: what mining, the k-NN search and the losses need lives here. torch is
+imported lazily (``clusterflow.submit`` imports this module on login nodes).
+
+Who this process is comes from ``env.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from typing import Any, Mapping
+
+from clusterflow.dist.env import DistEnv
+from clusterflow.errors import UserError
+
+
+def pick_backend(requested: str = "auto") -> str:
+    import torch
+
+    if requested == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise UserError("dist.backend=nccl but this process sees no CUDA device; use dist.backend=auto or gloo on CPU")
+    return requested
+
+
+def device_for(env: DistEnv, backend: str) -> Any:
+    """One device per local rank. When Slurm binds one GPU per task, CUDA sees only index 0,
+    so the local rank is taken modulo the visible devices."""
+    import torch
+
+    if backend == "nccl" or (backend != "gloo" and torch.cuda.is_available()):
+        index = env.local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
+    """Join the process group (when there is more than one rank) and return this rank's device."""
+    import torch.distributed as tdist
+
+    backend = pick_backend(backend)
+    device = device_for(env, backend)
+    if env.world_size > 1 and not tdist.is_initialized():
+        tdist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return device
+
+
+def shutdown() -> None:
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def initialized() -> bool:
+    """True when a process group exists (more than one rank)."""
+    try:
+        import torch.distributed as tdist
+    except ImportError:
+        return False
+    return tdist.is_available() and tdist.is_initialized()
+
+
+def rank() -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_rank() if initialized() else 0
+
+
+def world() -> int:
+    import torch.distributed as tdist
+
+    return tdist.get_world_size() if initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if initialized():
+        import torch.distributed as tdist
+
+        tdist.barrier()
+
+
+# ---------------------------------------------------------------------------------------------
+# Python objects and numbers
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s object on every rank (pickled; for configs, labels and small state)."""
+    if not initialized():
+        return obj
+    import torch.distributed as tdist
+
+    box = [obj if rank() == src else None]
+    tdist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's object on rank ``dst`` (None elsewhere)."""
+    if not initialized():
+        return [obj]
+    import torch.distributed as tdist
+
+    out = [None] * world() if rank() == dst else None
+    tdist.gather_object(obj, out, dst=dst)
+    return out
+
+
+def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
+    """Rank r's entry of rank ``src``'s list ``objs`` (pickled; small objects such as one RNG state per rank)."""
+    if not initialized():
+        return objs[0] if objs else None
+    import torch.distributed as tdist
+
+    out = [None]
+    tdist.scatter_object_list(out, objs if rank() == src else None, src=src)
+    return out[0]
+
+
+def collective_device() -> Any:
+    """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    import torch
+    import torch.distributed as tdist
+
+    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any = None) -> dict[str, float]:
+    """Reduce a dict of numbers across ranks in one collective (sum, mean or max)."""
+    if not metrics:
+        return {}
+    keys = sorted(metrics)
+    if not initialized():
+        return {k: float(metrics[k]) for k in keys}
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or collective_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM)
+    if op == "mean":
+        t /= world()
+    return dict(zip(keys, t.tolist()))
+
+
+def all_reduce_sum(values: Any, device: Any = None) -> Any:
+    """Element-wise float64 sum of a 1-D array across ranks (a numpy array comes back)."""
+    import numpy as np
+
+    values = np.asarray(values, dtype=np.float64)
+    if not initialized():
+        return values
+    import torch
+    import torch.distributed as tdist
+
+    t = torch.from_numpy(values.copy()).to(device or collective_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
+    return t.cpu().numpy()
+
+
+def any_rank(flag: bool, device: Any = None) -> bool:
+    """True on every rank when it is true on at least one (one tiny all-reduce)."""
+    if not initialized():
+        return bool(flag)
+    return all_reduce_dict({"f": 1.0 if flag else 0.0}, op="max", device=device)["f"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+
+def broadcast_tensor(t: Any, src: int) -> Any:
+    """``t`` filled in place with rank ``src``'s values."""
+    if initialized():
+        import torch.distributed as tdist
+
+        tdist.broadcast(t, src=src)
+    return t
+
+
+_BUCKET = 16 << 20  # bytes per broadcast of a state: few collectives, bounded extra memory (16 MiB measured best of 8-64 here)
+
+
+def _buckets(specs: list[tuple[tuple[int, ...], Any]]) -> list[list[tuple[int, int, int]]]:
+    """(index, offset, nbytes) of each tensor, grouped into buckets; offsets aligned for any dtype's view."""
+    out: list[list[tuple[int, int, int]]] = [[]]
+    size = 0
+    for i, (shape, dtype) in enumerate(specs):
+        n = dtype.itemsize * math.prod(shape)
+        if out[-1] and size + n > _BUCKET:
+            out.append([])
+            size = 0
+        out[-1].append((i, size, n))
+        size += -(-n // 16) * 16
+    return [b for b in out if b]
+
+
+def broadcast_state(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s nested state (dicts and lists of tensors and small objects) on every rank, with
+    CPU tensors. Only the structure and the small objects are pickled (``tree.flatten``); the tensors
+    travel as byte buckets of up to 16 MiB, never as a pickle of the whole state."""
+    if not initialized():
+        return obj
+    import torch
+    import torch.distributed as tdist
+
+    from clusterflow.dist import tree
+
+    mine = rank() == src
+    skeleton, tensors = tree.flatten(obj) if mine else (None, [])
+    skeleton, specs = broadcast_object((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), src)
+    device = collective_device()
+    received: list[Any] = []
+    buckets = _buckets(specs)
+    # One buffer for every bucket: a fresh buffer per bucket costs page faults on both sides.
+    whole = torch.empty(max((b[-1][1] + b[-1][2] for b in buckets), default=0), dtype=torch.uint8, device=device)
+    for bucket in buckets:
+        flat = whole[: bucket[-1][1] + bucket[-1][2]]
+        for i, off, n in bucket if mine else ():
+            flat[off:off + n].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
+        tdist.broadcast(flat, src=src)
+        if not mine:
+            host = flat.cpu()
+            received += [host[off:off + n].view(specs[i][1]).reshape(specs[i][0]).clone() for i, off, n in bucket]
+    return obj if mine else tree.unflatten(skeleton, received)
+
+
+def all_gather_tensors(t: Any) -> list[Any]:
+    """Every rank's ``t`` (same shape on each), in rank order."""
+    if not initialized():
+        return [t]
+    import torch
+    import torch.distributed as tdist
+
+    parts = [torch.empty_like(t) for _ in range(world())]
+    tdist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def all_reduce_tensor(t: Any) -> Any:
+    """``t`` summed over ranks, in place."""
+    if initialized():
+        import torch.distributed as tdist
+
+        tdist.all_reduce(t)
+    return t
+
+
+def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) -> Any:
+    """Rank 0 receives every rank's rows and places them by index into an (n, dim) array; the
+    others get None and keep O(shard) memory. Indices travel with the rows, so uneven or
+    padded shards can never shift a row (the collective needs equal sizes: gloo refuses uneven
+    ones, so shards are padded with index -1 and trimmed on arrival)."""
+    import numpy as np
+    import torch
+
+    dtype = np.dtype(dtype or np.float32)
+    if not initialized():
+        full = np.zeros((n, dim), dtype)
+        full[indices] = rows
+        return full
+    import torch.distributed as tdist
+
+    pad = -(-n // world())
+    e = torch.zeros((pad, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
+    i = torch.full((pad,), -1, dtype=torch.int64)
+    e[: len(indices)] = torch.from_numpy(rows) if len(indices) else e[:0]
+    i[: len(indices)] = torch.from_numpy(indices)
+    if tdist.get_backend() == "nccl":
+        e, i = e.cuda(), i.cuda()
+    es = [torch.empty_like(e) for _ in range(world())] if rank() == 0 else None
+    is_ = [torch.empty_like(i) for _ in range(world())] if rank() == 0 else None
+    tdist.gather(e, es, dst=0)
+    tdist.gather(i, is_, dst=0)
+    if rank() != 0:
+        return None
+    full = np.zeros((n, dim), dtype)
+    seen = np.zeros(n, bool)
+    for ee, ii in zip(es, is_):
+        ii = ii.cpu().numpy()
+        ok = ii >= 0
+        full[ii[ok]] = ee.cpu().numpy()[ok]
+        seen[ii[ok]] = True
+    if not seen.all():
+        raise RuntimeError(f"gathering rows lost {int((~seen).sum())} of {n}; this is a bug in clusterflow")
+    return full
+

@@ -1,0 +1,202 @@
+"""The job every task runs, whoever launched it (submitit on Slurm, submitit locally, srun, torchrun).
+
+``Job`` is what submitit pickles; ``run_job`` is what ``python -m clusterflow.run`` calls. Both
+end in :func:`run_job`: read the environment, join the process group, agree on rank 0's config,
+record the attempt, train, and hand the outcome to ``requeue.after_stop`` (exit, requeue, or fail).
+Requeue carries no state: ``checkpoint()`` returns a fresh Job and the store holds the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+from typing import Any, Mapping
+
+from clusterflow import observe, rundir
+from clusterflow.job import failure
+from clusterflow.rundir import first_error
+from clusterflow.config.job_config import Config, from_dict
+from clusterflow.dist.env import DistEnv
+from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
+
+log = logging.getLogger("clusterflow")
+
+
+class Job:
+    """Picklable entry point for submitit. Holds only the resolved config."""
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.config = dict(config)
+
+    def __call__(self) -> str:
+        outcome = run_job(self.config)
+        if outcome == "failed":
+            raise RuntimeError("clusterflow job failed; see the rank logs and `python -m clusterflow.status`")
+        return outcome
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit's requeue hook: state is on disk, so a fresh Job is all a requeue needs."""
+        import submitit
+
+        return submitit.helpers.DelayedSubmission(Job(self.config))
+
+
+def setup_logging(paths: rundir.RunPaths, rank: int, attempt: int) -> None:
+    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger("clusterflow")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    os.makedirs(paths.logs, exist_ok=True)
+    fh = logging.FileHandler(paths.log_file(rank, attempt), mode="a")
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    if rank == 0:
+        sh = logging.StreamHandler(sys.stdout)
+        sh.setFormatter(fmt)
+        root.addHandler(sh)
+    root.propagate = False
+
+
+def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
+    """Keep processes sharing a node from oversubscribing its cores."""
+    import torch
+
+    if "OMP_NUM_THREADS" not in environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+
+
+def _start(env: DistEnv, cfg: Config, device: Any) -> int:
+    """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
+    from clusterflow import dist
+    from clusterflow.rundir import lease
+
+    paths = rundir.RunPaths(cfg.run.dir)
+    # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
+    procs = dist.gather_object([socket.gethostname(), os.getpid(), lease.process_start(os.getpid())])
+    attempt = 0
+    if env.is_main:
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        attempt = rundir.record_attempt(paths, job_id=env.job_id, restart_count=env.attempt, hosts=list(env.hosts),
+                                        world_size=env.world_size, source=env.source, host=socket.gethostname(), procs=procs)
+    attempt = int(dist.broadcast_object(attempt))
+    setup_logging(paths, env.rank, attempt)
+    if env.is_main:
+        rundir.write_status(paths, state="running", job_id=env.job_id, world_size=env.world_size,
+                            hosts=sorted({p[0] for p in procs or []}), attempt=attempt, error=None)
+    log.info("rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
+             env.rank, env.world_size, socket.gethostname(), env.source, env.local_rank, device, env.job_id,
+             attempt, env.master_addr, env.master_port)
+    return attempt
+
+
+def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | None = None) -> str:
+    """Run this task's share of the job. Returns completed, preempted, timeout, requeued or failed."""
+    from clusterflow import dist
+
+    environ = os.environ if environ is None else environ
+    env = DistEnv.from_env(environ)
+    cfg = config if isinstance(config, Config) else from_dict(dict(config))
+    held = False  # until this job holds the run dir, nothing is written there (not even an error)
+    try:
+        observe.before_init(cfg, environ)  # the flight recorder reads its variables when the group starts
+        device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
+        # Every rank runs on rank 0's resolved config, never on a file re-read later.
+        cfg = from_dict(_take_run_dir(env, cfg, environ))
+        held = True
+        attempt = _start(env, cfg, device)
+        _threads(env, environ)
+        from clusterflow.train.preemption import Preemption
+        from clusterflow.job.requeue import after_stop
+        from clusterflow.tasks import load_task
+        from clusterflow.train.trainer import Trainer
+
+        preemption = Preemption().install()
+        from clusterflow.rundir import frozen_code as snapshot
+
+        snapshot.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
+        task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
+        trainer = Trainer(cfg, task, device, attempt, preemption)
+        with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):  # heartbeats, stall watchdog
+            outcome = trainer.fit()
+        if env.is_main:
+            outcome = after_stop(rundir.RunPaths(cfg.run.dir), outcome, env, environ, cfg.cluster.max_timeout_requeues,
+                                 preemption.received_at)
+            _let_go(cfg, env, environ, outcome)
+        outcome = dist.broadcast_object(outcome)
+        dist.barrier()  # nobody tears the group down while a peer still talks to it
+        dist.shutdown()
+        return outcome
+    except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
+        if held and env.is_main:
+            _let_go(cfg, env, environ, "failed")
+        _record_failure(exc, cfg, env.rank, write=held)
+        raise
+
+
+def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+    """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
+    config against the saved one (writing it on a first start); every rank gets that config, or
+    the reason this job may not run there."""
+    from clusterflow import dist
+    from clusterflow.rundir import lease
+    from clusterflow.rundir import saved_config
+
+    answer: Any = None
+    if env.is_main:
+        try:
+            lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
+            answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
+            answer = answer.to_dict()
+        except (UserError, OSError) as exc:  # every rank must hear it, or the others wait for rank 0
+            lease.release(cfg.run.dir)
+            answer = str(exc) if isinstance(exc, UserError) else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+    answer = dist.broadcast_object(answer)
+    if isinstance(answer, str):
+        raise UserError(answer)
+    return answer
+
+
+def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
+    """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
+    requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
+    from clusterflow.rundir import lease
+
+    if outcome in ("completed", "failed") or not environ.get("SLURM_JOB_ID"):
+        lease.release(cfg.run.dir)
+
+
+def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
+    """Write who failed and why, with the exit status (``failure.describe``; only into a run dir this
+    job holds): bad input is one line and exit 2; a full disk or a diverged loss one line and exit 1;
+    the task's own code its traceback and exit 1."""
+    if isinstance(exc, SystemExit) and exc.code in (0, None):
+        return
+    f = failure.describe(exc, cfg.task.target)
+    paths = rundir.RunPaths(cfg.run.dir)
+    try:
+        if write:
+            rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
+            # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
+            # Two ranks' read-modify-writes of status.json at once may lose the winner's error: status
+            # then reads the cause from the first-error record, which no later write replaces.
+            first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
+            rundir.write_status(paths, state="failed", exit_code=f.code,
+                                **({"error": f"rank {rank}: {f.message}"} if first else {}))
+    except (OSError, RunFailed):  # a full disk or a vanished run dir: the message below still reaches the user
+        pass
+    shown = f.trace if f.named and f.trace else ""  # the task's traceback, in the rank log (echoed by --local)
+    log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
+    if f.named:
+        later = f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}" if shown and write else ""
+        print(f"error: {f.message}{later}", file=sys.stderr)
+        raise SystemExit(f.code) from None
+
+
+def _attempt_of(paths: rundir.RunPaths) -> int:
+    return max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+
+
+__all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

@@ -1,0 +1,111 @@
+"""What a job does after the trainer stopped: the decision is a pure function, its execution thin.
+
+:func:`decide` maps (outcome, launcher, Slurm's view of the job, time-limit stops so far, limit)
+to an :class:`Action`; it is tested as a table, without a cluster. :func:`after_stop` (rank 0)
+records the stop, asks Slurm only what the decision needs, and carries the action out.
+
+Time-limit requeues are counted in one place: the ``timeout`` lines of ``RUN_DIR/stops.jsonl``
+(``cluster.max_timeout_requeues`` bounds them; preemptions are not counted).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from clusterflow import rundir
+from clusterflow.manage import cancel
+from clusterflow.slurm import jobids
+
+log = logging.getLogger("clusterflow")
+
+
+@dataclass(frozen=True)
+class Action:
+    outcome: str  # what the job reports: completed, requeued, preempted or timeout
+    state: str  # what status.json says
+    requeue: bool = False  # run `scontrol requeue` (on success: outcome and state "requeued")
+    why: str = ""  # for the log line of a requeue
+    error: str | None = None
+
+
+def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, limit: int) -> Action:
+    """``outcome``: completed, preempted or timeout (from the trainer); ``source``: the launcher
+    (slurm, torchrun, submitit-local, single); ``slurm_state``: JobState of this job (None outside
+    a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops so far, this
+    one included; ``limit``: cluster.max_timeout_requeues."""
+    if outcome == "completed":
+        return Action("completed", "completed")
+    if slurm_state is None:  # nothing will bring the job back by itself
+        return Action(outcome, "stopped" if source == "submitit-local" else "requeued")
+    if outcome == "timeout":
+        if timeouts > limit:
+            return Action("timeout", "stopped", error=f"time limit reached {timeouts} times (cluster.max_timeout_requeues="
+                                                      f"{limit}); resume by submitting the same config again")
+        return Action("timeout", "requeued", requeue=True, why="the time-limit signal")
+    # Slurm requeues a preempted job only if it is still running when the grace time ends; one that
+    # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
+    # runs (preemption, or a bare SIGTERM) it requeues itself. COMPLETING means a requeue is already
+    # under way (scontrol requeue); CANCELLED means the user ended it with scancel.
+    if slurm_state == "RUNNING":
+        return Action(outcome, "requeued", requeue=True, why="the preemption signal (SIGTERM)")
+    return Action(outcome, "stopped" if slurm_state == "CANCELLED" else "requeued")
+
+
+def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[str, str], limit: int,
+               signal_at: float | None) -> str:
+    """Rank 0: record the outcome and carry out :func:`decide`'s action; returns the job's outcome.
+    ``env``: this job's DistEnv; ``environ``: the environment it was read from."""
+    # An array task is requeued as A_T: the bare array id would requeue every task of the array.
+    job_id = (jobids.requeue_target(environ) or "") if env.source in ("slurm", "torchrun") else ""
+    timeouts = 0
+    if outcome != "completed":
+        rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
+        timeouts = rundir.count_stops(paths, "timeout")
+    slurm_state = None
+    if job_id:  # Slurm is asked only what the decision needs
+        slurm_state = slurm_job_state(job_id) if outcome == "preempted" else ""
+    action = decide(outcome, env.source, slurm_state, timeouts, limit)
+    if outcome != "completed" and cancel.is_cancelled(paths.root):  # the user's cancel wins over any requeue
+        rundir.write_status(paths, state="cancelled")
+        log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
+        return action.outcome
+    if action.requeue:
+        return "requeued" if requeue(job_id, paths, action.why) else action.outcome
+    if outcome == "preempted" and slurm_state is not None:
+        log.info("job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state")
+    rundir.write_status(paths, state=action.state, **({"error": action.error} if action.error else {}))
+    if outcome == "completed":
+        log.info("run completed; final weights in %s", paths.model)
+    return action.outcome
+
+
+def slurm_job_state(job_id: str) -> str:
+    """JobState from `scontrol show job`, or "" when Slurm does not answer."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    for field in proc.stdout.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return ""
+
+
+def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> bool:
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("could not run scontrol requeue %s: %s", job_id, exc)
+        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {exc}")
+        return False
+    if proc.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job_id, proc.stderr.strip())
+        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {proc.stderr.strip()}")
+        return False
+    rundir.write_status(paths, state="requeued")
+    log.info("requeued job %s after %s", job_id, why)
+    return True
+

@@ -1,0 +1,101 @@
+"""python -m clusterflow.run CONFIG.yaml [KEY=VALUE ...]
+
+The in-allocation entry point: run this process's share of the job, reading rank and world from
+Slurm (``srun``), torchrun, or nothing (a single process). The sbatch template calls it under
+``srun``. The config is resolved once: the first attempt writes RUN_DIR/config.yaml, and every
+rank of every later attempt runs on that file as rank 0 read it. A later launch into the same run
+dir must ask for the same config (``config.check_resume``), except a requeue of the same job, which
+runs on the saved config even if the YAML was edited since, and a launch into a run dir that holds
+no committed checkpoint yet, whose config it replaces (``saved_config.resolve``). ``--check``
+stops before the process group and training: everything else is checked as a run checks it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from clusterflow.job import failure
+from clusterflow.rundir import preflight
+from clusterflow.rundir import saved_config
+from clusterflow.config.job_config import Config
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+
+EXAMPLES = """examples:
+  python -m clusterflow.run configs/demo.yaml                        # one process, here
+  torchrun --nproc-per-node 2 -m clusterflow.run configs/demo.yaml   # two processes with torchrun
+  srun python -m clusterflow.run configs/demo.yaml run.dir=runs/x    # inside an allocation
+  python -m clusterflow.run configs/demo.yaml --check                # validate everything, train nothing
+"""
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clusterflow.run", description=__doc__.split("\n\n")[1],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument("--check", action="store_true",
+                   help="check the config, the run dir and the task (import, parameters, dataset size), then exit "
+                        "without training or writing anything: 0 when the run would start, 2 with the reason otherwise")
+    args = p.parse_intermixed_args(argv)
+    cfg = saved_config.load(args.config, args.overrides)
+    preflight.check_paths(cfg)
+    if args.check:
+        from clusterflow.dist.env import DistEnv
+
+        env = DistEnv.from_env(os.environ)
+        cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)
+        return _check_task(cfg, env.world_size)
+    from clusterflow.job.job import run_job
+
+    # Rank 0 takes the run dir's lease, then resumes with the saved config (a requeued job re-runs
+    # this command with the YAML as it is now: it keeps the saved config) or writes it, and
+    # broadcasts it to every rank before anything else.
+    outcome = run_job(cfg)
+    return EXIT_OK if outcome in ("completed", "preempted", "requeued") else EXIT_JOB_FAILED
+
+
+def _check_task(cfg: Config, world: int) -> int:
+    """What ``run_job`` checks before training, without a process group: the task imports and
+    takes its parameters, and its training set holds a full batch."""
+    from clusterflow.dist.sampler import check_fits
+    from clusterflow.tasks import load_task
+
+    try:
+        task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
+        n = len(task.train_dataset())
+    except UserError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the task's own code: reported as a run reports it
+        f = failure.describe(exc, cfg.task.target)
+        if not f.named:
+            raise
+        print(f"error: {f.message}\n{f.trace}", file=sys.stderr)
+        return f.code
+    check_fits(n, cfg.train.batch_size, world * cfg.train.grad_accum, cfg.task.target)
+    print(f"ok: {cfg.task.target} with {n} training samples, {n // cfg.train.batch_size} steps per epoch, "
+          f"{cfg.train.epochs} epoch(s) on {world} process(es); run dir {cfg.run.dir}")
+    return EXIT_OK
+
+
+def _exit(code: int) -> None:
+    """Flush everything, then leave without interpreter teardown: once the job has finished,
+    C++ threads of the communication library can abort the process while Python unwinds
+    ("terminate called without an active exception"), turning a completed run into exit -6."""
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def entry() -> None:
+    """``python -m clusterflow.run``: :func:`main`, then :func:`_exit` with its status."""
+    try:
+        code = main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    _exit(code)

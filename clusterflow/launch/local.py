@@ -1,0 +1,129 @@
+"""``submit --local``: watch the job's rank processes and end the job at once when one dies.
+
+submitit's local controller waits until every task has exited. A rank that dies before the
+rendezvous (killed, out of memory, an import that fails on one rank) would leave the others
+waiting in ``init_process_group`` for ``dist.timeout_s``; one that dies later leaves them to fail
+with a peer's "Connection closed". The parent sees more: the controller's children (``/proc``),
+each one's rank (its ``SUBMITIT_LOCAL_GLOBALID``), and whether it left a successful result. The
+first rank seen gone without one is the cause: the job is ended and that rank named, with its own
+error when it recorded one (``errors/rank<R>.json``), else with what is known (no Python error:
+killed by a signal, out of memory, or a crash in native code). Slurm does the same for real
+jobs with ``srun --kill-on-bad-exit=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.rundir import lease
+
+GRACE_S = 3.0  # the others may still end by themselves (and record their side) before they are stopped
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        return int(env[b"SUBMITIT_LOCAL_GLOBALID"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class RankWatch:
+    def __init__(self, job: Any, folder: str, run_dir: str, ntasks: int) -> None:
+        self.job, self.folder, self.run_dir, self.ntasks = job, folder, run_dir, ntasks
+        self.controller = int(job.job_id)
+        self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
+        self.started_at = time.time()
+        self.first_seen: float | None = None  # when the first task appeared (the controller starts all at once)
+        self.attempts_before = len(rundir.read_jsonl(rundir.RunPaths(run_dir).attempts))
+
+    def first_dead(self) -> int | None:
+        """The rank of a task that is gone without a successful result, if any: one seen and gone,
+        or one never seen although its siblings started seconds ago (it died at once)."""
+        for pid in _children(self.controller):
+            rank = _rank_of(pid)
+            if rank is not None and rank not in self.procs:
+                self.procs[rank] = (pid, lease.process_start(pid))
+                self.first_seen = self.first_seen or time.time()
+        for rank in range(self.ntasks):
+            if rank in self.procs:
+                pid, start = self.procs[rank]
+                gone = lease.process_start(pid) != start
+            else:
+                gone = self.first_seen is not None and time.time() - self.first_seen > 10.0
+            if gone and not self._succeeded(rank):
+                return rank
+        return None
+
+    def _kill_survivors(self) -> None:
+        """SIGKILL any rank the controller did not stop (a busy machine can delay it past our wait):
+        a rank left in the rendezvous would live on for dist.timeout_s, holding the terminal's pipes."""
+        for pid, start in self.procs.values():
+            if start is not None and lease.process_start(pid) == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def _succeeded(self, rank: int) -> bool:
+        from submitit.core.utils import JobPaths
+
+        try:
+            with open(JobPaths(self.folder, self.job.job_id, rank).result_pickle, "rb") as f:
+                return pickle.load(f)[0] == "success"
+        except Exception:  # noqa: BLE001 - no result, or one that does not load: not a success
+            return False
+
+    def _cause(self, rank: int, paths: rundir.RunPaths) -> str:
+        """The rank's own account: its error record, else the one-line error it printed (a refusal
+        to use the run dir writes nothing there), else what its disappearance says."""
+        own = rundir.read_json(paths.error_file(rank))
+        if isinstance(own, dict) and float(own.get("time") or 0) >= self.started_at:
+            return str(own.get("error"))
+        from submitit.core.utils import JobPaths
+
+        try:
+            with open(JobPaths(self.folder, self.job.job_id, rank).stderr, encoding="utf-8", errors="replace") as f:
+                printed = [line[7:].strip() for line in f if line.startswith("error: ")]
+        except OSError:
+            printed = []
+        if printed:
+            return printed[-1]
+        return f"it recorded no Python error: killed by a signal, out of memory, or a crash in native code; see {self.folder}"
+
+    def stop(self, rank: int) -> str:
+        """End the job because ``rank`` died; returns (and, if this run dir is free, records) why."""
+        deadline = time.time() + GRACE_S
+        while time.time() < deadline and not self.job.done():
+            time.sleep(0.2)
+        if not self.job.done():
+            self.job.cancel()  # the controller stops every remaining task (SIGINT, then SIGKILL)
+            deadline = time.time() + 10
+            while time.time() < deadline and not self.job.done():
+                time.sleep(0.1)
+        self._kill_survivors()  # also when the controller is done but left a rank behind
+        paths = rundir.RunPaths(self.run_dir)
+        when = "before the rendezvous" if len(rundir.read_jsonl(paths.attempts)) == self.attempts_before else "during the run"
+        cause = self._cause(rank, paths)
+        who = f"rank {rank} (pid {self.procs[rank][0]})" if rank in self.procs else f"rank {rank}"
+        why = f"{who} died first, {when}: {cause}; the other rank(s) were stopped"
+        try:
+            lease.check(self.run_dir, lease.identity())  # raises while another live job holds the run dir
+        except lease.RunDirBusy:
+            return why
+        rundir.write_status(paths, state="failed", error=why)
+        return why

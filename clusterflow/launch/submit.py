@@ -1,0 +1,303 @@
+"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--sweep KEY=V1,V2 ...] [--after RUN_DIR ...] [--local] [--dry-run] [--wait]
+
+Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
+(``preflight``), create the run directory and write ``config.yaml``, then hand the job to submitit (Slurm) or to submitit's local executor
+(``--local``: this machine, cluster.tasks_per_node processes, gloo on CPU). Importing this module
+loads neither torch nor faiss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from clusterflow import dist, rundir
+from clusterflow.manage import cancel
+from clusterflow.rundir import first_error
+from clusterflow.launch import gpus as gpu_select
+from clusterflow.slurm import jobids
+from clusterflow.rundir import lease
+from clusterflow.launch import local as local_watch
+from clusterflow.manage import logs
+from clusterflow.rundir import preflight
+from clusterflow.rundir import saved_config
+from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.launch import stages
+from clusterflow.config.job_config import Config
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+
+EXAMPLES = """examples:
+  python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
+  python -m clusterflow.submit configs/demo.yaml cluster.nodes=2 --dry-run  # print the sbatch script
+  python -m clusterflow.submit configs/demo.yaml run.dir=runs/exp1 cluster.partition=gpu --wait
+  python -m clusterflow.submit configs/demo.yaml run.dir=runs/sweep1 --sweep train.lr=0.001,0.003 --sweep mining.k=5,10
+                                                                        # 4 members, one job array (again: resumes it)
+  python -m clusterflow.submit configs/two_stage_2_classifier.yaml --after runs/two_stage_1
+                                                                        # starts when stage 1 has completed
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m clusterflow.submit", description=__doc__.split("\n\n")[1],
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=3")
+    p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and the resolved config; submit nothing")
+    p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 when it failed")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="sweep KEY over the values (repeatable: the cartesian product); one job array, "
+                        "one run dir per member under run.dir (docs/workflows.md)")
+    p.add_argument("--max-parallel", type=int, metavar="N", help="with --sweep: at most N members run at once")
+    p.add_argument("--after", action="append", default=[], metavar="RUN_DIR",
+                   help="start only after that run completed (Slurm afterok; repeatable); with --local it must be completed")
+    return p.parse_intermixed_args(argv)  # flags may come after the overrides too
+
+
+# -- Slurm parameters ---------------------------------------------------------------------------
+
+def slurm_parameters(cfg: Config) -> dict[str, Any]:
+    """The submitit SlurmExecutor parameters for this config (also what --dry-run renders)."""
+    c = cfg.cluster
+    params: dict[str, Any] = {
+        "job_name": cfg.run.name,
+        "nodes": c.nodes,
+        "ntasks_per_node": c.tasks_per_node,
+        "cpus_per_task": c.cpus_per_task,
+        "time": c.time_min,
+        "signal_delay_s": c.signal_delay_s,
+        "setup": list(c.setup),
+        # requeue: preempted or time-limited jobs come back; kill-on-bad-exit: one crashed rank ends the step
+        "additional_parameters": {"requeue": True, **c.sbatch_extra},
+        "srun_args": ["--kill-on-bad-exit=1", *c.srun_args],
+        "stderr_to_stdout": False,
+    }
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    if c.mem_gb:
+        params["mem"] = f"{int(c.mem_gb)}GB" if c.mem_gb == int(c.mem_gb) else f"{int(c.mem_gb * 1024)}MB"
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.exclusive:
+        params["exclusive"] = True
+    return params
+
+
+def slurm_folder(cfg: Config) -> str:
+    return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
+
+
+def sbatch_script(cfg: Config, python: str | None = None, dependency: str | None = None) -> str:
+    """The exact script submitit would submit (rendered without needing srun on this host)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    python = python or shlex.quote(sys.executable)
+    folder = os.path.join(slurm_folder(cfg), "%j")
+    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
+    return _make_sbatch_string(command=command, folder=folder, **stages.with_dependency(slurm_parameters(cfg), dependency))
+
+
+def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+
+
+def check_cluster(cfg: Config) -> None:
+    """Checks that need Slurm to answer; skipped (not failed) when sinfo does not answer in time."""
+    c = cfg.cluster
+    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G"])
+    if out is None or out.returncode != 0:
+        print("warning: sinfo did not answer within 10 s; partition and node counts are not checked", file=sys.stderr)
+        return
+    rows = [line.split("|") for line in out.stdout.split() if "|" in line]
+    parts = {r[0].rstrip("*"): r for r in rows}
+    default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
+    name = c.partition or default
+    if c.partition and c.partition not in parts:
+        raise UserError(f"cluster.partition = {c.partition!r} does not exist; partitions here: {', '.join(parts)}")
+    if name in parts:
+        nodes = int(parts[name][1])
+        if c.nodes > nodes:
+            raise UserError(f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); lower cluster.nodes")
+
+
+# -- the run directory -------------------------------------------------------------------------
+
+def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
+    """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
+    write config.yaml once. Returns the config to run, and True when resuming an existing run (a
+    different config is refused: saved_config.resolve). The job takes the lease when it starts."""
+    note = lease.check(cfg.run.dir, lease.identity())
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    return saved_config.resolve(cfg)
+
+
+def failed_exit_code(status: dict[str, Any]) -> int:
+    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
+    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
+    code = status.get("exit_code")
+    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
+
+
+# -- launching ---------------------------------------------------------------------------------
+
+def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
+    """Run here; ``gpus``: the NVML indices chosen by gpu_select.for_local (one per process)."""
+    import submitit
+
+    from clusterflow.job.job import Job
+
+    paths = rundir.RunPaths(cfg.run.dir)
+    folder = os.path.abspath(paths.submitit_logs)
+    ex = submitit.LocalExecutor(folder=folder)
+    if gpus is not None:
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
+    ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
+                         gpus_per_node=cfg.cluster.gpus_per_node or 0, **({"visible_gpus": gpus} if gpus else {}))
+    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
+    job = ex.submit(Job(cfg.to_dict()))
+    print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
+    print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
+    why, results = None, None
+    try:
+        why = _follow(cfg.run.dir, job, local_watch.RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
+        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
+        if rundir.read_object(paths.status)[0].get("state") != "failed":
+            results = job.results()
+    except KeyboardInterrupt:
+        job.cancel()
+        print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
+        pass
+    if results is None:
+        status, _ = rundir.read_object(paths.status)
+        code = failed_exit_code(status)
+        attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+        said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
+        print(f"error: {said}", file=sys.stderr)
+        if code != EXIT_BAD_INPUT:
+            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
+        return code
+    outcome = results[0]
+    print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
+    return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
+
+
+def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
+    """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
+    at once when a rank dies (its peers would wait for it), returning why."""
+    import time
+
+    paths = rundir.RunPaths(run_dir)
+    tail = logs.Tail(paths.log_file(0, len(rundir.read_jsonl(paths.attempts))))
+    while True:
+        done = job.done()
+        dead = None if done else watch.first_dead()
+        # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
+        tail.drain(sys.stdout)
+        if dead is not None:
+            why = watch.stop(dead)
+            tail.drain(sys.stdout)  # what the others wrote while they were stopped
+            return why
+        if done:
+            return None
+        time.sleep(0.5)
+
+
+def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
+    import submitit
+
+    from clusterflow.job.job import Job
+
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run here or --dry-run to see the script")
+    check_cluster(cfg)
+    # No max_num_timeout: clusterflow handles the time-limit signal and counts those requeues itself
+    # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
+    ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
+    ex.update_parameters(**stages.with_dependency(slurm_parameters(cfg), dependency))
+    said = io.StringIO()  # submitit prints sbatch's complaint itself; it goes into our one line instead
+    try:
+        with contextlib.redirect_stderr(said):
+            job = ex.submit(Job(cfg.to_dict()))
+    except submitit.core.utils.FailedJobError as exc:
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
+        raise UserError(f"sbatch refused the job ({why}); fix the cluster.* keys it names "
+                        f"(see python -m clusterflow.submit ... --dry-run for the script)") from None
+    sys.stderr.write(said.getvalue())
+    paths = rundir.RunPaths(cfg.run.dir)
+    rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
+    jobids.record_submission(cfg.run.dir, str(job.job_id))
+    logs = paths.logs
+    print(f"submitted job {job.job_id}")
+    print(f"run dir: {cfg.run.dir}")
+    print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job.job_id}/")
+    print(f"status: python -m clusterflow.status {cfg.run.dir}")
+    print(f"tensorboard: tensorboard --logdir {paths.tb}")
+    if not wait:
+        return EXIT_OK
+    return wait_for(cfg.run.dir, job.job_id)
+
+
+def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
+    """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
+    A requeued job stays in the queue, so waiting spans all its attempts."""
+    import time
+
+    while True:
+        out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
+        if out is not None and out.returncode == 0 and not out.stdout.strip():
+            break
+        time.sleep(poll_s)
+    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
+    state = status.get("state")
+    print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
+    return EXIT_OK if state == "completed" else failed_exit_code(status)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    dependency = stages.dependency(args.after, args.local, args.dry_run)
+    if args.sweep:
+        from clusterflow.launch import sweep as sweep_submit
+
+        return sweep_submit.submit_sweep(args, dependency)
+    if args.max_parallel is not None:
+        raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
+    cfg = saved_config.load(args.config, args.overrides)
+    preflight.check_paths(cfg)
+    if args.dry_run:
+        saved_config.resolve(cfg, write=False)  # would the run dir take this config?
+        if args.local:
+            print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
+        else:
+            print(sbatch_script(cfg, dependency=dependency))
+        print("# resolved config")
+        print(cfg.to_yaml())
+        return EXIT_OK
+    # the free GPUs, chosen (or a busy one refused) before anything is written
+    gpus = gpu_select.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ) if args.local else None
+    cfg, resumed = prepare_run_dir(cfg)
+    if resumed:
+        print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
+    cancel.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
+    snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+    if args.local:
+        return submit_local(cfg, gpus)
+    return submit_slurm(cfg, args.wait, dependency)
+

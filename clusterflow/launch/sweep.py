@@ -1,0 +1,178 @@
+"""``submit CONFIG --sweep KEY=V1,V2 [--sweep ...] [--max-parallel N]``: a sweep as one Slurm job array.
+
+The steps, in order, so that a bad member never leaves half a sweep in the queue:
+
+1. expand the sweep and validate every member (``sweep.expand``: all failures at once);
+2. under the sweep's lock, merge the members into ``RUN_DIR/sweep.json`` (another sweep into the
+   same dir is refused; changed resources are named) and plan: completed, running and cancelled
+   members are skipped, the others are new or resumed (``sweep_index.plan``);
+3. check each member's run dir and write its config (a resumed member keeps its saved one), and
+   freeze the task's code into it;
+4. submit the members to run as one job array (``slurm_array``) and record the array task of each
+   member in the index and in the member's ``submissions.jsonl`` (``cancel`` and ``--after`` read it).
+
+``--local`` runs the members one after another here; ``--dry-run`` lists the members with what a
+submission would do and prints the array's sbatch script, writing nothing. Login-node module: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import os
+import shutil
+import sys
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.manage import cancel
+from clusterflow.slurm import jobids
+from clusterflow.rundir import preflight
+from clusterflow.rundir import saved_config
+from clusterflow.slurm import array as slurm_array
+from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.launch import stages
+from clusterflow.sweeps import sweep
+from clusterflow.sweeps import index as sweep_index
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
+
+
+def member_state(run_dir: str) -> str | None:
+    """What a resubmission decides on: None for a member that never ran (no config.yaml, or
+    written by a submission whose sbatch failed), else the state status reports."""
+    from clusterflow.manage import status
+
+    if not os.path.exists(os.path.join(run_dir, "config.yaml")):
+        return None
+    try:
+        s = status.collect(run_dir)
+    except UserError:
+        return "unknown"
+    if s["state"] == "pending" and not s["job_id"] and not s["attempts"]:
+        return None
+    return s["state"]
+
+
+def _plan(sw: sweep.Sweep) -> tuple[dict[str, Any], list[Any], sweep_index.Plan]:
+    index, changes = sweep_index.merge(sweep_index.read_index(sw.dir), sw)
+    names = [m.name for m in sw.members]
+    dirs = {m.name: m.run_dir for m in sw.members}
+    return index, changes, sweep_index.plan(names, {n: member_state(dirs[n]) for n in names})
+
+
+def _show_plan(sw: sweep.Sweep, plan: sweep_index.Plan) -> None:
+    print(f"sweep {sw.dir}: {len(sw.members)} member(s) over {', '.join(sw.keys)}")
+    for m in sw.members:
+        what = "new" if m.name in plan.new else "resume" if m.name in plan.resume else f"skip ({plan.skip[m.name]})"
+        print(f"  {m.name:<40} {what}")
+
+
+def _prepare(members: list[sweep.Member]) -> list[Any]:
+    """Each member's run dir checked and its config written (or resumed); its code frozen."""
+    configs = []
+    for m in members:
+        cfg, resumed = saved_config.resolve(m.config)
+        snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+        configs.append(cfg)
+    return configs
+
+
+def _submit_array(sw: sweep.Sweep, names: list[str], configs: list[Any], max_parallel: int | None,
+                  dependency: str | None) -> dict[str, str]:
+    """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one member)."""
+    import submitit
+
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run the sweep here "
+                        "or --dry-run to see the script")
+    plan = slurm_array.array_plan(sw.dir, configs, names, max_parallel)
+    params = stages.with_dependency(plan.parameters, dependency)
+    # No max_num_timeout: clusterflow counts time-limit requeues itself (requeue.py).
+    ex = submitit.SlurmExecutor(folder=plan.folder)
+    ex.update_parameters(**params)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            with ex.batch():
+                jobs = [ex.submit(job) for job in plan.jobs]
+    except submitit.core.utils.FailedJobError as exc:
+        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
+        raise UserError(f"sbatch refused the sweep's job array ({why}); fix the cluster.* keys it names "
+                        f"(see --dry-run for the script)") from None
+    sys.stderr.write(said.getvalue())
+    return {name: str(job.job_id) for name, job in zip(names, jobs)}
+
+
+def _run_local(configs: list[Any]) -> int:
+    from clusterflow.launch import submit
+
+    worst = EXIT_OK
+    for cfg in configs:
+        print(f"== sweep member {cfg.run.dir}")
+        code = submit.submit_local(cfg)
+        if code == 130:
+            return code
+        worst = max(worst, code)
+    return worst
+
+
+def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int:
+    """The ``--sweep`` branch of ``submit.main``."""
+    sw = sweep.expand(args.config, args.overrides, args.sweep)
+    for m in sw.members:
+        preflight.check_paths(m.config)
+    if args.dry_run:
+        index, changes, plan = _plan(sw)
+        _show_plan(sw, plan)
+        for c in changes:
+            print(f"# note: changed since the last submission: {c}")
+        todo = [m for m in sw.members if m.name in plan.to_submit]
+        if todo and not args.local:
+            ap = slurm_array.array_plan(sw.dir, [m.config for m in todo], [m.name for m in todo], args.max_parallel)
+            print(slurm_array.sbatch_script(dataclasses.replace(ap, parameters=stages.with_dependency(ap.parameters, dependency))))
+        return EXIT_OK
+    with sweep_index.locked(sw.dir):
+        index, changes, plan = _plan(sw)
+        if changes:
+            print(f"note: resources changed since the last submission: {'; '.join(map(str, changes))}", file=sys.stderr)
+        _show_plan(sw, plan)
+        sweep_index.write_index(sw.dir, index)
+        todo = [m for m in sw.members if m.name in plan.to_submit]
+        if not todo:
+            print("nothing to submit: every member is completed, still queued or cancelled")
+            print(f"status: python -m clusterflow.status {sw.dir}")
+            return EXIT_OK
+        configs = _prepare(todo)
+        if args.local:
+            return _run_local(configs)
+        names = [m.name for m in todo]
+        jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
+        for cfg, name in zip(configs, names):
+            jobids.record_submission(cfg.run.dir, jobs[name])
+            rundir.write_status(rundir.RunPaths(cfg.run.dir), state="pending", job_id=jobs[name])
+            cancel.clear(cfg.run.dir)  # a cancelled member is only here when its marker was deleted
+        sweep_index.write_index(sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs))
+    print(f"submitted job array {jobs[names[0]].split('_')[0]}: {len(names)} member(s)"
+          + (f", at most {args.max_parallel} at once" if args.max_parallel else ""))
+    print(f"sweep dir: {sw.dir}")
+    print(f"status: python -m clusterflow.status {sw.dir}")
+    print(f"cancel: python -m clusterflow.cancel {sw.dir}")
+    return wait_for(sw.dir, jobs[names[0]].split("_")[0]) if args.wait else EXIT_OK
+
+
+def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
+    """``--wait``: block until the array left the queue (requeues included); exit 0 when every
+    member completed, else 1."""
+    import time
+
+    from clusterflow.slurm import queue as slurm_queue
+    from clusterflow.manage import status
+    from clusterflow.manage import sweep_status
+
+    while slurm_queue.state(array_id) != "":
+        time.sleep(poll_s)
+    rows = sweep_status.collect(sweep_dir, status.collect)
+    print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
+    return EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED

@@ -1,0 +1,77 @@
+"""Is anything of a run still alive? What ``status`` asks before it repeats "running".
+
+``status.json`` holds what the run last wrote; a run ended by SIGKILL, the OOM killer or a node
+failure writes nothing more, so a claimed "running" is checked against what can be seen:
+
+- a Slurm job: ``squeue`` (a job that left the queue runs nowhere);
+- the processes each attempt recorded when it started (``attempts.jsonl``: host, pid, process start
+  time): those on this host, by pid;
+- elsewhere: the run dir's lease, which rank 0 renews while the job lives (``lease.judge``).
+
+The last sign of life is the newest of status.json's and the lease's modification times.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.rundir import lease
+from clusterflow.slurm import queue as slurm_queue
+
+
+@dataclass(frozen=True)
+class Liveness:
+    alive: bool | None  # None: nothing seen can tell
+    last_seen: float | None  # the last sign of life (epoch seconds)
+    how: str  # what was checked, for the reader
+
+    def note(self, last_step: Any) -> str:
+        since = time.strftime("%H:%M:%S", time.localtime(self.last_seen)) if self.last_seen else "its start"
+        return f"no live process since {since} ({self.how}); last step {last_step}"
+
+
+def _last_seen(run_dir: str) -> float | None:
+    times = []
+    for path in [rundir.RunPaths(run_dir).status] + _lease_files(run_dir):
+        try:
+            times.append(os.stat(path).st_mtime)
+        except OSError:
+            pass
+    return max(times) if times else None
+
+
+def _lease_files(run_dir: str) -> list[str]:
+    try:
+        return [os.path.join(lease.folder(run_dir), n) for n in os.listdir(lease.folder(run_dir)) if n.startswith("gen-")]
+    except OSError:
+        return []
+
+
+def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
+    """``attempt``: the last line of attempts.jsonl; ``queue``: squeue's answer for its Slurm job
+    (None when it is not a Slurm job or squeue did not answer)."""
+    seen = _last_seen(run_dir)
+    if queue is not None:
+        job = attempt.get("job_id")
+        return Liveness(bool(queue), seen, f"Slurm job {job} is {queue.split('|')[0]}" if queue else
+                        f"Slurm job {job} is no longer queued")
+    host = socket.gethostname()
+    procs = [p for p in attempt.get("procs") or [] if isinstance(p, list) and len(p) == 3]
+    here = [(pid, start) for h, pid, start in procs if h == host]
+    alive = [pid for pid, start in here if isinstance(pid, int) and lease.process_start(pid) == start]
+    if alive:
+        return Liveness(True, seen, f"process {alive[0]} is alive on {host}")
+    if procs and len(here) == len(procs):
+        return Liveness(False, seen, f"its {len(procs)} process(es) on {host} are gone")
+    gen, rec, age = lease.current(run_dir)
+    if gen:
+        ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_queue.state)
+        return Liveness(ok, seen, f"the job holding its lease: {why}")
+    if procs and procs[0][0] == host:  # rank 0, the lease holder, ran here: gone, and it left no lease
+        return Liveness(False, seen, f"rank 0's process on {host} is gone and the run holds no lease")
+    return Liveness(None, seen, "its processes run on other hosts and it holds no lease")

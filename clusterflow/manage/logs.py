@@ -1,0 +1,153 @@
+"""python -m clusterflow.logs RUN_DIR [-f] [--rank R]
+
+Print one rank's log across every attempt of a run (``RUN_DIR/logs/rank<R>.attempt<A>.log``),
+oldest first, each under a header naming the attempt, its job and hosts. With ``-f`` keep
+following: new lines of the newest attempt, and each new attempt as it appears after a requeue,
+until the run ends (status completed, failed, cancelled or stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import os
+import re
+import sys
+import time
+from typing import IO
+
+from clusterflow import rundir
+from clusterflow.errors import EXIT_OK, UserError, cli
+
+ENDED = ("completed", "failed", "cancelled", "stopped")
+EXAMPLES = """examples:
+  python -m clusterflow.logs runs/exp1                # rank 0, every attempt
+  python -m clusterflow.logs runs/exp1 -f             # and follow, across requeues, until the run ends
+  python -m clusterflow.logs runs/exp1 --rank 3       # another rank
+"""
+_NAME = re.compile(r"^rank(\d+)\.attempt(\d+)\.log$")
+
+
+def _names(run_dir: str) -> list[tuple[int, int]]:
+    try:
+        names = os.listdir(rundir.RunPaths(run_dir).logs)
+    except FileNotFoundError:
+        return []
+    return [(int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, names) if m]
+
+
+def attempts(run_dir: str, rank: int) -> list[int]:
+    """The attempts that left a log for ``rank``, in order."""
+    return sorted(a for r, a in _names(run_dir) if r == rank)
+
+
+def ranks(run_dir: str) -> list[int]:
+    return sorted({r for r, _ in _names(run_dir)})
+
+
+def header(run_dir: str, rank: int, attempt: int) -> str:
+    paths = rundir.RunPaths(run_dir)
+    rec = next((r for r in rundir.read_jsonl(paths.attempts) if r.get("attempt") == attempt), {})
+    parts = [f"attempt {attempt}"]
+    if rec.get("job_id"):
+        parts.append(f"job {rec['job_id']}")
+    if rec.get("started_at"):
+        parts.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["started_at"])))
+    if rec.get("hosts"):
+        parts.append("on " + ",".join(sorted(set(rec["hosts"]))))
+    return f"==> {paths.log_file(rank, attempt)} ({', '.join(parts)}) <=="
+
+
+def ended(run_dir: str) -> bool:
+    from clusterflow.manage.cancel import is_cancelled
+
+    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
+    return state in ENDED or is_cancelled(run_dir)
+
+
+class Tail:
+    """One log file read incrementally (a UTF-8 character cut between two reads stays whole); also
+    what `submit --local` echoes to the terminal."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.pos = path, 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def drain(self, out: IO[str]) -> None:
+        try:
+            size = os.path.getsize(self.path)
+            if size < self.pos:  # truncated or replaced: read it again from the start
+                self.pos = 0
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+                self.pos = f.tell()
+        except FileNotFoundError:
+            return
+        text = self.decoder.decode(data)
+        if text:
+            out.write(text)
+            out.flush()
+
+
+def _check(run_dir: str, rank: int) -> None:
+    from clusterflow.sweeps import index as sweep_index
+
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
+    if sweep_index.is_sweep_dir(run_dir):
+        raise UserError(f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
+                        f"(python -m clusterflow.status {run_dir} lists them)")
+    paths = rundir.RunPaths(run_dir)
+    if not os.path.exists(paths.config):
+        raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
+    if rank < 0:
+        raise UserError(f"--rank {rank}: ranks are numbered from 0")
+    have = ranks(run_dir)
+    if have and rank not in have:
+        raise UserError(f"rank {rank} has no logs in {paths.logs}; ranks with logs: "
+                        f"{', '.join(map(str, have))}")
+
+
+def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
+    """Print every attempt of ``rank``; with ``follow``, keep going until the run ends."""
+    tail: Tail | None = None
+    current = -1
+    while True:
+        done = ended(run_dir)  # read before draining: lines written before the end are then printed
+        for attempt in [a for a in attempts(run_dir, rank) if a > current]:
+            if tail is not None:
+                tail.drain(out)  # finish the previous attempt before the next header
+            out.write(("\n" if tail is not None else "") + header(run_dir, rank, attempt) + "\n")
+            tail, current = Tail(rundir.RunPaths(run_dir).log_file(rank, attempt)), attempt
+        if tail is not None:
+            tail.drain(out)
+        if not follow:
+            return
+        if done:
+            time.sleep(grace_s)  # the job logs its last lines just after writing its final state
+            if tail is not None:
+                tail.drain(out)
+            return
+        time.sleep(poll_s)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clusterflow.logs", description="Print a rank's log across attempts.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("-f", "--follow", action="store_true", help="follow new lines and new attempts until the run ends")
+    p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
+    args = p.parse_args(argv)
+    _check(args.run_dir, args.rank)
+    if not attempts(args.run_dir, args.rank) and not args.follow:
+        print(f"no log yet in {rundir.RunPaths(args.run_dir).logs} (the job has not started); "
+              f"python -m clusterflow.logs {args.run_dir} -f waits for it", file=sys.stderr)
+        return EXIT_OK
+    try:
+        show(args.run_dir, args.rank, sys.stdout, follow=args.follow)
+    except BrokenPipeError:  # | head
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_OK
+

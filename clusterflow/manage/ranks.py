@@ -1,0 +1,80 @@
+"""What `status` adds per rank, and why Slurm ended a job: the reading side of heartbeats,
+the stall watchdog and slurm_outcome.
+
+- ``ranks``: every rank's latest heartbeat of the last attempt (heartbeat.read_ranks), with ages
+  and the marks ``silent`` and ``straggler``; ``ranks_summary`` names the odd ones in one line.
+- ``error``: when the attempt's first cause is a stall, that line (``rank 1 on node2 stalled 60 s
+  at step 20 in train (file:line function)``), not srun's or a peer's later account of it.
+- ``slurm``: once a failed or unfinished Slurm job has left the queue, sacct's verdict
+  (OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, ...) or scontrol's, saying sacct was
+  unavailable (slurm_outcome.ask, with timeouts).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.rundir import first_error
+from clusterflow.observe import heartbeat
+from clusterflow.slurm import outcome as slurm_outcome
+
+DEFAULT_HEARTBEAT_S = 10.0
+
+
+def _heartbeat_s(paths: rundir.RunPaths) -> float:
+    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop status); 0: off."""
+    import yaml
+
+    try:
+        with open(paths.config, "rb") as f:
+            value = float(yaml.safe_load(f.read().decode("utf-8"))["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+        return DEFAULT_HEARTBEAT_S
+    return value if value >= 0 else DEFAULT_HEARTBEAT_S
+
+
+def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list[dict[str, Any]]:
+    """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no attempt began)."""
+    every_s = _heartbeat_s(paths)
+    if not last or not every_s:
+        return []  # heartbeats off: no rank is silent for want of one
+    world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
+    since = float(last.get("started_at") or 0) - 60  # nodes' clocks differ by seconds; an older attempt by minutes
+    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world)
+
+
+def extend(out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None) -> None:
+    """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object; put a stall's line in ``error``."""
+    rs = ranks(paths, last, out.get("world_size"))
+    if out["state"] in ("completed", "failed", "cancelled"):
+        for r in rs:
+            r["silent"] = False  # a finished run's ranks are quiet by design; the ages still say when they stopped
+    out["ranks"] = rs
+    out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
+    stall = first_error.read(paths.root, int(last.get("attempt", 0))) if last else None
+    if stall is not None and stall.get("kind") == "stall" and out["state"] in ("failed", "running"):
+        out["error"] = first_error.headline(stall)
+        out["stalled"] = {k: stall.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
+    job_id = str(out.get("job_id") or "")
+    left_queue = queue == "" and job_id.replace("_", "").isdigit()
+    out["slurm"] = slurm_outcome.ask(job_id).to_dict() if left_queue and out["state"] != "completed" else None
+
+
+def render(out: dict[str, Any]) -> list[str]:
+    """Lines for the plain `status` view."""
+    lines = []
+    if out.get("ranks_summary"):
+        lines.append(f"ranks        {out['ranks_summary']}")
+    if out.get("slurm"):
+        lines.append(f"slurm        {out['slurm']['line']}")
+    return lines
+
+
+def table(out: dict[str, Any]) -> str:
+    """`status --ranks`: one row per rank, then the odd ones in a line."""
+    if not out["ranks"]:
+        return "no heartbeats in this attempt (dist.heartbeat_s=0, or no rank has started yet)"
+    text = heartbeat.render(out["ranks"])
+    summary = heartbeat.summary(out["ranks"]) if out["state"] == "running" else None
+    return text + (f"\n{summary}" if summary else "")

@@ -1,0 +1,249 @@
+"""python -m clusterflow.status RUN_DIR|SWEEP_DIR [--json] [--ranks]
+
+What a run is doing, from its run directory (and squeue, when it answers within a few seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.manage import cancel
+from clusterflow.rundir import first_error
+from clusterflow.slurm import jobids
+from clusterflow.manage import liveness
+from clusterflow.manage import ranks as rank_status
+from clusterflow.slurm import queue as slurm_queue
+from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.sweeps import index as sweep_index
+from clusterflow.manage import sweep_status
+from clusterflow.config.job_config import checkpoint_root as join_checkpoints
+from clusterflow.errors import EXIT_OK, UserError, cli
+
+EXAMPLES = """examples:
+  python -m clusterflow.status runs/demo
+  python -m clusterflow.status runs/demo --json | jq .state
+  python -m clusterflow.status runs/demo --ranks            # every rank: step, phase, heartbeat age, GPU
+  python -m clusterflow.status runs/sweep1            # a sweep dir: one row per member
+"""
+
+
+def _checkpoints(root: str) -> tuple[list[str], list[str]]:
+    """Committed steps (oldest first), and the damaged ones the store set aside."""
+    from clusterflow.storage.store import CheckpointStore
+
+    try:
+        store = CheckpointStore(root)
+        return [store.url_of(s) for s in store.steps()], store.damaged()
+    except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
+        return [], []
+
+
+def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
+    """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
+    status: then the default place, and what is wrong)."""
+    import yaml
+
+    try:
+        with open(paths.config, "rb") as f:
+            data = yaml.safe_load(f.read().decode("utf-8"))
+        configured = data["checkpoint"].get("dir") or ""
+        if not isinstance(configured, str):
+            raise TypeError("checkpoint.dir is not a string")
+    except (OSError, ValueError, yaml.YAMLError, TypeError, KeyError, AttributeError) as exc:
+        return join_checkpoints(paths.root, ""), f"config.yaml is damaged ({type(exc).__name__}); the next launch sets it aside"
+    return join_checkpoints(paths.root, configured), ""
+
+
+def _state(st: dict[str, Any], attempts: list[dict[str, Any]], queue: str | None, started: bool) -> str:
+    """The run's state from status.json, corrected by what squeue says (when it answers).
+    ``started``: something shows the run began (attempts, checkpoints), when status.json does not say."""
+    state = st.get("state") or ("running" if attempts or started else "pending")
+    if queue is None:
+        return state
+    qstate = queue.split("|")[0] if queue else ""
+    if qstate == "PENDING":
+        return "requeued" if attempts else "pending"
+    if qstate in ("RUNNING", "COMPLETING", "CONFIGURING"):
+        return "running"
+    if qstate == "" and state in ("running", "pending"):
+        return "failed"  # left the queue without writing an outcome: killed or crashed
+    return state
+
+
+def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
+    """What ended each rank of the last attempt."""
+    errors = []
+    if os.path.isdir(paths.errors):
+        for name in sorted(os.listdir(paths.errors)):
+            e = rundir.read_json(os.path.join(paths.errors, name)) if name.startswith("rank") else None
+            if isinstance(e, dict) and float(e.get("time") or 0) >= since:
+                errors.append({k: e.get(k) for k in ("rank", "host", "error")})
+    return errors
+
+
+def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> str | None:
+    """The error to show for a failed Slurm job: srun names the task that failed first (a SIGKILL
+    leaves that rank no chance to record anything), so a peer's later error is put after it."""
+    try:
+        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8", errors="replace") as f:
+            first = slurm_queue.first_task_failure(f.read())
+    except OSError:
+        return error
+    if first is None or (error or "").startswith(f"rank {first[0]}:"):
+        return error
+    rank, node, what = first
+    return f"rank {rank} on {node} ended first ({what}, as srun reports it)" + (f"; then {error}" if error else "")
+
+
+def _cause(paths: rundir.RunPaths, st: dict[str, Any], state: str, job_id: str, attempts: int) -> str | None:
+    """The first cause of a failure (``first_error.cause``), with srun's view for a Slurm job."""
+    error = first_error.cause(paths.root, st, max(0, attempts - 1)) if state == "failed" else st.get("error")
+    return _first_failure(paths, job_id, error) if state == "failed" and jobids.is_slurm_id(job_id) else error
+
+
+def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f",
+            "method", "threshold", "threshold_rule", "curve")
+    return [{k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")} for m in rounds]
+
+
+def _curve_summary(m: dict[str, Any]) -> str:
+    """Five evenly spaced points of the last round's curve and the threshold it used (marked *):
+    threshold: clusters, largest[, NMI]."""
+    curve = m.get("curve") or {}
+    ts = curve.get("thresholds") or []
+    if not ts:
+        return ""
+    chosen = m.get("threshold")
+    rows = {round(i * (len(ts) - 1) / 4) for i in range(5)} | {i for i, t in enumerate(ts) if t == chosen}
+    nmi = curve.get("nmi")
+    out = " | ".join(f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: {curve['num_clusters'][i]} clusters, largest "
+                     f"{curve['largest_cluster'][i]}" + (f", NMI {nmi[i]:.3f}" if nmi else "") for i in sorted(rows))
+    if chosen is not None and chosen < min(ts):
+        out += f" ({chosen:.4g} keeps every mutual edge)"
+    return out
+
+
+def collect(run_dir: str) -> dict[str, Any]:
+    paths = rundir.RunPaths(run_dir)
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
+    if not os.path.exists(paths.config):
+        raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
+    st, damaged_status = rundir.read_object(paths.status)
+    attempts = rundir.read_jsonl(paths.attempts)
+    root, damaged_config = _checkpoint_root(paths)
+    cks, damaged = _checkpoints(root)
+    last = attempts[-1] if attempts else {}
+    current = jobids.current_job_id(run_dir)  # a resubmission is newer than the last attempt
+    job_id = current or str(last.get("job_id") or st.get("job_id") or "")
+    queue = slurm_queue.state(job_id) if current or (last.get("source") or "slurm") in ("slurm", "torchrun") else None
+    state, alive, note = _state(st, attempts, queue, bool(cks)), None, None
+    if state in ("running", "failed") and st.get("state") in ("running", "pending", None):
+        life = liveness.check(run_dir, last, queue)
+        alive = life.alive
+        if alive is False:
+            state, note = "failed", life.note(st.get("global_step", 0))
+    state = cancel.effective_state(run_dir, state)
+    latest = cks[-1] if cks else None
+    out = {
+        "state": state,
+        "alive": alive,
+        "liveness": note,
+        "run_dir": run_dir,
+        "job_id": job_id,
+        "epoch": st.get("epoch", 0),
+        "global_step": st.get("global_step", 0),
+        "step_in_epoch": st.get("step_in_epoch", 0),
+        "steps_per_epoch": st.get("steps_per_epoch"),
+        "attempts": len(attempts),
+        "world_size": st.get("world_size", last.get("world_size")),
+        "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
+        "latest_checkpoint": latest,
+        "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest) if latest and os.path.exists(latest) else None,
+        "checkpoints": cks,
+        "damaged_checkpoints": damaged,
+        "damaged_records": [d for d in (damaged_status, damaged_config) if d],
+        "checkpoint_error": st.get("checkpoint_error"),
+        "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
+        "eval": st.get("eval", {}),
+        "last_loss": st.get("last_loss"),
+        "errors": _errors(paths, float(last.get("started_at") or 0)),
+        "error": _cause(paths, st, state, job_id, len(attempts)) or note,
+        "logs": paths.logs,
+        "code": snapshot.describe(run_dir),
+        "updated_at": st.get("updated_at"),
+    }
+    rank_status.extend(out, paths, last, queue)  # ranks, a stall's line as the error, Slurm's verdict
+    return out
+
+
+def render(s: dict[str, Any]) -> str:
+    lines = [f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
+             f"attempts     {s['attempts']}",
+             f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step {s['global_step']}",
+             f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}"]
+    if s["latest_checkpoint"]:
+        age = f" ({s['latest_checkpoint_age_s']:.0f} s old)" if s["latest_checkpoint_age_s"] is not None else ""
+        lines.append(f"checkpoint   {s['latest_checkpoint']}{age}; {len(s['checkpoints'])} kept")
+    else:
+        lines.append("checkpoint   none yet")
+    if s["damaged_checkpoints"]:
+        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (digest, manifest or fit) and were set aside: "
+                     f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
+    if s["checkpoint_error"]:
+        lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
+    if s["liveness"]:
+        lines.append(f"liveness     {s['liveness']}")
+    for d in s["damaged_records"]:
+        lines.append(f"warning      {d}: ignored (the run carries on from its checkpoints)")
+    if s["mining"]:
+        m = s["mining"][-1]
+        q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)
+        lines.append(f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: {m['num_clusters']} clusters, "
+                     f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}")
+        if m.get("threshold") is not None:
+            lines.append(f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); per round: "
+                         + ", ".join(f"{r['threshold']:.4g}" for r in s["mining"] if r.get("threshold") is not None))
+        elif m.get("method"):
+            lines.append(f"method       {m['method']}")
+        if _curve_summary(m):
+            lines.append(f"curve        {_curve_summary(m)}")
+    lines += rank_status.render(s)
+    if s["last_loss"] is not None:
+        lines.append(f"loss         {s['last_loss']:.4f}")
+    if s["error"]:
+        lines.append(f"cause        {s['error']}")  # the first cause; then what each rank recorded
+    for e in s["errors"]:
+        lines.append(f"error        rank {e['rank']} on {e['host']}: {e['error']}")
+    if s.get("code"):
+        c = s["code"]
+        lines.append(f"code         {c['module']} frozen at commit {c['commit'] or '(no git)'}"
+                     + (" with uncommitted changes" if c["dirty"] else "") + f" ({c['path']})")
+    lines.append(f"logs         {s['logs']}")
+    return "\n".join(lines)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m clusterflow.status", description="Show what a run is doing.",
+                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir", metavar="RUN_DIR|SWEEP_DIR")
+    p.add_argument("--json", action="store_true", help="print one JSON object (fields in docs/status.md); "
+                                                       "for a sweep dir a list, one object per member")
+    p.add_argument("--ranks", action="store_true", help="one row per rank from its heartbeat: step, phase, ages, step time, GPU")
+    args = p.parse_args(argv)
+    if sweep_index.is_sweep_dir(args.run_dir):
+        rows = sweep_status.collect(args.run_dir, collect)
+        print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, sweep_status.keys_of(args.run_dir)))
+        return EXIT_OK
+    s = collect(args.run_dir)
+    print(json.dumps(s, indent=1) if args.json else rank_status.table(s) if args.ranks else render(s))
+    return EXIT_OK
+

@@ -1,0 +1,13 @@
+"""What each rank is doing, seen from outside: metrics, heartbeats, the stall watchdog.
+
+- ``observer.py``: wires heartbeats and the watchdog to the config around ``Trainer.fit``;
+- ``phases.py``: what a rank is doing now (train, eval, mining, checkpoint) and since when;
+- ``heartbeat.py``: per-rank heartbeat files, read back for ``status --ranks``;
+- ``watchdog.py``: a rank whose loop stops moving: stacks, first cause, flight recorder, exit;
+- ``metrics.py``: TensorBoard on rank 0 (a null writer elsewhere), metrics.jsonl, throughput;
+- ``nvml.py``: an NVML snapshot of the GPUs (optional: nvidia-ml-py).
+"""
+
+from clusterflow.observe.observer import Observer, before_init, nvml_gpu
+
+__all__ = ["Observer", "before_init", "nvml_gpu"]

@@ -1,0 +1,252 @@
+"""Per-rank heartbeats that need no collective: each rank says where it is; `status` reads them all.
+
+The loop calls ``hb.beat(step, phase)`` at every step (and every eval / embedding batch). That call
+only stores a tuple and reads a monotonic clock (well under a microsecond, no syscall, no host sync:
+``step`` and ``phase`` are Python values the loop already has). A daemon thread wakes every
+``dist.heartbeat_s`` seconds and writes what the loop last stored, so a slow NFS server delays a
+heartbeat, never a step. The thread also reads NVML for this rank's GPU (memory, utilisation,
+temperature: a few ms of driver calls, which is why they are not on the loop's thread either).
+
+Storage: one small JSON file per rank, RUN_DIR/heartbeats/rank<R>.json, replaced atomically
+(``durable.write_atomic``: a hidden temp file, then rename), not fsynced (a heartbeat lost to a
+crash is replaced 10 s later), and never recreating a run dir moved away under it. At 1,000 ranks
+and heartbeat_s=10 that is 1,000 files of ~400 bytes (~0.4 MB), 100 replaces per second, i.e. ~400
+NFS RPCs/s (open, write, close, rename) and ~40 KB/s into one directory: a small load for any NFS
+server, which serves thousands of metadata operations per second. `status` reads the 1,000 files in
+about a second (~3 RPCs each) and only when someone asks. Per-node aggregation would cut the writes
+eightfold but needs a second channel between the ranks of a node, and a hung aggregator would
+silence every rank of its node: the very moment a heartbeat must speak. One file per rank keeps
+every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
+
+A record also carries ``progress_at``: the writer keeps running while the loop is stuck in Python
+(time.sleep, a lock, a collective), so a fresh ``time`` with an old ``progress_at`` reads "alive but
+not moving", while an old ``time`` reads "process gone, frozen with the GIL held, or node down".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from typing import Any, Callable
+
+from clusterflow import rundir
+from clusterflow.storage import durable
+from clusterflow.observe import nvml
+
+PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
+STRAGGLER_RATIO = 1.5  # step time above 1.5 x the median of the other ranks ...
+STRAGGLER_FLOOR_S = 0.05  # ... and at least 50 ms above it, so jitter on tiny steps marks nobody
+SILENT_FLOOR_S = 30.0  # clock skew between nodes and NFS attribute caching stay well below this
+
+
+class Progress:
+    """What the loop bumps: a call count (any call is progress), the step, the phase, and when.
+
+    One writer (the loop's thread); readers (heartbeat writer, watchdog) take :meth:`snapshot`,
+    a tuple replaced whole, so they never see half an update.
+    """
+
+    def __init__(self) -> None:
+        self._state: tuple[int, int, str, float, float | None] = (0, 0, "", 0.0, None)
+
+    def bump(self, step: int, phase: str, step_time_s: float | None = None) -> None:
+        self._state = (self._state[0] + 1, step, phase, time.monotonic(), step_time_s)
+
+    def snapshot(self) -> tuple[int, int, str, float, float | None]:
+        """(count, step, phase, monotonic time of the last bump, step time the loop passed or None)."""
+        return self._state
+
+
+class Heartbeat:
+    """``Heartbeat(run_dir, rank, host, every_s).beat(step=..., phase=...)``; ``close()`` at exit.
+
+    ``gpu`` is this rank's GPU as NVML knows it (an index or a ``GPU-...`` UUID; see
+    :func:`clusterflow.observe.nvml.nvml_id_for_torch_device`), None on CPU. With ``gather=True`` (rank 0)
+    the thread also reads every rank's file after writing its own, so :meth:`ranks` hands the
+    trainer a fresh per-rank list for TensorBoard without a collective or a read on the loop's thread.
+    """
+
+    def __init__(self, run_dir: str, rank: int, host: str | None = None, every_s: float = 10.0, *,
+                 gpu: int | str | None = None, gather: bool = False, start: bool = True,
+                 snapshot: Callable[[], list[dict[str, Any]] | None] = nvml.read_snapshot) -> None:
+        self.run_dir, self.rank, self.every_s = run_dir, rank, float(every_s)
+        self.paths = rundir.RunPaths(run_dir)
+        self.host = host or socket.gethostname()
+        self.gpu, self.gather, self._snapshot = gpu, gather, snapshot
+        self.progress = Progress()
+        self._last: tuple[int, float, str] | None = None  # step, monotonic time, phase at the last write
+        self._step_time: float | None = None
+        self._ranks: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        os.makedirs(self.paths.heartbeats, exist_ok=True)
+        if start:
+            self._thread = threading.Thread(target=self._run, name=f"clusterflow-heartbeat-{rank}", daemon=True)
+            self._thread.start()
+
+    def beat(self, step: int, phase: str = "train", step_time_s: float | None = None) -> None:
+        """Called by the loop as often as it likes; costs a tuple and a clock read."""
+        self.progress.bump(step, phase, step_time_s)
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """Rank 0 with gather=True: every rank's latest record, as :func:`read_ranks` gives it."""
+        return self._ranks
+
+    def write(self) -> dict[str, Any]:
+        """Write this rank's record now (the thread does it every ``every_s``); returns the record."""
+        record = self.record()
+        durable.write_atomic(self.paths.heartbeat_file(self.rank), json.dumps(record), fsync=False, make_folder=False)
+        return record
+
+    def record(self) -> dict[str, Any]:
+        count, step, phase, at, passed = self.progress.snapshot()
+        mono, wall = time.monotonic(), time.time()
+        self._update_step_time(step, phase, at, passed)
+        rec: dict[str, Any] = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": wall,
+                               "step": step, "phase": phase or "starting", "beats": count,
+                               "progress_at": wall - (mono - at) if count else None,
+                               "step_time_s": self._step_time, "heartbeat_s": self.every_s}
+        if self.gpu is not None:
+            rec.update(nvml.gpu_fields(nvml.find_gpu(self._snapshot(), self.gpu)))
+        return rec
+
+    def _update_step_time(self, step: int, phase: str, at: float, passed: float | None) -> None:
+        """Mean seconds per training step since the last write: wall time, so no CUDA sync is needed."""
+        if passed is not None:
+            self._step_time = float(passed)
+        elif self._last and phase == "train" == self._last[2] and step > self._last[0]:
+            self._step_time = (at - self._last[1]) / (step - self._last[0])
+        self._last = (step, at, phase)
+
+    def close(self) -> None:
+        """Stop the thread and leave a last record (phase as the loop left it)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.every_s + 5)
+        try:
+            self.write()
+        except OSError:
+            pass
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self.write()
+                if self.gather:
+                    self._ranks = read_ranks(self.run_dir, self.every_s)
+            except Exception:  # noqa: BLE001 - a full disk or a flaky NFS must never end the run; retried next tick
+                pass
+            if self._stop.wait(self.every_s):
+                return
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, since: float | None = None,
+               world_size: int | None = None) -> list[dict[str, Any]]:
+    """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``, ``progress_age_s``
+    and the marks ``straggler`` and ``silent``.
+
+    ``since`` (the attempt's start) drops records an earlier attempt left; with ``world_size``, a
+    rank that has not written yet in this attempt is listed too, as silent with no phase.
+    """
+    now = time.time() if now is None else now
+    folder = rundir.RunPaths(run_dir).heartbeats
+    records: dict[int, dict[str, Any]] = {}
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        names = []
+    for name in names:
+        if not (name.startswith("rank") and name.endswith(".json")):
+            continue
+        rec = rundir.read_json(os.path.join(folder, name))
+        if not isinstance(rec, dict) or not isinstance(rec.get("rank"), int) or (since is not None and rec.get("time", 0) < since):
+            continue
+        if world_size is not None and rec["rank"] >= world_size:
+            continue  # a larger earlier attempt's rank
+        records[rec["rank"]] = rec
+    if world_size is not None:
+        for r in range(world_size):
+            records.setdefault(r, {"rank": r, "host": None, "step": None, "phase": None, "time": None})
+    return mark([records[r] for r in sorted(records)], heartbeat_s, now)
+
+
+def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[dict[str, Any]]:
+    """Ages and marks, pure. Silent: no heartbeat for max(3 x heartbeat_s, 30 s). Straggler: a
+    training rank whose step time is > 1.5 x the median of the *other* training ranks and at least
+    50 ms above it (leaving itself out lets two ranks find a straggler, and one slow rank in a big
+    job cannot pull the median up)."""
+    silent_after = max(3 * heartbeat_s, SILENT_FLOOR_S)
+    out = []
+    for rec in records:
+        r = dict(rec)
+        r["heartbeat_age_s"] = None if r.get("time") is None else round(max(0.0, now - r["time"]), 1)
+        r["progress_age_s"] = None if r.get("progress_at") is None else round(max(0.0, now - r["progress_at"]), 1)
+        r["silent"] = r["heartbeat_age_s"] is None or r["heartbeat_age_s"] > silent_after
+        r["straggler"] = False
+        out.append(r)
+    training = [r for r in out if r.get("phase") == "train" and not r["silent"] and r.get("step_time_s") is not None]
+    times = sorted(r["step_time_s"] for r in training)
+    for r in training:
+        if len(times) < 2:
+            break
+        others = list(times)
+        others.remove(r["step_time_s"])
+        median = statistics.median(others)
+        r["median_step_time_s"] = median
+        r["straggler"] = r["step_time_s"] > STRAGGLER_RATIO * median and r["step_time_s"] - median >= STRAGGLER_FLOOR_S
+    return out
+
+
+def summary(ranks: list[dict[str, Any]]) -> str | None:
+    """One line naming stragglers and silent ranks, or None when all is well."""
+    parts = []
+    for r in ranks:
+        who = f"rank {r['rank']} on {r.get('host') or '?'}"
+        if r["silent"] and r["heartbeat_age_s"] is None:
+            parts.append(f"rank {r['rank']} has sent no heartbeat in this attempt")
+        elif r["silent"]:
+            parts.append(f"{who} is silent (last heartbeat {r['heartbeat_age_s']:.0f} s ago)")
+        elif r["straggler"]:
+            parts.append(f"{who} straggles ({r['step_time_s']:.3f} s/step, others' median {r['median_step_time_s']:.3f} s)")
+    return "; ".join(parts) or None
+
+
+def render(ranks: list[dict[str, Any]]) -> str:
+    """The table of `status --ranks`."""
+    head = f"{'rank':>4}  {'host':<12} {'step':>7}  {'phase':<13} {'beat':>6} {'moved':>6} {'s/step':>7}  {'gpu mem':>13} {'util':>5} {'temp':>5}  marks"
+    lines = [head]
+    for r in ranks:
+        mem = (f"{r['gpu_mem_used_mb'] / 1024:.1f}/{r['gpu_mem_total_mb'] / 1024:.0f} GiB"
+               if r.get("gpu_mem_used_mb") is not None and r.get("gpu_mem_total_mb") else "-")
+        marks = ",".join(m for m in ("silent", "straggler") if r.get(m))
+        lines.append(f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  {str(r.get('phase') or '-'):<13} "
+                     f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} {_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
+                     f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} {_num(r.get('gpu_util_pct'), '{}%'):>5} "
+                     f"{_num(r.get('gpu_temp_c'), '{}C'):>5}  {marks}")
+    return "\n".join(lines)
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def tensorboard_scalars(ranks: list[dict[str, Any]]) -> dict[str, float]:
+    """Per-rank step time and per-GPU memory/utilisation of every node, for rank 0's writer."""
+    out: dict[str, float] = {}
+    for r in ranks:
+        if r["silent"]:
+            continue
+        if r.get("step_time_s") is not None:
+            out[f"ranks/step_time_s/rank{r['rank']}"] = float(r["step_time_s"])
+        gpu = f"gpus/{r.get('host')}/gpu{r.get('gpu_index')}"
+        if r.get("gpu_mem_used_mb") is not None:
+            out[f"{gpu}/mem_used_gb"] = r["gpu_mem_used_mb"] / 1024
+        if r.get("gpu_util_pct") is not None:
+            out[f"{gpu}/util_pct"] = float(r["gpu_util_pct"])
+    return out

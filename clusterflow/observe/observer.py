@@ -1,0 +1,108 @@
+"""The job's side of per-rank observability: heartbeats, the stall watchdog, the flight recorder.
+
+job.py calls :func:`before_init` before the process group starts (the flight recorder reads its
+variables there) and runs ``Trainer.fit`` inside ``Observer(...).watching(trainer.phases)``. The
+pieces themselves live in heartbeat.py (per-rank files, no collective), watchdog.py (stacks,
+first cause, exit 86) and phases.py (what the loop is doing); this module only wires them to the
+config:
+
+- ``dist.heartbeat_s`` (0: off): each rank's RUN_DIR/heartbeats/rank<R>.json; rank 0 also reads
+  every rank's file on its heartbeat thread and logs per-rank step time and per-GPU memory and
+  utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
+- ``dist.stall_s`` (0: off): the watchdog's limit; the mining search and wait, which wait for rank 0's
+  k-NN search, get ``mining.timeout_s`` on top (the collective they wait in has that timeout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+from typing import Any, Iterator, Mapping
+
+from clusterflow import rundir
+from clusterflow.observe import nvml
+from clusterflow.observe import phases
+from clusterflow.errors import RunFailed, UserError
+from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
+from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
+
+log = logging.getLogger("clusterflow.observe")
+
+
+def before_init(cfg: Any, environ: Mapping[str, str]) -> None:
+    """Export the flight recorder's variables (a value the user set is kept). The attempt is the one
+    rank 0 records next: every rank reads attempts.jsonl before the rendezvous, rank 0 appends after it.
+    Nothing is written into the run dir here: this job does not hold it yet."""
+    try:
+        attempt = len(rundir.read_jsonl(rundir.RunPaths(cfg.run.dir).attempts))
+    except OSError:  # a run dir that cannot be read is refused, with its reason, once the job takes it
+        attempt = 0
+    os.environ.update(flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False))
+
+
+def nvml_gpu(device: Any) -> int | str | None:
+    """This rank's GPU as NVML names it: its UUID when torch knows it (the same GPU to CUDA and NVML
+    whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say), else the index NVML uses."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return None
+    import torch
+
+    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
+    if uuid:
+        return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+    return nvml.nvml_id_for_torch_device(device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+class Observer:
+    def __init__(self, cfg: Any, rank: int, attempt: int, device: Any) -> None:
+        self.run_dir, self.rank, self.attempt = cfg.run.dir, rank, attempt
+        self.host = socket.gethostname()
+        paths = rundir.RunPaths(cfg.run.dir)
+        self.paths = paths
+        d = cfg.dist
+        self.heartbeat = (Heartbeat(cfg.run.dir, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0)
+                          if d.heartbeat_s > 0 else None)
+        self.progress = self.heartbeat.progress if self.heartbeat is not None else Progress()
+        limit = d.stall_limit_s
+        waits = {phases.MINING_WAIT: cfg.mining.timeout_s + (limit or 0), phases.MINING_SEARCH: cfg.mining.timeout_s + (limit or 0)}
+        self.watchdog = (Watchdog(self.progress, cfg.run.dir, rank, stall_s=limit, attempt=attempt, host=self.host,
+                                  allowances=waits, log_file=paths.log_file(rank, attempt), on_stall=self._record)
+                         if limit else None)
+
+    def _record(self, rec: dict[str, Any]) -> None:
+        """The stalled rank's own error record: `status` lists it, `submit --local` names it."""
+        rundir.write_error(self.paths, self.rank, self.host, rec["error"], rec.get("traceback") or "")
+
+    def scalars(self) -> dict[str, Any]:
+        return tensorboard_scalars(self.heartbeat.ranks()) if self.heartbeat is not None else {}
+
+    @contextlib.contextmanager
+    def watching(self, tracker: phases.Phases) -> Iterator[None]:
+        """Heartbeats and the watchdog around the training loop that ``tracker`` follows."""
+        if self.heartbeat is None and self.watchdog is None:
+            yield
+            return
+        os.makedirs(self.paths.stalls(self.attempt), exist_ok=True)  # where NCCL's own dump on timeout goes
+        tracker.beat, tracker.scalars = self.progress.bump, self.scalars
+        try:
+            with self.watchdog if self.watchdog is not None else contextlib.nullcontext():
+                yield
+        except Exception as exc:
+            if self.watchdog is not None and not isinstance(exc, (UserError, RunFailed)):
+                self._dump_recorder()
+            raise
+        finally:
+            tracker.beat, tracker.scalars = phases._nothing, dict
+            if self.heartbeat is not None:
+                self.heartbeat.close()
+
+    def _dump_recorder(self) -> None:
+        """A rank that fails (a peer's collective error, most often) leaves its flight recorder beside
+        the stalled rank's: comparing them names the rank that never joined a collective."""
+        try:
+            for line in dump_flight_recorder(self.paths.stalls(self.attempt), self.rank, stacks_budget_s=0.5):
+                log.info("flight recorder: %s", line)
+        except Exception:  # noqa: BLE001 - the error being raised matters more
+            pass

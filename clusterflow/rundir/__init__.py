@@ -1,0 +1,40 @@
+"""The run directory: its file names, its records, who may use it, its saved config and code.
+
+- ``paths.py``: :class:`RunPaths`, the name of every file in a run dir (the layout is there);
+- ``records.py``: status.json, attempts, stops, per-rank errors, and damage-proof readers;
+- ``first_error.py``: the attempt's first cause, recorded once;
+- ``lease.py``: one job per run dir;
+- ``saved_config.py``: config.yaml (portable, resumed, replaced or refused);
+- ``frozen_code.py``: the task's code frozen at submission;
+- ``preflight.py``: are the run dir and the checkpoint dir usable, before anything is written.
+
+``from clusterflow import rundir`` then ``rundir.RunPaths(...)``, ``rundir.write_status(...)``.
+"""
+
+from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.records import (
+    append_jsonl,
+    count_stops,
+    open_jsonl,
+    read_json,
+    read_jsonl,
+    read_object,
+    record_attempt,
+    record_stop,
+    write_error,
+    write_status,
+)
+
+__all__ = [
+    "RunPaths",
+    "append_jsonl",
+    "count_stops",
+    "open_jsonl",
+    "read_json",
+    "read_jsonl",
+    "read_object",
+    "record_attempt",
+    "record_stop",
+    "write_error",
+    "write_status",
+]

@@ -1,0 +1,78 @@
+"""The first cause of a failed attempt, recorded once: a peer's later error cannot overwrite it.
+
+When rank 1 hangs and the watchdog ends it, rank 0's next collective fails too (connection reset,
+gloo/NCCL timeout) and would otherwise be what `status` shows. Whoever records first wins:
+
+    RUN_DIR/errors/first.attempt<A>.json   {"rank", "host", "error", "kind", "time", "attempt", ...}
+
+The record is written complete to a private temp file and published with ``os.link``, which fails
+with EEXIST when a record is already there. ``link`` is atomic on local filesystems and on NFS
+(v2 and later; ``O_EXCL`` creation is exclusive only from NFSv3), and a reader never sees a
+half-written record. One file per attempt, so a requeued attempt records its own first cause.
+The keys match errors/rank<R>.json (rank, host, error, time), which `status` already lists.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Any
+
+from clusterflow.storage import durable
+from clusterflow.rundir import records as rundir
+
+
+def record(run_dir: str, attempt: int, rank: int, error: str, *, host: str | None = None, kind: str = "error",
+           **extra: Any) -> bool:
+    """Record ``error`` as this attempt's first cause. True when it won, False when a cause was already there."""
+    target = rundir.RunPaths(run_dir).first_error_file(attempt)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if os.path.exists(target):
+        return False  # the common loser's path: skip writing a temp file
+    rec = {"rank": rank, "host": host or socket.gethostname(), "error": error, "kind": kind, "time": time.time(),
+           "attempt": attempt, "pid": os.getpid(), **extra}
+    tmp = f"{target}.{socket.gethostname()}.{os.getpid()}.tmp"
+    durable.write_file(tmp, json.dumps(rec, indent=1))  # complete and fsynced before anyone can see it
+    try:
+        os.link(tmp, target)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a filesystem without hard links (some FUSE mounts): exclusive create instead
+        return _create_exclusive(target, rec)
+    finally:
+        os.unlink(tmp)
+
+
+def _create_exclusive(target: str, rec: dict[str, Any]) -> bool:
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(json.dumps(rec, indent=1))
+    return True
+
+
+def read(run_dir: str, attempt: int) -> dict[str, Any] | None:
+    rec = rundir.read_json(rundir.RunPaths(run_dir).first_error_file(attempt))
+    return rec if isinstance(rec, dict) else None
+
+
+def headline(rec: dict[str, Any]) -> str:
+    """What `status` shows as ``error``: the message already names rank and host for a stall;
+    other errors get them in front, as `status` has always written them."""
+    if rec.get("kind") == "stall":
+        return str(rec["error"])
+    return f"rank {rec.get('rank')} on {rec.get('host')}: {rec.get('error')}"
+
+
+def cause(run_dir: str, status: dict[str, Any], attempt: int) -> str | None:
+    """The failure's first cause as status.json words it ("rank R: ..."), or, when status.json lost
+    it (two ranks' read-modify-writes of it at once), as this attempt's first-error record has it."""
+    if status.get("error"):
+        return str(status["error"])
+    rec = read(run_dir, attempt)
+    return f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None

@@ -1,0 +1,310 @@
+"""One job per run dir: a lease file on the run dir's own storage, renewed by its holder.
+
+POSIX locks are unreliable on NFS, so the lease is plain files, written whole and published with
+``os.link`` (atomic on local filesystems and on NFS, and it fails when the name exists)::
+
+    RUN_DIR/lease/gen-<N>.json   {"token", "job_id", "slurm_job", "source", "host", "pid",
+                                  "pid_start", "attempt", "started_at", "renewed_at", "renewals", "renew_s"}
+
+The holder is the highest generation. Taking the run dir means linking generation N+1 while the
+holder of N is judged gone: of two takers at once only one link succeeds, and the other finds a
+live holder. The winner deletes the older generations. Rank 0 renews its generation every
+``run.lease_s`` seconds on a background thread (rewritten whole, replaced atomically); a
+holder that finds a newer generation (it was judged gone) has lost the run dir and stops at once.
+
+Who is gone (:func:`judge`), without comparing clocks across machines where avoidable:
+
+- on this host: its process no longer exists (pid and process start time, so a reused pid is not
+  taken for it);
+- a Slurm job: ``squeue`` no longer lists it; a requeued attempt of the same job takes its own lease;
+- otherwise: not renewed for 4 x its renewal period, judged by the file's mtime against the
+  storage's own clock (the mtime of a probe file written now), never against this host's clock.
+
+Checked by ``submit`` on the login node (refuse early) and at job start on rank 0 before anything
+is written to the run dir. No torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from clusterflow.rundir import records as rundir
+from clusterflow.slurm import queue as slurm_queue
+from clusterflow.errors import UserError
+
+log = logging.getLogger("clusterflow")
+
+STALE_RENEWALS = 4  # a lease not renewed for this many periods is abandoned
+_GEN = re.compile(r"^gen-(\d+)\.json$")
+_held: dict[str, "Lease"] = {}  # run dir (real path) -> the lease this process holds
+
+
+class RunDirBusy(UserError):
+    """This job may not use the run dir (another live job holds it, or it is gone): nothing may be
+    written to it, not even an error record."""
+
+
+def folder(run_dir: str) -> str:
+    return rundir.RunPaths(run_dir).lease
+
+
+def process_start(pid: int) -> str | None:
+    """The kernel's start time of a live process (``/proc/<pid>/stat`` field 22), None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has exited
+
+
+def identity(env: Any = None, environ: dict[str, str] | None = None, renew_s: int = 30) -> dict[str, Any]:
+    """This process as a holder. ``env``: its DistEnv (job id, launcher, attempt); None for
+    ``submit`` on a login node, which only checks."""
+    environ = dict(os.environ if environ is None else environ)
+    now = time.time()
+    job = {"job_id": str(env.job_id), "slurm_job": environ.get("SLURM_JOB_ID", ""), "source": env.source,
+           "attempt": env.attempt} if env is not None else {"job_id": "submit", "slurm_job": "", "source": "submit", "attempt": 0}
+    return {"token": uuid.uuid4().hex, **job, "host": socket.gethostname(), "pid": os.getpid(),
+            "pid_start": process_start(os.getpid()), "started_at": now, "renewed_at": now, "renewals": 0, "renew_s": renew_s}
+
+
+def describe(rec: dict[str, Any]) -> str:
+    job = f"Slurm job {rec['slurm_job']}" if rec.get("slurm_job") else f"{rec.get('source', '?')} job {rec.get('job_id', '?')}"
+    since = time.strftime("%H:%M:%S", time.localtime(rec.get("started_at") or 0))
+    return f"{job} (pid {rec.get('pid')} on {rec.get('host')}, attempt {rec.get('attempt')}, since {since})"
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
+    """(generation, holder record, its path); (0, None, "") when nobody holds the run dir. An
+    unreadable record is {} (records are published whole, so it is damage, not a write in progress)."""
+    try:
+        gens = [int(m.group(1)) for m in map(_GEN.match, os.listdir(folder(run_dir))) if m]
+    except OSError:
+        return 0, None, ""
+    if not gens:
+        return 0, None, ""
+    path = os.path.join(folder(run_dir), f"gen-{max(gens)}.json")
+    try:
+        with open(path, "rb") as f:
+            rec = json.loads(f.read())
+    except (OSError, ValueError):
+        rec = {}
+    return max(gens), rec if isinstance(rec, dict) else {}, path
+
+
+def current(run_dir: str) -> tuple[int, dict[str, Any] | None, float]:
+    """(generation, holder record or None, seconds since its last renewal by the storage's clock)."""
+    gen, rec, path = _read(run_dir)
+    if not gen:
+        return 0, None, 0.0
+    try:
+        return gen, rec, max(0.0, storage_now(run_dir) - os.stat(path).st_mtime)
+    except OSError:
+        return gen, rec, float("inf")
+
+
+def storage_now(run_dir: str) -> float:
+    """The storage's clock: the mtime of a file written now (NFS servers set it), so a lease age
+    never mixes two machines' clocks."""
+    probe = os.path.join(folder(run_dir), f".probe-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(probe, "wb"):
+            pass
+        return os.stat(probe).st_mtime
+    except OSError:
+        return time.time()
+    finally:
+        try:
+            os.unlink(probe)
+        except OSError:
+            pass
+
+
+def judge(rec: dict[str, Any], age_s: float, me: dict[str, Any], queue: Callable[[str], str | None]) -> tuple[bool, str]:
+    """(alive, why) for the holder ``rec`` as seen by ``me``. ``queue(job)``: squeue's state of a
+    Slurm job, "" when it is no longer queued, None when squeue does not answer."""
+    if not rec:
+        return False, "its lease record is unreadable"
+    if rec.get("token") == me.get("token") or (rec.get("host"), rec.get("pid"), rec.get("pid_start")) == \
+            (me.get("host"), me.get("pid"), me.get("pid_start")):
+        return False, "it is this process"
+    if rec.get("slurm_job") and rec["slurm_job"] == me.get("slurm_job"):
+        return False, "it is an earlier attempt of this same Slurm job"
+    if rec.get("host") == me.get("host"):
+        pid = rec.get("pid")
+        if isinstance(pid, int) and process_start(pid) is not None and process_start(pid) == rec.get("pid_start"):
+            return True, f"its process {pid} is alive on this host"
+        return False, f"its process {pid} on {rec.get('host')} is gone"
+    if rec.get("slurm_job"):
+        state = queue(rec["slurm_job"])
+        if state == "":
+            return False, f"Slurm job {rec['slurm_job']} is no longer queued"
+        if state:
+            return True, f"Slurm job {rec['slurm_job']} is {state.split('|')[0]}"
+    stale = STALE_RENEWALS * float(rec.get("renew_s") or 30)
+    if age_s > stale:
+        return False, f"its lease was not renewed for {age_s:.0f} s (more than {stale:.0f} s)"
+    return True, f"its lease was renewed {age_s:.0f} s ago"
+
+
+def check(run_dir: str, me: dict[str, Any]) -> str:
+    """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone ("" if none)."""
+    return _judge_holder(run_dir, me)[1]
+
+
+def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
+    """(the holder's generation, a note when it is gone); raises RunDirBusy while it lives."""
+    gen, rec, age = current(run_dir)
+    if gen == 0:
+        return 0, ""
+    alive, why = judge(rec or {}, age, me, slurm_queue.state)
+    who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
+    if alive:
+        raise RunDirBusy(f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
+                         f"cancel it, or choose another run.dir")
+    return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
+
+
+def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
+    """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
+    attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
+    if env.attempt > 0 and not os.path.isdir(run_dir):
+        raise RunDirBusy(f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job {env.job_id}, which ran "
+                         "there before: it was moved or deleted. This job writes nothing; resubmit with "
+                         "run.dir=<where it is now>")
+    return acquire(run_dir, identity(env, environ, renew_s))
+
+
+@dataclass
+class Lease:
+    run_dir: str
+    gen: int
+    rec: dict[str, Any]
+    thread: threading.Thread | None = None
+    stop: threading.Event | None = None
+
+
+def acquire(run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | None = None) -> Lease:
+    """Hold ``run_dir`` for this process (re-entrant), renewing it every ``me["renew_s"]`` seconds
+    until :func:`release`. Raises RunDirBusy while another live job holds it."""
+    key = os.path.realpath(run_dir)
+    if key in _held:
+        return _held[key]
+    os.makedirs(folder(run_dir), exist_ok=True)
+    for _ in range(10):  # each turn: someone else linked first; judge the new holder
+        gen, note = _judge_holder(run_dir, me)
+        if note:
+            log.warning("%s", note)
+        if _publish(run_dir, gen + 1, me):
+            lease = _held[key] = Lease(run_dir, gen + 1, me)
+            _drop_older(run_dir, gen + 1)
+            _start_renewing(lease, on_lost or _abort)
+            return lease
+    raise RunDirBusy(f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); one job per run dir")
+
+
+def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
+    """Link generation ``gen`` into place; False when that name already exists."""
+    target = os.path.join(folder(run_dir), f"gen-{gen}.json")
+    tmp = os.path.join(folder(run_dir), f".tmp-{rec['token']}")
+    _write(tmp, rec)
+    try:
+        os.link(tmp, target)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a filesystem without hard links: exclusive create instead
+        try:
+            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "wb") as f:
+            f.write(json.dumps(rec).encode())
+        return True
+    finally:
+        os.unlink(tmp)
+
+
+def _write(path: str, rec: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        f.write(json.dumps(rec, indent=1).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _drop_older(run_dir: str, gen: int) -> None:
+    for name in os.listdir(folder(run_dir)):
+        m = _GEN.match(name)
+        if m and int(m.group(1)) < gen:
+            try:
+                os.unlink(os.path.join(folder(run_dir), name))
+            except FileNotFoundError:
+                pass
+
+
+def _still_mine(lease: Lease) -> bool:
+    gen, rec, _ = _read(lease.run_dir)
+    return gen == lease.gen and (rec or {}).get("token") == lease.rec["token"]
+
+
+def renew(lease: Lease) -> bool:
+    """Rewrite the lease whole with a fresh mtime; False (and nothing written) when it was taken over."""
+    if not _still_mine(lease):
+        return False
+    lease.rec.update(renewed_at=time.time(), renewals=lease.rec["renewals"] + 1)
+    target = os.path.join(folder(lease.run_dir), f"gen-{lease.gen}.json")
+    tmp = f"{target}.{lease.rec['token'][:8]}.tmp"
+    _write(tmp, lease.rec)
+    os.replace(tmp, target)
+    return True
+
+
+def _start_renewing(lease: Lease, on_lost: Callable[[str], None]) -> None:
+    lease.stop = threading.Event()
+
+    def loop() -> None:
+        while not lease.stop.wait(float(lease.rec["renew_s"])):
+            try:
+                if not renew(lease):
+                    _, rec, _ = _read(lease.run_dir)
+                    on_lost(f"this job lost run dir {lease.run_dir!r} to {describe(rec) if rec else 'another job'}")
+                    return
+            except OSError as exc:  # storage hiccup: try again next period; a long outage ends in takeover
+                log.warning("could not renew the lease of %s: %s", lease.run_dir, exc)
+
+    lease.thread = threading.Thread(target=loop, name="clusterflow-lease", daemon=True)
+    lease.thread.start()
+
+
+def _abort(why: str) -> None:
+    """Another job now owns the run dir: writing on would interleave two runs. Stop at once."""
+    log.error("%s (it judged this job gone); stopping now without writing anything more", why)
+    logging.shutdown()
+    os._exit(1)
+
+
+def release(run_dir: str) -> None:
+    """Stop renewing and remove this process's generation, if it still holds it."""
+    lease = _held.pop(os.path.realpath(run_dir), None)
+    if lease is None:
+        return
+    if lease.stop is not None:
+        lease.stop.set()
+        lease.thread.join()
+    if _still_mine(lease):
+        try:
+            os.unlink(os.path.join(folder(run_dir), f"gen-{lease.gen}.json"))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,158 @@
+"""The run directory: every file name in it (:class:`RunPaths`), and the small records `status` reads.
+
+    RUN_DIR/config.yaml            resolved config, written once by the submitting process
+    RUN_DIR/checkpoints/step-<N>/  committed checkpoints (see store.py), unless checkpoint.dir says elsewhere
+    RUN_DIR/tb/                    TensorBoard events, a new file per attempt
+    RUN_DIR/metrics.jsonl          the same scalars as JSON lines (read them with metrics.read_metrics)
+    RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ or submitit/ for the launcher's output
+    RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
+    RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
+    RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see jobids.py)
+    RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0 (status.json.lock: its lock)
+    RUN_DIR/cancelled.json         present once a user cancelled the run (see cancel.py)
+    RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank
+    RUN_DIR/errors/first.attempt<A>.json   the first cause of a failed attempt, written once (see first_error.py)
+    RUN_DIR/heartbeats/rank<R>.json        each rank's latest heartbeat (see heartbeat.py)
+    RUN_DIR/stalls/attempt<A>/     stacks (rank<R>.stacks.txt) and flight recorder dumps of a stall (see watchdog.py)
+    RUN_DIR/code/<version>/        the task's code frozen at submission; code/current.json names the one
+                                   the next attempt imports (see snapshot.py)
+    RUN_DIR/mining/epoch-<E>/      a mining round's embeddings and k-NN blocks until its labels are committed (mining_rounds.py)
+    RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
+    RUN_DIR/lease/gen-<N>.json     which job holds the run dir, renewed while it runs (see lease.py)
+    RUN_DIR/config.yaml.damaged-*  a config.yaml that could not be read, set aside (see saved_config.py)
+
+A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
+run dir per member, ``SWEEP_DIR/<member name>/``.
+
+Only local paths are supported for the run dir itself (logs and status need a POSIX filesystem);
+checkpoints may live elsewhere through `checkpoint.dir`. Every file here that a reader may open
+while it is being replaced goes through ``durable.write_atomic``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The names of everything in one run directory (like submitit's ``JobPaths``)."""
+
+    root: str
+
+    def _p(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    @property
+    def config(self) -> str:
+        return self._p("config.yaml")
+
+    @property
+    def checkpoints(self) -> str:
+        return self._p("checkpoints")
+
+    @property
+    def tb(self) -> str:
+        return self._p("tb")
+
+    @property
+    def metrics(self) -> str:
+        return self._p("metrics.jsonl")
+
+    @property
+    def logs(self) -> str:
+        return self._p("logs")
+
+    @property
+    def slurm_logs(self) -> str:
+        return self._p("logs", "slurm")
+
+    @property
+    def submitit_logs(self) -> str:
+        return self._p("logs", "submitit")
+
+    @property
+    def attempts(self) -> str:
+        return self._p("attempts.jsonl")
+
+    @property
+    def stops(self) -> str:
+        return self._p("stops.jsonl")
+
+    @property
+    def status(self) -> str:
+        return self._p("status.json")
+
+    @property
+    def errors(self) -> str:
+        return self._p("errors")
+
+    @property
+    def mining_rounds(self) -> str:
+        return self._p("mining")
+
+    @property
+    def model(self) -> str:
+        return self._p("model.pt")
+
+    @property
+    def lease(self) -> str:
+        return self._p("lease")
+
+    @property
+    def submissions(self) -> str:
+        return self._p("submissions.jsonl")
+
+    @property
+    def cancelled(self) -> str:
+        return self._p("cancelled.json")
+
+    @property
+    def heartbeats(self) -> str:
+        return self._p("heartbeats")
+
+    @property
+    def code(self) -> str:
+        return self._p("code")
+
+    @property
+    def code_pointer(self) -> str:
+        return self._p("code", "current.json")
+
+    @property
+    def sweep_index(self) -> str:
+        return self._p("sweep.json")
+
+    @property
+    def sweep_lock(self) -> str:
+        return self._p(".sweep.lock")
+
+    def log_file(self, rank: int, attempt: int) -> str:
+        return self._p("logs", f"rank{rank}.attempt{attempt}.log")
+
+    def error_file(self, rank: int) -> str:
+        return self._p("errors", f"rank{rank}.json")
+
+    def first_error_file(self, attempt: int) -> str:
+        return self._p("errors", f"first.attempt{attempt}.json")
+
+    def heartbeat_file(self, rank: int) -> str:
+        return self._p("heartbeats", f"rank{rank}.json")
+
+    def stalls(self, attempt: int) -> str:
+        return self._p("stalls", f"attempt{attempt}")
+
+    def stacks_file(self, rank: int, attempt: int) -> str:
+        return self._p("stalls", f"attempt{attempt}", f"rank{rank}.stacks.txt")
+
+    def nccl_trace_prefix(self, attempt: int) -> str:
+        """NCCL's own dump on a timeout: torch appends the rank (the name torchfrtrace's --prefix reads)."""
+        return self._p("stalls", f"attempt{attempt}", "nccl_trace_rank_")
+
+    def code_version(self, version: str) -> str:
+        return self._p("code", version)
+
+    def member(self, name: str) -> str:
+        """A sweep member's run dir, inside the sweep's run.dir."""
+        return self._p(name)

@@ -1,0 +1,136 @@
+"""The run dir's ``config.yaml``: written once, portable, read back with the directory actually used.
+
+A run dir may be moved or copied and resumed from its new place, so nothing in it names its own
+path: ``config.yaml`` (and each checkpoint manifest's copy of the config) stores ``run.dir: .``,
+which means "the folder holding this file". The run dir of a launch is the one it was given
+(``run.dir=...``), or the folder of a saved ``config.yaml`` given as the config file itself
+(``python -m clusterflow.run runs/x/config.yaml``); never a path read from inside the run dir.
+A relative ``checkpoint.dir`` lies inside the run dir too (``config.checkpoint_root``).
+
+A ``config.yaml`` that cannot be read (garbage bytes, not a mapping, invalid values) must not
+block the run: it is set aside as ``config.yaml.damaged-<time>`` with a warning and written
+anew from the config given now; the checkpoint restore still checks that config against the one
+in the newest checkpoint's manifest (``config.check_resume``).
+
+``resolve`` is the one rule for ``submit`` and ``run``: resume with the saved config (refusing a
+different one) or write it for a first start. No torch here: ``submit`` runs it on the login node.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import yaml
+
+from clusterflow import config as cfgmod
+from clusterflow.storage import durable
+from clusterflow.rundir import records as rundir
+from clusterflow.config.job_config import Config
+from clusterflow.errors import UserError
+
+HEADER = "# clusterflow run config"
+_NOTE = (f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
+         "# that holds this file, wherever it is moved or copied.\n")
+
+
+def portable(data: dict[str, Any]) -> dict[str, Any]:
+    """A config dict as stored inside the run dir: ``run.dir`` is "." (this run dir)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    out["run"] = {**out.get("run", {}), "dir": "."}
+    return out
+
+
+def is_saved(path: str) -> bool:
+    """True for a config.yaml that clusterflow wrote into a run dir."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(HEADER)) == HEADER.encode()
+    except OSError:
+        return False
+
+
+def load(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """``config.load``, except that a run dir's own config.yaml runs in the folder that holds it
+    (unless ``run.dir=`` is among the overrides)."""
+    cfg = cfgmod.load(path, overrides)
+    if is_saved(path) and not any(o.split("=", 1)[0].strip() == "run.dir" for o in overrides):
+        cfg.run.dir = os.path.dirname(path) or "."
+    return cfg
+
+
+def write_config(cfg: Config) -> None:
+    paths = rundir.RunPaths(cfg.run.dir)
+    os.makedirs(paths.root, exist_ok=True)
+    durable.write_atomic(paths.config, _NOTE + yaml.safe_dump(portable(cfg.to_dict()), sort_keys=False))
+
+
+def read(run_dir: str, set_aside: bool = True) -> Config | None:
+    """The saved config, with ``run.dir`` = ``run_dir``; None when there is none, or when it is
+    damaged (then it is set aside with a warning, unless ``set_aside`` is False)."""
+    target = rundir.RunPaths(run_dir).config
+    if not os.path.exists(target):
+        return None
+    try:
+        with open(target, "rb") as f:
+            data = yaml.safe_load(f.read().decode("utf-8"))
+        if not isinstance(data, dict):
+            raise UserError(f"the top level is a {type(data).__name__}, not a mapping of sections")
+        data.setdefault("run", {})
+        if not isinstance(data["run"], dict):
+            raise UserError("its run section is not a mapping")
+        data["run"] = {**data["run"], "dir": run_dir}
+        return cfgmod.build(data, source=target)
+    except (UserError, OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
+        if not set_aside:
+            print(f"warning: {target} is damaged ({exc}); a run would keep it aside and write it anew", file=sys.stderr)
+            return None
+        aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(target, aside)
+        print(f"warning: {target} is damaged ({exc}); kept as {aside} and written anew from the config given now "
+              "(the newest checkpoint's own config is still checked at resume)", file=sys.stderr)
+        return None
+
+
+def _has_checkpoint(cfg: Config) -> bool:
+    """Whether the run of ``cfg`` committed a checkpoint; True when that cannot be told."""
+    from clusterflow.storage.store import CheckpointStore
+
+    try:
+        return bool(CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint.keep_last).steps())
+    except Exception:  # noqa: BLE001 - an unreachable store: assume there is something to protect
+        return True
+
+
+def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
+    """The config to run and whether the run dir already held a run. An existing run continues
+    with its saved config; a different experiment is refused (``config.check_resume``); changed
+    resources (``fingerprint``: cluster.*, workers, intervals) are taken, with a note, and
+    config.yaml is rewritten with them; where the run dir is may change (``MAY_CHANGE_ON_RESUME``); for a ``relaunch`` by the launcher (a Slurm
+    requeue re-reads a YAML that may have been edited since), with a note. A run that committed
+    no checkpoint yet has nothing to resume: a different config replaces its config.yaml, with a
+    note (a first start that failed on a bad task parameter can be fixed and resubmitted into the
+    same run dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
+    saved = read(cfg.run.dir, set_aside=write)
+    if saved is None:
+        if write:
+            write_config(cfg)
+        return cfg, False
+    diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
+    if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
+        print(f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: its config.yaml is "
+              f"replaced by this config ({'; '.join(diffs[:6])})", file=sys.stderr)
+        if write:
+            write_config(cfg)
+        return cfg, False
+    changed = cfgmod.check_resume(saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch)
+    if relaunch or not changed:
+        return cfgmod.resume_config(saved, cfg), True
+    # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
+    # with them, and config.yaml says what it runs with now.
+    print(f"note: run dir {cfg.run.dir!r} resumes with changed resources: {'; '.join(map(str, changed))}", file=sys.stderr)
+    if write:
+        write_config(cfg)
+    return cfg, True

@@ -1,0 +1,342 @@
+"""Checkpoint store over fsspec: a checkpoint exists only once it is committed.
+
+Layout under the store root (``RUN_DIR/checkpoints`` by default, or any fsspec URL)::
+
+    step-<N>/model.pt         plain state_dict (torch.load(..., weights_only=True) works without clusterflow)
+    step-<N>/train_state.pt   optimizer, scheduler, scaler, counters, RNG states, pseudo-labels, ...
+    step-<N>/manifest.json    written last: files (size and digest each), step, position, config, versions
+
+Commit protocol: every file is written into ``.tmp-step-<N>-<random>/``, flushed and fsynced, the
+manifest is written last, and the folder is renamed to ``step-<N>`` (atomic on a POSIX
+filesystem; on object stores the manifest check below covers a partial copy). A reader trusts
+only a step whose manifest lists files that exist with the recorded size and digest (BLAKE3, or
+sha256 in manifests of older versions: each file's record names its algorithm); anything
+else is skipped with a warning naming it, and the previous step is used.
+
+One step, two states: at the last step of an epoch the trainer holds a state before and one after
+the end-of-epoch work (eval, mining). A stop there commits the first; the second must still
+replace it, or a finished mining round is redone after a later crash. So a save whose manifest
+``position`` is greater than the committed step's *supersedes* it: the new folder is staged
+completely, the old ``step-<N>`` is renamed to ``.superseded-step-<N>-*``, the new one is renamed
+in, and the old one is deleted in the background. Every other save of a committed step is refused:
+a committed state is never overwritten. ``clean_debris`` finishes whatever a crash interrupted:
+a complete staged folder (its manifest verifies) is published by the same rule, an incomplete
+one is removed, and set-aside folders are deleted. Pruned steps are renamed to
+``.pruned-step-<N>-*``, a name that is never published again. docs/preemption.md walks through
+every crash point.
+
+A damaged committed step is never deleted: when the run reaches that step again it is renamed to
+``damaged-step-<N>-<random>/`` (kept for inspection) and the step is written anew.
+
+The seam for sharded state (torch.distributed.checkpoint) is the ``files`` mapping: a sharded
+writer would add one entry per rank's shard and the manifest would list them all.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping
+
+import fsspec
+
+from clusterflow.storage import diskfull
+from clusterflow.storage import durable
+from clusterflow.storage import manifest as schema
+
+log = logging.getLogger("clusterflow.store")
+
+MANIFEST = "manifest.json"
+_STEP = re.compile(r"^step-(\d+)$")
+_STAGED = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
+_SET_ASIDE = (".superseded-step-", ".pruned-step-", ".tmp-step-")  # never published; deleted by clean_debris
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    path: str
+    manifest: dict[str, Any]
+    objects: dict[str, Any]  # each file, deserialized with weights_only=True while its hash was checked
+
+    def load(self, name: str) -> Any:
+        return self.objects[name]
+
+
+def position(manifest: Mapping[str, Any] | None) -> tuple[int, ...]:
+    """Order of two states saved at the same step; a manifest without one sorts first."""
+    return tuple((manifest or {}).get("position") or ())
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        out["torch"] = torch.__version__
+    except ImportError:
+        pass
+    from clusterflow import __version__
+
+    out["clusterflow"] = __version__
+    return out
+
+
+class CheckpointStore:
+    def __init__(self, root: str, keep_last: int = 3, fsync: bool = True) -> None:
+        if keep_last < 2:
+            raise ValueError("keep_last must be >= 2")
+        self.url = root
+        self.fs, self.root = fsspec.core.url_to_fs(root)
+        self.keep_last = keep_last
+        self.fsync = fsync
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self._remote_fs = None if self.local else self.fs  # what durable.* takes for "not a local path"
+        self._deleting: list[threading.Thread] = []
+        self.refused: dict[int, str] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
+
+    # -- paths --------------------------------------------------------------------------------
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    def step_path(self, step: int) -> str:
+        return self._p(f"step-{step}")
+
+    def url_of(self, step: int) -> str:
+        """The user-facing location (with protocol for non-local stores)."""
+        path = self.step_path(step)
+        return path if self.local else f"{self.fs.unstrip_protocol(path)}"
+
+    # -- listing ------------------------------------------------------------------------------
+    def _entries(self) -> list[str]:
+        try:
+            return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
+        except FileNotFoundError:
+            return []
+
+    def steps(self) -> list[int]:
+        """Steps whose folder carries a manifest, ascending (not yet verified)."""
+        out = []
+        for name in self._entries():
+            m = _STEP.match(name)
+            if m and self.fs.exists(self._p(name, MANIFEST)):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def damaged(self) -> list[str]:
+        """Folders of steps that failed verification and were set aside (``damaged-step-<N>-*``)."""
+        return sorted(self._p(name) for name in self._entries() if name.startswith("damaged-step-"))
+
+    # -- writing ------------------------------------------------------------------------------
+    def save(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> str | None:
+        """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step
+        ``step``. Returns the step path, or None when that step is already committed with a state
+        at least as late (``meta["position"]``): a committed state is never overwritten."""
+        if not self._may_write(step, meta or {}):
+            return None
+        staged = self._stage(step, files, meta or {})
+        self._publish(staged, step)
+        self.prune()
+        return self.step_path(step)
+
+    def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
+        """False when step-N holds a sound state that the new one does not supersede."""
+        if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
+            return True  # nothing there, or a folder without manifest: debris that _publish replaces
+        try:
+            if step in self.refused:  # verified, but the reader could not load it (checkpointer.restore)
+                raise ValueError(self.refused.pop(step))
+            old = self.verify(step).manifest
+        except ValueError as exc:
+            # A run that resumed from an older step because this one was damaged reaches it again:
+            # keep the damaged folder for inspection, out of the way, and commit the step anew.
+            aside = self._p(f"damaged-step-{step}-{uuid.uuid4().hex[:8]}")
+            log.warning("checkpoint %s is damaged (%s); moving it to %s and committing step %d anew",
+                        self.url_of(step), exc, aside, step)
+            self.fs.mv(self.step_path(step), aside, recursive=True)
+            return True
+        if position(meta) > position(old):
+            log.info("step %d: the state after the end-of-epoch work supersedes the one committed before it", step)
+            return True
+        log.info("checkpoint step %d is already committed at %s; not overwriting it", step, self.step_path(step))
+        return False
+
+    def _stage(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
+        """Write every file, then the manifest, into a fresh ``.tmp-step-<N>-*`` folder."""
+        tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
+        try:
+            self.fs.makedirs(self.root, exist_ok=True)
+            self.fs.makedirs(tmp, exist_ok=True)
+            listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                       for name, payload in files.items()}
+            manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
+            durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
+            if self.local and self.fsync:
+                durable.fsync_dir(tmp)
+        except BaseException as exc:
+            # A failed write (a full disk, an object store error) gives its space back at once; a
+            # kill leaves the folder to the next clean_debris.
+            self._rm(tmp.rsplit("/", 1)[-1])
+            if isinstance(exc, Exception):  # a full disk: one line naming the device, the size and the free space
+                diskfull.raise_if_full(exc, f"checkpoint step {step}", self.url_of(step), diskfull.payload_bytes(files), self.local)
+            raise
+        return tmp
+
+    def _publish(self, staged: str, step: int) -> None:
+        """Rename a complete staged folder to ``step-<N>``; whatever held that name is set aside
+        first (an older state, or debris without a manifest) and deleted in the background."""
+        final = self.step_path(step)
+        if self.fs.exists(final):
+            aside = self._p(f".superseded-step-{step}-{uuid.uuid4().hex[:8]}")
+            self.fs.mv(final, aside, recursive=True)
+            self._delete_later([aside])
+        if self.local:
+            os.rename(staged, final)  # atomic publish
+            if self.fsync:
+                durable.fsync_dir(self.root)
+        else:
+            self.fs.mv(staged, final, recursive=True)
+
+    def prune(self) -> None:
+        """Keep the newest ``keep_last`` committed steps.
+
+        An old step is renamed to ``.pruned-step-N-*`` (atomic locally: it stops being a checkpoint
+        at once) and deleted on a background thread, off the training loop's path; a deletion cut
+        short by the process ending is finished by the next ``clean_debris``.
+        """
+        doomed = []
+        for step in self.steps()[: -self.keep_last]:
+            if not self.local:
+                self.fs.rm(self.step_path(step), recursive=True)
+                continue
+            aside = self._p(f".pruned-step-{step}-{uuid.uuid4().hex[:8]}")
+            self.fs.mv(self.step_path(step), aside, recursive=True)
+            doomed.append(aside)
+        self._delete_later(doomed)
+
+    def _delete_later(self, paths: list[str]) -> None:
+        if not paths:
+            return
+        if not self.local:
+            for p in paths:
+                self.fs.rm(p, recursive=True)
+            return
+        self._deleting = [t for t in self._deleting if t.is_alive()]
+        thread = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], daemon=True)
+        thread.start()
+        self._deleting.append(thread)
+
+    def wait_for_pruning(self) -> None:
+        """Wait for background deletions (call before the process exits)."""
+        while self._deleting:
+            self._deleting.pop().join()
+
+    def clean_debris(self) -> list[str]:
+        """Finish what a killed writer left; call before writing anew. A staged folder whose files
+        all match its manifest is published by the rule of ``save`` (it was complete, only its rename
+        was cut short); the other staged folders are removed and returned; set-aside folders
+        (superseded, pruned) are deleted."""
+        self.wait_for_pruning()
+        removed, complete = [], {}
+        for name in self._entries():
+            m = _STAGED.match(name)
+            manifest = self._complete(self._p(name), int(m.group(1))) if m else None
+            if manifest is not None:
+                complete.setdefault(int(m.group(1)), []).append((position(manifest), name, manifest))
+            elif name.startswith(_SET_ASIDE):
+                self._rm(name)
+                if name.startswith(".tmp-step-"):
+                    removed.append(name)
+        for step, candidates in sorted(complete.items()):
+            candidates.sort(key=lambda c: c[0])
+            (_, best, manifest), rest = candidates[-1], candidates[:-1]
+            if self._may_write(step, manifest):
+                self._publish(self._p(best), step)
+                log.warning("published %s as step-%d: it was complete, but its writer was killed before the rename", best, step)
+            else:
+                rest.append(candidates[-1])
+            for _, name, _ in rest:
+                self._rm(name)
+                removed.append(name)
+        self.wait_for_pruning()
+        return sorted(removed)
+
+    def _rm(self, name: str) -> None:
+        try:
+            self.fs.rm(self._p(name), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def _complete(self, path: str, step: int) -> dict[str, Any] | None:
+        """The manifest of a folder whose files all match it (size and digest), else None."""
+        try:
+            manifest = self._read_manifest(path, step)
+            for name, info in manifest["files"].items():
+                algorithm, digest = durable.recorded_digest(info)
+                if self.fs.size(f"{path}/{name}") != info["size"] or \
+                        durable.hash_file(f"{path}/{name}", algorithm, self._remote_fs) != digest:
+                    return None
+        except (ValueError, OSError):
+            return None
+        return manifest
+
+    # -- reading ------------------------------------------------------------------------------
+    def _read_manifest(self, path: str, step: int | None = None) -> dict[str, Any]:
+        """The manifest, its schema checked (manifest.check): ValueError naming what is wrong."""
+        try:
+            with self.fs.open(f"{path}/{MANIFEST}", "rb") as f:
+                data = json.loads(f.read())
+        except (OSError, ValueError) as exc:  # missing, a directory, unreadable, not JSON, not UTF-8
+            raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
+        return schema.check(data, step)
+
+    def verify(self, step: int) -> Checkpoint:
+        """Read and check one step; raises ValueError naming what is wrong."""
+        path = self.step_path(step)
+        manifest = self._read_manifest(path, step)
+        objects = {}
+        for name, info in manifest["files"].items():
+            file = f"{path}/{name}"
+            try:
+                size = self.fs.size(file)
+                if size != info["size"]:
+                    raise ValueError(f"{name} has {size} bytes, the manifest says {info['size']}")
+                objects[name] = durable.load_checked(name, file, info, self._remote_fs)
+            except FileNotFoundError:
+                raise ValueError(f"{name} is missing") from None
+            except OSError as exc:  # a directory where a file should be, a permission, an I/O error
+                raise ValueError(f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
+        return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
+
+    def newest_manifest(self) -> dict[str, Any] | None:
+        """The manifest of the newest committed step, unverified (one small read; None when none)."""
+        steps = self.steps()
+        try:
+            return self._read_manifest(self.step_path(steps[-1])) if steps else None
+        except ValueError:
+            return None
+
+    def candidates(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Checkpoint]:
+        """Verified checkpoints, newest first, but for the steps in ``skip``; damaged ones are
+        skipped with a warning naming them."""
+        for step in reversed(self.steps()):
+            if step in skip:
+                continue
+            try:
+                ckpt = self.verify(step)
+            except ValueError as exc:
+                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", self.url_of(step), exc)
+                continue
+            yield ckpt
+
+    def latest(self) -> Checkpoint | None:
+        """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""
+        return next(self.candidates(), None)

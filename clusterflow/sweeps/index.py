@@ -1,0 +1,161 @@
+"""The sweep index, ``RUN_DIR/sweep.json``, and what a resubmission of a sweep does.
+
+    {"version": 1,
+     "keys": ["train.lr", "mining.k"],            swept keys, in the first submission's --sweep order
+     "base": {...},                               the resolved config without the swept keys
+     "members": [{"name": "k=10,lr=0.001-3f9a1c", "values": {...}, "overrides": [...]}, ...],
+     "submissions": [{"array_job_id": "123", "submitted_at": 1.7e9,
+                      "jobs": {"k=10,lr=0.001-3f9a1c": "123_0", ...}}]}   array order
+
+A member's run dir is ``SWEEP_DIR/<name>`` (stored relative, so the sweep dir can be moved). The
+file is rewritten atomically, under :func:`locked` so that two submissions of one sweep at once
+cannot both submit a member. Resubmitting the same sweep (same keys, same base config except
+resources) skips completed members and resumes the others; more values for the same keys add
+members; another sweep into the same directory is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from clusterflow import rundir
+from clusterflow.storage import durable
+from clusterflow.config import fingerprint
+from clusterflow.errors import UserError
+from clusterflow.sweeps.sweep import Sweep
+
+VERSION = 1
+ACTIVE = ("pending", "running", "requeued")
+
+
+def is_sweep_dir(path: str) -> bool:
+    return os.path.isfile(rundir.RunPaths(path).sweep_index)
+
+
+def read_index(sweep_dir: str) -> dict[str, Any] | None:
+    """The index, or None for a directory that holds no sweep yet. Refuses a single run's dir."""
+    paths = rundir.RunPaths(sweep_dir)
+    target = paths.sweep_index
+    if not os.path.exists(target):
+        if os.path.exists(paths.config):
+            raise UserError(f"run.dir {sweep_dir!r} holds a single run (config.yaml), not a sweep; "
+                            f"choose another run.dir for the sweep")
+        return None
+    try:  # not rundir.read_json: a damaged index is refused with its reason, never taken for no index
+        with open(target, encoding="utf-8") as f:
+            index = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{target} cannot be read ({exc}); restore it or choose another run.dir") from None
+    if not isinstance(index, dict) or index.get("version") != VERSION or not isinstance(index.get("members"), list):
+        raise UserError(f"{target} is not a clusterflow sweep index of version {VERSION}; choose another run.dir")
+    return index
+
+
+def write_index(sweep_dir: str, index: dict[str, Any]) -> None:
+    durable.write_atomic(rundir.RunPaths(sweep_dir).sweep_index, json.dumps(index, indent=1, sort_keys=False, default=str))
+
+
+@contextlib.contextmanager
+def locked(sweep_dir: str) -> Iterator[None]:
+    """Hold ``SWEEP_DIR/.sweep.lock`` (flock): one submission of a sweep at a time."""
+    os.makedirs(sweep_dir, exist_ok=True)
+    with open(rundir.RunPaths(sweep_dir).sweep_lock, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UserError(f"another submission of the sweep in {sweep_dir!r} is running; wait for it, then try again") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def member_record(m: Any) -> dict[str, Any]:
+    return {"name": m.name, "values": m.values, "overrides": list(m.overrides)}
+
+
+def merge(index: dict[str, Any] | None, sweep: Sweep) -> tuple[dict[str, Any], list[fingerprint.Change]]:
+    """The index after this submission's members are added, and the resource changes since the
+    last submission. Refuses another sweep (other keys, or other result keys) into the same dir."""
+    new = {"version": VERSION, "keys": list(sweep.keys), "base": sweep.base, "members": [], "submissions": []}
+    if index is None:
+        new["members"] = [member_record(m) for m in sweep.members]
+        return new, []
+    where = rundir.RunPaths(sweep.dir).sweep_index
+    if set(index["keys"]) != set(sweep.keys):
+        raise UserError(f"{where} holds a sweep over {', '.join(index['keys'])}; this one sweeps {', '.join(sweep.keys)}. "
+                        f"A sweep dir holds one sweep: sweep the same keys, or choose another run.dir")
+    result, resources = fingerprint.compare(index["base"], sweep.base)
+    if result:
+        raise UserError(f"{where} holds a sweep with another config ({fingerprint.summary(result)}); to resume it, "
+                        f"submit the same config; to start another sweep, choose another run.dir")
+    known = {m["name"] for m in index["members"]}
+    merged = dict(index, base=sweep.base)
+    merged["members"] = list(index["members"]) + [member_record(m) for m in sweep.members if m.name not in known]
+    return merged, resources
+
+
+@dataclass
+class Plan:
+    """What a submission of a sweep does with each requested member (names in sweep order)."""
+
+    order: list[str] = field(default_factory=list)
+    new: list[str] = field(default_factory=list)
+    resume: list[str] = field(default_factory=list)
+    skip: dict[str, str] = field(default_factory=dict)  # name -> why
+
+    @property
+    def to_submit(self) -> list[str]:
+        """New and resumed members, in sweep order: the job array's task order."""
+        return [n for n in self.order if n in self.new or n in self.resume]
+
+
+def plan(names: list[str], states: dict[str, str | None]) -> Plan:
+    """``states[name]``: the member's state from status (None: it has no run yet).
+
+    completed: skipped. pending, running, requeued: skipped (one job per run dir). cancelled:
+    skipped, since cancelling is how a user drops a bad member (delete its cancelled.json to
+    resume it). Anything else (failed, stopped after its time limit, unknown): resumed.
+    """
+    out = Plan(order=list(names))
+    for name in names:
+        state = states.get(name)
+        if state is None:
+            out.new.append(name)
+        elif state == "completed":
+            out.skip[name] = "completed"
+        elif state in ACTIVE:
+            out.skip[name] = f"still {state}"
+        elif state == "cancelled":
+            out.skip[name] = "cancelled (delete its cancelled.json to resume it)"
+        else:
+            out.resume.append(name)
+    return out
+
+
+def record_submission(index: dict[str, Any], array_job_id: str, jobs: dict[str, str],
+                      now: float | None = None) -> dict[str, Any]:
+    """The index with one more submission: ``jobs`` maps member names to the job ids submitit
+    returned (``123_0``, ...; a single member is a plain job ``123``), in array order."""
+    entry = {"array_job_id": str(array_job_id), "submitted_at": time.time() if now is None else now, "jobs": dict(jobs)}
+    return dict(index, submissions=[*index.get("submissions", []), entry])
+
+
+def member_dirs(sweep_dir: str, index: dict[str, Any]) -> dict[str, str]:
+    """name -> run dir, in sweep order."""
+    paths = rundir.RunPaths(sweep_dir)
+    return {m["name"]: paths.member(m["name"]) for m in index["members"]}
+
+
+def member_job_id(index: dict[str, Any], name: str) -> str | None:
+    """The job id of the newest submission that included ``name``."""
+    for sub in reversed(index.get("submissions", [])):
+        if name in sub.get("jobs", {}):
+            return str(sub["jobs"][name])
+    return None

@@ -1,0 +1,110 @@
+"""The pieces a trainer is built from: model (DDP-wrapped), optimizer, schedule, precision, and
+``task.init_from`` weights. Each builder is small; ``Trainer.__init__`` calls them in an order
+that keeps every random draw where it was (same seed, same weights).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Callable
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+log = logging.getLogger("clusterflow.trainer")
+
+
+def lr_multiplier(rule: str, world: int) -> float:
+    return {"none": 1.0, "linear": float(world), "sqrt": math.sqrt(world)}[rule]
+
+
+def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else None
+    return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
+
+
+def build_model(cfg: Any, task: Any, device: torch.device, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(the module, what the loop calls: the module or its DDP wrapper). Seed before calling it."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
+        torch.backends.cudnn.allow_tf32 = cfg.train.tf32
+    model = task.build_model()
+    if cfg.task.init_from:
+        init_weights(model, cfg.task.init_from)
+    if cfg.dist.sync_batchnorm and world > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    module = model.to(device)
+    if world == 1:
+        return module, module
+    return module, DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+                       find_unused_parameters=cfg.dist.find_unused_parameters, bucket_cap_mb=cfg.dist.bucket_cap_mb)
+
+
+def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:
+    """``t``: the train section."""
+    lr = t.lr * lr_multiplier(t.lr_scaling, world)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if t.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=t.weight_decay)
+    return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=t.weight_decay)
+
+
+def lr_schedule(t: Any, total_steps: int) -> Callable[[int], float]:
+    """Warm-up, then constant or cosine to zero at ``total_steps``: the multiplier of step ``step``."""
+
+    def multiplier(step: int) -> float:
+        if t.warmup_steps and step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        if t.schedule == "constant":
+            return 1.0
+        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return multiplier
+
+
+def init_weights(model: torch.nn.Module, where: str) -> None:
+    """Start from another run's weights (``task.init_from``): a model.pt, a run dir or a checkpoint dir.
+
+    Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
+    (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
+    """
+    import fsspec
+
+    from clusterflow.errors import UserError
+
+    fs, path = fsspec.core.url_to_fs(where)
+    if fs.isdir(path):
+        from clusterflow.rundir.records import RunPaths
+
+        candidates = [RunPaths(path.rstrip("/")).model]
+        if not fs.exists(candidates[0]):
+            from clusterflow.storage.store import CheckpointStore
+
+            ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
+            if ckpt is None:
+                raise UserError(f"task.init_from={where!r} is a folder without model.pt or committed checkpoints; "
+                                f"point it at a finished run dir, a checkpoints/step-N folder or a model.pt file")
+            candidates = [f"{ckpt.path}/model.pt"]
+        path = candidates[0]
+    try:
+        with fs.open(path, "rb") as f:
+            sd = torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"task.init_from={where!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1") from None
+    except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        raise UserError(f"task.init_from={where!r}: {path} is not a readable state_dict ({type(exc).__name__}: {exc})") from None
+    if not isinstance(sd, dict):
+        raise UserError(f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict")
+    own = model.state_dict()
+    matched = {k: v for k, v in sd.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
+    if not matched:
+        raise UserError(f"task.init_from={where!r}: none of its {len(sd)} tensors ({', '.join(list(sd)[:3])}, ...) match the "
+                        f"model's names and shapes ({', '.join(list(own)[:3])}, ...); was it written by a different model?")
+    model.load_state_dict(matched, strict=False)
+    fresh = [k for k in own if k not in matched]
+    skipped = [k for k in sd if k not in matched]
+    log.info("initialised %d of %d tensors from %s; fresh: %s; not used: %s", len(matched), len(own), path,
+             ", ".join(fresh) or "none", ", ".join(skipped) or "none")

@@ -1,0 +1,331 @@
+"""The DDP training loop: what runs on every rank between rendezvous and exit.
+
+A fresh start and a resume go through the same code: the checkpointer restores the newest
+committed checkpoint, if any, and the loop continues from its (epoch, step within epoch). State
+lives in the checkpoint only, so a requeued job needs nothing else.
+
+Order of an epoch: steps (after each, the ranks agree on whether to stop, and the checkpointer
+saves when due) -> evaluation -> mining (when due) -> the end-of-epoch checkpoint, which holds the
+new labels. That checkpoint supersedes a stop checkpoint taken at the same step before the
+end-of-epoch work, so a resume never repeats a finished round.
+
+The loop asks each component whether it is due (``checkpointer.save(event)``, ``miner.due``,
+``_log_due``) and never decides for it; ``Phases`` says what the rank is doing now.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from clusterflow import dist, rundir
+from clusterflow.train import builders
+from clusterflow.checkpoint import checkpointer
+from clusterflow.storage import durable
+from clusterflow.observe import phases
+from clusterflow.config.job_config import Config
+from clusterflow.train.finite import FiniteGuard
+from clusterflow.observe.metrics import Every, gpu_stats, writer_for
+from clusterflow.mining.stage import Miner, for_status
+from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
+from clusterflow.dist.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
+from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
+from clusterflow.tasks import Task
+from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.train.window import LossWindow
+
+log = logging.getLogger("clusterflow.trainer")
+
+
+def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+class Trainer:
+    def __init__(self, cfg: Config, task: Task, device: torch.device, attempt: int, preemption: Preemption) -> None:
+        self.cfg, self.task, self.device, self.attempt = cfg, task, device, attempt
+        self.rank, self.world = dist.rank(), dist.world()
+        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.phases = phases.Phases()
+        self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
+        seed_everything(cfg.run.seed)  # identical initial weights on every rank
+        self.module, self.model = builders.build_model(cfg, task, device, self.world)
+        seed_everything(rank_seed(cfg.run.seed, self.rank))  # distinct per-rank streams from here on
+        t = cfg.train
+        self.opt = builders.build_optimizer(t, self.module, self.world)
+        self._build_data()
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs))
+        self.amp = builders.amp_dtype(t.amp, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
+        self.state = TrainState()
+        self._labels_of: Any = None  # the labels array that self._labels holds on the device
+        self._labels: torch.Tensor | None = None
+        self._persistent_loader: torch.utils.data.DataLoader | None = None
+        self._progress_due = Every(1.0)  # status.json's progress fields
+        self.checkpointer = checkpointer.Checkpointer(
+            cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
+            self.state, self.steps_per_epoch, attempt, self.phases, before_commit=self._before_commit)
+        self.guard = FiniteGuard(device, t, self.checkpointer.committed_steps)
+        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
+                           rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync, data=cfg.data)
+
+    def _build_data(self) -> None:
+        t = self.cfg.train
+        self.dataset = self.task.train_dataset()
+        check_fits(len(self.dataset), t.batch_size, self.world * t.grad_accum, self.cfg.task.target)
+        self.micro_global = t.batch_size // t.grad_accum
+        self.sampler = GlobalBatchSampler(len(self.dataset), self.micro_global, self.rank, self.world, self.cfg.run.seed)
+        self.steps_per_epoch = self.sampler.batches_per_epoch() // t.grad_accum
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> str:
+        """Train to the end or until a signal. Returns "completed", "preempted" or "timeout"."""
+        resumed = self.checkpointer.restore()
+        self._forget_mined_rounds()
+        self.guard.start(self.state.global_step)
+        self.writer = writer_for(self.rank == 0, self.paths, self.attempt, self._purge_step(resumed))
+        self._status(state="running")
+        try:
+            while self.state.epoch < self.cfg.train.epochs:
+                reason = self._train_epoch() or self._end_of_epoch()
+                if reason:
+                    return reason
+            self._finish()
+            return "completed"
+        finally:
+            self.writer.close()
+            self.checkpointer.close()
+
+    def _purge_step(self, resumed: bool) -> int:
+        """The first step this attempt logs: TensorBoard drops what earlier attempts logged from
+        there on. The resumed step itself is logged again only when its end-of-epoch work is redone."""
+        s = self.state
+        return s.global_step if resumed and s.step_in_epoch == self.steps_per_epoch else s.global_step + 1
+
+    def _train_epoch(self) -> str:
+        """The rest of the current epoch's steps. Returns the agreed stop reason, or ""."""
+        self.task.set_epoch(self.state.epoch)
+        self.sampler.set_epoch(self.state.epoch, self.state.step_in_epoch * self.cfg.train.grad_accum)
+        bar = self._progress_bar()
+        window = LossWindow()
+        self.model.train()
+        self.phases.step = self.state.global_step
+        self.phases.set(phases.TRAIN)
+        micro, reason = 0, ""
+        for batch in self._loader():
+            micro += 1
+            self._forward_backward(batch, last_micro=micro == self.cfg.train.grad_accum, window=window)
+            if micro < self.cfg.train.grad_accum:
+                continue
+            micro = 0
+            self._optimizer_step()
+            self.phases.tick(self.state.global_step)  # a Python int: the heartbeat reads nothing from the device
+            if bar is not None:
+                bar.update(1)
+            if self._log_due():
+                self._log_interval(window)
+                window.clear()
+            reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
+            if reason:
+                break
+            self._save(checkpointer.STEP)
+        if bar is not None:
+            bar.close()
+        # After the last step, the reduce in flight is read at once (blocking costs nothing here):
+        # a signal during the last step stops before the end-of-epoch work, not after it.
+        reason = reason or self.stop.agree()
+        if reason:
+            log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
+            self._save(checkpointer.STOP)
+        return reason
+
+    def _loader(self) -> torch.utils.data.DataLoader:
+        """This epoch's DataLoader; with persistent workers, one per attempt."""
+        d = self.cfg.data
+        persistent = d.persistent_workers and d.num_workers > 0
+        if persistent and self._persistent_loader is not None:
+            return self._persistent_loader
+        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global random
+        # stream (dropout) is not drawn from, so a resume in mid-epoch continues that stream exactly.
+        g = torch.Generator().manual_seed(rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch)
+        data, batches = (EpochItems(self.task), WithEpoch(self.sampler)) if persistent else (self.dataset, self.sampler)
+        loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=d.num_workers, generator=g,
+                                             pin_memory=d.pin_memory and self.device.type == "cuda", persistent_workers=persistent,
+                                             prefetch_factor=d.prefetch_factor if d.num_workers else None)
+        if persistent:
+            self._persistent_loader = loader
+        return loader
+
+    def _progress_bar(self) -> Any:
+        if self.rank != 0 or not self.cfg.train.progress_bar:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=self.steps_per_epoch, initial=self.state.step_in_epoch, unit="step", leave=False,
+                    desc=f"epoch {self.state.epoch + 1}/{self.cfg.train.epochs}", mininterval=1.0 if sys.stderr.isatty() else 30.0)
+
+    def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: LossWindow) -> None:
+        """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
+        batch = _to(batch, self.device)
+        labels = self._device_labels()
+        if labels is not None:  # picked on the device by the batch's index: no copy, nothing read back
+            labels = labels[batch["index"]]
+        sync = last_micro or self.world == 1
+        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
+        with ctx:
+            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+                loss, metrics = self.task.loss(self.model, batch, labels)
+            self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
+        self.guard.observe(loss)
+        window.add(loss, metrics, len(batch["index"]))
+
+    def _device_labels(self) -> torch.Tensor | None:
+        """The pseudo-labels of every sample, copied to the device once per mining round (or resume)."""
+        labels = self.state.labels
+        if labels is None:
+            return None
+        if self._labels_of is not labels:
+            src = torch.from_numpy(labels)
+            if self.device.type == "cuda":
+                src = src.pin_memory()  # so the copy need not wait; torch keeps the pinned block until it is done
+            self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
+        return self._labels
+
+    def _optimizer_step(self) -> None:
+        if self.cfg.train.grad_clip:
+            self.scaler.unscale_(self.opt)
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
+        s = self.state
+        if self.guard.policy != "skip_step" or self.guard.step_ok(self.module.parameters(), self.scaler, s.global_step + 1):
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        self.state.step_done()
+
+    def _before_commit(self, event: str) -> None:
+        self.writer.flush()  # every point up to a checkpoint is on disk: a resume logs only later steps again
+        self._check_finite(state=True)
+
+    def _check_finite(self, state: bool = False) -> None:
+        """Collective: every loss since the last check finite (and with ``state``, every weight and
+        optimizer tensor), or the run stops here. At log steps, before each commit, at epoch end."""
+        self.guard.check(self.state.global_step, self._state_tensors() if state else ())
+
+    def _state_tensors(self) -> Iterator[Any]:
+        yield from self.module.parameters()
+        yield from self.module.buffers()
+        for per_param in self.opt.state.values():
+            yield from per_param.values()
+
+    def _log_due(self) -> bool:
+        s = self.state
+        return s.global_step % self.cfg.train.log_every_steps == 0 or s.step_in_epoch == self.steps_per_epoch
+
+    def _end_of_epoch(self) -> str:
+        """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop reason, or ""."""
+        finished = self.state.epoch + 1
+        self._check_finite(state=True)  # eval and mining never run on non-finite weights
+        rng = capture_rng()  # a round cut short is redone from here, eval included
+        if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
+            self._evaluate()
+        if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
+            result = self.miner.run(self.task, self.module, finished)
+            if result is None:
+                # A signal arrived during the round: commit the finished epoch; the round continues on restart.
+                reason = self.stop.agree() or "preempted"
+                restore_rng(rng)
+                self._save(checkpointer.STOP)
+                return reason
+            self.state.labels = result.labels
+            self.state.mining_history.append(result.stats)
+            self._log_mining(result.stats)
+        self.state.epoch_done()
+        self._save(checkpointer.EPOCH_END)
+        self._forget_mined_rounds()
+        return self.stop.agree()
+
+    def _forget_mined_rounds(self) -> None:
+        """Delete the files of the mining rounds whose labels a committed checkpoint holds."""
+        if self.rank == 0:
+            self.miner.forget_rounds(self.checkpointer.committed_epoch())
+
+    def _save(self, event: str) -> None:
+        scalars = self.checkpointer.save(event)
+        if scalars:
+            self.writer.scalars(scalars, self.state.global_step)
+            self.writer.flush()  # a resume from this checkpoint logs from the next step: these points are not logged again
+        if event != checkpointer.STEP:
+            self._status()  # where a stop or an epoch's end left the run, whatever the progress cadence skipped
+
+    # -- reporting ----------------------------------------------------------------------------
+    def _log_interval(self, window: LossWindow) -> None:
+        rep = window.throughput.report()
+        s = self.state
+        # One collective for the finite check, the means and the throughput (a sum: the mean times the world size).
+        reduced = self.guard.check(s.global_step, means={**window.means(), "rate": rep["samples_per_s_rank"]})
+        rate = reduced.pop("rate") * self.world
+        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
+               "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
+               "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats(), **self.phases.scalars()}
+        self.writer.scalars(out, s.global_step)
+        if self.rank == 0:
+            log.info("epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s", s.epoch + 1, s.step_in_epoch,
+                     self.steps_per_epoch, s.global_step, out["train/loss"], out["train/lr"], out["perf/samples_per_s_total"])
+        if self._progress_due.due():  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
+            self._status(fsync=False, state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
+
+    def _log_mining(self, s: dict[str, Any]) -> None:
+        scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
+        scalars.update({f"mining/seconds_{k}": float(v) for k, v in s["seconds"].items()})
+        scalars["mining/embed_per_s_total"] = s["embed_per_s_total"]
+        scalars.update({f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))})
+        self.writer.scalars(scalars, self.state.global_step)
+        labels = self.state.labels
+        if labels is not None:
+            sizes = np.bincount(labels[labels >= 0])
+            if len(sizes):
+                self.writer.histogram("mining/cluster_sizes", sizes, self.state.global_step)
+        if "curve" in s:
+            from clusterflow.mining import figure as curve_figure
+
+            self.writer.image("mining/curve", lambda: curve_figure.render(s), self.state.global_step)
+        if self.rank == 0:
+            q = "".join(f" {k} {s[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if k in s)
+            log.info("mining after epoch %d: %d clusters, %d singletons, largest %d, %.2f s;%s",
+                     s["epoch"], s["num_clusters"], s["num_singletons"], s["largest_cluster"], s["seconds"]["total"], q)
+        self._status(mining=for_status(self.state.mining_history))
+
+    def _evaluate(self) -> None:
+        ds = self.task.eval_dataset()
+        if ds is None:
+            return
+        from clusterflow.train.evaluate import evaluate
+
+        with self.phases.enter(phases.EVAL):
+            metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world,
+                               self.phases.tick)
+        metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
+        self.writer.scalars(metrics, self.state.global_step)
+        if self.rank == 0 and metrics:
+            log.info("eval after epoch %d: %s", self.state.epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        self._status(eval=metrics)
+
+    def _finish(self) -> None:
+        self._status(state="running")
+        self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
+        if self.rank == 0:
+            durable.write_atomic(self.paths.model, self.module.state_dict())
+        dist.barrier()
+
+    def _status(self, fsync: bool = True, **fields: Any) -> None:
+        if self.rank == 0:
+            s = self.state
+            rundir.write_status(self.paths, fsync=fsync, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
+                                steps_per_epoch=self.steps_per_epoch, phase=self.phases.current, **fields)

@@ -1,0 +1,52 @@
+"""What the training loop sums between two log steps, kept where a step need not read it back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from clusterflow.observe.metrics import Throughput
+
+
+class LossWindow:
+    """Sums over the micro-steps since the last log. Losses and tensor metrics stay on the device
+    (float64, the same sums a Python float gives), so a step that does not log reads nothing back;
+    a log step reads them all in one transfer."""
+
+    def __init__(self) -> None:
+        self.throughput = Throughput()  # resets itself at each report
+        self.clear()
+
+    def clear(self) -> None:
+        self.loss: Any = 0.0
+        self.n = 0.0
+        self.extra: dict[str, Any] = {}
+
+    @staticmethod
+    def _value(v: Any, name: str = "loss") -> Any:
+        if not torch.is_tensor(v):
+            return float(v)
+        if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
+            from clusterflow.errors import UserError
+
+            raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
+                            f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")
+        return v.detach().reshape(()).to(torch.float64)
+
+    def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:
+        self.loss = self.loss + self._value(loss)
+        self.n += 1
+        for k, v in metrics.items():
+            self.extra[k] = self.extra.get(k, 0.0) + self._value(v, k)
+        self.throughput.add(samples)
+
+    def means(self) -> dict[str, float]:
+        """Read on log steps only: the sums come back in one transfer (one sync on a GPU)."""
+        n = max(self.n, 1)
+        sums = {"train/loss": self.loss, **{f"train/{k}": v for k, v in self.extra.items()}}
+        on_device = [k for k, v in sums.items() if torch.is_tensor(v)]
+        if on_device:
+            read = torch.stack([sums[k] for k in on_device]).tolist()
+            sums.update(zip(on_device, read))
+        return {k: float(v) / n for k, v in sums.items()}
