@@ -1,35 +1,47 @@
-"""``clusterflow submit|run|status ...``: the console script, same as ``python -m clusterflow.<cmd>``."""
+"""``clusterflow submit|run|status|logs|cancel ...``: the console script, the same as
+``python -m clusterflow.<command>``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 
-USAGE = """usage: clusterflow {submit,run,status} ...
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_OK, cli
 
-  clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait]
-  clusterflow run    CONFIG.yaml [KEY=VALUE ...]
-  clusterflow status RUN_DIR [--json]
+# Each command's main, imported only when chosen: `status` on a login node never imports torch.
+COMMANDS = {
+    "submit": "clusterflow.launch.submit",
+    "run": "clusterflow.job.run",
+    "status": "clusterflow.manage.status",
+    "logs": "clusterflow.manage.logs",
+    "cancel": "clusterflow.manage.cancel",
+}
+
+USAGE = """usage: clusterflow {submit,run,status,logs,cancel} ...
+
+  clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait] [--sweep ...]
+  clusterflow run    CONFIG.yaml [KEY=VALUE ...] [--check]
+  clusterflow status RUN_DIR|SWEEP_DIR [--json] [--ranks]
+  clusterflow logs   RUN_DIR [-f] [--rank R]
+  clusterflow cancel RUN_DIR|SWEEP_DIR
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """
 
 
+@cli
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if argv else 2
+        return EXIT_OK if argv else EXIT_BAD_INPUT
     cmd, rest = argv[0], argv[1:]
-    if cmd == "submit":
-        from clusterflow.launch.submit import main as m
-    elif cmd == "run":
-        from clusterflow.job.run import main as m
-    elif cmd == "status":
-        from clusterflow.manage.status import main as m
-    else:
-        print(f"error: unknown command {cmd!r}; choose submit, run or status\n\n{USAGE}", file=sys.stderr)
-        return 2
-    return m(rest)
+    if cmd not in COMMANDS:
+        choices = ", ".join(COMMANDS)
+        print(f"error: unknown command {cmd!r}; choose one of {choices}\n\n{USAGE}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return importlib.import_module(COMMANDS[cmd]).main(rest)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,30 @@ def tmpfs(path, options):
         subprocess.run(["umount", "-l", str(path)], check=False)
 
 
+def weights_equal(path, reference):
+    """Whether two model.pt files hold the same names with bitwise-equal tensors. Weights are
+    compared with a reference trained on this machine, never with a written-down digest: another
+    CPU gives other last bits for the same config."""
+    import torch
+
+    a, b = torch.load(path, weights_only=True), torch.load(reference, weights_only=True)
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def tiny_one_process_model(tmp_path_factory):
+    """model.pt of an uninterrupted one-process run of configs/tiny.yaml on this machine: what
+    every one-process resume of that config must reproduce bitwise."""
+    d = str(tmp_path_factory.mktemp("tiny-one-process") / "run")
+    out = run_cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}",
+                  "cluster.tasks_per_node=1")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return os.path.join(d, "model.pt")
 
 
 @pytest.fixture(params=["local", "memory"])

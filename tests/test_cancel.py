@@ -9,7 +9,8 @@ import pytest
 
 from clusterflow import rundir
 from clusterflow.manage import cancel
-from clusterflow.slurm import jobids
+from clusterflow.rundir import cancel_marker
+from clusterflow.rundir import submissions
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.errors import UserError
 from conftest import run_cli
@@ -27,15 +28,15 @@ def make_run(path, state=None, job=None, source="slurm", **status):
     return d
 
 
-def test_marker_and_effective_state(tmp_path):
+def test_marker(tmp_path):
     d = make_run(tmp_path / "r", "running", "7")
-    assert not cancel.is_cancelled(d) and cancel.effective_state(d, "running") == "running"
-    cancel.mark_cancelled(d, "7", now=1.0)
+    assert not cancel_marker.is_cancelled(d)
+    cancel_marker.mark(d, "7", now=1.0)
     rec = json.load(open(rundir.RunPaths(d).cancelled))
-    assert cancel.is_cancelled(d) and rec["job_id"] == "7" and rec["cancelled_at"] == 1.0 and "@" in rec["by"]
-    assert cancel.effective_state(d, "running") == "cancelled" and cancel.effective_state(d, "requeued") == "cancelled"
-    assert cancel.effective_state(d, "completed") == "completed"  # finished just before the cancel arrived
-    assert cancel.clear(d) and not cancel.is_cancelled(d) and not cancel.clear(d)
+    assert cancel_marker.is_cancelled(d) and rec["job_id"] == "7" and rec["cancelled_at"] == 1.0
+    assert "@" in rec["by"]
+    assert cancel_marker.clear(d) and not cancel_marker.is_cancelled(d)
+    assert not cancel_marker.clear(d)
 
 
 def test_targets():
@@ -53,9 +54,11 @@ def test_targets():
 def test_a_newer_submission_makes_a_stale_state_unknown(tmp_path):
     d = make_run(tmp_path / "r", "failed", "7")
     assert cancel.job_state(d) == "failed"
-    jobids.record_submission(d, "8", now=time.time() + 5)  # resubmitted: its job may be pending
+    # resubmitted: its job may be pending
+    submissions.record_submission(d, "8", now=time.time() + 5)
     assert cancel.job_state(d) is None
-    assert cancel.targets([(d, cancel.job_state(d), jobids.current_job_id(d))])[1] == [(d, "8")]
+    runs = [(d, cancel.job_state(d), submissions.current_job_id(d))]
+    assert cancel.targets(runs)[1] == [(d, "8")]
 
 
 def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path):
@@ -74,14 +77,14 @@ def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path
         f"{sw}/b: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled",
         f"{sw}/c: stopped; marked cancelled so that it is not resumed",
     ]
-    assert [cancel.is_cancelled(os.path.join(sw, n)) for n in names] == [False, True, True, False]
+    assert [cancel_marker.is_cancelled(os.path.join(sw, n)) for n in names] == [False, True, True, False]
 
 
 def test_without_scancel_the_marker_still_stops_requeues(tmp_path):
     d = make_run(tmp_path / "r", "running", "123456789")
     out = run_cli("clusterflow.cancel", d, env={"PATH": str(tmp_path)})  # no scancel on this PATH
     assert out.returncode == 2 and "scancel is not on PATH, so jobs 123456789 still run" in out.stderr
-    assert cancel.is_cancelled(d)
+    assert cancel_marker.is_cancelled(d)
 
 
 def test_not_a_run_dir(tmp_path):
@@ -100,11 +103,11 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     try:
-        jobids.record_submission(d, job)
+        submissions.record_submission(d, job)
         out = run_cli("clusterflow.cancel", d)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"{d}: cancelled job {job}"
-        assert cancel.is_cancelled(d)
+        assert cancel_marker.is_cancelled(d)
         deadline = time.time() + 30
         while time.time() < deadline:
             q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()

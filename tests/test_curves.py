@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining import curves
 from clusterflow.mining.quality import quality

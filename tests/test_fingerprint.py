@@ -99,4 +99,4 @@ def test_docs_table_is_generated_from_the_code():
     from conftest import REPO
 
     page = open(os.path.join(REPO, "docs", "workflows.md")).read()
-    assert fingerprint.reference_markdown() in page, "regenerate the table: python -c 'from clusterflow import fingerprint; print(fingerprint.reference_markdown())'"
+    assert fingerprint.reference_markdown() in page, "regenerate the table: python -c 'from clusterflow.config import fingerprint; print(fingerprint.reference_markdown())'"

@@ -7,8 +7,10 @@ import textwrap
 import pytest
 
 from clusterflow import rundir
+from clusterflow.launch import stages
+from clusterflow.rundir import submissions
 from clusterflow.slurm import jobids
-from clusterflow.slurm import array as slurm_array
+from clusterflow.slurm import sbatch
 from clusterflow.sweeps import sweep
 from clusterflow.errors import UserError
 
@@ -34,28 +36,28 @@ def test_requeue_target(env, target):
 
 def test_current_job_id_is_the_newest_slurm_record(tmp_path):
     d = str(tmp_path)
-    assert jobids.current_job_id(d) is None
-    jobids.record_submission(d, "100_2", now=10.0)
-    assert jobids.current_job_id(d) == "100_2"  # pending: no attempt yet
+    assert submissions.current_job_id(d) is None
+    submissions.record_submission(d, "100_2", now=10.0)
+    assert submissions.current_job_id(d) == "100_2"  # pending: no attempt yet
     rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 0, "job_id": "103", "started_at": 20.0, "source": "slurm"})
-    assert jobids.current_job_id(d) == "103"  # the task's own id once it runs
-    jobids.record_submission(d, "200", now=30.0)
-    assert jobids.current_job_id(d) == "200"  # a resubmission
+    assert submissions.current_job_id(d) == "103"  # the task's own id once it runs
+    submissions.record_submission(d, "200", now=30.0)
+    assert submissions.current_job_id(d) == "200"  # a resubmission
     # a local run's job id is a process id: it must never reach scancel
     rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 1, "job_id": "4242", "started_at": 40.0, "source": "submitit-local"})
-    assert jobids.current_job_id(d) == "200"
+    assert submissions.current_job_id(d) == "200"
     with pytest.raises(ValueError):
-        jobids.record_submission(d, "local")
+        submissions.record_submission(d, "local")
 
 
 def test_after_dependency():
-    assert jobids.after_dependency([("s1", "running", "5"), ("s2", "pending", "6_1"), ("s3", "requeued", "5")]) == "afterok:5:6_1"
-    assert jobids.after_dependency([("s1", "completed", "5")]) is None
-    assert jobids.after_dependency([("s1", None, "5")]) == "afterok:5"  # submitted, not started
+    assert stages.after_dependency([("s1", "running", "5"), ("s2", "pending", "6_1"), ("s3", "requeued", "5")]) == "afterok:5:6_1"
+    assert stages.after_dependency([("s1", "completed", "5")]) is None
+    assert stages.after_dependency([("s1", None, "5")]) == "afterok:5"  # submitted, not started
     with pytest.raises(UserError, match="--after s1: that run is failed, so a job waiting for it to complete would never start"):
-        jobids.after_dependency([("s1", "failed", "5")])
+        stages.after_dependency([("s1", "failed", "5")])
     with pytest.raises(UserError, match="--after s1: no Slurm job is known for that run"):
-        jobids.after_dependency([("s1", "running", None)])
+        stages.after_dependency([("s1", "running", None)])
 
 
 @pytest.fixture
@@ -69,38 +71,48 @@ def members(tmp_path):
     return sweep.expand(str(p), [], ["train.lr=0.1,0.2", "mining.k=5,10"])
 
 
-def test_array_plan_holds_one_job_per_member_in_order(members):
+def logs_folder(sweep_dir):
+    return sbatch.job_folder(rundir.RunPaths(sweep_dir).slurm_logs)
+
+
+def test_array_plan_holds_one_config_per_member_in_order(members):
     ms = members.members
-    plan = slurm_array.array_plan(members.dir, [m.config for m in ms], [m.name for m in ms], max_parallel=2)
-    assert plan.names == [m.name for m in ms] and plan.max_num_timeout == 5
-    assert plan.parameters["array_parallelism"] == 2 and plan.parameters["nodes"] == 2 and plan.parameters["job_name"] == "lr-sweep"
+    folder = logs_folder(members.dir)
+    plan = sbatch.array_plan(folder, [m.config for m in ms], [m.name for m in ms], max_parallel=2)
+    assert plan.names == [m.name for m in ms] and plan.max_num_timeout == 5 and plan.size == 4
+    assert plan.parameters["array_parallelism"] == 2 and plan.parameters["nodes"] == 2
+    assert plan.parameters["job_name"] == "lr-sweep"
     assert plan.folder == os.path.join(os.path.abspath(members.dir), "logs", "slurm", "%j")
-    jobs = plan.jobs
-    assert [j.config["run"]["dir"] for j in jobs] == [m.run_dir for m in ms]
-    assert [(j.config["train"]["lr"], j.config["mining"]["k"]) for j in jobs] == [(0.1, 5), (0.1, 10), (0.2, 5), (0.2, 10)]
+    assert [c.run.dir for c in plan.configs] == [m.run_dir for m in ms]
+    assert [(c.train.lr, c.mining.k) for c in plan.configs] == [(0.1, 5), (0.1, 10), (0.2, 5),
+                                                                 (0.2, 10)]
     # no more parallel tasks than members
-    assert slurm_array.array_plan(members.dir, [ms[0].config], [ms[0].name], 8).parameters["array_parallelism"] == 1
+    one = sbatch.array_plan(folder, [ms[0].config], [ms[0].name], 8)
+    assert one.parameters["array_parallelism"] == 1
     with pytest.raises(UserError, match="--max-parallel 0: must be >= 1"):
-        slurm_array.array_plan(members.dir, [ms[0].config], [ms[0].name], 0)
+        sbatch.array_plan(folder, [ms[0].config], [ms[0].name], 0)
 
 
 def test_array_script_for_dry_run(members):
     ms = members.members
-    plan = slurm_array.array_plan(members.dir, [m.config for m in ms], [m.name for m in ms], max_parallel=3)
-    script = slurm_array.sbatch_script(plan, python="python3")
+    folder = logs_folder(members.dir)
+    plan = sbatch.array_plan(folder, [m.config for m in ms], [m.name for m in ms], max_parallel=3)
+    script = sbatch.script(plan.folder, plan.parameters, python="python3", array_size=plan.size)
     for line in ["#SBATCH --array=0-3%3", "#SBATCH --requeue", "#SBATCH --nodes=2", "#SBATCH --partition=low",
                  "#SBATCH --signal=USR2@120", "#SBATCH --job-name=lr-sweep", "--kill-on-bad-exit=1"]:
         assert line in script, line
     assert "%A_%a" in script and f"python3 -u -m submitit.core._submit {plan.folder}" in script
-    one = slurm_array.array_plan(members.dir, [ms[0].config], [ms[0].name])
-    assert "--array" not in slurm_array.sbatch_script(one)  # submitit submits a batch of one as a plain job
+    one = sbatch.array_plan(plan.folder, [ms[0].config], [ms[0].name])
+    # submitit submits a batch of one as a plain job
+    assert "--array" not in sbatch.script(one.folder, one.parameters, array_size=one.size)
 
 
 def test_members_with_different_resources_cannot_share_an_array(members, tmp_path):
     ms = members.members
     other = sweep.expand(str(tmp_path / "c.yaml"), ["cluster.time_min=60"], ["train.lr=0.1"]).members[0]
     with pytest.raises(UserError, match="ask Slurm for different time; one job array has one set of resources"):
-        slurm_array.array_plan(members.dir, [ms[0].config, other.config], [ms[0].name, "other"])
+        sbatch.array_plan(logs_folder(members.dir), [ms[0].config, other.config],
+                          [ms[0].name, "other"])
 
 
 def _probe(name):
@@ -118,7 +130,8 @@ def test_a_real_array_runs_each_member_and_names_each_task_for_requeue(cluster, 
     p = tmp_path / "c.yaml"
     p.write_text(f"run: {{dir: {tmp_path / 'sw'}}}\ncluster: {{time_min: 5}}\ntrain: {{batch_size: 8}}\n")
     ms = sweep.expand(str(p), ["cluster.tasks_per_node=1"], ["run.seed=1,2,3"]).members
-    plan = slurm_array.array_plan(os.path.dirname(ms[0].run_dir), [m.config for m in ms], [m.name for m in ms], max_parallel=2)
+    folder = logs_folder(os.path.dirname(ms[0].run_dir))
+    plan = sbatch.array_plan(folder, [m.config for m in ms], [m.name for m in ms], max_parallel=2)
     ex = submitit.SlurmExecutor(folder=plan.folder, max_num_timeout=plan.max_num_timeout)
     params = dict(plan.parameters, setup=[f"export PYTHONPATH={os.path.dirname(os.path.abspath(__file__))}"])
     ex.update_parameters(**params)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import run_cli
-from slurmjobs import env, status, submit, wait_until
+from slurmjobs import status, submit, wait_until
 
 pytestmark = pytest.mark.slurm
 STALL_S = 10

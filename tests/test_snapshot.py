@@ -65,7 +65,7 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
     # the user edits the code while the job waits in the queue
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited while pending"\n')
     env = {"PYTHONPATH": repo}  # the original is importable, and first, unless the snapshot is activated
-    probe = ("import multiprocessing, os, subprocess, sys\nfrom clusterflow import snapshot\n{activate}"
+    probe = ("import multiprocessing, os, subprocess, sys\nfrom clusterflow.rundir import frozen_code as snapshot\n{activate}"
              "import mytasks.task, mytasks.helper\nprint(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
              # a spawned DataLoader worker gets the parent's sys.path
              "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
@@ -85,14 +85,14 @@ def test_a_module_imported_before_activation_is_replaced(repo, tmp_path):
     run_dir = str(tmp_path / "run")
     snapshot.take(run_dir, "mytasks.task:Task")
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited"\n')
-    out = run_python(f"import mytasks.task\nfrom clusterflow import snapshot\nsnapshot.activate({run_dir!r})\n"
+    out = run_python(f"import mytasks.task\nfrom clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({run_dir!r})\n"
                      "import importlib, mytasks.task as t\nprint(t.VALUE)", cwd=repo, env_extra={"PYTHONPATH": repo})
     assert out == "submitted"
 
 
 def test_finding_the_package_imports_nothing(repo, tmp_path):
     write(os.path.join(repo, "mytasks", "__init__.py"), "raise RuntimeError('imported at submission')\nimport torch\n")
-    code = (f"import sys; sys.path.insert(0, {repo!r})\nfrom clusterflow import snapshot\n"
+    code = (f"import sys; sys.path.insert(0, {repo!r})\nfrom clusterflow.rundir import frozen_code as snapshot\n"
             f"m = snapshot.take({str(tmp_path / 'run')!r}, 'mytasks.task:Task')\n"
             "print(m['files'], 'torch' in sys.modules, 'mytasks' in sys.modules)")
     assert run_python(code, cwd=str(tmp_path)) == "4 False False"
@@ -117,7 +117,7 @@ def test_a_moved_run_dir_still_activates(repo, tmp_path):
     snapshot.take(run_dir, "mytasks.task:Task")
     moved = str(tmp_path / "moved")
     shutil.move(run_dir, moved)
-    out = run_python(f"from clusterflow import snapshot\nsnapshot.activate({moved!r})\nimport mytasks.task\nprint(mytasks.task.__file__)",
+    out = run_python(f"from clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({moved!r})\nimport mytasks.task\nprint(mytasks.task.__file__)",
                      cwd=str(tmp_path))
     assert out.startswith(moved)
 

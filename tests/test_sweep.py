@@ -157,7 +157,10 @@ def test_workflow_modules_stay_light_on_the_login_node():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom clusterflow import fingerprint, sweep, sweep_index, sweep_status, slurm_array, jobids, "
-            "snapshot, logs, cancel\nprint('torch' in sys.modules, 'faiss' in sys.modules)")
+    modules = ["config.fingerprint", "sweeps.sweep", "sweeps.index", "manage.sweep_status",
+               "slurm.sbatch", "slurm.commands", "slurm.jobids", "rundir.submissions",
+               "rundir.frozen_code", "manage.logs", "manage.cancel", "launch.submit", "launch.sweep"]
+    imports = "".join(f"import clusterflow.{m}\n" for m in modules)
+    code = f"import sys\n{imports}print('torch' in sys.modules, 'faiss' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.split() == ["False", "False"], out.stderr

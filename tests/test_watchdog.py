@@ -12,7 +12,8 @@ import pytest
 
 from clusterflow.rundir import first_error
 from clusterflow.dist import free_port
-from clusterflow.observe.watchdog import EXIT_STALLED, _active_in, describe_frame, flight_recorder_env, waiting_in_collective
+from clusterflow.errors import EXIT_STALLED
+from clusterflow.observe.watchdog import _active_in, describe_frame, flight_recorder_env, waiting_in_collective
 from conftest import REPO
 
 PROGRAM = os.path.join(REPO, "tests", "stall_program.py")
@@ -53,7 +54,8 @@ def test_a_stalled_loop_dumps_its_stacks_records_the_cause_and_exits(tmp_path):
     log = (tmp_path / "logs" / "rank0.attempt0.log").read_text()
     assert "clusterflow watchdog: rank 0 on" in log
     # faulthandler's dump of every thread: the loop, the heartbeat writer, the watchdog itself
-    assert 'line 22 in sleeping_in_loss' in log and "in _run" in log and log.count("(most recent call first)") >= 3
+    sleep_line = 1 + open(PROGRAM).read().split("\n").index("    time.sleep(3600)")
+    assert f"line {sleep_line} in sleeping_in_loss" in log and "in _run" in log and log.count("(most recent call first)") >= 3
     assert "sleeping_in_loss" in (tmp_path / "stalls" / "attempt0" / "rank0.stacks.txt").read_text()
     assert f"exiting with {EXIT_STALLED}" in out
     beat = json.loads((tmp_path / "heartbeats" / "rank0.json").read_text())

@@ -9,7 +9,7 @@ import pytest
 
 import launch
 from clusterflow import config, rundir
-from clusterflow.manage import cancel
+from clusterflow.rundir import cancel_marker
 from clusterflow.rundir import saved_config
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
@@ -113,7 +113,7 @@ def test_a_cancelled_run_is_never_requeued(tmp_path):
     """The job's own requeue (time limit, SIGTERM) checks the marker first: no scontrol requeue runs
     (here it would fail on the unknown job id and record "stopped")."""
     paths = rundir.RunPaths(str(tmp_path))
-    cancel.mark_cancelled(str(tmp_path), "99999")
+    cancel_marker.mark(str(tmp_path), "99999")
     environ = {"SLURM_JOB_ID": "99999", "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_NODELIST": "n1",
                "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "1"}
     env = DistEnv(source="slurm", job_id="99999")

@@ -32,6 +32,7 @@ from clusterflow.config.sections import (
 from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.values import coerce, short, shown
 from clusterflow.errors import UserError
+from clusterflow.config import fingerprint
 
 
 @dataclass
@@ -161,7 +162,6 @@ def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: s
     dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue re-runs the
     sbatch script, which re-reads a YAML file the user may have edited since) runs on the saved
     config with a note; any other result change is refused, naming the keys."""
-    from clusterflow.config import fingerprint
 
     result, other = fingerprint.compare(saved, requested)
     result = [c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]

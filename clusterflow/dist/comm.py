@@ -16,6 +16,7 @@ from typing import Any, Mapping
 
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
+from clusterflow.dist import tree
 
 
 def pick_backend(requested: str = "auto") -> str:
@@ -220,7 +221,6 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     import torch
     import torch.distributed as tdist
 
-    from clusterflow.dist import tree
 
     mine = rank() == src
     skeleton, tensors = tree.flatten(obj) if mine else (None, [])

@@ -22,7 +22,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, TaskError, UserError
 
 
 @dataclass(frozen=True)
@@ -31,11 +31,6 @@ class Failure:
     trace: str  # the traceback worth keeping ("" for a failure the message says all about)
     code: int  # the exit status
     named: bool  # True: clusterflow explains it and exits with ``code``; False: Python's own traceback and exit
-
-
-class TaskError(Exception):
-    """The user's task code raised while clusterflow imported or constructed it; the original is
-    ``__cause__`` and the message names task.target."""
 
 
 def _task_file(target: str) -> str | None:

@@ -16,10 +16,18 @@ from typing import Any, Mapping
 
 from clusterflow import observe, rundir
 from clusterflow.job import failure
-from clusterflow.rundir import first_error
+from clusterflow.rundir import first_error, states
 from clusterflow.config.job_config import Config, from_dict
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
+from clusterflow import dist
+from clusterflow.job.requeue import after_stop
+from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import lease
+from clusterflow.rundir import saved_config
+from clusterflow.tasks import load_task
+from clusterflow.train.preemption import Preemption
+from clusterflow.train.trainer import Trainer
 
 log = logging.getLogger("clusterflow")
 
@@ -70,8 +78,6 @@ def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
 
 def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
-    from clusterflow import dist
-    from clusterflow.rundir import lease
 
     paths = rundir.RunPaths(cfg.run.dir)
     # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
@@ -94,7 +100,6 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
 
 def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | None = None) -> str:
     """Run this task's share of the job. Returns completed, preempted, timeout, requeued or failed."""
-    from clusterflow import dist
 
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
@@ -108,13 +113,8 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         held = True
         attempt = _start(env, cfg, device)
         _threads(env, environ)
-        from clusterflow.train.preemption import Preemption
-        from clusterflow.job.requeue import after_stop
-        from clusterflow.tasks import load_task
-        from clusterflow.train.trainer import Trainer
 
         preemption = Preemption().install()
-        from clusterflow.rundir import frozen_code as snapshot
 
         snapshot.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
@@ -140,9 +140,6 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
     config against the saved one (writing it on a first start); every rank gets that config, or
     the reason this job may not run there."""
-    from clusterflow import dist
-    from clusterflow.rundir import lease
-    from clusterflow.rundir import saved_config
 
     answer: Any = None
     if env.is_main:
@@ -162,9 +159,8 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
 def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
     """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
     requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
-    from clusterflow.rundir import lease
 
-    if outcome in ("completed", "failed") or not environ.get("SLURM_JOB_ID"):
+    if outcome in (states.COMPLETED, states.FAILED) or not environ.get("SLURM_JOB_ID"):
         lease.release(cfg.run.dir)
 
 
@@ -196,7 +192,7 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
 
 
 def _attempt_of(paths: rundir.RunPaths) -> int:
-    return max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+    return rundir.current_attempt(paths)
 
 
 __all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]

@@ -11,12 +11,12 @@ Time-limit requeues are counted in one place: the ``timeout`` lines of ``RUN_DIR
 from __future__ import annotations
 
 import logging
-import subprocess
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from clusterflow import rundir
-from clusterflow.manage import cancel
+from clusterflow.rundir import cancel_marker
+from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
 log = logging.getLogger("clusterflow")
@@ -66,9 +66,9 @@ def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[
         timeouts = rundir.count_stops(paths, "timeout")
     slurm_state = None
     if job_id:  # Slurm is asked only what the decision needs
-        slurm_state = slurm_job_state(job_id) if outcome == "preempted" else ""
+        slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
     action = decide(outcome, env.source, slurm_state, timeouts, limit)
-    if outcome != "completed" and cancel.is_cancelled(paths.root):  # the user's cancel wins over any requeue
+    if outcome != "completed" and cancel_marker.is_cancelled(paths.root):  # the user's cancel wins over any requeue
         rundir.write_status(paths, state="cancelled")
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome
@@ -82,28 +82,16 @@ def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[
     return action.outcome
 
 
-def slurm_job_state(job_id: str) -> str:
-    """JobState from `scontrol show job`, or "" when Slurm does not answer."""
-    try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    for field in proc.stdout.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return ""
-
-
 def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> bool:
-    try:
-        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.error("could not run scontrol requeue %s: %s", job_id, exc)
-        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {exc}")
-        return False
-    if proc.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job_id, proc.stderr.strip())
-        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {proc.stderr.strip()}")
+    """``scontrol requeue`` this job; when Slurm refuses, the run is recorded as stopped."""
+    out = slurm_commands.requeue(job_id)
+    if not out.ok:
+        said = out.error if out.returncode is None else out.stderr.strip()
+        if out.returncode is None:
+            log.error("could not run scontrol requeue %s: %s", job_id, said)
+        else:
+            log.error("scontrol requeue %s failed: %s", job_id, said)
+        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {said}")
         return False
     rundir.write_status(paths, state="requeued")
     log.info("requeued job %s after %s", job_id, why)

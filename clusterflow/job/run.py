@@ -21,6 +21,10 @@ from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.dist.env import DistEnv
+from clusterflow.dist.sampler import check_fits
+from clusterflow.job.job import run_job
+from clusterflow.tasks import load_task
 
 EXAMPLES = """examples:
   python -m clusterflow.run configs/demo.yaml                        # one process, here
@@ -43,12 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
     if args.check:
-        from clusterflow.dist.env import DistEnv
 
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)
         return _check_task(cfg, env.world_size)
-    from clusterflow.job.job import run_job
 
     # Rank 0 takes the run dir's lease, then resumes with the saved config (a requeued job re-runs
     # this command with the YAML as it is now: it keeps the saved config) or writes it, and
@@ -60,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 def _check_task(cfg: Config, world: int) -> int:
     """What ``run_job`` checks before training, without a process group: the task imports and
     takes its parameters, and its training set holds a full batch."""
-    from clusterflow.dist.sampler import check_fits
-    from clusterflow.tasks import load_task
 
     try:
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)

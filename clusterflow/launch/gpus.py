@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from clusterflow.errors import UserError
+from clusterflow.observe import nvml
 
 IDLE_USED_MB = 1024  # a driver context with no process (persistence mode, MIG, ECC) stays under this
 
@@ -146,7 +147,6 @@ def for_local(gpus_per_node: int, request: str | Sequence[int], environ: Mapping
     local rank i runs on the i-th chosen GPU."""
     if gpus_per_node <= 0:
         return None
-    from clusterflow.observe import nvml
 
     sel = select_gpus(nvml.read_snapshot(), gpus_per_node, request, cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"))
     print(sel.summary())

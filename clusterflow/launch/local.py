@@ -49,7 +49,7 @@ class RankWatch:
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
         self.started_at = time.time()
         self.first_seen: float | None = None  # when the first task appeared (the controller starts all at once)
-        self.attempts_before = len(rundir.read_jsonl(rundir.RunPaths(run_dir).attempts))
+        self.attempts_before = rundir.attempt_count(rundir.RunPaths(run_dir))
 
     def first_dead(self) -> int | None:
         """The rank of a task that is gone without a successful result, if any: one seen and gone,
@@ -117,7 +117,7 @@ class RankWatch:
                 time.sleep(0.1)
         self._kill_survivors()  # also when the controller is done but left a rank behind
         paths = rundir.RunPaths(self.run_dir)
-        when = "before the rendezvous" if len(rundir.read_jsonl(paths.attempts)) == self.attempts_before else "during the run"
+        when = "before the rendezvous" if rundir.attempt_count(paths) == self.attempts_before else "during the run"
         cause = self._cause(rank, paths)
         who = f"rank {rank} (pid {self.procs[rank][0]})" if rank in self.procs else f"rank {rank}"
         why = f"{who} died first, {when}: {cause}; the other rank(s) were stopped"

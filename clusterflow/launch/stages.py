@@ -1,8 +1,8 @@
 """``submit ... --after RUN_DIR`` (repeatable): a stage that starts when earlier runs completed.
 
 On Slurm the new job gets ``--dependency=afterok:<job>[:<job>...]`` on each earlier run's current
-job (``jobids.current_job_id``: the newest of what submit recorded and what the last attempt ran
-as). A requeued job keeps its id, so the dependency holds across preemptions and time-limit
+job (``submissions.current_job_id``: the newest of what submit recorded and what the last attempt
+ran as). A requeued job keeps its id, so the dependency holds across preemptions and time-limit
 requeues of the earlier stage; it is satisfied only when that job finally completes. An earlier
 run that already completed needs no dependency; one that failed, stopped or was cancelled is
 refused (``afterok`` would never be met). With ``--local`` nothing can wait in a queue, so every
@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
+from clusterflow.manage import status
+from clusterflow.rundir import states
+from clusterflow.rundir import submissions
 from clusterflow.slurm import jobids
 from clusterflow.errors import UserError
 
 
 def _state(run_dir: str) -> str | None:
-    from clusterflow.manage import status
-
     return status.collect(run_dir)["state"]
 
 
@@ -39,15 +39,29 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
         if not os.path.isdir(run_dir):
             raise UserError(f"--after {run_dir}: no such run dir; pass the run.dir of a submitted run")
         state = _state(run_dir)
-        if local and state != "completed":
+        if local and state != states.COMPLETED:
             raise UserError(f"--after {run_dir}: that run is {state}; with --local the earlier stage must have "
                             f"completed (run it first, e.g. submit its config with --local)")
-        runs.append((run_dir, state, jobids.current_job_id(run_dir)))
-    return jobids.after_dependency(runs)
+        runs.append((run_dir, state, submissions.current_job_id(run_dir)))
+    return after_dependency(runs)
 
 
-def with_dependency(params: dict[str, Any], dep: str | None) -> dict[str, Any]:
-    """submitit SlurmExecutor parameters with ``#SBATCH --dependency`` added (unchanged without one)."""
-    if not dep:
-        return params
-    return dict(params, additional_parameters={**params.get("additional_parameters", {}), "dependency": dep})
+def after_dependency(runs: list[tuple[str, str | None, str | None]]) -> str | None:
+    """``--after RUN_DIR`` (repeatable) -> the ``--dependency`` value, from (run_dir, state, job id).
+
+    A completed run needs no dependency (Slurm forgets finished jobs, and ``afterok`` on a
+    forgotten id is refused). A failed, stopped or cancelled run would never satisfy ``afterok``,
+    so it is refused rather than leaving the new job pending forever.
+    """
+    ids = []
+    for run_dir, state, job_id in runs:
+        if state == states.COMPLETED:
+            continue
+        if states.ended(state):
+            raise UserError(f"--after {run_dir}: that run is {state}, so a job waiting for it to complete would never start; "
+                            f"resume it first (submit its config again), then submit this one with --after")
+        if not jobids.is_slurm_id(job_id):
+            raise UserError(f"--after {run_dir}: no Slurm job is known for that run (state {state or 'unknown'}); "
+                            f"--after needs a run submitted to Slurm with clusterflow.submit")
+        ids.append(str(job_id))
+    return "afterok:" + ":".join(dict.fromkeys(ids)) if ids else None

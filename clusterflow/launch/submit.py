@@ -9,27 +9,25 @@ loads neither torch nor faiss.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 from typing import Any
 
 from clusterflow import dist, rundir
-from clusterflow.manage import cancel
+from clusterflow.rundir import cancel_marker
 from clusterflow.rundir import first_error
 from clusterflow.launch import gpus as gpu_select
-from clusterflow.slurm import jobids
 from clusterflow.rundir import lease
 from clusterflow.launch import local as local_watch
 from clusterflow.manage import logs
 from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
 from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import submissions
 from clusterflow.launch import stages
+from clusterflow.launch import sweep as sweep_submit
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import sbatch
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 
@@ -61,35 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_intermixed_args(argv)  # flags may come after the overrides too
 
 
-# -- Slurm parameters ---------------------------------------------------------------------------
-
-def slurm_parameters(cfg: Config) -> dict[str, Any]:
-    """The submitit SlurmExecutor parameters for this config (also what --dry-run renders)."""
-    c = cfg.cluster
-    params: dict[str, Any] = {
-        "job_name": cfg.run.name,
-        "nodes": c.nodes,
-        "ntasks_per_node": c.tasks_per_node,
-        "cpus_per_task": c.cpus_per_task,
-        "time": c.time_min,
-        "signal_delay_s": c.signal_delay_s,
-        "setup": list(c.setup),
-        # requeue: preempted or time-limited jobs come back; kill-on-bad-exit: one crashed rank ends the step
-        "additional_parameters": {"requeue": True, **c.sbatch_extra},
-        "srun_args": ["--kill-on-bad-exit=1", *c.srun_args],
-        "stderr_to_stdout": False,
-    }
-    if c.gpus_per_node:
-        params["gpus_per_node"] = c.gpus_per_node
-    if c.mem_gb:
-        params["mem"] = f"{int(c.mem_gb)}GB" if c.mem_gb == int(c.mem_gb) else f"{int(c.mem_gb * 1024)}MB"
-    for key in ("partition", "account", "qos", "constraint"):
-        if getattr(c, key):
-            params[key] = getattr(c, key)
-    if c.exclusive:
-        params["exclusive"] = True
-    return params
-
+# -- Slurm ---------------------------------------------------------------------------------------
 
 def slurm_folder(cfg: Config) -> str:
     return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
@@ -97,31 +67,18 @@ def slurm_folder(cfg: Config) -> str:
 
 def sbatch_script(cfg: Config, python: str | None = None, dependency: str | None = None) -> str:
     """The exact script submitit would submit (rendered without needing srun on this host)."""
-    from submitit.slurm.slurm import _make_sbatch_string
-
-    python = python or shlex.quote(sys.executable)
-    folder = os.path.join(slurm_folder(cfg), "%j")
-    command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
-    return _make_sbatch_string(command=command, folder=folder, **stages.with_dependency(slurm_parameters(cfg), dependency))
-
-
-def _run(cmd: list[str], timeout: float = 10) -> subprocess.CompletedProcess | None:
-    if shutil.which(cmd[0]) is None:
-        return None
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except (subprocess.TimeoutExpired, OSError):
-        return None
+    params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
+    return sbatch.script(sbatch.job_folder(slurm_folder(cfg)), params, python=python)
 
 
 def check_cluster(cfg: Config) -> None:
     """Checks that need Slurm to answer; skipped (not failed) when sinfo does not answer in time."""
     c = cfg.cluster
-    out = _run(["sinfo", "-h", "-o", "%P|%D|%c|%G"])
-    if out is None or out.returncode != 0:
-        print("warning: sinfo did not answer within 10 s; partition and node counts are not checked", file=sys.stderr)
+    rows = slurm_commands.partitions(timeout_s=10)
+    if rows is None:
+        print("warning: sinfo did not answer within 10 s; partition and node counts are not "
+              "checked", file=sys.stderr)
         return
-    rows = [line.split("|") for line in out.stdout.split() if "|" in line]
     parts = {r[0].rstrip("*"): r for r in rows}
     default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
     name = c.partition or default
@@ -186,7 +143,7 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     if results is None:
         status, _ = rundir.read_object(paths.status)
         code = failed_exit_code(status)
-        attempt = max(0, len(rundir.read_jsonl(paths.attempts)) - 1)
+        attempt = rundir.current_attempt(paths)
         said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
         print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
@@ -203,7 +160,7 @@ def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
     import time
 
     paths = rundir.RunPaths(run_dir)
-    tail = logs.Tail(paths.log_file(0, len(rundir.read_jsonl(paths.attempts))))
+    tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
     while True:
         done = job.done()
         dead = None if done else watch.first_dead()
@@ -219,50 +176,31 @@ def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
 
 
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
-    import submitit
+    from clusterflow.job.job import Job  # the job's module imports torch: not on the login node
 
-    from clusterflow.job.job import Job
-
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run here or --dry-run to see the script")
+    sbatch.require_sbatch("run here")
     check_cluster(cfg)
-    # No max_num_timeout: clusterflow handles the time-limit signal and counts those requeues itself
-    # (requeue.py, from stops.jsonl); submitit's own counter would be a second one.
-    ex = submitit.SlurmExecutor(folder=os.path.join(slurm_folder(cfg), "%j"))
-    ex.update_parameters(**stages.with_dependency(slurm_parameters(cfg), dependency))
-    said = io.StringIO()  # submitit prints sbatch's complaint itself; it goes into our one line instead
-    try:
-        with contextlib.redirect_stderr(said):
-            job = ex.submit(Job(cfg.to_dict()))
-    except submitit.core.utils.FailedJobError as exc:
-        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
-        raise UserError(f"sbatch refused the job ({why}); fix the cluster.* keys it names "
-                        f"(see python -m clusterflow.submit ... --dry-run for the script)") from None
-    sys.stderr.write(said.getvalue())
+    params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
+    job_id = sbatch.submit(sbatch.job_folder(slurm_folder(cfg)), params, Job(cfg.to_dict()))
     paths = rundir.RunPaths(cfg.run.dir)
-    rundir.write_status(paths, state="pending", job_id=str(job.job_id))  # status asks squeue about it from now on
-    jobids.record_submission(cfg.run.dir, str(job.job_id))
+    # status asks squeue about it from now on
+    rundir.write_status(paths, state="pending", job_id=job_id)
+    submissions.record_submission(cfg.run.dir, job_id)
     logs = paths.logs
-    print(f"submitted job {job.job_id}")
+    print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
-    print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job.job_id}/")
+    print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
     print(f"status: python -m clusterflow.status {cfg.run.dir}")
     print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:
         return EXIT_OK
-    return wait_for(cfg.run.dir, job.job_id)
+    return wait_for(cfg.run.dir, job_id)
 
 
 def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
     A requeued job stays in the queue, so waiting spans all its attempts."""
-    import time
-
-    while True:
-        out = _run(["squeue", "-h", "-j", str(job_id), "-o", "%T"])
-        if out is not None and out.returncode == 0 and not out.stdout.strip():
-            break
-        time.sleep(poll_s)
+    slurm_commands.wait_until_gone(job_id, poll_s)
     status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
@@ -274,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
-        from clusterflow.launch import sweep as sweep_submit
-
-        return sweep_submit.submit_sweep(args, dependency)
+        return sweep_submit.submit_sweep(args, dependency, submit_local)
     if args.max_parallel is not None:
         raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
     cfg = saved_config.load(args.config, args.overrides)
@@ -295,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
-    cancel.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
+    cancel_marker.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
     snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
         return submit_local(cfg, gpus)

@@ -8,7 +8,7 @@ The steps, in order, so that a bad member never leaves half a sweep in the queue
    members are skipped, the others are new or resumed (``sweep_index.plan``);
 3. check each member's run dir and write its config (a resumed member keeps its saved one), and
    freeze the task's code into it;
-4. submit the members to run as one job array (``slurm_array``) and record the array task of each
+4. submit the members to run as one job array (``slurm.sbatch``) and record the array task of each
    member in the index and in the member's ``submissions.jsonl`` (``cancel`` and ``--after`` read it).
 
 ``--local`` runs the members one after another here; ``--dry-run`` lists the members with what a
@@ -18,22 +18,20 @@ submission would do and prints the array's sbatch script, writing nothing. Login
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import io
 import os
-import shutil
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from clusterflow import rundir
-from clusterflow.manage import cancel
-from clusterflow.slurm import jobids
+from clusterflow.rundir import cancel_marker
 from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
-from clusterflow.slurm import array as slurm_array
 from clusterflow.rundir import frozen_code as snapshot
-from clusterflow.launch import stages
+from clusterflow.rundir import submissions
+from clusterflow.manage import status
+from clusterflow.manage import sweep_status
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import sbatch
 from clusterflow.sweeps import sweep
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
@@ -42,8 +40,6 @@ from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
 def member_state(run_dir: str) -> str | None:
     """What a resubmission decides on: None for a member that never ran (no config.yaml, or
     written by a submission whose sbatch failed), else the state status reports."""
-    from clusterflow.manage import status
-
     if not os.path.exists(os.path.join(run_dir, "config.yaml")):
         return None
     try:
@@ -82,44 +78,35 @@ def _prepare(members: list[sweep.Member]) -> list[Any]:
 def _submit_array(sw: sweep.Sweep, names: list[str], configs: list[Any], max_parallel: int | None,
                   dependency: str | None) -> dict[str, str]:
     """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one member)."""
-    import submitit
+    from clusterflow.job.job import Job  # the job's module imports torch: not on the login node
 
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch is not on PATH: this is not a Slurm login node; use --local to run the sweep here "
-                        "or --dry-run to see the script")
-    plan = slurm_array.array_plan(sw.dir, configs, names, max_parallel)
-    params = stages.with_dependency(plan.parameters, dependency)
-    # No max_num_timeout: clusterflow counts time-limit requeues itself (requeue.py).
-    ex = submitit.SlurmExecutor(folder=plan.folder)
-    ex.update_parameters(**params)
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            with ex.batch():
-                jobs = [ex.submit(job) for job in plan.jobs]
-    except submitit.core.utils.FailedJobError as exc:
-        why = "; ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or "no reason given"
-        raise UserError(f"sbatch refused the sweep's job array ({why}); fix the cluster.* keys it names "
-                        f"(see --dry-run for the script)") from None
-    sys.stderr.write(said.getvalue())
-    return {name: str(job.job_id) for name, job in zip(names, jobs)}
+    sbatch.require_sbatch("run the sweep here")
+    plan = sbatch.array_plan(_folder(sw), configs, names, max_parallel)
+    params = sbatch.with_dependency(plan.parameters, dependency)
+    ids = sbatch.submit_array(plan.folder, params, [Job(cfg.to_dict()) for cfg in plan.configs])
+    return dict(zip(plan.names, ids))
 
 
-def _run_local(configs: list[Any]) -> int:
-    from clusterflow.launch import submit
+def _folder(sw: sweep.Sweep) -> str:
+    """submitit's folder for the sweep's job array (task T's output: SWEEP_DIR/logs/slurm/A_T)."""
+    return sbatch.job_folder(rundir.RunPaths(sw.dir).slurm_logs)
 
+
+def _run_local(configs: list[Any], run_local: Callable[[Any], int]) -> int:
     worst = EXIT_OK
     for cfg in configs:
         print(f"== sweep member {cfg.run.dir}")
-        code = submit.submit_local(cfg)
+        code = run_local(cfg)
         if code == 130:
             return code
         worst = max(worst, code)
     return worst
 
 
-def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int:
-    """The ``--sweep`` branch of ``submit.main``."""
+def submit_sweep(args: argparse.Namespace, dependency: str | None,
+                 run_local: Callable[[Any], int]) -> int:
+    """The ``--sweep`` branch of ``submit.main``; ``run_local``: how ``--local`` runs one member
+    here (``submit.submit_local``), one after another."""
     sw = sweep.expand(args.config, args.overrides, args.sweep)
     for m in sw.members:
         preflight.check_paths(m.config)
@@ -130,8 +117,10 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int
             print(f"# note: changed since the last submission: {c}")
         todo = [m for m in sw.members if m.name in plan.to_submit]
         if todo and not args.local:
-            ap = slurm_array.array_plan(sw.dir, [m.config for m in todo], [m.name for m in todo], args.max_parallel)
-            print(slurm_array.sbatch_script(dataclasses.replace(ap, parameters=stages.with_dependency(ap.parameters, dependency))))
+            ap = sbatch.array_plan(_folder(sw), [m.config for m in todo], [m.name for m in todo],
+                                   args.max_parallel)
+            params = sbatch.with_dependency(ap.parameters, dependency)
+            print(sbatch.script(ap.folder, params, array_size=ap.size))
         return EXIT_OK
     with sweep_index.locked(sw.dir):
         index, changes, plan = _plan(sw)
@@ -146,13 +135,13 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int
             return EXIT_OK
         configs = _prepare(todo)
         if args.local:
-            return _run_local(configs)
+            return _run_local(configs, run_local)
         names = [m.name for m in todo]
         jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
         for cfg, name in zip(configs, names):
-            jobids.record_submission(cfg.run.dir, jobs[name])
+            submissions.record_submission(cfg.run.dir, jobs[name])
             rundir.write_status(rundir.RunPaths(cfg.run.dir), state="pending", job_id=jobs[name])
-            cancel.clear(cfg.run.dir)  # a cancelled member is only here when its marker was deleted
+            cancel_marker.clear(cfg.run.dir)  # a cancelled member is only here when its marker was deleted
         sweep_index.write_index(sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs))
     print(f"submitted job array {jobs[names[0]].split('_')[0]}: {len(names)} member(s)"
           + (f", at most {args.max_parallel} at once" if args.max_parallel else ""))
@@ -165,14 +154,7 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None = None) -> int
 def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
     """``--wait``: block until the array left the queue (requeues included); exit 0 when every
     member completed, else 1."""
-    import time
-
-    from clusterflow.slurm import queue as slurm_queue
-    from clusterflow.manage import status
-    from clusterflow.manage import sweep_status
-
-    while slurm_queue.state(array_id) != "":
-        time.sleep(poll_s)
+    slurm_commands.wait_until_gone(array_id, poll_s)
     rows = sweep_status.collect(sweep_dir, status.collect)
     print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
     return EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED

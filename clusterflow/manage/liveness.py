@@ -21,7 +21,7 @@ from typing import Any
 
 from clusterflow import rundir
 from clusterflow.rundir import lease
-from clusterflow.slurm import queue as slurm_queue
+from clusterflow.slurm import commands as slurm_commands
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
         return Liveness(False, seen, f"its {len(procs)} process(es) on {host} are gone")
     gen, rec, age = lease.current(run_dir)
     if gen:
-        ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_queue.state)
+        ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_commands.queue_state)
         return Liveness(ok, seen, f"the job holding its lease: {why}")
     if procs and procs[0][0] == host:  # rank 0, the lease holder, ran here: gone, and it left no lease
         return Liveness(False, seen, f"rank 0's process on {host} is gone and the run holds no lease")

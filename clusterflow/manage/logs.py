@@ -17,9 +17,10 @@ import time
 from typing import IO
 
 from clusterflow import rundir
+from clusterflow.rundir import cancel_marker, states
 from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.sweeps import index as sweep_index
 
-ENDED = ("completed", "failed", "cancelled", "stopped")
 EXAMPLES = """examples:
   python -m clusterflow.logs runs/exp1                # rank 0, every attempt
   python -m clusterflow.logs runs/exp1 -f             # and follow, across requeues, until the run ends
@@ -59,10 +60,9 @@ def header(run_dir: str, rank: int, attempt: int) -> str:
 
 
 def ended(run_dir: str) -> bool:
-    from clusterflow.manage.cancel import is_cancelled
 
     state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
-    return state in ENDED or is_cancelled(run_dir)
+    return states.ended(state) or cancel_marker.is_cancelled(run_dir)
 
 
 class Tail:
@@ -91,7 +91,6 @@ class Tail:
 
 
 def _check(run_dir: str, rank: int) -> None:
-    from clusterflow.sweeps import index as sweep_index
 
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")

@@ -3,8 +3,6 @@ the stall watchdog and slurm_outcome.
 
 - ``ranks``: every rank's latest heartbeat of the last attempt (heartbeat.read_ranks), with ages
   and the marks ``silent`` and ``straggler``; ``ranks_summary`` names the odd ones in one line.
-- ``error``: when the attempt's first cause is a stall, that line (``rank 1 on node2 stalled 60 s
-  at step 20 in train (file:line function)``), not srun's or a peer's later account of it.
 - ``slurm``: once a failed or unfinished Slurm job has left the queue, sacct's verdict
   (OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, ...) or scontrol's, saying sacct was
   unavailable (slurm_outcome.ask, with timeouts).
@@ -15,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import first_error
+from clusterflow.rundir import saved_config, states
 from clusterflow.observe import heartbeat
 from clusterflow.slurm import outcome as slurm_outcome
 
@@ -23,13 +21,12 @@ DEFAULT_HEARTBEAT_S = 10.0
 
 
 def _heartbeat_s(paths: rundir.RunPaths) -> float:
-    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop status); 0: off."""
-    import yaml
-
+    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop
+    status); 0: off."""
+    data, _ = saved_config.read_plain(paths.root)
     try:
-        with open(paths.config, "rb") as f:
-            value = float(yaml.safe_load(f.read().decode("utf-8"))["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
-    except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+        value = float(data["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
+    except (ValueError, TypeError, KeyError, AttributeError):
         return DEFAULT_HEARTBEAT_S
     return value if value >= 0 else DEFAULT_HEARTBEAT_S
 
@@ -45,17 +42,13 @@ def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list
 
 
 def extend(out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None) -> None:
-    """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object; put a stall's line in ``error``."""
+    """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object."""
     rs = ranks(paths, last, out.get("world_size"))
-    if out["state"] in ("completed", "failed", "cancelled"):
+    if states.ended(out["state"]):
         for r in rs:
             r["silent"] = False  # a finished run's ranks are quiet by design; the ages still say when they stopped
     out["ranks"] = rs
     out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
-    stall = first_error.read(paths.root, int(last.get("attempt", 0))) if last else None
-    if stall is not None and stall.get("kind") == "stall" and out["state"] in ("failed", "running"):
-        out["error"] = first_error.headline(stall)
-        out["stalled"] = {k: stall.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
     job_id = str(out.get("job_id") or "")
     left_queue = queue == "" and job_id.replace("_", "").isdigit()
     out["slurm"] = slurm_outcome.ask(job_id).to_dict() if left_queue and out["state"] != "completed" else None

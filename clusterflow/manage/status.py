@@ -8,22 +8,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.manage import cancel
+import dataclasses
+
+from clusterflow.manage import verdict
+from clusterflow.rundir import cancel_marker, saved_config
 from clusterflow.rundir import first_error
 from clusterflow.slurm import jobids
+from clusterflow.rundir import submissions
 from clusterflow.manage import liveness
 from clusterflow.manage import ranks as rank_status
-from clusterflow.slurm import queue as slurm_queue
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import outcome as slurm_outcome
 from clusterflow.rundir import frozen_code as snapshot
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.manage import sweep_status
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.storage.store import CheckpointStore
 
 EXAMPLES = """examples:
   python -m clusterflow.status runs/demo
@@ -35,7 +40,6 @@ EXAMPLES = """examples:
 
 def _checkpoints(root: str) -> tuple[list[str], list[str]]:
     """Committed steps (oldest first), and the damaged ones the store set aside."""
-    from clusterflow.storage.store import CheckpointStore
 
     try:
         store = CheckpointStore(root)
@@ -47,33 +51,12 @@ def _checkpoints(root: str) -> tuple[list[str], list[str]]:
 def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
     status: then the default place, and what is wrong)."""
-    import yaml
-
-    try:
-        with open(paths.config, "rb") as f:
-            data = yaml.safe_load(f.read().decode("utf-8"))
-        configured = data["checkpoint"].get("dir") or ""
-        if not isinstance(configured, str):
-            raise TypeError("checkpoint.dir is not a string")
-    except (OSError, ValueError, yaml.YAMLError, TypeError, KeyError, AttributeError) as exc:
-        return join_checkpoints(paths.root, ""), f"config.yaml is damaged ({type(exc).__name__}); the next launch sets it aside"
-    return join_checkpoints(paths.root, configured), ""
-
-
-def _state(st: dict[str, Any], attempts: list[dict[str, Any]], queue: str | None, started: bool) -> str:
-    """The run's state from status.json, corrected by what squeue says (when it answers).
-    ``started``: something shows the run began (attempts, checkpoints), when status.json does not say."""
-    state = st.get("state") or ("running" if attempts or started else "pending")
-    if queue is None:
-        return state
-    qstate = queue.split("|")[0] if queue else ""
-    if qstate == "PENDING":
-        return "requeued" if attempts else "pending"
-    if qstate in ("RUNNING", "COMPLETING", "CONFIGURING"):
-        return "running"
-    if qstate == "" and state in ("running", "pending"):
-        return "failed"  # left the queue without writing an outcome: killed or crashed
-    return state
+    data, problem = saved_config.read_plain(paths.root)
+    configured = (data.get("checkpoint") or {}).get("dir") if isinstance(data.get("checkpoint"), dict) else None
+    if problem or not isinstance(configured or "", str):
+        why = problem or "checkpoint.dir is not a string"
+        return join_checkpoints(paths.root, ""), f"config.yaml is damaged ({why}); the next launch sets it aside"
+    return join_checkpoints(paths.root, configured or ""), ""
 
 
 def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
@@ -87,24 +70,16 @@ def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
     return errors
 
 
-def _first_failure(paths: rundir.RunPaths, job_id: str, error: str | None) -> str | None:
-    """The error to show for a failed Slurm job: srun names the task that failed first (a SIGKILL
-    leaves that rank no chance to record anything), so a peer's later error is put after it."""
+def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | None:
+    """The task srun reported as failed first in a Slurm job's output, or None."""
+    if not jobids.is_slurm_id(job_id):
+        return None
     try:
-        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8", errors="replace") as f:
-            first = slurm_queue.first_task_failure(f.read())
+        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8",
+                  errors="replace") as f:
+            return slurm_outcome.first_task_failure(f.read())
     except OSError:
-        return error
-    if first is None or (error or "").startswith(f"rank {first[0]}:"):
-        return error
-    rank, node, what = first
-    return f"rank {rank} on {node} ended first ({what}, as srun reports it)" + (f"; then {error}" if error else "")
-
-
-def _cause(paths: rundir.RunPaths, st: dict[str, Any], state: str, job_id: str, attempts: int) -> str | None:
-    """The first cause of a failure (``first_error.cause``), with srun's view for a Slurm job."""
-    error = first_error.cause(paths.root, st, max(0, attempts - 1)) if state == "failed" else st.get("error")
-    return _first_failure(paths, job_id, error) if state == "failed" and jobids.is_slurm_id(job_id) else error
+        return None
 
 
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -141,19 +116,24 @@ def collect(run_dir: str) -> dict[str, Any]:
     root, damaged_config = _checkpoint_root(paths)
     cks, damaged = _checkpoints(root)
     last = attempts[-1] if attempts else {}
-    current = jobids.current_job_id(run_dir)  # a resubmission is newer than the last attempt
+    current = submissions.current_job_id(run_dir)  # a resubmission is newer than the last attempt
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
-    queue = slurm_queue.state(job_id) if current or (last.get("source") or "slurm") in ("slurm", "torchrun") else None
-    state, alive, note = _state(st, attempts, queue, bool(cks)), None, None
-    if state in ("running", "failed") and st.get("state") in ("running", "pending", None):
+    queue = slurm_commands.queue_state(job_id) if current or (last.get("source") or "slurm") in ("slurm", "torchrun") else None
+    evidence = verdict.Evidence(
+        recorded_state=st.get("state"), recorded_error=st.get("error"), attempts=len(attempts),
+        started=bool(cks), queue=queue, cancelled=cancel_marker.is_cancelled(run_dir),
+        first_error=first_error.read(run_dir, rundir.current_attempt(paths)),
+        srun_first=_srun_first(paths, job_id))
+    alive, note = None, None
+    if verdict.needs_liveness(evidence):
         life = liveness.check(run_dir, last, queue)
         alive = life.alive
-        if alive is False:
-            state, note = "failed", life.note(st.get("global_step", 0))
-    state = cancel.effective_state(run_dir, state)
+        note = life.note(st.get("global_step", 0)) if alive is False else None
+        evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
+    decided = verdict.decide(evidence)
     latest = cks[-1] if cks else None
     out = {
-        "state": state,
+        "state": decided.state,
         "alive": alive,
         "liveness": note,
         "run_dir": run_dir,
@@ -175,12 +155,14 @@ def collect(run_dir: str) -> dict[str, Any]:
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, float(last.get("started_at") or 0)),
-        "error": _cause(paths, st, state, job_id, len(attempts)) or note,
+        "error": decided.error,
         "logs": paths.logs,
         "code": snapshot.describe(run_dir),
         "updated_at": st.get("updated_at"),
     }
-    rank_status.extend(out, paths, last, queue)  # ranks, a stall's line as the error, Slurm's verdict
+    if decided.stalled is not None:
+        out["stalled"] = decided.stalled
+    rank_status.extend(out, paths, last, queue)  # ranks, Slurm's verdict
     return out
 
 

@@ -20,6 +20,7 @@ from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining import curves
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
+from clusterflow.mining import knn
 
 
 def normalize(x: np.ndarray) -> np.ndarray:
@@ -115,7 +116,6 @@ def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float | str, 
     ``index_args``: the FAISS knobs of :class:`clusterflow.mining.knn.KnnParams` (nlist, nprobe, hnsw_m,
     ef_search, use_gpu); ``timings`` receives seconds per phase and the engine used.
     """
-    from clusterflow.mining import knn
 
     emb = np.asarray(embeddings)
     if emb.ndim != 2 or emb.shape[0] == 0:

@@ -32,6 +32,7 @@ from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining.curves import modularity
 from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
+from clusterflow.mining import knn
 
 if TYPE_CHECKING:
     from clusterflow.mining.knn import KnnParams
@@ -60,7 +61,6 @@ def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
 def default_search(params: "KnnParams | None" = None) -> Search:
     """The search over the cluster means: ``knn.search`` with ``params`` (a mining round passes
     its own; default: exact, FAISS flat or torch) and the k each level asks for."""
-    from clusterflow.mining import knn
 
     base = params or knn.KnnParams(k=1)
 

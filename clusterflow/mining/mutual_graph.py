@@ -6,12 +6,11 @@ numpy compares a float32 array with the threshold. Everything that needs mutual 
 here: the components at one threshold (``clustering.mutual_edges``), the curves over every
 threshold (``curves.py``) and FINCH's modularity (``finch.py``), so they cannot drift apart.
 
-Two cases the sparse-matrix version of this rule got wrong (fixed here, tests in
-tests/test_curves.py): an edge whose similarity is exactly 0.0 was dropped (scipy's sparse
-multiply discards explicit zeros), and a neighbour listed twice in one row (an approximate
-index may do that) had its similarities summed. A listing counts once, with its higher
-similarity; a NaN similarity never passes a threshold; a row listing itself adds nothing (the
-engines never do).
+Two cases a sparse-matrix product would get wrong are handled here (tests in
+tests/test_curves.py): an edge whose similarity is exactly 0.0 is kept (scipy's sparse multiply
+discards explicit zeros), and a neighbour listed twice in one row (an approximate index may do
+that) counts once, with its higher similarity, never summed. A NaN similarity never passes a
+threshold; a row listing itself adds nothing (the engines never do).
 """
 
 from __future__ import annotations

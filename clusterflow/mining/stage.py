@@ -33,11 +33,17 @@ from clusterflow import dist
 from clusterflow.mining import curves
 from clusterflow.mining import finch
 from clusterflow.observe import phases
-from clusterflow.mining.clustering import cluster_stats, clusters_from_graph, ignore_singletons
+from clusterflow.mining.clustering import cluster_stats, clusters_from_graph, ignore_singletons, normalize
 from clusterflow.errors import RunFailed
 from clusterflow.mining.knn import KnnParams
 from clusterflow.mining.rounds import RoundFiles, SearchBlocks, round_key
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
+from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.dist.sampler import shard_range
+from clusterflow.mining import knn
+from clusterflow.mining.knn.torch_engine import distributed_search
+from clusterflow.mining.quality import quality
+from clusterflow.mining.rounds import forget_rounds
 
 log = logging.getLogger("clusterflow.mining")
 
@@ -69,7 +75,6 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     heartbeat: a rank stuck in one batch is a stall)."""
     import torch
 
-    from clusterflow.dist.sampler import shard_range
 
     shard = shard_range(len(dataset), rank, world)
     pin = pin_memory and device.type == "cuda"
@@ -117,7 +122,6 @@ class Rank0Search:
                  seconds: dict[str, Any], files: RoundFiles | None) -> Found:
         """Collective. Rank 0 gets the k-NN lists of all n rows (None when aborted), the engine
         used and the normalised rows; ``files``: rank 0 keeps its finished query blocks there."""
-        from clusterflow.mining import knn
 
         t0 = time.perf_counter()
         full = dist.gather_rows(indices, emb, n, dim)
@@ -145,8 +149,6 @@ class SpreadSearch:
 
     def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
                  seconds: dict[str, Any], files: RoundFiles | None) -> Found:
-        from clusterflow.mining.knn.torch_engine import distributed_search
-        from clusterflow.dist.sampler import shard_range
 
         t0 = time.perf_counter()
         world, rank = dist.world(), dist.rank()
@@ -195,7 +197,6 @@ class Miner:
     def forget_rounds(self, committed_epoch: int) -> None:
         """Delete the files of the rounds whose labels a committed checkpoint holds (one rank calls it)."""
         if self.rounds_dir is not None:
-            from clusterflow.mining.rounds import forget_rounds
 
             forget_rounds(self.rounds_dir, committed_epoch)
 
@@ -204,7 +205,6 @@ class Miner:
         caller saves and exits; the round continues from its files on restart)."""
         import torch
 
-        from clusterflow.checkpoint.rng import capture_rng, restore_rng
 
         threads, rng = torch.get_num_threads(), capture_rng()
         try:
@@ -254,7 +254,6 @@ class Miner:
         settings = {"knn": dataclasses.asdict(self.params), "embed_batch": c.embed_batch, "search": c.search,
                     "amp": str(self.amp), "device": str(self.device.type)}
         if c.search != "all":
-            from clusterflow.mining import knn
 
             settings["engine"] = knn.choose_engine(c.engine)
         key = round_key(model, epoch, dist.world(), n, settings)
@@ -313,7 +312,6 @@ class Miner:
         stats = {"epoch": epoch, **cluster_stats(labels), "engine": engine, "num_samples": n, "method": c.method, **found,
                  "curve": curve.to_dict()}
         if truth is not None:
-            from clusterflow.mining.quality import quality
 
             stats.update(quality(labels, truth))
         log.info("mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d", epoch, engine, _how(stats),

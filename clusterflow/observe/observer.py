@@ -36,7 +36,7 @@ def before_init(cfg: Any, environ: Mapping[str, str]) -> None:
     rank 0 records next: every rank reads attempts.jsonl before the rendezvous, rank 0 appends after it.
     Nothing is written into the run dir here: this job does not hold it yet."""
     try:
-        attempt = len(rundir.read_jsonl(rundir.RunPaths(cfg.run.dir).attempts))
+        attempt = rundir.attempt_count(rundir.RunPaths(cfg.run.dir))  # the attempt about to start
     except OSError:  # a run dir that cannot be read is refused, with its reason, once the job takes it
         attempt = 0
     os.environ.update(flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False))

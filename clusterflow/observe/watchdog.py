@@ -37,11 +37,11 @@ from types import FrameType
 from typing import Any, Callable, Mapping
 
 from clusterflow import rundir
+from clusterflow.errors import EXIT_STALLED
 from clusterflow.storage import durable
 from clusterflow.rundir import first_error
 from clusterflow.observe.heartbeat import Progress
 
-EXIT_STALLED = 86  # distinct from 1 (job failed) and 2 (bad input): `sacct` shows ExitCode 86:0
 WAIT_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/", "clusterflow/dist.py")
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
 log = logging.getLogger("clusterflow.watchdog")

@@ -1,6 +1,7 @@
 """The run directory: its file names, its records, who may use it, its saved config and code.
 
 - ``paths.py``: :class:`RunPaths`, the name of every file in a run dir (the layout is there);
+- ``states.py``: the run states and which of them are ended;
 - ``records.py``: status.json, attempts, stops, per-rank errors, and damage-proof readers;
 - ``first_error.py``: the attempt's first cause, recorded once;
 - ``lease.py``: one job per run dir;
@@ -14,7 +15,9 @@
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.records import (
     append_jsonl,
+    attempt_count,
     count_stops,
+    current_attempt,
     open_jsonl,
     read_json,
     read_jsonl,
@@ -28,7 +31,9 @@ from clusterflow.rundir.records import (
 __all__ = [
     "RunPaths",
     "append_jsonl",
+    "attempt_count",
     "count_stops",
+    "current_attempt",
     "open_jsonl",
     "read_json",
     "read_jsonl",

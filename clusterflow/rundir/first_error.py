@@ -5,10 +5,9 @@ gloo/NCCL timeout) and would otherwise be what `status` shows. Whoever records f
 
     RUN_DIR/errors/first.attempt<A>.json   {"rank", "host", "error", "kind", "time", "attempt", ...}
 
-The record is written complete to a private temp file and published with ``os.link``, which fails
-with EEXIST when a record is already there. ``link`` is atomic on local filesystems and on NFS
-(v2 and later; ``O_EXCL`` creation is exclusive only from NFSv3), and a reader never sees a
-half-written record. One file per attempt, so a requeued attempt records its own first cause.
+The record is published once (``durable.publish_once``: complete, then linked into place, so a
+reader never sees half of it and a second writer learns it lost). One file per attempt, so a
+requeued attempt records its own first cause.
 The keys match errors/rank<R>.json (rank, host, error, time), which `status` already lists.
 """
 
@@ -33,27 +32,7 @@ def record(run_dir: str, attempt: int, rank: int, error: str, *, host: str | Non
         return False  # the common loser's path: skip writing a temp file
     rec = {"rank": rank, "host": host or socket.gethostname(), "error": error, "kind": kind, "time": time.time(),
            "attempt": attempt, "pid": os.getpid(), **extra}
-    tmp = f"{target}.{socket.gethostname()}.{os.getpid()}.tmp"
-    durable.write_file(tmp, json.dumps(rec, indent=1))  # complete and fsynced before anyone can see it
-    try:
-        os.link(tmp, target)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:  # a filesystem without hard links (some FUSE mounts): exclusive create instead
-        return _create_exclusive(target, rec)
-    finally:
-        os.unlink(tmp)
-
-
-def _create_exclusive(target: str, rec: dict[str, Any]) -> bool:
-    try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(json.dumps(rec, indent=1))
-    return True
+    return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
 def read(run_dir: str, attempt: int) -> dict[str, Any] | None:
@@ -69,10 +48,14 @@ def headline(rec: dict[str, Any]) -> str:
     return f"rank {rec.get('rank')} on {rec.get('host')}: {rec.get('error')}"
 
 
-def cause(run_dir: str, status: dict[str, Any], attempt: int) -> str | None:
-    """The failure's first cause as status.json words it ("rank R: ..."), or, when status.json lost
-    it (two ranks' read-modify-writes of it at once), as this attempt's first-error record has it."""
-    if status.get("error"):
-        return str(status["error"])
-    rec = read(run_dir, attempt)
+def worded(recorded: str | None, rec: dict[str, Any] | None) -> str | None:
+    """The failure's first cause as status.json words it ("rank R: ..."), or, when status.json
+    lost it (two ranks' read-modify-writes of it at once), as the first-error record has it."""
+    if recorded:
+        return str(recorded)
     return f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None
+
+
+def cause(run_dir: str, status: dict[str, Any], attempt: int) -> str | None:
+    """:func:`worded` for status.json's record and this attempt's first-error record."""
+    return worded(status.get("error"), read(run_dir, attempt))

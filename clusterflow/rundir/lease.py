@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from clusterflow.rundir import records as rundir
-from clusterflow.slurm import queue as slurm_queue
+from clusterflow.storage import durable
+from clusterflow.slurm import commands as slurm_commands
 from clusterflow.errors import UserError
 
 log = logging.getLogger("clusterflow")
@@ -169,7 +170,7 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     gen, rec, age = current(run_dir)
     if gen == 0:
         return 0, ""
-    alive, why = judge(rec or {}, age, me, slurm_queue.state)
+    alive, why = judge(rec or {}, age, me, slurm_commands.queue_state)
     who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
     if alive:
         raise RunDirBusy(f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
@@ -218,30 +219,7 @@ def acquire(run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | N
 def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
     """Link generation ``gen`` into place; False when that name already exists."""
     target = os.path.join(folder(run_dir), f"gen-{gen}.json")
-    tmp = os.path.join(folder(run_dir), f".tmp-{rec['token']}")
-    _write(tmp, rec)
-    try:
-        os.link(tmp, target)
-        return True
-    except FileExistsError:
-        return False
-    except OSError:  # a filesystem without hard links: exclusive create instead
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            return False
-        with os.fdopen(fd, "wb") as f:
-            f.write(json.dumps(rec).encode())
-        return True
-    finally:
-        os.unlink(tmp)
-
-
-def _write(path: str, rec: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
-        f.write(json.dumps(rec, indent=1).encode())
-        f.flush()
-        os.fsync(f.fileno())
+    return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
 def _drop_older(run_dir: str, gen: int) -> None:
@@ -265,9 +243,7 @@ def renew(lease: Lease) -> bool:
         return False
     lease.rec.update(renewed_at=time.time(), renewals=lease.rec["renewals"] + 1)
     target = os.path.join(folder(lease.run_dir), f"gen-{lease.gen}.json")
-    tmp = f"{target}.{lease.rec['token'][:8]}.tmp"
-    _write(tmp, lease.rec)
-    os.replace(tmp, target)
+    durable.write_atomic(target, json.dumps(lease.rec, indent=1), make_folder=False)
     return True
 
 

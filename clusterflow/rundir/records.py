@@ -80,9 +80,21 @@ def append_jsonl(target: str, record: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def attempt_count(paths: RunPaths) -> int:
+    """How many job starts (requeues included) attempts.jsonl records. Attempts are numbered
+    from 0, so this is also the number the next attempt gets."""
+    return len(read_jsonl(paths.attempts))
+
+
+def current_attempt(paths: RunPaths) -> int:
+    """The number of the newest attempt (0 before any): the one whose logs and first cause
+    ``status`` and ``submit --local`` show."""
+    return max(0, attempt_count(paths) - 1)
+
+
 def record_attempt(paths: RunPaths, **fields: Any) -> int:
-    """Append this job start to attempts.jsonl; returns its 0-based attempt number."""
-    n = len(read_jsonl(paths.attempts))
+    """Append this job start to attempts.jsonl; returns its attempt number."""
+    n = attempt_count(paths)
     append_jsonl(paths.attempts, {"attempt": n, "started_at": time.time(), **fields})
     return n
 
@@ -103,7 +115,7 @@ def _locked(target: str) -> Iterator[None]:
     """An exclusive lock across processes (``target``.lock, flock): two failing ranks and the
     --local watcher each read, update and replace status.json, and without it one of them can
     replace the file with a copy read before another's update (a lost cause or exit code). Where
-    the filesystem has no locks, the update goes on without one, as before."""
+    the filesystem has no locks, the update goes on without one."""
     try:
         fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:

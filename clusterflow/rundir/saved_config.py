@@ -30,6 +30,7 @@ from clusterflow.storage import durable
 from clusterflow.rundir import records as rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
+from clusterflow.storage.store import CheckpointStore
 
 HEADER = "# clusterflow run config"
 _NOTE = (f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
@@ -67,6 +68,24 @@ def write_config(cfg: Config) -> None:
     durable.write_atomic(paths.config, _NOTE + yaml.safe_dump(portable(cfg.to_dict()), sort_keys=False))
 
 
+def _parse(target: str) -> Any:
+    with open(target, "rb") as f:
+        return yaml.safe_load(f.read().decode("utf-8"))
+
+
+def read_plain(run_dir: str) -> tuple[dict[str, Any], str]:
+    """The saved config as plain YAML, for readers that must never stop on it (``status``):
+    (mapping, "") or, when it is missing or damaged, ({}, what is wrong). Nothing is checked
+    or set aside here: the next launch does that (:func:`read`)."""
+    try:
+        data = _parse(rundir.RunPaths(run_dir).config)
+    except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
+        return {}, type(exc).__name__
+    if not isinstance(data, dict):
+        return {}, f"a YAML {type(data).__name__}, not a mapping"
+    return data, ""
+
+
 def read(run_dir: str, set_aside: bool = True) -> Config | None:
     """The saved config, with ``run.dir`` = ``run_dir``; None when there is none, or when it is
     damaged (then it is set aside with a warning, unless ``set_aside`` is False)."""
@@ -74,8 +93,7 @@ def read(run_dir: str, set_aside: bool = True) -> Config | None:
     if not os.path.exists(target):
         return None
     try:
-        with open(target, "rb") as f:
-            data = yaml.safe_load(f.read().decode("utf-8"))
+        data = _parse(target)
         if not isinstance(data, dict):
             raise UserError(f"the top level is a {type(data).__name__}, not a mapping of sections")
         data.setdefault("run", {})
@@ -96,7 +114,6 @@ def read(run_dir: str, set_aside: bool = True) -> Config | None:
 
 def _has_checkpoint(cfg: Config) -> bool:
     """Whether the run of ``cfg`` committed a checkpoint; True when that cannot be told."""
-    from clusterflow.storage.store import CheckpointStore
 
     try:
         return bool(CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint.keep_last).steps())

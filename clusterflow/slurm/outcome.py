@@ -11,20 +11,24 @@ an OOM kill often shows only on a step while the job row says FAILED or CANCELLE
 the last attempt are read too. ``-D`` (``--duplicates``) makes sacct print every attempt of a
 requeued job (without it sacct shows only the most recent record); the verdict is the last
 attempt's, and ``attempts`` counts them. ExitCode is ``code:signal``.
+
+:func:`first_task_failure` reads the job's own output for the task srun saw fail first. The
+commands run through ``commands.py``.
 """
 
 from __future__ import annotations
 
 import re
 import signal as _signal
-import subprocess
 from dataclasses import asdict, dataclass, replace
 from typing import Any
+
+from clusterflow.errors import EXIT_STALLED
+from clusterflow.slurm import commands
 
 SACCT_FORMAT = "JobID,State,ExitCode,Reason,Start,End,NodeList"  # Start/End: for the reader; parsed by position
 ENDED = ("OUT_OF_MEMORY", "NODE_FAIL", "TIMEOUT", "CANCELLED", "PREEMPTED", "FAILED", "COMPLETED", "BOOT_FAIL",
          "DEADLINE", "REVOKED")
-EXIT_STALLED = 86  # clusterflow.observe.watchdog.EXIT_STALLED (not imported: this module stays import-light)
 
 
 @dataclass(frozen=True)
@@ -162,33 +166,31 @@ def parse_scontrol(text: str) -> Verdict | None:
                    nodes=found.get("NodeList") or None, attempts=restarts + 1)
 
 
-def _run(argv: list[str], timeout_s: float) -> tuple[bool, str, str]:
-    """(answered, stdout, why not) for one Slurm command."""
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    except FileNotFoundError:
-        return False, "", f"{argv[0]} is not installed here"
-    except subprocess.TimeoutExpired:
-        return False, "", f"{argv[0]} did not answer within {timeout_s:g} s"
-    except OSError as exc:
-        return False, "", f"{argv[0]}: {exc}"
-    if p.returncode != 0:
-        return False, p.stdout, (p.stderr.strip().splitlines() or [f"exit status {p.returncode}"])[-1]
-    return True, p.stdout, ""
+_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)[\d,-]*: (.+)$", re.M)
+
+
+def first_task_failure(text: str) -> tuple[int, str, str] | None:
+    """(rank, node, what) of the first task srun reported as failed in a job's output
+    (``srun: error: node2: task 1: Killed``), or None. With ``--kill-on-bad-exit`` srun ends the
+    other tasks right after it, so their own errors ("connection reset") come from that one."""
+    m = _SRUN_ERROR.search(text)
+    return (int(m.group(2)), m.group(1), m.group(3).strip()) if m else None
 
 
 def ask(job_id: str, timeout_s: float = 10.0) -> Verdict:
     """Ask sacct, then scontrol; never raises. ``note`` says when sacct could not answer."""
     if not re.fullmatch(r"[0-9]+(_[0-9]+)?", str(job_id)):
         return Verdict("UNKNOWN", "none", note=f"{job_id!r} is not a Slurm job id")
-    ok, out, why = _run(["sacct", "-j", str(job_id), "-D", "-P", "-n", f"--format={SACCT_FORMAT}"], timeout_s)
-    if ok:
-        verdict = parse_sacct(out)
+    out = commands.sacct(job_id, SACCT_FORMAT, timeout_s)
+    why = out.why()
+    if out.ok:
+        verdict = parse_sacct(out.stdout)
         if verdict is not None:
             return verdict
         why = "it has no record of the job yet"
-    ok, out, sc_why = _run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
-    verdict = parse_scontrol(out) if ok else None
+    out = commands.show_job(job_id, timeout_s)
+    verdict = parse_scontrol(out.stdout) if out.ok else None
     if verdict is not None:
         return replace(verdict, note=f"sacct unavailable ({why}); this is scontrol's record")
-    return Verdict("UNKNOWN", "none", note=f"sacct unavailable ({why}); scontrol: {sc_why or 'no record (expired after MinJobAge)'}")
+    sc_why = ("" if out.ok else out.why()) or "no record (expired after MinJobAge)"
+    return Verdict("UNKNOWN", "none", note=f"sacct unavailable ({why}); scontrol: {sc_why}")

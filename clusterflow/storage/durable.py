@@ -5,6 +5,8 @@
 - :func:`write_atomic`: a local file that readers see whole or not at all (``status.json``,
   ``config.yaml``, the final ``model.pt``): written as a hidden sibling with :func:`write_file`,
   then renamed over the target.
+- :func:`publish_once`: a local file created once, complete, by whoever comes first (the
+  attempt's first cause, a lease generation): the loser learns that it lost.
 - :func:`load_checked`: ``torch.load`` of a file while its digest is checked beside it.
 
 Digests: new files get BLAKE3 (the ``blake3`` package: SIMD on one core, about 2-3x sha256 here,
@@ -238,6 +240,40 @@ def write_atomic(target: str, payload: Any, fsync: bool = True, make_folder: boo
     if fsync:
         fsync_dir(folder)
     return info
+
+
+def publish_once(target: str, payload: str | bytes) -> bool:
+    """Create the local file ``target`` holding ``payload`` unless it exists; True when this call
+    created it. The content is written complete and fsynced to a private sibling first, then
+    published with ``os.link``, which fails with EEXIST when the name is taken: ``link`` is
+    atomic on local filesystems and on NFS (v2 and later; ``O_EXCL`` creation is exclusive only
+    from NFSv3), and a reader never sees a half-written file. A filesystem without hard links
+    (some FUSE mounts) gets an exclusive create instead."""
+    data = payload.encode() if isinstance(payload, str) else payload
+    tmp = os.path.join(os.path.dirname(target) or ".",
+                       f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}")
+    write_file(tmp, data)
+    try:
+        os.link(tmp, target)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        return _create_exclusive(target, data)
+    finally:
+        os.unlink(tmp)
+
+
+def _create_exclusive(target: str, data: bytes) -> bool:
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return True
 
 
 def fsync_dir(path: str) -> None:

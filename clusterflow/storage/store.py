@@ -51,6 +51,7 @@ import fsspec
 from clusterflow.storage import diskfull
 from clusterflow.storage import durable
 from clusterflow.storage import manifest as schema
+from clusterflow import __version__
 
 log = logging.getLogger("clusterflow.store")
 
@@ -84,7 +85,6 @@ def _versions() -> dict[str, str]:
         out["torch"] = torch.__version__
     except ImportError:
         pass
-    from clusterflow import __version__
 
     out["clusterflow"] = __version__
     return out

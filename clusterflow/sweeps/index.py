@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from clusterflow import rundir
+from clusterflow.rundir import states as run_states
 from clusterflow.storage import durable
 from clusterflow.config import fingerprint
 from clusterflow.errors import UserError
 from clusterflow.sweeps.sweep import Sweep
 
 VERSION = 1
-ACTIVE = ("pending", "running", "requeued")
 
 
 def is_sweep_dir(path: str) -> bool:
@@ -128,11 +128,11 @@ def plan(names: list[str], states: dict[str, str | None]) -> Plan:
         state = states.get(name)
         if state is None:
             out.new.append(name)
-        elif state == "completed":
+        elif state == run_states.COMPLETED:
             out.skip[name] = "completed"
-        elif state in ACTIVE:
+        elif state in (run_states.PENDING, run_states.RUNNING, run_states.REQUEUED):
             out.skip[name] = f"still {state}"
-        elif state == "cancelled":
+        elif state == run_states.CANCELLED:
             out.skip[name] = "cancelled (delete its cancelled.json to resume it)"
         else:
             out.resume.append(name)

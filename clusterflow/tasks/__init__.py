@@ -37,8 +37,7 @@ import inspect
 import typing
 from typing import Any
 
-from clusterflow.errors import UserError
-from clusterflow.job.failure import TaskError
+from clusterflow.errors import TaskError, UserError
 
 
 class Task:
@@ -87,7 +86,7 @@ class Task:
 def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
     """Import and construct ``task.target``. A target that does not exist and parameters that do not
     fit the class are a UserError (exit 2); the task's own code raising while it is imported or
-    constructed is a TaskError that keeps its traceback (exit 1), see ``clusterflow.failure``."""
+    constructed is a TaskError that keeps its traceback (exit 1), see ``clusterflow.job.failure``."""
     module_name, _, cls_name = target.partition(":")
     module = _import(target, module_name)
     cls = getattr(module, cls_name, None)

@@ -35,6 +35,7 @@ from clusterflow.tasks.losses import supcon_loss
 from clusterflow.tasks import Task
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
+from clusterflow.tasks.digits import write_digits
 
 log = logging.getLogger("clusterflow.tasks.images")
 
@@ -193,7 +194,6 @@ class ImageFolderTask(Task):
         _check(_is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all")
         _check(isinstance(make_digits, bool), "make_digits", make_digits, "true or false")
         if make_digits and (not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))):
-            from clusterflow.tasks.digits import write_digits
 
             log.info("task.params.root=%s is missing or empty: writing the scikit-learn digits there (make_digits)", root)
             write_digits(root)

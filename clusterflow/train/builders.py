@@ -11,6 +11,9 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+from clusterflow.errors import UserError
+from clusterflow.rundir.records import RunPaths
+from clusterflow.storage.store import CheckpointStore
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -73,15 +76,12 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     """
     import fsspec
 
-    from clusterflow.errors import UserError
 
     fs, path = fsspec.core.url_to_fs(where)
     if fs.isdir(path):
-        from clusterflow.rundir.records import RunPaths
 
         candidates = [RunPaths(path.rstrip("/")).model]
         if not fs.exists(candidates[0]):
-            from clusterflow.storage.store import CheckpointStore
 
             ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
             if ckpt is None:

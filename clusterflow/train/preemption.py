@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import time
 from typing import Any
+from clusterflow import dist
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 HANDLED = (signal.SIGTERM, *TIMEOUT_SIGNALS)
@@ -94,7 +95,6 @@ class StopAgreement:
 
     def __init__(self, preemption: Preemption, timeout_s: int = 600, interval_s: float = 0.0,
                  clock: Any = time.perf_counter) -> None:
-        from clusterflow import dist
 
         self.preemption = preemption
         self.single = not dist.initialized()

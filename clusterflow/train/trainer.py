@@ -39,6 +39,8 @@ from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed
 from clusterflow.tasks import Task
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.train.window import LossWindow
+from clusterflow.mining import figure as curve_figure
+from clusterflow.train.evaluate import evaluate
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -293,7 +295,6 @@ class Trainer:
             if len(sizes):
                 self.writer.histogram("mining/cluster_sizes", sizes, self.state.global_step)
         if "curve" in s:
-            from clusterflow.mining import figure as curve_figure
 
             self.writer.image("mining/curve", lambda: curve_figure.render(s), self.state.global_step)
         if self.rank == 0:
@@ -306,7 +307,6 @@ class Trainer:
         ds = self.task.eval_dataset()
         if ds is None:
             return
-        from clusterflow.train.evaluate import evaluate
 
         with self.phases.enter(phases.EVAL):
             metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world,

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from clusterflow.observe.metrics import Throughput
+from clusterflow.errors import UserError
 
 
 class LossWindow:
@@ -28,7 +29,6 @@ class LossWindow:
         if not torch.is_tensor(v):
             return float(v)
         if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
-            from clusterflow.errors import UserError
 
             raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
                             f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")

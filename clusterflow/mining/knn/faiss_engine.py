@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clusterflow.mining.knn import Blocks, KnnParams, k_others
+from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 
 
 def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:

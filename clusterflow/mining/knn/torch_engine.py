@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from clusterflow.mining.knn import Blocks, k_others
+from clusterflow import dist
+from clusterflow.mining.knn.common import Blocks, k_others
 
 
 def _sizes(n: int, k: int, query_batch: int, db_chunk: int) -> tuple[int, int, int, int]:
@@ -147,8 +148,6 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
     """
     import torch
 
-    from clusterflow import dist
-
     t0 = time.perf_counter()
     rank, world = dist.rank(), dist.world()
     n, d = offsets[-1], x_local.shape[1]
@@ -207,7 +206,5 @@ def _read_back(blocks: Blocks, lo: int, hi: int, query_batch: int, sims_out: np.
 
 def _finished_anywhere(starts: list[int]) -> set[int]:
     """Collective: the query blocks that any rank already has (each rank holds only its own)."""
-    from clusterflow import dist
-
     every = dist.gather_object(starts)
     return set(dist.broadcast_object(sorted(set().union(*every)) if every is not None else None))

@@ -1,0 +1,118 @@
+"""What ``status`` shows as a run's ``state`` and ``error``: one pure function over what was seen.
+
+status.json holds what the run last wrote, and a run killed by SIGKILL, the OOM killer or a
+node failure writes nothing more; a user's cancel, Slurm's queue and the attempt's first-error
+record each know something status.json may not. :func:`decide` weighs them, in this order:
+
+| evidence (first that applies wins)                     | state                     |
+|--------------------------------------------------------|---------------------------|
+| cancelled marker, run not completed                    | cancelled                 |
+| recorded running/pending (or nothing), no live process | failed                    |
+| squeue: PENDING                                        | requeued (pending before  |
+|                                                        | any attempt)              |
+| squeue: RUNNING, COMPLETING, CONFIGURING               | running                   |
+| squeue: gone, recorded running/pending                 | failed                    |
+| status.json's state                                    | that state                |
+| no state recorded                                      | running once an attempt   |
+|                                                        | or checkpoint exists,     |
+|                                                        | else pending              |
+
+| evidence for ``error`` (first that applies wins)        | error                                |
+|---------------------------------------------------------|--------------------------------------|
+| the first cause is a stall (state failed or running)    | the stall's line (rank, host, step)  |
+| failed: status.json's error, else the first-error       | that cause, with srun's first failed |
+| record                                                  | task in front when another rank      |
+|                                                         | ended first                          |
+| not failed                                              | status.json's error                  |
+| none of these, the process is gone                      | what liveness saw                    |
+
+The collecting (files, squeue, processes) lives in ``status.py``; nothing here reads anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from clusterflow.rundir import first_error
+from clusterflow.rundir.states import (
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    PENDING,
+    REQUEUED,
+    RUNNING,
+)
+
+_QUEUE_RUNNING = ("RUNNING", "COMPLETING", "CONFIGURING")
+
+
+@dataclass(frozen=True)
+class Evidence:
+    recorded_state: str | None = None  # status.json's state (None: no record, or a damaged one)
+    recorded_error: str | None = None  # status.json's error
+    attempts: int = 0  # job starts recorded in attempts.jsonl
+    started: bool = False  # something else shows the run began (a committed checkpoint)
+    queue: str | None = None  # squeue: "STATE|REASON", "" once gone, None: not asked or no answer
+    alive: bool | None = None  # a live process seen (None: not asked, or nothing can tell)
+    liveness: str | None = None  # what was checked, when no process is alive
+    cancelled: bool = False  # RUN_DIR/cancelled.json exists
+    first_error: dict[str, Any] | None = None  # this attempt's first-error record
+    srun_first: tuple[int, str, str] | None = None  # (rank, node, what) srun saw fail first
+
+
+@dataclass(frozen=True)
+class Verdict:
+    state: str
+    error: str | None
+    stalled: dict[str, Any] | None = None  # the stall's facts, when the first cause is one
+
+
+def queued_state(e: Evidence) -> str:
+    """The state from status.json, corrected by what squeue says (when it answers)."""
+    state = e.recorded_state or (RUNNING if e.attempts or e.started else PENDING)
+    if e.queue is None:
+        return state
+    queued = e.queue.split("|")[0]
+    if queued == "PENDING":
+        return REQUEUED if e.attempts else PENDING
+    if queued in _QUEUE_RUNNING:
+        return RUNNING
+    if queued == "" and state in (RUNNING, PENDING):
+        return FAILED  # left the queue without writing an outcome: killed or crashed
+    return state
+
+
+def needs_liveness(e: Evidence) -> bool:
+    """Whether the claim is worth checking against live processes: the run says (or, by the
+    queue, seems) to run or to have just failed, and its own record does not say it ended."""
+    return queued_state(e) in (RUNNING, FAILED) and e.recorded_state in (RUNNING, PENDING, None)
+
+
+def decide(e: Evidence) -> Verdict:
+    """The state and error ``status`` shows for this evidence (the tables above)."""
+    state = queued_state(e)
+    gone = needs_liveness(e) and e.alive is False
+    if gone:
+        state = FAILED
+    if e.cancelled and state != COMPLETED:
+        state = CANCELLED
+    rec = e.first_error
+    if rec is not None and rec.get("kind") == "stall" and state in (FAILED, RUNNING):
+        facts = {k: rec.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
+        return Verdict(state, first_error.headline(rec), facts)
+    if state == FAILED:
+        error = _with_srun(first_error.worded(e.recorded_error, e.first_error), e.srun_first)
+    else:
+        error = e.recorded_error
+    return Verdict(state, error or (e.liveness if gone else None))
+
+
+def _with_srun(error: str | None, first: tuple[int, str, str] | None) -> str | None:
+    """srun names the task that failed first (a SIGKILL leaves that rank no chance to record
+    anything), so a peer's later error is put after it."""
+    if first is None or (error or "").startswith(f"rank {first[0]}:"):
+        return error
+    rank, node, what = first
+    said = f"rank {rank} on {node} ended first ({what}, as srun reports it)"
+    return said + (f"; then {error}" if error else "")

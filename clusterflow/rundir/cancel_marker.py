@@ -1,0 +1,43 @@
+"""``RUN_DIR/cancelled.json``: a user cancelled the run, for good.
+
+``clusterflow cancel`` writes it before it asks Slurm to end the job, so a job that catches the
+cancel's SIGTERM and would requeue itself sees it and does not; ``status`` shows ``cancelled``
+from it; a resubmitted sweep skips cancelled members. Submitting a run again is the explicit way
+back (``submit`` clears the marker).
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import socket
+import time
+
+from clusterflow.rundir.paths import RunPaths
+from clusterflow.storage import durable
+
+
+def is_cancelled(run_dir: str) -> bool:
+    """True once a user cancelled the run: the job must neither requeue nor start training."""
+    return os.path.exists(RunPaths(run_dir).cancelled)
+
+
+def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
+    """Record the cancel: when, which job, by whom."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = str(os.getuid())
+    record = {"cancelled_at": time.time() if now is None else now, "job_id": job_id,
+              "by": f"{user}@{socket.gethostname()}"}
+    durable.write_atomic(RunPaths(run_dir).cancelled, json.dumps(record, indent=1))
+
+
+def clear(run_dir: str) -> bool:
+    """Remove the marker (an explicit resubmission of this run). True when there was one."""
+    try:
+        os.remove(RunPaths(run_dir).cancelled)
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,147 @@
+"""The Slurm commands clusterflow asks questions of: ``squeue``, ``scontrol``, ``sacct``,
+``scancel`` and ``sinfo``, each through :func:`run`, which never hangs (every call has a timeout)
+and never raises (a missing command, a timeout or an OS error is a :class:`Result` too).
+``sbatch`` is started by submitit, from ``sbatch.py``.
+
+One function per question, each with the answer its callers need. Login-node module: no torch.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from clusterflow.errors import UserError
+
+
+@dataclass(frozen=True)
+class Result:
+    """What one command said. ``returncode`` is None when it did not run to its end."""
+
+    command: str  # argv[0]
+    returncode: int | None = None
+    stdout: str = ""
+    stderr: str = ""
+    missing: bool = False  # not on PATH
+    timed_out: bool = False
+    error: str = ""  # why it did not run to its end, as a sentence
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def why(self) -> str:
+        """Why the command gave no answer: ``error``, else the last line of stderr, else its exit
+        status."""
+        if self.returncode is None:
+            return self.error
+        return (self.stderr.strip().splitlines() or [f"exit status {self.returncode}"])[-1]
+
+
+def run(argv: list[str], timeout_s: float) -> Result:
+    """Run one Slurm command and capture its output (undecodable bytes replaced)."""
+    name = argv[0]
+    missing = Result(name, missing=True, error=f"{name} is not installed here")
+    if shutil.which(name) is None:
+        return missing
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, errors="replace",
+                           timeout=timeout_s)
+    except FileNotFoundError:
+        return missing
+    except subprocess.TimeoutExpired:
+        return Result(name, timed_out=True, error=f"{name} did not answer within {timeout_s:g} s")
+    except OSError as exc:
+        return Result(name, error=f"{name}: {exc}")
+    return Result(name, p.returncode, p.stdout, p.stderr)
+
+
+# -- squeue ------------------------------------------------------------------------------------
+
+def queue_state(job_id: str, timeout_s: float = 5) -> str | None:
+    """``STATE|REASON`` while the job is queued (pending, running, completing...), "" once it is
+    not (squeue no longer lists it, or no longer knows the id), None when squeue does not answer."""
+    job_id = str(job_id or "")
+    if not job_id or not job_id.replace("_", "").isdigit():
+        return None
+    out = run(["squeue", "-h", "-j", job_id, "-o", "%T|%r"], timeout_s)
+    if out.returncode is None:
+        return None
+    if not out.ok:
+        # "Invalid job id": forgotten after MinJobAge, so long gone
+        return "" if "Invalid job id" in out.stderr else None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+
+
+def wait_until_gone(job_id: str, poll_s: float = 3.0) -> None:
+    """Block until the job (or every task of an array) has left the queue. A requeued job stays
+    in the queue, so this spans all its attempts; while squeue does not answer, it keeps asking."""
+    while queue_state(job_id) != "":
+        time.sleep(poll_s)
+
+
+# -- scontrol ----------------------------------------------------------------------------------
+
+def job_state(job_id: str, timeout_s: float = 30) -> str:
+    """JobState from ``scontrol show job``, or "" when Slurm does not answer."""
+    out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
+    for field in out.stdout.split():
+        if field.startswith("JobState="):
+            return field.split("=", 1)[1]
+    return ""
+
+
+def show_job(job_id: str, timeout_s: float) -> Result:
+    """``scontrol show job -o JOB``: one line of ``key=value`` words, for
+    ``outcome.parse_scontrol``."""
+    return run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
+
+
+def requeue(job_id: str, timeout_s: float = 60) -> Result:
+    """``scontrol requeue JOB``: the job ends now and comes back to the queue with the same id."""
+    return run(["scontrol", "requeue", str(job_id)], timeout_s)
+
+
+# -- sacct -------------------------------------------------------------------------------------
+
+def sacct(job_id: str, fields: str, timeout_s: float) -> Result:
+    """``sacct -j JOB -D -P -n --format=FIELDS``: the job and step rows of every attempt, with
+    the fields ``|``-separated."""
+    return run(["sacct", "-j", str(job_id), "-D", "-P", "-n", f"--format={fields}"], timeout_s)
+
+
+# -- scancel -----------------------------------------------------------------------------------
+
+def cancel(job_ids: list[str], timeout_s: float = 30) -> None:
+    """Run ``scancel`` on the ids; a failure raises UserError naming it (the cancel markers are
+    written before, and stay)."""
+    if not job_ids:
+        return
+    ids = " ".join(job_ids)
+    out = run(["scancel", *job_ids], timeout_s)
+    if out.missing:
+        raise UserError(f"scancel is not on PATH, so jobs {ids} still run (they are marked "
+                        f"cancelled and will not requeue); run scancel {ids} on a Slurm login node")
+    if out.timed_out:
+        raise UserError(f"scancel {ids} did not answer within {timeout_s:.0f} s (is slurmctld up?); "
+                        f"the runs are marked cancelled and will not requeue; run the same command "
+                        f"again")
+    if not out.ok:
+        message = out.error if out.returncode is None else (out.stderr or out.stdout).strip()
+        # A job that already left the queue is what we wanted; anything else is reported.
+        if "Invalid job id" not in message and "already completing or completed" not in message:
+            raise UserError(f"scancel {ids} failed: {message}; the runs are marked cancelled and "
+                            f"will not requeue; check squeue and scancel by hand")
+
+
+# -- sinfo -------------------------------------------------------------------------------------
+
+def partitions(timeout_s: float = 10) -> list[list[str]] | None:
+    """One row per partition and node kind: [name (``*`` marks the default), nodes, cpus, gres],
+    or None when sinfo does not answer."""
+    out = run(["sinfo", "-h", "-o", "%P|%D|%c|%G"], timeout_s)
+    if not out.ok:
+        return None
+    return [line.split("|") for line in out.stdout.split() if "|" in line]

@@ -1,0 +1,119 @@
+"""The shape of the package: its layers (import-linter), no import cycles at any depth, no
+function-level import of a clusterflow module except where a module says why, lines within 100
+characters. docs/architecture.md shows the layers."""
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "clusterflow")
+# Function-level imports of clusterflow modules, each for a reason other than a cycle: the
+# console script loads only the command asked for, and the login node loads the job's code
+# (torch) only when it hands a job to submitit.
+LAZY_ALLOWED = {
+    ("clusterflow.cli", "clusterflow.launch.submit"),
+    ("clusterflow.cli", "clusterflow.job.run"),
+    ("clusterflow.cli", "clusterflow.manage.status"),
+    ("clusterflow.cli", "clusterflow.manage.logs"),
+    ("clusterflow.cli", "clusterflow.manage.cancel"),
+    ("clusterflow.launch.jobs", "clusterflow.job.job"),
+}
+
+
+def modules() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                name = os.path.relpath(path[:-3], REPO).replace(os.sep, ".")
+                out[name.removesuffix(".__init__")] = path
+    return out
+
+
+def imports(mods: dict[str, str]) -> list[tuple[str, str, bool]]:
+    """(importer, imported, inside a function) for every import of a clusterflow module."""
+    out = []
+    for name, path in mods.items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+
+        def visit(node: ast.AST, nested: bool) -> None:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("clusterflow"):
+                    for alias in child.names:
+                        full = f"{child.module}.{alias.name}"
+                        out.append((name, full if full in mods else child.module, nested))
+                elif isinstance(child, ast.Import):
+                    out.extend((name, a.name, nested) for a in child.names
+                               if a.name.startswith("clusterflow"))
+                funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+                visit(child, nested or isinstance(child, funcs))
+
+        visit(tree, False)
+    return out
+
+
+def test_the_layer_contracts_hold():
+    lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
+    assert lint, "import-linter is not installed (pip install -e '.[test]')"
+    out = subprocess.run([lint], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "0 broken" in out.stdout
+
+
+def test_no_import_cycle_at_any_depth():
+    mods = modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for src, dst, _ in imports(mods):
+        if dst in mods and dst != src and not src.startswith(dst + "."):  # its own package's face
+            graph[src].add(dst)
+    index, low, stack, on, cycles = {}, {}, [], set(), []
+
+    def connect(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                cycles.append(sorted(part))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    assert cycles == []
+
+
+def test_function_level_imports_have_a_reason():
+    lazy = {(src, dst) for src, dst, nested in imports(modules()) if nested}
+    assert lazy - LAZY_ALLOWED == set()
+
+
+def test_lines_within_100_characters():
+    long = []
+    for root in ("clusterflow", "tests", "benchmarks"):
+        for folder, _, files in os.walk(os.path.join(REPO, root)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    for n, line in enumerate(open(path, encoding="utf-8"), 1):
+                        if len(line.rstrip("\n")) > 100:
+                            long.append(f"{os.path.relpath(path, REPO)}:{n}")
+    assert long == [], f"{len(long)} lines over 100 characters, e.g. {long[:10]}"
