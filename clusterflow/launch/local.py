@@ -1,4 +1,5 @@
-"""``submit --local``: watch the job's rank processes and end the job at once when one dies.
+"""``submit --local``: run the job on this machine with submitit's local executor, echo rank 0's
+log, and end the job at once when a rank process dies.
 
 submitit's local controller waits until every task has exited. A rank that dies before the
 rendezvous (killed, out of memory, an import that fails on one rank) would leave the others
@@ -16,11 +17,18 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import time
 from typing import Any
 
-from clusterflow import rundir
-from clusterflow.rundir import lease
+import submitit
+
+from clusterflow import dist, rundir
+from clusterflow.config import Config
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK
+from clusterflow.launch import jobs
+from clusterflow.manage import logs
+from clusterflow.rundir import first_error, lease, states
 
 GRACE_S = 3.0  # the others may still end by themselves (and record their side) before they are stopped
 
@@ -127,3 +135,68 @@ class RankWatch:
             return why
         rundir.write_status(paths, state="failed", error=why)
         return why
+
+
+def failed_exit_code(status: dict[str, Any]) -> int:
+    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
+    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
+    code = status.get("exit_code")
+    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
+
+
+def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
+    """Run here; ``gpus``: the NVML indices chosen by gpu_select.for_local (one per process)."""
+    paths = rundir.RunPaths(cfg.run.dir)
+    folder = os.path.abspath(paths.submitit_logs)
+    ex = submitit.LocalExecutor(folder=folder)
+    if gpus is not None:
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
+    ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
+                         gpus_per_node=cfg.cluster.gpus_per_node or 0, **({"visible_gpus": gpus} if gpus else {}))
+    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
+    job = ex.submit(jobs.job_for(cfg))
+    print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
+    print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
+    why, results = None, None
+    try:
+        why = _follow(cfg.run.dir, job, RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
+        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
+        if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
+            results = job.results()
+    except KeyboardInterrupt:
+        job.cancel()
+        print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
+        pass
+    if results is None:
+        status, _ = rundir.read_object(paths.status)
+        code = failed_exit_code(status)
+        attempt = rundir.current_attempt(paths)
+        said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
+        print(f"error: {said}", file=sys.stderr)
+        if code != EXIT_BAD_INPUT:
+            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
+        return code
+    outcome = results[0]
+    print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
+    return EXIT_OK if outcome == states.COMPLETED else EXIT_JOB_FAILED
+
+
+def _follow(run_dir: str, job: Any, watch: RankWatch) -> str | None:
+    """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
+    at once when a rank dies (its peers would wait for it), returning why."""
+    paths = rundir.RunPaths(run_dir)
+    tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
+    while True:
+        done = job.done()
+        dead = None if done else watch.first_dead()
+        # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
+        tail.drain(sys.stdout)
+        if dead is not None:
+            why = watch.stop(dead)
+            tail.drain(sys.stdout)  # what the others wrote while they were stopped
+            return why
+        if done:
+            return None
+        time.sleep(0.5)

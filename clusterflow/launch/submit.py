@@ -11,15 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
-from clusterflow import dist, rundir
-from clusterflow.rundir import cancel_marker
-from clusterflow.rundir import first_error
+from clusterflow import rundir
+from clusterflow.rundir import cancel_marker, states
 from clusterflow.launch import gpus as gpu_select
 from clusterflow.rundir import lease
-from clusterflow.launch import local as local_watch
-from clusterflow.manage import logs
+from clusterflow.launch import jobs, local
 from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
 from clusterflow.rundir import frozen_code as snapshot
@@ -29,7 +26,7 @@ from clusterflow.launch import sweep as sweep_submit
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
 from clusterflow.config.job_config import Config
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.errors import EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
   python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
@@ -102,94 +99,20 @@ def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
     return saved_config.resolve(cfg)
 
 
-def failed_exit_code(status: dict[str, Any]) -> int:
-    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
-    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
-    code = status.get("exit_code")
-    return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
-
-
 # -- launching ---------------------------------------------------------------------------------
 
-def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
-    """Run here; ``gpus``: the NVML indices chosen by gpu_select.for_local (one per process)."""
-    import submitit
-
-    from clusterflow.job.job import Job
-
-    paths = rundir.RunPaths(cfg.run.dir)
-    folder = os.path.abspath(paths.submitit_logs)
-    ex = submitit.LocalExecutor(folder=folder)
-    if gpus is not None:
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
-    ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
-                         gpus_per_node=cfg.cluster.gpus_per_node or 0, **({"visible_gpus": gpus} if gpus else {}))
-    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
-    job = ex.submit(Job(cfg.to_dict()))
-    print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
-    print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
-    why, results = None, None
-    try:
-        why = _follow(cfg.run.dir, job, local_watch.RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
-        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
-        if rundir.read_object(paths.status)[0].get("state") != "failed":
-            results = job.results()
-    except KeyboardInterrupt:
-        job.cancel()
-        print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
-        return 130
-    except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        pass
-    if results is None:
-        status, _ = rundir.read_object(paths.status)
-        code = failed_exit_code(status)
-        attempt = rundir.current_attempt(paths)
-        said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
-        print(f"error: {said}", file=sys.stderr)
-        if code != EXIT_BAD_INPUT:
-            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
-        return code
-    outcome = results[0]
-    print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
-    return EXIT_OK if outcome == "completed" else EXIT_JOB_FAILED
-
-
-def _follow(run_dir: str, job: Any, watch: local_watch.RankWatch) -> str | None:
-    """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
-    at once when a rank dies (its peers would wait for it), returning why."""
-    import time
-
-    paths = rundir.RunPaths(run_dir)
-    tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
-    while True:
-        done = job.done()
-        dead = None if done else watch.first_dead()
-        # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
-        tail.drain(sys.stdout)
-        if dead is not None:
-            why = watch.stop(dead)
-            tail.drain(sys.stdout)  # what the others wrote while they were stopped
-            return why
-        if done:
-            return None
-        time.sleep(0.5)
-
-
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
-    from clusterflow.job.job import Job  # the job's module imports torch: not on the login node
-
     sbatch.require_sbatch("run here")
     check_cluster(cfg)
     params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
-    job_id = sbatch.submit(sbatch.job_folder(slurm_folder(cfg)), params, Job(cfg.to_dict()))
+    job_id = sbatch.submit(sbatch.job_folder(slurm_folder(cfg)), params, jobs.job_for(cfg))
     paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
     rundir.write_status(paths, state="pending", job_id=job_id)
     submissions.record_submission(cfg.run.dir, job_id)
-    logs = paths.logs
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
-    print(f"logs: {logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
+    print(f"logs: {paths.logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
     print(f"status: python -m clusterflow.status {cfg.run.dir}")
     print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:
@@ -204,7 +127,7 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
-    return EXIT_OK if state == "completed" else failed_exit_code(status)
+    return EXIT_OK if state == states.COMPLETED else local.failed_exit_code(status)
 
 
 @cli
@@ -212,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
-        return sweep_submit.submit_sweep(args, dependency, submit_local)
+        return sweep_submit.submit_sweep(args, dependency)
     if args.max_parallel is not None:
         raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
     cfg = saved_config.load(args.config, args.overrides)
@@ -234,6 +157,6 @@ def main(argv: list[str] | None = None) -> int:
     cancel_marker.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
     snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
-        return submit_local(cfg, gpus)
+        return local.submit_local(cfg, gpus)
     return submit_slurm(cfg, args.wait, dependency)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.rundir import cancel_marker
@@ -28,6 +28,7 @@ from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
 from clusterflow.rundir import frozen_code as snapshot
 from clusterflow.rundir import submissions
+from clusterflow.launch import jobs, local
 from clusterflow.manage import status
 from clusterflow.manage import sweep_status
 from clusterflow.slurm import commands as slurm_commands
@@ -78,12 +79,10 @@ def _prepare(members: list[sweep.Member]) -> list[Any]:
 def _submit_array(sw: sweep.Sweep, names: list[str], configs: list[Any], max_parallel: int | None,
                   dependency: str | None) -> dict[str, str]:
     """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one member)."""
-    from clusterflow.job.job import Job  # the job's module imports torch: not on the login node
-
     sbatch.require_sbatch("run the sweep here")
     plan = sbatch.array_plan(_folder(sw), configs, names, max_parallel)
     params = sbatch.with_dependency(plan.parameters, dependency)
-    ids = sbatch.submit_array(plan.folder, params, [Job(cfg.to_dict()) for cfg in plan.configs])
+    ids = sbatch.submit_array(plan.folder, params, [jobs.job_for(cfg) for cfg in plan.configs])
     return dict(zip(plan.names, ids))
 
 
@@ -92,21 +91,20 @@ def _folder(sw: sweep.Sweep) -> str:
     return sbatch.job_folder(rundir.RunPaths(sw.dir).slurm_logs)
 
 
-def _run_local(configs: list[Any], run_local: Callable[[Any], int]) -> int:
+def _run_local(configs: list[Any]) -> int:
+    """``--local``: the members one after another on this machine."""
     worst = EXIT_OK
     for cfg in configs:
         print(f"== sweep member {cfg.run.dir}")
-        code = run_local(cfg)
+        code = local.submit_local(cfg)
         if code == 130:
             return code
         worst = max(worst, code)
     return worst
 
 
-def submit_sweep(args: argparse.Namespace, dependency: str | None,
-                 run_local: Callable[[Any], int]) -> int:
-    """The ``--sweep`` branch of ``submit.main``; ``run_local``: how ``--local`` runs one member
-    here (``submit.submit_local``), one after another."""
+def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
+    """The ``--sweep`` branch of ``submit.main``."""
     sw = sweep.expand(args.config, args.overrides, args.sweep)
     for m in sw.members:
         preflight.check_paths(m.config)
@@ -135,7 +133,7 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None,
             return EXIT_OK
         configs = _prepare(todo)
         if args.local:
-            return _run_local(configs, run_local)
+            return _run_local(configs)
         names = [m.name for m in todo]
         jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
         for cfg, name in zip(configs, names):
