@@ -22,7 +22,7 @@ from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow import dist
 from clusterflow.job.requeue import after_stop
-from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import frozen_code
 from clusterflow.rundir import lease
 from clusterflow.rundir import saved_config
 from clusterflow.tasks import load_task
@@ -116,7 +116,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
         preemption = Preemption().install()
 
-        snapshot.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
+        frozen_code.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
         trainer = Trainer(cfg, task, device, attempt, preemption)
         with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):  # heartbeats, stall watchdog

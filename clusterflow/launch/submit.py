@@ -14,15 +14,15 @@ import sys
 
 from clusterflow import rundir
 from clusterflow.rundir import cancel_marker, states
-from clusterflow.launch import gpus as gpu_select
+from clusterflow.launch import gpus
 from clusterflow.rundir import lease
 from clusterflow.launch import jobs, local
 from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
-from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import frozen_code
 from clusterflow.rundir import submissions
 from clusterflow.launch import stages
-from clusterflow.launch import sweep as sweep_submit
+from clusterflow.launch import sweep
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
 from clusterflow.config.job_config import Config
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
-        return sweep_submit.submit_sweep(args, dependency)
+        return sweep.submit_sweep(args, dependency)
     if args.max_parallel is not None:
         raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
     cfg = saved_config.load(args.config, args.overrides)
@@ -150,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         print(cfg.to_yaml())
         return EXIT_OK
     # the free GPUs, chosen (or a busy one refused) before anything is written
-    gpus = gpu_select.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ) if args.local else None
+    chosen = gpus.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ) if args.local else None
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
     cancel_marker.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
-    snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+    frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
-        return local.submit_local(cfg, gpus)
+        return local.submit_local(cfg, chosen)
     return submit_slurm(cfg, args.wait, dependency)
 

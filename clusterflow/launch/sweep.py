@@ -26,7 +26,7 @@ from clusterflow import rundir
 from clusterflow.rundir import cancel_marker
 from clusterflow.rundir import preflight
 from clusterflow.rundir import saved_config
-from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import frozen_code
 from clusterflow.rundir import submissions
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status
@@ -71,7 +71,7 @@ def _prepare(members: list[sweep.Member]) -> list[Any]:
     configs = []
     for m in members:
         cfg, resumed = saved_config.resolve(m.config)
-        snapshot.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+        frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
         configs.append(cfg)
     return configs
 

@@ -20,10 +20,10 @@ from clusterflow.rundir import first_error
 from clusterflow.slurm import jobids
 from clusterflow.rundir import submissions
 from clusterflow.manage import liveness
-from clusterflow.manage import ranks as rank_status
+from clusterflow.manage import ranks
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import outcome as slurm_outcome
-from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir import frozen_code
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.manage import sweep_status
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
@@ -157,12 +157,12 @@ def collect(run_dir: str) -> dict[str, Any]:
         "errors": _errors(paths, float(last.get("started_at") or 0)),
         "error": decided.error,
         "logs": paths.logs,
-        "code": snapshot.describe(run_dir),
+        "code": frozen_code.describe(run_dir),
         "updated_at": st.get("updated_at"),
     }
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    rank_status.extend(out, paths, last, queue)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, last, queue)  # ranks, Slurm's verdict
     return out
 
 
@@ -197,7 +197,7 @@ def render(s: dict[str, Any]) -> str:
             lines.append(f"method       {m['method']}")
         if _curve_summary(m):
             lines.append(f"curve        {_curve_summary(m)}")
-    lines += rank_status.render(s)
+    lines += ranks.render(s)
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
     if s["error"]:
@@ -226,6 +226,6 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, sweep_status.keys_of(args.run_dir)))
         return EXIT_OK
     s = collect(args.run_dir)
-    print(json.dumps(s, indent=1) if args.json else rank_status.table(s) if args.ranks else render(s))
+    print(json.dumps(s, indent=1) if args.json else ranks.table(s) if args.ranks else render(s))
     return EXIT_OK
 

@@ -4,6 +4,8 @@
 - ``states.py``: the run states and which of them are ended;
 - ``records.py``: status.json, attempts, stops, per-rank errors, and damage-proof readers;
 - ``first_error.py``: the attempt's first cause, recorded once;
+- ``submissions.py``: which Slurm job holds the run now (submissions and attempts);
+- ``cancel_marker.py``: a user cancelled the run, for good;
 - ``lease.py``: one job per run dir;
 - ``saved_config.py``: config.yaml (portable, resumed, replaced or refused);
 - ``frozen_code.py``: the task's code frozen at submission;

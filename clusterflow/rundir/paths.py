@@ -7,7 +7,7 @@
     RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ or submitit/ for the launcher's output
     RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
     RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
-    RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see jobids.py)
+    RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see submissions.py)
     RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0 (status.json.lock: its lock)
     RUN_DIR/cancelled.json         present once a user cancelled the run (see cancel.py)
     RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank

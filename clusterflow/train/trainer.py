@@ -39,7 +39,7 @@ from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed
 from clusterflow.tasks import Task
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.train.window import LossWindow
-from clusterflow.mining import figure as curve_figure
+from clusterflow.mining import figure
 from clusterflow.train.evaluate import evaluate
 
 log = logging.getLogger("clusterflow.trainer")
@@ -296,7 +296,7 @@ class Trainer:
                 self.writer.histogram("mining/cluster_sizes", sizes, self.state.global_step)
         if "curve" in s:
 
-            self.writer.image("mining/curve", lambda: curve_figure.render(s), self.state.global_step)
+            self.writer.image("mining/curve", lambda: figure.render(s), self.state.global_step)
         if self.rank == 0:
             q = "".join(f" {k} {s[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if k in s)
             log.info("mining after epoch %d: %d clusters, %d singletons, largest %d, %.2f s;%s",
