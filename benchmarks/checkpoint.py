@@ -66,7 +66,9 @@ def plain_load(root: str) -> None:
 
 
 def store_save(store: CheckpointStore, step: int, model_sd: dict, train_state: dict) -> None:
-    store.save(step, {"model.pt": model_sd, "train_state.pt": train_state}, {"epoch": 1})  # as the trainer does
+    store.save(
+        step, {"model.pt": model_sd, "train_state.pt": train_state}, {"epoch": 1}
+    )  # as the trainer does
 
 
 def store_load(store: CheckpointStore) -> None:
@@ -87,9 +89,16 @@ def timed(fn, *args) -> float:
 def bench_save_load(root: str, params: int, repeats: int) -> dict:
     model_sd, train_state = make_state(params)
     nbytes = sum(t.numel() * t.element_size() for t in model_sd.values())
-    nbytes += sum(t.numel() * t.element_size() for s in train_state["optimizer"]["state"].values() for t in s.values() if torch.is_tensor(t))
+    nbytes += sum(
+        t.numel() * t.element_size()
+        for s in train_state["optimizer"]["state"].values()
+        for t in s.values()
+        if torch.is_tensor(t)
+    )
     store = CheckpointStore(os.path.join(root, "store"), keep_last=2)
-    times: dict[str, list[float]] = {k: [] for k in ("torch.save", "torch.save+fsync", "store.save", "torch.load", "store.load")}
+    times: dict[str, list[float]] = {
+        k: [] for k in ("torch.save", "torch.save+fsync", "store.save", "torch.load", "store.load")
+    }
 
     def plain(kind: str, r: int) -> str:
         return os.path.join(root, f"{kind}-{r}")
@@ -109,15 +118,23 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
             times["torch.load"].append(timed(plain_load, plain("fsync", r)))
             times["store.load"].append(timed(store_load, store))
     nparams = sum(t.numel() for t in model_sd.values())
-    print(f"\nsave/load, {nparams / 1e6:.1f}M parameters + AdamW state = {nbytes / 2**20:.0f} MiB, {repeats} repeats, in {root}")
+    print(
+        f"\nsave/load, {nparams / 1e6:.1f}M parameters + AdamW state = {nbytes / 2**20:.0f} MiB, {repeats} repeats, in {root}"
+    )
     print(f"  {'':18s} {'median':>8s} {'best':>8s}")
     for k, v in times.items():
-        print(f"  {k:18s} {statistics.median(v):7.3f}s {min(v):7.3f}s  ({nbytes / 2**20 / statistics.median(v):6.0f} MiB/s median)")
-    for label, a, b in (("save, store / torch.save+fsync (same durability)", "store.save", "torch.save+fsync"),
-                        ("save, store / torch.save (no fsync)", "store.save", "torch.save"),
-                        ("load, store (digest verified) / torch.load", "store.load", "torch.load")):
-        print(f"  ratio {label:50s} median {statistics.median(times[a]) / statistics.median(times[b]):.2f}x, "
-              f"best {min(times[a]) / min(times[b]):.2f}x")
+        print(
+            f"  {k:18s} {statistics.median(v):7.3f}s {min(v):7.3f}s  ({nbytes / 2**20 / statistics.median(v):6.0f} MiB/s median)"
+        )
+    for label, a, b in (
+        ("save, store / torch.save+fsync (same durability)", "store.save", "torch.save+fsync"),
+        ("save, store / torch.save (no fsync)", "store.save", "torch.save"),
+        ("load, store (digest verified) / torch.load", "store.load", "torch.load"),
+    ):
+        print(
+            f"  ratio {label:50s} median {statistics.median(times[a]) / statistics.median(times[b]):.2f}x, "
+            f"best {min(times[a]) / min(times[b]):.2f}x"
+        )
     return times
 
 
@@ -133,7 +150,9 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
 
     torch.manual_seed(0)
     width = 4096
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(max(1, round(params / width**2)))])
+    model = torch.nn.Sequential(
+        *[torch.nn.Linear(width, width) for _ in range(max(1, round(params / width**2)))]
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     progress, x = TrainState(), torch.randn(batch, width)
 
@@ -146,13 +165,33 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
         return time.perf_counter() - t0
 
     step()
-    cfg = config.load(None, [f"run.dir={root}/stall-run", "checkpoint.every_steps=1", "checkpoint.keep_last=2"])
-    ck = Checkpointer(cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=10**9)
-    keys = ("torch.save+fsync", "stall", "  at the save call", "  at the next optimizer step", "background write",
-            "step, no write", "step, during a write", "back-to-back save")
+    cfg = config.load(
+        None, [f"run.dir={root}/stall-run", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
+    )
+    ck = Checkpointer(
+        cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=10**9
+    )
+    keys = (
+        "torch.save+fsync",
+        "stall",
+        "  at the save call",
+        "  at the next optimizer step",
+        "background write",
+        "step, no write",
+        "step, during a write",
+        "back-to-back save",
+    )
     times: dict[str, list[float]] = {k: [] for k in keys}
-    for r in range(-1, repeats):  # r = -1: untimed warm-up (the first save allocates the host buffers)
-        t = timed(plain_save, os.path.join(root, f"stall-plain-{r}"), model.state_dict(), {"optimizer": opt.state_dict()}, True)
+    for r in range(
+        -1, repeats
+    ):  # r = -1: untimed warm-up (the first save allocates the host buffers)
+        t = timed(
+            plain_save,
+            os.path.join(root, f"stall-plain-{r}"),
+            model.state_dict(),
+            {"optimizer": opt.state_dict()},
+            True,
+        )
         shutil.rmtree(os.path.join(root, f"stall-plain-{r - 2}"), ignore_errors=True)
         alone = step()
         os.sync()
@@ -172,23 +211,49 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
         back_to_back = time.perf_counter() - t0
         ck.writes.wait()
         if r >= 0:
-            for k, v in zip(keys, (t, at_save + gate, at_save, gate, write, alone, statistics.mean(during[1:] or during), back_to_back)):
+            for k, v in zip(
+                keys,
+                (
+                    t,
+                    at_save + gate,
+                    at_save,
+                    gate,
+                    write,
+                    alone,
+                    statistics.mean(during[1:] or during),
+                    back_to_back,
+                ),
+            ):
                 times[k].append(v)
     ck.close()
-    nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3  # weights + 2 AdamW moments
-    print(f"\nstall per save, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters + AdamW state = "
-          f"{nbytes / 2**20:.0f} MiB, batch {batch}, {repeats} repeats, in {root}")
+    nbytes = (
+        sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
+    )  # weights + 2 AdamW moments
+    print(
+        f"\nstall per save, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters + AdamW state = "
+        f"{nbytes / 2**20:.0f} MiB, batch {batch}, {repeats} repeats, in {root}"
+    )
     for k, v in times.items():
         print(f"  {k:30s} median {statistics.median(v):7.3f}s  best {min(v):7.3f}s")
     ratio = statistics.median(times["stall"]) / statistics.median(times["torch.save+fsync"])
-    print(f"  ratio stall / torch.save+fsync (the loop blocked per save)   median {ratio:.3f}x, "
-          f"best {min(times['stall']) / min(times['torch.save+fsync']):.3f}x  (goal <= 0.10x)")
+    print(
+        f"  ratio stall / torch.save+fsync (the loop blocked per save)   median {ratio:.3f}x, "
+        f"best {min(times['stall']) / min(times['torch.save+fsync']):.3f}x  (goal <= 0.10x)"
+    )
     return times
 
 
-def _restore_rank(rank: int, world: int, port: int, root: str, mode: str, cold: bool, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _restore_rank(
+    rank: int, world: int, port: int, root: str, mode: str, cold: bool, queue
+) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from clusterflow import dist
     from clusterflow.dist import DistEnv
 
@@ -205,7 +270,11 @@ def _restore_rank(rank: int, world: int, port: int, root: str, mode: str, cold: 
         store_load(store)
     else:  # what Checkpointer.restore does: rank 0 reads and verifies, the others receive
         ck = store.latest() if rank == 0 else None
-        dist.broadcast_state({"model.pt": ck.load("model.pt"), "train_state.pt": ck.load("train_state.pt")} if ck else None)
+        dist.broadcast_state(
+            {"model.pt": ck.load("model.pt"), "train_state.pt": ck.load("train_state.pt")}
+            if ck
+            else None
+        )
     seconds = time.perf_counter() - t0
     queue.put(seconds)
     dist.barrier()
@@ -227,7 +296,10 @@ def bench_restore(root: str, params: int, repeats: int, cold: bool) -> None:
     for r in range(-1, repeats):
         for mode in modes:
             queue, port = ctx.Queue(), free_port()
-            procs = [ctx.Process(target=_restore_rank, args=(k, 2, port, root, mode, cold, queue)) for k in range(2)]
+            procs = [
+                ctx.Process(target=_restore_rank, args=(k, 2, port, root, mode, cold, queue))
+                for k in range(2)
+            ]
             for p in procs:
                 p.start()
             slowest = max(queue.get(timeout=600) for _ in procs)
@@ -235,12 +307,16 @@ def bench_restore(root: str, params: int, repeats: int, cold: bool) -> None:
                 p.join()
             if r >= 0:
                 times[mode].append(slowest)
-    print(f"\nrestore with 2 ranks ({'cold' if cold else 'warm'} page cache), until the slowest rank holds the state, {repeats} repeats")
+    print(
+        f"\nrestore with 2 ranks ({'cold' if cold else 'warm'} page cache), until the slowest rank holds the state, {repeats} repeats"
+    )
     for k, v in times.items():
         print(f"  {k:30s} median {statistics.median(v):7.3f}s  best {min(v):7.3f}s")
     base = statistics.median(times["torch.load on every rank"])
-    print(f"  ratio one reader + broadcast / torch.load on every rank: median {statistics.median(times[modes[2]]) / base:.2f}x; "
-          f"files read: 1 time instead of 2 (one per rank)")
+    print(
+        f"  ratio one reader + broadcast / torch.load on every rank: median {statistics.median(times[modes[2]]) / base:.2f}x; "
+        f"files read: 1 time instead of 2 (one per rank)"
+    )
 
 
 def bench_signal(root: str, hidden: int, world: int) -> None:
@@ -248,16 +324,37 @@ def bench_signal(root: str, hidden: int, world: int) -> None:
     and time signal -> every process exited, with the committed stop checkpoint checked."""
     run_dir = os.path.join(root, f"signal-h{hidden}")
     shutil.rmtree(run_dir, ignore_errors=True)
-    overrides = [f"run.dir={run_dir}", "train.epochs=50", "train.progress_bar=false", "checkpoint.every_steps=1000",
-                 "mining.enabled=false", f"task.params.hidden={hidden}", "task.params.input_dim=256"]
+    overrides = [
+        f"run.dir={run_dir}",
+        "train.epochs=50",
+        "train.progress_bar=false",
+        "checkpoint.every_steps=1000",
+        "mining.enabled=false",
+        f"task.params.hidden={hidden}",
+        "task.params.input_dim=256",
+    ]
     port = free_port()
     procs = []
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=REPO)
-        procs.append(subprocess.Popen([sys.executable, "-m", "clusterflow.run", "configs/tiny.yaml", *overrides], cwd=REPO,
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        env.update(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            PYTHONPATH=REPO,
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "clusterflow.run", "configs/tiny.yaml", *overrides],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
     status = os.path.join(run_dir, "status.json")
     deadline = time.time() + 300
     while time.time() < deadline:
@@ -282,27 +379,49 @@ def bench_signal(root: str, hidden: int, world: int) -> None:
     with open(os.path.join(run_dir, "status.json")) as f:
         stopped_at = json.load(f)["global_step"]
     committed = ck is not None and ck.step == stopped_at
-    save_s = [float(line.rsplit("(", 1)[1].split(" s)")[0]) for line in open(os.path.join(run_dir, "logs", "rank0.attempt0.log"))
-              if "committed at" in line and "in the background" not in line]  # the stop's synchronous save
+    save_s = [
+        float(line.rsplit("(", 1)[1].split(" s)")[0])
+        for line in open(os.path.join(run_dir, "logs", "rank0.attempt0.log"))
+        if "committed at" in line and "in the background" not in line
+    ]  # the stop's synchronous save
     size = sum(i["size"] for i in ck.manifest["files"].values()) if ck else 0
-    print(f"\nsignal to exit, {world} ranks, hidden={hidden} ({size / 2**20:.1f} MiB checkpoint): {seconds:.2f} s, "
-          f"exit codes {codes}, stop checkpoint step {ck.step if ck else None} committed: {committed}, "
-          f"its save took {save_s[-1] if save_s else float('nan'):.2f} s")
+    print(
+        f"\nsignal to exit, {world} ranks, hidden={hidden} ({size / 2**20:.1f} MiB checkpoint): {seconds:.2f} s, "
+        f"exit codes {codes}, stop checkpoint step {ck.step if ck else None} committed: {committed}, "
+        f"its save took {save_s[-1] if save_s else float('nan'):.2f} s"
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", type=float, default=25e6, help="model parameters (AdamW state doubles it again)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--params", type=float, default=25e6, help="model parameters (AdamW state doubles it again)"
+    )
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", default="bench-ckpt", help="where to write (put it on the filesystem you care about)")
+    ap.add_argument(
+        "--dir",
+        default="bench-ckpt",
+        help="where to write (put it on the filesystem you care about)",
+    )
     ap.add_argument("--world", type=int, default=2, help="ranks for the signal-to-exit measurement")
     ap.add_argument("--skip-signal", action="store_true")
-    ap.add_argument("--only", default="saveload,stall,restore,signal", help="comma-separated parts to run")
-    ap.add_argument("--batch", type=int, default=64, help="rows per training step in the stall measurement")
-    ap.add_argument("--cold", action="store_true", help="restore: drop the page cache first (root only)")
+    ap.add_argument(
+        "--only", default="saveload,stall,restore,signal", help="comma-separated parts to run"
+    )
+    ap.add_argument(
+        "--batch", type=int, default=64, help="rows per training step in the stall measurement"
+    )
+    ap.add_argument(
+        "--cold", action="store_true", help="restore: drop the page cache first (root only)"
+    )
     args = ap.parse_args()
     parts = set(args.only.split(","))
-    root = tempfile.mkdtemp(prefix="ckpt-", dir=os.path.abspath(args.dir) if os.makedirs(args.dir, exist_ok=True) is None else None)
+    root = tempfile.mkdtemp(
+        prefix="ckpt-",
+        dir=os.path.abspath(args.dir) if os.makedirs(args.dir, exist_ok=True) is None else None,
+    )
     try:
         if "saveload" in parts:
             bench_save_load(root, int(args.params), args.repeats)

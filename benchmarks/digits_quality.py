@@ -23,15 +23,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from clusterflow import config as cfgmod
 from clusterflow import rundir
-from clusterflow.mining.quality import quality  # noqa: E402
 from clusterflow.mining import mutual_knn_clusters  # noqa: E402
+from clusterflow.mining.quality import quality  # noqa: E402
 
 
 def row(name: str, labels: np.ndarray, truth: np.ndarray) -> str:
     q = quality(labels, truth)
     sizes = np.bincount(labels[labels >= 0])
-    return (f"| {name} | {len(sizes)} | {int(sizes.max())} | {q['nmi']:.3f} | {q['ari']:.3f} | "
-            f"{q['pairwise_f']:.3f} | {q['bcubed_f']:.3f} |")
+    return (
+        f"| {name} | {len(sizes)} | {int(sizes.max())} | {q['nmi']:.3f} | {q['ari']:.3f} | "
+        f"{q['pairwise_f']:.3f} | {q['bcubed_f']:.3f} |"
+    )
 
 
 def embeddings(task, model=None) -> np.ndarray:
@@ -47,9 +49,16 @@ def embeddings(task, model=None) -> np.ndarray:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("run_dir")
-    p.add_argument("--pixels", type=int, default=8, help="side of the raw-pixel baseline images (8: the digits' native size)")
+    p.add_argument(
+        "--pixels",
+        type=int,
+        default=8,
+        help="side of the raw-pixel baseline images (8: the digits' native size)",
+    )
     args = p.parse_args()
     import torch
     from sklearn.cluster import KMeans
@@ -61,30 +70,58 @@ def main() -> int:
     task = load_task(cfg.task.target, cfg.run.seed, params)
     truth = task.ground_truth()
     if truth is None:
-        raise SystemExit(f"{cfg.task.params.get('root')} is a flat folder: no ground truth to compare with")
+        raise SystemExit(
+            f"{cfg.task.params.get('root')} is a flat folder: no ground truth to compare with"
+        )
     m = cfg.mining
     status = rundir.read_json(rundir.path(args.run_dir, "status.json"), {}) or {}
     classes = len(np.unique(truth))
-    print(f"{len(truth)} images, {classes} classes; mining k={m.k}, threshold={m.threshold}, max_cluster_size={m.max_cluster_size}\n")
+    print(
+        f"{len(truth)} images, {classes} classes; mining k={m.k}, threshold={m.threshold}, max_cluster_size={m.max_cluster_size}\n"
+    )
     print("| clustering | clusters | largest | NMI | ARI | pairwise F | BCubed F |")
     print("|---|---|---|---|---|---|---|")
     for r in status.get("mining", []):
-        print(f"| round after epoch {r['epoch']} | {r['num_clusters']} | {r['largest_cluster']} | {r['nmi']:.3f} | "
-              f"{r['ari']:.3f} | {r['pairwise_f']:.3f} | {r['bcubed_f']:.3f} |")
+        print(
+            f"| round after epoch {r['epoch']} | {r['num_clusters']} | {r['largest_cluster']} | {r['nmi']:.3f} | "
+            f"{r['ari']:.3f} | {r['pairwise_f']:.3f} | {r['bcubed_f']:.3f} |"
+        )
     final = rundir.path(args.run_dir, "model.pt")
     if os.path.exists(final):
         model = task.build_model()
         model.load_state_dict(torch.load(final, map_location="cpu", weights_only=True))
         z = embeddings(task, model.eval())
-        print(row(f"final model, mutual k-NN (k={m.k}, t={m.threshold})",
-                  mutual_knn_clusters(z, m.k, m.threshold, max_cluster_size=m.max_cluster_size), truth))
-        print(row(f"final model, k-means (k={classes})", KMeans(classes, n_init=10, random_state=0).fit_predict(z), truth))
+        print(
+            row(
+                f"final model, mutual k-NN (k={m.k}, t={m.threshold})",
+                mutual_knn_clusters(z, m.k, m.threshold, max_cluster_size=m.max_cluster_size),
+                truth,
+            )
+        )
+        print(
+            row(
+                f"final model, k-means (k={classes})",
+                KMeans(classes, n_init=10, random_state=0).fit_predict(z),
+                truth,
+            )
+        )
     pix_task = load_task(cfg.task.target, cfg.run.seed, {**params, "image_size": args.pixels})
     x = embeddings(pix_task)
     x = x - x.mean(0)
-    print(row(f"pixels, k-means (k={classes})", KMeans(classes, n_init=10, random_state=0).fit_predict(x), truth))
-    print(row(f"pixels, mutual k-NN (k={m.k}, t={m.threshold})",
-              mutual_knn_clusters(x, m.k, m.threshold, max_cluster_size=m.max_cluster_size), truth))
+    print(
+        row(
+            f"pixels, k-means (k={classes})",
+            KMeans(classes, n_init=10, random_state=0).fit_predict(x),
+            truth,
+        )
+    )
+    print(
+        row(
+            f"pixels, mutual k-NN (k={m.k}, t={m.threshold})",
+            mutual_knn_clusters(x, m.k, m.threshold, max_cluster_size=m.max_cluster_size),
+            truth,
+        )
+    )
     print(row("pixels, mutual k-NN (k=5, t=0.7)", mutual_knn_clusters(x, 5, 0.7), truth))
     return 0
 

@@ -45,8 +45,12 @@ def generate(root: str, n: int, size: int) -> None:
 def bare(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
     import torch
 
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(range(len(dataset)))), batch_size=batch,
-                                         num_workers=workers, pin_memory=device.type == "cuda")
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, list(range(len(dataset)))),
+        batch_size=batch,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+    )
     out = []
     with torch.no_grad():
         for b in loader:
@@ -57,7 +61,9 @@ def bare(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
 def ours(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
     from clusterflow.mining.stage import embed_shard
 
-    return embed_shard(task, model, dataset, 0, 1, batch, device, None, None, num_workers=workers, pin_memory=True)[1]
+    return embed_shard(
+        task, model, dataset, 0, 1, batch, device, None, None, num_workers=workers, pin_memory=True
+    )[1]
 
 
 def timed(fn, *args) -> float:
@@ -67,15 +73,22 @@ def timed(fn, *args) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", help="an image folder; default: generate --n JPEGs of --size px in a temporary folder")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--root",
+        help="an image folder; default: generate --n JPEGs of --size px in a temporary folder",
+    )
     p.add_argument("--n", type=int, default=2000)
     p.add_argument("--size", type=int, default=256)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--backbone", default="small")
     p.add_argument("--batch", type=int, default=256, help="mining.embed_batch")
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="data.num_workers values to measure")
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 2], help="data.num_workers values to measure"
+    )
     p.add_argument("--repeats", type=int, default=5)
     a = p.parse_args()
     import torch
@@ -88,22 +101,39 @@ def main() -> None:
         generate(a.root, a.n, a.size)
     try:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        task = ImageFolderTask(root=a.root, image_size=a.image_size, channels=a.channels, backbone=a.backbone)
+        task = ImageFolderTask(
+            root=a.root, image_size=a.image_size, channels=a.channels, backbone=a.backbone
+        )
         model = task.build_model().to(device).eval()
         ds = task.embed_dataset()
-        where = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
-        print(f"{len(ds)} images from {a.root} -> {a.image_size} px, {a.backbone} backbone, batch {a.batch}, {where}")
+        where = (
+            torch.cuda.get_device_name(0)
+            if device.type == "cuda"
+            else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        )
+        print(
+            f"{len(ds)} images from {a.root} -> {a.image_size} px, {a.backbone} backbone, batch {a.batch}, {where}"
+        )
         for w in a.workers:
-            np.testing.assert_array_equal(ours(task, model, ds, a.batch, w, device), bare(task, model, ds, a.batch, w, device))
+            np.testing.assert_array_equal(
+                ours(task, model, ds, a.batch, w, device), bare(task, model, ds, a.batch, w, device)
+            )
             times = {"embed_shard": [], "bare loop": []}
             for r in range(a.repeats):
-                for name, fn in ((("embed_shard", ours), ("bare loop", bare)) if r % 2 == 0 else (("bare loop", bare), ("embed_shard", ours))):
+                for name, fn in (
+                    (("embed_shard", ours), ("bare loop", bare))
+                    if r % 2 == 0
+                    else (("bare loop", bare), ("embed_shard", ours))
+                ):
                     times[name].append(timed(fn, task, model, ds, a.batch, w, device))
             rate = {k: len(ds) / min(v) for k, v in times.items()}
             med = {k: len(ds) / statistics.median(v) for k, v in times.items()}
-            print(f"workers {w}: embed_shard {rate['embed_shard']:.0f} img/s (median {med['embed_shard']:.0f}), bare loop "
-                  f"{rate['bare loop']:.0f} img/s (median {med['bare loop']:.0f}); ratio best {rate['embed_shard'] / rate['bare loop']:.3f}x, "
-                  f"median {med['embed_shard'] / med['bare loop']:.3f}x (load average {os.getloadavg()[0]:.2f})", flush=True)
+            print(
+                f"workers {w}: embed_shard {rate['embed_shard']:.0f} img/s (median {med['embed_shard']:.0f}), bare loop "
+                f"{rate['bare loop']:.0f} img/s (median {med['bare loop']:.0f}); ratio best {rate['embed_shard'] / rate['bare loop']:.3f}x, "
+                f"median {med['embed_shard'] / med['bare loop']:.3f}x (load average {os.getloadavg()[0]:.2f})",
+                flush=True,
+            )
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -28,7 +28,12 @@ from clusterflow.observe.heartbeat import Heartbeat  # noqa: E402
 from clusterflow.observe.watchdog import Watchdog  # noqa: E402
 
 
-def run(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor], hb: Heartbeat | None) -> float:
+def run(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    batches: list[torch.Tensor],
+    hb: Heartbeat | None,
+) -> float:
     t0 = time.perf_counter()
     for step, x in enumerate(batches, 1):
         loss = model(x).square().mean()
@@ -41,16 +46,22 @@ def run(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[torch.
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--every", type=float, default=0.5, help="heartbeat interval, seconds")
-    p.add_argument("--dir", default=None, help="run dir to write heartbeats into (default: a temp dir)")
+    p.add_argument(
+        "--dir", default=None, help="run dir to write heartbeats into (default: a temp dir)"
+    )
     a = p.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, a.width))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(a.width, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, a.width)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     batches = [torch.randn(64, a.width) for _ in range(a.steps)]
     run_dir = a.dir or tempfile.mkdtemp(prefix="bench-heartbeat-")
@@ -69,8 +80,12 @@ def main() -> None:
         hb.beat(i, "train")
     beat_ns = (time.perf_counter() - t0) / n * 1e9
     p_med, o_med = statistics.median(plain), statistics.median(observed)
-    print(f"step time, plain:             {p_med / a.steps * 1e3:.3f} ms (median of {a.repeats} x {a.steps} steps)")
-    print(f"step time, heartbeat+watchdog: {o_med / a.steps * 1e3:.3f} ms (writer every {a.every} s into {run_dir})")
+    print(
+        f"step time, plain:             {p_med / a.steps * 1e3:.3f} ms (median of {a.repeats} x {a.steps} steps)"
+    )
+    print(
+        f"step time, heartbeat+watchdog: {o_med / a.steps * 1e3:.3f} ms (writer every {a.every} s into {run_dir})"
+    )
     print(f"ratio observed/plain: {o_med / p_med:.4f}  ({(o_med / p_med - 1) * 100:+.2f} %)")
     print(f"hb.beat() alone: {beat_ns:.0f} ns per call")
 

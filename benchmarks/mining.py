@@ -24,7 +24,9 @@ from clusterflow.mining import mutual_knn_clusters, normalize  # noqa: E402
 def data(n: int, d: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     centers = rng.standard_normal((max(2, n // 20), d)).astype(np.float32)
-    return centers[rng.integers(0, len(centers), n)] + 0.5 * rng.standard_normal((n, d)).astype(np.float32)
+    return centers[rng.integers(0, len(centers), n)] + 0.5 * rng.standard_normal((n, d)).astype(
+        np.float32
+    )
 
 
 def raw_faiss(x: np.ndarray, k: int) -> float:
@@ -58,19 +60,30 @@ def _embed_rate(n: int) -> float:
     ds = task.embed_dataset()
     dist.barrier()
     t0 = time.perf_counter()
-    idx, emb = embed_shard(task, model, ds, dist.rank(), dist.world(), 1024, torch.device("cpu"), None)
+    idx, emb = embed_shard(
+        task, model, ds, dist.rank(), dist.world(), 1024, torch.device("cpu"), None
+    )
     dist.gather_rows(idx, emb, len(ds), emb.shape[1])
     return len(ds) / (time.perf_counter() - t0)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--n", type=int, default=200_000)
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--k", type=int, default=20)
     p.add_argument("--threshold", type=float, default=0.5)
-    p.add_argument("--sklearn-n", type=int, default=50_000, help="rows for the scikit-learn baseline (it is slow)")
-    p.add_argument("--embed", action="store_true", help="also measure embedding throughput with 1 and 2 ranks")
+    p.add_argument(
+        "--sklearn-n",
+        type=int,
+        default=50_000,
+        help="rows for the scikit-learn baseline (it is slow)",
+    )
+    p.add_argument(
+        "--embed", action="store_true", help="also measure embedding throughput with 1 and 2 ranks"
+    )
     a = p.parse_args()
     x = data(a.n, a.d)
     print(f"N={a.n} d={a.d} k={a.k} threshold={a.threshold} cores={os.cpu_count()}")
@@ -85,14 +98,18 @@ def main() -> None:
     labels = mutual_knn_clusters(x, a.k, a.threshold, engine="faiss", timings=timings)
     t_ours = time.perf_counter() - t0
     print(f"raw faiss flat search (normalise + add + search k+1): {t_raw:8.2f} s")
-    print(f"mutual_knn_clusters (faiss flat):                     {t_ours:8.2f} s   ratio {t_ours / t_raw:.3f}x")
+    print(
+        f"mutual_knn_clusters (faiss flat):                     {t_ours:8.2f} s   ratio {t_ours / t_raw:.3f}x"
+    )
     for k in ("normalize", "index", "search", "cluster"):
         print(f"   {k:10s} {timings[k]:8.3f} s")
     print(f"   clusters {labels.max() + 1}")
     t0 = time.perf_counter()
     mutual_knn_clusters(x, a.k, a.threshold, engine="torch")
     t_torch = time.perf_counter() - t0
-    print(f"mutual_knn_clusters (exact torch engine):             {t_torch:8.2f} s   ratio {t_torch / t_raw:.3f}x")
+    print(
+        f"mutual_knn_clusters (exact torch engine):             {t_torch:8.2f} s   ratio {t_torch / t_raw:.3f}x"
+    )
     from sklearn.neighbors import NearestNeighbors
 
     m = min(a.sklearn_n, a.n)
@@ -101,10 +118,14 @@ def main() -> None:
     NearestNeighbors(n_neighbors=a.k + 1, algorithm="brute", metric="cosine").fit(xs).kneighbors(xs)
     t_sk = time.perf_counter() - t0
     t_raw_m = raw_faiss(x[:m], a.k)
-    print(f"naive baseline, scikit-learn brute on {m} rows:       {t_sk:8.2f} s   vs raw faiss on the same rows {t_raw_m:.2f} s ({t_sk / t_raw_m:.1f}x)")
+    print(
+        f"naive baseline, scikit-learn brute on {m} rows:       {t_sk:8.2f} s   vs raw faiss on the same rows {t_raw_m:.2f} s ({t_sk / t_raw_m:.1f}x)"
+    )
     if a.embed:
         for w in (1, 2):
-            print(f"embedding throughput, {w} rank(s): {embed_throughput(min(a.n, 100_000), w):,.0f} samples/s")
+            print(
+                f"embedding throughput, {w} rank(s): {embed_throughput(min(a.n, 100_000), w):,.0f} samples/s"
+            )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,9 @@ is the cost the fail policy avoids.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
-import os
 import time
 from types import SimpleNamespace
 
@@ -68,12 +68,21 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings on a shared machine)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (1: steadier timings on a shared machine)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     torch.manual_seed(0)
-    layers = [m for _ in range(args.layers) for m in (torch.nn.Linear(args.width, args.width), torch.nn.ReLU())]
+    layers = [
+        m
+        for _ in range(args.layers)
+        for m in (torch.nn.Linear(args.width, args.width), torch.nn.ReLU())
+    ]
     model = torch.nn.Sequential(*layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     data = [torch.randn(args.batch, args.width, device=device) for _ in range(8)]
@@ -84,11 +93,15 @@ def main() -> None:
         for policy in policies:
             times[policy].append(run(policy, model, opt, data, device, args.steps, args.log_every))
     params = sum(t.numel() for t in model.parameters())
-    print(f"{device}, {params / 1e6:.1f}M parameters, batch {args.batch}, {args.steps} steps x {args.repeats} repeats")
+    print(
+        f"{device}, {params / 1e6:.1f}M parameters, batch {args.batch}, {args.steps} steps x {args.repeats} repeats"
+    )
     base = statistics.median(times["plain"])
     for policy in policies:
         med, best = statistics.median(times[policy]), min(times[policy])
-        print(f"{policy:10s} median {med * 1e3:8.3f} ms/step  best {best * 1e3:8.3f}  ratio vs plain {med / base:.3f}x")
+        print(
+            f"{policy:10s} median {med * 1e3:8.3f} ms/step  best {best * 1e3:8.3f}  ratio vs plain {med / base:.3f}x"
+        )
 
 
 if __name__ == "__main__":

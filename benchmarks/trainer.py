@@ -65,7 +65,9 @@ def bare_loop(epochs: int, identities: int, amp: str) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=0.002)
     data = task.train_dataset()
     sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=128 // world, sampler=sampler, drop_last=True, pin_memory=cuda)
+    loader = DataLoader(
+        data, batch_size=128 // world, sampler=sampler, drop_last=True, pin_memory=cuda
+    )
     dtype = {"bf16": torch.bfloat16, "none": None}[amp]
     for epoch in range(epochs):
         times.append(time.perf_counter())
@@ -121,33 +123,70 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
     """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES line)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     env["PYTHONPATH"] = REPO
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
-    done = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("EPOCH_TIMES")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        *args,
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines = [
+        line.split()[1:] for line in done.stdout.splitlines() if line.startswith("EPOCH_TIMES")
+    ]
     if done.returncode or len(lines) != 1 or len(lines[0]) < 3:
         raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
     times = [float(t) for t in lines[0]]
     return [b - a for a, b in zip(times[1:], times[2:])]
 
 
-def clusterflow_run(a: argparse.Namespace, epochs: int, root: str, fsync: bool = False,
-                    heartbeats: bool = True) -> tuple[list[float], list[float]]:
+def clusterflow_run(
+    a: argparse.Namespace, epochs: int, root: str, fsync: bool = False, heartbeats: bool = True
+) -> tuple[list[float], list[float]]:
     """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
     from clusterflow.observe.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"cf-{epochs}-", dir=root)
-    overrides = [f"run.dir={run_dir}", f"task.params.identities={a.identities}", f"train.epochs={epochs}",
-                 "mining.enabled=false", "train.eval_every_epochs=0", "train.progress_bar=false", f"train.amp={a.amp}",
-                 f"checkpoint.fsync={str(fsync).lower()}", "checkpoint.every_steps=100000000",
-                 *([f"dist.heartbeat_s={a.heartbeat_s}"] if heartbeats else ["dist.heartbeat_s=0", "dist.stall_s=0"])]
-    seconds = torchrun(a.nproc, [os.path.abspath(__file__), "--clusterflow", "configs/demo.yaml", *overrides])
-    saves = [m["checkpoint/save_s"] for m in read_metrics(run_dir).values() if "checkpoint/save_s" in m]
+    overrides = [
+        f"run.dir={run_dir}",
+        f"task.params.identities={a.identities}",
+        f"train.epochs={epochs}",
+        "mining.enabled=false",
+        "train.eval_every_epochs=0",
+        "train.progress_bar=false",
+        f"train.amp={a.amp}",
+        f"checkpoint.fsync={str(fsync).lower()}",
+        "checkpoint.every_steps=100000000",
+        *(
+            [f"dist.heartbeat_s={a.heartbeat_s}"]
+            if heartbeats
+            else ["dist.heartbeat_s=0", "dist.stall_s=0"]
+        ),
+    ]
+    seconds = torchrun(
+        a.nproc, [os.path.abspath(__file__), "--clusterflow", "configs/demo.yaml", *overrides]
+    )
+    saves = [
+        m["checkpoint/save_s"] for m in read_metrics(run_dir).values() if "checkpoint/save_s" in m
+    ]
     shutil.rmtree(run_dir, ignore_errors=True)
     return seconds, saves
 
 
 def bare_run(a: argparse.Namespace, epochs: int) -> list[float]:
-    return torchrun(a.nproc, [os.path.abspath(__file__), "--bare", str(epochs), f"--identities={a.identities}", f"--amp={a.amp}"])
+    return torchrun(
+        a.nproc,
+        [
+            os.path.abspath(__file__),
+            "--bare",
+            str(epochs),
+            f"--identities={a.identities}",
+            f"--amp={a.amp}",
+        ],
+    )
 
 
 def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float]]], list[float]]:
@@ -156,7 +195,7 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float
     marginal: dict[str, list[list[float]]] = {side: [] for side in sides}
     saves: list[float] = []
     for r in range(a.repeats):
-        order = sides[r % len(sides):] + sides[:r % len(sides)]
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
         for side in order:
             load = os.getloadavg()[0]
             if side == "clusterflow":
@@ -167,8 +206,11 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float
             else:
                 seconds = bare_run(a, 1 + a.epochs)
             marginal[side].append(seconds)
-            print(f"  repeat {r + 1} {side:11s} epochs {' '.join(f'{t:.3f}' for t in seconds)} s, mean "
-                  f"{statistics.mean(seconds):.3f} (load average before: {load:.2f})", flush=True)
+            print(
+                f"  repeat {r + 1} {side:11s} epochs {' '.join(f'{t:.3f}' for t in seconds)} s, mean "
+                f"{statistics.mean(seconds):.3f} (load average before: {load:.2f})",
+                flush=True,
+            )
     return marginal, saves
 
 
@@ -178,13 +220,17 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
         epochs = [t for run in runs for t in run]
         means = [statistics.mean(run) for run in runs]
         best[side] = {"epoch": min(epochs), "run": min(means), "median": statistics.median(epochs)}
-        print(f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best run {min(means):.3f} s/epoch, "
-              f"median epoch {statistics.median(epochs):.3f} s, spread {min(epochs):.3f}-{max(epochs):.3f}")
+        print(
+            f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best run {min(means):.3f} s/epoch, "
+            f"median epoch {statistics.median(epochs):.3f} s, spread {min(epochs):.3f}-{max(epochs):.3f}"
+        )
     cf = best["clusterflow"]
     for other in [side for side in best if side != "clusterflow"]:
         o = best[other]
-        print(f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run {cf['run'] / o['run']:.3f}x, "
-              f"median epoch {cf['median'] / o['median']:.3f}x")
+        print(
+            f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run {cf['run'] / o['run']:.3f}x, "
+            f"median epoch {cf['median'] / o['median']:.3f}x"
+        )
 
 
 def tick_cost_s(n: int = 200_000) -> float:
@@ -204,18 +250,37 @@ def tick_cost_s(n: int = 200_000) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (one per GPU on a GPU node)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks on this machine (one per GPU on a GPU node)"
+    )
     p.add_argument("--epochs", type=int, default=3, help="E: the epochs measured beyond the first")
     p.add_argument("--identities", type=int, default=1000, help="20 samples each; global batch 128")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--amp", default="none", choices=("none", "bf16"))
-    p.add_argument("--no-fsync-run", action="store_true", help="skip the extra run that times fsynced saves")
-    p.add_argument("--heartbeats", action="store_true", help="also run clusterflow with heartbeats and the stall watchdog "
-                   "off (dist.heartbeat_s=0 dist.stall_s=0), side by side: the ratio is their cost")
-    p.add_argument("--heartbeat-s", type=float, default=10.0, help="dist.heartbeat_s of the clusterflow side (default 10)")
-    p.add_argument("--bare", type=int, help=argparse.SUPPRESS)  # internal: run the bare loop for this many epochs
-    if sys.argv[1:2] == ["--clusterflow"]:  # internal: a clusterflow rank, with the rest of the command line
+    p.add_argument(
+        "--no-fsync-run", action="store_true", help="skip the extra run that times fsynced saves"
+    )
+    p.add_argument(
+        "--heartbeats",
+        action="store_true",
+        help="also run clusterflow with heartbeats and the stall watchdog "
+        "off (dist.heartbeat_s=0 dist.stall_s=0), side by side: the ratio is their cost",
+    )
+    p.add_argument(
+        "--heartbeat-s",
+        type=float,
+        default=10.0,
+        help="dist.heartbeat_s of the clusterflow side (default 10)",
+    )
+    p.add_argument(
+        "--bare", type=int, help=argparse.SUPPRESS
+    )  # internal: run the bare loop for this many epochs
+    if sys.argv[1:2] == [
+        "--clusterflow"
+    ]:  # internal: a clusterflow rank, with the rest of the command line
         clusterflow_rank(sys.argv[2:])
     a = p.parse_args()
     if a.bare is not None:
@@ -224,8 +289,14 @@ def main() -> None:
     import torch
 
     steps = a.identities * 20 // 128
-    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
-    print(f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs 2-{1 + a.epochs}, {a.repeats} repeats")
+    where = (
+        torch.cuda.get_device_name(0)
+        if torch.cuda.is_available()
+        else f"CPU, {os.cpu_count()} cores"
+    )
+    print(
+        f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs 2-{1 + a.epochs}, {a.repeats} repeats"
+    )
     root = tempfile.mkdtemp(prefix="bench-trainer-")
     try:
         marginal, saves = measure(a, root)
@@ -236,12 +307,18 @@ def main() -> None:
     if a.heartbeats:
         per_step = min(t for run in marginal["clusterflow"] for t in run) / steps
         tick = tick_cost_s()
-        print(f"the loop's own heartbeat call: {tick * 1e6:.2f} us per step, {100 * tick / per_step:.4f}% of the best "
-              f"epoch's {per_step * 1e3:.2f} ms step")
-    print(f"end-of-epoch save (in clusterflow's epochs), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}")
+        print(
+            f"the loop's own heartbeat call: {tick * 1e6:.2f} us per step, {100 * tick / per_step:.4f}% of the best "
+            f"epoch's {per_step * 1e3:.2f} ms step"
+        )
+    print(
+        f"end-of-epoch save (in clusterflow's epochs), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}"
+    )
     if fsynced:
-        print(f"the same save with fsync on (not in the figure): median {statistics.median(fsynced):.3f} s, "
-              f"max {max(fsynced):.3f} s of {len(fsynced)}")
+        print(
+            f"the same save with fsync on (not in the figure): median {statistics.median(fsynced):.3f} s, "
+            f"max {max(fsynced):.3f} s of {len(fsynced)}"
+        )
 
 
 if __name__ == "__main__":

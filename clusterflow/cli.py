@@ -38,8 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd not in COMMANDS:
         choices = ", ".join(COMMANDS)
-        print(f"error: unknown command {cmd!r}; choose one of {choices}\n\n{USAGE}",
-              file=sys.stderr)
+        print(
+            f"error: unknown command {cmd!r}; choose one of {choices}\n\n{USAGE}", file=sys.stderr
+        )
         return EXIT_BAD_INPUT
     return importlib.import_module(COMMANDS[cmd]).main(rest)
 

@@ -26,6 +26,8 @@ def call(main, argv):
 
 def one_error_line(stderr):
     """The single ``error: ...`` line of a refusal; fails when there is none or more than one."""
-    lines = [line for line in stderr.splitlines() if line.startswith("error: ") or ": error: " in line]
+    lines = [
+        line for line in stderr.splitlines() if line.startswith("error: ") or ": error: " in line
+    ]
     assert len(lines) == 1, stderr
     return lines[0]

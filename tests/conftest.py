@@ -13,10 +13,23 @@ def run_cli(*args, cwd=REPO, env=None, timeout=600):
     """Run `python -m clusterflow.<...>` as a user would; returns CompletedProcess."""
     e = dict(os.environ)
     for k in list(e):
-        if k.startswith(("SLURM_", "SUBMITIT_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        if k.startswith(("SLURM_", "SUBMITIT_")) or k in (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "MASTER_PORT",
+            "MASTER_ADDR",
+        ):
             del e[k]
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=cwd,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager
@@ -53,8 +66,9 @@ def tiny_one_process_model(tmp_path_factory):
     """model.pt of an uninterrupted one-process run of configs/tiny.yaml on this machine: what
     every one-process resume of that config must reproduce bitwise."""
     d = str(tmp_path_factory.mktemp("tiny-one-process") / "run")
-    out = run_cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}",
-                  "cluster.tasks_per_node=1")
+    out = run_cli(
+        "clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "cluster.tasks_per_node=1"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     return os.path.join(d, "model.pt")
 
@@ -76,7 +90,12 @@ def cluster():
     """The local two-node Slurm cluster, booted (idempotently) by tests/slurm/cluster.sh."""
     if os.geteuid() != 0 or shutil.which("sinfo") is None and shutil.which("apt-get") is None:
         pytest.skip("the local Slurm cluster needs root and Debian's slurm-wlm")
-    out = subprocess.run(["bash", os.path.join(REPO, "tests", "slurm", "cluster.sh"), "up"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        ["bash", os.path.join(REPO, "tests", "slurm", "cluster.sh"), "up"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
 
 

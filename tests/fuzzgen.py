@@ -17,37 +17,176 @@ from clusterflow.config.job_config import SECTIONS, _field_types
 BASE = {
     "run": {"name": "fuzz", "seed": "1"},
     "cluster": {"tasks_per_node": "1", "time_min": "10"},
-    "train": {"epochs": "1", "batch_size": "8", "lr": "0.003", "progress_bar": "false", "eval_every_epochs": "0"},
+    "train": {
+        "epochs": "1",
+        "batch_size": "8",
+        "lr": "0.003",
+        "progress_bar": "false",
+        "eval_every_epochs": "0",
+    },
     "checkpoint": {"every_steps": "1000"},
     "mining": {"enabled": "false"},
     "task": {"target": "testtasks:Tiny", "params": "{size: 16}"},
 }
 
-INTS = ["0", "1", "2", "3", "-1", "16", "64", "1e3", "1_000", "0x10", "0o17", "017", "1.0", "1.5", "+3", "9223372036854775807",
-        "9223372036854775808", "1e30", "4294967295", "4294967296", "1:30", "'12'", "12.0e0"]
-FLOATS = ["3e-4", "1e10", "1E-3", ".5", "5.", "+1e-3", "-1e-3", "1_000.5", "1.0e+10", "inf", "-inf", "nan", ".inf",
-          "-.inf", ".nan", "1e400", "-1e-400", "0.0", "-0.0", "1e-320", "'3e-4'", "0.5", "Infinity"]
-STRINGS = ["fuzz", "'007'", '""', "''", "ünïcødé", "训练", "😀", '"a\\nb"', '"\\t"', '"\\x00"', '"\\ud800"', '"\\x7f"',
-           "memory://x", "s3://b/x", "file:///tmp/cf-fuzz", "file://rel", "/proc/x", "/sys/x", "/dev/null", "/dev/shm/cf-fuzz",
-           "'a b'", "gpu|a100", "'%j'", '"$(touch /tmp/cf-fuzz-pwned)"', "'--qos=x'", "runs/x", ".", "/", "nope://x",
-           "simplecache::memory://x", "'a: b'", "'#x'"]
+INTS = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "-1",
+    "16",
+    "64",
+    "1e3",
+    "1_000",
+    "0x10",
+    "0o17",
+    "017",
+    "1.0",
+    "1.5",
+    "+3",
+    "9223372036854775807",
+    "9223372036854775808",
+    "1e30",
+    "4294967295",
+    "4294967296",
+    "1:30",
+    "'12'",
+    "12.0e0",
+]
+FLOATS = [
+    "3e-4",
+    "1e10",
+    "1E-3",
+    ".5",
+    "5.",
+    "+1e-3",
+    "-1e-3",
+    "1_000.5",
+    "1.0e+10",
+    "inf",
+    "-inf",
+    "nan",
+    ".inf",
+    "-.inf",
+    ".nan",
+    "1e400",
+    "-1e-400",
+    "0.0",
+    "-0.0",
+    "1e-320",
+    "'3e-4'",
+    "0.5",
+    "Infinity",
+]
+STRINGS = [
+    "fuzz",
+    "'007'",
+    '""',
+    "''",
+    "ünïcødé",
+    "训练",
+    "😀",
+    '"a\\nb"',
+    '"\\t"',
+    '"\\x00"',
+    '"\\ud800"',
+    '"\\x7f"',
+    "memory://x",
+    "s3://b/x",
+    "file:///tmp/cf-fuzz",
+    "file://rel",
+    "/proc/x",
+    "/sys/x",
+    "/dev/null",
+    "/dev/shm/cf-fuzz",
+    "'a b'",
+    "gpu|a100",
+    "'%j'",
+    '"$(touch /tmp/cf-fuzz-pwned)"',
+    "'--qos=x'",
+    "runs/x",
+    ".",
+    "/",
+    "nope://x",
+    "simplecache::memory://x",
+    "'a: b'",
+    "'#x'",
+]
 BOOLS = ["true", "false", "yes", "no", "on", "off", "maybe", "TRUE", "y", "n", "1", "0"]
 NULLS = ["null", "~", ""]
-SHAPES = ["[]", "{}", "[1, 2]", "[a, b]", "{a: 1}", "[[1]]", "{a: {b: {c: 1}}}", "[1, [2, [3]]]", "{1: 2}", "{null: 1}",
-          "[&x 1, *x]", "2024-01-01", "!!timestamp 2001-02-30", "!!binary aGVsbG8=", "!!set {a, b}",
-          "!!python/name:os.system", "!!str 12", "!!int '12'", "!!float 1", "[a, b", "{a: 1", "'unclosed", "*nowhere"]
-TARGETS = ["testtasks:Tiny", "testtasks:Nope", "nomod_fuzz:X", ".rel:X", "a:b:c", "clusterflow.tasks.pseudo_id:PseudoIDTask",
-           "builtins:dict", "builtins:int", "os:getcwd", "testtasks", ":", "testtasks:tdist"]
+SHAPES = [
+    "[]",
+    "{}",
+    "[1, 2]",
+    "[a, b]",
+    "{a: 1}",
+    "[[1]]",
+    "{a: {b: {c: 1}}}",
+    "[1, [2, [3]]]",
+    "{1: 2}",
+    "{null: 1}",
+    "[&x 1, *x]",
+    "2024-01-01",
+    "!!timestamp 2001-02-30",
+    "!!binary aGVsbG8=",
+    "!!set {a, b}",
+    "!!python/name:os.system",
+    "!!str 12",
+    "!!int '12'",
+    "!!float 1",
+    "[a, b",
+    "{a: 1",
+    "'unclosed",
+    "*nowhere",
+]
+TARGETS = [
+    "testtasks:Tiny",
+    "testtasks:Nope",
+    "nomod_fuzz:X",
+    ".rel:X",
+    "a:b:c",
+    "clusterflow.tasks.pseudo_id:PseudoIDTask",
+    "builtins:dict",
+    "builtins:int",
+    "os:getcwd",
+    "testtasks",
+    ":",
+    "testtasks:tdist",
+]
 PARAM_KEYS = ["size", "hidden", "sise", "x", "ключ", "1", "fail_in "]
-JUNK_OVERRIDES = ["noequals", "=x", "a=b", ".x=1", "train.=1", "train.epochs.x=1", "task.params.=1", "-x", "--nope",
-                  "train.epochs==3", " train.epochs = 3", "train.epochs=", "cluster.setup=[a, {b: c}]"]
-VALID = {"int": ["1", "2", "4", "8", "1e0", "2.0", "0x4", "1_0", "+4", "4.0e0"],
-         "float": ["3e-4", "1e-3", ".5", "5.", "+1e-3", "1_0.5", "0.1", "1.0e+1", "'2e-3'", "0"],
-         "bool": ["true", "false", "yes", "no", "on", "off", "True"],
-         "str": ["fuzz", "训练", "'007'", "gpu", "'a b'", "😀", "1e3", "2024.10", "x-y_z"],
-         "list": ["[a, b]", "[]", "x", "['module load x', 'echo 1e3']"],
-         "dict": ["{}", "{a: 1}", "{mail-type: END}"]}
-ENCODINGS = ["utf-8"] * 14 + ["utf-8-sig", "utf-16", "utf-16-le", "utf-16-be", "utf-32", "latin-1", "cp1252"]
+JUNK_OVERRIDES = [
+    "noequals",
+    "=x",
+    "a=b",
+    ".x=1",
+    "train.=1",
+    "train.epochs.x=1",
+    "task.params.=1",
+    "-x",
+    "--nope",
+    "train.epochs==3",
+    " train.epochs = 3",
+    "train.epochs=",
+    "cluster.setup=[a, {b: c}]",
+]
+VALID = {
+    "int": ["1", "2", "4", "8", "1e0", "2.0", "0x4", "1_0", "+4", "4.0e0"],
+    "float": ["3e-4", "1e-3", ".5", "5.", "+1e-3", "1_0.5", "0.1", "1.0e+1", "'2e-3'", "0"],
+    "bool": ["true", "false", "yes", "no", "on", "off", "True"],
+    "str": ["fuzz", "训练", "'007'", "gpu", "'a b'", "😀", "1e3", "2024.10", "x-y_z"],
+    "list": ["[a, b]", "[]", "x", "['module load x', 'echo 1e3']"],
+    "dict": ["{}", "{a: 1}", "{mail-type: END}"],
+}
+ENCODINGS = ["utf-8"] * 14 + [
+    "utf-8-sig",
+    "utf-16",
+    "utf-16-le",
+    "utf-16-be",
+    "utf-32",
+    "latin-1",
+    "cp1252",
+]
 
 
 class Gen:
@@ -67,7 +206,13 @@ class Gen:
             n = self.r.randrange(1, 400)
             return "[" * n + "]" * n
         if kind < 0.11:
-            return "'" + "".join(chr(self.r.randrange(32, 0x2FFF)) for _ in range(self.r.randrange(1, 40))).replace("'", "''") + "'"
+            return (
+                "'"
+                + "".join(
+                    chr(self.r.randrange(32, 0x2FFF)) for _ in range(self.r.randrange(1, 40))
+                ).replace("'", "''")
+                + "'"
+            )
         pools = [INTS, FLOATS, STRINGS, BOOLS, NULLS, SHAPES]
         return self.pick(self.pick(pools))
 
@@ -91,11 +236,17 @@ class Gen:
                 cfg[section] = {}
             if section == "task" and self.r.random() < 0.5:
                 key = "target" if self.r.random() < 0.5 else "params"
-                value = self.pick(TARGETS) if key == "target" else "{%s: %s}" % (self.pick(PARAM_KEYS), self.value())
+                value = (
+                    self.pick(TARGETS)
+                    if key == "target"
+                    else "{%s: %s}" % (self.pick(PARAM_KEYS), self.value())
+                )
                 cfg.setdefault("task", {})[key] = value
             else:
                 key = self.key(section)
-                cfg.setdefault(section, {})[key] = self.fitting(section, key) if self.r.random() < 0.5 else self.value()
+                cfg.setdefault(section, {})[key] = (
+                    self.fitting(section, key) if self.r.random() < 0.5 else self.value()
+                )
         elif op < 0.70:
             if section in cfg and isinstance(cfg[section], dict) and cfg[section]:
                 del cfg[section][self.pick(list(cfg[section]))]
@@ -112,7 +263,9 @@ class Gen:
             if not isinstance(body, dict):
                 lines.append(f"{section}: {body}")
             elif self.r.random() < 0.3:
-                lines.append(f"{section}: {{" + ", ".join(f"{k}: {v}" for k, v in body.items()) + "}")
+                lines.append(
+                    f"{section}: {{" + ", ".join(f"{k}: {v}" for k, v in body.items()) + "}"
+                )
             else:
                 lines.append(f"{section}:")
                 lines += [f"  {k}: {v}" for k, v in body.items()]
@@ -122,10 +275,14 @@ class Gen:
         op = self.r.random()
         if op < 0.06 and lines:
             i = self.r.randrange(len(lines))
-            lines.insert(self.r.randrange(len(lines) + 1), lines[i])  # a duplicated key (or section)
+            lines.insert(
+                self.r.randrange(len(lines) + 1), lines[i]
+            )  # a duplicated key (or section)
         elif op < 0.10 and lines:
             i = self.r.randrange(len(lines))
-            lines[i] = lines[i].replace("  ", "\t", 1) if lines[i].startswith("  ") else "\t" + lines[i]
+            lines[i] = (
+                lines[i].replace("  ", "\t", 1) if lines[i].startswith("  ") else "\t" + lines[i]
+            )
         elif op < 0.13:
             n = self.r.randrange(2, 10)
             bomb = ["run:", '  name: &a0 ["x","x","x","x","x","x","x","x","x"]']
@@ -151,7 +308,11 @@ class Gen:
             data = text.encode("utf-8", errors="surrogatepass")
         if self.r.random() < 0.04 and data:
             at = self.r.randrange(len(data))
-            data = data[:at] + bytes(self.r.randrange(256) for _ in range(self.r.randrange(1, 8))) + data[at:]
+            data = (
+                data[:at]
+                + bytes(self.r.randrange(256) for _ in range(self.r.randrange(1, 8)))
+                + data[at:]
+            )
         return data
 
     def override(self):

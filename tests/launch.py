@@ -6,8 +6,9 @@ import subprocess
 import sys
 import time
 
-from clusterflow.dist import free_port
 from conftest import REPO
+
+from clusterflow.dist import free_port
 
 
 def start(world, config, overrides, log_dir):
@@ -16,11 +17,26 @@ def start(world, config, overrides, log_dir):
     os.makedirs(log_dir, exist_ok=True)
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-        env.update(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        env.update(
+            RANK=str(r),
+            LOCAL_RANK=str(r),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+        )
         out = open(os.path.join(log_dir, f"launch-rank{r}-{time.time():.0f}.txt"), "a")
-        procs.append(subprocess.Popen([sys.executable, "-m", "clusterflow.run", config, *overrides], cwd=REPO, env=env,
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "clusterflow.run", config, *overrides],
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     return procs
 
 

@@ -9,13 +9,21 @@ from clusterflow.dist import free_port
 
 
 def _entry(rank, world, port, fn, args, queue):
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     try:
+        import torch
+
         from clusterflow import dist
         from clusterflow.dist import DistEnv
-
-        import torch
 
         torch.set_num_threads(1)
         dist.init(DistEnv.from_env(os.environ), "gloo", 120)
@@ -29,7 +37,9 @@ def run_ranks(world, fn, *args, timeout=300):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     results = {}

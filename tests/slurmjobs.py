@@ -18,13 +18,23 @@ TWO_NODES = ("cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.time_min=10
 
 
 def env():
-    return {"PYTHONPATH": TESTS, "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]}
+    return {
+        "PYTHONPATH": TESTS,
+        "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+    }
 
 
 def submit(run_dir, *overrides, wait=False):
     """`clusterflow.submit configs/tiny.yaml` on two nodes; returns (job id, CompletedProcess)."""
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", *TWO_NODES, *overrides,
-                  *(["--wait"] if wait else []), env=env())
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={run_dir}",
+        *TWO_NODES,
+        *overrides,
+        *(["--wait"] if wait else []),
+        env=env(),
+    )
     m = re.search(r"submitted job (\d+)", out.stdout)
     assert m, out.stdout + out.stderr
     return m.group(1), out
@@ -52,15 +62,22 @@ def wait_until(what, predicate, timeout=240, job_id=None):
         if value:
             return value
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}" + (f"; queue: {queue(job_id)}" if job_id else ""))
+    raise AssertionError(
+        f"timed out after {timeout} s waiting for {what}"
+        + (f"; queue: {queue(job_id)}" if job_id else "")
+    )
 
 
 def queue(job_id):
-    return subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout.strip()
+    return subprocess.run(
+        ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True
+    ).stdout.strip()
 
 
 def wait_gone(job_id, timeout=300):
-    return wait_until(f"job {job_id} to leave the queue", lambda: not queue(job_id) and time.time(), timeout)
+    return wait_until(
+        f"job {job_id} to leave the queue", lambda: not queue(job_id) and time.time(), timeout
+    )
 
 
 def scmd(*args):
@@ -75,4 +92,7 @@ def sha256(path):
 
 
 def rank0_logs(run_dir):
-    return "".join(open(p).read() for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.attempt*.log"))))
+    return "".join(
+        open(p).read()
+        for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.attempt*.log")))
+    )

@@ -14,9 +14,9 @@ import sys
 import time
 
 from clusterflow import rundir
-from clusterflow.rundir import first_error
 from clusterflow.observe.heartbeat import Heartbeat
 from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
+from clusterflow.rundir import first_error
 
 
 def sleeping_in_loss():
@@ -42,9 +42,16 @@ def ranks(run_dir, mode, hb, rank):
     import torch
     import torch.distributed as dist
 
-    os.environ.update(flight_recorder_env(run_dir, 0, os.environ))  # after importing torch, before the group
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}", rank=rank,
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=__import__("datetime").timedelta(seconds=120))
+    os.environ.update(
+        flight_recorder_env(run_dir, 0, os.environ)
+    )  # after importing torch, before the group
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+        rank=rank,
+        world_size=int(os.environ["WORLD_SIZE"]),
+        timeout=__import__("datetime").timedelta(seconds=120),
+    )
     t = torch.ones(8)
     for step in range(1, 6):
         if mode == "embed" and step == 3:
@@ -61,17 +68,30 @@ def main():
     hb = Heartbeat(run_dir, rank, every_s=0.2)
     log_file = os.path.join(run_dir, "logs", f"rank{rank}.attempt0.log")
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
-    wd = Watchdog(hb.progress, run_dir, rank, stall_s=stall_s, log_file=log_file, allowances={"mining wait": stall_s * 10},
-                  victim_grace_s=stall_s * 2)
+    wd = Watchdog(
+        hb.progress,
+        run_dir,
+        rank,
+        stall_s=stall_s,
+        log_file=log_file,
+        allowances={"mining wait": stall_s * 10},
+        victim_grace_s=stall_s * 2,
+    )
     try:
         with wd:
             if mode in ("stall", "mining-wait"):
                 single(run_dir, mode, hb)
             else:
                 ranks(run_dir, mode, hb, rank)
-    except Exception as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
-        won = first_error.record(run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname())
-        dump_flight_recorder(rundir.RunPaths(run_dir).stalls(0), rank)  # so the ranks' recorders can be compared
+    except (
+        Exception
+    ) as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
+        won = first_error.record(
+            run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname()
+        )
+        dump_flight_recorder(
+            rundir.RunPaths(run_dir).stalls(0), rank
+        )  # so the ranks' recorders can be compared
         print(f"rank {rank} collective failed; first cause recorded: {won}", flush=True)
         sys.exit(1)
     hb.close()

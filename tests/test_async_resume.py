@@ -9,14 +9,18 @@ import re
 import subprocess
 import time
 
+import launch
 import pytest
 import torch
-
-import launch
-from clusterflow.storage.store import CheckpointStore
 from conftest import REPO, tmpfs
 
-HANG = ["task.target=testtasks:HangInSave", "task.params.step_sleep=0.2", "task.params.hang_at_step=8"]
+from clusterflow.storage.store import CheckpointStore
+
+HANG = [
+    "task.target=testtasks:HangInSave",
+    "task.params.step_sleep=0.2",
+    "task.params.hang_at_step=8",
+]
 
 
 def weights(run_dir):
@@ -35,11 +39,17 @@ def live_status(run_dir):
 
 
 def rank0_log(run_dir):
-    return "".join(open(p).read() for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.attempt*.log"))))
+    return "".join(
+        open(p).read()
+        for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.attempt*.log")))
+    )
 
 
 def digests(folder):
-    return {p: hashlib.sha256(open(p, "rb").read()).hexdigest() for p in sorted(glob.glob(os.path.join(folder, "step-*", "*")))}
+    return {
+        p: hashlib.sha256(open(p, "rb").read()).hexdigest()
+        for p in sorted(glob.glob(os.path.join(folder, "step-*", "*")))
+    }
 
 
 def wait_for(what, predicate, timeout=240):
@@ -58,7 +68,9 @@ def reference(tmp_path_factory):
     return d
 
 
-def test_kill_during_a_background_write_resumes_from_the_previous_commit(reference, tmp_path, monkeypatch):
+def test_kill_during_a_background_write_resumes_from_the_previous_commit(
+    reference, tmp_path, monkeypatch
+):
     """Rank 0's background write of step 8 hangs half-way while both ranks train on; every process
     is SIGKILLed then. The next attempt removes the partial folder, resumes from step 6 and ends
     bitwise equal to the uninterrupted run."""
@@ -68,10 +80,19 @@ def test_kill_during_a_background_write_resumes_from_the_previous_commit(referen
     over = [f"run.dir={d}", *HANG]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
     try:
-        wait_for("a half-written step 8", lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")))
-        wait_for("training past step 8 while it is written", lambda: live_status(d).get("global_step", 0) >= 10)
+        wait_for(
+            "a half-written step 8",
+            lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")),
+        )
+        wait_for(
+            "training past step 8 while it is written",
+            lambda: live_status(d).get("global_step", 0) >= 10,
+        )
         committed = digests(ckpts)
-        assert sorted({os.path.basename(os.path.dirname(p)) for p in committed}) == ["step-4", "step-6"]
+        assert sorted({os.path.basename(os.path.dirname(p)) for p in committed}) == [
+            "step-4",
+            "step-6",
+        ]
     finally:
         launch.kill(procs)
         launch.wait(procs)
@@ -83,7 +104,10 @@ def test_kill_during_a_background_write_resumes_from_the_previous_commit(referen
     assert same_weights(weights(d), weights(reference))
 
 
-HIDDEN = ["cluster.tasks_per_node=1", "task.params.hidden=700"]  # a 5.7 MiB checkpoint: two fit in 16 MiB, three do not
+HIDDEN = [
+    "cluster.tasks_per_node=1",
+    "task.params.hidden=700",
+]  # a 5.7 MiB checkpoint: two fit in 16 MiB, three do not
 
 
 def test_a_full_disk_is_reported_and_loses_no_committed_step(tmp_path, monkeypatch, cli):
@@ -94,17 +118,25 @@ def test_a_full_disk_is_reported_and_loses_no_committed_step(tmp_path, monkeypat
         assert launch.run(1, "configs/tiny.yaml", over, d) != [0]
         logs = rank0_log(d)
         # Step 8 is written in the background and fails: reported at once, the run goes on ...
-        assert re.search(rf"no space left on tmpfs \(mounted at {fs}\) writing checkpoint step 8 to {fs}/ck/step-8 \(it needs "
-                         r"about .*; the committed steps are untouched", logs), logs
+        assert re.search(
+            rf"no space left on tmpfs \(mounted at {fs}\) writing checkpoint step 8 to {fs}/ck/step-8 \(it needs "
+            r"about .*; the committed steps are untouched",
+            logs,
+        ), logs
         # ... and the next save (step 12) is its synchronous retry, which fails the job.
         out = cli("clusterflow.status", d, "--json")
         s = json.loads(out.stdout)
         assert s["state"] == "failed", s
-        assert "no space left on tmpfs" in s["error"] and "writing checkpoint step 12" in s["error"], s
+        assert (
+            "no space left on tmpfs" in s["error"] and "writing checkpoint step 12" in s["error"]
+        ), s
         assert "writing checkpoint step 12" in s["checkpoint_error"]
         assert "last write FAILED: no space left on tmpfs" in cli("clusterflow.status", d).stdout
         assert [os.path.basename(p) for p in s["checkpoints"]] == ["step-4", "step-6"]
-        assert sorted(os.listdir(fs / "ck")) == ["step-4", "step-6"]  # the failed writes gave their space back
+        assert sorted(os.listdir(fs / "ck")) == [
+            "step-4",
+            "step-6",
+        ]  # the failed writes gave their space back
         assert CheckpointStore(str(fs / "ck")).latest().step == 6  # its files match their digests
         subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)  # space is freed
         assert launch.run(1, "configs/tiny.yaml", over, d) == [0]

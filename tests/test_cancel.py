@@ -6,14 +6,13 @@ import subprocess
 import time
 
 import pytest
+from conftest import run_cli
 
 from clusterflow import rundir
-from clusterflow.manage import cancel
-from clusterflow.rundir import cancel_marker
-from clusterflow.rundir import submissions
-from clusterflow.sweeps import index as sweep_index
 from clusterflow.errors import UserError
-from conftest import run_cli
+from clusterflow.manage import cancel
+from clusterflow.rundir import cancel_marker, submissions
+from clusterflow.sweeps import index as sweep_index
 
 
 def make_run(path, state=None, job=None, source="slurm", **status):
@@ -24,7 +23,10 @@ def make_run(path, state=None, job=None, source="slurm", **status):
     if state:
         rundir.write_status(rundir.RunPaths(d), state=state, **status)
     if job:
-        rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": 0, "job_id": job, "started_at": time.time(), "source": source})
+        rundir.append_jsonl(
+            rundir.RunPaths(d).attempts,
+            {"attempt": 0, "job_id": job, "started_at": time.time(), "source": source},
+        )
     return d
 
 
@@ -40,15 +42,26 @@ def test_marker(tmp_path):
 
 
 def test_targets():
-    runs = [("done", "completed", "1"), ("live", "running", "2"), ("queued", None, "3_1"), ("back", "requeued", "4"),
-            ("dead", "failed", "5"), ("stop", "stopped", None), ("local", "running", None), ("again", "cancelled", "6")]
+    runs = [
+        ("done", "completed", "1"),
+        ("live", "running", "2"),
+        ("queued", None, "3_1"),
+        ("back", "requeued", "4"),
+        ("dead", "failed", "5"),
+        ("stop", "stopped", None),
+        ("local", "running", None),
+        ("again", "cancelled", "6"),
+    ]
     mark, kill, notes = cancel.targets(runs)
     assert mark == ["live", "queued", "back", "dead", "stop", "local", "again"]
     assert kill == [("live", "2"), ("queued", "3_1"), ("back", "4")]
-    assert notes == ["done: already completed; left alone", "dead: failed; marked cancelled so that it is not resumed",
-                     "stop: stopped; marked cancelled so that it is not resumed",
-                     "local: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled",
-                     "again: already cancelled"]
+    assert notes == [
+        "done: already completed; left alone",
+        "dead: failed; marked cancelled so that it is not resumed",
+        "stop: stopped; marked cancelled so that it is not resumed",
+        "local: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled",
+        "again: already cancelled",
+    ]
 
 
 def test_a_newer_submission_makes_a_stale_state_unknown(tmp_path):
@@ -64,10 +77,20 @@ def test_a_newer_submission_makes_a_stale_state_unknown(tmp_path):
 def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path):
     sw = str(tmp_path / "sw")
     names = ["a", "b", "c", "d"]
-    sweep_index.write_index(sw, {"version": 1, "keys": ["train.lr"], "base": {}, "submissions": [],
-                                 "members": [{"name": n, "values": {}, "overrides": []} for n in names]})
+    sweep_index.write_index(
+        sw,
+        {
+            "version": 1,
+            "keys": ["train.lr"],
+            "base": {},
+            "submissions": [],
+            "members": [{"name": n, "values": {}, "overrides": []} for n in names],
+        },
+    )
     make_run(os.path.join(sw, "a"), "completed", "4242", source="submitit-local")
-    make_run(os.path.join(sw, "b"), "running", "4243", source="submitit-local")  # a local run: no scancel
+    make_run(
+        os.path.join(sw, "b"), "running", "4243", source="submitit-local"
+    )  # a local run: no scancel
     make_run(os.path.join(sw, "c"), "stopped")
     out = run_cli("clusterflow.cancel", sw)
     assert out.returncode == 0, out.stderr
@@ -77,13 +100,20 @@ def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path
         f"{sw}/b: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled",
         f"{sw}/c: stopped; marked cancelled so that it is not resumed",
     ]
-    assert [cancel_marker.is_cancelled(os.path.join(sw, n)) for n in names] == [False, True, True, False]
+    assert [cancel_marker.is_cancelled(os.path.join(sw, n)) for n in names] == [
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_without_scancel_the_marker_still_stops_requeues(tmp_path):
     d = make_run(tmp_path / "r", "running", "123456789")
     out = run_cli("clusterflow.cancel", d, env={"PATH": str(tmp_path)})  # no scancel on this PATH
-    assert out.returncode == 2 and "scancel is not on PATH, so jobs 123456789 still run" in out.stderr
+    assert (
+        out.returncode == 2 and "scancel is not on PATH, so jobs 123456789 still run" in out.stderr
+    )
     assert cancel_marker.is_cancelled(d)
 
 
@@ -98,8 +128,12 @@ def test_not_a_run_dir(tmp_path):
 def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
     """A held job on the local cluster stands for a submitted run that waits in the queue."""
     d = make_run(tmp_path / "r")
-    sub = subprocess.run(["sbatch", "--hold", "--parsable", "-o", "/dev/null", "--wrap", "sleep 600"],
-                         capture_output=True, text=True, timeout=60)
+    sub = subprocess.run(
+        ["sbatch", "--hold", "--parsable", "-o", "/dev/null", "--wrap", "sleep 600"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     try:
@@ -110,7 +144,9 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
         assert cancel_marker.is_cancelled(d)
         deadline = time.time() + 30
         while time.time() < deadline:
-            q = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout.strip()
+            q = subprocess.run(
+                ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True
+            ).stdout.strip()
             if q in ("", "CANCELLED"):
                 break
             time.sleep(0.5)

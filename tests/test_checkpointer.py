@@ -9,21 +9,37 @@ import time
 
 import numpy as np
 import torch
+from multirank import run_ranks
 
 from clusterflow import config, dist
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
 from clusterflow.checkpoint.train_state import TrainState
-from multirank import run_ranks
 
 
 def build(run_dir, ckpt_dir="", seed=0, **over):
-    cfg = config.load(None, [f"run.dir={run_dir}", f"checkpoint.dir={ckpt_dir}", "checkpoint.every_steps=1",
-                             f"cluster.tasks_per_node={dist.world()}", "train.batch_size=96", *[f"{k}={v}" for k, v in over.items()]])
+    cfg = config.load(
+        None,
+        [
+            f"run.dir={run_dir}",
+            f"checkpoint.dir={ckpt_dir}",
+            "checkpoint.every_steps=1",
+            f"cluster.tasks_per_node={dist.world()}",
+            "train.batch_size=96",
+            *[f"{k}={v}" for k, v in over.items()],
+        ],
+    )
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     progress = TrainState()
-    return Checkpointer(cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=100), model, opt, progress
+    return (
+        Checkpointer(
+            cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=100
+        ),
+        model,
+        opt,
+        progress,
+    )
 
 
 def train_step(model, opt, progress):
@@ -43,17 +59,30 @@ def test_a_failed_background_write_is_reported_and_the_next_save_retries_it(tmp_
     blocker.write_text("a file where the checkpoint folder should be")
     ck, model, opt, progress = build(run_dir, str(blocker / "ck"))
     train_step(model, opt, progress)
-    ck.save(STEP)  # returns at once; the write fails on the background thread, which reports it at once
+    ck.save(
+        STEP
+    )  # returns at once; the write fails on the background thread, which reports it at once
     deadline = time.time() + 60
-    while not (os.path.exists(os.path.join(run_dir, "status.json")) and status(run_dir).get("checkpoint_error")):
+    while not (
+        os.path.exists(os.path.join(run_dir, "status.json"))
+        and status(run_dir).get("checkpoint_error")
+    ):
         assert time.time() < deadline, "the failed background write never reached status.json"
         time.sleep(0.05)
-    assert status(run_dir)["checkpoint_error"].startswith(f"checkpoint step 1 could not be written to {blocker}/ck: ")
-    assert "checkpoint step 1 could not be written" in caplog.text and "the next save is written synchronously" in caplog.text
+    assert status(run_dir)["checkpoint_error"].startswith(
+        f"checkpoint step 1 could not be written to {blocker}/ck: "
+    )
+    assert (
+        "checkpoint step 1 could not be written" in caplog.text
+        and "the next save is written synchronously" in caplog.text
+    )
     blocker.unlink()  # the cause goes away (space freed, permission fixed)
     train_step(model, opt, progress)
     ck.save(STEP)  # the retry: written synchronously, so it is committed when save returns
-    assert "writing checkpoint step 2 synchronously: the background write before it failed" in caplog.text
+    assert (
+        "writing checkpoint step 2 synchronously: the background write before it failed"
+        in caplog.text
+    )
     assert ck.store.steps() == [2] and status(run_dir)["checkpoint_error"] is None
     train_step(model, opt, progress)
     ck.save(STEP)  # and then in the background again
@@ -66,7 +95,9 @@ def _failing_saves(root, background):
     run_dir = os.path.join(root, "run")
     if dist.rank() == 0:
         open(os.path.join(root, "blocker"), "w").close()
-    ck, model, opt, progress = build(run_dir, os.path.join(root, "blocker", "ck"), **{"checkpoint.async": background})
+    ck, model, opt, progress = build(
+        run_dir, os.path.join(root, "blocker", "ck"), **{"checkpoint.async": background}
+    )
     messages = []
     for _ in range(3):
         train_step(model, opt, progress)
@@ -79,7 +110,9 @@ def _failing_saves(root, background):
     return messages
 
 
-def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_retried_first(tmp_path):
+def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_retried_first(
+    tmp_path,
+):
     """No rank waits forever for rank 0: the outcome of a synchronous write is broadcast."""
     for background, failing_step in ((False, 1), (True, 2)):
         root = tmp_path / str(background)
@@ -88,7 +121,10 @@ def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_ret
         for messages in results:
             assert len(messages) == 1, results
             step, message = messages[0]
-            assert step == failing_step and f"checkpoint step {failing_step} could not be written to" in message
+            assert (
+                step == failing_step
+                and f"checkpoint step {failing_step} could not be written to" in message
+            )
 
 
 def _save_then_restore(root):
@@ -115,33 +151,61 @@ def _save_then_restore(root):
     got = (torch.rand(3).tolist(), np.random.rand(2).tolist(), random.random())
     weights = {k: v for k, v in model2.state_dict().items()}
     same = all(torch.equal(weights[k], saved[k]) for k in saved) if dist.rank() == 0 else None
-    return reads, got == expected, progress2.global_step, {k: v.tolist() for k, v in weights.items()}, same, len(ck2.states["optimizer"].state)
+    return (
+        reads,
+        got == expected,
+        progress2.global_step,
+        {k: v.tolist() for k, v in weights.items()},
+        same,
+        len(ck2.states["optimizer"].state),
+    )
 
 
-def test_restore_reads_the_checkpoint_on_rank_0_only_and_every_rank_gets_the_state_and_its_own_rng(tmp_path):
+def test_restore_reads_the_checkpoint_on_rank_0_only_and_every_rank_gets_the_state_and_its_own_rng(
+    tmp_path,
+):
     results = run_ranks(3, _save_then_restore, str(tmp_path))
     reads = [r[0] for r in results]
     assert reads[0] == ["model.pt", "train_state.pt"] and reads[1] == [] and reads[2] == []
     for _, rng_exact, step, weights, _, opt_states in results:
-        assert rng_exact and step == 2 and opt_states == 4  # Linear and BatchNorm weights and biases
+        assert (
+            rng_exact and step == 2 and opt_states == 4
+        )  # Linear and BatchNorm weights and biases
         assert weights == results[0][3]  # every rank holds rank 0's checkpoint
     assert results[0][4]  # ... which is bitwise the state rank 0 saved
 
 
 def _tensors_of_every_kind():
     torch.manual_seed(5)
-    return {"f": torch.randn(3, 5), "bf16": torch.randn(7).to(torch.bfloat16), "i": torch.arange(11),
-            "b": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5, dtype=torch.float64), "empty": torch.zeros(0, 4),
-            "t": torch.randn(4, 6).t(), "nested": [{"x": torch.randn(300)}, ("keep", 3)]}
+    return {
+        "f": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "i": torch.arange(11),
+        "b": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "t": torch.randn(4, 6).t(),
+        "nested": [{"x": torch.randn(300)}, ("keep", 3)],
+    }
 
 
 def _broadcast(bucket):
     dist._BUCKET = bucket  # tiny buckets: many of them, tensors spanning the edges
     got = dist.broadcast_state(_tensors_of_every_kind() if dist.rank() == 0 else None)
     want = _tensors_of_every_kind()
-    flat_got, flat_want = [got[k] for k in "f bf16 i b scalar empty t".split()], [want[k] for k in "f bf16 i b scalar empty t".split()]
-    ok = all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(flat_got, flat_want))
-    return ok and torch.equal(got["nested"][0]["x"], want["nested"][0]["x"]) and got["nested"][1] == ("keep", 3)
+    flat_got, flat_want = (
+        [got[k] for k in "f bf16 i b scalar empty t".split()],
+        [want[k] for k in "f bf16 i b scalar empty t".split()],
+    )
+    ok = all(
+        a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        for a, b in zip(flat_got, flat_want)
+    )
+    return (
+        ok
+        and torch.equal(got["nested"][0]["x"], want["nested"][0]["x"])
+        and got["nested"][1] == ("keep", 3)
+    )
 
 
 def test_broadcast_state_sends_every_dtype_and_shape_exactly():

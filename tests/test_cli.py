@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, run_cli
 
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "clusterflow")
@@ -20,8 +19,9 @@ def env():
 def script(*args):
     if not os.path.exists(SCRIPT):
         pytest.skip(f"no console script at {SCRIPT} (pip install -e . puts it there)")
-    return subprocess.run([SCRIPT, *args], cwd=REPO, env=env(), capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [SCRIPT, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,24 +67,37 @@ def quiet(stderr):
 def test_a_pipe_to_head_ends_quietly(run_dir, argv):
     """`python -m clusterflow.status RUN_DIR | head -1`: one line, no traceback."""
     cmd, rest = argv[0], argv[1:]
-    line = (f"set -o pipefail; {sys.executable} -m clusterflow.{cmd} {run_dir} {' '.join(rest)} "
-            f"| head -1")
-    out = subprocess.run(["bash", "-c", line], cwd=REPO, env=env(), capture_output=True,
-                         text=True, timeout=120)
+    line = (
+        f"set -o pipefail; {sys.executable} -m clusterflow.{cmd} {run_dir} {' '.join(rest)} "
+        f"| head -1"
+    )
+    out = subprocess.run(
+        ["bash", "-c", line], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120
+    )
     quiet(out.stderr)
     # 0 when the whole output was written before head left, 141 when head left first.
     assert out.returncode in (0, EXIT_BROKEN_PIPE) and len(out.stdout.splitlines()) == 1, out
 
 
-CLOSED_EARLY = [["clusterflow.status"], ["clusterflow.status", "--json"],
-                ["clusterflow.cli", "status"], ["clusterflow.logs"]]
+CLOSED_EARLY = [
+    ["clusterflow.status"],
+    ["clusterflow.status", "--json"],
+    ["clusterflow.cli", "status"],
+    ["clusterflow.logs"],
+]
 
 
 @pytest.mark.parametrize("argv", CLOSED_EARLY, ids=" ".join)
 def test_a_reader_gone_before_the_first_write_ends_quietly(run_dir, argv):
     """The reader closes its end at once, so the command's first write fails, every time."""
-    proc = subprocess.Popen([sys.executable, "-m", *argv, run_dir], cwd=REPO, env=env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *argv, run_dir],
+        cwd=REPO,
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdout.close()
     stderr = proc.stderr.read()
     code = proc.wait(timeout=120)
@@ -95,8 +108,16 @@ def test_a_reader_gone_before_the_first_write_ends_quietly(run_dir, argv):
 
 def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback():
     """Only a closed stdout is quiet: a BrokenPipeError from another pipe is a real error."""
-    code = ("import sys\nfrom clusterflow.errors import cli\n\n@cli\ndef main(argv):\n"
-            "    raise BrokenPipeError(32, 'Broken pipe')\n\nsys.exit(main([]))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env(), capture_output=True,
-                         text=True, timeout=60)
+    code = (
+        "import sys\nfrom clusterflow.errors import cli\n\n@cli\ndef main(argv):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n\nsys.exit(main([]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1 and "BrokenPipeError" in out.stderr, out.stdout + out.stderr

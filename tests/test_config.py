@@ -14,11 +14,22 @@ def write(tmp_path, text, name="c.yaml"):
 
 
 def test_defaults_file_overrides_precedence(tmp_path):
-    path = write(tmp_path, """
+    path = write(
+        tmp_path,
+        """
         train: {epochs: 7, lr: 0.01}
         cluster: {nodes: 2}
-    """)
-    cfg = config.load(path, ["train.epochs=3", "cluster.partition=007", "task.params={identities: 5}", "train.amp=bf16"])
+    """,
+    )
+    cfg = config.load(
+        path,
+        [
+            "train.epochs=3",
+            "cluster.partition=007",
+            "task.params={identities: 5}",
+            "train.amp=bf16",
+        ],
+    )
     assert cfg.train.epochs == 3  # override beats file
     assert cfg.train.lr == 0.01  # file beats default
     assert cfg.train.batch_size == config.TrainConfig().batch_size  # default
@@ -27,20 +38,26 @@ def test_defaults_file_overrides_precedence(tmp_path):
     assert cfg.cluster.nodes == 2
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.epochz=3", "unknown key train.epochz; valid keys of [train]: epochs, batch_size"),
-    ("trian.epochs=3", "unknown section 'trian'; valid sections: run, cluster"),
-    ("train.epochs=three", "train.epochs = 'three': expected an integer, got str"),
-    ("train.lr=abc", "train.lr = 'abc': expected a number"),
-    ("cluster.exclusive=maybe", "expected true or false"),
-    ("cluster.nodes=0", "cluster.nodes = 0: must be >= 1"),
-    ("train.amp=fp8", "must be one of auto, none, bf16, fp16"),
-    ("checkpoint.keep_last=1", "must be >= 2"),
-    ("epochs", "must look like section.key=value"),
-    ("cluster.tasks_per_node=3", "must be divisible by world size x grad_accum = 3 x 1"),
-    ("train.epochs.x=3", "train.epochs is a single value, not a mapping; write train.epochs=VALUE"),
-    ("mining.search=everywhere", "must be one of rank0, all"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.epochz=3", "unknown key train.epochz; valid keys of [train]: epochs, batch_size"),
+        ("trian.epochs=3", "unknown section 'trian'; valid sections: run, cluster"),
+        ("train.epochs=three", "train.epochs = 'three': expected an integer, got str"),
+        ("train.lr=abc", "train.lr = 'abc': expected a number"),
+        ("cluster.exclusive=maybe", "expected true or false"),
+        ("cluster.nodes=0", "cluster.nodes = 0: must be >= 1"),
+        ("train.amp=fp8", "must be one of auto, none, bf16, fp16"),
+        ("checkpoint.keep_last=1", "must be >= 2"),
+        ("epochs", "must look like section.key=value"),
+        ("cluster.tasks_per_node=3", "must be divisible by world size x grad_accum = 3 x 1"),
+        (
+            "train.epochs.x=3",
+            "train.epochs is a single value, not a mapping; write train.epochs=VALUE",
+        ),
+        ("mining.search=everywhere", "must be one of rank0, all"),
+    ],
+)
 def test_bad_overrides_name_key_value_and_fix(override, needle):
     with pytest.raises(UserError) as e:
         config.load(None, [override])
@@ -49,7 +66,9 @@ def test_bad_overrides_name_key_value_and_fix(override, needle):
 
 def test_unknown_key_in_file_lists_valid_keys(tmp_path):
     path = write(tmp_path, "mining:\n  kk: 3\n")
-    with pytest.raises(UserError, match=r"unknown key mining.kk; valid keys of \[mining\]: enabled, every_epochs"):
+    with pytest.raises(
+        UserError, match=r"unknown key mining.kk; valid keys of \[mining\]: enabled, every_epochs"
+    ):
         config.load(path)
 
 
@@ -81,12 +100,15 @@ def test_round_trip_and_fingerprint_ignores_run_dir(tmp_path):
     assert config.load(None, ["train.epochs=3"]).fingerprint() != cfg.fingerprint()
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["configs/nope.yaml"], "config file not found"),
-    (["configs/demo.yaml", "train.epochz=1"], "unknown key train.epochz"),
-    (["configs/demo.yaml", "cluster.nodes=0"], "cluster.nodes = 0"),
-    (["configs/demo.yaml", "cluster.tasks_per_node=0"], "cluster.tasks_per_node = 0"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["configs/nope.yaml"], "config file not found"),
+        (["configs/demo.yaml", "train.epochz=1"], "unknown key train.epochz"),
+        (["configs/demo.yaml", "cluster.nodes=0"], "cluster.nodes = 0"),
+        (["configs/demo.yaml", "cluster.tasks_per_node=0"], "cluster.tasks_per_node = 0"),
+    ],
+)
 def test_cli_bad_input_exits_2_without_traceback(cli, args, needle):
     out = cli("clusterflow.submit", *args, "--dry-run")
     assert out.returncode == 2, out.stderr
@@ -98,7 +120,9 @@ def test_cli_malformed_yaml(cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train:\n  epochs: 3\n   lr: 1\n")
     out = cli("clusterflow.submit", str(bad), "--dry-run")
-    assert out.returncode == 2 and "malformed YAML at" in out.stderr and "Traceback" not in out.stderr
+    assert (
+        out.returncode == 2 and "malformed YAML at" in out.stderr and "Traceback" not in out.stderr
+    )
 
 
 def test_reference_doc_is_current():
@@ -106,8 +130,9 @@ def test_reference_doc_is_current():
 
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with open(os.path.join(here, "docs", "configuration.md")) as f:
-        assert f.read().strip() == config.reference_markdown().strip(), \
+        assert f.read().strip() == config.reference_markdown().strip(), (
             "docs/configuration.md is stale: python -m clusterflow.config > docs/configuration.md"
+        )
 
 
 def test_login_node_import_is_light(cli):
@@ -128,7 +153,9 @@ def test_one_task_param_overrides_keep_the_others(tmp_path):
 
 
 def test_spread_search_needs_the_exact_torch_engine():
-    with pytest.raises(UserError, match="mining.engine = 'faiss': cannot run with mining.search=all"):
+    with pytest.raises(
+        UserError, match="mining.engine = 'faiss': cannot run with mining.search=all"
+    ):
         config.load(None, ["mining.search=all", "mining.engine=faiss"])
     with pytest.raises(UserError, match="mining.search=all is exact"):
         config.load(None, ["mining.search=all", "mining.index=hnsw"])
@@ -140,16 +167,27 @@ def test_one_resume_rule_for_submit_run_and_restore(tmp_path, capsys):
     relaunch of the same job (a Slurm requeue re-reading an edited YAML), which keeps the saved
     config with a note; where the run dir is may change; keys one side lacks are not differences."""
     saved = config.load(None, ["run.dir=/a", "train.epochs=3"]).to_dict()
-    config.check_resume(saved, config.load(None, ["run.dir=/moved", "train.epochs=3"]).to_dict(), "run dir '/a'")
+    config.check_resume(
+        saved, config.load(None, ["run.dir=/moved", "train.epochs=3"]).to_dict(), "run dir '/a'"
+    )
     edited = config.load(None, ["run.dir=/a", "train.epochs=5", "mining.k=7"]).to_dict()
-    with pytest.raises(UserError, match=r"run dir '/a' holds a run with a different config \(train.epochs 3 -> 5; "
-                                        r"mining.k 10 -> 7\); to resume it, use the same values"):
+    with pytest.raises(
+        UserError,
+        match=r"run dir '/a' holds a run with a different config \(train.epochs 3 -> 5; "
+        r"mining.k 10 -> 7\); to resume it, use the same values",
+    ):
         config.check_resume(saved, edited, "run dir '/a'")
     config.check_resume(saved, edited, "run dir '/a'", relaunch=True)
     assert "runs on the config of run dir '/a'" in capsys.readouterr().err
-    older = {s: {k: v for k, v in keys.items() if k != "eval_every_epochs"} for s, keys in saved.items()}
-    config.check_resume(older, saved, "a checkpoint")  # written before a key existed: not a difference
-    resumed = config.resume_config(config.from_dict(saved), config.from_dict(edited | {"run": {**saved["run"], "dir": "/b"}}))
+    older = {
+        s: {k: v for k, v in keys.items() if k != "eval_every_epochs"} for s, keys in saved.items()
+    }
+    config.check_resume(
+        older, saved, "a checkpoint"
+    )  # written before a key existed: not a difference
+    resumed = config.resume_config(
+        config.from_dict(saved), config.from_dict(edited | {"run": {**saved["run"], "dir": "/b"}})
+    )
     assert resumed.run.dir == "/b" and resumed.train.epochs == 3
 
 
@@ -157,7 +195,9 @@ def test_run_refuses_a_different_config_in_an_existing_run_dir(cli, tmp_path):
     d = tmp_path / "run"
     d.mkdir()
     (d / "config.yaml").write_text(config.load("configs/tiny.yaml", [f"run.dir={d}"]).to_yaml())
-    (d / "checkpoints" / "step-4").mkdir(parents=True)  # a committed step: the run has something to resume
+    (d / "checkpoints" / "step-4").mkdir(
+        parents=True
+    )  # a committed step: the run has something to resume
     (d / "checkpoints" / "step-4" / "manifest.json").write_text("{}")
     out = cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=9")
     assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -4,9 +4,15 @@ import numpy as np
 import pytest
 
 from clusterflow.mining import curves
-from clusterflow.mining.quality import quality
+from clusterflow.mining.clustering import (
+    clusters_from_graph,
+    mutual_edges,
+    mutual_knn_clusters,
+    normalize,
+    number_by_smallest_member,
+)
 from clusterflow.mining.knn import KnnParams, search
-from clusterflow.mining.clustering import clusters_from_graph, mutual_edges, mutual_knn_clusters, normalize, number_by_smallest_member
+from clusterflow.mining.quality import quality
 
 
 def faiss_search(x, k):
@@ -46,7 +52,9 @@ def today(sims, ids, t):
 
 def sweep_labels(sims, ids, grid):
     g = curves.mutual_graph(sims, ids)
-    return [number_by_smallest_member(comp) for _, _, _, _, comp in curves._sweep(g, grid, labels=True)]
+    return [
+        number_by_smallest_member(comp) for _, _, _, _, comp in curves._sweep(g, grid, labels=True)
+    ]
 
 
 @pytest.mark.parametrize("search", [faiss_search, torch_search])
@@ -61,7 +69,10 @@ def test_curve_equals_mutual_knn_clusters_at_every_grid_point(search, data, k):
         want, edges = today(sims, ids, t)
         sizes = np.bincount(want)
         assert curve.num_clusters[i] == len(sizes) and curve.mutual_edges[i] == edges, t
-        assert curve.num_singletons[i] == (sizes == 1).sum() and curve.largest_cluster[i] == sizes.max(), t
+        assert (
+            curve.num_singletons[i] == (sizes == 1).sum()
+            and curve.largest_cluster[i] == sizes.max()
+        ), t
         np.testing.assert_array_equal(labels[i], want)
     assert curve.mutual_edges[0] == 0 and curve.mutual_edges[-1] == today(sims, ids, -np.inf)[1]
 
@@ -80,7 +91,9 @@ def random_lists(n, k, seed):
     and the sweep. No row lists itself (the engines never do)."""
     rng = np.random.default_rng(seed)
     ids = rng.integers(-1, n, (n, k))
-    near = (np.arange(n)[:, None] + rng.integers(-3, 4, (n, k))) % n  # mostly close ids, so many pairs are mutual
+    near = (
+        np.arange(n)[:, None] + rng.integers(-3, 4, (n, k))
+    ) % n  # mostly close ids, so many pairs are mutual
     ids = np.where(rng.random((n, k)) < 0.7, near, ids)
     ids[ids == np.arange(n)[:, None]] = -1
     sims = np.round(rng.uniform(-0.5, 1.0, (n, k)) * 20) / 20  # steps of 0.05: ties and exact zeros
@@ -99,7 +112,9 @@ def brute_force(sims, ids, t):
             if j >= 0 and j != i and s == s:
                 best[i][j] = max(best[i].get(j, -np.inf), s)
     passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t  # noqa: E731 - compared as float32, like numpy
-    edges = sorted((i, j) for i in range(len(ids)) for j in best[i] if i < j and passes(i, j) and passes(j, i))
+    edges = sorted(
+        (i, j) for i in range(len(ids)) for j in best[i] if i < j and passes(i, j) and passes(j, i)
+    )
     parent = list(range(len(ids)))
 
     def root(a):
@@ -116,7 +131,11 @@ def brute_force(sims, ids, t):
 def test_sweep_and_mutual_edges_match_brute_force_on_random_graphs(seed):
     sims, ids = random_lists(120, 6, seed)
     ids[5, :2] = [9, 9]  # one neighbour listed twice
-    ids[9, 0], sims[5, :2], sims[9, 0] = 5, [0.0, np.nan], 0.0  # mutual at exactly 0.0 (its other listing NaN)
+    ids[9, 0], sims[5, :2], sims[9, 0] = (
+        5,
+        [0.0, np.nan],
+        0.0,
+    )  # mutual at exactly 0.0 (its other listing NaN)
     grid = np.round(np.arange(1.0, -0.6, -0.05), 2)
     curve = curves.threshold_curve(sims, ids, grid)
     labels = sweep_labels(sims, ids, grid)
@@ -135,7 +154,11 @@ def test_thresholds_compare_like_mutual_edges_in_float32():
     ids = np.array([[1], [0], [3], [2]])
     sims = np.array([[s], [s], [np.nextafter(s, np.float32(0))], [0.9]], np.float32)
     curve = curves.threshold_curve(sims, ids, np.array([0.8, 0.7, 0.6]))
-    assert curve.mutual_edges.tolist() == [0, 1, 2] == [today(sims, ids, t)[1] for t in (0.8, 0.7, 0.6)]
+    assert (
+        curve.mutual_edges.tolist()
+        == [0, 1, 2]
+        == [today(sims, ids, t)[1] for t in (0.8, 0.7, 0.6)]
+    )
     assert curves.kept_edges(curves.mutual_graph(sims, ids), 0.7) == 1
 
 
@@ -143,7 +166,11 @@ def test_mutual_graph_keeps_the_lower_of_the_two_directed_similarities():
     ids = np.array([[1, 2], [0, 2], [1, 0]])
     sims = np.array([[0.9, 0.5], [0.8, 0.7], [0.6, 0.4]], np.float32)
     g = curves.mutual_graph(sims, ids)
-    assert sorted(zip(g.u.tolist(), g.v.tolist(), g.w.tolist())) == [(0, 1, pytest.approx(0.8)), (0, 2, pytest.approx(0.4)), (1, 2, pytest.approx(0.6))]
+    assert sorted(zip(g.u.tolist(), g.v.tolist(), g.w.tolist())) == [
+        (0, 1, pytest.approx(0.8)),
+        (0, 2, pytest.approx(0.4)),
+        (1, 2, pytest.approx(0.6)),
+    ]
     assert g.w.tolist() == sorted(g.w.tolist(), reverse=True)
 
 
@@ -162,7 +189,9 @@ def test_modularity_along_the_curve_is_that_of_the_labels():
     g = curves.mutual_graph(sims, ids)
     curve = curves.threshold_curve(sims, ids, graph=g)
     for i in range(0, len(curve.thresholds), 9):
-        assert curve.modularity[i] == pytest.approx(curves.modularity(g, today(sims, ids, curve.thresholds[i].item())[0]), abs=1e-9)
+        assert curve.modularity[i] == pytest.approx(
+            curves.modularity(g, today(sims, ids, curve.thresholds[i].item())[0]), abs=1e-9
+        )
     assert curves.modularity(g, np.zeros(len(emb), int)) == pytest.approx(0.0, abs=1e-12)
 
 
@@ -227,9 +256,15 @@ def test_fast_nmi_ari_are_sklearns_limit_cases_included():
     from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
     rng = np.random.default_rng(0)
-    cases = [(rng.integers(0, 5, 300), rng.integers(0, 7, 300)), (np.zeros(50), np.zeros(50)), (np.zeros(50), np.arange(50)),
-             (np.arange(50), np.arange(50)), (np.arange(50) % 3, np.zeros(50)), (np.array([3]), np.array([0])),
-             (rng.integers(0, 40, 1000), rng.integers(0, 40, 1000) // 2)]
+    cases = [
+        (rng.integers(0, 5, 300), rng.integers(0, 7, 300)),
+        (np.zeros(50), np.zeros(50)),
+        (np.zeros(50), np.arange(50)),
+        (np.arange(50), np.arange(50)),
+        (np.arange(50) % 3, np.zeros(50)),
+        (np.array([3]), np.array([0])),
+        (rng.integers(0, 40, 1000), rng.integers(0, 40, 1000) // 2),
+    ]
     for truth, labels in cases:
         labels = np.unique(labels, return_inverse=True)[1]
         got = curves._Agreement(truth)(labels)
@@ -248,10 +283,13 @@ def test_cluster_counts_at_every_breakpoint(data, k):
     for t in points.tolist() + np.nextafter(points, np.float32(2)).tolist() + [2.0, -2.0]:
         assert curves.clusters_at(g.n, merges, t) == today(sims, ids, t)[0].max() + 1, t
     curve = curves.threshold_curve(sims, ids, graph=g)
-    assert [curves.clusters_at(g.n, merges, t) for t in curve.thresholds.tolist()] == curve.num_clusters.tolist()
+    assert [
+        curves.clusters_at(g.n, merges, t) for t in curve.thresholds.tolist()
+    ] == curve.num_clusters.tolist()
 
 
 # -- the one mutual-edge definition (clusterflow/mutual_graph.py) --------------------------------
+
 
 def mutual_edges_before_issue_18(sims, ids, threshold):
     """clustering.mutual_edges as it was: kept for the bitwise comparison below."""
@@ -274,19 +312,31 @@ def test_a_mutual_edge_of_similarity_zero_is_kept():
     assert mutual_knn_clusters(x[:2], 1, 0.0, engine="torch").tolist() == [0, 0]
     sims, ids = np.array([[0.0], [0.0], [0.5], [0.5]], np.float32), np.array([[1], [0], [3], [2]])
     graph = mutual_edges(sims, ids, 0.0)
-    assert graph.nnz == 4 and graph[0, 1] == 0.0 and clusters_from_graph(graph).tolist() == [0, 0, 1, 1]
+    assert (
+        graph.nnz == 4
+        and graph[0, 1] == 0.0
+        and clusters_from_graph(graph).tolist() == [0, 0, 1, 1]
+    )
     assert mutual_edges_before_issue_18(sims, ids, 0.0).nnz == 2  # the defect
 
 
 def test_a_neighbour_listed_twice_counts_once_with_its_best_similarity():
     sims = np.array([[0.3, 0.4], [0.35, -np.inf]], np.float32)
     ids = np.array([[1, 1], [0, -1]])
-    assert mutual_edges(sims, ids, 0.3).toarray().tolist() == [[0, np.float32(0.4)], [np.float32(0.35), 0]]
-    assert mutual_edges_before_issue_18(sims, ids, 0.3)[0, 1] == pytest.approx(1.4)  # the defect: (0.3 + 0.4) x 2
+    assert mutual_edges(sims, ids, 0.3).toarray().tolist() == [
+        [0, np.float32(0.4)],
+        [np.float32(0.35), 0],
+    ]
+    assert mutual_edges_before_issue_18(sims, ids, 0.3)[0, 1] == pytest.approx(
+        1.4
+    )  # the defect: (0.3 + 0.4) x 2
     assert mutual_edges(sims, ids, 0.36).nnz == 0  # 1 lists 0 at 0.35 only
 
 
-@pytest.mark.parametrize("data,k,engine", [(blobs, 10, "faiss"), (blobs, 20, "torch"), (with_ties, 8, "faiss"), (digits, 10, "faiss")])
+@pytest.mark.parametrize(
+    "data,k,engine",
+    [(blobs, 10, "faiss"), (blobs, 20, "torch"), (with_ties, 8, "faiss"), (digits, 10, "faiss")],
+)
 def test_every_other_result_is_bitwise_what_it_was(data, k, engine):
     """Without zeros, repeats or self listings, the matrix (structure and values) is the one the
     old implementation built, at every threshold: labels, edge counts and max_cluster_size's
@@ -301,7 +351,10 @@ def test_every_other_result_is_bitwise_what_it_was(data, k, engine):
         np.testing.assert_array_equal(new.indices, old.indices)
         np.testing.assert_array_equal(new.data, old.data)
         for size in (0, 40):
-            np.testing.assert_array_equal(clusters_from_graph(new, max_cluster_size=size), clusters_from_graph(old, max_cluster_size=size))
+            np.testing.assert_array_equal(
+                clusters_from_graph(new, max_cluster_size=size),
+                clusters_from_graph(old, max_cluster_size=size),
+            )
 
 
 def test_auto_threshold_in_the_public_function():
@@ -318,7 +371,10 @@ def test_thin_keeps_the_ends_and_the_chosen_threshold():
     full = curve.to_dict()
     small = curves.thin(full, t, points=10)
     assert len(full["thresholds"]) > 100 and 10 <= len(small["thresholds"]) <= 11
-    assert small["thresholds"][0] == full["thresholds"][0] and small["thresholds"][-1] == full["thresholds"][-1]
+    assert (
+        small["thresholds"][0] == full["thresholds"][0]
+        and small["thresholds"][-1] == full["thresholds"][-1]
+    )
     assert t in small["thresholds"] and set(small) == set(full)
     i = small["thresholds"].index(t)
     assert {name: values[i] for name, values in small.items()} == curve.row(t)

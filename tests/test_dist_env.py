@@ -6,19 +6,30 @@ import pytest
 from clusterflow.dist import DistEnv, derive_port, parse_nodelist
 from clusterflow.errors import UserError
 
-SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-         "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "1234",
-         "SLURM_RESTART_COUNT": "2", "SLURM_TASKS_PER_NODE": "2(x2)"}
+SLURM = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "1234",
+    "SLURM_RESTART_COUNT": "2",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+}
 
 
-@pytest.mark.parametrize("text,hosts", [
-    ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-    ("a[1-3],b1", ["a1", "a2", "a3", "b1"]),
-    ("rack1-[1-2]-gpu[3-4]", ["rack1-1-gpu3", "rack1-1-gpu4", "rack1-2-gpu3", "rack1-2-gpu4"]),
-    ("node1", ["node1"]),
-    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
-    ("x[098-101]", ["x098", "x099", "x100", "x101"]),
-])
+@pytest.mark.parametrize(
+    "text,hosts",
+    [
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("a[1-3],b1", ["a1", "a2", "a3", "b1"]),
+        ("rack1-[1-2]-gpu[3-4]", ["rack1-1-gpu3", "rack1-1-gpu4", "rack1-2-gpu3", "rack1-2-gpu4"]),
+        ("node1", ["node1"]),
+        ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+        ("x[098-101]", ["x098", "x099", "x100", "x101"]),
+    ],
+)
 def test_nodelist(text, hosts):
     assert parse_nodelist(text) == hosts
 
@@ -31,17 +42,68 @@ def test_bad_nodelist(text):
 
 CASES = [
     ("nothing", {}, dict(rank=0, world_size=1, source="single")),
-    ("slurm", SLURM, dict(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2,
-                          master_addr="gpu07", master_port=derive_port("1234", 2), job_id="1234", attempt=2,
-                          hosts=("gpu07", "gpu08"), source="slurm")),
+    (
+        "slurm",
+        SLURM,
+        dict(
+            rank=3,
+            world_size=4,
+            local_rank=1,
+            local_world_size=2,
+            node_rank=1,
+            num_nodes=2,
+            master_addr="gpu07",
+            master_port=derive_port("1234", 2),
+            job_id="1234",
+            attempt=2,
+            hosts=("gpu07", "gpu08"),
+            source="slurm",
+        ),
+    ),
     ("slurm port override", {**SLURM, "MASTER_PORT": "29999"}, dict(master_port=29999)),
-    ("torchrun", {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h",
-                  "MASTER_PORT": "1234"}, dict(rank=1, world_size=2, master_addr="h", master_port=1234, source="torchrun")),
-    ("torchrun inside slurm wins", {**SLURM, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4",
-                                     "MASTER_ADDR": "gpu07", "MASTER_PORT": "5"}, dict(world_size=8, source="torchrun", num_nodes=2)),
-    ("submitit local", {"SUBMITIT_LOCAL_GLOBALID": "1", "SUBMITIT_LOCAL_LOCALID": "1", "SUBMITIT_LOCAL_NTASKS": "2",
-                        "SUBMITIT_LOCAL_JOB_ID": "77", "MASTER_PORT": "4000"},
-     dict(rank=1, world_size=2, local_rank=1, master_port=4000, source="submitit-local", job_id="77")),
+    (
+        "torchrun",
+        {
+            "RANK": "1",
+            "LOCAL_RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "h",
+            "MASTER_PORT": "1234",
+        },
+        dict(rank=1, world_size=2, master_addr="h", master_port=1234, source="torchrun"),
+    ),
+    (
+        "torchrun inside slurm wins",
+        {
+            **SLURM,
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "8",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "gpu07",
+            "MASTER_PORT": "5",
+        },
+        dict(world_size=8, source="torchrun", num_nodes=2),
+    ),
+    (
+        "submitit local",
+        {
+            "SUBMITIT_LOCAL_GLOBALID": "1",
+            "SUBMITIT_LOCAL_LOCALID": "1",
+            "SUBMITIT_LOCAL_NTASKS": "2",
+            "SUBMITIT_LOCAL_JOB_ID": "77",
+            "MASTER_PORT": "4000",
+        },
+        dict(
+            rank=1,
+            world_size=2,
+            local_rank=1,
+            master_port=4000,
+            source="submitit-local",
+            job_id="77",
+        ),
+    ),
 ]
 
 
@@ -53,14 +115,34 @@ def test_from_env(name, env, expected):
 
 
 BAD = [
-    ("slurm missing ntasks", {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"}, "SLURM_NTASKS not set"),
-    ("slurm procid too big", {**SLURM, "SLURM_PROCID": "4"}, "SLURM_PROCID=4 must be below SLURM_NTASKS=4"),
+    (
+        "slurm missing ntasks",
+        {k: v for k, v in SLURM.items() if k != "SLURM_NTASKS"},
+        "SLURM_NTASKS not set",
+    ),
+    (
+        "slurm procid too big",
+        {**SLURM, "SLURM_PROCID": "4"},
+        "SLURM_PROCID=4 must be below SLURM_NTASKS=4",
+    ),
     ("slurm nodelist size", {**SLURM, "SLURM_JOB_NODELIST": "gpu07"}, "names 1 hosts"),
     ("slurm not int", {**SLURM, "SLURM_NTASKS": "four"}, "SLURM_NTASKS='four'"),
-    ("slurm no nodelist", {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_JOB_NODELIST not set"),
+    (
+        "slurm no nodelist",
+        {k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"},
+        "SLURM_JOB_NODELIST not set",
+    ),
     ("torchrun partial", {"RANK": "0"}, "LOCAL_RANK, WORLD_SIZE not set"),
-    ("torchrun rank", {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "RANK=2 must be below WORLD_SIZE=2"),
-    ("torchrun no master", {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}, "without MASTER_ADDR"),
+    (
+        "torchrun rank",
+        {"RANK": "2", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"},
+        "RANK=2 must be below WORLD_SIZE=2",
+    ),
+    (
+        "torchrun no master",
+        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"},
+        "without MASTER_ADDR",
+    ),
 ]
 
 
@@ -79,13 +161,17 @@ def test_port_depends_on_job_and_attempt():
 def test_slurm_limit_on_hosts_is_enforced_before_expanding():
     """A range of more hosts than Slurm allows is refused at once, naming the value and the limit
     (run under a 1 GiB address-space cap: expanding 100 million names would need far more)."""
-    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-            "from clusterflow.dist import parse_nodelist\n"
-            "parse_nodelist('n[0-100000000]')\n")
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+        "from clusterflow.dist import parse_nodelist\n"
+        "parse_nodelist('n[0-100000000]')\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "MemoryError" not in out.stderr, out.stderr[-2000:]
-    assert "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over Slurm's limit " \
-           "of 65536 hosts" in out.stderr
+    assert (
+        "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over Slurm's limit "
+        "of 65536 hosts" in out.stderr
+    )
     assert len(parse_nodelist("n[1-65536]")) == 65536
     for text in ("n[0-65536]", "n[1-300]-[1-300]", "a[1-40000],b[1-40000]"):
         with pytest.raises(UserError, match="over Slurm's limit of 65536 hosts"):

@@ -5,10 +5,11 @@ import re
 import shlex
 
 import pytest
-
 from conftest import REPO
 
-PAGES = [os.path.join(REPO, "README.md")] + [os.path.join(REPO, "docs", f) for f in sorted(os.listdir(os.path.join(REPO, "docs")))]
+PAGES = [os.path.join(REPO, "README.md")] + [
+    os.path.join(REPO, "docs", f) for f in sorted(os.listdir(os.path.join(REPO, "docs")))
+]
 
 
 @pytest.mark.parametrize("page", PAGES, ids=os.path.basename)
@@ -17,7 +18,9 @@ def test_relative_links_resolve(page):
     for target in re.findall(r"\]\(([^)#\s]+)\)", text):
         if "://" in target:
             continue
-        assert os.path.exists(os.path.join(os.path.dirname(page), target)), f"{page}: broken link {target}"
+        assert os.path.exists(os.path.join(os.path.dirname(page), target)), (
+            f"{page}: broken link {target}"
+        )
 
 
 def commands():
@@ -27,7 +30,11 @@ def commands():
             for line in text.splitlines():
                 for part in line.split("&&"):
                     part = part.strip()
-                    if "clusterflow.submit" in part and "--dry-run" not in part and "mytask" not in part:
+                    if (
+                        "clusterflow.submit" in part
+                        and "--dry-run" not in part
+                        and "mytask" not in part
+                    ):
                         yield os.path.basename(page), part
 
 
@@ -35,7 +42,7 @@ def commands():
 def test_submit_commands_in_docs_parse_and_validate(cli, page, command):
     """Every `clusterflow.submit` line of the docs resolves its config (run as --dry-run)."""
     words = shlex.split(command.split("#")[0])
-    args = words[words.index("clusterflow.submit") + 1:]
+    args = words[words.index("clusterflow.submit") + 1 :]
     args = [a for a in args if a not in ("--local", "--wait")]
     out = cli("clusterflow.submit", *args, "--dry-run")
     assert out.returncode == 0, f"{page}: {command}\n{out.stderr}"

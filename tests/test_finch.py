@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from clusterflow.mining.quality import quality
+from clusterflow.mining.clustering import normalize, number_by_smallest_member
 from clusterflow.mining.finch import default_search, finch_clusters, finch_levels, silhouette
 from clusterflow.mining.knn import KnnParams, search
-from clusterflow.mining.clustering import normalize, number_by_smallest_member
+from clusterflow.mining.quality import quality
 
 
 def faiss_search(x, k):
@@ -20,6 +20,7 @@ def torch_search(x, k):
 def reference(x):
     """FINCH the slow obvious way: dense cosine similarities, first neighbour by argmax (ties to
     the smaller index), union-find, float64 means; the authors' stopping rule."""
+
     def first_neighbour_partition(v):
         v = v / np.linalg.norm(v, axis=1, keepdims=True)
         sim = v @ v.T
@@ -85,7 +86,9 @@ def test_level_zero_uses_the_round_lists_and_later_levels_search_only_the_means(
         return torch_search(means, k)
 
     levels = finch_levels(x, ids, search)
-    assert [n for n, _ in seen][: len(levels) - 1] == [int(level.max()) + 1 for level in levels[:-1]]
+    assert [n for n, _ in seen][: len(levels) - 1] == [
+        int(level.max()) + 1 for level in levels[:-1]
+    ]
     assert all(k == 1 for _, k in seen) and seen[0][0] < len(x)
 
 
@@ -104,7 +107,9 @@ def test_level_choice():
     x, y = blobs(n=800, seed=6)
     sims, ids = torch_search(x, 10)
     labels, info = finch_clusters(x, sims, ids)
-    assert info["level"] == int(np.argmax(info["silhouette"])) and len(info["modularity"]) == len(info["silhouette"])
+    assert info["level"] == int(np.argmax(info["silhouette"])) and len(info["modularity"]) == len(
+        info["silhouette"]
+    )
     np.testing.assert_array_equal(labels, finch_levels(x, ids)[info["level"]])
     for want in (1, 37, 10**6):
         labels, info = finch_clusters(x, sims, ids, num_clusters=want)
@@ -120,7 +125,9 @@ def test_silhouette_is_sklearns():
     noisy[:3] = [12, 13, 14]  # singletons score 0
     for labels in (y, noisy):
         labels = np.unique(labels, return_inverse=True)[1]
-        assert silhouette(x, labels) == pytest.approx(silhouette_score(x, labels, metric="cosine"), abs=1e-6)
+        assert silhouette(x, labels) == pytest.approx(
+            silhouette_score(x, labels, metric="cosine"), abs=1e-6
+        )
     assert silhouette(x, np.zeros(600, int)) == 0.0
     sample = silhouette(x, y, sample=200)
     assert sample == silhouette(x, y, sample=200) and abs(sample - silhouette(x, y)) < 0.1

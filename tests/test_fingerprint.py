@@ -12,7 +12,9 @@ def cfg(*overrides):
 
 
 def test_every_config_key_is_classified_and_none_is_stale():
-    declared = {f"{name}.{key}" for name, cls in config.SECTIONS.items() for key in config.keys(cls)}
+    declared = {
+        f"{name}.{key}" for name, cls in config.SECTIONS.items() for key in config.keys(cls)
+    }
     missing = sorted(declared - set(fingerprint.KEYS))
     stale = sorted(set(fingerprint.KEYS) - declared)
     assert not missing, f"classify these keys in clusterflow/fingerprint.py KEYS: {missing}"
@@ -21,25 +23,53 @@ def test_every_config_key_is_classified_and_none_is_stale():
     assert all(why for _, why in fingerprint.KEYS.values())
 
 
-@pytest.mark.parametrize("override", [
-    "cluster.time_min=240", "cluster.partition=high", "cluster.max_timeout_requeues=9", "cluster.mem_gb=16",
-    "data.num_workers=4", "checkpoint.every_steps=7", "checkpoint.keep_last=5", "train.log_every_steps=3",
-    "train.progress_bar=false", "run.name=other", "run.dir=elsewhere", "dist.timeout_s=30", "mining.timeout_s=60",
-    "cluster.sbatch_extra={mail-type: END}",
-    # numerics: the same experiment, computed in another order
-    "cluster.nodes=2", "dist.bucket_cap_mb=50", "train.eval_every_epochs=2", "mining.embed_batch=64",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "cluster.time_min=240",
+        "cluster.partition=high",
+        "cluster.max_timeout_requeues=9",
+        "cluster.mem_gb=16",
+        "data.num_workers=4",
+        "checkpoint.every_steps=7",
+        "checkpoint.keep_last=5",
+        "train.log_every_steps=3",
+        "train.progress_bar=false",
+        "run.name=other",
+        "run.dir=elsewhere",
+        "dist.timeout_s=30",
+        "mining.timeout_s=60",
+        "cluster.sbatch_extra={mail-type: END}",
+        # numerics: the same experiment, computed in another order
+        "cluster.nodes=2",
+        "dist.bucket_cap_mb=50",
+        "train.eval_every_epochs=2",
+        "mining.embed_batch=64",
+    ],
+)
 def test_resource_and_numerics_changes_keep_the_result_fingerprint(override):
     assert fingerprint.result_fingerprint(cfg(override)) == fingerprint.result_fingerprint(cfg())
     result, other = fingerprint.compare(cfg(), cfg(override))
     assert result == [] and other and other[0].key.startswith(override.split("=")[0])
 
 
-@pytest.mark.parametrize("override", [
-    "train.lr=0.01", "run.seed=1", "mining.k=5", "mining.threshold=0.7", "train.epochs=9", "train.grad_accum=2",
-    "task.params.identities=50", "task.init_from=runs/stage1", "train.amp=bf16", "train.tf32=false",
-    "dist.sync_batchnorm=true", "mining.index=hnsw",
-])
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.lr=0.01",
+        "run.seed=1",
+        "mining.k=5",
+        "mining.threshold=0.7",
+        "train.epochs=9",
+        "train.grad_accum=2",
+        "task.params.identities=50",
+        "task.init_from=runs/stage1",
+        "train.amp=bf16",
+        "train.tf32=false",
+        "dist.sync_batchnorm=true",
+        "mining.index=hnsw",
+    ],
+)
 def test_result_changes_change_the_fingerprint_and_are_named(override):
     assert fingerprint.result_fingerprint(cfg(override)) != fingerprint.result_fingerprint(cfg())
     result, _ = fingerprint.compare(cfg(), cfg(override))
@@ -49,9 +79,13 @@ def test_result_changes_change_the_fingerprint_and_are_named(override):
 def test_messages_name_key_old_and_new_and_say_when_not_bitwise():
     _, other = fingerprint.compare(cfg("cluster.time_min=60"), cfg("cluster.time_min=240"))
     assert [str(c) for c in other] == ["cluster.time_min 60 -> 240"]
-    _, other = fingerprint.compare(cfg("cluster.nodes=2", "train.batch_size=128"), cfg("cluster.nodes=1"))
+    _, other = fingerprint.compare(
+        cfg("cluster.nodes=2", "train.batch_size=128"), cfg("cluster.nodes=1")
+    )
     (c,) = other
-    assert str(c).startswith("cluster.nodes 2 -> 1 (resumes, not bitwise: the global-batch sampler keeps the data order")
+    assert str(c).startswith(
+        "cluster.nodes 2 -> 1 (resumes, not bitwise: the global-batch sampler keeps the data order"
+    )
     result, _ = fingerprint.compare(cfg("train.lr=0.001"), cfg("train.lr=0.01"))
     assert fingerprint.summary(result) == "train.lr 0.001 -> 0.01"
     _, other = fingerprint.compare(cfg("cluster.partition=low"), cfg("cluster.partition=high"))
@@ -59,7 +93,10 @@ def test_messages_name_key_old_and_new_and_say_when_not_bitwise():
 
 
 def test_world_size_changes_the_result_when_the_learning_rate_scales_with_it():
-    old, new = cfg("cluster.nodes=2", "train.lr_scaling=linear"), cfg("cluster.nodes=1", "train.lr_scaling=linear")
+    old, new = (
+        cfg("cluster.nodes=2", "train.lr_scaling=linear"),
+        cfg("cluster.nodes=1", "train.lr_scaling=linear"),
+    )
     result, other = fingerprint.compare(old, new)
     assert [c.key for c in result] == ["derived.world_size"] and "lr_scaling" in str(result[0])
     assert [c.key for c in other] == ["cluster.nodes"]
@@ -76,21 +113,34 @@ def test_amp_auto_on_gpu_vs_cpu_is_a_precision_change():
     gloo = cfg("cluster.gpus_per_node=2", "cluster.tasks_per_node=2", "dist.backend=gloo")
     assert fingerprint.compare(cpu, gloo)[0] == []
     # an explicit precision keeps it whatever the device
-    result, other = fingerprint.compare(cfg("train.amp=none"), cfg("train.amp=none", "cluster.gpus_per_node=2", "cluster.tasks_per_node=2"))
+    result, other = fingerprint.compare(
+        cfg("train.amp=none"),
+        cfg("train.amp=none", "cluster.gpus_per_node=2", "cluster.tasks_per_node=2"),
+    )
     assert result == [] and {c.kind for c in other} == {NUMERICS}
 
 
 def test_unknown_keys_count_as_result_and_sub_keys_are_named():
-    assert fingerprint.kind("newsection.key") == RESULT and fingerprint.kind("train.not_yet_classified") == RESULT
-    assert fingerprint.kind("task.params.anything") == RESULT and fingerprint.kind("cluster.sbatch_extra.x") == RESOURCE
+    assert (
+        fingerprint.kind("newsection.key") == RESULT
+        and fingerprint.kind("train.not_yet_classified") == RESULT
+    )
+    assert (
+        fingerprint.kind("task.params.anything") == RESULT
+        and fingerprint.kind("cluster.sbatch_extra.x") == RESOURCE
+    )
     old, new = cfg(), cfg()
     new["train"]["brand_new"] = 1  # a key added to config.py and forgotten here
     result, _ = fingerprint.compare(old, new)
     assert str(result[0]) == "train.brand_new (unset) -> 1"
-    result, _ = fingerprint.compare(cfg("task.params={a: 1, b: 2}"), cfg("task.params={a: 1, b: 3}"))
+    result, _ = fingerprint.compare(
+        cfg("task.params={a: 1, b: 2}"), cfg("task.params={a: 1, b: 3}")
+    )
     assert [str(c) for c in result] == ["task.params.b 2 -> 3"]
     # an empty mapping and a missing one are the same config
-    assert fingerprint.result_fingerprint(cfg("task.params={}")) == fingerprint.result_fingerprint(cfg())
+    assert fingerprint.result_fingerprint(cfg("task.params={}")) == fingerprint.result_fingerprint(
+        cfg()
+    )
 
 
 def test_docs_table_is_generated_from_the_code():
@@ -99,4 +149,6 @@ def test_docs_table_is_generated_from_the_code():
     from conftest import REPO
 
     page = open(os.path.join(REPO, "docs", "workflows.md")).read()
-    assert fingerprint.reference_markdown() in page, "regenerate the table: python -c 'from clusterflow.config import fingerprint; print(fingerprint.reference_markdown())'"
+    assert fingerprint.reference_markdown() in page, (
+        "regenerate the table: python -c 'from clusterflow.config import fingerprint; print(fingerprint.reference_markdown())'"
+    )

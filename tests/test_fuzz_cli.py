@@ -15,12 +15,12 @@ import subprocess
 import sys
 
 import pytest
-
 from clihelp import call, one_error_line
-from clusterflow.job import run
-from clusterflow.launch import submit
 from conftest import REPO
 from fuzzgen import Gen
+
+from clusterflow.job import run
+from clusterflow.launch import submit
 
 CASES = 1200
 SEED = 12
@@ -66,8 +66,12 @@ def test_no_traceback_and_exit_0_or_2(fuzzed):
         _check("submit --dry-run", i, *dry)
         _check("run --check", i, *check)
         if dry[0] == 2 and not any(o.startswith("-") for o in overrides):
-            assert check[0] == 2, f"case {i}: submit refused, run did not\n{dry[2]}"  # run checks more, never less
-    assert not [p for p in os.listdir(work) if not p.startswith("case")], "a dry run or a check wrote something"
+            assert check[0] == 2, (
+                f"case {i}: submit refused, run did not\n{dry[2]}"
+            )  # run checks more, never less
+    assert not [p for p in os.listdir(work) if not p.startswith("case")], (
+        "a dry run or a check wrote something"
+    )
     accepted = sum(check[0] == 0 for *_, check in results)
     refused = sum(check[0] == 2 for *_, check in results)
     # The generator must exercise both sides, or this test proves nothing.
@@ -89,7 +93,10 @@ def _sample(results, which):
     return ok[:1] + bad[:1] + odd[:1]
 
 
-@pytest.mark.parametrize("module,which,extra", [("clusterflow.submit", 2, "--dry-run"), ("clusterflow.run", 3, "--check")])
+@pytest.mark.parametrize(
+    "module,which,extra",
+    [("clusterflow.submit", 2, "--dry-run"), ("clusterflow.run", 3, "--check")],
+)
 def test_the_in_process_harness_matches_real_processes(fuzzed, module, which, extra):
     work, results = fuzzed
     sample = _sample(results, which)
@@ -109,10 +116,16 @@ def test_valid_cases_train_for_real(fuzzed, tmp_path):
     work, results = fuzzed
     started = 0
     for path, overrides, dry, check in results:
-        if check[0] != 0 or started == 2 or "ok: testtasks:Tiny with 16 training samples" not in check[1]:
+        if (
+            check[0] != 0
+            or started == 2
+            or "ok: testtasks:Tiny with 16 training samples" not in check[1]
+        ):
             continue
         d = tmp_path / f"run{started}"
-        code, out, err = _in_subprocess("clusterflow.run", path, [*overrides, f"run.dir={d}"], "train.epochs=1", work)
+        code, out, err = _in_subprocess(
+            "clusterflow.run", path, [*overrides, f"run.dir={d}"], "train.epochs=1", work
+        )
         assert code == 0 and "Traceback" not in err, (path, overrides, err[-3000:])
         started += 1
     assert started == 2

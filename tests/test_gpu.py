@@ -4,19 +4,21 @@ the exact torch k-NN engine on the GPU against faiss-cpu, bf16 embedding, and th
 import json
 import os
 
+import launch
 import numpy as np
 import pytest
 import torch
 
-import launch
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine"),
+]
 
 
 def test_torch_engine_on_gpu_equals_faiss_cpu():
     faiss = pytest.importorskip("faiss")
-    from clusterflow.mining.knn.torch_engine import torch_search
     from clusterflow.mining import normalize
+    from clusterflow.mining.knn.torch_engine import torch_search
 
     rng = np.random.default_rng(0)
     x = normalize(rng.standard_normal((20000, 128)).astype(np.float32))
@@ -31,7 +33,9 @@ def test_torch_engine_on_gpu_equals_faiss_cpu():
 
 def test_demo_on_one_gpu_with_nccl_and_bf16(tmp_path):
     d = str(tmp_path / "run")
-    assert launch.run(1, "configs/tiny.yaml", [f"run.dir={d}", "dist.backend=nccl", "train.amp=bf16"], d) == [0]
+    assert launch.run(
+        1, "configs/tiny.yaml", [f"run.dir={d}", "dist.backend=nccl", "train.amp=bf16"], d
+    ) == [0]
     status = json.load(open(os.path.join(d, "status.json")))
     assert status["state"] == "completed" and len(status["mining"]) == 2
     log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
@@ -43,8 +47,8 @@ def test_background_snapshot_of_gpu_state_is_the_state_at_the_boundary():
     snapshot equals the state at the save even though the loop's next step runs at once."""
     import copy
 
-    from clusterflow.dist import tree
     from clusterflow.checkpoint.staging import Staging
+    from clusterflow.dist import tree
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048)).cuda()

@@ -7,10 +7,25 @@ import time
 import pytest
 
 from clusterflow import rundir
-from clusterflow.observe.heartbeat import Heartbeat, mark, read_ranks, render, summary, tensorboard_scalars
+from clusterflow.observe.heartbeat import (
+    Heartbeat,
+    mark,
+    read_ranks,
+    render,
+    summary,
+    tensorboard_scalars,
+)
 
-GPU0 = {"index": 0, "uuid": "GPU-aaaa", "name": "NVIDIA H100", "memory_total_mb": 81559, "memory_used_mb": 30720,
-        "util_pct": 97, "temp_c": 64, "processes": []}
+GPU0 = {
+    "index": 0,
+    "uuid": "GPU-aaaa",
+    "name": "NVIDIA H100",
+    "memory_total_mb": 81559,
+    "memory_used_mb": 30720,
+    "util_pct": 97,
+    "temp_c": 64,
+    "processes": [],
+}
 
 
 def test_beat_is_cheap_and_the_thread_writes_at_most_every_heartbeat_s(tmp_path):
@@ -28,11 +43,21 @@ def test_beat_is_cheap_and_the_thread_writes_at_most_every_heartbeat_s(tmp_path)
     time.sleep(0.6)
     elapsed = time.monotonic() - t0
     hb.close()
-    assert 1 <= len(writes) <= 2 + elapsed / 0.25  # 20,000 beats, a handful of writes (+1 from close)
+    assert (
+        1 <= len(writes) <= 2 + elapsed / 0.25
+    )  # 20,000 beats, a handful of writes (+1 from close)
     rec = json.loads((tmp_path / "heartbeats" / "rank3.json").read_text())
-    assert (rec["rank"], rec["host"], rec["step"], rec["phase"], rec["beats"]) == (3, "node2", 20000, "train", 20000)
+    assert (rec["rank"], rec["host"], rec["step"], rec["phase"], rec["beats"]) == (
+        3,
+        "node2",
+        20000,
+        "train",
+        20000,
+    )
     assert rec["pid"] == os.getpid() and abs(rec["time"] - time.time()) < 60
-    assert sorted(os.listdir(tmp_path / "heartbeats")) == ["rank3.json"]  # the temp file was renamed away
+    assert sorted(os.listdir(tmp_path / "heartbeats")) == [
+        "rank3.json"
+    ]  # the temp file was renamed away
 
 
 def test_a_rank_that_has_not_beaten_yet_says_starting(tmp_path):
@@ -59,11 +84,25 @@ def test_step_time_is_wall_time_per_training_step_between_writes(tmp_path):
 
 def test_gpu_fields_come_from_the_snapshot_of_this_ranks_gpu(tmp_path):
     snap = [GPU0, {**GPU0, "index": 1, "uuid": "GPU-bbbb", "memory_used_mb": 100, "util_pct": 3}]
-    by_index = Heartbeat(str(tmp_path), 0, "n1", 10, gpu=1, start=False, snapshot=lambda: snap).record()
-    assert (by_index["gpu_index"], by_index["gpu_mem_used_mb"], by_index["gpu_util_pct"]) == (1, 100, 3)
-    by_uuid = Heartbeat(str(tmp_path), 0, "n1", 10, gpu="GPU-aaaa", start=False, snapshot=lambda: snap).record()
-    assert (by_uuid["gpu_index"], by_uuid["gpu_mem_total_mb"], by_uuid["gpu_temp_c"]) == (0, 81559, 64)
-    no_nvml = Heartbeat(str(tmp_path), 0, "n1", 10, gpu=0, start=False, snapshot=lambda: None).record()
+    by_index = Heartbeat(
+        str(tmp_path), 0, "n1", 10, gpu=1, start=False, snapshot=lambda: snap
+    ).record()
+    assert (by_index["gpu_index"], by_index["gpu_mem_used_mb"], by_index["gpu_util_pct"]) == (
+        1,
+        100,
+        3,
+    )
+    by_uuid = Heartbeat(
+        str(tmp_path), 0, "n1", 10, gpu="GPU-aaaa", start=False, snapshot=lambda: snap
+    ).record()
+    assert (by_uuid["gpu_index"], by_uuid["gpu_mem_total_mb"], by_uuid["gpu_temp_c"]) == (
+        0,
+        81559,
+        64,
+    )
+    no_nvml = Heartbeat(
+        str(tmp_path), 0, "n1", 10, gpu=0, start=False, snapshot=lambda: None
+    ).record()
     assert not [k for k in no_nvml if k.startswith("gpu_")]
 
 
@@ -80,28 +119,56 @@ def test_a_failing_write_does_not_stop_the_thread(tmp_path):
 
 
 def _rec(rank, age, step_time=0.2, phase="train", host=None, now=1000.0, **extra):
-    return {"rank": rank, "host": host or f"node{rank // 4 + 1}", "step": 50, "phase": phase, "time": now - age,
-            "progress_at": now - age, "step_time_s": step_time, **extra}
+    return {
+        "rank": rank,
+        "host": host or f"node{rank // 4 + 1}",
+        "step": 50,
+        "phase": phase,
+        "time": now - age,
+        "progress_at": now - age,
+        "step_time_s": step_time,
+        **extra,
+    }
 
 
-@pytest.mark.parametrize("records,heartbeat_s,silent,stragglers", [
-    ([_rec(0, 1), _rec(1, 2)], 10, [], []),                                  # all fresh, equal
-    ([_rec(0, 1), _rec(1, 31)], 10, [1], []),                                # 31 s > max(3 x 10, 30)
-    ([_rec(0, 1), _rec(1, 29)], 10, [], []),                                 # under the 30 s floor
-    ([_rec(0, 1), _rec(1, 100)], 60, [], []),                                # 100 s < 3 x 60
-    ([_rec(0, 1), _rec(1, 1, step_time=0.5)], 10, [], [1]),                  # two ranks: the other's time is the median
-    ([_rec(0, 1), _rec(1, 1, step_time=0.29)], 10, [], []),                  # 1.45 x: not a straggler
-    ([_rec(0, 1, 0.010), _rec(1, 1, 0.030)], 10, [], []),                    # 3 x but only 20 ms: jitter
-    ([_rec(r, 1, 0.2) for r in range(7)] + [_rec(7, 1, 0.35)], 10, [], [7]),
-    ([_rec(r, 1, 0.2) for r in range(4)] + [_rec(4, 1, 0.5, phase="eval")], 10, [], []),  # eval is not compared
-    ([_rec(0, 1, 0.2), _rec(1, 1, 0.2), _rec(2, 90, 5.0)], 10, [2], []),    # a silent rank is not a straggler
-    ([_rec(0, 1, None), _rec(1, 1, 0.9)], 10, [], []),                       # no step time yet: nothing to compare
-])
+@pytest.mark.parametrize(
+    "records,heartbeat_s,silent,stragglers",
+    [
+        ([_rec(0, 1), _rec(1, 2)], 10, [], []),  # all fresh, equal
+        ([_rec(0, 1), _rec(1, 31)], 10, [1], []),  # 31 s > max(3 x 10, 30)
+        ([_rec(0, 1), _rec(1, 29)], 10, [], []),  # under the 30 s floor
+        ([_rec(0, 1), _rec(1, 100)], 60, [], []),  # 100 s < 3 x 60
+        (
+            [_rec(0, 1), _rec(1, 1, step_time=0.5)],
+            10,
+            [],
+            [1],
+        ),  # two ranks: the other's time is the median
+        ([_rec(0, 1), _rec(1, 1, step_time=0.29)], 10, [], []),  # 1.45 x: not a straggler
+        ([_rec(0, 1, 0.010), _rec(1, 1, 0.030)], 10, [], []),  # 3 x but only 20 ms: jitter
+        ([_rec(r, 1, 0.2) for r in range(7)] + [_rec(7, 1, 0.35)], 10, [], [7]),
+        (
+            [_rec(r, 1, 0.2) for r in range(4)] + [_rec(4, 1, 0.5, phase="eval")],
+            10,
+            [],
+            [],
+        ),  # eval is not compared
+        (
+            [_rec(0, 1, 0.2), _rec(1, 1, 0.2), _rec(2, 90, 5.0)],
+            10,
+            [2],
+            [],
+        ),  # a silent rank is not a straggler
+        ([_rec(0, 1, None), _rec(1, 1, 0.9)], 10, [], []),  # no step time yet: nothing to compare
+    ],
+)
 def test_marks(records, heartbeat_s, silent, stragglers):
     out = mark(records, heartbeat_s, now=1000.0)
     assert [r["rank"] for r in out if r["silent"]] == silent
     assert [r["rank"] for r in out if r["straggler"]] == stragglers
-    assert all(r["heartbeat_age_s"] == round(1000.0 - rec["time"], 1) for r, rec in zip(out, records))
+    assert all(
+        r["heartbeat_age_s"] == round(1000.0 - rec["time"], 1) for r, rec in zip(out, records)
+    )
 
 
 def _write(run_dir, rec):
@@ -114,41 +181,78 @@ def test_read_ranks_drops_earlier_attempts_and_lists_missing_ranks(tmp_path):
     d = str(tmp_path)
     now = 10_000.0
     _write(d, _rec(0, 2, now=now))
-    _write(d, _rec(1, 500, now=now))          # left by the previous attempt (before `since`)
-    _write(d, _rec(5, 2, now=now))            # a rank of a larger earlier attempt
+    _write(d, _rec(1, 500, now=now))  # left by the previous attempt (before `since`)
+    _write(d, _rec(5, 2, now=now))  # a rank of a larger earlier attempt
     with open(os.path.join(d, "heartbeats", "rank2.json"), "w") as f:
-        f.write('{"rank": 2, "ho')          # cut short (cannot happen with rename; a hand-copied dir might)
+        f.write('{"rank": 2, "ho')  # cut short (cannot happen with rename; a hand-copied dir might)
     with open(os.path.join(d, "heartbeats", ".rank3.tmp"), "w") as f:
         f.write("{}")
     out = read_ranks(d, 10, now=now, since=now - 100, world_size=4)
     assert [r["rank"] for r in out] == [0, 1, 2, 3]
     assert [r["silent"] for r in out] == [False, True, True, True]
     assert out[1]["phase"] is None and out[1]["heartbeat_age_s"] is None
-    assert [r["rank"] for r in read_ranks(d, 10, now=now)] == [0, 1, 5]  # without an attempt: all it finds
+    assert [r["rank"] for r in read_ranks(d, 10, now=now)] == [
+        0,
+        1,
+        5,
+    ]  # without an attempt: all it finds
     assert read_ranks(str(tmp_path / "nothing"), 10) == []
 
 
 def test_render_and_summary_name_the_odd_ranks():
-    ranks = mark([_rec(0, 3, 0.2, gpu_index=0, gpu_mem_used_mb=30720, gpu_mem_total_mb=81559, gpu_util_pct=97, gpu_temp_c=64),
-                  _rec(1, 4, 0.2), _rec(2, 2, 0.61, host="node3"), _rec(3, 95, 0.2, host="node4")], 10, now=1000.0)
+    ranks = mark(
+        [
+            _rec(
+                0,
+                3,
+                0.2,
+                gpu_index=0,
+                gpu_mem_used_mb=30720,
+                gpu_mem_total_mb=81559,
+                gpu_util_pct=97,
+                gpu_temp_c=64,
+            ),
+            _rec(1, 4, 0.2),
+            _rec(2, 2, 0.61, host="node3"),
+            _rec(3, 95, 0.2, host="node4"),
+        ],
+        10,
+        now=1000.0,
+    )
     table = render(ranks)
     lines = table.splitlines()
     assert lines[0].split()[:4] == ["rank", "host", "step", "phase"]
     assert "30.0/80 GiB" in lines[1] and "97%" in lines[1] and "64C" in lines[1]
     assert lines[3].rstrip().endswith("straggler") and lines[4].rstrip().endswith("silent")
-    assert summary(ranks) == ("rank 2 on node3 straggles (0.610 s/step, others' median 0.200 s); "
-                              "rank 3 on node4 is silent (last heartbeat 95 s ago)")
+    assert summary(ranks) == (
+        "rank 2 on node3 straggles (0.610 s/step, others' median 0.200 s); "
+        "rank 3 on node4 is silent (last heartbeat 95 s ago)"
+    )
     assert summary(ranks[:2]) is None
-    assert summary(mark([{"rank": 5, "time": None}], 10, now=1000.0)) == "rank 5 has sent no heartbeat in this attempt"
+    assert (
+        summary(mark([{"rank": 5, "time": None}], 10, now=1000.0))
+        == "rank 5 has sent no heartbeat in this attempt"
+    )
 
 
 def test_tensorboard_scalars_cover_every_node():
-    ranks = mark([_rec(0, 1, 0.2, gpu_index=0, gpu_mem_used_mb=2048, gpu_util_pct=90, host="node1"),
-                  _rec(1, 1, 0.3, gpu_index=0, gpu_mem_used_mb=1024, gpu_util_pct=50, host="node2"),
-                  _rec(2, 99, 0.3, host="node3")], 10, now=1000.0)
+    ranks = mark(
+        [
+            _rec(0, 1, 0.2, gpu_index=0, gpu_mem_used_mb=2048, gpu_util_pct=90, host="node1"),
+            _rec(1, 1, 0.3, gpu_index=0, gpu_mem_used_mb=1024, gpu_util_pct=50, host="node2"),
+            _rec(2, 99, 0.3, host="node3"),
+        ],
+        10,
+        now=1000.0,
+    )
     assert tensorboard_scalars(ranks) == {
-        "ranks/step_time_s/rank0": 0.2, "gpus/node1/gpu0/mem_used_gb": 2.0, "gpus/node1/gpu0/util_pct": 90.0,
-        "ranks/step_time_s/rank1": 0.3, "gpus/node2/gpu0/mem_used_gb": 1.0, "gpus/node2/gpu0/util_pct": 50.0}
+        "ranks/step_time_s/rank0": 0.2,
+        "gpus/node1/gpu0/mem_used_gb": 2.0,
+        "gpus/node1/gpu0/util_pct": 90.0,
+        "ranks/step_time_s/rank1": 0.3,
+        "gpus/node2/gpu0/mem_used_gb": 1.0,
+        "gpus/node2/gpu0/util_pct": 50.0,
+    }
 
 
 def _two_rank_heartbeats(run_dir):

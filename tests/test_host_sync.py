@@ -24,18 +24,25 @@ import sys
 import warnings
 
 import pytest
-
 from conftest import REPO
 from multirank import run_ranks
 
-HOST_SIDE = ("torch/optim/optimizer.py:_get_value", "torch/utils/data/dataloader.py:__init__", "sampler.py:__iter__")
+HOST_SIDE = (
+    "torch/optim/optimizer.py:_get_value",
+    "torch/utils/data/dataloader.py:__init__",
+    "sampler.py:__iter__",
+)
 READS = ("item", "__float__", "__int__", "__index__", "__bool__", "tolist", "cpu", "numpy")
 
 
 def _site(depth=2):
     f = sys._getframe(depth)
     where = f.f_code.co_filename.replace(os.sep, "/")
-    where = where.split("site-packages/")[-1].split("clusterflow/", 1)[-1] if "/torch/" not in where else "torch/" + where.split("/torch/", 1)[1]
+    where = (
+        where.split("site-packages/")[-1].split("clusterflow/", 1)[-1]
+        if "/torch/" not in where
+        else "torch/" + where.split("/torch/", 1)[1]
+    )
     return f"{where}:{f.f_code.co_name}"
 
 
@@ -63,7 +70,11 @@ def _to_cpu(args, kwargs, device):
     import torch
 
     target = kwargs.get("device", args[0] if args else None)
-    return target is not device and isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu"
+    return (
+        target is not device
+        and isinstance(target, (str, torch.device))
+        and torch.device(target).type == "cpu"
+    )
 
 
 @contextlib.contextmanager
@@ -93,14 +104,16 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
 
     from clusterflow import config, dist
     from clusterflow.checkpoint import checkpointer
-    from clusterflow.train.preemption import Preemption
     from clusterflow.tasks import load_task
+    from clusterflow.train.preemption import Preemption
     from clusterflow.train.trainer import Trainer
 
     cfg = config.load(config_path, [f"run.dir={run_dir}", *overrides])
     os.makedirs(run_dir, exist_ok=True)
     device = torch.device(device)
-    trainer = Trainer(cfg, load_task(cfg.task.target, cfg.run.seed, cfg.task.params), device, 0, Preemption())
+    trainer = Trainer(
+        cfg, load_task(cfg.task.target, cfg.run.seed, cfg.task.params), device, 0, Preemption()
+    )
     calls, steps = [], {}
     save, loader = trainer._save, trainer._loader
 
@@ -111,7 +124,13 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     def end_of_step(event):
         save(event)
         if event == checkpointer.STEP:
-            kind = "log" if trainer._log_due() else "save" if trainer.checkpointer.due(event) else "plain"
+            kind = (
+                "log"
+                if trainer._log_due()
+                else "save"
+                if trainer.checkpointer.due(event)
+                else "plain"
+            )
             steps[trainer.state.global_step] = (kind, list(calls))
             calls.clear()
 
@@ -127,11 +146,17 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
 
 
 def _check(steps):
-    device_reads = {s: [c for c in calls if not c.endswith(HOST_SIDE)] for s, (kind, calls) in steps.items()}
+    device_reads = {
+        s: [c for c in calls if not c.endswith(HOST_SIDE)] for s, (kind, calls) in steps.items()
+    }
     plain = [s for s, (kind, _) in steps.items() if kind == "plain"]
-    assert len(steps) == 18 and len(plain) >= 8, steps  # 3 epochs x 6 steps; log every 3, save every 5
+    assert len(steps) == 18 and len(plain) >= 8, (
+        steps
+    )  # 3 epochs x 6 steps; log every 3, save every 5
     for s in plain:
-        assert device_reads[s] == [], f"step {s} (does not log) read tensors back: {device_reads[s]}"
+        assert device_reads[s] == [], (
+            f"step {s} (does not log) read tensors back: {device_reads[s]}"
+        )
     per_kind = collections.defaultdict(list)
     for s, (kind, _) in steps.items():
         per_kind[kind].append(len(device_reads[s]))
@@ -140,21 +165,47 @@ def _check(steps):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_step_that_does_not_log_reads_nothing_back(world, tmp_path, capsys):
-    overrides = ["train.log_every_steps=3", "checkpoint.every_steps=5", "cluster.tasks_per_node=%d" % world]
-    results = run_ranks(world, _train_counting, os.path.join(REPO, "configs", "tiny.yaml"), str(tmp_path / "run"), overrides)
+    overrides = [
+        "train.log_every_steps=3",
+        "checkpoint.every_steps=5",
+        "cluster.tasks_per_node=%d" % world,
+    ]
+    results = run_ranks(
+        world,
+        _train_counting,
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        str(tmp_path / "run"),
+        overrides,
+    )
     for rank, steps in enumerate(results):
         worst, reads = _check(steps)
         assert worst["log"] >= 1  # the counting sees the reads a log step makes (the window's sums)
         with capsys.disabled():
             log_step = next(s for s, (kind, _) in steps.items() if kind == "log")
-            print(f"\n[world {world} rank {rank}] most reads per step: {worst}; log step {log_step}: "
-                  f"{dict(collections.Counter(reads[log_step]))}")
+            print(
+                f"\n[world {world} rank {rank}] most reads per step: {worst}; log step {log_step}: "
+                f"{dict(collections.Counter(reads[log_step]))}"
+            )
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="no CUDA GPU on this machine"
+)
 def test_on_a_gpu_a_step_that_does_not_log_never_synchronises(tmp_path):
     """The same run on one GPU in bf16, with CUDA's sync debug mode reporting what no patch sees."""
-    overrides = ["train.log_every_steps=3", "checkpoint.every_steps=5", "cluster.tasks_per_node=1", "train.amp=bf16"]
-    steps = run_ranks(1, _train_counting, os.path.join(REPO, "configs", "tiny.yaml"), str(tmp_path / "run"), overrides, "cuda")[0]
+    overrides = [
+        "train.log_every_steps=3",
+        "checkpoint.every_steps=5",
+        "cluster.tasks_per_node=1",
+        "train.amp=bf16",
+    ]
+    steps = run_ranks(
+        1,
+        _train_counting,
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        str(tmp_path / "run"),
+        overrides,
+        "cuda",
+    )[0]
     _check(steps)

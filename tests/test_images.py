@@ -7,10 +7,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-
 from conftest import run_cli
 from multirank import run_ranks
+from PIL import Image
 
 from clusterflow.errors import UserError
 from clusterflow.tasks import load_task
@@ -33,11 +32,15 @@ def classes_folder(root, per_class=6, size=(12, 10)):
     for c in ("cat", "dog", "eel"):
         for i in range(per_class):
             ext = "png" if i % 2 else "jpg"
-            save(os.path.join(root, c, f"{i}.{ext}"), rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+            save(
+                os.path.join(root, c, f"{i}.{ext}"),
+                rng.integers(0, 256, (*size, 3), dtype=np.uint8),
+            )
     return str(root)
 
 
 # -- decoding ----------------------------------------------------------------------------------
+
 
 def test_decodes_grey_and_colour_png_and_jpeg_of_any_size(tmp_path):
     grey = save(tmp_path / "grey.png", np.full((8, 8), 128, np.uint8))
@@ -59,7 +62,9 @@ def test_decodes_grey_and_colour_png_and_jpeg_of_any_size(tmp_path):
 def test_sixteen_bit_grey_keeps_its_range_and_exif_rotation_is_applied(tmp_path):
     deep = tmp_path / "deep.png"
     Image.fromarray(np.array([[0, 32768], [65535, 65535]], np.uint16)).save(deep)
-    assert torch.allclose(decode(str(deep), 1)[0], torch.tensor([[0.0, 0.5], [1.0, 1.0]]), atol=1e-4)
+    assert torch.allclose(
+        decode(str(deep), 1)[0], torch.tensor([[0.0, 0.5], [1.0, 1.0]]), atol=1e-4
+    )
     img = Image.fromarray(np.zeros((10, 20, 3), np.uint8))  # 20 wide, 10 high
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 degrees to display"
@@ -73,17 +78,27 @@ def test_fit_square_crops_the_centre_and_resizes():
     sq = fit_square(x, 20)  # the centre 20x20: columns 10..29, half black, half white
     assert sq.shape == (1, 20, 20)
     assert float(sq[0, :, :10].max()) == 0.0 and float(sq[0, :, 10:].min()) == 1.0
-    assert fit_square(x, 7).shape == (1, 7, 7) and fit_square(torch.rand(3, 5, 6), 32).shape == (3, 32, 32)
+    assert fit_square(x, 7).shape == (1, 7, 7) and fit_square(torch.rand(3, 5, 6), 32).shape == (
+        3,
+        32,
+        32,
+    )
 
 
 # -- augmentations -----------------------------------------------------------------------------
+
 
 def test_views_depend_only_on_seed_epoch_index_view():
     img = torch.rand(3, 16, 16)
     aug = Augment()
     same = aug(img, view_generator(1, 2, 3, 0))
     assert torch.equal(same, aug(img, view_generator(1, 2, 3, 0)))
-    for other in ((1, 2, 3, 1), (1, 3, 3, 0), (1, 2, 4, 0), (2, 2, 3, 0)):  # view, epoch, index, seed
+    for other in (
+        (1, 2, 3, 1),
+        (1, 3, 3, 0),
+        (1, 2, 4, 0),
+        (2, 2, 3, 0),
+    ):  # view, epoch, index, seed
         assert not torch.allclose(same, aug(img, view_generator(*other)))
     assert same.shape == img.shape and 0 <= float(same.min()) and float(same.max()) <= 1
 
@@ -123,7 +138,9 @@ def _rank_batches(root, workers):
     task.set_epoch(1)
     sampler.set_epoch(1)
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, num_workers=workers)
-    return [{k: b[k].numpy() for k in ("x1", "x2", "index")} for b in loader]  # numpy: pickled by value across processes
+    return [
+        {k: b[k].numpy() for k in ("x1", "x2", "index")} for b in loader
+    ]  # numpy: pickled by value across processes
 
 
 def test_one_and_two_ranks_train_on_identical_pixels(tmp_path):
@@ -138,10 +155,21 @@ def test_one_and_two_ranks_train_on_identical_pixels(tmp_path):
 
 # -- folders, the digits writer ----------------------------------------------------------------
 
+
 def test_class_folders_give_ground_truth_and_a_flat_folder_none(tmp_path):
     task = ImageFolderTask(root=classes_folder(tmp_path / "classes", per_class=4))
-    assert task.classes == ["cat", "dog", "eel"] and task.ground_truth().tolist() == [0] * 4 + [1] * 4 + [2] * 4
-    assert ImageFolderTask(root=str(tmp_path / "classes"), limit=6).ground_truth().tolist() == [0, 0, 1, 1, 2, 2]
+    assert (
+        task.classes == ["cat", "dog", "eel"]
+        and task.ground_truth().tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    )
+    assert ImageFolderTask(root=str(tmp_path / "classes"), limit=6).ground_truth().tolist() == [
+        0,
+        0,
+        1,
+        1,
+        2,
+        2,
+    ]
     flat = tmp_path / "flat"
     for i in range(5):
         save(flat / f"{i}.png", np.full((9, 7), i * 40, np.uint8))
@@ -161,7 +189,9 @@ def test_digits_writer_writes_the_real_scans(tmp_path):
     digits = load_digits()
     for i in (0, 1000, 1796):
         png = np.asarray(Image.open(out / str(digits.target[i]) / f"{i:04d}.png"))
-        assert png.shape == (8, 8) and np.array_equal(png, np.rint(digits.images[i] * 255 / 16).astype(np.uint8))
+        assert png.shape == (8, 8) and np.array_equal(
+            png, np.rint(digits.images[i] * 255 / 16).astype(np.uint8)
+        )
     task = ImageFolderTask(root=str(out), channels=1)
     assert np.array_equal(np.bincount(task.ground_truth()), np.bincount(digits.target))
     again = run_cli("clusterflow.tasks.digits", str(out))
@@ -171,29 +201,48 @@ def test_digits_writer_writes_the_real_scans(tmp_path):
 
 # -- bad input ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params,message", [
-    ({"root": ""}, "task.params.root = '' is invalid"),
-    ({"root": "{tmp}/nowhere"}, "does not exist; point it at a folder of images"),
-    ({"root": "{tmp}/file.png"}, "is a file, not a folder"),
-    ({"root": "{tmp}/empty"}, "is an empty folder"),
-    ({"root": "{tmp}/texts"}, "holds no image files (1 entries, e.g. 'a.txt'); accepted extensions"),
-    ({"root": "{tmp}/mixed"}, "holds both image files (top.png, ...) and class folders with images (c/, ...)"),
-    ({"image_size": 4}, "task.params.image_size = 4 is invalid for ImageFolderTask: an integer from 8 to 1024"),
-    ({"image_size": "32"}, "task.params.image_size = '32' is invalid"),
-    ({"image_size": True}, "task.params.image_size = True is invalid"),
-    ({"channels": 2}, "task.params.channels = 2 is invalid for ImageFolderTask: 1 (grey) or 3 (RGB)"),
-    ({"backbone": "vgg"}, "task.params.backbone = 'vgg' is invalid for ImageFolderTask: one of small, resnet18"),
-    ({"width": 2}, "task.params.width = 2 is invalid"),
-    ({"embed_dim": 1}, "task.params.embed_dim = 1 is invalid"),
-    ({"temperature": 0}, "task.params.temperature = 0 is invalid"),
-    ({"crop_scale": 0}, "task.params.crop_scale = 0 is invalid"),
-    ({"flip": "no"}, "task.params.flip = 'no' is invalid"),
-    ({"rotate_deg": -1}, "task.params.rotate_deg = -1 is invalid"),
-    ({"jitter": 1}, "task.params.jitter = 1 is invalid"),
-    ({"limit": -1}, "task.params.limit = -1 is invalid"),
-    ({"make_digits": 1}, "task.params.make_digits = 1 is invalid"),
-    ({"colour": 3}, "unexpected keyword argument 'colour'"),
-])
+
+@pytest.mark.parametrize(
+    "params,message",
+    [
+        ({"root": ""}, "task.params.root = '' is invalid"),
+        ({"root": "{tmp}/nowhere"}, "does not exist; point it at a folder of images"),
+        ({"root": "{tmp}/file.png"}, "is a file, not a folder"),
+        ({"root": "{tmp}/empty"}, "is an empty folder"),
+        (
+            {"root": "{tmp}/texts"},
+            "holds no image files (1 entries, e.g. 'a.txt'); accepted extensions",
+        ),
+        (
+            {"root": "{tmp}/mixed"},
+            "holds both image files (top.png, ...) and class folders with images (c/, ...)",
+        ),
+        (
+            {"image_size": 4},
+            "task.params.image_size = 4 is invalid for ImageFolderTask: an integer from 8 to 1024",
+        ),
+        ({"image_size": "32"}, "task.params.image_size = '32' is invalid"),
+        ({"image_size": True}, "task.params.image_size = True is invalid"),
+        (
+            {"channels": 2},
+            "task.params.channels = 2 is invalid for ImageFolderTask: 1 (grey) or 3 (RGB)",
+        ),
+        (
+            {"backbone": "vgg"},
+            "task.params.backbone = 'vgg' is invalid for ImageFolderTask: one of small, resnet18",
+        ),
+        ({"width": 2}, "task.params.width = 2 is invalid"),
+        ({"embed_dim": 1}, "task.params.embed_dim = 1 is invalid"),
+        ({"temperature": 0}, "task.params.temperature = 0 is invalid"),
+        ({"crop_scale": 0}, "task.params.crop_scale = 0 is invalid"),
+        ({"flip": "no"}, "task.params.flip = 'no' is invalid"),
+        ({"rotate_deg": -1}, "task.params.rotate_deg = -1 is invalid"),
+        ({"jitter": 1}, "task.params.jitter = 1 is invalid"),
+        ({"limit": -1}, "task.params.limit = -1 is invalid"),
+        ({"make_digits": 1}, "task.params.make_digits = 1 is invalid"),
+        ({"colour": 3}, "unexpected keyword argument 'colour'"),
+    ],
+)
 def test_bad_params_are_one_line_user_errors(tmp_path, params, message):
     save(tmp_path / "file.png", np.zeros((4, 4), np.uint8))
     os.makedirs(tmp_path / "empty")
@@ -220,10 +269,13 @@ def test_unreadable_image_names_the_file_even_from_a_worker(tmp_path):
     loader = torch.utils.data.DataLoader(ds, batch_size=len(ds), num_workers=1)
     with pytest.raises(UnreadableImage) as exc:
         next(iter(loader))
-    assert str(exc.value).startswith(f"cannot decode image {bad} (UnidentifiedImageError") and "\n" not in str(exc.value)
+    assert str(exc.value).startswith(
+        f"cannot decode image {bad} (UnidentifiedImageError"
+    ) and "\n" not in str(exc.value)
 
 
 # -- models and end to end ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("backbone,size", [("small", 16), ("resnet18", 32), ("resnet18", 96)])
 def test_backbones_give_normalised_embeddings(backbone, size):
@@ -234,13 +286,25 @@ def test_backbones_give_normalised_embeddings(backbone, size):
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules())  # rank-independent
 
 
-SMALL_DIGITS = ["task.params.limit=256", "train.epochs=3", "train.batch_size=64", "train.warmup_steps=2",
-                "train.log_every_steps=1", "train.progress_bar=false", "mining.start_epoch=1", "mining.every_epochs=1",
-                "mining.k=10", "mining.threshold=0.5", "mining.max_cluster_size=60"]
+SMALL_DIGITS = [
+    "task.params.limit=256",
+    "train.epochs=3",
+    "train.batch_size=64",
+    "train.warmup_steps=2",
+    "train.log_every_steps=1",
+    "train.progress_bar=false",
+    "mining.start_epoch=1",
+    "mining.every_epochs=1",
+    "mining.k=10",
+    "mining.threshold=0.5",
+    "mining.max_cluster_size=60",
+]
 
 
 def check_small_digits_run(run_dir, root):
-    assert sum(len(files) for _, _, files in os.walk(root)) == 1797  # make_digits wrote the whole set, once
+    assert (
+        sum(len(files) for _, _, files in os.walk(root)) == 1797
+    )  # make_digits wrote the whole set, once
     status = json.load(open(run_dir / "status.json"))
     assert status["state"] == "completed" and status["world_size"] == 2
     assert [r["epoch"] for r in status["mining"]] == [1, 2]
@@ -253,8 +317,14 @@ def check_small_digits_run(run_dir, root):
 @pytest.mark.slow  # 22 s on a quiet 2-core machine, 45 s on a busy one
 def test_digits_config_runs_locally_on_two_ranks_with_mining(tmp_path):
     run_dir, root = tmp_path / "run", tmp_path / "digits"
-    res = run_cli("clusterflow.submit", "configs/images_digits.yaml", f"run.dir={run_dir}", f"task.params.root={root}",
-                  *SMALL_DIGITS, "--local")
+    res = run_cli(
+        "clusterflow.submit",
+        "configs/images_digits.yaml",
+        f"run.dir={run_dir}",
+        f"task.params.root={root}",
+        *SMALL_DIGITS,
+        "--local",
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     check_small_digits_run(run_dir, root)
 
@@ -266,8 +336,16 @@ def test_digits_config_runs_on_two_slurm_nodes(cluster, tmp_path):
     import slurmjobs
 
     run_dir, root = tmp_path / "run", tmp_path / "digits"
-    res = run_cli("clusterflow.submit", "configs/images_digits.yaml", f"run.dir={run_dir}", f"task.params.root={root}",
-                  *SMALL_DIGITS, *slurmjobs.TWO_NODES, "--wait", env=slurmjobs.env())
+    res = run_cli(
+        "clusterflow.submit",
+        "configs/images_digits.yaml",
+        f"run.dir={run_dir}",
+        f"task.params.root={root}",
+        *SMALL_DIGITS,
+        *slurmjobs.TWO_NODES,
+        "--wait",
+        env=slurmjobs.env(),
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     status = check_small_digits_run(run_dir, root)
     assert status["hosts"] == ["node1", "node2"]

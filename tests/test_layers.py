@@ -43,13 +43,18 @@ def imports(mods: dict[str, str]) -> list[tuple[str, str, bool]]:
 
         def visit(node: ast.AST, nested: bool) -> None:
             for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("clusterflow"):
+                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith(
+                    "clusterflow"
+                ):
                     for alias in child.names:
                         full = f"{child.module}.{alias.name}"
                         out.append((name, full if full in mods else child.module, nested))
                 elif isinstance(child, ast.Import):
-                    out.extend((name, a.name, nested) for a in child.names
-                               if a.name.startswith("clusterflow"))
+                    out.extend(
+                        (name, a.name, nested)
+                        for a in child.names
+                        if a.name.startswith("clusterflow")
+                    )
                 funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
                 visit(child, nested or isinstance(child, funcs))
 
@@ -58,7 +63,9 @@ def imports(mods: dict[str, str]) -> list[tuple[str, str, bool]]:
 
 
 def test_the_layer_contracts_hold():
-    lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which("lint-imports")
+    lint = shutil.which("lint-imports", path=os.path.dirname(sys.executable)) or shutil.which(
+        "lint-imports"
+    )
     assert lint, "import-linter is not installed (pip install -e '.[test]')"
     out = subprocess.run([lint], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr

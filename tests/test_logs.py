@@ -10,10 +10,10 @@ import threading
 import time
 
 import pytest
+from conftest import REPO, run_cli
 
 from clusterflow import rundir
 from clusterflow.manage import logs
-from conftest import REPO, run_cli
 
 
 def make_run(tmp_path):
@@ -25,8 +25,16 @@ def make_run(tmp_path):
 
 
 def attempt(d, a, job, hosts=("node1",)):
-    rundir.append_jsonl(rundir.RunPaths(d).attempts, {"attempt": a, "job_id": job, "started_at": 1.7e9 + a,
-                                                      "hosts": list(hosts), "source": "slurm"})
+    rundir.append_jsonl(
+        rundir.RunPaths(d).attempts,
+        {
+            "attempt": a,
+            "job_id": job,
+            "started_at": 1.7e9 + a,
+            "hosts": list(hosts),
+            "source": "slurm",
+        },
+    )
 
 
 def append(d, rank, a, text):
@@ -44,11 +52,19 @@ def test_prints_every_attempt_in_order_under_a_header(tmp_path):
     out = io.StringIO()
     logs.show(d, 0, out)
     lines = out.getvalue().splitlines()
-    assert [ln for ln in lines if not ln.startswith("==>") and ln] == [f"rank0 attempt {a} line" for a in (0, 1, 2, 10)]
-    assert lines[0].startswith(f"==> {rundir.RunPaths(d).log_file(0, 0)} (attempt 0, job 500, started ")
+    assert [ln for ln in lines if not ln.startswith("==>") and ln] == [
+        f"rank0 attempt {a} line" for a in (0, 1, 2, 10)
+    ]
+    assert lines[0].startswith(
+        f"==> {rundir.RunPaths(d).log_file(0, 0)} (attempt 0, job 500, started "
+    )
     assert lines[0].endswith("on node1,node2) <==")
     cli = run_cli("clusterflow.logs", d, "--rank", "1")
-    assert cli.returncode == 0 and "rank1 attempt 10 line" in cli.stdout and "rank0" not in cli.stdout.replace("rank1", "")
+    assert (
+        cli.returncode == 0
+        and "rank1 attempt 10 line" in cli.stdout
+        and "rank0" not in cli.stdout.replace("rank1", "")
+    )
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path):
@@ -56,7 +72,11 @@ def test_bad_arguments_are_one_line_errors(tmp_path):
     append(d, 0, 0, "x\n")
     append(d, 1, 0, "x\n")
     out = run_cli("clusterflow.logs", d, "--rank", "5")
-    assert out.returncode == 2 and "rank 5 has no logs" in out.stderr and "ranks with logs: 0, 1" in out.stderr
+    assert (
+        out.returncode == 2
+        and "rank 5 has no logs" in out.stderr
+        and "ranks with logs: 0, 1" in out.stderr
+    )
     out = run_cli("clusterflow.logs", str(tmp_path / "nope"))
     assert out.returncode == 2 and "does not exist" in out.stderr
     sweep = tmp_path / "sweep"
@@ -119,20 +139,30 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
     attempt(d, 0, "900")
     append(d, 0, 0, "first attempt starts\n")
     rundir.write_status(rundir.RunPaths(d), state="running")
-    proc = subprocess.Popen([sys.executable, "-m", "clusterflow.logs", d, "-f"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clusterflow.logs", d, "-f"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = _reader(proc)
         _expect(lines, "first attempt starts")
         append(d, 0, 0, "first attempt saves and is preempted\n")
         _expect(lines, "is preempted")
-        rundir.write_status(rundir.RunPaths(d), state="requeued")  # not an end: the follower waits for the next attempt
+        rundir.write_status(
+            rundir.RunPaths(d), state="requeued"
+        )  # not an end: the follower waits for the next attempt
         time.sleep(1.0)
         assert proc.poll() is None
         attempt(d, 1, "900")
         append(d, 0, 1, "second attempt resumes\n")
         seen = _expect(lines, "second attempt resumes")
-        assert any(s.startswith(f"==> {rundir.RunPaths(d).log_file(0, 1)} (attempt 1, job 900") for s in seen)
+        assert any(
+            s.startswith(f"==> {rundir.RunPaths(d).log_file(0, 1)} (attempt 1, job 900")
+            for s in seen
+        )
         if end == "completed":
             rundir.write_status(rundir.RunPaths(d), state="completed")
         else:

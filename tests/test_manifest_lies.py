@@ -10,19 +10,26 @@ import pytest
 import torch
 
 from clusterflow import config as cfgmod
-from clusterflow.storage import manifest
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
-from clusterflow.storage.durable import serialize
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.storage import manifest
+from clusterflow.storage.durable import serialize
 
 
 def make(run_dir, out=4):
     torch.manual_seed(0)
-    cfg = cfgmod.load(None, [f"run.dir={run_dir}", "checkpoint.every_steps=1", "checkpoint.keep_last=5"])
+    cfg = cfgmod.load(
+        None, [f"run.dir={run_dir}", "checkpoint.every_steps=1", "checkpoint.keep_last=5"]
+    )
     model = torch.nn.Linear(3, out)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     state = TrainState()
-    return Checkpointer(cfg, model, {"optimizer": opt, "train": state}, state, steps_per_epoch=100), model, opt, state
+    return (
+        Checkpointer(cfg, model, {"optimizer": opt, "train": state}, state, steps_per_epoch=100),
+        model,
+        opt,
+        state,
+    )
 
 
 def train_to(ck, model, opt, state, step):
@@ -40,7 +47,10 @@ def run(tmp_path):
     """A run dir with checkpoints at steps 4 and 8, and the weights and optimizer state of step 4."""
     ck, model, opt, state = make(str(tmp_path))
     train_to(ck, model, opt, state, 4)
-    at4 = ({k: v.clone() for k, v in model.state_dict().items()}, opt.state_dict()["state"][0]["exp_avg"].clone())
+    at4 = (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        opt.state_dict()["state"][0]["exp_avg"].clone(),
+    )
     train_to(ck, model, opt, state, 8)
     return tmp_path, at4
 
@@ -60,7 +70,16 @@ def replace_file(tmp_path, name, obj):
     """Put ``obj`` in step-8/name with a manifest entry whose size and sha256 are right: only its content lies."""
     data = serialize(obj)
     (step8(tmp_path) / name).write_bytes(data)
-    edit_manifest(tmp_path, lambda m: {**m, "files": {**m["files"], name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}})
+    edit_manifest(
+        tmp_path,
+        lambda m: {
+            **m,
+            "files": {
+                **m["files"],
+                name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()},
+            },
+        },
+    )
 
 
 def lie_dir(tmp_path):
@@ -87,7 +106,9 @@ def lie_foreign_optimizer(tmp_path):
 
 def lie_counters_missing(tmp_path):
     saved = torch.load(step8(tmp_path) / "train_state.pt", weights_only=True)
-    del saved["train"]["global_step"]  # the optimizer (registered first) loads, then the counters fail
+    del saved["train"][
+        "global_step"
+    ]  # the optimizer (registered first) loads, then the counters fail
     replace_file(tmp_path, "train_state.pt", saved)
 
 
@@ -100,20 +121,54 @@ def lie_rng_missing(tmp_path):
 LIES = {
     "files empty": (lambda t: edit_manifest(t, lambda m: {**m, "files": {}}), "lists no files"),
     "a list": (lambda t: edit_manifest(t, lambda m: []), "JSON list, not an object"),
-    "entry without size": (lambda t: edit_manifest(t, lambda m: {**m, "files": {**m["files"], "model.pt": {k: v for k, v in m["files"]["model.pt"].items() if k != "size"}}}),
-                           "model.pt has no valid size"),
-    "files a string": (lambda t: edit_manifest(t, lambda m: {**m, "files": "model.pt"}), "'files' is str"),
+    "entry without size": (
+        lambda t: edit_manifest(
+            t,
+            lambda m: {
+                **m,
+                "files": {
+                    **m["files"],
+                    "model.pt": {k: v for k, v in m["files"]["model.pt"].items() if k != "size"},
+                },
+            },
+        ),
+        "model.pt has no valid size",
+    ),
+    "files a string": (
+        lambda t: edit_manifest(t, lambda m: {**m, "files": "model.pt"}),
+        "'files' is str",
+    ),
     "manifest a directory": (lie_dir, "unreadable manifest (IsADirectoryError)"),
-    "no train_state.pt": (lambda t: edit_manifest(t, lambda m: {**m, "files": {"model.pt": m["files"]["model.pt"]}}),
-                          "lists no train_state.pt"),
-    "file outside its folder": (lambda t: edit_manifest(t, lambda m: {**m, "files": {**m["files"], "../step-4/model.pt": m["files"]["model.pt"]}}),
-                                "not in its folder"),
-    "position not a list": (lambda t: edit_manifest(t, lambda m: {**m, "position": 5}), "position 5 is not a list"),
+    "no train_state.pt": (
+        lambda t: edit_manifest(t, lambda m: {**m, "files": {"model.pt": m["files"]["model.pt"]}}),
+        "lists no train_state.pt",
+    ),
+    "file outside its folder": (
+        lambda t: edit_manifest(
+            t,
+            lambda m: {**m, "files": {**m["files"], "../step-4/model.pt": m["files"]["model.pt"]}},
+        ),
+        "not in its folder",
+    ),
+    "position not a list": (
+        lambda t: edit_manifest(t, lambda m: {**m, "position": 5}),
+        "position 5 is not a list",
+    ),
     "folder copied from another step": (lie_copied_folder, "says step 4, but its folder is step-8"),
-    "sha256 not hex": (lambda t: edit_manifest(t, lambda m: {**m, "files": {**m["files"], "model.pt": {"size": 1, "sha256": "x"}}}),
-                       "model.pt has no valid digest"),
-    "model that does not fit": (lie_foreign_model, "model.pt does not fit the model: weight is (5, 3) in the checkpoint, (4, 3)"),
-    "optimizer of another model": (lie_foreign_optimizer, "train_state.pt does not fit this run (ValueError"),
+    "sha256 not hex": (
+        lambda t: edit_manifest(
+            t, lambda m: {**m, "files": {**m["files"], "model.pt": {"size": 1, "sha256": "x"}}}
+        ),
+        "model.pt has no valid digest",
+    ),
+    "model that does not fit": (
+        lie_foreign_model,
+        "model.pt does not fit the model: weight is (5, 3) in the checkpoint, (4, 3)",
+    ),
+    "optimizer of another model": (
+        lie_foreign_optimizer,
+        "train_state.pt does not fit this run (ValueError",
+    ),
     "counters missing": (lie_counters_missing, "train_state.pt does not fit this run (KeyError"),
     "no RNG state": (lie_rng_missing, "no RNG state for each of its ranks"),
 }
@@ -130,11 +185,15 @@ def test_each_lie_is_skipped_and_the_previous_checkpoint_used(run, lie, caplog):
     assert state.global_step == 4
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights4.items())
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], exp_avg4)
-    warning = next(r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage())
+    warning = next(
+        r.getMessage() for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()
+    )
     assert str(step8(tmp_path)) in warning and reason in warning, warning
 
 
-@pytest.mark.parametrize("lie", ["model that does not fit", "optimizer of another model", "counters missing"])
+@pytest.mark.parametrize(
+    "lie", ["model that does not fit", "optimizer of another model", "counters missing"]
+)
 def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, lie):
     ck, model, opt, state = make(str(tmp_path))
     train_to(ck, model, opt, state, 8)
@@ -157,8 +216,9 @@ def test_schema_accepts_what_the_store_writes(run):
     assert manifest.check(m, 8) is m
 
 
-def test_a_run_resumes_past_lying_checkpoints_bitwise(tmp_path, monkeypatch,
-                                                      tiny_one_process_model):
+def test_a_run_resumes_past_lying_checkpoints_bitwise(
+    tmp_path, monkeypatch, tiny_one_process_model
+):
     """End to end: a run killed in step 10 leaves steps 4, 6 and 8; step 8 gets correct hashes of a
     model that does not fit, step 6 a manifest listing no files. The resume skips both, naming them,
     starts from step 4 and ends bitwise equal to an uninterrupted run."""
@@ -166,16 +226,27 @@ def test_a_run_resumes_past_lying_checkpoints_bitwise(tmp_path, monkeypatch,
 
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
     d = tmp_path / "run"
-    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv",
-            "checkpoint.async=false"]  # a kill at step 10 finds step 8 committed, never still being written
-    assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
+    over = [
+        f"run.dir={d}",
+        "task.target=testtasks:KillAtEnv",
+        "checkpoint.async=false",
+    ]  # a kill at step 10 finds step 8 committed, never still being written
+    assert (
+        run_cli(
+            "clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}
+        ).returncode
+        == -9
+    )
     lie_foreign_model(d)  # step-8, found under RUN/checkpoints by the helpers
     m6 = d / "checkpoints" / "step-6" / "manifest.json"
     m6.write_text(json.dumps({**json.loads(m6.read_text()), "files": {}}))
     out = run_cli("clusterflow.run", "configs/tiny.yaml", *over)
     assert out.returncode == 0, out.stdout + out.stderr
     log = open(d / "logs" / "rank0.attempt1.log").read()
-    assert f"skipping damaged checkpoint {d}/checkpoints/step-8: model.pt does not fit the model" in log
+    assert (
+        f"skipping damaged checkpoint {d}/checkpoints/step-8: model.pt does not fit the model"
+        in log
+    )
     assert f"skipping damaged checkpoint {d}/checkpoints/step-6: the manifest lists no files" in log
     assert f"resumed from {d}/checkpoints/step-4" in log
     # Reached again, each refused step is set aside for inspection and committed anew.

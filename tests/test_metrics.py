@@ -22,14 +22,24 @@ def test_read_metrics_drops_what_a_dead_attempt_logged_past_the_resume(tmp_path)
     with open(tmp_path / "metrics.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     got = read_metrics(str(tmp_path))
-    assert got == {1: {"train/loss": 11.0}, 2: {"train/loss": 12.0}, 3: {"train/loss": 13.0},
-                   4: {"train/loss": 14.0, "checkpoint/save_s": 0.5}, 5: {"train/loss": 25.0}, 6: {"eval/acc": 0.9}}
+    assert got == {
+        1: {"train/loss": 11.0},
+        2: {"train/loss": 12.0},
+        3: {"train/loss": 13.0},
+        4: {"train/loss": 14.0, "checkpoint/save_s": 0.5},
+        5: {"train/loss": 25.0},
+        6: {"eval/acc": 0.9},
+    }
 
 
 def test_a_line_cut_by_a_kill_does_not_swallow_the_next_attempts_first_row(tmp_path):
     paths = rundir.RunPaths(str(tmp_path))
     with open(paths.metrics, "w") as f:
-        f.write(json.dumps({"step": 1, "attempt": 0, "train/loss": 1.0}) + "\n" + '{"step": 2, "attempt": 0, "train/lo')
+        f.write(
+            json.dumps({"step": 1, "attempt": 0, "train/loss": 1.0})
+            + "\n"
+            + '{"step": 2, "attempt": 0, "train/lo'
+        )
     with rundir.open_jsonl(paths.metrics) as f:
         f.write((json.dumps({"step": 1, "attempt": 1, "purge_step": 1}) + "\n").encode())
         f.write((json.dumps({"step": 1, "attempt": 1, "train/loss": 2.0}) + "\n").encode())

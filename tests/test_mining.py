@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
-from scipy.sparse.csgraph import connected_components
 from scipy import sparse
+from scipy.sparse.csgraph import connected_components
 
-from clusterflow.mining.quality import quality
 from clusterflow.mining import cluster_stats, mutual_knn_clusters
+from clusterflow.mining.quality import quality
 
 
 def reference(emb, k, threshold):
@@ -15,7 +15,9 @@ def reference(emb, k, threshold):
     np.fill_diagonal(sim, -np.inf)
     nn = [set(np.argsort(-sim[i], kind="stable")[:k]) for i in range(n)]
     edges = [(i, j) for i in range(n) for j in nn[i] if i in nn[j] and sim[i, j] >= threshold]
-    g = sparse.coo_matrix((np.ones(len(edges)), ([e[0] for e in edges], [e[1] for e in edges])), shape=(n, n))
+    g = sparse.coo_matrix(
+        (np.ones(len(edges)), ([e[0] for e in edges], [e[1] for e in edges])), shape=(n, n)
+    )
     _, lab = connected_components(g, directed=False)
     order = {}
     out = np.empty(n, np.int64)
@@ -66,7 +68,9 @@ def test_singletons_ignored_get_minus_one():
 def test_max_cluster_size_splits_chains():
     rng = np.random.default_rng(0)
     t = np.linspace(0, 3, 300)
-    chain = np.stack([np.cos(t), np.sin(t), 0.01 * rng.standard_normal(300)], 1).astype(np.float32)  # one long arc
+    chain = np.stack([np.cos(t), np.sin(t), 0.01 * rng.standard_normal(300)], 1).astype(
+        np.float32
+    )  # one long arc
     whole = mutual_knn_clusters(chain, 4, 0.0)
     assert np.bincount(whole).max() > 250  # one giant chained component
     split = mutual_knn_clusters(chain, 4, 0.0, max_cluster_size=50)
@@ -82,10 +86,10 @@ def test_ivf_and_hnsw_run_and_mostly_agree():
 
 
 def test_torch_engine_bf16_candidates_rerank_is_exact():
+    from clusterflow.mining import normalize
     from clusterflow.mining.knn import KnnParams
     from clusterflow.mining.knn.faiss_engine import faiss_search
     from clusterflow.mining.knn.torch_engine import torch_search
-    from clusterflow.mining import normalize
 
     x = normalize(blobs(n=600, d=32)[0])
     s1, i1 = faiss_search(x, KnnParams(k=8))
@@ -97,8 +101,8 @@ def test_torch_engine_bf16_candidates_rerank_is_exact():
 def test_torch_engine_splits_query_batches_over_several_devices():
     """What every local GPU does on a GPU node, with two CPU "devices": the same exact result,
     and a signal still stops the search between query batches."""
-    from clusterflow.mining.knn.torch_engine import torch_search
     from clusterflow.mining import normalize
+    from clusterflow.mining.knn.torch_engine import torch_search
 
     x = normalize(blobs(n=601, d=32)[0])
     one = torch_search(x, 8, db_chunk=128, query_batch=50, device="cpu")
@@ -106,7 +110,16 @@ def test_torch_engine_splits_query_batches_over_several_devices():
     np.testing.assert_array_equal(one[1], two[1])
     np.testing.assert_array_equal(one[0], two[0])
     calls = []
-    assert torch_search(x, 8, query_batch=50, device=["cpu", "cpu"], should_abort=lambda: calls.append(1) or len(calls) > 3) is None
+    assert (
+        torch_search(
+            x,
+            8,
+            query_batch=50,
+            device=["cpu", "cpu"],
+            should_abort=lambda: calls.append(1) or len(calls) > 3,
+        )
+        is None
+    )
 
 
 def test_quality_metrics_known_values():

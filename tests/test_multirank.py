@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-
 from multirank import run_ranks
 
 
@@ -49,8 +48,18 @@ def _embed_and_gather(n, batch, workers):
     from clusterflow.mining.stage import embed_shard
 
     task = IndexTask(n)
-    idx, emb = embed_shard(task, torch.nn.Identity(), task.embed_dataset(), dist.rank(), dist.world(), batch,
-                           torch.device("cpu"), None, num_workers=workers, pin_memory=True)
+    idx, emb = embed_shard(
+        task,
+        torch.nn.Identity(),
+        task.embed_dataset(),
+        dist.rank(),
+        dist.world(),
+        batch,
+        torch.device("cpu"),
+        None,
+        num_workers=workers,
+        pin_memory=True,
+    )
     full = dist.gather_rows(idx, emb, n, 2)
     return idx.tolist(), None if full is None else full[:, 0].tolist()
 
@@ -72,15 +81,17 @@ def _mine(params, search="rank0"):
 
     from clusterflow import config, dist
     from clusterflow.mining.stage import Miner
-    from clusterflow.train.preemption import Preemption, StopAgreement
     from clusterflow.tasks.pseudo_id import PseudoIDTask
+    from clusterflow.train.preemption import Preemption, StopAgreement
 
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, **params)
     model = task.build_model()
     cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search, timeout_s=60)
     cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(task, model, epoch=1)
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(
+        task, model, epoch=1
+    )
     return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
 
 
@@ -95,7 +106,9 @@ def test_mining_end_to_end_same_labels_whatever_world_size():
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     assert len(one[0]) == 350 and one[1]["num_clusters"] > 1
-    assert isinstance(PseudoIDTask(identities=50, samples_per_identity=7).ground_truth(), np.ndarray)
+    assert isinstance(
+        PseudoIDTask(identities=50, samples_per_identity=7).ground_truth(), np.ndarray
+    )
 
 
 def _mine_with(mining):
@@ -103,19 +116,35 @@ def _mine_with(mining):
 
     from clusterflow import config
     from clusterflow.mining.stage import Miner
-    from clusterflow.train.preemption import Preemption, StopAgreement
     from clusterflow.tasks.pseudo_id import PseudoIDTask
+    from clusterflow.train.preemption import Preemption, StopAgreement
 
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, identities=40, samples_per_identity=6)
     cfg = config.MiningConfig(k=5, embed_batch=97, timeout_s=60, **mining)
     cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(task, task.build_model(), epoch=1)
+    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(
+        task, task.build_model(), epoch=1
+    )
     s = out.stats
-    return out.labels.tolist(), {k: s.get(k) for k in ("method", "threshold", "threshold_rule", "finch", "num_clusters", "nmi")}, s["curve"]
+    return (
+        out.labels.tolist(),
+        {
+            k: s.get(k)
+            for k in ("method", "threshold", "threshold_rule", "finch", "num_clusters", "nmi")
+        },
+        s["curve"],
+    )
 
 
-@pytest.mark.parametrize("mining", [{"threshold": "auto"}, {"method": "finch"}, {"threshold": "auto", "search": "all", "engine": "torch"}])
+@pytest.mark.parametrize(
+    "mining",
+    [
+        {"threshold": "auto"},
+        {"method": "finch"},
+        {"threshold": "auto", "search": "all", "engine": "torch"},
+    ],
+)
 def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_size(mining):
     """The round's curve, its auto threshold and FINCH's levels come from rank 0's k-NN lists, which
     are the same for 1 and 2 ranks (the spread search: as the exact torch engine finds them; FAISS
@@ -123,11 +152,21 @@ def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_siz
     one = run_ranks(1, _mine_with, mining)[0]
     assert run_ranks(2, _mine_with, mining) == [one, one]
     labels, stats, curve = one
-    assert stats["num_clusters"] > 1 and len(curve["thresholds"]) > 20 and len(curve["nmi"]) == len(curve["thresholds"])
+    assert (
+        stats["num_clusters"] > 1
+        and len(curve["thresholds"]) > 20
+        and len(curve["nmi"]) == len(curve["thresholds"])
+    )
     if stats["method"] == "finch":
-        assert stats["threshold"] is None and stats["finch"]["num_clusters"][stats["finch"]["level"]] == stats["num_clusters"]
+        assert (
+            stats["threshold"] is None
+            and stats["finch"]["num_clusters"][stats["finch"]["level"]] == stats["num_clusters"]
+        )
     else:
-        assert stats["threshold_rule"] == "auto" and stats["threshold"] == curve["thresholds"][int(np.argmax(curve["modularity"]))]
+        assert (
+            stats["threshold_rule"] == "auto"
+            and stats["threshold"] == curve["thresholds"][int(np.argmax(curve["modularity"]))]
+        )
 
 
 def _knn_data(n):
@@ -143,19 +182,28 @@ def _distributed_knn(n, k, query_batch, abort_at):
     import torch
 
     from clusterflow import dist
-    from clusterflow.mining.knn.torch_engine import distributed_search
     from clusterflow.dist.sampler import shard_range
+    from clusterflow.mining.knn.torch_engine import distributed_search
 
     x = _knn_data(n)
     world, rank = dist.world(), dist.rank()
     offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
     calls = []
-    out = distributed_search(x[offsets[rank]:offsets[rank + 1]], offsets, k, torch.device("cpu"), query_batch=query_batch,
-                             db_chunk=16, should_abort=lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at)
+    out = distributed_search(
+        x[offsets[rank] : offsets[rank + 1]],
+        offsets,
+        k,
+        torch.device("cpu"),
+        query_batch=query_batch,
+        db_chunk=16,
+        should_abort=lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at,
+    )
     return None if out is None else (out[0].tolist(), out[1].tolist())
 
 
-@pytest.mark.parametrize("n,k", [(101, 6), (5, 6)])  # k >= n: fewer neighbours than asked, padded like one process
+@pytest.mark.parametrize(
+    "n,k", [(101, 6), (5, 6)]
+)  # k >= n: fewer neighbours than asked, padded like one process
 def test_distributed_knn_equals_one_process(n, k):
     from clusterflow.mining.knn.torch_engine import torch_search
 
@@ -169,7 +217,11 @@ def test_distributed_knn_equals_one_process(n, k):
 
 
 def test_distributed_knn_abort_on_one_rank_stops_every_rank():
-    assert run_ranks(3, _distributed_knn, 101, 6, 10, 2) == [None, None, None]  # no hang, no partial result
+    assert run_ranks(3, _distributed_knn, 101, 6, 10, 2) == [
+        None,
+        None,
+        None,
+    ]  # no hang, no partial result
 
 
 def _supcon_big_ids():
@@ -180,7 +232,9 @@ def _supcon_big_ids():
 
     torch.manual_seed(dist.rank())
     z = torch.nn.functional.normalize(torch.randn(2, 4), dim=1)
-    ids = torch.tensor([2**24 + 2 * dist.rank(), 2**24 + 2 * dist.rank() + 1])  # all distinct: no anchor has a positive
+    ids = torch.tensor(
+        [2**24 + 2 * dist.rank(), 2**24 + 2 * dist.rank() + 1]
+    )  # all distinct: no anchor has a positive
     _, metrics = supcon_loss(z, ids)
     return float(metrics["anchors_with_pos"])
 

@@ -3,10 +3,9 @@ newest finite checkpoint survives; skip_step skips exactly the bad step; mining 
 
 import os
 
+import launch
 import pytest
 import torch
-
-import launch
 from conftest import REPO
 from multirank import run_ranks
 
@@ -17,7 +16,11 @@ TASKS = {"PYTHONPATH": os.path.join(REPO, "tests")}
 def steps(run_dir):
     ck = os.path.join(run_dir, "checkpoints")
     names = os.listdir(ck) if os.path.isdir(ck) else []
-    return sorted(int(n[5:]) for n in names if n.startswith("step-") and os.path.exists(os.path.join(ck, n, "manifest.json")))
+    return sorted(
+        int(n[5:])
+        for n in names
+        if n.startswith("step-") and os.path.exists(os.path.join(ck, n, "manifest.json"))
+    )
 
 
 def tensors(obj):
@@ -33,7 +36,10 @@ def tensors(obj):
 
 def all_finite(run_dir, step):
     folder = os.path.join(run_dir, "checkpoints", f"step-{step}")
-    objs = [torch.load(os.path.join(folder, n), weights_only=True) for n in ("model.pt", "train_state.pt")]
+    objs = [
+        torch.load(os.path.join(folder, n), weights_only=True)
+        for n in ("model.pt", "train_state.pt")
+    ]
     return all(torch.isfinite(t).all() for o in objs for t in tensors(o) if t.is_floating_point())
 
 
@@ -51,13 +57,19 @@ def rank0_log(run_dir, attempt=0):
 
 def test_submit_with_a_huge_lr_fails_naming_the_step(cli, tmp_path):
     d = str(tmp_path / "run")
-    out = cli("clusterflow.submit", "configs/tiny.yaml", "train.lr=1.0e+10", f"run.dir={d}", "--local")
+    out = cli(
+        "clusterflow.submit", "configs/tiny.yaml", "train.lr=1.0e+10", f"run.dir={d}", "--local"
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     st = status(d)
     assert st["state"] == "failed"
-    assert "training diverged: the loss became non-finite (NaN or inf) at global step 2" in st["error"]
+    assert (
+        "training diverged: the loss became non-finite (NaN or inf) at global step 2" in st["error"]
+    )
     assert "Traceback" not in out.stderr
-    assert steps(d) == [] and not os.path.exists(os.path.join(d, "model.pt"))  # step 4 would have been the first save
+    assert steps(d) == [] and not os.path.exists(
+        os.path.join(d, "model.pt")
+    )  # step 4 would have been the first save
     assert "mining" not in rank0_log(d)  # no round on NaN embeddings
 
 
@@ -66,7 +78,13 @@ def test_divergence_after_some_checkpoints_keeps_the_newest_finite_one(tmp_path)
     mining) and 8 were committed. Before the fix the run 'completed' with NaN weights and keep_last
     had pruned every finite checkpoint."""
     d = str(tmp_path / "run")
-    over = [f"run.dir={d}", *ONE, "train.lr=1.0e+10", "train.warmup_steps=60", "checkpoint.keep_last=2"]
+    over = [
+        f"run.dir={d}",
+        *ONE,
+        "train.lr=1.0e+10",
+        "train.warmup_steps=60",
+        "checkpoint.keep_last=2",
+    ]
     assert launch.run(1, "configs/tiny.yaml", over, d) == [1]
     assert "at global step 10 " in status(d)["error"] and status(d)["state"] == "failed"
     assert steps(d) == [6, 8] and all(all_finite(d, s) for s in steps(d))
@@ -76,15 +94,28 @@ def test_divergence_after_some_checkpoints_keeps_the_newest_finite_one(tmp_path)
     # round after epoch 2 finds NaN embeddings and refuses to cluster them.
     assert launch.run(1, "configs/tiny.yaml", [*over, "train.on_nonfinite=skip_step"], d) == [1]
     log = rank0_log(d, 1)
-    assert "resumed from" in log and "global step 10: non-finite loss or gradient; the optimizer step is skipped" in log
+    assert (
+        "resumed from" in log
+        and "global step 10: non-finite loss or gradient; the optimizer step is skipped" in log
+    )
     assert "mining after epoch 2: the embeddings are not finite" in status(d)["error"]
-    assert len(status(d)["mining"]) == 1 and steps(d) == [6, 8] and all(all_finite(d, s) for s in steps(d))
+    assert (
+        len(status(d)["mining"]) == 1
+        and steps(d) == [6, 8]
+        and all(all_finite(d, s) for s in steps(d))
+    )
 
 
 def run_nan_task(tmp_path, *extra, world=1):
     d = str(tmp_path / "run")
-    over = [f"run.dir={d}", f"cluster.tasks_per_node={world}", "task.target=testtasks:NanAt", "checkpoint.every_steps=1",
-            "checkpoint.keep_last=20", *extra]
+    over = [
+        f"run.dir={d}",
+        f"cluster.tasks_per_node={world}",
+        "task.target=testtasks:NanAt",
+        "checkpoint.every_steps=1",
+        "checkpoint.keep_last=20",
+        *extra,
+    ]
     return d, launch.run(world, "configs/tiny.yaml", over, d)
 
 
@@ -96,15 +127,22 @@ def _tasks_importable(monkeypatch):
 def test_fail_policy_names_the_exact_step_of_a_bad_batch(tmp_path):
     d, codes = run_nan_task(tmp_path, "task.params.nan_at=4", "train.log_every_steps=3")
     assert codes == [1]
-    assert "at global step 4 (seen by the check at step 4" in status(d)["error"]  # the save check at step 4 sees it
+    assert (
+        "at global step 4 (seen by the check at step 4" in status(d)["error"]
+    )  # the save check at step 4 sees it
     assert steps(d) == [1, 2, 3] and all(all_finite(d, s) for s in steps(d))
 
 
 def test_a_nan_between_checks_is_caught_by_the_stop_checkpoint(tmp_path):
     """NaN at step 5, SIGTERM during step 6; no log or save check in between (log every 10, save
     every 100): the stop's checkpoint is the first check, and it must not commit."""
-    d, codes = run_nan_task(tmp_path, "task.params.nan_at=5", "task.params.term_at=6", "train.log_every_steps=10",
-                            "checkpoint.every_steps=100")
+    d, codes = run_nan_task(
+        tmp_path,
+        "task.params.nan_at=5",
+        "task.params.term_at=6",
+        "train.log_every_steps=10",
+        "checkpoint.every_steps=100",
+    )
     assert codes == [1]
     assert "at global step 5 (seen by the check at step 6" in status(d)["error"]
     assert steps(d) == []  # nothing at all: the stop did not commit the NaN state
@@ -114,22 +152,42 @@ def test_skip_step_skips_exactly_the_bad_step_on_every_rank(tmp_path):
     """Rank 0 and rank 1 each see one NaN loss (at step 4): the ranks agree, the update of step 4 is
     skipped everywhere (weights and optimizer state of step 4 equal step 3's bit for bit) and the
     run completes with finite weights."""
-    d, codes = run_nan_task(tmp_path, "task.params.nan_at=4", "train.on_nonfinite=skip_step", world=2)
+    d, codes = run_nan_task(
+        tmp_path, "task.params.nan_at=4", "train.on_nonfinite=skip_step", world=2
+    )
     assert codes == [0, 0]
     assert status(d)["state"] == "completed"
-    load = lambda s, n: torch.load(os.path.join(d, "checkpoints", f"step-{s}", n), weights_only=True)  # noqa: E731
+    load = lambda s, n: torch.load(
+        os.path.join(d, "checkpoints", f"step-{s}", n), weights_only=True
+    )  # noqa: E731
     m3, m4, m5 = (load(s, "model.pt") for s in (3, 4, 5))
-    assert all(torch.equal(m3[k], m4[k]) for k in m3) and not all(torch.equal(m4[k], m5[k]) for k in m4)
+    assert all(torch.equal(m3[k], m4[k]) for k in m3) and not all(
+        torch.equal(m4[k], m5[k]) for k in m4
+    )
     o3, o4 = (load(s, "train_state.pt")["optimizer"]["state"] for s in (3, 4))
     assert all(torch.equal(o3[i]["exp_avg"], o4[i]["exp_avg"]) for i in o3)
-    assert "global step 4: non-finite loss or gradient; the optimizer step is skipped (1 in a row, 1 in all)" in rank0_log(d)
-    assert all(torch.isfinite(t).all() for t in torch.load(os.path.join(d, "model.pt"), weights_only=True).values())
+    assert (
+        "global step 4: non-finite loss or gradient; the optimizer step is skipped (1 in a row, 1 in all)"
+        in rank0_log(d)
+    )
+    assert all(
+        torch.isfinite(t).all()
+        for t in torch.load(os.path.join(d, "model.pt"), weights_only=True).values()
+    )
 
 
 def test_skip_step_fails_after_too_many_skips_in_a_row(tmp_path):
-    d, codes = run_nan_task(tmp_path, "task.params.nan_at=4,5,6", "train.on_nonfinite=skip_step", "train.max_consecutive_skips=2")
+    d, codes = run_nan_task(
+        tmp_path,
+        "task.params.nan_at=4,5,6",
+        "train.on_nonfinite=skip_step",
+        "train.max_consecutive_skips=2",
+    )
     assert codes == [1]
-    assert "non-finite at 3 optimizer steps in a row, up to global step 6 (train.max_consecutive_skips=2)" in status(d)["error"]
+    assert (
+        "non-finite at 3 optimizer steps in a row, up to global step 6 (train.max_consecutive_skips=2)"
+        in status(d)["error"]
+    )
     assert steps(d) == [1, 2, 3, 4, 5]  # 4 and 5: skipped steps, weights of step 3
 
 
@@ -143,7 +201,9 @@ def _guard_on_two_ranks():
     train = SimpleNamespace(on_nonfinite="fail", grad_accum=2, max_consecutive_skips=3, lr=1.0)
     guard = FiniteGuard(torch.device("cpu"), train, lambda: [])
     guard.start(10)
-    for micro in range(6):  # steps 11, 12, 13; rank 1's fourth micro-batch (step 12) is NaN, rank 0's fifth
+    for micro in range(
+        6
+    ):  # steps 11, 12, 13; rank 1's fourth micro-batch (step 12) is NaN, rank 0's fifth
         bad = (dist.rank() == 1 and micro == 3) or (dist.rank() == 0 and micro == 4)
         guard.observe(torch.tensor(float("nan") if bad else 1.0))
     try:
@@ -155,4 +215,6 @@ def _guard_on_two_ranks():
 
 def test_ranks_agree_on_the_first_non_finite_step():
     messages = run_ranks(2, _guard_on_two_ranks)
-    assert messages[0] == messages[1] and "non-finite (NaN or inf) at global step 12 " in messages[0]
+    assert (
+        messages[0] == messages[1] and "non-finite (NaN or inf) at global step 12 " in messages[0]
+    )

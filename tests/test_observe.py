@@ -7,34 +7,58 @@ import re
 import time
 
 import pytest
+from conftest import run_cli
 
 from clusterflow import rundir
-from clusterflow.rundir import first_error
-from clusterflow.observe import phases
-from clusterflow.manage import ranks as rank_status
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
-from conftest import run_cli
+from clusterflow.manage import ranks as rank_status
+from clusterflow.observe import phases
+from clusterflow.rundir import first_error
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
-@pytest.mark.parametrize("overrides, limit", [
-    ([], 300.0), (["dist.timeout_s=60"], 30.0), (["dist.stall_s=45"], 45.0), (["dist.stall_s=0"], None),
-])
+@pytest.mark.parametrize(
+    "overrides, limit",
+    [
+        ([], 300.0),
+        (["dist.timeout_s=60"], 30.0),
+        (["dist.stall_s=45"], 45.0),
+        (["dist.stall_s=0"], None),
+    ],
+)
 def test_stall_limit(overrides, limit):
     assert load("configs/tiny.yaml", overrides).dist.stall_limit_s == limit
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["dist.stall_s=600"], "dist.stall_s = 600: must be 0 (off), or at least 1 s and below dist.timeout_s (600 s)"),
-    (["dist.stall_s=soon"], "dist.stall_s = 'soon': must be auto, 0 (off) or a number of seconds"),
-    (["dist.heartbeat_s=-1"], "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds"),
-    (["cluster.gpus=first"], "cluster.gpus = 'first': must be auto or a list of GPU indices"),
-    (["cluster.gpus=[1,1]"], "cluster.gpus = [1, 1]: must list distinct GPU indices"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["dist.stall_s=600"],
+            "dist.stall_s = 600: must be 0 (off), or at least 1 s and below dist.timeout_s (600 s)",
+        ),
+        (
+            ["dist.stall_s=soon"],
+            "dist.stall_s = 'soon': must be auto, 0 (off) or a number of seconds",
+        ),
+        (
+            ["dist.heartbeat_s=-1"],
+            "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds",
+        ),
+        (["cluster.gpus=first"], "cluster.gpus = 'first': must be auto or a list of GPU indices"),
+        (["cluster.gpus=[1,1]"], "cluster.gpus = [1, 1]: must list distinct GPU indices"),
+    ],
+)
 def test_refused(overrides, message):
-    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        UserError,
+        match=message.replace("(", r"\(")
+        .replace(")", r"\)")
+        .replace("[", r"\[")
+        .replace("]", r"\]"),
+    ):
         load("configs/tiny.yaml", overrides)
 
 
@@ -51,7 +75,13 @@ def test_phases_hand_every_change_and_tick_to_the_beat():
     p.tick(5)
     with p.enter(phases.MINING_EMBED):
         p.tick()
-    assert seen == [(0, "train"), (5, "train"), (5, "mining embed"), (5, "mining embed"), (5, "train")]
+    assert seen == [
+        (0, "train"),
+        (5, "train"),
+        (5, "mining embed"),
+        (5, "mining embed"),
+        (5, "train"),
+    ]
 
 
 def _run_dir(tmp_path, attempt_started, heartbeat_s=1):
@@ -61,8 +91,18 @@ def _run_dir(tmp_path, attempt_started, heartbeat_s=1):
         f.write(f"dist: {{heartbeat_s: {heartbeat_s}}}\n")
     for r in (0, 1):
         with open(paths.heartbeat_file(r), "w") as f:
-            json.dump({"rank": r, "host": f"node{r + 1}", "time": time.time() - 40 * r, "step": 7, "phase": "train",
-                       "step_time_s": 0.1, "progress_at": time.time()}, f)
+            json.dump(
+                {
+                    "rank": r,
+                    "host": f"node{r + 1}",
+                    "time": time.time() - 40 * r,
+                    "step": 7,
+                    "phase": "train",
+                    "step_time_s": 0.1,
+                    "progress_at": time.time(),
+                },
+                f,
+            )
     return paths, {"attempt": 0, "started_at": attempt_started}
 
 
@@ -70,7 +110,10 @@ def test_status_of_a_running_job_marks_a_silent_rank(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() - 100)
     out = {"state": "running", "world_size": 2, "job_id": "", "error": None}
     rank_status.extend(out, paths, last, None)
-    assert [(r["rank"], r["host"], r["silent"]) for r in out["ranks"]] == [(0, "node1", False), (1, "node2", True)]
+    assert [(r["rank"], r["host"], r["silent"]) for r in out["ranks"]] == [
+        (0, "node1", False),
+        (1, "node2", True),
+    ]
     assert out["ranks_summary"].startswith("rank 1 on node2 is silent (last heartbeat 40 s ago)")
     assert out["slurm"] is None and out["error"] is None
     assert "rank 1 on node2 is silent" in rank_status.table(out)
@@ -78,10 +121,27 @@ def test_status_of_a_running_job_marks_a_silent_rank(tmp_path):
 
 def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() - 100)
-    assert first_error.record(str(tmp_path), 0, 1, "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)",
-                              host="node2", kind="stall", step=20, phase="train", stalled_s=60.0, where="x.py:3 f")
-    assert not first_error.record(str(tmp_path), 0, 0, "RuntimeError: Connection closed by peer", host="node1")
-    out = {"state": "failed", "world_size": 2, "job_id": "", "error": "rank 0: RuntimeError: Connection closed by peer"}
+    assert first_error.record(
+        str(tmp_path),
+        0,
+        1,
+        "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)",
+        host="node2",
+        kind="stall",
+        step=20,
+        phase="train",
+        stalled_s=60.0,
+        where="x.py:3 f",
+    )
+    assert not first_error.record(
+        str(tmp_path), 0, 0, "RuntimeError: Connection closed by peer", host="node1"
+    )
+    out = {
+        "state": "failed",
+        "world_size": 2,
+        "job_id": "",
+        "error": "rank 0: RuntimeError: Connection closed by peer",
+    }
     rank_status.extend(out, paths, last, None)
     assert out["error"] == "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)"
     assert out["stalled"]["rank"] == 1 and out["stalled"]["host"] == "node2"
@@ -107,8 +167,17 @@ def test_heartbeats_of_an_earlier_attempt_are_not_shown(tmp_path):
 def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     d = str(tmp_path / "run")
     t0 = time.time()
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "task.target=testtasks:StallOnRank1",
-                  "dist.stall_s=5", "dist.heartbeat_s=0.5", "--local", env={"PYTHONPATH": TESTS}, timeout=300)
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "task.target=testtasks:StallOnRank1",
+        "dist.stall_s=5",
+        "dist.heartbeat_s=0.5",
+        "--local",
+        env={"PYTHONPATH": TESTS},
+        timeout=300,
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert time.time() - t0 < 5 + 60  # not dist.timeout_s (600 s)
     # The watchdog looks once a second, and a loaded machine can delay a look: 5 s or a few more.
@@ -117,7 +186,9 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert st["state"] == "failed"
     # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at submission
-    assert st["error"].startswith("rank 1 on ") and re.search(r"stalled \d+ s at step 2 in train \(", st["error"]), st["error"]
+    assert st["error"].startswith("rank 1 on ") and re.search(
+        r"stalled \d+ s at step 2 in train \(", st["error"]
+    ), st["error"]
     assert "testtasks.py:" in st["error"], st["error"]
     assert st["error"].endswith("sleeping_in_loss)"), st["error"]
     assert [r["rank"] for r in st["ranks"]] == [0, 1] and {r["step"] for r in st["ranks"]} == {2}
@@ -125,12 +196,20 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     assert "clusterflow watchdog: rank 1 on" in log and "in sleeping_in_loss" in log
     stalls = os.path.join(d, "stalls", "attempt0")
     assert "rank1.stacks.txt" in os.listdir(stalls)
-    assert {"flight_recorder_rank_0", "flight_recorder_rank_1"} <= set(os.listdir(stalls))  # the peer's too
+    assert {"flight_recorder_rank_0", "flight_recorder_rank_1"} <= set(
+        os.listdir(stalls)
+    )  # the peer's too
 
 
 def test_local_gpus_are_chosen_before_anything_is_written(tmp_path):
     d = str(tmp_path / "run")
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "cluster.gpus_per_node=2", "--local")
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "cluster.gpus_per_node=2",
+        "--local",
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "cluster.gpus_per_node=2 asks for GPUs, but NVML sees none on this machine" in out.stderr
     assert not os.path.exists(d)

@@ -9,24 +9,73 @@ TABLE = [
     # outcome, source, slurm_state, timeouts so far (this one included) -> action
     ("completed", "slurm", "RUNNING", 0, Action("completed", "completed")),
     ("completed", "single", None, 0, Action("completed", "completed")),
-    ("timeout", "slurm", "", 1, Action("timeout", "requeued", requeue=True, why="the time-limit signal")),
-    ("timeout", "torchrun", "", 2, Action("timeout", "requeued", requeue=True, why="the time-limit signal")),
-    ("timeout", "slurm", "", 3, Action("timeout", "stopped", error="time limit reached 3 times (cluster.max_timeout_requeues=2); "
-                                                                   "resume by submitting the same config again")),
-    ("preempted", "slurm", "RUNNING", 0, Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)")),
-    ("preempted", "slurm", "RUNNING", 5, Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)")),
-    ("preempted", "slurm", "COMPLETING", 0, Action("preempted", "requeued")),  # scontrol requeue under way
+    (
+        "timeout",
+        "slurm",
+        "",
+        1,
+        Action("timeout", "requeued", requeue=True, why="the time-limit signal"),
+    ),
+    (
+        "timeout",
+        "torchrun",
+        "",
+        2,
+        Action("timeout", "requeued", requeue=True, why="the time-limit signal"),
+    ),
+    (
+        "timeout",
+        "slurm",
+        "",
+        3,
+        Action(
+            "timeout",
+            "stopped",
+            error="time limit reached 3 times (cluster.max_timeout_requeues=2); "
+            "resume by submitting the same config again",
+        ),
+    ),
+    (
+        "preempted",
+        "slurm",
+        "RUNNING",
+        0,
+        Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
+    ),
+    (
+        "preempted",
+        "slurm",
+        "RUNNING",
+        5,
+        Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
+    ),
+    (
+        "preempted",
+        "slurm",
+        "COMPLETING",
+        0,
+        Action("preempted", "requeued"),
+    ),  # scontrol requeue under way
     ("preempted", "slurm", "CANCELLED", 0, Action("preempted", "stopped")),  # scancel
     ("preempted", "slurm", "", 0, Action("preempted", "requeued")),  # scontrol did not answer
     ("preempted", "single", None, 0, Action("preempted", "requeued")),
-    ("timeout", "torchrun", None, 9, Action("timeout", "requeued")),  # torchrun outside Slurm: nobody requeues
+    (
+        "timeout",
+        "torchrun",
+        None,
+        9,
+        Action("timeout", "requeued"),
+    ),  # torchrun outside Slurm: nobody requeues
     ("preempted", "submitit-local", None, 0, Action("preempted", "stopped")),
     ("timeout", "submitit-local", None, 1, Action("timeout", "stopped")),
 ]
 
 
-@pytest.mark.parametrize("outcome,source,slurm_state,timeouts,want", TABLE,
-                         ids=[f"{t[0]}-{t[1]}-{t[2]}-{t[3]}" for t in TABLE])
+@pytest.mark.parametrize(
+    "outcome,source,slurm_state,timeouts,want",
+    TABLE,
+    ids=[f"{t[0]}-{t[1]}-{t[2]}-{t[3]}" for t in TABLE],
+)
 def test_decide(outcome, source, slurm_state, timeouts, want):
     assert decide(outcome, source, slurm_state, timeouts, LIMIT) == want
 
@@ -46,6 +95,8 @@ def test_after_stop_counts_time_limit_stops_in_one_place(tmp_path):
     assert after_stop(paths, "preempted", env, {}, LIMIT, None) == "preempted"
     assert after_stop(paths, "completed", env, {}, LIMIT, None) == "completed"
     stops = [json.loads(line) for line in open(paths.stops)]
-    assert [s["reason"] for s in stops] == ["timeout", "preempted"] and stops[0]["signal_at"] == 12.5
+    assert [s["reason"] for s in stops] == ["timeout", "preempted"] and stops[0][
+        "signal_at"
+    ] == 12.5
     assert rundir.count_stops(paths, "timeout") == 1
     assert rundir.read_json(paths.status)["state"] == "completed"

@@ -7,10 +7,9 @@ import json
 import os
 import re
 
+import launch
 import pytest
 import torch
-
-import launch
 from conftest import REPO
 
 ONE = ["cluster.tasks_per_node=1"]
@@ -39,12 +38,19 @@ def uninterrupted(tmp_path_factory):
 def signalled_run(run_dir, signals, attempts, monkeypatch, task="Signals"):
     """Run tiny.yaml with the Signals test task until it completes; returns the exit codes."""
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
-    over = [f"run.dir={run_dir}", *ONE, f"task.target=testtasks:{task}", f"task.params.run_dir={run_dir}",
-            f"task.params.signals={signals}"]
+    over = [
+        f"run.dir={run_dir}",
+        *ONE,
+        f"task.target=testtasks:{task}",
+        f"task.params.run_dir={run_dir}",
+        f"task.params.signals={signals}",
+    ]
     return [launch.run(1, "configs/tiny.yaml", over, run_dir)[0] for _ in range(attempts)]
 
 
-def test_stop_at_the_last_step_of_an_epoch_never_repeats_its_mining_round(uninterrupted, tmp_path, monkeypatch):
+def test_stop_at_the_last_step_of_an_epoch_never_repeats_its_mining_round(
+    uninterrupted, tmp_path, monkeypatch
+):
     """SIGTERM during the last step of epoch 1 commits step 6 before eval and mining; the next attempt
     mines and commits step 6 again (after mining), then is killed; the third must not mine again."""
     d = str(tmp_path / "run")
@@ -53,11 +59,15 @@ def test_stop_at_the_last_step_of_an_epoch_never_repeats_its_mining_round(uninte
     logs = rank0_log(d)
     assert "saving at global step 6 and stopping" in logs
     assert len(re.findall(r"mining after epoch 1:", logs)) == 1, logs
-    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)  # the state after mining
+    assert re.search(
+        r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs
+    )  # the state after mining
     assert same_weights(weights(d), weights(uninterrupted))
 
 
-def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(uninterrupted, tmp_path, monkeypatch):
+def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(
+    uninterrupted, tmp_path, monkeypatch
+):
     """Killed at step 3 (before any checkpoint: the next attempt starts afresh), then at step 10
     (resumes from step 8): every (step, tag) has one value, and none is from a dead attempt past
     the step the next attempt resumed from."""
@@ -67,7 +77,9 @@ def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(uninterrupt
     assert signalled_run(d, "0:3:KILL,1:10:KILL", 3, monkeypatch) == [-9, -9, 0]
     starts = [json.loads(line)["started_at"] for line in open(os.path.join(d, "attempts.jsonl"))]
     resumed_from = [0, 8]  # what attempts 1 and 2 resumed from (attempt 1 had no checkpoint)
-    acc = EventAccumulator(os.path.join(d, "tb"))  # purge_orphaned_data=True, as TensorBoard loads it
+    acc = EventAccumulator(
+        os.path.join(d, "tb")
+    )  # purge_orphaned_data=True, as TensorBoard loads it
     acc.Reload()
     for tag in acc.Tags()["scalars"]:
         events = acc.Scalars(tag)
@@ -75,15 +87,23 @@ def test_tensorboard_and_metrics_after_kills_hold_one_value_per_step(uninterrupt
         assert max(counts.values()) == 1, (tag, counts)
         for e in events:
             for dead, step in enumerate(resumed_from):
-                assert not (e.step > step and e.wall_time < starts[dead + 1]), (tag, e.step, "from dead attempt", dead)
+                assert not (e.step > step and e.wall_time < starts[dead + 1]), (
+                    tag,
+                    e.step,
+                    "from dead attempt",
+                    dead,
+                )
     assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 19))
-    from clusterflow.observe.metrics import read_metrics  # metrics.jsonl, read back by the same rule
+    from clusterflow.observe.metrics import (
+        read_metrics,
+    )  # metrics.jsonl, read back by the same rule
 
     rows = read_metrics(d)
     plain = read_metrics(uninterrupted)
     assert sorted(s for s, v in rows.items() if "train/loss" in v) == list(range(1, 19))
-    assert {s: v["train/loss"] for s, v in rows.items() if "train/loss" in v} == \
-        {s: v["train/loss"] for s, v in plain.items() if "train/loss" in v}  # exact resume: the same losses
+    assert {s: v["train/loss"] for s, v in rows.items() if "train/loss" in v} == {
+        s: v["train/loss"] for s, v in plain.items() if "train/loss" in v
+    }  # exact resume: the same losses
     assert same_weights(weights(d), weights(uninterrupted))
 
 

@@ -10,14 +10,15 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import launch
+import pytest
 from conftest import REPO, run_cli, weights_equal
 
 # Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being written.
 TASK = ["task.target=testtasks:KillAtEnv", "checkpoint.async=false"]
-KILL10 = {"CLUSTERFLOW_TEST_KILL_AT": "10"}  # every rank SIGKILLs itself during step 10: steps 4, 6, 8 committed
+KILL10 = {
+    "CLUSTERFLOW_TEST_KILL_AT": "10"
+}  # every rank SIGKILLs itself during step 10: steps 4, 6, 8 committed
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +50,9 @@ def status(run_dir):
 
 
 def steps(run_dir, sub="checkpoints"):
-    return sorted(int(n[5:]) for n in os.listdir(os.path.join(run_dir, sub)) if n.startswith("step-"))
+    return sorted(
+        int(n[5:]) for n in os.listdir(os.path.join(run_dir, sub)) if n.startswith("step-")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +75,28 @@ def killed_at_step_10(run_dir, extra=()):
 
 def test_moved_run_dir_resumes_in_its_new_place(tmp_path, reference):
     a, b = str(tmp_path / "runA"), str(tmp_path / "runB")
-    killed_at_step_10(a, ["checkpoint.dir=ckpts"])  # a relative checkpoint.dir lives inside the run dir
+    killed_at_step_10(
+        a, ["checkpoint.dir=ckpts"]
+    )  # a relative checkpoint.dir lives inside the run dir
     assert steps(a, "ckpts") == [4, 6, 8]
     shutil.move(a, b)
     over = [f"run.dir={b}", *TASK, "checkpoint.dir=ckpts"]
-    assert launch.run(2, "configs/tiny.yaml", over, os.path.join(str(tmp_path), "launch-logs")) == [0, 0]
+    assert launch.run(2, "configs/tiny.yaml", over, os.path.join(str(tmp_path), "launch-logs")) == [
+        0,
+        0,
+    ]
     assert not os.path.exists(a)  # never recreated
     assert sha(os.path.join(b, "model.pt")) == reference
     assert attempts(b) == 2 and status(b)["state"] == "completed"
-    assert "resumed from " + os.path.join(b, "ckpts", "step-8") in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
+    assert (
+        "resumed from " + os.path.join(b, "ckpts", "step-8")
+        in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
+    )
     saved = open(os.path.join(b, "config.yaml")).read()
     manifest = json.load(open(os.path.join(b, "ckpts", "step-18", "manifest.json")))
-    assert str(tmp_path) not in saved and str(tmp_path) not in json.dumps(manifest["config"])  # no copy of its own path
+    assert str(tmp_path) not in saved and str(tmp_path) not in json.dumps(
+        manifest["config"]
+    )  # no copy of its own path
 
 
 def test_copied_run_dir_resumes_from_its_own_checkpoints_with_submit(tmp_path, reference):
@@ -92,7 +105,12 @@ def test_copied_run_dir_resumes_from_its_own_checkpoints_with_submit(tmp_path, r
     shutil.copytree(a, c)
     before = tree(a)
     # The copy's own config.yaml as the config file: the run lives where that file lies.
-    out = run_cli("clusterflow.submit", os.path.join(c, "config.yaml"), "--local", env={"PYTHONPATH": os.path.join(REPO, "tests")})
+    out = run_cli(
+        "clusterflow.submit",
+        os.path.join(c, "config.yaml"),
+        "--local",
+        env={"PYTHONPATH": os.path.join(REPO, "tests")},
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"run dir {c} exists with the same config: resuming" in out.stdout
     assert tree(a) == before  # the original is untouched
@@ -114,6 +132,7 @@ def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
 
 # -- one job per run dir ----------------------------------------------------------------------------
 
+
 def lease_record(run_dir):
     from clusterflow.rundir import lease
 
@@ -132,24 +151,47 @@ def wait_for(fn, timeout=180):
 def start_submit(run_dir, *extra, env=None):
     e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     e.update(env or {})
-    return subprocess.Popen([sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", *extra,
-                             "--local"], cwd=REPO, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clusterflow.submit",
+            "configs/tiny.yaml",
+            f"run.dir={run_dir}",
+            *extra,
+            "--local",
+        ],
+        cwd=REPO,
+        env=e,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def test_a_second_job_on_a_held_run_dir_is_refused_and_the_first_completes(tmp_path, reference):
     d = str(tmp_path / "run")
     slow = ["task.target=testtasks:Slow", "task.params.step_sleep=0.3"]
     first = start_submit(d, *slow)
-    assert wait_for(lambda: (lease_record(d) or {}).get("pid") and os.path.exists(os.path.join(d, "status.json")))
+    assert wait_for(
+        lambda: (
+            (lease_record(d) or {}).get("pid") and os.path.exists(os.path.join(d, "status.json"))
+        )
+    )
     holder = lease_record(d)
     config_before = sha(os.path.join(d, "config.yaml"))
     second = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *slow, "--local")
     assert second.returncode == 2, second.stdout + second.stderr
-    assert f"is held by submitit-local job {holder['job_id']} (pid {holder['pid']} on" in second.stderr
+    assert (
+        f"is held by submitit-local job {holder['job_id']} (pid {holder['pid']} on" in second.stderr
+    )
     assert "Traceback" not in second.stderr
     # Past submit (torchrun-style, straight into the job): refused on every rank at job start.
-    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *slow], str(tmp_path / "other")) == [2, 2]
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *slow], str(tmp_path / "other")) == [
+        2,
+        2,
+    ]
     assert sha(os.path.join(d, "config.yaml")) == config_before and attempts(d) == 1
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, out + err
@@ -159,7 +201,9 @@ def test_a_second_job_on_a_held_run_dir_is_refused_and_the_first_completes(tmp_p
 
 def test_a_killed_holder_is_taken_over_with_a_warning(tmp_path, reference):
     d = str(tmp_path / "run")
-    first = start_submit(d, *TASK, env=KILL10)  # every rank is SIGKILLed during step 10: the lease stays behind
+    first = start_submit(
+        d, *TASK, env=KILL10
+    )  # every rank is SIGKILLed during step 10: the lease stays behind
     first.communicate(timeout=600)
     dead = lease_record(d)
     assert dead and not os.path.exists(f"/proc/{dead['pid']}")
@@ -175,9 +219,20 @@ def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
     from clusterflow.rundir import lease
 
     os.makedirs(lease.folder(run_dir), exist_ok=True)
-    rec = {"token": "t" * 32, "job_id": slurm_job or "elsewhere", "slurm_job": slurm_job, "source": "slurm" if slurm_job else "torchrun",
-           "host": host, "pid": 4242, "pid_start": "1", "attempt": 0, "started_at": time.time() - 3600,
-           "renewed_at": 0, "renewals": 9, "renew_s": renew_s}
+    rec = {
+        "token": "t" * 32,
+        "job_id": slurm_job or "elsewhere",
+        "slurm_job": slurm_job,
+        "source": "slurm" if slurm_job else "torchrun",
+        "host": host,
+        "pid": 4242,
+        "pid_start": "1",
+        "attempt": 0,
+        "started_at": time.time() - 3600,
+        "renewed_at": 0,
+        "renewals": 9,
+        "renew_s": renew_s,
+    }
     path = os.path.join(lease.folder(run_dir), "gen-3.json")
     with open(path, "w") as f:
         json.dump(rec, f)
@@ -191,19 +246,29 @@ def test_stale_and_fresh_leases_of_another_host(tmp_path):
     me = lease.identity()
     d = str(tmp_path / "run")
     plant(d, "node-elsewhere", age_s=1, renew_s=30)
-    with pytest.raises(lease.RunDirBusy, match=r"held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*renewed 1 s ago"):
+    with pytest.raises(
+        lease.RunDirBusy,
+        match=r"held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*renewed 1 s ago",
+    ):
         lease.check(d, me)
     plant(d, "node-elsewhere", age_s=200, renew_s=30)
-    assert "its lease was not renewed for 200 s (more than 120 s); taking it over" in lease.check(d, me)
+    assert "its lease was not renewed for 200 s (more than 120 s); taking it over" in lease.check(
+        d, me
+    )
 
 
 def test_a_stale_lease_is_taken_over_by_a_real_run(tmp_path, tiny_one_process_model):
     d = str(tmp_path / "run")
     plant(d, "node-elsewhere", age_s=500, renew_s=30)
-    out = run_cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "cluster.tasks_per_node=1")
+    out = run_cli(
+        "clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "cluster.tasks_per_node=1"
+    )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert re.search(r"was held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*its lease was not renewed for "
-                     r"5\d\d s \(more than 120 s\); taking it over", out.stderr)
+    assert re.search(
+        r"was held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*its lease was not renewed for "
+        r"5\d\d s \(more than 120 s\); taking it over",
+        out.stderr,
+    )
     assert weights_equal(os.path.join(d, "model.pt"), tiny_one_process_model)
 
 
@@ -213,11 +278,18 @@ def test_slurm_holders_are_judged_by_squeue_and_a_requeue_takes_its_own_lease():
     rec = {"token": "x", "slurm_job": "123", "host": "node2", "pid": 5, "renew_s": 30}
     me = {"token": "y", "slurm_job": "", "host": "login1", "pid": 9}
     assert lease.judge(rec, 0, me, lambda j: "RUNNING|None") == (True, "Slurm job 123 is RUNNING")
-    assert lease.judge(rec, 0, me, lambda j: "PENDING|BeginTime")[0]  # requeued and waiting: it comes back
+    assert lease.judge(rec, 0, me, lambda j: "PENDING|BeginTime")[
+        0
+    ]  # requeued and waiting: it comes back
     assert lease.judge(rec, 0, me, lambda j: "") == (False, "Slurm job 123 is no longer queued")
-    assert lease.judge(rec, 10, me, lambda j: None)[0] and not lease.judge(rec, 121, me, lambda j: None)[0]  # squeue silent
-    assert lease.judge(rec, 0, {**me, "slurm_job": "123"}, lambda j: "RUNNING|None") == \
-        (False, "it is an earlier attempt of this same Slurm job")
+    assert (
+        lease.judge(rec, 10, me, lambda j: None)[0]
+        and not lease.judge(rec, 121, me, lambda j: None)[0]
+    )  # squeue silent
+    assert lease.judge(rec, 0, {**me, "slurm_job": "123"}, lambda j: "RUNNING|None") == (
+        False,
+        "it is an earlier attempt of this same Slurm job",
+    )
 
 
 def _take(run_dir, go, results, hold_s):
@@ -247,7 +319,11 @@ def test_of_many_takers_at_once_exactly_one_wins(tmp_path):
     for p in procs:
         p.join(timeout=30)
     assert answers.count("won") == 1, answers
-    assert all("is held by" in a and "its process" in a and "is alive on this host" in a for a in answers if a != "won")
+    assert all(
+        "is held by" in a and "its process" in a and "is alive on this host" in a
+        for a in answers
+        if a != "won"
+    )
     from clusterflow.rundir import lease
 
     assert [n for n in os.listdir(lease.folder(d)) if n.startswith("gen-")] == ["gen-4.json"]
@@ -259,11 +335,19 @@ def test_a_holder_that_was_taken_over_finds_out_at_its_next_renewal(tmp_path):
     d = str(tmp_path / "run")
     lost = []
     held = lease.acquire(d, lease.identity(renew_s=1), on_lost=lost.append)
-    os.link(os.path.join(lease.folder(d), f"gen-{held.gen}.json"), os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"))
+    os.link(
+        os.path.join(lease.folder(d), f"gen-{held.gen}.json"),
+        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"),
+    )
     with open(os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json.new"), "w") as f:
         json.dump({**held.rec, "token": "someone-else", "pid": 1, "host": "node9"}, f)
-    os.replace(os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json.new"), os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"))
+    os.replace(
+        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json.new"),
+        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"),
+    )
     assert wait_for(lambda: lost, timeout=10)
     assert "lost run dir" in lost[0] and "pid 1 on node9" in lost[0]
     lease.release(d)
-    assert os.path.exists(os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"))  # never removes the new holder's
+    assert os.path.exists(
+        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json")
+    )  # never removes the new holder's

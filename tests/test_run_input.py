@@ -2,22 +2,30 @@
 with one line (exit 2), or the task's traceback under one line naming task.target (exit 1), the
 same exit status from `run` and `submit --local` (issue 12)."""
 
-import fsspec
-from fsspec.registry import known_implementations
 import os
 import subprocess
 import sys
 
+import fsspec
 import pytest
-
 from clihelp import call, one_error_line
+from conftest import REPO, tmpfs
+from fsspec.registry import known_implementations
+
 from clusterflow import config, rundir
 from clusterflow.job import run
 from clusterflow.launch import submit
-from conftest import REPO, tmpfs
 
-TINY = ["task.target=testtasks:Tiny", "task.params={}", "train.batch_size=8", "train.epochs=1", "mining.enabled=false",
-        "cluster.tasks_per_node=1", "train.eval_every_epochs=0", "checkpoint.every_steps=1000"]
+TINY = [
+    "task.target=testtasks:Tiny",
+    "task.params={}",
+    "train.batch_size=8",
+    "train.epochs=1",
+    "mining.enabled=false",
+    "cluster.tasks_per_node=1",
+    "train.eval_every_epochs=0",
+    "checkpoint.every_steps=1000",
+]
 TINY_YAML = os.path.join(REPO, "configs", "tiny.yaml")
 TESTS_ENV = {"PYTHONPATH": os.path.join(REPO, "tests")}
 
@@ -35,10 +43,14 @@ def both_refuse(args):
 
 # -- the run dir ----------------------------------------------------------------------------------
 
+
 def test_run_dir_that_is_a_file_or_under_one(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    assert both_refuse([f"run.dir={f}"]) == f"error: run.dir = '{f}' is a file, not a directory; pick another path, or move the file away"
+    assert (
+        both_refuse([f"run.dir={f}"])
+        == f"error: run.dir = '{f}' is a file, not a directory; pick another path, or move the file away"
+    )
     assert f"lies under '{f}', which is a file" in both_refuse([f"run.dir={f}/sub/run"])
     assert "checkpoint.dir" in both_refuse([f"run.dir={tmp_path}/ok", f"checkpoint.dir={f}/ck"])
 
@@ -50,14 +62,19 @@ def test_real_submit_and_run_refuse_a_bad_run_dir(cli, tmp_path):
     for cmd in (["clusterflow.submit", "--local"], ["clusterflow.submit"], ["clusterflow.run"]):
         out = cli(*cmd, "configs/tiny.yaml", f"run.dir={f}/run", env=TESTS_ENV)
         assert out.returncode == 2 and "Traceback" not in out.stderr, (cmd, out.stderr)
-        assert one_error_line(out.stderr) == f"error: run.dir = '{f}/run' lies under '{f}', which is a file, not a " \
-                                             f"directory; pick another path, or move the file away"
+        assert (
+            one_error_line(out.stderr)
+            == f"error: run.dir = '{f}/run' lies under '{f}', which is a file, not a "
+            f"directory; pick another path, or move the file away"
+        )
 
 
 @pytest.mark.parametrize("path", ["/proc/run", "/sys/kernel/run", "/dev/run", "/proc"])
 def test_run_dir_in_a_kernel_filesystem(path):
     top = "/" + path.split("/")[1]
-    assert f"is under {top}, a kernel filesystem that holds no files" in both_refuse([f"run.dir={path}"])
+    assert f"is under {top}, a kernel filesystem that holds no files" in both_refuse(
+        [f"run.dir={path}"]
+    )
 
 
 def test_run_dir_on_a_read_only_filesystem(tmp_path):
@@ -71,7 +88,9 @@ def test_run_dir_symlink_to_nowhere(tmp_path):
     assert "is a symbolic link to" in both_refuse([f"run.dir={tmp_path}/link/run"])
 
 
-@pytest.mark.parametrize("url", ["memory://runs/x", "s3://bucket/runs/x", "gs://b/x", "simplecache::s3://b/x"])
+@pytest.mark.parametrize(
+    "url", ["memory://runs/x", "s3://bucket/runs/x", "gs://b/x", "simplecache::s3://b/x"]
+)
 def test_run_dir_url_is_refused_with_the_checkpoint_dir_fix(url, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     line = both_refuse([f"run.dir={url}"])
@@ -81,7 +100,9 @@ def test_run_dir_url_is_refused_with_the_checkpoint_dir_fix(url, tmp_path, monke
 
 
 def test_file_url_is_the_path(tmp_path):
-    code, out, err = call(run.main, ["configs/tiny.yaml", *TINY, f"run.dir=file://{tmp_path}/r", "--check"])
+    code, out, err = call(
+        run.main, ["configs/tiny.yaml", *TINY, f"run.dir=file://{tmp_path}/r", "--check"]
+    )
     assert code == 0 and f"run dir {tmp_path}/r" in out, err
 
 
@@ -100,44 +121,86 @@ def test_checkpoint_url_without_its_package_fails_at_submit(tmp_path):
     package = hint.split("nstall ")[1].split()[0]
     line = both_refuse([f"run.dir={tmp_path}/r", f"checkpoint.dir={protocol}://bucket/ck"])
     assert f"fsspec cannot open {protocol}:// here ({hint}); pip install {package}" in line
-    assert "fsspec knows no protocol 'nope'" in both_refuse([f"run.dir={tmp_path}/r", "checkpoint.dir=nope://b/ck"])
-    code, out, err = call(run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "checkpoint.dir=memory://ck", "--check"])
+    assert "fsspec knows no protocol 'nope'" in both_refuse(
+        [f"run.dir={tmp_path}/r", "checkpoint.dir=nope://b/ck"]
+    )
+    code, out, err = call(
+        run.main,
+        [
+            "configs/tiny.yaml",
+            *TINY,
+            f"run.dir={tmp_path}/r",
+            "checkpoint.dir=memory://ck",
+            "--check",
+        ],
+    )
     assert code == 0, err
 
 
 # -- batch size, task parameters and the user's task code ------------------------------------------
 
+
 def test_batch_larger_than_the_dataset(tmp_path):
-    code, out, err = call(run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "train.batch_size=64", "--check"])
+    code, out, err = call(
+        run.main,
+        ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "train.batch_size=64", "--check"],
+    )
     assert code == 2 and one_error_line(err) == (
         "error: train.batch_size = 64 is larger than the training set of testtasks:Tiny (16 samples), so an epoch has "
-        "no full batch; lower train.batch_size to at most 16 (a multiple of world size x grad_accum = 1)")
+        "no full batch; lower train.batch_size to at most 16 (a multiple of world size x grad_accum = 1)"
+    )
     assert not os.path.exists(tmp_path / "r")  # --check writes nothing
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["task.target=testtasks:Nope"], "testtasks has no class 'Nope'; classes there:"),
-    (["task.target=no_such_module:Task"], "module 'no_such_module' not found"),
-    (["task.target=.relative:Task"], "must look like package.module:ClassName"),
-    (["task.params.sise=3"], "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its parameters: size, fail_in, hidden"),
-    (["task.params.size=abc"], "task.params.size = 'abc' is invalid for Tiny: expected an integer"),
-    (["task.params.size=1.5"], "task.params.size = 1.5 is invalid for Tiny: expected an integer"),
-    (["task.params.fail_in=3"], "task.params.fail_in = 3 is invalid for Tiny: expected a string"),
-    (["task.params.size=1"], "task.params.size = 1: must be between 4 and 256"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["task.target=testtasks:Nope"], "testtasks has no class 'Nope'; classes there:"),
+        (["task.target=no_such_module:Task"], "module 'no_such_module' not found"),
+        (["task.target=.relative:Task"], "must look like package.module:ClassName"),
+        (
+            ["task.params.sise=3"],
+            "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its parameters: size, fail_in, hidden",
+        ),
+        (
+            ["task.params.size=abc"],
+            "task.params.size = 'abc' is invalid for Tiny: expected an integer",
+        ),
+        (
+            ["task.params.size=1.5"],
+            "task.params.size = 1.5 is invalid for Tiny: expected an integer",
+        ),
+        (
+            ["task.params.fail_in=3"],
+            "task.params.fail_in = 3 is invalid for Tiny: expected a string",
+        ),
+        (["task.params.size=1"], "task.params.size = 1: must be between 4 and 256"),
+    ],
+)
 def test_task_that_cannot_be_built_is_bad_input(tmp_path, args, needle):
-    code, out, err = call(run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", *args, "--check"])
+    code, out, err = call(
+        run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", *args, "--check"]
+    )
     assert code == 2 and "Traceback" not in err and needle in one_error_line(err), err
 
 
 @pytest.mark.parametrize("target", ["builtins:dict", "builtins:int", "os:getcwd"])
 def test_a_target_that_is_not_a_task(tmp_path, target):
-    code, out, err = call(run.main, [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", f"task.target={target}", "--check"])
-    assert code == 2 and f"task.target={target!r} is not a task: it has no build_model, train_dataset, loss" in err
+    code, out, err = call(
+        run.main, [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", f"task.target={target}", "--check"]
+    )
+    assert (
+        code == 2
+        and f"task.target={target!r} is not a task: it has no build_model, train_dataset, loss"
+        in err
+    )
 
 
 def test_task_params_are_read_as_their_annotated_types(tmp_path):
-    code, out, err = call(run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "task.params.size=3.2e1", "--check"])
+    code, out, err = call(
+        run.main,
+        ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "task.params.size=3.2e1", "--check"],
+    )
     assert code == 0 and "with 32 training samples" in out, err
 
 
@@ -146,18 +209,44 @@ def _task_module(tmp_path, name, body):
     return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.path.join(REPO, 'tests')}"}
 
 
-@pytest.mark.parametrize("name,body,header,shown", [
-    ("needs_dep", "import nonexistent_pkg_cf\n",
-     "task.target 'needs_dep:T': importing needs_dep failed because the module it imports, 'nonexistent_pkg_cf', is not "
-     "installed; install it where the job runs (e.g. pip install nonexistent_pkg_cf)", "import nonexistent_pkg_cf"),
-    ("bad_syntax", "def f(:\n", "task.target 'bad_syntax:T': importing bad_syntax failed: SyntaxError: invalid syntax", "def f(:"),
-    ("raises_in_init", "from clusterflow.tasks import Task\nclass T(Task):\n    def __init__(self, seed=0):\n"
-                       "        raise RuntimeError('boom')\n",
-     "task.target 'raises_in_init:T' failed in T.__init__: RuntimeError: boom", "raise RuntimeError('boom')"),
-])
-def test_task_code_failing_keeps_its_traceback_under_one_line(cli, tmp_path, name, body, header, shown):
+@pytest.mark.parametrize(
+    "name,body,header,shown",
+    [
+        (
+            "needs_dep",
+            "import nonexistent_pkg_cf\n",
+            "task.target 'needs_dep:T': importing needs_dep failed because the module it imports, 'nonexistent_pkg_cf', is not "
+            "installed; install it where the job runs (e.g. pip install nonexistent_pkg_cf)",
+            "import nonexistent_pkg_cf",
+        ),
+        (
+            "bad_syntax",
+            "def f(:\n",
+            "task.target 'bad_syntax:T': importing bad_syntax failed: SyntaxError: invalid syntax",
+            "def f(:",
+        ),
+        (
+            "raises_in_init",
+            "from clusterflow.tasks import Task\nclass T(Task):\n    def __init__(self, seed=0):\n"
+            "        raise RuntimeError('boom')\n",
+            "task.target 'raises_in_init:T' failed in T.__init__: RuntimeError: boom",
+            "raise RuntimeError('boom')",
+        ),
+    ],
+)
+def test_task_code_failing_keeps_its_traceback_under_one_line(
+    cli, tmp_path, name, body, header, shown
+):
     env = _task_module(tmp_path, name, body)
-    out = cli("clusterflow.run", "configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", f"task.target={name}:T", "--check", env=env)
+    out = cli(
+        "clusterflow.run",
+        "configs/tiny.yaml",
+        *TINY,
+        f"run.dir={tmp_path}/r",
+        f"task.target={name}:T",
+        "--check",
+        env=env,
+    )
     assert out.returncode == 1, out.stderr
     first, rest = out.stderr.split("\n", 1)
     assert first.startswith(f"error: {header}"), out.stderr
@@ -170,8 +259,14 @@ def _run_both_routes(tmp_path, args):
     results = []
     for i, cmd in enumerate((["clusterflow.run"], ["clusterflow.submit", "--local"])):
         d = tmp_path / f"route{i}"
-        out = subprocess.run([sys.executable, "-m", *cmd, "configs/tiny.yaml", *TINY, f"run.dir={d}", *args],
-                             capture_output=True, text=True, cwd=REPO, env={**os.environ, **TESTS_ENV}, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-m", *cmd, "configs/tiny.yaml", *TINY, f"run.dir={d}", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, **TESTS_ENV},
+            timeout=300,
+        )
         status = rundir.read_json(rundir.RunPaths(str(d)).status, {})
         results.append((out.returncode, out.stdout + out.stderr, status))
     return results
@@ -188,51 +283,105 @@ def test_submit_local_and_run_agree_on_bad_input(tmp_path):
 def test_submit_local_and_run_agree_on_task_code_failing(tmp_path, where):
     for code, text, status in _run_both_routes(tmp_path, [f"task.params.fail_in={where}"]):
         assert code == 1, text
-        assert f"task.target 'testtasks:Tiny' failed in {where} (" in text and "testtasks.py" in text
-        assert f"ValueError: deliberate failure in {where}" in text and "Traceback (most recent call last)" in text
+        assert (
+            f"task.target 'testtasks:Tiny' failed in {where} (" in text and "testtasks.py" in text
+        )
+        assert (
+            f"ValueError: deliberate failure in {where}" in text
+            and "Traceback (most recent call last)" in text
+        )
         assert status["exit_code"] == 1 and f"failed in {where}" in status["error"]
 
 
 def test_failed_first_start_does_not_block_the_fixed_resubmission(cli, tmp_path):
     d = tmp_path / "r"
-    broken = cli("clusterflow.run", "configs/tiny.yaml", *TINY, f"run.dir={d}", "task.params.size=2", env=TESTS_ENV)
-    assert broken.returncode == 2 and "task.params.size = 2: must be between 4 and 256" in broken.stderr
-    fixed = cli("clusterflow.run", "configs/tiny.yaml", *TINY, f"run.dir={d}", "task.params.size=16", env=TESTS_ENV)
+    broken = cli(
+        "clusterflow.run",
+        "configs/tiny.yaml",
+        *TINY,
+        f"run.dir={d}",
+        "task.params.size=2",
+        env=TESTS_ENV,
+    )
+    assert (
+        broken.returncode == 2
+        and "task.params.size = 2: must be between 4 and 256" in broken.stderr
+    )
+    fixed = cli(
+        "clusterflow.run",
+        "configs/tiny.yaml",
+        *TINY,
+        f"run.dir={d}",
+        "task.params.size=16",
+        env=TESTS_ENV,
+    )
     assert fixed.returncode == 0, fixed.stderr
-    assert "has no committed checkpoint, so nothing to resume: its config.yaml is replaced" in fixed.stderr
+    assert (
+        "has no committed checkpoint, so nothing to resume: its config.yaml is replaced"
+        in fixed.stderr
+    )
     saved = rundir.read_json(rundir.RunPaths(str(d)).status)
     assert saved["state"] == "completed"
     # Once a checkpoint is committed, a different config is refused as before.
-    again = cli("clusterflow.run", "configs/tiny.yaml", *TINY, f"run.dir={d}", "task.params.size=32", env=TESTS_ENV)
-    assert again.returncode == 2 and "holds a run with a different config (task.params.size 16 -> 32" in again.stderr
+    again = cli(
+        "clusterflow.run",
+        "configs/tiny.yaml",
+        *TINY,
+        f"run.dir={d}",
+        "task.params.size=32",
+        env=TESTS_ENV,
+    )
+    assert (
+        again.returncode == 2
+        and "holds a run with a different config (task.params.size 16 -> 32" in again.stderr
+    )
 
 
 def test_failed_first_start_via_submit(tmp_path):
     d = tmp_path / "r"
     args = [TINY_YAML, *TINY, f"run.dir={d}"]
-    assert call(submit.main, [*args, "task.params.size=2", "--dry-run"])[0] == 0  # submit cannot see task params
+    assert (
+        call(submit.main, [*args, "task.params.size=2", "--dry-run"])[0] == 0
+    )  # submit cannot see task params
     os.makedirs(d)
-    (d / "config.yaml").write_text(config.load(TINY_YAML, [*TINY, f"run.dir={d}", "task.params.size=2"]).to_yaml())
+    (d / "config.yaml").write_text(
+        config.load(TINY_YAML, [*TINY, f"run.dir={d}", "task.params.size=2"]).to_yaml()
+    )
     code, out, err = call(submit.main, [*args, "--dry-run"])
-    assert code == 0 and "its config.yaml is replaced by this config (task.params: {'size': 2} -> {})" in err
+    assert (
+        code == 0
+        and "its config.yaml is replaced by this config (task.params: {'size': 2} -> {})" in err
+    )
 
 
 def test_limits_that_keep_a_valid_config_runnable(tmp_path):
     long = "x" * 300
-    assert "longer than the filesystem allows (255 bytes a name" in both_refuse([f"run.dir={tmp_path}/{long}"])
-    assert "data.num_workers = 100000: must be between 0 and 256" in both_refuse(["data.num_workers=1e5"])
-    assert "dist.timeout_s = 100000000000: must be between 10 and 31536000" in both_refuse(["dist.timeout_s=1e11"])
-    assert "mining.hnsw_m = 4294967296: must be between 1 and 2147483647" in both_refuse(["mining.hnsw_m=4294967296"])
+    assert "longer than the filesystem allows (255 bytes a name" in both_refuse(
+        [f"run.dir={tmp_path}/{long}"]
+    )
+    assert "data.num_workers = 100000: must be between 0 and 256" in both_refuse(
+        ["data.num_workers=1e5"]
+    )
+    assert "dist.timeout_s = 100000000000: must be between 10 and 31536000" in both_refuse(
+        ["dist.timeout_s=1e11"]
+    )
+    assert "mining.hnsw_m = 4294967296: must be between 1 and 2147483647" in both_refuse(
+        ["mining.hnsw_m=4294967296"]
+    )
     protocol, hint = _missing_backend()
     assert f"task.init_from = '{protocol}://b/model.pt': fsspec cannot open" in both_refuse(
-        [f"run.dir={tmp_path}/r", f"task.init_from={protocol}://b/model.pt"])
+        [f"run.dir={tmp_path}/r", f"task.init_from={protocol}://b/model.pt"]
+    )
 
 
-@pytest.mark.parametrize("extra,needle", [
-    ("{'a b': 1}", "cluster.sbatch_extra = 'a b': keys are sbatch option names"),
-    ("{begin: [1, 2]}", "cluster.sbatch_extra.begin = [1, 2]: must be one value on one line"),
-    ('{begin: "now\\n#SBATCH --qos=high"}', "must be one value on one line"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ("{'a b': 1}", "cluster.sbatch_extra = 'a b': keys are sbatch option names"),
+        ("{begin: [1, 2]}", "cluster.sbatch_extra.begin = [1, 2]: must be one value on one line"),
+        ('{begin: "now\\n#SBATCH --qos=high"}', "must be one value on one line"),
+    ],
+)
 def test_sbatch_extra_is_one_option_per_line(extra, needle):
     assert needle in both_refuse([f"cluster.sbatch_extra={extra}"])
 
@@ -242,13 +391,21 @@ def test_long_values_are_cut_in_messages():
     assert "an integer of 3000 digits" not in line and "out of range" in line and len(line) < 300
     line = both_refuse(["run.seed=" + "9" * 5000])
     assert "an integer of 5000 digits" in line and len(line) < 400
-    assert both_refuse(["train.epochs="]).endswith("train.epochs is empty; give it a value, or remove the key to use its default")
+    assert both_refuse(["train.epochs="]).endswith(
+        "train.epochs is empty; give it a value, or remove the key to use its default"
+    )
 
 
 @pytest.mark.slurm
 def test_sbatch_refusal_is_one_line(cluster, tmp_path):
-    code, out, err = call(submit.main, [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", "cluster.sbatch_extra={begin: notatime}"])
+    code, out, err = call(
+        submit.main,
+        [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", "cluster.sbatch_extra={begin: notatime}"],
+    )
     assert code == 2 and "Traceback" not in err
     line = one_error_line(err)
-    assert line.startswith("error: sbatch refused the job (") and "Invalid --begin specification" in line, err
+    assert (
+        line.startswith("error: sbatch refused the job (")
+        and "Invalid --begin specification" in line
+    ), err
     assert err.strip() == line

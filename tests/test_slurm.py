@@ -5,7 +5,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import REPO, run_cli
 from slurmjobs import env, status
 
@@ -21,8 +20,16 @@ def test_submit_route(cluster, tmp_path, nodes, tasks, request):
         d, out = request.getfixturevalue("reference_run")  # that run is exactly this case
     else:
         d = str(tmp_path / "run")
-        out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", f"cluster.nodes={nodes}",
-                      f"cluster.tasks_per_node={tasks}", "cluster.time_min=10", "--wait", env=env())
+        out = run_cli(
+            "clusterflow.submit",
+            "configs/tiny.yaml",
+            f"run.dir={d}",
+            f"cluster.nodes={nodes}",
+            f"cluster.tasks_per_node={tasks}",
+            "cluster.time_min=10",
+            "--wait",
+            env=env(),
+        )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "submitted job" in out.stdout and "tensorboard --logdir" in out.stdout
     s = status(d)
@@ -34,10 +41,29 @@ def test_submit_route(cluster, tmp_path, nodes, tasks, request):
 @pytest.mark.parametrize("nodes,tasks", TOPOLOGIES)
 def test_template_route(cluster, tmp_path, nodes, tasks):
     d = str(tmp_path / "run")
-    out = subprocess.run(["sbatch", "--wait", "-N", str(nodes), f"--ntasks-per-node={tasks}", f"--output={tmp_path}/slurm-%j.out",
-                          os.path.join(REPO, "slurm_templates", "train.sbatch"), "configs/tiny.yaml", f"run.dir={d}"],
-                         cwd=REPO, env={**os.environ, **env()}, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr + "".join(open(p).read() for p in map(str, tmp_path.glob("slurm-*.out")))
+    out = subprocess.run(
+        [
+            "sbatch",
+            "--wait",
+            "-N",
+            str(nodes),
+            f"--ntasks-per-node={tasks}",
+            f"--output={tmp_path}/slurm-%j.out",
+            os.path.join(REPO, "slurm_templates", "train.sbatch"),
+            "configs/tiny.yaml",
+            f"run.dir={d}",
+        ],
+        cwd=REPO,
+        env={**os.environ, **env()},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, (
+        out.stdout
+        + out.stderr
+        + "".join(open(p).read() for p in map(str, tmp_path.glob("slurm-*.out")))
+    )
     s = status(d)
     assert s["state"] == "completed" and s["world_size"] == 2
     assert s["hosts"] == (["node1", "node2"] if nodes == 2 else ["node1"])
@@ -46,8 +72,17 @@ def test_template_route(cluster, tmp_path, nodes, tasks):
 def test_crash_on_one_node_fails_fast_and_names_the_rank(cluster, tmp_path):
     d = str(tmp_path / "run")
     t0 = time.time()
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "cluster.nodes=2", "cluster.tasks_per_node=1",
-                  "task.target=testtasks:CrashOnRank1", "dist.timeout_s=60", "--wait", env=env())
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "cluster.nodes=2",
+        "cluster.tasks_per_node=1",
+        "task.target=testtasks:CrashOnRank1",
+        "dist.timeout_s=60",
+        "--wait",
+        env=env(),
+    )
     elapsed = time.time() - t0
     assert out.returncode == 1, out.stdout + out.stderr
     assert elapsed < 60 + 30  # ends within the process-group timeout, not at the time limit
@@ -55,13 +90,21 @@ def test_crash_on_one_node_fails_fast_and_names_the_rank(cluster, tmp_path):
     assert s["state"] == "failed"
     assert any(e["rank"] == 1 and "deliberate failure" in e["error"] for e in s["errors"]), s
     # the first cause, not rank 0's: the task's own failure, named with the method it raised in
-    assert s["error"].startswith("rank 1: task.target 'testtasks:CrashOnRank1' failed in loss"), s["error"]
+    assert s["error"].startswith("rank 1: task.target 'testtasks:CrashOnRank1' failed in loss"), s[
+        "error"
+    ]
     assert "ValueError: deliberate failure" in s["error"], s["error"]
 
 
 def test_dry_run_prints_the_script_and_submits_nothing(tmp_path):
     d = str(tmp_path / "run")
-    out = run_cli("clusterflow.submit", "configs/demo.yaml", f"run.dir={d}", "cluster.nodes=2", "--dry-run")
+    out = run_cli(
+        "clusterflow.submit", "configs/demo.yaml", f"run.dir={d}", "cluster.nodes=2", "--dry-run"
+    )
     assert out.returncode == 0
-    assert "#SBATCH --nodes=2" in out.stdout and "#SBATCH --requeue" in out.stdout and "--kill-on-bad-exit=1" in out.stdout
+    assert (
+        "#SBATCH --nodes=2" in out.stdout
+        and "#SBATCH --requeue" in out.stdout
+        and "--kill-on-bad-exit=1" in out.stdout
+    )
     assert not os.path.exists(d)

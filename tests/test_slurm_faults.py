@@ -7,7 +7,6 @@ import subprocess
 import time
 
 import pytest
-
 from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_until
 
@@ -19,25 +18,54 @@ KILL_TASK = ("task.target=testtasks:KillAtEnv", "checkpoint.async=false")
 def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
     d = str(tmp_path / "run")
     t0 = time.time()
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TWO_NODES, *KILL_TASK, "--wait",
-                  env={**env(), "CLUSTERFLOW_TEST_KILL_AT": "2", "CLUSTERFLOW_TEST_KILL_RANK": "1"})
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        *TWO_NODES,
+        *KILL_TASK,
+        "--wait",
+        env={**env(), "CLUSTERFLOW_TEST_KILL_AT": "2", "CLUSTERFLOW_TEST_KILL_RANK": "1"},
+    )
     assert out.returncode == 1, out.stdout + out.stderr
-    assert time.time() - t0 < 120  # srun --kill-on-bad-exit ends rank 0 at once, not after dist.timeout_s
+    assert (
+        time.time() - t0 < 120
+    )  # srun --kill-on-bad-exit ends rank 0 at once, not after dist.timeout_s
     s = status(d)
     assert s["state"] == "failed"
-    assert s["error"].startswith("rank 1 on node2 ended first (Killed, as srun reports it)"), s["error"]
+    assert s["error"].startswith("rank 1 on node2 ended first (Killed, as srun reports it)"), s[
+        "error"
+    ]
 
 
 def sbatch_template(run_dir, log_dir, extra_env=None):
-    cmd = ["sbatch", "--wait", "-N", "2", "--ntasks-per-node=1", f"--output={log_dir}/slurm-%j.out",
-           os.path.join(REPO, "slurm_templates", "train.sbatch"), "configs/tiny.yaml", f"run.dir={run_dir}", *KILL_TASK]
-    return subprocess.run(cmd, cwd=REPO, env={**os.environ, **env(), **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=600)
+    cmd = [
+        "sbatch",
+        "--wait",
+        "-N",
+        "2",
+        "--ntasks-per-node=1",
+        f"--output={log_dir}/slurm-%j.out",
+        os.path.join(REPO, "slurm_templates", "train.sbatch"),
+        "configs/tiny.yaml",
+        f"run.dir={run_dir}",
+        *KILL_TASK,
+    ]
+    return subprocess.run(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, **env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_run, tmp_path):
     a, b = str(tmp_path / "runA"), str(tmp_path / "runB")
-    first = sbatch_template(a, tmp_path, {"CLUSTERFLOW_TEST_KILL_AT": "10"})  # every rank SIGKILLed in step 10
+    first = sbatch_template(
+        a, tmp_path, {"CLUSTERFLOW_TEST_KILL_AT": "10"}
+    )  # every rank SIGKILLed in step 10
     assert first.returncode != 0
     shutil.move(a, b)
     out = sbatch_template(b, tmp_path)
@@ -45,7 +73,10 @@ def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_
     assert not os.path.exists(a)
     s = status(b)
     assert s["state"] == "completed" and s["attempts"] == 2
-    assert "resumed from " + os.path.join(b, "checkpoints", "step-8") in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
+    assert (
+        "resumed from " + os.path.join(b, "checkpoints", "step-8")
+        in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
+    )
     ref_dir, _ = reference_run
     assert sha256(os.path.join(b, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
 
@@ -55,12 +86,31 @@ def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run
 
     d = str(tmp_path / "run")
     job, out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")
-    holder = wait_until("the job to take the run dir", lambda: (lease.current(d)[1] or {}).get("slurm_job"), job_id=job)
+    holder = wait_until(
+        "the job to take the run dir",
+        lambda: (lease.current(d)[1] or {}).get("slurm_job"),
+        job_id=job,
+    )
     assert holder == job
-    second = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TWO_NODES, "task.target=testtasks:Slow",
-                     "task.params.step_sleep=0.4", env=env())
+    second = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        *TWO_NODES,
+        "task.target=testtasks:Slow",
+        "task.params.step_sleep=0.4",
+        env=env(),
+    )
     assert second.returncode == 2, second.stdout + second.stderr
-    assert f"is held by Slurm job {job} (pid " in second.stderr and f"Slurm job {job} is RUNNING" in second.stderr
-    wait_until("the first job to complete", lambda: live_status(d).get("state") == "completed", timeout=400, job_id=job)
+    assert (
+        f"is held by Slurm job {job} (pid " in second.stderr
+        and f"Slurm job {job} is RUNNING" in second.stderr
+    )
+    wait_until(
+        "the first job to complete",
+        lambda: live_status(d).get("state") == "completed",
+        timeout=400,
+        job_id=job,
+    )
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))

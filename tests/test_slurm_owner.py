@@ -12,14 +12,33 @@ PACKAGE = os.path.join(REPO, "clusterflow")
 SLURM = os.path.join(PACKAGE, "slurm")
 COMMANDS = {"sbatch", "squeue", "scontrol", "sacct", "scancel", "sinfo"}
 # the ways to start a program: a module that uses one of these and names a Slurm command runs it
-RUNNERS = {"subprocess", "os.system", "os.popen", "os.execv", "os.execvp", "os.execvpe", "os.execl",
-           "os.execlp", "os.spawnv", "os.spawnvp", "os.posix_spawn", "os.posix_spawnp", "pty.spawn",
-           "asyncio.create_subprocess_exec", "asyncio.create_subprocess_shell"}
+RUNNERS = {
+    "subprocess",
+    "os.system",
+    "os.popen",
+    "os.execv",
+    "os.execvp",
+    "os.execvpe",
+    "os.execl",
+    "os.execlp",
+    "os.spawnv",
+    "os.spawnvp",
+    "os.posix_spawn",
+    "os.posix_spawnp",
+    "pty.spawn",
+    "asyncio.create_subprocess_exec",
+    "asyncio.create_subprocess_shell",
+}
 # submitit's way to Slurm (AutoExecutor picks Slurm where sbatch is), and its private renderer
 SUBMITIT_SLURM = {"SlurmExecutor", "AutoExecutor", "_make_sbatch_string"}
 # what clusterflow/slurm may import from clusterflow (the layers below it)
-SLURM_MAY_IMPORT = ("clusterflow.slurm", "clusterflow.config", "clusterflow.dist.env",
-                    "clusterflow.storage", "clusterflow.errors")
+SLURM_MAY_IMPORT = (
+    "clusterflow.slurm",
+    "clusterflow.config",
+    "clusterflow.dist.env",
+    "clusterflow.storage",
+    "clusterflow.errors",
+)
 
 
 def _dotted(node):
@@ -66,13 +85,17 @@ def offences(source):
     runs = any(m == r or m.startswith(r + ".") for m in names for r in RUNNERS)
     skip = _docstrings(tree)
     # a string that starts with a Slurm command (its path too): an argv[0] or a shell command line
-    words = [n.value.split()[:1] for n in ast.walk(tree)
-             if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip]
+    words = [
+        n.value.split()[:1]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in skip
+    ]
     named = sorted({os.path.basename(w[0]) for w in words if w} & COMMANDS)
     if runs and named:
         found.append(f"starts a program and names {', '.join(named)}")
-    found += [f"imports {m}" for m in modules
-              if m == "submitit.slurm" or m.startswith("submitit.slurm.")]
+    found += [
+        f"imports {m}" for m in modules if m == "submitit.slurm" or m.startswith("submitit.slurm.")
+    ]
     for n in ast.walk(tree):
         name = n.attr if isinstance(n, ast.Attribute) else n.id if isinstance(n, ast.Name) else None
         if name in SUBMITIT_SLURM:
@@ -102,26 +125,32 @@ def test_only_clusterflow_slurm_talks_to_slurm():
     assert not bad, f"Slurm commands and submitit's Slurm side belong in clusterflow/slurm/: {bad}"
 
 
-@pytest.mark.parametrize("source", [
-    "import subprocess\ndef f(j):\n    subprocess.run(['scancel', j])\n",
-    "from subprocess import run\ndef f():\n    return run(['/usr/bin/sinfo', '-h'])\n",
-    "import subprocess\nCMD = 'squeue -h -j {}'\n"
-    "def f(j):\n    subprocess.check_output(CMD.format(j), shell=True)\n",
-    "import os\ndef f(j):\n    os.system('scontrol requeue ' + j)\n",
-    "import submitit\nex = submitit.SlurmExecutor(folder='x')\n",
-    "from submitit import AutoExecutor\n",
-    "from submitit.slurm.slurm import _make_sbatch_string\n",
-    "def f():\n    import submitit.slurm\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "import subprocess\ndef f(j):\n    subprocess.run(['scancel', j])\n",
+        "from subprocess import run\ndef f():\n    return run(['/usr/bin/sinfo', '-h'])\n",
+        "import subprocess\nCMD = 'squeue -h -j {}'\n"
+        "def f(j):\n    subprocess.check_output(CMD.format(j), shell=True)\n",
+        "import os\ndef f(j):\n    os.system('scontrol requeue ' + j)\n",
+        "import submitit\nex = submitit.SlurmExecutor(folder='x')\n",
+        "from submitit import AutoExecutor\n",
+        "from submitit.slurm.slurm import _make_sbatch_string\n",
+        "def f():\n    import submitit.slurm\n",
+    ],
+)
 def test_the_scan_finds_each_way_of_talking_to_slurm(source):
     assert offences(source)
 
 
-@pytest.mark.parametrize("source", [
-    '"""Says ``scancel``."""\nimport subprocess\nsubprocess.run(["git", "rev-parse"])\n',
-    "import shutil\nshutil.which('sbatch')\n",  # looking is not starting
-    "import submitit\nex = submitit.LocalExecutor(folder='x')\n",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        '"""Says ``scancel``."""\nimport subprocess\nsubprocess.run(["git", "rev-parse"])\n',
+        "import shutil\nshutil.which('sbatch')\n",  # looking is not starting
+        "import submitit\nex = submitit.LocalExecutor(folder='x')\n",
+    ],
+)
 def test_the_scan_lets_the_rest_be(source):
     assert offences(source) == []
 
@@ -132,8 +161,12 @@ def test_clusterflow_slurm_imports_only_the_layers_below_it():
         if name.endswith(".py"):
             with open(os.path.join(SLURM, name), encoding="utf-8") as f:
                 tree = ast.parse(f.read())
-            wrong = [m for m in imported(tree) if m.startswith("clusterflow.")
-                     and not any(m == ok or m.startswith(ok + ".") for ok in SLURM_MAY_IMPORT)]
+            wrong = [
+                m
+                for m in imported(tree)
+                if m.startswith("clusterflow.")
+                and not any(m == ok or m.startswith(ok + ".") for ok in SLURM_MAY_IMPORT)
+            ]
             if wrong:
                 bad[name] = wrong
     assert not bad, f"clusterflow/slurm may import only {', '.join(SLURM_MAY_IMPORT)}: {bad}"

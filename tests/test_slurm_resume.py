@@ -14,21 +14,36 @@ import os
 import re
 
 import pytest
+from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
 
 from clusterflow.storage.store import CheckpointStore
-from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
 
 pytestmark = pytest.mark.slurm
 
-SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.4")  # 6 steps per epoch, 3 epochs, 18 in all
-HANG = ("task.target=testtasks:HangInSave", "task.params.step_sleep=0", "task.params.hang_at_step=12")
+SLOW = (
+    "task.target=testtasks:Slow",
+    "task.params.step_sleep=0.4",
+)  # 6 steps per epoch, 3 epochs, 18 in all
+HANG = (
+    "task.target=testtasks:HangInSave",
+    "task.params.step_sleep=0",
+    "task.params.hang_at_step=12",
+)
 # Step 8 is an every_steps save, written in the background (step 12 follows a mining round: synchronous).
-HANG_BACKGROUND = ("task.target=testtasks:HangInSave", "task.params.step_sleep=0.2", "task.params.hang_at_step=8")
+HANG_BACKGROUND = (
+    "task.target=testtasks:HangInSave",
+    "task.params.step_sleep=0.2",
+    "task.params.hang_at_step=8",
+)
 
 
 def at_step(run_dir, step, attempt=0):
     s = live_status(run_dir)
-    return s.get("attempt") == attempt and s.get("global_step", 0) >= step and s.get("state") == "running"
+    return (
+        s.get("attempt") == attempt
+        and s.get("global_step", 0) >= step
+        and s.get("state") == "running"
+    )
 
 
 def assert_same_weights(run_dir, reference_run):
@@ -67,8 +82,20 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
     d = str(tmp_path / "run")
     job, _ = submit(d, *SLOW)
     wait_until("mid-epoch 2", lambda: at_step(d, 8), job_id=job)
-    high = scmd("sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "2", "-t", "2", f"--output={tmp_path}/high-%j.out",
-                "--wrap", "hostname; sleep 2")
+    high = scmd(
+        "sbatch",
+        "--parsable",
+        "-p",
+        "high",
+        "--exclusive",
+        "-N",
+        "2",
+        "-t",
+        "2",
+        f"--output={tmp_path}/high-%j.out",
+        "--wrap",
+        "hostname; sleep 2",
+    )
     wait_gone(high)
     wait_gone(job)
     assert os.path.exists(tmp_path / f"high-{high}.out")  # the preemptor really ran
@@ -83,7 +110,11 @@ def killed_while_writing_step_12(run_dir):
     """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process of the job."""
     job, _ = submit(run_dir, *HANG)
     ckpts = os.path.join(run_dir, "checkpoints")
-    partial = wait_until("a half-written step 12", lambda: glob.glob(os.path.join(ckpts, ".tmp-step-12-*", "model.pt")), job_id=job)
+    partial = wait_until(
+        "a half-written step 12",
+        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-12-*", "model.pt")),
+        job_id=job,
+    )
     committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
     scmd("scancel", "--signal=KILL", "--full", job)
     wait_gone(job)
@@ -109,12 +140,20 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, referen
     assert_same_weights(d, reference_run)
 
 
-def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(cluster, reference_run, tmp_path):
+def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
+    cluster, reference_run, tmp_path
+):
     d = str(tmp_path / "run")
     ckpts = os.path.join(d, "checkpoints")
     job, _ = submit(d, *HANG_BACKGROUND)
-    wait_until("a half-written step 8", lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")), job_id=job)
-    wait_until("both nodes training past step 8 while it is written", lambda: at_step(d, 10), job_id=job)
+    wait_until(
+        "a half-written step 8",
+        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")),
+        job_id=job,
+    )
+    wait_until(
+        "both nodes training past step 8 while it is written", lambda: at_step(d, 10), job_id=job
+    )
     committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
     scmd("scancel", "--signal=KILL", "--full", job)
     wait_gone(job)
@@ -140,7 +179,9 @@ def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run
     _, out = submit(d, *HANG, wait=True)
     assert out.returncode == 0, out.stdout + out.stderr
     logs = rank0_logs(d)
-    assert re.search(r"skipping damaged checkpoint \S+/step-8: model.pt does not match its blake3 digest", logs)
+    assert re.search(
+        r"skipping damaged checkpoint \S+/step-8: model.pt does not match its blake3 digest", logs
+    )
     assert re.search(r"skipping damaged checkpoint \S+/step-6: train_state.pt has \d+ bytes", logs)
     assert re.search(r"resumed from \S+/step-4:", logs)
     # The damaged steps are kept aside for inspection when the run commits those steps anew.
@@ -148,5 +189,8 @@ def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run
     assert len(glob.glob(os.path.join(ckpts, "damaged-step-6-*"))) == 1
     s = status(d)
     assert s["state"] == "completed"
-    assert sorted(os.path.basename(p)[:14] for p in s["damaged_checkpoints"]) == ["damaged-step-6", "damaged-step-8"]
+    assert sorted(os.path.basename(p)[:14] for p in s["damaged_checkpoints"]) == [
+        "damaged-step-6",
+        "damaged-step-8",
+    ]
     assert_same_weights(d, reference_run)

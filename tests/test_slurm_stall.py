@@ -7,20 +7,28 @@ import os
 import time
 
 import pytest
-
 from conftest import run_cli
 from slurmjobs import status, submit, wait_until
 
 pytestmark = pytest.mark.slurm
 STALL_S = 10
-STALL = ("task.target=testtasks:StallOnRank1", f"dist.stall_s={STALL_S}", "dist.heartbeat_s=0.5", "dist.timeout_s=300")
+STALL = (
+    "task.target=testtasks:StallOnRank1",
+    f"dist.stall_s={STALL_S}",
+    "dist.heartbeat_s=0.5",
+    "dist.timeout_s=300",
+)
 
 
 def _ended_within_stall_and_a_minute(d, s):
     first = json.load(open(os.path.join(d, "errors", "first.attempt0.json")))
     stalled_since = first["time"] - first["stalled_s"]
-    assert time.time() - stalled_since < STALL_S + 60, first  # the job is over (submit --wait returned) by now
-    assert s["slurm"]["state"] == "FAILED" and s["slurm"]["exit_code"] == 86, s["slurm"]  # the watchdog's exit code
+    assert time.time() - stalled_since < STALL_S + 60, (
+        first
+    )  # the job is over (submit --wait returned) by now
+    assert s["slurm"]["state"] == "FAILED" and s["slurm"]["exit_code"] == 86, s[
+        "slurm"
+    ]  # the watchdog's exit code
 
 
 def test_a_rank_that_sleeps_in_its_loss_is_named_with_its_stack(cluster, tmp_path):
@@ -30,8 +38,12 @@ def test_a_rank_that_sleeps_in_its_loss_is_named_with_its_stack(cluster, tmp_pat
     assert "ended: failed" in out.stdout, out.stdout
     s = status(d)
     assert s["state"] == "failed"
-    assert s["error"].startswith(f"rank 1 on node2 stalled {STALL_S} s at step 2 in train ("), s["error"]
-    assert "testtasks.py:" in s["error"], s["error"]  # tests/testtasks.py or its copy frozen into RUN_DIR/code/
+    assert s["error"].startswith(f"rank 1 on node2 stalled {STALL_S} s at step 2 in train ("), s[
+        "error"
+    ]
+    assert "testtasks.py:" in s["error"], s[
+        "error"
+    ]  # tests/testtasks.py or its copy frozen into RUN_DIR/code/
     assert s["error"].endswith("sleeping_in_loss)"), s["error"]
     _ended_within_stall_and_a_minute(d, s)
     log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()
@@ -46,18 +58,36 @@ def test_running_ranks_are_listed_then_a_rank_stuck_in_mining_embed_is_named(clu
     def both_fresh():
         s = json.loads(run_cli("clusterflow.status", d, "--json").stdout or "{}")
         rs = s.get("ranks") or []
-        ok = s.get("state") == "running" and len(rs) == 2 and all(
-            r["phase"] == "train" and r["heartbeat_age_s"] is not None and r["heartbeat_age_s"] < 5 and not r["silent"] for r in rs)
+        ok = (
+            s.get("state") == "running"
+            and len(rs) == 2
+            and all(
+                r["phase"] == "train"
+                and r["heartbeat_age_s"] is not None
+                and r["heartbeat_age_s"] < 5
+                and not r["silent"]
+                for r in rs
+            )
+        )
         return ok and s
 
-    s = wait_until("both ranks training with fresh heartbeats", both_fresh, timeout=180, job_id=job_id)
+    s = wait_until(
+        "both ranks training with fresh heartbeats", both_fresh, timeout=180, job_id=job_id
+    )
     assert [(r["rank"], r["host"]) for r in s["ranks"]] == [(0, "node1"), (1, "node2")]
     table = run_cli("clusterflow.status", d, "--ranks").stdout
     assert table.splitlines()[0].split()[:4] == ["rank", "host", "step", "phase"], table
     assert " node1 " in table and " node2 " in table, table
-    wait_until("the job to fail", lambda: status(d)["state"] == "failed", timeout=STALL_S + 180, job_id=job_id)
+    wait_until(
+        "the job to fail",
+        lambda: status(d)["state"] == "failed",
+        timeout=STALL_S + 180,
+        job_id=job_id,
+    )
     s = status(d)
-    assert s["error"].startswith("rank 1 on node2 stalled") and " in mining embed (" in s["error"], s["error"]
+    assert (
+        s["error"].startswith("rank 1 on node2 stalled") and " in mining embed (" in s["error"]
+    ), s["error"]
     assert "testtasks.py:" in s["error"], s["error"]
     assert s["error"].endswith("sleeping_in_embed)"), s["error"]
     log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()

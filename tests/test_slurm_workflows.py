@@ -15,28 +15,63 @@ import re
 import textwrap
 
 import pytest
-
 from conftest import run_cli
-from slurmjobs import TWO_NODES, env, live_status, queue, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
+from slurmjobs import (
+    TWO_NODES,
+    env,
+    live_status,
+    queue,
+    rank0_logs,
+    scmd,
+    sha256,
+    status,
+    submit,
+    wait_gone,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slurm
 
-ONE_TASK = ("cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.cpus_per_task=1", "cluster.time_min=10")
+ONE_TASK = (
+    "cluster.nodes=1",
+    "cluster.tasks_per_node=1",
+    "cluster.cpus_per_task=1",
+    "cluster.time_min=10",
+)
 SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.3")
 
 
 def at_step(run_dir, step, attempt=0):
     s = live_status(run_dir)
-    return s.get("attempt") == attempt and s.get("global_step", 0) >= step and s.get("state") == "running"
+    return (
+        s.get("attempt") == attempt
+        and s.get("global_step", 0) >= step
+        and s.get("state") == "running"
+    )
 
 
 def sweep_submit(sweep_dir, *extra):
-    return run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={sweep_dir}", *ONE_TASK, "task.target=testtasks:Slow",
-                   "task.params.step_sleep=0.5", "train.epochs=2", "cluster.max_timeout_requeues=1",
-                   "--sweep", "train.lr=0.001,0.003", "--sweep", "mining.k=3,5", *extra, env=env())
+    return run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={sweep_dir}",
+        *ONE_TASK,
+        "task.target=testtasks:Slow",
+        "task.params.step_sleep=0.5",
+        "train.epochs=2",
+        "cluster.max_timeout_requeues=1",
+        "--sweep",
+        "train.lr=0.001,0.003",
+        "--sweep",
+        "mining.k=3,5",
+        *extra,
+        env=env(),
+    )
 
 
-def test_sweep_is_one_job_array_members_requeue_alone_and_resubmissions_resume_only_the_stopped(cluster, tmp_path):
+def test_sweep_is_one_job_array_members_requeue_alone_and_resubmissions_resume_only_the_stopped(
+    cluster, tmp_path
+):
     d = str(tmp_path / "sweep")
     out = sweep_submit(d)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -61,14 +96,18 @@ def test_sweep_is_one_job_array_members_requeue_alone_and_resubmissions_resume_o
     assert "time limit reached 2 times" in rows[2]["error"]
     again = sweep_submit(d, "cluster.time_min=20")  # a resource may change: still the same sweep
     assert again.returncode == 0, again.stdout + again.stderr
-    assert "cluster.time_min 10 -> 20" in again.stderr and again.stdout.count("skip (completed)") == 3
+    assert (
+        "cluster.time_min 10 -> 20" in again.stderr and again.stdout.count("skip (completed)") == 3
+    )
     job = re.search(r"submitted job array (\d+): 1 member\(s\)", again.stdout).group(1)
     wait_gone(job)
     rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert [r["state"] for r in rows] == ["completed"] * 4 and rows[2]["job_id"] == job, rows
     assert "4 member(s), 4 completed" in run_cli("clusterflow.status", d).stdout
     third = sweep_submit(d, "cluster.time_min=20")
-    assert third.returncode == 0 and "nothing to submit" in third.stdout, third.stdout + third.stderr
+    assert third.returncode == 0 and "nothing to submit" in third.stdout, (
+        third.stdout + third.stderr
+    )
     assert len(json.load(open(os.path.join(d, "sweep.json")))["submissions"]) == 2
 
 
@@ -85,7 +124,9 @@ FROZEN = textwrap.dedent("""
 """)
 
 
-def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_submitted(cluster, tmp_path):
+def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_submitted(
+    cluster, tmp_path
+):
     s1, s2 = str(tmp_path / "s1"), str(tmp_path / "s2")
     code = tmp_path / "code"
     code.mkdir()
@@ -93,27 +134,47 @@ def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_s
     job1, _ = submit(s1, *SLOW)
     e = env()
     e["PYTHONPATH"] = f"{code}{os.pathsep}{e['PYTHONPATH']}"
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={s2}", *TWO_NODES, "task.target=frozentask:Task",
-                  f"task.init_from={s1}", "train.epochs=1", "--after", s1, env=e)
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={s2}",
+        *TWO_NODES,
+        "task.target=frozentask:Task",
+        f"task.init_from={s1}",
+        "train.epochs=1",
+        "--after",
+        s1,
+        env=e,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     job2 = re.search(r"submitted job (\d+)", out.stdout).group(1)
     # Edited while stage 2 is pending: the job must run the version frozen at submission.
-    (code / "frozentask.py").write_text(FROZEN.replace('"submitted"', '"edited"') + "\nraise RuntimeError('edited file ran')\n")
+    (code / "frozentask.py").write_text(
+        FROZEN.replace('"submitted"', '"edited"') + "\nraise RuntimeError('edited file ran')\n"
+    )
     wait_until("stage 1 in mid-epoch 1", lambda: at_step(s1, 3), job_id=job1)
     assert queue(job2).startswith("PENDING Dependency")
     scmd("scontrol", "requeue", job1)
     wait_until("stage 1's second attempt", lambda: at_step(s1, 8, attempt=1), job_id=job1)
-    assert queue(job2).startswith("PENDING Dependency")  # the requeued job keeps its id: afterok still holds
+    assert queue(job2).startswith(
+        "PENDING Dependency"
+    )  # the requeued job keeps its id: afterok still holds
     wait_gone(job1)
     wait_gone(job2)
     one, two = status(s1), status(s2)
-    assert one["state"] == "completed" and one["attempts"] == 2 and two["state"] == "completed", (one, two)
+    assert one["state"] == "completed" and one["attempts"] == 2 and two["state"] == "completed", (
+        one,
+        two,
+    )
     started = json.loads(open(os.path.join(s2, "attempts.jsonl")).readline())["started_at"]
     assert started >= os.path.getmtime(os.path.join(s1, "model.pt"))
     logs = rank0_logs(s2)
     assert f"from {s1}/model.pt" in logs
     assert "frozentask version submitted" in logs and "frozentask version edited" not in logs
-    assert two["code"]["module"] == "frozentask" and "frozen at commit (no git)" in run_cli("clusterflow.status", s2).stdout
+    assert (
+        two["code"]["module"] == "frozentask"
+        and "frozen at commit (no git)" in run_cli("clusterflow.status", s2).stdout
+    )
 
 
 def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
@@ -129,19 +190,47 @@ def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
 
 
 @pytest.mark.slow  # ~50 s: a sweep of two, a preemption, and an uninterrupted twin
-def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_its_twin(cluster, tmp_path):
+def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_its_twin(
+    cluster, tmp_path
+):
     d, twin = str(tmp_path / "sweep"), str(tmp_path / "twin")
-    one_node = ("cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.cpus_per_task=2", *SLOW)  # one member per node
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *one_node, "--sweep", "train.lr=0.001,0.003",
-                  env=env())
+    one_node = (
+        "cluster.nodes=1",
+        "cluster.tasks_per_node=1",
+        "cluster.cpus_per_task=2",
+        *SLOW,
+    )  # one member per node
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        *one_node,
+        "--sweep",
+        "train.lr=0.001,0.003",
+        env=env(),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     array = re.search(r"submitted job array (\d+): 2 member\(s\)", out.stdout).group(1)
     rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     first = rows[0]["run_dir"]
     wait_until("member 0 in mid-epoch 2", lambda: at_step(first, 8), job_id=array)
     node = live_status(first)["hosts"][0]
-    high = scmd("sbatch", "--parsable", "-p", "high", "--exclusive", "-N", "1", "-w", node, "-t", "2",
-                f"--output={tmp_path}/high-%j.out", "--wrap", "hostname; sleep 2")
+    high = scmd(
+        "sbatch",
+        "--parsable",
+        "-p",
+        "high",
+        "--exclusive",
+        "-N",
+        "1",
+        "-w",
+        node,
+        "-t",
+        "2",
+        f"--output={tmp_path}/high-%j.out",
+        "--wrap",
+        "hostname; sleep 2",
+    )
     wait_gone(high)
     wait_gone(array)
     assert os.path.exists(tmp_path / f"high-{high}.out")  # the preemptor really ran
@@ -149,6 +238,14 @@ def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_it
     assert [r["state"] for r in rows] == ["completed", "completed"], rows
     attempts = [len(open(os.path.join(r["run_dir"], "attempts.jsonl")).readlines()) for r in rows]
     assert attempts == [2, 1], attempts  # only the preempted array task came back
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={twin}", *one_node, "train.lr=0.001", "--wait", env=env())
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={twin}",
+        *one_node,
+        "train.lr=0.001",
+        "--wait",
+        env=env(),
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert sha256(os.path.join(first, "model.pt")) == sha256(os.path.join(twin, "model.pt"))

@@ -9,14 +9,19 @@ import sys
 
 import pytest
 
-from clusterflow.rundir import frozen_code as snapshot
 from clusterflow.errors import UserError
+from clusterflow.rundir import frozen_code as snapshot
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 
 def git(repo, *args):
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+    )
 
 
 def write(path, text):
@@ -46,7 +51,9 @@ def repo(tmp_path, monkeypatch):
 def run_python(code, cwd, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(env_extra or {})
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -54,28 +61,52 @@ def run_python(code, cwd, env_extra=None):
 def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo, tmp_path):
     run_dir = str(tmp_path / "run")
     manifest = snapshot.take(run_dir, "mytasks.task:Task")
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-    assert manifest["module"] == "mytasks" and manifest["git"]["commit"] == head and manifest["git"]["dirty"]
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
+    assert (
+        manifest["module"] == "mytasks"
+        and manifest["git"]["commit"] == head
+        and manifest["git"]["dirty"]
+    )
     assert manifest["git"]["untracked"] == ["mytasks/helper.py"]
     version_dir = os.path.join(run_dir, "code", manifest["version"])
     assert 'VALUE = "submitted"' in open(os.path.join(version_dir, "git.diff")).read()
-    copied = sorted(os.path.relpath(os.path.join(d, f), version_dir) for d, _, fs in os.walk(version_dir) for f in fs)
-    assert copied == ["git.diff", "mytasks/__init__.py", "mytasks/data/vocab.txt", "mytasks/helper.py", "mytasks/task.py",
-                      "snapshot.json"]
+    copied = sorted(
+        os.path.relpath(os.path.join(d, f), version_dir)
+        for d, _, fs in os.walk(version_dir)
+        for f in fs
+    )
+    assert copied == [
+        "git.diff",
+        "mytasks/__init__.py",
+        "mytasks/data/vocab.txt",
+        "mytasks/helper.py",
+        "mytasks/task.py",
+        "snapshot.json",
+    ]
     # the user edits the code while the job waits in the queue
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited while pending"\n')
-    env = {"PYTHONPATH": repo}  # the original is importable, and first, unless the snapshot is activated
-    probe = ("import multiprocessing, os, subprocess, sys\nfrom clusterflow.rundir import frozen_code as snapshot\n{activate}"
-             "import mytasks.task, mytasks.helper\nprint(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
-             # a spawned DataLoader worker gets the parent's sys.path
-             "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
-             "    print(pool.apply(eval, ('__import__(\"mytasks.task\").task.VALUE',)))\n"
-             # any other child process gets PYTHONPATH (run elsewhere: Python puts the cwd first)
-             "print(subprocess.run([sys.executable, '-c', 'import mytasks.task; print(mytasks.task.VALUE)'], cwd='/',"
-             " capture_output=True, text=True).stdout.strip())\n")
+    env = {
+        "PYTHONPATH": repo
+    }  # the original is importable, and first, unless the snapshot is activated
+    probe = (
+        "import multiprocessing, os, subprocess, sys\nfrom clusterflow.rundir import frozen_code as snapshot\n{activate}"
+        "import mytasks.task, mytasks.helper\nprint(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
+        # a spawned DataLoader worker gets the parent's sys.path
+        "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
+        "    print(pool.apply(eval, ('__import__(\"mytasks.task\").task.VALUE',)))\n"
+        # any other child process gets PYTHONPATH (run elsewhere: Python puts the cwd first)
+        "print(subprocess.run([sys.executable, '-c', 'import mytasks.task; print(mytasks.task.VALUE)'], cwd='/',"
+        " capture_output=True, text=True).stdout.strip())\n"
+    )
     plain = run_python(probe.format(activate=""), cwd=repo, env_extra=env).splitlines()
-    assert plain[0].startswith("edited while pending")  # the control: without the snapshot the edit is seen
-    frozen = run_python(probe.format(activate=f"snapshot.activate({run_dir!r})\n"), cwd=repo, env_extra=env).splitlines()
+    assert plain[0].startswith(
+        "edited while pending"
+    )  # the control: without the snapshot the edit is seen
+    frozen = run_python(
+        probe.format(activate=f"snapshot.activate({run_dir!r})\n"), cwd=repo, env_extra=env
+    ).splitlines()
     value, helper, path = frozen[0].split(" ", 2)
     assert (value, helper) == ("submitted", "untracked") and path.startswith(version_dir)
     assert frozen[1:] == ["submitted", "submitted"]
@@ -85,16 +116,25 @@ def test_a_module_imported_before_activation_is_replaced(repo, tmp_path):
     run_dir = str(tmp_path / "run")
     snapshot.take(run_dir, "mytasks.task:Task")
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited"\n')
-    out = run_python(f"import mytasks.task\nfrom clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({run_dir!r})\n"
-                     "import importlib, mytasks.task as t\nprint(t.VALUE)", cwd=repo, env_extra={"PYTHONPATH": repo})
+    out = run_python(
+        f"import mytasks.task\nfrom clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({run_dir!r})\n"
+        "import importlib, mytasks.task as t\nprint(t.VALUE)",
+        cwd=repo,
+        env_extra={"PYTHONPATH": repo},
+    )
     assert out == "submitted"
 
 
 def test_finding_the_package_imports_nothing(repo, tmp_path):
-    write(os.path.join(repo, "mytasks", "__init__.py"), "raise RuntimeError('imported at submission')\nimport torch\n")
-    code = (f"import sys; sys.path.insert(0, {repo!r})\nfrom clusterflow.rundir import frozen_code as snapshot\n"
-            f"m = snapshot.take({str(tmp_path / 'run')!r}, 'mytasks.task:Task')\n"
-            "print(m['files'], 'torch' in sys.modules, 'mytasks' in sys.modules)")
+    write(
+        os.path.join(repo, "mytasks", "__init__.py"),
+        "raise RuntimeError('imported at submission')\nimport torch\n",
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {repo!r})\nfrom clusterflow.rundir import frozen_code as snapshot\n"
+        f"m = snapshot.take({str(tmp_path / 'run')!r}, 'mytasks.task:Task')\n"
+        "print(m['files'], 'torch' in sys.modules, 'mytasks' in sys.modules)"
+    )
     assert run_python(code, cwd=str(tmp_path)) == "4 False False"
 
 
@@ -105,7 +145,9 @@ def test_same_code_reuses_the_version_and_changed_code_adds_one(repo, tmp_path):
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "second"\n')
     second = snapshot.take(run_dir, "mytasks.task:Task")
     assert second["version"] != first["version"]
-    assert sorted(n for n in os.listdir(os.path.join(run_dir, "code")) if not n.endswith(".json")) == sorted([first["version"], second["version"]])
+    assert sorted(
+        n for n in os.listdir(os.path.join(run_dir, "code")) if not n.endswith(".json")
+    ) == sorted([first["version"], second["version"]])
     assert snapshot.describe(run_dir)["version"] == second["version"]
     # opting out removes the pointer: no stale snapshot is imported
     assert snapshot.take(run_dir, "mytasks.task:Task", enabled=False) is None
@@ -117,8 +159,10 @@ def test_a_moved_run_dir_still_activates(repo, tmp_path):
     snapshot.take(run_dir, "mytasks.task:Task")
     moved = str(tmp_path / "moved")
     shutil.move(run_dir, moved)
-    out = run_python(f"from clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({moved!r})\nimport mytasks.task\nprint(mytasks.task.__file__)",
-                     cwd=str(tmp_path))
+    out = run_python(
+        f"from clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({moved!r})\nimport mytasks.task\nprint(mytasks.task.__file__)",
+        cwd=str(tmp_path),
+    )
     assert out.startswith(moved)
 
 
@@ -126,9 +170,16 @@ def test_describe_gives_status_the_commit(repo, tmp_path):
     run_dir = str(tmp_path / "run")
     m = snapshot.take(run_dir, "mytasks.task:Task")
     d = snapshot.describe(run_dir)
-    assert d == {"module": "mytasks", "version": m["version"], "commit": m["git"]["commit"], "dirty": True,
-                 "path": os.path.join(run_dir, "code", m["version"])}
-    assert json.load(open(os.path.join(d["path"], "snapshot.json")))["source"] == os.path.realpath(os.path.join(repo, "mytasks"))
+    assert d == {
+        "module": "mytasks",
+        "version": m["version"],
+        "commit": m["git"]["commit"],
+        "dirty": True,
+        "path": os.path.join(run_dir, "code", m["version"]),
+    }
+    assert json.load(open(os.path.join(d["path"], "snapshot.json")))["source"] == os.path.realpath(
+        os.path.join(repo, "mytasks")
+    )
 
 
 def test_too_much_code_is_refused_naming_the_largest_files(repo, tmp_path):
@@ -137,7 +188,11 @@ def test_too_much_code_is_refused_naming_the_largest_files(repo, tmp_path):
     with pytest.raises(UserError) as e:
         snapshot.take(str(tmp_path / "run"), "mytasks.task:Task", max_bytes=2**20)
     msg = str(e.value)
-    assert "over the snapshot limit of 1 MiB" in msg and "mytasks/data/weights.bin (3.0 MiB)" in msg and "run.snapshot_code=false" in msg
+    assert (
+        "over the snapshot limit of 1 MiB" in msg
+        and "mytasks/data/weights.bin (3.0 MiB)" in msg
+        and "run.snapshot_code=false" in msg
+    )
     assert not os.path.exists(os.path.join(tmp_path, "run", "code", "current.json"))
 
 
@@ -151,7 +206,9 @@ def test_a_single_module_outside_git(tmp_path, monkeypatch):
 
 
 def test_installed_and_builtin_code_is_not_copied(tmp_path):
-    assert snapshot.locate("clusterflow.tasks.pseudo_id:PseudoIDTask") is None  # runs from where clusterflow is installed
+    assert (
+        snapshot.locate("clusterflow.tasks.pseudo_id:PseudoIDTask") is None
+    )  # runs from where clusterflow is installed
     assert snapshot.locate("yaml:Loader") is None  # site-packages
     assert snapshot.locate("json:JSONDecoder") is None  # standard library
     assert snapshot.locate("sys:x") is None  # built in

@@ -8,13 +8,15 @@ import time
 import pytest
 import torch
 
-from clusterflow.dist import tree
 from clusterflow.checkpoint.staging import Staging, TornSnapshot
+from clusterflow.dist import tree
 
 
 def setup():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     step(model, opt)
     return model, opt
@@ -28,13 +30,20 @@ def step(model, opt):
 
 
 def state(model, opt):
-    return {"model.pt": model.state_dict(), "train_state.pt": {"optimizer": opt.state_dict(), "epoch": 3, "hist": [1.0]}}
+    return {
+        "model.pt": model.state_dict(),
+        "train_state.pt": {"optimizer": opt.state_dict(), "epoch": 3, "hist": [1.0]},
+    }
 
 
 def equal(a, b):
     sa, ta = tree.flatten(a)
     sb, tb = tree.flatten(b)
-    return sa == sb and len(ta) == len(tb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
+    return (
+        sa == sb
+        and len(ta) == len(tb)
+        and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
+    )
 
 
 def test_the_snapshot_is_the_state_at_the_boundary_whatever_the_loop_does_next():
@@ -45,7 +54,9 @@ def test_the_snapshot_is_the_state_at_the_boundary_whatever_the_loop_does_next()
     snap = staging.take(live)
     live["train_state.pt"]["hist"].append(2.0)  # small objects are copied at the boundary
     model.train()
-    model(torch.randn(16, 8))  # a forward changes BatchNorm's running statistics: copied at the boundary
+    model(
+        torch.randn(16, 8)
+    )  # a forward changes BatchNorm's running statistics: copied at the boundary
     writer = threading.Thread(target=lambda: (time.sleep(0.3), staging.copy_rest(snap)))
     writer.start()
     step(model, opt)  # the optimizer step waits in the gate until the writer has copied the weights
@@ -54,7 +65,9 @@ def test_the_snapshot_is_the_state_at_the_boundary_whatever_the_loop_does_next()
     assert equal(got, want)
     assert not equal(state(model, opt)["model.pt"], want["model.pt"])  # the loop did move on
     assert staging.gate_s > 0  # and it was held by the gate, not by take()
-    assert got["model.pt"]._metadata == want["model.pt"]._metadata  # what load_state_dict reads versions from
+    assert (
+        got["model.pt"]._metadata == want["model.pt"]._metadata
+    )  # what load_state_dict reads versions from
     model.load_state_dict(got["model.pt"])
 
 
@@ -64,7 +77,9 @@ def test_host_buffers_are_reused_between_saves_and_views_share_one():
     ptrs = []
     for _ in range(2):
         live = state(model, opt)
-        live["tied"] = live["model.pt"]["0.weight"]  # the same storage twice: one copy, like torch.save
+        live["tied"] = live["model.pt"][
+            "0.weight"
+        ]  # the same storage twice: one copy, like torch.save
         snap = staging.take(live)
         staging.copy_rest(snap)
         got = staging.result(snap)

@@ -8,9 +8,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 import launch
+import pytest
 from conftest import REPO, run_cli, weights_equal
 
 
@@ -38,15 +37,31 @@ def wait_for(fn, timeout=180):
 
 def test_a_run_whose_processes_were_all_killed_is_not_running(tmp_path):
     d = str(tmp_path / "run")
-    procs = launch.start(2, "configs/tiny.yaml", [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.3"], d)
-    live = wait_for(lambda: os.path.exists(os.path.join(d, "status.json")) and (s := status(d))["global_step"] >= 2 and s)
+    procs = launch.start(
+        2,
+        "configs/tiny.yaml",
+        [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.3"],
+        d,
+    )
+    live = wait_for(
+        lambda: (
+            os.path.exists(os.path.join(d, "status.json"))
+            and (s := status(d))["global_step"] >= 2
+            and s
+        )
+    )
     assert live["state"] == "running" and live["alive"] is True
     launch.kill(procs)
     launch.wait(procs)
     dead = status(d)
     assert dead["state"] == "failed" and dead["alive"] is False
-    assert dead["liveness"].startswith("no live process since ") and "its 2 process(es) on " in dead["liveness"]
-    assert f"last step {dead['global_step']}" in dead["liveness"] and dead["error"] == dead["liveness"]
+    assert (
+        dead["liveness"].startswith("no live process since ")
+        and "its 2 process(es) on " in dead["liveness"]
+    )
+    assert (
+        f"last step {dead['global_step']}" in dead["liveness"] and dead["error"] == dead["liveness"]
+    )
     text = run_cli("clusterflow.status", d).stdout
     assert "state        failed" in text and "liveness     no live process since" in text
 
@@ -58,17 +73,28 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
-def test_damaged_records_neither_crash_status_nor_block_resume(tmp_path, damage,
-                                                              tiny_one_process_model):
+def test_damaged_records_neither_crash_status_nor_block_resume(
+    tmp_path, damage, tiny_one_process_model
+):
     d = str(tmp_path / "run")
-    over = [f"run.dir={d}", "task.target=testtasks:KillAtEnv",
-            "checkpoint.async=false"]  # a kill at step 10 finds step 8 committed, never still being written  # one process, as `python -m clusterflow.run` alone runs
-    assert run_cli("clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}).returncode == -9
+    over = [
+        f"run.dir={d}",
+        "task.target=testtasks:KillAtEnv",
+        "checkpoint.async=false",
+    ]  # a kill at step 10 finds step 8 committed, never still being written  # one process, as `python -m clusterflow.run` alone runs
+    assert (
+        run_cli(
+            "clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}
+        ).returncode
+        == -9
+    )
     for name in ("status.json", "attempts.jsonl", "config.yaml"):
         with open(os.path.join(d, name), "wb") as f:
             f.write(DAMAGE[damage])
     s = status(d)
-    assert s["state"] == "failed" and s["alive"] is False  # the lease left by the killed process says so
+    assert (
+        s["state"] == "failed" and s["alive"] is False
+    )  # the lease left by the killed process says so
     assert len(s["damaged_records"]) == 2 and s["latest_checkpoint"].endswith("step-8")
     out = run_cli("clusterflow.run", "configs/tiny.yaml", *over)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -88,7 +114,11 @@ def rank_pid(run_dir, rank):
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
-        if folder.encode() in cmd and b"submitit.core._submit" in cmd and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env:
+        if (
+            folder.encode() in cmd
+            and b"submitit.core._submit" in cmd
+            and f"SUBMITIT_LOCAL_GLOBALID={rank}".encode() in env
+        ):
             return int(pid)
     return None
 
@@ -96,28 +126,52 @@ def rank_pid(run_dir, rank):
 def test_a_rank_killed_before_the_rendezvous_ends_the_local_job_at_once(tmp_path):
     d = str(tmp_path / "run")
     t0 = time.time()
-    sub = subprocess.Popen([sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "dist.timeout_s=600",
-                            "--local"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    sub = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clusterflow.submit",
+            "configs/tiny.yaml",
+            f"run.dir={d}",
+            "dist.timeout_s=600",
+            "--local",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     pid = wait_for(lambda: rank_pid(d, 1), timeout=60)
-    os.kill(pid, signal.SIGKILL)  # within moments of its start: rank 0 waits for it at the rendezvous
+    os.kill(
+        pid, signal.SIGKILL
+    )  # within moments of its start: rank 0 waits for it at the rendezvous
     out, err = sub.communicate(timeout=300)
     assert sub.returncode == 1, out + err
     assert time.time() - t0 < 120  # not dist.timeout_s (600 s)
     # The watcher may see rank 1 only after it is gone (its pid then unknown to it): both forms name it.
     expected = "died first, before the rendezvous: it recorded no Python error: killed by a signal"
-    assert (f"rank 1 (pid {pid}) {expected}" in err or f"rank 1 {expected}" in err), err
+    assert f"rank 1 (pid {pid}) {expected}" in err or f"rank 1 {expected}" in err, err
     s = status(d)
     assert s["state"] == "failed" and s["error"].startswith("rank 1") and expected in s["error"]
 
 
 def test_a_rank_that_raises_is_named_with_its_own_error_not_a_peers(tmp_path):
     d = str(tmp_path / "run")
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "task.target=testtasks:CrashOnRank1", "--local")
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "task.target=testtasks:CrashOnRank1",
+        "--local",
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     # Named by the watcher when it sees rank 1 gone while rank 0 still runs, or, when both ranks
     # ended before it looked, by the cause rank 1 recorded: either way rank 1 and its own error.
-    named = ("rank 1 (pid " in out.stderr and "died first, during the run: task.target 'testtasks:CrashOnRank1' failed in loss"
-             in out.stderr) or "error: rank 1: task.target 'testtasks:CrashOnRank1' failed in loss" in out.stderr
+    named = (
+        "rank 1 (pid " in out.stderr
+        and "died first, during the run: task.target 'testtasks:CrashOnRank1' failed in loss"
+        in out.stderr
+    ) or "error: rank 1: task.target 'testtasks:CrashOnRank1' failed in loss" in out.stderr
     assert named and "ValueError: deliberate failure in the test task" in out.stderr, out.stderr
     s = status(d)
     assert s["state"] == "failed" and "rank 1" in s["error"] and "deliberate failure" in s["error"]

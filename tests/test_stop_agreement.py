@@ -101,15 +101,23 @@ def test_the_cadence_fills_the_interval_and_every_rank_stops_at_the_same_poll():
     # read at 12; one before poll 7 rides in that same reduce. One rank slower (2.5 times)
     # proposes 2: the smallest proposal is everyone's cadence, reduces at 0, 1, 2, 4, 6, ...
     step, slow, fast = 1 / 128, 2.5 / 128, 1 / 1024
-    cases = [({3: {1: signal.SIGTERM}}, 40, (step, step, step)),
-             ({7: {2: signal.SIGUSR1}}, 40, (step, step, step)),
-             ({}, 40, (step, step, step)),
-             ({5: {0: signal.SIGTERM}}, 40, (step, slow, step)),
-             ({}, 40, (fast, fast, fast))]  # 40 steps would fill the interval: the cap, 16
+    cases = [
+        ({3: {1: signal.SIGTERM}}, 40, (step, step, step)),
+        ({7: {2: signal.SIGUSR1}}, 40, (step, step, step)),
+        ({}, 40, (step, step, step)),
+        ({5: {0: signal.SIGTERM}}, 40, (step, slow, step)),
+        ({}, 40, (fast, fast, fast)),
+    ]  # 40 steps would fill the interval: the cap, 16
     per_rank = run_ranks(3, _paced_cases, cases)
     assert all(got == per_rank[0] for got in per_rank)
     stops = [(stopped, every) for stopped, every, _ in per_rank[0]]
-    assert stops == [((12, "preempted"), 5), ((12, "timeout"), 5), (None, 5), ((8, "preempted"), 2), (None, 16)]
+    assert stops == [
+        ((12, "preempted"), 5),
+        ((12, "timeout"), 5),
+        (None, 5),
+        ((8, "preempted"), 2),
+        (None, 16),
+    ]
     assert per_rank[0][2][2] == 3 + len(range(7, 40, 5))  # 10 reduces for 40 polls
     assert per_rank[0][4][2] == 3 + len(range(18, 40, 16))
 

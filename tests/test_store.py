@@ -9,7 +9,10 @@ from clusterflow.storage.store import CheckpointStore
 
 
 def files(v):
-    return {"model.pt": serialize({"w": torch.full((4,), float(v))}), "train_state.pt": serialize({"step": v})}
+    return {
+        "model.pt": serialize({"w": torch.full((4,), float(v))}),
+        "train_state.pt": serialize({"step": v}),
+    }
 
 
 def test_commit_latest_and_retention(store):
@@ -18,12 +21,16 @@ def test_commit_latest_and_retention(store):
         assert store.save(s, files(s), {"epoch": 0})
     assert store.steps() == [20, 30]  # keep_last=2
     store.wait_for_pruning()  # old steps are deleted off the caller's path, locally
-    assert sorted(e.rstrip("/").rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)) == ["step-20", "step-30"]
+    assert sorted(
+        e.rstrip("/").rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)
+    ) == ["step-20", "step-30"]
     ck = store.latest()
     assert ck.step == 30 and ck.manifest["epoch"] == 0
     assert torch.equal(ck.load("model.pt")["w"], torch.full((4,), 30.0))
     assert set(ck.manifest["files"]) == {"model.pt", "train_state.pt"}
-    assert len(ck.manifest["files"]["model.pt"]["blake3"]) == 64  # each file's record names its algorithm
+    assert (
+        len(ck.manifest["files"]["model.pt"]["blake3"]) == 64
+    )  # each file's record names its algorithm
 
 
 def test_committed_step_is_never_overwritten(store):
@@ -91,7 +98,9 @@ def test_damaged_step_is_moved_aside_when_the_run_reaches_it_again(tmp_path, cap
     assert store.steps() == [1, 2]
 
 
-OLD_STORE = os.path.join(os.path.dirname(__file__), "data", "sha256-store")  # written by the code of 19ebe49
+OLD_STORE = os.path.join(
+    os.path.dirname(__file__), "data", "sha256-store"
+)  # written by the code of 19ebe49
 
 
 def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found(tmp_path):
@@ -102,16 +111,25 @@ def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found
     root = tmp_path / "ck"
     shutil.copytree(OLD_STORE, root)
     store = CheckpointStore(str(root), keep_last=2)
-    assert "sha256" in json.loads((root / "step-6" / "manifest.json").read_text())["files"]["model.pt"]
-    assert store.latest().step == 6 and torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 6.0))
-    assert store.clean_debris() == []  # the complete staged step 8 verifies by its sha256 and is published
+    assert (
+        "sha256" in json.loads((root / "step-6" / "manifest.json").read_text())["files"]["model.pt"]
+    )
+    assert store.latest().step == 6 and torch.equal(
+        store.latest().load("model.pt")["w"], torch.full((4,), 6.0)
+    )
+    assert (
+        store.clean_debris() == []
+    )  # the complete staged step 8 verifies by its sha256 and is published
     assert store.latest().step == 8
     data = bytearray((root / "step-8" / "train_state.pt").read_bytes())
     data[len(data) // 2] ^= 0x01
     (root / "step-8" / "train_state.pt").write_bytes(bytes(data))
     assert store.latest().step == 6  # a flipped bit is found by the old digest too
     store.save(10, files(10))  # a new save next to old ones gets the new digest
-    assert "blake3" in json.loads((root / "step-10" / "manifest.json").read_text())["files"]["model.pt"]
+    assert (
+        "blake3"
+        in json.loads((root / "step-10" / "manifest.json").read_text())["files"]["model.pt"]
+    )
     assert store.latest().step == 10
 
 

@@ -10,7 +10,10 @@ from clusterflow.storage.store import CheckpointStore
 
 
 def files(v):
-    return {"model.pt": serialize({"w": torch.full((4,), float(v))}), "train_state.pt": serialize({"step": v})}
+    return {
+        "model.pt": serialize({"w": torch.full((4,), float(v))}),
+        "train_state.pt": serialize({"step": v}),
+    }
 
 
 def value(store):
@@ -21,7 +24,10 @@ def names(root):
     return sorted(os.listdir(root))
 
 
-BEFORE, AFTER = {"position": [0, 6]}, {"position": [1, 0]}  # (epoch, step in epoch): before / after the end-of-epoch work
+BEFORE, AFTER = (
+    {"position": [0, 6]},
+    {"position": [1, 0]},
+)  # (epoch, step in epoch): before / after the end-of-epoch work
 
 
 def test_a_later_state_at_the_same_step_supersedes_the_committed_one(store):
@@ -31,7 +37,9 @@ def test_a_later_state_at_the_same_step_supersedes_the_committed_one(store):
     assert store.save(6, files(3), AFTER) is None  # the same state again: never overwritten
     assert store.save(6, files(4), BEFORE) is None  # an earlier one: never
     store.wait_for_pruning()
-    assert value(store) == 2 and [e.rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)] == ["step-6"]
+    assert value(store) == 2 and [
+        e.rsplit("/", 1)[-1] for e in store.fs.ls(store.root, detail=False)
+    ] == ["step-6"]
 
 
 def test_crash_after_staging_the_later_state(tmp_path):
@@ -48,7 +56,9 @@ def test_crash_between_the_two_renames(tmp_path):
     store.save(4, files(0), {"position": [0, 4]})
     store.save(6, files(1), BEFORE)
     store._stage(6, files(2), AFTER)
-    os.rename(tmp_path / "step-6", tmp_path / ".superseded-step-6-0123abcd")  # killed here: no step-6 at all
+    os.rename(
+        tmp_path / "step-6", tmp_path / ".superseded-step-6-0123abcd"
+    )  # killed here: no step-6 at all
     assert store.latest().step == 4
     assert store.clean_debris() == []
     assert value(store) == 2 and names(tmp_path) == ["step-4", "step-6"]

@@ -7,20 +7,21 @@ import textwrap
 import pytest
 
 from clusterflow import rundir
-from clusterflow.manage import status
-from clusterflow.sweeps import sweep
-from clusterflow.sweeps import index as sweep_index
-from clusterflow.manage import sweep_status
 from clusterflow.errors import UserError
+from clusterflow.manage import status, sweep_status
+from clusterflow.sweeps import index as sweep_index
+from clusterflow.sweeps import sweep
 
 
 @pytest.fixture
 def conf(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text(textwrap.dedent(f"""
-        run: {{dir: {tmp_path / 'sw'}}}
+    p.write_text(
+        textwrap.dedent(f"""
+        run: {{dir: {tmp_path / "sw"}}}
         train: {{epochs: 2, batch_size: 8}}
-    """))
+    """)
+    )
     return str(p)
 
 
@@ -33,10 +34,14 @@ def test_index_round_trip_is_atomic_and_relative(conf, tmp_path):
     assert sweep_index.read_index(sw.dir) is None and not sweep_index.is_sweep_dir(sw.dir)
     index, changes = sweep_index.merge(None, sw)
     assert changes == [] and [m["name"] for m in index["members"]] == [m.name for m in sw.members]
-    index = sweep_index.record_submission(index, "123", {m.name: f"123_{i}" for i, m in enumerate(sw.members)}, now=5.0)
+    index = sweep_index.record_submission(
+        index, "123", {m.name: f"123_{i}" for i, m in enumerate(sw.members)}, now=5.0
+    )
     with sweep_index.locked(sw.dir):
         sweep_index.write_index(sw.dir, index)
-    assert sweep_index.is_sweep_dir(sw.dir) and sweep_index.read_index(sw.dir) == json.loads(json.dumps(index))
+    assert sweep_index.is_sweep_dir(sw.dir) and sweep_index.read_index(sw.dir) == json.loads(
+        json.dumps(index)
+    )
     assert not [n for n in os.listdir(sw.dir) if n.startswith(".tmp-")]
     assert sweep_index.member_job_id(index, sw.members[2].name) == "123_2"
     # run dirs are stored by name only: a moved sweep dir still finds its members
@@ -74,14 +79,21 @@ def test_resubmitting_the_same_sweep_merges_and_reports_resource_changes(conf):
     more = expand(conf, "cluster.time_min=240", axes=("train.lr=0.1,0.2,0.3", "mining.k=5,10"))
     index, _ = sweep_index.merge(index, more)
     assert [m["name"] for m in index["members"][:4]] == [m["name"] for m in first["members"]]
-    assert len(index["members"]) == 6 and {m["values"]["train.lr"] for m in index["members"][4:]} == {0.3}
+    assert len(index["members"]) == 6 and {
+        m["values"]["train.lr"] for m in index["members"][4:]
+    } == {0.3}
 
 
 def test_another_sweep_into_the_same_dir_is_refused(conf):
     first, _ = sweep_index.merge(None, expand(conf))
-    with pytest.raises(UserError, match="holds a sweep over train.lr, mining.k; this one sweeps train.lr, run.seed"):
+    with pytest.raises(
+        UserError, match="holds a sweep over train.lr, mining.k; this one sweeps train.lr, run.seed"
+    ):
         sweep_index.merge(first, expand(conf, axes=("train.lr=0.1,0.2", "run.seed=1,2")))
-    with pytest.raises(UserError, match=r"another config \(train.epochs 2 -> 3\); to resume it, submit the same config"):
+    with pytest.raises(
+        UserError,
+        match=r"another config \(train.epochs 2 -> 3\); to resume it, submit the same config",
+    ):
         sweep_index.merge(first, expand(conf, "train.epochs=3"))
 
 
@@ -96,11 +108,22 @@ def test_lock_refuses_a_second_submission_at_once(tmp_path):
 
 def test_plan_skips_completed_active_and_cancelled_and_resumes_the_rest():
     names = ["a", "b", "c", "d", "e", "f", "g"]
-    states = {"a": "completed", "b": "running", "c": "requeued", "d": "failed", "e": "stopped", "f": "cancelled"}
+    states = {
+        "a": "completed",
+        "b": "running",
+        "c": "requeued",
+        "d": "failed",
+        "e": "stopped",
+        "f": "cancelled",
+    }
     p = sweep_index.plan(names, states)
     assert p.new == ["g"] and p.resume == ["d", "e"] and p.to_submit == ["d", "e", "g"]
-    assert p.skip == {"a": "completed", "b": "still running", "c": "still requeued",
-                      "f": "cancelled (delete its cancelled.json to resume it)"}
+    assert p.skip == {
+        "a": "completed",
+        "b": "still running",
+        "c": "still requeued",
+        "f": "cancelled (delete its cancelled.json to resume it)",
+    }
     assert sweep_index.plan(names, {n: "completed" for n in names}).to_submit == []
 
 
@@ -117,24 +140,66 @@ def _member_run(run_dir, **st):
 def test_status_rows_of_a_sweep(conf):
     sw = expand(conf)
     index, _ = sweep_index.merge(None, sw)
-    index = sweep_index.record_submission(index, "77", {m.name: f"77_{i}" for i, m in enumerate(sw.members[:3])})
+    index = sweep_index.record_submission(
+        index, "77", {m.name: f"77_{i}" for i, m in enumerate(sw.members[:3])}
+    )
     sweep_index.write_index(sw.dir, index)
     m0, m1, m2, _ = (m.run_dir for m in sw.members)
-    _member_run(m0, state="completed", epoch=2, global_step=40, last_loss=0.25, job_id="78",
-                mining=[{"epoch": 1, "num_clusters": 3, "nmi": 0.5, "ari": 0.4}, {"epoch": 2, "num_clusters": 3, "nmi": 0.9, "ari": 0.8}])
+    _member_run(
+        m0,
+        state="completed",
+        epoch=2,
+        global_step=40,
+        last_loss=0.25,
+        job_id="78",
+        mining=[
+            {"epoch": 1, "num_clusters": 3, "nmi": 0.5, "ari": 0.4},
+            {"epoch": 2, "num_clusters": 3, "nmi": 0.9, "ari": 0.8},
+        ],
+    )
     _member_run(m1, state="failed", epoch=1, global_step=7, job_id="79", error="rank 1: boom")
     _member_run(m2)  # submitted, not started
     rows = sweep_status.collect(sw.dir, status.collect)
     assert [r["state"] for r in rows] == ["completed", "failed", "pending", "not submitted"]
     r = rows[0]
-    assert (r["train.lr"], r["mining.k"], r["epoch"], r["global_step"], r["last_loss"], r["nmi"], r["ari"], r["job_id"]) == \
-        (0.1, 5, 2, 40, 0.25, 0.9, 0.8, "78")
+    assert (
+        r["train.lr"],
+        r["mining.k"],
+        r["epoch"],
+        r["global_step"],
+        r["last_loss"],
+        r["nmi"],
+        r["ari"],
+        r["job_id"],
+    ) == (0.1, 5, 2, 40, 0.25, 0.9, 0.8, "78")
     assert r["run_dir"] == m0 and rows[2]["job_id"] == "77_2" and rows[3]["job_id"] is None
     assert rows[1]["error"] == "rank 1: boom" and rows[1]["nmi"] is None
     json.dumps(rows)  # the --json list
     table = sweep_status.render(rows, sweep_status.keys_of(sw.dir)).splitlines()
-    assert table[0].split() == ["lr", "k", "state", "epoch", "step", "loss", "nmi", "ari", "job", "run", "dir"]
-    assert table[1].split()[:9] == ["0.1", "5", "completed", "2", "40", "0.2500", "0.900", "0.800", "78"]
+    assert table[0].split() == [
+        "lr",
+        "k",
+        "state",
+        "epoch",
+        "step",
+        "loss",
+        "nmi",
+        "ari",
+        "job",
+        "run",
+        "dir",
+    ]
+    assert table[1].split()[:9] == [
+        "0.1",
+        "5",
+        "completed",
+        "2",
+        "40",
+        "0.2500",
+        "0.900",
+        "0.800",
+        "78",
+    ]
     assert table[4].split()[:9] == ["0.2", "10", "not", "submitted", "-", "-", "-", "-", "-"]
     assert table[-1] == "4 member(s), 1 completed"
     with pytest.raises(UserError, match="not a sweep dir"):

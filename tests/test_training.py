@@ -5,10 +5,9 @@ import os
 import signal
 import time
 
+import launch
 import pytest
 import torch
-
-import launch
 
 
 def losses(run_dir):
@@ -39,11 +38,17 @@ def reference(tmp_path_factory):
 
 def test_one_and_two_processes_give_the_same_loss_curve(reference, tmp_path):
     d1 = str(tmp_path / "one")
-    assert launch.run(1, "configs/tiny.yaml", [f"run.dir={d1}", "cluster.tasks_per_node=1"], d1) == [0]
+    assert launch.run(
+        1, "configs/tiny.yaml", [f"run.dir={d1}", "cluster.tasks_per_node=1"], d1
+    ) == [0]
     l1, l2 = losses(d1), losses(reference)
-    assert l1.keys() == l2.keys() and len(l1) == 18  # 3 epochs x 6 steps (192 samples, batch 32), mining rounds after epochs 1 and 2
+    assert (
+        l1.keys() == l2.keys() and len(l1) == 18
+    )  # 3 epochs x 6 steps (192 samples, batch 32), mining rounds after epochs 1 and 2
     worst = max(abs(l1[s] - l2[s]) / abs(l1[s]) for s in l1)
-    assert worst < 1e-4, f"relative loss difference {worst:.2e}"  # stated tolerance: 1e-4 (measured ~1e-6)
+    assert worst < 1e-4, (
+        f"relative loss difference {worst:.2e}"
+    )  # stated tolerance: 1e-4 (measured ~1e-6)
 
 
 def test_same_config_twice_gives_identical_weights(reference, tmp_path):
@@ -65,7 +70,11 @@ def _steps(run_dir):
     ck = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(ck):
         return []
-    return sorted(int(n[5:]) for n in os.listdir(ck) if n.startswith("step-") and os.path.exists(os.path.join(ck, n, "manifest.json")))
+    return sorted(
+        int(n[5:])
+        for n in os.listdir(ck)
+        if n.startswith("step-") and os.path.exists(os.path.join(ck, n, "manifest.json"))
+    )
 
 
 def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path):
@@ -73,10 +82,14 @@ def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path
     over = [f"run.dir={d}"]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
     assert _wait_for(lambda: any(s >= 4 for s in _steps(d)))
-    os.kill(procs[1].pid, signal.SIGTERM)  # only rank 1 is signalled; both must stop at the same step
+    os.kill(
+        procs[1].pid, signal.SIGTERM
+    )  # only rank 1 is signalled; both must stop at the same step
     assert launch.wait(procs) == [0, 0]
     status = json.load(open(os.path.join(d, "status.json")))
-    assert status["state"] in ("requeued", "stopped") and not os.path.exists(os.path.join(d, "model.pt"))
+    assert status["state"] in ("requeued", "stopped") and not os.path.exists(
+        os.path.join(d, "model.pt")
+    )
     stopped_at = status["global_step"]
     assert _steps(d)[-1] == stopped_at  # the stop committed a checkpoint at the agreed step
     assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
@@ -100,9 +113,16 @@ def test_persistent_workers_train_on_the_same_items_and_resume_exactly(reference
     """Workers kept across epochs fetch each epoch's augmentations (the demo's views change with
     the epoch); two worker processes per rank, stopped by a signal and resumed, end bitwise equal."""
     d = str(tmp_path / "persistent")
-    over = [f"run.dir={d}", "data.num_workers=2", "data.persistent_workers=true", "data.prefetch_factor=3"]
+    over = [
+        f"run.dir={d}",
+        "data.num_workers=2",
+        "data.persistent_workers=true",
+        "data.prefetch_factor=3",
+    ]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
-    assert _wait_for(lambda: any(s >= 8 for s in _steps(d)))  # into epoch 2: the workers served two epochs
+    assert _wait_for(
+        lambda: any(s >= 8 for s in _steps(d))
+    )  # into epoch 2: the workers served two epochs
     for p in procs:
         os.kill(p.pid, signal.SIGTERM)
     assert launch.wait(procs) == [0, 0]

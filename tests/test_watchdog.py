@@ -2,34 +2,49 @@
 
 import json
 import os
-import re
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from conftest import REPO
 
-from clusterflow.rundir import first_error
 from clusterflow.dist import free_port
 from clusterflow.errors import EXIT_STALLED
-from clusterflow.observe.watchdog import _active_in, describe_frame, flight_recorder_env, waiting_in_collective
-from conftest import REPO
+from clusterflow.observe.watchdog import (
+    _active_in,
+    describe_frame,
+    flight_recorder_env,
+    waiting_in_collective,
+)
+from clusterflow.rundir import first_error
 
 PROGRAM = os.path.join(REPO, "tests", "stall_program.py")
 STALL_S = 3
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TORCH_FR", "TORCH_NCCL"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCH_FR", "TORCH_NCCL"))
+    }
     env.pop("RANK", None)
     env.update(extra)
     return env
 
 
 def _run(run_dir, mode, **env):
-    return subprocess.Popen([sys.executable, PROGRAM, str(run_dir), mode, str(STALL_S)], cwd=REPO, env=_env(**env),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, PROGRAM, str(run_dir), mode, str(STALL_S)],
+        cwd=REPO,
+        env=_env(**env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _two_ranks(run_dir, mode):
@@ -42,20 +57,30 @@ def _two_ranks(run_dir, mode):
 
 def test_a_stalled_loop_dumps_its_stacks_records_the_cause_and_exits(tmp_path):
     p = _run(tmp_path, "stall")
-    out, _ = p.communicate(timeout=STALL_S + 30)  # must end by itself within stall_s + a few seconds
+    out, _ = p.communicate(
+        timeout=STALL_S + 30
+    )  # must end by itself within stall_s + a few seconds
     assert p.returncode == EXIT_STALLED, out
     rec = first_error.read(str(tmp_path), 0)
-    assert rec["kind"] == "stall" and rec["rank"] == 0 and rec["step"] == 5 and rec["phase"] == "train"
+    assert (
+        rec["kind"] == "stall" and rec["rank"] == 0 and rec["step"] == 5 and rec["phase"] == "train"
+    )
     # The watchdog looks once a second, and a loaded machine can delay a look: 3 s or a few more.
     said = re.search(r"stalled (\d+) s at step 5 in train", rec["error"])
-    assert rec["error"].startswith("rank 0 on ") and said and 3 <= int(said.group(1)) <= 13, rec["error"]
+    assert rec["error"].startswith("rank 0 on ") and said and 3 <= int(said.group(1)) <= 13, rec[
+        "error"
+    ]
     assert "stall_program.py:" in rec["error"] and "sleeping_in_loss" in rec["error"]
     assert "sleeping_in_loss" in rec["traceback"]
     log = (tmp_path / "logs" / "rank0.attempt0.log").read_text()
     assert "clusterflow watchdog: rank 0 on" in log
     # faulthandler's dump of every thread: the loop, the heartbeat writer, the watchdog itself
     sleep_line = 1 + open(PROGRAM).read().split("\n").index("    time.sleep(3600)")
-    assert f"line {sleep_line} in sleeping_in_loss" in log and "in _run" in log and log.count("(most recent call first)") >= 3
+    assert (
+        f"line {sleep_line} in sleeping_in_loss" in log
+        and "in _run" in log
+        and log.count("(most recent call first)") >= 3
+    )
     assert "sleeping_in_loss" in (tmp_path / "stalls" / "attempt0" / "rank0.stacks.txt").read_text()
     assert f"exiting with {EXIT_STALLED}" in out
     beat = json.loads((tmp_path / "heartbeats" / "rank0.json").read_text())
@@ -79,14 +104,20 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
     assert codes[0] == 1, outs[0]
     assert "first cause recorded: False" in outs[0]  # ... and its error did not overwrite the cause
     rec = first_error.read(str(tmp_path), 0)
-    assert rec["rank"] == 1 and "rank 1 on " in rec["error"] and "sleeping_in_loss" in rec["error"], rec
+    assert (
+        rec["rank"] == 1 and "rank 1 on " in rec["error"] and "sleeping_in_loss" in rec["error"]
+    ), rec
     assert "waiting in" not in rec["error"]
     # the flight recorder (gloo's, torch >= 2.8) was on; the stalled rank dumped it, the failed peer too
     stalls = tmp_path / "stalls" / "attempt0"
     ours = pickle.loads((stalls / "flight_recorder_rank_1").read_bytes())
     assert [e["profiling_name"] for e in ours["entries"]] == ["gloo:all_reduce"] * 2
     peer = pickle.loads((stalls / "flight_recorder_rank_0").read_bytes())
-    assert [e["collective_seq_id"] for e in peer["entries"]] == [1, 2, 3]  # rank 0 entered #3, rank 1 never did
+    assert [e["collective_seq_id"] for e in peer["entries"]] == [
+        1,
+        2,
+        3,
+    ]  # rank 0 entered #3, rank 1 never did
     assert first_error.headline(rec) == rec["error"]
 
 
@@ -94,7 +125,9 @@ def test_a_rank_stuck_in_mining_embed_is_named_with_its_phase(tmp_path):
     codes, outs = _two_ranks(tmp_path, "embed")
     assert codes[1] == EXIT_STALLED, outs[1]
     rec = first_error.read(str(tmp_path), 0)
-    assert rec["rank"] == 1 and "in mining embed" in rec["error"] and "embedding_batch" in rec["error"], rec
+    assert (
+        rec["rank"] == 1 and "in mining embed" in rec["error"] and "embedding_batch" in rec["error"]
+    ), rec
 
 
 RECORDER = textwrap.dedent("""
@@ -109,8 +142,13 @@ RECORDER = textwrap.dedent("""
 
 def test_first_cause_the_first_process_to_record_wins(tmp_path):
     def record(who, start=0.0):
-        return subprocess.run([sys.executable, "-c", RECORDER, str(tmp_path), str(who), str(start)], cwd=REPO,
-                              capture_output=True, text=True, timeout=60).stdout.strip()
+        return subprocess.run(
+            [sys.executable, "-c", RECORDER, str(tmp_path), str(who), str(start)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
 
     assert record(1) == "True"
     assert record(0) == "False"
@@ -125,8 +163,15 @@ def test_first_cause_six_processes_racing_exactly_one_wins(tmp_path):
     import time
 
     start = time.time() + 3  # all spin until the same instant, then record at once
-    procs = [subprocess.Popen([sys.executable, "-c", RECORDER, str(tmp_path), str(r), str(start)], cwd=REPO,
-                              stdout=subprocess.PIPE, text=True) for r in range(6)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RECORDER, str(tmp_path), str(r), str(start)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(6)
+    ]
     results = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert sorted(results) == ["False"] * 5 + ["True"], results
     winner = results.index("True")
@@ -139,19 +184,40 @@ def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     prefix = str(tmp_path / "stalls" / "attempt2" / "nccl_trace_rank_")
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == prefix
-    assert os.path.isdir(os.path.dirname(prefix))  # torch writes the file but does not create its folder
+    assert os.path.isdir(
+        os.path.dirname(prefix)
+    )  # torch writes the file but does not create its folder
 
 
-@pytest.mark.parametrize("status,entries,expected", [
-    ({"0": {"last_enqueued_collective": 2, "last_completed_collective": 2}}, [], None),  # gloo: all done
-    ({"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}},
-     [{"collective_seq_id": 3, "pg_id": 0, "profiling_name": "nccl:all_reduce"}], "nccl:all_reduce #3 (flight recorder)"),
-    ({"0": {"last_enqueued_collective": 1, "last_completed_collective": 1},
-      "1": {"last_enqueued_collective": 7, "last_completed_collective": 5}},
-     [{"collective_seq_id": 7, "pg_id": 1, "profiling_name": "gloo:broadcast"}], "gloo:broadcast #7 (flight recorder)"),
-    ({"0": {"last_enqueued_collective": 4, "last_completed_collective": -1}}, [], "a collective #4 (flight recorder)"),
-    ({}, [], None),
-])
+@pytest.mark.parametrize(
+    "status,entries,expected",
+    [
+        (
+            {"0": {"last_enqueued_collective": 2, "last_completed_collective": 2}},
+            [],
+            None,
+        ),  # gloo: all done
+        (
+            {"0": {"last_enqueued_collective": 3, "last_completed_collective": 2}},
+            [{"collective_seq_id": 3, "pg_id": 0, "profiling_name": "nccl:all_reduce"}],
+            "nccl:all_reduce #3 (flight recorder)",
+        ),
+        (
+            {
+                "0": {"last_enqueued_collective": 1, "last_completed_collective": 1},
+                "1": {"last_enqueued_collective": 7, "last_completed_collective": 5},
+            },
+            [{"collective_seq_id": 7, "pg_id": 1, "profiling_name": "gloo:broadcast"}],
+            "gloo:broadcast #7 (flight recorder)",
+        ),
+        (
+            {"0": {"last_enqueued_collective": 4, "last_completed_collective": -1}},
+            [],
+            "a collective #4 (flight recorder)",
+        ),
+        ({}, [], None),
+    ],
+)
 def test_active_collective_from_a_recorder_dump(status, entries, expected):
     assert _active_in({"pg_status": status, "entries": entries}) == expected
 
@@ -171,12 +237,20 @@ def test_describe_frame_names_the_users_code_under_a_library_frame():
     t.start()
     while "text" not in seen:
         frame = _sys._current_frames().get(t.ident)
-        names = [f.name for f in __import__("traceback").extract_stack(frame)] if frame is not None else []
-        if "users_loader" in names and names[-1] != "users_loader":  # inside q.get, under users_loader
+        names = (
+            [f.name for f in __import__("traceback").extract_stack(frame)]
+            if frame is not None
+            else []
+        )
+        if (
+            "users_loader" in names and names[-1] != "users_loader"
+        ):  # inside q.get, under users_loader
             seen["text"] = describe_frame(frame)
             seen["waiting"] = waiting_in_collective(frame)
     q.put(None)
     assert seen["text"].startswith("threading.py:") or seen["text"].startswith("queue.py:"), seen
-    assert "called from tests/test_watchdog.py:" in seen["text"] and seen["text"].endswith("users_loader")
+    assert "called from tests/test_watchdog.py:" in seen["text"] and seen["text"].endswith(
+        "users_loader"
+    )
     assert seen["waiting"] is None
     assert describe_frame(None) == "no Python frame"

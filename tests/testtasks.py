@@ -52,7 +52,9 @@ class HangInSave(Slow):
 
         def write(path, payload, fsync=True, fs=None):
             # Hang once per run dir: the resubmitted run writes this step again and must get through.
-            run_dir = os.path.dirname(os.path.dirname(os.path.dirname(path)))  # RUN/checkpoints/.tmp-step-N-*/model.pt
+            run_dir = os.path.dirname(
+                os.path.dirname(os.path.dirname(path))
+            )  # RUN/checkpoints/.tmp-step-N-*/model.pt
             done = os.path.join(run_dir, "hang-in-save.done")
             if marker in path and path.endswith("model.pt") and not os.path.exists(done):
                 open(done, "w").close()
@@ -159,7 +161,10 @@ class KillAtEnv(PseudoIDTask):
 
     def loss(self, model, batch, labels):
         self.calls += 1
-        at, rank = os.environ.get("CLUSTERFLOW_TEST_KILL_AT"), os.environ.get("CLUSTERFLOW_TEST_KILL_RANK")
+        at, rank = (
+            os.environ.get("CLUSTERFLOW_TEST_KILL_AT"),
+            os.environ.get("CLUSTERFLOW_TEST_KILL_RANK"),
+        )
         me = tdist.get_rank() if tdist.is_initialized() else 0
         if at and self.calls == int(at) and (rank is None or int(rank) == me):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -176,7 +181,14 @@ class Tiny(PseudoIDTask):
 
         if not 4 <= size <= 256:
             raise UserError(f"task.params.size = {size}: must be between 4 and 256")
-        super().__init__(seed, identities=2, samples_per_identity=size // 2, input_dim=8, hidden=hidden, embed_dim=4)
+        super().__init__(
+            seed,
+            identities=2,
+            samples_per_identity=size // 2,
+            input_dim=8,
+            hidden=hidden,
+            embed_dim=4,
+        )
         self.fail_in = fail_in
         self._fail("__init__")
 
@@ -202,7 +214,9 @@ class FillDisk(Tiny):
     disk), leaving ``leave_kb`` free: the next checkpoint cannot be written. Once per ``path``
     (a marker beside it remembers), so the same command can resume after the user frees space."""
 
-    def __init__(self, seed: int = 0, path: str = "", at_call: int = 3, leave_kb: int = 64, **params) -> None:
+    def __init__(
+        self, seed: int = 0, path: str = "", at_call: int = 3, leave_kb: int = 64, **params
+    ) -> None:
         super().__init__(seed, **params)
         self.path, self.at_call, self.leave, self.calls = path, at_call, leave_kb << 10, 0
 
@@ -247,7 +261,12 @@ class StallOnRank1(PseudoIDTask):
 
     def __init__(self, seed=0, at=3, rank=1, in_embed=False, step_sleep=0.0, **params):
         super().__init__(seed, **params)
-        self.at, self.rank, self.in_embed, self.step_sleep = int(at), int(rank), bool(in_embed), float(step_sleep)
+        self.at, self.rank, self.in_embed, self.step_sleep = (
+            int(at),
+            int(rank),
+            bool(in_embed),
+            float(step_sleep),
+        )
 
     def _me(self):
         return tdist.get_rank() if tdist.is_initialized() else 0

@@ -33,11 +33,15 @@ class BackgroundWrite:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self, step: int, write: Callable[[], Any], on_error: Callable[[int, BaseException], str]) -> None:
+    def start(
+        self, step: int, write: Callable[[], Any], on_error: Callable[[int, BaseException], str]
+    ) -> None:
         """Run ``write`` on a new thread; the previous write must have been waited for.
         ``on_error(step, exc)`` returns the message kept for ``wait``."""
         if self._thread is not None:
-            raise RuntimeError("a checkpoint write is still in flight; wait() for it first (this is a bug in clusterflow)")
+            raise RuntimeError(
+                "a checkpoint write is still in flight; wait() for it first (this is a bug in clusterflow)"
+            )
 
         def run() -> None:
             t0 = time.perf_counter()

@@ -36,15 +36,15 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from clusterflow import dist, rundir
-from clusterflow.observe import phases
 from clusterflow.checkpoint.background import BackgroundWrite
-from clusterflow.errors import RunFailed
 from clusterflow.checkpoint.restore import Restorer
-from clusterflow.rundir.saved_config import portable
-from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.rng import capture_rng
-from clusterflow.storage.store import CheckpointStore
+from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.errors import RunFailed
+from clusterflow.observe import phases
+from clusterflow.rundir.saved_config import portable
+from clusterflow.storage.store import CheckpointStore
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -63,15 +63,29 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, cfg: Any, model: Any, states: Mapping[str, Stateful], progress: TrainState, steps_per_epoch: int,
-                 attempt: int = 0, tracker: phases.Phases | None = None,
-                 before_commit: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        model: Any,
+        states: Mapping[str, Stateful],
+        progress: TrainState,
+        steps_per_epoch: int,
+        attempt: int = 0,
+        tracker: phases.Phases | None = None,
+        before_commit: Callable[[str], None] | None = None,
+    ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
-        self.every_steps, self.steps_per_epoch, self.attempt = c.every_steps, steps_per_epoch, attempt
+        self.every_steps, self.steps_per_epoch, self.attempt = (
+            c.every_steps,
+            steps_per_epoch,
+            attempt,
+        )
         self.phases = tracker or phases.Phases()
-        self.before_commit = before_commit  # collective; raises to refuse a state (the trainer: non-finite)
+        self.before_commit = (
+            before_commit  # collective; raises to refuse a state (the trainer: non-finite)
+        )
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
@@ -99,7 +113,9 @@ class Checkpointer:
         t0 = time.perf_counter()
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
-            failed = dist.broadcast_object(self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None)
+            failed = dist.broadcast_object(
+                self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None
+            )
             new_round = self._new_round()
             if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
                 if dist.rank() == 0:
@@ -118,7 +134,9 @@ class Checkpointer:
 
     def finish(self) -> None:
         """Collective, at the end of the run: wait for the write in flight; write a failed one again now."""
-        failed = dist.broadcast_object(self._wait_for_write(expected=True) if dist.rank() == 0 else None)
+        failed = dist.broadcast_object(
+            self._wait_for_write(expected=True) if dist.rank() == 0 else None
+        )
         if failed:
             self._write_now(dist.gather_object(capture_rng()), failed)
 
@@ -132,7 +150,10 @@ class Checkpointer:
         if outcome.waited >= 0.01 and not expected:
             (log.warning if outcome.waited >= 1.0 else log.info)(
                 "checkpoint: the loop waited %.2f s for the background write of step %d (saves are due faster than "
-                "they are written; raise checkpoint.every_steps, or write to a faster filesystem)", outcome.waited, outcome.step)
+                "they are written; raise checkpoint.every_steps, or write to a faster filesystem)",
+                outcome.waited,
+                outcome.step,
+            )
         return outcome.error
 
     def _start_write(self, rngs: list[Any] | None) -> None:
@@ -146,6 +167,7 @@ class Checkpointer:
             def write() -> None:
                 raise failure
         else:
+
             def write() -> None:
                 self.staging.copy_rest(snap)
                 self._commit(step, self.staging.result(snap), meta, "in the background")
@@ -155,8 +177,11 @@ class Checkpointer:
     def _background_failed(self, step: int, exc: BaseException) -> str:
         """On the writer's thread: report at once; the next save retries synchronously."""
         message = self._failure(step, exc)
-        log.error("%s; the committed steps are untouched; the next save is written synchronously and fails the job "
-                  "if it fails too", message)
+        log.error(
+            "%s; the committed steps are untouched; the next save is written synchronously and fails the job "
+            "if it fails too",
+            message,
+        )
         rundir.write_status(self.paths, checkpoint_error=message)
         return message
 
@@ -166,7 +191,11 @@ class Checkpointer:
         if dist.rank() == 0:
             step = self.progress.global_step
             if retry_of:
-                log.warning("writing checkpoint step %d synchronously: the background write before it failed (%s)", step, retry_of)
+                log.warning(
+                    "writing checkpoint step %d synchronously: the background write before it failed (%s)",
+                    step,
+                    retry_of,
+                )
             try:
                 self._last_write_s = self._commit(step, self._files(rngs), self._meta(), "")
                 if retry_of:
@@ -181,7 +210,9 @@ class Checkpointer:
 
     def _failure(self, step: int, exc: BaseException) -> str:
         cause = _cause(exc)
-        if isinstance(cause, RunFailed):  # a full disk: its sentence names the step, the path, the size and the free space
+        if isinstance(
+            cause, RunFailed
+        ):  # a full disk: its sentence names the step, the path, the size and the free space
             return str(cause)
         return f"checkpoint step {step} could not be written to {self.store.url}: {type(cause).__name__}: {cause}"
 
@@ -192,17 +223,32 @@ class Checkpointer:
 
     def _meta(self) -> dict[str, Any]:
         p = self.progress
-        return {"epoch": p.epoch, "step_in_epoch": p.step_in_epoch, "global_step": p.global_step,
-                "position": list(p.position), "config_hash": self.cfg.fingerprint(), "config": portable(self.cfg.to_dict()),
-                "world_size": dist.world(), "attempt": self.attempt}
+        return {
+            "epoch": p.epoch,
+            "step_in_epoch": p.step_in_epoch,
+            "global_step": p.global_step,
+            "position": list(p.position),
+            "config_hash": self.cfg.fingerprint(),
+            "config": portable(self.cfg.to_dict()),
+            "world_size": dist.world(),
+            "attempt": self.attempt,
+        }
 
-    def _commit(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str) -> float:
+    def _commit(
+        self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str
+    ) -> float:
         t0 = time.perf_counter()
         # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
         path = self.store.save(step, files, meta)
         seconds = time.perf_counter() - t0
         if path:
-            log.info("checkpoint step %d committed at %s %s(%.2f s)", step, path, f"{how} " if how else "", seconds)
+            log.info(
+                "checkpoint step %d committed at %s %s(%.2f s)",
+                step,
+                path,
+                f"{how} " if how else "",
+                seconds,
+            )
         return seconds
 
     def _scalars(self, stall: float) -> dict[str, float]:

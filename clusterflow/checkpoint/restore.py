@@ -23,8 +23,8 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow import dist
-from clusterflow.errors import UserError
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.errors import UserError
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -32,8 +32,16 @@ log = logging.getLogger("clusterflow.checkpointer")
 class Restorer:
     """One restore: ``states`` are the checkpointer's registered states (``progress`` among them)."""
 
-    def __init__(self, cfg: Any, model: Any, states: Mapping[str, Any], progress: Any, store: Any) -> None:
-        self.cfg, self.model, self.states, self.progress, self.store = cfg, model, states, progress, store
+    def __init__(
+        self, cfg: Any, model: Any, states: Mapping[str, Any], progress: Any, store: Any
+    ) -> None:
+        self.cfg, self.model, self.states, self.progress, self.store = (
+            cfg,
+            model,
+            states,
+            progress,
+            store,
+        )
 
     def restore(self) -> bool:
         """Collective, at the start of every attempt. Returns True when resumed.
@@ -48,7 +56,9 @@ class Restorer:
         and the RNG as they were."""
         skipped: set[int] = set()
         while True:
-            head, state, rngs, failure = self._read(skipped) if dist.rank() == 0 else ({}, None, None, None)
+            head, state, rngs, failure = (
+                self._read(skipped) if dist.rank() == 0 else ({}, None, None, None)
+            )
             head = dist.broadcast_object(head)
             if failure is not None:
                 raise failure
@@ -65,17 +75,33 @@ class Restorer:
                 if undo is not None:
                     undo()
                 why = problem or "another rank could not load it (see its log)"
-                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", head["path"], why)
-                self.store.refused[head["step"]] = why  # set aside, like a bad digest, when the run gets there again
+                log.warning(
+                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    head["path"],
+                    why,
+                )
+                self.store.refused[head["step"]] = (
+                    why  # set aside, like a bad digest, when the run gets there again
+                )
                 skipped.add(head["step"])
                 continue
-            self.model.load_state_dict(state["model.pt"])  # keys and shapes checked by rank 0: it cannot half-apply
+            self.model.load_state_dict(
+                state["model.pt"]
+            )  # keys and shapes checked by rank 0: it cannot half-apply
             if mine is None:
-                log.warning("resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
-                            dist.world(), head["world_size"])
+                log.warning(
+                    "resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
+                    dist.world(),
+                    head["world_size"],
+                )
             p = self.progress
-            log.info("resumed from %s: epoch %d, step %d of the epoch, global step %d", head["path"], p.epoch,
-                     p.step_in_epoch, p.global_step)
+            log.info(
+                "resumed from %s: epoch %d, step %d of the epoch, global step %d",
+                head["path"],
+                p.epoch,
+                p.step_in_epoch,
+                p.global_step,
+            )
             return True
 
     def _apply(self, saved: Mapping[str, Any], rng: Any) -> tuple[str, Callable[[], None] | None]:
@@ -103,13 +129,19 @@ class Restorer:
     def _parts(self, saved: Any) -> dict[str, Any]:
         """Each registered state's saved form; ValueError when one is missing."""
         if not isinstance(saved, dict):
-            raise ValueError("the manifest lists no train_state.pt" if saved is None else "train_state.pt holds no mapping")
+            raise ValueError(
+                "the manifest lists no train_state.pt"
+                if saved is None
+                else "train_state.pt holds no mapping"
+            )
         parts = {}
         for name, obj in self.states.items():
             if name in saved:
                 parts[name] = saved[name]
             elif obj is self.progress and "global_step" in saved:
-                parts[name] = saved  # written before the train state was registered: its counters at the top level
+                parts[name] = (
+                    saved  # written before the train state was registered: its counters at the top level
+                )
             else:
                 raise ValueError(f"train_state.pt has no {name!r} state")
         return parts
@@ -122,25 +154,43 @@ class Restorer:
             if not skipped:
                 removed = self.store.clean_debris()
                 if removed:
-                    log.warning("removed unfinished checkpoint folders left by a killed writer: %s", ", ".join(removed))
+                    log.warning(
+                        "removed unfinished checkpoint folders left by a killed writer: %s",
+                        ", ".join(removed),
+                    )
             for ckpt in self.store.candidates(skip=skipped):
                 try:
                     self._check_config(ckpt.path, ckpt.manifest)
-                    model_state, saved = ckpt.objects.get("model.pt"), ckpt.objects.get("train_state.pt")
+                    model_state, saved = (
+                        ckpt.objects.get("model.pt"),
+                        ckpt.objects.get("train_state.pt"),
+                    )
                     check_fits(self.model, model_state)
                     self._parts(saved)
                     world = saved.get("world_size")
-                    if not isinstance(world, int) or not isinstance(saved.get("rng"), list) or len(saved["rng"]) != world:
+                    if (
+                        not isinstance(world, int)
+                        or not isinstance(saved.get("rng"), list)
+                        or len(saved["rng"]) != world
+                    ):
                         raise ValueError("train_state.pt has no RNG state for each of its ranks")
                 except ValueError as exc:
-                    log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", ckpt.path, exc)
+                    log.warning(
+                        "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                        ckpt.path,
+                        exc,
+                    )
                     self.store.refused[ckpt.step] = str(exc)
                     skipped.add(ckpt.step)
                     continue
                 saved = dict(saved)
                 rngs = saved.pop("rng")
-                return ({"path": ckpt.path, "step": ckpt.step, "world_size": world},
-                        {"model.pt": model_state, "train_state.pt": saved}, rngs, None)
+                return (
+                    {"path": ckpt.path, "step": ckpt.step, "world_size": world},
+                    {"model.pt": model_state, "train_state.pt": saved},
+                    rngs,
+                    None,
+                )
             return {"path": None}, None, None, None
         except UserError as exc:
             return {"user_error": str(exc)}, None, None, exc
@@ -151,14 +201,21 @@ class Restorer:
         if "config" in manifest:
             if not isinstance(manifest["config"], dict):
                 raise ValueError("the manifest's config is not a mapping")
-            now = json.loads(json.dumps(self.cfg.to_dict()))  # as the manifest holds it (JSON: string keys, lists)
+            now = json.loads(
+                json.dumps(self.cfg.to_dict())
+            )  # as the manifest holds it (JSON: string keys, lists)
             cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}")
             return
         # Older manifests carry only a hash, which cannot say what differs (or whether a key was
         # merely added by a newer clusterflow): warn, as those versions did.
         want, got = self.cfg.fingerprint(), manifest.get("config_hash")
         if got and got != want:
-            log.warning("checkpoint %s was written with a different config (hash %s, now %s); resuming anyway", path, got, want)
+            log.warning(
+                "checkpoint %s was written with a different config (hash %s, now %s); resuming anyway",
+                path,
+                got,
+                want,
+            )
 
 
 def check_fits(model: Any, state: Any) -> None:
@@ -171,10 +228,14 @@ def check_fits(model: Any, state: Any) -> None:
     want = model.state_dict()
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or extra:
-        raise ValueError(f"model.pt does not fit the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
-                         f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}")
+        raise ValueError(
+            f"model.pt does not fit the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}"
+        )
     for key, t in want.items():
         got = state[key]
         if not torch.is_tensor(got) or got.shape != t.shape:
             seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
-            raise ValueError(f"model.pt does not fit the model: {key} is {seen} in the checkpoint, {tuple(t.shape)} in the model")
+            raise ValueError(
+                f"model.pt does not fit the model: {key} is {seen} in the checkpoint, {tuple(t.shape)} in the model"
+            )

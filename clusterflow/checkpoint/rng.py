@@ -39,5 +39,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+    if (
+        "cuda" in state
+        and torch.cuda.is_available()
+        and len(state["cuda"]) == torch.cuda.device_count()
+    ):
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -48,8 +48,12 @@ class Snapshot:
     paths: list[str]  # each tensor's place in the state, for messages
     sources: list[Any]  # the live tensors, held until copied
     copies: list[Any]
-    alias: dict[int, int] = field(default_factory=dict)  # a tensor that is another one's view -> that one
-    odd: set[int] = field(default_factory=set)  # sparse, subclassed or on a second GPU: copied at once, no buffer
+    alias: dict[int, int] = field(
+        default_factory=dict
+    )  # a tensor that is another one's view -> that one
+    odd: set[int] = field(
+        default_factory=set
+    )  # sparse, subclassed or on a second GPU: copied at once, no buffer
     rest: list[int] = field(default_factory=list)  # copied by the writer's thread
     versions: dict[int, int] = field(default_factory=dict)
     device: Any = None  # the GPU of the state's CUDA tensors, if any
@@ -79,7 +83,9 @@ class Staging:
         self._buffers: dict[str, Any] = {}
         self._streams: dict[Any, Any] = {}
         self._pending: Snapshot | None = None
-        self.gate_s = 0.0  # time the loop waited in the hook, summed until read (and reset) by the owner
+        self.gate_s = (
+            0.0  # time the loop waited in the hook, summed until read (and reset) by the owner
+        )
         self._hooks = [opt.register_step_pre_hook(self._gate) for opt in self.optimizers]
 
     def close(self) -> None:
@@ -94,18 +100,28 @@ class Staging:
         paths = [s.path for s in tree.slots(skeleton)]
         snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
         live = set(paths)
-        self._buffers = {p: b for p, b in self._buffers.items() if p in live}  # one copy of the state, no more
+        self._buffers = {
+            p: b for p, b in self._buffers.items() if p in live
+        }  # one copy of the state, no more
         snap.device = next((t.device for t in tensors if t.is_cuda), None)
         if snap.device is not None:
             snap.ready = torch.cuda.Event()
             snap.ready.record(torch.cuda.current_stream(snap.device))
         # One GPU per rank is what the events cover; anything else is copied the plain, blocking way.
-        snap.odd = {i for i, t in enumerate(tensors) if not _plain(t) or (t.is_cuda and t.device != snap.device)}
+        snap.odd = {
+            i
+            for i, t in enumerate(tensors)
+            if not _plain(t) or (t.is_cuda and t.device != snap.device)
+        }
         deferred = self._deferred_ptrs() if self.optimizers else set()
         first: dict[Any, int] = {}
         now = []
         for i, t in enumerate(tensors):
-            key = ("odd", i) if i in snap.odd else (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            key = (
+                ("odd", i)
+                if i in snap.odd
+                else (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+            )
             if key in first:
                 snap.alias[i] = first[key]
                 continue
@@ -159,7 +175,9 @@ class Staging:
         snap.sources = []
         if snap.torn:
             raise TornSnapshot(snap.torn)
-        return tree.unflatten(snap.skeleton, [snap.copies[snap.alias.get(i, i)] for i in range(len(snap.copies))])
+        return tree.unflatten(
+            snap.skeleton, [snap.copies[snap.alias.get(i, i)] for i in range(len(snap.copies))]
+        )
 
     # -- helpers ------------------------------------------------------------------------------
     def _copy(self, snap: Snapshot, indices: list[int]) -> None:
@@ -175,14 +193,18 @@ class Staging:
                     with torch.cuda.stream(stream):
                         stream.wait_event(snap.ready)
                         buf.copy_(t, non_blocking=True)
-                        t.record_stream(stream)  # the allocator must not reuse it before the copy ran
+                        t.record_stream(
+                            stream
+                        )  # the allocator must not reuse it before the copy ran
                 else:
                     buf.copy_(t)
                 snap.copies[i] = buf
 
     def _buffer(self, path: str, t: Any) -> Any:
         buf = self._buffers.get(path)
-        stride = torch.empty_like(t, device="meta").stride()  # t's layout when dense, else contiguous
+        stride = torch.empty_like(
+            t, device="meta"
+        ).stride()  # t's layout when dense, else contiguous
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != stride:
             buf = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[path] = buf
@@ -206,8 +228,12 @@ class Staging:
             if snap.checked:
                 return
             snap.checked = True
-            changed = [snap.paths[i] for i in snap.rest if _version(snap.sources[i]) != snap.versions[i]]
+            changed = [
+                snap.paths[i] for i in snap.rest if _version(snap.sources[i]) != snap.versions[i]
+            ]
         if changed:
-            snap.torn = (f"{len(changed)} tensor(s) of the state changed before they were copied for the background save, "
-                         f"first {changed[0]}: something other than optimizer.step changes them in place; such a state "
-                         f"cannot be saved in the background: set checkpoint.async=false")
+            snap.torn = (
+                f"{len(changed)} tensor(s) of the state changed before they were copied for the background save, "
+                f"first {changed[0]}: something other than optimizer.step changes them in place; such a state "
+                f"cannot be saved in the background: set checkpoint.async=false"
+            )

@@ -46,6 +46,10 @@ class TrainState:
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        self.epoch, self.step_in_epoch, self.global_step = sd["epoch"], sd["step_in_epoch"], sd["global_step"]
+        self.epoch, self.step_in_epoch, self.global_step = (
+            sd["epoch"],
+            sd["step_in_epoch"],
+            sd["global_step"],
+        )
         self.labels = sd["labels"].numpy() if sd["labels"] is not None else None
         self.mining_history = list(sd["mining_history"])

@@ -26,10 +26,12 @@ from typing import Any, Mapping
 
 RESULT, NUMERICS, RESOURCE = "result", "numerics", "resource"
 
-_WORLD = ("the global-batch sampler keeps the data order and the global batch; per-rank RNG streams are "
-          "re-derived and the all-reduce sums in another order, so the result is not bitwise equal to an "
-          "uninterrupted run (tasks whose loss depends on the per-rank batch, e.g. BatchNorm without "
-          "dist.sync_batchnorm, train differently)")
+_WORLD = (
+    "the global-batch sampler keeps the data order and the global batch; per-rank RNG streams are "
+    "re-derived and the all-reduce sums in another order, so the result is not bitwise equal to an "
+    "uninterrupted run (tasks whose loss depends on the per-rank batch, e.g. BatchNorm without "
+    "dist.sync_batchnorm, train differently)"
+)
 
 # key -> (kind, why). The reasons are shown to users when a resume changes the key.
 KEYS: dict[str, tuple[str, str]] = {
@@ -37,38 +39,74 @@ KEYS: dict[str, tuple[str, str]] = {
     "run.name": (RESOURCE, "the Slurm job name"),
     "run.seed": (RESULT, "initial weights, data order and per-rank streams derive from it"),
     "run.lease_s": (RESOURCE, "how often the job holding the run dir renews its lease"),
-    "run.snapshot_code": (RESOURCE, "where the code is imported from, not which code (submit freezes it each time)"),
+    "run.snapshot_code": (
+        RESOURCE,
+        "where the code is imported from, not which code (submit freezes it each time)",
+    ),
     "cluster.nodes": (NUMERICS, _WORLD),
     "cluster.tasks_per_node": (NUMERICS, _WORLD),
-    "cluster.gpus_per_node": (NUMERICS, "CPU and GPU kernels compute the same math in another order "
-                                        "(with train.amp=auto the precision changes too: refused)"),
+    "cluster.gpus_per_node": (
+        NUMERICS,
+        "CPU and GPU kernels compute the same math in another order "
+        "(with train.amp=auto the precision changes too: refused)",
+    ),
     "cluster.gpus": (RESOURCE, "which of a workstation's GPUs run the job (submit --local)"),
-    "cluster.cpus_per_task": (RESOURCE, "cores asked of Slurm; torch's thread count is set from the node's cores"),
+    "cluster.cpus_per_task": (
+        RESOURCE,
+        "cores asked of Slurm; torch's thread count is set from the node's cores",
+    ),
     "cluster.mem_gb": (RESOURCE, "memory asked of Slurm"),
-    "cluster.partition": (RESOURCE, "where Slurm runs the job (other hardware computes in another order)"),
+    "cluster.partition": (
+        RESOURCE,
+        "where Slurm runs the job (other hardware computes in another order)",
+    ),
     "cluster.account": (RESOURCE, "who is charged"),
     "cluster.qos": (RESOURCE, "queue priority"),
     "cluster.constraint": (RESOURCE, "which nodes (other hardware computes in another order)"),
     "cluster.time_min": (RESOURCE, "the time limit of one attempt"),
     "cluster.exclusive": (RESOURCE, "whole nodes or shared ones"),
-    "cluster.signal_delay_s": (RESOURCE, "when the time-limit signal comes; saving is exact at any step"),
+    "cluster.signal_delay_s": (
+        RESOURCE,
+        "when the time-limit signal comes; saving is exact at any step",
+    ),
     "cluster.max_timeout_requeues": (RESOURCE, "how often a run requeues itself"),
-    "cluster.setup": (RESOURCE, "shell lines before the job (keep the same software for bitwise resumes)"),
+    "cluster.setup": (
+        RESOURCE,
+        "shell lines before the job (keep the same software for bitwise resumes)",
+    ),
     "cluster.sbatch_extra": (RESOURCE, "extra #SBATCH lines"),
     "cluster.srun_args": (RESOURCE, "extra srun arguments"),
-    "dist.backend": (NUMERICS, "gloo and nccl reduce in another order (gloo trains on CPU: with train.amp=auto "
-                               "the precision changes too: refused)"),
+    "dist.backend": (
+        NUMERICS,
+        "gloo and nccl reduce in another order (gloo trains on CPU: with train.amp=auto "
+        "the precision changes too: refused)",
+    ),
     "dist.timeout_s": (RESOURCE, "how long a silent rank is waited for"),
     "dist.heartbeat_s": (RESOURCE, "how often each rank reports where it is; touches no weight"),
     "dist.stall_s": (RESOURCE, "when a rank that stopped moving ends the job; touches no weight"),
-    "dist.find_unused_parameters": (RESOURCE, "both values give the same gradients whenever both run; false "
-                                              "only refuses models with unused parameters"),
-    "dist.bucket_cap_mb": (NUMERICS, "the bucket layout decides the order in which ranks' gradients are "
-                                     "summed (with more than two ranks)"),
-    "dist.sync_batchnorm": (RESULT, "BatchNorm statistics over the global batch instead of each rank's"),
-    "train.epochs": (RESULT, "the cosine schedule spans all epochs, so every step's learning rate depends on it"),
+    "dist.find_unused_parameters": (
+        RESOURCE,
+        "both values give the same gradients whenever both run; false "
+        "only refuses models with unused parameters",
+    ),
+    "dist.bucket_cap_mb": (
+        NUMERICS,
+        "the bucket layout decides the order in which ranks' gradients are "
+        "summed (with more than two ranks)",
+    ),
+    "dist.sync_batchnorm": (
+        RESULT,
+        "BatchNorm statistics over the global batch instead of each rank's",
+    ),
+    "train.epochs": (
+        RESULT,
+        "the cosine schedule spans all epochs, so every step's learning rate depends on it",
+    ),
     "train.batch_size": (RESULT, "the global batch"),
-    "train.grad_accum": (RESULT, "the micro-batch, hence in-batch negatives and BatchNorm statistics"),
+    "train.grad_accum": (
+        RESULT,
+        "the micro-batch, hence in-batch negatives and BatchNorm statistics",
+    ),
     "train.lr": (RESULT, "optimisation"),
     "train.lr_scaling": (RESULT, "optimisation"),
     "train.warmup_steps": (RESULT, "optimisation"),
@@ -76,20 +114,41 @@ KEYS: dict[str, tuple[str, str]] = {
     "train.optimizer": (RESULT, "optimisation"),
     "train.weight_decay": (RESULT, "optimisation"),
     "train.amp": (RESULT, "the precision of every forward and backward pass"),
-    "train.tf32": (RESULT, "the precision of every matmul on Ampere+ GPUs, chosen for the experiment"),
+    "train.tf32": (
+        RESULT,
+        "the precision of every matmul on Ampere+ GPUs, chosen for the experiment",
+    ),
     "train.grad_clip": (RESULT, "optimisation"),
-    "train.log_every_steps": (RESOURCE, "logging reduces metrics only; it touches no weight and no random stream"),
-    "train.eval_every_epochs": (NUMERICS, "each evaluation's DataLoader draws one number from the global torch "
-                                          "random stream, so dropout after it draws other numbers"),
+    "train.log_every_steps": (
+        RESOURCE,
+        "logging reduces metrics only; it touches no weight and no random stream",
+    ),
+    "train.eval_every_epochs": (
+        NUMERICS,
+        "each evaluation's DataLoader draws one number from the global torch "
+        "random stream, so dropout after it draws other numbers",
+    ),
     "train.progress_bar": (RESOURCE, "display only"),
-    "train.on_nonfinite": (RESOURCE, "what a non-finite loss does (stop, or skip the step); a run that never "
-                                     "meets one trains identically either way"),
+    "train.on_nonfinite": (
+        RESOURCE,
+        "what a non-finite loss does (stop, or skip the step); a run that never "
+        "meets one trains identically either way",
+    ),
     "train.max_consecutive_skips": (RESOURCE, "when skipping non-finite steps gives up"),
-    "checkpoint.every_steps": (RESOURCE, "saving reads the state and draws no random number; the weights do not change"),
+    "checkpoint.every_steps": (
+        RESOURCE,
+        "saving reads the state and draws no random number; the weights do not change",
+    ),
     "checkpoint.keep_last": (RESOURCE, "retention"),
-    "checkpoint.dir": (RESOURCE, "where checkpoints live; a resume reads the newest one there, so move them first"),
+    "checkpoint.dir": (
+        RESOURCE,
+        "where checkpoints live; a resume reads the newest one there, so move them first",
+    ),
     "checkpoint.fsync": (RESOURCE, "durability"),
-    "checkpoint.async": (RESOURCE, "the background writer commits the same state the loop would have written; the loop computes the same steps"),
+    "checkpoint.async": (
+        RESOURCE,
+        "the background writer commits the same state the loop would have written; the loop computes the same steps",
+    ),
     "mining.enabled": (RESULT, "mining"),
     "mining.every_epochs": (RESULT, "mining"),
     "mining.start_epoch": (RESULT, "mining"),
@@ -104,19 +163,31 @@ KEYS: dict[str, tuple[str, str]] = {
     "mining.hnsw_m": (RESULT, "approximate search"),
     "mining.ef_search": (RESULT, "approximate search"),
     "mining.query_batch": (NUMERICS, "FAISS picks its distance kernel by query block size"),
-    "mining.embed_batch": (NUMERICS, "batched kernels sum in an order that depends on the batch size"),
+    "mining.embed_batch": (
+        NUMERICS,
+        "batched kernels sum in an order that depends on the batch size",
+    ),
     "mining.singletons": (RESULT, "mining"),
     "mining.max_cluster_size": (RESULT, "mining"),
     "mining.timeout_s": (RESOURCE, "how long ranks wait for rank 0's search"),
-    "mining.resume": (RESOURCE, "a round read back from its files gives the labels of one computed anew, and mining "
-                                "leaves the random streams as it found them"),
+    "mining.resume": (
+        RESOURCE,
+        "a round read back from its files gives the labels of one computed anew, and mining "
+        "leaves the random streams as it found them",
+    ),
     "task.target": (RESULT, "the task"),
     "task.params": (RESULT, "the task"),
     "task.init_from": (RESULT, "the initial weights"),
-    "data.num_workers": (RESOURCE, "items depend only on (seed, epoch, index), as the Task protocol asks; a task "
-                                   "that draws from the global random stream in __getitem__ breaks this"),
+    "data.num_workers": (
+        RESOURCE,
+        "items depend only on (seed, epoch, index), as the Task protocol asks; a task "
+        "that draws from the global random stream in __getitem__ breaks this",
+    ),
     "data.pin_memory": (RESOURCE, "transfer speed"),
-    "data.persistent_workers": (RESOURCE, "each index travels with its epoch, so persistent workers fetch the same items"),
+    "data.persistent_workers": (
+        RESOURCE,
+        "each index travels with its epoch, so persistent workers fetch the same items",
+    ),
     "data.prefetch_factor": (RESOURCE, "how far ahead workers fetch; not what they fetch"),
 }
 
@@ -136,7 +207,9 @@ def flatten(cfg: Mapping[str, Any]) -> dict[str, Any]:
             out[section] = values
             continue
         for key, value in values.items():
-            if isinstance(value, Mapping):  # an empty mapping adds no key: {} and absent are the same
+            if isinstance(
+                value, Mapping
+            ):  # an empty mapping adds no key: {} and absent are the same
                 for sub, v in value.items():
                     out[f"{section}.{key}.{sub}"] = v
             else:
@@ -225,7 +298,9 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[Change
     named = {c.key for c in result}
     for key in list(da) + [k for k in db if k not in da]:
         va, vb = da.get(key, _ABSENT), db.get(key, _ABSENT)
-        if va != vb and _DERIVED_FROM[key] not in named:  # train.amp 'auto' -> 'bf16' says it already
+        if (
+            va != vb and _DERIVED_FROM[key] not in named
+        ):  # train.amp 'auto' -> 'bf16' says it already
             result.append(Change(f"derived.{key}", va, vb, RESULT, _DERIVED_WHY[key]))
     return result, other
 

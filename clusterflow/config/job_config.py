@@ -17,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from clusterflow.config import fingerprint
+from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.sections import (
     CheckpointConfig,
     ClusterConfig,
@@ -29,10 +31,8 @@ from clusterflow.config.sections import (
     _check,
     keys,
 )
-from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.values import coerce, short, shown
 from clusterflow.errors import UserError
-from clusterflow.config import fingerprint
 
 
 @dataclass
@@ -60,7 +60,10 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Sections by their config keys (``checkpoint.async``, not the field name ``async_``)."""
         data = dataclasses.asdict(self)
-        return {name: {key: data[name][fname] for key, fname in keys(SECTIONS[name]).items()} for name in data}
+        return {
+            name: {key: data[name][fname] for key, fname in keys(SECTIONS[name]).items()}
+            for name in data
+        }
 
     def to_yaml(self) -> str:
         return config_yaml.dump(self.to_dict())
@@ -106,7 +109,6 @@ def join(base: str, *parts: str) -> str:
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Resuming: one rule for submit, run and the checkpoint restore
 
@@ -114,9 +116,18 @@ def join(base: str, *parts: str) -> str:
 # and its checkpoints are now (a moved or copied run dir resumes from its new place), how often
 # the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
 # last finite checkpoint, skipping such steps).
-MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset({"run.dir", "checkpoint.dir", "run.lease_s", "train.on_nonfinite",
-                                                  "train.max_consecutive_skips", "dist.heartbeat_s", "dist.stall_s",
-                                                  "cluster.gpus"})
+MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset(
+    {
+        "run.dir",
+        "checkpoint.dir",
+        "run.lease_s",
+        "train.on_nonfinite",
+        "train.max_consecutive_skips",
+        "dist.heartbeat_s",
+        "dist.stall_s",
+        "cluster.gpus",
+    }
+)
 
 
 def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:
@@ -150,10 +161,14 @@ def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, An
     parts = change.key.split(".")
     if parts[0] == "derived" or len(parts) != 2:
         return True
-    return all(isinstance(c.get(parts[0]), Mapping) and parts[1] in c[parts[0]] for c in (saved, requested))
+    return all(
+        isinstance(c.get(parts[0]), Mapping) and parts[1] in c[parts[0]] for c in (saved, requested)
+    )
 
 
-def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False) -> list[Any]:
+def check_resume(
+    saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False
+) -> list[Any]:
     """The one config-consistency rule, shared by ``submit``, ``run`` and the checkpoint restore:
     a run continues only with the experiment it started with. Keys that change results
     (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match; resources (Slurm
@@ -164,18 +179,27 @@ def check_resume(saved: Mapping[str, Any], requested: Mapping[str, Any], what: s
     config with a note; any other result change is refused, naming the keys."""
 
     result, other = fingerprint.compare(saved, requested)
-    result = [c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
-    other = [c for c in other if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME]
+    result = [
+        c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME
+    ]
+    other = [
+        c for c in other if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME
+    ]
     if not result:
         return other
     listed = fingerprint.summary(result)
     if relaunch:
-        print(f"note: this relaunched job runs on the config of {what}, which differs from the one given now ({listed})",
-              file=sys.stderr)
+        print(
+            f"note: this relaunched job runs on the config of {what}, which differs from the one given now ({listed})",
+            file=sys.stderr,
+        )
         return []
-    raise UserError(f"{what} holds a run with a different config ({listed}); to resume it, use the same values "
-                    f"for these keys (resources such as cluster.* may change: docs/workflows.md); "
-                    f"to start a new run, set run.dir=<new path>")
+    raise UserError(
+        f"{what} holds a run with a different config ({listed}); to resume it, use the same values "
+        f"for these keys (resources such as cluster.* may change: docs/workflows.md); "
+        f"to start a new run, set run.dir=<new path>"
+    )
+
 
 # ---------------------------------------------------------------------------------------------
 # Building a Config from what the YAML file and the overrides hold
@@ -199,20 +223,32 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise UserError(f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
-                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
+        raise UserError(
+            f"{source}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+            f"got {'a list' if isinstance(raw, list) else shown(raw)}"
+        )
     sections = {}
     for name, value in raw.items():
-        if _name(source, name, "section", f"sections are words: {', '.join(SECTIONS)}") not in SECTIONS:
-            raise UserError(f"{source}: unknown section {name!r}; valid sections: {', '.join(SECTIONS)}")
+        if (
+            _name(source, name, "section", f"sections are words: {', '.join(SECTIONS)}")
+            not in SECTIONS
+        ):
+            raise UserError(
+                f"{source}: unknown section {name!r}; valid sections: {', '.join(SECTIONS)}"
+            )
         if value is None:
             value = {}
         if not isinstance(value, dict):
-            raise UserError(f"{source}: section {name!r} must be a mapping of keys, got {shown(value)}")
+            raise UserError(
+                f"{source}: section {name!r} must be a mapping of keys, got {shown(value)}"
+            )
         types_ = _field_types(SECTIONS[name])
         kwargs = {}
         for key, v in value.items():
-            if _name(source, key, "key", f"keys of [{name}] are words: {', '.join(types_)}") not in types_:
+            if (
+                _name(source, key, "key", f"keys of [{name}] are words: {', '.join(types_)}")
+                not in types_
+            ):
                 raise UserError(
                     f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
                 )
@@ -226,23 +262,35 @@ def _parse_override(text: str) -> tuple[str, str, str, Any]:
     """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params, a, 1)."""
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
+    except (
+        UnicodeEncodeError
+    ):  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
         raw = text.encode("utf-8", "surrogateescape")
-        raise UserError(f"override {raw!r} is not UTF-8 text; type it in a UTF-8 terminal "
-                        f"(check the locale: LANG=C.UTF-8)") from None
+        raise UserError(
+            f"override {raw!r} is not UTF-8 text; type it in a UTF-8 terminal "
+            f"(check the locale: LANG=C.UTF-8)"
+        ) from None
     text_shown = short(text)
     key, sep, value = text.partition("=")
     if not sep or "." not in key:
-        raise UserError(f"override {text_shown!r} must look like section.key=value, e.g. train.epochs=3")
+        raise UserError(
+            f"override {text_shown!r} must look like section.key=value, e.g. train.epochs=3"
+        )
     section, _, name = key.strip().partition(".")
     name, _, sub = name.partition(".")
     if section not in SECTIONS:
-        raise UserError(f"override {text_shown!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        raise UserError(
+            f"override {text_shown!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+        )
     types_ = _field_types(SECTIONS[section])
     if name not in types_:
-        raise UserError(f"override {text_shown!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}")
+        raise UserError(
+            f"override {text_shown!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}"
+        )
     if sub and typing.get_origin(types_[name]) is not dict:
-        raise UserError(f"override {text_shown!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE")
+        raise UserError(
+            f"override {text_shown!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE"
+        )
     if types_[name] is str:
         try:
             parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True)
@@ -250,7 +298,9 @@ def _parse_override(text: str) -> tuple[str, str, str, Any]:
             parsed = None
         # YAML only to unquote: '007' stays '007', not 7, and a value YAML cannot read is the text typed
         return section, name, sub, parsed if isinstance(parsed, str) else value
-    parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True) if value.strip() else ""
+    parsed = (
+        config_yaml.parse(value, f"override {text_shown!r}", lenient=True) if value.strip() else ""
+    )
     return section, name, sub, parsed
 
 
@@ -264,8 +314,10 @@ def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     raw = read_yaml(path) if path else None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
-        raise UserError(f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
-                        f"got {'a list' if isinstance(raw, list) else shown(raw)}")
+        raise UserError(
+            f"{path}: the top level must be a mapping of sections ({', '.join(SECTIONS)}), "
+            f"got {'a list' if isinstance(raw, list) else shown(raw)}"
+        )
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
     # Validate the file alone first, so an error names the file rather than an override.
     build(raw, source=path or "config")
@@ -297,7 +349,14 @@ def reference_markdown() -> str:
         "",
     ]
     for name, cls in SECTIONS.items():
-        lines += [f"## `{name}`", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += [
+            f"## `{name}`",
+            "",
+            (cls.__doc__ or "").strip(),
+            "",
+            "| key | type | default | meaning |",
+            "|---|---|---|---|",
+        ]
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
@@ -306,8 +365,8 @@ def reference_markdown() -> str:
             tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
             if typing.get_origin(tp) is not None:
                 tname = str(tp).replace("typing.", "")
-            lines.append(f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |")
+            lines.append(
+                f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |"
+            )
         lines.append("")
     return "\n".join(lines)
-
-

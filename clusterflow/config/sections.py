@@ -18,7 +18,9 @@ from clusterflow.config.values import short
 from clusterflow.errors import UserError
 
 
-def doc(default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, key: str = "") -> Any:  # noqa: A002
+def doc(
+    default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, key: str = ""
+) -> Any:  # noqa: A002
     """A dataclass field with its documentation attached (read by the config reference). ``key``:
     the name in YAML and overrides when it cannot be a Python name (``checkpoint.async``)."""
     metadata = {"help": help, **({"key": key} if key else {})}
@@ -45,7 +47,9 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
 
 
-SEED_LIMIT = 2**32  # numpy's legacy seeding takes seeds below 2**32; the derived seeds stay within int64
+SEED_LIMIT = (
+    2**32
+)  # numpy's legacy seeding takes seeds below 2**32; the derived seeds stay within int64
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|::")
 
@@ -59,27 +63,58 @@ def is_url(text: str) -> bool:
 class RunConfig:
     """Where the run lives and how it is seeded."""
 
-    dir: str = doc("runs/demo", "Run directory: a filesystem path that every node sees (a shared filesystem on a "
-                   "cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, logs/, tb/, status and, "
-                   "unless checkpoint.dir says otherwise, checkpoints/.")
+    dir: str = doc(
+        "runs/demo",
+        "Run directory: a filesystem path that every node sees (a shared filesystem on a "
+        "cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, logs/, tb/, status and, "
+        "unless checkpoint.dir says otherwise, checkpoints/.",
+    )
     name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
-    seed: int = doc(0, "Master seed, 0 <= seed < 2**32. Per-rank seeds, data order and the synthetic demo data derive from it.")
-    lease_s: int = doc(30, "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
-                       "lease not renewed for 4x as long is taken over by the next job. May change on resume.")
-    snapshot_code: bool = doc(True, "Freeze the task's code at submission: submit copies the task's package (when it lives "
-                              "outside site-packages) with its git commit and diff into RUN_DIR/code/, and every "
-                              "attempt imports it from there. false runs the code in place.")
+    seed: int = doc(
+        0,
+        "Master seed, 0 <= seed < 2**32. Per-rank seeds, data order and the synthetic demo data derive from it.",
+    )
+    lease_s: int = doc(
+        30,
+        "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
+        "lease not renewed for 4x as long is taken over by the next job. May change on resume.",
+    )
+    snapshot_code: bool = doc(
+        True,
+        "Freeze the task's code at submission: submit copies the task's package (when it lives "
+        "outside site-packages) with its git commit and diff into RUN_DIR/code/, and every "
+        "attempt imports it from there. false runs the code in place.",
+    )
 
     def __post_init__(self) -> None:
         if self.dir.startswith("file://"):
-            self.dir = self.dir[len("file://"):]  # fsspec's spelling of a local path
-        _check(bool(self.dir.strip()), "run.dir", self.dir, "must name a directory, e.g. run.dir=runs/exp1")
-        _check(not is_url(self.dir), "run.dir", self.dir,
-               "is a URL, but the run dir must be a filesystem path shared by all nodes (logs, status and the "
-               "config live there); keep run.dir on a shared filesystem and put checkpoints on the object "
-               f"store with checkpoint.dir={self.dir}")
-        _check(0 <= self.seed < SEED_LIMIT, "run.seed", self.seed, f"must be between 0 and 2**32-1 = {SEED_LIMIT - 1}")
-        _check(1 <= self.lease_s <= _YEAR_S, "run.lease_s", self.lease_s, "must be between 1 second and a year")
+            self.dir = self.dir[len("file://") :]  # fsspec's spelling of a local path
+        _check(
+            bool(self.dir.strip()),
+            "run.dir",
+            self.dir,
+            "must name a directory, e.g. run.dir=runs/exp1",
+        )
+        _check(
+            not is_url(self.dir),
+            "run.dir",
+            self.dir,
+            "is a URL, but the run dir must be a filesystem path shared by all nodes (logs, status and the "
+            "config live there); keep run.dir on a shared filesystem and put checkpoints on the object "
+            f"store with checkpoint.dir={self.dir}",
+        )
+        _check(
+            0 <= self.seed < SEED_LIMIT,
+            "run.seed",
+            self.seed,
+            f"must be between 0 and 2**32-1 = {SEED_LIMIT - 1}",
+        )
+        _check(
+            1 <= self.lease_s <= _YEAR_S,
+            "run.lease_s",
+            self.lease_s,
+            "must be between 1 second and a year",
+        )
 
 
 @dataclass
@@ -87,12 +122,18 @@ class ClusterConfig:
     """Resources asked of Slurm (ignored by --local except tasks_per_node)."""
 
     nodes: int = doc(1, "Number of nodes.")
-    tasks_per_node: int = doc(1, "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).")
+    tasks_per_node: int = doc(
+        1,
+        "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).",
+    )
     gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
-    gpus: str | list[int] = doc("auto", "submit --local only: which of this machine's GPUs to use, one per process. auto: "
-                                "the free ones (no other process, enough free memory), in nvidia-smi order; or a list of "
-                                "nvidia-smi indices, e.g. [0, 2], each of which must be free. Slurm jobs get the GPUs "
-                                "Slurm allocates.")
+    gpus: str | list[int] = doc(
+        "auto",
+        "submit --local only: which of this machine's GPUs to use, one per process. auto: "
+        "the free ones (no other process, enough free memory), in nvidia-smi order; or a list of "
+        "nvidia-smi indices, e.g. [0, 2], each of which must be free. Slurm jobs get the GPUs "
+        "Slurm allocates.",
+    )
     cpus_per_task: int = doc(1, "CPU cores per process.")
     mem_gb: float = doc(0.0, "Memory per node in GB; 0 leaves Slurm's default.")
     partition: str = doc("", "Slurm partition; empty uses the cluster default.")
@@ -101,15 +142,34 @@ class ClusterConfig:
     constraint: str = doc("", "Slurm node feature constraint, e.g. a100|h100.")
     time_min: int = doc(60, "Time limit of one attempt, in minutes.")
     exclusive: bool = doc(False, "Ask for whole nodes.")
-    signal_delay_s: int = doc(120, "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue).")
-    max_timeout_requeues: int = doc(5, "How many times a run may requeue itself after hitting the time limit. Preemptions are not counted.")
-    setup: list[str] = doc(factory=list, help="Shell lines run before the job on each node (module load, conda activate).")
-    sbatch_extra: dict[str, Any] = doc(factory=dict, help="Extra #SBATCH parameters, e.g. {mail-type: END}.")
-    srun_args: list[str] = doc(factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores].")
+    signal_delay_s: int = doc(
+        120, "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue)."
+    )
+    max_timeout_requeues: int = doc(
+        5,
+        "How many times a run may requeue itself after hitting the time limit. Preemptions are not counted.",
+    )
+    setup: list[str] = doc(
+        factory=list,
+        help="Shell lines run before the job on each node (module load, conda activate).",
+    )
+    sbatch_extra: dict[str, Any] = doc(
+        factory=dict, help="Extra #SBATCH parameters, e.g. {mail-type: END}."
+    )
+    srun_args: list[str] = doc(
+        factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores]."
+    )
 
     def __post_init__(self) -> None:
-        _check(self.nodes >= 1, "cluster.nodes", self.nodes, "must be >= 1 (a job needs at least one node)")
-        _check(self.tasks_per_node >= 1, "cluster.tasks_per_node", self.tasks_per_node, "must be >= 1")
+        _check(
+            self.nodes >= 1,
+            "cluster.nodes",
+            self.nodes,
+            "must be >= 1 (a job needs at least one node)",
+        )
+        _check(
+            self.tasks_per_node >= 1, "cluster.tasks_per_node", self.tasks_per_node, "must be >= 1"
+        )
         _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node, "must be >= 0")
         if self.gpus_per_node > 0:
             _check(
@@ -130,13 +190,27 @@ class ClusterConfig:
             self.signal_delay_s,
             f"must be between 0 and the time limit ({self.time_min * 60} s)",
         )
-        _check(self.max_timeout_requeues >= 0, "cluster.max_timeout_requeues", self.max_timeout_requeues, "must be >= 0")
+        _check(
+            self.max_timeout_requeues >= 0,
+            "cluster.max_timeout_requeues",
+            self.max_timeout_requeues,
+            "must be >= 0",
+        )
         for key, value in self.sbatch_extra.items():
             # Each becomes a line "#SBATCH --key=value" of the job script.
-            _check(bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key)), "cluster.sbatch_extra", key,
-                   "keys are sbatch option names such as mail-type (letters, digits, - and _)")
-            _check(isinstance(value, (str, int, float, bool)) and not re.search(r"[\x00-\x1f\x7f]", str(value)),
-                   f"cluster.sbatch_extra.{key}", value, "must be one value on one line, such as END or 4")
+            _check(
+                bool(re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]*", key)),
+                "cluster.sbatch_extra",
+                key,
+                "keys are sbatch option names such as mail-type (letters, digits, - and _)",
+            )
+            _check(
+                isinstance(value, (str, int, float, bool))
+                and not re.search(r"[\x00-\x1f\x7f]", str(value)),
+                f"cluster.sbatch_extra.{key}",
+                value,
+                "must be one value on one line, such as END or 4",
+            )
 
     @property
     def world_size(self) -> int:
@@ -148,10 +222,19 @@ def _gpu_list(value: str | list[int]) -> str | list[int]:
     if isinstance(value, str) and re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)*\s*\]?\s*", value):
         value = [int(v) for v in re.findall(r"\d+", value)]
     if isinstance(value, str):
-        _check(value == "auto", "cluster.gpus", value, "must be auto or a list of GPU indices as nvidia-smi numbers them, e.g. [0, 2]")
+        _check(
+            value == "auto",
+            "cluster.gpus",
+            value,
+            "must be auto or a list of GPU indices as nvidia-smi numbers them, e.g. [0, 2]",
+        )
         return value
-    _check(len(set(value)) == len(value) and all(v >= 0 for v in value), "cluster.gpus", value,
-           "must list distinct GPU indices (>= 0), e.g. [0, 2]")
+    _check(
+        len(set(value)) == len(value) and all(v >= 0 for v in value),
+        "cluster.gpus",
+        value,
+        "must list distinct GPU indices (>= 0), e.g. [0, 2]",
+    )
     return value
 
 
@@ -160,38 +243,73 @@ class DistConfig:
     """Process group settings."""
 
     backend: str = doc("auto", "auto (nccl with CUDA, gloo without), nccl or gloo.")
-    timeout_s: int = doc(600, "Process-group timeout: a rank that stops answering fails the job after this long.")
-    find_unused_parameters: bool = doc(False, "DDP find_unused_parameters (needed when some parameters get no gradient).")
+    timeout_s: int = doc(
+        600, "Process-group timeout: a rank that stops answering fails the job after this long."
+    )
+    find_unused_parameters: bool = doc(
+        False, "DDP find_unused_parameters (needed when some parameters get no gradient)."
+    )
     bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
     sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
-    heartbeat_s: float = doc(10.0, "Each rank writes its step, phase, step time, host and GPU memory/utilisation to "
-                             "RUN_DIR/heartbeats/ this often, from a background thread (status --ranks shows them); 0 "
-                             "turns heartbeats off. May change on resume.")
-    stall_s: int | str = doc("auto", "Stall watchdog: a rank whose loop has not moved for this many seconds prints every "
-                             "thread's stack into its log, names itself in status and ends the job (exit code 86), "
-                             "instead of holding it until dist.timeout_s. auto: half of dist.timeout_s, at most 300; "
-                             "0: no watchdog. Must be below dist.timeout_s and above the slowest step or checkpoint "
-                             "save; the mining wait follows mining.timeout_s instead. May change on resume.")
+    heartbeat_s: float = doc(
+        10.0,
+        "Each rank writes its step, phase, step time, host and GPU memory/utilisation to "
+        "RUN_DIR/heartbeats/ this often, from a background thread (status --ranks shows them); 0 "
+        "turns heartbeats off. May change on resume.",
+    )
+    stall_s: int | str = doc(
+        "auto",
+        "Stall watchdog: a rank whose loop has not moved for this many seconds prints every "
+        "thread's stack into its log, names itself in status and ends the job (exit code 86), "
+        "instead of holding it until dist.timeout_s. auto: half of dist.timeout_s, at most 300; "
+        "0: no watchdog. Must be below dist.timeout_s and above the slowest step or checkpoint "
+        "save; the mining wait follows mining.timeout_s instead. May change on resume.",
+    )
 
     def __post_init__(self) -> None:
         _choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
-        _check(10 <= self.timeout_s <= _YEAR_S, "dist.timeout_s", self.timeout_s, f"must be between 10 and {_YEAR_S} seconds (a year)")
-        _check(self.heartbeat_s == 0 or 0.1 <= self.heartbeat_s <= 3600, "dist.heartbeat_s", self.heartbeat_s,
-               "must be 0 (off) or between 0.1 and 3600 seconds")
+        _check(
+            10 <= self.timeout_s <= _YEAR_S,
+            "dist.timeout_s",
+            self.timeout_s,
+            f"must be between 10 and {_YEAR_S} seconds (a year)",
+        )
+        _check(
+            self.heartbeat_s == 0 or 0.1 <= self.heartbeat_s <= 3600,
+            "dist.heartbeat_s",
+            self.heartbeat_s,
+            "must be 0 (off) or between 0.1 and 3600 seconds",
+        )
         if isinstance(self.stall_s, str):
-            _check(self.stall_s == "auto", "dist.stall_s", self.stall_s, "must be auto, 0 (off) or a number of seconds")
+            _check(
+                self.stall_s == "auto",
+                "dist.stall_s",
+                self.stall_s,
+                "must be auto, 0 (off) or a number of seconds",
+            )
         elif self.stall_s != 0:
-            _check(1 <= self.stall_s < self.timeout_s, "dist.stall_s", self.stall_s,
-                   f"must be 0 (off), or at least 1 s and below dist.timeout_s ({self.timeout_s} s), or the process-group timeout "
-                   f"fires first and blames a waiting peer; raise dist.timeout_s or lower dist.stall_s")
+            _check(
+                1 <= self.stall_s < self.timeout_s,
+                "dist.stall_s",
+                self.stall_s,
+                f"must be 0 (off), or at least 1 s and below dist.timeout_s ({self.timeout_s} s), or the process-group timeout "
+                f"fires first and blames a waiting peer; raise dist.timeout_s or lower dist.stall_s",
+            )
 
     @property
     def stall_limit_s(self) -> float | None:
         """The watchdog's limit in seconds, None when it is off."""
         if self.stall_s == 0:
             return None
-        return float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
-        _check(1 <= self.bucket_cap_mb <= 1 << 20, "dist.bucket_cap_mb", self.bucket_cap_mb, "must be between 1 and 1048576 (1 TB)")
+        return (
+            float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
+        )
+        _check(
+            1 <= self.bucket_cap_mb <= 1 << 20,
+            "dist.bucket_cap_mb",
+            self.bucket_cap_mb,
+            "must be between 1 and 1048576 (1 TB)",
+        )
 
 
 @dataclass
@@ -199,7 +317,9 @@ class TrainConfig:
     """The optimisation loop."""
 
     epochs: int = doc(4, "Number of epochs.")
-    batch_size: int = doc(128, "Global batch per optimizer step, over all ranks and accumulation steps.")
+    batch_size: int = doc(
+        128, "Global batch per optimizer step, over all ranks and accumulation steps."
+    )
     grad_accum: int = doc(1, "Micro-steps accumulated per optimizer step.")
     lr: float = doc(1e-3, "Learning rate for one process (see lr_scaling).")
     lr_scaling: str = doc("none", "How lr grows with world size: none, linear or sqrt.")
@@ -208,22 +328,32 @@ class TrainConfig:
     optimizer: str = doc("adamw", "adamw or sgd (momentum 0.9).")
     weight_decay: float = doc(0.0, "Weight decay.")
     amp: str = doc("auto", "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.")
-    tf32: bool = doc(True, "Allow TF32 matrix products on Ampere+ GPUs (off for bitwise comparisons across GPU types).")
+    tf32: bool = doc(
+        True,
+        "Allow TF32 matrix products on Ampere+ GPUs (off for bitwise comparisons across GPU types).",
+    )
     grad_clip: float = doc(0.0, "Clip the gradient norm to this value; 0 disables.")
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
     eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
-    on_nonfinite: str = doc("fail", "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the run "
-                            "naming the step, never saving the non-finite state (checked on log steps and before saves: no "
-                            "per-step host sync); skip_step skips that optimizer step (reads a flag every step: one host "
-                            "sync and one all-reduce per step). May change on resume.")
-    max_consecutive_skips: int = doc(10, "skip_step: fail the run when more optimizer steps than this in a row are skipped.")
+    on_nonfinite: str = doc(
+        "fail",
+        "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the run "
+        "naming the step, never saving the non-finite state (checked on log steps and before saves: no "
+        "per-step host sync); skip_step skips that optimizer step (reads a flag every step: one host "
+        "sync and one all-reduce per step). May change on resume.",
+    )
+    max_consecutive_skips: int = doc(
+        10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
+    )
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
-        _check(self.lr > 0 and math.isfinite(self.lr), "train.lr", self.lr, "must be a positive number")
+        _check(
+            self.lr > 0 and math.isfinite(self.lr), "train.lr", self.lr, "must be a positive number"
+        )
         _choice("train.lr_scaling", self.lr_scaling, ("none", "linear", "sqrt"))
         _choice("train.schedule", self.schedule, ("cosine", "constant"))
         _choice("train.optimizer", self.optimizer, ("adamw", "sgd"))
@@ -231,30 +361,61 @@ class TrainConfig:
         _check(self.warmup_steps >= 0, "train.warmup_steps", self.warmup_steps, "must be >= 0")
         _check(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
         _check(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
-        _check(self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1")
-        _check(self.eval_every_epochs >= 0, "train.eval_every_epochs", self.eval_every_epochs, "must be >= 0")
+        _check(
+            self.log_every_steps >= 1, "train.log_every_steps", self.log_every_steps, "must be >= 1"
+        )
+        _check(
+            self.eval_every_epochs >= 0,
+            "train.eval_every_epochs",
+            self.eval_every_epochs,
+            "must be >= 0",
+        )
         _choice("train.on_nonfinite", self.on_nonfinite, ("fail", "skip_step"))
-        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", self.max_consecutive_skips, "must be >= 0")
+        _check(
+            self.max_consecutive_skips >= 0,
+            "train.max_consecutive_skips",
+            self.max_consecutive_skips,
+            "must be >= 0",
+        )
 
 
 @dataclass
 class CheckpointConfig:
     """Committed checkpoints."""
 
-    every_steps: int = doc(100, "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).")
-    keep_last: int = doc(3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).")
-    dir: str = doc("", "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
-                   "moves with it); an absolute path or any fsspec URL (s3://, gs://, memory://, ...) is used as given, "
-                   "when its fsspec package (s3fs, gcsfs, ...) is installed; submit checks that it is.")
-    fsync: bool = doc(True, "fsync files before publishing (turn off only on filesystems where it is a no-op).")
-    async_: bool = doc(True, "Save in the background: the loop is blocked only while the state is snapshotted into host "
-                       "memory (one extra host copy of rank 0's state, kept between saves); a background thread writes, "
-                       "hashes, fsyncs and commits it. Stops and the end of the run still wait for the write "
-                       "(docs/preemption.md).", key="async")
+    every_steps: int = doc(
+        100,
+        "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).",
+    )
+    keep_last: int = doc(
+        3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor)."
+    )
+    dir: str = doc(
+        "",
+        "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
+        "moves with it); an absolute path or any fsspec URL (s3://, gs://, memory://, ...) is used as given, "
+        "when its fsspec package (s3fs, gcsfs, ...) is installed; submit checks that it is.",
+    )
+    fsync: bool = doc(
+        True, "fsync files before publishing (turn off only on filesystems where it is a no-op)."
+    )
+    async_: bool = doc(
+        True,
+        "Save in the background: the loop is blocked only while the state is snapshotted into host "
+        "memory (one extra host copy of rank 0's state, kept between saves); a background thread writes, "
+        "hashes, fsyncs and commits it. Stops and the end of the run still wait for the write "
+        "(docs/preemption.md).",
+        key="async",
+    )
 
     def __post_init__(self) -> None:
         _check(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
-        _check(self.keep_last >= 2, "checkpoint.keep_last", self.keep_last, "must be >= 2 so a damaged newest checkpoint has a fallback")
+        _check(
+            self.keep_last >= 2,
+            "checkpoint.keep_last",
+            self.keep_last,
+            "must be >= 2 so a damaged newest checkpoint has a fallback",
+        )
 
 
 @dataclass
@@ -263,87 +424,185 @@ class MiningConfig:
 
     enabled: bool = doc(True, "Run the mining stage (only for tasks that can embed).")
     every_epochs: int = doc(1, "Mine after every N-th epoch.")
-    start_epoch: int = doc(1, "First epoch (1-based, counted as finished epochs) after which mining runs.")
+    start_epoch: int = doc(
+        1, "First epoch (1-based, counted as finished epochs) after which mining runs."
+    )
     k: int = doc(10, "Neighbours per sample in the k-NN graph.")
-    method: str = doc("mutual_knn", "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, connected "
-                      "components) or finch (first-neighbour clustering hierarchy, no threshold; the level of highest "
-                      "silhouette). docs/mining.md compares them.")
-    threshold: float | str = doc(0.5, "mutual_knn: minimum cosine similarity of a kept mutual edge, or auto: each round, the "
-                                 "threshold of highest modularity on that round's threshold curve.")
+    method: str = doc(
+        "mutual_knn",
+        "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, connected "
+        "components) or finch (first-neighbour clustering hierarchy, no threshold; the level of highest "
+        "silhouette). docs/mining.md compares them.",
+    )
+    threshold: float | str = doc(
+        0.5,
+        "mutual_knn: minimum cosine similarity of a kept mutual edge, or auto: each round, the "
+        "threshold of highest modularity on that round's threshold curve.",
+    )
     index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
     engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
-    search: str = doc("rank0", "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
-                      "its GPUs or cores) or all (every rank searches its own block with the exact torch engine; query "
-                      "blocks are broadcast and the partial top-k merged).")
+    search: str = doc(
+        "rank0",
+        "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
+        "its GPUs or cores) or all (every rank searches its own block with the exact torch engine; query "
+        "blocks are broadcast and the partial top-k merged).",
+    )
     nlist: int = doc(1024, "ivf: number of inverted lists.")
     nprobe: int = doc(16, "ivf: lists visited per query.")
     hnsw_m: int = doc(32, "hnsw: graph degree M.")
     ef_search: int = doc(128, "hnsw: efSearch.")
     query_batch: int = doc(65536, "Queries per search batch (bounds rank 0's memory).")
     embed_batch: int = doc(512, "Samples per embedding batch on each rank.")
-    singletons: str = doc("cluster", "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.")
-    max_cluster_size: int = doc(0, "Split components larger than this by raising the threshold inside them; 0 disables.")
+    singletons: str = doc(
+        "cluster",
+        "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.",
+    )
+    max_cluster_size: int = doc(
+        0, "Split components larger than this by raising the threshold inside them; 0 disables."
+    )
     timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
-    resume: bool = doc(True, "Keep each rank's embeddings and the finished k-NN query blocks of a round in RUN_DIR/mining/ "
-                       "until its labels are committed, so a round cut short resumes where it stopped.")
+    resume: bool = doc(
+        True,
+        "Keep each rank's embeddings and the finished k-NN query blocks of a round in RUN_DIR/mining/ "
+        "until its labels are committed, so a round cut short resumes where it stopped.",
+    )
 
     def __post_init__(self) -> None:
         _check(self.every_epochs >= 1, "mining.every_epochs", self.every_epochs, "must be >= 1")
         _check(self.start_epoch >= 1, "mining.start_epoch", self.start_epoch, "must be >= 1")
         _check(self.k >= 1, "mining.k", self.k, "must be >= 1")
-        _check(self.k <= _INT32, "mining.k", self.k, f"must be at most {_INT32} (FAISS takes it as a C int)")
+        _check(
+            self.k <= _INT32,
+            "mining.k",
+            self.k,
+            f"must be at most {_INT32} (FAISS takes it as a C int)",
+        )
         if isinstance(self.threshold, str):
-            _check(self.threshold == "auto", "mining.threshold", self.threshold, "must be a number between -1 and 1, or auto")
+            _check(
+                self.threshold == "auto",
+                "mining.threshold",
+                self.threshold,
+                "must be a number between -1 and 1, or auto",
+            )
         else:
-            _check(-1.0 <= self.threshold <= 1.0, "mining.threshold", self.threshold, "is a cosine similarity: between -1 and 1, or auto")
+            _check(
+                -1.0 <= self.threshold <= 1.0,
+                "mining.threshold",
+                self.threshold,
+                "is a cosine similarity: between -1 and 1, or auto",
+            )
         _choice("mining.method", self.method, ("mutual_knn", "finch"))
         _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
         _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
         _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
         _choice("mining.search", self.search, ("rank0", "all"))
         if self.search == "all":
-            _check(self.engine != "faiss", "mining.engine", self.engine,
-                   "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch")
-            _check(self.index == "flat", "mining.index", self.index,
-                   "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0")
-            _check(self.method != "finch", "mining.method", self.method,
-                   "needs every embedding on rank 0 (cluster means at every level), which mining.search=all never gathers; "
-                   "set mining.search=rank0")
-        _check(self.method != "finch" or not self.max_cluster_size, "mining.max_cluster_size", self.max_cluster_size,
-               "splits components by raising a threshold, which mining.method=finch does not have; set it to 0")
+            _check(
+                self.engine != "faiss",
+                "mining.engine",
+                self.engine,
+                "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch",
+            )
+            _check(
+                self.index == "flat",
+                "mining.index",
+                self.index,
+                "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0",
+            )
+            _check(
+                self.method != "finch",
+                "mining.method",
+                self.method,
+                "needs every embedding on rank 0 (cluster means at every level), which mining.search=all never gathers; "
+                "set mining.search=rank0",
+            )
+        _check(
+            self.method != "finch" or not self.max_cluster_size,
+            "mining.max_cluster_size",
+            self.max_cluster_size,
+            "splits components by raising a threshold, which mining.method=finch does not have; set it to 0",
+        )
         for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
             # FAISS takes these as C ints
-            _check(1 <= getattr(self, key) <= _INT32, f"mining.{key}", getattr(self, key), f"must be between 1 and {_INT32}")
-        _check(self.max_cluster_size >= 0, "mining.max_cluster_size", self.max_cluster_size, "must be >= 0")
-        _check(10 <= self.timeout_s <= _YEAR_S, "mining.timeout_s", self.timeout_s, f"must be between 10 and {_YEAR_S} seconds (a year)")
+            _check(
+                1 <= getattr(self, key) <= _INT32,
+                f"mining.{key}",
+                getattr(self, key),
+                f"must be between 1 and {_INT32}",
+            )
+        _check(
+            self.max_cluster_size >= 0,
+            "mining.max_cluster_size",
+            self.max_cluster_size,
+            "must be >= 0",
+        )
+        _check(
+            10 <= self.timeout_s <= _YEAR_S,
+            "mining.timeout_s",
+            self.timeout_s,
+            f"must be between 10 and {_YEAR_S} seconds (a year)",
+        )
 
 
 @dataclass
 class TaskConfig:
     """What is trained."""
 
-    target: str = doc("clusterflow.tasks.pseudo_id:PseudoIDTask", "The task class, as package.module:Class.")
-    params: dict[str, Any] = doc(factory=dict, help="Keyword arguments of the task (validated by the task).")
-    init_from: str = doc("", "Load model weights from this model.pt (e.g. a stage-1 checkpoint) before training.")
+    target: str = doc(
+        "clusterflow.tasks.pseudo_id:PseudoIDTask", "The task class, as package.module:Class."
+    )
+    params: dict[str, Any] = doc(
+        factory=dict, help="Keyword arguments of the task (validated by the task)."
+    )
+    init_from: str = doc(
+        "", "Load model weights from this model.pt (e.g. a stage-1 checkpoint) before training."
+    )
 
     def __post_init__(self) -> None:
         mod, sep, cls = self.target.partition(":")
-        named = bool(sep and mod and cls and cls.isidentifier() and all(p.isidentifier() for p in mod.split(".")))
-        _check(named, "task.target", self.target,
-               "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask")
+        named = bool(
+            sep
+            and mod
+            and cls
+            and cls.isidentifier()
+            and all(p.isidentifier() for p in mod.split("."))
+        )
+        _check(
+            named,
+            "task.target",
+            self.target,
+            "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
+        )
 
 
 @dataclass
 class DataConfig:
     """Data loading."""
 
-    num_workers: int = doc(0, "DataLoader worker processes per rank, for training and for the mining embed.")
-    pin_memory: bool = doc(True, "Pin host memory when training on GPU (faster, non-blocking copies to the device).")
-    persistent_workers: bool = doc(False, "Keep the training DataLoader's workers from one epoch to the next (with "
-                                   "num_workers > 0) instead of starting new ones each epoch. Each index travels with its "
-                                   "epoch, so augmentations stay exactly those of fresh workers.")
+    num_workers: int = doc(
+        0, "DataLoader worker processes per rank, for training and for the mining embed."
+    )
+    pin_memory: bool = doc(
+        True, "Pin host memory when training on GPU (faster, non-blocking copies to the device)."
+    )
+    persistent_workers: bool = doc(
+        False,
+        "Keep the training DataLoader's workers from one epoch to the next (with "
+        "num_workers > 0) instead of starting new ones each epoch. Each index travels with its "
+        "epoch, so augmentations stay exactly those of fresh workers.",
+    )
     prefetch_factor: int = doc(2, "Batches each worker prepares ahead (with num_workers > 0).")
 
     def __post_init__(self) -> None:
-        _check(0 <= self.num_workers <= 256, "data.num_workers", self.num_workers, "must be between 0 and 256 (processes per rank)")
-        _check(1 <= self.prefetch_factor <= 1024, "data.prefetch_factor", self.prefetch_factor, "must be between 1 and 1024")
+        _check(
+            0 <= self.num_workers <= 256,
+            "data.num_workers",
+            self.num_workers,
+            "must be between 0 and 256 (processes per rank)",
+        )
+        _check(
+            1 <= self.prefetch_factor <= 1024,
+            "data.prefetch_factor",
+            self.prefetch_factor,
+            "must be between 1 and 1024",
+        )

@@ -38,7 +38,11 @@ def type_name(tp: Any) -> str:
 
 def short(text: str, limit: int = 100) -> str:
     """``text``, cut in the middle when longer than ``limit`` (a message stays one readable line)."""
-    return text if len(text) <= limit else f"{text[:limit - 30]}...{text[-20:]} ({len(text)} characters)"
+    return (
+        text
+        if len(text) <= limit
+        else f"{text[: limit - 30]}...{text[-20:]} ({len(text)} characters)"
+    )
 
 
 def shown(value: Any) -> str:
@@ -53,7 +57,13 @@ def shown(value: Any) -> str:
 def _kind(value: Any) -> str:
     if value is None:
         return "null"
-    return "int" if isinstance(value, YInt) else "float" if isinstance(value, YFloat) else type(value).__name__
+    return (
+        "int"
+        if isinstance(value, YInt)
+        else "float"
+        if isinstance(value, YFloat)
+        else type(value).__name__
+    )
 
 
 def coerce(key: str, value: Any, tp: Any) -> Any:
@@ -62,7 +72,10 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if (value is None and origin is not dict) or (value == "" and tp in (int, float, bool)):
         raise UserError(f"{key} is empty; give it a value, or remove the key to use its default")
     bad = UserError(f"{key} = {shown(value)}: expected {type_name(tp)}, got {_kind(value)}")
-    if origin in (typing.Union, types.UnionType):  # the first member that takes it (mining.threshold: a number or auto)
+    if origin in (
+        typing.Union,
+        types.UnionType,
+    ):  # the first member that takes it (mining.threshold: a number or auto)
         for member in typing.get_args(tp):
             try:
                 return coerce(key, value, member)
@@ -73,7 +86,16 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is bool:
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0", "on", "off"):
+        if isinstance(value, str) and value.lower() in (
+            "true",
+            "false",
+            "yes",
+            "no",
+            "1",
+            "0",
+            "on",
+            "off",
+        ):
             return value.lower() in ("true", "yes", "1", "on")
         raise bad
     if tp is int:
@@ -96,7 +118,9 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             raise bad
         _check_plain(key, value)
         return plain(value)
-    raise TypeError(f"unsupported config type {tp!r} for {key}")  # a programming error, not a user one
+    raise TypeError(
+        f"unsupported config type {tp!r} for {key}"
+    )  # a programming error, not a user one
 
 
 def _integer(key: str, value: Any, bad: UserError) -> int:
@@ -105,13 +129,21 @@ def _integer(key: str, value: Any, bad: UserError) -> int:
     if isinstance(value, int):
         out = int(value)
     elif isinstance(value, (str, YFloat)) or (isinstance(value, float) and math.isfinite(value)):
-        text = value.text if isinstance(value, YFloat) else value if isinstance(value, str) else repr(value)
+        text = (
+            value.text
+            if isinstance(value, YFloat)
+            else value
+            if isinstance(value, str)
+            else repr(value)
+        )
         try:
             exact = Decimal(text.strip().replace("_", ""))
         except InvalidOperation:
             raise bad from None
         if not exact.is_finite() or exact != exact.to_integral_value():
-            raise UserError(f"{key} = {shown(value)}: expected an integer (a whole number such as 3 or 1e3)")
+            raise UserError(
+                f"{key} = {shown(value)}: expected an integer (a whole number such as 3 or 1e3)"
+            )
         if exact.adjusted() > 18:
             raise UserError(f"{key} = {shown(value)}: out of range; at most {INT_MAX} (2**63-1)")
         out = int(exact)
@@ -145,11 +177,15 @@ def _text(key: str, value: Any, bad: UserError) -> str:
         raise bad
     for i, ch in enumerate(value):
         if "\ud800" <= ch <= "\udfff":
-            raise UserError(f"{key} = {value!r}: holds text that is not valid UTF-8 (at position {i}); "
-                            f"write it in UTF-8 (check the terminal's locale, e.g. LANG=C.UTF-8)")
+            raise UserError(
+                f"{key} = {value!r}: holds text that is not valid UTF-8 (at position {i}); "
+                f"write it in UTF-8 (check the terminal's locale, e.g. LANG=C.UTF-8)"
+            )
         if (ch < " " and ch != "\t") or ch == "\x7f":
-            raise UserError(f"{key} = {value!r}: holds the control character {ch!r} at position {i}, "
-                            f"which would break the job script or a file name; remove it")
+            raise UserError(
+                f"{key} = {value!r}: holds the control character {ch!r} at position {i}, "
+                f"which would break the job script or a file name; remove it"
+            )
     return value
 
 
@@ -157,11 +193,15 @@ def _check_plain(key: str, value: Any) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):
-                raise UserError(f"{key} has the key {shown(k)} ({_kind(k)}); keys are names: quote it, e.g. '{k}'")
+                raise UserError(
+                    f"{key} has the key {shown(k)} ({_kind(k)}); keys are names: quote it, e.g. '{k}'"
+                )
             _check_plain(f"{key}.{k}", v)
     elif isinstance(value, list):
         for i, v in enumerate(value):
             _check_plain(f"{key}[{i}]", v)
     elif not (value is None or isinstance(value, (str, int, float, bool))):
-        raise UserError(f"{key} = {value!r}: expected a plain value (a string, number, true/false, list or mapping), "
-                        f"got {type(value).__name__}; quote it to pass it as a string")
+        raise UserError(
+            f"{key} = {value!r}: expected a plain value (a string, number, true/false, list or mapping), "
+            f"got {type(value).__name__}; quote it to pass it as a string"
+        )

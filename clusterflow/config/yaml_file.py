@@ -58,17 +58,24 @@ class _Refused(yaml.MarkedYAMLError):
 
 
 # Python float syntax with an exponent (YAML 1.1 needs a dot and a signed exponent: 1.0e+10).
-_FLOAT_EXP = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9][0-9_]*$")
+_FLOAT_EXP = re.compile(
+    r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9][0-9_]*$"
+)
 _MERGE = "tag:yaml.org,2002:merge"
 
 
 # libyaml's event parser (5x faster than PyYAML's own, which matters for the fuzz test's thousands of
 # configs) under PyYAML's Python composer, whose recursion the depth limit below bounds.
-_PARSER: tuple[type, ...] = ((yaml.cyaml.CParser,) if yaml.__with_libyaml__ else
-                             (yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser))
+_PARSER: tuple[type, ...] = (
+    (yaml.cyaml.CParser,)
+    if yaml.__with_libyaml__
+    else (yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser)
+)
 
 
-class _Loader(yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):  # type: ignore[misc]
+class _Loader(
+    yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor, yaml.resolver.Resolver
+):  # type: ignore[misc]
     def __init__(self, text: str) -> None:
         if yaml.__with_libyaml__:
             yaml.cyaml.CParser.__init__(self, text)
@@ -84,8 +91,11 @@ class _Loader(yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             if self._depth > MAX_DEPTH:
-                raise _Refused(f"nesting deeper than {MAX_DEPTH} levels", self.peek_event().start_mark,
-                               "a config is a few levels deep: sections, keys, and task parameters")
+                raise _Refused(
+                    f"nesting deeper than {MAX_DEPTH} levels",
+                    self.peek_event().start_mark,
+                    "a config is a few levels deep: sections, keys, and task parameters",
+                )
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
@@ -99,16 +109,22 @@ class _Loader(yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor
                 key = self.construct_object(key_node)
                 if key in seen:
                     first = seen[key].line + 1
-                    raise _Refused(f"duplicate key {key!r} (first given at line {first})", key_node.start_mark,
-                                   f"remove one of them; YAML would keep only the last one, silently")
+                    raise _Refused(
+                        f"duplicate key {key!r} (first given at line {first})",
+                        key_node.start_mark,
+                        "remove one of them; YAML would keep only the last one, silently",
+                    )
                 seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
     def construct_yaml_int(self, node: Any) -> YInt:
         digits = sum(c.isdigit() for c in node.value)
         if digits > MAX_INT_DIGITS:
-            raise _Refused(f"an integer of {digits} digits", node.start_mark,
-                           f"numbers have at most {MAX_INT_DIGITS} digits (Python's limit); quote it if it is a string")
+            raise _Refused(
+                f"an integer of {digits} digits",
+                node.start_mark,
+                f"numbers have at most {MAX_INT_DIGITS} digits (Python's limit); quote it if it is a string",
+            )
         out = YInt(super().construct_yaml_int(node))
         out.text = node.value
         return out
@@ -122,7 +138,8 @@ class _Loader(yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor
 # Dates stay strings: a config has no use for date objects, and they do not survive JSON (manifests).
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
+}
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
 _Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
@@ -149,20 +166,33 @@ def _check_expansion(root: Any) -> None:
     while stack:
         node, done = stack.pop()
         key = id(node)
-        children = [] if isinstance(node, yaml.ScalarNode) else (
-            [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else list(node.value))
+        children = (
+            []
+            if isinstance(node, yaml.ScalarNode)
+            else (
+                [n for pair in node.value for n in pair]
+                if isinstance(node, yaml.MappingNode)
+                else list(node.value)
+            )
+        )
         if done:
             open_.discard(key)
             sizes[key] = 1 + sum(sizes[id(c)] for c in children)
             if sizes[key] > MAX_NODES:
-                raise _Refused(f"anchors and aliases here expand to more than {MAX_NODES} values", node.start_mark,
-                               "use fewer aliases (an alias copies its anchor's whole value)")
+                raise _Refused(
+                    f"anchors and aliases here expand to more than {MAX_NODES} values",
+                    node.start_mark,
+                    "use fewer aliases (an alias copies its anchor's whole value)",
+                )
             continue
         if key in sizes:
             continue
         if key in open_:
-            raise _Refused("an alias refers to a value that contains it (an endless structure)", node.start_mark,
-                           "remove the alias from inside its own anchor")
+            raise _Refused(
+                "an alias refers to a value that contains it (an endless structure)",
+                node.start_mark,
+                "remove the alias from inside its own anchor",
+            )
         open_.add(key)
         stack.append((node, True))
         stack.extend((c, False) for c in children if id(c) not in sizes)
@@ -199,19 +229,36 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
     except yaml.reader.ReaderError as exc:
         line = text.count("\n", 0, exc.position) + 1
         char = chr(exc.character) if isinstance(exc.character, int) else exc.character
-        raise UserError(f"{source}: line {line} holds the character {char!r}, which YAML does not allow "
-                        f"(is it a binary file?); a config is plain text") from None
+        raise UserError(
+            f"{source}: line {line} holds the character {char!r}, which YAML does not allow "
+            f"(is it a binary file?); a config is plain text"
+        ) from None
     except yaml.MarkedYAMLError as exc:
         problem = exc.problem or exc.context or "not valid YAML"
-        fix = "YAML indents with spaces, not tabs: replace the tab" if _char_at(text, exc.problem_mark) == "\t" else _FIX
-        raise UserError(f"malformed YAML at {_where(source, exc.problem_mark)}: {problem}; {fix}") from None
+        fix = (
+            "YAML indents with spaces, not tabs: replace the tab"
+            if _char_at(text, exc.problem_mark) == "\t"
+            else _FIX
+        )
+        raise UserError(
+            f"malformed YAML at {_where(source, exc.problem_mark)}: {problem}; {fix}"
+        ) from None
     except yaml.YAMLError as exc:
         raise UserError(f"malformed YAML in {source}: {str(exc).splitlines()[0]}; {_FIX}") from None
-    except (ValueError, OverflowError) as exc:  # a tagged value PyYAML cannot build (!!timestamp 2001-02-30)
-        raise UserError(f"{source}: cannot read a value ({exc}); quote it to keep it as a string") from None
+    except (
+        ValueError,
+        OverflowError,
+    ) as exc:  # a tagged value PyYAML cannot build (!!timestamp 2001-02-30)
+        raise UserError(
+            f"{source}: cannot read a value ({exc}); quote it to keep it as a string"
+        ) from None
     except UnicodeEncodeError:  # a lone surrogate: only from text that never was UTF-8
-        raise UserError(f"{source}: holds text that is not valid UTF-8; write it in UTF-8") from None
-    except RecursionError:  # a guard we did not foresee; the limits above should make this unreachable
+        raise UserError(
+            f"{source}: holds text that is not valid UTF-8; write it in UTF-8"
+        ) from None
+    except (
+        RecursionError
+    ):  # a guard we did not foresee; the limits above should make this unreachable
         raise UserError(f"{source}: nested too deeply to read; flatten it") from None
     finally:
         if loader is not None:
@@ -235,28 +282,41 @@ def plain(value: Any) -> Any:
 
 # -- reading the file --------------------------------------------------------------------------
 
-_KINDS = ((stat.S_ISCHR, "a character device (like /dev/zero)"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISCHR, "a character device (like /dev/zero)"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def _read_bytes(path: str) -> bytes:
     try:
         st = os.stat(path)
     except FileNotFoundError:
-        raise UserError(f"config file not found: {path!r} (cwd is {os.getcwd()}); "
-                        f"pass the path of a YAML file such as configs/demo.yaml") from None
+        raise UserError(
+            f"config file not found: {path!r} (cwd is {os.getcwd()}); "
+            f"pass the path of a YAML file such as configs/demo.yaml"
+        ) from None
     except OSError as exc:
-        raise UserError(f"cannot read config file {path!r}: {exc.strerror}; pass a readable YAML file") from None
+        raise UserError(
+            f"cannot read config file {path!r}: {exc.strerror}; pass a readable YAML file"
+        ) from None
     if stat.S_ISDIR(st.st_mode):
-        raise UserError(f"config path {path!r} is a directory; pass a YAML file such as configs/demo.yaml")
+        raise UserError(
+            f"config path {path!r} is a directory; pass a YAML file such as configs/demo.yaml"
+        )
     for test, kind in _KINDS:
         if test(st.st_mode):
-            raise UserError(f"config path {path!r} is {kind}, not a file; pass a YAML file such as configs/demo.yaml")
+            raise UserError(
+                f"config path {path!r} is {kind}, not a file; pass a YAML file such as configs/demo.yaml"
+            )
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except PermissionError:
-        raise UserError(f"config file {path!r} is not readable by this user (permission denied); "
-                        f"check its permissions with ls -l, or copy it somewhere readable") from None
+        raise UserError(
+            f"config file {path!r} is not readable by this user (permission denied); "
+            f"check its permissions with ls -l, or copy it somewhere readable"
+        ) from None
     except OSError as exc:
         raise UserError(f"cannot open config file {path!r}: {exc.strerror}") from None
     try:
@@ -268,12 +328,16 @@ def _read_bytes(path: str) -> bytes:
             chunks.append(chunk)
             size += len(chunk)
     except OSError as exc:
-        raise UserError(f"cannot read config file {path!r}: {exc.strerror}; pass a readable YAML file") from None
+        raise UserError(
+            f"cannot read config file {path!r}: {exc.strerror}; pass a readable YAML file"
+        ) from None
     finally:
         os.close(fd)
     if size > MAX_BYTES:
-        raise UserError(f"config file {path!r} is larger than {MAX_BYTES >> 20} MiB (or endless); a config is a few KB "
-                        f"of YAML: keep large data in a file that the task reads")
+        raise UserError(
+            f"config file {path!r} is larger than {MAX_BYTES >> 20} MiB (or endless); a config is a few KB "
+            f"of YAML: keep large data in a file that the task reads"
+        )
     return b"".join(chunks)
 
 
@@ -281,12 +345,19 @@ def _wait_for_writer(fd: int, path: str) -> None:
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP)
     if not poller.poll(PIPE_WAIT_S * 1000):
-        raise UserError(f"config path {path!r} is a named pipe and nothing wrote to it within {PIPE_WAIT_S:.0f} s; "
-                        f"pass a YAML file")
+        raise UserError(
+            f"config path {path!r} is a named pipe and nothing wrote to it within {PIPE_WAIT_S:.0f} s; "
+            f"pass a YAML file"
+        )
 
 
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8"),
-         (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 
 
 def _encoding(data: bytes) -> tuple[str, int]:
@@ -315,9 +386,13 @@ def read_text(path: str) -> str:
         text = data[skip:].decode(name)
     except UnicodeDecodeError as exc:
         at = skip + exc.start
-        raise UserError(f"config file {path!r} is not {name.upper()} text (byte 0x{data[at]:02x} at offset {at}): "
-                        f"is it a binary file? save the config as UTF-8 text") from None
+        raise UserError(
+            f"config file {path!r} is not {name.upper()} text (byte 0x{data[at]:02x} at offset {at}): "
+            f"is it a binary file? save the config as UTF-8 text"
+        ) from None
     if "\0" in text:
-        raise UserError(f"config file {path!r} holds a NUL character at offset {text.index(chr(0))}: "
-                        f"is it a binary file? a config is UTF-8 text")
+        raise UserError(
+            f"config file {path!r} holds a NUL character at offset {text.index(chr(0))}: "
+            f"is it a binary file? a config is UTF-8 text"
+        )
     return text

@@ -45,7 +45,9 @@ def task_frame(exc: BaseException, target: str) -> Any:
     path = _task_file(target)
     if path is None:
         return None
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == path]
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == path
+    ]
     return frames[0] if frames else None
 
 
@@ -61,10 +63,16 @@ def describe(exc: BaseException, target: str) -> Failure:
     if isinstance(exc, RunFailed):
         return Failure(str(exc), "", EXIT_JOB_FAILED, True)
     if isinstance(exc, TaskError) and exc.__cause__ is not None:
-        return Failure(str(exc), "".join(traceback.format_exception(exc.__cause__)), EXIT_JOB_FAILED, True)
+        return Failure(
+            str(exc), "".join(traceback.format_exception(exc.__cause__)), EXIT_JOB_FAILED, True
+        )
     frame = task_frame(exc, target) if isinstance(exc, Exception) else None
     if frame is not None:
         where = f"{frame.name} ({frame.filename}:{frame.lineno})"
-        return Failure(f"task.target {target!r} failed in {where}: {_one_line(exc)}",
-                       "".join(traceback.format_exception(exc)), EXIT_JOB_FAILED, True)
+        return Failure(
+            f"task.target {target!r} failed in {where}: {_one_line(exc)}",
+            "".join(traceback.format_exception(exc)),
+            EXIT_JOB_FAILED,
+            True,
+        )
     return Failure(_one_line(exc), "".join(traceback.format_exception(exc)), EXIT_JOB_FAILED, False)

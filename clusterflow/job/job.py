@@ -14,17 +14,13 @@ import socket
 import sys
 from typing import Any, Mapping
 
-from clusterflow import observe, rundir
-from clusterflow.job import failure
-from clusterflow.rundir import first_error, states
+from clusterflow import dist, observe, rundir
 from clusterflow.config.job_config import Config, from_dict
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
-from clusterflow import dist
+from clusterflow.job import failure
 from clusterflow.job.requeue import after_stop
-from clusterflow.rundir import frozen_code
-from clusterflow.rundir import lease
-from clusterflow.rundir import saved_config
+from clusterflow.rundir import first_error, frozen_code, lease, saved_config, states
 from clusterflow.tasks import load_task
 from clusterflow.train.preemption import Preemption
 from clusterflow.train.trainer import Trainer
@@ -41,7 +37,9 @@ class Job:
     def __call__(self) -> str:
         outcome = run_job(self.config)
         if outcome == "failed":
-            raise RuntimeError("clusterflow job failed; see the rank logs and `python -m clusterflow.status`")
+            raise RuntimeError(
+                "clusterflow job failed; see the rank logs and `python -m clusterflow.status`"
+            )
         return outcome
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
@@ -52,7 +50,9 @@ class Job:
 
 
 def setup_logging(paths: rundir.RunPaths, rank: int, attempt: int) -> None:
-    fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter(
+        f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
+    )
     root = logging.getLogger("clusterflow")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
@@ -81,20 +81,47 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
 
     paths = rundir.RunPaths(cfg.run.dir)
     # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
-    procs = dist.gather_object([socket.gethostname(), os.getpid(), lease.process_start(os.getpid())])
+    procs = dist.gather_object(
+        [socket.gethostname(), os.getpid(), lease.process_start(os.getpid())]
+    )
     attempt = 0
     if env.is_main:
         os.makedirs(cfg.run.dir, exist_ok=True)
-        attempt = rundir.record_attempt(paths, job_id=env.job_id, restart_count=env.attempt, hosts=list(env.hosts),
-                                        world_size=env.world_size, source=env.source, host=socket.gethostname(), procs=procs)
+        attempt = rundir.record_attempt(
+            paths,
+            job_id=env.job_id,
+            restart_count=env.attempt,
+            hosts=list(env.hosts),
+            world_size=env.world_size,
+            source=env.source,
+            host=socket.gethostname(),
+            procs=procs,
+        )
     attempt = int(dist.broadcast_object(attempt))
     setup_logging(paths, env.rank, attempt)
     if env.is_main:
-        rundir.write_status(paths, state="running", job_id=env.job_id, world_size=env.world_size,
-                            hosts=sorted({p[0] for p in procs or []}), attempt=attempt, error=None)
-    log.info("rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
-             env.rank, env.world_size, socket.gethostname(), env.source, env.local_rank, device, env.job_id,
-             attempt, env.master_addr, env.master_port)
+        rundir.write_status(
+            paths,
+            state="running",
+            job_id=env.job_id,
+            world_size=env.world_size,
+            hosts=sorted({p[0] for p in procs or []}),
+            attempt=attempt,
+            error=None,
+        )
+    log.info(
+        "rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
+        env.rank,
+        env.world_size,
+        socket.gethostname(),
+        env.source,
+        env.local_rank,
+        device,
+        env.job_id,
+        attempt,
+        env.master_addr,
+        env.master_port,
+    )
     return attempt
 
 
@@ -106,7 +133,9 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
     held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
-        observe.before_init(cfg, environ)  # the flight recorder reads its variables when the group starts
+        observe.before_init(
+            cfg, environ
+        )  # the flight recorder reads its variables when the group starts
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         cfg = from_dict(_take_run_dir(env, cfg, environ))
@@ -116,14 +145,24 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
         preemption = Preemption().install()
 
-        frozen_code.activate(cfg.run.dir)  # the code frozen at submission, on every rank of every attempt
+        frozen_code.activate(
+            cfg.run.dir
+        )  # the code frozen at submission, on every rank of every attempt
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
         trainer = Trainer(cfg, task, device, attempt, preemption)
-        with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):  # heartbeats, stall watchdog
+        with observe.Observer(cfg, env.rank, attempt, device).watching(
+            trainer.phases
+        ):  # heartbeats, stall watchdog
             outcome = trainer.fit()
         if env.is_main:
-            outcome = after_stop(rundir.RunPaths(cfg.run.dir), outcome, env, environ, cfg.cluster.max_timeout_requeues,
-                                 preemption.received_at)
+            outcome = after_stop(
+                rundir.RunPaths(cfg.run.dir),
+                outcome,
+                env,
+                environ,
+                cfg.cluster.max_timeout_requeues,
+                preemption.received_at,
+            )
             _let_go(cfg, env, environ, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
@@ -147,9 +186,16 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
             lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
             answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
             answer = answer.to_dict()
-        except (UserError, OSError) as exc:  # every rank must hear it, or the others wait for rank 0
+        except (
+            UserError,
+            OSError,
+        ) as exc:  # every rank must hear it, or the others wait for rank 0
             lease.release(cfg.run.dir)
-            answer = str(exc) if isinstance(exc, UserError) else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+            answer = (
+                str(exc)
+                if isinstance(exc, UserError)
+                else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+            )
     answer = dist.broadcast_object(answer)
     if isinstance(answer, str):
         raise UserError(answer)
@@ -179,14 +225,27 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
             # Two ranks' read-modify-writes of status.json at once may lose the winner's error: status
             # then reads the cause from the first-error record, which no later write replaces.
             first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
-            rundir.write_status(paths, state="failed", exit_code=f.code,
-                                **({"error": f"rank {rank}: {f.message}"} if first else {}))
-    except (OSError, RunFailed):  # a full disk or a vanished run dir: the message below still reaches the user
+            rundir.write_status(
+                paths,
+                state="failed",
+                exit_code=f.code,
+                **({"error": f"rank {rank}: {f.message}"} if first else {}),
+            )
+    except (
+        OSError,
+        RunFailed,
+    ):  # a full disk or a vanished run dir: the message below still reaches the user
         pass
-    shown = f.trace if f.named and f.trace else ""  # the task's traceback, in the rank log (echoed by --local)
+    shown = (
+        f.trace if f.named and f.trace else ""
+    )  # the task's traceback, in the rank log (echoed by --local)
     log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
     if f.named:
-        later = f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}" if shown and write else ""
+        later = (
+            f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}"
+            if shown and write
+            else ""
+        )
         print(f"error: {f.message}{later}", file=sys.stderr)
         raise SystemExit(f.code) from None
 

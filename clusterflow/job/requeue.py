@@ -42,8 +42,12 @@ def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, li
         return Action(outcome, "stopped" if source == "submitit-local" else "requeued")
     if outcome == "timeout":
         if timeouts > limit:
-            return Action("timeout", "stopped", error=f"time limit reached {timeouts} times (cluster.max_timeout_requeues="
-                                                      f"{limit}); resume by submitting the same config again")
+            return Action(
+                "timeout",
+                "stopped",
+                error=f"time limit reached {timeouts} times (cluster.max_timeout_requeues="
+                f"{limit}); resume by submitting the same config again",
+            )
         return Action("timeout", "requeued", requeue=True, why="the time-limit signal")
     # Slurm requeues a preempted job only if it is still running when the grace time ends; one that
     # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
@@ -54,8 +58,14 @@ def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, li
     return Action(outcome, "stopped" if slurm_state == "CANCELLED" else "requeued")
 
 
-def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[str, str], limit: int,
-               signal_at: float | None) -> str:
+def after_stop(
+    paths: rundir.RunPaths,
+    outcome: str,
+    env: Any,
+    environ: Mapping[str, str],
+    limit: int,
+    signal_at: float | None,
+) -> str:
     """Rank 0: record the outcome and carry out :func:`decide`'s action; returns the job's outcome.
     ``env``: this job's DistEnv; ``environ``: the environment it was read from."""
     # An array task is requeued as A_T: the bare array id would requeue every task of the array.
@@ -68,15 +78,21 @@ def after_stop(paths: rundir.RunPaths, outcome: str, env: Any, environ: Mapping[
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
     action = decide(outcome, env.source, slurm_state, timeouts, limit)
-    if outcome != "completed" and cancel_marker.is_cancelled(paths.root):  # the user's cancel wins over any requeue
+    if outcome != "completed" and cancel_marker.is_cancelled(
+        paths.root
+    ):  # the user's cancel wins over any requeue
         rundir.write_status(paths, state="cancelled")
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome
     if action.requeue:
         return "requeued" if requeue(job_id, paths, action.why) else action.outcome
     if outcome == "preempted" and slurm_state is not None:
-        log.info("job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state")
-    rundir.write_status(paths, state=action.state, **({"error": action.error} if action.error else {}))
+        log.info(
+            "job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state"
+        )
+    rundir.write_status(
+        paths, state=action.state, **({"error": action.error} if action.error else {})
+    )
     if outcome == "completed":
         log.info("run completed; final weights in %s", paths.model)
     return action.outcome
@@ -96,4 +112,3 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> bool:
     rundir.write_status(paths, state="requeued")
     log.info("requeued job %s after %s", job_id, why)
     return True
-

@@ -16,14 +16,13 @@ import argparse
 import os
 import sys
 
-from clusterflow.job import failure
-from clusterflow.rundir import preflight
-from clusterflow.rundir import saved_config
 from clusterflow.config.job_config import Config
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 from clusterflow.dist.env import DistEnv
 from clusterflow.dist.sampler import check_fits
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.job import failure
 from clusterflow.job.job import run_job
+from clusterflow.rundir import preflight, saved_config
 from clusterflow.tasks import load_task
 
 EXAMPLES = """examples:
@@ -36,18 +35,24 @@ EXAMPLES = """examples:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.run", description=__doc__.split("\n\n")[1],
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.run",
+        description=__doc__.split("\n\n")[1],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    p.add_argument("--check", action="store_true",
-                   help="check the config, the run dir and the task (import, parameters, dataset size), then exit "
-                        "without training or writing anything: 0 when the run would start, 2 with the reason otherwise")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="check the config, the run dir and the task (import, parameters, dataset size), then exit "
+        "without training or writing anything: 0 when the run would start, 2 with the reason otherwise",
+    )
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
     if args.check:
-
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)
         return _check_task(cfg, env.world_size)
@@ -75,8 +80,10 @@ def _check_task(cfg: Config, world: int) -> int:
         print(f"error: {f.message}\n{f.trace}", file=sys.stderr)
         return f.code
     check_fits(n, cfg.train.batch_size, world * cfg.train.grad_accum, cfg.task.target)
-    print(f"ok: {cfg.task.target} with {n} training samples, {n // cfg.train.batch_size} steps per epoch, "
-          f"{cfg.train.epochs} epoch(s) on {world} process(es); run dir {cfg.run.dir}")
+    print(
+        f"ok: {cfg.task.target} with {n} training samples, {n // cfg.train.batch_size} steps per epoch, "
+        f"{cfg.train.epochs} epoch(s) on {world} process(es); run dir {cfg.run.dir}"
+    )
     return EXIT_OK
 
 

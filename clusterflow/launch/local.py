@@ -30,7 +30,9 @@ from clusterflow.launch import jobs
 from clusterflow.manage import logs
 from clusterflow.rundir import first_error, lease, states
 
-GRACE_S = 3.0  # the others may still end by themselves (and record their side) before they are stopped
+GRACE_S = (
+    3.0  # the others may still end by themselves (and record their side) before they are stopped
+)
 
 
 def _children(pid: int) -> list[int]:
@@ -56,7 +58,9 @@ class RankWatch:
         self.controller = int(job.job_id)
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
         self.started_at = time.time()
-        self.first_seen: float | None = None  # when the first task appeared (the controller starts all at once)
+        self.first_seen: float | None = (
+            None  # when the first task appeared (the controller starts all at once)
+        )
         self.attempts_before = rundir.attempt_count(rundir.RunPaths(run_dir))
 
     def first_dead(self) -> int | None:
@@ -105,7 +109,11 @@ class RankWatch:
         from submitit.core.utils import JobPaths
 
         try:
-            with open(JobPaths(self.folder, self.job.job_id, rank).stderr, encoding="utf-8", errors="replace") as f:
+            with open(
+                JobPaths(self.folder, self.job.job_id, rank).stderr,
+                encoding="utf-8",
+                errors="replace",
+            ) as f:
                 printed = [line[7:].strip() for line in f if line.startswith("error: ")]
         except OSError:
             printed = []
@@ -125,12 +133,18 @@ class RankWatch:
                 time.sleep(0.1)
         self._kill_survivors()  # also when the controller is done but left a rank behind
         paths = rundir.RunPaths(self.run_dir)
-        when = "before the rendezvous" if rundir.attempt_count(paths) == self.attempts_before else "during the run"
+        when = (
+            "before the rendezvous"
+            if rundir.attempt_count(paths) == self.attempts_before
+            else "during the run"
+        )
         cause = self._cause(rank, paths)
         who = f"rank {rank} (pid {self.procs[rank][0]})" if rank in self.procs else f"rank {rank}"
         why = f"{who} died first, {when}: {cause}; the other rank(s) were stopped"
         try:
-            lease.check(self.run_dir, lease.identity())  # raises while another live job holds the run dir
+            lease.check(
+                self.run_dir, lease.identity()
+            )  # raises while another live job holds the run dir
         except lease.RunDirBusy:
             return why
         rundir.write_status(paths, state="failed", error=why)
@@ -150,22 +164,36 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)
     if gpus is not None:
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
-    ex.update_parameters(tasks_per_node=cfg.cluster.tasks_per_node, nodes=1, timeout_min=cfg.cluster.time_min,
-                         gpus_per_node=cfg.cluster.gpus_per_node or 0, **({"visible_gpus": gpus} if gpus else {}))
+        os.environ["CUDA_DEVICE_ORDER"] = (
+            "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
+        )
+    ex.update_parameters(
+        tasks_per_node=cfg.cluster.tasks_per_node,
+        nodes=1,
+        timeout_min=cfg.cluster.time_min,
+        gpus_per_node=cfg.cluster.gpus_per_node or 0,
+        **({"visible_gpus": gpus} if gpus else {}),
+    )
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
     job = ex.submit(jobs.job_for(cfg))
-    print(f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}")
+    print(
+        f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}"
+    )
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
     why, results = None, None
     try:
-        why = _follow(cfg.run.dir, job, RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node))
+        why = _follow(
+            cfg.run.dir, job, RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node)
+        )
         # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
         if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
             results = job.results()
     except KeyboardInterrupt:
         job.cancel()
-        print("interrupted: the job was asked to stop; resume by running the same command again", file=sys.stderr)
+        print(
+            "interrupted: the job was asked to stop; resume by running the same command again",
+            file=sys.stderr,
+        )
         return 130
     except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
         pass
@@ -173,10 +201,15 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
         status, _ = rundir.read_object(paths.status)
         code = failed_exit_code(status)
         attempt = rundir.current_attempt(paths)
-        said = why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
+        said = (
+            why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
+        )
         print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
-            print(f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}", file=sys.stderr)
+            print(
+                f"see python -m clusterflow.status {cfg.run.dir} and the logs in {paths.logs}",
+                file=sys.stderr,
+            )
         return code
     outcome = results[0]
     print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")

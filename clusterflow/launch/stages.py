@@ -14,11 +14,10 @@ from __future__ import annotations
 import os
 import sys
 
-from clusterflow.manage import status
-from clusterflow.rundir import states
-from clusterflow.rundir import submissions
-from clusterflow.slurm import jobids
 from clusterflow.errors import UserError
+from clusterflow.manage import status
+from clusterflow.rundir import states, submissions
+from clusterflow.slurm import jobids
 
 
 def _state(run_dir: str) -> str | None:
@@ -37,11 +36,15 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
     runs = []
     for run_dir in after:
         if not os.path.isdir(run_dir):
-            raise UserError(f"--after {run_dir}: no such run dir; pass the run.dir of a submitted run")
+            raise UserError(
+                f"--after {run_dir}: no such run dir; pass the run.dir of a submitted run"
+            )
         state = _state(run_dir)
         if local and state != states.COMPLETED:
-            raise UserError(f"--after {run_dir}: that run is {state}; with --local the earlier stage must have "
-                            f"completed (run it first, e.g. submit its config with --local)")
+            raise UserError(
+                f"--after {run_dir}: that run is {state}; with --local the earlier stage must have "
+                f"completed (run it first, e.g. submit its config with --local)"
+            )
         runs.append((run_dir, state, submissions.current_job_id(run_dir)))
     return after_dependency(runs)
 
@@ -58,10 +61,14 @@ def after_dependency(runs: list[tuple[str, str | None, str | None]]) -> str | No
         if state == states.COMPLETED:
             continue
         if states.ended(state):
-            raise UserError(f"--after {run_dir}: that run is {state}, so a job waiting for it to complete would never start; "
-                            f"resume it first (submit its config again), then submit this one with --after")
+            raise UserError(
+                f"--after {run_dir}: that run is {state}, so a job waiting for it to complete would never start; "
+                f"resume it first (submit its config again), then submit this one with --after"
+            )
         if not jobids.is_slurm_id(job_id):
-            raise UserError(f"--after {run_dir}: no Slurm job is known for that run (state {state or 'unknown'}); "
-                            f"--after needs a run submitted to Slurm with clusterflow.submit")
+            raise UserError(
+                f"--after {run_dir}: no Slurm job is known for that run (state {state or 'unknown'}); "
+                f"--after needs a run submitted to Slurm with clusterflow.submit"
+            )
         ids.append(str(job_id))
     return "afterok:" + ":".join(dict.fromkeys(ids)) if ids else None

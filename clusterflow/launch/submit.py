@@ -13,20 +13,20 @@ import os
 import sys
 
 from clusterflow import rundir
-from clusterflow.rundir import cancel_marker, states
-from clusterflow.launch import gpus
-from clusterflow.rundir import lease
-from clusterflow.launch import jobs, local
-from clusterflow.rundir import preflight
-from clusterflow.rundir import saved_config
-from clusterflow.rundir import frozen_code
-from clusterflow.rundir import submissions
-from clusterflow.launch import stages
-from clusterflow.launch import sweep
-from clusterflow.slurm import commands as slurm_commands
-from clusterflow.slurm import sbatch
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.launch import gpus, jobs, local, stages, sweep
+from clusterflow.rundir import (
+    cancel_marker,
+    frozen_code,
+    lease,
+    preflight,
+    saved_config,
+    states,
+    submissions,
+)
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import sbatch
 
 EXAMPLES = """examples:
   python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
@@ -40,23 +40,48 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.submit", description=__doc__.split("\n\n")[1],
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.submit",
+        description=__doc__.split("\n\n")[1],
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=3")
+    p.add_argument(
+        "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=3"
+    )
     p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
-    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and the resolved config; submit nothing")
-    p.add_argument("--wait", action="store_true", help="block until the job ends; exit 1 when it failed")
-    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
-                   help="sweep KEY over the values (repeatable: the cartesian product); one job array, "
-                        "one run dir per member under run.dir (docs/workflows.md)")
-    p.add_argument("--max-parallel", type=int, metavar="N", help="with --sweep: at most N members run at once")
-    p.add_argument("--after", action="append", default=[], metavar="RUN_DIR",
-                   help="start only after that run completed (Slurm afterok; repeatable); with --local it must be completed")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the sbatch script and the resolved config; submit nothing",
+    )
+    p.add_argument(
+        "--wait", action="store_true", help="block until the job ends; exit 1 when it failed"
+    )
+    p.add_argument(
+        "--sweep",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="sweep KEY over the values (repeatable: the cartesian product); one job array, "
+        "one run dir per member under run.dir (docs/workflows.md)",
+    )
+    p.add_argument(
+        "--max-parallel", type=int, metavar="N", help="with --sweep: at most N members run at once"
+    )
+    p.add_argument(
+        "--after",
+        action="append",
+        default=[],
+        metavar="RUN_DIR",
+        help="start only after that run completed (Slurm afterok; repeatable); with --local it must be completed",
+    )
     return p.parse_intermixed_args(argv)  # flags may come after the overrides too
 
 
 # -- Slurm ---------------------------------------------------------------------------------------
+
 
 def slurm_folder(cfg: Config) -> str:
     return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
@@ -73,21 +98,28 @@ def check_cluster(cfg: Config) -> None:
     c = cfg.cluster
     rows = slurm_commands.partitions(timeout_s=10)
     if rows is None:
-        print("warning: sinfo did not answer within 10 s; partition and node counts are not "
-              "checked", file=sys.stderr)
+        print(
+            "warning: sinfo did not answer within 10 s; partition and node counts are not checked",
+            file=sys.stderr,
+        )
         return
     parts = {r[0].rstrip("*"): r for r in rows}
     default = next((r[0].rstrip("*") for r in rows if r[0].endswith("*")), None)
     name = c.partition or default
     if c.partition and c.partition not in parts:
-        raise UserError(f"cluster.partition = {c.partition!r} does not exist; partitions here: {', '.join(parts)}")
+        raise UserError(
+            f"cluster.partition = {c.partition!r} does not exist; partitions here: {', '.join(parts)}"
+        )
     if name in parts:
         nodes = int(parts[name][1])
         if c.nodes > nodes:
-            raise UserError(f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); lower cluster.nodes")
+            raise UserError(
+                f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); lower cluster.nodes"
+            )
 
 
 # -- the run directory -------------------------------------------------------------------------
+
 
 def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
     """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
@@ -100,6 +132,7 @@ def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
 
 
 # -- launching ---------------------------------------------------------------------------------
+
 
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     sbatch.require_sbatch("run here")
@@ -137,26 +170,37 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         return sweep.submit_sweep(args, dependency)
     if args.max_parallel is not None:
-        raise UserError("--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2")
+        raise UserError(
+            "--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2"
+        )
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:
-            print(f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}")
+            print(
+                f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}"
+            )
         else:
             print(sbatch_script(cfg, dependency=dependency))
         print("# resolved config")
         print(cfg.to_yaml())
         return EXIT_OK
     # the free GPUs, chosen (or a busy one refused) before anything is written
-    chosen = gpus.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ) if args.local else None
+    chosen = (
+        gpus.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ)
+        if args.local
+        else None
+    )
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
-        print(f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint")
-    cancel_marker.clear(cfg.run.dir)  # submitting a run again is the explicit way back from a cancel
+        print(
+            f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint"
+        )
+    cancel_marker.clear(
+        cfg.run.dir
+    )  # submitting a run again is the explicit way back from a cancel
     frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
         return local.submit_local(cfg, chosen)
     return submit_slurm(cfg, args.wait, dependency)
-

@@ -23,19 +23,14 @@ import sys
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import cancel_marker
-from clusterflow.rundir import preflight
-from clusterflow.rundir import saved_config
-from clusterflow.rundir import frozen_code
-from clusterflow.rundir import submissions
+from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
 from clusterflow.launch import jobs, local
-from clusterflow.manage import status
-from clusterflow.manage import sweep_status
+from clusterflow.manage import status, sweep_status
+from clusterflow.rundir import cancel_marker, frozen_code, preflight, saved_config, submissions
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
-from clusterflow.sweeps import sweep
 from clusterflow.sweeps import index as sweep_index
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
+from clusterflow.sweeps import sweep
 
 
 def member_state(run_dir: str) -> str | None:
@@ -62,7 +57,13 @@ def _plan(sw: sweep.Sweep) -> tuple[dict[str, Any], list[Any], sweep_index.Plan]
 def _show_plan(sw: sweep.Sweep, plan: sweep_index.Plan) -> None:
     print(f"sweep {sw.dir}: {len(sw.members)} member(s) over {', '.join(sw.keys)}")
     for m in sw.members:
-        what = "new" if m.name in plan.new else "resume" if m.name in plan.resume else f"skip ({plan.skip[m.name]})"
+        what = (
+            "new"
+            if m.name in plan.new
+            else "resume"
+            if m.name in plan.resume
+            else f"skip ({plan.skip[m.name]})"
+        )
         print(f"  {m.name:<40} {what}")
 
 
@@ -76,8 +77,13 @@ def _prepare(members: list[sweep.Member]) -> list[Any]:
     return configs
 
 
-def _submit_array(sw: sweep.Sweep, names: list[str], configs: list[Any], max_parallel: int | None,
-                  dependency: str | None) -> dict[str, str]:
+def _submit_array(
+    sw: sweep.Sweep,
+    names: list[str],
+    configs: list[Any],
+    max_parallel: int | None,
+    dependency: str | None,
+) -> dict[str, str]:
     """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one member)."""
     sbatch.require_sbatch("run the sweep here")
     plan = sbatch.array_plan(_folder(sw), configs, names, max_parallel)
@@ -115,15 +121,19 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
             print(f"# note: changed since the last submission: {c}")
         todo = [m for m in sw.members if m.name in plan.to_submit]
         if todo and not args.local:
-            ap = sbatch.array_plan(_folder(sw), [m.config for m in todo], [m.name for m in todo],
-                                   args.max_parallel)
+            ap = sbatch.array_plan(
+                _folder(sw), [m.config for m in todo], [m.name for m in todo], args.max_parallel
+            )
             params = sbatch.with_dependency(ap.parameters, dependency)
             print(sbatch.script(ap.folder, params, array_size=ap.size))
         return EXIT_OK
     with sweep_index.locked(sw.dir):
         index, changes, plan = _plan(sw)
         if changes:
-            print(f"note: resources changed since the last submission: {'; '.join(map(str, changes))}", file=sys.stderr)
+            print(
+                f"note: resources changed since the last submission: {'; '.join(map(str, changes))}",
+                file=sys.stderr,
+            )
         _show_plan(sw, plan)
         sweep_index.write_index(sw.dir, index)
         todo = [m for m in sw.members if m.name in plan.to_submit]
@@ -139,10 +149,16 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         for cfg, name in zip(configs, names):
             submissions.record_submission(cfg.run.dir, jobs[name])
             rundir.write_status(rundir.RunPaths(cfg.run.dir), state="pending", job_id=jobs[name])
-            cancel_marker.clear(cfg.run.dir)  # a cancelled member is only here when its marker was deleted
-        sweep_index.write_index(sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs))
-    print(f"submitted job array {jobs[names[0]].split('_')[0]}: {len(names)} member(s)"
-          + (f", at most {args.max_parallel} at once" if args.max_parallel else ""))
+            cancel_marker.clear(
+                cfg.run.dir
+            )  # a cancelled member is only here when its marker was deleted
+        sweep_index.write_index(
+            sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs)
+        )
+    print(
+        f"submitted job array {jobs[names[0]].split('_')[0]}: {len(names)} member(s)"
+        + (f", at most {args.max_parallel} at once" if args.max_parallel else "")
+    )
     print(f"sweep dir: {sw.dir}")
     print(f"status: python -m clusterflow.status {sw.dir}")
     print(f"cancel: python -m clusterflow.cancel {sw.dir}")
@@ -155,4 +171,6 @@ def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
     slurm_commands.wait_until_gone(array_id, poll_s)
     rows = sweep_status.collect(sweep_dir, status.collect)
     print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
-    return EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED
+    return (
+        EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED
+    )

@@ -14,11 +14,10 @@ import os
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import cancel_marker, states
-from clusterflow.rundir import submissions
+from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.rundir import cancel_marker, states, submissions
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.sweeps import index as sweep_index
-from clusterflow.errors import EXIT_OK, UserError, cli
 
 EXAMPLES = """examples:
   python -m clusterflow.cancel runs/exp1          # one run
@@ -29,12 +28,16 @@ EXAMPLES = """examples:
 def runs_of(target: str) -> list[str]:
     """The run dirs behind RUN_DIR or SWEEP_DIR."""
     if not os.path.isdir(target):
-        raise UserError(f"{target!r} does not exist; pass a run dir or a sweep dir (the run.dir you submitted)")
+        raise UserError(
+            f"{target!r} does not exist; pass a run dir or a sweep dir (the run.dir you submitted)"
+        )
     index = sweep_index.read_index(target) if sweep_index.is_sweep_dir(target) else None
     if index is not None:
         return list(sweep_index.member_dirs(target, index).values())
     if not os.path.exists(rundir.RunPaths(target).config):
-        raise UserError(f"{target!r} holds neither config.yaml nor sweep.json: not a clusterflow run or sweep dir")
+        raise UserError(
+            f"{target!r} holds neither config.yaml nor sweep.json: not a clusterflow run or sweep dir"
+        )
     return [target]
 
 
@@ -49,7 +52,9 @@ def job_state(run_dir: str) -> str | None:
     return st.get("state")
 
 
-def targets(runs: list[tuple[str, str | None, str | None]]) -> tuple[list[str], list[tuple[str, str]], list[str]]:
+def targets(
+    runs: list[tuple[str, str | None, str | None]],
+) -> tuple[list[str], list[tuple[str, str]], list[str]]:
     """From (run_dir, state, job id): (run dirs to mark, (run dir, job id) pairs to scancel, notes).
 
     Completed runs are left alone. Every other run is marked, so that it never comes back by
@@ -66,7 +71,9 @@ def targets(runs: list[tuple[str, str | None, str | None]]) -> tuple[list[str], 
         elif states.ended(state):
             notes.append(f"{run_dir}: {state}; marked cancelled so that it is not resumed")
         elif job_id is None:
-            notes.append(f"{run_dir}: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled")
+            notes.append(
+                f"{run_dir}: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled"
+            )
         else:
             kill.append((run_dir, job_id))
     return mark, kill, notes
@@ -91,11 +98,14 @@ def cancel(target: str) -> list[str]:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.cancel", description="Cancel a run or a sweep for good.",
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.cancel",
+        description="Cancel a run or a sweep for good.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("dir", metavar="RUN_DIR|SWEEP_DIR")
     args = p.parse_args(argv)
     for line in cancel(args.dir):
         print(line)
     return EXIT_OK
-

@@ -31,7 +31,11 @@ class Liveness:
     how: str  # what was checked, for the reader
 
     def note(self, last_step: Any) -> str:
-        since = time.strftime("%H:%M:%S", time.localtime(self.last_seen)) if self.last_seen else "its start"
+        since = (
+            time.strftime("%H:%M:%S", time.localtime(self.last_seen))
+            if self.last_seen
+            else "its start"
+        )
         return f"no live process since {since} ({self.how}); last step {last_step}"
 
 
@@ -47,7 +51,11 @@ def _last_seen(run_dir: str) -> float | None:
 
 def _lease_files(run_dir: str) -> list[str]:
     try:
-        return [os.path.join(lease.folder(run_dir), n) for n in os.listdir(lease.folder(run_dir)) if n.startswith("gen-")]
+        return [
+            os.path.join(lease.folder(run_dir), n)
+            for n in os.listdir(lease.folder(run_dir))
+            if n.startswith("gen-")
+        ]
     except OSError:
         return []
 
@@ -58,12 +66,19 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
     seen = _last_seen(run_dir)
     if queue is not None:
         job = attempt.get("job_id")
-        return Liveness(bool(queue), seen, f"Slurm job {job} is {queue.split('|')[0]}" if queue else
-                        f"Slurm job {job} is no longer queued")
+        return Liveness(
+            bool(queue),
+            seen,
+            f"Slurm job {job} is {queue.split('|')[0]}"
+            if queue
+            else f"Slurm job {job} is no longer queued",
+        )
     host = socket.gethostname()
     procs = [p for p in attempt.get("procs") or [] if isinstance(p, list) and len(p) == 3]
     here = [(pid, start) for h, pid, start in procs if h == host]
-    alive = [pid for pid, start in here if isinstance(pid, int) and lease.process_start(pid) == start]
+    alive = [
+        pid for pid, start in here if isinstance(pid, int) and lease.process_start(pid) == start
+    ]
     if alive:
         return Liveness(True, seen, f"process {alive[0]} is alive on {host}")
     if procs and len(here) == len(procs):
@@ -72,6 +87,10 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
     if gen:
         ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_commands.queue_state)
         return Liveness(ok, seen, f"the job holding its lease: {why}")
-    if procs and procs[0][0] == host:  # rank 0, the lease holder, ran here: gone, and it left no lease
-        return Liveness(False, seen, f"rank 0's process on {host} is gone and the run holds no lease")
+    if (
+        procs and procs[0][0] == host
+    ):  # rank 0, the lease holder, ran here: gone, and it left no lease
+        return Liveness(
+            False, seen, f"rank 0's process on {host} is gone and the run holds no lease"
+        )
     return Liveness(None, seen, "its processes run on other hosts and it holds no lease")

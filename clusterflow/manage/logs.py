@@ -17,8 +17,8 @@ import time
 from typing import IO
 
 from clusterflow import rundir
-from clusterflow.rundir import cancel_marker, states
 from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.rundir import cancel_marker, states
 from clusterflow.sweeps import index as sweep_index
 
 EXAMPLES = """examples:
@@ -53,7 +53,9 @@ def header(run_dir: str, rank: int, attempt: int) -> str:
     if rec.get("job_id"):
         parts.append(f"job {rec['job_id']}")
     if rec.get("started_at"):
-        parts.append("started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["started_at"])))
+        parts.append(
+            "started " + time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["started_at"]))
+        )
     if rec.get("hosts"):
         parts.append("on " + ",".join(sorted(set(rec["hosts"]))))
     return f"==> {paths.log_file(rank, attempt)} ({', '.join(parts)}) <=="
@@ -95,8 +97,10 @@ def _check(run_dir: str, rank: int) -> None:
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
     if sweep_index.is_sweep_dir(run_dir):
-        raise UserError(f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
-                        f"(python -m clusterflow.status {run_dir} lists them)")
+        raise UserError(
+            f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
+            f"(python -m clusterflow.status {run_dir} lists them)"
+        )
     paths = rundir.RunPaths(run_dir)
     if not os.path.exists(paths.config):
         raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
@@ -104,11 +108,19 @@ def _check(run_dir: str, rank: int) -> None:
         raise UserError(f"--rank {rank}: ranks are numbered from 0")
     have = ranks(run_dir)
     if have and rank not in have:
-        raise UserError(f"rank {rank} has no logs in {paths.logs}; ranks with logs: "
-                        f"{', '.join(map(str, have))}")
+        raise UserError(
+            f"rank {rank} has no logs in {paths.logs}; ranks with logs: {', '.join(map(str, have))}"
+        )
 
 
-def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: float = 0.5, grace_s: float = 1.0) -> None:
+def show(
+    run_dir: str,
+    rank: int,
+    out: IO[str],
+    follow: bool = False,
+    poll_s: float = 0.5,
+    grace_s: float = 1.0,
+) -> None:
     """Print every attempt of ``rank``; with ``follow``, keep going until the run ends."""
     tail: Tail | None = None
     current = -1
@@ -133,20 +145,31 @@ def show(run_dir: str, rank: int, out: IO[str], follow: bool = False, poll_s: fl
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.logs", description="Print a rank's log across attempts.",
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.logs",
+        description="Print a rank's log across attempts.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir")
-    p.add_argument("-f", "--follow", action="store_true", help="follow new lines and new attempts until the run ends")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="follow new lines and new attempts until the run ends",
+    )
     p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
     args = p.parse_args(argv)
     _check(args.run_dir, args.rank)
     if not attempts(args.run_dir, args.rank) and not args.follow:
-        print(f"no log yet in {rundir.RunPaths(args.run_dir).logs} (the job has not started); "
-              f"python -m clusterflow.logs {args.run_dir} -f waits for it", file=sys.stderr)
+        print(
+            f"no log yet in {rundir.RunPaths(args.run_dir).logs} (the job has not started); "
+            f"python -m clusterflow.logs {args.run_dir} -f waits for it",
+            file=sys.stderr,
+        )
         return EXIT_OK
     try:
         show(args.run_dir, args.rank, sys.stdout, follow=args.follow)
     except BrokenPipeError:  # | head
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK
-

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import saved_config, states
 from clusterflow.observe import heartbeat
+from clusterflow.rundir import saved_config, states
 from clusterflow.slurm import outcome as slurm_outcome
 
 DEFAULT_HEARTBEAT_S = 10.0
@@ -37,21 +37,29 @@ def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list
     if not last or not every_s:
         return []  # heartbeats off: no rank is silent for want of one
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
-    since = float(last.get("started_at") or 0) - 60  # nodes' clocks differ by seconds; an older attempt by minutes
+    since = (
+        float(last.get("started_at") or 0) - 60
+    )  # nodes' clocks differ by seconds; an older attempt by minutes
     return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world)
 
 
-def extend(out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None) -> None:
+def extend(
+    out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None
+) -> None:
     """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object."""
     rs = ranks(paths, last, out.get("world_size"))
     if states.ended(out["state"]):
         for r in rs:
-            r["silent"] = False  # a finished run's ranks are quiet by design; the ages still say when they stopped
+            r["silent"] = (
+                False  # a finished run's ranks are quiet by design; the ages still say when they stopped
+            )
     out["ranks"] = rs
     out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
     job_id = str(out.get("job_id") or "")
     left_queue = queue == "" and job_id.replace("_", "").isdigit()
-    out["slurm"] = slurm_outcome.ask(job_id).to_dict() if left_queue and out["state"] != "completed" else None
+    out["slurm"] = (
+        slurm_outcome.ask(job_id).to_dict() if left_queue and out["state"] != "completed" else None
+    )
 
 
 def render(out: dict[str, Any]) -> list[str]:

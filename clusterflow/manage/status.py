@@ -6,29 +6,22 @@ What a run is doing, from its run directory (and squeue, when it answers within 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from typing import Any
 
 from clusterflow import rundir
-import dataclasses
-
-from clusterflow.manage import verdict
-from clusterflow.rundir import cancel_marker, saved_config
-from clusterflow.rundir import first_error
-from clusterflow.slurm import jobids
-from clusterflow.rundir import submissions
-from clusterflow.manage import liveness
-from clusterflow.manage import ranks
-from clusterflow.slurm import commands as slurm_commands
-from clusterflow.slurm import outcome as slurm_outcome
-from clusterflow.rundir import frozen_code
-from clusterflow.sweeps import index as sweep_index
-from clusterflow.manage import sweep_status
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.manage import liveness, ranks, sweep_status, verdict
+from clusterflow.rundir import cancel_marker, first_error, frozen_code, saved_config, submissions
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import jobids
+from clusterflow.slurm import outcome as slurm_outcome
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.sweeps import index as sweep_index
 
 EXAMPLES = """examples:
   python -m clusterflow.status runs/demo
@@ -52,10 +45,16 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
     status: then the default place, and what is wrong)."""
     data, problem = saved_config.read_plain(paths.root)
-    configured = (data.get("checkpoint") or {}).get("dir") if isinstance(data.get("checkpoint"), dict) else None
+    configured = (
+        (data.get("checkpoint") or {}).get("dir")
+        if isinstance(data.get("checkpoint"), dict)
+        else None
+    )
     if problem or not isinstance(configured or "", str):
         why = problem or "checkpoint.dir is not a string"
-        return join_checkpoints(paths.root, ""), f"config.yaml is damaged ({why}); the next launch sets it aside"
+        return join_checkpoints(
+            paths.root, ""
+        ), f"config.yaml is damaged ({why}); the next launch sets it aside"
     return join_checkpoints(paths.root, configured or ""), ""
 
 
@@ -64,7 +63,11 @@ def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
     errors = []
     if os.path.isdir(paths.errors):
         for name in sorted(os.listdir(paths.errors)):
-            e = rundir.read_json(os.path.join(paths.errors, name)) if name.startswith("rank") else None
+            e = (
+                rundir.read_json(os.path.join(paths.errors, name))
+                if name.startswith("rank")
+                else None
+            )
             if isinstance(e, dict) and float(e.get("time") or 0) >= since:
                 errors.append({k: e.get(k) for k in ("rank", "host", "error")})
     return errors
@@ -75,17 +78,35 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
     if not jobids.is_slurm_id(job_id):
         return None
     try:
-        with open(os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"), encoding="utf-8",
-                  errors="replace") as f:
+        with open(
+            os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"),
+            encoding="utf-8",
+            errors="replace",
+        ) as f:
             return slurm_outcome.first_task_failure(f.read())
     except OSError:
         return None
 
 
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    keys = ("epoch", "num_clusters", "num_singletons", "largest_cluster", "nmi", "ari", "pairwise_f", "bcubed_f",
-            "method", "threshold", "threshold_rule", "curve")
-    return [{k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")} for m in rounds]
+    keys = (
+        "epoch",
+        "num_clusters",
+        "num_singletons",
+        "largest_cluster",
+        "nmi",
+        "ari",
+        "pairwise_f",
+        "bcubed_f",
+        "method",
+        "threshold",
+        "threshold_rule",
+        "curve",
+    )
+    return [
+        {k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")}
+        for m in rounds
+    ]
 
 
 def _curve_summary(m: dict[str, Any]) -> str:
@@ -96,10 +117,15 @@ def _curve_summary(m: dict[str, Any]) -> str:
     if not ts:
         return ""
     chosen = m.get("threshold")
-    rows = {round(i * (len(ts) - 1) / 4) for i in range(5)} | {i for i, t in enumerate(ts) if t == chosen}
+    rows = {round(i * (len(ts) - 1) / 4) for i in range(5)} | {
+        i for i, t in enumerate(ts) if t == chosen
+    }
     nmi = curve.get("nmi")
-    out = " | ".join(f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: {curve['num_clusters'][i]} clusters, largest "
-                     f"{curve['largest_cluster'][i]}" + (f", NMI {nmi[i]:.3f}" if nmi else "") for i in sorted(rows))
+    out = " | ".join(
+        f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: {curve['num_clusters'][i]} clusters, largest "
+        f"{curve['largest_cluster'][i]}" + (f", NMI {nmi[i]:.3f}" if nmi else "")
+        for i in sorted(rows)
+    )
     if chosen is not None and chosen < min(ts):
         out += f" ({chosen:.4g} keeps every mutual edge)"
     return out
@@ -118,12 +144,21 @@ def collect(run_dir: str) -> dict[str, Any]:
     last = attempts[-1] if attempts else {}
     current = submissions.current_job_id(run_dir)  # a resubmission is newer than the last attempt
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
-    queue = slurm_commands.queue_state(job_id) if current or (last.get("source") or "slurm") in ("slurm", "torchrun") else None
+    queue = (
+        slurm_commands.queue_state(job_id)
+        if current or (last.get("source") or "slurm") in ("slurm", "torchrun")
+        else None
+    )
     evidence = verdict.Evidence(
-        recorded_state=st.get("state"), recorded_error=st.get("error"), attempts=len(attempts),
-        started=bool(cks), queue=queue, cancelled=cancel_marker.is_cancelled(run_dir),
+        recorded_state=st.get("state"),
+        recorded_error=st.get("error"),
+        attempts=len(attempts),
+        started=bool(cks),
+        queue=queue,
+        cancelled=cancel_marker.is_cancelled(run_dir),
         first_error=first_error.read(run_dir, rundir.current_attempt(paths)),
-        srun_first=_srun_first(paths, job_id))
+        srun_first=_srun_first(paths, job_id),
+    )
     alive, note = None, None
     if verdict.needs_liveness(evidence):
         life = liveness.check(run_dir, last, queue)
@@ -146,7 +181,9 @@ def collect(run_dir: str) -> dict[str, Any]:
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "latest_checkpoint": latest,
-        "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest) if latest and os.path.exists(latest) else None,
+        "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)
+        if latest and os.path.exists(latest)
+        else None,
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
         "damaged_records": [d for d in (damaged_status, damaged_config) if d],
@@ -167,18 +204,26 @@ def collect(run_dir: str) -> dict[str, Any]:
 
 
 def render(s: dict[str, Any]) -> str:
-    lines = [f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
-             f"attempts     {s['attempts']}",
-             f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step {s['global_step']}",
-             f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}"]
+    lines = [
+        f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
+        f"attempts     {s['attempts']}",
+        f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step {s['global_step']}",
+        f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
+    ]
     if s["latest_checkpoint"]:
-        age = f" ({s['latest_checkpoint_age_s']:.0f} s old)" if s["latest_checkpoint_age_s"] is not None else ""
+        age = (
+            f" ({s['latest_checkpoint_age_s']:.0f} s old)"
+            if s["latest_checkpoint_age_s"] is not None
+            else ""
+        )
         lines.append(f"checkpoint   {s['latest_checkpoint']}{age}; {len(s['checkpoints'])} kept")
     else:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
-        lines.append(f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (digest, manifest or fit) and were set aside: "
-                     f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)")
+        lines.append(
+            f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (digest, manifest or fit) and were set aside: "
+            f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)"
+        )
     if s["checkpoint_error"]:
         lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
     if s["liveness"]:
@@ -187,12 +232,22 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"warning      {d}: ignored (the run carries on from its checkpoints)")
     if s["mining"]:
         m = s["mining"][-1]
-        q = "".join(f", {k} {m[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if m.get(k) is not None)
-        lines.append(f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: {m['num_clusters']} clusters, "
-                     f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}")
+        q = "".join(
+            f", {k} {m[k]:.3f}"
+            for k in ("nmi", "ari", "pairwise_f", "bcubed_f")
+            if m.get(k) is not None
+        )
+        lines.append(
+            f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: {m['num_clusters']} clusters, "
+            f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}"
+        )
         if m.get("threshold") is not None:
-            lines.append(f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); per round: "
-                         + ", ".join(f"{r['threshold']:.4g}" for r in s["mining"] if r.get("threshold") is not None))
+            lines.append(
+                f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); per round: "
+                + ", ".join(
+                    f"{r['threshold']:.4g}" for r in s["mining"] if r.get("threshold") is not None
+                )
+            )
         elif m.get("method"):
             lines.append(f"method       {m['method']}")
         if _curve_summary(m):
@@ -206,26 +261,44 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"error        rank {e['rank']} on {e['host']}: {e['error']}")
     if s.get("code"):
         c = s["code"]
-        lines.append(f"code         {c['module']} frozen at commit {c['commit'] or '(no git)'}"
-                     + (" with uncommitted changes" if c["dirty"] else "") + f" ({c['path']})")
+        lines.append(
+            f"code         {c['module']} frozen at commit {c['commit'] or '(no git)'}"
+            + (" with uncommitted changes" if c["dirty"] else "")
+            + f" ({c['path']})"
+        )
     lines.append(f"logs         {s['logs']}")
     return "\n".join(lines)
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.status", description="Show what a run is doing.",
-                                epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.status",
+        description="Show what a run is doing.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir", metavar="RUN_DIR|SWEEP_DIR")
-    p.add_argument("--json", action="store_true", help="print one JSON object (fields in docs/status.md); "
-                                                       "for a sweep dir a list, one object per member")
-    p.add_argument("--ranks", action="store_true", help="one row per rank from its heartbeat: step, phase, ages, step time, GPU")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object (fields in docs/status.md); "
+        "for a sweep dir a list, one object per member",
+    )
+    p.add_argument(
+        "--ranks",
+        action="store_true",
+        help="one row per rank from its heartbeat: step, phase, ages, step time, GPU",
+    )
     args = p.parse_args(argv)
     if sweep_index.is_sweep_dir(args.run_dir):
         rows = sweep_status.collect(args.run_dir, collect)
-        print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, sweep_status.keys_of(args.run_dir)))
+        print(
+            json.dumps(rows, indent=1)
+            if args.json
+            else sweep_status.render(rows, sweep_status.keys_of(args.run_dir))
+        )
         return EXIT_OK
     s = collect(args.run_dir)
     print(json.dumps(s, indent=1) if args.json else ranks.table(s) if args.ranks else render(s))
     return EXIT_OK
-

@@ -16,11 +16,13 @@ from typing import Any, Callable
 
 from clusterflow import rundir
 from clusterflow.errors import UserError
-from clusterflow.sweeps.sweep import labels, show
 from clusterflow.sweeps import index as sweep_index
+from clusterflow.sweeps.sweep import labels, show
 
 
-def row(member: dict[str, Any], run_dir: str, status: dict[str, Any] | None, job_id: str | None) -> dict[str, Any]:
+def row(
+    member: dict[str, Any], run_dir: str, status: dict[str, Any] | None, job_id: str | None
+) -> dict[str, Any]:
     """One member's row. ``status`` is what status.collect returned for its run dir (None when the
     run dir has no run yet); ``job_id`` is the index's, used until an attempt records its own."""
     s = status or {}
@@ -40,11 +42,17 @@ def row(member: dict[str, Any], run_dir: str, status: dict[str, Any] | None, job
     }
 
 
-def rows(sweep_dir: str, index: dict[str, Any], statuses: dict[str, dict[str, Any] | None]) -> list[dict[str, Any]]:
+def rows(
+    sweep_dir: str, index: dict[str, Any], statuses: dict[str, dict[str, Any] | None]
+) -> list[dict[str, Any]]:
     """Rows in sweep order; ``statuses`` maps member names to their status dicts (or None)."""
     dirs = sweep_index.member_dirs(sweep_dir, index)
-    return [row(m, dirs[m["name"]], statuses.get(m["name"]), sweep_index.member_job_id(index, m["name"]))
-            for m in index["members"]]
+    return [
+        row(
+            m, dirs[m["name"]], statuses.get(m["name"]), sweep_index.member_job_id(index, m["name"])
+        )
+        for m in index["members"]
+    ]
 
 
 def collect(sweep_dir: str, collect_run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:

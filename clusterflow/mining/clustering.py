@@ -18,9 +18,8 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
-from clusterflow.mining import curves
+from clusterflow.mining import curves, knn
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
-from clusterflow.mining import knn
 
 
 def normalize(x: np.ndarray) -> np.ndarray:
@@ -54,7 +53,12 @@ def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) ->
     labels = labels.copy()
     next_label = int(labels.max()) + 1
     stack: list[tuple[np.ndarray, sparse.csr_matrix]] = [
-        (m, graph[m][:, m].tocsr()) for m in (np.flatnonzero(labels == c) for c, size in enumerate(np.bincount(labels)) if size > max_size)
+        (m, graph[m][:, m].tocsr())
+        for m in (
+            np.flatnonzero(labels == c)
+            for c, size in enumerate(np.bincount(labels))
+            if size > max_size
+        )
     ]
     while stack:
         members, sub = stack.pop()
@@ -76,7 +80,9 @@ def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) ->
     return labels
 
 
-def clusters_from_graph(graph: sparse.csr_matrix, singletons: str = "cluster", max_cluster_size: int = 0) -> np.ndarray:
+def clusters_from_graph(
+    graph: sparse.csr_matrix, singletons: str = "cluster", max_cluster_size: int = 0
+) -> np.ndarray:
     _, labels = connected_components(graph, directed=False)
     if max_cluster_size:
         labels = _split_large(graph, labels, max_cluster_size)
@@ -94,8 +100,13 @@ def ignore_singletons(labels: np.ndarray) -> np.ndarray:
     return labels
 
 
-def clusters_from_knn(sims: np.ndarray, ids: np.ndarray, threshold: float | str, singletons: str = "cluster",
-                      max_cluster_size: int = 0) -> tuple[np.ndarray, int]:
+def clusters_from_knn(
+    sims: np.ndarray,
+    ids: np.ndarray,
+    threshold: float | str,
+    singletons: str = "cluster",
+    max_cluster_size: int = 0,
+) -> tuple[np.ndarray, int]:
     """Labels from k-NN lists (mutual edges >= threshold, then components), and the number of
     mutual edges kept. ``threshold="auto"``: the one ``curves.auto_threshold`` picks."""
     graph = mutual_graph(sims, ids)
@@ -105,9 +116,19 @@ def clusters_from_knn(sims: np.ndarray, ids: np.ndarray, threshold: float | str,
     return clusters_from_graph(edges, singletons, max_cluster_size), int(edges.nnz // 2)
 
 
-def mutual_knn_clusters(embeddings: np.ndarray, k: int, threshold: float | str, index: str = "flat", *,
-                        engine: str = "auto", singletons: str = "cluster", max_cluster_size: int = 0,
-                        query_batch: int = 65536, timings: dict | None = None, **index_args: Any) -> np.ndarray:
+def mutual_knn_clusters(
+    embeddings: np.ndarray,
+    k: int,
+    threshold: float | str,
+    index: str = "flat",
+    *,
+    engine: str = "auto",
+    singletons: str = "cluster",
+    max_cluster_size: int = 0,
+    query_batch: int = 65536,
+    timings: dict | None = None,
+    **index_args: Any,
+) -> np.ndarray:
     """Pseudo-labels from the mutual k-NN graph (see the module docstring for the definition).
 
     ``embeddings``: float32 (N, d). Returns int64 (N,). ``threshold``: a cosine similarity, or
@@ -144,5 +165,8 @@ def cluster_stats(labels: np.ndarray) -> dict[str, Any]:
         "num_clusters": int(len(sizes) + (labels < 0).sum()),
         "num_singletons": int((sizes == 1).sum() + (labels < 0).sum()),
         "largest_cluster": int(sizes.max()) if len(sizes) else 1,
-        "size_histogram": {f"{lo}-{hi - 1}" if hi - 1 != lo else str(lo): int(h) for lo, hi, h in zip(edges[:-1], edges[1:], hist)},
+        "size_histogram": {
+            f"{lo}-{hi - 1}" if hi - 1 != lo else str(lo): int(h)
+            for lo, hi, h in zip(edges[:-1], edges[1:], hist)
+        },
     }

@@ -65,7 +65,9 @@ def merge_similarities(graph: MutualGraph) -> np.ndarray:
     if len(graph.w) == 0:
         return np.zeros(0, np.float32)
     rank = np.arange(1, len(graph.w) + 1, dtype=np.float64)  # graph.w is sorted: rank 1 = strongest
-    forest = minimum_spanning_tree(sparse.csr_matrix((rank, (graph.u, graph.v)), shape=(graph.n, graph.n)))
+    forest = minimum_spanning_tree(
+        sparse.csr_matrix((rank, (graph.u, graph.v)), shape=(graph.n, graph.n))
+    )
     return graph.w[np.sort(forest.data).astype(np.int64) - 1]
 
 
@@ -92,8 +94,17 @@ class Curve:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain lists, for a round's stats (JSON) and TensorBoard."""
-        out = {name: getattr(self, name).tolist() for name in
-               ("thresholds", "num_clusters", "num_singletons", "largest_cluster", "mutual_edges", "modularity")}
+        out = {
+            name: getattr(self, name).tolist()
+            for name in (
+                "thresholds",
+                "num_clusters",
+                "num_singletons",
+                "largest_cluster",
+                "mutual_edges",
+                "modularity",
+            )
+        }
         if self.nmi is not None:
             out.update(nmi=self.nmi.tolist(), ari=self.ari.tolist())
         return out
@@ -113,8 +124,13 @@ def auto_threshold(curve: Curve) -> float:
     return float(curve.thresholds[int(np.argmax(curve.modularity))])
 
 
-def resolve_threshold(sims: np.ndarray, ids: np.ndarray, threshold: float | str, truth: np.ndarray | None = None,
-                      graph: MutualGraph | None = None) -> tuple[float, Curve]:
+def resolve_threshold(
+    sims: np.ndarray,
+    ids: np.ndarray,
+    threshold: float | str,
+    truth: np.ndarray | None = None,
+    graph: MutualGraph | None = None,
+) -> tuple[float, Curve]:
     """What a mining round calls: (the threshold to cluster at, the round's curve).
 
     ``threshold``: a number, handed back unchanged (the same object), or ``"auto"``.
@@ -175,8 +191,13 @@ def _sweep(graph: MutualGraph, thresholds: np.ndarray, labels: bool = False):
         yield t, kept, size, q, comp
 
 
-def threshold_curve(sims: np.ndarray, ids: np.ndarray, thresholds: np.ndarray | None = None,
-                    truth: np.ndarray | None = None, graph: MutualGraph | None = None) -> Curve:
+def threshold_curve(
+    sims: np.ndarray,
+    ids: np.ndarray,
+    thresholds: np.ndarray | None = None,
+    truth: np.ndarray | None = None,
+    graph: MutualGraph | None = None,
+) -> Curve:
     """The curve of the mutual k-NN components over ``thresholds`` (default: ``default_thresholds``).
 
     ``sims, ids``: the k-NN lists the engines return. ``truth``: optional ground-truth labels
@@ -184,9 +205,20 @@ def threshold_curve(sims: np.ndarray, ids: np.ndarray, thresholds: np.ndarray | 
     same lists, when the caller has it already.
     """
     graph = mutual_graph(sims, ids) if graph is None else graph
-    grid = default_thresholds(graph) if thresholds is None else np.asarray(thresholds, dtype=np.float64)
-    if grid.ndim != 1 or len(grid) == 0 or np.any(np.diff(grid) >= 0) or not np.all(np.isfinite(grid)):
-        raise ValueError(f"thresholds must be a non-empty, finite, strictly descending 1-d array, got {grid!r}")
+    grid = (
+        default_thresholds(graph)
+        if thresholds is None
+        else np.asarray(thresholds, dtype=np.float64)
+    )
+    if (
+        grid.ndim != 1
+        or len(grid) == 0
+        or np.any(np.diff(grid) >= 0)
+        or not np.all(np.isfinite(grid))
+    ):
+        raise ValueError(
+            f"thresholds must be a non-empty, finite, strictly descending 1-d array, got {grid!r}"
+        )
     rows = []
     scores: list[tuple[float, float]] = []
     agreement = _Agreement(truth) if truth is not None else None
@@ -215,11 +247,20 @@ class _Agreement:
 
     def __call__(self, labels: np.ndarray) -> tuple[float, float]:
         n, rows = self.n, int(labels.max()) + 1
-        table = sparse.csr_matrix((np.ones(n), (labels, self.truth)), shape=(rows, len(self.b)))  # sums repeats
+        table = sparse.csr_matrix(
+            (np.ones(n), (labels, self.truth)), shape=(rows, len(self.b))
+        )  # sums repeats
         nij = table.data
         a = np.asarray(table.sum(1)).ravel()
         row_of = np.repeat(np.arange(rows), np.diff(table.indptr))
-        mi = max(float((nij / n * (np.log(nij * n) - np.log(a[row_of]) - np.log(self.b[table.indices]))).sum()), 0.0)
+        mi = max(
+            float(
+                (
+                    nij / n * (np.log(nij * n) - np.log(a[row_of]) - np.log(self.b[table.indices]))
+                ).sum()
+            ),
+            0.0,
+        )
         if rows == len(self.b) == 1:
             nmi = 1.0
         else:
@@ -247,5 +288,7 @@ def modularity(graph: MutualGraph, labels: np.ndarray) -> float:
         return 0.0
     _, comp = np.unique(labels, return_inverse=True)
     inside = float(weight[comp[graph.u] == comp[graph.v]].sum())
-    volume = np.bincount(comp[graph.u], weight, minlength=comp.max() + 1) + np.bincount(comp[graph.v], weight, minlength=comp.max() + 1)
+    volume = np.bincount(comp[graph.u], weight, minlength=comp.max() + 1) + np.bincount(
+        comp[graph.v], weight, minlength=comp.max() + 1
+    )
     return inside / total - float(np.square(volume / (2 * total)).sum())

@@ -17,9 +17,16 @@ from typing import Any
 import numpy as np
 
 WIDTH, HEIGHT, LEFT, RIGHT, TOP, GAP, BOTTOM = 760, 500, 60, 150, 30, 40, 36
-COUNTS = (("num_clusters", "clusters", (31, 119, 180)), ("num_singletons", "singletons", (44, 160, 44)),
-          ("largest_cluster", "largest cluster", (214, 39, 40)))
-SCORES = (("modularity", "modularity", (148, 103, 189)), ("nmi", "NMI", (255, 127, 14)), ("ari", "ARI", (140, 86, 75)))
+COUNTS = (
+    ("num_clusters", "clusters", (31, 119, 180)),
+    ("num_singletons", "singletons", (44, 160, 44)),
+    ("largest_cluster", "largest cluster", (214, 39, 40)),
+)
+SCORES = (
+    ("modularity", "modularity", (148, 103, 189)),
+    ("nmi", "NMI", (255, 127, 14)),
+    ("ari", "ARI", (140, 86, 75)),
+)
 
 
 def render(stats: dict[str, Any]) -> np.ndarray:
@@ -40,25 +47,38 @@ def render(stats: dict[str, Any]) -> np.ndarray:
 
     n = max(max(curve["num_clusters"]), max(curve["largest_cluster"]), 2)
     top_of = math.log10(n) or 1.0
-    counts = {key: [(x_of(a), _y(math.log10(max(b, 1)) / top_of, boxes[0])) for a, b in zip(t, curve[key])] for key, _, _ in COUNTS}
-    scores = {key: [(x_of(a), _y(min(max(b, 0.0), 1.0), boxes[1])) for a, b in zip(t, curve[key])]
-              for key, _, _ in SCORES if curve.get(key) is not None}
+    counts = {
+        key: [
+            (x_of(a), _y(math.log10(max(b, 1)) / top_of, boxes[0])) for a, b in zip(t, curve[key])
+        ]
+        for key, _, _ in COUNTS
+    }
+    scores = {
+        key: [(x_of(a), _y(min(max(b, 0.0), 1.0), boxes[1])) for a, b in zip(t, curve[key])]
+        for key, _, _ in SCORES
+        if curve.get(key) is not None
+    }
     for (y0, y1), series, labels in ((boxes[0], counts, COUNTS), (boxes[1], scores, SCORES)):
         draw.rectangle((LEFT, y0, WIDTH - RIGHT, y1), outline="black")
         for i, (key, name, colour) in enumerate(item for item in labels if item[0] in series):
             draw.line(series[key], fill=colour, width=2)
             draw.text((WIDTH - RIGHT + 10, y0 + 4 + 16 * i), name, fill=colour)
     for i in range(int(math.log10(n)) + 1):
-        draw.text((6, _y(i / top_of, boxes[0]) - 6), f"{10 ** i:,}", fill="black")
+        draw.text((6, _y(i / top_of, boxes[0]) - 6), f"{10**i:,}", fill="black")
     for v in (0.0, 0.5, 1.0):
         draw.text((6, _y(v, boxes[1]) - 6), f"{v:.1f}", fill="black")
     for tick in _ticks(lo, hi):
         draw.line((x_of(tick), boxes[1][1], x_of(tick), boxes[1][1] + 4), fill="black")
         draw.text((x_of(tick) - 12, boxes[1][1] + 6), f"{tick:.2f}", fill="black")
-    draw.text((LEFT, HEIGHT - 14), "threshold (cosine similarity of a kept mutual edge)", fill="black")
+    draw.text(
+        (LEFT, HEIGHT - 14), "threshold (cosine similarity of a kept mutual edge)", fill="black"
+    )
     chosen = stats.get("threshold")
     title = f"mining after epoch {stats.get('epoch')}: " + (
-        f"threshold {chosen:.4g} ({stats.get('threshold_rule', 'fixed')})" if chosen is not None else f"method {stats.get('method')}")
+        f"threshold {chosen:.4g} ({stats.get('threshold_rule', 'fixed')})"
+        if chosen is not None
+        else f"method {stats.get('method')}"
+    )
     draw.text((LEFT, 8), title, fill="black")
     if chosen is not None and lo <= chosen <= hi:
         draw.line((x_of(chosen), boxes[0][0], x_of(chosen), boxes[1][1]), fill=(0, 0, 0), width=1)

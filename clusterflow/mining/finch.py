@@ -30,9 +30,9 @@ import numpy as np
 from scipy import sparse
 from scipy.sparse.csgraph import connected_components
 
+from clusterflow.mining import knn
 from clusterflow.mining.curves import modularity
 from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
-from clusterflow.mining import knn
 
 if TYPE_CHECKING:
     from clusterflow.mining.knn import KnnParams
@@ -53,7 +53,9 @@ def first_neighbour_components(first: np.ndarray) -> np.ndarray:
 def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Per cluster, the normalised sum of its rows: the direction of its mean (float32 (C, d))."""
     c = int(labels.max()) + 1
-    member = sparse.csr_matrix((np.ones(len(labels), np.float32), (labels, np.arange(len(labels)))), shape=(c, len(labels)))
+    member = sparse.csr_matrix(
+        (np.ones(len(labels), np.float32), (labels, np.arange(len(labels)))), shape=(c, len(labels))
+    )
     sums = np.asarray(member @ x, dtype=np.float32)
     return sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
 
@@ -70,7 +72,9 @@ def default_search(params: "KnnParams | None" = None) -> Search:
     return search
 
 
-def finch_levels(x: np.ndarray, ids: np.ndarray, search: Search | None = None, max_levels: int = 64) -> list[np.ndarray]:
+def finch_levels(
+    x: np.ndarray, ids: np.ndarray, search: Search | None = None, max_levels: int = 64
+) -> list[np.ndarray]:
     """The FINCH partitions, finest first: int64 (N,) labels each, numbered by smallest member.
 
     ``x``: the L2-normalised rows the k-NN lists were computed on (float32 (N, d)); ``ids``: their
@@ -80,7 +84,9 @@ def finch_levels(x: np.ndarray, ids: np.ndarray, search: Search | None = None, m
     x = np.asarray(x, dtype=np.float32)
     ids = np.asarray(ids)
     if ids.ndim != 2 or ids.shape[1] < 1 or len(ids) != len(x):
-        raise ValueError(f"ids must be the (N, k>=1) k-NN lists of the {len(x)} rows, got shape {ids.shape}")
+        raise ValueError(
+            f"ids must be the (N, k>=1) k-NN lists of the {len(x)} rows, got shape {ids.shape}"
+        )
     search = default_search() if search is None else search
     levels = [first_neighbour_components(ids[:, 0])]
     while len(levels) < max_levels:
@@ -104,12 +110,20 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
     cosine distance from x_i to a cluster c is 1 - x_i . sum(c) / |c|, so one product with the
     cluster sums gives a(i) and b(i). A singleton scores 0, as in the definition."""
     n = len(labels)
-    rows = np.arange(n) if n <= sample else np.sort(np.random.default_rng(seed).choice(n, sample, replace=False))
+    rows = (
+        np.arange(n)
+        if n <= sample
+        else np.sort(np.random.default_rng(seed).choice(n, sample, replace=False))
+    )
     count = np.bincount(labels).astype(np.float64)
     if len(count) < 2:
         return 0.0
-    member = sparse.csr_matrix((np.ones(n, np.float32), (labels, np.arange(n))), shape=(len(count), n))
-    sums = np.asarray(member @ np.asarray(x, dtype=np.float32))  # float32 (C, d): no float64 copy of x
+    member = sparse.csr_matrix(
+        (np.ones(n, np.float32), (labels, np.arange(n))), shape=(len(count), n)
+    )
+    sums = np.asarray(
+        member @ np.asarray(x, dtype=np.float32)
+    )  # float32 (C, d): no float64 copy of x
     block = max(1, (1 << 24) // len(count))  # at most 16M scores (64 MB) at a time
     scores = []
     for start in range(0, len(rows), block):
@@ -119,15 +133,25 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
         others = 1 - dots / count
         others[np.arange(len(r)), own] = np.inf
         b = others.min(1)
-        with np.errstate(invalid="ignore", divide="ignore"):  # singletons (0/0) and a = b = 0 score 0, as in scikit-learn
-            a = 1 - (dots[np.arange(len(r)), own] - np.einsum("ij,ij->i", xr, xr)) / (count[own] - 1)
+        with np.errstate(
+            invalid="ignore", divide="ignore"
+        ):  # singletons (0/0) and a = b = 0 score 0, as in scikit-learn
+            a = 1 - (dots[np.arange(len(r)), own] - np.einsum("ij,ij->i", xr, xr)) / (
+                count[own] - 1
+            )
             s = np.nan_to_num((b - a) / np.maximum(a, b))
         scores.append(np.where(count[own] > 1, s, 0.0))
     return float(np.concatenate(scores).mean())
 
 
-def finch_clusters(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, num_clusters: int | None = None,
-                   search: Search | None = None, graph: MutualGraph | None = None) -> tuple[np.ndarray, dict]:
+def finch_clusters(
+    x: np.ndarray,
+    sims: np.ndarray,
+    ids: np.ndarray,
+    num_clusters: int | None = None,
+    search: Search | None = None,
+    graph: MutualGraph | None = None,
+) -> tuple[np.ndarray, dict]:
     """FINCH labels for a mining round: (int64 (N,) labels, info).
 
     The level returned: the one whose cluster count is closest to ``num_clusters`` when given
@@ -143,5 +167,9 @@ def finch_clusters(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, num_cluster
         chosen = int(np.argmin([abs(c - num_clusters) for c in counts]))
     else:
         chosen = int(np.argmax(shapes))
-    return levels[chosen], {"level": chosen, "num_clusters": counts, "silhouette": shapes,
-                            "modularity": [modularity(graph, level) for level in levels]}
+    return levels[chosen], {
+        "level": chosen,
+        "num_clusters": counts,
+        "silhouette": shapes,
+        "modularity": [modularity(graph, level) for level in levels],
+    }

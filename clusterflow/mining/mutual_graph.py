@@ -31,7 +31,9 @@ class MutualGraph:
     v: np.ndarray  # int64 (E,)
     w: np.ndarray  # (E,), the similarities' float dtype, descending
     w_uv: np.ndarray  # (E,): u's listing of v
-    w_vu: np.ndarray  # (E,): v's listing of u (not always bitwise w_uv: FAISS may sum in another order)
+    w_vu: (
+        np.ndarray
+    )  # (E,): v's listing of u (not always bitwise w_uv: FAISS may sum in another order)
 
 
 def mutual_graph(sims: np.ndarray, ids: np.ndarray, block: int = 65536) -> MutualGraph:
@@ -55,12 +57,19 @@ def mutual_graph(sims: np.ndarray, ids: np.ndarray, block: int = 65536) -> Mutua
         j = row_ids[r, c]
         hit_row, hit_col = np.nonzero(ids[j] == rows[r])  # where row j lists i: at most once
         r, c, j = r[hit_row], c[hit_row], j[hit_row]
-        us.append(r + start), vs.append(j), fwd.append(sims[start + r, c]), back.append(sims[j, hit_col])
+        (
+            us.append(r + start),
+            vs.append(j),
+            fwd.append(sims[start + r, c]),
+            back.append(sims[j, hit_col]),
+        )
     u, v, w_uv, w_vu = (np.concatenate(a) for a in (us, vs, fwd, back))
     w = np.minimum(w_uv, w_vu)
     keep = ~np.isnan(w)  # a NaN similarity is never >= any threshold
     order = np.flatnonzero(keep)[np.argsort(-w[keep], kind="stable")]  # ties: in the order found
-    return MutualGraph(n, u[order].astype(np.int64), v[order].astype(np.int64), w[order], w_uv[order], w_vu[order])
+    return MutualGraph(
+        n, u[order].astype(np.int64), v[order].astype(np.int64), w[order], w_uv[order], w_vu[order]
+    )
 
 
 def _one_listing_per_neighbour(ids: np.ndarray, sims: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -88,4 +97,6 @@ def edges_at(graph: MutualGraph, threshold: float) -> sparse.csr_matrix:
     keep = graph.w >= threshold
     u, v = graph.u[keep], graph.v[keep]
     data = np.concatenate([graph.w_uv[keep], graph.w_vu[keep]]).astype(np.float32)
-    return sparse.csr_matrix((data, (np.concatenate([u, v]), np.concatenate([v, u]))), shape=(graph.n, graph.n))
+    return sparse.csr_matrix(
+        (data, (np.concatenate([u, v]), np.concatenate([v, u]))), shape=(graph.n, graph.n)
+    )

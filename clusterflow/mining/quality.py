@@ -41,7 +41,12 @@ def quality(pred: np.ndarray, truth: np.ndarray) -> dict[str, float]:
     br = (nij**2 / b[cols]).sum() / n
     f = lambda x, y: 2 * x * y / (x + y) if x + y else 0.0  # noqa: E731
     return {
-        "pairwise_precision": float(pp), "pairwise_recall": float(pr), "pairwise_f": float(f(pp, pr)),
-        "bcubed_precision": float(bp), "bcubed_recall": float(br), "bcubed_f": float(f(bp, br)),
-        "nmi": float(normalized_mutual_info_score(t, p)), "ari": float(adjusted_rand_score(t, p)),
+        "pairwise_precision": float(pp),
+        "pairwise_recall": float(pr),
+        "pairwise_f": float(f(pp, pr)),
+        "bcubed_precision": float(bp),
+        "bcubed_recall": float(br),
+        "bcubed_f": float(f(bp, br)),
+        "nmi": float(normalized_mutual_info_score(t, p)),
+        "ari": float(adjusted_rand_score(t, p)),
     }

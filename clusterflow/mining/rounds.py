@@ -86,7 +86,9 @@ class RoundFiles:
         try:
             saved = store.verify(0)
         except ValueError as exc:
-            log.warning("the embeddings kept in %s are damaged (%s); embedding again", self.dir, exc)
+            log.warning(
+                "the embeddings kept in %s are damaged (%s); embedding again", self.dir, exc
+            )
             return None
         if saved.manifest.get("key") != self.key:
             return None
@@ -96,7 +98,10 @@ class RoundFiles:
     def save_shard(self, indices: np.ndarray, rows: np.ndarray, seconds: float) -> None:
         import torch
 
-        shard = {"indices": torch.from_numpy(np.ascontiguousarray(indices)), "rows": torch.from_numpy(np.ascontiguousarray(rows))}
+        shard = {
+            "indices": torch.from_numpy(np.ascontiguousarray(indices)),
+            "rows": torch.from_numpy(np.ascontiguousarray(rows)),
+        }
         self._store("shard").save(0, {"shard.pt": shard}, {"key": self.key, "embed_s": seconds})
 
     def search_blocks(self, every_s: float = COMMIT_EVERY_S) -> "SearchBlocks":
@@ -163,15 +168,20 @@ def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
     import torch
 
     starts = sorted(blocks)
-    return {"starts": torch.tensor(starts, dtype=torch.int64),
-            "rows": torch.tensor([len(blocks[s][0]) for s in starts], dtype=torch.int64),
-            "sims": torch.from_numpy(np.concatenate([blocks[s][0] for s in starts])),
-            "ids": torch.from_numpy(np.concatenate([blocks[s][1] for s in starts]))}
+    return {
+        "starts": torch.tensor(starts, dtype=torch.int64),
+        "rows": torch.tensor([len(blocks[s][0]) for s in starts], dtype=torch.int64),
+        "sims": torch.from_numpy(np.concatenate([blocks[s][0] for s in starts])),
+        "ids": torch.from_numpy(np.concatenate([blocks[s][1] for s in starts])),
+    }
 
 
 def _unpack(packed: dict[str, Any]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     ends = np.cumsum(packed["rows"].numpy())
-    sims, ids = np.split(packed["sims"].numpy(), ends[:-1]), np.split(packed["ids"].numpy(), ends[:-1])
+    sims, ids = (
+        np.split(packed["sims"].numpy(), ends[:-1]),
+        np.split(packed["ids"].numpy(), ends[:-1]),
+    )
     return dict(zip(packed["starts"].tolist(), zip(sims, ids)))
 
 

@@ -30,25 +30,29 @@ from typing import Any, Callable
 import numpy as np
 
 from clusterflow import dist
-from clusterflow.mining import curves
-from clusterflow.mining import finch
-from clusterflow.observe import phases
-from clusterflow.mining.clustering import cluster_stats, clusters_from_graph, ignore_singletons, normalize
-from clusterflow.errors import RunFailed
-from clusterflow.mining.knn import KnnParams
-from clusterflow.mining.rounds import RoundFiles, SearchBlocks, round_key
-from clusterflow.mining.mutual_graph import edges_at, mutual_graph
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
 from clusterflow.dist.sampler import shard_range
-from clusterflow.mining import knn
+from clusterflow.errors import RunFailed
+from clusterflow.mining import curves, finch, knn
+from clusterflow.mining.clustering import (
+    cluster_stats,
+    clusters_from_graph,
+    ignore_singletons,
+    normalize,
+)
+from clusterflow.mining.knn import KnnParams
 from clusterflow.mining.knn.torch_engine import distributed_search
+from clusterflow.mining.mutual_graph import edges_at, mutual_graph
 from clusterflow.mining.quality import quality
-from clusterflow.mining.rounds import forget_rounds
+from clusterflow.mining.rounds import RoundFiles, SearchBlocks, forget_rounds, round_key
+from clusterflow.observe import phases
 
 log = logging.getLogger("clusterflow.mining")
 
 KnnLists = tuple[np.ndarray, np.ndarray]  # (sims, ids), (N, k) each
-Found = tuple["KnnLists | None", str, "np.ndarray | None"]  # rank 0: lists (None: aborted), engine, normalised rows (rank0 search)
+Found = tuple[
+    "KnnLists | None", str, "np.ndarray | None"
+]  # rank 0: lists (None: aborted), engine, normalised rows (rank0 search)
 
 
 @dataclass
@@ -60,9 +64,20 @@ class Round:
     stats: dict[str, Any]
 
 
-def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batch: int, device: Any,
-                amp_dtype: Any, progress: Any = None, num_workers: int = 0, pin_memory: bool = False,
-                tick: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def embed_shard(
+    task: Any,
+    model: Any,
+    dataset: Any,
+    rank: int,
+    world: int,
+    batch: int,
+    device: Any,
+    amp_dtype: Any,
+    progress: Any = None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    tick: Any = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """This rank's contiguous shard: (indices, float32 embeddings).
 
     Built to keep a GPU fed: the DataLoader decodes in ``num_workers`` processes into pinned
@@ -75,11 +90,15 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     heartbeat: a rank stuck in one batch is a stall)."""
     import torch
 
-
     shard = shard_range(len(dataset), rank, world)
     pin = pin_memory and device.type == "cuda"
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(shard)), batch_size=batch, shuffle=False,
-                                         num_workers=num_workers, pin_memory=pin)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, list(shard)),
+        batch_size=batch,
+        shuffle=False,
+        num_workers=num_workers,
+        pin_memory=pin,
+    )
     host: Any = None
     idx = []
     done = 0
@@ -88,7 +107,10 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
     with torch.no_grad():
         for b in loader:
             idx.append(b["index"])
-            b = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in b.items()}
+            b = {
+                k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in b.items()
+            }
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 z = task.embed(model, b).float()
             if host is None:  # the width is known from the first batch
@@ -100,7 +122,9 @@ def embed_shard(task: Any, model: Any, dataset: Any, rank: int, world: int, batc
             if tick is not None:
                 tick()
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()  # the one wait: every copy into `host` has landed
+        torch.cuda.current_stream(
+            device
+        ).synchronize()  # the one wait: every copy into `host` has landed
     model.train(was_training)
     if host is None:
         return np.zeros(0, np.int64), np.zeros((0, 1), np.float32)
@@ -116,10 +140,21 @@ class Rank0Search:
     index, or the exact torch engine on all its GPUs or cores)."""
 
     def __init__(self, params: KnnParams, keep_rows: bool = False) -> None:
-        self.params, self.keep_rows = params, keep_rows  # keep_rows: hand the rows to the clustering (FINCH)
+        self.params, self.keep_rows = (
+            params,
+            keep_rows,
+        )  # keep_rows: hand the rows to the clustering (FINCH)
 
-    def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
-                 seconds: dict[str, Any], files: RoundFiles | None) -> Found:
+    def __call__(
+        self,
+        indices: np.ndarray,
+        emb: np.ndarray,
+        n: int,
+        dim: int,
+        should_abort: Callable[[], bool],
+        seconds: dict[str, Any],
+        files: RoundFiles | None,
+    ) -> Found:
         """Collective. Rank 0 gets the k-NN lists of all n rows (None when aborted), the engine
         used and the normalised rows; ``files``: rank 0 keeps its finished query blocks there."""
 
@@ -147,28 +182,52 @@ class SpreadSearch:
     def __init__(self, params: KnnParams, device: Any) -> None:
         self.params, self.device = params, device
 
-    def __call__(self, indices: np.ndarray, emb: np.ndarray, n: int, dim: int, should_abort: Callable[[], bool],
-                 seconds: dict[str, Any], files: RoundFiles | None) -> Found:
+    def __call__(
+        self,
+        indices: np.ndarray,
+        emb: np.ndarray,
+        n: int,
+        dim: int,
+        should_abort: Callable[[], bool],
+        seconds: dict[str, Any],
+        files: RoundFiles | None,
+    ) -> Found:
 
         t0 = time.perf_counter()
         world, rank = dist.world(), dist.rank()
         offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
         order = np.argsort(indices, kind="stable")
         if not np.array_equal(indices[order], np.arange(offsets[rank], offsets[rank + 1])):
-            raise RuntimeError("mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow")
+            raise RuntimeError(
+                "mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow"
+            )
         timings: dict[str, Any] = {}
         blocks = _blocks(files)
-        local = distributed_search(normalize(emb[order]), offsets, self.params.k, self.device, query_batch=self.params.query_batch,
-                                   should_abort=should_abort, timings=timings, blocks=blocks)
+        local = distributed_search(
+            normalize(emb[order]),
+            offsets,
+            self.params.k,
+            self.device,
+            query_batch=self.params.query_batch,
+            should_abort=should_abort,
+            timings=timings,
+            blocks=blocks,
+        )
         if blocks is not None:
             blocks.flush()
             seconds.update(blocks_from_disk=timings["blocks_skipped"], keep_blocks=blocks.seconds)
         if local is None:
             return None, "", None  # every rank saw the abort at the same query block
         rows = indices[order]  # the search returns this rank's rows in index order
-        sims, ids = (dist.gather_rows(rows, local[0], n, self.params.k), dist.gather_rows(rows, local[1], n, self.params.k, np.int64))
-        seconds.update(gather=time.perf_counter() - t0 - timings["index"] - timings["search"],
-                       index=timings["index"], search=timings["search"])
+        sims, ids = (
+            dist.gather_rows(rows, local[0], n, self.params.k),
+            dist.gather_rows(rows, local[1], n, self.params.k, np.int64),
+        )
+        seconds.update(
+            gather=time.perf_counter() - t0 - timings["index"] - timings["search"],
+            index=timings["index"],
+            search=timings["search"],
+        )
         return (None if sims is None else (sims, ids)), timings["engine"], None
 
 
@@ -176,28 +235,50 @@ class Miner:
     """The mining stage of one trainer: when a round is due, and running it. ``rounds_dir``:
     where rounds keep their work until their labels are committed (None: nowhere)."""
 
-    def __init__(self, cfg: Any, device: Any, amp_dtype: Any, stop: Any, tracker: phases.Phases | None = None,
-                 progress_bar: bool = True, rounds_dir: str | None = None, fsync: bool = True, data: Any = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        device: Any,
+        amp_dtype: Any,
+        stop: Any,
+        tracker: phases.Phases | None = None,
+        progress_bar: bool = True,
+        rounds_dir: str | None = None,
+        fsync: bool = True,
+        data: Any = None,
+    ) -> None:
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
         # The data section: worker processes and pinned memory for the embedding's DataLoader.
-        self.loader_args = {"num_workers": data.num_workers, "pin_memory": data.pin_memory} if data is not None else {}
+        self.loader_args = (
+            {"num_workers": data.num_workers, "pin_memory": data.pin_memory}
+            if data is not None
+            else {}
+        )
         self.phases = tracker or phases.Phases()
         self.progress_bar = progress_bar
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
-        self.group = dist.Subgroup(cfg.timeout_s)  # ranks wait here, on the mining timeout, for rank 0's search
+        self.group = dist.Subgroup(
+            cfg.timeout_s
+        )  # ranks wait here, on the mining timeout, for rank 0's search
         self.params = KnnParams.from_config(cfg)
-        self.search = SpreadSearch(self.params, device) if cfg.search == "all" and dist.world() > 1 \
+        self.search = (
+            SpreadSearch(self.params, device)
+            if cfg.search == "all" and dist.world() > 1
             else Rank0Search(self.params, keep_rows=cfg.method == "finch")
+        )
 
     def due(self, finished_epochs: int, total_epochs: int, can_embed: bool) -> bool:
         c = self.cfg
-        return (c.enabled and can_embed and c.start_epoch <= finished_epochs < total_epochs
-                and (finished_epochs - c.start_epoch) % c.every_epochs == 0)
+        return (
+            c.enabled
+            and can_embed
+            and c.start_epoch <= finished_epochs < total_epochs
+            and (finished_epochs - c.start_epoch) % c.every_epochs == 0
+        )
 
     def forget_rounds(self, committed_epoch: int) -> None:
         """Delete the files of the rounds whose labels a committed checkpoint holds (one rank calls it)."""
         if self.rounds_dir is not None:
-
             forget_rounds(self.rounds_dir, committed_epoch)
 
     def run(self, task: Any, model: Any, epoch: int) -> Round | None:
@@ -205,13 +286,16 @@ class Miner:
         caller saves and exits; the round continues from its files on restart)."""
         import torch
 
-
         threads, rng = torch.get_num_threads(), capture_rng()
         try:
             return self._round(task, model, epoch)
         finally:
-            torch.set_num_threads(threads)  # bitwise resume needs the same thread count before and after
-            restore_rng(rng)  # the embed's DataLoader draws a seed; a resumed round may skip the embed
+            torch.set_num_threads(
+                threads
+            )  # bitwise resume needs the same thread count before and after
+            restore_rng(
+                rng
+            )  # the embed's DataLoader draws a seed; a resumed round may skip the embed
 
     def _round(self, task: Any, model: Any, epoch: int) -> Round | None:
         dataset = task.embed_dataset()
@@ -219,30 +303,47 @@ class Miner:
         seconds: dict[str, Any] = {}
         files = self._files(model, epoch, n)
         indices, emb, reused = self._embed(task, model, dataset, epoch, files, seconds)
-        if dist.any_rank(not np.isfinite(emb).all(), device=self.device):  # clusters of NaN would look like a result
-            raise RunFailed(f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
-                            "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
-                            "them (a division by a zero norm?); no round was run on them")
-        embed_times = dist.gather_object((len(indices), seconds["embed"]))  # on rank 0: into the stats it broadcasts
+        if dist.any_rank(
+            not np.isfinite(emb).all(), device=self.device
+        ):  # clusters of NaN would look like a result
+            raise RunFailed(
+                f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
+                "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
+                "them (a division by a zero norm?); no round was run on them"
+            )
+        embed_times = dist.gather_object(
+            (len(indices), seconds["embed"])
+        )  # on rank 0: into the stats it broadcasts
         if self.stop.agree():
             return None
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
-            lists, engine, x = self.search(indices, emb, n, dim, lambda: self.stop.requested, seconds, files)
-            labels, stats = self._cluster(task, lists, x, n, epoch, engine, seconds) if lists is not None else (None, None)
+            lists, engine, x = self.search(
+                indices, emb, n, dim, lambda: self.stop.requested, seconds, files
+            )
+            labels, stats = (
+                self._cluster(task, lists, x, n, epoch, engine, seconds)
+                if lists is not None
+                else (None, None)
+            )
         if stats is not None:  # rank 0, which gathered every rank's embedding time
             # Per rank: its shard over its own time. Total: every sample over the time of the
             # slowest rank (the ranks start together, and the round waits for the last one).
             stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
             stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
         with self.phases.enter(phases.MINING_WAIT):
-            stats = self.group.broadcast_object(stats)  # waits, on the mining timeout, for rank 0's search
+            stats = self.group.broadcast_object(
+                stats
+            )  # waits, on the mining timeout, for rank 0's search
             if stats is None:
                 return None  # rank 0 aborted the search on a signal
             t3 = time.perf_counter()
             labels = self.group.broadcast_array(labels, n)
             seconds["broadcast"] = time.perf_counter() - t3
-        stats["resumed"] = {"embeddings": reused, "search_blocks": int(seconds.pop("blocks_from_disk", 0))}
+        stats["resumed"] = {
+            "embeddings": reused,
+            "search_blocks": int(seconds.pop("blocks_from_disk", 0)),
+        }
         seconds["total"] = sum(seconds.values())
         stats["seconds"] = seconds
         return Round(labels=labels, stats=stats)
@@ -251,30 +352,58 @@ class Miner:
         if self.rounds_dir is None:
             return None
         c = self.cfg
-        settings = {"knn": dataclasses.asdict(self.params), "embed_batch": c.embed_batch, "search": c.search,
-                    "amp": str(self.amp), "device": str(self.device.type)}
+        settings = {
+            "knn": dataclasses.asdict(self.params),
+            "embed_batch": c.embed_batch,
+            "search": c.search,
+            "amp": str(self.amp),
+            "device": str(self.device.type),
+        }
         if c.search != "all":
-
             settings["engine"] = knn.choose_engine(c.engine)
         key = round_key(model, epoch, dist.world(), n, settings)
         return RoundFiles(self.rounds_dir, epoch, dist.rank(), key, self.fsync)
 
-    def _embed(self, task: Any, model: Any, dataset: Any, epoch: int, files: RoundFiles | None,
-               seconds: dict[str, Any]) -> tuple[np.ndarray, np.ndarray, bool]:
+    def _embed(
+        self,
+        task: Any,
+        model: Any,
+        dataset: Any,
+        epoch: int,
+        files: RoundFiles | None,
+        seconds: dict[str, Any],
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
         """This rank's (indices, rows) and whether they were read back: every rank reads its shard
         back, or every rank embeds (the embed's progress is a collective)."""
         kept = files.load_shard() if files is not None else None
         if not dist.any_rank(kept is None, device=self.device):
             indices, emb, seconds["embed"] = kept
-            log.info("mining epoch %d: rank %d read its %d embeddings back from %s", epoch, dist.rank(), len(indices), files.dir)
+            log.info(
+                "mining epoch %d: rank %d read its %d embeddings back from %s",
+                epoch,
+                dist.rank(),
+                len(indices),
+                files.dir,
+            )
             return indices, emb, True
         if files is not None:
             files.discard()  # another attempt's files, or a partial round: start afresh
         with self.phases.enter(phases.MINING_EMBED):
             t0 = time.perf_counter()
             bar = self._bar(len(dataset), epoch)
-            indices, emb = embed_shard(task, model, dataset, dist.rank(), dist.world(), self.cfg.embed_batch, self.device,
-                                       self.amp, bar, tick=self.phases.tick, **self.loader_args)
+            indices, emb = embed_shard(
+                task,
+                model,
+                dataset,
+                dist.rank(),
+                dist.world(),
+                self.cfg.embed_batch,
+                self.device,
+                self.amp,
+                bar,
+                tick=self.phases.tick,
+                **self.loader_args,
+            )
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
@@ -289,10 +418,20 @@ class Miner:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0)
+        return tqdm(
+            total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0
+        )
 
-    def _cluster(self, task: Any, lists: KnnLists, x: np.ndarray | None, n: int, epoch: int, engine: str,
-                 seconds: dict[str, Any]) -> tuple[np.ndarray, dict[str, Any]]:
+    def _cluster(
+        self,
+        task: Any,
+        lists: KnnLists,
+        x: np.ndarray | None,
+        n: int,
+        epoch: int,
+        engine: str,
+        seconds: dict[str, Any],
+    ) -> tuple[np.ndarray, dict[str, Any]]:
         """Rank 0: labels and their stats from the k-NN lists (and, for FINCH, the rows)."""
         c, truth = self.cfg, task.ground_truth()
         t0 = time.perf_counter()
@@ -301,21 +440,40 @@ class Miner:
         threshold, curve = curves.resolve_threshold(*lists, rule, truth, graph)
         t1 = time.perf_counter()
         if c.method == "finch":
-            labels, info = finch.finch_clusters(x, *lists, search=finch.default_search(self.params), graph=graph)
+            labels, info = finch.finch_clusters(
+                x, *lists, search=finch.default_search(self.params), graph=graph
+            )
             labels = ignore_singletons(labels) if c.singletons == "ignore" else labels
             found = {"threshold": None, "finch": info, "mutual_edges": len(graph.w)}
         else:
             edges = edges_at(graph, threshold)
             labels = clusters_from_graph(edges, c.singletons, c.max_cluster_size)
-            found = {"threshold": threshold, "threshold_rule": "auto" if rule == "auto" else "fixed", "mutual_edges": edges.nnz // 2}
+            found = {
+                "threshold": threshold,
+                "threshold_rule": "auto" if rule == "auto" else "fixed",
+                "mutual_edges": edges.nnz // 2,
+            }
         seconds.update(curve=t1 - t0, cluster=time.perf_counter() - t1)
-        stats = {"epoch": epoch, **cluster_stats(labels), "engine": engine, "num_samples": n, "method": c.method, **found,
-                 "curve": curve.to_dict()}
+        stats = {
+            "epoch": epoch,
+            **cluster_stats(labels),
+            "engine": engine,
+            "num_samples": n,
+            "method": c.method,
+            **found,
+            "curve": curve.to_dict(),
+        }
         if truth is not None:
-
             stats.update(quality(labels, truth))
-        log.info("mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d", epoch, engine, _how(stats),
-                 stats["num_clusters"], stats["num_singletons"], stats["largest_cluster"])
+        log.info(
+            "mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d",
+            epoch,
+            engine,
+            _how(stats),
+            stats["num_clusters"],
+            stats["num_singletons"],
+            stats["largest_cluster"],
+        )
         return labels, stats
 
 

@@ -34,8 +34,8 @@ import time
 from typing import Any, Callable
 
 from clusterflow import rundir
-from clusterflow.storage import durable
 from clusterflow.observe import nvml
+from clusterflow.storage import durable
 
 PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
 STRAGGLER_RATIO = 1.5  # step time above 1.5 x the median of the other ranks ...
@@ -70,22 +70,35 @@ class Heartbeat:
     trainer a fresh per-rank list for TensorBoard without a collective or a read on the loop's thread.
     """
 
-    def __init__(self, run_dir: str, rank: int, host: str | None = None, every_s: float = 10.0, *,
-                 gpu: int | str | None = None, gather: bool = False, start: bool = True,
-                 snapshot: Callable[[], list[dict[str, Any]] | None] = nvml.read_snapshot) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        rank: int,
+        host: str | None = None,
+        every_s: float = 10.0,
+        *,
+        gpu: int | str | None = None,
+        gather: bool = False,
+        start: bool = True,
+        snapshot: Callable[[], list[dict[str, Any]] | None] = nvml.read_snapshot,
+    ) -> None:
         self.run_dir, self.rank, self.every_s = run_dir, rank, float(every_s)
         self.paths = rundir.RunPaths(run_dir)
         self.host = host or socket.gethostname()
         self.gpu, self.gather, self._snapshot = gpu, gather, snapshot
         self.progress = Progress()
-        self._last: tuple[int, float, str] | None = None  # step, monotonic time, phase at the last write
+        self._last: tuple[int, float, str] | None = (
+            None  # step, monotonic time, phase at the last write
+        )
         self._step_time: float | None = None
         self._ranks: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         os.makedirs(self.paths.heartbeats, exist_ok=True)
         if start:
-            self._thread = threading.Thread(target=self._run, name=f"clusterflow-heartbeat-{rank}", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"clusterflow-heartbeat-{rank}", daemon=True
+            )
             self._thread.start()
 
     def beat(self, step: int, phase: str = "train", step_time_s: float | None = None) -> None:
@@ -99,17 +112,27 @@ class Heartbeat:
     def write(self) -> dict[str, Any]:
         """Write this rank's record now (the thread does it every ``every_s``); returns the record."""
         record = self.record()
-        durable.write_atomic(self.paths.heartbeat_file(self.rank), json.dumps(record), fsync=False, make_folder=False)
+        durable.write_atomic(
+            self.paths.heartbeat_file(self.rank), json.dumps(record), fsync=False, make_folder=False
+        )
         return record
 
     def record(self) -> dict[str, Any]:
         count, step, phase, at, passed = self.progress.snapshot()
         mono, wall = time.monotonic(), time.time()
         self._update_step_time(step, phase, at, passed)
-        rec: dict[str, Any] = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "time": wall,
-                               "step": step, "phase": phase or "starting", "beats": count,
-                               "progress_at": wall - (mono - at) if count else None,
-                               "step_time_s": self._step_time, "heartbeat_s": self.every_s}
+        rec: dict[str, Any] = {
+            "rank": self.rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "time": wall,
+            "step": step,
+            "phase": phase or "starting",
+            "beats": count,
+            "progress_at": wall - (mono - at) if count else None,
+            "step_time_s": self._step_time,
+            "heartbeat_s": self.every_s,
+        }
         if self.gpu is not None:
             rec.update(nvml.gpu_fields(nvml.find_gpu(self._snapshot(), self.gpu)))
         return rec
@@ -146,8 +169,15 @@ class Heartbeat:
 
 # -- reading ------------------------------------------------------------------------------------
 
-def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, since: float | None = None,
-               world_size: int | None = None) -> list[dict[str, Any]]:
+
+def read_ranks(
+    run_dir: str,
+    heartbeat_s: float,
+    *,
+    now: float | None = None,
+    since: float | None = None,
+    world_size: int | None = None,
+) -> list[dict[str, Any]]:
     """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``, ``progress_age_s``
     and the marks ``straggler`` and ``silent``.
 
@@ -165,14 +195,20 @@ def read_ranks(run_dir: str, heartbeat_s: float, *, now: float | None = None, si
         if not (name.startswith("rank") and name.endswith(".json")):
             continue
         rec = rundir.read_json(os.path.join(folder, name))
-        if not isinstance(rec, dict) or not isinstance(rec.get("rank"), int) or (since is not None and rec.get("time", 0) < since):
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("rank"), int)
+            or (since is not None and rec.get("time", 0) < since)
+        ):
             continue
         if world_size is not None and rec["rank"] >= world_size:
             continue  # a larger earlier attempt's rank
         records[rec["rank"]] = rec
     if world_size is not None:
         for r in range(world_size):
-            records.setdefault(r, {"rank": r, "host": None, "step": None, "phase": None, "time": None})
+            records.setdefault(
+                r, {"rank": r, "host": None, "step": None, "phase": None, "time": None}
+            )
     return mark([records[r] for r in sorted(records)], heartbeat_s, now)
 
 
@@ -185,12 +221,20 @@ def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[
     out = []
     for rec in records:
         r = dict(rec)
-        r["heartbeat_age_s"] = None if r.get("time") is None else round(max(0.0, now - r["time"]), 1)
-        r["progress_age_s"] = None if r.get("progress_at") is None else round(max(0.0, now - r["progress_at"]), 1)
+        r["heartbeat_age_s"] = (
+            None if r.get("time") is None else round(max(0.0, now - r["time"]), 1)
+        )
+        r["progress_age_s"] = (
+            None if r.get("progress_at") is None else round(max(0.0, now - r["progress_at"]), 1)
+        )
         r["silent"] = r["heartbeat_age_s"] is None or r["heartbeat_age_s"] > silent_after
         r["straggler"] = False
         out.append(r)
-    training = [r for r in out if r.get("phase") == "train" and not r["silent"] and r.get("step_time_s") is not None]
+    training = [
+        r
+        for r in out
+        if r.get("phase") == "train" and not r["silent"] and r.get("step_time_s") is not None
+    ]
     times = sorted(r["step_time_s"] for r in training)
     for r in training:
         if len(times) < 2:
@@ -199,7 +243,10 @@ def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[
         others.remove(r["step_time_s"])
         median = statistics.median(others)
         r["median_step_time_s"] = median
-        r["straggler"] = r["step_time_s"] > STRAGGLER_RATIO * median and r["step_time_s"] - median >= STRAGGLER_FLOOR_S
+        r["straggler"] = (
+            r["step_time_s"] > STRAGGLER_RATIO * median
+            and r["step_time_s"] - median >= STRAGGLER_FLOOR_S
+        )
     return out
 
 
@@ -213,7 +260,9 @@ def summary(ranks: list[dict[str, Any]]) -> str | None:
         elif r["silent"]:
             parts.append(f"{who} is silent (last heartbeat {r['heartbeat_age_s']:.0f} s ago)")
         elif r["straggler"]:
-            parts.append(f"{who} straggles ({r['step_time_s']:.3f} s/step, others' median {r['median_step_time_s']:.3f} s)")
+            parts.append(
+                f"{who} straggles ({r['step_time_s']:.3f} s/step, others' median {r['median_step_time_s']:.3f} s)"
+            )
     return "; ".join(parts) or None
 
 
@@ -222,13 +271,18 @@ def render(ranks: list[dict[str, Any]]) -> str:
     head = f"{'rank':>4}  {'host':<12} {'step':>7}  {'phase':<13} {'beat':>6} {'moved':>6} {'s/step':>7}  {'gpu mem':>13} {'util':>5} {'temp':>5}  marks"
     lines = [head]
     for r in ranks:
-        mem = (f"{r['gpu_mem_used_mb'] / 1024:.1f}/{r['gpu_mem_total_mb'] / 1024:.0f} GiB"
-               if r.get("gpu_mem_used_mb") is not None and r.get("gpu_mem_total_mb") else "-")
+        mem = (
+            f"{r['gpu_mem_used_mb'] / 1024:.1f}/{r['gpu_mem_total_mb'] / 1024:.0f} GiB"
+            if r.get("gpu_mem_used_mb") is not None and r.get("gpu_mem_total_mb")
+            else "-"
+        )
         marks = ",".join(m for m in ("silent", "straggler") if r.get(m))
-        lines.append(f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  {str(r.get('phase') or '-'):<13} "
-                     f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} {_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
-                     f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} {_num(r.get('gpu_util_pct'), '{}%'):>5} "
-                     f"{_num(r.get('gpu_temp_c'), '{}C'):>5}  {marks}")
+        lines.append(
+            f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  {str(r.get('phase') or '-'):<13} "
+            f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} {_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
+            f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} {_num(r.get('gpu_util_pct'), '{}%'):>5} "
+            f"{_num(r.get('gpu_temp_c'), '{}C'):>5}  {marks}"
+        )
     return "\n".join(lines)
 
 

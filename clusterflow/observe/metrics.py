@@ -71,7 +71,9 @@ class TensorBoardWriter(NullWriter):
     def __init__(self, paths: RunPaths, attempt: int, purge_step: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self._w = SummaryWriter(log_dir=paths.tb, purge_step=purge_step, filename_suffix=f".attempt{attempt}")
+        self._w = SummaryWriter(
+            log_dir=paths.tb, purge_step=purge_step, filename_suffix=f".attempt{attempt}"
+        )
         self._jsonl = rundir.open_jsonl(paths.metrics)
         self._attempt = attempt
         self._flush_due = Every(self.FLUSH_S)
@@ -86,7 +88,9 @@ class TensorBoardWriter(NullWriter):
             self._w.add_scalar(k, v, step)
         if self._flush_due.due():
             self._w.flush()
-        self._row({"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}})
+        self._row(
+            {"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}}
+        )
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         self._w.add_histogram(tag, values, step)

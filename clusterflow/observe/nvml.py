@@ -43,10 +43,17 @@ def read_snapshot() -> list[dict[str, Any]] | None:
 def _read_gpu(nv: Any, index: int) -> dict[str, Any]:
     h = nv.nvmlDeviceGetHandleByIndex(index)
     mem = nv.nvmlDeviceGetMemoryInfo(h)
-    gpu: dict[str, Any] = {"index": index, "uuid": _text(nv.nvmlDeviceGetUUID(h)), "name": _text(nv.nvmlDeviceGetName(h)),
-                           "memory_total_mb": mem.total // MB, "memory_used_mb": mem.used // MB}
-    for key, read in (("util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                      ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))):
+    gpu: dict[str, Any] = {
+        "index": index,
+        "uuid": _text(nv.nvmlDeviceGetUUID(h)),
+        "name": _text(nv.nvmlDeviceGetName(h)),
+        "memory_total_mb": mem.total // MB,
+        "memory_used_mb": mem.used // MB,
+    }
+    for key, read in (
+        ("util_pct", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+        ("temp_c", lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)),
+    ):
         try:
             gpu[key] = int(read())
         except Exception:  # noqa: BLE001 - not supported on this device: leave the field out
@@ -56,7 +63,11 @@ def _read_gpu(nv: Any, index: int) -> dict[str, Any]:
         try:
             for p in getattr(nv, getter)(h):
                 used = getattr(p, "usedGpuMemory", None)
-                procs[p.pid] = {"pid": p.pid, "name": process_name(p.pid), "used_mb": used // MB if isinstance(used, int) else None}
+                procs[p.pid] = {
+                    "pid": p.pid,
+                    "name": process_name(p.pid),
+                    "used_mb": used // MB if isinstance(used, int) else None,
+                }
         except Exception:  # noqa: BLE001
             pass
     gpu["processes"] = sorted(procs.values(), key=lambda p: p["pid"])
@@ -80,12 +91,20 @@ def gpu_fields(gpu: Mapping[str, Any] | None) -> dict[str, Any]:
     """The per-GPU fields a heartbeat carries (and `status --ranks` shows); absent values are left out."""
     if not gpu:
         return {}
-    out = {"gpu_index": gpu.get("index"), "gpu_name": gpu.get("name"), "gpu_mem_used_mb": gpu.get("memory_used_mb"),
-           "gpu_mem_total_mb": gpu.get("memory_total_mb"), "gpu_util_pct": gpu.get("util_pct"), "gpu_temp_c": gpu.get("temp_c")}
+    out = {
+        "gpu_index": gpu.get("index"),
+        "gpu_name": gpu.get("name"),
+        "gpu_mem_used_mb": gpu.get("memory_used_mb"),
+        "gpu_mem_total_mb": gpu.get("memory_total_mb"),
+        "gpu_util_pct": gpu.get("util_pct"),
+        "gpu_temp_c": gpu.get("temp_c"),
+    }
     return {k: v for k, v in out.items() if v is not None}
 
 
-def find_gpu(snapshot: list[Mapping[str, Any]] | None, ident: int | str | None) -> Mapping[str, Any] | None:
+def find_gpu(
+    snapshot: list[Mapping[str, Any]] | None, ident: int | str | None
+) -> Mapping[str, Any] | None:
     """The snapshot entry for an NVML index or a UUID (``GPU-...``; a prefix is enough, as CUDA accepts)."""
     if snapshot is None or ident is None:
         return None
@@ -97,7 +116,9 @@ def find_gpu(snapshot: list[Mapping[str, Any]] | None, ident: int | str | None) 
     return None
 
 
-def nvml_id_for_torch_device(device_index: int, cuda_visible_devices: str | None) -> int | str | None:
+def nvml_id_for_torch_device(
+    device_index: int, cuda_visible_devices: str | None
+) -> int | str | None:
     """Which NVML GPU is torch's ``cuda:<device_index>``.
 
     torch numbers only the GPUs in CUDA_VISIBLE_DEVICES, NVML numbers all of them, so cuda:0 under

@@ -22,9 +22,8 @@ import socket
 from typing import Any, Iterator, Mapping
 
 from clusterflow import rundir
-from clusterflow.observe import nvml
-from clusterflow.observe import phases
 from clusterflow.errors import RunFailed, UserError
+from clusterflow.observe import nvml, phases
 from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
 from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
 
@@ -37,9 +36,13 @@ def before_init(cfg: Any, environ: Mapping[str, str]) -> None:
     Nothing is written into the run dir here: this job does not hold it yet."""
     try:
         attempt = rundir.attempt_count(rundir.RunPaths(cfg.run.dir))  # the attempt about to start
-    except OSError:  # a run dir that cannot be read is refused, with its reason, once the job takes it
+    except (
+        OSError
+    ):  # a run dir that cannot be read is refused, with its reason, once the job takes it
         attempt = 0
-    os.environ.update(flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False))
+    os.environ.update(
+        flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False)
+    )
 
 
 def nvml_gpu(device: Any) -> int | str | None:
@@ -62,18 +65,40 @@ class Observer:
         paths = rundir.RunPaths(cfg.run.dir)
         self.paths = paths
         d = cfg.dist
-        self.heartbeat = (Heartbeat(cfg.run.dir, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0)
-                          if d.heartbeat_s > 0 else None)
+        self.heartbeat = (
+            Heartbeat(
+                cfg.run.dir, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0
+            )
+            if d.heartbeat_s > 0
+            else None
+        )
         self.progress = self.heartbeat.progress if self.heartbeat is not None else Progress()
         limit = d.stall_limit_s
-        waits = {phases.MINING_WAIT: cfg.mining.timeout_s + (limit or 0), phases.MINING_SEARCH: cfg.mining.timeout_s + (limit or 0)}
-        self.watchdog = (Watchdog(self.progress, cfg.run.dir, rank, stall_s=limit, attempt=attempt, host=self.host,
-                                  allowances=waits, log_file=paths.log_file(rank, attempt), on_stall=self._record)
-                         if limit else None)
+        waits = {
+            phases.MINING_WAIT: cfg.mining.timeout_s + (limit or 0),
+            phases.MINING_SEARCH: cfg.mining.timeout_s + (limit or 0),
+        }
+        self.watchdog = (
+            Watchdog(
+                self.progress,
+                cfg.run.dir,
+                rank,
+                stall_s=limit,
+                attempt=attempt,
+                host=self.host,
+                allowances=waits,
+                log_file=paths.log_file(rank, attempt),
+                on_stall=self._record,
+            )
+            if limit
+            else None
+        )
 
     def _record(self, rec: dict[str, Any]) -> None:
         """The stalled rank's own error record: `status` lists it, `submit --local` names it."""
-        rundir.write_error(self.paths, self.rank, self.host, rec["error"], rec.get("traceback") or "")
+        rundir.write_error(
+            self.paths, self.rank, self.host, rec["error"], rec.get("traceback") or ""
+        )
 
     def scalars(self) -> dict[str, Any]:
         return tensorboard_scalars(self.heartbeat.ranks()) if self.heartbeat is not None else {}
@@ -84,7 +109,9 @@ class Observer:
         if self.heartbeat is None and self.watchdog is None:
             yield
             return
-        os.makedirs(self.paths.stalls(self.attempt), exist_ok=True)  # where NCCL's own dump on timeout goes
+        os.makedirs(
+            self.paths.stalls(self.attempt), exist_ok=True
+        )  # where NCCL's own dump on timeout goes
         tracker.beat, tracker.scalars = self.progress.bump, self.scalars
         try:
             with self.watchdog if self.watchdog is not None else contextlib.nullcontext():
@@ -102,7 +129,9 @@ class Observer:
         """A rank that fails (a peer's collective error, most often) leaves its flight recorder beside
         the stalled rank's: comparing them names the rank that never joined a collective."""
         try:
-            for line in dump_flight_recorder(self.paths.stalls(self.attempt), self.rank, stacks_budget_s=0.5):
+            for line in dump_flight_recorder(
+                self.paths.stalls(self.attempt), self.rank, stacks_budget_s=0.5
+            ):
                 log.info("flight recorder: %s", line)
         except Exception:  # noqa: BLE001 - the error being raised matters more
             pass

@@ -34,7 +34,9 @@ class Phases:
         self.since = time.time()
         self.step = 0
         self.beat: Callable[[int, str], None] = _nothing
-        self.scalars: Callable[[], dict[str, Any]] = dict  # rank 0 with heartbeats: every rank's, for TensorBoard
+        self.scalars: Callable[[], dict[str, Any]] = (
+            dict  # rank 0 with heartbeats: every rank's, for TensorBoard
+        )
 
     @contextlib.contextmanager
     def enter(self, name: str) -> Iterator[None]:

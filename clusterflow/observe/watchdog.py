@@ -38,9 +38,9 @@ from typing import Any, Callable, Mapping
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_STALLED
-from clusterflow.storage import durable
-from clusterflow.rundir import first_error
 from clusterflow.observe.heartbeat import Progress
+from clusterflow.rundir import first_error
+from clusterflow.storage import durable
 
 WAIT_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/", "clusterflow/dist.py")
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
@@ -51,18 +51,33 @@ class Watchdog:
     """``with Watchdog(heartbeat.progress, run_dir, rank, stall_s=...):`` around the loop (or
     ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles it."""
 
-    def __init__(self, progress: Progress, run_dir: str, rank: int, *, stall_s: float, attempt: int = 0,
-                 host: str | None = None, allowances: Mapping[str, float] | None = None, log_file: str | None = None,
-                 victim_grace_s: float | None = None, on_stall: Callable[[dict[str, Any]], None] | None = None,
-                 loop_thread: int | None = None) -> None:
+    def __init__(
+        self,
+        progress: Progress,
+        run_dir: str,
+        rank: int,
+        *,
+        stall_s: float,
+        attempt: int = 0,
+        host: str | None = None,
+        allowances: Mapping[str, float] | None = None,
+        log_file: str | None = None,
+        victim_grace_s: float | None = None,
+        on_stall: Callable[[dict[str, Any]], None] | None = None,
+        loop_thread: int | None = None,
+    ) -> None:
         self.progress, self.run_dir, self.rank, self.attempt = progress, run_dir, rank, attempt
         self.stall_s, self.allowances = float(stall_s), dict(allowances or {})
         self.host = host or socket.gethostname()
         self.log_file, self.on_stall = log_file, on_stall
-        self.victim_grace_s = max(10.0, 0.25 * self.stall_s) if victim_grace_s is None else victim_grace_s
+        self.victim_grace_s = (
+            max(10.0, 0.25 * self.stall_s) if victim_grace_s is None else victim_grace_s
+        )
         self.loop_thread = loop_thread or threading.main_thread().ident
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"clusterflow-watchdog-{rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"clusterflow-watchdog-{rank}", daemon=True
+        )
 
     def start(self) -> "Watchdog":
         self._thread.start()
@@ -99,27 +114,52 @@ class Watchdog:
                 return
             self.fire(idle, step, phase, frame, waiting)
 
-    def fire(self, idle: float, step: int, phase: str, frame: FrameType | None, waiting: str | None) -> None:
+    def fire(
+        self, idle: float, step: int, phase: str, frame: FrameType | None, waiting: str | None
+    ) -> None:
         """Record, dump, exit. Each step is guarded: a full disk must not keep a hung rank alive."""
         where = describe_frame(frame)
         msg = f"rank {self.rank} on {self.host} stalled {int(idle)} s at step {step} in {phase} ({where})"
         if waiting:
             msg += f", waiting in {waiting} for its peers"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
-        record = {"step": step, "phase": phase, "stalled_s": round(idle, 1), "where": where, "traceback": stack}
+        record = {
+            "step": step,
+            "phase": phase,
+            "stalled_s": round(idle, 1),
+            "where": where,
+            "traceback": stack,
+        }
         paths = rundir.RunPaths(self.run_dir)
         stalls = paths.stalls(self.attempt)
-        _guard(lambda: record.update(won=first_error.record(self.run_dir, self.attempt, self.rank, msg, host=self.host,
-                                                            kind="stall", **record)))
+        _guard(
+            lambda: record.update(
+                won=first_error.record(
+                    self.run_dir,
+                    self.attempt,
+                    self.rank,
+                    msg,
+                    host=self.host,
+                    kind="stall",
+                    **record,
+                )
+            )
+        )
         header = f"clusterflow watchdog: {msg}\nstacks of every thread (loop thread 0x{self.loop_thread or 0:016x}):\n"
         for target in (self.log_file, paths.stacks_file(self.rank, self.attempt)):
             if target:
                 _guard(lambda t=target: dump_stacks(t, header))
         _guard(lambda: record.update(flight_recorder=dump_flight_recorder(stalls, self.rank)))
         if self.on_stall is not None:
-            _guard(lambda: self.on_stall({"error": msg, "rank": self.rank, "host": self.host, **record}))
+            _guard(
+                lambda: self.on_stall(
+                    {"error": msg, "rank": self.rank, "host": self.host, **record}
+                )
+            )
         _guard(lambda: log.error("%s; stacks in %s; exiting with %d", msg, stalls, EXIT_STALLED))
-        print(f"clusterflow watchdog: {msg}; exiting with {EXIT_STALLED}", file=sys.stderr, flush=True)
+        print(
+            f"clusterflow watchdog: {msg}; exiting with {EXIT_STALLED}", file=sys.stderr, flush=True
+        )
         for h in logging.getLogger("clusterflow").handlers:
             _guard(h.flush)
         os._exit(EXIT_STALLED)
@@ -151,7 +191,12 @@ def _library(filename: str) -> bool:
     name = filename.replace(os.sep, "/")
     if "/clusterflow/" in name:
         return False
-    return "site-packages/" in name or "dist-packages/" in name or filename.startswith(_STDLIB) or name.startswith("<")
+    return (
+        "site-packages/" in name
+        or "dist-packages/" in name
+        or filename.startswith(_STDLIB)
+        or name.startswith("<")
+    )
 
 
 def _short(filename: str) -> str:
@@ -193,7 +238,10 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
 
 # -- PyTorch's flight recorder ----------------------------------------------------------------
 
-def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str], make_folder: bool = True) -> dict[str, str]:
+
+def flight_recorder_env(
+    run_dir: str, attempt: int, environ: Mapping[str, str], make_folder: bool = True
+) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
     prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and the
@@ -201,14 +249,20 @@ def flight_recorder_env(run_dir: str, attempt: int, environ: Mapping[str, str], 
     prefix = rundir.RunPaths(run_dir).nccl_trace_prefix(attempt)
     if make_folder:  # job.py makes it later, once the job holds the run dir
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
-    wanted = {"TORCH_FR_BUFFER_SIZE": FR_BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
-              "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
-              "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+    wanted = {
+        "TORCH_FR_BUFFER_SIZE": FR_BUFFER,
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
 def _c10d() -> Any:
-    if "torch" not in sys.modules:  # never import torch from a watchdog: a process without it has no recorder
+    if (
+        "torch" not in sys.modules
+    ):  # never import torch from a watchdog: a process without it has no recorder
         return None
     try:
         from torch._C import _distributed_c10d
@@ -237,7 +291,9 @@ def active_collective(timeout_s: float = 5.0) -> str | None:
     try:
         import json
 
-        trace = json.loads(_with_timeout(lambda: dump(includeCollectives=True, onlyActive=True), timeout_s))
+        trace = json.loads(
+            _with_timeout(lambda: dump(includeCollectives=True, onlyActive=True), timeout_s)
+        )
     except Exception:  # noqa: BLE001 - recorder off or unreadable: fall back to the stack
         return None
     return _active_in(trace)
@@ -248,10 +304,15 @@ def _active_in(trace: Mapping[str, Any]) -> str | None:
     entries in state "scheduled" (and marks them retired), so the per-group counters decide."""
     entries = trace.get("entries") or []
     for pg, st in (trace.get("pg_status") or {}).items():
-        if int(st.get("last_enqueued_collective", -1)) > int(st.get("last_completed_collective", -1)):
+        if int(st.get("last_enqueued_collective", -1)) > int(
+            st.get("last_completed_collective", -1)
+        ):
             seq = int(st["last_enqueued_collective"])
-            names = [e.get("profiling_name") for e in entries if e.get("collective_seq_id") == seq
-                     and str(e.get("pg_id", pg)) == str(pg)]
+            names = [
+                e.get("profiling_name")
+                for e in entries
+                if e.get("collective_seq_id") == seq and str(e.get("pg_id", pg)) == str(pg)
+            ]
             return f"{(names or ['a collective'])[-1]} #{seq} (flight recorder)"
     return None
 
@@ -271,19 +332,30 @@ def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -
     if c10d is None:
         return ["no flight recorder: torch.distributed not loaded"]
     done = []
-    for fn_name, name in (("_dump_fr_trace", "flight_recorder_rank_"), ("_dump_nccl_trace", "nccl_trace_rank_")):
+    for fn_name, name in (
+        ("_dump_fr_trace", "flight_recorder_rank_"),
+        ("_dump_nccl_trace", "nccl_trace_rank_"),
+    ):
         fn = getattr(c10d, fn_name, None)
         if fn is None:
             continue
         target = os.path.join(folder, f"{name}{rank}")
         for stacks, budget in ((False, 10.0), (True, stacks_budget_s)):
             try:
-                data = _with_timeout(lambda fn=fn, s=stacks: fn(includeCollectives=True, includeStackTraces=s,
-                                                                 onlyActive=False), budget)
+                data = _with_timeout(
+                    lambda fn=fn, s=stacks: fn(
+                        includeCollectives=True, includeStackTraces=s, onlyActive=False
+                    ),
+                    budget,
+                )
                 # not fsynced: the process exits next and the page cache outlives it; an fsync
                 # on a slow NFS server would keep a hung rank alive
                 durable.write_atomic(target, data, fsync=False)
-                done.append(f"{fn_name}{' with stack traces' if stacks else ''}: {len(data)} bytes in {target}")
+                done.append(
+                    f"{fn_name}{' with stack traces' if stacks else ''}: {len(data)} bytes in {target}"
+                )
             except Exception as exc:  # noqa: BLE001 - best effort; the Python stacks are already on disk
-                done.append(f"{fn_name}{' with stack traces' if stacks else ''}: {type(exc).__name__}: {exc}")
+                done.append(
+                    f"{fn_name}{' with stack traces' if stacks else ''}: {type(exc).__name__}: {exc}"
+                )
     return done or ["no flight recorder in this torch build"]

@@ -29,8 +29,11 @@ def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
         user = getpass.getuser()
     except (KeyError, OSError):
         user = str(os.getuid())
-    record = {"cancelled_at": time.time() if now is None else now, "job_id": job_id,
-              "by": f"{user}@{socket.gethostname()}"}
+    record = {
+        "cancelled_at": time.time() if now is None else now,
+        "job_id": job_id,
+        "by": f"{user}@{socket.gethostname()}",
+    }
     durable.write_atomic(RunPaths(run_dir).cancelled, json.dumps(record, indent=1))
 
 

@@ -19,19 +19,35 @@ import socket
 import time
 from typing import Any
 
-from clusterflow.storage import durable
 from clusterflow.rundir import records as rundir
+from clusterflow.storage import durable
 
 
-def record(run_dir: str, attempt: int, rank: int, error: str, *, host: str | None = None, kind: str = "error",
-           **extra: Any) -> bool:
+def record(
+    run_dir: str,
+    attempt: int,
+    rank: int,
+    error: str,
+    *,
+    host: str | None = None,
+    kind: str = "error",
+    **extra: Any,
+) -> bool:
     """Record ``error`` as this attempt's first cause. True when it won, False when a cause was already there."""
     target = rundir.RunPaths(run_dir).first_error_file(attempt)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(target):
         return False  # the common loser's path: skip writing a temp file
-    rec = {"rank": rank, "host": host or socket.gethostname(), "error": error, "kind": kind, "time": time.time(),
-           "attempt": attempt, "pid": os.getpid(), **extra}
+    rec = {
+        "rank": rank,
+        "host": host or socket.gethostname(),
+        "error": error,
+        "kind": kind,
+        "time": time.time(),
+        "attempt": attempt,
+        "pid": os.getpid(),
+        **extra,
+    }
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 

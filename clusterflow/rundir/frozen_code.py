@@ -34,9 +34,9 @@ import tempfile
 import time
 from typing import Any, MutableMapping
 
-from clusterflow.storage import durable
-from clusterflow.rundir import records as rundir
 from clusterflow.errors import UserError
+from clusterflow.rundir import records as rundir
+from clusterflow.storage import durable
 
 MAX_BYTES = 20 * 2**20
 MAX_FILES = 2000
@@ -66,12 +66,16 @@ def locate(target: str) -> tuple[str, str] | None:
     except (ImportError, ValueError) as exc:
         raise UserError(f"task.target={target!r}: module {top!r} cannot be found ({exc})") from None
     if spec is None:
-        raise UserError(f"task.target={target!r}: no module named {top!r} on the Python path of this shell "
-                        f"(cwd {os.getcwd()}); install the package, run from its directory, or set PYTHONPATH")
+        raise UserError(
+            f"task.target={target!r}: no module named {top!r} on the Python path of this shell "
+            f"(cwd {os.getcwd()}); install the package, run from its directory, or set PYTHONPATH"
+        )
     locations = list(spec.submodule_search_locations or [])
     if len(locations) > 1:
-        raise UserError(f"task.target={target!r}: {top!r} is a namespace package spread over {', '.join(locations)}; "
-                        f"snapshot one directory (add an __init__.py) or set run.snapshot_code=false")
+        raise UserError(
+            f"task.target={target!r}: {top!r} is a namespace package spread over {', '.join(locations)}; "
+            f"snapshot one directory (add an __init__.py) or set run.snapshot_code=false"
+        )
     path = locations[0] if locations else spec.origin
     if not path or not os.path.exists(path) or (not locations and not path.endswith(".py")):
         return None  # built-in, frozen or a compiled extension: nothing we can copy
@@ -83,7 +87,11 @@ def locate(target: str) -> tuple[str, str] | None:
 
 def _skipped(name: str) -> bool:
     """Caches, hidden files and build metadata are not code."""
-    return name.startswith(".") or name == "__pycache__" or name.endswith((".pyc", ".pyo", ".egg-info"))
+    return (
+        name.startswith(".")
+        or name == "__pycache__"
+        or name.endswith((".pyc", ".pyo", ".egg-info"))
+    )
 
 
 def _files(source: str) -> list[tuple[str, str]]:
@@ -107,16 +115,22 @@ def _check_size(files: list[tuple[str, str]], source: str, max_bytes: int) -> in
     sizes = [(os.path.getsize(f), rel) for f, rel in files]
     total = sum(s for s, _ in sizes)
     if total > max_bytes or len(files) > MAX_FILES:
-        biggest = ", ".join(f"{rel} ({s / 2**20:.1f} MiB)" for s, rel in sorted(sizes, reverse=True)[:5])
-        raise UserError(f"the task's code at {source} is {total / 2**20:.1f} MiB in {len(files)} files, over the snapshot "
-                        f"limit of {max_bytes / 2**20:.0f} MiB / {MAX_FILES} files (largest: {biggest}); move data and "
-                        f"weights out of the package, or set run.snapshot_code=false to run the code in place")
+        biggest = ", ".join(
+            f"{rel} ({s / 2**20:.1f} MiB)" for s, rel in sorted(sizes, reverse=True)[:5]
+        )
+        raise UserError(
+            f"the task's code at {source} is {total / 2**20:.1f} MiB in {len(files)} files, over the snapshot "
+            f"limit of {max_bytes / 2**20:.0f} MiB / {MAX_FILES} files (largest: {biggest}); move data and "
+            f"weights out of the package, or set run.snapshot_code=false to run the code in place"
+        )
     return total
 
 
 def _git(args: list[str], cwd: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S)
+        out = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
@@ -134,17 +148,27 @@ def git_state(source: str) -> tuple[dict[str, Any] | None, str]:
     branch = (_git(["rev-parse", "--abbrev-ref", "HEAD"], root) or "").strip() or None
     diff = _git(["diff", "HEAD", "--binary"], root) if commit else ""
     rel = os.path.relpath(source, os.path.realpath(root))
-    untracked = (_git(["ls-files", "--others", "--exclude-standard", "--", rel], root) or "").split("\n")
+    untracked = (_git(["ls-files", "--others", "--exclude-standard", "--", rel], root) or "").split(
+        "\n"
+    )
     untracked = [u for u in untracked if u and not any(_skipped(part) for part in u.split("/"))]
     # dirty is None (unknown) when git diff failed or did not answer in time
     dirty = None if diff is None else bool(diff.strip() or untracked or not commit)
     diff = diff or ""
-    info = {"root": root, "commit": commit, "branch": branch, "dirty": dirty, "untracked": untracked,
-            "diff_truncated": len(diff.encode()) > MAX_DIFF_BYTES}
+    info = {
+        "root": root,
+        "commit": commit,
+        "branch": branch,
+        "dirty": dirty,
+        "untracked": untracked,
+        "diff_truncated": len(diff.encode()) > MAX_DIFF_BYTES,
+    }
     return info, diff.encode()[:MAX_DIFF_BYTES].decode(errors="replace")
 
 
-def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_BYTES) -> dict[str, Any] | None:
+def take(
+    run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_BYTES
+) -> dict[str, Any] | None:
     """Called by submit (login node) before each submission. Returns the manifest, or None when
     nothing is frozen (disabled, installed code, clusterflow's own tasks); then the pointer is
     removed so that no older snapshot is imported by mistake."""
@@ -166,20 +190,31 @@ def take(run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_B
         for full, rel in files:
             dest = os.path.join(tmp, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(full, dest)  # contents only: a read-only source must not make the copy read-only
+            shutil.copyfile(
+                full, dest
+            )  # contents only: a read-only source must not make the copy read-only
             with open(dest, "rb") as f:
                 digest.update(rel.encode() + b"\0" + hashlib.sha256(f.read()).digest())
         digest.update(json.dumps([git and git["commit"], diff]).encode())
         version = digest.hexdigest()[:12]
-        manifest = {"version": version, "module": module, "source": source, "files": len(files), "bytes": total,
-                    "git": git, "taken_at": time.time()}
+        manifest = {
+            "version": version,
+            "module": module,
+            "source": source,
+            "files": len(files),
+            "bytes": total,
+            "git": git,
+            "taken_at": time.time(),
+        }
         with open(os.path.join(tmp, "git.diff"), "w", encoding="utf-8") as f:
             f.write(diff)
         with open(os.path.join(tmp, "snapshot.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
         final = paths.code_version(version)
         if os.path.isdir(final):
-            shutil.rmtree(tmp)  # the same code was frozen before: keep that copy (a job may be reading it)
+            shutil.rmtree(
+                tmp
+            )  # the same code was frozen before: keep that copy (a job may be reading it)
         else:
             os.rename(tmp, final)
     except BaseException:
@@ -196,26 +231,41 @@ def describe(run_dir: str) -> dict[str, Any] | None:
     if not manifest:
         return None
     git = manifest.get("git") or {}
-    return {"module": manifest["module"], "version": manifest["version"], "commit": git.get("commit"),
-            "dirty": git.get("dirty"), "path": paths.code_version(manifest["version"])}
+    return {
+        "module": manifest["module"],
+        "version": manifest["version"],
+        "commit": git.get("commit"),
+        "dirty": git.get("dirty"),
+        "path": paths.code_version(manifest["version"]),
+    }
 
 
-def activate(run_dir: str, environ: MutableMapping[str, str] | None = None) -> dict[str, Any] | None:
+def activate(
+    run_dir: str, environ: MutableMapping[str, str] | None = None
+) -> dict[str, Any] | None:
     """Called by every rank of every attempt before the task is imported: put the frozen copy first
     on sys.path (and PYTHONPATH, for worker processes) and forget any copy imported before."""
     info = describe(run_dir)
     if info is None:
         return None
     path = os.path.abspath(info["path"])
-    if not os.path.isdir(os.path.join(path, info["module"])) and not os.path.isfile(os.path.join(path, info["module"] + ".py")):
-        raise UserError(f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} is missing or incomplete; "
-                        f"submit the run again to take a new one")
+    if not os.path.isdir(os.path.join(path, info["module"])) and not os.path.isfile(
+        os.path.join(path, info["module"] + ".py")
+    ):
+        raise UserError(
+            f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} is missing or incomplete; "
+            f"submit the run again to take a new one"
+        )
     if path in sys.path:
         sys.path.remove(path)
     sys.path.insert(0, path)
-    for name in [n for n in sys.modules if n == info["module"] or n.startswith(info["module"] + ".")]:
+    for name in [
+        n for n in sys.modules if n == info["module"] or n.startswith(info["module"] + ".")
+    ]:
         del sys.modules[name]
     importlib.invalidate_caches()
     env = os.environ if environ is None else environ
-    env["PYTHONPATH"] = os.pathsep.join([path, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != path]])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [path, *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != path]]
+    )
     return info

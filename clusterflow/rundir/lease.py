@@ -37,10 +37,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from clusterflow.rundir import records as rundir
-from clusterflow.storage import durable
-from clusterflow.slurm import commands as slurm_commands
 from clusterflow.errors import UserError
+from clusterflow.rundir import records as rundir
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.storage import durable
 
 log = logging.getLogger("clusterflow")
 
@@ -68,24 +68,48 @@ def process_start(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]  # a zombie has exited
 
 
-def identity(env: Any = None, environ: dict[str, str] | None = None, renew_s: int = 30) -> dict[str, Any]:
+def identity(
+    env: Any = None, environ: dict[str, str] | None = None, renew_s: int = 30
+) -> dict[str, Any]:
     """This process as a holder. ``env``: its DistEnv (job id, launcher, attempt); None for
     ``submit`` on a login node, which only checks."""
     environ = dict(os.environ if environ is None else environ)
     now = time.time()
-    job = {"job_id": str(env.job_id), "slurm_job": environ.get("SLURM_JOB_ID", ""), "source": env.source,
-           "attempt": env.attempt} if env is not None else {"job_id": "submit", "slurm_job": "", "source": "submit", "attempt": 0}
-    return {"token": uuid.uuid4().hex, **job, "host": socket.gethostname(), "pid": os.getpid(),
-            "pid_start": process_start(os.getpid()), "started_at": now, "renewed_at": now, "renewals": 0, "renew_s": renew_s}
+    job = (
+        {
+            "job_id": str(env.job_id),
+            "slurm_job": environ.get("SLURM_JOB_ID", ""),
+            "source": env.source,
+            "attempt": env.attempt,
+        }
+        if env is not None
+        else {"job_id": "submit", "slurm_job": "", "source": "submit", "attempt": 0}
+    )
+    return {
+        "token": uuid.uuid4().hex,
+        **job,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "pid_start": process_start(os.getpid()),
+        "started_at": now,
+        "renewed_at": now,
+        "renewals": 0,
+        "renew_s": renew_s,
+    }
 
 
 def describe(rec: dict[str, Any]) -> str:
-    job = f"Slurm job {rec['slurm_job']}" if rec.get("slurm_job") else f"{rec.get('source', '?')} job {rec.get('job_id', '?')}"
+    job = (
+        f"Slurm job {rec['slurm_job']}"
+        if rec.get("slurm_job")
+        else f"{rec.get('source', '?')} job {rec.get('job_id', '?')}"
+    )
     since = time.strftime("%H:%M:%S", time.localtime(rec.get("started_at") or 0))
     return f"{job} (pid {rec.get('pid')} on {rec.get('host')}, attempt {rec.get('attempt')}, since {since})"
 
 
 # -- reading ------------------------------------------------------------------------------------
+
 
 def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
     """(generation, holder record, its path); (0, None, "") when nobody holds the run dir. An
@@ -133,19 +157,28 @@ def storage_now(run_dir: str) -> float:
             pass
 
 
-def judge(rec: dict[str, Any], age_s: float, me: dict[str, Any], queue: Callable[[str], str | None]) -> tuple[bool, str]:
+def judge(
+    rec: dict[str, Any], age_s: float, me: dict[str, Any], queue: Callable[[str], str | None]
+) -> tuple[bool, str]:
     """(alive, why) for the holder ``rec`` as seen by ``me``. ``queue(job)``: squeue's state of a
     Slurm job, "" when it is no longer queued, None when squeue does not answer."""
     if not rec:
         return False, "its lease record is unreadable"
-    if rec.get("token") == me.get("token") or (rec.get("host"), rec.get("pid"), rec.get("pid_start")) == \
-            (me.get("host"), me.get("pid"), me.get("pid_start")):
+    if rec.get("token") == me.get("token") or (
+        rec.get("host"),
+        rec.get("pid"),
+        rec.get("pid_start"),
+    ) == (me.get("host"), me.get("pid"), me.get("pid_start")):
         return False, "it is this process"
     if rec.get("slurm_job") and rec["slurm_job"] == me.get("slurm_job"):
         return False, "it is an earlier attempt of this same Slurm job"
     if rec.get("host") == me.get("host"):
         pid = rec.get("pid")
-        if isinstance(pid, int) and process_start(pid) is not None and process_start(pid) == rec.get("pid_start"):
+        if (
+            isinstance(pid, int)
+            and process_start(pid) is not None
+            and process_start(pid) == rec.get("pid_start")
+        ):
             return True, f"its process {pid} is alive on this host"
         return False, f"its process {pid} on {rec.get('host')} is gone"
     if rec.get("slurm_job"):
@@ -173,8 +206,10 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     alive, why = judge(rec or {}, age, me, slurm_commands.queue_state)
     who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
     if alive:
-        raise RunDirBusy(f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
-                         f"cancel it, or choose another run.dir")
+        raise RunDirBusy(
+            f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
+            f"cancel it, or choose another run.dir"
+        )
     return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
 
 
@@ -182,9 +217,11 @@ def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = 
     """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
     if env.attempt > 0 and not os.path.isdir(run_dir):
-        raise RunDirBusy(f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job {env.job_id}, which ran "
-                         "there before: it was moved or deleted. This job writes nothing; resubmit with "
-                         "run.dir=<where it is now>")
+        raise RunDirBusy(
+            f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job {env.job_id}, which ran "
+            "there before: it was moved or deleted. This job writes nothing; resubmit with "
+            "run.dir=<where it is now>"
+        )
     return acquire(run_dir, identity(env, environ, renew_s))
 
 
@@ -197,7 +234,9 @@ class Lease:
     stop: threading.Event | None = None
 
 
-def acquire(run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | None = None) -> Lease:
+def acquire(
+    run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | None = None
+) -> Lease:
     """Hold ``run_dir`` for this process (re-entrant), renewing it every ``me["renew_s"]`` seconds
     until :func:`release`. Raises RunDirBusy while another live job holds it."""
     key = os.path.realpath(run_dir)
@@ -213,7 +252,9 @@ def acquire(run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | N
             _drop_older(run_dir, gen + 1)
             _start_renewing(lease, on_lost or _abort)
             return lease
-    raise RunDirBusy(f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); one job per run dir")
+    raise RunDirBusy(
+        f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); one job per run dir"
+    )
 
 
 def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
@@ -255,9 +296,13 @@ def _start_renewing(lease: Lease, on_lost: Callable[[str], None]) -> None:
             try:
                 if not renew(lease):
                     _, rec, _ = _read(lease.run_dir)
-                    on_lost(f"this job lost run dir {lease.run_dir!r} to {describe(rec) if rec else 'another job'}")
+                    on_lost(
+                        f"this job lost run dir {lease.run_dir!r} to {describe(rec) if rec else 'another job'}"
+                    )
                     return
-            except OSError as exc:  # storage hiccup: try again next period; a long outage ends in takeover
+            except (
+                OSError
+            ) as exc:  # storage hiccup: try again next period; a long outage ends in takeover
                 log.warning("could not renew the lease of %s: %s", lease.run_dir, exc)
 
     lease.thread = threading.Thread(target=loop, name="clusterflow-lease", daemon=True)

@@ -107,7 +107,9 @@ def count_stops(paths: RunPaths, reason: str) -> int:
     return sum(1 for r in read_jsonl(paths.stops) if r.get("reason") == reason)
 
 
-_STATUS_LOCK = threading.Lock()  # the loop and the checkpoint writer's thread both update status.json
+_STATUS_LOCK = (
+    threading.Lock()
+)  # the loop and the checkpoint writer's thread both update status.json
 
 
 @contextlib.contextmanager
@@ -140,7 +142,9 @@ def write_status(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
     with _STATUS_LOCK, _locked(paths.status):
         current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         current.update(fields, updated_at=time.time())
-        durable.write_atomic(paths.status, json.dumps(current, indent=1, sort_keys=True), fsync=fsync)
+        durable.write_atomic(
+            paths.status, json.dumps(current, indent=1, sort_keys=True), fsync=fsync
+        )
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:

@@ -26,15 +26,17 @@ from typing import Any
 import yaml
 
 from clusterflow import config as cfgmod
-from clusterflow.storage import durable
-from clusterflow.rundir import records as rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
+from clusterflow.rundir import records as rundir
+from clusterflow.storage import durable
 from clusterflow.storage.store import CheckpointStore
 
 HEADER = "# clusterflow run config"
-_NOTE = (f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
-         "# that holds this file, wherever it is moved or copied.\n")
+_NOTE = (
+    f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
+    "# that holds this file, wherever it is moved or copied.\n"
+)
 
 
 def portable(data: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +67,9 @@ def load(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
 def write_config(cfg: Config) -> None:
     paths = rundir.RunPaths(cfg.run.dir)
     os.makedirs(paths.root, exist_ok=True)
-    durable.write_atomic(paths.config, _NOTE + yaml.safe_dump(portable(cfg.to_dict()), sort_keys=False))
+    durable.write_atomic(
+        paths.config, _NOTE + yaml.safe_dump(portable(cfg.to_dict()), sort_keys=False)
+    )
 
 
 def _parse(target: str) -> Any:
@@ -101,14 +105,25 @@ def read(run_dir: str, set_aside: bool = True) -> Config | None:
             raise UserError("its run section is not a mapping")
         data["run"] = {**data["run"], "dir": run_dir}
         return cfgmod.build(data, source=target)
-    except (UserError, OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
+    except (
+        UserError,
+        OSError,
+        ValueError,
+        yaml.YAMLError,
+    ) as exc:  # ValueError: bytes that are not UTF-8
         if not set_aside:
-            print(f"warning: {target} is damaged ({exc}); a run would keep it aside and write it anew", file=sys.stderr)
+            print(
+                f"warning: {target} is damaged ({exc}); a run would keep it aside and write it anew",
+                file=sys.stderr,
+            )
             return None
         aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(target, aside)
-        print(f"warning: {target} is damaged ({exc}); kept as {aside} and written anew from the config given now "
-              "(the newest checkpoint's own config is still checked at resume)", file=sys.stderr)
+        print(
+            f"warning: {target} is damaged ({exc}); kept as {aside} and written anew from the config given now "
+            "(the newest checkpoint's own config is still checked at resume)",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -137,17 +152,25 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         return cfg, False
     diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
     if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
-        print(f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: its config.yaml is "
-              f"replaced by this config ({'; '.join(diffs[:6])})", file=sys.stderr)
+        print(
+            f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: its config.yaml is "
+            f"replaced by this config ({'; '.join(diffs[:6])})",
+            file=sys.stderr,
+        )
         if write:
             write_config(cfg)
         return cfg, False
-    changed = cfgmod.check_resume(saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch)
+    changed = cfgmod.check_resume(
+        saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
+    )
     if relaunch or not changed:
         return cfgmod.resume_config(saved, cfg), True
     # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
     # with them, and config.yaml says what it runs with now.
-    print(f"note: run dir {cfg.run.dir!r} resumes with changed resources: {'; '.join(map(str, changed))}", file=sys.stderr)
+    print(
+        f"note: run dir {cfg.run.dir!r} resumes with changed resources: {'; '.join(map(str, changed))}",
+        file=sys.stderr,
+    )
     if write:
         write_config(cfg)
     return cfg, True

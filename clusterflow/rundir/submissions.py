@@ -21,17 +21,24 @@ def record_submission(run_dir: str, job_id: str, now: float | None = None) -> No
     if not is_slurm_id(job_id):
         # a programming error: local runs are not recorded
         raise ValueError(f"not a Slurm job id: {job_id!r}")
-    append_jsonl(RunPaths(run_dir).submissions,
-                 {"job_id": str(job_id), "submitted_at": time.time() if now is None else now})
+    append_jsonl(
+        RunPaths(run_dir).submissions,
+        {"job_id": str(job_id), "submitted_at": time.time() if now is None else now},
+    )
 
 
 def current_job_id(run_dir: str) -> str | None:
     """The Slurm job that holds the run now (or held it last), or None (never submitted to Slurm:
     a local run, whose job id is a process id that must never reach scancel, or a run by hand)."""
     paths = RunPaths(run_dir)
-    records = [(float(r.get("submitted_at") or 0), str(r.get("job_id") or ""))
-               for r in read_jsonl(paths.submissions)]
-    records += [(float(r.get("started_at") or 0), str(r.get("job_id") or ""))
-                for r in read_jsonl(paths.attempts) if r.get("source") in SLURM_SOURCES]
+    records = [
+        (float(r.get("submitted_at") or 0), str(r.get("job_id") or ""))
+        for r in read_jsonl(paths.submissions)
+    ]
+    records += [
+        (float(r.get("started_at") or 0), str(r.get("job_id") or ""))
+        for r in read_jsonl(paths.attempts)
+        if r.get("source") in SLURM_SOURCES
+    ]
     records = [r for r in records if is_slurm_id(r[1])]
     return max(records, key=lambda r: r[0])[1] if records else None

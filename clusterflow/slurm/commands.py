@@ -47,8 +47,9 @@ def run(argv: list[str], timeout_s: float) -> Result:
     if shutil.which(name) is None:
         return missing
     try:
-        p = subprocess.run(argv, capture_output=True, text=True, errors="replace",
-                           timeout=timeout_s)
+        p = subprocess.run(
+            argv, capture_output=True, text=True, errors="replace", timeout=timeout_s
+        )
     except FileNotFoundError:
         return missing
     except subprocess.TimeoutExpired:
@@ -59,6 +60,7 @@ def run(argv: list[str], timeout_s: float) -> Result:
 
 
 # -- squeue ------------------------------------------------------------------------------------
+
 
 def queue_state(job_id: str, timeout_s: float = 5) -> str | None:
     """``STATE|REASON`` while the job is queued (pending, running, completing...), "" once it is
@@ -84,6 +86,7 @@ def wait_until_gone(job_id: str, poll_s: float = 3.0) -> None:
 
 # -- scontrol ----------------------------------------------------------------------------------
 
+
 def job_state(job_id: str, timeout_s: float = 30) -> str:
     """JobState from ``scontrol show job``, or "" when Slurm does not answer."""
     out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
@@ -106,6 +109,7 @@ def requeue(job_id: str, timeout_s: float = 60) -> Result:
 
 # -- sacct -------------------------------------------------------------------------------------
 
+
 def sacct(job_id: str, fields: str, timeout_s: float) -> Result:
     """``sacct -j JOB -D -P -n --format=FIELDS``: the job and step rows of every attempt, with
     the fields ``|``-separated."""
@@ -113,6 +117,7 @@ def sacct(job_id: str, fields: str, timeout_s: float) -> Result:
 
 
 # -- scancel -----------------------------------------------------------------------------------
+
 
 def cancel(job_ids: list[str], timeout_s: float = 30) -> None:
     """Run ``scancel`` on the ids; a failure raises UserError naming it (the cancel markers are
@@ -122,21 +127,28 @@ def cancel(job_ids: list[str], timeout_s: float = 30) -> None:
     ids = " ".join(job_ids)
     out = run(["scancel", *job_ids], timeout_s)
     if out.missing:
-        raise UserError(f"scancel is not on PATH, so jobs {ids} still run (they are marked "
-                        f"cancelled and will not requeue); run scancel {ids} on a Slurm login node")
+        raise UserError(
+            f"scancel is not on PATH, so jobs {ids} still run (they are marked "
+            f"cancelled and will not requeue); run scancel {ids} on a Slurm login node"
+        )
     if out.timed_out:
-        raise UserError(f"scancel {ids} did not answer within {timeout_s:.0f} s (is slurmctld up?); "
-                        f"the runs are marked cancelled and will not requeue; run the same command "
-                        f"again")
+        raise UserError(
+            f"scancel {ids} did not answer within {timeout_s:.0f} s (is slurmctld up?); "
+            f"the runs are marked cancelled and will not requeue; run the same command "
+            f"again"
+        )
     if not out.ok:
         message = out.error if out.returncode is None else (out.stderr or out.stdout).strip()
         # A job that already left the queue is what we wanted; anything else is reported.
         if "Invalid job id" not in message and "already completing or completed" not in message:
-            raise UserError(f"scancel {ids} failed: {message}; the runs are marked cancelled and "
-                            f"will not requeue; check squeue and scancel by hand")
+            raise UserError(
+                f"scancel {ids} failed: {message}; the runs are marked cancelled and "
+                f"will not requeue; check squeue and scancel by hand"
+            )
 
 
 # -- sinfo -------------------------------------------------------------------------------------
+
 
 def partitions(timeout_s: float = 10) -> list[list[str]] | None:
     """One row per partition and node kind: [name (``*`` marks the default), nodes, cpus, gres],

@@ -27,8 +27,18 @@ from clusterflow.errors import EXIT_STALLED
 from clusterflow.slurm import commands
 
 SACCT_FORMAT = "JobID,State,ExitCode,Reason,Start,End,NodeList"  # Start/End: for the reader; parsed by position
-ENDED = ("OUT_OF_MEMORY", "NODE_FAIL", "TIMEOUT", "CANCELLED", "PREEMPTED", "FAILED", "COMPLETED", "BOOT_FAIL",
-         "DEADLINE", "REVOKED")
+ENDED = (
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "TIMEOUT",
+    "CANCELLED",
+    "PREEMPTED",
+    "FAILED",
+    "COMPLETED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REVOKED",
+)
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,9 @@ class Verdict:
     by: str | None = None  # "CANCELLED by <uid>"
     reason: str | None = None
     nodes: str | None = None
-    step: str | None = None  # the step that decided, e.g. 1234.0 for an OOM kill seen on a step only
+    step: str | None = (
+        None  # the step that decided, e.g. 1234.0 for an OOM kill seen on a step only
+    )
     attempts: int = 1
     note: str | None = None
 
@@ -74,16 +86,24 @@ def _explain(v: Verdict) -> str:
     step = f"step {v.step}" if v.step else "a task"
     return {
         "OUT_OF_MEMORY": f"{step} was killed for exceeding its host memory{where}; a CUDA out-of-memory is a Python "
-                         "error in the rank log instead; raise cluster.mem_gb or lower data.num_workers",
+        "error in the rank log instead; raise cluster.mem_gb or lower data.num_workers",
         "NODE_FAIL": f"a node failed{where}; resubmit the same config to resume from the last checkpoint",
         "TIMEOUT": "the time limit was reached; raise cluster.time_min or resubmit to resume from the last checkpoint",
         "CANCELLED": f"cancelled{' by uid ' + v.by if v.by else ''} (scancel or an administrator)",
         "PREEMPTED": "preempted by a higher-priority job and not requeued; resubmit to resume",
-        "FAILED": (f"{_exit(v)}: a rank's stall watchdog ended it, see errors/first.attempt*.json"
-                   if v.exit_code == EXIT_STALLED else f"{_exit(v)}{where}; see the rank logs"),
-        "COMPLETED": f"the job script exited 0, but step {v.step} was {_exit(v)}" if v.step else "exit code 0",
+        "FAILED": (
+            f"{_exit(v)}: a rank's stall watchdog ended it, see errors/first.attempt*.json"
+            if v.exit_code == EXIT_STALLED
+            else f"{_exit(v)}{where}; see the rank logs"
+        ),
+        "COMPLETED": f"the job script exited 0, but step {v.step} was {_exit(v)}"
+        if v.step
+        else "exit code 0",
         "UNKNOWN": "Slurm no longer knows this job",
-    }.get(v.state, f"{_exit(v)}{where}" + (f", reason {v.reason}" if v.reason and v.reason != "None" else ""))
+    }.get(
+        v.state,
+        f"{_exit(v)}{where}" + (f", reason {v.reason}" if v.reason and v.reason != "None" else ""),
+    )
 
 
 def _code(text: str) -> tuple[int | None, int | None]:
@@ -119,7 +139,11 @@ def parse_sacct(text: str) -> Verdict | None:
     """``sacct -D -P -n --format=SACCT_FORMAT`` output -> the last attempt's verdict (None when empty)."""
     names = SACCT_FORMAT.split(",")
     # a job id starts with a digit: skips a header line (sacct without -n) and error text
-    rows = [dict(zip(names, line.split("|"))) for line in text.splitlines() if re.match(r"\d", line) and "|" in line]
+    rows = [
+        dict(zip(names, line.split("|")))
+        for line in text.splitlines()
+        if re.match(r"\d", line) and "|" in line
+    ]
     rows = [r | {k: "" for k in names if k not in r} for r in rows]
     attempts = _attempts(rows)
     if not attempts:
@@ -137,12 +161,22 @@ def parse_sacct(text: str) -> Verdict | None:
         if oom:
             state, decided = "OUT_OF_MEMORY", oom[0]
         elif state == "FAILED" and not (code or sig):
-            decided = next((s for s in steps if any(_code(s["ExitCode"]))), None)  # the step that failed
+            decided = next(
+                (s for s in steps if any(_code(s["ExitCode"]))), None
+            )  # the step that failed
     if decided is not None and decided is not job:
         code, sig = _code(decided["ExitCode"])
-    return Verdict(state=state, source="sacct", exit_code=code, signal=sig, by=by, reason=job["Reason"] or None,
-                   nodes=job["NodeList"] or None, step=decided["JobID"] if decided is not None else None,
-                   attempts=len(attempts))
+    return Verdict(
+        state=state,
+        source="sacct",
+        exit_code=code,
+        signal=sig,
+        by=by,
+        reason=job["Reason"] or None,
+        nodes=job["NodeList"] or None,
+        step=decided["JobID"] if decided is not None else None,
+        attempts=len(attempts),
+    )
 
 
 _SCONTROL_KEYS = ("JobState", "Reason", "ExitCode", "Restarts", "NodeList")
@@ -162,8 +196,15 @@ def parse_scontrol(text: str) -> Verdict | None:
     state, _ = _state(found.get("JobState", ""))
     code, sig = _code(found.get("ExitCode", ""))
     restarts = int(found["Restarts"]) if found.get("Restarts", "").isdigit() else 0
-    return Verdict(state=state, source="scontrol", exit_code=code, signal=sig, reason=found.get("Reason") or None,
-                   nodes=found.get("NodeList") or None, attempts=restarts + 1)
+    return Verdict(
+        state=state,
+        source="scontrol",
+        exit_code=code,
+        signal=sig,
+        reason=found.get("Reason") or None,
+        nodes=found.get("NodeList") or None,
+        attempts=restarts + 1,
+    )
 
 
 _SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)[\d,-]*: (.+)$", re.M)

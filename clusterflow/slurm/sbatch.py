@@ -73,17 +73,20 @@ def job_folder(logs_dir: str) -> str:
     return os.path.join(os.path.abspath(logs_dir), "%j")
 
 
-def script(folder: str, params: dict[str, Any], python: str | None = None,
-           array_size: int = 1) -> str:
+def script(
+    folder: str, params: dict[str, Any], python: str | None = None, array_size: int = 1
+) -> str:
     """The exact script submitit submits for these parameters, rendered here without sbatch or
     srun (for --dry-run); ``array_size``: the tasks of a job array (1: a plain job)."""
     python = python or shlex.quote(sys.executable)
     command = " ".join([python, "-u -m submitit.core._submit", shlex.quote(folder)])
-    return _make_sbatch_string(command=command, folder=folder,
-                               map_count=array_size if array_size > 1 else None, **params)
+    return _make_sbatch_string(
+        command=command, folder=folder, map_count=array_size if array_size > 1 else None, **params
+    )
 
 
 # -- job arrays --------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ArrayPlan:
@@ -98,37 +101,46 @@ class ArrayPlan:
         return len(self.names)
 
 
-def array_plan(folder: str, configs: list[Config], names: list[str],
-               max_parallel: int | None = None) -> ArrayPlan:
+def array_plan(
+    folder: str, configs: list[Config], names: list[str], max_parallel: int | None = None
+) -> ArrayPlan:
     """One job array for these members (all must ask Slurm for the same resources)."""
     if not configs or len(configs) != len(names):
         # a programming error
         raise ValueError("array_plan needs one name per config, and at least one")
     if max_parallel is not None and max_parallel < 1:
-        raise UserError(f"--max-parallel {max_parallel}: must be >= 1 "
-                        "(how many members run at once)")
+        raise UserError(
+            f"--max-parallel {max_parallel}: must be >= 1 (how many members run at once)"
+        )
     params = [parameters(c) for c in configs]
     timeouts = {c.cluster.max_timeout_requeues for c in configs}
     for name, p in zip(names[1:], params[1:]):
         diff = sorted(k for k in set(p) | set(params[0]) if p.get(k) != params[0].get(k))
         if diff:
-            raise UserError(f"sweep members {names[0]!r} and {name!r} ask Slurm for different "
-                            f"{', '.join(diff)}; one job array has one set of resources: "
-                            f"submit one sweep per value")
+            raise UserError(
+                f"sweep members {names[0]!r} and {name!r} ask Slurm for different "
+                f"{', '.join(diff)}; one job array has one set of resources: "
+                f"submit one sweep per value"
+            )
     if len(timeouts) > 1:
-        raise UserError(f"sweep members differ in cluster.max_timeout_requeues "
-                        f"({sorted(timeouts)}); give it once")
+        raise UserError(
+            f"sweep members differ in cluster.max_timeout_requeues "
+            f"({sorted(timeouts)}); give it once"
+        )
     array = dict(params[0], array_parallelism=min(max_parallel or len(configs), len(configs)))
     return ArrayPlan(list(names), list(configs), array, folder, timeouts.pop())
 
 
 # -- submission --------------------------------------------------------------------------------
 
+
 def require_sbatch(local: str) -> None:
     """UserError unless sbatch is on PATH; ``local``: what ``--local`` would do instead."""
     if shutil.which("sbatch") is None:
-        raise UserError(f"sbatch is not on PATH: this is not a Slurm login node; use --local to "
-                        f"{local} or --dry-run to see the script")
+        raise UserError(
+            f"sbatch is not on PATH: this is not a Slurm login node; use --local to "
+            f"{local} or --dry-run to see the script"
+        )
 
 
 def submit(folder: str, params: dict[str, Any], job: Callable[[], Any]) -> str:
@@ -168,7 +180,9 @@ def _sbatch(submit_all: Callable[[], list[Any]], what: str, dry_run: str) -> lis
     except submitit.core.utils.FailedJobError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         why = "; ".join(lines) or "no reason given"
-        raise UserError(f"sbatch refused {what} ({why}); fix the cluster.* keys it names "
-                        f"(see {dry_run} for the script)") from None
+        raise UserError(
+            f"sbatch refused {what} ({why}); fix the cluster.* keys it names "
+            f"(see {dry_run} for the script)"
+        ) from None
     sys.stderr.write(said.getvalue())
     return [str(j.job_id) for j in jobs]

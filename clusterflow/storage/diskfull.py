@@ -72,7 +72,9 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 10e6 else f"{n / 1e6:.0f} MB"
 
 
-def raise_if_full(exc: BaseException, what: str, path: str, needed: int, local: bool = True) -> None:
+def raise_if_full(
+    exc: BaseException, what: str, path: str, needed: int, local: bool = True
+) -> None:
     """Raise a RunFailed naming the device, ``what`` was written, ``path``, the size and the free
     space, when ``exc`` comes from a full disk (or quota); return otherwise."""
     err = cause(exc)
@@ -85,5 +87,7 @@ def raise_if_full(exc: BaseException, what: str, path: str, needed: int, local: 
             free = f", {_mb(shutil.disk_usage(_existing(path)).free)} free"
         except OSError:
             pass
-    raise RunFailed(f"{_FULL[err.errno]} on {device} writing {what} to {path} (it needs about {_mb(needed)}{free}); "
-                   f"free space there and resubmit: the run resumes from its last committed checkpoint") from None
+    raise RunFailed(
+        f"{_FULL[err.errno]} on {device} writing {what} to {path} (it needs about {_mb(needed)}{free}); "
+        f"free space there and resubmit: the run resumes from its last committed checkpoint"
+    ) from None

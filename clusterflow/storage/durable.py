@@ -30,7 +30,10 @@ from typing import Any, Mapping
 from clusterflow.storage import diskfull
 
 _CHUNK = 16 << 20  # bytes per write/read: large enough to amortise, small enough to overlap
-HASHES = ("blake3", "sha256")  # the algorithms a record may name; new files get the first one available
+HASHES = (
+    "blake3",
+    "sha256",
+)  # the algorithms a record may name; new files get the first one available
 
 
 def new_hash(algorithm: str | None = None, threads: bool = False) -> tuple[str, Any]:
@@ -42,13 +45,17 @@ def new_hash(algorithm: str | None = None, threads: bool = False) -> tuple[str, 
             import blake3
         except ImportError:
             if algorithm:
-                raise ValueError("this checkpoint is hashed with blake3 and the blake3 package is missing; "
-                                 "pip install blake3") from None
+                raise ValueError(
+                    "this checkpoint is hashed with blake3 and the blake3 package is missing; "
+                    "pip install blake3"
+                ) from None
             return "sha256", hashlib.sha256()
         return "blake3", blake3.blake3(max_threads=blake3.blake3.AUTO if threads else 1)
     if algorithm == "sha256":
         return "sha256", hashlib.sha256()
-    raise ValueError(f"unknown hash algorithm {algorithm!r}; this version knows {', '.join(HASHES)}")
+    raise ValueError(
+        f"unknown hash algorithm {algorithm!r}; this version knows {', '.join(HASHES)}"
+    )
 
 
 def recorded_digest(info: Mapping[str, Any]) -> tuple[str, str]:
@@ -56,7 +63,9 @@ def recorded_digest(info: Mapping[str, Any]) -> tuple[str, str]:
     for algorithm in HASHES:
         if algorithm in info:
             return algorithm, info[algorithm]
-    raise ValueError(f"the record names no hash this version knows ({', '.join(HASHES)}): {sorted(info)}")
+    raise ValueError(
+        f"the record names no hash this version knows ({', '.join(HASHES)}): {sorted(info)}"
+    )
 
 
 def serialize(obj: Any) -> bytes:
@@ -82,7 +91,7 @@ class _HashingWriter:
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
-            part = view[start:start + _CHUNK]
+            part = view[start : start + _CHUNK]
             if len(part) < (1 << 20):
                 self.sha.update(part)
                 self.f.write(part)
@@ -138,7 +147,9 @@ class _TailHasher:
                 while offset < target:
                     n = os.preadv(self.fd, [view[: min(_CHUNK, target - offset)]], offset)
                     if n <= 0:
-                        raise OSError(f"short read at byte {offset} while hashing a checkpoint file")
+                        raise OSError(
+                            f"short read at byte {offset} while hashing a checkpoint file"
+                        )
                     self.sha.update(view[:n])  # releases the GIL
                     offset += n
         except BaseException as exc:  # noqa: BLE001 - re-raised by digest()
@@ -202,7 +213,11 @@ def write_file(path: str, payload: Any, fsync: bool = True, fs: Any = None) -> d
     # The file is hashed from a second descriptor as it grows (a thread reading back what the
     # kernel already holds), so the hash runs beside torch.save and then beside the fsync
     # instead of after them. torch.save only ever appends through ``write``.
-    with open(path, "wb", buffering=0) as f, _TailHasher(path) as tail, ThreadPoolExecutor(1) as pool:
+    with (
+        open(path, "wb", buffering=0) as f,
+        _TailHasher(path) as tail,
+        ThreadPoolExecutor(1) as pool,
+    ):
         w = _AppendOnly(f, tail)
         w.write(payload) if raw else _torch_save(payload, w)
         syncing = pool.submit(os.fsync, f.fileno()) if fsync else None
@@ -218,7 +233,9 @@ def _torch_save(obj: Any, f: Any) -> None:
     torch.save(obj, f)
 
 
-def write_atomic(target: str, payload: Any, fsync: bool = True, make_folder: bool = True) -> dict[str, Any]:
+def write_atomic(
+    target: str, payload: Any, fsync: bool = True, make_folder: bool = True
+) -> dict[str, Any]:
     """Replace the local file ``target`` so that readers see the old or the new content, never
     half of it. The temporary sibling is hidden (``.tmp-<name>-<random>``) and removed on error.
     ``make_folder=False``: fail (FileNotFoundError) rather than recreate a folder that was moved or
@@ -235,7 +252,9 @@ def write_atomic(target: str, payload: Any, fsync: bool = True, make_folder: boo
             os.unlink(tmp)
         except FileNotFoundError:
             pass
-        diskfull.raise_if_full(exc, os.path.basename(target), target, diskfull.payload_bytes(payload))
+        diskfull.raise_if_full(
+            exc, os.path.basename(target), target, diskfull.payload_bytes(payload)
+        )
         raise
     if fsync:
         fsync_dir(folder)
@@ -250,8 +269,9 @@ def publish_once(target: str, payload: str | bytes) -> bool:
     from NFSv3), and a reader never sees a half-written file. A filesystem without hard links
     (some FUSE mounts) gets an exclusive create instead."""
     data = payload.encode() if isinstance(payload, str) else payload
-    tmp = os.path.join(os.path.dirname(target) or ".",
-                       f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(
+        os.path.dirname(target) or ".", f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}"
+    )
     write_file(tmp, data)
     try:
         os.link(tmp, target)
@@ -324,9 +344,13 @@ def load_checked(name: str, path: str, info: Mapping[str, Any], fs: Any = None) 
             failure = exc
         digest = hashing.result()
     if digest != expected:
-        raise ValueError(f"{name} does not match its {algorithm} digest (bit rot or a partial write)")
+        raise ValueError(
+            f"{name} does not match its {algorithm} digest (bit rot or a partial write)"
+        )
     if failure is not None:
-        raise ValueError(f"{name} is intact but cannot be loaded ({type(failure).__name__}: {failure})")
+        raise ValueError(
+            f"{name} is intact but cannot be loaded ({type(failure).__name__}: {failure})"
+        )
     return loaded
 
 

@@ -26,14 +26,18 @@ def _check_entry(name: Any, info: Any) -> None:
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError(f"the manifest names a file that is not in its folder: {name!r}")
     if not isinstance(info, dict):
-        raise ValueError(f"the manifest entry of {name} is {type(info).__name__}, not {{size, digest}}")
+        raise ValueError(
+            f"the manifest entry of {name} is {type(info).__name__}, not {{size, digest}}"
+        )
     size = info.get("size")
     if not _is_int(size) or size < 0:
         raise ValueError(f"the manifest entry of {name} has no valid size ({size!r})")
     algorithm = next((a for a in HASHES if a in info), None)
     digest = info.get(algorithm) if algorithm else None
     if not isinstance(digest, str) or not _DIGEST.match(digest):
-        raise ValueError(f"the manifest entry of {name} has no valid digest ({', '.join(HASHES)}): {digest!r}")
+        raise ValueError(
+            f"the manifest entry of {name} has no valid digest ({', '.join(HASHES)}): {digest!r}"
+        )
 
 
 def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
@@ -43,13 +47,17 @@ def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
         raise ValueError(f"the manifest is a JSON {type(manifest).__name__}, not an object")
     files = manifest.get("files")
     if not isinstance(files, dict):
-        raise ValueError(f"the manifest's 'files' is {type(files).__name__}, not a mapping of name -> {{size, digest}}")
+        raise ValueError(
+            f"the manifest's 'files' is {type(files).__name__}, not a mapping of name -> {{size, digest}}"
+        )
     if not files:
         raise ValueError("the manifest lists no files")
     for name, info in files.items():
         _check_entry(name, info)
     if step is not None and "step" in manifest and manifest["step"] != step:
-        raise ValueError(f"the manifest says step {manifest['step']!r}, but its folder is step-{step} (a copied or renamed folder?)")
+        raise ValueError(
+            f"the manifest says step {manifest['step']!r}, but its folder is step-{step} (a copied or renamed folder?)"
+        )
     pos = manifest.get("position")
     if pos is not None and not (isinstance(pos, list) and all(_is_int(p) for p in pos)):
         raise ValueError(f"the manifest's position {pos!r} is not a list of integers")

@@ -48,17 +48,20 @@ from typing import Any, Iterator, Mapping
 
 import fsspec
 
-from clusterflow.storage import diskfull
-from clusterflow.storage import durable
-from clusterflow.storage import manifest as schema
 from clusterflow import __version__
+from clusterflow.storage import diskfull, durable
+from clusterflow.storage import manifest as schema
 
 log = logging.getLogger("clusterflow.store")
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
 _STAGED = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
-_SET_ASIDE = (".superseded-step-", ".pruned-step-", ".tmp-step-")  # never published; deleted by clean_debris
+_SET_ASIDE = (
+    ".superseded-step-",
+    ".pruned-step-",
+    ".tmp-step-",
+)  # never published; deleted by clean_debris
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,9 @@ class Checkpoint:
     step: int
     path: str
     manifest: dict[str, Any]
-    objects: dict[str, Any]  # each file, deserialized with weights_only=True while its hash was checked
+    objects: dict[
+        str, Any
+    ]  # each file, deserialized with weights_only=True while its hash was checked
 
     def load(self, name: str) -> Any:
         return self.objects[name]
@@ -98,10 +103,16 @@ class CheckpointStore:
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.keep_last = keep_last
         self.fsync = fsync
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
-        self._remote_fs = None if self.local else self.fs  # what durable.* takes for "not a local path"
+        self.local = "file" in (
+            self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        )
+        self._remote_fs = (
+            None if self.local else self.fs
+        )  # what durable.* takes for "not a local path"
         self._deleting: list[threading.Thread] = []
-        self.refused: dict[int, str] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
+        self.refused: dict[
+            int, str
+        ] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -136,7 +147,9 @@ class CheckpointStore:
         return sorted(self._p(name) for name in self._entries() if name.startswith("damaged-step-"))
 
     # -- writing ------------------------------------------------------------------------------
-    def save(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None) -> str | None:
+    def save(
+        self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None
+    ) -> str | None:
         """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step
         ``step``. Returns the step path, or None when that step is already committed with a state
         at least as late (``meta["position"]``): a committed state is never overwritten."""
@@ -150,23 +163,39 @@ class CheckpointStore:
     def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
         """False when step-N holds a sound state that the new one does not supersede."""
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
-            return True  # nothing there, or a folder without manifest: debris that _publish replaces
+            return (
+                True  # nothing there, or a folder without manifest: debris that _publish replaces
+            )
         try:
-            if step in self.refused:  # verified, but the reader could not load it (checkpointer.restore)
+            if (
+                step in self.refused
+            ):  # verified, but the reader could not load it (checkpointer.restore)
                 raise ValueError(self.refused.pop(step))
             old = self.verify(step).manifest
         except ValueError as exc:
             # A run that resumed from an older step because this one was damaged reaches it again:
             # keep the damaged folder for inspection, out of the way, and commit the step anew.
             aside = self._p(f"damaged-step-{step}-{uuid.uuid4().hex[:8]}")
-            log.warning("checkpoint %s is damaged (%s); moving it to %s and committing step %d anew",
-                        self.url_of(step), exc, aside, step)
+            log.warning(
+                "checkpoint %s is damaged (%s); moving it to %s and committing step %d anew",
+                self.url_of(step),
+                exc,
+                aside,
+                step,
+            )
             self.fs.mv(self.step_path(step), aside, recursive=True)
             return True
         if position(meta) > position(old):
-            log.info("step %d: the state after the end-of-epoch work supersedes the one committed before it", step)
+            log.info(
+                "step %d: the state after the end-of-epoch work supersedes the one committed before it",
+                step,
+            )
             return True
-        log.info("checkpoint step %d is already committed at %s; not overwriting it", step, self.step_path(step))
+        log.info(
+            "checkpoint step %d is already committed at %s; not overwriting it",
+            step,
+            self.step_path(step),
+        )
         return False
 
     def _stage(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
@@ -175,18 +204,39 @@ class CheckpointStore:
         try:
             self.fs.makedirs(self.root, exist_ok=True)
             self.fs.makedirs(tmp, exist_ok=True)
-            listing = {name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
-                       for name, payload in files.items()}
-            manifest = {"step": step, **dict(meta), "files": listing, "versions": _versions(), "committed_at": time.time()}
-            durable.write_file(f"{tmp}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True), self.fsync, self._remote_fs)
+            listing = {
+                name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                for name, payload in files.items()
+            }
+            manifest = {
+                "step": step,
+                **dict(meta),
+                "files": listing,
+                "versions": _versions(),
+                "committed_at": time.time(),
+            }
+            durable.write_file(
+                f"{tmp}/{MANIFEST}",
+                json.dumps(manifest, indent=1, sort_keys=True),
+                self.fsync,
+                self._remote_fs,
+            )
             if self.local and self.fsync:
                 durable.fsync_dir(tmp)
         except BaseException as exc:
             # A failed write (a full disk, an object store error) gives its space back at once; a
             # kill leaves the folder to the next clean_debris.
             self._rm(tmp.rsplit("/", 1)[-1])
-            if isinstance(exc, Exception):  # a full disk: one line naming the device, the size and the free space
-                diskfull.raise_if_full(exc, f"checkpoint step {step}", self.url_of(step), diskfull.payload_bytes(files), self.local)
+            if isinstance(
+                exc, Exception
+            ):  # a full disk: one line naming the device, the size and the free space
+                diskfull.raise_if_full(
+                    exc,
+                    f"checkpoint step {step}",
+                    self.url_of(step),
+                    diskfull.payload_bytes(files),
+                    self.local,
+                )
             raise
         return tmp
 
@@ -230,7 +280,9 @@ class CheckpointStore:
                 self.fs.rm(p, recursive=True)
             return
         self._deleting = [t for t in self._deleting if t.is_alive()]
-        thread = threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], daemon=True)
+        thread = threading.Thread(
+            target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], daemon=True
+        )
         thread.start()
         self._deleting.append(thread)
 
@@ -250,7 +302,9 @@ class CheckpointStore:
             m = _STAGED.match(name)
             manifest = self._complete(self._p(name), int(m.group(1))) if m else None
             if manifest is not None:
-                complete.setdefault(int(m.group(1)), []).append((position(manifest), name, manifest))
+                complete.setdefault(int(m.group(1)), []).append(
+                    (position(manifest), name, manifest)
+                )
             elif name.startswith(_SET_ASIDE):
                 self._rm(name)
                 if name.startswith(".tmp-step-"):
@@ -260,7 +314,11 @@ class CheckpointStore:
             (_, best, manifest), rest = candidates[-1], candidates[:-1]
             if self._may_write(step, manifest):
                 self._publish(self._p(best), step)
-                log.warning("published %s as step-%d: it was complete, but its writer was killed before the rename", best, step)
+                log.warning(
+                    "published %s as step-%d: it was complete, but its writer was killed before the rename",
+                    best,
+                    step,
+                )
             else:
                 rest.append(candidates[-1])
             for _, name, _ in rest:
@@ -281,8 +339,10 @@ class CheckpointStore:
             manifest = self._read_manifest(path, step)
             for name, info in manifest["files"].items():
                 algorithm, digest = durable.recorded_digest(info)
-                if self.fs.size(f"{path}/{name}") != info["size"] or \
-                        durable.hash_file(f"{path}/{name}", algorithm, self._remote_fs) != digest:
+                if (
+                    self.fs.size(f"{path}/{name}") != info["size"]
+                    or durable.hash_file(f"{path}/{name}", algorithm, self._remote_fs) != digest
+                ):
                     return None
         except (ValueError, OSError):
             return None
@@ -294,7 +354,10 @@ class CheckpointStore:
         try:
             with self.fs.open(f"{path}/{MANIFEST}", "rb") as f:
                 data = json.loads(f.read())
-        except (OSError, ValueError) as exc:  # missing, a directory, unreadable, not JSON, not UTF-8
+        except (
+            OSError,
+            ValueError,
+        ) as exc:  # missing, a directory, unreadable, not JSON, not UTF-8
             raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
         return schema.check(data, step)
 
@@ -333,7 +396,11 @@ class CheckpointStore:
             try:
                 ckpt = self.verify(step)
             except ValueError as exc:
-                log.warning("skipping damaged checkpoint %s: %s; falling back to the previous one", self.url_of(step), exc)
+                log.warning(
+                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    self.url_of(step),
+                    exc,
+                )
                 continue
             yield ckpt
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from clusterflow import rundir
-from clusterflow.rundir import states as run_states
-from clusterflow.storage import durable
 from clusterflow.config import fingerprint
 from clusterflow.errors import UserError
+from clusterflow.rundir import states as run_states
+from clusterflow.storage import durable
 from clusterflow.sweeps.sweep import Sweep
 
 VERSION = 1
@@ -44,21 +44,34 @@ def read_index(sweep_dir: str) -> dict[str, Any] | None:
     target = paths.sweep_index
     if not os.path.exists(target):
         if os.path.exists(paths.config):
-            raise UserError(f"run.dir {sweep_dir!r} holds a single run (config.yaml), not a sweep; "
-                            f"choose another run.dir for the sweep")
+            raise UserError(
+                f"run.dir {sweep_dir!r} holds a single run (config.yaml), not a sweep; "
+                f"choose another run.dir for the sweep"
+            )
         return None
     try:  # not rundir.read_json: a damaged index is refused with its reason, never taken for no index
         with open(target, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError) as exc:
-        raise UserError(f"{target} cannot be read ({exc}); restore it or choose another run.dir") from None
-    if not isinstance(index, dict) or index.get("version") != VERSION or not isinstance(index.get("members"), list):
-        raise UserError(f"{target} is not a clusterflow sweep index of version {VERSION}; choose another run.dir")
+        raise UserError(
+            f"{target} cannot be read ({exc}); restore it or choose another run.dir"
+        ) from None
+    if (
+        not isinstance(index, dict)
+        or index.get("version") != VERSION
+        or not isinstance(index.get("members"), list)
+    ):
+        raise UserError(
+            f"{target} is not a clusterflow sweep index of version {VERSION}; choose another run.dir"
+        )
     return index
 
 
 def write_index(sweep_dir: str, index: dict[str, Any]) -> None:
-    durable.write_atomic(rundir.RunPaths(sweep_dir).sweep_index, json.dumps(index, indent=1, sort_keys=False, default=str))
+    durable.write_atomic(
+        rundir.RunPaths(sweep_dir).sweep_index,
+        json.dumps(index, indent=1, sort_keys=False, default=str),
+    )
 
 
 @contextlib.contextmanager
@@ -69,7 +82,9 @@ def locked(sweep_dir: str) -> Iterator[None]:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UserError(f"another submission of the sweep in {sweep_dir!r} is running; wait for it, then try again") from None
+            raise UserError(
+                f"another submission of the sweep in {sweep_dir!r} is running; wait for it, then try again"
+            ) from None
         try:
             yield
         finally:
@@ -80,24 +95,38 @@ def member_record(m: Any) -> dict[str, Any]:
     return {"name": m.name, "values": m.values, "overrides": list(m.overrides)}
 
 
-def merge(index: dict[str, Any] | None, sweep: Sweep) -> tuple[dict[str, Any], list[fingerprint.Change]]:
+def merge(
+    index: dict[str, Any] | None, sweep: Sweep
+) -> tuple[dict[str, Any], list[fingerprint.Change]]:
     """The index after this submission's members are added, and the resource changes since the
     last submission. Refuses another sweep (other keys, or other result keys) into the same dir."""
-    new = {"version": VERSION, "keys": list(sweep.keys), "base": sweep.base, "members": [], "submissions": []}
+    new = {
+        "version": VERSION,
+        "keys": list(sweep.keys),
+        "base": sweep.base,
+        "members": [],
+        "submissions": [],
+    }
     if index is None:
         new["members"] = [member_record(m) for m in sweep.members]
         return new, []
     where = rundir.RunPaths(sweep.dir).sweep_index
     if set(index["keys"]) != set(sweep.keys):
-        raise UserError(f"{where} holds a sweep over {', '.join(index['keys'])}; this one sweeps {', '.join(sweep.keys)}. "
-                        f"A sweep dir holds one sweep: sweep the same keys, or choose another run.dir")
+        raise UserError(
+            f"{where} holds a sweep over {', '.join(index['keys'])}; this one sweeps {', '.join(sweep.keys)}. "
+            f"A sweep dir holds one sweep: sweep the same keys, or choose another run.dir"
+        )
     result, resources = fingerprint.compare(index["base"], sweep.base)
     if result:
-        raise UserError(f"{where} holds a sweep with another config ({fingerprint.summary(result)}); to resume it, "
-                        f"submit the same config; to start another sweep, choose another run.dir")
+        raise UserError(
+            f"{where} holds a sweep with another config ({fingerprint.summary(result)}); to resume it, "
+            f"submit the same config; to start another sweep, choose another run.dir"
+        )
     known = {m["name"] for m in index["members"]}
     merged = dict(index, base=sweep.base)
-    merged["members"] = list(index["members"]) + [member_record(m) for m in sweep.members if m.name not in known]
+    merged["members"] = list(index["members"]) + [
+        member_record(m) for m in sweep.members if m.name not in known
+    ]
     return merged, resources
 
 
@@ -139,11 +168,16 @@ def plan(names: list[str], states: dict[str, str | None]) -> Plan:
     return out
 
 
-def record_submission(index: dict[str, Any], array_job_id: str, jobs: dict[str, str],
-                      now: float | None = None) -> dict[str, Any]:
+def record_submission(
+    index: dict[str, Any], array_job_id: str, jobs: dict[str, str], now: float | None = None
+) -> dict[str, Any]:
     """The index with one more submission: ``jobs`` maps member names to the job ids submitit
     returned (``123_0``, ...; a single member is a plain job ``123``), in array order."""
-    entry = {"array_job_id": str(array_job_id), "submitted_at": time.time() if now is None else now, "jobs": dict(jobs)}
+    entry = {
+        "array_job_id": str(array_job_id),
+        "submitted_at": time.time() if now is None else now,
+        "jobs": dict(jobs),
+    }
     return dict(index, submissions=[*index.get("submissions", []), entry])
 
 

@@ -82,17 +82,23 @@ def split_values(text: str, key: str = "") -> list[str]:
             depth.append(pairs[ch])
         elif ch in pairs.values():
             if not depth or depth.pop() != ch:
-                raise UserError(f"--sweep {key}={text}: unbalanced {ch!r} at position {i + 1}; "
-                                f"write lists as [1,2] and quote values that contain brackets")
+                raise UserError(
+                    f"--sweep {key}={text}: unbalanced {ch!r} at position {i + 1}; "
+                    f"write lists as [1,2] and quote values that contain brackets"
+                )
         elif ch == "," and not depth:
             out.append(text[start:i])
             start = i + 1
     if quote or depth:
-        raise UserError(f"--sweep {key}={text}: unclosed {quote or depth[-1]!r}; close it or quote the value")
+        raise UserError(
+            f"--sweep {key}={text}: unclosed {quote or depth[-1]!r}; close it or quote the value"
+        )
     out.append(text[start:])
     if any(not v.strip() for v in out):
-        raise UserError(f"--sweep {key}={text}: an empty value (two commas in a row, or a trailing comma); "
-                        f"write the values as V1,V2 and quote an empty string as ''")
+        raise UserError(
+            f"--sweep {key}={text}: an empty value (two commas in a row, or a trailing comma); "
+            f"write the values as V1,V2 and quote an empty string as ''"
+        )
     return [v.strip() for v in out]
 
 
@@ -104,14 +110,20 @@ def parse(args: list[str], overrides: list[str] | tuple[str, ...] = ()) -> list[
         key, sep, text = arg.partition("=")
         key = key.strip()
         if not sep or "." not in key or not text.strip():
-            raise UserError(f"--sweep {arg!r} must look like section.key=V1,V2, e.g. --sweep train.lr=0.001,0.01")
+            raise UserError(
+                f"--sweep {arg!r} must look like section.key=V1,V2, e.g. --sweep train.lr=0.001,0.01"
+            )
         for prefix, why in FIXED.items():
             if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
                 raise UserError(f"--sweep {key}: a sweep cannot vary {key}: {why}")
         for other in [a.key for a in axes] + sorted(fixed):
             if key == other or key.startswith(other + ".") or other.startswith(key + "."):
-                where = "another --sweep" if other in [a.key for a in axes] else "a KEY=VALUE override"
-                raise UserError(f"--sweep {key}: {other} is also set by {where}; give each key once")
+                where = (
+                    "another --sweep" if other in [a.key for a in axes] else "a KEY=VALUE override"
+                )
+                raise UserError(
+                    f"--sweep {key}: {other} is also set by {where}; give each key once"
+                )
         axes.append(Axis(key, tuple(split_values(text, key))))
     if not axes:
         raise UserError("a sweep needs at least one --sweep KEY=V1,V2")
@@ -119,8 +131,10 @@ def parse(args: list[str], overrides: list[str] | tuple[str, ...] = ()) -> list[
     for a in axes:
         size *= len(a.texts)
     if size > MAX_MEMBERS:
-        raise UserError(f"the sweep has {size} members ({' x '.join(str(len(a.texts)) for a in axes)}); "
-                        f"one job array holds at most {MAX_MEMBERS}: split it into several sweeps")
+        raise UserError(
+            f"the sweep has {size} members ({' x '.join(str(len(a.texts)) for a in axes)}); "
+            f"one job array holds at most {MAX_MEMBERS}: split it into several sweeps"
+        )
     return axes
 
 
@@ -180,7 +194,9 @@ def member_name(values: dict[str, Any], result_fingerprint: str) -> str:
 def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
     d = cfg.to_dict()
     d["run"]["dir"] = rundir.RunPaths(sweep_dir).member(name)
-    if d["checkpoint"]["dir"]:  # members must never share a checkpoint dir (they would resume each other)
+    if d["checkpoint"][
+        "dir"
+    ]:  # members must never share a checkpoint dir (they would resume each other)
         d["checkpoint"]["dir"] = d["checkpoint"]["dir"].rstrip("/") + "/" + name
     return cfgmod.from_dict(d)
 
@@ -191,8 +207,11 @@ def _report(failures: list[tuple[str, str]], total: int) -> None:
         raise UserError(f"every member of the sweep fails: {failures[0][1]}")
     lines = [f"member {label}: {msg}" for label, msg in failures[:20]]
     more = f"\n  ... and {len(failures) - 20} more" if len(failures) > 20 else ""
-    raise UserError(f"{len(failures)} of {total} sweep members are invalid (nothing was submitted):\n  "
-                    + "\n  ".join(lines) + more)
+    raise UserError(
+        f"{len(failures)} of {total} sweep members are invalid (nothing was submitted):\n  "
+        + "\n  ".join(lines)
+        + more
+    )
 
 
 def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
@@ -204,11 +223,15 @@ def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
             value = json.dumps(m.values[a.key], sort_keys=True, default=str)
             first = resolved.setdefault(value, text)
             if first != text:
-                raise UserError(f"--sweep {a.key}: {first} and {text} are the same value ({show(m.values[a.key])}); "
-                                f"list each value once")
+                raise UserError(
+                    f"--sweep {a.key}: {first} and {text} are the same value ({show(m.values[a.key])}); "
+                    f"list each value once"
+                )
 
 
-def expand(config_path: str | None, overrides: list[str] | tuple[str, ...], sweep_args: list[str]) -> Sweep:
+def expand(
+    config_path: str | None, overrides: list[str] | tuple[str, ...], sweep_args: list[str]
+) -> Sweep:
     """Every member of the sweep, validated; raises one UserError listing every invalid member."""
     axes = parse(sweep_args, overrides)
     members: list[Member] = []
@@ -231,12 +254,19 @@ def expand(config_path: str | None, overrides: list[str] | tuple[str, ...], swee
     sweep_dir = members[0].config.run.dir
     folded: dict[str, str] = {}
     for m in members:
-        if m.name.casefold() in folded:  # needs equal readable parts and equal 24-bit hashes: never silent
+        if (
+            m.name.casefold() in folded
+        ):  # needs equal readable parts and equal 24-bit hashes: never silent
             other = folded[m.name.casefold()]
-            raise UserError(f"sweep members {other!r} and {m.name!r} would share a directory; shorten or reorder the values")
+            raise UserError(
+                f"sweep members {other!r} and {m.name!r} would share a directory; shorten or reorder the values"
+            )
         folded[m.name.casefold()] = m.name
     base = members[0].config.to_dict()
     for a in axes:
         _drop(base, a.key)
-    members = [Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_dir, m.name)) for m in members]
+    members = [
+        Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_dir, m.name))
+        for m in members
+    ]
     return Sweep(sweep_dir, [a.key for a in axes], members, base)

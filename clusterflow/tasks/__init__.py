@@ -45,7 +45,9 @@ class Task:
 
     def __init__(self, seed: int = 0, **params: Any) -> None:
         if params:
-            raise UserError(f"task {type(self).__name__} takes no parameters, got task.params keys: {', '.join(params)}")
+            raise UserError(
+                f"task {type(self).__name__} takes no parameters, got task.params keys: {', '.join(params)}"
+            )
         self.seed = seed
 
     def build_model(self) -> Any:
@@ -71,7 +73,9 @@ class Task:
         return type(self).embed is not Task.embed
 
     def embed(self, model: Any, batch: dict[str, Any]) -> Any:
-        raise NotImplementedError(f"task {type(self).__name__} does not embed; set mining.enabled=false")
+        raise NotImplementedError(
+            f"task {type(self).__name__} does not embed; set mining.enabled=false"
+        )
 
     def embed_dataset(self) -> Any:
         return self.train_dataset()
@@ -91,19 +95,29 @@ def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
     module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
     if cls is None or not callable(cls):
-        names = [n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)]
-        raise UserError(f"task.target={target!r}: {module_name} has no class {cls_name!r}; classes there: {', '.join(names) or 'none'}")
-    missing = [m for m in ("build_model", "train_dataset", "loss") if not callable(getattr(cls, m, None))]
+        names = [
+            n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)
+        ]
+        raise UserError(
+            f"task.target={target!r}: {module_name} has no class {cls_name!r}; classes there: {', '.join(names) or 'none'}"
+        )
+    missing = [
+        m for m in ("build_model", "train_dataset", "loss") if not callable(getattr(cls, m, None))
+    ]
     if missing:
-        raise UserError(f"task.target={target!r} is not a task: it has no {', '.join(missing)} (see docs/tasks.md "
-                        f"for the Task protocol)")
+        raise UserError(
+            f"task.target={target!r} is not a task: it has no {', '.join(missing)} (see docs/tasks.md "
+            f"for the Task protocol)"
+        )
     params = _check_params(target, cls, seed, params)
     try:
         return cls(seed=seed, **params)
     except UserError:
         raise  # the task checked its parameters and said what is wrong
     except Exception as exc:  # noqa: BLE001 - the task's own code: keep its traceback
-        raise TaskError(f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}") from exc
+        raise TaskError(
+            f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _import(target: str, module_name: str) -> Any:
@@ -111,16 +125,22 @@ def _import(target: str, module_name: str) -> Any:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
-            raise UserError(f"task.target={target!r}: module {exc.name!r} not found; check the spelling and that it "
-                            f"is importable here (pip install -e . or PYTHONPATH)") from None
+            raise UserError(
+                f"task.target={target!r}: module {exc.name!r} not found; check the spelling and that it "
+                f"is importable here (pip install -e . or PYTHONPATH)"
+            ) from None
         # The task module exists; something it imports does not.
-        raise TaskError(f"task.target {target!r}: importing {module_name} failed because the module it imports, "
-                        f"{exc.name!r}, is not installed; install it where the job runs "
-                        f"(e.g. pip install {(exc.name or '?').split('.')[0]})") from exc
+        raise TaskError(
+            f"task.target {target!r}: importing {module_name} failed because the module it imports, "
+            f"{exc.name!r}, is not installed; install it where the job runs "
+            f"(e.g. pip install {(exc.name or '?').split('.')[0]})"
+        ) from exc
     except UserError:
         raise
     except Exception as exc:  # noqa: BLE001 - a SyntaxError or anything raised at import: the task's code
-        raise TaskError(f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}") from exc
+        raise TaskError(
+            f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
@@ -137,8 +157,14 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
     try:
         sig.bind(seed=seed, **params)
     except TypeError as exc:
-        names = [n for n, p in sig.parameters.items() if n != "seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
-        raise UserError(f"task.params for {target}: {exc}; its parameters: {', '.join(names) or 'none'}") from None
+        names = [
+            n
+            for n, p in sig.parameters.items()
+            if n != "seed" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+        ]
+        raise UserError(
+            f"task.params for {target}: {exc}; its parameters: {', '.join(names) or 'none'}"
+        ) from None
     try:
         hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
     except Exception:  # noqa: BLE001 - annotations we cannot resolve are simply not checked
@@ -149,8 +175,17 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if tp is int and isinstance(value, float) and value.is_integer():
             out[name] = int(value)
-        elif tp in _KINDS and not {int: number and isinstance(value, int), float: number, bool: isinstance(value, bool),
-                                   str: isinstance(value, str)}[tp]:
-            raise UserError(f"task.params.{name} = {value!r} is invalid for {getattr(cls, '__name__', target)}: "
-                            f"expected {_KINDS[tp]}")
+        elif (
+            tp in _KINDS
+            and not {
+                int: number and isinstance(value, int),
+                float: number,
+                bool: isinstance(value, bool),
+                str: isinstance(value, str),
+            }[tp]
+        ):
+            raise UserError(
+                f"task.params.{name} = {value!r} is invalid for {getattr(cls, '__name__', target)}: "
+                f"expected {_KINDS[tp]}"
+            )
     return out

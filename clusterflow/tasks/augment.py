@@ -61,7 +61,9 @@ class Augment:
 
     def theta(self, g: torch.Generator) -> torch.Tensor:
         """The (2, 3) affine map from output to input coordinates ([-1, 1] on both axes)."""
-        u = torch.rand(5, generator=g, dtype=torch.float64).tolist()  # always 5 draws: the stream never shifts
+        u = torch.rand(
+            5, generator=g, dtype=torch.float64
+        ).tolist()  # always 5 draws: the stream never shifts
         area = self.crop_scale + (1.0 - self.crop_scale) * u[0]
         # Aspect ratios in [3/4, 4/3] that fit inside the image at this area (exactly 1 at area 1).
         lo, hi = max(math.log(3 / 4), math.log(area)), min(math.log(4 / 3), -math.log(area))
@@ -81,7 +83,9 @@ class Augment:
         if self.flip and u[0] < 0.5:
             theta[:, 0] = -theta[:, 0]  # mirror the output's x axis
         grid = sampling_grid(theta, img.shape[1], img.shape[2])
-        out = F.grid_sample(img[None], grid, mode="bilinear", padding_mode="zeros", align_corners=False)[0]
+        out = F.grid_sample(
+            img[None], grid, mode="bilinear", padding_mode="zeros", align_corners=False
+        )[0]
         brightness = 1.0 + self.jitter * (2 * u[1] - 1)
         contrast = 1.0 + self.jitter * (2 * u[2] - 1)
         out = out * brightness

@@ -22,15 +22,21 @@ def norm(channels: int) -> nn.GroupNorm:
 
 
 def conv_block(cin: int, cout: int, stride: int = 1) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(inplace=True))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(inplace=True)
+    )
 
 
 def small_net(channels: int, width: int) -> tuple[nn.Module, int]:
     w = width
     net = nn.Sequential(
-        conv_block(channels, w), conv_block(w, 2 * w, 2),
-        conv_block(2 * w, 2 * w), conv_block(2 * w, 4 * w, 2),
-        conv_block(4 * w, 4 * w), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        conv_block(channels, w),
+        conv_block(w, 2 * w, 2),
+        conv_block(2 * w, 2 * w),
+        conv_block(2 * w, 4 * w, 2),
+        conv_block(4 * w, 4 * w),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
     )
     return net, 4 * w
 
@@ -39,8 +45,11 @@ class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int) -> None:
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(cin, cout, 3, stride, 1, bias=False), norm(cout), nn.ReLU(inplace=True),
-            nn.Conv2d(cout, cout, 3, 1, 1, bias=False), norm(cout),
+            nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+            norm(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, 1, 1, bias=False),
+            norm(cout),
         )
         self.skip: nn.Module = nn.Identity()
         if stride != 1 or cin != cout:
@@ -52,8 +61,12 @@ class BasicBlock(nn.Module):
 
 def resnet18(channels: int, width: int, image_size: int) -> tuple[nn.Module, int]:
     if image_size >= 96:
-        stem = nn.Sequential(nn.Conv2d(channels, width, 7, 2, 3, bias=False), norm(width), nn.ReLU(inplace=True),
-                             nn.MaxPool2d(3, 2, 1))
+        stem = nn.Sequential(
+            nn.Conv2d(channels, width, 7, 2, 3, bias=False),
+            norm(width),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        )
     else:
         stem = conv_block(channels, width)
     layers: list[nn.Module] = [stem]
@@ -69,13 +82,17 @@ def resnet18(channels: int, width: int, image_size: int) -> tuple[nn.Module, int
 class Encoder(nn.Module):
     """Backbone -> MLP projection -> L2-normalised embedding (what the loss and mining both use)."""
 
-    def __init__(self, backbone: str, channels: int, image_size: int, width: int, embed_dim: int) -> None:
+    def __init__(
+        self, backbone: str, channels: int, image_size: int, width: int, embed_dim: int
+    ) -> None:
         super().__init__()
         if backbone == "small":
             self.backbone, feat = small_net(channels, width)
         else:
             self.backbone, feat = resnet18(channels, width, image_size)
-        self.head = nn.Sequential(nn.Linear(feat, feat), nn.ReLU(inplace=True), nn.Linear(feat, embed_dim))
+        self.head = nn.Sequential(
+            nn.Linear(feat, feat), nn.ReLU(inplace=True), nn.Linear(feat, embed_dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.normalize(self.head(self.backbone(x)), dim=-1)

@@ -24,13 +24,17 @@ class Classifier(Encoder):
     """The demo encoder (same parameter names, so a stage-1 ``model.pt`` loads into it) plus a
     cosine-softmax head: logits = scale * <normalised feature, normalised class weight>."""
 
-    def __init__(self, input_dim: int, hidden: int, embed_dim: int, classes: int, scale: float = 16.0) -> None:
+    def __init__(
+        self, input_dim: int, hidden: int, embed_dim: int, classes: int, scale: float = 16.0
+    ) -> None:
         super().__init__(input_dim, hidden, embed_dim)
         self.head = nn.Linear(embed_dim, classes, bias=False)
         self.scale = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * super().forward(x) @ nn.functional.normalize(self.head.weight, dim=-1).t()
+        return (
+            self.scale * super().forward(x) @ nn.functional.normalize(self.head.weight, dim=-1).t()
+        )
 
 
 def long_tail_counts(classes: int, largest: int, imbalance: float) -> np.ndarray:
@@ -48,22 +52,53 @@ class ClassifierTask(Task):
     encoder shape of PseudoIDTask (input_dim, id_dim, nuisance_dim, nuisance_scale, noise, hidden,
     embed_dim)."""
 
-    def __init__(self, seed: int = 0, identities: int = 100, samples_per_identity: int = 20, imbalance: float = 1.0,
-                 class_weights: str = "none", label_smoothing: float = 0.0, train_backbone: bool = True,
-                 eval_samples_per_identity: int = 4, input_dim: int = 64, id_dim: int = 8, nuisance_dim: int = 16,
-                 nuisance_scale: float = 1.5, noise: float = 0.1, hidden: int = 128, embed_dim: int = 32, keep: float = 0.5) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        identities: int = 100,
+        samples_per_identity: int = 20,
+        imbalance: float = 1.0,
+        class_weights: str = "none",
+        label_smoothing: float = 0.0,
+        train_backbone: bool = True,
+        eval_samples_per_identity: int = 4,
+        input_dim: int = 64,
+        id_dim: int = 8,
+        nuisance_dim: int = 16,
+        nuisance_scale: float = 1.5,
+        noise: float = 0.1,
+        hidden: int = 128,
+        embed_dim: int = 32,
+        keep: float = 0.5,
+    ) -> None:
         self.seed = seed
         if class_weights not in ("none", "balanced"):
-            raise UserError(f"task.params.class_weights = {class_weights!r}; use 'none' or 'balanced'")
-        checks = {"identities": identities >= 2, "samples_per_identity": samples_per_identity >= 2, "imbalance": imbalance >= 1,
-                  "label_smoothing": 0 <= label_smoothing < 1, "eval_samples_per_identity": eval_samples_per_identity >= 1}
+            raise UserError(
+                f"task.params.class_weights = {class_weights!r}; use 'none' or 'balanced'"
+            )
+        checks = {
+            "identities": identities >= 2,
+            "samples_per_identity": samples_per_identity >= 2,
+            "imbalance": imbalance >= 1,
+            "label_smoothing": 0 <= label_smoothing < 1,
+            "eval_samples_per_identity": eval_samples_per_identity >= 1,
+        }
         for name, ok in checks.items():
             if not ok:
-                raise UserError(f"task.params.{name} = {locals()[name]!r} is out of range for ClassifierTask")
+                raise UserError(
+                    f"task.params.{name} = {locals()[name]!r} is out of range for ClassifierTask"
+                )
         self.classes = identities
         self.counts = long_tail_counts(identities, samples_per_identity, imbalance)
-        self.data_args = dict(identities=identities, input_dim=input_dim, id_dim=id_dim, nuisance_dim=max(1, nuisance_dim),
-                              nuisance_scale=nuisance_scale if nuisance_dim else 0.0, noise=noise, keep=keep)
+        self.data_args = dict(
+            identities=identities,
+            input_dim=input_dim,
+            id_dim=id_dim,
+            nuisance_dim=max(1, nuisance_dim),
+            nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
+            noise=noise,
+            keep=keep,
+        )
         self.eval_per_class = eval_samples_per_identity
         self.hidden, self.embed_dim = hidden, embed_dim
         self.label_smoothing, self.train_backbone = label_smoothing, train_backbone
@@ -71,7 +106,11 @@ class ClassifierTask(Task):
         if class_weights == "balanced":
             from sklearn.utils.class_weight import compute_class_weight
 
-            w = compute_class_weight("balanced", classes=np.arange(identities), y=np.repeat(np.arange(identities), self.counts))
+            w = compute_class_weight(
+                "balanced",
+                classes=np.arange(identities),
+                y=np.repeat(np.arange(identities), self.counts),
+            )
             self.weights = torch.tensor(w, dtype=torch.float32)
         self._train: SyntheticIdentities | None = None
 
@@ -84,22 +123,36 @@ class ClassifierTask(Task):
 
     def train_dataset(self) -> SyntheticIdentities:
         if self._train is None:
-            self._train = SyntheticIdentities(self.seed, samples_per_identity=self.counts, **self.data_args, split=0)
+            self._train = SyntheticIdentities(
+                self.seed, samples_per_identity=self.counts, **self.data_args, split=0
+            )
         return self._train
 
     def eval_dataset(self) -> SyntheticIdentities:
         # Balanced held-out samples of the same classes: macro F1 weighs rare classes like common ones.
-        return SyntheticIdentities(self.seed, samples_per_identity=self.eval_per_class, **self.data_args, split=1, augment=False)
+        return SyntheticIdentities(
+            self.seed,
+            samples_per_identity=self.eval_per_class,
+            **self.data_args,
+            split=1,
+            augment=False,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any], labels: Any
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = model(batch["x1"]).float()
         y = batch["label"]
         weight = self.weights.to(logits.device) if self.weights is not None else None
-        loss = nn.functional.cross_entropy(logits, y, weight=weight, label_smoothing=self.label_smoothing)
-        return loss, {"accuracy": (logits.argmax(1) == y).float().mean()}  # a tensor: read back on log steps only
+        loss = nn.functional.cross_entropy(
+            logits, y, weight=weight, label_smoothing=self.label_smoothing
+        )
+        return loss, {
+            "accuracy": (logits.argmax(1) == y).float().mean()
+        }  # a tensor: read back on log steps only
 
     def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
         logits = model(batch["x"]).float()
@@ -117,10 +170,14 @@ class ClassifierTask(Task):
 
     def eval_metrics(self, totals: dict[str, tuple[Any, float]]) -> dict[str, float]:
         out = super().eval_metrics(totals)
-        true, pred, hit = (np.asarray(totals[k][0]) for k in ("true_per_class", "pred_per_class", "hit_per_class"))
+        true, pred, hit = (
+            np.asarray(totals[k][0]) for k in ("true_per_class", "pred_per_class", "hit_per_class")
+        )
         seen = (true + pred) > 0  # the classes sklearn's f1_score(average="macro") averages over
         f1 = np.where(seen, 2 * hit / np.maximum(true + pred, 1), 0.0)
         out["eval/macro_f1"] = float(f1[seen].mean()) if seen.any() else 0.0
         present = true > 0
-        out["eval/balanced_accuracy"] = float((hit[present] / true[present]).mean()) if present.any() else 0.0
+        out["eval/balanced_accuracy"] = (
+            float((hit[present] / true[present]).mean()) if present.any() else 0.0
+        )
         return out

@@ -51,12 +51,19 @@ def write_digits(out_dir: str) -> int:
 
 @cli
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m clusterflow.tasks.digits", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.tasks.digits",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("out_dir", help="folder to create, e.g. data/digits")
     args = p.parse_args(argv)
-    if os.path.exists(args.out_dir) and (not os.path.isdir(args.out_dir) or os.listdir(args.out_dir)):
-        raise UserError(f"{args.out_dir} already exists and is not an empty folder; remove it or pick another OUT_DIR")
+    if os.path.exists(args.out_dir) and (
+        not os.path.isdir(args.out_dir) or os.listdir(args.out_dir)
+    ):
+        raise UserError(
+            f"{args.out_dir} already exists and is not an empty folder; remove it or pick another OUT_DIR"
+        )
     n = write_digits(args.out_dir)
     print(f"wrote {n} digit images (8x8 PNG, 10 class folders) to {args.out_dir}")
     return EXIT_OK

@@ -31,11 +31,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks.losses import supcon_loss
 from clusterflow.tasks import Task
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
 from clusterflow.tasks.digits import write_digits
+from clusterflow.tasks.losses import supcon_loss
 
 log = logging.getLogger("clusterflow.tasks.images")
 
@@ -70,24 +70,34 @@ def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
     """(paths relative to root in a fixed order, class index per path or None, class names)."""
     if not os.path.isdir(root):
         what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
-        raise UserError(f"task.params.root={root!r} {what}; point it at a folder of images (one sub-folder per class, "
-                        f"or flat), or for the digits example run `python -m clusterflow.tasks.digits {root}` first "
-                        f"(or set task.params.make_digits=true)")
+        raise UserError(
+            f"task.params.root={root!r} {what}; point it at a folder of images (one sub-folder per class, "
+            f"or flat), or for the digits example run `python -m clusterflow.tasks.digits {root}` first "
+            f"(or set task.params.make_digits=true)"
+        )
     # scandir: the entry types come with the listing, no stat per file (a flat folder may hold millions)
-    entries = sorted((e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name)
+    entries = sorted(
+        (e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name
+    )
     if not entries:
-        raise UserError(f"task.params.root={root!r} is an empty folder; put image files in it (one sub-folder per class, or flat)")
+        raise UserError(
+            f"task.params.root={root!r} is an empty folder; put image files in it (one sub-folder per class, or flat)"
+        )
     top = [e.name for e in entries if e.is_file() and _is_image(e.name)]
     classes = {e.name: _images_under(e.path) for e in entries if e.is_dir()}
     classes = {d: files for d, files in classes.items() if files}
     if top and classes:
-        raise UserError(f"task.params.root={root!r} holds both image files ({top[0]}, ...) and class folders with images "
-                        f"({next(iter(classes))}/, ...); move every image into a class folder, or use a flat folder")
+        raise UserError(
+            f"task.params.root={root!r} holds both image files ({top[0]}, ...) and class folders with images "
+            f"({next(iter(classes))}/, ...); move every image into a class folder, or use a flat folder"
+        )
     if top:
         return top, None, []
     if not classes:
-        raise UserError(f"task.params.root={root!r} holds no image files ({len(entries)} entries, e.g. {entries[0].name!r}); "
-                        f"accepted extensions: {' '.join(IMAGE_EXTENSIONS)}")
+        raise UserError(
+            f"task.params.root={root!r} holds no image files ({len(entries)} entries, e.g. {entries[0].name!r}); "
+            f"accepted extensions: {' '.join(IMAGE_EXTENSIONS)}"
+        )
     paths, labels = [], []
     for c, files in enumerate(classes.values()):
         paths += [os.path.relpath(f, root) for f in files]
@@ -106,10 +116,15 @@ def decode(path: str, channels: int) -> torch.Tensor:
                 a = np.asarray(img, dtype=np.float32) / (1.0 if img.mode == "F" else 65535.0)
                 a = np.clip(a, 0.0, 1.0)
             else:
-                a = np.asarray(img.convert("L" if channels == 1 else "RGB"), dtype=np.float32) / 255.0
+                a = (
+                    np.asarray(img.convert("L" if channels == 1 else "RGB"), dtype=np.float32)
+                    / 255.0
+                )
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-        raise UnreadableImage(f"cannot decode image {path} ({type(exc).__name__}: {exc}); remove or replace the file "
-                              f"(every file with an image extension under task.params.root is used)") from None
+        raise UnreadableImage(
+            f"cannot decode image {path} ({type(exc).__name__}: {exc}); remove or replace the file "
+            f"(every file with an image extension under task.params.root is used)"
+        ) from None
     x = torch.from_numpy(np.ascontiguousarray(a))
     x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)
     return x.expand(channels, -1, -1).contiguous() if x.shape[0] != channels else x
@@ -123,19 +138,34 @@ def fit_square(x: torch.Tensor, size: int) -> torch.Tensor:
     x = x[:, top : top + s, left : left + s]
     if s == size:
         return x.contiguous()
-    return F.interpolate(x[None], size=(size, size), mode="bilinear", antialias=s > size, align_corners=False)[0]
+    return F.interpolate(
+        x[None], size=(size, size), mode="bilinear", antialias=s > size, align_corners=False
+    )[0]
 
 
 class ImageFiles(Dataset):
     """Items: ``{"x1", "x2", "index"}`` (two augmented views) or, with ``augment=None``,
     ``{"x", "index"}`` (the plain resized image, for mining)."""
 
-    def __init__(self, root: str, files: list[str], image_size: int, channels: int, augment: Augment | None,
-                 seed: int) -> None:
+    def __init__(
+        self,
+        root: str,
+        files: list[str],
+        image_size: int,
+        channels: int,
+        augment: Augment | None,
+        seed: int,
+    ) -> None:
         # One bytes array, not a list of str: forked DataLoader workers would touch every
         # object's refcount and copy the whole list into each worker (pytorch issue 13246).
         self.files = np.array([os.fsencode(f) for f in files])
-        self.root, self.image_size, self.channels, self.augment, self.seed = root, image_size, channels, augment, seed
+        self.root, self.image_size, self.channels, self.augment, self.seed = (
+            root,
+            image_size,
+            channels,
+            augment,
+            seed,
+        )
         self.epoch = 0
 
     def __len__(self) -> int:
@@ -155,7 +185,11 @@ class ImageFiles(Dataset):
         img = self.load(index)
         if self.augment is None:
             return {"x": (img - 0.5) / 0.5, "index": index}
-        return {"x1": (self.view(img, index, 0) - 0.5) / 0.5, "x2": (self.view(img, index, 1) - 0.5) / 0.5, "index": index}
+        return {
+            "x1": (self.view(img, index, 0) - 0.5) / 0.5,
+            "x2": (self.view(img, index, 1) - 0.5) / 0.5,
+            "index": index,
+        }
 
 
 def _check(ok: bool, name: str, value: Any, want: str) -> None:
@@ -175,27 +209,83 @@ class ImageFolderTask(Task):
     """Parameters (``task.params``): root, image_size, channels, backbone, width, embed_dim,
     temperature, crop_scale, flip, rotate_deg, jitter, limit, make_digits (docs/tasks.md)."""
 
-    def __init__(self, seed: int = 0, root: str = "", image_size: int = 32, channels: int = 3, backbone: str = "small",
-                 width: int = 0, embed_dim: int = 64, temperature: float = 0.1, crop_scale: float = 0.5,
-                 flip: bool = True, rotate_deg: float = 10.0, jitter: float = 0.3, limit: int = 0,
-                 make_digits: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        root: str = "",
+        image_size: int = 32,
+        channels: int = 3,
+        backbone: str = "small",
+        width: int = 0,
+        embed_dim: int = 64,
+        temperature: float = 0.1,
+        crop_scale: float = 0.5,
+        flip: bool = True,
+        rotate_deg: float = 10.0,
+        jitter: float = 0.3,
+        limit: int = 0,
+        make_digits: bool = False,
+    ) -> None:
         self.seed = seed
-        _check(isinstance(root, str) and root != "", "root", root, "set it to a folder of images, e.g. task.params.root=data/digits")
-        _check(_is_int(image_size) and 8 <= image_size <= 1024, "image_size", image_size, "an integer from 8 to 1024 (pixels per side)")
-        _check(channels in (1, 3) and _is_int(channels), "channels", channels, "1 (grey) or 3 (RGB)")
+        _check(
+            isinstance(root, str) and root != "",
+            "root",
+            root,
+            "set it to a folder of images, e.g. task.params.root=data/digits",
+        )
+        _check(
+            _is_int(image_size) and 8 <= image_size <= 1024,
+            "image_size",
+            image_size,
+            "an integer from 8 to 1024 (pixels per side)",
+        )
+        _check(
+            channels in (1, 3) and _is_int(channels), "channels", channels, "1 (grey) or 3 (RGB)"
+        )
         _check(backbone in BACKBONES, "backbone", backbone, f"one of {', '.join(BACKBONES)}")
-        _check(_is_int(width) and (width == 0 or width >= 4), "width", width, "an integer >= 4, or 0 for the backbone's default (small 32, resnet18 64)")
+        _check(
+            _is_int(width) and (width == 0 or width >= 4),
+            "width",
+            width,
+            "an integer >= 4, or 0 for the backbone's default (small 32, resnet18 64)",
+        )
         _check(_is_int(embed_dim) and embed_dim >= 2, "embed_dim", embed_dim, "an integer >= 2")
-        _check(_is_num(temperature) and temperature > 0, "temperature", temperature, "a number > 0, e.g. 0.1")
-        _check(_is_num(crop_scale) and 0 < crop_scale <= 1, "crop_scale", crop_scale, "the smallest crop's area fraction, in (0, 1]")
+        _check(
+            _is_num(temperature) and temperature > 0,
+            "temperature",
+            temperature,
+            "a number > 0, e.g. 0.1",
+        )
+        _check(
+            _is_num(crop_scale) and 0 < crop_scale <= 1,
+            "crop_scale",
+            crop_scale,
+            "the smallest crop's area fraction, in (0, 1]",
+        )
         _check(isinstance(flip, bool), "flip", flip, "true or false (false for digits and text)")
-        _check(_is_num(rotate_deg) and 0 <= rotate_deg <= 180, "rotate_deg", rotate_deg, "degrees from 0 to 180")
-        _check(_is_num(jitter) and 0 <= jitter < 1, "jitter", jitter, "a brightness/contrast range in [0, 1)")
-        _check(_is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all")
+        _check(
+            _is_num(rotate_deg) and 0 <= rotate_deg <= 180,
+            "rotate_deg",
+            rotate_deg,
+            "degrees from 0 to 180",
+        )
+        _check(
+            _is_num(jitter) and 0 <= jitter < 1,
+            "jitter",
+            jitter,
+            "a brightness/contrast range in [0, 1)",
+        )
+        _check(
+            _is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all"
+        )
         _check(isinstance(make_digits, bool), "make_digits", make_digits, "true or false")
-        if make_digits and (not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))):
-
-            log.info("task.params.root=%s is missing or empty: writing the scikit-learn digits there (make_digits)", root)
+        if make_digits and (
+            not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))
+        ):
+            log.info(
+                "task.params.root=%s is missing or empty: writing the scikit-learn digits there (make_digits)",
+                root,
+            )
             write_digits(root)
         files, labels, classes = scan(root)
         if limit and limit < len(files):
@@ -204,35 +294,58 @@ class ImageFolderTask(Task):
             files, labels = [files[i] for i in keep], labels[keep] if labels is not None else None
         self.root, self.files, self.labels, self.classes = root, files, labels, classes
         self.image_size, self.channels, self.temperature = image_size, channels, temperature
-        self.backbone, self.width, self.embed_dim = backbone, width or (32 if backbone == "small" else 64), embed_dim
-        self.augment = Augment(crop_scale=float(crop_scale), flip=flip, rotate_deg=float(rotate_deg), jitter=float(jitter))
+        self.backbone, self.width, self.embed_dim = (
+            backbone,
+            width or (32 if backbone == "small" else 64),
+            embed_dim,
+        )
+        self.augment = Augment(
+            crop_scale=float(crop_scale),
+            flip=flip,
+            rotate_deg=float(rotate_deg),
+            jitter=float(jitter),
+        )
         self._train: ImageFiles | None = None
         self._embed: ImageFiles | None = None
-        log.info("ImageFolderTask: %d images under %s, %s", len(files), root,
-                 f"{len(classes)} class folders (ground truth for mining quality)" if classes else "flat folder (no ground truth)")
+        log.info(
+            "ImageFolderTask: %d images under %s, %s",
+            len(files),
+            root,
+            f"{len(classes)} class folders (ground truth for mining quality)"
+            if classes
+            else "flat folder (no ground truth)",
+        )
 
     def build_model(self) -> nn.Module:
         return Encoder(self.backbone, self.channels, self.image_size, self.width, self.embed_dim)
 
     def train_dataset(self) -> ImageFiles:
         if self._train is None:
-            self._train = ImageFiles(self.root, self.files, self.image_size, self.channels, self.augment, self.seed)
+            self._train = ImageFiles(
+                self.root, self.files, self.image_size, self.channels, self.augment, self.seed
+            )
         return self._train
 
     def embed_dataset(self) -> ImageFiles:
         if self._embed is None:
-            self._embed = ImageFiles(self.root, self.files, self.image_size, self.channels, None, self.seed)
+            self._embed = ImageFiles(
+                self.root, self.files, self.image_size, self.channels, None, self.seed
+            )
         return self._embed
 
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index = batch["index"]
         if labels is None:
             ids = index  # before any mining round: each image is its own identity
         else:
-            ids = torch.where(labels >= 0, labels, len(self.files) + index)  # -1 (ignored singleton): its own views only
+            ids = torch.where(
+                labels >= 0, labels, len(self.files) + index
+            )  # -1 (ignored singleton): its own views only
         z = model(torch.cat([batch["x1"], batch["x2"]]))
         return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
 

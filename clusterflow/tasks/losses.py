@@ -29,7 +29,9 @@ def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     return _GatherWithGrad.apply(x), dist.rank() * x.shape[0]
 
 
-def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def supcon_loss(
+    z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Supervised contrastive loss over the global batch.
 
     ``z``: this rank's L2-normalised embeddings (n, d); ``labels``: (n,) ids, equal ids are
@@ -53,11 +55,15 @@ def supcon_loss(z: torch.Tensor, labels: torch.Tensor, temperature: float = 0.1)
     n_pos = pos.sum(1)
     has = n_pos > 0
     anchors = has.sum().clamp(min=1)
-    mean_log_pos = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(1) / n_pos.clamp(min=1)
+    mean_log_pos = torch.where(pos, log_prob, torch.zeros_like(log_prob)).sum(1) / n_pos.clamp(
+        min=1
+    )
     # Where, not mean_log_pos[has]: a boolean index needs its count on the host. Anchors without a
     # positive add exact zeros (and when every anchor has one, the sum is the very same one).
     loss = -torch.where(has, mean_log_pos, torch.zeros_like(mean_log_pos)).sum() / anchors
     with torch.no_grad():
         cos = torch.where(pos, sim * temperature, torch.zeros_like(sim)).sum(1) / n_pos.clamp(min=1)
-        pos_cos = torch.where(has, cos, torch.zeros_like(cos)).sum() / anchors  # 0 when no anchor has a positive
+        pos_cos = (
+            torch.where(has, cos, torch.zeros_like(cos)).sum() / anchors
+        )  # 0 when no anchor has a positive
     return loss, {"pos_cos": pos_cos, "anchors_with_pos": has.float().mean()}

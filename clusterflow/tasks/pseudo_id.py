@@ -25,30 +25,57 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks.losses import supcon_loss
 from clusterflow.tasks import Task
+from clusterflow.tasks.losses import supcon_loss
 
 
 class SyntheticIdentities(Dataset):
     """``identities`` x ``samples_per_identity`` samples of dimension ``input_dim``, shuffled."""
 
-    def __init__(self, seed: int, identities: int, samples_per_identity: int | np.ndarray, input_dim: int,
-                 id_dim: int, nuisance_dim: int, nuisance_scale: float, noise: float,
-                 keep: float = 0.5, augment: bool = True, split: int = 0) -> None:
+    def __init__(
+        self,
+        seed: int,
+        identities: int,
+        samples_per_identity: int | np.ndarray,
+        input_dim: int,
+        id_dim: int,
+        nuisance_dim: int,
+        nuisance_scale: float,
+        noise: float,
+        keep: float = 0.5,
+        augment: bool = True,
+        split: int = 0,
+    ) -> None:
         rng = np.random.default_rng([seed, 7])  # the world: shared by every split
         self.A = rng.standard_normal((id_dim, input_dim)).astype(np.float32) / np.sqrt(id_dim)
-        self.B = rng.standard_normal((nuisance_dim, input_dim)).astype(np.float32) / np.sqrt(nuisance_dim)
+        self.B = rng.standard_normal((nuisance_dim, input_dim)).astype(np.float32) / np.sqrt(
+            nuisance_dim
+        )
         codes = rng.standard_normal((identities, id_dim)).astype(np.float32)
         srng = np.random.default_rng([seed, 11, split])  # the samples of this split
-        per_identity = np.broadcast_to(np.asarray(samples_per_identity), (identities,))  # one count, or one per identity
-        self.labels = srng.permutation(np.repeat(np.arange(identities), per_identity)).astype(np.int64)
+        per_identity = np.broadcast_to(
+            np.asarray(samples_per_identity), (identities,)
+        )  # one count, or one per identity
+        self.labels = srng.permutation(np.repeat(np.arange(identities), per_identity)).astype(
+            np.int64
+        )
         n = len(self.labels)
         self.nuisance = srng.standard_normal((n, nuisance_dim)).astype(np.float32) * nuisance_scale
         self.signal = codes[self.labels] @ self.A
-        self.base = self.signal + self.nuisance @ self.B + noise * srng.standard_normal((n, input_dim)).astype(np.float32)
+        self.base = (
+            self.signal
+            + self.nuisance @ self.B
+            + noise * srng.standard_normal((n, input_dim)).astype(np.float32)
+        )
         self.A, self.B = self.A.astype(np.float32), self.B.astype(np.float32)
         self.signal, self.base = self.signal.astype(np.float32), self.base.astype(np.float32)
-        self.seed, self.split, self.noise, self.keep, self.augment = seed, split, noise, keep, augment
+        self.seed, self.split, self.noise, self.keep, self.augment = (
+            seed,
+            split,
+            noise,
+            keep,
+            augment,
+        )
         self.nuisance_scale = nuisance_scale
         self.epoch = 0
 
@@ -65,9 +92,17 @@ class SyntheticIdentities(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         # "label" is the true identity: for supervised tasks and quality metrics, never for pseudo-ID training.
         if not self.augment:
-            return {"x": torch.from_numpy(self.base[index]), "index": index, "label": int(self.labels[index])}
-        return {"x1": torch.from_numpy(self._view(index, 0)), "x2": torch.from_numpy(self._view(index, 1)), "index": index,
-                "label": int(self.labels[index])}
+            return {
+                "x": torch.from_numpy(self.base[index]),
+                "index": index,
+                "label": int(self.labels[index]),
+            }
+        return {
+            "x1": torch.from_numpy(self._view(index, 0)),
+            "x2": torch.from_numpy(self._view(index, 1)),
+            "index": index,
+            "label": int(self.labels[index]),
+        }
 
 
 class Encoder(nn.Module):
@@ -76,8 +111,12 @@ class Encoder(nn.Module):
     def __init__(self, input_dim: int, hidden: int, embed_dim: int) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Linear(input_dim, hidden), nn.LayerNorm(hidden), nn.GELU(),
-            nn.Linear(hidden, hidden), nn.LayerNorm(hidden), nn.GELU(),
+            nn.Linear(input_dim, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
             nn.Linear(hidden, embed_dim),
         )
 
@@ -89,19 +128,50 @@ class PseudoIDTask(Task):
     """Parameters (``task.params``): identities, samples_per_identity, input_dim, id_dim,
     nuisance_dim, nuisance_scale, noise, hidden, embed_dim, temperature, eval_identities."""
 
-    def __init__(self, seed: int = 0, identities: int = 100, samples_per_identity: int = 20, input_dim: int = 64,
-                 id_dim: int = 8, nuisance_dim: int = 16, nuisance_scale: float = 1.5, noise: float = 0.1,
-                 hidden: int = 128, embed_dim: int = 32, temperature: float = 0.1, keep: float = 0.5) -> None:
+    def __init__(
+        self,
+        seed: int = 0,
+        identities: int = 100,
+        samples_per_identity: int = 20,
+        input_dim: int = 64,
+        id_dim: int = 8,
+        nuisance_dim: int = 16,
+        nuisance_scale: float = 1.5,
+        noise: float = 0.1,
+        hidden: int = 128,
+        embed_dim: int = 32,
+        temperature: float = 0.1,
+        keep: float = 0.5,
+    ) -> None:
         self.seed = seed
-        checks = {"identities": identities >= 2, "samples_per_identity": samples_per_identity >= 2, "input_dim": input_dim >= 2,
-                  "id_dim": id_dim >= 1, "nuisance_dim": nuisance_dim >= 0, "hidden": hidden >= 1, "embed_dim": embed_dim >= 2,
-                  "temperature": temperature > 0, "noise": noise >= 0, "nuisance_scale": nuisance_scale >= 0, "keep": 0 <= keep <= 1}
+        checks = {
+            "identities": identities >= 2,
+            "samples_per_identity": samples_per_identity >= 2,
+            "input_dim": input_dim >= 2,
+            "id_dim": id_dim >= 1,
+            "nuisance_dim": nuisance_dim >= 0,
+            "hidden": hidden >= 1,
+            "embed_dim": embed_dim >= 2,
+            "temperature": temperature > 0,
+            "noise": noise >= 0,
+            "nuisance_scale": nuisance_scale >= 0,
+            "keep": 0 <= keep <= 1,
+        }
         for name, ok in checks.items():
             if not ok:
-                raise UserError(f"task.params.{name} = {locals()[name]!r} is out of range for PseudoIDTask")
-        self.data_args = dict(identities=identities, samples_per_identity=samples_per_identity, input_dim=input_dim,
-                              id_dim=id_dim, nuisance_dim=max(nuisance_dim, 1), nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
-                              noise=noise, keep=keep)
+                raise UserError(
+                    f"task.params.{name} = {locals()[name]!r} is out of range for PseudoIDTask"
+                )
+        self.data_args = dict(
+            identities=identities,
+            samples_per_identity=samples_per_identity,
+            input_dim=input_dim,
+            id_dim=id_dim,
+            nuisance_dim=max(nuisance_dim, 1),
+            nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
+            noise=noise,
+            keep=keep,
+        )
         self.hidden, self.embed_dim, self.temperature = hidden, embed_dim, temperature
         self._train: SyntheticIdentities | None = None
         self._embed: SyntheticIdentities | None = None
@@ -115,7 +185,9 @@ class PseudoIDTask(Task):
         return self._train
 
     def eval_dataset(self) -> SyntheticIdentities:
-        return SyntheticIdentities(self.seed, **{**self.data_args, "samples_per_identity": 4}, split=1)
+        return SyntheticIdentities(
+            self.seed, **{**self.data_args, "samples_per_identity": 4}, split=1
+        )
 
     def embed_dataset(self) -> SyntheticIdentities:
         if self._embed is None:
@@ -125,13 +197,17 @@ class PseudoIDTask(Task):
     def set_epoch(self, epoch: int) -> None:
         self.train_dataset().epoch = epoch
 
-    def loss(self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         index = batch["index"]
         n_total = len(self.train_dataset())
         if labels is None:
             ids = index  # before any mining round: each sample is its own identity (instance discrimination)
         else:
-            ids = torch.where(labels >= 0, labels, n_total + index)  # -1 (ignored singleton): its own views only
+            ids = torch.where(
+                labels >= 0, labels, n_total + index
+            )  # -1 (ignored singleton): its own views only
         z = model(torch.cat([batch["x1"], batch["x2"]]))
         return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
+
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import CheckpointStore
@@ -28,7 +29,9 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
 
 
-def build_model(cfg: Any, task: Any, device: torch.device, world: int) -> tuple[torch.nn.Module, torch.nn.Module]:
+def build_model(
+    cfg: Any, task: Any, device: torch.device, world: int
+) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module, what the loop calls: the module or its DDP wrapper). Seed before calling it."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
@@ -41,8 +44,12 @@ def build_model(cfg: Any, task: Any, device: torch.device, world: int) -> tuple[
     module = model.to(device)
     if world == 1:
         return module, module
-    return module, DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
-                       find_unused_parameters=cfg.dist.find_unused_parameters, bucket_cap_mb=cfg.dist.bucket_cap_mb)
+    return module, DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=cfg.dist.find_unused_parameters,
+        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+    )
 
 
 def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:
@@ -76,35 +83,48 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     """
     import fsspec
 
-
     fs, path = fsspec.core.url_to_fs(where)
     if fs.isdir(path):
-
         candidates = [RunPaths(path.rstrip("/")).model]
         if not fs.exists(candidates[0]):
-
             ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
             if ckpt is None:
-                raise UserError(f"task.init_from={where!r} is a folder without model.pt or committed checkpoints; "
-                                f"point it at a finished run dir, a checkpoints/step-N folder or a model.pt file")
+                raise UserError(
+                    f"task.init_from={where!r} is a folder without model.pt or committed checkpoints; "
+                    f"point it at a finished run dir, a checkpoints/step-N folder or a model.pt file"
+                )
             candidates = [f"{ckpt.path}/model.pt"]
         path = candidates[0]
     try:
         with fs.open(path, "rb") as f:
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
-        raise UserError(f"task.init_from={where!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1") from None
+        raise UserError(
+            f"task.init_from={where!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
-        raise UserError(f"task.init_from={where!r}: {path} is not a readable state_dict ({type(exc).__name__}: {exc})") from None
+        raise UserError(
+            f"task.init_from={where!r}: {path} is not a readable state_dict ({type(exc).__name__}: {exc})"
+        ) from None
     if not isinstance(sd, dict):
-        raise UserError(f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict")
+        raise UserError(
+            f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict"
+        )
     own = model.state_dict()
     matched = {k: v for k, v in sd.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     if not matched:
-        raise UserError(f"task.init_from={where!r}: none of its {len(sd)} tensors ({', '.join(list(sd)[:3])}, ...) match the "
-                        f"model's names and shapes ({', '.join(list(own)[:3])}, ...); was it written by a different model?")
+        raise UserError(
+            f"task.init_from={where!r}: none of its {len(sd)} tensors ({', '.join(list(sd)[:3])}, ...) match the "
+            f"model's names and shapes ({', '.join(list(own)[:3])}, ...); was it written by a different model?"
+        )
     model.load_state_dict(matched, strict=False)
     fresh = [k for k in own if k not in matched]
     skipped = [k for k in sd if k not in matched]
-    log.info("initialised %d of %d tensors from %s; fresh: %s; not used: %s", len(matched), len(own), path,
-             ", ".join(fresh) or "none", ", ".join(skipped) or "none")
+    log.info(
+        "initialised %d of %d tensors from %s; fresh: %s; not used: %s",
+        len(matched),
+        len(own),
+        path,
+        ", ".join(fresh) or "none",
+        ", ".join(skipped) or "none",
+    )

@@ -21,18 +21,30 @@ def _as_array(value: Any) -> np.ndarray:
     return np.atleast_1d(np.asarray(value, dtype=np.float64))
 
 
-def evaluate(task: Any, model: torch.nn.Module, dataset: Any, device: torch.device, amp: torch.dtype | None,
-             batch_size: int, tick: Any = None) -> dict[str, float]:
+def evaluate(
+    task: Any,
+    model: torch.nn.Module,
+    dataset: Any,
+    device: torch.device,
+    amp: torch.dtype | None,
+    batch_size: int,
+    tick: Any = None,
+) -> dict[str, float]:
     """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()`` once per batch."""
     shard = shard_range(len(dataset), dist.rank(), dist.world())
-    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(dataset, list(shard)), batch_size=max(1, batch_size))
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.Subset(dataset, list(shard)), batch_size=max(1, batch_size)
+    )
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, float] = {}
     was_training = model.training
     model.eval()
     with torch.no_grad():
         for batch in loader:
-            batch = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+            batch = {
+                k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in batch.items()
+            }
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 out = task.eval_step(model, batch)
             for k, (s, c) in out.items():
@@ -47,13 +59,21 @@ def evaluate(task: Any, model: torch.nn.Module, dataset: Any, device: torch.devi
     for part in dist.gather_object({k: len(v) for k, v in sums.items()}) or []:
         shapes.update(part)
     shapes = dist.broadcast_object(dict(sorted(shapes.items())))
-    flat = np.concatenate([np.concatenate([sums.get(k, np.zeros(n)), [counts.get(k, 0.0)]]) for k, n in shapes.items()]) \
-        if shapes else np.zeros(0)
+    flat = (
+        np.concatenate(
+            [
+                np.concatenate([sums.get(k, np.zeros(n)), [counts.get(k, 0.0)]])
+                for k, n in shapes.items()
+            ]
+        )
+        if shapes
+        else np.zeros(0)
+    )
     flat = dist.all_reduce_sum(flat, device)
     totals: dict[str, tuple[Any, float]] = {}
     i = 0
     for k, n in shapes.items():
-        s = flat[i:i + n]
+        s = flat[i : i + n]
         totals[k] = (float(s[0]) if n == 1 else s, float(flat[i + n]))
         i += n + 1
     return task.eval_metrics(totals)

@@ -42,7 +42,11 @@ def _all_finite(tensors: list[Any]) -> bool:
     if not tensors:
         return True
     device = tensors[0].device
-    if bool(torch.isfinite(torch.stack([t.detach().sum().to(device, torch.float64) for t in tensors]).sum())):
+    if bool(
+        torch.isfinite(
+            torch.stack([t.detach().sum().to(device, torch.float64) for t in tensors]).sum()
+        )
+    ):
         return True
     return all(bool(torch.isfinite(t).all()) for t in tensors)
 
@@ -73,7 +77,9 @@ class FiniteGuard:
         self.ok.fill_(True)
         self.count.zero_()
 
-    def check(self, global_step: int, state: Iterable[Any] = (), means: Mapping[str, float] | None = None) -> dict[str, float]:
+    def check(
+        self, global_step: int, state: Iterable[Any] = (), means: Mapping[str, float] | None = None
+    ) -> dict[str, float]:
         """Collective. Returns when every loss since the last check (and every tensor of ``state``)
         is finite on every rank; raises RunFailed naming the step otherwise. ``means``: numbers to
         average over the ranks in the same collective (a log step's loss and rate), returned
@@ -82,7 +88,9 @@ class FiniteGuard:
         first = int(torch.where(self.ok, _NONE, self.count))  # the host read
         tensors = [t for t in state if torch.is_tensor(t) and t.is_floating_point()]
         bad_state = not _all_finite(tensors)
-        reduced = dist.all_reduce_dict({**(means or {}), _BAD: float(first < _NONE or bad_state)}, op="mean")
+        reduced = dist.all_reduce_dict(
+            {**(means or {}), _BAD: float(first < _NONE or bad_state)}, op="mean"
+        )
         if reduced.pop(_BAD) > 0:
             self._judge(first, bad_state, global_step)
         self.checked_at = global_step
@@ -95,10 +103,14 @@ class FiniteGuard:
         first, since = _NONE - int(agreed["first"]), self.checked_at
         if first < _NONE:
             step = since + first // self.train.grad_accum + 1
-            self._fail(f"the loss became non-finite (NaN or inf) at global step {step} (seen by the check at step "
-                       f"{global_step}; every loss before step {step} was finite)")
-        self._fail(f"the weights or optimizer state became non-finite between global steps {since} and "
-                   f"{global_step}, while every loss was finite")
+            self._fail(
+                f"the loss became non-finite (NaN or inf) at global step {step} (seen by the check at step "
+                f"{global_step}; every loss before step {step} was finite)"
+            )
+        self._fail(
+            f"the weights or optimizer state became non-finite between global steps {since} and "
+            f"{global_step}, while every loss was finite"
+        )
 
     def step_ok(self, params: Iterable[Any], scaler: Any, step: int) -> bool:
         """skip_step, before optimizer step ``step``: True when its losses (every rank) and gradients
@@ -106,7 +118,9 @@ class FiniteGuard:
         With fp16 loss scaling, infinite gradients are the scaler's business (it skips those
         steps itself), so only the loss is judged."""
         grads = [] if scaler.is_enabled() else [p.grad for p in params if p.grad is not None]
-        ok = bool(self.ok) and _all_finite(grads)  # host reads: the step waits for its gradients here
+        ok = bool(self.ok) and _all_finite(
+            grads
+        )  # host reads: the step waits for its gradients here
         good = not dist.any_rank(not ok)  # the ranks agree (each saw only its own losses)
         self._reset()
         if good:
@@ -116,18 +130,30 @@ class FiniteGuard:
         self.in_a_row += 1
         limit = self.train.max_consecutive_skips
         if self.in_a_row > limit:
-            self._fail(f"the loss or a gradient was non-finite at {self.in_a_row} optimizer steps in a row, up to "
-                       f"global step {step} (train.max_consecutive_skips={limit})")
+            self._fail(
+                f"the loss or a gradient was non-finite at {self.in_a_row} optimizer steps in a row, up to "
+                f"global step {step} (train.max_consecutive_skips={limit})"
+            )
         if dist.rank() == 0:
-            log.warning("global step %d: non-finite loss or gradient; the optimizer step is skipped (%d in a row, %d in all)",
-                        step, self.in_a_row, self.skipped)
+            log.warning(
+                "global step %d: non-finite loss or gradient; the optimizer step is skipped (%d in a row, %d in all)",
+                step,
+                self.in_a_row,
+                self.skipped,
+            )
         if scaler.is_enabled():  # what the scaler does after a step it skipped itself
             scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
         return False
 
     def _fail(self, problem: str) -> NoReturn:
         steps = self.committed()
-        kept = f"the newest checkpoint, step-{steps[-1]}, holds finite state" if steps else "no checkpoint was committed"
-        raise RunFailed(f"training diverged: {problem}. Nothing non-finite was saved ({kept}). Lower train.lr "
-                        f"(now {self.train.lr:g}) or set train.grad_clip and start a new run.dir, or resume this "
-                        f"one with train.on_nonfinite=skip_step to skip such steps")
+        kept = (
+            f"the newest checkpoint, step-{steps[-1]}, holds finite state"
+            if steps
+            else "no checkpoint was committed"
+        )
+        raise RunFailed(
+            f"training diverged: {problem}. Nothing non-finite was saved ({kept}). Lower train.lr "
+            f"(now {self.train.lr:g}) or set train.grad_clip and start a new run.dir, or resume this "
+            f"one with train.on_nonfinite=skip_step to skip such steps"
+        )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import signal
 import time
 from typing import Any
+
 from clusterflow import dist
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -61,8 +62,14 @@ class Preemption:
         return "timeout" if self.is_timeout else "preempted"
 
 
-AGREE_EVERY_S = 0.2  # the training loop's interval_s: how much training may pass between two agreements
-REASONS = ("", "preempted", "timeout")  # by strength: the agreed reason is the strongest any rank received
+AGREE_EVERY_S = (
+    0.2  # the training loop's interval_s: how much training may pass between two agreements
+)
+REASONS = (
+    "",
+    "preempted",
+    "timeout",
+)  # by strength: the agreed reason is the strongest any rank received
 
 
 class StopAgreement:
@@ -91,10 +98,17 @@ class StopAgreement:
     One process has nobody to agree with: both answer its own flag at once.
     """
 
-    MAX_EVERY = 16  # a step that suddenly slows (a neighbour's job) delays a stop by 2 x 16 steps at most
+    MAX_EVERY = (
+        16  # a step that suddenly slows (a neighbour's job) delays a stop by 2 x 16 steps at most
+    )
 
-    def __init__(self, preemption: Preemption, timeout_s: int = 600, interval_s: float = 0.0,
-                 clock: Any = time.perf_counter) -> None:
+    def __init__(
+        self,
+        preemption: Preemption,
+        timeout_s: int = 600,
+        interval_s: float = 0.0,
+        clock: Any = time.perf_counter,
+    ) -> None:
 
         self.preemption = preemption
         self.single = not dist.initialized()

@@ -25,32 +25,36 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow import dist, rundir
-from clusterflow.train import builders
 from clusterflow.checkpoint import checkpointer
-from clusterflow.storage import durable
-from clusterflow.observe import phases
-from clusterflow.config.job_config import Config
-from clusterflow.train.finite import FiniteGuard
-from clusterflow.observe.metrics import Every, gpu_stats, writer_for
-from clusterflow.mining.stage import Miner, for_status
-from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
-from clusterflow.dist.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
-from clusterflow.tasks import Task
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.train.window import LossWindow
+from clusterflow.config.job_config import Config
+from clusterflow.dist.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.mining import figure
+from clusterflow.mining.stage import Miner, for_status
+from clusterflow.observe import phases
+from clusterflow.observe.metrics import Every, gpu_stats, writer_for
+from clusterflow.storage import durable
+from clusterflow.tasks import Task
+from clusterflow.train import builders
 from clusterflow.train.evaluate import evaluate
+from clusterflow.train.finite import FiniteGuard
+from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
+from clusterflow.train.window import LossWindow
 
 log = logging.getLogger("clusterflow.trainer")
 
 
 def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return {
+        k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+    }
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, device: torch.device, attempt: int, preemption: Preemption) -> None:
+    def __init__(
+        self, cfg: Config, task: Task, device: torch.device, attempt: int, preemption: Preemption
+    ) -> None:
         self.cfg, self.task, self.device, self.attempt = cfg, task, device, attempt
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
@@ -58,11 +62,15 @@ class Trainer:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
-        seed_everything(rank_seed(cfg.run.seed, self.rank))  # distinct per-rank streams from here on
+        seed_everything(
+            rank_seed(cfg.run.seed, self.rank)
+        )  # distinct per-rank streams from here on
         t = cfg.train
         self.opt = builders.build_optimizer(t, self.module, self.world)
         self._build_data()
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs)
+        )
         self.amp = builders.amp_dtype(t.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
         self.state = TrainState()
@@ -71,18 +79,41 @@ class Trainer:
         self._persistent_loader: torch.utils.data.DataLoader | None = None
         self._progress_due = Every(1.0)  # status.json's progress fields
         self.checkpointer = checkpointer.Checkpointer(
-            cfg, self.module, {"optimizer": self.opt, "scheduler": self.sched, "scaler": self.scaler, "train": self.state},
-            self.state, self.steps_per_epoch, attempt, self.phases, before_commit=self._before_commit)
+            cfg,
+            self.module,
+            {
+                "optimizer": self.opt,
+                "scheduler": self.sched,
+                "scaler": self.scaler,
+                "train": self.state,
+            },
+            self.state,
+            self.steps_per_epoch,
+            attempt,
+            self.phases,
+            before_commit=self._before_commit,
+        )
         self.guard = FiniteGuard(device, t, self.checkpointer.committed_steps)
-        self.miner = Miner(cfg.mining, device, self.amp, self.stop, self.phases, progress_bar=t.progress_bar,
-                           rounds_dir=self.paths.mining_rounds, fsync=cfg.checkpoint.fsync, data=cfg.data)
+        self.miner = Miner(
+            cfg.mining,
+            device,
+            self.amp,
+            self.stop,
+            self.phases,
+            progress_bar=t.progress_bar,
+            rounds_dir=self.paths.mining_rounds,
+            fsync=cfg.checkpoint.fsync,
+            data=cfg.data,
+        )
 
     def _build_data(self) -> None:
         t = self.cfg.train
         self.dataset = self.task.train_dataset()
         check_fits(len(self.dataset), t.batch_size, self.world * t.grad_accum, self.cfg.task.target)
         self.micro_global = t.batch_size // t.grad_accum
-        self.sampler = GlobalBatchSampler(len(self.dataset), self.micro_global, self.rank, self.world, self.cfg.run.seed)
+        self.sampler = GlobalBatchSampler(
+            len(self.dataset), self.micro_global, self.rank, self.world, self.cfg.run.seed
+        )
         self.steps_per_epoch = self.sampler.batches_per_epoch() // t.grad_accum
 
     # -- the loop -----------------------------------------------------------------------------
@@ -91,7 +122,9 @@ class Trainer:
         resumed = self.checkpointer.restore()
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
-        self.writer = writer_for(self.rank == 0, self.paths, self.attempt, self._purge_step(resumed))
+        self.writer = writer_for(
+            self.rank == 0, self.paths, self.attempt, self._purge_step(resumed)
+        )
         self._status(state="running")
         try:
             while self.state.epoch < self.cfg.train.epochs:
@@ -108,12 +141,18 @@ class Trainer:
         """The first step this attempt logs: TensorBoard drops what earlier attempts logged from
         there on. The resumed step itself is logged again only when its end-of-epoch work is redone."""
         s = self.state
-        return s.global_step if resumed and s.step_in_epoch == self.steps_per_epoch else s.global_step + 1
+        return (
+            s.global_step
+            if resumed and s.step_in_epoch == self.steps_per_epoch
+            else s.global_step + 1
+        )
 
     def _train_epoch(self) -> str:
         """The rest of the current epoch's steps. Returns the agreed stop reason, or ""."""
         self.task.set_epoch(self.state.epoch)
-        self.sampler.set_epoch(self.state.epoch, self.state.step_in_epoch * self.cfg.train.grad_accum)
+        self.sampler.set_epoch(
+            self.state.epoch, self.state.step_in_epoch * self.cfg.train.grad_accum
+        )
         bar = self._progress_bar()
         window = LossWindow()
         self.model.train()
@@ -122,12 +161,16 @@ class Trainer:
         micro, reason = 0, ""
         for batch in self._loader():
             micro += 1
-            self._forward_backward(batch, last_micro=micro == self.cfg.train.grad_accum, window=window)
+            self._forward_backward(
+                batch, last_micro=micro == self.cfg.train.grad_accum, window=window
+            )
             if micro < self.cfg.train.grad_accum:
                 continue
             micro = 0
             self._optimizer_step()
-            self.phases.tick(self.state.global_step)  # a Python int: the heartbeat reads nothing from the device
+            self.phases.tick(
+                self.state.global_step
+            )  # a Python int: the heartbeat reads nothing from the device
             if bar is not None:
                 bar.update(1)
             if self._log_due():
@@ -143,7 +186,11 @@ class Trainer:
         # a signal during the last step stops before the end-of-epoch work, not after it.
         reason = reason or self.stop.agree()
         if reason:
-            log.warning("signal received (%s): saving at global step %d and stopping", reason, self.state.global_step)
+            log.warning(
+                "signal received (%s): saving at global step %d and stopping",
+                reason,
+                self.state.global_step,
+            )
             self._save(checkpointer.STOP)
         return reason
 
@@ -155,11 +202,23 @@ class Trainer:
             return self._persistent_loader
         # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global random
         # stream (dropout) is not drawn from, so a resume in mid-epoch continues that stream exactly.
-        g = torch.Generator().manual_seed(rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch)
-        data, batches = (EpochItems(self.task), WithEpoch(self.sampler)) if persistent else (self.dataset, self.sampler)
-        loader = torch.utils.data.DataLoader(data, batch_sampler=batches, num_workers=d.num_workers, generator=g,
-                                             pin_memory=d.pin_memory and self.device.type == "cuda", persistent_workers=persistent,
-                                             prefetch_factor=d.prefetch_factor if d.num_workers else None)
+        g = torch.Generator().manual_seed(
+            rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch
+        )
+        data, batches = (
+            (EpochItems(self.task), WithEpoch(self.sampler))
+            if persistent
+            else (self.dataset, self.sampler)
+        )
+        loader = torch.utils.data.DataLoader(
+            data,
+            batch_sampler=batches,
+            num_workers=d.num_workers,
+            generator=g,
+            pin_memory=d.pin_memory and self.device.type == "cuda",
+            persistent_workers=persistent,
+            prefetch_factor=d.prefetch_factor if d.num_workers else None,
+        )
         if persistent:
             self._persistent_loader = loader
         return loader
@@ -169,17 +228,31 @@ class Trainer:
             return None
         from tqdm import tqdm
 
-        return tqdm(total=self.steps_per_epoch, initial=self.state.step_in_epoch, unit="step", leave=False,
-                    desc=f"epoch {self.state.epoch + 1}/{self.cfg.train.epochs}", mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        return tqdm(
+            total=self.steps_per_epoch,
+            initial=self.state.step_in_epoch,
+            unit="step",
+            leave=False,
+            desc=f"epoch {self.state.epoch + 1}/{self.cfg.train.epochs}",
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,
+        )
 
-    def _forward_backward(self, batch: dict[str, Any], last_micro: bool, window: LossWindow) -> None:
+    def _forward_backward(
+        self, batch: dict[str, Any], last_micro: bool, window: LossWindow
+    ) -> None:
         """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
         batch = _to(batch, self.device)
         labels = self._device_labels()
-        if labels is not None:  # picked on the device by the batch's index: no copy, nothing read back
+        if (
+            labels is not None
+        ):  # picked on the device by the batch's index: no copy, nothing read back
             labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
-        ctx = self.model.no_sync() if (not sync and isinstance(self.model, DDP)) else contextlib.nullcontext()
+        ctx = (
+            self.model.no_sync()
+            if (not sync and isinstance(self.model, DDP))
+            else contextlib.nullcontext()
+        )
         with ctx:
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
@@ -195,7 +268,9 @@ class Trainer:
         if self._labels_of is not labels:
             src = torch.from_numpy(labels)
             if self.device.type == "cuda":
-                src = src.pin_memory()  # so the copy need not wait; torch keeps the pinned block until it is done
+                src = (
+                    src.pin_memory()
+                )  # so the copy need not wait; torch keeps the pinned block until it is done
             self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
         return self._labels
 
@@ -204,7 +279,9 @@ class Trainer:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
         s = self.state
-        if self.guard.policy != "skip_step" or self.guard.step_ok(self.module.parameters(), self.scaler, s.global_step + 1):
+        if self.guard.policy != "skip_step" or self.guard.step_ok(
+            self.module.parameters(), self.scaler, s.global_step + 1
+        ):
             self.scaler.step(self.opt)
             self.scaler.update()
         self.opt.zero_grad(set_to_none=True)
@@ -228,7 +305,10 @@ class Trainer:
 
     def _log_due(self) -> bool:
         s = self.state
-        return s.global_step % self.cfg.train.log_every_steps == 0 or s.step_in_epoch == self.steps_per_epoch
+        return (
+            s.global_step % self.cfg.train.log_every_steps == 0
+            or s.step_in_epoch == self.steps_per_epoch
+        )
 
     def _end_of_epoch(self) -> str:
         """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop reason, or ""."""
@@ -271,23 +351,53 @@ class Trainer:
         rep = window.throughput.report()
         s = self.state
         # One collective for the finite check, the means and the throughput (a sum: the mean times the world size).
-        reduced = self.guard.check(s.global_step, means={**window.means(), "rate": rep["samples_per_s_rank"]})
+        reduced = self.guard.check(
+            s.global_step, means={**window.means(), "rate": rep["samples_per_s_rank"]}
+        )
         rate = reduced.pop("rate") * self.world
-        out = {**reduced, "train/lr": self.sched.get_last_lr()[0], "perf/samples_per_s_total": rate,
-               "perf/samples_per_s_rank0": rep["samples_per_s_rank"], "perf/step_time_s": rep["step_time_s"],
-               "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch, **gpu_stats(), **self.phases.scalars()}
+        out = {
+            **reduced,
+            "train/lr": self.sched.get_last_lr()[0],
+            "perf/samples_per_s_total": rate,
+            "perf/samples_per_s_rank0": rep["samples_per_s_rank"],
+            "perf/step_time_s": rep["step_time_s"],
+            "train/epoch": s.epoch + s.step_in_epoch / self.steps_per_epoch,
+            **gpu_stats(),
+            **self.phases.scalars(),
+        }
         self.writer.scalars(out, s.global_step)
         if self.rank == 0:
-            log.info("epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s", s.epoch + 1, s.step_in_epoch,
-                     self.steps_per_epoch, s.global_step, out["train/loss"], out["train/lr"], out["perf/samples_per_s_total"])
-        if self._progress_due.due():  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
-            self._status(fsync=False, state="running", last_loss=out["train/loss"], samples_per_s=out["perf/samples_per_s_total"])
+            log.info(
+                "epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s",
+                s.epoch + 1,
+                s.step_in_epoch,
+                self.steps_per_epoch,
+                s.global_step,
+                out["train/loss"],
+                out["train/lr"],
+                out["perf/samples_per_s_total"],
+            )
+        if (
+            self._progress_due.due()
+        ):  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
+            self._status(
+                fsync=False,
+                state="running",
+                last_loss=out["train/loss"],
+                samples_per_s=out["perf/samples_per_s_total"],
+            )
 
     def _log_mining(self, s: dict[str, Any]) -> None:
-        scalars = {f"mining/{k}": float(v) for k, v in s.items() if isinstance(v, (int, float)) and k != "epoch"}
+        scalars = {
+            f"mining/{k}": float(v)
+            for k, v in s.items()
+            if isinstance(v, (int, float)) and k != "epoch"
+        }
         scalars.update({f"mining/seconds_{k}": float(v) for k, v in s["seconds"].items()})
         scalars["mining/embed_per_s_total"] = s["embed_per_s_total"]
-        scalars.update({f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))})
+        scalars.update(
+            {f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))}
+        )
         self.writer.scalars(scalars, self.state.global_step)
         labels = self.state.labels
         if labels is not None:
@@ -295,12 +405,20 @@ class Trainer:
             if len(sizes):
                 self.writer.histogram("mining/cluster_sizes", sizes, self.state.global_step)
         if "curve" in s:
-
             self.writer.image("mining/curve", lambda: figure.render(s), self.state.global_step)
         if self.rank == 0:
-            q = "".join(f" {k} {s[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if k in s)
-            log.info("mining after epoch %d: %d clusters, %d singletons, largest %d, %.2f s;%s",
-                     s["epoch"], s["num_clusters"], s["num_singletons"], s["largest_cluster"], s["seconds"]["total"], q)
+            q = "".join(
+                f" {k} {s[k]:.3f}" for k in ("nmi", "ari", "pairwise_f", "bcubed_f") if k in s
+            )
+            log.info(
+                "mining after epoch %d: %d clusters, %d singletons, largest %d, %.2f s;%s",
+                s["epoch"],
+                s["num_clusters"],
+                s["num_singletons"],
+                s["largest_cluster"],
+                s["seconds"]["total"],
+                q,
+            )
         self._status(mining=for_status(self.state.mining_history))
 
     def _evaluate(self) -> None:
@@ -309,12 +427,23 @@ class Trainer:
             return
 
         with self.phases.enter(phases.EVAL):
-            metrics = evaluate(self.task, self.module, ds, self.device, self.amp, self.micro_global // self.world,
-                               self.phases.tick)
+            metrics = evaluate(
+                self.task,
+                self.module,
+                ds,
+                self.device,
+                self.amp,
+                self.micro_global // self.world,
+                self.phases.tick,
+            )
         metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
         self.writer.scalars(metrics, self.state.global_step)
         if self.rank == 0 and metrics:
-            log.info("eval after epoch %d: %s", self.state.epoch + 1, ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            log.info(
+                "eval after epoch %d: %s",
+                self.state.epoch + 1,
+                ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            )
         self._status(eval=metrics)
 
     def _finish(self) -> None:
@@ -327,5 +456,13 @@ class Trainer:
     def _status(self, fsync: bool = True, **fields: Any) -> None:
         if self.rank == 0:
             s = self.state
-            rundir.write_status(self.paths, fsync=fsync, epoch=s.epoch, global_step=s.global_step, step_in_epoch=s.step_in_epoch,
-                                steps_per_epoch=self.steps_per_epoch, phase=self.phases.current, **fields)
+            rundir.write_status(
+                self.paths,
+                fsync=fsync,
+                epoch=s.epoch,
+                global_step=s.global_step,
+                step_in_epoch=s.step_in_epoch,
+                steps_per_epoch=self.steps_per_epoch,
+                phase=self.phases.current,
+                **fields,
+            )

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from clusterflow.observe.metrics import Throughput
 from clusterflow.errors import UserError
+from clusterflow.observe.metrics import Throughput
 
 
 class LossWindow:
@@ -29,9 +29,10 @@ class LossWindow:
         if not torch.is_tensor(v):
             return float(v)
         if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
-
-            raise UserError(f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
-                            f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()")
+            raise UserError(
+                f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
+                f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()"
+            )
         return v.detach().reshape(()).to(torch.float64)
 
     def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:

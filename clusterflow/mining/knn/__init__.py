@@ -42,7 +42,9 @@ def choose_engine(requested: str) -> tuple[str, str]:
 
     if requested == "faiss":
         if not faiss_available():
-            raise RuntimeError("mining.engine=faiss but faiss is not installed; pip install faiss-cpu, or set mining.engine=torch")
+            raise RuntimeError(
+                "mining.engine=faiss but faiss is not installed; pip install faiss-cpu, or set mining.engine=torch"
+            )
         return "faiss", "asked for by mining.engine"
     if requested == "torch":
         return "torch", "asked for by mining.engine"
@@ -50,13 +52,23 @@ def choose_engine(requested: str) -> tuple[str, str]:
         import faiss
 
         if torch.cuda.is_available() and not hasattr(faiss, "StandardGpuResources"):
-            return "torch", "CUDA is available but this faiss build has no GPU support; the exact torch engine uses the GPU"
-        return "faiss", "faiss is installed" + (" with GPU support" if hasattr(faiss, "StandardGpuResources") else " (CPU build)")
+            return (
+                "torch",
+                "CUDA is available but this faiss build has no GPU support; the exact torch engine uses the GPU",
+            )
+        return "faiss", "faiss is installed" + (
+            " with GPU support" if hasattr(faiss, "StandardGpuResources") else " (CPU build)"
+        )
     return "torch", "faiss is not installed"
 
 
-def search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None = None,
-           timings: dict[str, Any] | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def search(
+    x: np.ndarray,
+    params: KnnParams,
+    should_abort: Callable[[], bool] | None = None,
+    timings: dict[str, Any] | None = None,
+    blocks: Blocks | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     """k nearest others of every (already normalised) row of ``x``, with the chosen engine.
     ``timings`` receives ``engine`` (which and why), ``index`` and ``search`` seconds."""
     name, why = choose_engine(params.engine)
@@ -64,7 +76,15 @@ def search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | 
         timings["engine"] = f"{name} ({why})"
     if name == "torch":
         if params.index != "flat":
-            log.info("the torch engine is exact; mining.index=%s applies to faiss only", params.index)
-        return torch_search(x, params.k, query_batch=params.query_batch, should_abort=should_abort, timings=timings,
-                            blocks=blocks)
+            log.info(
+                "the torch engine is exact; mining.index=%s applies to faiss only", params.index
+            )
+        return torch_search(
+            x,
+            params.k,
+            query_batch=params.query_batch,
+            should_abort=should_abort,
+            timings=timings,
+            blocks=blocks,
+        )
     return faiss_search(x, params, should_abort=should_abort, timings=timings, blocks=blocks)

@@ -21,7 +21,9 @@ class KnnParams:
     nprobe: int = 16  # ivf
     hnsw_m: int = 32  # hnsw
     ef_search: int = 128  # hnsw
-    use_gpu: bool = True  # FAISS: shard the index over every local GPU when the build has GPU support
+    use_gpu: bool = (
+        True  # FAISS: shard the index over every local GPU when the build has GPU support
+    )
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -29,8 +31,16 @@ class KnnParams:
 
     @classmethod
     def from_config(cls, mining: Any) -> "KnnParams":
-        return cls(k=mining.k, engine=mining.engine, index=mining.index, query_batch=mining.query_batch,
-                   nlist=mining.nlist, nprobe=mining.nprobe, hnsw_m=mining.hnsw_m, ef_search=mining.ef_search)
+        return cls(
+            k=mining.k,
+            engine=mining.engine,
+            index=mining.index,
+            query_batch=mining.query_batch,
+            nlist=mining.nlist,
+            nprobe=mining.nprobe,
+            hnsw_m=mining.hnsw_m,
+            ef_search=mining.ef_search,
+        )
 
 
 class Blocks(Protocol):
@@ -43,7 +53,9 @@ class Blocks(Protocol):
         """The block of queries from ``start``, just computed."""
 
 
-def _drop_self(sims: np.ndarray, ids: np.ndarray, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _drop_self(
+    sims: np.ndarray, ids: np.ndarray, start: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Remove each query's own id from its k+1 results, keeping k."""
     q = np.arange(start, start + ids.shape[0])[:, None]
     is_self = ids == q

@@ -18,7 +18,9 @@ def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
     if params.index == "flat":
         idx = faiss.IndexFlatIP(d)
     elif params.index == "ivf":
-        nlist = max(1, min(params.nlist, x.shape[0] // 39 or 1))  # faiss wants >= 39 training points per list
+        nlist = max(
+            1, min(params.nlist, x.shape[0] // 39 or 1)
+        )  # faiss wants >= 39 training points per list
         quant = faiss.IndexFlatIP(d)
         idx = faiss.IndexIVFFlat(quant, d, nlist, faiss.METRIC_INNER_PRODUCT)
         idx.train(x)
@@ -28,14 +30,24 @@ def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
         idx.hnsw.efSearch = params.ef_search
     else:
         raise ValueError(f"unknown index {params.index!r}")
-    if params.use_gpu and hasattr(faiss, "index_cpu_to_all_gpus") and faiss.get_num_gpus() > 0 and params.index != "hnsw":
+    if (
+        params.use_gpu
+        and hasattr(faiss, "index_cpu_to_all_gpus")
+        and faiss.get_num_gpus() > 0
+        and params.index != "hnsw"
+    ):
         idx = faiss.index_cpu_to_all_gpus(idx)  # shards the database over every local GPU
     idx.add(x)
     return idx
 
 
-def faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None = None,
-                 timings: dict | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def faiss_search(
+    x: np.ndarray,
+    params: KnnParams,
+    should_abort: Callable[[], bool] | None = None,
+    timings: dict | None = None,
+    blocks: Blocks | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     import faiss
 
     # All cores for the search, then the previous setting back: the OpenMP runtime is shared
@@ -49,10 +61,18 @@ def faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bo
         faiss.omp_set_num_threads(previous)
 
 
-def _faiss_search(x: np.ndarray, params: KnnParams, should_abort: Callable[[], bool] | None,
-                  timings: dict | None, blocks: Blocks | None) -> tuple[np.ndarray, np.ndarray] | None:
+def _faiss_search(
+    x: np.ndarray,
+    params: KnnParams,
+    should_abort: Callable[[], bool] | None,
+    timings: dict | None,
+    blocks: Blocks | None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     t0 = time.perf_counter()
-    idx, built = None, 0.0  # built on the first block to compute: a resumed search may have none left
+    idx, built = (
+        None,
+        0.0,
+    )  # built on the first block to compute: a resumed search may have none left
     k, qb = params.k, params.query_batch
     kk = min(k + 1, x.shape[0])
     sims = np.empty((x.shape[0], k), np.float32)

@@ -38,7 +38,9 @@ def _sorted_top(best_s: Any, best_i: Any, keep: int) -> tuple[Any, Any]:
     return torch.gather(best_s, 1, order)[:, :keep], torch.gather(best_i, 1, order)[:, :keep]
 
 
-def _topk_block(q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, db_chunk: int, id_offset: int) -> tuple[Any, Any]:
+def _topk_block(
+    q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, db_chunk: int, id_offset: int
+) -> tuple[Any, Any]:
     """Exact top-``keep`` of the query block against the database block (ids shifted by
     ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in fp32."""
     import torch
@@ -52,7 +54,9 @@ def _topk_block(q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, 
         if best_s is None:
             best_s, best_i = sv, si
         else:
-            best_s, order = torch.topk(torch.cat([best_s, sv], 1), min(cand, best_s.shape[1] + sv.shape[1]), dim=1)
+            best_s, order = torch.topk(
+                torch.cat([best_s, sv], 1), min(cand, best_s.shape[1] + sv.shape[1]), dim=1
+            )
             best_i = torch.gather(torch.cat([best_i, si], 1), 1, order)
     # Re-rank the candidates in fp32 with one dot product per pair: exact when candidates were
     # scored in bf16, and independent of the block shapes (a matmul's summation order changes
@@ -62,12 +66,16 @@ def _topk_block(q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, 
     return best_s, best_i + id_offset
 
 
-def _replicas(x: np.ndarray, device: str | list[str] | None, candidate_dtype: str) -> list[tuple[Any, Any]]:
+def _replicas(
+    x: np.ndarray, device: str | list[str] | None, candidate_dtype: str
+) -> list[tuple[Any, Any]]:
     """One (fp32, candidate-dtype) copy of the database per device; by default every visible GPU, else the CPU."""
     import torch
 
     if device is None:
-        devices = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [torch.device("cpu")]
+        devices = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [
+            torch.device("cpu")
+        ]
     else:
         devices = [torch.device(d) for d in ([device] if isinstance(device, str) else device)]
     if candidate_dtype == "auto":
@@ -79,9 +87,17 @@ def _replicas(x: np.ndarray, device: str | list[str] | None, candidate_dtype: st
     return replicas
 
 
-def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: Callable[[], bool] | None = None,
-                 timings: dict | None = None, device: str | list[str] | None = None, db_chunk: int = 262144,
-                 candidate_dtype: str = "auto", blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def torch_search(
+    x: np.ndarray,
+    k: int,
+    query_batch: int = 65536,
+    should_abort: Callable[[], bool] | None = None,
+    timings: dict | None = None,
+    device: str | list[str] | None = None,
+    db_chunk: int = 262144,
+    candidate_dtype: str = "auto",
+    blocks: Blocks | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k nearest others of every row of ``x``; None when ``should_abort`` said so.
 
     ``device`` may name several devices: each holds a copy of the database and takes every n-th
@@ -108,17 +124,31 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
                     if aborted.is_set() or (should_abort and should_abort()):
                         aborted.set()
                         return
-                    best = _topk_block(db32[qs : qs + query_batch], db_c[qs : qs + query_batch], db32, db_c, cand, kk, db_chunk, 0)
+                    best = _topk_block(
+                        db32[qs : qs + query_batch],
+                        db_c[qs : qs + query_batch],
+                        db32,
+                        db_c,
+                        cand,
+                        kk,
+                        db_chunk,
+                        0,
+                    )
                     done = k_others(*best, qs, k)
                     if blocks is not None:
                         blocks.put(qs, *done)  # from several threads: SearchBlocks locks
                 s_np, i_np = done
-                sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np  # disjoint rows per block
+                sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = (
+                    s_np,
+                    i_np,
+                )  # disjoint rows per block
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failures.append(exc)
             aborted.set()
 
-    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(1, len(replicas))]
+    threads = [
+        threading.Thread(target=worker, args=(i,), daemon=True) for i in range(1, len(replicas))
+    ]
     for t in threads:
         t.start()
     worker(0)  # the first device's share runs on this thread
@@ -134,9 +164,17 @@ def torch_search(x: np.ndarray, k: int, query_batch: int = 65536, should_abort: 
     return sims_out, ids_out
 
 
-def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: Any, query_batch: int = 65536,
-                       db_chunk: int = 65536, should_abort: Callable[[], bool] | None = None,
-                       timings: dict | None = None, blocks: Blocks | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+def distributed_search(
+    x_local: np.ndarray,
+    offsets: list[int],
+    k: int,
+    device: Any,
+    query_batch: int = 65536,
+    db_chunk: int = 65536,
+    should_abort: Callable[[], bool] | None = None,
+    timings: dict | None = None,
+    blocks: Blocks | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k-NN spread over every rank (collective: all ranks call it).
 
     Rank r holds rows ``offsets[r]:offsets[r+1]`` of the normalised database. Each rank in turn
@@ -158,8 +196,13 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
     sims_out = np.full((len(x_local), k), -np.inf, np.float32)
     ids_out = np.full((len(x_local), k), -1, np.int64)
     lo = offsets[rank]
-    skip = _finished_anywhere(_read_back(blocks, lo, offsets[rank + 1], query_batch, sims_out, ids_out)) \
-        if blocks is not None else set()
+    skip = (
+        _finished_anywhere(
+            _read_back(blocks, lo, offsets[rank + 1], query_batch, sims_out, ids_out)
+        )
+        if blocks is not None
+        else set()
+    )
     if timings is not None:
         timings["blocks_skipped"] = len(skip)
     t1 = time.perf_counter()
@@ -171,13 +214,22 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
             if dist.any_rank(bool(should_abort and should_abort()), device=dev):
                 return None
             m = min(query_batch, o_hi - qs)
-            q = db32[qs - o_lo : qs - o_lo + m].contiguous() if rank == owner else torch.empty((m, d), dtype=torch.float32, device=dev)
+            q = (
+                db32[qs - o_lo : qs - o_lo + m].contiguous()
+                if rank == owner
+                else torch.empty((m, d), dtype=torch.float32, device=dev)
+            )
             dist.broadcast_tensor(q, src=owner)
             s = torch.full((m, kk), -torch.inf, device=dev)
             i = torch.full((m, kk), -1, dtype=torch.int64, device=dev)
             if len(x_local):
-                ps, pi = _topk_block(q, q.to(db_c.dtype), db32, db_c, cand, kk, db_chunk, offsets[rank])
-                s[:, : ps.shape[1]], i[:, : pi.shape[1]] = ps, pi  # a block with fewer than kk rows pads with -inf
+                ps, pi = _topk_block(
+                    q, q.to(db_c.dtype), db32, db_c, cand, kk, db_chunk, offsets[rank]
+                )
+                s[:, : ps.shape[1]], i[:, : pi.shape[1]] = (
+                    ps,
+                    pi,
+                )  # a block with fewer than kk rows pads with -inf
             all_s, all_i = dist.all_gather_tensors(s), dist.all_gather_tensors(i)
             if rank != owner:
                 continue
@@ -193,13 +245,18 @@ def distributed_search(x_local: np.ndarray, offsets: list[int], k: int, device: 
     return sims_out, ids_out
 
 
-def _read_back(blocks: Blocks, lo: int, hi: int, query_batch: int, sims_out: np.ndarray, ids_out: np.ndarray) -> list[int]:
+def _read_back(
+    blocks: Blocks, lo: int, hi: int, query_batch: int, sims_out: np.ndarray, ids_out: np.ndarray
+) -> list[int]:
     """Fill this rank's rows ``lo:hi`` from the blocks an earlier attempt finished; their starts."""
     found = []
     for qs in range(lo, hi, query_batch):
         done = blocks.get(qs, min(query_batch, hi - qs))
         if done is not None:
-            sims_out[qs - lo : qs - lo + len(done[0])], ids_out[qs - lo : qs - lo + len(done[0])] = done
+            (
+                sims_out[qs - lo : qs - lo + len(done[0])],
+                ids_out[qs - lo : qs - lo + len(done[0])],
+            ) = done
             found.append(qs)
     return found
 
