@@ -3,17 +3,18 @@ same state to the same filesystem; the training loop's stall per background save
 synchronous torch.save + fsync; restore with 2 ranks (one reader + broadcast) against every rank
 loading the file itself; and the time from a signal to the job exiting with a committed checkpoint.
 
-    python benchmarks/checkpoint.py                      # 25M parameters + AdamW state, in ./bench-ckpt
+    python benchmarks/checkpoint.py                 # 25M parameters + AdamW state, in ./bench-ckpt
     python benchmarks/checkpoint.py --params 100e6 --dir /shared/scratch/bench
-    python benchmarks/checkpoint.py --skip-signal        # no signal-to-exit run
+    python benchmarks/checkpoint.py --skip-signal   # no signal-to-exit run
     python benchmarks/checkpoint.py --only stall,restore --params 16.8e6   # the parts of issue 14
 
 Save and load are measured interleaved, repeat by repeat, in one run; the printed ratios are the
 claim. Two baselines for saving: torch.save alone (the data may still sit in the page cache when it
 returns) and torch.save followed by fsync (as durable as the store, which fsyncs every file, the
 manifest and the folder); both sides keep the newest two copies on disk, as the store does with
-``keep_last=2``, and every timed operation starts with ``os.sync()``. Loading is warm-cache for both sides, so the ratio shows the store's own
-work (reading into memory, the digest check, weights_only unpickling).
+``keep_last=2``, and every timed operation starts with ``os.sync()``. Loading is warm-cache for both
+sides, so the ratio shows the store's own work (reading into memory, the digest check, weights_only
+unpickling).
 """
 
 from __future__ import annotations
@@ -119,12 +120,14 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
             times["store.load"].append(timed(store_load, store))
     nparams = sum(t.numel() for t in model_sd.values())
     print(
-        f"\nsave/load, {nparams / 1e6:.1f}M parameters + AdamW state = {nbytes / 2**20:.0f} MiB, {repeats} repeats, in {root}"
+        f"\nsave/load, {nparams / 1e6:.1f}M parameters + AdamW state = {nbytes / 2**20:.0f} MiB, "
+        f"{repeats} repeats, in {root}"
     )
     print(f"  {'':18s} {'median':>8s} {'best':>8s}")
     for k, v in times.items():
         print(
-            f"  {k:18s} {statistics.median(v):7.3f}s {min(v):7.3f}s  ({nbytes / 2**20 / statistics.median(v):6.0f} MiB/s median)"
+            f"  {k:18s} {statistics.median(v):7.3f}s {min(v):7.3f}s  "
+            f"({nbytes / 2**20 / statistics.median(v):6.0f} MiB/s median)"
         )
     for label, a, b in (
         ("save, store / torch.save+fsync (same durability)", "store.save", "torch.save+fsync"),
@@ -132,8 +135,9 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
         ("load, store (digest verified) / torch.load", "store.load", "torch.load"),
     ):
         print(
-            f"  ratio {label:50s} median {statistics.median(times[a]) / statistics.median(times[b]):.2f}x, "
-            f"best {min(times[a]) / min(times[b]):.2f}x"
+            f"  ratio {label:50s} median "
+            f"{statistics.median(times[a]) / statistics.median(times[b]):.2f}x, best "
+            f"{min(times[a]) / min(times[b]):.2f}x"
         )
     return times
 
@@ -141,9 +145,9 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
 def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
     """The training loop's stall per background save (``checkpoint.async``): the time the save call
     blocks plus the time the next optimizer step waits for the snapshot, against a synchronous
-    torch.save + fsync of the same state, interleaved. On a CPU machine the snapshot is a memory copy
-    that runs beside the next forward/backward; the loop's slowdown while the writer works (the cores
-    it takes) is printed too."""
+    torch.save + fsync of the same state, interleaved. On a CPU machine the snapshot is a memory
+    copy that runs beside the next forward/backward; the loop's slowdown while the writer works (the
+    cores it takes) is printed too."""
     from clusterflow import config
     from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
     from clusterflow.checkpoint.train_state import TrainState
@@ -230,8 +234,8 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
         sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3
     )  # weights + 2 AdamW moments
     print(
-        f"\nstall per save, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters + AdamW state = "
-        f"{nbytes / 2**20:.0f} MiB, batch {batch}, {repeats} repeats, in {root}"
+        f"\nstall per save, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters + "
+        f"AdamW state = {nbytes / 2**20:.0f} MiB, batch {batch}, {repeats} repeats, in {root}"
     )
     for k, v in times.items():
         print(f"  {k:30s} median {statistics.median(v):7.3f}s  best {min(v):7.3f}s")
@@ -283,7 +287,8 @@ def _restore_rank(
 
 def bench_restore(root: str, params: int, repeats: int, cold: bool) -> None:
     """Restore with 2 ranks: one reader that verifies + a broadcast, against every rank calling
-    torch.load (unverified) or the store (verified: what every rank did before) on the same files."""
+    torch.load (unverified) or the store (verified: every rank reads and checks the files itself) on
+    the same files."""
     import torch.multiprocessing as mp
 
     model_sd, train_state = make_state(params)
@@ -308,14 +313,16 @@ def bench_restore(root: str, params: int, repeats: int, cold: bool) -> None:
             if r >= 0:
                 times[mode].append(slowest)
     print(
-        f"\nrestore with 2 ranks ({'cold' if cold else 'warm'} page cache), until the slowest rank holds the state, {repeats} repeats"
+        f"\nrestore with 2 ranks ({'cold' if cold else 'warm'} page cache), until the slowest rank "
+        f"holds the state, {repeats} repeats"
     )
     for k, v in times.items():
         print(f"  {k:30s} median {statistics.median(v):7.3f}s  best {min(v):7.3f}s")
     base = statistics.median(times["torch.load on every rank"])
     print(
-        f"  ratio one reader + broadcast / torch.load on every rank: median {statistics.median(times[modes[2]]) / base:.2f}x; "
-        f"files read: 1 time instead of 2 (one per rank)"
+        "  ratio one reader + broadcast / torch.load on every rank: median "
+        f"{statistics.median(times[modes[2]]) / base:.2f}x; files read: 1 time instead of 2 (one "
+        "per rank)"
     )
 
 
@@ -386,9 +393,9 @@ def bench_signal(root: str, hidden: int, world: int) -> None:
     ]  # the stop's synchronous save
     size = sum(i["size"] for i in ck.manifest["files"].values()) if ck else 0
     print(
-        f"\nsignal to exit, {world} ranks, hidden={hidden} ({size / 2**20:.1f} MiB checkpoint): {seconds:.2f} s, "
-        f"exit codes {codes}, stop checkpoint step {ck.step if ck else None} committed: {committed}, "
-        f"its save took {save_s[-1] if save_s else float('nan'):.2f} s"
+        f"\nsignal to exit, {world} ranks, hidden={hidden} ({size / 2**20:.1f} MiB checkpoint): "
+        f"{seconds:.2f} s, exit codes {codes}, stop checkpoint step {ck.step if ck else None} "
+        f"committed: {committed}, its save took {save_s[-1] if save_s else float('nan'):.2f} s"
     )
 
 

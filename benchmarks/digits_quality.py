@@ -77,14 +77,15 @@ def main() -> int:
     status = rundir.read_json(rundir.path(args.run_dir, "status.json"), {}) or {}
     classes = len(np.unique(truth))
     print(
-        f"{len(truth)} images, {classes} classes; mining k={m.k}, threshold={m.threshold}, max_cluster_size={m.max_cluster_size}\n"
+        f"{len(truth)} images, {classes} classes; mining k={m.k}, threshold={m.threshold}, "
+        f"max_cluster_size={m.max_cluster_size}\n"
     )
     print("| clustering | clusters | largest | NMI | ARI | pairwise F | BCubed F |")
     print("|---|---|---|---|---|---|---|")
     for r in status.get("mining", []):
         print(
-            f"| round after epoch {r['epoch']} | {r['num_clusters']} | {r['largest_cluster']} | {r['nmi']:.3f} | "
-            f"{r['ari']:.3f} | {r['pairwise_f']:.3f} | {r['bcubed_f']:.3f} |"
+            f"| round after epoch {r['epoch']} | {r['num_clusters']} | {r['largest_cluster']} | "
+            f"{r['nmi']:.3f} | {r['ari']:.3f} | {r['pairwise_f']:.3f} | {r['bcubed_f']:.3f} |"
         )
     final = rundir.path(args.run_dir, "model.pt")
     if os.path.exists(final):

@@ -1,7 +1,7 @@
 """Embedding benchmark: images per second of the mining stage's embed (``mining.embed_shard``)
 against a bare ``torch.no_grad()`` loop over the same DataLoader and model.
 
-    python benchmarks/embed.py                               # 2,000 generated 256x256 JPEGs -> 32 px
+    python benchmarks/embed.py   # 2,000 generated 256x256 JPEGs -> 32 px
     python benchmarks/embed.py --root data/digits --image-size 16 --channels 1
     python benchmarks/embed.py --workers 0 8 --backbone resnet18 --image-size 128   # a GPU node
 
@@ -112,7 +112,8 @@ def main() -> None:
             else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
         )
         print(
-            f"{len(ds)} images from {a.root} -> {a.image_size} px, {a.backbone} backbone, batch {a.batch}, {where}"
+            f"{len(ds)} images from {a.root} -> {a.image_size} px, {a.backbone} backbone, batch "
+            f"{a.batch}, {where}"
         )
         for w in a.workers:
             np.testing.assert_array_equal(
@@ -129,9 +130,12 @@ def main() -> None:
             rate = {k: len(ds) / min(v) for k, v in times.items()}
             med = {k: len(ds) / statistics.median(v) for k, v in times.items()}
             print(
-                f"workers {w}: embed_shard {rate['embed_shard']:.0f} img/s (median {med['embed_shard']:.0f}), bare loop "
-                f"{rate['bare loop']:.0f} img/s (median {med['bare loop']:.0f}); ratio best {rate['embed_shard'] / rate['bare loop']:.3f}x, "
-                f"median {med['embed_shard'] / med['bare loop']:.3f}x (load average {os.getloadavg()[0]:.2f})",
+                f"workers {w}: embed_shard {rate['embed_shard']:.0f} img/s (median "
+                f"{med['embed_shard']:.0f}), bare loop {rate['bare loop']:.0f} img/s (median "
+                f"{med['bare loop']:.0f}); ratio best "
+                f"{rate['embed_shard'] / rate['bare loop']:.3f}x, median "
+                f"{med['embed_shard'] / med['bare loop']:.3f}x (load average "
+                f"{os.getloadavg()[0]:.2f})",
                 flush=True,
             )
     finally:

@@ -1,6 +1,6 @@
 """Heartbeat + watchdog benchmark: what per-rank observability costs a training step.
 
-    python benchmarks/heartbeat.py                         # small MLP steps on CPU, heartbeat every 0.5 s
+    python benchmarks/heartbeat.py   # small MLP steps on CPU, heartbeat every 0.5 s
     python benchmarks/heartbeat.py --width 2048 --every 0.1 --dir /shared/nfs/scratch
 
 Two loops over the same model and batches, interleaved repeat by repeat in one run: a plain step,
@@ -81,10 +81,12 @@ def main() -> None:
     beat_ns = (time.perf_counter() - t0) / n * 1e9
     p_med, o_med = statistics.median(plain), statistics.median(observed)
     print(
-        f"step time, plain:             {p_med / a.steps * 1e3:.3f} ms (median of {a.repeats} x {a.steps} steps)"
+        f"step time, plain:             {p_med / a.steps * 1e3:.3f} ms (median of {a.repeats} x "
+        f"{a.steps} steps)"
     )
     print(
-        f"step time, heartbeat+watchdog: {o_med / a.steps * 1e3:.3f} ms (writer every {a.every} s into {run_dir})"
+        f"step time, heartbeat+watchdog: {o_med / a.steps * 1e3:.3f} ms (writer every {a.every} s "
+        f"into {run_dir})"
     )
     print(f"ratio observed/plain: {o_med / p_med:.4f}  ({(o_med / p_med - 1) * 100:+.2f} %)")
     print(f"hb.beat() alone: {beat_ns:.0f} ns per call")

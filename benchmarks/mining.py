@@ -1,8 +1,8 @@
-"""Mining benchmark: phases of mutual_knn_clusters, and its cost relative to a raw FAISS flat search.
+"""Mining benchmark: phases of mutual_knn_clusters, and its cost against a raw FAISS flat search.
 
-    python benchmarks/mining.py                 # 200k x 128, k=20
+    python benchmarks/mining.py                     # 200k x 128, k=20
     python benchmarks/mining.py --n 1200000 --d 512
-    python benchmarks/mining.py --n 50000 --embed   # also embedding throughput with 1 and 2 gloo ranks
+    python benchmarks/mining.py --n 50000 --embed   # also embedding throughput, 1 and 2 gloo ranks
 
 Everything is measured side by side in one run on the same data; the printed ratios are the claim.
 """
@@ -99,7 +99,8 @@ def main() -> None:
     t_ours = time.perf_counter() - t0
     print(f"raw faiss flat search (normalise + add + search k+1): {t_raw:8.2f} s")
     print(
-        f"mutual_knn_clusters (faiss flat):                     {t_ours:8.2f} s   ratio {t_ours / t_raw:.3f}x"
+        f"mutual_knn_clusters (faiss flat):                     {t_ours:8.2f} s   ratio "
+        f"{t_ours / t_raw:.3f}x"
     )
     for k in ("normalize", "index", "search", "cluster"):
         print(f"   {k:10s} {timings[k]:8.3f} s")
@@ -108,7 +109,8 @@ def main() -> None:
     mutual_knn_clusters(x, a.k, a.threshold, engine="torch")
     t_torch = time.perf_counter() - t0
     print(
-        f"mutual_knn_clusters (exact torch engine):             {t_torch:8.2f} s   ratio {t_torch / t_raw:.3f}x"
+        f"mutual_knn_clusters (exact torch engine):             {t_torch:8.2f} s   ratio "
+        f"{t_torch / t_raw:.3f}x"
     )
     from sklearn.neighbors import NearestNeighbors
 
@@ -119,12 +121,14 @@ def main() -> None:
     t_sk = time.perf_counter() - t0
     t_raw_m = raw_faiss(x[:m], a.k)
     print(
-        f"naive baseline, scikit-learn brute on {m} rows:       {t_sk:8.2f} s   vs raw faiss on the same rows {t_raw_m:.2f} s ({t_sk / t_raw_m:.1f}x)"
+        f"naive baseline, scikit-learn brute on {m} rows:       {t_sk:8.2f} s   vs raw faiss on "
+        f"the same rows {t_raw_m:.2f} s ({t_sk / t_raw_m:.1f}x)"
     )
     if a.embed:
         for w in (1, 2):
             print(
-                f"embedding throughput, {w} rank(s): {embed_throughput(min(a.n, 100_000), w):,.0f} samples/s"
+                f"embedding throughput, {w} rank(s): {embed_throughput(min(a.n, 100_000), w):,.0f} "
+                "samples/s"
             )
 
 

@@ -1,15 +1,17 @@
 """Mining methods side by side: mutual k-NN at a fixed threshold, at the best fixed threshold (an
-oracle that reads the labels), at threshold="auto", FINCH (every level; the chosen one marked), k-means with the true k,
-and Louvain (networkx) as a reference; NMI, ARI and cluster counts on the same k-NN lists.
+oracle that reads the labels), at threshold="auto", FINCH (every level; the chosen one marked),
+k-means with the true k, and Louvain (networkx) as a reference; NMI, ARI and cluster counts on the
+same k-NN lists.
 
-    python benchmarks/mining_methods.py                       # digits (k=10) and demo-like identities
-    python benchmarks/mining_methods.py --curve               # also the digits' per-threshold curve
-    python benchmarks/mining_methods.py --k-sweep             # also the digits across k
-    python benchmarks/mining_methods.py --demo-run RUN_DIR/checkpoints/step-31 ...   # a demo model's embeddings
-    python benchmarks/mining_methods.py --timing              # 200k x 128, k=20: curve and FINCH vs the search
+    python benchmarks/mining_methods.py             # digits (k=10) and demo-like identities
+    python benchmarks/mining_methods.py --curve     # also the digits' per-threshold curve
+    python benchmarks/mining_methods.py --k-sweep   # also the digits across k
+    python benchmarks/mining_methods.py --demo-run PATH ...   # a demo model's embeddings
+    python benchmarks/mining_methods.py --timing    # 200k x 128, k=20: curve, FINCH vs the search
 
 Demo embeddings: `python -m clusterflow.submit configs/demo.yaml --local run.dir=/tmp/demo18
-checkpoint.keep_last=20`, then pass the checkpoints at the epoch ends (step-31, -62, -93, -124).
+checkpoint.keep_last=20`, then pass the checkpoints at the epoch ends as PATH
+(RUN_DIR/checkpoints/step-31, -62, -93, -124).
 """
 
 from __future__ import annotations
@@ -52,7 +54,8 @@ def identities(nuisance_scale: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 def demo_embeddings(path: str) -> tuple[np.ndarray, np.ndarray]:
-    """Embed the demo's data with a saved model: PATH is a run dir (model.pt) or a checkpoint dir."""
+    """Embed the demo's data with a saved model: PATH is a run dir (model.pt) or a checkpoint
+    dir."""
     import torch
     import yaml
 
@@ -76,7 +79,10 @@ def demo_embeddings(path: str) -> tuple[np.ndarray, np.ndarray]:
 def row(name: str, labels: np.ndarray, truth: np.ndarray, note: str = "") -> str:
     sizes = np.bincount(labels)
     q = quality(labels, truth)
-    return f"| {name} | {len(sizes)} | {sizes.max()} | {(sizes == 1).sum()} | {q['nmi']:.3f} | {q['ari']:.3f} | {note} |"
+    return (
+        f"| {name} | {len(sizes)} | {sizes.max()} | {(sizes == 1).sum()} | {q['nmi']:.3f} | "
+        f"{q['ari']:.3f} | {note} |"
+    )
 
 
 def louvain(graph: MutualGraph) -> np.ndarray:
@@ -100,7 +106,8 @@ def table(name: str, x_raw: np.ndarray, truth: np.ndarray, k: int, fixed: float)
     sims, ids = faiss_search(x, k)
     graph = mutual_graph(sims, ids)
     curve = curves.threshold_curve(sims, ids, truth=truth, graph=graph)
-    at = lambda t: clusters_from_graph(mutual_edges(sims, ids, t))  # noqa: E731 - today's definition
+    # one fixed threshold, as mutual_knn_clusters clusters
+    at = lambda t: clusters_from_graph(mutual_edges(sims, ids, t))  # noqa: E731
     best = float(curve.thresholds[int(np.argmax(curve.nmi))])
     auto = curve.auto()
     out = [
@@ -134,22 +141,26 @@ def print_curve(x_raw: np.ndarray, truth: np.ndarray, k: int, every: int) -> Non
     auto = curve.auto()
     print(f"\nper-threshold curve, k={k} (every {every}th grid point, and the auto one)\n")
     print(
-        "| threshold | clusters | singletons | largest | mutual edges | modularity | NMI | ARI |\n|---|---|---|---|---|---|---|---|"
+        "| threshold | clusters | singletons | largest | mutual edges | modularity | NMI | ARI |\n"
+        "|---|---|---|---|---|---|---|---|"
     )
     for i, t in enumerate(curve.thresholds):
         if i % every == 0 or t == auto:
             r = curve.row(t)
             mark = " (auto)" if t == auto else ""
             print(
-                f"| {t:.4f}{mark} | {r['num_clusters']} | {r['num_singletons']} | {r['largest_cluster']} | {r['mutual_edges']} | "
-                f"{r['modularity']:.3f} | {r['nmi']:.3f} | {r['ari']:.3f} |"
+                f"| {t:.4f}{mark} | {r['num_clusters']} | {r['num_singletons']} | "
+                f"{r['largest_cluster']} | {r['mutual_edges']} | {r['modularity']:.3f} | "
+                f"{r['nmi']:.3f} | {r['ari']:.3f} |"
             )
 
 
 def k_sweep(x_raw: np.ndarray, truth: np.ndarray, fixed: float) -> None:
     """NMI at the fixed threshold, at auto and at the best grid threshold (oracle), across k."""
     print(
-        f"\ndigits across k\n\n| k | NMI at {fixed} | auto threshold | NMI auto | oracle threshold | NMI oracle |\n|---|---|---|---|---|---|"
+        f"\ndigits across k\n\n"
+        f"| k | NMI at {fixed} | auto threshold | NMI auto | oracle threshold | NMI oracle |\n"
+        "|---|---|---|---|---|---|"
     )
     x = normalize(x_raw)
     for k in (5, 8, 10, 12, 15, 20):
@@ -158,7 +169,8 @@ def k_sweep(x_raw: np.ndarray, truth: np.ndarray, fixed: float) -> None:
         auto, best = int(np.argmax(curve.modularity)), int(np.argmax(curve.nmi))
         at = quality(clusters_from_graph(mutual_edges(sims, ids, fixed)), truth)["nmi"]
         print(
-            f"| {k} | {at:.3f} | {curve.thresholds[auto]:.4f} | {curve.nmi[auto]:.3f} | {curve.thresholds[best]:.4f} | {curve.nmi[best]:.3f} |"
+            f"| {k} | {at:.3f} | {curve.thresholds[auto]:.4f} | {curve.nmi[auto]:.3f} | "
+            f"{curve.thresholds[best]:.4f} | {curve.nmi[best]:.3f} |"
         )
 
 
@@ -197,32 +209,42 @@ def timing(n: int, d: int, k: int) -> None:
     )
     t_finch = time.perf_counter() - t0
     print(
-        f"N={n} d={d} k={k} cores={os.cpu_count()}, {len(graph.w)} mutual edges, {len(curve.thresholds)} thresholds"
+        f"N={n} d={d} k={k} cores={os.cpu_count()}, {len(graph.w)} mutual edges, "
+        f"{len(curve.thresholds)} thresholds"
     )
     print(f"faiss flat search (k nearest others):          {t_search:8.2f} s")
     print(
-        f"today's mutual filter + components (one t):     {t_today:8.2f} s   {t_today / t_search:.4f} of the search"
+        f"today's mutual filter + components (one t):     {t_today:8.2f} s   "
+        f"{t_today / t_search:.4f} of the search"
     )
     print(
-        f"mutual graph (sorted edges):                    {t_graph:8.2f} s   {t_graph / t_search:.4f} of the search"
+        f"mutual graph (sorted edges):                    {t_graph:8.2f} s   "
+        f"{t_graph / t_search:.4f} of the search"
     )
     print(
-        f"curve over the grid (modularity, no labels):    {t_curve:8.2f} s   {t_curve / t_search:.4f} of the search"
+        f"curve over the grid (modularity, no labels):    {t_curve:8.2f} s   "
+        f"{t_curve / t_search:.4f} of the search"
     )
     print(
-        f"the same with NMI/ARI at every grid point:      {t_truth:8.2f} s   {t_truth / t_search:.4f} of the search"
+        f"the same with NMI/ARI at every grid point:      {t_truth:8.2f} s   "
+        f"{t_truth / t_search:.4f} of the search"
     )
     print(
-        f"cluster counts at all {len(merges)} merges (MST):   {t_merges:8.2f} s   {t_merges / t_search:.4f} of the search"
+        f"cluster counts at all {len(merges)} merges (MST):   {t_merges:8.2f} s   "
+        f"{t_merges / t_search:.4f} of the search"
     )
     print(
-        f"auto threshold {curve.auto()}: NMI {with_truth.nmi[np.argmax(with_truth.modularity)]:.3f}, best on the grid {with_truth.nmi.max():.3f}"
+        f"auto threshold {curve.auto()}: NMI "
+        f"{with_truth.nmi[np.argmax(with_truth.modularity)]:.3f}, best on the grid "
+        f"{with_truth.nmi.max():.3f}"
     )
     print(
-        f"FINCH, levels of {info['num_clusters']} clusters, level {info['level']} chosen by silhouette:"
+        f"FINCH, levels of {info['num_clusters']} clusters, level {info['level']} chosen by "
+        "silhouette:"
     )
     print(
-        f"   searches over the means + the choice:        {t_finch:8.2f} s   {t_finch / t_search:.4f} of the search"
+        f"   searches over the means + the choice:        {t_finch:8.2f} s   "
+        f"{t_finch / t_search:.4f} of the search"
     )
     keep_files(x, sims, ids, t_search)
 
@@ -253,13 +275,16 @@ def keep_files(x: np.ndarray, sims: np.ndarray, ids: np.ndarray, t_search: float
         t_read = time.perf_counter() - t0
     mb = (x.nbytes + sims.nbytes + ids.nbytes) / 2**20
     print(
-        f"mining.resume, {mb:.0f} MB: embeddings kept   {t_shard:8.2f} s   {t_shard / t_search:.4f} of the search"
+        f"mining.resume, {mb:.0f} MB: embeddings kept   {t_shard:8.2f} s   "
+        f"{t_shard / t_search:.4f} of the search"
     )
     print(
-        f"   every query block kept (one batch):          {t_blocks:8.2f} s   {t_blocks / t_search:.4f} of the search"
+        f"   every query block kept (one batch):          {t_blocks:8.2f} s   "
+        f"{t_blocks / t_search:.4f} of the search"
     )
     print(
-        f"   both read back and verified (a resume):      {t_read:8.2f} s   {t_read / t_search:.4f} of the search"
+        f"   both read back and verified (a resume):      {t_read:8.2f} s   "
+        f"{t_read / t_search:.4f} of the search"
     )
 
 

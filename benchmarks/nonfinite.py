@@ -5,9 +5,10 @@
 
 Three loops over the same model, batches and AdamW, interleaved repeat by repeat in one run:
 
-- plain: forward, backward, optimizer step (what the trainer did before the guard);
+- plain: forward, backward, optimizer step (the trainer's step without the guard);
 - fail (the default policy): plus ``FiniteGuard.observe`` on every step (two tiny device ops, no
-  host read) and ``check`` every ``--log-every`` steps (one host read), as the trainer does at log steps;
+  host read) and ``check`` every ``--log-every`` steps (one host read), as the trainer does at log
+  steps;
 - skip_step: plus ``FiniteGuard.step_ok`` before every optimizer step (the gradients' finiteness,
   one host read per step).
 
@@ -94,13 +95,15 @@ def main() -> None:
             times[policy].append(run(policy, model, opt, data, device, args.steps, args.log_every))
     params = sum(t.numel() for t in model.parameters())
     print(
-        f"{device}, {params / 1e6:.1f}M parameters, batch {args.batch}, {args.steps} steps x {args.repeats} repeats"
+        f"{device}, {params / 1e6:.1f}M parameters, batch {args.batch}, {args.steps} steps x "
+        f"{args.repeats} repeats"
     )
     base = statistics.median(times["plain"])
     for policy in policies:
         med, best = statistics.median(times[policy]), min(times[policy])
         print(
-            f"{policy:10s} median {med * 1e3:8.3f} ms/step  best {best * 1e3:8.3f}  ratio vs plain {med / base:.3f}x"
+            f"{policy:10s} median {med * 1e3:8.3f} ms/step  best {best * 1e3:8.3f}  ratio vs plain "
+            f"{med / base:.3f}x"
         )
 
 

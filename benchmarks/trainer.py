@@ -9,17 +9,17 @@ pseudo-ID demo, ``--identities`` identities x 20 samples, global batch 128): clu
 DistributedDataParallel + DistributedSampler + DataLoader + AdamW around ``PseudoIDTask.loss``,
 nothing else: no logging, no checkpoints, no stop agreement). Each runs 1 + E epochs and rank 0
 notes the time at which every epoch starts and the last one ends (for clusterflow, by wrapping
-``Trainer._train_epoch`` and ``Trainer._end_of_epoch`` with a clock read, nothing else); the time
-of each of epochs 2 to 1 + E is a marginal epoch time, so start-up (imports, rendezvous, building
-the data, the first epoch's warm-up) is left out. Repeats are interleaved and alternate the order of the sides; the
-best epoch of each side is the claim (the least disturbed by whatever else runs on the machine:
-on a shared machine a burst of someone else's work lands in one epoch, not in all of them), the
-best run (mean of its E epochs) and the medians are printed beside it, and the load average
+``Trainer._train_epoch`` and ``Trainer._end_of_epoch`` with a clock read, nothing else); the time of
+each of epochs 2 to 1 + E is a marginal epoch time, so start-up (imports, rendezvous, building the
+data, the first epoch's warm-up) is left out. Repeats are interleaved and alternate the order of the
+sides; the best epoch of each side is the claim (the least disturbed by whatever else runs on the
+machine: on a shared machine a burst of someone else's work lands in one epoch, not in all of them),
+the best run (mean of its E epochs) and the medians are printed beside it, and the load average
 before each run shows how busy the machine was.
 
 ``--heartbeats`` adds a third side, clusterflow with heartbeats and the stall watchdog off (the
-clusterflow side runs them every ``--heartbeat-s`` seconds): "ratio clusterflow / no-heartbeat" is what
-they cost a step.
+clusterflow side runs them every ``--heartbeat-s`` seconds): "ratio clusterflow / no-heartbeat" is
+what they cost a step.
 
 clusterflow's figure includes its end-of-epoch checkpoint (the state must be saved somewhere),
 written with ``checkpoint.fsync=false``, and no step checkpoints (``checkpoint.every_steps``
@@ -120,7 +120,8 @@ def clusterflow_rank(argv: list[str]) -> None:
 
 
 def torchrun(nproc: int, args: list[str]) -> list[float]:
-    """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES line)."""
+    """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES
+    line)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     env["PYTHONPATH"] = REPO
     cmd = [
@@ -146,7 +147,8 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
 def clusterflow_run(
     a: argparse.Namespace, epochs: int, root: str, fsync: bool = False, heartbeats: bool = True
 ) -> tuple[list[float], list[float]]:
-    """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh clusterflow run."""
+    """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh
+    clusterflow run."""
     from clusterflow.observe.metrics import read_metrics
 
     run_dir = tempfile.mkdtemp(prefix=f"cf-{epochs}-", dir=root)
@@ -207,8 +209,8 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float
                 seconds = bare_run(a, 1 + a.epochs)
             marginal[side].append(seconds)
             print(
-                f"  repeat {r + 1} {side:11s} epochs {' '.join(f'{t:.3f}' for t in seconds)} s, mean "
-                f"{statistics.mean(seconds):.3f} (load average before: {load:.2f})",
+                f"  repeat {r + 1} {side:11s} epochs {' '.join(f'{t:.3f}' for t in seconds)} s, "
+                f"mean {statistics.mean(seconds):.3f} (load average before: {load:.2f})",
                 flush=True,
             )
     return marginal, saves
@@ -221,15 +223,16 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
         means = [statistics.mean(run) for run in runs]
         best[side] = {"epoch": min(epochs), "run": min(means), "median": statistics.median(epochs)}
         print(
-            f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best run {min(means):.3f} s/epoch, "
-            f"median epoch {statistics.median(epochs):.3f} s, spread {min(epochs):.3f}-{max(epochs):.3f}"
+            f"{side:11s} best epoch {min(epochs):.3f} s ({steps / min(epochs):.1f} steps/s), best "
+            f"run {min(means):.3f} s/epoch, median epoch {statistics.median(epochs):.3f} s, spread "
+            f"{min(epochs):.3f}-{max(epochs):.3f}"
         )
     cf = best["clusterflow"]
     for other in [side for side in best if side != "clusterflow"]:
         o = best[other]
         print(
-            f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run {cf['run'] / o['run']:.3f}x, "
-            f"median epoch {cf['median'] / o['median']:.3f}x"
+            f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run "
+            f"{cf['run'] / o['run']:.3f}x, median epoch {cf['median'] / o['median']:.3f}x"
         )
 
 
@@ -295,7 +298,8 @@ def main() -> None:
         else f"CPU, {os.cpu_count()} cores"
     )
     print(
-        f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs 2-{1 + a.epochs}, {a.repeats} repeats"
+        f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs "
+        f"2-{1 + a.epochs}, {a.repeats} repeats"
     )
     root = tempfile.mkdtemp(prefix="bench-trainer-")
     try:
@@ -308,16 +312,17 @@ def main() -> None:
         per_step = min(t for run in marginal["clusterflow"] for t in run) / steps
         tick = tick_cost_s()
         print(
-            f"the loop's own heartbeat call: {tick * 1e6:.2f} us per step, {100 * tick / per_step:.4f}% of the best "
-            f"epoch's {per_step * 1e3:.2f} ms step"
+            f"the loop's own heartbeat call: {tick * 1e6:.2f} us per step, "
+            f"{100 * tick / per_step:.4f}% of the best epoch's {per_step * 1e3:.2f} ms step"
         )
     print(
-        f"end-of-epoch save (in clusterflow's epochs), fsync off: median {statistics.median(saves):.3f} s of {len(saves)}"
+        "end-of-epoch save (in clusterflow's epochs), fsync off: median "
+        f"{statistics.median(saves):.3f} s of {len(saves)}"
     )
     if fsynced:
         print(
-            f"the same save with fsync on (not in the figure): median {statistics.median(fsynced):.3f} s, "
-            f"max {max(fsynced):.3f} s of {len(fsynced)}"
+            "the same save with fsync on (not in the figure): median "
+            f"{statistics.median(fsynced):.3f} s, max {max(fsynced):.3f} s of {len(fsynced)}"
         )
 
 

@@ -3,8 +3,8 @@
 Anything a user can get wrong (a YAML typo, an impossible resource request, a bad
 environment) raises :class:`UserError`. The command-line entry points catch it, print
 the message and exit with status 2, so a tired researcher sees a sentence, not a traceback.
-A job that fails while running exits 1 (see ``failure.py`` for what it prints). A command whose
-reader goes away early (``python -m clusterflow.status RUN_DIR | head -1``) stops quietly.
+A job that fails while running exits 1 (see ``job/failure.py`` for what it prints). A command
+whose reader goes away early (``python -m clusterflow.status RUN_DIR | head -1``) stops quietly.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``python -m clusterflow.submit``: login node: submit a run, a sweep or a stage (to Slurm, or --local).
+"""``python -m clusterflow.submit``: on the login node, submit a run, a sweep or a stage (to
+Slurm, or ``--local``).
 
 The command lives in ``clusterflow.launch.submit``; this module only makes it runnable with ``-m``.
 """

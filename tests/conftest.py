@@ -101,7 +101,8 @@ def cluster():
 
 @pytest.fixture(scope="session")
 def reference_run(cluster, tmp_path_factory):
-    """An uninterrupted run of configs/tiny.yaml on two nodes: what every resume must reproduce bitwise."""
+    """An uninterrupted run of configs/tiny.yaml on two nodes: what every resume must reproduce
+    bitwise."""
     from slurmjobs import submit
 
     d = str(tmp_path_factory.mktemp("reference") / "run")

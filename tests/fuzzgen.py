@@ -217,7 +217,8 @@ class Gen:
         return self.pick(self.pick(pools))
 
     def fitting(self, section, key):
-        """A value of the key's type, in some notation: most pass the type check, some a range check."""
+        """A value of the key's type, in some notation: most pass the type check, some a range
+        check."""
         tp = _field_types(SECTIONS[section]).get(key) if section in SECTIONS else None
         name = getattr(tp, "__name__", str(tp))
         pool = VALID.get(name) or VALID["str"]
@@ -327,7 +328,8 @@ class Gen:
                 return f"task.target={self.pick(TARGETS)}"
             return f"task.params.{self.pick(PARAM_KEYS).strip()}={self.value()}"
         key = self.key(section).strip()
-        return f"{section}.{key}={self.fitting(section, key) if self.r.random() < 0.5 else self.value()}"
+        value = self.fitting(section, key) if self.r.random() < 0.5 else self.value()
+        return f"{section}.{key}={value}"
 
     def case(self):
         """(config file bytes, overrides)."""

@@ -1,4 +1,5 @@
-"""Launch `python -m clusterflow.run` as N local ranks (torchrun-style environment), like a user would."""
+"""Launch `python -m clusterflow.run` as N local ranks (torchrun-style environment), like a user
+would."""
 
 import os
 import signal

@@ -1,4 +1,5 @@
-"""Run a function on N real gloo processes (torch.multiprocessing), collecting each rank's result."""
+"""Run a function on N real gloo processes (torch.multiprocessing), collecting each rank's
+result."""
 
 import os
 import traceback

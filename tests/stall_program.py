@@ -5,7 +5,8 @@
 MODE: ``stall`` (sleeps forever in sleeping_in_loss at step 5), ``mining-wait`` (a wait longer than
 STALL_S inside the mining-wait allowance, then finishes), ``ranks`` (RANK/WORLD_SIZE/MASTER_* set:
 gloo all_reduce every step; rank 1 sleeps in sleeping_in_loss at step 3 while rank 0 waits in the
-all_reduce), ``embed`` (as ranks, but rank 1 hangs in embedding_batch during the mining embed phase).
+all_reduce), ``embed`` (as ranks, but rank 1 hangs in embedding_batch during the mining embed
+phase).
 """
 
 import os
@@ -85,7 +86,7 @@ def main():
                 ranks(run_dir, mode, hb, rank)
     except (
         Exception
-    ) as exc:  # what job.py does with a failed collective: record it, dump, fail the rank
+    ) as exc:  # what job/job.py does with a failed collective: record it, dump, fail the rank
         won = first_error.record(
             run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname()
         )

@@ -1,5 +1,5 @@
-"""Background saves on real processes: a kill while a background write is in flight, and a disk
-that fills up, each lose no committed step, and the run ends bitwise equal to an uninterrupted one."""
+"""Background saves on real processes: a kill while a background write is in flight, and a disk that
+fills up, each lose no committed step, and the run ends bitwise equal to an uninterrupted one."""
 
 import glob
 import hashlib
@@ -119,8 +119,8 @@ def test_a_full_disk_is_reported_and_loses_no_committed_step(tmp_path, monkeypat
         logs = rank0_log(d)
         # Step 8 is written in the background and fails: reported at once, the run goes on ...
         assert re.search(
-            rf"no space left on tmpfs \(mounted at {fs}\) writing checkpoint step 8 to {fs}/ck/step-8 \(it needs "
-            r"about .*; the committed steps are untouched",
+            rf"no space left on tmpfs \(mounted at {fs}\) writing checkpoint step 8 to "
+            rf"{fs}/ck/step-8 \(it needs about .*; the committed steps are untouched",
             logs,
         ), logs
         # ... and the next save (step 12) is its synchronous retry, which fails the job.

@@ -141,7 +141,10 @@ def test_login_node_import_is_light(cli):
     import subprocess
     import sys
 
-    code = "import sys, clusterflow.submit, clusterflow.status, clusterflow.config; print('torch' in sys.modules, 'faiss' in sys.modules)"
+    code = (
+        "import sys, clusterflow.submit, clusterflow.status, clusterflow.config; "
+        "print('torch' in sys.modules, 'faiss' in sys.modules)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.stdout.strip() == "False False", res.stderr
 

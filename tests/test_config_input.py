@@ -135,7 +135,8 @@ def test_seed_bound_is_the_rng_bound(tmp_path):
 
 
 def test_the_largest_seed_works_everywhere_it_is_used():
-    """run.seed < 2**32 is enough for every seed derived from it (state.py, sampler.py, the tasks)."""
+    """run.seed < 2**32 is enough for every seed derived from it (checkpoint/rng.py,
+    dist/sampler.py, the tasks)."""
     from clusterflow.checkpoint.rng import rank_seed, seed_everything
     from clusterflow.dist.sampler import epoch_permutation
     from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -313,7 +314,8 @@ def test_tabs_say_spaces(tmp_path):
     [
         (
             "- train\n- run\n",
-            "the top level must be a mapping of sections (run, cluster, dist, train, checkpoint, mining, task, data), got a list",
+            "the top level must be a mapping of sections (run, cluster, dist, train, checkpoint, "
+            "mining, task, data), got a list",
         ),
         ("hello\n", "got 'hello'"),
         ("0\n", "got 0"),
@@ -356,9 +358,9 @@ def test_dates_and_words_stay_strings_in_task_params():
 
 def test_non_utf8_override_is_refused():
     bad = os.fsdecode(b"train.lr=\xff")  # what Python makes of bytes from a non-UTF-8 terminal
-    assert (
-        refused(None, [bad])
-        == "override b'train.lr=\\xff' is not UTF-8 text; type it in a UTF-8 terminal (check the locale: LANG=C.UTF-8)"
+    assert refused(None, [bad]) == (
+        "override b'train.lr=\\xff' is not UTF-8 text; type it in a UTF-8 terminal (check the "
+        "locale: LANG=C.UTF-8)"
     )
     assert "is not UTF-8 text" in refused(None, [os.fsdecode(b"run.name=caf\xe9")])
 

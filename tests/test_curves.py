@@ -1,4 +1,5 @@
-"""Threshold curves and the automatic threshold (clusterflow.curves) against today's definition."""
+"""Threshold curves and the automatic threshold (clusterflow.mining.curves) against clustering at
+one fixed threshold, as mutual_knn_clusters does (``today``)."""
 
 import numpy as np
 import pytest
@@ -111,7 +112,8 @@ def brute_force(sims, ids, t):
         for j, s in zip(row.tolist(), sims[i].tolist()):
             if j >= 0 and j != i and s == s:
                 best[i][j] = max(best[i].get(j, -np.inf), s)
-    passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t  # noqa: E731 - compared as float32, like numpy
+    # compared as float32, like numpy
+    passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t  # noqa: E731
     edges = sorted(
         (i, j) for i in range(len(ids)) for j in best[i] if i < j and passes(i, j) and passes(j, i)
     )
@@ -288,11 +290,12 @@ def test_cluster_counts_at_every_breakpoint(data, k):
     ] == curve.num_clusters.tolist()
 
 
-# -- the one mutual-edge definition (clusterflow/mutual_graph.py) --------------------------------
+# -- the one mutual-edge definition (clusterflow/mining/mutual_graph.py) -------------------------
 
 
 def mutual_edges_before_issue_18(sims, ids, threshold):
-    """clustering.mutual_edges as it was: kept for the bitwise comparison below."""
+    """clustering.mutual_edges as a sparse matrix product, the implementation before issue 18: the
+    reference for the bitwise comparison below."""
     from scipy import sparse
 
     n, k = ids.shape
@@ -307,7 +310,8 @@ def mutual_edges_before_issue_18(sims, ids, threshold):
 
 def test_a_mutual_edge_of_similarity_zero_is_kept():
     """Two orthogonal rows are each other's only neighbour at similarity exactly 0.0: kept at
-    threshold 0 by the definition (the sparse multiply used to drop it: two clusters)."""
+    threshold 0 by the definition (the sparse multiply of mutual_edges_before_issue_18 drops it:
+    two clusters)."""
     x = np.array([[1, 0], [0, 1], [5, 5], [5, 5.001]], np.float32)
     assert mutual_knn_clusters(x[:2], 1, 0.0, engine="torch").tolist() == [0, 0]
     sims, ids = np.array([[0.0], [0.0], [0.5], [0.5]], np.float32), np.array([[1], [0], [3], [2]])
@@ -338,9 +342,9 @@ def test_a_neighbour_listed_twice_counts_once_with_its_best_similarity():
     [(blobs, 10, "faiss"), (blobs, 20, "torch"), (with_ties, 8, "faiss"), (digits, 10, "faiss")],
 )
 def test_every_other_result_is_bitwise_what_it_was(data, k, engine):
-    """Without zeros, repeats or self listings, the matrix (structure and values) is the one the
-    old implementation built, at every threshold: labels, edge counts and max_cluster_size's
-    splits (which read the values) are unchanged."""
+    """Without zeros, repeats or self listings, the matrix (structure and values) is the one
+    mutual_edges_before_issue_18 builds, at every threshold: labels, edge counts and
+    max_cluster_size's splits (which read the values) are the same."""
     x = normalize(data()[0])
     sims, ids = search(x, KnnParams(k=k, engine=engine))
     for t in (-1.0, 0.0, 0.3, 0.5, 0.6, 0.7, 0.8225, 0.9, np.float32(0.7), np.float64(0.7)):

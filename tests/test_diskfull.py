@@ -82,7 +82,8 @@ def test_run_on_a_disk_that_fills_up(small_disk):
         out.stderr.strip()
         .splitlines()[-1]
         .startswith(
-            f"error: no space left on tmpfs (mounted at {small_disk}) writing checkpoint step 4 to {ckpts}/step-4 (it needs about"
+            f"error: no space left on tmpfs (mounted at {small_disk}) writing checkpoint step 4 to "
+            f"{ckpts}/step-4 (it needs about"
         )
     )
     status = rundir.read_json(rundir.RunPaths(run_dir).status)

@@ -169,8 +169,8 @@ def test_slurm_limit_on_hosts_is_enforced_before_expanding():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "MemoryError" not in out.stderr, out.stderr[-2000:]
     assert (
-        "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over Slurm's limit "
-        "of 65536 hosts" in out.stderr
+        "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over "
+        "Slurm's limit of 65536 hosts" in out.stderr
     )
     assert len(parse_nodelist("n[1-65536]")) == 65536
     for text in ("n[0-65536]", "n[1-300]-[1-300]", "a[1-40000],b[1-40000]"):

@@ -130,7 +130,8 @@ def test_sparse_autoencoder_logs_per_step_metrics(tmp_path):
 
 
 def _classifier_eval(seed):
-    """Evaluate one fixed, partly trained classifier on this rank's shard; reduced over all ranks."""
+    """Evaluate one fixed, partly trained classifier on this rank's shard; reduced over all
+    ranks."""
     from clusterflow.tasks.classifier import ClassifierTask
     from clusterflow.train.evaluate import evaluate
 
@@ -176,7 +177,8 @@ def _sklearn_reference(seed):
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_eval_metrics_are_the_whole_eval_sets(world):
-    """35 eval samples over 3 ranks (12/12/11): the reduced accuracy and macro F1 equal sklearn's on all 35."""
+    """35 eval samples over 3 ranks (12/12/11): the reduced accuracy and macro F1 equal sklearn's on
+    all 35."""
     got = run_ranks(world, _classifier_eval, 5)
     assert all(g == got[0] for g in got)  # every rank reports the same numbers
     want = _sklearn_reference(5)

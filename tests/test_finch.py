@@ -1,4 +1,4 @@
-"""FINCH over our k-NN lists (clusterflow.finch) against a brute-force reference."""
+"""FINCH over our k-NN lists (clusterflow.mining.finch) against a brute-force reference."""
 
 import numpy as np
 import pytest

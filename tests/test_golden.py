@@ -23,7 +23,8 @@ def check(name, text):
             f.write(text)
     with open(path) as f:
         assert f.read() == text, (
-            f"{name} changed; if intended: CLUSTERFLOW_REGEN_GOLDEN=1 python -m pytest tests/test_golden.py"
+            f"{name} changed; if intended: CLUSTERFLOW_REGEN_GOLDEN=1 python -m pytest "
+            "tests/test_golden.py"
         )
 
 

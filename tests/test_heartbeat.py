@@ -1,4 +1,5 @@
-"""Per-rank heartbeats: the writer thread, the step time it derives, the reader's marks, real gloo ranks."""
+"""Per-rank heartbeats: the writer thread, the step time it derives, the reader's marks, real gloo
+ranks."""
 
 import json
 import os

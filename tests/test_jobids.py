@@ -18,7 +18,8 @@ from clusterflow.sweeps import sweep
     "env,target",
     [
         ({"SLURM_JOB_ID": "42"}, "42"),
-        # an array task: always A_T, never the array id alone (which requeues every task, Lightning #15022)
+        # an array task: always A_T, never the array id alone (which requeues every task,
+        # Lightning #15022)
         ({"SLURM_JOB_ID": "45", "SLURM_ARRAY_JOB_ID": "42", "SLURM_ARRAY_TASK_ID": "3"}, "42_3"),
         ({"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "42", "SLURM_ARRAY_TASK_ID": "7"}, "42_7"),
         ({"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "42", "SLURM_ARRAY_TASK_ID": "0"}, "42_0"),
@@ -69,7 +70,9 @@ def test_after_dependency():
     assert stages.after_dependency([("s1", None, "5")]) == "afterok:5"  # submitted, not started
     with pytest.raises(
         UserError,
-        match="--after s1: that run is failed, so a job waiting for it to complete would never start",
+        match=(
+            "--after s1: that run is failed, so a job waiting for it to complete would never start"
+        ),
     ):
         stages.after_dependency([("s1", "failed", "5")])
     with pytest.raises(UserError, match="--after s1: no Slurm job is known for that run"):

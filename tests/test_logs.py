@@ -1,4 +1,5 @@
-"""python -m clusterflow.logs: one rank's log across attempts, and following new attempts with -f."""
+"""python -m clusterflow.logs: one rank's log across attempts, and following new attempts
+with -f."""
 
 import io
 import json

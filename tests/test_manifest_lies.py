@@ -1,5 +1,6 @@
 """Every way a checkpoint can fail to load is 'damaged': skipped with a warning naming the folder
-and the reason, and the previous one is used; a skipped one leaves the model and states untouched."""
+and the reason, and the previous one is used; a skipped one leaves the model and states
+untouched."""
 
 import hashlib
 import json
@@ -44,7 +45,8 @@ def train_to(ck, model, opt, state, step):
 
 @pytest.fixture
 def run(tmp_path):
-    """A run dir with checkpoints at steps 4 and 8, and the weights and optimizer state of step 4."""
+    """A run dir with checkpoints at steps 4 and 8, and the weights and optimizer state of
+    step 4."""
     ck, model, opt, state = make(str(tmp_path))
     train_to(ck, model, opt, state, 4)
     at4 = (
@@ -67,7 +69,8 @@ def edit_manifest(tmp_path, fn):
 
 
 def replace_file(tmp_path, name, obj):
-    """Put ``obj`` in step-8/name with a manifest entry whose size and sha256 are right: only its content lies."""
+    """Put ``obj`` in step-8/name with a manifest entry whose size and sha256 are right: only its
+    content lies."""
     data = serialize(obj)
     (step8(tmp_path) / name).write_bytes(data)
     edit_manifest(

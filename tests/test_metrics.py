@@ -1,4 +1,5 @@
-"""metrics.jsonl read back as TensorBoard shows it: one value per (step, tag), the latest attempt's."""
+"""metrics.jsonl read back as TensorBoard shows it: one value per (step, tag), the latest
+attempt's."""
 
 import json
 import os
@@ -15,7 +16,8 @@ def test_read_metrics_drops_what_a_dead_attempt_logged_past_the_resume(tmp_path)
         # attempt 1 resumed from the checkpoint at step 4: it logs again from step 5
         {"step": 5, "attempt": 1, "purge_step": 5},
         *({"step": s, "attempt": 1, "train/loss": 20.0 + s} for s in (5, 6)),
-        # attempt 2 resumed from a stop checkpoint at step 6, taken before the end-of-epoch work, which it redoes
+        # attempt 2 resumed from a stop checkpoint at step 6, taken before the end-of-epoch work,
+        # which it redoes
         {"step": 6, "attempt": 2, "purge_step": 6},
         {"step": 6, "attempt": 2, "eval/acc": 0.9},
     ]

@@ -1,4 +1,4 @@
-"""Mining rounds that resume (clusterflow/mining_rounds.py): the files a round keeps, searches that
+"""Mining rounds that resume (clusterflow/mining/rounds.py): the files a round keeps, searches that
 continue from their finished query blocks, and real 2-rank runs signalled or killed in the middle
 of a round, which end with the labels, stats and weights of an uninterrupted run."""
 
@@ -76,7 +76,7 @@ def test_forget_rounds(tmp_path):
     assert forget_rounds(str(tmp_path / "mining"), 3) == []
 
 
-# -- searches that continue -------------------------------------------------------------------------
+# -- searches that continue ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("engine", ["faiss", "torch"])
@@ -138,7 +138,7 @@ def test_the_spread_search_continues_from_every_ranks_blocks(tmp_path):
     np.testing.assert_array_equal(got_s, want[0])
 
 
-# -- real runs: 2 ranks, signalled and killed in a round ---------------------------------------------
+# -- real runs: 2 ranks, signalled and killed in a round -------------------------------------------
 
 ROUND = [
     "cluster.tasks_per_node=2",

@@ -1,5 +1,5 @@
-"""A diverging loss stops the run naming the step; nothing non-finite is ever committed; the
-newest finite checkpoint survives; skip_step skips exactly the bad step; mining never runs on NaN."""
+"""A diverging loss stops the run naming the step; nothing non-finite is ever committed; the newest
+finite checkpoint survives; skip_step skips exactly the bad step; mining never runs on NaN."""
 
 import os
 
@@ -74,9 +74,9 @@ def test_submit_with_a_huge_lr_fails_naming_the_step(cli, tmp_path):
 
 
 def test_divergence_after_some_checkpoints_keeps_the_newest_finite_one(tmp_path):
-    """lr warms up to 1e10 / 60 per step: the loss turns NaN at step 10, after steps 4, 6 (epoch end,
-    mining) and 8 were committed. Before the fix the run 'completed' with NaN weights and keep_last
-    had pruned every finite checkpoint."""
+    """lr warms up to 1e10 / 60 per step: the loss turns NaN at step 10, after steps 4, 6 (epoch
+    end, mining) and 8 were committed. Without the check, the run would 'complete' with NaN weights
+    and keep_last would prune every finite checkpoint."""
     d = str(tmp_path / "run")
     over = [
         f"run.dir={d}",
@@ -167,8 +167,8 @@ def test_skip_step_skips_exactly_the_bad_step_on_every_rank(tmp_path):
     o3, o4 = (load(s, "train_state.pt")["optimizer"]["state"] for s in (3, 4))
     assert all(torch.equal(o3[i]["exp_avg"], o4[i]["exp_avg"]) for i in o3)
     assert (
-        "global step 4: non-finite loss or gradient; the optimizer step is skipped (1 in a row, 1 in all)"
-        in rank0_log(d)
+        "global step 4: non-finite loss or gradient; the optimizer step is skipped (1 in a row, 1 "
+        "in all)" in rank0_log(d)
     )
     assert all(
         torch.isfinite(t).all()
@@ -185,8 +185,8 @@ def test_skip_step_fails_after_too_many_skips_in_a_row(tmp_path):
     )
     assert codes == [1]
     assert (
-        "non-finite at 3 optimizer steps in a row, up to global step 6 (train.max_consecutive_skips=2)"
-        in status(d)["error"]
+        "non-finite at 3 optimizer steps in a row, up to global step 6 "
+        "(train.max_consecutive_skips=2)" in status(d)["error"]
     )
     assert steps(d) == [1, 2, 3, 4, 5]  # 4 and 5: skipped steps, weights of step 3
 

@@ -1,5 +1,5 @@
 """Heartbeats and the stall watchdog wired into real runs (submit --local, gloo), the status side
-(rank_status), and the config keys. The Slurm versions are in test_slurm_stall.py."""
+(manage/ranks.py), and the config keys. The Slurm versions are in test_slurm_stall.py."""
 
 import json
 import os
@@ -13,6 +13,7 @@ from clusterflow import rundir
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
 from clusterflow.manage import ranks as rank_status
+from clusterflow.manage import verdict
 from clusterflow.observe import phases
 from clusterflow.rundir import first_error
 
@@ -136,15 +137,18 @@ def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
     assert not first_error.record(
         str(tmp_path), 0, 0, "RuntimeError: Connection closed by peer", host="node1"
     )
-    out = {
-        "state": "failed",
-        "world_size": 2,
-        "job_id": "",
-        "error": "rank 0: RuntimeError: Connection closed by peer",
-    }
+    decided = verdict.decide(
+        verdict.Evidence(
+            recorded_state="failed",
+            recorded_error="rank 0: RuntimeError: Connection closed by peer",
+            attempts=1,
+            first_error=first_error.read(str(tmp_path), 0),
+        )
+    )
+    assert decided.error == "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)"
+    assert decided.stalled["rank"] == 1 and decided.stalled["host"] == "node2"
+    out = {"state": decided.state, "world_size": 2, "job_id": "", "error": decided.error}
     rank_status.extend(out, paths, last, None)
-    assert out["error"] == "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)"
-    assert out["stalled"]["rank"] == 1 and out["stalled"]["host"] == "node2"
     assert not any(r["silent"] for r in out["ranks"])  # a finished run's ranks are quiet by design
     assert out["ranks_summary"] is None
 
@@ -185,7 +189,8 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     assert "rank 1 (pid" in out.stderr and said and 5 <= int(said.group(1)) <= 15, out.stderr
     st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert st["state"] == "failed"
-    # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at submission
+    # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at
+    # submission
     assert st["error"].startswith("rank 1 on ") and re.search(
         r"stalled \d+ s at step 2 in train \(", st["error"]
     ), st["error"]

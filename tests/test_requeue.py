@@ -1,4 +1,5 @@
-"""The whole after-stop policy as a table, without a cluster (like submitit's test_requeuing_checkpointable)."""
+"""The whole after-stop policy as a table, without a cluster (like submitit's
+test_requeuing_checkpointable)."""
 
 import pytest
 

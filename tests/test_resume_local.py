@@ -51,8 +51,9 @@ def signalled_run(run_dir, signals, attempts, monkeypatch, task="Signals"):
 def test_stop_at_the_last_step_of_an_epoch_never_repeats_its_mining_round(
     uninterrupted, tmp_path, monkeypatch
 ):
-    """SIGTERM during the last step of epoch 1 commits step 6 before eval and mining; the next attempt
-    mines and commits step 6 again (after mining), then is killed; the third must not mine again."""
+    """SIGTERM during the last step of epoch 1 commits step 6 before eval and mining; the next
+    attempt mines and commits step 6 again (after mining), then is killed; the third must not mine
+    again."""
     d = str(tmp_path / "run")
     codes = signalled_run(d, "0:6:TERM,1:1:KILL", 3, monkeypatch)
     assert codes == [0, -9, 0], codes

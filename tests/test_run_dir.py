@@ -14,7 +14,8 @@ import launch
 import pytest
 from conftest import REPO, run_cli, weights_equal
 
-# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being written.
+# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being
+# written.
 TASK = ["task.target=testtasks:KillAtEnv", "checkpoint.async=false"]
 KILL10 = {
     "CLUSTERFLOW_TEST_KILL_AT": "10"
@@ -130,7 +131,7 @@ def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
     assert not os.path.exists(gone)
 
 
-# -- one job per run dir ----------------------------------------------------------------------------
+# -- one job per run dir ---------------------------------------------------------------------------
 
 
 def lease_record(run_dir):
@@ -215,7 +216,8 @@ def test_a_killed_holder_is_taken_over_with_a_warning(tmp_path, reference):
 
 
 def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
-    """A lease record of a holder on another machine, last renewed ``age_s`` ago by the storage's clock."""
+    """A lease record of a holder on another machine, last renewed ``age_s`` ago by the storage's
+    clock."""
     from clusterflow.rundir import lease
 
     os.makedirs(lease.folder(run_dir), exist_ok=True)
@@ -265,8 +267,8 @@ def test_a_stale_lease_is_taken_over_by_a_real_run(tmp_path, tiny_one_process_mo
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert re.search(
-        r"was held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*its lease was not renewed for "
-        r"5\d\d s \(more than 120 s\); taking it over",
+        r"was held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*its lease was not "
+        r"renewed for 5\d\d s \(more than 120 s\); taking it over",
         out.stderr,
     )
     assert weights_equal(os.path.join(d, "model.pt"), tiny_one_process_model)

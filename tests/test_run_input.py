@@ -31,7 +31,8 @@ TESTS_ENV = {"PYTHONPATH": os.path.join(REPO, "tests")}
 
 
 def both_refuse(args):
-    """`submit --dry-run` and `run --check` with ``args``: both exit 2 with one error line, which is returned."""
+    """`submit --dry-run` and `run --check` with ``args``: both exit 2 with one error line, which is
+    returned."""
     lines = []
     for main, extra in ((submit.main, ["--dry-run"]), (run.main, ["--check"])):
         code, out, err = call(main, [TINY_YAML, *TINY, *args, *extra])
@@ -47,9 +48,9 @@ def both_refuse(args):
 def test_run_dir_that_is_a_file_or_under_one(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    assert (
-        both_refuse([f"run.dir={f}"])
-        == f"error: run.dir = '{f}' is a file, not a directory; pick another path, or move the file away"
+    assert both_refuse([f"run.dir={f}"]) == (
+        f"error: run.dir = '{f}' is a file, not a directory; pick another path, or move the "
+        "file away"
     )
     assert f"lies under '{f}', which is a file" in both_refuse([f"run.dir={f}/sub/run"])
     assert "checkpoint.dir" in both_refuse([f"run.dir={tmp_path}/ok", f"checkpoint.dir={f}/ck"])
@@ -146,8 +147,9 @@ def test_batch_larger_than_the_dataset(tmp_path):
         ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "train.batch_size=64", "--check"],
     )
     assert code == 2 and one_error_line(err) == (
-        "error: train.batch_size = 64 is larger than the training set of testtasks:Tiny (16 samples), so an epoch has "
-        "no full batch; lower train.batch_size to at most 16 (a multiple of world size x grad_accum = 1)"
+        "error: train.batch_size = 64 is larger than the training set of testtasks:Tiny (16 "
+        "samples), so an epoch has no full batch; lower train.batch_size to at most 16 (a multiple "
+        "of world size x grad_accum = 1)"
     )
     assert not os.path.exists(tmp_path / "r")  # --check writes nothing
 
@@ -160,7 +162,8 @@ def test_batch_larger_than_the_dataset(tmp_path):
         (["task.target=.relative:Task"], "must look like package.module:ClassName"),
         (
             ["task.params.sise=3"],
-            "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its parameters: size, fail_in, hidden",
+            "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its "
+            "parameters: size, fail_in, hidden",
         ),
         (
             ["task.params.size=abc"],
@@ -215,8 +218,9 @@ def _task_module(tmp_path, name, body):
         (
             "needs_dep",
             "import nonexistent_pkg_cf\n",
-            "task.target 'needs_dep:T': importing needs_dep failed because the module it imports, 'nonexistent_pkg_cf', is not "
-            "installed; install it where the job runs (e.g. pip install nonexistent_pkg_cf)",
+            "task.target 'needs_dep:T': importing needs_dep failed because the module it imports, "
+            "'nonexistent_pkg_cf', is not installed; install it where the job runs (e.g. pip "
+            "install nonexistent_pkg_cf)",
             "import nonexistent_pkg_cf",
         ),
         (
@@ -322,7 +326,7 @@ def test_failed_first_start_does_not_block_the_fixed_resubmission(cli, tmp_path)
     )
     saved = rundir.read_json(rundir.RunPaths(str(d)).status)
     assert saved["state"] == "completed"
-    # Once a checkpoint is committed, a different config is refused as before.
+    # Once a checkpoint is committed, a different config is refused (the usual resume check).
     again = cli(
         "clusterflow.run",
         "configs/tiny.yaml",

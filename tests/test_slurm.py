@@ -1,4 +1,5 @@
-"""Against the real local two-node Slurm cluster (tests/slurm/cluster.sh): submit, template, crash."""
+"""Against the real local two-node Slurm cluster (tests/slurm/cluster.sh): submit, template,
+crash."""
 
 import os
 import subprocess

@@ -11,7 +11,8 @@ from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_until
 
 pytestmark = pytest.mark.slurm
-# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being written.
+# Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being
+# written.
 KILL_TASK = ("task.target=testtasks:KillAtEnv", "checkpoint.async=false")
 
 

@@ -1,4 +1,5 @@
-"""Why Slurm ended a job: sacct and scontrol text -> a verdict (table tests), and the real local cluster."""
+"""Why Slurm ended a job: sacct and scontrol text -> a verdict (table tests), and the real local
+cluster."""
 
 import os
 import subprocess
@@ -8,8 +9,9 @@ import pytest
 
 from clusterflow.slurm.outcome import Verdict, ask, parse_sacct, parse_scontrol
 
-# `sacct -j JOB -D -P -n --format=JobID,State,ExitCode,Reason,Start,End,NodeList`, in the shapes Slurm's
-# documentation and public reports show (job row, then .batch / .extern / numbered srun steps).
+# `sacct -j JOB -D -P -n --format=JobID,State,ExitCode,Reason,Start,End,NodeList`, in the shapes
+# Slurm's documentation and public reports show (job row, then .batch / .extern / numbered srun
+# steps).
 T0, T1 = "2026-03-01T10:00:00", "2026-03-01T11:00:00"
 OOM_ON_STEP = f"""\
 1234|FAILED|1:0|None|{T0}|{T1}|gpu[01-02]
@@ -137,16 +139,19 @@ def test_parse_sacct(text, state, code, sig, extra):
     [
         (
             OOM_ON_STEP,
-            "OUT_OF_MEMORY: step 1234.0 was killed for exceeding its host memory on gpu[01-02]; a CUDA "
-            "out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or lower data.num_workers",
+            "OUT_OF_MEMORY: step 1234.0 was killed for exceeding its host memory on gpu[01-02]; a "
+            "CUDA out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or "
+            "lower data.num_workers",
         ),
         (
             NODE_FAIL,
-            "NODE_FAIL: a node failed on gpu[01-02]; resubmit the same config to resume from the last checkpoint",
+            "NODE_FAIL: a node failed on gpu[01-02]; resubmit the same config to resume from the "
+            "last checkpoint",
         ),
         (
             TIMEOUT,
-            "TIMEOUT: the time limit was reached; raise cluster.time_min or resubmit to resume from the last checkpoint",
+            "TIMEOUT: the time limit was reached; raise cluster.time_min or resubmit to resume "
+            "from the last checkpoint",
         ),
         (CANCELLED_BY, "CANCELLED: cancelled by uid 1000 (scancel or an administrator)"),
         (
@@ -157,18 +162,20 @@ def test_parse_sacct(text, state, code, sig, extra):
         (FAILED_SIGNAL, "FAILED: killed by signal 9 (SIGKILL) on gpu01; see the rank logs"),
         (
             STALLED,
-            "FAILED: exit code 86: a rank's stall watchdog ended it, see errors/first.attempt*.json",
+            "FAILED: exit code 86: a rank's stall watchdog ended it, see "
+            "errors/first.attempt*.json",
         ),
         (COMPLETED, "COMPLETED: exit code 0"),
         (
             COMPLETED_STEP_SIGNALLED,
-            "COMPLETED: the job script exited 0, but step 239023.0 was killed by signal 10 (SIGUSR1)",
+            "COMPLETED: the job script exited 0, but step 239023.0 was killed by signal 10 "
+            "(SIGUSR1)",
         ),
         (
             REQUEUED_THEN_OOM,
             "OUT_OF_MEMORY: step 1234 was killed for exceeding its host memory on gpu03; a CUDA "
-            "out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or lower "
-            "data.num_workers (last of 3 attempts)",
+            "out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or "
+            "lower data.num_workers (last of 3 attempts)",
         ),
     ],
 )
@@ -190,12 +197,13 @@ def test_ended_and_to_dict():
 
 # `scontrol show job -o JOB` (22.05); Command= holds spaces and key=value words of its own.
 SCONTROL = (
-    "JobId=77 JobName=clusterflow UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 Nice=0 "
-    "Account=(null) QOS=(null) JobState={state} Reason={reason} Dependency=(null) Requeue=1 Restarts={restarts} "
-    "BatchFlag=1 Reboot=0 ExitCode={code} RunTime=00:00:29 TimeLimit=00:10:00 TimeMin=N/A "
-    "NodeList=node[1-2] BatchHost=node1 NumNodes=2 NumCPUs=2 NumTasks=2 "
-    "Command=/work/slurm_templates/train.sbatch configs/tiny.yaml run.dir=/tmp/x Reason=fake ExitCode=9:9 "
-    "WorkDir=/work StdErr=/tmp/x/slurm-77.out StdIn=/dev/null StdOut=/tmp/x/slurm-77.out Power=\n"
+    "JobId=77 JobName=clusterflow UserId=root(0) GroupId=root(0) MCS_label=N/A Priority=4294901759 "
+    "Nice=0 Account=(null) QOS=(null) JobState={state} Reason={reason} Dependency=(null) Requeue=1 "
+    "Restarts={restarts} BatchFlag=1 Reboot=0 ExitCode={code} RunTime=00:00:29 TimeLimit=00:10:00 "
+    "TimeMin=N/A NodeList=node[1-2] BatchHost=node1 NumNodes=2 NumCPUs=2 NumTasks=2 "
+    "Command=/work/slurm_templates/train.sbatch configs/tiny.yaml run.dir=/tmp/x Reason=fake "
+    "ExitCode=9:9 WorkDir=/work StdErr=/tmp/x/slurm-77.out StdIn=/dev/null "
+    "StdOut=/tmp/x/slurm-77.out Power=\n"
 )
 
 

@@ -29,7 +29,8 @@ HANG = (
     "task.params.step_sleep=0",
     "task.params.hang_at_step=12",
 )
-# Step 8 is an every_steps save, written in the background (step 12 follows a mining round: synchronous).
+# Step 8 is an every_steps save, written in the background (step 12 follows a mining round:
+# synchronous).
 HANG_BACKGROUND = (
     "task.target=testtasks:HangInSave",
     "task.params.step_sleep=0.2",
@@ -107,7 +108,8 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
 
 
 def killed_while_writing_step_12(run_dir):
-    """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process of the job."""
+    """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process
+    of the job."""
     job, _ = submit(run_dir, *HANG)
     ckpts = os.path.join(run_dir, "checkpoints")
     partial = wait_until(

@@ -32,7 +32,8 @@ def write(path, text):
 
 @pytest.fixture
 def repo(tmp_path, monkeypatch):
-    """A git repo holding package ``mytasks`` (committed), with an uncommitted edit and an untracked file."""
+    """A git repo holding package ``mytasks`` (committed), with an uncommitted edit and an untracked
+    file."""
     r = tmp_path / "repo"
     write(str(r / "mytasks" / "__init__.py"), "")
     write(str(r / "mytasks" / "task.py"), 'VALUE = "committed"\n')
@@ -91,14 +92,18 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
         "PYTHONPATH": repo
     }  # the original is importable, and first, unless the snapshot is activated
     probe = (
-        "import multiprocessing, os, subprocess, sys\nfrom clusterflow.rundir import frozen_code as snapshot\n{activate}"
-        "import mytasks.task, mytasks.helper\nprint(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
+        "import multiprocessing, os, subprocess, sys\n"
+        "from clusterflow.rundir import frozen_code as snapshot\n"
+        "{activate}"
+        "import mytasks.task, mytasks.helper\n"
+        "print(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
         # a spawned DataLoader worker gets the parent's sys.path
         "with multiprocessing.get_context('spawn').Pool(1) as pool:\n"
         "    print(pool.apply(eval, ('__import__(\"mytasks.task\").task.VALUE',)))\n"
         # any other child process gets PYTHONPATH (run elsewhere: Python puts the cwd first)
-        "print(subprocess.run([sys.executable, '-c', 'import mytasks.task; print(mytasks.task.VALUE)'], cwd='/',"
-        " capture_output=True, text=True).stdout.strip())\n"
+        "print(subprocess.run([sys.executable, '-c',"
+        " 'import mytasks.task; print(mytasks.task.VALUE)'],"
+        " cwd='/', capture_output=True, text=True).stdout.strip())\n"
     )
     plain = run_python(probe.format(activate=""), cwd=repo, env_extra=env).splitlines()
     assert plain[0].startswith(
@@ -117,7 +122,9 @@ def test_a_module_imported_before_activation_is_replaced(repo, tmp_path):
     snapshot.take(run_dir, "mytasks.task:Task")
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited"\n')
     out = run_python(
-        f"import mytasks.task\nfrom clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({run_dir!r})\n"
+        "import mytasks.task\n"
+        "from clusterflow.rundir import frozen_code as snapshot\n"
+        f"snapshot.activate({run_dir!r})\n"
         "import importlib, mytasks.task as t\nprint(t.VALUE)",
         cwd=repo,
         env_extra={"PYTHONPATH": repo},
@@ -131,7 +138,8 @@ def test_finding_the_package_imports_nothing(repo, tmp_path):
         "raise RuntimeError('imported at submission')\nimport torch\n",
     )
     code = (
-        f"import sys; sys.path.insert(0, {repo!r})\nfrom clusterflow.rundir import frozen_code as snapshot\n"
+        f"import sys; sys.path.insert(0, {repo!r})\n"
+        "from clusterflow.rundir import frozen_code as snapshot\n"
         f"m = snapshot.take({str(tmp_path / 'run')!r}, 'mytasks.task:Task')\n"
         "print(m['files'], 'torch' in sys.modules, 'mytasks' in sys.modules)"
     )
@@ -160,7 +168,9 @@ def test_a_moved_run_dir_still_activates(repo, tmp_path):
     moved = str(tmp_path / "moved")
     shutil.move(run_dir, moved)
     out = run_python(
-        f"from clusterflow.rundir import frozen_code as snapshot\nsnapshot.activate({moved!r})\nimport mytasks.task\nprint(mytasks.task.__file__)",
+        "from clusterflow.rundir import frozen_code as snapshot\n"
+        f"snapshot.activate({moved!r})\n"
+        "import mytasks.task\nprint(mytasks.task.__file__)",
         cwd=str(tmp_path),
     )
     assert out.startswith(moved)

@@ -1,5 +1,5 @@
-"""The snapshot behind background saves (clusterflow.staging): what it copies when, the optimizer
-gate, buffer reuse, and a torn snapshot refused rather than saved."""
+"""The snapshot behind background saves (clusterflow.checkpoint.staging): what it copies when, the
+optimizer gate, buffer reuse, and a torn snapshot refused rather than saved."""
 
 import copy
 import threading

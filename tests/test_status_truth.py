@@ -77,11 +77,13 @@ def test_damaged_records_neither_crash_status_nor_block_resume(
     tmp_path, damage, tiny_one_process_model
 ):
     d = str(tmp_path / "run")
+    # One process, as `python -m clusterflow.run` alone runs; saves are synchronous, so a kill at
+    # step 10 finds step 8 committed, never still being written.
     over = [
         f"run.dir={d}",
         "task.target=testtasks:KillAtEnv",
         "checkpoint.async=false",
-    ]  # a kill at step 10 finds step 8 committed, never still being written  # one process, as `python -m clusterflow.run` alone runs
+    ]
     assert (
         run_cli(
             "clusterflow.run", "configs/tiny.yaml", *over, env={"CLUSTERFLOW_TEST_KILL_AT": "10"}
@@ -106,7 +108,8 @@ def test_damaged_records_neither_crash_status_nor_block_resume(
 
 
 def rank_pid(run_dir, rank):
-    """The pid of a --local task of this run dir (its command line names the run dir's submitit folder)."""
+    """The pid of a --local task of this run dir (its command line names the run dir's submitit
+    folder)."""
     folder = os.path.join(run_dir, "logs", "submitit")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -148,7 +151,8 @@ def test_a_rank_killed_before_the_rendezvous_ends_the_local_job_at_once(tmp_path
     out, err = sub.communicate(timeout=300)
     assert sub.returncode == 1, out + err
     assert time.time() - t0 < 120  # not dist.timeout_s (600 s)
-    # The watcher may see rank 1 only after it is gone (its pid then unknown to it): both forms name it.
+    # The watcher may see rank 1 only after it is gone (its pid then unknown to it): both forms name
+    # it.
     expected = "died first, before the rendezvous: it recorded no Python error: killed by a signal"
     assert f"rank 1 (pid {pid}) {expected}" in err or f"rank 1 {expected}" in err, err
     s = status(d)

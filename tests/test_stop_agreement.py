@@ -29,7 +29,8 @@ def _polls(signals, polls=12, agree_at=None):
 
 
 def _cases(cases):
-    """Every case on the same ranks, one after the other (a fresh agreement each: new gloo groups)."""
+    """Every case on the same ranks, one after the other (a fresh agreement each: new gloo
+    groups)."""
     return [_polls(*case) for case in cases]
 
 

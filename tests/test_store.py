@@ -104,8 +104,9 @@ OLD_STORE = os.path.join(
 
 
 def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found(tmp_path):
-    """tests/data/sha256-store was written by the store as it was before BLAKE3: steps 4 and 6
-    committed, and a complete step 8 whose rename a kill cut short."""
+    """tests/data/sha256-store holds checkpoints of the sha256-digest format (the one before BLAKE3,
+    written by the store of 19ebe49): steps 4 and 6 committed, and a complete step 8 whose rename a
+    kill cut short."""
     import shutil
 
     root = tmp_path / "ck"

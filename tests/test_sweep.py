@@ -1,4 +1,5 @@
-"""Sweep expansion: --sweep parsing, the cartesian product, validation of every member, member names."""
+"""Sweep expansion: --sweep parsing, the cartesian product, validation of every member, member
+names."""
 
 import os
 import textwrap
@@ -102,7 +103,8 @@ def test_parse_refuses_what_cannot_be_one_sweep(args, overrides, needle):
 def test_expand_is_the_cartesian_product_in_a_stable_order(conf, tmp_path):
     sw = sweep.expand(conf, ["mining.threshold=0.6"], ["train.lr=0.001,1.0e-2", "mining.k=10,5"])
     assert sw.dir == str(tmp_path / "sw") and sw.keys == ["train.lr", "mining.k"]
-    # the first --sweep varies slowest; values are resolved like overrides (1.0e-2 is the number 0.01)
+    # the first --sweep varies slowest; values are resolved like overrides (1.0e-2 is the number
+    # 0.01)
     assert [m.values for m in sw.members] == [
         {"train.lr": 0.001, "mining.k": 10},
         {"train.lr": 0.001, "mining.k": 5},

@@ -1,4 +1,5 @@
-"""Real multi-process training: parity across world sizes, determinism, exact resume after a kill."""
+"""Real multi-process training: parity across world sizes, determinism, exact resume after a
+kill."""
 
 import json
 import os
@@ -110,8 +111,8 @@ def test_sigkill_mid_run_resumes_from_last_commit_exactly(reference, tmp_path):
 
 
 def test_persistent_workers_train_on_the_same_items_and_resume_exactly(reference, tmp_path):
-    """Workers kept across epochs fetch each epoch's augmentations (the demo's views change with
-    the epoch); two worker processes per rank, stopped by a signal and resumed, end bitwise equal."""
+    """Workers kept across epochs fetch each epoch's augmentations (the demo's views change with the
+    epoch); two worker processes per rank, stopped by a signal and resumed, end bitwise equal."""
     d = str(tmp_path / "persistent")
     over = [
         f"run.dir={d}",

@@ -45,6 +45,18 @@ TABLE = [
     (Evidence(recorded_state=None, attempts=1, alive=False, liveness=GONE), "failed", GONE),
     (Evidence(recorded_state="running", attempts=1, alive=True), "running", None),
     (Evidence(recorded_state="running", attempts=1, alive=None), "running", None),
+    # the queue's word comes before a process check (which is not asked then)
+    (
+        Evidence(
+            recorded_state="running",
+            attempts=1,
+            queue="PENDING|BeginTime",
+            alive=False,
+            liveness=GONE,
+        ),
+        "requeued",
+        None,
+    ),
     # a recorded end is not second-guessed by liveness
     (
         Evidence(recorded_state="failed", recorded_error="rank 0: x", alive=False, liveness=GONE),

@@ -1,4 +1,5 @@
-"""The stall watchdog for real: processes that hang, get their stacks dumped, name themselves first, and exit."""
+"""The stall watchdog for real: processes that hang, get their stacks dumped, name themselves first,
+and exit."""
 
 import json
 import os
@@ -99,8 +100,8 @@ def test_the_mining_wait_has_its_own_allowance(tmp_path):
 def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path):
     codes, outs = _two_ranks(tmp_path, "ranks")
     assert codes[1] == EXIT_STALLED, outs[1]
-    # rank 0's all_reduce failed once rank 1 was gone; its error path (a recorder dump of several seconds,
-    # longer than stall_s) ran with the watchdog stopped by `with`, so it exits 1, not 86
+    # rank 0's all_reduce failed once rank 1 was gone; its error path (a recorder dump of several
+    # seconds, longer than stall_s) ran with the watchdog stopped by `with`, so it exits 1, not 86
     assert codes[0] == 1, outs[0]
     assert "first cause recorded: False" in outs[0]  # ... and its error did not overwrite the cause
     rec = first_error.read(str(tmp_path), 0)
@@ -108,7 +109,8 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
         rec["rank"] == 1 and "rank 1 on " in rec["error"] and "sleeping_in_loss" in rec["error"]
     ), rec
     assert "waiting in" not in rec["error"]
-    # the flight recorder (gloo's, torch >= 2.8) was on; the stalled rank dumped it, the failed peer too
+    # the flight recorder (gloo's, torch >= 2.8) was on; the stalled rank dumped it, the failed peer
+    # too
     stalls = tmp_path / "stalls" / "attempt0"
     ours = pickle.loads((stalls / "flight_recorder_rank_1").read_bytes())
     assert [e["profiling_name"] for e in ours["entries"]] == ["gloo:all_reduce"] * 2

@@ -51,7 +51,8 @@ class HangInSave(Slow):
         plain_write = durable.write_file
 
         def write(path, payload, fsync=True, fs=None):
-            # Hang once per run dir: the resubmitted run writes this step again and must get through.
+            # Hang once per run dir: the resubmitted run writes this step again and must get
+            # through.
             run_dir = os.path.dirname(
                 os.path.dirname(os.path.dirname(path))
             )  # RUN/checkpoints/.tmp-step-N-*/model.pt
@@ -153,9 +154,10 @@ class NanAt(PseudoIDTask):
 
 class KillAtEnv(PseudoIDTask):
     """SIGKILLs itself at loss call ``$CLUSTERFLOW_TEST_KILL_AT`` (counted per process) when that is
-    set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an exact
-    step and resumes with another launch of the very same config. ``$CLUSTERFLOW_TEST_KILL_RANK``
-    limits it to one rank (e.g. 1: a rank that dies while its peers wait)."""
+    set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an
+    exact step and resumes with another launch of the very same config.
+    ``$CLUSTERFLOW_TEST_KILL_RANK`` limits it to one rank (e.g. 1: a rank that dies while its peers
+    wait)."""
 
     calls = 0
 
@@ -253,9 +255,10 @@ def sleeping_in_embed():
 
 
 class StallOnRank1(PseudoIDTask):
-    """Rank ``rank`` sleeps forever in ``sleeping_in_loss`` at its loss call ``at`` (1-based, per process),
-    or, with ``in_embed``, in ``sleeping_in_embed`` at its first embedding batch; the others wait for it
-    in the next collective. Optional ``step_sleep`` slows every step (a running job to look at)."""
+    """Rank ``rank`` sleeps forever in ``sleeping_in_loss`` at its loss call ``at`` (1-based, per
+    process), or, with ``in_embed``, in ``sleeping_in_embed`` at its first embedding batch; the
+    others wait for it in the next collective. Optional ``step_sleep`` slows every step (a running
+    job to look at)."""
 
     calls = 0
 

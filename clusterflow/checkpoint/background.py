@@ -40,7 +40,8 @@ class BackgroundWrite:
         ``on_error(step, exc)`` returns the message kept for ``wait``."""
         if self._thread is not None:
             raise RuntimeError(
-                "a checkpoint write is still in flight; wait() for it first (this is a bug in clusterflow)"
+                "a checkpoint write is still in flight; wait() for it first "
+                "(this is a bug in clusterflow)"
             )
 
         def run() -> None:
@@ -48,7 +49,8 @@ class BackgroundWrite:
             error = None
             try:
                 write()
-            except BaseException as exc:  # noqa: BLE001 - kept and reported: a failed save is never silent
+            # Kept and reported: a failed save is never silent.
+            except BaseException as exc:  # noqa: BLE001
                 error = on_error(step, exc)
             self._result = (time.perf_counter() - t0, error)
 

@@ -12,7 +12,7 @@ What is saved is registered, not listed (torchtitan's ``CheckpointManager(states
 goes to ``model.pt`` as a plain state_dict, and every object in ``states`` (anything with
 ``state_dict``/``load_state_dict``) to ``train_state.pt`` under its name, beside every rank's RNG
 state. The manifest carries the train state's ``position``, so the state after the end-of-epoch
-work supersedes a stop checkpoint taken at the same step before it (see store.py).
+work supersedes a stop checkpoint taken at the same step before it (see ``storage/store.py``).
 
 Saving (``checkpoint.async``, docs/preemption.md): every rank hands its RNG state to rank 0, which
 alone writes. A step or end-of-epoch save is snapshotted into host memory (``staging.py``) and
@@ -83,9 +83,8 @@ class Checkpointer:
             attempt,
         )
         self.phases = tracker or phases.Phases()
-        self.before_commit = (
-            before_commit  # collective; raises to refuse a state (the trainer: non-finite)
-        )
+        # Collective; raises to refuse a state (the trainer: non-finite).
+        self.before_commit = before_commit
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
@@ -103,9 +102,10 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, event: str) -> dict[str, float]:
-        """Collective when due. Returns scalars for the metrics: ``checkpoint/stall_s`` (how long this
-        call blocked the loop), ``checkpoint/gate_s`` (how long the last optimizer step waited for
-        the previous snapshot), ``checkpoint/save_s`` (the last finished write); empty when not due."""
+        """Collective when due. Returns scalars for the metrics: ``checkpoint/stall_s`` (how long
+        this call blocked the loop), ``checkpoint/gate_s`` (how long the last optimizer step waited
+        for the previous snapshot), ``checkpoint/save_s`` (the last finished write); empty when not
+        due."""
         if not self.due(event):
             return {}
         if self.before_commit is not None:
@@ -133,7 +133,8 @@ class Checkpointer:
         return new
 
     def finish(self) -> None:
-        """Collective, at the end of the run: wait for the write in flight; write a failed one again now."""
+        """Collective, at the end of the run: wait for the write in flight; write a failed one
+        again now."""
         failed = dist.broadcast_object(
             self._wait_for_write(expected=True) if dist.rank() == 0 else None
         )
@@ -141,16 +142,18 @@ class Checkpointer:
             self._write_now(dist.gather_object(capture_rng()), failed)
 
     def _wait_for_write(self, expected: bool = False) -> str | None:
-        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a stop
-        or the end of the run, where waiting is the point, not a sign of saves due too often."""
+        """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a
+        stop or the end of the run, where waiting is the point, not a sign of saves due too
+        often."""
         outcome = self.writes.wait()
         if outcome is None:
             return None
         self._last_write_s = outcome.seconds
         if outcome.waited >= 0.01 and not expected:
             (log.warning if outcome.waited >= 1.0 else log.info)(
-                "checkpoint: the loop waited %.2f s for the background write of step %d (saves are due faster than "
-                "they are written; raise checkpoint.every_steps, or write to a faster filesystem)",
+                "checkpoint: the loop waited %.2f s for the background write of step %d "
+                "(saves are due faster than they are written; raise checkpoint.every_steps, "
+                "or write to a faster filesystem)",
                 outcome.waited,
                 outcome.step,
             )
@@ -161,7 +164,8 @@ class Checkpointer:
         step, files, meta = self.progress.global_step, self._files(rngs), self._meta()
         try:
             snap = self.staging.take(files)
-        except Exception as exc:  # noqa: BLE001 - e.g. no host memory for the copy: a failed write like any other
+        # E.g. no host memory for the copy: a failed write like any other.
+        except Exception as exc:  # noqa: BLE001
             failure = exc
 
             def write() -> None:
@@ -178,21 +182,23 @@ class Checkpointer:
         """On the writer's thread: report at once; the next save retries synchronously."""
         message = self._failure(step, exc)
         log.error(
-            "%s; the committed steps are untouched; the next save is written synchronously and fails the job "
-            "if it fails too",
+            "%s; the committed steps are untouched; the next save is written synchronously "
+            "and fails the job if it fails too",
             message,
         )
         rundir.write_status(self.paths, checkpoint_error=message)
         return message
 
     def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
-        """Collective: rank 0 commits before anyone goes on; a failure fails the job on every rank."""
+        """Collective: rank 0 commits before anyone goes on; a failure fails the job on every
+        rank."""
         error = None
         if dist.rank() == 0:
             step = self.progress.global_step
             if retry_of:
                 log.warning(
-                    "writing checkpoint step %d synchronously: the background write before it failed (%s)",
+                    "writing checkpoint step %d synchronously: "
+                    "the background write before it failed (%s)",
                     step,
                     retry_of,
                 )
@@ -210,11 +216,13 @@ class Checkpointer:
 
     def _failure(self, step: int, exc: BaseException) -> str:
         cause = _cause(exc)
-        if isinstance(
-            cause, RunFailed
-        ):  # a full disk: its sentence names the step, the path, the size and the free space
+        if isinstance(cause, RunFailed):
+            # A full disk: its sentence names the step, the path, the size and the free space.
             return str(cause)
-        return f"checkpoint step {step} could not be written to {self.store.url}: {type(cause).__name__}: {cause}"
+        return (
+            f"checkpoint step {step} could not be written to {self.store.url}: "
+            f"{type(cause).__name__}: {cause}"
+        )
 
     def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
@@ -260,7 +268,8 @@ class Checkpointer:
         return out
 
     def restore(self) -> bool:
-        """Collective, at the start of every attempt (``restore.Restorer``). Returns True when resumed."""
+        """Collective, at the start of every attempt (``restore.Restorer``). Returns True when
+        resumed."""
         resumed = Restorer(self.cfg, self.model, self.states, self.progress, self.store).restore()
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
@@ -278,8 +287,8 @@ class Checkpointer:
         return int(manifest.get("epoch", -1)) if manifest else -1
 
     def close(self) -> None:
-        """At exit, whatever the reason: let the write in flight finish (a failure is already logged),
-        and leave no half-deleted old step behind."""
+        """At exit, whatever the reason: let the write in flight finish (a failure is already
+        logged), and leave no half-deleted old step behind."""
         if dist.rank() == 0:
             self.writes.wait()
         if self.staging is not None:
@@ -288,8 +297,9 @@ class Checkpointer:
 
 
 def _cause(exc: BaseException) -> BaseException:
-    """What to report for a failed write: torch.save turns a failed file write (a full disk) into an
-    opaque RuntimeError ("unexpected pos ...") whose context is the OSError that says what happened."""
+    """What to report for a failed write: torch.save turns a failed file write (a full disk) into
+    an opaque RuntimeError ("unexpected pos ...") whose context is the OSError that says what
+    happened."""
     seen: BaseException | None = exc
     while isinstance(seen, RuntimeError) and not isinstance(seen, OSError):
         seen = seen.__cause__ or seen.__context__

@@ -30,7 +30,8 @@ log = logging.getLogger("clusterflow.checkpointer")
 
 
 class Restorer:
-    """One restore: ``states`` are the checkpointer's registered states (``progress`` among them)."""
+    """One restore: ``states`` are the checkpointer's registered states (``progress`` among
+    them)."""
 
     def __init__(
         self, cfg: Any, model: Any, states: Mapping[str, Any], progress: Any, store: Any
@@ -80,17 +81,16 @@ class Restorer:
                     head["path"],
                     why,
                 )
-                self.store.refused[head["step"]] = (
-                    why  # set aside, like a bad digest, when the run gets there again
-                )
+                # Set aside, like a bad digest, when the run gets there again.
+                self.store.refused[head["step"]] = why
                 skipped.add(head["step"])
                 continue
-            self.model.load_state_dict(
-                state["model.pt"]
-            )  # keys and shapes checked by rank 0: it cannot half-apply
+            # Keys and shapes were checked by rank 0: it cannot half-apply.
+            self.model.load_state_dict(state["model.pt"])
             if mine is None:
                 log.warning(
-                    "resuming with %d ranks from a checkpoint of %d; per-rank RNG streams are re-derived",
+                    "resuming with %d ranks from a checkpoint of %d; "
+                    "per-rank RNG streams are re-derived",
                     dist.world(),
                     head["world_size"],
                 )
@@ -121,7 +121,8 @@ class Restorer:
                 obj.load_state_dict(parts[name])
             if rng is not None:
                 restore_rng(rng)
-        except Exception as exc:  # noqa: BLE001 - any refusal of a saved state makes the checkpoint unloadable
+        # Any refusal of a saved state makes the checkpoint unloadable.
+        except Exception as exc:  # noqa: BLE001
             undo()
             return f"train_state.pt does not fit this run ({type(exc).__name__}: {exc})", None
         return "", undo
@@ -139,17 +140,17 @@ class Restorer:
             if name in saved:
                 parts[name] = saved[name]
             elif obj is self.progress and "global_step" in saved:
-                parts[name] = (
-                    saved  # written before the train state was registered: its counters at the top level
-                )
+                # A train_state.pt from before the train state was registered: its counters
+                # are at the top level.
+                parts[name] = saved
             else:
                 raise ValueError(f"train_state.pt has no {name!r} state")
         return parts
 
     def _read(self, skipped: set[int]) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
         """Rank 0: finish what a killed writer left, then the newest committed step (not in
-        ``skipped``) that verifies and fits. Returns (what every rank needs to know, the state without
-        RNG, each rank's RNG, rank 0's error)."""
+        ``skipped``) that verifies and fits. Returns (what every rank needs to know, the state
+        without RNG, each rank's RNG, rank 0's error)."""
         try:
             if not skipped:
                 removed = self.store.clean_debris()
@@ -194,24 +195,25 @@ class Restorer:
             return {"path": None}, None, None, None
         except UserError as exc:
             return {"user_error": str(exc)}, None, None, exc
-        except Exception as exc:  # noqa: BLE001 - the other ranks must not wait for a broadcast that never comes
+        # The other ranks must not wait for a broadcast that never comes.
+        except Exception as exc:  # noqa: BLE001
             return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
 
     def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
         if "config" in manifest:
             if not isinstance(manifest["config"], dict):
                 raise ValueError("the manifest's config is not a mapping")
-            now = json.loads(
-                json.dumps(self.cfg.to_dict())
-            )  # as the manifest holds it (JSON: string keys, lists)
+            # As the manifest holds it (JSON: string keys, lists).
+            now = json.loads(json.dumps(self.cfg.to_dict()))
             cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}")
             return
-        # Older manifests carry only a hash, which cannot say what differs (or whether a key was
-        # merely added by a newer clusterflow): warn, as those versions did.
+        # Manifests of older versions carry only a hash, which cannot say what differs (or whether
+        # a key was merely added by a newer clusterflow): a mismatch is a warning, not a refusal.
         want, got = self.cfg.fingerprint(), manifest.get("config_hash")
         if got and got != want:
             log.warning(
-                "checkpoint %s was written with a different config (hash %s, now %s); resuming anyway",
+                "checkpoint %s was written with a different config (hash %s, now %s); "
+                "resuming anyway",
                 path,
                 got,
                 want,
@@ -229,7 +231,8 @@ def check_fits(model: Any, state: Any) -> None:
     missing, extra = sorted(set(want) - set(state)), sorted(set(state) - set(want))
     if missing or extra:
         raise ValueError(
-            f"model.pt does not fit the model: missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
+            "model.pt does not fit the model: "
+            f"missing {missing[:3]}{'...' if len(missing) > 3 else ''}, "
             f"unexpected {extra[:3]}{'...' if len(extra) > 3 else ''}"
         )
     for key, t in want.items():
@@ -237,5 +240,6 @@ def check_fits(model: Any, state: Any) -> None:
         if not torch.is_tensor(got) or got.shape != t.shape:
             seen = tuple(got.shape) if torch.is_tensor(got) else type(got).__name__
             raise ValueError(
-                f"model.pt does not fit the model: {key} is {seen} in the checkpoint, {tuple(t.shape)} in the model"
+                f"model.pt does not fit the model: {key} is {seen} in the checkpoint, "
+                f"{tuple(t.shape)} in the model"
             )

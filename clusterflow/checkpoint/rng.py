@@ -1,4 +1,5 @@
-"""Random-number state, captured and restored in a form ``torch.load(weights_only=True)`` accepts."""
+"""Random-number state, captured and restored in a form that
+``torch.load(weights_only=True)`` accepts."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def seed_everything(seed: int) -> None:
 
 
 def rank_seed(run_seed: int, rank: int) -> int:
-    """Per-rank seed: distinct streams (dropout, user randomness) that depend only on the run seed."""
+    """Per-rank seed: distinct streams (dropout, user randomness) that depend only on the run
+    seed."""
     return (run_seed * 1_000_003 + rank * 7919) % 2**31
 
 

@@ -48,12 +48,10 @@ class Snapshot:
     paths: list[str]  # each tensor's place in the state, for messages
     sources: list[Any]  # the live tensors, held until copied
     copies: list[Any]
-    alias: dict[int, int] = field(
-        default_factory=dict
-    )  # a tensor that is another one's view -> that one
-    odd: set[int] = field(
-        default_factory=set
-    )  # sparse, subclassed or on a second GPU: copied at once, no buffer
+    # A tensor that is another one's view -> that one.
+    alias: dict[int, int] = field(default_factory=dict)
+    # Sparse, subclassed or on a second GPU: copied at once, no buffer.
+    odd: set[int] = field(default_factory=set)
     rest: list[int] = field(default_factory=list)  # copied by the writer's thread
     versions: dict[int, int] = field(default_factory=dict)
     device: Any = None  # the GPU of the state's CUDA tensors, if any
@@ -83,9 +81,8 @@ class Staging:
         self._buffers: dict[str, Any] = {}
         self._streams: dict[Any, Any] = {}
         self._pending: Snapshot | None = None
-        self.gate_s = (
-            0.0  # time the loop waited in the hook, summed until read (and reset) by the owner
-        )
+        # Time the loop waited in the hook, summed until read (and reset) by the owner.
+        self.gate_s = 0.0
         self._hooks = [opt.register_step_pre_hook(self._gate) for opt in self.optimizers]
 
     def close(self) -> None:
@@ -100,14 +97,14 @@ class Staging:
         paths = [s.path for s in tree.slots(skeleton)]
         snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
         live = set(paths)
-        self._buffers = {
-            p: b for p, b in self._buffers.items() if p in live
-        }  # one copy of the state, no more
+        # One copy of the state, no more.
+        self._buffers = {p: b for p, b in self._buffers.items() if p in live}
         snap.device = next((t.device for t in tensors if t.is_cuda), None)
         if snap.device is not None:
             snap.ready = torch.cuda.Event()
             snap.ready.record(torch.cuda.current_stream(snap.device))
-        # One GPU per rank is what the events cover; anything else is copied the plain, blocking way.
+        # One GPU per rank is what the events cover; anything else is copied the plain, blocking
+        # way.
         snap.odd = {
             i
             for i, t in enumerate(tensors)
@@ -141,7 +138,8 @@ class Staging:
         return snap
 
     def _gate(self, *_: Any) -> None:
-        """Optimizer step pre-hook: the step changes deferred tensors, so they must be copied first."""
+        """Optimizer step pre-hook: the step changes deferred tensors, so they must be copied
+        first."""
         snap = self._pending
         if snap is None or snap.gated:
             return None
@@ -193,18 +191,16 @@ class Staging:
                     with torch.cuda.stream(stream):
                         stream.wait_event(snap.ready)
                         buf.copy_(t, non_blocking=True)
-                        t.record_stream(
-                            stream
-                        )  # the allocator must not reuse it before the copy ran
+                        # The allocator must not reuse it before the copy ran.
+                        t.record_stream(stream)
                 else:
                     buf.copy_(t)
                 snap.copies[i] = buf
 
     def _buffer(self, path: str, t: Any) -> Any:
         buf = self._buffers.get(path)
-        stride = torch.empty_like(
-            t, device="meta"
-        ).stride()  # t's layout when dense, else contiguous
+        # t's layout when dense, else contiguous.
+        stride = torch.empty_like(t, device="meta").stride()
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != stride:
             buf = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[path] = buf
@@ -233,7 +229,8 @@ class Staging:
             ]
         if changed:
             snap.torn = (
-                f"{len(changed)} tensor(s) of the state changed before they were copied for the background save, "
-                f"first {changed[0]}: something other than optimizer.step changes them in place; such a state "
-                f"cannot be saved in the background: set checkpoint.async=false"
+                f"{len(changed)} tensor(s) of the state changed before they were copied for the "
+                f"background save, first {changed[0]}: something other than optimizer.step "
+                "changes them in place; such a state cannot be saved in the background: "
+                "set checkpoint.async=false"
             )

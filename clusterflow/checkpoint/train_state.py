@@ -23,7 +23,8 @@ class TrainState:
 
     @property
     def position(self) -> tuple[int, int]:
-        """Orders two states at the same global step: the one after the end-of-epoch work is later."""
+        """Orders two states at the same global step: the one after the end-of-epoch work is
+        later."""
         return (self.epoch, self.step_in_epoch)
 
     def step_done(self) -> None:

@@ -13,8 +13,9 @@ Some resource keys change the result through another key; these are derived valu
 with the result keys: the world size when ``train.lr_scaling`` scales the learning rate with it,
 and the precision ``train.amp=auto`` resolves to (bf16 on a GPU, none on CPU; ``dist.backend=gloo``
 trains on CPU). Everything here works on plain config dicts (``Config.to_dict()``), so it does not
-depend on how config.py is organised. A key this table does not know counts as ``result``: an
-unclassified key can never be changed silently (a test requires every key to be classified).
+depend on how the config classes (``job_config.py``, ``sections.py``) are organised. A key this
+table does not know counts as ``result``: an unclassified key can never be changed silently (a test
+requires every key to be classified).
 """
 
 from __future__ import annotations
@@ -147,7 +148,8 @@ KEYS: dict[str, tuple[str, str]] = {
     "checkpoint.fsync": (RESOURCE, "durability"),
     "checkpoint.async": (
         RESOURCE,
-        "the background writer commits the same state the loop would have written; the loop computes the same steps",
+        "the background writer commits the same state the loop "
+        "would have written; the loop computes the same steps",
     ),
     "mining.enabled": (RESULT, "mining"),
     "mining.every_epochs": (RESULT, "mining"),
@@ -193,7 +195,8 @@ KEYS: dict[str, tuple[str, str]] = {
 
 
 def kind(key: str) -> str:
-    """The kind of ``section.key`` (or a sub-key such as ``task.params.lr``); unknown keys are ``result``."""
+    """The kind of ``section.key`` (or a sub-key such as ``task.params.lr``); unknown keys are
+    ``result``."""
     parts = key.split(".")
     return KEYS.get(".".join(parts[:2]), (RESULT, ""))[0]
 
@@ -207,9 +210,8 @@ def flatten(cfg: Mapping[str, Any]) -> dict[str, Any]:
             out[section] = values
             continue
         for key, value in values.items():
-            if isinstance(
-                value, Mapping
-            ):  # an empty mapping adds no key: {} and absent are the same
+            # An empty mapping adds no key: {} and absent are the same.
+            if isinstance(value, Mapping):
                 for sub, v in value.items():
                     out[f"{section}.{key}.{sub}"] = v
             else:
@@ -222,7 +224,8 @@ def _get(cfg: Mapping[str, Any], section: str, key: str, default: Any) -> Any:
 
 
 def derived(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Result-changing values that resource keys set through other keys (hashed with the result keys)."""
+    """Result-changing values that resource keys set through other keys (hashed with the result
+    keys)."""
     nodes, tasks = _get(cfg, "cluster", "nodes", 1), _get(cfg, "cluster", "tasks_per_node", 1)
     gpus, backend = _get(cfg, "cluster", "gpus_per_node", 0), _get(cfg, "dist", "backend", "auto")
     device = "cuda" if gpus and backend != "gloo" else "cpu"
@@ -235,8 +238,13 @@ def derived(cfg: Mapping[str, Any]) -> dict[str, Any]:
 
 _DERIVED_FROM = {"precision": "train.amp", "world_size": "train.lr_scaling"}
 _DERIVED_WHY = {
-    "precision": "train.amp=auto resolves to bf16 on a GPU and to none on CPU (set by cluster.gpus_per_node and dist.backend)",
-    "world_size": "train.lr_scaling scales the learning rate with cluster.nodes x cluster.tasks_per_node",
+    "precision": (
+        "train.amp=auto resolves to bf16 on a GPU and to none on CPU "
+        "(set by cluster.gpus_per_node and dist.backend)"
+    ),
+    "world_size": (
+        "train.lr_scaling scales the learning rate with cluster.nodes x cluster.tasks_per_node"
+    ),
 }
 
 
@@ -298,9 +306,8 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[Change
     named = {c.key for c in result}
     for key in list(da) + [k for k in db if k not in da]:
         va, vb = da.get(key, _ABSENT), db.get(key, _ABSENT)
-        if (
-            va != vb and _DERIVED_FROM[key] not in named
-        ):  # train.amp 'auto' -> 'bf16' says it already
+        # A named change of train.amp ('auto' -> 'bf16') already says it.
+        if va != vb and _DERIVED_FROM[key] not in named:
             result.append(Change(f"derived.{key}", va, vb, RESULT, _DERIVED_WHY[key]))
     return result, other
 

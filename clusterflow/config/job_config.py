@@ -53,8 +53,9 @@ class Config:
             self.train.batch_size % per_step == 0,
             "train.batch_size",
             self.train.batch_size,
-            f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} = {per_step} "
-            f"so every rank gets the same micro-batch; try train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
+            f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} "
+            f"= {per_step} so every rank gets the same micro-batch; try "
+            f"train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -102,7 +103,8 @@ def checkpoint_root(run_dir: str, configured: str) -> str:
 
 
 def join(base: str, *parts: str) -> str:
-    """Join path parts with '/', keeping URLs such as s3://bucket intact (a Path would mangle them)."""
+    """Join path parts with '/', keeping URLs such as s3://bucket intact (a Path would mangle
+    them)."""
     out = base.rstrip("/")
     for p in parts:
         out = f"{out}/{p.strip('/')}"
@@ -156,8 +158,9 @@ def resume_config(saved: Config, requested: Config) -> Config:
 
 
 def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, Any]) -> bool:
-    """False for a section key only one side holds (added or removed by another clusterflow version,
-    so it takes its default): not a difference. Sub-keys (task.params.x) and derived values count."""
+    """False for a section key only one side holds (added or removed by another clusterflow
+    version, so it takes its default): not a difference. Sub-keys (task.params.x) and derived
+    values count."""
     parts = change.key.split(".")
     if parts[0] == "derived" or len(parts) != 2:
         return True
@@ -169,14 +172,14 @@ def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, An
 def check_resume(
     saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False
 ) -> list[Any]:
-    """The one config-consistency rule, shared by ``submit``, ``run`` and the checkpoint restore:
-    a run continues only with the experiment it started with. Keys that change results
-    (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match; resources (Slurm
-    resources, world size, workers, intervals, timeouts) may change, and are returned as
-    ``fingerprint.Change`` items for the caller to report. ``what`` names the saved side (a run
-    dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue re-runs the
-    sbatch script, which re-reads a YAML file the user may have edited since) runs on the saved
-    config with a note; any other result change is refused, naming the keys."""
+    """The one config-consistency rule, shared by the ``submit`` and ``run`` commands and the
+    checkpoint restore: a run continues only with the experiment it started with. Keys that
+    change results (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match;
+    resources (Slurm resources, world size, workers, intervals, timeouts) may change, and are
+    returned as ``fingerprint.Change`` items for the caller to report. ``what`` names the saved
+    side (a run dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue
+    re-runs the sbatch script, which re-reads a YAML file the user may have edited since) runs on
+    the saved config with a note; any other result change is refused, naming the keys."""
 
     result, other = fingerprint.compare(saved, requested)
     result = [
@@ -190,7 +193,8 @@ def check_resume(
     listed = fingerprint.summary(result)
     if relaunch:
         print(
-            f"note: this relaunched job runs on the config of {what}, which differs from the one given now ({listed})",
+            f"note: this relaunched job runs on the config of {what}, "
+            f"which differs from the one given now ({listed})",
             file=sys.stderr,
         )
         return []
@@ -212,7 +216,8 @@ def _field_types(section_cls: type) -> dict[str, Any]:
 
 
 def _name(source: str, name: Any, what: str, example: str) -> str:
-    """``name`` if it is a string; else a UserError (YAML reads ``1:`` or ``null:`` as a number or null)."""
+    """``name`` if it is a string; else a UserError (YAML reads ``1:`` or ``null:`` as a number or
+    null)."""
     if not isinstance(name, str):
         raise UserError(f"{source}: {what} {shown(name)} is not a name; {example}")
     return name
@@ -250,7 +255,8 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
                 not in types_
             ):
                 raise UserError(
-                    f"{source}: unknown key {name}.{key}; valid keys of [{name}]: {', '.join(types_)}"
+                    f"{source}: unknown key {name}.{key}; valid "
+                    f"keys of [{name}]: {', '.join(types_)}"
                 )
             kwargs[keys(SECTIONS[name])[key]] = coerce(f"{name}.{key}", v, types_[key])
         sections[name] = kwargs
@@ -259,12 +265,12 @@ def build(raw: dict[str, Any], source: str = "config") -> Config:
 
 
 def _parse_override(text: str) -> tuple[str, str, str, Any]:
-    """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params, a, 1)."""
+    """``section.key=value`` -> (section, key, "", value); ``task.params.a=1`` -> (task, params,
+    a, 1)."""
     try:
         text.encode("utf-8")
-    except (
-        UnicodeEncodeError
-    ):  # the shell passed bytes that are not UTF-8 (Python keeps them as surrogates)
+    except UnicodeEncodeError:
+        # The shell passed bytes that are not UTF-8 (Python keeps them as surrogates).
         raw = text.encode("utf-8", "surrogateescape")
         raise UserError(
             f"override {raw!r} is not UTF-8 text; type it in a UTF-8 terminal "
@@ -280,23 +286,27 @@ def _parse_override(text: str) -> tuple[str, str, str, Any]:
     name, _, sub = name.partition(".")
     if section not in SECTIONS:
         raise UserError(
-            f"override {text_shown!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}"
+            f"override {text_shown!r}: unknown section "
+            f"{section!r}; valid sections: {', '.join(SECTIONS)}"
         )
     types_ = _field_types(SECTIONS[section])
     if name not in types_:
         raise UserError(
-            f"override {text_shown!r}: unknown key {section}.{name}; valid keys of [{section}]: {', '.join(types_)}"
+            f"override {text_shown!r}: unknown key {section}.{name}; "
+            f"valid keys of [{section}]: {', '.join(types_)}"
         )
     if sub and typing.get_origin(types_[name]) is not dict:
         raise UserError(
-            f"override {text_shown!r}: {section}.{name} is a single value, not a mapping; write {section}.{name}=VALUE"
+            f"override {text_shown!r}: {section}.{name} is a single "
+            f"value, not a mapping; write {section}.{name}=VALUE"
         )
     if types_[name] is str:
         try:
             parsed = config_yaml.parse(value, f"override {text_shown!r}", lenient=True)
         except UserError:
             parsed = None
-        # YAML only to unquote: '007' stays '007', not 7, and a value YAML cannot read is the text typed
+        # YAML only to unquote: '007' stays '007', not 7, and a value YAML cannot read is the text
+        # typed.
         return section, name, sub, parsed if isinstance(parsed, str) else value
     parsed = (
         config_yaml.parse(value, f"override {text_shown!r}", lenient=True) if value.strip() else ""
@@ -305,7 +315,8 @@ def _parse_override(text: str) -> tuple[str, str, str, Any]:
 
 
 def read_yaml(path: str) -> Any:
-    """What the YAML file ``path`` holds (None for an empty file); UserError on anything unreadable."""
+    """What the YAML file ``path`` holds (None for an empty file); UserError on anything
+    unreadable."""
     return config_yaml.parse(config_yaml.read_text(path), path)
 
 
@@ -342,7 +353,8 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `clusterflow/config/sections.py` by `python -m clusterflow.config > docs/configuration.md`;",
+        "Generated from `clusterflow/config/sections.py` by "
+        "`python -m clusterflow.config > docs/configuration.md`;",
         "a test fails when this page and the code disagree.",
         "",
         "Precedence: defaults < YAML file < `section.key=value` overrides on the command line.",
@@ -359,14 +371,17 @@ def reference_markdown() -> str:
         ]
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            default = f.default
+            if default is dataclasses.MISSING:
+                default = f.default_factory()  # type: ignore[misc]
             key = f.metadata.get("key", f.name)
             tp = hints[key]
             tname = getattr(tp, "__name__", str(tp)).replace("typing.", "")
             if typing.get_origin(tp) is not None:
                 tname = str(tp).replace("typing.", "")
             lines.append(
-                f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` | {f.metadata.get('help', '')} |"
+                f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` "
+                f"| {f.metadata.get('help', '')} |"
             )
         lines.append("")
     return "\n".join(lines)

@@ -2,8 +2,8 @@
 
 Every field's ``doc`` text is the configuration reference (``docs/configuration.md`` is generated
 from it by ``python -m clusterflow.config``); ``__post_init__`` checks say what is wrong and how
-to fix it. ``clusterflow.config`` assembles the sections, reads YAML and overrides, and re-exports
-these classes. No torch here: this runs on the login node.
+to fix it. ``job_config.py`` assembles the sections and reads YAML and overrides;
+``clusterflow.config`` re-exports these classes. No torch here: this runs on the login node.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ def doc(
 
 
 def keys(section_cls: type) -> dict[str, str]:
-    """Config key -> dataclass field name, in declaration order (they differ only where ``doc(key=...)`` says)."""
+    """Config key -> dataclass field name, in declaration order (they differ only where
+    ``doc(key=...)`` says)."""
     return {f.metadata.get("key", f.name): f.name for f in dataclasses.fields(section_cls)}
 
 
@@ -47,9 +48,8 @@ def _choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     _check(value in choices, key, value, f"must be one of {', '.join(choices)}")
 
 
-SEED_LIMIT = (
-    2**32
-)  # numpy's legacy seeding takes seeds below 2**32; the derived seeds stay within int64
+# numpy's legacy seeding takes seeds below 2**32; the derived seeds stay within int64.
+SEED_LIMIT = 2**32
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|::")
 
@@ -65,14 +65,15 @@ class RunConfig:
 
     dir: str = doc(
         "runs/demo",
-        "Run directory: a filesystem path that every node sees (a shared filesystem on a "
-        "cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, logs/, tb/, status and, "
-        "unless checkpoint.dir says otherwise, checkpoints/.",
+        "Run directory: a filesystem path that every node sees (a shared filesystem "
+        "on a cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, "
+        "logs/, tb/, status and, unless checkpoint.dir says otherwise, checkpoints/.",
     )
     name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
     seed: int = doc(
         0,
-        "Master seed, 0 <= seed < 2**32. Per-rank seeds, data order and the synthetic demo data derive from it.",
+        "Master seed, 0 <= seed < 2**32. Per-rank seeds, data "
+        "order and the synthetic demo data derive from it.",
     )
     lease_s: int = doc(
         30,
@@ -99,9 +100,9 @@ class RunConfig:
             not is_url(self.dir),
             "run.dir",
             self.dir,
-            "is a URL, but the run dir must be a filesystem path shared by all nodes (logs, status and the "
-            "config live there); keep run.dir on a shared filesystem and put checkpoints on the object "
-            f"store with checkpoint.dir={self.dir}",
+            "is a URL, but the run dir must be a filesystem path shared by all nodes "
+            "(logs, status and the config live there); keep run.dir on a shared filesystem "
+            f"and put checkpoints on the object store with checkpoint.dir={self.dir}",
         )
         _check(
             0 <= self.seed < SEED_LIMIT,
@@ -124,7 +125,8 @@ class ClusterConfig:
     nodes: int = doc(1, "Number of nodes.")
     tasks_per_node: int = doc(
         1,
-        "Processes per node. With gpus_per_node > 0 it must equal gpus_per_node (one process per GPU).",
+        "Processes per node. With gpus_per_node > 0 it "
+        "must equal gpus_per_node (one process per GPU).",
     )
     gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
     gpus: str | list[int] = doc(
@@ -147,7 +149,8 @@ class ClusterConfig:
     )
     max_timeout_requeues: int = doc(
         5,
-        "How many times a run may requeue itself after hitting the time limit. Preemptions are not counted.",
+        "How many times a run may requeue itself after "
+        "hitting the time limit. Preemptions are not counted.",
     )
     setup: list[str] = doc(
         factory=list,
@@ -176,8 +179,9 @@ class ClusterConfig:
                 self.tasks_per_node in (1, self.gpus_per_node),
                 "cluster.tasks_per_node",
                 self.tasks_per_node,
-                f"with cluster.gpus_per_node={self.gpus_per_node} clusterflow runs one process per GPU; "
-                f"set cluster.tasks_per_node={self.gpus_per_node} (or leave it at 1 and it is set for you)",
+                f"with cluster.gpus_per_node={self.gpus_per_node} clusterflow runs "
+                f"one process per GPU; set cluster.tasks_per_node={self.gpus_per_node} "
+                "(or leave it at 1 and it is set for you)",
             )
             self.tasks_per_node = self.gpus_per_node
         self.gpus = _gpu_list(self.gpus)
@@ -218,7 +222,8 @@ class ClusterConfig:
 
 
 def _gpu_list(value: str | list[int]) -> str | list[int]:
-    """cluster.gpus: auto, a list, or the list as one word on the command line (cluster.gpus=0,2)."""
+    """cluster.gpus: auto, a list, or the list as one word on the command line
+    (cluster.gpus=0,2)."""
     if isinstance(value, str) and re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)*\s*\]?\s*", value):
         value = [int(v) for v in re.findall(r"\d+", value)]
     if isinstance(value, str):
@@ -292,8 +297,9 @@ class DistConfig:
                 1 <= self.stall_s < self.timeout_s,
                 "dist.stall_s",
                 self.stall_s,
-                f"must be 0 (off), or at least 1 s and below dist.timeout_s ({self.timeout_s} s), or the process-group timeout "
-                f"fires first and blames a waiting peer; raise dist.timeout_s or lower dist.stall_s",
+                "must be 0 (off), or at least 1 s and below dist.timeout_s "
+                f"({self.timeout_s} s), or the process-group timeout fires first and "
+                "blames a waiting peer; raise dist.timeout_s or lower dist.stall_s",
             )
 
     @property
@@ -330,7 +336,8 @@ class TrainConfig:
     amp: str = doc("auto", "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.")
     tf32: bool = doc(
         True,
-        "Allow TF32 matrix products on Ampere+ GPUs (off for bitwise comparisons across GPU types).",
+        "Allow TF32 matrix products on Ampere+ GPUs "
+        "(off for bitwise comparisons across GPU types).",
     )
     grad_clip: float = doc(0.0, "Clip the gradient norm to this value; 0 disables.")
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
@@ -338,10 +345,10 @@ class TrainConfig:
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
     on_nonfinite: str = doc(
         "fail",
-        "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the run "
-        "naming the step, never saving the non-finite state (checked on log steps and before saves: no "
-        "per-step host sync); skip_step skips that optimizer step (reads a flag every step: one host "
-        "sync and one all-reduce per step). May change on resume.",
+        "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the "
+        "run naming the step, never saving the non-finite state (checked on log steps and "
+        "before saves: no per-step host sync); skip_step skips that optimizer step (reads a "
+        "flag every step: one host sync and one all-reduce per step). May change on resume.",
     )
     max_consecutive_skips: int = doc(
         10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
@@ -385,26 +392,28 @@ class CheckpointConfig:
 
     every_steps: int = doc(
         100,
-        "Optimizer steps between checkpoints (one is also written at the end of each epoch and of the run).",
+        "Optimizer steps between checkpoints (one is also "
+        "written at the end of each epoch and of the run).",
     )
     keep_last: int = doc(
         3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor)."
     )
     dir: str = doc(
         "",
-        "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path is inside the run dir (it "
-        "moves with it); an absolute path or any fsspec URL (s3://, gs://, memory://, ...) is used as given, "
-        "when its fsspec package (s3fs, gcsfs, ...) is installed; submit checks that it is.",
+        "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path "
+        "is inside the run dir (it moves with it); an absolute path or any fsspec "
+        "URL (s3://, gs://, memory://, ...) is used as given, when its fsspec "
+        "package (s3fs, gcsfs, ...) is installed; submit checks that it is.",
     )
     fsync: bool = doc(
         True, "fsync files before publishing (turn off only on filesystems where it is a no-op)."
     )
     async_: bool = doc(
         True,
-        "Save in the background: the loop is blocked only while the state is snapshotted into host "
-        "memory (one extra host copy of rank 0's state, kept between saves); a background thread writes, "
-        "hashes, fsyncs and commits it. Stops and the end of the run still wait for the write "
-        "(docs/preemption.md).",
+        "Save in the background: the loop is blocked only while the state is "
+        "snapshotted into host memory (one extra host copy of rank 0's state, kept "
+        "between saves); a background thread writes, hashes, fsyncs and commits it. "
+        "Stops and the end of the run still wait for the write (docs/preemption.md).",
         key="async",
     )
 
@@ -430,9 +439,9 @@ class MiningConfig:
     k: int = doc(10, "Neighbours per sample in the k-NN graph.")
     method: str = doc(
         "mutual_knn",
-        "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, connected "
-        "components) or finch (first-neighbour clustering hierarchy, no threshold; the level of highest "
-        "silhouette). docs/mining.md compares them.",
+        "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, "
+        "connected components) or finch (first-neighbour clustering hierarchy, no "
+        "threshold; the level of highest silhouette). docs/mining.md compares them.",
     )
     threshold: float | str = doc(
         0.5,
@@ -443,9 +452,9 @@ class MiningConfig:
     engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
     search: str = doc(
         "rank0",
-        "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which searches on all "
-        "its GPUs or cores) or all (every rank searches its own block with the exact torch engine; query "
-        "blocks are broadcast and the partial top-k merged).",
+        "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which "
+        "searches on all its GPUs or cores) or all (every rank searches its own block with "
+        "the exact torch engine; query blocks are broadcast and the partial top-k merged).",
     )
     nlist: int = doc(1024, "ivf: number of inverted lists.")
     nprobe: int = doc(16, "ivf: lists visited per query.")
@@ -455,7 +464,8 @@ class MiningConfig:
     embed_batch: int = doc(512, "Samples per embedding batch on each rank.")
     singletons: str = doc(
         "cluster",
-        "cluster: a sample without edges is its own cluster; ignore: it gets label -1, which losses skip.",
+        "cluster: a sample without edges is its own cluster; "
+        "ignore: it gets label -1, which losses skip.",
     )
     max_cluster_size: int = doc(
         0, "Split components larger than this by raising the threshold inside them; 0 disables."
@@ -463,8 +473,9 @@ class MiningConfig:
     timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
     resume: bool = doc(
         True,
-        "Keep each rank's embeddings and the finished k-NN query blocks of a round in RUN_DIR/mining/ "
-        "until its labels are committed, so a round cut short resumes where it stopped.",
+        "Keep each rank's embeddings and the finished k-NN query "
+        "blocks of a round in RUN_DIR/mining/ until its labels are "
+        "committed, so a round cut short resumes where it stopped.",
     )
 
     def __post_init__(self) -> None:
@@ -501,26 +512,29 @@ class MiningConfig:
                 self.engine != "faiss",
                 "mining.engine",
                 self.engine,
-                "cannot run with mining.search=all, which uses the exact torch engine; set mining.engine=auto or torch",
+                "cannot run with mining.search=all, which uses the "
+                "exact torch engine; set mining.engine=auto or torch",
             )
             _check(
                 self.index == "flat",
                 "mining.index",
                 self.index,
-                "is a FAISS index; mining.search=all is exact (flat) search: set mining.index=flat or mining.search=rank0",
+                "is a FAISS index; mining.search=all is exact (flat) "
+                "search: set mining.index=flat or mining.search=rank0",
             )
             _check(
                 self.method != "finch",
                 "mining.method",
                 self.method,
-                "needs every embedding on rank 0 (cluster means at every level), which mining.search=all never gathers; "
-                "set mining.search=rank0",
+                "needs every embedding on rank 0 (cluster means at every level), "
+                "which mining.search=all never gathers; set mining.search=rank0",
             )
         _check(
             self.method != "finch" or not self.max_cluster_size,
             "mining.max_cluster_size",
             self.max_cluster_size,
-            "splits components by raising a threshold, which mining.method=finch does not have; set it to 0",
+            "splits components by raising a threshold, which "
+            "mining.method=finch does not have; set it to 0",
         )
         for key in ("nlist", "nprobe", "hnsw_m", "ef_search", "query_batch", "embed_batch"):
             # FAISS takes these as C ints
@@ -571,7 +585,8 @@ class TaskConfig:
             named,
             "task.target",
             self.target,
-            "must look like package.module:ClassName, e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
+            "must look like package.module:ClassName, "
+            "e.g. clusterflow.tasks.pseudo_id:PseudoIDTask",
         )
 
 

@@ -1,4 +1,5 @@
-"""From parsed YAML values to the typed config fields, each refusal naming the key, the value and the fix.
+"""From parsed YAML values to the typed config fields, each refusal naming the key, the value and
+the fix.
 
 - Numbers as people write them: a float field takes anything Python's ``float()`` reads (``3e-4``,
   ``1_000.5``, ``.5``, ``+1E-3``), then must be finite (``inf`` and ``nan`` are refused). An
@@ -37,7 +38,8 @@ def type_name(tp: Any) -> str:
 
 
 def short(text: str, limit: int = 100) -> str:
-    """``text``, cut in the middle when longer than ``limit`` (a message stays one readable line)."""
+    """``text``, cut in the middle when longer than ``limit`` (a message stays one readable
+    line)."""
     return (
         text
         if len(text) <= limit
@@ -72,16 +74,16 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     if (value is None and origin is not dict) or (value == "" and tp in (int, float, bool)):
         raise UserError(f"{key} is empty; give it a value, or remove the key to use its default")
     bad = UserError(f"{key} = {shown(value)}: expected {type_name(tp)}, got {_kind(value)}")
-    if origin in (
-        typing.Union,
-        types.UnionType,
-    ):  # the first member that takes it (mining.threshold: a number or auto)
+    # A union: the first member that takes the value (mining.threshold: a number or auto).
+    if origin in (typing.Union, types.UnionType):
         for member in typing.get_args(tp):
             try:
                 return coerce(key, value, member)
             except UserError as exc:
                 if not str(exc).startswith(f"{key} = {shown(value)}: expected "):
-                    raise  # of that type, but a bad value ("inf": not finite), not a value of another type
+                    # A value of that type, but a bad one ("inf": not finite), not a value of
+                    # another type.
+                    raise
         raise bad
     if tp is bool:
         if isinstance(value, bool):
@@ -118,9 +120,8 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
             raise bad
         _check_plain(key, value)
         return plain(value)
-    raise TypeError(
-        f"unsupported config type {tp!r} for {key}"
-    )  # a programming error, not a user one
+    # A programming error, not a user one.
+    raise TypeError(f"unsupported config type {tp!r} for {key}")
 
 
 def _integer(key: str, value: Any, bad: UserError) -> int:
@@ -194,7 +195,8 @@ def _check_plain(key: str, value: Any) -> None:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise UserError(
-                    f"{key} has the key {shown(k)} ({_kind(k)}); keys are names: quote it, e.g. '{k}'"
+                    f"{key} has the key {shown(k)} ({_kind(k)}); "
+                    f"keys are names: quote it, e.g. '{k}'"
                 )
             _check_plain(f"{key}.{k}", v)
     elif isinstance(value, list):
@@ -202,6 +204,6 @@ def _check_plain(key: str, value: Any) -> None:
             _check_plain(f"{key}[{i}]", v)
     elif not (value is None or isinstance(value, (str, int, float, bool))):
         raise UserError(
-            f"{key} = {value!r}: expected a plain value (a string, number, true/false, list or mapping), "
-            f"got {type(value).__name__}; quote it to pass it as a string"
+            f"{key} = {value!r}: expected a plain value (a string, number, true/false, "
+            f"list or mapping), got {type(value).__name__}; quote it to pass it as a string"
         )

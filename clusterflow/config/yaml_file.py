@@ -4,13 +4,14 @@
 - :func:`read_text`: a regular file (or a pipe that is written to) of at most :data:`MAX_BYTES`,
   decoded as UTF-8, or UTF-16/32 recognised by a byte-order mark or by the zero bytes of its first
   characters (the YAML 1.2 rule, so a file saved as "Unicode" by a Windows editor reads the same).
-- :func:`parse`: PyYAML's safe loader (on libyaml's parser) with four changes. Numbers as people write them (``3e-4``,
-  ``1e10``, ``+1E-3``) are floats, as in YAML 1.2 (YAML 1.1 reads them as strings). A key given twice
-  in one mapping is an error naming both lines (YAML keeps the last one silently). Nesting deeper
-  than :data:`MAX_DEPTH` and anchors/aliases that expand to more than :data:`MAX_NODES` values
-  ("billion laughs") are refused before anything is built from them, as are integers longer than
-  Python reads. Every number keeps the text it was written as (``.text``), so a string field given
-  ``007`` or ``2024.10`` gets exactly that, not ``7`` or ``2024.1``.
+- :func:`parse`: PyYAML's safe loader (on libyaml's parser) with four changes. Numbers as people
+  write them (``3e-4``, ``1e10``, ``+1E-3``) are floats, as in YAML 1.2 (YAML 1.1 reads them as
+  strings). A key given twice in one mapping is an error naming both lines (YAML keeps the last
+  one silently). Nesting deeper than :data:`MAX_DEPTH` and anchors/aliases that expand to more
+  than :data:`MAX_NODES` values ("billion laughs") are refused before anything is built from
+  them, as are integers longer than Python reads. Every number keeps the text it was written as
+  (``.text``), so a string field given ``007`` or ``2024.10`` gets exactly that, not ``7`` or
+  ``2024.1``.
 
 No torch here: this runs on the login node.
 """
@@ -64,8 +65,8 @@ _FLOAT_EXP = re.compile(
 _MERGE = "tag:yaml.org,2002:merge"
 
 
-# libyaml's event parser (5x faster than PyYAML's own, which matters for the fuzz test's thousands of
-# configs) under PyYAML's Python composer, whose recursion the depth limit below bounds.
+# libyaml's event parser (5x faster than PyYAML's own, which matters for the fuzz test's thousands
+# of configs) under PyYAML's Python composer, whose recursion the depth limit below bounds.
 _PARSER: tuple[type, ...] = (
     (yaml.cyaml.CParser,)
     if yaml.__with_libyaml__
@@ -123,7 +124,8 @@ class _Loader(
             raise _Refused(
                 f"an integer of {digits} digits",
                 node.start_mark,
-                f"numbers have at most {MAX_INT_DIGITS} digits (Python's limit); quote it if it is a string",
+                f"numbers have at most {MAX_INT_DIGITS} digits "
+                "(Python's limit); quote it if it is a string",
             )
         out = YInt(super().construct_yaml_int(node))
         out.text = node.value
@@ -135,7 +137,8 @@ class _Loader(
         return out
 
 
-# Dates stay strings: a config has no use for date objects, and they do not survive JSON (manifests).
+# Dates stay strings: a config has no use for date objects, and they do not survive JSON
+# (manifests).
 _Loader.yaml_implicit_resolvers = {
     first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
     for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
@@ -245,10 +248,8 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
         ) from None
     except yaml.YAMLError as exc:
         raise UserError(f"malformed YAML in {source}: {str(exc).splitlines()[0]}; {_FIX}") from None
-    except (
-        ValueError,
-        OverflowError,
-    ) as exc:  # a tagged value PyYAML cannot build (!!timestamp 2001-02-30)
+    except (ValueError, OverflowError) as exc:
+        # A tagged value PyYAML cannot build (!!timestamp 2001-02-30).
         raise UserError(
             f"{source}: cannot read a value ({exc}); quote it to keep it as a string"
         ) from None
@@ -256,9 +257,8 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
         raise UserError(
             f"{source}: holds text that is not valid UTF-8; write it in UTF-8"
         ) from None
-    except (
-        RecursionError
-    ):  # a guard we did not foresee; the limits above should make this unreachable
+    except RecursionError:
+        # A guard we did not foresee; the limits above should make this unreachable.
         raise UserError(f"{source}: nested too deeply to read; flatten it") from None
     finally:
         if loader is not None:
@@ -266,7 +266,8 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
 
 
 def plain(value: Any) -> Any:
-    """``value`` with every number as a plain int or float (for task params, which leave the config)."""
+    """``value`` with every number as a plain int or float (for task params, which leave the
+    config)."""
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, int):
@@ -308,7 +309,8 @@ def _read_bytes(path: str) -> bytes:
     for test, kind in _KINDS:
         if test(st.st_mode):
             raise UserError(
-                f"config path {path!r} is {kind}, not a file; pass a YAML file such as configs/demo.yaml"
+                f"config path {path!r} is {kind}, not a file; "
+                "pass a YAML file such as configs/demo.yaml"
             )
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
@@ -335,8 +337,8 @@ def _read_bytes(path: str) -> bytes:
         os.close(fd)
     if size > MAX_BYTES:
         raise UserError(
-            f"config file {path!r} is larger than {MAX_BYTES >> 20} MiB (or endless); a config is a few KB "
-            f"of YAML: keep large data in a file that the task reads"
+            f"config file {path!r} is larger than {MAX_BYTES >> 20} MiB (or endless); "
+            "a config is a few KB of YAML: keep large data in a file that the task reads"
         )
     return b"".join(chunks)
 
@@ -346,8 +348,8 @@ def _wait_for_writer(fd: int, path: str) -> None:
     poller.register(fd, select.POLLIN | select.POLLHUP)
     if not poller.poll(PIPE_WAIT_S * 1000):
         raise UserError(
-            f"config path {path!r} is a named pipe and nothing wrote to it within {PIPE_WAIT_S:.0f} s; "
-            f"pass a YAML file"
+            f"config path {path!r} is a named pipe and nothing wrote "
+            f"to it within {PIPE_WAIT_S:.0f} s; pass a YAML file"
         )
 
 
@@ -387,8 +389,8 @@ def read_text(path: str) -> str:
     except UnicodeDecodeError as exc:
         at = skip + exc.start
         raise UserError(
-            f"config file {path!r} is not {name.upper()} text (byte 0x{data[at]:02x} at offset {at}): "
-            f"is it a binary file? save the config as UTF-8 text"
+            f"config file {path!r} is not {name.upper()} text (byte 0x{data[at]:02x} "
+            f"at offset {at}): is it a binary file? save the config as UTF-8 text"
         ) from None
     if "\0" in text:
         raise UserError(

@@ -3,7 +3,7 @@
 ``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
 exists, so the same code runs as one process. Nothing else in clusterflow calls
 ``torch.distributed``: what mining, the k-NN search and the losses need lives here. torch is
-imported lazily (``clusterflow.submit`` imports this module on login nodes).
+imported lazily (``clusterflow.launch.submit`` imports this module on login nodes).
 
 Who this process is comes from ``env.py``.
 """
@@ -25,7 +25,10 @@ def pick_backend(requested: str = "auto") -> str:
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
-        raise UserError("dist.backend=nccl but this process sees no CUDA device; use dist.backend=auto or gloo on CPU")
+        raise UserError(
+            "dist.backend=nccl but this process sees no CUDA "
+            "device; use dist.backend=auto or gloo on CPU"
+        )
     return requested
 
 
@@ -125,7 +128,8 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
 
 
 def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
-    """Rank r's entry of rank ``src``'s list ``objs`` (pickled; small objects such as one RNG state per rank)."""
+    """Rank r's entry of rank ``src``'s list ``objs`` (pickled; small objects such as one RNG state
+    per rank)."""
     if not initialized():
         return objs[0] if objs else None
     import torch.distributed as tdist
@@ -136,14 +140,21 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
 
 
 def collective_device() -> Any:
-    """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU ones."""
+    """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU
+    ones."""
     import torch
     import torch.distributed as tdist
 
-    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if tdist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
 
 
-def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any = None) -> dict[str, float]:
+def all_reduce_dict(
+    metrics: Mapping[str, float], op: str = "sum", device: Any = None
+) -> dict[str, float]:
     """Reduce a dict of numbers across ranks in one collective (sum, mean or max)."""
     if not metrics:
         return {}
@@ -153,7 +164,9 @@ def all_reduce_dict(metrics: Mapping[str, float], op: str = "sum", device: Any =
     import torch
     import torch.distributed as tdist
 
-    t = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64, device=device or collective_device())
+    t = torch.tensor(
+        [float(metrics[k]) for k in keys], dtype=torch.float64, device=device or collective_device()
+    )
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX if op == "max" else tdist.ReduceOp.SUM)
     if op == "mean":
         t /= world()
@@ -195,11 +208,14 @@ def broadcast_tensor(t: Any, src: int) -> Any:
     return t
 
 
-_BUCKET = 16 << 20  # bytes per broadcast of a state: few collectives, bounded extra memory (16 MiB measured best of 8-64 here)
+# Bytes per broadcast of a state: few collectives, bounded extra memory (16 MiB measured best of
+# 8-64 here).
+_BUCKET = 16 << 20
 
 
 def _buckets(specs: list[tuple[tuple[int, ...], Any]]) -> list[list[tuple[int, int, int]]]:
-    """(index, offset, nbytes) of each tensor, grouped into buckets; offsets aligned for any dtype's view."""
+    """(index, offset, nbytes) of each tensor, grouped into buckets; offsets aligned for any
+    dtype's view."""
     out: list[list[tuple[int, int, int]]] = [[]]
     size = 0
     for i, (shape, dtype) in enumerate(specs):
@@ -213,31 +229,37 @@ def _buckets(specs: list[tuple[tuple[int, ...], Any]]) -> list[list[tuple[int, i
 
 
 def broadcast_state(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s nested state (dicts and lists of tensors and small objects) on every rank, with
-    CPU tensors. Only the structure and the small objects are pickled (``tree.flatten``); the tensors
-    travel as byte buckets of up to 16 MiB, never as a pickle of the whole state."""
+    """Rank ``src``'s nested state (dicts and lists of tensors and small objects) on every rank,
+    with CPU tensors. Only the structure and the small objects are pickled (``tree.flatten``); the
+    tensors travel as byte buckets of up to 16 MiB, never as a pickle of the whole state."""
     if not initialized():
         return obj
     import torch
     import torch.distributed as tdist
 
-
     mine = rank() == src
     skeleton, tensors = tree.flatten(obj) if mine else (None, [])
-    skeleton, specs = broadcast_object((skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), src)
+    skeleton, specs = broadcast_object(
+        (skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), src
+    )
     device = collective_device()
     received: list[Any] = []
     buckets = _buckets(specs)
     # One buffer for every bucket: a fresh buffer per bucket costs page faults on both sides.
-    whole = torch.empty(max((b[-1][1] + b[-1][2] for b in buckets), default=0), dtype=torch.uint8, device=device)
+    whole = torch.empty(
+        max((b[-1][1] + b[-1][2] for b in buckets), default=0), dtype=torch.uint8, device=device
+    )
     for bucket in buckets:
         flat = whole[: bucket[-1][1] + bucket[-1][2]]
         for i, off, n in bucket if mine else ():
-            flat[off:off + n].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
+            flat[off : off + n].copy_(tensors[i].detach().reshape(-1).view(torch.uint8))
         tdist.broadcast(flat, src=src)
         if not mine:
             host = flat.cpu()
-            received += [host[off:off + n].view(specs[i][1]).reshape(specs[i][0]).clone() for i, off, n in bucket]
+            received += [
+                host[off : off + n].view(specs[i][1]).reshape(specs[i][0]).clone()
+                for i, off, n in bucket
+            ]
     return obj if mine else tree.unflatten(skeleton, received)
 
 
@@ -298,6 +320,7 @@ def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) ->
         full[ii[ok]] = ee.cpu().numpy()[ok]
         seen[ii[ok]] = True
     if not seen.all():
-        raise RuntimeError(f"gathering rows lost {int((~seen).sum())} of {n}; this is a bug in clusterflow")
+        raise RuntimeError(
+            f"gathering rows lost {int((~seen).sum())} of {n}; this is a bug in clusterflow"
+        )
     return full
-

@@ -52,7 +52,8 @@ class _TooMany(ValueError):
 
 
 def _ranges(body: str) -> list[tuple[int, int, int]]:
-    """``01-04,07`` -> [(1, 4, 2), (7, 7, 1)]: bounds and zero-padding width, nothing expanded yet."""
+    """``01-04,07`` -> [(1, 4, 2), (7, 7, 1)]: bounds and zero-padding width, nothing expanded
+    yet."""
     out = []
     for piece in body.split(","):
         m = _RANGE.match(piece)
@@ -94,7 +95,9 @@ def _expand(groups: list[list[tuple[int, int, int]] | str]) -> list[str]:
         if isinstance(g, str):
             hosts = [h + g for h in hosts]
         else:
-            hosts = [h + str(i).zfill(w) for h in hosts for lo, hi, w in g for i in range(lo, hi + 1)]
+            hosts = [
+                h + str(i).zfill(w) for h in hosts for lo, hi, w in g for i in range(lo, hi + 1)
+            ]
     return hosts
 
 
@@ -106,7 +109,9 @@ def parse_nodelist(text: str) -> list[str]:
     """
     text = (text or "").strip()
     if not text:
-        raise UserError("SLURM_JOB_NODELIST is empty; it should name the job's nodes, e.g. node[01-04]")
+        raise UserError(
+            "SLURM_JOB_NODELIST is empty; it should name the job's nodes, e.g. node[01-04]"
+        )
     try:
         patterns = []
         for part in _split_top(text):
@@ -118,11 +123,14 @@ def parse_nodelist(text: str) -> list[str]:
             raise _TooMany(f"it names {total} hosts")
         return [h for g in patterns for h in _expand(g)]
     except _TooMany as exc:
-        raise UserError(f"Slurm nodelist {text[:80]!r}: {exc}, over Slurm's limit of {MAX_HOSTS} hosts; "
-                        f"check SLURM_JOB_NODELIST (or the nodelist you passed), which should name the job's nodes") from None
+        raise UserError(
+            f"Slurm nodelist {text[:80]!r}: {exc}, over Slurm's limit of {MAX_HOSTS} hosts; check "
+            "SLURM_JOB_NODELIST (or the nodelist you passed), which should name the job's nodes"
+        ) from None
     except ValueError as exc:
         raise UserError(
-            f"cannot parse the Slurm nodelist {text!r}: {exc}; expected a form like node[01-04,07] or a[1-3],b1"
+            f"cannot parse the Slurm nodelist {text!r}: {exc}; "
+            "expected a form like node[01-04,07] or a[1-3],b1"
         ) from None
 
 
@@ -165,16 +173,19 @@ def _ints(env: Mapping[str, str], names: list[str], source: str) -> dict[str, in
     if missing:
         present = [n for n in names if n not in missing]
         raise UserError(
-            f"incomplete {source} environment: {', '.join(missing)} not set while {', '.join(present)} "
-            f"{'is' if len(present) == 1 else 'are'}; launch with {'srun' if source == 'Slurm' else source} "
-            f"so all of them are set, or unset the stray ones to run as a single process"
+            f"incomplete {source} environment: {', '.join(missing)} not set "
+            f"while {', '.join(present)} {'is' if len(present) == 1 else 'are'}; "
+            f"launch with {'srun' if source == 'Slurm' else source} so all of "
+            "them are set, or unset the stray ones to run as a single process"
         )
     out = {}
     for n in names:
         try:
             out[n] = int(env[n])
         except ValueError:
-            raise UserError(f"{n}={env[n]!r} in the {source} environment is not an integer") from None
+            raise UserError(
+                f"{n}={env[n]!r} in the {source} environment is not an integer"
+            ) from None
     return out
 
 
@@ -213,16 +224,28 @@ class DistEnv:
             return cls._slurm(env)
         if "SUBMITIT_LOCAL_GLOBALID" in env:
             return cls._submitit_local(env)
-        return cls(master_port=int(env.get("MASTER_PORT", 29500)), hosts=(env.get("HOSTNAME", "localhost"),))
+        return cls(
+            master_port=int(env.get("MASTER_PORT", 29500)),
+            hosts=(env.get("HOSTNAME", "localhost"),),
+        )
 
     @classmethod
     def _torchrun(cls, env: Mapping[str, str]) -> "DistEnv":
         v = _ints(env, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], "torchrun")
         local_world = int(env.get("LOCAL_WORLD_SIZE", v["WORLD_SIZE"]))
-        _consistent(v["RANK"] < v["WORLD_SIZE"], f"RANK={v['RANK']} must be below WORLD_SIZE={v['WORLD_SIZE']}")
-        _consistent(v["LOCAL_RANK"] < local_world, f"LOCAL_RANK={v['LOCAL_RANK']} must be below LOCAL_WORLD_SIZE={local_world}")
+        _consistent(
+            v["RANK"] < v["WORLD_SIZE"],
+            f"RANK={v['RANK']} must be below WORLD_SIZE={v['WORLD_SIZE']}",
+        )
+        _consistent(
+            v["LOCAL_RANK"] < local_world,
+            f"LOCAL_RANK={v['LOCAL_RANK']} must be below LOCAL_WORLD_SIZE={local_world}",
+        )
         if v["WORLD_SIZE"] > 1 and "MASTER_ADDR" not in env:
-            raise UserError("torchrun environment without MASTER_ADDR: launch with torchrun, which sets it, or export MASTER_ADDR")
+            raise UserError(
+                "torchrun environment without MASTER_ADDR: launch "
+                "with torchrun, which sets it, or export MASTER_ADDR"
+            )
         return cls(
             rank=v["RANK"],
             world_size=v["WORLD_SIZE"],
@@ -233,30 +256,69 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
             job_id=env.get("SLURM_JOB_ID", env.get("TORCHELASTIC_RUN_ID", "torchrun")),
-            attempt=int(env.get("SLURM_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", 0)) or 0),
-            hosts=tuple(parse_nodelist(env["SLURM_JOB_NODELIST"])) if env.get("SLURM_JOB_NODELIST") else (env.get("MASTER_ADDR", "127.0.0.1"),),
+            attempt=int(
+                env.get("SLURM_RESTART_COUNT", env.get("TORCHELASTIC_RESTART_COUNT", 0)) or 0
+            ),
+            hosts=(
+                tuple(parse_nodelist(env["SLURM_JOB_NODELIST"]))
+                if env.get("SLURM_JOB_NODELIST")
+                else (env.get("MASTER_ADDR", "127.0.0.1"),)
+            ),
             source="torchrun",
         )
 
     @classmethod
     def _slurm(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = _ints(env, ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_NUM_NODES"], "Slurm")
+        v = _ints(
+            env,
+            [
+                "SLURM_PROCID",
+                "SLURM_NTASKS",
+                "SLURM_LOCALID",
+                "SLURM_NODEID",
+                "SLURM_JOB_NUM_NODES",
+            ],
+            "Slurm",
+        )
         if not env.get("SLURM_JOB_NODELIST"):
-            raise UserError("incomplete Slurm environment: SLURM_JOB_NODELIST not set while SLURM_PROCID is; launch with srun")
+            raise UserError(
+                "incomplete Slurm environment: SLURM_JOB_NODELIST "
+                "not set while SLURM_PROCID is; launch with srun"
+            )
         hosts = parse_nodelist(env["SLURM_JOB_NODELIST"])
-        rank, ntasks, nodes, node = v["SLURM_PROCID"], v["SLURM_NTASKS"], v["SLURM_JOB_NUM_NODES"], v["SLURM_NODEID"]
+        rank, ntasks, nodes, node = (
+            v["SLURM_PROCID"],
+            v["SLURM_NTASKS"],
+            v["SLURM_JOB_NUM_NODES"],
+            v["SLURM_NODEID"],
+        )
         _consistent(rank < ntasks, f"SLURM_PROCID={rank} must be below SLURM_NTASKS={ntasks}")
         _consistent(node < nodes, f"SLURM_NODEID={node} must be below SLURM_JOB_NUM_NODES={nodes}")
-        _consistent(len(hosts) == nodes, f"SLURM_JOB_NODELIST names {len(hosts)} hosts ({', '.join(hosts)}) but SLURM_JOB_NUM_NODES={nodes}")
+        _consistent(
+            len(hosts) == nodes,
+            f"SLURM_JOB_NODELIST names {len(hosts)} hosts "
+            f"({', '.join(hosts)}) but SLURM_JOB_NUM_NODES={nodes}",
+        )
         job_id = env.get("SLURM_JOB_ID", "")
         if not job_id:
-            raise UserError("incomplete Slurm environment: SLURM_JOB_ID not set while SLURM_PROCID is; launch with srun inside a job")
-        if env.get("SLURM_ARRAY_JOB_ID", "").isdigit() and env.get("SLURM_ARRAY_TASK_ID", "").isdigit():
-            # An array task as squeue, scancel and scontrol requeue name it (the bare array id means every task).
+            raise UserError(
+                "incomplete Slurm environment: SLURM_JOB_ID not set "
+                "while SLURM_PROCID is; launch with srun inside a job"
+            )
+        if (
+            env.get("SLURM_ARRAY_JOB_ID", "").isdigit()
+            and env.get("SLURM_ARRAY_TASK_ID", "").isdigit()
+        ):
+            # An array task as squeue, scancel and scontrol requeue name it (the bare array id
+            # means every task).
             job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         attempt = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
         local_world = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE"), nodes, ntasks, node)
-        _consistent(v["SLURM_LOCALID"] < local_world, f"SLURM_LOCALID={v['SLURM_LOCALID']} must be below the tasks on this node ({local_world})")
+        _consistent(
+            v["SLURM_LOCALID"] < local_world,
+            f"SLURM_LOCALID={v['SLURM_LOCALID']} must be "
+            f"below the tasks on this node ({local_world})",
+        )
         port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt)
         return cls(
             rank=rank,
@@ -275,9 +337,16 @@ class DistEnv:
 
     @classmethod
     def _submitit_local(cls, env: Mapping[str, str]) -> "DistEnv":
-        v = _ints(env, ["SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_NTASKS"], "submitit local")
-        _consistent(v["SUBMITIT_LOCAL_GLOBALID"] < v["SUBMITIT_LOCAL_NTASKS"],
-                    f"SUBMITIT_LOCAL_GLOBALID={v['SUBMITIT_LOCAL_GLOBALID']} must be below SUBMITIT_LOCAL_NTASKS={v['SUBMITIT_LOCAL_NTASKS']}")
+        v = _ints(
+            env,
+            ["SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_NTASKS"],
+            "submitit local",
+        )
+        _consistent(
+            v["SUBMITIT_LOCAL_GLOBALID"] < v["SUBMITIT_LOCAL_NTASKS"],
+            f"SUBMITIT_LOCAL_GLOBALID={v['SUBMITIT_LOCAL_GLOBALID']} must "
+            f"be below SUBMITIT_LOCAL_NTASKS={v['SUBMITIT_LOCAL_NTASKS']}",
+        )
         job_id = env.get("SUBMITIT_LOCAL_JOB_ID", "local")
         attempt = int(env.get("CLUSTERFLOW_ATTEMPT", "0") or 0)
         return cls(
@@ -286,7 +355,9 @@ class DistEnv:
             local_rank=v["SUBMITIT_LOCAL_LOCALID"],
             local_world_size=v["SUBMITIT_LOCAL_NTASKS"],
             master_addr="127.0.0.1",
-            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt),
+            master_port=(
+                int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt)
+            ),
             job_id=job_id,
             attempt=attempt,
             hosts=(env.get("HOSTNAME", "localhost"),),

@@ -20,7 +20,9 @@ class Subgroup:
         if dist.initialized():
             import torch.distributed as tdist
 
-            self.group = tdist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+            self.group = tdist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.group is None:
@@ -32,7 +34,8 @@ class Subgroup:
         return box[0]
 
     def broadcast_array(self, values: Any, n: int, src: int = 0) -> Any:
-        """Rank ``src``'s int64 array of length ``n`` on every rank (``values`` is ignored elsewhere)."""
+        """Rank ``src``'s int64 array of length ``n`` on every rank (``values`` is ignored
+        elsewhere)."""
         if self.group is None:
             return values
         import torch
@@ -61,16 +64,21 @@ class AsyncMax:
 
     def start(self, *values: int) -> None:
         if self.pending:
-            raise RuntimeError("AsyncMax.start while a reduce is in flight; this is a bug in clusterflow")
+            raise RuntimeError(
+                "AsyncMax.start while a reduce is in flight; this is a bug in clusterflow"
+            )
         self._view[:] = values
         self.pending = True
         if self.group is not None:
             import torch.distributed as tdist
 
-            self._work = tdist.all_reduce(self._buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True)
+            self._work = tdist.all_reduce(
+                self._buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True
+            )
 
     def finish(self) -> tuple[int, ...]:
-        """The started reduce's result (waiting for it if it is still in flight); zeros when none was started."""
+        """The started reduce's result (waiting for it if it is still in flight); zeros when none
+        was started."""
         if not self.pending:
             return (0,) * len(self._view)
         if self._work is not None:

@@ -35,16 +35,29 @@ def shard_range(n: int, rank: int, world: int) -> range:
 def check_fits(n: int, batch_size: int, per_step: int, target: str) -> None:
     """An epoch needs at least one global batch (``train.batch_size`` samples; the incomplete tail
     is dropped); ``per_step`` (world size x grad_accum) must divide the batch."""
-    if batch_size % per_step:  # the config checks cluster.*; torchrun may start another number of processes
-        raise UserError(f"train.batch_size = {batch_size} must be divisible by world size x grad_accum = {per_step} "
-                        f"(the processes this job runs); try train.batch_size={max(per_step, batch_size // per_step * per_step)}")
+    # The config checks cluster.*; torchrun may start another number of processes.
+    if batch_size % per_step:
+        raise UserError(
+            f"train.batch_size = {batch_size} must be divisible by world size "
+            f"x grad_accum = {per_step} (the processes this job runs); try "
+            f"train.batch_size={max(per_step, batch_size // per_step * per_step)}"
+        )
     if n >= batch_size:
         return
     fit = n // per_step * per_step
-    fix = (f"lower train.batch_size to at most {fit} (a multiple of world size x grad_accum = {per_step})" if fit
-           else f"the dataset is smaller than world size x grad_accum = {per_step}: use fewer processes or a larger dataset")
-    raise UserError(f"train.batch_size = {batch_size} is larger than the training set of {target} ({n} samples), "
-                    f"so an epoch has no full batch; {fix}")
+    fix = (
+        f"lower train.batch_size to at most {fit} (a "
+        f"multiple of world size x grad_accum = {per_step})"
+        if fit
+        else (
+            f"the dataset is smaller than world size x grad_accum = {per_step}: "
+            "use fewer processes or a larger dataset"
+        )
+    )
+    raise UserError(
+        f"train.batch_size = {batch_size} is larger than the training set "
+        f"of {target} ({n} samples), so an epoch has no full batch; {fix}"
+    )
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -60,8 +73,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if global_batch % world:
             raise ValueError(f"global batch {global_batch} not divisible by world size {world}")
         if n < global_batch:
-            raise ValueError(f"dataset of {n} samples is smaller than one global batch of {global_batch}")
-        self.n, self.global_batch, self.rank, self.world, self.seed = n, global_batch, rank, world, seed
+            raise ValueError(
+                f"dataset of {n} samples is smaller than one global batch of {global_batch}"
+            )
+        self.n, self.global_batch, self.rank, self.world, self.seed = (
+            n,
+            global_batch,
+            rank,
+            world,
+            seed,
+        )
         self.local = global_batch // world
         self.epoch = 0
         self.start = 0
@@ -76,14 +97,16 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.batches_per_epoch() - self.start
 
     def __iter__(self) -> Iterator[list[int]]:
-        perm = epoch_permutation(self.n, self.seed, self.epoch).tolist()  # once per epoch, not once per batch
+        # Once per epoch, not once per batch.
+        perm = epoch_permutation(self.n, self.seed, self.epoch).tolist()
         for b in range(self.start, self.batches_per_epoch()):
             lo = b * self.global_batch + self.rank * self.local
             yield perm[lo : lo + self.local]
 
 
 class WithEpoch(Sampler[list[tuple[int, int]]]):
-    """A batch sampler's batches as lists of (epoch, index), the epoch read when iteration starts."""
+    """A batch sampler's batches as lists of (epoch, index), the epoch read when iteration
+    starts."""
 
     def __init__(self, batches: GlobalBatchSampler) -> None:
         self.batches = batches

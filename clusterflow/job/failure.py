@@ -1,14 +1,14 @@
 """What a failed job says: one line for every cause clusterflow can name, and the traceback where
 it helps (the user's own task code).
 
-| raised                                           | exit | printed and recorded                          |
-|--------------------------------------------------|------|-----------------------------------------------|
-| ``UserError``: bad input (config, task.target    | 2    | one line                                      |
-| that does not exist, task.params, batch size)    |      |                                               |
-| ``RunFailed``: a full disk, a diverged loss        | 1    | one line                                      |
-| anything raised in the task's module (importing  | 1    | one line naming task.target and where, then   |
-| it, ``__init__``, ``build_model``, ``loss``, ...) |      | the task's traceback                          |
-| anything else (a clusterflow defect)             | 1    | the traceback, as Python prints it            |
+| raised                                            | exit | printed and recorded                 |
+|---------------------------------------------------|------|--------------------------------------|
+| ``UserError``: bad input (config, task.target     | 2    | one line                             |
+| that does not exist, task.params, batch size)     |      |                                      |
+| ``RunFailed``: a full disk, a diverged loss       | 1    | one line                             |
+| anything raised in the task's module (importing   | 1    | one line naming task.target and      |
+| it, ``__init__``, ``build_model``, ``loss``, ...) |      | where, then the task's traceback     |
+| anything else (a clusterflow defect)              | 1    | the traceback, as Python prints it   |
 
 ``submit --local`` and ``run`` give the same exit status for the same failure: the job records it
 in ``status.json`` (``exit_code``) and ``submit`` exits with it.
@@ -30,7 +30,9 @@ class Failure:
     message: str  # one line: status.json's error, errors/rank<R>.json's error
     trace: str  # the traceback worth keeping ("" for a failure the message says all about)
     code: int  # the exit status
-    named: bool  # True: clusterflow explains it and exits with ``code``; False: Python's own traceback and exit
+    # True: clusterflow explains it and exits with ``code``; False: Python's own traceback and
+    # exit status
+    named: bool
 
 
 def _task_file(target: str) -> str | None:

@@ -1,4 +1,5 @@
-"""The job every task runs, whoever launched it (submitit on Slurm, submitit locally, srun, torchrun).
+"""The job every task runs, whoever launched it (submitit on Slurm, submitit locally, srun,
+torchrun).
 
 ``Job`` is what submitit pickles; ``run_job`` is what ``python -m clusterflow.run`` calls. Both
 end in :func:`run_job`: read the environment, join the process group, agree on rank 0's config,
@@ -80,7 +81,8 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
 
     paths = rundir.RunPaths(cfg.run.dir)
-    # Every rank's process, so that `status` can tell a live run from one whose processes are all gone.
+    # Every rank's process, so that `status` can tell a live run from one whose processes are all
+    # gone.
     procs = dist.gather_object(
         [socket.gethostname(), os.getpid(), lease.process_start(os.getpid())]
     )
@@ -126,16 +128,16 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
 
 
 def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | None = None) -> str:
-    """Run this task's share of the job. Returns completed, preempted, timeout, requeued or failed."""
+    """Run this task's share of the job. Returns completed, preempted, timeout, requeued or
+    failed."""
 
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
     held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
-        observe.before_init(
-            cfg, environ
-        )  # the flight recorder reads its variables when the group starts
+        # The flight recorder reads its variables when the group starts.
+        observe.before_init(cfg, environ)
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         cfg = from_dict(_take_run_dir(env, cfg, environ))
@@ -145,14 +147,12 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
         preemption = Preemption().install()
 
-        frozen_code.activate(
-            cfg.run.dir
-        )  # the code frozen at submission, on every rank of every attempt
+        # The code frozen at submission, on every rank of every attempt.
+        frozen_code.activate(cfg.run.dir)
         task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
         trainer = Trainer(cfg, task, device, attempt, preemption)
-        with observe.Observer(cfg, env.rank, attempt, device).watching(
-            trainer.phases
-        ):  # heartbeats, stall watchdog
+        # Heartbeats, stall watchdog.
+        with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):
             outcome = trainer.fit()
         if env.is_main:
             outcome = after_stop(
@@ -186,10 +186,8 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
             lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
             answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
             answer = answer.to_dict()
-        except (
-            UserError,
-            OSError,
-        ) as exc:  # every rank must hear it, or the others wait for rank 0
+        except (UserError, OSError) as exc:
+            # Every rank must hear it, or the others wait for rank 0.
             lease.release(cfg.run.dir)
             answer = (
                 str(exc)
@@ -211,9 +209,9 @@ def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str)
 
 
 def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
-    """Write who failed and why, with the exit status (``failure.describe``; only into a run dir this
-    job holds): bad input is one line and exit 2; a full disk or a diverged loss one line and exit 1;
-    the task's own code its traceback and exit 1."""
+    """Write who failed and why, with the exit status (``failure.describe``; only into a run dir
+    this job holds): bad input is one line and exit 2; a full disk or a diverged loss one line and
+    exit 1; the task's own code its traceback and exit 1."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
     f = failure.describe(exc, cfg.task.target)
@@ -221,9 +219,10 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
     try:
         if write:
             rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
-            # The first rank to fail names the cause; a peer's later "connection closed" does not replace it.
-            # Two ranks' read-modify-writes of status.json at once may lose the winner's error: status
-            # then reads the cause from the first-error record, which no later write replaces.
+            # The first rank to fail names the cause; a peer's later "connection closed" does not
+            # replace it. Two ranks' read-modify-writes of status.json at once may lose the
+            # winner's error: status then reads the cause from the first-error record, which no
+            # later write replaces.
             first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
             rundir.write_status(
                 paths,
@@ -231,14 +230,10 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
                 exit_code=f.code,
                 **({"error": f"rank {rank}: {f.message}"} if first else {}),
             )
-    except (
-        OSError,
-        RunFailed,
-    ):  # a full disk or a vanished run dir: the message below still reaches the user
-        pass
-    shown = (
-        f.trace if f.named and f.trace else ""
-    )  # the task's traceback, in the rank log (echoed by --local)
+    except (OSError, RunFailed):
+        pass  # a full disk or a vanished run dir: the message below still reaches the user
+    # The task's traceback, in the rank log (echoed by --local).
+    shown = f.trace if f.named and f.trace else ""
     log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
     if f.named:
         later = (

@@ -34,8 +34,8 @@ class Action:
 def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, limit: int) -> Action:
     """``outcome``: completed, preempted or timeout (from the trainer); ``source``: the launcher
     (slurm, torchrun, submitit-local, single); ``slurm_state``: JobState of this job (None outside
-    a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops so far, this
-    one included; ``limit``: cluster.max_timeout_requeues."""
+    a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops
+    so far, this one included; ``limit``: cluster.max_timeout_requeues."""
     if outcome == "completed":
         return Action("completed", "completed")
     if slurm_state is None:  # nothing will bring the job back by itself
@@ -78,9 +78,8 @@ def after_stop(
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
     action = decide(outcome, env.source, slurm_state, timeouts, limit)
-    if outcome != "completed" and cancel_marker.is_cancelled(
-        paths.root
-    ):  # the user's cancel wins over any requeue
+    # The user's cancel wins over any requeue.
+    if outcome != "completed" and cancel_marker.is_cancelled(paths.root):
         rundir.write_status(paths, state="cancelled")
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome

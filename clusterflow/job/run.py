@@ -4,10 +4,11 @@ The in-allocation entry point: run this process's share of the job, reading rank
 Slurm (``srun``), torchrun, or nothing (a single process). The sbatch template calls it under
 ``srun``. The config is resolved once: the first attempt writes RUN_DIR/config.yaml, and every
 rank of every later attempt runs on that file as rank 0 read it. A later launch into the same run
-dir must ask for the same config (``config.check_resume``), except a requeue of the same job, which
-runs on the saved config even if the YAML was edited since, and a launch into a run dir that holds
-no committed checkpoint yet, whose config it replaces (``saved_config.resolve``). ``--check``
-stops before the process group and training: everything else is checked as a run checks it.
+dir must ask for the same config (``config.job_config.check_resume``), except a requeue of the
+same job, which runs on the saved config even if the YAML was edited since, and a launch into a
+run dir that holds no committed checkpoint yet, whose config it replaces
+(``rundir.saved_config.resolve``). ``--check`` stops before the process group and training:
+everything else is checked as a run checks it.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ from clusterflow.job.job import run_job
 from clusterflow.rundir import preflight, saved_config
 from clusterflow.tasks import load_task
 
-EXAMPLES = """examples:
-  python -m clusterflow.run configs/demo.yaml                        # one process, here
-  torchrun --nproc-per-node 2 -m clusterflow.run configs/demo.yaml   # two processes with torchrun
-  srun python -m clusterflow.run configs/demo.yaml run.dir=runs/x    # inside an allocation
-  python -m clusterflow.run configs/demo.yaml --check                # validate everything, train nothing
-"""
+EXAMPLES = (
+    "examples:\n"
+    "  python -m clusterflow.run configs/demo.yaml                        # one process, here\n"
+    "  torchrun --nproc-per-node 2 -m clusterflow.run configs/demo.yaml"
+    "   # two processes with torchrun\n"
+    "  srun python -m clusterflow.run configs/demo.yaml run.dir=runs/x    # inside an allocation\n"
+    "  python -m clusterflow.run configs/demo.yaml --check"
+    "                # validate everything, train nothing\n"
+)
 
 
 @cli
@@ -46,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--check",
         action="store_true",
-        help="check the config, the run dir and the task (import, parameters, dataset size), then exit "
-        "without training or writing anything: 0 when the run would start, 2 with the reason otherwise",
+        help="check the config, the run dir and the task (import, parameters, dataset size), "
+        "then exit without training or writing anything: 0 when the run would start, 2 with the "
+        "reason otherwise",
     )
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
@@ -81,7 +86,8 @@ def _check_task(cfg: Config, world: int) -> int:
         return f.code
     check_fits(n, cfg.train.batch_size, world * cfg.train.grad_accum, cfg.task.target)
     print(
-        f"ok: {cfg.task.target} with {n} training samples, {n // cfg.train.batch_size} steps per epoch, "
+        f"ok: {cfg.task.target} with {n} training samples, "
+        f"{n // cfg.train.batch_size} steps per epoch, "
         f"{cfg.train.epochs} epoch(s) on {world} process(es); run dir {cfg.run.dir}"
     )
     return EXIT_OK

@@ -1,17 +1,19 @@
 """Which GPUs a workstation run uses (`submit --local` with cluster.gpus_per_node): the free ones.
 
-A pure function over an NVML snapshot (see nvml.py), so every case is table-tested without a GPU:
+A pure function over an NVML snapshot (see ``observe/nvml.py``), so every case is table-tested
+without a GPU:
 
     sel = select_gpus(nvml.read_snapshot(), want=2, request="auto")   # or request=[0, 2]
-    sel.env_for(local_rank)   # {"CUDA_VISIBLE_DEVICES": "GPU-<uuid>", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    sel.env_for(local_rank)   # {"CUDA_VISIBLE_DEVICES": "GPU-<uuid>",
+                              #  "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
     sel.summary()             # which GPUs and why, and why not the others
 
 A GPU is free when no other process holds it, its used memory is at the idle level of a driver
 context (a process in another container holds memory but is invisible to us), and it has at least
-``min_free_mb`` free. A request that cannot be met raises a UserError naming the busy GPU, the process
-holding it (pid, name, memory) and the fix. Each process gets one GPU, named by UUID: CUDA's own
-numbering follows CUDA_DEVICE_ORDER (fastest first by default), NVML's the PCI bus, and a UUID
-means the same GPU to both.
+``min_free_mb`` free. A request that cannot be met raises a UserError naming the busy GPU, the
+process holding it (pid, name, memory) and the fix. Each process gets one GPU, named by UUID:
+CUDA's own numbering follows CUDA_DEVICE_ORDER (fastest first by default), NVML's the PCI bus,
+and a UUID means the same GPU to both.
 """
 
 from __future__ import annotations
@@ -22,9 +24,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from clusterflow.errors import UserError
 from clusterflow.observe import nvml
 
-IDLE_USED_MB = (
-    1024  # a driver context with no process (persistence mode, MIG, ECC) stays under this
-)
+# A driver context with no process (persistence mode, MIG, ECC) stays under this.
+IDLE_USED_MB = 1024
 
 
 def _gib(mb: float) -> str:
@@ -104,8 +105,8 @@ def select_gpus(
     ignore_pids: Iterable[int] = (),
     cuda_visible_devices: str | None = None,
 ) -> Selection:
-    """Choose ``want`` GPUs: the free ones in index order ("auto", within CUDA_VISIBLE_DEVICES when set),
-    or exactly the listed NVML indices, each of which must be free."""
+    """Choose ``want`` GPUs: the free ones in index order ("auto", within CUDA_VISIBLE_DEVICES
+    when set), or exactly the listed NVML indices, each of which must be free."""
     if not snapshot:
         raise UserError(
             f"cluster.gpus_per_node={want} asks for GPUs, but NVML sees none on this machine "

@@ -30,9 +30,8 @@ from clusterflow.launch import jobs
 from clusterflow.manage import logs
 from clusterflow.rundir import first_error, lease, states
 
-GRACE_S = (
-    3.0  # the others may still end by themselves (and record their side) before they are stopped
-)
+# The others may still end by themselves (and record their side) before they are stopped.
+GRACE_S = 3.0
 
 
 def _children(pid: int) -> list[int]:
@@ -58,9 +57,8 @@ class RankWatch:
         self.controller = int(job.job_id)
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
         self.started_at = time.time()
-        self.first_seen: float | None = (
-            None  # when the first task appeared (the controller starts all at once)
-        )
+        # When the first task appeared (the controller starts all at once).
+        self.first_seen: float | None = None
         self.attempts_before = rundir.attempt_count(rundir.RunPaths(run_dir))
 
     def first_dead(self) -> int | None:
@@ -82,8 +80,9 @@ class RankWatch:
         return None
 
     def _kill_survivors(self) -> None:
-        """SIGKILL any rank the controller did not stop (a busy machine can delay it past our wait):
-        a rank left in the rendezvous would live on for dist.timeout_s, holding the terminal's pipes."""
+        """SIGKILL any rank the controller did not stop (a busy machine can delay it past our
+        wait): a rank left in the rendezvous would live on for dist.timeout_s, holding the
+        terminal's pipes."""
         for pid, start in self.procs.values():
             if start is not None and lease.process_start(pid) == start:
                 try:
@@ -119,10 +118,14 @@ class RankWatch:
             printed = []
         if printed:
             return printed[-1]
-        return f"it recorded no Python error: killed by a signal, out of memory, or a crash in native code; see {self.folder}"
+        return (
+            "it recorded no Python error: killed by a signal, out of memory, or a crash in native "
+            f"code; see {self.folder}"
+        )
 
     def stop(self, rank: int) -> str:
-        """End the job because ``rank`` died; returns (and, if this run dir is free, records) why."""
+        """End the job because ``rank`` died; returns (and, if this run dir is free, records)
+        why."""
         deadline = time.time() + GRACE_S
         while time.time() < deadline and not self.job.done():
             time.sleep(0.2)
@@ -142,9 +145,8 @@ class RankWatch:
         who = f"rank {rank} (pid {self.procs[rank][0]})" if rank in self.procs else f"rank {rank}"
         why = f"{who} died first, {when}: {cause}; the other rank(s) were stopped"
         try:
-            lease.check(
-                self.run_dir, lease.identity()
-            )  # raises while another live job holds the run dir
+            # Raises while another live job holds the run dir.
+            lease.check(self.run_dir, lease.identity())
         except lease.RunDirBusy:
             return why
         rundir.write_status(paths, state="failed", error=why)
@@ -153,20 +155,19 @@ class RankWatch:
 
 def failed_exit_code(status: dict[str, Any]) -> int:
     """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
-    see ``failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
+    see ``job/failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
     code = status.get("exit_code")
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
 def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
-    """Run here; ``gpus``: the NVML indices chosen by gpu_select.for_local (one per process)."""
+    """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process)."""
     paths = rundir.RunPaths(cfg.run.dir)
     folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)
     if gpus is not None:
-        os.environ["CUDA_DEVICE_ORDER"] = (
-            "PCI_BUS_ID"  # CUDA numbers them as NVML (and nvidia-smi) does
-        )
+        # CUDA numbers them as NVML (and nvidia-smi) does.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     ex.update_parameters(
         tasks_per_node=cfg.cluster.tasks_per_node,
         nodes=1,
@@ -177,7 +178,8 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
     job = ex.submit(jobs.job_for(cfg))
     print(
-        f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), run dir {cfg.run.dir}"
+        f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), "
+        f"run dir {cfg.run.dir}"
     )
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
     why, results = None, None
@@ -185,7 +187,8 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
         why = _follow(
             cfg.run.dir, job, RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node)
         )
-        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s for nothing.
+        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s
+        # for nothing.
         if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
             results = job.results()
     except KeyboardInterrupt:
@@ -224,7 +227,8 @@ def _follow(run_dir: str, job: Any, watch: RankWatch) -> str | None:
     while True:
         done = job.done()
         dead = None if done else watch.first_dead()
-        # Echoed before acting on a death: the dead rank's last lines (its traceback) are already written.
+        # Echoed before acting on a death: the dead rank's last lines (its traceback) are
+        # already written.
         tail.drain(sys.stdout)
         if dead is not None:
             why = watch.stop(dead)

@@ -25,8 +25,9 @@ def _state(run_dir: str) -> str | None:
 
 
 def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> str | None:
-    """The ``--dependency`` value for ``--after`` run dirs, or None; refuses runs that cannot complete.
-    A dry run only warns (the earlier stage is often not submitted yet when one looks at the script)."""
+    """The ``--dependency`` value for ``--after`` run dirs, or None; refuses runs that cannot
+    complete. A dry run only warns (the earlier stage is often not submitted yet when one looks at
+    the script)."""
     if dry_run:
         try:
             return dependency(after, local)
@@ -50,7 +51,8 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
 
 
 def after_dependency(runs: list[tuple[str, str | None, str | None]]) -> str | None:
-    """``--after RUN_DIR`` (repeatable) -> the ``--dependency`` value, from (run_dir, state, job id).
+    """``--after RUN_DIR`` (repeatable) -> the ``--dependency`` value, from (run_dir, state, job
+    id).
 
     A completed run needs no dependency (Slurm forgets finished jobs, and ``afterok`` on a
     forgotten id is refused). A failed, stopped or cancelled run would never satisfy ``afterok``,
@@ -62,12 +64,14 @@ def after_dependency(runs: list[tuple[str, str | None, str | None]]) -> str | No
             continue
         if states.ended(state):
             raise UserError(
-                f"--after {run_dir}: that run is {state}, so a job waiting for it to complete would never start; "
+                f"--after {run_dir}: that run is {state}, so a job waiting for it to complete "
+                "would never start; "
                 f"resume it first (submit its config again), then submit this one with --after"
             )
         if not jobids.is_slurm_id(job_id):
             raise UserError(
-                f"--after {run_dir}: no Slurm job is known for that run (state {state or 'unknown'}); "
+                f"--after {run_dir}: no Slurm job is known for that run "
+                f"(state {state or 'unknown'}); "
                 f"--after needs a run submitted to Slurm with clusterflow.submit"
             )
         ids.append(str(job_id))

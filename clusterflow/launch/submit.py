@@ -1,9 +1,11 @@
-"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--sweep KEY=V1,V2 ...] [--after RUN_DIR ...] [--local] [--dry-run] [--wait]
+"""python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--sweep KEY=V1,V2 ...]
+[--after RUN_DIR ...] [--local] [--dry-run] [--wait]
 
 Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
-(``preflight``), create the run directory and write ``config.yaml``, then hand the job to submitit (Slurm) or to submitit's local executor
-(``--local``: this machine, cluster.tasks_per_node processes, gloo on CPU). Importing this module
-loads neither torch nor faiss.
+(``preflight``), create the run directory and write ``config.yaml``, then hand the job to
+submitit (Slurm) or to submitit's local executor (``--local``: this machine,
+cluster.tasks_per_node processes, gloo on CPU). Importing this module loads neither torch nor
+faiss.
 """
 
 from __future__ import annotations
@@ -28,15 +30,22 @@ from clusterflow.rundir import (
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
 
-EXAMPLES = """examples:
-  python -m clusterflow.submit configs/demo.yaml --local                 # demo on this machine, 2 processes
-  python -m clusterflow.submit configs/demo.yaml cluster.nodes=2 --dry-run  # print the sbatch script
-  python -m clusterflow.submit configs/demo.yaml run.dir=runs/exp1 cluster.partition=gpu --wait
-  python -m clusterflow.submit configs/demo.yaml run.dir=runs/sweep1 --sweep train.lr=0.001,0.003 --sweep mining.k=5,10
-                                                                        # 4 members, one job array (again: resumes it)
-  python -m clusterflow.submit configs/two_stage_2_classifier.yaml --after runs/two_stage_1
-                                                                        # starts when stage 1 has completed
-"""
+EXAMPLES = (
+    "examples:\n"
+    "  python -m clusterflow.submit configs/demo.yaml --local"
+    "                 # demo on this machine, 2 processes\n"
+    "  python -m clusterflow.submit configs/demo.yaml cluster.nodes=2 --dry-run"
+    "  # print the sbatch script\n"
+    "  python -m clusterflow.submit configs/demo.yaml run.dir=runs/exp1 cluster.partition=gpu"
+    " --wait\n"
+    "  python -m clusterflow.submit configs/demo.yaml run.dir=runs/sweep1"
+    " --sweep train.lr=0.001,0.003 --sweep mining.k=5,10\n"
+    "                                                                       "
+    " # 4 members, one job array (again: resumes it)\n"
+    "  python -m clusterflow.submit configs/two_stage_2_classifier.yaml --after runs/two_stage_1\n"
+    "                                                                       "
+    " # starts when stage 1 has completed\n"
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -75,7 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="RUN_DIR",
-        help="start only after that run completed (Slurm afterok; repeatable); with --local it must be completed",
+        help="start only after that run completed (Slurm afterok; repeatable); "
+        "with --local it must be completed",
     )
     return p.parse_intermixed_args(argv)  # flags may come after the overrides too
 
@@ -108,13 +118,15 @@ def check_cluster(cfg: Config) -> None:
     name = c.partition or default
     if c.partition and c.partition not in parts:
         raise UserError(
-            f"cluster.partition = {c.partition!r} does not exist; partitions here: {', '.join(parts)}"
+            f"cluster.partition = {c.partition!r} does not exist; "
+            f"partitions here: {', '.join(parts)}"
         )
     if name in parts:
         nodes = int(parts[name][1])
         if c.nodes > nodes:
             raise UserError(
-                f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); lower cluster.nodes"
+                f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); "
+                "lower cluster.nodes"
             )
 
 
@@ -171,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         return sweep.submit_sweep(args, dependency)
     if args.max_parallel is not None:
         raise UserError(
-            "--max-parallel limits the members of a sweep running at once; it needs --sweep KEY=V1,V2"
+            "--max-parallel limits the members of a sweep running at once; "
+            "it needs --sweep KEY=V1,V2"
         )
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
@@ -179,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:
             print(
-                f"# would run {cfg.cluster.tasks_per_node} local process(es) with gloo in {cfg.run.dir}"
+                f"# would run {cfg.cluster.tasks_per_node} local process(es) "
+                f"with gloo in {cfg.run.dir}"
             )
         else:
             print(sbatch_script(cfg, dependency=dependency))
@@ -195,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, resumed = prepare_run_dir(cfg)
     if resumed:
         print(
-            f"run dir {cfg.run.dir} exists with the same config: resuming from its newest checkpoint"
+            f"run dir {cfg.run.dir} exists with the same config: "
+            "resuming from its newest checkpoint"
         )
-    cancel_marker.clear(
-        cfg.run.dir
-    )  # submitting a run again is the explicit way back from a cancel
+    # Submitting a run again is the explicit way back from a cancel.
+    cancel_marker.clear(cfg.run.dir)
     frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
         return local.submit_local(cfg, chosen)

@@ -1,18 +1,21 @@
-"""``submit CONFIG --sweep KEY=V1,V2 [--sweep ...] [--max-parallel N]``: a sweep as one Slurm job array.
+"""``submit CONFIG --sweep KEY=V1,V2 [--sweep ...] [--max-parallel N]``: a sweep as one Slurm job
+array.
 
 The steps, in order, so that a bad member never leaves half a sweep in the queue:
 
-1. expand the sweep and validate every member (``sweep.expand``: all failures at once);
+1. expand the sweep and validate every member (``sweeps.sweep.expand``: all failures at once);
 2. under the sweep's lock, merge the members into ``RUN_DIR/sweep.json`` (another sweep into the
    same dir is refused; changed resources are named) and plan: completed, running and cancelled
-   members are skipped, the others are new or resumed (``sweep_index.plan``);
+   members are skipped, the others are new or resumed (``sweeps.index.plan``);
 3. check each member's run dir and write its config (a resumed member keeps its saved one), and
    freeze the task's code into it;
 4. submit the members to run as one job array (``slurm.sbatch``) and record the array task of each
-   member in the index and in the member's ``submissions.jsonl`` (``cancel`` and ``--after`` read it).
+   member in the index and in the member's ``submissions.jsonl`` (``cancel`` and ``--after`` read
+   it).
 
 ``--local`` runs the members one after another here; ``--dry-run`` lists the members with what a
-submission would do and prints the array's sbatch script, writing nothing. Login-node module: no torch.
+submission would do and prints the array's sbatch script, writing nothing. Login-node module: no
+torch.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ def _submit_array(
     max_parallel: int | None,
     dependency: str | None,
 ) -> dict[str, str]:
-    """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one member)."""
+    """One sbatch for the members; returns member name -> job id (``A_T``, or ``A`` for one
+    member)."""
     sbatch.require_sbatch("run the sweep here")
     plan = sbatch.array_plan(_folder(sw), configs, names, max_parallel)
     params = sbatch.with_dependency(plan.parameters, dependency)
@@ -131,7 +135,8 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         index, changes, plan = _plan(sw)
         if changes:
             print(
-                f"note: resources changed since the last submission: {'; '.join(map(str, changes))}",
+                "note: resources changed since the last submission: "
+                f"{'; '.join(map(str, changes))}",
                 file=sys.stderr,
             )
         _show_plan(sw, plan)
@@ -149,9 +154,8 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         for cfg, name in zip(configs, names):
             submissions.record_submission(cfg.run.dir, jobs[name])
             rundir.write_status(rundir.RunPaths(cfg.run.dir), state="pending", job_id=jobs[name])
-            cancel_marker.clear(
-                cfg.run.dir
-            )  # a cancelled member is only here when its marker was deleted
+            # A cancelled member is only here when its marker was deleted.
+            cancel_marker.clear(cfg.run.dir)
         sweep_index.write_index(
             sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs)
         )

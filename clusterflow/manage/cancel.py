@@ -4,7 +4,7 @@ Stop a run (or every unfinished member of a sweep) for good: write ``RUN_DIR/can
 first, then ``scancel`` the run's current Slurm job. The marker comes first so that a job which
 catches the cancel's SIGTERM and would requeue itself sees it and does not; status reports
 ``cancelled`` from the marker; a resubmitted sweep skips cancelled members. Submitting a single
-run again is the explicit way back (submit clears its marker with :func:`clear`).
+run again is the explicit way back (submit clears its marker with ``cancel_marker.clear``).
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ def runs_of(target: str) -> list[str]:
         return list(sweep_index.member_dirs(target, index).values())
     if not os.path.exists(rundir.RunPaths(target).config):
         raise UserError(
-            f"{target!r} holds neither config.yaml nor sweep.json: not a clusterflow run or sweep dir"
+            f"{target!r} holds neither config.yaml nor sweep.json: "
+            "not a clusterflow run or sweep dir"
         )
     return [target]
 
 
 def job_state(run_dir: str) -> str | None:
     """The state the run's job last wrote (not the marker's: after a failed scancel, cancelling
-    again retries it), or None when a submission is newer than it (a resubmitted job may be pending)."""
+    again retries it), or None when a submission is newer than it (a resubmitted job may be
+    pending)."""
     paths = rundir.RunPaths(run_dir)
     st = rundir.read_json(paths.status, {}) or {}
     submitted = [float(r.get("submitted_at") or 0) for r in rundir.read_jsonl(paths.submissions)]
@@ -72,7 +74,8 @@ def targets(
             notes.append(f"{run_dir}: {state}; marked cancelled so that it is not resumed")
         elif job_id is None:
             notes.append(
-                f"{run_dir}: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked cancelled"
+                f"{run_dir}: no Slurm job known (a local run stops with Ctrl-C in its terminal); "
+                "marked cancelled"
             )
         else:
             kill.append((run_dir, job_id))

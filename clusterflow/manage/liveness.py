@@ -87,9 +87,8 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
     if gen:
         ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_commands.queue_state)
         return Liveness(ok, seen, f"the job holding its lease: {why}")
-    if (
-        procs and procs[0][0] == host
-    ):  # rank 0, the lease holder, ran here: gone, and it left no lease
+    # Rank 0, the lease holder, ran here: gone, and it left no lease.
+    if procs and procs[0][0] == host:
         return Liveness(
             False, seen, f"rank 0's process on {host} is gone and the run holds no lease"
         )

@@ -21,11 +21,13 @@ from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.rundir import cancel_marker, states
 from clusterflow.sweeps import index as sweep_index
 
-EXAMPLES = """examples:
-  python -m clusterflow.logs runs/exp1                # rank 0, every attempt
-  python -m clusterflow.logs runs/exp1 -f             # and follow, across requeues, until the run ends
-  python -m clusterflow.logs runs/exp1 --rank 3       # another rank
-"""
+EXAMPLES = (
+    "examples:\n"
+    "  python -m clusterflow.logs runs/exp1                # rank 0, every attempt\n"
+    "  python -m clusterflow.logs runs/exp1 -f"
+    "             # and follow, across requeues, until the run ends\n"
+    "  python -m clusterflow.logs runs/exp1 --rank 3       # another rank\n"
+)
 _NAME = re.compile(r"^rank(\d+)\.attempt(\d+)\.log$")
 
 

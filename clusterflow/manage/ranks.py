@@ -1,11 +1,12 @@
 """What `status` adds per rank, and why Slurm ended a job: the reading side of heartbeats,
-the stall watchdog and slurm_outcome.
+the stall watchdog and ``slurm/outcome.py``.
 
-- ``ranks``: every rank's latest heartbeat of the last attempt (heartbeat.read_ranks), with ages
-  and the marks ``silent`` and ``straggler``; ``ranks_summary`` names the odd ones in one line.
+- ``ranks``: every rank's latest heartbeat of the last attempt (``observe.heartbeat.read_ranks``),
+  with ages and the marks ``silent`` and ``straggler``; ``ranks_summary`` names the odd ones in
+  one line.
 - ``slurm``: once a failed or unfinished Slurm job has left the queue, sacct's verdict
   (OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, ...) or scontrol's, saying sacct was
-  unavailable (slurm_outcome.ask, with timeouts).
+  unavailable (``slurm.outcome.ask``, with timeouts).
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ def _heartbeat_s(paths: rundir.RunPaths) -> float:
 
 
 def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list[dict[str, Any]]:
-    """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no attempt began)."""
+    """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no
+    attempt began)."""
     every_s = _heartbeat_s(paths)
     if not last or not every_s:
         return []  # heartbeats off: no rank is silent for want of one
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
-    since = (
-        float(last.get("started_at") or 0) - 60
-    )  # nodes' clocks differ by seconds; an older attempt by minutes
+    # Nodes' clocks differ by seconds; an older attempt by minutes.
+    since = float(last.get("started_at") or 0) - 60
     return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world)
 
 
@@ -50,9 +51,8 @@ def extend(
     rs = ranks(paths, last, out.get("world_size"))
     if states.ended(out["state"]):
         for r in rs:
-            r["silent"] = (
-                False  # a finished run's ranks are quiet by design; the ages still say when they stopped
-            )
+            # A finished run's ranks are quiet by design; the ages still say when they stopped.
+            r["silent"] = False
     out["ranks"] = rs
     out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
     job_id = str(out.get("job_id") or "")

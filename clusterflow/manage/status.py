@@ -23,12 +23,14 @@ from clusterflow.slurm import outcome as slurm_outcome
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.sweeps import index as sweep_index
 
-EXAMPLES = """examples:
-  python -m clusterflow.status runs/demo
-  python -m clusterflow.status runs/demo --json | jq .state
-  python -m clusterflow.status runs/demo --ranks            # every rank: step, phase, heartbeat age, GPU
-  python -m clusterflow.status runs/sweep1            # a sweep dir: one row per member
-"""
+EXAMPLES = (
+    "examples:\n"
+    "  python -m clusterflow.status runs/demo\n"
+    "  python -m clusterflow.status runs/demo --json | jq .state\n"
+    "  python -m clusterflow.status runs/demo --ranks"
+    "            # every rank: step, phase, heartbeat age, GPU\n"
+    "  python -m clusterflow.status runs/sweep1            # a sweep dir: one row per member\n"
+)
 
 
 def _checkpoints(root: str) -> tuple[list[str], list[str]]:
@@ -122,8 +124,9 @@ def _curve_summary(m: dict[str, Any]) -> str:
     }
     nmi = curve.get("nmi")
     out = " | ".join(
-        f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: {curve['num_clusters'][i]} clusters, largest "
-        f"{curve['largest_cluster'][i]}" + (f", NMI {nmi[i]:.3f}" if nmi else "")
+        f"{ts[i]:.4g}{'*' if ts[i] == chosen else ''}: "
+        f"{curve['num_clusters'][i]} clusters, largest {curve['largest_cluster'][i]}"
+        + (f", NMI {nmi[i]:.3f}" if nmi else "")
         for i in sorted(rows)
     )
     if chosen is not None and chosen < min(ts):
@@ -207,7 +210,8 @@ def render(s: dict[str, Any]) -> str:
     lines = [
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
         f"attempts     {s['attempts']}",
-        f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step {s['global_step']}",
+        f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} "
+        f"of the epoch, global step {s['global_step']}",
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
     if s["latest_checkpoint"]:
@@ -221,8 +225,10 @@ def render(s: dict[str, Any]) -> str:
         lines.append("checkpoint   none yet")
     if s["damaged_checkpoints"]:
         lines.append(
-            f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded (digest, manifest or fit) and were set aside: "
-            f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} (inspect, then delete)"
+            f"damaged      {len(s['damaged_checkpoints'])} checkpoint(s) could not be loaded "
+            "(digest, manifest or fit) and were set aside: "
+            f"{', '.join(os.path.basename(p) for p in s['damaged_checkpoints'])} "
+            "(inspect, then delete)"
         )
     if s["checkpoint_error"]:
         lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
@@ -238,12 +244,14 @@ def render(s: dict[str, Any]) -> str:
             if m.get(k) is not None
         )
         lines.append(
-            f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: {m['num_clusters']} clusters, "
+            f"mining       {len(s['mining'])} round(s); last after epoch {m['epoch']}: "
+            f"{m['num_clusters']} clusters, "
             f"{m['num_singletons']} singletons, largest {m['largest_cluster']}{q}"
         )
         if m.get("threshold") is not None:
             lines.append(
-                f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); per round: "
+                f"threshold    {m['threshold']:.4g} ({m.get('threshold_rule', 'fixed')}); "
+                "per round: "
                 + ", ".join(
                     f"{r['threshold']:.4g}" for r in s["mining"] if r.get("threshold") is not None
                 )

@@ -6,7 +6,8 @@ can call it without an import cycle:
 
     if sweep_index.is_sweep_dir(d):
         rows = sweep_status.collect(d, collect)
-        print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, sweep_status.keys_of(d)))
+        keys = sweep_status.keys_of(d)
+        print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, keys))
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def rows(
 
 
 def collect(sweep_dir: str, collect_run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Read the index and every member's status (a member that cannot be read gets state unknown)."""
+    """Read the index and every member's status (a member that cannot be read gets state
+    unknown)."""
     index = sweep_index.read_index(sweep_dir) if sweep_index.is_sweep_dir(sweep_dir) else None
     if index is None:
         raise UserError(f"{sweep_dir!r} has no sweep.json, so it is not a sweep dir")

@@ -4,18 +4,21 @@ status.json holds what the run last wrote, and a run killed by SIGKILL, the OOM 
 node failure writes nothing more; a user's cancel, Slurm's queue and the attempt's first-error
 record each know something status.json may not. :func:`decide` weighs them, in this order:
 
-| evidence (first that applies wins)                     | state                     |
-|--------------------------------------------------------|---------------------------|
-| cancelled marker, run not completed                    | cancelled                 |
-| recorded running/pending (or nothing), no live process | failed                    |
-| squeue: PENDING                                        | requeued (pending before  |
-|                                                        | any attempt)              |
-| squeue: RUNNING, COMPLETING, CONFIGURING               | running                   |
-| squeue: gone, recorded running/pending                 | failed                    |
-| status.json's state                                    | that state                |
-| no state recorded                                      | running once an attempt   |
-|                                                        | or checkpoint exists,     |
-|                                                        | else pending              |
+| evidence (first that applies wins)                      | state                     |
+|---------------------------------------------------------|---------------------------|
+| cancelled marker, run not completed                     | cancelled                 |
+| no live process; recorded running/pending (or nothing); | failed                    |
+| squeue: RUNNING, COMPLETING, CONFIGURING or gone        |                           |
+| no live process; squeue not PENDING; recorded running,  | failed                    |
+| or nothing once an attempt or checkpoint exists         |                           |
+| squeue: PENDING                                         | requeued (pending before  |
+|                                                         | any attempt)              |
+| squeue: RUNNING, COMPLETING, CONFIGURING                | running                   |
+| squeue: gone, recorded running/pending (or nothing)     | failed                    |
+| status.json's state                                     | that state                |
+| no state recorded                                       | running once an attempt   |
+|                                                         | or checkpoint exists,     |
+|                                                         | else pending              |
 
 | evidence for ``error`` (first that applies wins)        | error                                |
 |---------------------------------------------------------|--------------------------------------|

@@ -133,9 +133,10 @@ def mutual_knn_clusters(
 
     ``embeddings``: float32 (N, d). Returns int64 (N,). ``threshold``: a cosine similarity, or
     ``"auto"`` (the threshold of highest modularity on the round's curve, docs/mining.md). With
-    ``singletons="ignore"`` samples without any kept edge get -1; ``max_cluster_size`` splits giant chained components.
-    ``index_args``: the FAISS knobs of :class:`clusterflow.mining.knn.KnnParams` (nlist, nprobe, hnsw_m,
-    ef_search, use_gpu); ``timings`` receives seconds per phase and the engine used.
+    ``singletons="ignore"`` samples without any kept edge get -1; ``max_cluster_size`` splits
+    giant chained components. ``index_args``: the FAISS knobs of
+    :class:`clusterflow.mining.knn.KnnParams` (nlist, nprobe, hnsw_m, ef_search, use_gpu);
+    ``timings`` receives seconds per phase and the engine used.
     """
 
     emb = np.asarray(embeddings)

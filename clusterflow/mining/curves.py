@@ -2,8 +2,8 @@
 
 One round's k-NN lists hold every threshold's clustering at once. The mutual edges
 (``mutual_graph.py``, the one definition ``clustering.mutual_edges`` uses too) come sorted by
-similarity; lowering the threshold only adds edges, so the components at every threshold of a grid come from
-one sweep that merges each band of new edges into the components of the band before
+similarity; lowering the threshold only adds edges, so the components at every threshold of a grid
+come from one sweep that merges each band of new edges into the components of the band before
 (``scipy.sparse.csgraph.connected_components`` on the small graph of the current components: a
 union-find in C, one call per grid point). Per grid point the curve holds the number of clusters,
 singletons, the largest cluster, the kept edges and the modularity of the components on the whole
@@ -72,7 +72,8 @@ def merge_similarities(graph: MutualGraph) -> np.ndarray:
 
 
 def clusters_at(n: int, merges: np.ndarray, threshold: float) -> int:
-    """Number of clusters at ``threshold`` from ``merge_similarities`` (compared as ``kept_edges``)."""
+    """Number of clusters at ``threshold`` from ``merge_similarities`` (compared as
+    ``kept_edges``)."""
     return n - _count_at_least(merges[::-1], threshold)
 
 
@@ -198,7 +199,8 @@ def threshold_curve(
     truth: np.ndarray | None = None,
     graph: MutualGraph | None = None,
 ) -> Curve:
-    """The curve of the mutual k-NN components over ``thresholds`` (default: ``default_thresholds``).
+    """The curve of the mutual k-NN components over ``thresholds`` (default:
+    ``default_thresholds``).
 
     ``sims, ids``: the k-NN lists the engines return. ``truth``: optional ground-truth labels
     (N,); NMI and ARI are then computed at every grid point. ``graph``: a ``mutual_graph`` of the
@@ -236,7 +238,7 @@ def threshold_curve(
 class _Agreement:
     """NMI (arithmetic normalisation) and ARI of partitions against one fixed ground truth, as
     scikit-learn defines them (limit cases included), from a sparse contingency table: one
-    O(N) table per grid point where scikit-learn's functions took 1.1 s at 200,000 samples."""
+    O(N) table per grid point where scikit-learn's functions take 1.1 s at 200,000 samples."""
 
     def __init__(self, truth: np.ndarray) -> None:
         _, self.truth = np.unique(np.asarray(truth), return_inverse=True)
@@ -247,9 +249,8 @@ class _Agreement:
 
     def __call__(self, labels: np.ndarray) -> tuple[float, float]:
         n, rows = self.n, int(labels.max()) + 1
-        table = sparse.csr_matrix(
-            (np.ones(n), (labels, self.truth)), shape=(rows, len(self.b))
-        )  # sums repeats
+        # The matrix sums repeated (label, truth) pairs: the contingency table.
+        table = sparse.csr_matrix((np.ones(n), (labels, self.truth)), shape=(rows, len(self.b)))
         nij = table.data
         a = np.asarray(table.sum(1)).ravel()
         row_of = np.repeat(np.arange(rows), np.diff(table.indptr))

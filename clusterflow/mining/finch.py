@@ -4,9 +4,9 @@ on the k-NN lists a mining round already has.
 Level 0 links every sample to its first neighbour (column 0 of the round's ``ids``: no new
 search) and takes the connected components. Each next level does the same to the clusters of
 the level before, represented by their mean direction (the normalised sum of their L2-normalised
-rows), with a k=1 search over the means by one of ``clusterflow.knn``'s engines. It stops, as the
-authors' code does, when a level would leave one cluster or merge only one pair; that level is
-not kept. No threshold, no k.
+rows), with a k=1 search over the means by one of ``clusterflow.mining.knn``'s engines. It stops,
+as the authors' code does, when a level would leave one cluster or merge only one pair; that
+level is not kept. No threshold, no k.
 
 Written here rather than taken from ``finch-clust`` (MIT): that package can take level 0's first
 neighbours (``initial_rank``) but searches every later level itself, with a dense N x N distance
@@ -78,8 +78,8 @@ def finch_levels(
     """The FINCH partitions, finest first: int64 (N,) labels each, numbered by smallest member.
 
     ``x``: the L2-normalised rows the k-NN lists were computed on (float32 (N, d)); ``ids``: their
-    k-NN lists (N, k), nearest first, as ``clusterflow.knn`` returns them; ``search(x, k)``: the
-    engine for the cluster means (default: ``default_search()``).
+    k-NN lists (N, k), nearest first, as ``clusterflow.mining.knn`` returns them;
+    ``search(x, k)``: the engine for the cluster means (default: ``default_search()``).
     """
     x = np.asarray(x, dtype=np.float32)
     ids = np.asarray(ids)
@@ -121,9 +121,8 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
     member = sparse.csr_matrix(
         (np.ones(n, np.float32), (labels, np.arange(n))), shape=(len(count), n)
     )
-    sums = np.asarray(
-        member @ np.asarray(x, dtype=np.float32)
-    )  # float32 (C, d): no float64 copy of x
+    # float32 (C, d): no float64 copy of x.
+    sums = np.asarray(member @ np.asarray(x, dtype=np.float32))
     block = max(1, (1 << 24) // len(count))  # at most 16M scores (64 MB) at a time
     scores = []
     for start in range(0, len(rows), block):
@@ -133,9 +132,8 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
         others = 1 - dots / count
         others[np.arange(len(r)), own] = np.inf
         b = others.min(1)
-        with np.errstate(
-            invalid="ignore", divide="ignore"
-        ):  # singletons (0/0) and a = b = 0 score 0, as in scikit-learn
+        # Singletons (0/0) and a = b = 0 score 0, as in scikit-learn.
+        with np.errstate(invalid="ignore", divide="ignore"):
             a = 1 - (dots[np.arange(len(r)), own] - np.einsum("ij,ij->i", xr, xr)) / (
                 count[own] - 1
             )

@@ -31,13 +31,13 @@ class MutualGraph:
     v: np.ndarray  # int64 (E,)
     w: np.ndarray  # (E,), the similarities' float dtype, descending
     w_uv: np.ndarray  # (E,): u's listing of v
-    w_vu: (
-        np.ndarray
-    )  # (E,): v's listing of u (not always bitwise w_uv: FAISS may sum in another order)
+    # (E,): v's listing of u (not always bitwise w_uv: FAISS may sum in another order)
+    w_vu: np.ndarray
 
 
 def mutual_graph(sims: np.ndarray, ids: np.ndarray, block: int = 65536) -> MutualGraph:
-    """The mutual edges of k-NN lists ``(sims, ids)`` (N, k), as ``clusterflow.knn`` returns them.
+    """The mutual edges of k-NN lists ``(sims, ids)`` (N, k), as ``clusterflow.mining.knn``
+    returns them.
 
     No sort of the N*k entries: entry i -> j (i < j) is mutual iff i is in row j, which one
     comparison of row j with i finds (O(N k^2), in blocks of rows to bound memory), and the same

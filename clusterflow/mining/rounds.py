@@ -1,14 +1,17 @@
-"""A mining round's work on disk, so a round cut short resumes where it stopped (``mining.resume``).
+"""A mining round's work on disk, so a round cut short resumes where it stopped
+(``mining.resume``).
 
-    RUN_DIR/mining/epoch-<E>/rank<R>/shard/step-0/     this rank's embeddings: indices (int64), rows (float32)
-    RUN_DIR/mining/epoch-<E>/rank<R>/search/step-<S>/  k-NN query blocks this rank finished (a batch of them per step)
+    RUN_DIR/mining/epoch-<E>/rank<R>/shard/step-0/
+        this rank's embeddings: indices (int64), rows (float32)
+    RUN_DIR/mining/epoch-<E>/rank<R>/search/step-<S>/
+        k-NN query blocks this rank finished (a batch of them per step)
 
-Every folder is committed by the checkpoint store (store.py: staged, the sha256 of every file in a
-manifest written last, atomic rename; a reader trusts only a folder that verifies), so a kill at
-any moment leaves a usable folder or debris that is ignored. The manifests carry the round's key
-(``round_key``: a digest of the model's weights, world size, dataset size, the mining settings
-that change a result, the engine and the software): files of another key are deleted and the
-round starts afresh.
+Every folder is committed by the checkpoint store (``storage/store.py``: staged, the sha256 of every
+file in a manifest written last, atomic rename; a reader trusts only a folder that verifies), so a
+kill at any moment leaves a usable folder or debris that is ignored. The manifests carry the round's
+key (``round_key``: a digest of the model's weights, world size, dataset size, the mining settings
+that change a result, the engine and the software): files of another key are deleted and the round
+starts afresh.
 
 Rows are kept in float32, the precision the round clusters: a resumed round then gives the labels
 of an uninterrupted one bit for bit. float16 would halve the files, but only if every round

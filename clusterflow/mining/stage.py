@@ -5,7 +5,7 @@
     gather     search=rank0: every row to rank 0 only (dist.gather_rows), placed back by index
     + graph    and rank 0 finds the k nearest others of each (knn.search: FAISS or exact torch);
                search=all: every rank searches its own block against all rows
-               (knn_torch.distributed_search) and only the k-NN lists travel to rank 0
+               (knn.torch_engine.distributed_search) and only the k-NN lists travel to rank 0
     cluster    rank 0: the threshold curve of the mutual graph (curves.py), then mining.method:
                mutual_knn (edges >= the threshold, a number or the curve's "auto", then
                connected components: the very functions behind ``mutual_knn_clusters``) or
@@ -13,8 +13,8 @@
     broadcast  labels (int64) from rank 0 on a subgroup whose timeout covers the search
 
 With ``mining.resume`` each rank's embeddings and the finished query blocks are committed to the
-run dir as the round goes (mining_rounds.py), so a round cut short continues where it stopped, and
-a round leaves the global random streams as it found them (skipping an embedding then changes no
+run dir as the round goes (rounds.py), so a round cut short continues where it stopped, and a
+round leaves the global random streams as it found them (skipping an embedding then changes no
 later draw).
 
 """
@@ -50,9 +50,8 @@ from clusterflow.observe import phases
 log = logging.getLogger("clusterflow.mining")
 
 KnnLists = tuple[np.ndarray, np.ndarray]  # (sims, ids), (N, k) each
-Found = tuple[
-    "KnnLists | None", str, "np.ndarray | None"
-]  # rank 0: lists (None: aborted), engine, normalised rows (rank0 search)
+# Rank 0: lists (None: aborted), engine, normalised rows (rank0 search).
+Found = tuple["KnnLists | None", str, "np.ndarray | None"]
 
 
 @dataclass
@@ -122,9 +121,8 @@ def embed_shard(
             if tick is not None:
                 tick()
     if device.type == "cuda":
-        torch.cuda.current_stream(
-            device
-        ).synchronize()  # the one wait: every copy into `host` has landed
+        # The one wait: every copy into `host` has landed.
+        torch.cuda.current_stream(device).synchronize()
     model.train(was_training)
     if host is None:
         return np.zeros(0, np.int64), np.zeros((0, 1), np.float32)
@@ -140,10 +138,8 @@ class Rank0Search:
     index, or the exact torch engine on all its GPUs or cores)."""
 
     def __init__(self, params: KnnParams, keep_rows: bool = False) -> None:
-        self.params, self.keep_rows = (
-            params,
-            keep_rows,
-        )  # keep_rows: hand the rows to the clustering (FINCH)
+        # keep_rows: hand the rows to the clustering (FINCH).
+        self.params, self.keep_rows = params, keep_rows
 
     def __call__(
         self,
@@ -199,7 +195,8 @@ class SpreadSearch:
         order = np.argsort(indices, kind="stable")
         if not np.array_equal(indices[order], np.arange(offsets[rank], offsets[rank + 1])):
             raise RuntimeError(
-                "mining shards are not the contiguous blocks the distributed search needs; this is a bug in clusterflow"
+                "mining shards are not the contiguous blocks the distributed search needs; "
+                "this is a bug in clusterflow"
             )
         timings: dict[str, Any] = {}
         blocks = _blocks(files)
@@ -257,9 +254,8 @@ class Miner:
         self.phases = tracker or phases.Phases()
         self.progress_bar = progress_bar
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
-        self.group = dist.Subgroup(
-            cfg.timeout_s
-        )  # ranks wait here, on the mining timeout, for rank 0's search
+        # Ranks wait here, on the mining timeout, for rank 0's search.
+        self.group = dist.Subgroup(cfg.timeout_s)
         self.params = KnnParams.from_config(cfg)
         self.search = (
             SpreadSearch(self.params, device)
@@ -277,7 +273,8 @@ class Miner:
         )
 
     def forget_rounds(self, committed_epoch: int) -> None:
-        """Delete the files of the rounds whose labels a committed checkpoint holds (one rank calls it)."""
+        """Delete the files of the rounds whose labels a committed checkpoint holds (one rank
+        calls it)."""
         if self.rounds_dir is not None:
             forget_rounds(self.rounds_dir, committed_epoch)
 
@@ -290,12 +287,10 @@ class Miner:
         try:
             return self._round(task, model, epoch)
         finally:
-            torch.set_num_threads(
-                threads
-            )  # bitwise resume needs the same thread count before and after
-            restore_rng(
-                rng
-            )  # the embed's DataLoader draws a seed; a resumed round may skip the embed
+            # A bitwise resume needs the same thread count before and after.
+            torch.set_num_threads(threads)
+            # The embed's DataLoader draws a seed; a resumed round may skip the embed.
+            restore_rng(rng)
 
     def _round(self, task: Any, model: Any, epoch: int) -> Round | None:
         dataset = task.embed_dataset()
@@ -303,17 +298,16 @@ class Miner:
         seconds: dict[str, Any] = {}
         files = self._files(model, epoch, n)
         indices, emb, reused = self._embed(task, model, dataset, epoch, files, seconds)
-        if dist.any_rank(
-            not np.isfinite(emb).all(), device=self.device
-        ):  # clusters of NaN would look like a result
+        # Clusters of NaN would look like a result.
+        if dist.any_rank(not np.isfinite(emb).all(), device=self.device):
             raise RunFailed(
-                f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though every weight "
-                "is: the forward pass overflows (a diverging run: lower train.lr) or the task's embed() makes "
-                "them (a division by a zero norm?); no round was run on them"
+                f"mining after epoch {epoch}: the embeddings are not finite (NaN or inf) though "
+                "every weight is: the forward pass overflows (a diverging run: lower train.lr) or "
+                "the task's embed() makes them (a division by a zero norm?); no round was run on "
+                "them"
             )
-        embed_times = dist.gather_object(
-            (len(indices), seconds["embed"])
-        )  # on rank 0: into the stats it broadcasts
+        # On rank 0: into the stats it broadcasts.
+        embed_times = dist.gather_object((len(indices), seconds["embed"]))
         if self.stop.agree():
             return None
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
@@ -332,9 +326,8 @@ class Miner:
             stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
             stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
         with self.phases.enter(phases.MINING_WAIT):
-            stats = self.group.broadcast_object(
-                stats
-            )  # waits, on the mining timeout, for rank 0's search
+            # Waits, on the mining timeout, for rank 0's search.
+            stats = self.group.broadcast_object(stats)
             if stats is None:
                 return None  # rank 0 aborted the search on a signal
             t3 = time.perf_counter()

@@ -8,15 +8,15 @@ heartbeat, never a step. The thread also reads NVML for this rank's GPU (memory,
 temperature: a few ms of driver calls, which is why they are not on the loop's thread either).
 
 Storage: one small JSON file per rank, RUN_DIR/heartbeats/rank<R>.json, replaced atomically
-(``durable.write_atomic``: a hidden temp file, then rename), not fsynced (a heartbeat lost to a
-crash is replaced 10 s later), and never recreating a run dir moved away under it. At 1,000 ranks
-and heartbeat_s=10 that is 1,000 files of ~400 bytes (~0.4 MB), 100 replaces per second, i.e. ~400
-NFS RPCs/s (open, write, close, rename) and ~40 KB/s into one directory: a small load for any NFS
-server, which serves thousands of metadata operations per second. `status` reads the 1,000 files in
-about a second (~3 RPCs each) and only when someone asks. Per-node aggregation would cut the writes
-eightfold but needs a second channel between the ranks of a node, and a hung aggregator would
-silence every rank of its node: the very moment a heartbeat must speak. One file per rank keeps
-every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
+(``storage.durable.write_atomic``: a hidden temp file, then rename), not fsynced (a heartbeat lost
+to a crash is replaced 10 s later), and never recreating a run dir moved away under it. At 1,000
+ranks and heartbeat_s=10 that is 1,000 files of ~400 bytes (~0.4 MB), 100 replaces per second, i.e.
+~400 NFS RPCs/s (open, write, close, rename) and ~40 KB/s into one directory: a small load for any
+NFS server, which serves thousands of metadata operations per second. `status` reads the 1,000
+files in about a second (~3 RPCs each) and only when someone asks. Per-node aggregation would cut
+the writes eightfold but needs a second channel between the ranks of a node, and a hung aggregator
+would silence every rank of its node: the very moment a heartbeat must speak. One file per rank
+keeps every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
 
 A record also carries ``progress_at``: the writer keeps running while the loop is stuck in Python
 (time.sleep, a lock, a collective), so a fresh ``time`` with an old ``progress_at`` reads "alive but
@@ -57,7 +57,8 @@ class Progress:
         self._state = (self._state[0] + 1, step, phase, time.monotonic(), step_time_s)
 
     def snapshot(self) -> tuple[int, int, str, float, float | None]:
-        """(count, step, phase, monotonic time of the last bump, step time the loop passed or None)."""
+        """(count, step, phase, monotonic time of the last bump, step time the loop passed or
+        None)."""
         return self._state
 
 
@@ -65,9 +66,10 @@ class Heartbeat:
     """``Heartbeat(run_dir, rank, host, every_s).beat(step=..., phase=...)``; ``close()`` at exit.
 
     ``gpu`` is this rank's GPU as NVML knows it (an index or a ``GPU-...`` UUID; see
-    :func:`clusterflow.observe.nvml.nvml_id_for_torch_device`), None on CPU. With ``gather=True`` (rank 0)
-    the thread also reads every rank's file after writing its own, so :meth:`ranks` hands the
-    trainer a fresh per-rank list for TensorBoard without a collective or a read on the loop's thread.
+    :func:`clusterflow.observe.nvml.nvml_id_for_torch_device`), None on CPU. With
+    ``gather=True`` (rank 0) the thread also reads every rank's file after writing its own, so
+    :meth:`ranks` hands the trainer a fresh per-rank list for TensorBoard without a collective or
+    a read on the loop's thread.
     """
 
     def __init__(
@@ -87,9 +89,8 @@ class Heartbeat:
         self.host = host or socket.gethostname()
         self.gpu, self.gather, self._snapshot = gpu, gather, snapshot
         self.progress = Progress()
-        self._last: tuple[int, float, str] | None = (
-            None  # step, monotonic time, phase at the last write
-        )
+        # Step, monotonic time, phase at the last write.
+        self._last: tuple[int, float, str] | None = None
         self._step_time: float | None = None
         self._ranks: list[dict[str, Any]] = []
         self._stop = threading.Event()
@@ -110,7 +111,8 @@ class Heartbeat:
         return self._ranks
 
     def write(self) -> dict[str, Any]:
-        """Write this rank's record now (the thread does it every ``every_s``); returns the record."""
+        """Write this rank's record now (the thread does it every ``every_s``); returns the
+        record."""
         record = self.record()
         durable.write_atomic(
             self.paths.heartbeat_file(self.rank), json.dumps(record), fsync=False, make_folder=False
@@ -138,7 +140,8 @@ class Heartbeat:
         return rec
 
     def _update_step_time(self, step: int, phase: str, at: float, passed: float | None) -> None:
-        """Mean seconds per training step since the last write: wall time, so no CUDA sync is needed."""
+        """Mean seconds per training step since the last write: wall time, so no CUDA sync is
+        needed."""
         if passed is not None:
             self._step_time = float(passed)
         elif self._last and phase == "train" == self._last[2] and step > self._last[0]:
@@ -161,7 +164,8 @@ class Heartbeat:
                 self.write()
                 if self.gather:
                     self._ranks = read_ranks(self.run_dir, self.every_s)
-            except Exception:  # noqa: BLE001 - a full disk or a flaky NFS must never end the run; retried next tick
+            # A full disk or a flaky NFS must never end the run; retried next tick.
+            except Exception:  # noqa: BLE001
                 pass
             if self._stop.wait(self.every_s):
                 return
@@ -178,8 +182,8 @@ def read_ranks(
     since: float | None = None,
     world_size: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``, ``progress_age_s``
-    and the marks ``straggler`` and ``silent``.
+    """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``,
+    ``progress_age_s`` and the marks ``straggler`` and ``silent``.
 
     ``since`` (the attempt's start) drops records an earlier attempt left; with ``world_size``, a
     rank that has not written yet in this attempt is listed too, as silent with no phase.
@@ -261,14 +265,18 @@ def summary(ranks: list[dict[str, Any]]) -> str | None:
             parts.append(f"{who} is silent (last heartbeat {r['heartbeat_age_s']:.0f} s ago)")
         elif r["straggler"]:
             parts.append(
-                f"{who} straggles ({r['step_time_s']:.3f} s/step, others' median {r['median_step_time_s']:.3f} s)"
+                f"{who} straggles ({r['step_time_s']:.3f} s/step, "
+                f"others' median {r['median_step_time_s']:.3f} s)"
             )
     return "; ".join(parts) or None
 
 
 def render(ranks: list[dict[str, Any]]) -> str:
     """The table of `status --ranks`."""
-    head = f"{'rank':>4}  {'host':<12} {'step':>7}  {'phase':<13} {'beat':>6} {'moved':>6} {'s/step':>7}  {'gpu mem':>13} {'util':>5} {'temp':>5}  marks"
+    head = (
+        f"{'rank':>4}  {'host':<12} {'step':>7}  {'phase':<13} {'beat':>6} {'moved':>6} "
+        f"{'s/step':>7}  {'gpu mem':>13} {'util':>5} {'temp':>5}  marks"
+    )
     lines = [head]
     for r in ranks:
         mem = (
@@ -278,9 +286,12 @@ def render(ranks: list[dict[str, Any]]) -> str:
         )
         marks = ",".join(m for m in ("silent", "straggler") if r.get(m))
         lines.append(
-            f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  {str(r.get('phase') or '-'):<13} "
-            f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} {_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
-            f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} {_num(r.get('gpu_util_pct'), '{}%'):>5} "
+            f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  "
+            f"{str(r.get('phase') or '-'):<13} "
+            f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} "
+            f"{_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
+            f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} "
+            f"{_num(r.get('gpu_util_pct'), '{}%'):>5} "
             f"{_num(r.get('gpu_temp_c'), '{}C'):>5}  {marks}"
         )
     return "\n".join(lines)

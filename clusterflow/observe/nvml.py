@@ -1,15 +1,18 @@
-"""GPUs as NVML sees them: one thin reader that builds a plain snapshot, and pure functions over it.
+"""GPUs as NVML sees them: one thin reader that builds a plain snapshot, and pure functions over
+it.
 
-The snapshot is a list of dicts, one per GPU, in NVML's order (PCI bus order, as nvidia-smi shows):
+The snapshot is a list of dicts, one per GPU, in NVML's order (PCI bus order, as nvidia-smi
+shows):
 
     {"index": 0, "uuid": "GPU-...", "name": "NVIDIA H100 80GB HBM3",
      "memory_total_mb": 81559, "memory_used_mb": 523, "util_pct": 0, "temp_c": 31,
      "processes": [{"pid": 4242, "name": "python", "used_mb": 30000}]}
 
-Everything that decides something (heartbeat fields, GPU selection in gpu_select.py) works on that
-dict, so it is table-tested without a GPU. :func:`read_snapshot` is the only code that talks to the
-driver; it returns None when nvidia-ml-py (``pip install clusterflow[gpu]``) or the driver is missing,
-and a field NVML cannot read (utilisation on some MIG slices, temperature in some VMs) is left out.
+Everything that decides something (heartbeat fields, GPU selection in ``launch/gpus.py``) works
+on that dict, so it is table-tested without a GPU. :func:`read_snapshot` is the only code that
+talks to the driver; it returns None when nvidia-ml-py (``pip install clusterflow[gpu]``) or the
+driver is missing, and a field NVML cannot read (utilisation on some MIG slices, temperature in
+some VMs) is left out.
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def _text(value: Any) -> str:
 
 
 def process_name(pid: int) -> str:
-    """The command name of ``pid`` ("?" when it runs in another PID namespace, e.g. another container)."""
+    """The command name of ``pid`` ("?" when it runs in another PID namespace, e.g. another
+    container)."""
     try:
         with open(f"/proc/{pid}/comm", encoding="utf-8") as f:
             return f.read().strip() or "?"
@@ -88,7 +92,8 @@ def process_name(pid: int) -> str:
 
 
 def gpu_fields(gpu: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The per-GPU fields a heartbeat carries (and `status --ranks` shows); absent values are left out."""
+    """The per-GPU fields a heartbeat carries (and `status --ranks` shows); absent values are
+    left out."""
     if not gpu:
         return {}
     out = {
@@ -105,7 +110,8 @@ def gpu_fields(gpu: Mapping[str, Any] | None) -> dict[str, Any]:
 def find_gpu(
     snapshot: list[Mapping[str, Any]] | None, ident: int | str | None
 ) -> Mapping[str, Any] | None:
-    """The snapshot entry for an NVML index or a UUID (``GPU-...``; a prefix is enough, as CUDA accepts)."""
+    """The snapshot entry for an NVML index or a UUID (``GPU-...``; a prefix is enough, as CUDA
+    accepts)."""
     if snapshot is None or ident is None:
         return None
     for gpu in snapshot:
@@ -124,10 +130,10 @@ def nvml_id_for_torch_device(
     torch numbers only the GPUs in CUDA_VISIBLE_DEVICES, NVML numbers all of them, so cuda:0 under
     ``CUDA_VISIBLE_DEVICES=3,5`` is NVML's GPU 3. Entries may be indices or UUIDs (``GPU-...``,
     ``MIG-...``); None when the variable does not name that device. Indices in the variable follow
-    CUDA_DEVICE_ORDER; they equal NVML's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on a node of
-    identical GPUs (CUDA breaks speed ties by PCI order), hence UUIDs when in doubt. (Under Slurm with
-    ConstrainDevices the job sees only its own GPUs; prefer passing the device's UUID from
-    ``torch.cuda.get_device_properties(i).uuid`` to :func:`find_gpu` there.)
+    CUDA_DEVICE_ORDER; they equal NVML's only with ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on a node
+    of identical GPUs (CUDA breaks speed ties by PCI order), hence UUIDs when in doubt. (Under
+    Slurm with ConstrainDevices the job sees only its own GPUs; prefer passing the device's UUID
+    from ``torch.cuda.get_device_properties(i).uuid`` to :func:`find_gpu` there.)
     """
     if cuda_visible_devices is None:
         return device_index

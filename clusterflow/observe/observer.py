@@ -1,16 +1,17 @@
 """The job's side of per-rank observability: heartbeats, the stall watchdog, the flight recorder.
 
-job.py calls :func:`before_init` before the process group starts (the flight recorder reads its
-variables there) and runs ``Trainer.fit`` inside ``Observer(...).watching(trainer.phases)``. The
-pieces themselves live in heartbeat.py (per-rank files, no collective), watchdog.py (stacks,
-first cause, exit 86) and phases.py (what the loop is doing); this module only wires them to the
-config:
+``job/job.py`` calls :func:`before_init` before the process group starts (the flight recorder
+reads its variables there) and runs ``Trainer.fit`` inside
+``Observer(...).watching(trainer.phases)``. The pieces themselves live in heartbeat.py (per-rank
+files, no collective), watchdog.py (stacks, first cause, exit 86) and phases.py (what the loop is
+doing); this module only wires them to the config:
 
 - ``dist.heartbeat_s`` (0: off): each rank's RUN_DIR/heartbeats/rank<R>.json; rank 0 also reads
   every rank's file on its heartbeat thread and logs per-rank step time and per-GPU memory and
   utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
-- ``dist.stall_s`` (0: off): the watchdog's limit; the mining search and wait, which wait for rank 0's
-  k-NN search, get ``mining.timeout_s`` on top (the collective they wait in has that timeout).
+- ``dist.stall_s`` (0: off): the watchdog's limit; the mining search and wait, which wait for
+  rank 0's k-NN search, get ``mining.timeout_s`` on top (the collective they wait in has that
+  timeout).
 """
 
 from __future__ import annotations
@@ -31,14 +32,13 @@ log = logging.getLogger("clusterflow.observe")
 
 
 def before_init(cfg: Any, environ: Mapping[str, str]) -> None:
-    """Export the flight recorder's variables (a value the user set is kept). The attempt is the one
-    rank 0 records next: every rank reads attempts.jsonl before the rendezvous, rank 0 appends after it.
-    Nothing is written into the run dir here: this job does not hold it yet."""
+    """Export the flight recorder's variables (a value the user set is kept). The attempt is the
+    one rank 0 records next: every rank reads attempts.jsonl before the rendezvous, rank 0 appends
+    after it. Nothing is written into the run dir here: this job does not hold it yet."""
     try:
         attempt = rundir.attempt_count(rundir.RunPaths(cfg.run.dir))  # the attempt about to start
-    except (
-        OSError
-    ):  # a run dir that cannot be read is refused, with its reason, once the job takes it
+    except OSError:
+        # A run dir that cannot be read is refused, with its reason, once the job takes it.
         attempt = 0
     os.environ.update(
         flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False)
@@ -109,9 +109,8 @@ class Observer:
         if self.heartbeat is None and self.watchdog is None:
             yield
             return
-        os.makedirs(
-            self.paths.stalls(self.attempt), exist_ok=True
-        )  # where NCCL's own dump on timeout goes
+        # Where NCCL's own dump on timeout goes.
+        os.makedirs(self.paths.stalls(self.attempt), exist_ok=True)
         tracker.beat, tracker.scalars = self.progress.bump, self.scalars
         try:
             with self.watchdog if self.watchdog is not None else contextlib.nullcontext():
@@ -126,8 +125,9 @@ class Observer:
                 self.heartbeat.close()
 
     def _dump_recorder(self) -> None:
-        """A rank that fails (a peer's collective error, most often) leaves its flight recorder beside
-        the stalled rank's: comparing them names the rank that never joined a collective."""
+        """A rank that fails (a peer's collective error, most often) leaves its flight recorder
+        beside the stalled rank's: comparing them names the rank that never joined a
+        collective."""
         try:
             for line in dump_flight_recorder(
                 self.paths.stalls(self.attempt), self.rank, stacks_budget_s=0.5

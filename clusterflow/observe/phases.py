@@ -5,9 +5,10 @@ The trainer, the checkpointer and the mining stage enter a phase around each str
 heartbeat, a watchdog or per-rank status can report where a rank is and since when, without
 knowing the loop. Nested phases restore the outer one when they end.
 
-Each phase change and each :meth:`Phases.tick` (the loop calls it once per step or batch) is handed
-to ``beat(step, phase)``: with heartbeats on, :meth:`clusterflow.observe.heartbeat.Heartbeat.beat`, which
-stores a tuple and reads a clock (no I/O, no host sync); without, nothing.
+Each phase change and each :meth:`Phases.tick` (the loop calls it once per step or batch) is
+handed to ``beat(step, phase)``: with heartbeats on,
+:meth:`clusterflow.observe.heartbeat.Heartbeat.beat`, which stores a tuple and reads a clock (no
+I/O, no host sync); without, nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +35,8 @@ class Phases:
         self.since = time.time()
         self.step = 0
         self.beat: Callable[[int, str], None] = _nothing
-        self.scalars: Callable[[], dict[str, Any]] = (
-            dict  # rank 0 with heartbeats: every rank's, for TensorBoard
-        )
+        # Rank 0 with heartbeats: every rank's, for TensorBoard.
+        self.scalars: Callable[[], dict[str, Any]] = dict
 
     @contextlib.contextmanager
     def enter(self, name: str) -> Iterator[None]:

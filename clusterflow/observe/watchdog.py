@@ -1,9 +1,10 @@
-"""The stall watchdog: a rank whose loop stops moving dumps its stacks, names itself, and exits fast.
+"""The stall watchdog: a rank whose loop stops moving dumps its stacks, names itself, and exits
+fast.
 
 A hung rank otherwise holds the whole job until ``dist.timeout_s`` and is then blamed on a peer
 (rank 0's all_reduce times out first). A daemon thread watches the loop's
-:class:`~clusterflow.observe.heartbeat.Progress`; when it has not moved for ``stall_s`` (or the phase's own
-allowance: the mining wait is legitimately long) the thread
+:class:`~clusterflow.observe.heartbeat.Progress`; when it has not moved for ``stall_s`` (or the
+phase's own allowance: the mining wait is legitimately long) the thread
 
 1. records the first cause, ``rank R on HOST stalled N s at step S in PHASE (file:line function)``,
    in RUN_DIR/errors/first.attempt<A>.json, which a peer's later error cannot overwrite;
@@ -42,14 +43,20 @@ from clusterflow.observe.heartbeat import Progress
 from clusterflow.rundir import first_error
 from clusterflow.storage import durable
 
-WAIT_PATHS = ("torch/distributed/", "torch/nn/parallel/", "torch/autograd/", "clusterflow/dist.py")
+WAIT_PATHS = (
+    "torch/distributed/",
+    "torch/nn/parallel/",
+    "torch/autograd/",
+    "clusterflow/dist/comm.py",
+)
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
 log = logging.getLogger("clusterflow.watchdog")
 
 
 class Watchdog:
     """``with Watchdog(heartbeat.progress, run_dir, rank, stall_s=...):`` around the loop (or
-    ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles it."""
+    ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles
+    it."""
 
     def __init__(
         self,
@@ -90,8 +97,8 @@ class Watchdog:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
-        # stopped before any error handler runs: reporting an error (a flight-recorder dump, a slow
-        # write) is no progress, and the watchdog must not end a rank that is busy failing properly
+        # Stopped before any error handler runs: reporting an error (a flight-recorder dump, a slow
+        # write) is no progress, and the watchdog must not end a rank that is busy failing properly.
         self.stop()
 
     def limit(self, phase: str) -> float:
@@ -119,7 +126,10 @@ class Watchdog:
     ) -> None:
         """Record, dump, exit. Each step is guarded: a full disk must not keep a hung rank alive."""
         where = describe_frame(frame)
-        msg = f"rank {self.rank} on {self.host} stalled {int(idle)} s at step {step} in {phase} ({where})"
+        msg = (
+            f"rank {self.rank} on {self.host} stalled {int(idle)} s at step {step} in {phase} "
+            f"({where})"
+        )
         if waiting:
             msg += f", waiting in {waiting} for its peers"
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
@@ -145,7 +155,10 @@ class Watchdog:
                 )
             )
         )
-        header = f"clusterflow watchdog: {msg}\nstacks of every thread (loop thread 0x{self.loop_thread or 0:016x}):\n"
+        header = (
+            f"clusterflow watchdog: {msg}\n"
+            f"stacks of every thread (loop thread 0x{self.loop_thread or 0:016x}):\n"
+        )
         for target in (self.log_file, paths.stacks_file(self.rank, self.attempt)):
             if target:
                 _guard(lambda t=target: dump_stacks(t, header))
@@ -173,7 +186,8 @@ def _guard(fn: Callable[[], Any]) -> None:
 
 
 def dump_stacks(target: str, header: str) -> None:
-    """Every thread's Python stack, appended to ``target`` (faulthandler needs a real file descriptor)."""
+    """Every thread's Python stack, appended to ``target`` (faulthandler needs a real file
+    descriptor)."""
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
     with open(target, "a", encoding="utf-8") as f:
         f.write(header)
@@ -244,10 +258,10 @@ def flight_recorder_env(
 ) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
-    prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and the
-    older NCCL-only ones; a variable the user set is kept."""
+    prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and
+    the older NCCL-only ones; a variable the user set is kept."""
     prefix = rundir.RunPaths(run_dir).nccl_trace_prefix(attempt)
-    if make_folder:  # job.py makes it later, once the job holds the run dir
+    if make_folder:  # else observer.py makes it later, once the job holds the run dir
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {
         "TORCH_FR_BUFFER_SIZE": FR_BUFFER,
@@ -260,9 +274,8 @@ def flight_recorder_env(
 
 
 def _c10d() -> Any:
-    if (
-        "torch" not in sys.modules
-    ):  # never import torch from a watchdog: a process without it has no recorder
+    if "torch" not in sys.modules:
+        # Never import torch from a watchdog: a process without it has no recorder.
         return None
     try:
         from torch._C import _distributed_c10d
@@ -272,7 +285,8 @@ def _c10d() -> Any:
 
 
 def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn`` on a helper thread: a recorder wedged behind a hung NCCL call must not stop the exit."""
+    """Run ``fn`` on a helper thread: a recorder wedged behind a hung NCCL call must not stop the
+    exit."""
     box: list[Any] = []
     t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
     t.start()
@@ -283,7 +297,8 @@ def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
 
 
 def active_collective(timeout_s: float = 5.0) -> str | None:
-    """The collective this process has started and not finished, from the flight recorder, if it records."""
+    """The collective this process has started and not finished, from the flight recorder, if it
+    records."""
     c10d = _c10d()
     dump = getattr(c10d, "_dump_fr_trace_json", None)
     if dump is None:
@@ -300,8 +315,9 @@ def active_collective(timeout_s: float = 5.0) -> str | None:
 
 
 def _active_in(trace: Mapping[str, Any]) -> str | None:
-    """The newest collective a recorder dump shows as enqueued and not completed. gloo leaves finished
-    entries in state "scheduled" (and marks them retired), so the per-group counters decide."""
+    """The newest collective a recorder dump shows as enqueued and not completed. gloo leaves
+    finished entries in state "scheduled" (and marks them retired), so the per-group counters
+    decide."""
     entries = trace.get("entries") or []
     for pg, st in (trace.get("pg_status") or {}).items():
         if int(st.get("last_enqueued_collective", -1)) > int(
@@ -323,10 +339,11 @@ def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -
     ``_dump_fr_trace`` is the generic recorder (gloo in torch >= 2.8, verified here on CPU);
     ``_dump_nccl_trace`` is ProcessGroupNCCL's own (CUDA builds; not run here, no GPU). Both return
     a pickle that ``torchfrtrace`` (PyTorch's tools/flight_recorder) reads. A peer that fails in a
-    collective should call this too (job.py's error path): torchfrtrace compares the ranks' dumps to
-    name the rank that never joined a collective. The first dump that
-    includes stack traces symbolizes them (5-10 s measured here), so the dump without them is
-    written first, and the one with them replaces it only if it comes within ``stacks_budget_s``.
+    collective should call this too (the error path of ``Observer.watching`` in observer.py):
+    torchfrtrace compares the ranks' dumps to name the rank that never joined a collective. The
+    first dump that includes stack traces symbolizes them (5-10 s measured here), so the dump
+    without them is written first, and the one with them replaces it only if it comes within
+    ``stacks_budget_s``.
     """
     c10d = _c10d()
     if c10d is None:
@@ -348,14 +365,17 @@ def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -
                     ),
                     budget,
                 )
-                # not fsynced: the process exits next and the page cache outlives it; an fsync
-                # on a slow NFS server would keep a hung rank alive
+                # Not fsynced: the process exits next and the page cache outlives it; an fsync
+                # on a slow NFS server would keep a hung rank alive.
                 durable.write_atomic(target, data, fsync=False)
                 done.append(
-                    f"{fn_name}{' with stack traces' if stacks else ''}: {len(data)} bytes in {target}"
+                    f"{fn_name}{' with stack traces' if stacks else ''}: "
+                    f"{len(data)} bytes in {target}"
                 )
-            except Exception as exc:  # noqa: BLE001 - best effort; the Python stacks are already on disk
+            # Best effort; the Python stacks are already on disk.
+            except Exception as exc:  # noqa: BLE001
                 done.append(
-                    f"{fn_name}{' with stack traces' if stacks else ''}: {type(exc).__name__}: {exc}"
+                    f"{fn_name}{' with stack traces' if stacks else ''}: "
+                    f"{type(exc).__name__}: {exc}"
                 )
     return done or ["no flight recorder in this torch build"]

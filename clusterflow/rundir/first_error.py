@@ -3,11 +3,12 @@
 When rank 1 hangs and the watchdog ends it, rank 0's next collective fails too (connection reset,
 gloo/NCCL timeout) and would otherwise be what `status` shows. Whoever records first wins:
 
-    RUN_DIR/errors/first.attempt<A>.json   {"rank", "host", "error", "kind", "time", "attempt", ...}
+    RUN_DIR/errors/first.attempt<A>.json
+        {"rank", "host", "error", "kind", "time", "attempt", ...}
 
-The record is published once (``durable.publish_once``: complete, then linked into place, so a
-reader never sees half of it and a second writer learns it lost). One file per attempt, so a
-requeued attempt records its own first cause.
+The record is published once (``storage.durable.publish_once``: complete, then linked into
+place, so a reader never sees half of it and a second writer learns it lost). One file per
+attempt, so a requeued attempt records its own first cause.
 The keys match errors/rank<R>.json (rank, host, error, time), which `status` already lists.
 """
 
@@ -33,7 +34,8 @@ def record(
     kind: str = "error",
     **extra: Any,
 ) -> bool:
-    """Record ``error`` as this attempt's first cause. True when it won, False when a cause was already there."""
+    """Record ``error`` as this attempt's first cause. True when it won, False when a cause was
+    already there."""
     target = rundir.RunPaths(run_dir).first_error_file(attempt)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(target):
@@ -58,7 +60,7 @@ def read(run_dir: str, attempt: int) -> dict[str, Any] | None:
 
 def headline(rec: dict[str, Any]) -> str:
     """What `status` shows as ``error``: the message already names rank and host for a stall;
-    other errors get them in front, as `status` has always written them."""
+    other errors get them in front, the way `status` shows every rank's error."""
     if rec.get("kind") == "stall":
         return str(rec["error"])
     return f"rank {rec.get('rank')} on {rec.get('host')}: {rec.get('error')}"

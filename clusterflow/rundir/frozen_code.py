@@ -73,8 +73,9 @@ def locate(target: str) -> tuple[str, str] | None:
     locations = list(spec.submodule_search_locations or [])
     if len(locations) > 1:
         raise UserError(
-            f"task.target={target!r}: {top!r} is a namespace package spread over {', '.join(locations)}; "
-            f"snapshot one directory (add an __init__.py) or set run.snapshot_code=false"
+            f"task.target={target!r}: {top!r} is a namespace package spread over "
+            f"{', '.join(locations)}; snapshot one directory (add an __init__.py) "
+            "or set run.snapshot_code=false"
         )
     path = locations[0] if locations else spec.origin
     if not path or not os.path.exists(path) or (not locations and not path.endswith(".py")):
@@ -119,9 +120,10 @@ def _check_size(files: list[tuple[str, str]], source: str, max_bytes: int) -> in
             f"{rel} ({s / 2**20:.1f} MiB)" for s, rel in sorted(sizes, reverse=True)[:5]
         )
         raise UserError(
-            f"the task's code at {source} is {total / 2**20:.1f} MiB in {len(files)} files, over the snapshot "
-            f"limit of {max_bytes / 2**20:.0f} MiB / {MAX_FILES} files (largest: {biggest}); move data and "
-            f"weights out of the package, or set run.snapshot_code=false to run the code in place"
+            f"the task's code at {source} is {total / 2**20:.1f} MiB in {len(files)} files, "
+            f"over the snapshot limit of {max_bytes / 2**20:.0f} MiB / {MAX_FILES} files "
+            f"(largest: {biggest}); move data and weights out of the package, "
+            "or set run.snapshot_code=false to run the code in place"
         )
     return total
 
@@ -190,9 +192,8 @@ def take(
         for full, rel in files:
             dest = os.path.join(tmp, rel)
             os.makedirs(os.path.dirname(dest), exist_ok=True)
-            shutil.copyfile(
-                full, dest
-            )  # contents only: a read-only source must not make the copy read-only
+            # Contents only: a read-only source must not make the copy read-only.
+            shutil.copyfile(full, dest)
             with open(dest, "rb") as f:
                 digest.update(rel.encode() + b"\0" + hashlib.sha256(f.read()).digest())
         digest.update(json.dumps([git and git["commit"], diff]).encode())
@@ -212,9 +213,8 @@ def take(
             json.dump(manifest, f, indent=1)
         final = paths.code_version(version)
         if os.path.isdir(final):
-            shutil.rmtree(
-                tmp
-            )  # the same code was frozen before: keep that copy (a job may be reading it)
+            # The same code was frozen before: keep that copy (a job may be reading it).
+            shutil.rmtree(tmp)
         else:
             os.rename(tmp, final)
     except BaseException:
@@ -225,7 +225,8 @@ def take(
 
 
 def describe(run_dir: str) -> dict[str, Any] | None:
-    """For status: {module, version, commit, dirty, path} of the snapshot the next attempt imports."""
+    """For status: {module, version, commit, dirty, path} of the snapshot the next attempt
+    imports."""
     paths = rundir.RunPaths(run_dir)
     manifest = rundir.read_json(paths.code_pointer)
     if not manifest:
@@ -243,8 +244,9 @@ def describe(run_dir: str) -> dict[str, Any] | None:
 def activate(
     run_dir: str, environ: MutableMapping[str, str] | None = None
 ) -> dict[str, Any] | None:
-    """Called by every rank of every attempt before the task is imported: put the frozen copy first
-    on sys.path (and PYTHONPATH, for worker processes) and forget any copy imported before."""
+    """Called by every rank of every attempt before the task is imported: put the frozen copy
+    first on sys.path (and PYTHONPATH, for worker processes) and forget any copy imported
+    before."""
     info = describe(run_dir)
     if info is None:
         return None
@@ -253,8 +255,8 @@ def activate(
         os.path.join(path, info["module"] + ".py")
     ):
         raise UserError(
-            f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} is missing or incomplete; "
-            f"submit the run again to take a new one"
+            f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} "
+            "is missing or incomplete; submit the run again to take a new one"
         )
     if path in sys.path:
         sys.path.remove(path)

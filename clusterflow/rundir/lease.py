@@ -3,8 +3,9 @@
 POSIX locks are unreliable on NFS, so the lease is plain files, written whole and published with
 ``os.link`` (atomic on local filesystems and on NFS, and it fails when the name exists)::
 
-    RUN_DIR/lease/gen-<N>.json   {"token", "job_id", "slurm_job", "source", "host", "pid",
-                                  "pid_start", "attempt", "started_at", "renewed_at", "renewals", "renew_s"}
+    RUN_DIR/lease/gen-<N>.json
+        {"token", "job_id", "slurm_job", "source", "host", "pid", "pid_start", "attempt",
+         "started_at", "renewed_at", "renewals", "renew_s"}
 
 The holder is the highest generation. Taking the run dir means linking generation N+1 while the
 holder of N is judged gone: of two takers at once only one link succeeds, and the other finds a
@@ -16,7 +17,8 @@ Who is gone (:func:`judge`), without comparing clocks across machines where avoi
 
 - on this host: its process no longer exists (pid and process start time, so a reused pid is not
   taken for it);
-- a Slurm job: ``squeue`` no longer lists it; a requeued attempt of the same job takes its own lease;
+- a Slurm job: ``squeue`` no longer lists it; a requeued attempt of the same job takes its own
+  lease;
 - otherwise: not renewed for 4 x its renewal period, judged by the file's mtime against the
   storage's own clock (the mtime of a probe file written now), never against this host's clock.
 
@@ -105,7 +107,10 @@ def describe(rec: dict[str, Any]) -> str:
         else f"{rec.get('source', '?')} job {rec.get('job_id', '?')}"
     )
     since = time.strftime("%H:%M:%S", time.localtime(rec.get("started_at") or 0))
-    return f"{job} (pid {rec.get('pid')} on {rec.get('host')}, attempt {rec.get('attempt')}, since {since})"
+    return (
+        f"{job} (pid {rec.get('pid')} on {rec.get('host')}, "
+        f"attempt {rec.get('attempt')}, since {since})"
+    )
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -113,7 +118,8 @@ def describe(rec: dict[str, Any]) -> str:
 
 def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
     """(generation, holder record, its path); (0, None, "") when nobody holds the run dir. An
-    unreadable record is {} (records are published whole, so it is damage, not a write in progress)."""
+    unreadable record is {} (records are published whole, so it is damage, not a write in
+    progress)."""
     try:
         gens = [int(m.group(1)) for m in map(_GEN.match, os.listdir(folder(run_dir))) if m]
     except OSError:
@@ -130,7 +136,8 @@ def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
 
 
 def current(run_dir: str) -> tuple[int, dict[str, Any] | None, float]:
-    """(generation, holder record or None, seconds since its last renewal by the storage's clock)."""
+    """(generation, holder record or None, seconds since its last renewal by the storage's
+    clock)."""
     gen, rec, path = _read(run_dir)
     if not gen:
         return 0, None, 0.0
@@ -194,7 +201,8 @@ def judge(
 
 
 def check(run_dir: str, me: dict[str, Any]) -> str:
-    """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone ("" if none)."""
+    """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone
+    ("" if none)."""
     return _judge_holder(run_dir, me)[1]
 
 
@@ -207,8 +215,8 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
     if alive:
         raise RunDirBusy(
-            f"run dir {run_dir!r} is held by {who}: {why}. One job per run dir: wait for it to end, "
-            f"cancel it, or choose another run.dir"
+            f"run dir {run_dir!r} is held by {who}: {why}. "
+            "One job per run dir: wait for it to end, cancel it, or choose another run.dir"
         )
     return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
 
@@ -218,9 +226,9 @@ def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = 
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
     if env.attempt > 0 and not os.path.isdir(run_dir):
         raise RunDirBusy(
-            f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job {env.job_id}, which ran "
-            "there before: it was moved or deleted. This job writes nothing; resubmit with "
-            "run.dir=<where it is now>"
+            f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job "
+            f"{env.job_id}, which ran there before: it was moved or deleted. "
+            "This job writes nothing; resubmit with run.dir=<where it is now>"
         )
     return acquire(run_dir, identity(env, environ, renew_s))
 
@@ -253,7 +261,8 @@ def acquire(
             _start_renewing(lease, on_lost or _abort)
             return lease
     raise RunDirBusy(
-        f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); one job per run dir"
+        f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); "
+        "one job per run dir"
     )
 
 
@@ -279,7 +288,8 @@ def _still_mine(lease: Lease) -> bool:
 
 
 def renew(lease: Lease) -> bool:
-    """Rewrite the lease whole with a fresh mtime; False (and nothing written) when it was taken over."""
+    """Rewrite the lease whole with a fresh mtime; False (and nothing written) when it was taken
+    over."""
     if not _still_mine(lease):
         return False
     lease.rec.update(renewed_at=time.time(), renewals=lease.rec["renewals"] + 1)
@@ -297,12 +307,12 @@ def _start_renewing(lease: Lease, on_lost: Callable[[str], None]) -> None:
                 if not renew(lease):
                     _, rec, _ = _read(lease.run_dir)
                     on_lost(
-                        f"this job lost run dir {lease.run_dir!r} to {describe(rec) if rec else 'another job'}"
+                        f"this job lost run dir {lease.run_dir!r} to "
+                        f"{describe(rec) if rec else 'another job'}"
                     )
                     return
-            except (
-                OSError
-            ) as exc:  # storage hiccup: try again next period; a long outage ends in takeover
+            # A storage hiccup: try again next period; a long outage ends in takeover.
+            except OSError as exc:
                 log.warning("could not renew the lease of %s: %s", lease.run_dir, exc)
 
     lease.thread = threading.Thread(target=loop, name="clusterflow-lease", daemon=True)

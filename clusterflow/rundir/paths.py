@@ -1,32 +1,49 @@
-"""The run directory: every file name in it (:class:`RunPaths`), and the small records `status` reads.
+"""The run directory: every file name in it (:class:`RunPaths`).
 
-    RUN_DIR/config.yaml            resolved config, written once by the submitting process
-    RUN_DIR/checkpoints/step-<N>/  committed checkpoints (see store.py), unless checkpoint.dir says elsewhere
-    RUN_DIR/tb/                    TensorBoard events, a new file per attempt
-    RUN_DIR/metrics.jsonl          the same scalars as JSON lines (read them with metrics.read_metrics)
-    RUN_DIR/logs/                  rank<R>.attempt<A>.log per rank and attempt; slurm/ or submitit/ for the launcher's output
-    RUN_DIR/attempts.jsonl         one line per job start (requeues included), appended by rank 0
-    RUN_DIR/stops.jsonl            one line per stop on a signal (preempted, timeout), appended by rank 0
-    RUN_DIR/submissions.jsonl      one line per Slurm job submit made for this run (see submissions.py)
-    RUN_DIR/status.json            the latest progress, rewritten atomically by rank 0 (status.json.lock: its lock)
-    RUN_DIR/cancelled.json         present once a user cancelled the run (see cancel.py)
-    RUN_DIR/errors/rank<R>.json    the exception that ended a rank, written by that rank
-    RUN_DIR/errors/first.attempt<A>.json   the first cause of a failed attempt, written once (see first_error.py)
-    RUN_DIR/heartbeats/rank<R>.json        each rank's latest heartbeat (see heartbeat.py)
-    RUN_DIR/stalls/attempt<A>/     stacks (rank<R>.stacks.txt) and flight recorder dumps of a stall (see watchdog.py)
-    RUN_DIR/code/<version>/        the task's code frozen at submission; code/current.json names the one
-                                   the next attempt imports (see snapshot.py)
-    RUN_DIR/mining/epoch-<E>/      a mining round's embeddings and k-NN blocks until its labels are committed (mining_rounds.py)
-    RUN_DIR/model.pt               the final weights (plain state_dict), written when the run completes
-    RUN_DIR/lease/gen-<N>.json     which job holds the run dir, renewed while it runs (see lease.py)
-    RUN_DIR/config.yaml.damaged-*  a config.yaml that could not be read, set aside (see saved_config.py)
+Inside ``RUN_DIR``:
 
-A sweep's run.dir holds ``sweep.json`` (the index, see sweep_index.py), ``.sweep.lock`` and one
-run dir per member, ``SWEEP_DIR/<member name>/``.
+    config.yaml                   resolved config, written once by the submitting process
+    checkpoints/step-<N>/         committed checkpoints (see ``storage/store.py``), unless
+                                  checkpoint.dir says elsewhere
+    tb/                           TensorBoard events, a new file per attempt
+    metrics.jsonl                 the same scalars as JSON lines (read them with
+                                  ``observe/metrics.py``'s ``read_metrics``)
+    logs/                         rank<R>.attempt<A>.log per rank and attempt; slurm/ or
+                                  submitit/ for the launcher's output
+    attempts.jsonl                one line per job start (requeues included), appended by rank 0
+    stops.jsonl                   one line per stop on a signal (preempted, timeout), appended
+                                  by rank 0
+    submissions.jsonl             one line per Slurm job submit made for this run (see
+                                  submissions.py)
+    status.json                   the latest progress, rewritten atomically by rank 0
+                                  (status.json.lock: its lock)
+    cancelled.json                present once a user cancelled the run (see cancel_marker.py)
+    errors/rank<R>.json           the exception that ended a rank, written by that rank
+    errors/first.attempt<A>.json  the first cause of a failed attempt, written once (see
+                                  first_error.py)
+    heartbeats/rank<R>.json       each rank's latest heartbeat (see ``observe/heartbeat.py``)
+    stalls/attempt<A>/            stacks (rank<R>.stacks.txt) and flight recorder dumps of a
+                                  stall (see ``observe/watchdog.py``)
+    code/<version>/               the task's code frozen at submission; code/current.json names
+                                  the one the next attempt imports (see frozen_code.py)
+    mining/epoch-<E>/             a mining round's embeddings and k-NN blocks until its labels
+                                  are committed (see ``mining/rounds.py``)
+    model.pt                      the final weights (plain state_dict), written when the run
+                                  completes
+    lease/gen-<N>.json            which job holds the run dir, renewed while it runs (see
+                                  lease.py)
+    config.yaml.damaged-*         a config.yaml that could not be read, set aside (see
+                                  saved_config.py)
+
+The small records ``status`` reads (status.json, attempts, stops, errors) are written and read
+by records.py.
+
+A sweep's run.dir holds ``sweep.json`` (the index, see ``sweeps/index.py``), ``.sweep.lock`` and
+one run dir per member, ``SWEEP_DIR/<member name>/``.
 
 Only local paths are supported for the run dir itself (logs and status need a POSIX filesystem);
 checkpoints may live elsewhere through `checkpoint.dir`. Every file here that a reader may open
-while it is being replaced goes through ``durable.write_atomic``.
+while it is being replaced goes through ``storage/durable.py``'s ``write_atomic``.
 """
 
 from __future__ import annotations
@@ -147,7 +164,8 @@ class RunPaths:
         return self._p("stalls", f"attempt{attempt}", f"rank{rank}.stacks.txt")
 
     def nccl_trace_prefix(self, attempt: int) -> str:
-        """NCCL's own dump on a timeout: torch appends the rank (the name torchfrtrace's --prefix reads)."""
+        """NCCL's own dump on a timeout: torch appends the rank (the name torchfrtrace's
+        --prefix reads)."""
         return self._p("stalls", f"attempt{attempt}", "nccl_trace_rank_")
 
     def code_version(self, version: str) -> str:

@@ -29,8 +29,8 @@ def check_local_dir(key: str, path: str) -> None:
     long = [part for part in path.split("/") if len(os.fsencode(part)) > 255]
     if long or len(os.fsencode(path)) > 4000:
         raise UserError(
-            f"{key} = {short(path)!r}: a path, or a folder name in it, is longer than the filesystem allows "
-            f"(255 bytes a name, 4096 a path); pick a shorter one"
+            f"{key} = {short(path)!r}: a path, or a folder name in it, is longer than the "
+            "filesystem allows (255 bytes a name, 4096 a path); pick a shorter one"
         )
     real = os.path.realpath(path)
     for top in _KERNEL:
@@ -43,8 +43,8 @@ def check_local_dir(key: str, path: str) -> None:
     while not os.path.exists(probe):
         if os.path.islink(probe):
             raise UserError(
-                f"{key} = {path!r}: {probe!r} is a symbolic link to {os.readlink(probe)!r}, which does not "
-                f"exist; fix or remove the link, or pick another path"
+                f"{key} = {path!r}: {probe!r} is a symbolic link to {os.readlink(probe)!r}, "
+                "which does not exist; fix or remove the link, or pick another path"
             )
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe):
@@ -87,8 +87,8 @@ def check_backend(key: str, url: str) -> None:
             ) from None
         except ValueError:
             raise UserError(
-                f"{key} = {url!r}: fsspec knows no protocol {protocol!r}; use a path or a URL such as "
-                f"s3://bucket/prefix or gs://bucket/prefix"
+                f"{key} = {url!r}: fsspec knows no protocol {protocol!r}; "
+                "use a path or a URL such as s3://bucket/prefix or gs://bucket/prefix"
             ) from None
 
 

@@ -17,7 +17,8 @@ from clusterflow.storage import durable
 
 
 def read_json(target: str, default: Any = None) -> Any:
-    """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8, a folder)."""
+    """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8,
+    a folder)."""
     try:
         with open(target, encoding="utf-8") as f:
             return json.load(f)
@@ -107,9 +108,8 @@ def count_stops(paths: RunPaths, reason: str) -> int:
     return sum(1 for r in read_jsonl(paths.stops) if r.get("reason") == reason)
 
 
-_STATUS_LOCK = (
-    threading.Lock()
-)  # the loop and the checkpoint writer's thread both update status.json
+# The loop and the checkpoint writer's thread both update status.json.
+_STATUS_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager

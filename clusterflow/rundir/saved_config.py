@@ -1,4 +1,5 @@
-"""The run dir's ``config.yaml``: written once, portable, read back with the directory actually used.
+"""The run dir's ``config.yaml``: written once, portable, read back with the directory actually
+used.
 
 A run dir may be moved or copied and resumed from its new place, so nothing in it names its own
 path: ``config.yaml`` (and each checkpoint manifest's copy of the config) stores ``run.dir: .``,
@@ -105,22 +106,20 @@ def read(run_dir: str, set_aside: bool = True) -> Config | None:
             raise UserError("its run section is not a mapping")
         data["run"] = {**data["run"], "dir": run_dir}
         return cfgmod.build(data, source=target)
-    except (
-        UserError,
-        OSError,
-        ValueError,
-        yaml.YAMLError,
-    ) as exc:  # ValueError: bytes that are not UTF-8
+    # ValueError: bytes that are not UTF-8.
+    except (UserError, OSError, ValueError, yaml.YAMLError) as exc:
         if not set_aside:
             print(
-                f"warning: {target} is damaged ({exc}); a run would keep it aside and write it anew",
+                f"warning: {target} is damaged ({exc}); "
+                "a run would keep it aside and write it anew",
                 file=sys.stderr,
             )
             return None
         aside = f"{target}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
         os.replace(target, aside)
         print(
-            f"warning: {target} is damaged ({exc}); kept as {aside} and written anew from the config given now "
+            f"warning: {target} is damaged ({exc}); kept as {aside} "
+            "and written anew from the config given now "
             "(the newest checkpoint's own config is still checked at resume)",
             file=sys.stderr,
         )
@@ -132,19 +131,21 @@ def _has_checkpoint(cfg: Config) -> bool:
 
     try:
         return bool(CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint.keep_last).steps())
-    except Exception:  # noqa: BLE001 - an unreachable store: assume there is something to protect
+    # An unreachable store: assume there is something to protect.
+    except Exception:  # noqa: BLE001
         return True
 
 
 def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
     """The config to run and whether the run dir already held a run. An existing run continues
     with its saved config; a different experiment is refused (``config.check_resume``); changed
-    resources (``fingerprint``: cluster.*, workers, intervals) are taken, with a note, and
-    config.yaml is rewritten with them; where the run dir is may change (``MAY_CHANGE_ON_RESUME``); for a ``relaunch`` by the launcher (a Slurm
-    requeue re-reads a YAML that may have been edited since), with a note. A run that committed
-    no checkpoint yet has nothing to resume: a different config replaces its config.yaml, with a
-    note (a first start that failed on a bad task parameter can be fixed and resubmitted into the
-    same run dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
+    resources (``config/fingerprint.py``: cluster.*, workers, intervals) are taken, with a note,
+    and config.yaml is rewritten with them; where the run dir is may change
+    (``MAY_CHANGE_ON_RESUME``); for a ``relaunch`` by the launcher (a Slurm requeue re-reads a
+    YAML that may have been edited since), with a note. A run that committed no checkpoint yet
+    has nothing to resume: a different config replaces its config.yaml, with a note (a first
+    start that failed on a bad task parameter can be fixed and resubmitted into the same run
+    dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
     saved = read(cfg.run.dir, set_aside=write)
     if saved is None:
         if write:
@@ -153,8 +154,8 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
     if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
         print(
-            f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: its config.yaml is "
-            f"replaced by this config ({'; '.join(diffs[:6])})",
+            f"note: run dir {cfg.run.dir!r} has no committed checkpoint, so nothing to resume: "
+            f"its config.yaml is replaced by this config ({'; '.join(diffs[:6])})",
             file=sys.stderr,
         )
         if write:
@@ -168,7 +169,8 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
     # with them, and config.yaml says what it runs with now.
     print(
-        f"note: run dir {cfg.run.dir!r} resumes with changed resources: {'; '.join(map(str, changed))}",
+        f"note: run dir {cfg.run.dir!r} resumes with changed resources: "
+        f"{'; '.join(map(str, changed))}",
         file=sys.stderr,
     )
     if write:

@@ -1,9 +1,9 @@
 """Slurm job ids: which id requeues this job (or array task) alone, and what a job id looks like.
 
-A job-array task has two ids: its own ``SLURM_JOB_ID`` and ``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``.
-For one task of every array the two numbers look alike: its SLURM_JOB_ID *is* the array's id, and
-``scontrol requeue <array id>`` requeues every task of the array (Lightning #15022). So a requeue
-always names the task as ``A_T``.
+A job-array task has two ids: its own ``SLURM_JOB_ID`` and
+``<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>``. For one task of every array the two numbers look
+alike: its SLURM_JOB_ID *is* the array's id, and ``scontrol requeue <array id>`` requeues every
+task of the array (Lightning #15022). So a requeue always names the task as ``A_T``.
 
 Which job a run dir is held by is ``clusterflow.rundir.submissions``. Pure functions.
 """
@@ -14,7 +14,8 @@ import re
 from typing import Mapping
 
 SLURM_ID = re.compile(r"^\d+(_\d+)?$")
-# Attempt sources (DistEnv.source) whose job_id is a Slurm job id; torchrun inside sbatch reports SLURM_JOB_ID.
+# Attempt sources (DistEnv.source) whose job_id is a Slurm job id; torchrun inside sbatch reports
+# SLURM_JOB_ID.
 SLURM_SOURCES = ("slurm", "torchrun")
 
 

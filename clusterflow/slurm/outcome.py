@@ -1,4 +1,5 @@
-"""Why Slurm ended a job: OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, FAILED or COMPLETED.
+"""Why Slurm ended a job: OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, FAILED or
+COMPLETED.
 
 :func:`ask` runs ``sacct -j JOB -D -P -n --format=JobID,State,ExitCode,Reason,Start,End,NodeList``
 (with a timeout: a slow slurmdbd must not hang `status`) and, when sacct does not answer (no
@@ -26,7 +27,8 @@ from typing import Any
 from clusterflow.errors import EXIT_STALLED
 from clusterflow.slurm import commands
 
-SACCT_FORMAT = "JobID,State,ExitCode,Reason,Start,End,NodeList"  # Start/End: for the reader; parsed by position
+# Start/End: for the reader. The fields are parsed by position.
+SACCT_FORMAT = "JobID,State,ExitCode,Reason,Start,End,NodeList"
 ENDED = (
     "OUT_OF_MEMORY",
     "NODE_FAIL",
@@ -43,16 +45,16 @@ ENDED = (
 
 @dataclass(frozen=True)
 class Verdict:
-    state: str  # Slurm's state word (OUT_OF_MEMORY, ...), RUNNING/PENDING/REQUEUED while alive, UNKNOWN
+    # Slurm's state word (OUT_OF_MEMORY, ...), RUNNING/PENDING/REQUEUED while alive, UNKNOWN.
+    state: str
     source: str  # "sacct", "scontrol" or "none"
     exit_code: int | None = None
     signal: int | None = None
     by: str | None = None  # "CANCELLED by <uid>"
     reason: str | None = None
     nodes: str | None = None
-    step: str | None = (
-        None  # the step that decided, e.g. 1234.0 for an OOM kill seen on a step only
-    )
+    # The step that decided, e.g. 1234.0 for an OOM kill seen on a step only.
+    step: str | None = None
     attempts: int = 1
     note: str | None = None
 
@@ -85,10 +87,17 @@ def _explain(v: Verdict) -> str:
     where = f" on {v.nodes}" if v.nodes and v.nodes not in ("None assigned", "(null)") else ""
     step = f"step {v.step}" if v.step else "a task"
     return {
-        "OUT_OF_MEMORY": f"{step} was killed for exceeding its host memory{where}; a CUDA out-of-memory is a Python "
-        "error in the rank log instead; raise cluster.mem_gb or lower data.num_workers",
-        "NODE_FAIL": f"a node failed{where}; resubmit the same config to resume from the last checkpoint",
-        "TIMEOUT": "the time limit was reached; raise cluster.time_min or resubmit to resume from the last checkpoint",
+        "OUT_OF_MEMORY": (
+            f"{step} was killed for exceeding its host memory{where}; a CUDA out-of-memory is a "
+            "Python error in the rank log instead; raise cluster.mem_gb or lower data.num_workers"
+        ),
+        "NODE_FAIL": (
+            f"a node failed{where}; resubmit the same config to resume from the last checkpoint"
+        ),
+        "TIMEOUT": (
+            "the time limit was reached; raise cluster.time_min or resubmit to resume from the "
+            "last checkpoint"
+        ),
         "CANCELLED": f"cancelled{' by uid ' + v.by if v.by else ''} (scancel or an administrator)",
         "PREEMPTED": "preempted by a higher-priority job and not requeued; resubmit to resume",
         "FAILED": (
@@ -96,9 +105,11 @@ def _explain(v: Verdict) -> str:
             if v.exit_code == EXIT_STALLED
             else f"{_exit(v)}{where}; see the rank logs"
         ),
-        "COMPLETED": f"the job script exited 0, but step {v.step} was {_exit(v)}"
-        if v.step
-        else "exit code 0",
+        "COMPLETED": (
+            f"the job script exited 0, but step {v.step} was {_exit(v)}"
+            if v.step
+            else "exit code 0"
+        ),
         "UNKNOWN": "Slurm no longer knows this job",
     }.get(
         v.state,
@@ -112,7 +123,8 @@ def _code(text: str) -> tuple[int | None, int | None]:
 
 
 def _state(text: str) -> tuple[str, str | None]:
-    """``CANCELLED by 1000`` -> ("CANCELLED", "1000"); ``OUT_OF_ME+`` (sacct truncation) is not produced with -P."""
+    """``CANCELLED by 1000`` -> ("CANCELLED", "1000"); ``OUT_OF_ME+`` (sacct truncation) is not
+    produced with -P."""
     parts = text.strip().split()
     if not parts:
         return "UNKNOWN", None
@@ -121,8 +133,8 @@ def _state(text: str) -> tuple[str, str | None]:
 
 
 def _attempts(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
-    """Group rows into attempts: a job row starts one (a repeat of the first job id), steps follow it.
-    Heterogeneous-job components (1234+0, 1234+1) stay in one attempt."""
+    """Group rows into attempts: a job row starts one (a repeat of the first job id), steps follow
+    it. Heterogeneous-job components (1234+0, 1234+1) stay in one attempt."""
     out: list[list[dict[str, str]]] = []
     first_id = None
     for row in rows:
@@ -136,7 +148,8 @@ def _attempts(rows: list[dict[str, str]]) -> list[list[dict[str, str]]]:
 
 
 def parse_sacct(text: str) -> Verdict | None:
-    """``sacct -D -P -n --format=SACCT_FORMAT`` output -> the last attempt's verdict (None when empty)."""
+    """``sacct -D -P -n --format=SACCT_FORMAT`` output -> the last attempt's verdict (None when
+    empty)."""
     names = SACCT_FORMAT.split(",")
     # a job id starts with a digit: skips a header line (sacct without -n) and error text
     rows = [
@@ -154,16 +167,16 @@ def parse_sacct(text: str) -> Verdict | None:
     code, sig = _code(job["ExitCode"])
     decided = None
     if state == "COMPLETED":
-        # the batch script exited 0, yet an srun step may have died of a signal (an unhandled SIGUSR1, say)
+        # the batch script exited 0, yet an srun step may have died of a signal (an unhandled
+        # SIGUSR1, say)
         decided = next((s for s in steps if _code(s["ExitCode"])[1]), None)
     else:
         oom = [s for s in last if _state(s["State"])[0] == "OUT_OF_MEMORY"]
         if oom:
             state, decided = "OUT_OF_MEMORY", oom[0]
         elif state == "FAILED" and not (code or sig):
-            decided = next(
-                (s for s in steps if any(_code(s["ExitCode"]))), None
-            )  # the step that failed
+            # the step that failed
+            decided = next((s for s in steps if any(_code(s["ExitCode"]))), None)
     if decided is not None and decided is not job:
         code, sig = _code(decided["ExitCode"])
     return Verdict(

@@ -1,4 +1,5 @@
-"""A full disk, said in one sentence instead of ``[enforce fail at inline_container.cc:672] unexpected pos``.
+"""A full disk, said in one sentence instead of
+``[enforce fail at inline_container.cc:672] unexpected pos``.
 
 torch.save reports a failed write as that RuntimeError, with the ``OSError(ENOSPC)`` it hit as its
 context; :func:`cause` finds it under any wrapping. The writer that hit it (the checkpoint store,
@@ -52,7 +53,8 @@ def _existing(path: str) -> str:
 
 
 def device_of(path: str) -> str:
-    """The device a local path is on and where it is mounted, e.g. ``/dev/sdb1 (mounted at /scratch)``."""
+    """The device a local path is on and where it is mounted, e.g. ``/dev/sdb1 (mounted at
+    /scratch)``."""
     mount = _existing(path)
     while not os.path.ismount(mount):
         mount = os.path.dirname(mount)
@@ -88,6 +90,7 @@ def raise_if_full(
         except OSError:
             pass
     raise RunFailed(
-        f"{_FULL[err.errno]} on {device} writing {what} to {path} (it needs about {_mb(needed)}{free}); "
-        f"free space there and resubmit: the run resumes from its last committed checkpoint"
+        f"{_FULL[err.errno]} on {device} writing {what} to {path} "
+        f"(it needs about {_mb(needed)}{free}); free space there and "
+        "resubmit: the run resumes from its last committed checkpoint"
     ) from None

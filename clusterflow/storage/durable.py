@@ -30,10 +30,8 @@ from typing import Any, Mapping
 from clusterflow.storage import diskfull
 
 _CHUNK = 16 << 20  # bytes per write/read: large enough to amortise, small enough to overlap
-HASHES = (
-    "blake3",
-    "sha256",
-)  # the algorithms a record may name; new files get the first one available
+# The algorithms a record may name; new files get the first one available.
+HASHES = ("blake3", "sha256")
 
 
 def new_hash(algorithm: str | None = None, threads: bool = False) -> tuple[str, Any]:
@@ -324,7 +322,8 @@ def hash_file(path: str, algorithm: str, fs: Any = None) -> str:
 
 
 def load_checked(name: str, path: str, info: Mapping[str, Any], fs: Any = None) -> Any:
-    """``torch.load`` one file while a second thread checks its digest; raises ValueError if damaged."""
+    """``torch.load`` one file while a second thread checks its digest; raises ValueError if
+    damaged."""
     import torch
 
     algorithm, expected = recorded_digest(info)
@@ -340,8 +339,8 @@ def load_checked(name: str, path: str, info: Mapping[str, Any], fs: Any = None) 
         loaded, failure = None, None
         try:
             loaded = torch.load(source, map_location="cpu", weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - judged below, once the hash says whether the bytes are intact
-            failure = exc
+        except Exception as exc:  # noqa: BLE001
+            failure = exc  # judged below, once the hash says whether the bytes are intact
         digest = hashing.result()
     if digest != expected:
         raise ValueError(

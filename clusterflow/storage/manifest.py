@@ -48,7 +48,8 @@ def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise ValueError(
-            f"the manifest's 'files' is {type(files).__name__}, not a mapping of name -> {{size, digest}}"
+            f"the manifest's 'files' is {type(files).__name__}, "
+            f"not a mapping of name -> {{size, digest}}"
         )
     if not files:
         raise ValueError("the manifest lists no files")
@@ -56,7 +57,8 @@ def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
         _check_entry(name, info)
     if step is not None and "step" in manifest and manifest["step"] != step:
         raise ValueError(
-            f"the manifest says step {manifest['step']!r}, but its folder is step-{step} (a copied or renamed folder?)"
+            f"the manifest says step {manifest['step']!r}, but its "
+            f"folder is step-{step} (a copied or renamed folder?)"
         )
     pos = manifest.get("position")
     if pos is not None and not (isinstance(pos, list) and all(_is_int(p) for p in pos)):

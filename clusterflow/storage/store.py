@@ -2,9 +2,11 @@
 
 Layout under the store root (``RUN_DIR/checkpoints`` by default, or any fsspec URL)::
 
-    step-<N>/model.pt         plain state_dict (torch.load(..., weights_only=True) works without clusterflow)
+    step-<N>/model.pt         plain state_dict (torch.load(..., weights_only=True) works
+                              without clusterflow)
     step-<N>/train_state.pt   optimizer, scheduler, scaler, counters, RNG states, pseudo-labels, ...
-    step-<N>/manifest.json    written last: files (size and digest each), step, position, config, versions
+    step-<N>/manifest.json    written last: files (size and digest each), step, position, config,
+                              versions
 
 Commit protocol: every file is written into ``.tmp-step-<N>-<random>/``, flushed and fsynced, the
 manifest is written last, and the folder is renamed to ``step-<N>`` (atomic on a POSIX
@@ -57,11 +59,8 @@ log = logging.getLogger("clusterflow.store")
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
 _STAGED = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
-_SET_ASIDE = (
-    ".superseded-step-",
-    ".pruned-step-",
-    ".tmp-step-",
-)  # never published; deleted by clean_debris
+# Never published; deleted by clean_debris.
+_SET_ASIDE = (".superseded-step-", ".pruned-step-", ".tmp-step-")
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,8 @@ class Checkpoint:
     step: int
     path: str
     manifest: dict[str, Any]
-    objects: dict[
-        str, Any
-    ]  # each file, deserialized with weights_only=True while its hash was checked
+    # Each file, deserialized with weights_only=True while its hash was checked.
+    objects: dict[str, Any]
 
     def load(self, name: str) -> Any:
         return self.objects[name]
@@ -106,13 +104,11 @@ class CheckpointStore:
         self.local = "file" in (
             self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         )
-        self._remote_fs = (
-            None if self.local else self.fs
-        )  # what durable.* takes for "not a local path"
+        # What durable.* takes for "not a local path".
+        self._remote_fs = None if self.local else self.fs
         self._deleting: list[threading.Thread] = []
-        self.refused: dict[
-            int, str
-        ] = {}  # step -> why its reader refused it: damaged too, moved aside when reached
+        # step -> why its reader refused it: damaged too, moved aside when reached.
+        self.refused: dict[int, str] = {}
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -163,13 +159,11 @@ class CheckpointStore:
     def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
         """False when step-N holds a sound state that the new one does not supersede."""
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
-            return (
-                True  # nothing there, or a folder without manifest: debris that _publish replaces
-            )
+            # Nothing there, or a folder without manifest: debris that _publish replaces.
+            return True
         try:
-            if (
-                step in self.refused
-            ):  # verified, but the reader could not load it (checkpointer.restore)
+            # Verified, but the reader could not load it (checkpoint/restore.py).
+            if step in self.refused:
                 raise ValueError(self.refused.pop(step))
             old = self.verify(step).manifest
         except ValueError as exc:
@@ -187,7 +181,8 @@ class CheckpointStore:
             return True
         if position(meta) > position(old):
             log.info(
-                "step %d: the state after the end-of-epoch work supersedes the one committed before it",
+                "step %d: the state after the end-of-epoch "
+                "work supersedes the one committed before it",
                 step,
             )
             return True
@@ -227,9 +222,8 @@ class CheckpointStore:
             # A failed write (a full disk, an object store error) gives its space back at once; a
             # kill leaves the folder to the next clean_debris.
             self._rm(tmp.rsplit("/", 1)[-1])
-            if isinstance(
-                exc, Exception
-            ):  # a full disk: one line naming the device, the size and the free space
+            # A full disk: one line naming the device, the size and the free space.
+            if isinstance(exc, Exception):
                 diskfull.raise_if_full(
                     exc,
                     f"checkpoint step {step}",
@@ -293,9 +287,9 @@ class CheckpointStore:
 
     def clean_debris(self) -> list[str]:
         """Finish what a killed writer left; call before writing anew. A staged folder whose files
-        all match its manifest is published by the rule of ``save`` (it was complete, only its rename
-        was cut short); the other staged folders are removed and returned; set-aside folders
-        (superseded, pruned) are deleted."""
+        all match its manifest is published by the rule of ``save`` (it was complete, only its
+        rename was cut short); the other staged folders are removed and returned; set-aside
+        folders (superseded, pruned) are deleted."""
         self.wait_for_pruning()
         removed, complete = [], {}
         for name in self._entries():
@@ -315,7 +309,8 @@ class CheckpointStore:
             if self._may_write(step, manifest):
                 self._publish(self._p(best), step)
                 log.warning(
-                    "published %s as step-%d: it was complete, but its writer was killed before the rename",
+                    "published %s as step-%d: it was complete, "
+                    "but its writer was killed before the rename",
                     best,
                     step,
                 )
@@ -354,10 +349,8 @@ class CheckpointStore:
         try:
             with self.fs.open(f"{path}/{MANIFEST}", "rb") as f:
                 data = json.loads(f.read())
-        except (
-            OSError,
-            ValueError,
-        ) as exc:  # missing, a directory, unreadable, not JSON, not UTF-8
+        except (OSError, ValueError) as exc:
+            # Missing, a directory, unreadable, not JSON, not UTF-8.
             raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
         return schema.check(data, step)
 
@@ -380,7 +373,8 @@ class CheckpointStore:
         return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
 
     def newest_manifest(self) -> dict[str, Any] | None:
-        """The manifest of the newest committed step, unverified (one small read; None when none)."""
+        """The manifest of the newest committed step, unverified (one small read; None when
+        none)."""
         steps = self.steps()
         try:
             return self._read_manifest(self.step_path(steps[-1])) if steps else None
@@ -405,5 +399,6 @@ class CheckpointStore:
             yield ckpt
 
     def latest(self) -> Checkpoint | None:
-        """The newest checkpoint whose manifest verifies; damaged ones are skipped with a warning."""
+        """The newest checkpoint whose manifest verifies; damaged ones are skipped with a
+        warning."""
         return next(self.candidates(), None)

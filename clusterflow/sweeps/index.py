@@ -1,8 +1,8 @@
 """The sweep index, ``RUN_DIR/sweep.json``, and what a resubmission of a sweep does.
 
     {"version": 1,
-     "keys": ["train.lr", "mining.k"],            swept keys, in the first submission's --sweep order
-     "base": {...},                               the resolved config without the swept keys
+     "keys": ["train.lr", "mining.k"],      swept keys, in the first submission's --sweep order
+     "base": {...},                         the resolved config without the swept keys
      "members": [{"name": "k=10,lr=0.001-3f9a1c", "values": {...}, "overrides": [...]}, ...],
      "submissions": [{"array_job_id": "123", "submitted_at": 1.7e9,
                       "jobs": {"k=10,lr=0.001-3f9a1c": "123_0", ...}}]}   array order
@@ -49,7 +49,8 @@ def read_index(sweep_dir: str) -> dict[str, Any] | None:
                 f"choose another run.dir for the sweep"
             )
         return None
-    try:  # not rundir.read_json: a damaged index is refused with its reason, never taken for no index
+    # Not rundir.read_json: a damaged index is refused with its reason, never taken for no index.
+    try:
         with open(target, encoding="utf-8") as f:
             index = json.load(f)
     except (OSError, ValueError) as exc:
@@ -62,7 +63,8 @@ def read_index(sweep_dir: str) -> dict[str, Any] | None:
         or not isinstance(index.get("members"), list)
     ):
         raise UserError(
-            f"{target} is not a clusterflow sweep index of version {VERSION}; choose another run.dir"
+            f"{target} is not a clusterflow sweep index "
+            f"of version {VERSION}; choose another run.dir"
         )
     return index
 
@@ -83,7 +85,8 @@ def locked(sweep_dir: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UserError(
-                f"another submission of the sweep in {sweep_dir!r} is running; wait for it, then try again"
+                f"another submission of the sweep in {sweep_dir!r} "
+                "is running; wait for it, then try again"
             ) from None
         try:
             yield
@@ -113,14 +116,15 @@ def merge(
     where = rundir.RunPaths(sweep.dir).sweep_index
     if set(index["keys"]) != set(sweep.keys):
         raise UserError(
-            f"{where} holds a sweep over {', '.join(index['keys'])}; this one sweeps {', '.join(sweep.keys)}. "
-            f"A sweep dir holds one sweep: sweep the same keys, or choose another run.dir"
+            f"{where} holds a sweep over {', '.join(index['keys'])}; "
+            f"this one sweeps {', '.join(sweep.keys)}. A sweep dir holds "
+            "one sweep: sweep the same keys, or choose another run.dir"
         )
     result, resources = fingerprint.compare(index["base"], sweep.base)
     if result:
         raise UserError(
-            f"{where} holds a sweep with another config ({fingerprint.summary(result)}); to resume it, "
-            f"submit the same config; to start another sweep, choose another run.dir"
+            f"{where} holds a sweep with another config ({fingerprint.summary(result)}); to "
+            "resume it, submit the same config; to start another sweep, choose another run.dir"
         )
     known = {m["name"] for m in index["members"]}
     merged = dict(index, base=sweep.base)

@@ -10,9 +10,9 @@ member's config is built and validated here, on the login node, before anything 
 failures are reported at once, each naming its member. A member lives in ``RUN_DIR/<name>``, where
 ``name`` is readable and filesystem-safe, e.g. ``k=10,lr=0.001-3f9a1c``: the varying values (keys
 sorted, so the order of the ``--sweep`` flags does not matter), then six hex digits hashing the
-member's result fingerprint and values, so two members never share a directory (even on a case-insensitive
-filesystem, or when long values are cut short) and a resubmission with more time finds the same
-directories. Login-node module: no torch.
+member's result fingerprint and values, so two members never share a directory (even on a
+case-insensitive filesystem, or when long values are cut short) and a resubmission with more time
+finds the same directories. Login-node module: no torch.
 """
 
 from __future__ import annotations
@@ -32,9 +32,11 @@ from clusterflow.errors import UserError
 
 MAX_MEMBERS = 1000  # Slurm's default MaxArraySize is 1001 (array indices 0..1000)
 VALUE_CHARS = 32  # characters of one value in a member name
-READABLE_CHARS = 100  # characters of the readable part of a member name (file names hold 255 bytes)
+# Characters of the readable part of a member name (file names hold 255 bytes).
+READABLE_CHARS = 100
 HASH_CHARS = 6
-# Keys a sweep may not vary, and why (one job array = one sbatch script; members need their own dirs).
+# Keys a sweep may not vary, and why (one job array = one sbatch script; members need their own
+# dirs).
 FIXED = {
     "run.dir": "it is the sweep's directory; each member gets RUN_DIR/<name>",
     "run.name": "a job array has one job name",
@@ -70,7 +72,8 @@ class Sweep:
 
 
 def split_values(text: str, key: str = "") -> list[str]:
-    """``a,[1,2],'x,y'`` -> ``["a", "[1,2]", "'x,y'"]``: split at commas outside brackets and quotes."""
+    """``a,[1,2],'x,y'`` -> ``["a", "[1,2]", "'x,y'"]``: split at commas outside brackets and
+    quotes."""
     out, depth, quote, start = [], [], "", 0
     pairs = {"[": "]", "{": "}", "(": ")"}
     for i, ch in enumerate(text):
@@ -111,7 +114,8 @@ def parse(args: list[str], overrides: list[str] | tuple[str, ...] = ()) -> list[
         key = key.strip()
         if not sep or "." not in key or not text.strip():
             raise UserError(
-                f"--sweep {arg!r} must look like section.key=V1,V2, e.g. --sweep train.lr=0.001,0.01"
+                f"--sweep {arg!r} must look like "
+                "section.key=V1,V2, e.g. --sweep train.lr=0.001,0.01"
             )
         for prefix, why in FIXED.items():
             if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
@@ -188,15 +192,17 @@ def member_name(values: dict[str, Any], result_fingerprint: str) -> str:
     short = labels(sorted(values))
     readable = ",".join(f"{short[k]}={_safe(show(values[k]), VALUE_CHARS)}" for k in sorted(values))
     exact = json.dumps([result_fingerprint, values], sort_keys=True, default=str)
-    return f"{readable[:READABLE_CHARS].rstrip(',=')}-{hashlib.sha256(exact.encode()).hexdigest()[:HASH_CHARS]}"
+    return (
+        f"{readable[:READABLE_CHARS].rstrip(',=')}-"
+        f"{hashlib.sha256(exact.encode()).hexdigest()[:HASH_CHARS]}"
+    )
 
 
 def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
     d = cfg.to_dict()
     d["run"]["dir"] = rundir.RunPaths(sweep_dir).member(name)
-    if d["checkpoint"][
-        "dir"
-    ]:  # members must never share a checkpoint dir (they would resume each other)
+    # Members must never share a checkpoint dir (they would resume each other).
+    if d["checkpoint"]["dir"]:
         d["checkpoint"]["dir"] = d["checkpoint"]["dir"].rstrip("/") + "/" + name
     return cfgmod.from_dict(d)
 
@@ -224,8 +230,8 @@ def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
             first = resolved.setdefault(value, text)
             if first != text:
                 raise UserError(
-                    f"--sweep {a.key}: {first} and {text} are the same value ({show(m.values[a.key])}); "
-                    f"list each value once"
+                    f"--sweep {a.key}: {first} and {text} are the same "
+                    f"value ({show(m.values[a.key])}); list each value once"
                 )
 
 
@@ -254,12 +260,12 @@ def expand(
     sweep_dir = members[0].config.run.dir
     folded: dict[str, str] = {}
     for m in members:
-        if (
-            m.name.casefold() in folded
-        ):  # needs equal readable parts and equal 24-bit hashes: never silent
+        # A clash needs equal readable parts and equal 24-bit hashes, and is never silent.
+        if m.name.casefold() in folded:
             other = folded[m.name.casefold()]
             raise UserError(
-                f"sweep members {other!r} and {m.name!r} would share a directory; shorten or reorder the values"
+                f"sweep members {other!r} and {m.name!r} would "
+                "share a directory; shorten or reorder the values"
             )
         folded[m.name.casefold()] = m.name
     base = members[0].config.to_dict()

@@ -46,7 +46,8 @@ class Task:
     def __init__(self, seed: int = 0, **params: Any) -> None:
         if params:
             raise UserError(
-                f"task {type(self).__name__} takes no parameters, got task.params keys: {', '.join(params)}"
+                f"task {type(self).__name__} takes no parameters, "
+                f"got task.params keys: {', '.join(params)}"
             )
         self.seed = seed
 
@@ -88,9 +89,10 @@ class Task:
 
 
 def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
-    """Import and construct ``task.target``. A target that does not exist and parameters that do not
-    fit the class are a UserError (exit 2); the task's own code raising while it is imported or
-    constructed is a TaskError that keeps its traceback (exit 1), see ``clusterflow.job.failure``."""
+    """Import and construct ``task.target``. A target that does not exist and parameters that do
+    not fit the class are a UserError (exit 2); the task's own code raising while it is imported
+    or constructed is a TaskError that keeps its traceback (exit 1), see
+    ``clusterflow.job.failure``."""
     module_name, _, cls_name = target.partition(":")
     module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
@@ -99,15 +101,16 @@ def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
             n for n in dir(module) if not n.startswith("_") and isinstance(getattr(module, n), type)
         ]
         raise UserError(
-            f"task.target={target!r}: {module_name} has no class {cls_name!r}; classes there: {', '.join(names) or 'none'}"
+            f"task.target={target!r}: {module_name} has no class {cls_name!r}; "
+            f"classes there: {', '.join(names) or 'none'}"
         )
     missing = [
         m for m in ("build_model", "train_dataset", "loss") if not callable(getattr(cls, m, None))
     ]
     if missing:
         raise UserError(
-            f"task.target={target!r} is not a task: it has no {', '.join(missing)} (see docs/tasks.md "
-            f"for the Task protocol)"
+            f"task.target={target!r} is not a task: it has no {', '.join(missing)} "
+            "(see docs/tasks.md for the Task protocol)"
         )
     params = _check_params(target, cls, seed, params)
     try:
@@ -126,18 +129,19 @@ def _import(target: str, module_name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
             raise UserError(
-                f"task.target={target!r}: module {exc.name!r} not found; check the spelling and that it "
-                f"is importable here (pip install -e . or PYTHONPATH)"
+                f"task.target={target!r}: module {exc.name!r} not found; "
+                "check the spelling and that it is importable here (pip install -e . or PYTHONPATH)"
             ) from None
         # The task module exists; something it imports does not.
         raise TaskError(
-            f"task.target {target!r}: importing {module_name} failed because the module it imports, "
-            f"{exc.name!r}, is not installed; install it where the job runs "
+            f"task.target {target!r}: importing {module_name} failed because the module it "
+            f"imports, {exc.name!r}, is not installed; install it where the job runs "
             f"(e.g. pip install {(exc.name or '?').split('.')[0]})"
         ) from exc
     except UserError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a SyntaxError or anything raised at import: the task's code
+    # A SyntaxError or anything raised at import: the task's code.
+    except Exception as exc:  # noqa: BLE001
         raise TaskError(
             f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}"
         ) from exc
@@ -147,9 +151,10 @@ _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> dict[str, Any]:
-    """``params`` checked against the signature of ``cls``: unknown or missing names are refused, and
-    so is a value of the wrong type for a parameter annotated int, float, bool or str, before the
-    task runs (a whole number written as ``1e3`` is the int 1000). Finer checks are the task's."""
+    """``params`` checked against the signature of ``cls``: unknown or missing names are refused,
+    and so is a value of the wrong type for a parameter annotated int, float, bool or str, before
+    the task runs (a whole number written as ``1e3`` is the int 1000). Finer checks are the
+    task's."""
     try:
         sig = inspect.signature(cls)
     except (TypeError, ValueError):
@@ -185,7 +190,7 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
             }[tp]
         ):
             raise UserError(
-                f"task.params.{name} = {value!r} is invalid for {getattr(cls, '__name__', target)}: "
-                f"expected {_KINDS[tp]}"
+                f"task.params.{name} = {value!r} is invalid for "
+                f"{getattr(cls, '__name__', target)}: expected {_KINDS[tp]}"
             )
     return out

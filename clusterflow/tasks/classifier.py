@@ -38,7 +38,8 @@ class Classifier(Encoder):
 
 
 def long_tail_counts(classes: int, largest: int, imbalance: float) -> np.ndarray:
-    """Samples per class, geometric from ``largest`` down to ``largest / imbalance`` (at least 2)."""
+    """Samples per class, geometric from ``largest`` down to ``largest / imbalance`` (at least
+    2)."""
     if imbalance <= 1:
         return np.full(classes, largest)
     decay = np.power(1.0 / imbalance, np.arange(classes) / max(1, classes - 1))
@@ -129,7 +130,8 @@ class ClassifierTask(Task):
         return self._train
 
     def eval_dataset(self) -> SyntheticIdentities:
-        # Balanced held-out samples of the same classes: macro F1 weighs rare classes like common ones.
+        # Balanced held-out samples of the same classes: macro F1 weighs rare classes like common
+        # ones.
         return SyntheticIdentities(
             self.seed,
             samples_per_identity=self.eval_per_class,

@@ -6,7 +6,8 @@ reads (one sub-folder per class). ``i`` is the sample's position in ``load_digit
 
 The PNGs keep the scans' native 8x8 size: upscaling here would add no information (the task
 resizes to its ``image_size`` on load), and the files then hold exactly the pixels the
-k-means-on-pixels baseline of docs/examples.md clusters (grey level v is stored as round(v * 255 / 16)).
+k-means-on-pixels baseline of docs/examples.md clusters (grey level v is stored as
+round(v * 255 / 16)).
 
 The folder appears atomically: it is written under a temporary name and renamed, so several ranks
 asked to create it at once (``task.params.make_digits``) never see a half-written folder.
@@ -62,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         not os.path.isdir(args.out_dir) or os.listdir(args.out_dir)
     ):
         raise UserError(
-            f"{args.out_dir} already exists and is not an empty folder; remove it or pick another OUT_DIR"
+            f"{args.out_dir} already exists and is not an empty folder; "
+            "remove it or pick another OUT_DIR"
         )
     n = write_digits(args.out_dir)
     print(f"wrote {n} digit images (8x8 PNG, 10 class folders) to {args.out_dir}")

@@ -71,31 +71,36 @@ def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
     if not os.path.isdir(root):
         what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
         raise UserError(
-            f"task.params.root={root!r} {what}; point it at a folder of images (one sub-folder per class, "
-            f"or flat), or for the digits example run `python -m clusterflow.tasks.digits {root}` first "
-            f"(or set task.params.make_digits=true)"
+            f"task.params.root={root!r} {what}; point it at a folder of images "
+            "(one sub-folder per class, or flat), or for the digits example run "
+            f"`python -m clusterflow.tasks.digits {root}` first "
+            "(or set task.params.make_digits=true)"
         )
-    # scandir: the entry types come with the listing, no stat per file (a flat folder may hold millions)
+    # scandir: the entry types come with the listing, no stat per file (a flat folder may hold
+    # millions).
     entries = sorted(
         (e for e in os.scandir(root) if not e.name.startswith(".")), key=lambda e: e.name
     )
     if not entries:
         raise UserError(
-            f"task.params.root={root!r} is an empty folder; put image files in it (one sub-folder per class, or flat)"
+            f"task.params.root={root!r} is an empty folder; "
+            "put image files in it (one sub-folder per class, or flat)"
         )
     top = [e.name for e in entries if e.is_file() and _is_image(e.name)]
     classes = {e.name: _images_under(e.path) for e in entries if e.is_dir()}
     classes = {d: files for d, files in classes.items() if files}
     if top and classes:
         raise UserError(
-            f"task.params.root={root!r} holds both image files ({top[0]}, ...) and class folders with images "
-            f"({next(iter(classes))}/, ...); move every image into a class folder, or use a flat folder"
+            f"task.params.root={root!r} holds both image files ({top[0]}, ...) "
+            f"and class folders with images ({next(iter(classes))}/, ...); "
+            "move every image into a class folder, or use a flat folder"
         )
     if top:
         return top, None, []
     if not classes:
         raise UserError(
-            f"task.params.root={root!r} holds no image files ({len(entries)} entries, e.g. {entries[0].name!r}); "
+            f"task.params.root={root!r} holds no image files "
+            f"({len(entries)} entries, e.g. {entries[0].name!r}); "
             f"accepted extensions: {' '.join(IMAGE_EXTENSIONS)}"
         )
     paths, labels = [], []
@@ -131,7 +136,8 @@ def decode(path: str, channels: int) -> torch.Tensor:
 
 
 def fit_square(x: torch.Tensor, size: int) -> torch.Tensor:
-    """Centre-crop (C, H, W) to a square and resize it to ``size`` x ``size`` (antialiased when shrinking)."""
+    """Centre-crop (C, H, W) to a square and resize it to ``size`` x ``size`` (antialiased when
+    shrinking)."""
     _, h, w = x.shape
     s = min(h, w)
     top, left = (h - s) // 2, (w - s) // 2
@@ -283,13 +289,15 @@ class ImageFolderTask(Task):
             not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))
         ):
             log.info(
-                "task.params.root=%s is missing or empty: writing the scikit-learn digits there (make_digits)",
+                "task.params.root=%s is missing or empty: "
+                "writing the scikit-learn digits there (make_digits)",
                 root,
             )
             write_digits(root)
         files, labels, classes = scan(root)
         if limit and limit < len(files):
-            # Evenly spaced over the sorted list, so a subset of a class-folder tree keeps every class.
+            # Evenly spaced over the sorted list, so a subset of a class-folder tree keeps every
+            # class.
             keep = np.linspace(0, len(files) - 1, limit).round().astype(np.int64)
             files, labels = [files[i] for i in keep], labels[keep] if labels is not None else None
         self.root, self.files, self.labels, self.classes = root, files, labels, classes
@@ -343,9 +351,8 @@ class ImageFolderTask(Task):
         if labels is None:
             ids = index  # before any mining round: each image is its own identity
         else:
-            ids = torch.where(
-                labels >= 0, labels, len(self.files) + index
-            )  # -1 (ignored singleton): its own views only
+            # -1 (ignored singleton): its own views only.
+            ids = torch.where(labels >= 0, labels, len(self.files) + index)
         z = model(torch.cat([batch["x1"], batch["x2"]]))
         return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
 

@@ -90,7 +90,8 @@ class SyntheticIdentities(Dataset):
         return (self.signal[index] + nuis @ self.B + eps).astype(np.float32)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        # "label" is the true identity: for supervised tasks and quality metrics, never for pseudo-ID training.
+        # "label" is the true identity: for supervised tasks and quality metrics, never for
+        # pseudo-ID training.
         if not self.augment:
             return {
                 "x": torch.from_numpy(self.base[index]),
@@ -203,11 +204,11 @@ class PseudoIDTask(Task):
         index = batch["index"]
         n_total = len(self.train_dataset())
         if labels is None:
-            ids = index  # before any mining round: each sample is its own identity (instance discrimination)
+            # Before any mining round: each sample is its own identity (instance discrimination).
+            ids = index
         else:
-            ids = torch.where(
-                labels >= 0, labels, n_total + index
-            )  # -1 (ignored singleton): its own views only
+            # -1 (ignored singleton): its own views only.
+            ids = torch.where(labels >= 0, labels, n_total + index)
         z = model(torch.cat([batch["x1"], batch["x2"]]))
         return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
 

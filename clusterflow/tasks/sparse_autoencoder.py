@@ -107,7 +107,8 @@ class SparseAutoencoderTask(Task):
         for name, ok in checks.items():
             if not ok:
                 raise UserError(
-                    f"task.params.{name} = {locals()[name]!r} is out of range for SparseAutoencoderTask"
+                    f"task.params.{name} = {locals()[name]!r} "
+                    "is out of range for SparseAutoencoderTask"
                 )
         self.args = dict(dim=dim, features=features, active=active, noise=noise)
         self.samples, self.eval_samples, self.latents, self.l1 = samples, eval_samples, latents, l1

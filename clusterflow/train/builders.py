@@ -62,7 +62,8 @@ def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.
 
 
 def lr_schedule(t: Any, total_steps: int) -> Callable[[int], float]:
-    """Warm-up, then constant or cosine to zero at ``total_steps``: the multiplier of step ``step``."""
+    """Warm-up, then constant or cosine to zero at ``total_steps``: the multiplier of step
+    ``step``."""
 
     def multiplier(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
@@ -76,7 +77,8 @@ def lr_schedule(t: Any, total_steps: int) -> Callable[[int], float]:
 
 
 def init_weights(model: torch.nn.Module, where: str) -> None:
-    """Start from another run's weights (``task.init_from``): a model.pt, a run dir or a checkpoint dir.
+    """Start from another run's weights (``task.init_from``): a model.pt, a run dir or a
+    checkpoint dir.
 
     Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
     (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
@@ -90,8 +92,9 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
             ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
             if ckpt is None:
                 raise UserError(
-                    f"task.init_from={where!r} is a folder without model.pt or committed checkpoints; "
-                    f"point it at a finished run dir, a checkpoints/step-N folder or a model.pt file"
+                    f"task.init_from={where!r} is a folder without model.pt or committed "
+                    "checkpoints; point it at a finished run dir, a checkpoints/step-N folder or "
+                    "a model.pt file"
                 )
             candidates = [f"{ckpt.path}/model.pt"]
         path = candidates[0]
@@ -100,11 +103,13 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
             sd = torch.load(f, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(
-            f"task.init_from={where!r} does not exist; point it at a model.pt, e.g. RUN_DIR/model.pt of stage 1"
+            f"task.init_from={where!r} does not exist; point it at a model.pt, "
+            "e.g. RUN_DIR/model.pt of stage 1"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
         raise UserError(
-            f"task.init_from={where!r}: {path} is not a readable state_dict ({type(exc).__name__}: {exc})"
+            f"task.init_from={where!r}: {path} is not a readable state_dict "
+            f"({type(exc).__name__}: {exc})"
         ) from None
     if not isinstance(sd, dict):
         raise UserError(
@@ -114,8 +119,9 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     matched = {k: v for k, v in sd.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     if not matched:
         raise UserError(
-            f"task.init_from={where!r}: none of its {len(sd)} tensors ({', '.join(list(sd)[:3])}, ...) match the "
-            f"model's names and shapes ({', '.join(list(own)[:3])}, ...); was it written by a different model?"
+            f"task.init_from={where!r}: none of its {len(sd)} tensors "
+            f"({', '.join(list(sd)[:3])}, ...) match the model's names and shapes "
+            f"({', '.join(list(own)[:3])}, ...); was it written by a different model?"
         )
     model.load_state_dict(matched, strict=False)
     fresh = [k for k in own if k not in matched]

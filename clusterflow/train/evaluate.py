@@ -30,7 +30,8 @@ def evaluate(
     batch_size: int,
     tick: Any = None,
 ) -> dict[str, float]:
-    """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()`` once per batch."""
+    """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()``
+    once per batch."""
     shard = shard_range(len(dataset), dist.rank(), dist.world())
     loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(dataset, list(shard)), batch_size=max(1, batch_size)

@@ -64,7 +64,8 @@ class FiniteGuard:
         self.in_a_row = 0
 
     def start(self, global_step: int) -> None:
-        """Where this attempt starts (a resumed checkpoint is finite: it was checked before its commit)."""
+        """Where this attempt starts (a resumed checkpoint is finite: it was checked before its
+        commit)."""
         self.checked_at = global_step
         self._reset()
 
@@ -104,8 +105,9 @@ class FiniteGuard:
         if first < _NONE:
             step = since + first // self.train.grad_accum + 1
             self._fail(
-                f"the loss became non-finite (NaN or inf) at global step {step} (seen by the check at step "
-                f"{global_step}; every loss before step {step} was finite)"
+                f"the loss became non-finite (NaN or inf) at global step {step} "
+                f"(seen by the check at step {global_step}; every loss before step {step} was "
+                "finite)"
             )
         self._fail(
             f"the weights or optimizer state became non-finite between global steps {since} and "
@@ -113,14 +115,13 @@ class FiniteGuard:
         )
 
     def step_ok(self, params: Iterable[Any], scaler: Any, step: int) -> bool:
-        """skip_step, before optimizer step ``step``: True when its losses (every rank) and gradients
-        are finite; else the step is to be skipped (a warning says so), and too many in a row fail.
-        With fp16 loss scaling, infinite gradients are the scaler's business (it skips those
-        steps itself), so only the loss is judged."""
+        """skip_step, before optimizer step ``step``: True when its losses (every rank) and
+        gradients are finite; else the step is to be skipped (a warning says so), and too many in
+        a row fail. With fp16 loss scaling, infinite gradients are the scaler's business (it
+        skips those steps itself), so only the loss is judged."""
         grads = [] if scaler.is_enabled() else [p.grad for p in params if p.grad is not None]
-        ok = bool(self.ok) and _all_finite(
-            grads
-        )  # host reads: the step waits for its gradients here
+        # Host reads: the step waits for its gradients here.
+        ok = bool(self.ok) and _all_finite(grads)
         good = not dist.any_rank(not ok)  # the ranks agree (each saw only its own losses)
         self._reset()
         if good:
@@ -131,12 +132,13 @@ class FiniteGuard:
         limit = self.train.max_consecutive_skips
         if self.in_a_row > limit:
             self._fail(
-                f"the loss or a gradient was non-finite at {self.in_a_row} optimizer steps in a row, up to "
-                f"global step {step} (train.max_consecutive_skips={limit})"
+                f"the loss or a gradient was non-finite at {self.in_a_row} optimizer steps in a "
+                f"row, up to global step {step} (train.max_consecutive_skips={limit})"
             )
         if dist.rank() == 0:
             log.warning(
-                "global step %d: non-finite loss or gradient; the optimizer step is skipped (%d in a row, %d in all)",
+                "global step %d: non-finite loss or gradient; the optimizer step is skipped "
+                "(%d in a row, %d in all)",
                 step,
                 self.in_a_row,
                 self.skipped,
@@ -154,6 +156,6 @@ class FiniteGuard:
         )
         raise RunFailed(
             f"training diverged: {problem}. Nothing non-finite was saved ({kept}). Lower train.lr "
-            f"(now {self.train.lr:g}) or set train.grad_clip and start a new run.dir, or resume this "
-            f"one with train.on_nonfinite=skip_step to skip such steps"
+            f"(now {self.train.lr:g}) or set train.grad_clip and start a new run.dir, or resume "
+            "this one with train.on_nonfinite=skip_step to skip such steps"
         )

@@ -62,14 +62,10 @@ class Preemption:
         return "timeout" if self.is_timeout else "preempted"
 
 
-AGREE_EVERY_S = (
-    0.2  # the training loop's interval_s: how much training may pass between two agreements
-)
-REASONS = (
-    "",
-    "preempted",
-    "timeout",
-)  # by strength: the agreed reason is the strongest any rank received
+# The training loop's interval_s: how much training may pass between two agreements.
+AGREE_EVERY_S = 0.2
+# By strength: the agreed reason is the strongest any rank received.
+REASONS = ("", "preempted", "timeout")
 
 
 class StopAgreement:
@@ -98,9 +94,8 @@ class StopAgreement:
     One process has nobody to agree with: both answer its own flag at once.
     """
 
-    MAX_EVERY = (
-        16  # a step that suddenly slows (a neighbour's job) delays a stop by 2 x 16 steps at most
-    )
+    # A step that suddenly slows (a neighbour's job) delays a stop by 2 x 16 steps at most.
+    MAX_EVERY = 16
 
     def __init__(
         self,
@@ -112,7 +107,8 @@ class StopAgreement:
 
         self.preemption = preemption
         self.single = not dist.initialized()
-        # (reason, minus the proposed cadence): one maximum gives the strongest reason and the smallest proposal
+        # (reason, minus the proposed cadence): one maximum gives the strongest reason and the
+        # smallest proposal.
         self._flag = None if self.single else dist.AsyncMax(timeout_s, size=2)
         self.interval_s, self._clock = interval_s, clock
         self.every = 1  # boundaries from the start of a reduce to its read, agreed by every rank

@@ -62,9 +62,8 @@ class Trainer:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
-        seed_everything(
-            rank_seed(cfg.run.seed, self.rank)
-        )  # distinct per-rank streams from here on
+        # Distinct per-rank streams from here on.
+        seed_everything(rank_seed(cfg.run.seed, self.rank))
         t = cfg.train
         self.opt = builders.build_optimizer(t, self.module, self.world)
         self._build_data()
@@ -139,7 +138,8 @@ class Trainer:
 
     def _purge_step(self, resumed: bool) -> int:
         """The first step this attempt logs: TensorBoard drops what earlier attempts logged from
-        there on. The resumed step itself is logged again only when its end-of-epoch work is redone."""
+        there on. The resumed step itself is logged again only when its end-of-epoch work is
+        redone."""
         s = self.state
         return (
             s.global_step
@@ -168,9 +168,8 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step()
-            self.phases.tick(
-                self.state.global_step
-            )  # a Python int: the heartbeat reads nothing from the device
+            # A Python int: the heartbeat reads nothing from the device.
+            self.phases.tick(self.state.global_step)
             if bar is not None:
                 bar.update(1)
             if self._log_due():
@@ -200,8 +199,9 @@ class Trainer:
         persistent = d.persistent_workers and d.num_workers > 0
         if persistent and self._persistent_loader is not None:
             return self._persistent_loader
-        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global random
-        # stream (dropout) is not drawn from, so a resume in mid-epoch continues that stream exactly.
+        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global
+        # random stream (dropout) is not drawn from, so a resume in mid-epoch continues that
+        # stream exactly.
         g = torch.Generator().manual_seed(
             rank_seed(self.cfg.run.seed, self.rank) + self.state.epoch
         )
@@ -240,12 +240,12 @@ class Trainer:
     def _forward_backward(
         self, batch: dict[str, Any], last_micro: bool, window: LossWindow
     ) -> None:
-        """One micro-batch. Gradients are synchronised across ranks only on the last one of a step."""
+        """One micro-batch. Gradients are synchronised across ranks only on the last one of a
+        step."""
         batch = _to(batch, self.device)
         labels = self._device_labels()
-        if (
-            labels is not None
-        ):  # picked on the device by the batch's index: no copy, nothing read back
+        if labels is not None:
+            # Picked on the device by the batch's index: no copy, nothing read back.
             labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
         ctx = (
@@ -261,16 +261,16 @@ class Trainer:
         window.add(loss, metrics, len(batch["index"]))
 
     def _device_labels(self) -> torch.Tensor | None:
-        """The pseudo-labels of every sample, copied to the device once per mining round (or resume)."""
+        """The pseudo-labels of every sample, copied to the device once per mining round (or
+        resume)."""
         labels = self.state.labels
         if labels is None:
             return None
         if self._labels_of is not labels:
             src = torch.from_numpy(labels)
             if self.device.type == "cuda":
-                src = (
-                    src.pin_memory()
-                )  # so the copy need not wait; torch keeps the pinned block until it is done
+                # So the copy need not wait; torch keeps the pinned block until it is done.
+                src = src.pin_memory()
             self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
         return self._labels
 
@@ -289,7 +289,8 @@ class Trainer:
         self.state.step_done()
 
     def _before_commit(self, event: str) -> None:
-        self.writer.flush()  # every point up to a checkpoint is on disk: a resume logs only later steps again
+        # Every point up to a checkpoint is on disk: a resume logs only later steps again.
+        self.writer.flush()
         self._check_finite(state=True)
 
     def _check_finite(self, state: bool = False) -> None:
@@ -311,7 +312,8 @@ class Trainer:
         )
 
     def _end_of_epoch(self) -> str:
-        """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop reason, or ""."""
+        """Eval, mining when due, then the end-of-epoch checkpoint. Returns the agreed stop
+        reason, or ""."""
         finished = self.state.epoch + 1
         self._check_finite(state=True)  # eval and mining never run on non-finite weights
         rng = capture_rng()  # a round cut short is redone from here, eval included
@@ -320,7 +322,8 @@ class Trainer:
         if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
             result = self.miner.run(self.task, self.module, finished)
             if result is None:
-                # A signal arrived during the round: commit the finished epoch; the round continues on restart.
+                # A signal arrived during the round: commit the finished epoch; the round
+                # continues on restart.
                 reason = self.stop.agree() or "preempted"
                 restore_rng(rng)
                 self._save(checkpointer.STOP)
@@ -342,15 +345,19 @@ class Trainer:
         scalars = self.checkpointer.save(event)
         if scalars:
             self.writer.scalars(scalars, self.state.global_step)
-            self.writer.flush()  # a resume from this checkpoint logs from the next step: these points are not logged again
+            # A resume from this checkpoint logs from the next step: these points are not logged
+            # again.
+            self.writer.flush()
         if event != checkpointer.STEP:
-            self._status()  # where a stop or an epoch's end left the run, whatever the progress cadence skipped
+            # Where a stop or an epoch's end left the run, whatever the progress cadence skipped.
+            self._status()
 
     # -- reporting ----------------------------------------------------------------------------
     def _log_interval(self, window: LossWindow) -> None:
         rep = window.throughput.report()
         s = self.state
-        # One collective for the finite check, the means and the throughput (a sum: the mean times the world size).
+        # One collective for the finite check, the means and the throughput (a sum: the mean
+        # times the world size).
         reduced = self.guard.check(
             s.global_step, means={**window.means(), "rate": rep["samples_per_s_rank"]}
         )
@@ -377,9 +384,8 @@ class Trainer:
                 out["train/lr"],
                 out["perf/samples_per_s_total"],
             )
-        if (
-            self._progress_due.due()
-        ):  # each write is a rename: milliseconds on ext4 or NFS, so at most one a second
+        # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
+        if self._progress_due.due():
             self._status(
                 fsync=False,
                 state="running",

@@ -30,8 +30,9 @@ class LossWindow:
             return float(v)
         if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
             raise UserError(
-                f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; a loss and each metric "
-                f"must be one number (a 0-dim tensor or a float), e.g. metric.mean()"
+                f"the task's loss() returned {name!r} with shape {tuple(v.shape)}; "
+                "a loss and each metric must be one number (a 0-dim tensor or a float), "
+                "e.g. metric.mean()"
             )
         return v.detach().reshape(()).to(torch.float64)
 

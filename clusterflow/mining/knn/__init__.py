@@ -3,13 +3,14 @@
 :func:`search` finds, for every row, its ``k`` nearest *other* rows (self excluded) as ``(sims,
 ids)`` arrays of shape (N, k), most similar first; missing neighbours (N <= k) are id -1, sim
 -inf. :class:`KnnParams` says how (engine, FAISS index and its knobs, query batch). The engines:
-``faiss_engine.py`` (FAISS: flat, ivf, hnsw; every local GPU with a GPU build) and ``torch_engine.py``
-(exact chunked matmul + top-k, on every local GPU, or spread over every rank). Queries run in
-batches of ``query_batch`` to bound memory, and ``should_abort`` is polled between batches so a
-preemption signal can cut a long search short (the result is then None). ``blocks`` (a
-:class:`Blocks`, ``rounds.SearchBlocks`` in a mining round) hands back the query blocks an
-earlier attempt finished and takes each block just computed, so a search cut short continues
-where it stopped; a block's result does not depend on which others were computed with it.
+``faiss_engine.py`` (FAISS: flat, ivf, hnsw; every local GPU with a GPU build) and
+``torch_engine.py`` (exact chunked matmul + top-k, on every local GPU, or spread over every
+rank). Queries run in batches of ``query_batch`` to bound memory, and ``should_abort`` is polled
+between batches so a preemption signal can cut a long search short (the result is then None).
+``blocks`` (a :class:`Blocks`, ``mining.rounds.SearchBlocks`` in a mining round) hands back the
+query blocks an earlier attempt finished and takes each block just computed, so a search cut
+short continues where it stopped; a block's result does not depend on which others were
+computed with it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def choose_engine(requested: str) -> tuple[str, str]:
     if requested == "faiss":
         if not faiss_available():
             raise RuntimeError(
-                "mining.engine=faiss but faiss is not installed; pip install faiss-cpu, or set mining.engine=torch"
+                "mining.engine=faiss but faiss is not installed; pip install faiss-cpu, "
+                "or set mining.engine=torch"
             )
         return "faiss", "asked for by mining.engine"
     if requested == "torch":
@@ -54,7 +56,8 @@ def choose_engine(requested: str) -> tuple[str, str]:
         if torch.cuda.is_available() and not hasattr(faiss, "StandardGpuResources"):
             return (
                 "torch",
-                "CUDA is available but this faiss build has no GPU support; the exact torch engine uses the GPU",
+                "CUDA is available but this faiss build has no GPU support; "
+                "the exact torch engine uses the GPU",
             )
         return "faiss", "faiss is installed" + (
             " with GPU support" if hasattr(faiss, "StandardGpuResources") else " (CPU build)"

@@ -21,9 +21,8 @@ class KnnParams:
     nprobe: int = 16  # ivf
     hnsw_m: int = 32  # hnsw
     ef_search: int = 128  # hnsw
-    use_gpu: bool = (
-        True  # FAISS: shard the index over every local GPU when the build has GPU support
-    )
+    # FAISS: shard the index over every local GPU when the build has GPU support.
+    use_gpu: bool = True
 
     def __post_init__(self) -> None:
         if self.k < 1:
@@ -47,7 +46,8 @@ class Blocks(Protocol):
     """Finished query blocks of one search, kept across attempts."""
 
     def get(self, start: int, rows: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """(sims, ids) of the ``rows`` queries from ``start`` when an earlier attempt finished them."""
+        """(sims, ids) of the ``rows`` queries from ``start`` when an earlier attempt finished
+        them."""
 
     def put(self, start: int, sims: np.ndarray, ids: np.ndarray) -> None:
         """The block of queries from ``start``, just computed."""

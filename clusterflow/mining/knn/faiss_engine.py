@@ -1,4 +1,5 @@
-"""The FAISS k-NN engine: flat (exact), ivf or hnsw; sharded over every local GPU with a GPU build."""
+"""The FAISS k-NN engine: flat (exact), ivf or hnsw; sharded over every local GPU with a GPU
+build."""
 
 from __future__ import annotations
 
@@ -18,9 +19,8 @@ def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
     if params.index == "flat":
         idx = faiss.IndexFlatIP(d)
     elif params.index == "ivf":
-        nlist = max(
-            1, min(params.nlist, x.shape[0] // 39 or 1)
-        )  # faiss wants >= 39 training points per list
+        # faiss wants >= 39 training points per list.
+        nlist = max(1, min(params.nlist, x.shape[0] // 39 or 1))
         quant = faiss.IndexFlatIP(d)
         idx = faiss.IndexIVFFlat(quant, d, nlist, faiss.METRIC_INNER_PRODUCT)
         idx.train(x)
@@ -69,10 +69,8 @@ def _faiss_search(
     blocks: Blocks | None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     t0 = time.perf_counter()
-    idx, built = (
-        None,
-        0.0,
-    )  # built on the first block to compute: a resumed search may have none left
+    # Built on the first block to compute: a resumed search may have none left.
+    idx, built = None, 0.0
     k, qb = params.k, params.query_batch
     kk = min(k + 1, x.shape[0])
     sims = np.empty((x.shape[0], k), np.float32)

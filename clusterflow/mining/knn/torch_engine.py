@@ -42,7 +42,8 @@ def _topk_block(
     q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, db_chunk: int, id_offset: int
 ) -> tuple[Any, Any]:
     """Exact top-``keep`` of the query block against the database block (ids shifted by
-    ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in fp32."""
+    ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in
+    fp32."""
     import torch
 
     n = db32.shape[0]
@@ -69,7 +70,8 @@ def _topk_block(
 def _replicas(
     x: np.ndarray, device: str | list[str] | None, candidate_dtype: str
 ) -> list[tuple[Any, Any]]:
-    """One (fp32, candidate-dtype) copy of the database per device; by default every visible GPU, else the CPU."""
+    """One (fp32, candidate-dtype) copy of the database per device; by default every visible
+    GPU, else the CPU."""
     import torch
 
     if device is None:
@@ -138,10 +140,8 @@ def torch_search(
                     if blocks is not None:
                         blocks.put(qs, *done)  # from several threads: SearchBlocks locks
                 s_np, i_np = done
-                sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = (
-                    s_np,
-                    i_np,
-                )  # disjoint rows per block
+                # Disjoint rows per block.
+                sims_out[qs : qs + len(s_np)], ids_out[qs : qs + len(s_np)] = s_np, i_np
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             failures.append(exc)
             aborted.set()
@@ -226,10 +226,8 @@ def distributed_search(
                 ps, pi = _topk_block(
                     q, q.to(db_c.dtype), db32, db_c, cand, kk, db_chunk, offsets[rank]
                 )
-                s[:, : ps.shape[1]], i[:, : pi.shape[1]] = (
-                    ps,
-                    pi,
-                )  # a block with fewer than kk rows pads with -inf
+                # A block with fewer than kk rows pads with -inf.
+                s[:, : ps.shape[1]], i[:, : pi.shape[1]] = ps, pi
             all_s, all_i = dist.all_gather_tensors(s), dist.all_gather_tensors(i)
             if rank != owner:
                 continue
