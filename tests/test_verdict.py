@@ -20,6 +20,17 @@ SRUN = (1, "node2", "Killed")
 
 # (evidence, state, error): the first row that applies in docs/status.md's table wins.
 TABLE = [
+    # what is committed (model.pt and the last step's checkpoint) says completed, whatever the
+    # records say: lost, behind, or contradicted by the queue, the processes or a cancel
+    (Evidence(completed=True), "completed", None),
+    (Evidence(recorded_state="running", attempts=1, completed=True), "completed", None),
+    (
+        Evidence(recorded_state=None, attempts=1, alive=False, liveness=GONE, completed=True),
+        "completed",
+        None,
+    ),
+    (Evidence(recorded_state="failed", queue="", completed=True), "completed", None),
+    (Evidence(recorded_state="running", cancelled=True, completed=True), "completed", None),
     # nothing recorded yet
     (Evidence(), "pending", None),
     (Evidence(attempts=1), "running", None),
@@ -148,6 +159,7 @@ def test_a_stall_carries_its_facts():
         (Evidence(recorded_state="pending"), False),  # nothing started: nothing to check
         (Evidence(recorded_state="failed"), False),
         (Evidence(recorded_state="completed"), False),
+        (Evidence(recorded_state=None, attempts=1, completed=True), False),
         (Evidence(recorded_state="requeued", attempts=1, queue="PENDING|BeginTime"), False),
     ],
 )

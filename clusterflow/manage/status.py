@@ -33,14 +33,53 @@ EXAMPLES = (
 )
 
 
-def _checkpoints(root: str) -> tuple[list[str], list[str]]:
-    """Committed steps (oldest first), and the damaged ones the store set aside."""
+def _checkpoints(root: str) -> tuple[list[str], list[str], dict[str, Any]]:
+    """Committed steps (oldest first), the damaged ones the store set aside, and the newest
+    committed step's manifest ({} when none, or when it cannot be read)."""
 
     try:
         store = CheckpointStore(root)
-        return [store.url_of(s) for s in store.steps()], store.damaged()
+        newest = store.newest_manifest() or {}
+        return [store.url_of(s) for s in store.steps()], store.damaged(), newest
     except Exception:  # noqa: BLE001 - an unreachable remote store must not break status
-        return [], []
+        return [], [], {}
+
+
+def _last_step_of_run(manifest: dict[str, Any]) -> bool:
+    """Whether a committed checkpoint is the run's last one: every epoch of its config trained
+    (train.epochs may not change on a resume, so its own config says how many)."""
+    config = manifest.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
+    epochs = train.get("epochs") if isinstance(train, dict) else None
+    epoch = manifest.get("epoch")
+    return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _completed(paths: rundir.RunPaths, manifest: dict[str, Any]) -> bool:
+    """What is committed says the run completed: the final model.pt (written only after the last
+    checkpoint committed) next to a committed checkpoint of the run's last step."""
+    return os.path.isfile(paths.model) and _last_step_of_run(manifest)
+
+
+PROGRESS = ("epoch", "global_step", "step_in_epoch")
+
+
+def _progress(st: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
+    """epoch, global_step and step_in_epoch: status.json's, unless it lost them or is behind the
+    newest committed checkpoint (a kill before its next write), which then says where the run
+    is."""
+    recorded = {k: st[k] for k in PROGRESS if _is_int(st.get(k))}
+    committed = {k: manifest[k] for k in PROGRESS if _is_int(manifest.get(k))}
+    behind = len(recorded) < len(PROGRESS) or recorded["global_step"] < committed.get(
+        "global_step", -1
+    )
+    if behind and len(committed) == len(PROGRESS):
+        return committed
+    return {k: recorded.get(k, 0) for k in PROGRESS}
 
 
 def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
@@ -143,7 +182,8 @@ def collect(run_dir: str) -> dict[str, Any]:
     st, damaged_status = rundir.read_object(paths.status)
     attempts = rundir.read_jsonl(paths.attempts)
     root, damaged_config = _checkpoint_root(paths)
-    cks, damaged = _checkpoints(root)
+    cks, damaged, newest = _checkpoints(root)
+    progress = _progress(st, newest)
     last = attempts[-1] if attempts else {}
     current = submissions.current_job_id(run_dir)  # a resubmission is newer than the last attempt
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
@@ -161,12 +201,13 @@ def collect(run_dir: str) -> dict[str, Any]:
         cancelled=cancel_marker.is_cancelled(run_dir),
         first_error=first_error.read(run_dir, rundir.current_attempt(paths)),
         srun_first=_srun_first(paths, job_id),
+        completed=_completed(paths, newest),
     )
     alive, note = None, None
     if verdict.needs_liveness(evidence):
         life = liveness.check(run_dir, last, queue)
         alive = life.alive
-        note = life.note(st.get("global_step", 0)) if alive is False else None
+        note = life.note(progress["global_step"]) if alive is False else None
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
     decided = verdict.decide(evidence)
     latest = cks[-1] if cks else None
@@ -176,9 +217,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "liveness": note,
         "run_dir": run_dir,
         "job_id": job_id,
-        "epoch": st.get("epoch", 0),
-        "global_step": st.get("global_step", 0),
-        "step_in_epoch": st.get("step_in_epoch", 0),
+        **progress,
         "steps_per_epoch": st.get("steps_per_epoch"),
         "attempts": len(attempts),
         "world_size": st.get("world_size", last.get("world_size")),

@@ -1,11 +1,15 @@
 """What ``status`` shows as a run's ``state`` and ``error``: one pure function over what was seen.
 
-status.json holds what the run last wrote, and a run killed by SIGKILL, the OOM killer or a
-node failure writes nothing more; a user's cancel, Slurm's queue and the attempt's first-error
-record each know something status.json may not. :func:`decide` weighs them, in this order:
+What is committed is the truth: the final ``model.pt`` next to a committed checkpoint of the
+run's last step means the run completed, whatever the records say. The records are hints that
+may be lost: status.json holds what the run last wrote, and a run killed by SIGKILL, the OOM
+killer or a node failure writes nothing more (an empty or damaged one says nothing at all); a
+user's cancel, Slurm's queue and the attempt's first-error record each know something
+status.json may not. :func:`decide` weighs them, in this order:
 
 | evidence (first that applies wins)                      | state                     |
 |---------------------------------------------------------|---------------------------|
+| committed: model.pt and the last step's checkpoint      | completed                 |
 | cancelled marker, run not completed                     | cancelled                 |
 | no live process; recorded running/pending (or nothing); | failed                    |
 | squeue: RUNNING, COMPLETING, CONFIGURING or gone        |                           |
@@ -62,6 +66,7 @@ class Evidence:
     cancelled: bool = False  # RUN_DIR/cancelled.json exists
     first_error: dict[str, Any] | None = None  # this attempt's first-error record
     srun_first: tuple[int, str, str] | None = None  # (rank, node, what) srun saw fail first
+    completed: bool = False  # committed: model.pt and a checkpoint of the run's last step
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,10 @@ class Verdict:
 
 
 def queued_state(e: Evidence) -> str:
-    """The state from status.json, corrected by what squeue says (when it answers)."""
+    """The state from status.json, corrected by what is committed and what squeue says (when it
+    answers)."""
+    if e.completed:
+        return COMPLETED
     state = e.recorded_state or (RUNNING if e.attempts or e.started else PENDING)
     if e.queue is None:
         return state
