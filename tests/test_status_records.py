@@ -3,12 +3,25 @@ records say, and records that are lost, damaged or wrong-typed are named, never 
 
 import json
 import os
+import random
 import shutil
+import socket
+import subprocess
+import sys
+import time
 
+import clihelp
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 
+from clusterflow.cancel import main as cancel_main
 from clusterflow.launch import stages
+from clusterflow.logs import main as logs_main
+from clusterflow.observe.metrics import read_metrics
+from clusterflow.rundir import lease, states
+from clusterflow.rundir.states import STATES
+from clusterflow.status import main as status_main
+from clusterflow.submit import main as submit_main
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +91,329 @@ def test_progress_after_a_kill_comes_from_the_newest_committed_checkpoint(comple
     assert s["state"] == "failed" and s["alive"] is False, s
     assert (s["epoch"], s["global_step"], s["step_in_epoch"]) == (3, 18, 0)
     assert s["liveness"].endswith("; last step 18"), s["liveness"]
+
+
+def running(run_dir):
+    """Turn a copy of the completed run into one that runs: no model.pt, status.json and
+    attempts.jsonl of an attempt whose process is this test's own (alive, with its real start)."""
+    os.remove(os.path.join(run_dir, "model.pt"))
+    host, pid = socket.gethostname(), os.getpid()
+    attempt = {
+        "attempt": 0,
+        "started_at": time.time(),
+        "job_id": "local",
+        "source": "single",
+        "host": host,
+        "hosts": [host],
+        "world_size": 1,
+        "procs": [[host, pid, lease.process_start(pid)]],
+    }
+    with open(os.path.join(run_dir, "attempts.jsonl"), "w") as f:
+        f.write(json.dumps(attempt) + "\n")
+    write_json(
+        os.path.join(run_dir, "status.json"),
+        {"state": "running", "epoch": 2, "global_step": 14, "step_in_epoch": 2, "job_id": "local"},
+    )
+    beat = {"rank": 0, "host": host, "pid": pid, "time": time.time(), "step": 14, "phase": "train"}
+    write_json(os.path.join(run_dir, "heartbeats", "rank0.json"), beat)
+    return run_dir
+
+
+def write_json(target, value):
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    with open(target, "w") as f:
+        f.write(value if isinstance(value, str) else json.dumps(value))
+
+
+def edit_json(target, **fields):
+    with open(target) as f:
+        rec = json.load(f)
+    rec.update(fields)
+    write_json(target, rec)
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+# (what the issue wrote, how to do it to a run dir, the file and field the warning names)
+WRONG_TYPED = {
+    'heartbeat "time": "x"': (
+        lambda d: edit_json(os.path.join(d, "heartbeats", "rank0.json"), time="x"),
+        'heartbeats/rank0.json: time is "x"',
+    ),
+    'attempts.jsonl "started_at": "now"': (
+        lambda d: write_json(
+            os.path.join(d, "attempts.jsonl"),
+            open(os.path.join(d, "attempts.jsonl")).read().replace('"started_at": ', '"x": ')
+            + json.dumps({"attempt": 1, "started_at": "now", "job_id": "local"})
+            + "\n",
+        ),
+        'attempts.jsonl line 2: started_at is "now"',
+    ),
+    'submissions.jsonl "submitted_at": "x"': (
+        lambda d: write_json(
+            os.path.join(d, "submissions.jsonl"),
+            json.dumps({"job_id": "local-1", "submitted_at": "x"}) + "\n",
+        ),
+        'submissions.jsonl line 1: submitted_at is "x"',
+    ),
+    "code/current.json without version": (
+        lambda d: write_json(os.path.join(d, "code", "current.json"), {"module": "testtasks"}),
+        "code/current.json: no valid version",
+    ),
+    'status.json "global_step": "abc"': (
+        lambda d: edit_json(os.path.join(d, "status.json"), global_step="abc"),
+        'status.json: global_step is "abc"',
+    ),
+    "status.json nested 100k deep": (
+        lambda d: write_json(os.path.join(d, "status.json"), DEEP),
+        "status.json is not readable JSON",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_TYPED))
+@pytest.mark.parametrize("kind", ["running", "completed"])
+def test_a_wrong_typed_record_is_a_named_warning_not_a_traceback(completed, case, kind):
+    d = running(completed) if kind == "running" else completed
+    damage, named = WRONG_TYPED[case]
+    damage(d)
+    s = json.loads(status(d, "--json"))
+    assert s["state"] == ("running" if kind == "running" else "completed"), s
+    assert any(w.startswith(named) for w in s["damaged_records"]), s["damaged_records"]
+    text = status(d)
+    assert f"warning      {named}" in text, text
+    status(d, "--ranks")
+
+
+# -- fuzz: random and wrong-typed JSON in every record ---------------------------------------------
+
+STRINGS = ["", "x", "now", "abc", "running", "completed", "local", "12345", "ü∂\u2028", "-1"]
+
+
+def random_value(rng, depth=0):
+    kind = rng.choice(["null", "bool", "int", "big", "float", "odd float", "str", "list", "dict"])
+    if depth > 3 and kind in ("list", "dict"):
+        kind = "str"
+    if kind == "list":
+        return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+    if kind == "dict":
+        keys = ["rank", "time", "state", "epoch", "x", "curve", "thresholds", "error"]
+        return {rng.choice(keys): random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    return {
+        "null": None,
+        "bool": rng.random() < 0.5,
+        "int": rng.randint(-3, 30),
+        "big": rng.choice([10**30, -(10**30), 2**63]),
+        "float": rng.uniform(-1e3, 1e12),
+        "odd float": rng.choice([float("nan"), float("inf"), -float("inf"), 1e308]),
+        "str": rng.choice(STRINGS),
+    }[kind]
+
+
+def templates(host, pid, start, now):
+    """A valid record of each kind, the fuzz's starting point for wrong-typed fields."""
+    round_ = {
+        "epoch": 1,
+        "num_clusters": 3,
+        "num_singletons": 1,
+        "largest_cluster": 5,
+        "threshold": 0.5,
+        "threshold_rule": "fixed",
+        "seconds": {"total": 0.1},
+        "curve": {"thresholds": [0.6, 0.5], "num_clusters": [4, 3], "largest_cluster": [4, 5]},
+    }
+    return {
+        "status.json": {
+            "state": "running",
+            "epoch": 1,
+            "global_step": 7,
+            "step_in_epoch": 1,
+            "steps_per_epoch": 6,
+            "job_id": "local",
+            "world_size": 1,
+            "hosts": [host],
+            "last_loss": 4.5,
+            "updated_at": now,
+            "eval": {"eval/view_cos": 0.9},
+            "mining": [round_],
+            "phase": "train",
+        },
+        "attempts.jsonl": {
+            "attempt": 0,
+            "started_at": now,
+            "job_id": "local",
+            "source": "single",
+            "host": host,
+            "hosts": [host],
+            "world_size": 1,
+            "procs": [[host, pid, start]],
+        },
+        "submissions.jsonl": {"job_id": "12345", "submitted_at": now},
+        "heartbeats/rank0.json": {"rank": 0, "host": host, "pid": pid, "time": now, "step": 7},
+        "heartbeats/rank1.json": {"rank": 1, "host": host, "time": now, "step_time_s": 0.1},
+        "errors/rank0.json": {"rank": 0, "host": host, "error": "boom", "time": now},
+        "errors/first.attempt0.json": {
+            "rank": 0,
+            "host": host,
+            "error": "stalled",
+            "kind": "stall",
+            "time": now,
+            "step": 3,
+        },
+        "errors/first.attempt1.json": {"rank": 1, "host": host, "error": "boom", "kind": "error"},
+        "code/current.json": {"module": "testtasks", "version": "v1", "git": {"commit": "abc"}},
+        "lease/gen-1.json": {
+            "host": host,
+            "pid": pid,
+            "pid_start": start,
+            "job_id": "local",
+            "source": "single",
+            "started_at": now,
+            "renew_s": 30,
+        },
+        "cancelled.json": {"cancelled_at": now, "job_id": None, "by": "me@" + host},
+    }
+
+
+def wrong_typed(rng, template):
+    rec = dict(template)
+    for key in rng.sample(sorted(rec), rng.randint(1, min(3, len(rec)))):
+        rec[key] = random_value(rng)
+    if rng.random() < 0.3:
+        rec.pop(rng.choice(sorted(rec)), None)
+    return rec
+
+
+def one_record(rng, template):
+    """The text of one damaged record (a JSON line for .jsonl files), or None for no file."""
+    how = rng.choice(["absent", "valid", "wrong-typed", "wrong-typed", "random", "deep", "junk"])
+    if how == "absent":
+        return None
+    if how == "deep":
+        return DEEP
+    if how == "junk":
+        return rng.choice(["", "{", "\x00\xff garbage", '{"a": 1}{"b": 2}', "nul\n"])
+    value = {"valid": template, "random": random_value(rng)}.get(how)
+    return json.dumps(wrong_typed(rng, template) if value is None else value)
+
+
+def fuzz_records(rng, run_dir, recs):
+    for name, template in recs.items():
+        target = os.path.join(run_dir, name)
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+        elif os.path.lexists(target):
+            os.remove(target)
+        if rng.random() < 0.05:
+            os.makedirs(target)  # a folder where the record should be
+            continue
+        if name.endswith(".jsonl"):
+            lines = [one_record(rng, template) for _ in range(rng.randint(0, 4))]
+            text = "".join(line + "\n" for line in lines if line is not None)
+        else:
+            text = one_record(rng, template)
+            if text is None:
+                continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with open(target, "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(text)
+
+
+def commands(run_dir, tmp_path):
+    """Every command a user points at a run dir, as (name, main, argv)."""
+    after = [
+        "configs/tiny.yaml",
+        f"run.dir={tmp_path}/next",
+        "--after",
+        run_dir,
+        "--local",
+        "--dry-run",
+    ]
+    return [
+        ("status", status_main, [run_dir]),
+        ("status --json", status_main, [run_dir, "--json"]),
+        ("status --ranks", status_main, [run_dir, "--ranks"]),
+        ("logs", logs_main, [run_dir]),
+        ("--after", submit_main, after),
+        ("cancel", cancel_main, [run_dir]),
+    ]
+
+
+@pytest.mark.parametrize("kind", ["running", "completed"])
+def test_fuzzed_records_never_give_a_traceback(completed, kind, tmp_path, monkeypatch):
+    # No Slurm command can run: a fuzzed job id must never reach squeue or scancel.
+    empty = tmp_path / "no-slurm-here"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.chdir(REPO)
+    d = running(completed) if kind == "running" else completed
+    host, pid = socket.gethostname(), os.getpid()
+    recs = templates(host, pid, lease.process_start(pid), time.time())
+    rng = random.Random(23 if kind == "running" else 24)
+    for case in range(20):
+        fuzz_records(rng, d, recs)
+        for name, main, argv in commands(d, tmp_path):
+            code, out, err = clihelp.call(main, argv)
+            assert "Traceback" not in err and code in (0, 2), (case, name, code, out, err)
+            if name == "status --json" and kind == "completed":
+                assert json.loads(out)["state"] == "completed", (case, out)
+            if name == "--after" and kind == "completed":
+                assert "warning" not in err, (case, err)
+
+
+# The status cadence as if every log step after the first came within a second of it (a fast
+# run, a sweep member): only the first ask is due.
+ONE_STATUS_WRITE = """
+import runpy, sys
+import clusterflow.train.trainer as trainer
+
+class Once:
+    def __init__(self, seconds):
+        self.asked = 0
+
+    def due(self):
+        self.asked += 1
+        return self.asked == 1
+
+trainer.Every = Once
+sys.argv = ["clusterflow.run", *sys.argv[1:]]
+runpy.run_module("clusterflow.run", run_name="__main__")
+"""
+
+
+def test_status_holds_the_last_logged_loss_when_the_cadence_skipped_its_write(tmp_path):
+    d = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    out = subprocess.run(
+        [sys.executable, "-c", ONE_STATUS_WRITE, "configs/tiny.yaml", f"run.dir={d}"]
+        + ["cluster.tasks_per_node=1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = read_metrics(d)
+    last = max(step for step, v in rows.items() if "train/loss" in v)
+    with open(os.path.join(d, "status.json")) as f:
+        s = json.load(f)
+    assert last == 18 and s["global_step"] == 18
+    assert s["last_loss"] == rows[last]["train/loss"], (s["last_loss"], rows[last])
+    assert json.loads(status(d, "--json"))["last_loss"] == rows[last]["train/loss"]
+
+
+def _state_rows(text, cell):
+    rows = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.strip().strip("|").split("|")]
+        if len(parts) == 2 and cell(parts[0]) in STATES:
+            rows[cell(parts[0])] = parts[1].replace("``", "`")
+    return rows
+
+
+def test_the_state_table_of_the_docs_is_the_one_of_states_py():
+    with open(os.path.join(REPO, "docs", "status.md")) as f:
+        docs = _state_rows(f.read(), lambda c: c.strip("`"))
+    code = _state_rows(states.__doc__, lambda c: c)
+    assert sorted(code) == sorted(STATES) and docs == code, (docs, code)

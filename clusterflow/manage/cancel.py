@@ -15,7 +15,7 @@ from typing import Any
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_OK, UserError, cli
-from clusterflow.rundir import cancel_marker, states, submissions
+from clusterflow.rundir import cancel_marker, records, states, submissions
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.sweeps import index as sweep_index
 
@@ -47,9 +47,11 @@ def job_state(run_dir: str) -> str | None:
     again retries it), or None when a submission is newer than it (a resubmitted job may be
     pending)."""
     paths = rundir.RunPaths(run_dir)
-    st = rundir.read_json(paths.status, {}) or {}
-    submitted = [float(r.get("submitted_at") or 0) for r in rundir.read_jsonl(paths.submissions)]
-    if submitted and max(submitted) > float(st.get("updated_at") or 0):
+    st, _ = rundir.read_object(paths.status, records.STATUS)
+    submitted = [
+        r.get("submitted_at") or 0 for r in rundir.read_jsonl(paths.submissions, records.SUBMISSION)
+    ]
+    if submitted and max(submitted) > (st.get("updated_at") or 0):
         return None
     return st.get("state")
 

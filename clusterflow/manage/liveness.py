@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import lease
+from clusterflow.rundir import lease, records
 from clusterflow.slurm import commands as slurm_commands
 
 
@@ -85,6 +85,8 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
         return Liveness(False, seen, f"its {len(procs)} process(es) on {host} are gone")
     gen, rec, age = lease.current(run_dir)
     if gen:
+        # Only the fields that fit the lease's schema: a hand-edited one must not stop status.
+        rec, _ = records.checked(rec or {}, records.LEASE, "lease")
         ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_commands.queue_state)
         return Liveness(ok, seen, f"the job holding its lease: {why}")
     # Rank 0, the lease holder, ran here: gone, and it left no lease.

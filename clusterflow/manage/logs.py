@@ -18,7 +18,7 @@ from typing import IO
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_OK, UserError, cli
-from clusterflow.rundir import cancel_marker, states
+from clusterflow.rundir import cancel_marker, records, states
 from clusterflow.sweeps import index as sweep_index
 
 EXAMPLES = (
@@ -50,7 +50,14 @@ def ranks(run_dir: str) -> list[int]:
 
 def header(run_dir: str, rank: int, attempt: int) -> str:
     paths = rundir.RunPaths(run_dir)
-    rec = next((r for r in rundir.read_jsonl(paths.attempts) if r.get("attempt") == attempt), {})
+    rec = next(
+        (
+            r
+            for r in rundir.read_jsonl(paths.attempts, records.ATTEMPT)
+            if r.get("attempt") == attempt
+        ),
+        {},
+    )
     parts = [f"attempt {attempt}"]
     if rec.get("job_id"):
         parts.append(f"job {rec['job_id']}")
@@ -65,7 +72,7 @@ def header(run_dir: str, rank: int, attempt: int) -> str:
 
 def ended(run_dir: str) -> bool:
 
-    state = (rundir.read_json(rundir.RunPaths(run_dir).status, {}) or {}).get("state")
+    state = rundir.read_object(rundir.RunPaths(run_dir).status, records.STATUS)[0].get("state")
     return states.ended(state) or cancel_marker.is_cancelled(run_dir)
 
 

@@ -32,23 +32,33 @@ def _heartbeat_s(paths: rundir.RunPaths) -> float:
     return value if value >= 0 else DEFAULT_HEARTBEAT_S
 
 
-def ranks(paths: rundir.RunPaths, last: dict[str, Any], world_size: Any) -> list[dict[str, Any]]:
+def ranks(
+    paths: rundir.RunPaths,
+    last: dict[str, Any],
+    world_size: Any,
+    damaged: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no
-    attempt began)."""
+    attempt began); damaged heartbeats are named in ``damaged``."""
     every_s = _heartbeat_s(paths)
     if not last or not every_s:
         return []  # heartbeats off: no rank is silent for want of one
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
     # Nodes' clocks differ by seconds; an older attempt by minutes.
     since = float(last.get("started_at") or 0) - 60
-    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world)
+    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world, damaged=damaged)
 
 
 def extend(
-    out: dict[str, Any], paths: rundir.RunPaths, last: dict[str, Any], queue: str | None
+    out: dict[str, Any],
+    paths: rundir.RunPaths,
+    last: dict[str, Any],
+    queue: str | None,
+    damaged: list[str] | None = None,
 ) -> None:
-    """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object."""
-    rs = ranks(paths, last, out.get("world_size"))
+    """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object (damaged heartbeats to
+    ``damaged``)."""
+    rs = ranks(paths, last, out.get("world_size"), damaged)
     if states.ended(out["state"]):
         for r in rs:
             # A finished run's ranks are quiet by design; the ages still say when they stopped.

@@ -16,7 +16,14 @@ from clusterflow import rundir
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import liveness, ranks, sweep_status, verdict
-from clusterflow.rundir import cancel_marker, first_error, frozen_code, saved_config, submissions
+from clusterflow.rundir import (
+    cancel_marker,
+    first_error,
+    frozen_code,
+    records,
+    saved_config,
+    submissions,
+)
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
@@ -99,18 +106,20 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     return join_checkpoints(paths.root, configured or ""), ""
 
 
-def _errors(paths: rundir.RunPaths, since: float) -> list[dict[str, Any]]:
-    """What ended each rank of the last attempt."""
+def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[dict[str, Any]]:
+    """What ended each rank of the last attempt (a damaged record is added to ``damaged``)."""
     errors = []
-    if os.path.isdir(paths.errors):
-        for name in sorted(os.listdir(paths.errors)):
-            e = (
-                rundir.read_json(os.path.join(paths.errors, name))
-                if name.startswith("rank")
-                else None
-            )
-            if isinstance(e, dict) and float(e.get("time") or 0) >= since:
-                errors.append({k: e.get(k) for k in ("rank", "host", "error")})
+    try:
+        names = sorted(n for n in os.listdir(paths.errors) if n.startswith("rank"))
+    except OSError:
+        names = []
+    for name in names:
+        e, said = records.read_checked(
+            os.path.join(paths.errors, name), records.ERROR, f"errors/{name}"
+        )
+        damaged += said
+        if e is not None and (e.get("time") or 0) >= since:
+            errors.append({k: e.get(k) for k in ("rank", "host", "error")})
     return errors
 
 
@@ -179,13 +188,17 @@ def collect(run_dir: str) -> dict[str, Any]:
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
     if not os.path.exists(paths.config):
         raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
-    st, damaged_status = rundir.read_object(paths.status)
-    attempts = rundir.read_jsonl(paths.attempts)
+    # Records are hints: each one that does not fit its schema is named in ``notes``.
+    st, notes = rundir.read_object(paths.status, records.STATUS)
+    attempts, said = records.read_records(paths.attempts, records.ATTEMPT)
+    notes += said
     root, damaged_config = _checkpoint_root(paths)
+    notes += [damaged_config] if damaged_config else []
     cks, damaged, newest = _checkpoints(root)
     progress = _progress(st, newest)
     last = attempts[-1] if attempts else {}
-    current = submissions.current_job_id(run_dir)  # a resubmission is newer than the last attempt
+    # A resubmission is newer than the last attempt.
+    current = submissions.current_job_id(run_dir, notes)
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
     queue = (
         slurm_commands.queue_state(job_id)
@@ -199,7 +212,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         started=bool(cks),
         queue=queue,
         cancelled=cancel_marker.is_cancelled(run_dir),
-        first_error=first_error.read(run_dir, rundir.current_attempt(paths)),
+        first_error=first_error.read(run_dir, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
     )
@@ -228,20 +241,20 @@ def collect(run_dir: str) -> dict[str, Any]:
         else None,
         "checkpoints": cks,
         "damaged_checkpoints": damaged,
-        "damaged_records": [d for d in (damaged_status, damaged_config) if d],
+        "damaged_records": notes,
         "checkpoint_error": st.get("checkpoint_error"),
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
-        "errors": _errors(paths, float(last.get("started_at") or 0)),
+        "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
         "logs": paths.logs,
-        "code": frozen_code.describe(run_dir),
+        "code": frozen_code.describe(run_dir, notes),
         "updated_at": st.get("updated_at"),
     }
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, last, queue)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict
     return out
 
 

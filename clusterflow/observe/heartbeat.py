@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from clusterflow import rundir
 from clusterflow.observe import nvml
+from clusterflow.rundir import records as run_records
 from clusterflow.storage import durable
 
 PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
@@ -181,12 +182,15 @@ def read_ranks(
     now: float | None = None,
     since: float | None = None,
     world_size: int | None = None,
+    damaged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``,
     ``progress_age_s`` and the marks ``straggler`` and ``silent``.
 
     ``since`` (the attempt's start) drops records an earlier attempt left; with ``world_size``, a
-    rank that has not written yet in this attempt is listed too, as silent with no phase.
+    rank that has not written yet in this attempt is listed too, as silent with no phase. A record
+    that does not fit its schema is named in ``damaged`` (when given); its other fields are kept,
+    and one without a rank is dropped.
     """
     now = time.time() if now is None else now
     folder = rundir.RunPaths(run_dir).heartbeats
@@ -198,12 +202,12 @@ def read_ranks(
     for name in names:
         if not (name.startswith("rank") and name.endswith(".json")):
             continue
-        rec = rundir.read_json(os.path.join(folder, name))
-        if (
-            not isinstance(rec, dict)
-            or not isinstance(rec.get("rank"), int)
-            or (since is not None and rec.get("time", 0) < since)
-        ):
+        rec, said = run_records.read_checked(
+            os.path.join(folder, name), run_records.HEARTBEAT, f"heartbeats/{name}"
+        )
+        if damaged is not None:
+            damaged += said
+        if rec is None or (since is not None and (rec.get("time") or 0) < since):
             continue
         if world_size is not None and rec["rank"] >= world_size:
             continue  # a larger earlier attempt's rank

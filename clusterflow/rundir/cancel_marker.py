@@ -14,6 +14,7 @@ import os
 import socket
 import time
 
+from clusterflow.errors import UserError
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.storage import durable
 
@@ -34,7 +35,14 @@ def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
         "job_id": job_id,
         "by": f"{user}@{socket.gethostname()}",
     }
-    durable.write_atomic(RunPaths(run_dir).cancelled, json.dumps(record, indent=1))
+    target = RunPaths(run_dir).cancelled
+    try:
+        durable.write_atomic(target, json.dumps(record, indent=1))
+    except OSError as exc:  # a folder in its place, a read-only run dir
+        raise UserError(
+            f"cannot write the cancel marker {target} ({type(exc).__name__}: {exc.strerror}); "
+            "make the run dir writable (remove a folder of that name) and cancel again"
+        ) from None
 
 
 def clear(run_dir: str) -> bool:

@@ -53,9 +53,17 @@ def record(
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
-def read(run_dir: str, attempt: int) -> dict[str, Any] | None:
-    rec = rundir.read_json(rundir.RunPaths(run_dir).first_error_file(attempt))
-    return rec if isinstance(rec, dict) else None
+def read(run_dir: str, attempt: int, damaged: list[str] | None = None) -> dict[str, Any] | None:
+    """This attempt's first cause, or None; a record that does not fit its schema is named in
+    ``damaged`` (when given), and one without a rank or an error is ignored."""
+    rec, said = rundir.read_checked(
+        rundir.RunPaths(run_dir).first_error_file(attempt),
+        rundir.FIRST_ERROR,
+        f"errors/first.attempt{attempt}.json",
+    )
+    if damaged is not None:
+        damaged += said
+    return rec
 
 
 def headline(rec: dict[str, Any]) -> str:

@@ -224,11 +224,16 @@ def take(
     return manifest
 
 
-def describe(run_dir: str) -> dict[str, Any] | None:
+def describe(run_dir: str, damaged: list[str] | None = None) -> dict[str, Any] | None:
     """For status: {module, version, commit, dirty, path} of the snapshot the next attempt
-    imports."""
+    imports; None when nothing was frozen, or when code/current.json does not fit its schema
+    (named in ``damaged``, when given)."""
     paths = rundir.RunPaths(run_dir)
-    manifest = rundir.read_json(paths.code_pointer)
+    manifest, said = rundir.read_checked(
+        paths.code_pointer, rundir.CODE_POINTER, "code/current.json"
+    )
+    if damaged is not None:
+        damaged += said
     if not manifest:
         return None
     git = manifest.get("git") or {}
@@ -247,7 +252,13 @@ def activate(
     """Called by every rank of every attempt before the task is imported: put the frozen copy
     first on sys.path (and PYTHONPATH, for worker processes) and forget any copy imported
     before."""
-    info = describe(run_dir)
+    damaged: list[str] = []
+    info = describe(run_dir, damaged)
+    if damaged:
+        raise UserError(
+            f"{rundir.RunPaths(run_dir).code_pointer} is damaged ({'; '.join(damaged)}); "
+            "submit the run again to take a new code snapshot"
+        )
     if info is None:
         return None
     path = os.path.abspath(info["path"])

@@ -130,7 +130,7 @@ def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
     try:
         with open(path, "rb") as f:
             rec = json.loads(f.read())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
         rec = {}
     return max(gens), rec if isinstance(rec, dict) else {}, path
 

@@ -1,19 +1,260 @@
 """The small JSON records of a run dir that ``status`` reads: status.json (updated under a lock
 across processes), attempts.jsonl, stops.jsonl, errors/rank<R>.json; readers that survive a
-damaged or half-written record."""
+damaged or half-written record.
+
+Every record has a declared schema here (field -> what it must be): a reader given one keeps the
+fields that fit it and names each one that does not ("status.json: global_step is 'abc' (a str),
+not an integer"), so that a record written by hand, by another version or by a torn write is a
+named warning in ``status``'s ``damaged_records``, never a traceback. Records are hints; the
+committed checkpoints are the truth."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
 import json
+import math
 import os
 import threading
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping
 
 from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.states import STATES
 from clusterflow.storage import durable
+
+# JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
+# parser's recursion limit (RecursionError).
+_UNREADABLE = (OSError, ValueError, RecursionError)
+
+# -- schemas ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Check:
+    """What a field must be: ``what`` names it for the warning, ``test`` tells."""
+
+    what: str
+    test: Callable[[Any], bool]
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _list_of(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, list) and all(test(x) for x in v)
+
+
+INT = Check("an integer", _is_int)
+NUMBER = Check("a finite number", _is_number)
+# Seconds since 1970 that time.localtime can show (a year up to about 5000).
+TIME = Check("a time in seconds since 1970", lambda v: _is_number(v) and 0 <= v < 1e11)
+RANKS = Check("a rank count from 1 to 1000000", lambda v: _is_int(v) and 0 < v <= 1_000_000)
+TEXT = Check("a string", lambda v: isinstance(v, str))
+FLAG = Check("true or false", lambda v: isinstance(v, bool))
+OBJECT = Check("an object", lambda v: isinstance(v, dict))
+TEXTS = Check("a list of strings", _list_of(lambda x: isinstance(x, str)))
+JOB_ID = Check("a job id (string or integer)", lambda v: isinstance(v, str) or _is_int(v))
+STATE = Check(f"one of {', '.join(STATES)}", lambda v: v in STATES)
+PROCS = Check(
+    "a list of [host, pid, start time]",
+    _list_of(
+        lambda p: (
+            isinstance(p, list)
+            and len(p) == 3
+            and isinstance(p[0], str)
+            and _is_int(p[1])
+            and isinstance(p[2], str)
+        )
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Schema:
+    """A record's fields that readers use (others are kept as they are) and the ones without
+    which the record means nothing (it is then dropped whole)."""
+
+    fields: Mapping[str, Check]
+    required: tuple[str, ...] = field(default=())
+
+    def fits(self, v: Any) -> bool:
+        return isinstance(v, dict) and not checked(v, self, "")[1]
+
+
+def _curve_fits(v: Any) -> bool:
+    """A mining round's threshold curve: equally long lists, as status's summary reads them."""
+    if not isinstance(v, dict) or not _list_of(_is_number)(v.get("thresholds")):
+        return False
+    n = len(v["thresholds"])
+    return all(
+        _list_of(test)(v.get(k)) and len(v[k]) == n
+        for k, test in (("num_clusters", _is_int), ("largest_cluster", _is_int))
+    ) and (v.get("nmi") is None or (_list_of(_is_number)(v["nmi"]) and len(v["nmi"]) == n))
+
+
+MINING_ROUND = Schema(
+    {
+        "epoch": INT,
+        "num_clusters": INT,
+        "num_singletons": INT,
+        "largest_cluster": INT,
+        **{k: NUMBER for k in ("nmi", "ari", "pairwise_f", "bcubed_f", "threshold")},
+        "method": TEXT,
+        "threshold_rule": TEXT,
+        "seconds": Check("an object of numbers", lambda v: isinstance(v, dict)),
+        "curve": Check("a threshold curve (equally long lists)", _curve_fits),
+    },
+    required=("epoch", "num_clusters", "num_singletons", "largest_cluster"),
+)
+
+STATUS = Schema(
+    {
+        "state": STATE,
+        "error": TEXT,
+        "checkpoint_error": TEXT,
+        "phase": TEXT,
+        "job_id": JOB_ID,
+        **{
+            k: INT
+            for k in (
+                "epoch",
+                "global_step",
+                "step_in_epoch",
+                "steps_per_epoch",
+                "attempt",
+                "exit_code",
+            )
+        },
+        **{k: NUMBER for k in ("last_loss", "samples_per_s")},
+        "updated_at": TIME,
+        "world_size": RANKS,
+        "hosts": TEXTS,
+        "eval": OBJECT,
+        "mining": Check("a list of mining rounds", _list_of(MINING_ROUND.fits)),
+    }
+)
+ATTEMPT = Schema(
+    {
+        "attempt": INT,
+        "started_at": TIME,
+        "job_id": JOB_ID,
+        "source": TEXT,
+        "host": TEXT,
+        "hosts": TEXTS,
+        "world_size": RANKS,
+        "restart_count": INT,
+        "procs": PROCS,
+    }
+)
+SUBMISSION = Schema({"job_id": JOB_ID, "submitted_at": TIME}, required=("job_id",))
+ERROR = Schema(
+    {"rank": INT, "host": TEXT, "error": TEXT, "traceback": TEXT, "time": TIME},
+    required=("rank", "error"),
+)
+FIRST_ERROR = Schema(
+    {
+        "rank": INT,
+        "host": TEXT,
+        "error": TEXT,
+        "kind": TEXT,
+        "time": TIME,
+        "attempt": INT,
+        "pid": INT,
+        "step": INT,
+        "phase": TEXT,
+        "stalled_s": NUMBER,
+        "where": TEXT,
+    },
+    required=("rank", "error"),
+)
+HEARTBEAT = Schema(
+    {
+        "rank": INT,
+        "host": TEXT,
+        "pid": INT,
+        "time": TIME,
+        "step": INT,
+        "phase": TEXT,
+        "beats": INT,
+        "progress_at": TIME,
+        "step_time_s": NUMBER,
+        "heartbeat_s": NUMBER,
+        **{k: INT for k in ("gpu_index",)},
+        "gpu_name": TEXT,
+        **{
+            k: NUMBER for k in ("gpu_mem_used_mb", "gpu_mem_total_mb", "gpu_util_pct", "gpu_temp_c")
+        },
+    },
+    required=("rank",),
+)
+CODE_POINTER = Schema(
+    {"module": TEXT, "version": TEXT, "git": OBJECT}, required=("module", "version")
+)
+LEASE = Schema(
+    {
+        "token": TEXT,
+        "host": TEXT,
+        "pid": INT,
+        "pid_start": TEXT,
+        "slurm_job": TEXT,
+        "job_id": JOB_ID,
+        "source": TEXT,
+        "attempt": INT,
+        "started_at": TIME,
+        "renew_s": NUMBER,
+    }
+)
+
+
+def _shown(v: Any) -> str:
+    text = json.dumps(v) if not isinstance(v, (dict, list)) else type(v).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _kind(v: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(v), "a number"
+    )
+
+
+def checked(rec: Any, schema: Schema, where: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """(the fields of ``rec`` that fit ``schema``, a warning per field that does not); (None,
+    warnings) when ``rec`` is no object or lacks a required field. A null field counts as absent.
+    ``where`` names the record in the warnings (a file, "attempts.jsonl line 3")."""
+    if not isinstance(rec, dict):
+        return None, [f"{where} holds a JSON {type(rec).__name__}, not an object"]
+    out, warnings = {}, []
+    for key, value in rec.items():
+        check = schema.fields.get(key)
+        if value is not None and check is not None and not check.test(value):
+            warnings.append(f"{where}: {key} is {_shown(value)} ({_kind(value)}), not {check.what}")
+            continue
+        out[key] = value
+    missing = [k for k in schema.required if out.get(k) is None]
+    if missing:
+        return None, warnings + [f"{where}: no valid {', '.join(missing)}; the record is ignored"]
+    return out, warnings
+
+
+def read_checked(
+    target: str, schema: Schema, where: str | None = None
+) -> tuple[dict[str, Any] | None, list[str]]:
+    """A JSON object record checked against ``schema``: (the record or None, warnings); (None,
+    []) when the file does not exist."""
+    where = where or os.path.basename(target)
+    if not os.path.lexists(target):
+        return None, []
+    rec = read_json(target, _DAMAGED)
+    if rec is _DAMAGED:
+        return None, [f"{where} is not readable JSON"]
+    return checked(rec, schema, where)
 
 
 def read_json(target: str, default: Any = None) -> Any:
@@ -22,44 +263,64 @@ def read_json(target: str, default: Any = None) -> Any:
     try:
         with open(target, encoding="utf-8") as f:
             return json.load(f)
-    except (OSError, ValueError):  # ValueError: JSONDecodeError and UnicodeDecodeError
+    except _UNREADABLE:  # ValueError: JSONDecodeError and UnicodeDecodeError
         return default
 
 
-def read_object(target: str) -> tuple[dict[str, Any], str]:
-    """A JSON object record (status.json): (record, "") or, when it is damaged, ({}, what is wrong);
-    ({}, "") when it does not exist. A damaged record never stops a run or `status`."""
-    if not os.path.exists(target):
-        return {}, ""
-    rec = read_json(target, _DAMAGED)
-    if rec is _DAMAGED:
-        return {}, f"{os.path.basename(target)} is not readable JSON"
-    if not isinstance(rec, dict):
-        return {}, f"{os.path.basename(target)} holds a JSON {type(rec).__name__}, not an object"
-    return rec, ""
+def read_object(target: str, schema: Schema | None = None) -> tuple[dict[str, Any], list[str]]:
+    """A JSON object record (status.json): (record, []) or, when it is damaged, ({}, what is
+    wrong); ({}, []) when it does not exist. With ``schema``, only the fields that fit it, and a
+    warning for each other one. A damaged record never stops a run or `status`."""
+    rec, warnings = read_checked(target, schema or Schema({}))
+    return rec or {}, warnings
 
 
 _DAMAGED = object()
 
 
-def read_jsonl(target: str) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file; lines that are not one (cut by a kill mid-write,
-    garbage bytes, another type) are skipped: the rest is still good."""
-    out = []
+def read_records(target: str, schema: Schema) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of a JSON-lines file checked against ``schema``, and warnings naming the
+    lines and fields that do not fit (a line that is no JSON object is dropped: a kill mid-write
+    cuts the last one; the rest is still good)."""
+    out, warnings, cut = [], [], []
+    name = os.path.basename(target)
+    for n, rec in _lines(target):
+        if rec is _DAMAGED:
+            cut.append(str(n))
+            continue
+        good, said = checked(rec, schema, f"{name} line {n}")
+        warnings += said
+        if good is not None:
+            out.append(good)
+    if cut:
+        shown = ", ".join(cut[:5]) + (", ..." if len(cut) > 5 else "")
+        warnings.insert(0, f"{name}: {len(cut)} line(s) not JSON (line {shown})")
+    return out, warnings
+
+
+def _lines(target: str) -> Iterator[tuple[int, Any]]:
+    """(line number, its JSON or _DAMAGED) for each non-empty line; nothing for a missing file
+    or a folder in its place."""
     try:
         with open(target, "rb") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line.decode("utf-8")) if line.strip() else None
-                except ValueError:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
                     continue
-                if isinstance(rec, dict):
-                    out.append(rec)
-    except FileNotFoundError:
-        pass
+                try:
+                    yield n, json.loads(line.decode("utf-8"))
+                except (ValueError, RecursionError):
+                    yield n, _DAMAGED
     except OSError:
-        pass  # a folder where the file should be: nothing readable
-    return out
+        return  # missing, or a folder where the file should be: nothing readable
+
+
+def read_jsonl(target: str, schema: Schema | None = None) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; lines that are not one (cut by a kill mid-write,
+    garbage bytes, another type) are skipped: the rest is still good. With ``schema``, only the
+    fields that fit it (:func:`read_records` names the others)."""
+    if schema is not None:
+        return read_records(target, schema)[0]
+    return [rec for _, rec in _lines(target) if isinstance(rec, dict)]
 
 
 def open_jsonl(target: str) -> Any:

@@ -2,7 +2,9 @@
 ``logs`` and ``cancel`` share.
 
 status.json's ``state`` holds one of these; ``status`` may show another one when what it sees
-contradicts the record (``manage/verdict.py`` decides).
+contradicts the record (``manage/verdict.py`` decides): what is committed wins over any record,
+so a run whose final ``model.pt`` sits next to its last step's checkpoint is ``completed``.
+docs/status.md repeats this table (tests/test_status_records.py checks that they agree).
 
 | state       | meaning                                                                          |
 |-------------|----------------------------------------------------------------------------------|

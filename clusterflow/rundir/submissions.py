@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from clusterflow.rundir.paths import RunPaths
-from clusterflow.rundir.records import append_jsonl, read_jsonl
+from clusterflow.rundir.records import ATTEMPT, SUBMISSION, append_jsonl, read_records
 from clusterflow.slurm.jobids import SLURM_SOURCES, is_slurm_id
 
 
@@ -27,17 +27,20 @@ def record_submission(run_dir: str, job_id: str, now: float | None = None) -> No
     )
 
 
-def current_job_id(run_dir: str) -> str | None:
+def current_job_id(run_dir: str, damaged: list[str] | None = None) -> str | None:
     """The Slurm job that holds the run now (or held it last), or None (never submitted to Slurm:
-    a local run, whose job id is a process id that must never reach scancel, or a run by hand)."""
+    a local run, whose job id is a process id that must never reach scancel, or a run by hand).
+    A record that does not fit its schema is named in ``damaged`` (when given) and the fields
+    that do not fit are ignored."""
     paths = RunPaths(run_dir)
-    records = [
-        (float(r.get("submitted_at") or 0), str(r.get("job_id") or ""))
-        for r in read_jsonl(paths.submissions)
-    ]
+    submitted, said = read_records(paths.submissions, SUBMISSION)
+    attempts, _ = read_records(paths.attempts, ATTEMPT)  # status names damaged attempts itself
+    if damaged is not None:
+        damaged += said
+    records = [(r.get("submitted_at") or 0, str(r["job_id"])) for r in submitted]
     records += [
-        (float(r.get("started_at") or 0), str(r.get("job_id") or ""))
-        for r in read_jsonl(paths.attempts)
+        (r.get("started_at") or 0, str(r.get("job_id") or ""))
+        for r in attempts
         if r.get("source") in SLURM_SOURCES
     ]
     records = [r for r in records if is_slurm_id(r[1])]

@@ -77,6 +77,9 @@ class Trainer:
         self._labels: torch.Tensor | None = None
         self._persistent_loader: torch.utils.data.DataLoader | None = None
         self._progress_due = Every(1.0)  # status.json's progress fields
+        # The latest log step's loss and rate: every status write carries them, so the epoch's
+        # and the run's end record the last logged loss even when the cadence skipped its write.
+        self._logged: dict[str, float] = {}
         self.checkpointer = checkpointer.Checkpointer(
             cfg,
             self.module,
@@ -384,14 +387,13 @@ class Trainer:
                 out["train/lr"],
                 out["perf/samples_per_s_total"],
             )
+        self._logged = {
+            "last_loss": out["train/loss"],
+            "samples_per_s": out["perf/samples_per_s_total"],
+        }
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():
-            self._status(
-                fsync=False,
-                state="running",
-                last_loss=out["train/loss"],
-                samples_per_s=out["perf/samples_per_s_total"],
-            )
+            self._status(fsync=False, state="running")
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {
@@ -470,5 +472,5 @@ class Trainer:
                 step_in_epoch=s.step_in_epoch,
                 steps_per_epoch=self.steps_per_epoch,
                 phase=self.phases.current,
-                **fields,
+                **{**self._logged, **fields},
             )
