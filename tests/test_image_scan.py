@@ -130,3 +130,26 @@ def test_sigterm_during_the_dataset_scan_stops_the_job_before_its_first_step(
     res = train(run_dir, root)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert json.load(open(run_dir / "status.json"))["state"] == "completed"
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_corrupt_jpeg_exits_2_whatever_the_world_size(digits, tmp_path, processes):
+    """The first cause's exit status wins: rank 1's later gloo error (exit 1) once replaced the
+    corrupt image's 2 with two processes."""
+    root = twenty_pngs(digits, tmp_path / "data")
+    with open(os.path.join(root, "b", "broken.jpg"), "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0 not a jpeg at all" * 4)
+    run_dir = tmp_path / "run"
+    res = run_cli(
+        "clusterflow.submit",
+        "configs/images_digits.yaml",
+        f"run.dir={run_dir}",
+        f"task.params.root={root}",
+        *SMALL[1:],
+        "train.batch_size=6",
+        f"cluster.tasks_per_node={processes}",
+        "--local",
+    )
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "cannot decode image" in res.stderr and "broken.jpg" in res.stderr, res.stderr
+    assert json.load(open(run_dir / "status.json"))["exit_code"] == 2

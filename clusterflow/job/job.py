@@ -248,12 +248,15 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
             # replace it. Two ranks' read-modify-writes of status.json at once may lose the
             # winner's error: status then reads the cause from the first-error record, which no
             # later write replaces.
-            first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
+            # Its exit status too: a bad image (2) on rank 0 stays 2 when rank 1 then fails on
+            # the closed connection (1), whatever the world size.
+            first = first_error.record(
+                cfg.run.dir, _attempt_of(paths), rank, f.message, exit_code=f.code
+            )
             rundir.write_status(
                 paths,
                 state="failed",
-                exit_code=f.code,
-                **({"error": f"rank {rank}: {f.message}"} if first else {}),
+                **({"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}),
             )
     except (OSError, RunFailed):
         pass  # a full disk or a vanished run dir: the message below still reaches the user

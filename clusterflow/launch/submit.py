@@ -20,6 +20,7 @@ from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
 from clusterflow.rundir import (
     cancel_marker,
+    first_error,
     frozen_code,
     lease,
     preflight,
@@ -169,10 +170,13 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
     A requeued job stays in the queue, so waiting spans all its attempts."""
     slurm_commands.wait_until_gone(job_id, poll_s)
-    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
+    paths = rundir.RunPaths(run_dir)
+    status, _ = rundir.read_object(paths.status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
-    return EXIT_OK if state == states.COMPLETED else local.failed_exit_code(status)
+    if state == states.COMPLETED:
+        return EXIT_OK
+    return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
 
 
 @cli
