@@ -163,7 +163,16 @@ def failed_exit_code(status: dict[str, Any], first: dict[str, Any] | None = None
 
 
 def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
-    """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process)."""
+    """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process). A
+    lease this process took at submission (``lease.hold_for_launch``) is handed to the job, and
+    let go here if the job never took it."""
+    try:
+        return _run_here(cfg, gpus)
+    finally:
+        lease.release(cfg.run.dir)
+
+
+def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)

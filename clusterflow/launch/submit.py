@@ -134,14 +134,23 @@ def check_cluster(cfg: Config) -> None:
 # -- the run directory -------------------------------------------------------------------------
 
 
-def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
+def prepare_run_dir(cfg: Config, hold: bool = False) -> tuple[Config, bool]:
     """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
     write config.yaml once. Returns the config to run, and True when resuming an existing run (a
-    different config is refused: saved_config.resolve). The job takes the lease when it starts."""
-    note = lease.check(cfg.run.dir, lease.identity())
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    return saved_config.resolve(cfg)
+    different config is refused: saved_config.resolve). The job takes the lease when it starts;
+    with ``hold`` (``--local``) this process takes it first, so that of two submissions at once
+    the later one is refused before it writes anything, and hands it to its job."""
+    if hold:
+        lease.hold_for_launch(cfg.run.dir, lambda note: print(f"note: {note}", file=sys.stderr))
+    else:
+        note = lease.check(cfg.run.dir, lease.identity())
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    try:
+        return saved_config.resolve(cfg)
+    except BaseException:
+        lease.release(cfg.run.dir)
+        raise
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -210,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.local
         else None
     )
-    cfg, resumed = prepare_run_dir(cfg)
+    cfg, resumed = prepare_run_dir(cfg, hold=args.local)
     if resumed:
         print(
             f"run dir {cfg.run.dir} exists with the same config: "
