@@ -75,3 +75,34 @@ def test_a_lease_that_is_a_directory_is_named_in_one_line(tmp_path):
     assert str(run_dir / "lease" / "gen-1.json") in line and "directory" in line, line
     assert "taking it over" not in err and "see the logs" not in err, err
     assert tree(run_dir) == before and sorted(os.listdir(run_dir)) == ["lease"]
+
+
+def test_an_immutable_lease_is_named_in_one_line(tmp_path):
+    """The lease of a process that is gone, but a file that cannot be removed (chattr +i)."""
+    import json
+    import socket
+
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir / "lease")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    path = run_dir / "lease" / "gen-1.json"
+    path.write_text(
+        json.dumps(
+            {"token": "t", "job_id": "x", "source": "single", "host": socket.gethostname()}
+            | {"pid": gone.pid, "pid_start": "1", "attempt": 0, "started_at": 0, "renew_s": 30}
+        )
+    )
+    subprocess.run(["chattr", "+i", str(path)], check=True)
+    try:
+        before = tree(run_dir)
+        p = submit(run_dir)
+        code = p.wait(timeout=600)
+        out, err = p.communicate()
+        assert code == 2, out + err
+        line = one_error_line(err)
+        assert str(path) in line and "not removable" in line, line
+        assert "taking it over" not in err and "see the logs" not in err, err
+        assert tree(run_dir) == before
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
