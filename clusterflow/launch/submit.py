@@ -191,6 +191,10 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise UserError(
+            f"--max-parallel {args.max_parallel}: must be >= 1 (how many members run at once)"
+        )
     dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
         return sweep.submit_sweep(args, dependency)

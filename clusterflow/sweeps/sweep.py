@@ -221,7 +221,15 @@ def _report(failures: list[tuple[str, str]], total: int) -> None:
 
 
 def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
-    """Two texts of one axis that resolve to one value (0.1 and 1e-1) would make twin members."""
+    """One text listed twice, or two texts of one axis that resolve to one value (0.1 and 1e-1),
+    would make twin members."""
+    for a in axes:
+        twice = next((t for i, t in enumerate(a.texts) if t in a.texts[:i]), None)
+        if twice is not None:
+            raise UserError(
+                f"--sweep {a.key}={','.join(a.texts)}: {twice} is listed twice; "
+                "list each value once"
+            )
     for a in axes:
         resolved: dict[str, str] = {}
         for m in members:
