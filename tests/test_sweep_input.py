@@ -41,3 +41,22 @@ def test_max_parallel_below_one_is_refused_with_local(tmp_path, n):
     assert code == 2, out + err
     assert f"--max-parallel {n}: must be >= 1" in one_error_line(err)
     assert not os.path.exists(tmp_path / "sw")
+
+
+@pytest.mark.parametrize("dry_run", [[], ["--dry-run"]])
+def test_task_params_of_every_member_are_checked_before_anything_is_submitted(tmp_path, dry_run):
+    code, out, err = call(
+        main,
+        [
+            "configs/tiny.yaml",
+            f"run.dir={tmp_path}/sw",
+            "--sweep",
+            "task.params.bogus=1,2",
+            "--local",
+            *dry_run,
+        ],
+    )
+    assert code == 2, out + err
+    line = one_error_line(err)
+    assert "bogus" in line and "every member of the sweep fails" in line, line
+    assert not os.path.exists(tmp_path / "sw")

@@ -207,7 +207,7 @@ def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
     return cfgmod.from_dict(d)
 
 
-def _report(failures: list[tuple[str, str]], total: int) -> None:
+def report_invalid(failures: list[tuple[str, str]], total: int) -> None:
     messages = {m for _, m in failures}
     if len(failures) == total and len(messages) == 1 and total > 1:
         raise UserError(f"every member of the sweep fails: {failures[0][1]}")
@@ -263,7 +263,7 @@ def expand(
         name = member_name(values, fingerprint.result_fingerprint(d))
         members.append(Member(name, values, member_overrides, cfg))
     if failures:
-        _report(failures, len(combos))
+        report_invalid(failures, len(combos))
     _check_distinct(axes, members)
     sweep_dir = members[0].config.run.dir
     folded: dict[str, str] = {}

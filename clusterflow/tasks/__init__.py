@@ -111,14 +111,9 @@ class Task:
         pass
 
 
-def load_task(
-    target: str, seed: int, params: dict[str, Any], stop: Callable[[], bool] = _never
-) -> Task:
-    """Import and construct ``task.target``. A target that does not exist and parameters that do
-    not fit the class are a UserError (exit 2); the task's own code raising while it is imported
-    or constructed is a TaskError that keeps its traceback (exit 1), see
-    ``clusterflow.job.failure``. ``stop``: whether the job was asked to stop; a task that calls
-    :func:`check_stop` while it is built raises :class:`Stopped` once it says so."""
+def task_class(target: str, seed: int, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Import ``task.target``'s class and check ``params`` against it, without building the task:
+    (the class, the params as it takes them). Raises what :func:`load_task` raises for these."""
     module_name, _, cls_name = target.partition(":")
     module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
@@ -138,7 +133,19 @@ def load_task(
             f"task.target={target!r} is not a task: it has no {', '.join(missing)} "
             "(see docs/tasks.md for the Task protocol)"
         )
-    params = _check_params(target, cls, seed, params)
+    return cls, _check_params(target, cls, seed, params)
+
+
+def load_task(
+    target: str, seed: int, params: dict[str, Any], stop: Callable[[], bool] = _never
+) -> Task:
+    """Import and construct ``task.target``. A target that does not exist and parameters that do
+    not fit the class are a UserError (exit 2); the task's own code raising while it is imported
+    or constructed is a TaskError that keeps its traceback (exit 1), see
+    ``clusterflow.job.failure``. ``stop``: whether the job was asked to stop; a task that calls
+    :func:`check_stop` while it is built raises :class:`Stopped` once it says so."""
+    cls, params = task_class(target, seed, params)
+    cls_name = target.partition(":")[2]
     global _stop_requested
     _stop_requested = stop
     try:
