@@ -11,6 +11,8 @@ import time
 import torch.distributed as tdist
 
 from clusterflow.storage import durable
+from clusterflow.tasks import images
+from clusterflow.tasks.images import ImageFolderTask
 from clusterflow.tasks.pseudo_id import PseudoIDTask
 
 
@@ -285,3 +287,20 @@ class StallOnRank1(PseudoIDTask):
         if self.in_embed and self._me() == self.rank:
             sleeping_in_embed()
         return super().embed(model, batch)
+
+
+class TermDuringScan(ImageFolderTask):
+    """An ImageFolderTask that receives SIGTERM while it scans ``task.params.root``, as a job
+    stopped during a long dataset scan does: the signal arrives when the scan enters the first
+    class folder."""
+
+    def __init__(self, seed=0, **params):
+        walk = images._images_under
+
+        def signalled(folder, *args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            images._images_under = walk
+            return walk(folder, *args, **kwargs)
+
+        images._images_under = signalled
+        super().__init__(seed, **params)

@@ -84,7 +84,8 @@ class RunConfig:
         True,
         "Freeze the task's code at submission: submit copies the task's package (when it lives "
         "outside site-packages) with its git commit and diff into RUN_DIR/code/, and every "
-        "attempt imports it from there. false runs the code in place.",
+        "attempt imports it from there; a resubmission with changed code adds a copy and says "
+        "so. false runs the code in place.",
     )
 
     def __post_init__(self) -> None:

@@ -22,8 +22,8 @@ from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job import failure
 from clusterflow.job.requeue import after_stop
 from clusterflow.rundir import first_error, frozen_code, lease, saved_config, states
-from clusterflow.tasks import load_task
-from clusterflow.train.preemption import Preemption
+from clusterflow.tasks import Stopped, Task, load_task
+from clusterflow.train.preemption import REASONS, Preemption
 from clusterflow.train.trainer import Trainer
 
 log = logging.getLogger("clusterflow")
@@ -149,11 +149,14 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
 
         # The code frozen at submission, on every rank of every attempt.
         frozen_code.activate(cfg.run.dir)
-        task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
-        trainer = Trainer(cfg, task, device, attempt, preemption)
-        # Heartbeats, stall watchdog.
-        with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):
-            outcome = trainer.fit()
+        task = _build_task(cfg, preemption)
+        if task is None:
+            outcome = _stopped_while_building(preemption)
+        else:
+            trainer = Trainer(cfg, task, device, attempt, preemption)
+            # Heartbeats, stall watchdog.
+            with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):
+                outcome = trainer.fit()
         if env.is_main:
             outcome = after_stop(
                 rundir.RunPaths(cfg.run.dir),
@@ -173,6 +176,28 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
             _let_go(cfg, env, environ, "failed")
         _record_failure(exc, cfg, env.rank, write=held)
         raise
+
+
+def _build_task(cfg: Config, preemption: Preemption) -> Task | None:
+    """Collective. The task, or None on every rank when any rank was asked to stop while building
+    it (a long dataset scan ends at the signal instead of after the scan)."""
+    try:
+        task = load_task(
+            cfg.task.target, cfg.run.seed, cfg.task.params, stop=lambda: preemption.requested
+        )
+    except Stopped as exc:
+        log.warning("%s (%s): stopping before the first step", exc, preemption.reason())
+        task = None
+    return None if dist.any_rank(task is None) else task
+
+
+def _stopped_while_building(preemption: Preemption) -> str:
+    """Collective. The stop reason all ranks agree on when a stop came while the task was built:
+    the strongest any rank received ("preempted" where a rank stopped only because a peer did)."""
+    strongest = dist.all_reduce_dict({"r": REASONS.index(preemption.reason())}, op="max")["r"]
+    reason = REASONS[int(strongest)] or "preempted"
+    log.warning("signal received (%s) while building the task: stopping, nothing trained", reason)
+    return reason
 
 
 def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
@@ -223,12 +248,15 @@ def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = Tr
             # replace it. Two ranks' read-modify-writes of status.json at once may lose the
             # winner's error: status then reads the cause from the first-error record, which no
             # later write replaces.
-            first = first_error.record(cfg.run.dir, _attempt_of(paths), rank, f.message)
+            # Its exit status too: a bad image (2) on rank 0 stays 2 when rank 1 then fails on
+            # the closed connection (1), whatever the world size.
+            first = first_error.record(
+                cfg.run.dir, _attempt_of(paths), rank, f.message, exit_code=f.code
+            )
             rundir.write_status(
                 paths,
                 state="failed",
-                exit_code=f.code,
-                **({"error": f"rank {rank}: {f.message}"} if first else {}),
+                **({"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}),
             )
     except (OSError, RunFailed):
         pass  # a full disk or a vanished run dir: the message below still reaches the user

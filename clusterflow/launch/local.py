@@ -153,15 +153,26 @@ class RankWatch:
         return why
 
 
-def failed_exit_code(status: dict[str, Any]) -> int:
-    """The exit status of a job that ended ``failed``: what its ranks exited with (2 for bad input,
-    see ``job/failure.py``), so ``submit --local``, ``--wait`` and ``run`` agree."""
-    code = status.get("exit_code")
+def failed_exit_code(status: dict[str, Any], first: dict[str, Any] | None = None) -> int:
+    """The exit status of a job that ended ``failed``: what the rank that failed first exited
+    with (2 for bad input, see ``job/failure.py``; ``first``: the attempt's first-error record,
+    which no later write replaces), so ``submit --local``, ``--wait`` and ``run`` agree whatever
+    the world size."""
+    code = (first or {}).get("exit_code", status.get("exit_code"))
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
 def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
-    """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process)."""
+    """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process). A
+    lease this process took at submission (``lease.hold_for_launch``) is handed to the job, and
+    let go here if the job never took it."""
+    try:
+        return _run_here(cfg, gpus)
+    finally:
+        lease.release(cfg.run.dir)
+
+
+def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     folder = os.path.abspath(paths.submitit_logs)
     ex = submitit.LocalExecutor(folder=folder)
@@ -202,8 +213,8 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
         pass
     if results is None:
         status, _ = rundir.read_object(paths.status)
-        code = failed_exit_code(status)
         attempt = rundir.current_attempt(paths)
+        code = failed_exit_code(status, first_error.read(cfg.run.dir, attempt))
         said = (
             why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
         )

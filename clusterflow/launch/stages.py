@@ -1,4 +1,5 @@
 """``submit ... --after RUN_DIR`` (repeatable): a stage that starts when earlier runs completed.
+A sweep dir stands for all its members.
 
 On Slurm the new job gets ``--dependency=afterok:<job>[:<job>...]`` on each earlier run's current
 job (``submissions.current_job_id``: the newest of what submit recorded and what the last attempt
@@ -18,6 +19,7 @@ from clusterflow.errors import UserError
 from clusterflow.manage import status
 from clusterflow.rundir import states, submissions
 from clusterflow.slurm import jobids
+from clusterflow.sweeps import index as sweep_index
 
 
 def _state(run_dir: str) -> str | None:
@@ -35,7 +37,7 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
             print(f"# warning: {exc} (a real submission refuses this)", file=sys.stderr)
             return None
     runs = []
-    for run_dir in after:
+    for run_dir in after_runs(after):
         if not os.path.isdir(run_dir):
             raise UserError(
                 f"--after {run_dir}: no such run dir; pass the run.dir of a submitted run"
@@ -48,6 +50,19 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
             )
         runs.append((run_dir, state, submissions.current_job_id(run_dir)))
     return after_dependency(runs)
+
+
+def after_runs(after: list[str]) -> list[str]:
+    """The run dirs behind ``--after``: a sweep dir stands for every member of its index (the new
+    stage waits for all of them), in sweep order."""
+    runs: list[str] = []
+    for path in after:
+        if sweep_index.is_sweep_dir(path):
+            index = sweep_index.read_index(path) or {"members": []}
+            runs += sweep_index.member_dirs(path, index).values()
+        else:
+            runs.append(path)
+    return list(dict.fromkeys(runs))
 
 
 def after_dependency(runs: list[tuple[str, str | None, str | None]]) -> str | None:

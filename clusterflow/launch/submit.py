@@ -20,6 +20,7 @@ from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
 from clusterflow.rundir import (
     cancel_marker,
+    first_error,
     frozen_code,
     lease,
     preflight,
@@ -133,14 +134,23 @@ def check_cluster(cfg: Config) -> None:
 # -- the run directory -------------------------------------------------------------------------
 
 
-def prepare_run_dir(cfg: Config) -> tuple[Config, bool]:
+def prepare_run_dir(cfg: Config, hold: bool = False) -> tuple[Config, bool]:
     """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
     write config.yaml once. Returns the config to run, and True when resuming an existing run (a
-    different config is refused: saved_config.resolve). The job takes the lease when it starts."""
-    note = lease.check(cfg.run.dir, lease.identity())
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    return saved_config.resolve(cfg)
+    different config is refused: saved_config.resolve). The job takes the lease when it starts;
+    with ``hold`` (``--local``) this process takes it first, so that of two submissions at once
+    the later one is refused before it writes anything, and hands it to its job."""
+    if hold:
+        lease.hold_for_launch(cfg.run.dir, lambda note: print(f"note: {note}", file=sys.stderr))
+    else:
+        note = lease.check(cfg.run.dir, lease.identity())
+        if note:
+            print(f"note: {note}", file=sys.stderr)
+    try:
+        return saved_config.resolve(cfg)
+    except BaseException:
+        lease.release(cfg.run.dir)
+        raise
 
 
 # -- launching ---------------------------------------------------------------------------------
@@ -169,15 +179,22 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
     A requeued job stays in the queue, so waiting spans all its attempts."""
     slurm_commands.wait_until_gone(job_id, poll_s)
-    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
+    paths = rundir.RunPaths(run_dir)
+    status, _ = rundir.read_object(paths.status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
-    return EXIT_OK if state == states.COMPLETED else local.failed_exit_code(status)
+    if state == states.COMPLETED:
+        return EXIT_OK
+    return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
 
 
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.max_parallel is not None and args.max_parallel < 1:
+        raise UserError(
+            f"--max-parallel {args.max_parallel}: must be >= 1 (how many members run at once)"
+        )
     dependency = stages.dependency(args.after, args.local, args.dry_run)
     if args.sweep:
         return sweep.submit_sweep(args, dependency)
@@ -206,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.local
         else None
     )
-    cfg, resumed = prepare_run_dir(cfg)
+    cfg, resumed = prepare_run_dir(cfg, hold=args.local)
     if resumed:
         print(
             f"run dir {cfg.run.dir} exists with the same config: "

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from clusterflow import rundir
+from clusterflow import rundir, tasks
 from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status, sweep_status
@@ -101,6 +101,24 @@ def _folder(sw: sweep.Sweep) -> str:
     return sbatch.job_folder(rundir.RunPaths(sw.dir).slurm_logs)
 
 
+def _check_task_params(sw: sweep.Sweep) -> None:
+    """Every member's ``task.params`` against its task class, before anything is written or
+    submitted (``--dry-run`` too): a parameter the task does not take fails every member at
+    once, not each job. A task whose module does not import here (a login node without its
+    packages) is left to the job's own check."""
+    failures = []
+    for m in sw.members:
+        c = m.config
+        try:
+            tasks.task_class(c.task.target, c.run.seed, dict(c.task.params))
+        except UserError as exc:
+            failures.append((m.name, str(exc)))
+        except Exception:  # noqa: BLE001 - the task's module needs what only the job has
+            return
+    if failures:
+        sweep.report_invalid(failures, len(sw.members))
+
+
 def _run_local(configs: list[Any]) -> int:
     """``--local``: the members one after another on this machine."""
     worst = EXIT_OK
@@ -118,6 +136,7 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
     sw = sweep.expand(args.config, args.overrides, args.sweep)
     for m in sw.members:
         preflight.check_paths(m.config)
+    _check_task_params(sw)
     if args.dry_run:
         index, changes, plan = _plan(sw)
         _show_plan(sw, plan)

@@ -12,6 +12,7 @@ The mining stage runs the same pieces: ``normalize`` -> ``knn.search`` -> ``mutu
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,20 @@ def normalize(x: np.ndarray) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     return x / np.maximum(norms, 1e-12)
+
+
+def tie_warning(sims: np.ndarray, ids: np.ndarray, atol: float = 1e-5) -> str | None:
+    """Why the clusters from these k-NN lists are arbitrary, or None: when every listed
+    neighbour is at cosine similarity 1 (all embeddings identical, a collapsed model), nothing
+    tells one neighbour from another, and which edges are mutual is decided by tie-breaking."""
+    listed = sims[ids >= 0]
+    if listed.size == 0 or float(listed.min()) < 1.0 - atol:
+        return None
+    return (
+        f"all {len(sims)} samples' k nearest neighbours are at cosine similarity 1: the "
+        "embeddings are identical (a collapsed model?), so the clusters are made by tie-breaking, "
+        "not found; lower train.lr, or check the task's embed()"
+    )
 
 
 def mutual_edges(sims: np.ndarray, ids: np.ndarray, threshold: float) -> sparse.csr_matrix:
@@ -152,6 +167,9 @@ def mutual_knn_clusters(
     result = knn.search(x, params, timings=timings)
     assert result is not None  # no abort callback here
     t1 = time.perf_counter()
+    why = tie_warning(*result)
+    if why:
+        warnings.warn(why, UserWarning, stacklevel=2)
     labels, _ = clusters_from_knn(*result, threshold, singletons, max_cluster_size)
     timings["cluster"] = time.perf_counter() - t1
     return labels

@@ -39,6 +39,7 @@ from clusterflow.mining.clustering import (
     clusters_from_graph,
     ignore_singletons,
     normalize,
+    tie_warning,
 )
 from clusterflow.mining.knn import KnnParams
 from clusterflow.mining.knn.torch_engine import distributed_search
@@ -427,6 +428,9 @@ class Miner:
     ) -> tuple[np.ndarray, dict[str, Any]]:
         """Rank 0: labels and their stats from the k-NN lists (and, for FINCH, the rows)."""
         c, truth = self.cfg, task.ground_truth()
+        why = tie_warning(*lists)
+        if why:
+            log.warning("mining epoch %d: %s", epoch, why)
         t0 = time.perf_counter()
         graph = mutual_graph(*lists)
         rule = c.threshold if c.method == "mutual_knn" else "auto"

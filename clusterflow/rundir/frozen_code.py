@@ -220,8 +220,30 @@ def take(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _say_if_changed(run_dir, rundir.read_json(pointer), manifest)
     durable.write_atomic(pointer, json.dumps(manifest, indent=1))
     return manifest
+
+
+def _version_words(manifest: dict[str, Any]) -> str:
+    git = manifest.get("git") or {}
+    commit = (git.get("commit") or "")[:10]
+    dirty = " with uncommitted changes" if git.get("dirty") else ""
+    return f"{manifest['version']}" + (f" (commit {commit}{dirty})" if commit else "")
+
+
+def _say_if_changed(run_dir: str, before: dict[str, Any] | None, now: dict[str, Any]) -> None:
+    """A resubmission that brings other code than the run last ran: said, with where the earlier
+    copy stays (the run continues from its checkpoint with the new code)."""
+    if not isinstance(before, dict) or before.get("version") in (None, now["version"]):
+        return
+    print(
+        f"note: the task's code changed since the last submission to {run_dir}: "
+        f"{now['module']} {_version_words(before)} -> {_version_words(now)}; the run continues "
+        f"with the new code; the earlier copy stays in "
+        f"{rundir.RunPaths(run_dir).code_version(before['version'])}",
+        file=sys.stderr,
+    )
 
 
 def describe(run_dir: str, damaged: list[str] | None = None) -> dict[str, Any] | None:

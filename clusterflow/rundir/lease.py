@@ -23,7 +23,11 @@ Who is gone (:func:`judge`), without comparing clocks across machines where avoi
   storage's own clock (the mtime of a probe file written now), never against this host's clock.
 
 Checked by ``submit`` on the login node (refuse early) and at job start on rank 0 before anything
-is written to the run dir. No torch here.
+is written to the run dir. ``submit --local`` takes the lease itself before it writes anything
+(:func:`hold_for_launch`): of two submissions a second apart, the later one learns at once that
+the run dir is taken, and the job it starts takes the lease over from it (the launcher's token
+reaches the job in ``$CLUSTERFLOW_LAUNCHER_LEASE``). A lease file that cannot be replaced (a
+directory, an immutable file) is refused in one line naming it. No torch here.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ from clusterflow.storage import durable
 log = logging.getLogger("clusterflow")
 
 STALE_RENEWALS = 4  # a lease not renewed for this many periods is abandoned
+# The token of the lease a local launcher holds for the job it starts (inherited by the job).
+LAUNCHER_ENV = "CLUSTERFLOW_LAUNCHER_LEASE"
 _GEN = re.compile(r"^gen-(\d+)\.json$")
 _held: dict[str, "Lease"] = {}  # run dir (real path) -> the lease this process holds
 
@@ -89,6 +95,7 @@ def identity(
     )
     return {
         "token": uuid.uuid4().hex,
+        "launcher": environ.get(LAUNCHER_ENV, "") if env is not None else "",
         **job,
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -177,6 +184,8 @@ def judge(
         rec.get("pid_start"),
     ) == (me.get("host"), me.get("pid"), me.get("pid_start")):
         return False, "it is this process"
+    if rec.get("token") and rec.get("token") == me.get("launcher"):
+        return False, LAUNCHED_BY_IT
     if rec.get("slurm_job") and rec["slurm_job"] == me.get("slurm_job"):
         return False, "it is an earlier attempt of this same Slurm job"
     if rec.get("host") == me.get("host"):
@@ -200,6 +209,9 @@ def judge(
     return True, f"its lease was renewed {age_s:.0f} s ago"
 
 
+LAUNCHED_BY_IT = "it is the launcher of this job, which hands the run dir over"
+
+
 def check(run_dir: str, me: dict[str, Any]) -> str:
     """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone
     ("" if none)."""
@@ -211,7 +223,12 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     gen, rec, age = current(run_dir)
     if gen == 0:
         return 0, ""
+    path = os.path.join(folder(run_dir), f"gen-{gen}.json")
+    if os.path.isdir(path):
+        raise _unusable(path, "Is a directory")
     alive, why = judge(rec or {}, age, me, slurm_commands.queue_state)
+    if why == LAUNCHED_BY_IT:
+        return gen, ""
     who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
     if alive:
         raise RunDirBusy(
@@ -243,21 +260,31 @@ class Lease:
 
 
 def acquire(
-    run_dir: str, me: dict[str, Any], on_lost: Callable[[str], None] | None = None
+    run_dir: str,
+    me: dict[str, Any],
+    on_lost: Callable[[str], None] | None = None,
+    on_note: Callable[[str], None] | None = None,
 ) -> Lease:
     """Hold ``run_dir`` for this process (re-entrant), renewing it every ``me["renew_s"]`` seconds
-    until :func:`release`. Raises RunDirBusy while another live job holds it."""
+    until :func:`release`. Raises RunDirBusy while another live job holds it, or when the lease
+    cannot be written or an older one removed. ``on_note``: what is said of a holder that is
+    gone (a log warning by default)."""
     key = os.path.realpath(run_dir)
     if key in _held:
         return _held[key]
-    os.makedirs(folder(run_dir), exist_ok=True)
+    _unusable_unless(lambda: os.makedirs(folder(run_dir), exist_ok=True), folder(run_dir))
     for _ in range(10):  # each turn: someone else linked first; judge the new holder
         gen, note = _judge_holder(run_dir, me)
-        if note:
-            log.warning("%s", note)
-        if _publish(run_dir, gen + 1, me):
+        target = os.path.join(folder(run_dir), f"gen-{gen + 1}.json")
+        if _unusable_unless(lambda: _publish(run_dir, gen + 1, me), target):
+            try:
+                _drop_older(run_dir, gen + 1)
+            except RunDirBusy:
+                os.unlink(target)  # ours, just published: the run dir stays as it was
+                raise
+            if note:  # said once the run dir is taken, not before a refusal
+                (on_note or _warn)(note)
             lease = _held[key] = Lease(run_dir, gen + 1, me)
-            _drop_older(run_dir, gen + 1)
             _start_renewing(lease, on_lost or _abort)
             return lease
     raise RunDirBusy(
@@ -272,14 +299,37 @@ def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
+def _warn(note: str) -> None:
+    log.warning("%s", note)
+
+
+def _unusable_unless(action: Callable[[], Any], path: str) -> Any:
+    """``action()``, or RunDirBusy naming ``path`` when the storage refuses it."""
+    try:
+        return action()
+    except OSError as exc:
+        raise _unusable(path, exc.strerror or str(exc)) from None
+
+
+def _unusable(path: str, why: str) -> RunDirBusy:
+    what = "a directory" if os.path.isdir(path) else "not writable or not removable"
+    return RunDirBusy(
+        f"run dir lease {path} is {what} ({why}): it cannot be taken over. "
+        f"If no job uses this run dir, remove it (rm -r {path}) and submit again"
+    )
+
+
 def _drop_older(run_dir: str, gen: int) -> None:
     for name in os.listdir(folder(run_dir)):
         m = _GEN.match(name)
         if m and int(m.group(1)) < gen:
+            path = os.path.join(folder(run_dir), name)
             try:
-                os.unlink(os.path.join(folder(run_dir), name))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
+            except OSError as exc:
+                raise _unusable(path, exc.strerror or str(exc)) from None
 
 
 def _still_mine(lease: Lease) -> bool:
@@ -324,6 +374,21 @@ def _abort(why: str) -> None:
     log.error("%s (it judged this job gone); stopping now without writing anything more", why)
     logging.shutdown()
     os._exit(1)
+
+
+def hold_for_launch(run_dir: str, on_note: Callable[[str], None]) -> Lease:
+    """``submit --local``: hold ``run_dir`` from before anything is written until the job this
+    process starts takes it over (the job finds this lease's token in ``LAUNCHER_ENV`` and takes
+    the next generation; this process then stops renewing, quietly)."""
+    me = identity()
+    me.update(source="submit --local", job_id=str(os.getpid()))
+    held = acquire(run_dir, me, on_lost=_handed_over, on_note=on_note)
+    os.environ[LAUNCHER_ENV] = held.rec["token"]
+    return held
+
+
+def _handed_over(why: str) -> None:
+    """The launcher's lease, taken over by its job (or judged gone): nothing to stop."""
 
 
 def release(run_dir: str) -> None:

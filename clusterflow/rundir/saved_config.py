@@ -136,6 +136,41 @@ def _has_checkpoint(cfg: Config) -> bool:
         return True
 
 
+def _committed_steps(root: str, keep_last: int) -> list[int] | None:
+    """The committed steps under a checkpoint root; None when it cannot be read."""
+    try:
+        return CheckpointStore(root, keep_last).steps()
+    except Exception:  # noqa: BLE001 - an unreachable store or a missing fsspec package
+        return None
+
+
+def _checkpoints_moved(saved: Config, cfg: Config) -> bool:
+    """Whether a resume changes where the checkpoints are (config.yaml must then say so). A new
+    ``checkpoint.dir`` is taken only when the checkpoints went there too: where it holds none of
+    the run's and the old one holds some (or cannot be read), resuming would silently train from
+    step 0, so it is refused, naming both dirs and how to move them."""
+    old, new = saved.checkpoint_dir, cfg.checkpoint_dir
+    if old == new:
+        return False
+    keep = cfg.checkpoint.keep_last
+    if _committed_steps(new, keep):
+        return True
+    held = _committed_steps(old, keep)
+    if held == []:
+        return True  # nothing committed anywhere: nothing to lose
+    what = (
+        f"its committed checkpoints (step-{held[-1]} the newest) are in {old}"
+        if held
+        else f"its checkpoints may be in {old}, which cannot be read now"
+    )
+    raise UserError(
+        f"checkpoint.dir changed for run dir {cfg.run.dir!r} from {saved.checkpoint.dir or old!r} "
+        f"to {cfg.checkpoint.dir!r}, but {new} holds no committed checkpoint and {what}: resuming "
+        f"would train from step 0. Move them first (e.g. mkdir -p {new} && mv {old}/step-* {new}/) "
+        f"and submit again, or keep checkpoint.dir={saved.checkpoint.dir or old}"
+    )
+
+
 def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
     """The config to run and whether the run dir already held a run. An existing run continues
     with its saved config; a different experiment is refused (``config.check_resume``); changed
@@ -164,6 +199,17 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     changed = cfgmod.check_resume(
         saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
     )
+    moved = _checkpoints_moved(saved, cfg)
+    if moved and not changed:
+        print(
+            f"note: run dir {cfg.run.dir!r} resumes from the checkpoints in {cfg.checkpoint_dir} "
+            f"(checkpoint.dir was {saved.checkpoint.dir or saved.checkpoint_dir!r})",
+            file=sys.stderr,
+        )
+        resumed = cfgmod.resume_config(saved, cfg)
+        if write:
+            write_config(resumed)
+        return resumed, True
     if relaunch or not changed:
         return cfgmod.resume_config(saved, cfg), True
     # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes

@@ -207,7 +207,7 @@ def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
     return cfgmod.from_dict(d)
 
 
-def _report(failures: list[tuple[str, str]], total: int) -> None:
+def report_invalid(failures: list[tuple[str, str]], total: int) -> None:
     messages = {m for _, m in failures}
     if len(failures) == total and len(messages) == 1 and total > 1:
         raise UserError(f"every member of the sweep fails: {failures[0][1]}")
@@ -221,7 +221,15 @@ def _report(failures: list[tuple[str, str]], total: int) -> None:
 
 
 def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
-    """Two texts of one axis that resolve to one value (0.1 and 1e-1) would make twin members."""
+    """One text listed twice, or two texts of one axis that resolve to one value (0.1 and 1e-1),
+    would make twin members."""
+    for a in axes:
+        twice = next((t for i, t in enumerate(a.texts) if t in a.texts[:i]), None)
+        if twice is not None:
+            raise UserError(
+                f"--sweep {a.key}={','.join(a.texts)}: {twice} is listed twice; "
+                "list each value once"
+            )
     for a in axes:
         resolved: dict[str, str] = {}
         for m in members:
@@ -255,7 +263,7 @@ def expand(
         name = member_name(values, fingerprint.result_fingerprint(d))
         members.append(Member(name, values, member_overrides, cfg))
     if failures:
-        _report(failures, len(combos))
+        report_invalid(failures, len(combos))
     _check_distinct(axes, members)
     sweep_dir = members[0].config.run.dir
     folded: dict[str, str] = {}

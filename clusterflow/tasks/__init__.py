@@ -27,6 +27,10 @@ and optionally:
   ``data.persistent_workers`` also in each DataLoader worker, on its own copy of the task, when
   the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
 
+A task whose construction takes long (scanning a large folder) calls :func:`check_stop` now and
+then: while ``load_task`` builds it, a stop signal (preemption, time limit, cancel) raises
+:class:`Stopped` there, and the job ends before its first step instead of after the scan.
+
 See docs/tasks.md for a complete example.
 """
 
@@ -35,9 +39,28 @@ from __future__ import annotations
 import importlib
 import inspect
 import typing
-from typing import Any
+from typing import Any, Callable
 
 from clusterflow.errors import TaskError, UserError
+
+
+class Stopped(Exception):
+    """A stop was requested while the task was being built; nothing has trained yet."""
+
+
+def _never() -> bool:
+    return False
+
+
+# While load_task builds a task: whether the job was asked to stop (a plain callable, so that
+# tasks know nothing of how signals are handled).
+_stop_requested: Callable[[], bool] = _never
+
+
+def check_stop(doing: str) -> None:
+    """Raise :class:`Stopped` when the job was asked to stop; ``doing`` says where (for the log)."""
+    if _stop_requested():
+        raise Stopped(f"stop requested while {doing}")
 
 
 class Task:
@@ -88,11 +111,9 @@ class Task:
         pass
 
 
-def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
-    """Import and construct ``task.target``. A target that does not exist and parameters that do
-    not fit the class are a UserError (exit 2); the task's own code raising while it is imported
-    or constructed is a TaskError that keeps its traceback (exit 1), see
-    ``clusterflow.job.failure``."""
+def task_class(target: str, seed: int, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Import ``task.target``'s class and check ``params`` against it, without building the task:
+    (the class, the params as it takes them). Raises what :func:`load_task` raises for these."""
     module_name, _, cls_name = target.partition(":")
     module = _import(target, module_name)
     cls = getattr(module, cls_name, None)
@@ -112,15 +133,31 @@ def load_task(target: str, seed: int, params: dict[str, Any]) -> Task:
             f"task.target={target!r} is not a task: it has no {', '.join(missing)} "
             "(see docs/tasks.md for the Task protocol)"
         )
-    params = _check_params(target, cls, seed, params)
+    return cls, _check_params(target, cls, seed, params)
+
+
+def load_task(
+    target: str, seed: int, params: dict[str, Any], stop: Callable[[], bool] = _never
+) -> Task:
+    """Import and construct ``task.target``. A target that does not exist and parameters that do
+    not fit the class are a UserError (exit 2); the task's own code raising while it is imported
+    or constructed is a TaskError that keeps its traceback (exit 1), see
+    ``clusterflow.job.failure``. ``stop``: whether the job was asked to stop; a task that calls
+    :func:`check_stop` while it is built raises :class:`Stopped` once it says so."""
+    cls, params = task_class(target, seed, params)
+    cls_name = target.partition(":")[2]
+    global _stop_requested
+    _stop_requested = stop
     try:
         return cls(seed=seed, **params)
-    except UserError:
-        raise  # the task checked its parameters and said what is wrong
+    except (UserError, Stopped):
+        raise  # the task checked its parameters and said what is wrong, or the job is stopping
     except Exception as exc:  # noqa: BLE001 - the task's own code: keep its traceback
         raise TaskError(
             f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        _stop_requested = _never
 
 
 def _import(target: str, module_name: str) -> Any:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import Task
+from clusterflow.tasks import Task, check_stop
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
 from clusterflow.tasks.digits import write_digits
@@ -58,16 +59,91 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _images_under(folder: str) -> list[str]:
-    found = []
-    for here, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        found += [os.path.join(here, f) for f in sorted(files) if _is_image(f)]
+class _Walk:
+    """One scan of ``root``: every folder is entered once, known by (device, inode), so a
+    symlinked folder that leads back to one already scanned (``a/loop -> ..``) is skipped and
+    remembered instead of multiplying the data; the stop flag and the time limit are checked at
+    each folder."""
+
+    def __init__(self, root: str, limit_s: float, clock: Callable[[], float]) -> None:
+        self.root, self.limit_s, self.clock = root, limit_s, clock
+        self.started = clock()
+        self.seen: set[tuple[int, int]] = set()
+        self.skipped: list[str] = []  # links to folders already scanned, relative to root
+        self.folders = self.images = 0
+
+    def first_visit(self, path: str) -> bool:
+        """Whether the folder at ``path`` is new to this scan (it is then marked as seen)."""
+        try:
+            st = os.stat(path)
+        except OSError:
+            return False  # vanished or unreadable: os.walk leaves such a folder out too
+        key = (st.st_dev, st.st_ino)
+        if key in self.seen:
+            self.skipped.append(os.path.relpath(path, self.root))
+            return False
+        self.seen.add(key)
+        return True
+
+    def tick(self) -> None:
+        """Before each folder is listed: stop when the job was asked to, fail past the limit."""
+        check_stop(f"scanning task.params.root={self.root}")
+        self.folders += 1
+        if self.limit_s and self.clock() - self.started > self.limit_s:
+            raise UserError(
+                f"scanning task.params.root={self.root!r} took longer than "
+                f"task.params.scan_limit_s={self.limit_s:g} seconds ({self.folders} folders, "
+                f"{self.images} images so far); point root at a smaller folder, or raise "
+                "task.params.scan_limit_s (0: no limit) for a folder this large"
+            )
+
+    def report(self) -> None:
+        if self.skipped:
+            log.warning(
+                "task.params.root=%s: %d linked folder(s) lead to a folder already scanned and "
+                "were skipped (each folder is read once): %s",
+                self.root,
+                len(self.skipped),
+                ", ".join(
+                    f"{p} -> {os.path.realpath(os.path.join(self.root, p))}"
+                    for p in self.skipped[:10]
+                )
+                + (", ..." if len(self.skipped) > 10 else ""),
+            )
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()  # follows symlinks
+    except OSError:
+        return False
+
+
+def _images_under(folder: str, walk: _Walk) -> list[str]:
+    """The image files under ``folder``, in os.walk's top-down order (a folder's files, then each
+    sub-folder's, by name), following symlinks to folders not scanned yet."""
+    found: list[str] = []
+    pending = [folder]
+    while pending:
+        here = pending.pop()
+        walk.tick()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+        except OSError:
+            continue  # an unreadable folder is left out, as os.walk does
+        dirs = [e.path for e in entries if not e.name.startswith(".") and _is_dir(e)]
+        files = [e.path for e in entries if _is_image(e.name) and not _is_dir(e)]
+        found += files
+        walk.images += len(files)
+        pending += reversed([d for d in dirs if walk.first_visit(d)])
     return found
 
 
-def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
-    """(paths relative to root in a fixed order, class index per path or None, class names)."""
+def scan(
+    root: str, limit_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+) -> tuple[list[str], np.ndarray | None, list[str]]:
+    """(paths relative to root in a fixed order, class index per path or None, class names).
+    ``limit_s``: the longest the scan may take (0: no limit)."""
     if not os.path.isdir(root):
         what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
         raise UserError(
@@ -87,8 +163,14 @@ def scan(root: str) -> tuple[list[str], np.ndarray | None, list[str]]:
             "put image files in it (one sub-folder per class, or flat)"
         )
     top = [e.name for e in entries if e.is_file() and _is_image(e.name)]
-    classes = {e.name: _images_under(e.path) for e in entries if e.is_dir()}
+    walk = _Walk(root, limit_s, clock)
+    walk.first_visit(root)
+    # Every class folder is marked before any is walked: a link from one class into another is
+    # skipped, never read as the first class's images.
+    class_dirs = [e for e in entries if e.is_dir() and walk.first_visit(e.path)]
+    classes = {e.name: _images_under(e.path, walk) for e in class_dirs}
     classes = {d: files for d, files in classes.items() if files}
+    walk.report()
     if top and classes:
         raise UserError(
             f"task.params.root={root!r} holds both image files ({top[0]}, ...) "
@@ -213,7 +295,8 @@ def _is_num(v: Any) -> bool:
 
 class ImageFolderTask(Task):
     """Parameters (``task.params``): root, image_size, channels, backbone, width, embed_dim,
-    temperature, crop_scale, flip, rotate_deg, jitter, limit, make_digits (docs/tasks.md)."""
+    temperature, crop_scale, flip, rotate_deg, jitter, limit, make_digits, scan_limit_s
+    (docs/tasks.md)."""
 
     def __init__(
         self,
@@ -231,6 +314,7 @@ class ImageFolderTask(Task):
         jitter: float = 0.3,
         limit: int = 0,
         make_digits: bool = False,
+        scan_limit_s: float = 600.0,
     ) -> None:
         self.seed = seed
         _check(
@@ -285,6 +369,12 @@ class ImageFolderTask(Task):
             _is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all"
         )
         _check(isinstance(make_digits, bool), "make_digits", make_digits, "true or false")
+        _check(
+            _is_num(scan_limit_s) and scan_limit_s >= 0,
+            "scan_limit_s",
+            scan_limit_s,
+            "the longest the scan of root may take, in seconds (0: no limit)",
+        )
         if make_digits and (
             not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))
         ):
@@ -294,7 +384,7 @@ class ImageFolderTask(Task):
                 root,
             )
             write_digits(root)
-        files, labels, classes = scan(root)
+        files, labels, classes = scan(root, float(scan_limit_s))
         if limit and limit < len(files):
             # Evenly spaced over the sorted list, so a subset of a class-folder tree keeps every
             # class.
