@@ -1,0 +1,124 @@
+"""Cancel means cancel, Ctrl-C means stop (issue 23): real local runs of configs/tiny.yaml, driven
+as a user drives them from a terminal."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from conftest import REPO, run_cli
+
+from clusterflow.rundir import cancel_marker, lease
+
+
+def _env():
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR"):
+        e.pop(k, None)
+    return e
+
+
+def _start(args, out_dir):
+    """`python -m clusterflow.submit ...` in its own process group, as a terminal starts it."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "clusterflow.submit", *args],
+        cwd=REPO,
+        env=_env(),
+        stdout=open(os.path.join(out_dir, "stdout.txt"), "w"),
+        stderr=open(os.path.join(out_dir, "stderr.txt"), "w"),
+        start_new_session=True,
+    )
+
+
+def _until(what, proc):
+    """Poll ``what()`` until it is true; the submit process must still be running meanwhile."""
+    while not what():
+        assert proc.poll() is None, "submit ended before the awaited moment"
+        time.sleep(0.05)
+
+
+def _attempt(run_dir):
+    """The first attempt's record once it lists its processes, else None."""
+    try:
+        with open(os.path.join(run_dir, "attempts.jsonl")) as f:
+            lines = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return None
+    return lines[0] if lines and lines[0].get("procs") else None
+
+
+def _status(run_dir):
+    r = run_cli("clusterflow.status", run_dir, "--json")
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _signal_ranks(record, sig):
+    for _, pid, start in record["procs"]:
+        if lease.process_start(pid) == start:
+            os.kill(pid, sig)
+
+
+def test_cancelling_a_local_sweep_stops_the_running_member_and_starts_no_other(tmp_path):
+    """submit configs/tiny.yaml train.epochs=2 run.dir=SW --sweep train.lr=0.001,0.002,0.003
+    --local, then `cancel SW` while member 1 runs (its ranks held still with SIGSTOP so that it
+    cannot finish first): member 1 stops cancelled without completing, members 2 and 3 never
+    start, and status says `running` (cancel requested), never `cancelled`, while member 1's
+    processes live."""
+    sw = str(tmp_path / "SW")
+    proc = _start(
+        [
+            "configs/tiny.yaml",
+            "train.epochs=2",
+            f"run.dir={sw}",
+            "--sweep",
+            "train.lr=0.001,0.002,0.003",
+            "--local",
+        ],
+        str(tmp_path),
+    )
+    try:
+        _until(lambda: glob.glob(os.path.join(sw, "lr=0.001-*")), proc)
+        first = glob.glob(os.path.join(sw, "lr=0.001-*"))[0]
+        _until(lambda: _attempt(first), proc)
+        record = _attempt(first)
+        _signal_ranks(record, signal.SIGSTOP)
+        try:
+            r = run_cli("clusterflow.cancel", sw)
+            assert r.returncode == 0, r.stderr
+            seen = _status(first)
+            assert seen["state"] == "running", seen
+            assert "cancel requested" in (seen.get("note") or ""), seen
+        finally:
+            _signal_ranks(record, signal.SIGCONT)
+        assert proc.wait(timeout=300) == 0, open(tmp_path / "stderr.txt").read()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    members = sorted(glob.glob(os.path.join(sw, "lr=*")))
+    assert len(members) == 3
+    for m in members:
+        assert _status(m)["state"] == "cancelled", m
+        assert not os.path.exists(os.path.join(m, "model.pt")), m
+    others = [m for m in members if m != first]
+    for m in others:
+        assert not os.path.exists(os.path.join(m, "attempts.jsonl")), f"{m} started"
+    out = open(tmp_path / "stdout.txt").read()
+    assert "cancelled by the user" in out
+
+
+def test_a_job_started_after_the_cancel_trains_nothing(tmp_path):
+    """A job that starts when the run is already cancelled (it was queued, or requeued): state
+    cancelled, exit 0, no step trained."""
+    run_dir = str(tmp_path / "run")
+    os.makedirs(run_dir)
+    cancel_marker.mark(run_dir, None)
+    r = run_cli("clusterflow.run", "configs/tiny.yaml", "train.epochs=1", f"run.dir={run_dir}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cancelled by the user" in r.stdout
+    assert _status(run_dir)["state"] == "cancelled"
+    assert not glob.glob(os.path.join(run_dir, "checkpoints", "step-*"))
+    assert not os.path.exists(os.path.join(run_dir, "attempts.jsonl"))
