@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, weights_equal
 
 from clusterflow.rundir import cancel_marker, lease
 
@@ -122,3 +122,57 @@ def test_a_job_started_after_the_cancel_trains_nothing(tmp_path):
     assert _status(run_dir)["state"] == "cancelled"
     assert not glob.glob(os.path.join(run_dir, "checkpoints", "step-*"))
     assert not os.path.exists(os.path.join(run_dir, "attempts.jsonl"))
+
+
+def _newest_step(run_dir):
+    steps = [
+        int(p.rsplit("-", 1)[1]) for p in glob.glob(os.path.join(run_dir, "checkpoints", "step-*"))
+    ]
+    return max(steps) if steps else None
+
+
+def _logged_a_step(run_dir):
+    try:
+        with open(os.path.join(run_dir, "logs", "rank0.attempt0.log")) as f:
+            return "step 1/6" in f.read()
+    except OSError:
+        return False
+
+
+def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) on `submit configs/tiny.yaml --local`
+    once a step is logged: no traceback, state `stopped`, a checkpoint at the step reached and
+    a line saying how to resume; running the same command again completes with the weights of an
+    uninterrupted run. (The ranks are held still with SIGSTOP from the moment the step is seen
+    until the group has been signalled, so that the run cannot finish first.)"""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    try:
+        _until(lambda: _logged_a_step(run_dir), proc)
+        record = _attempt(run_dir)
+        _signal_ranks(record, signal.SIGSTOP)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        finally:
+            _signal_ranks(record, signal.SIGCONT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = open(tmp_path / "stderr.txt").read()
+    out = open(tmp_path / "stdout.txt").read()
+    assert code == 130, out + err
+    assert "Traceback" not in err, err
+    seen = _status(run_dir)
+    assert seen["state"] == "stopped", seen
+    assert 1 <= seen["global_step"] < 18
+    assert _newest_step(run_dir) == seen["global_step"], (seen, out)
+    assert "resume by running the same command again" in out
+    assert not os.path.exists(os.path.join(run_dir, "model.pt"))
+
+    again = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", "--local")
+    assert again.returncode == 0, again.stdout + again.stderr
+    ref = str(tmp_path / "ref")
+    plain = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={ref}", "--local")
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    assert weights_equal(os.path.join(run_dir, "model.pt"), os.path.join(ref, "model.pt"))
