@@ -176,3 +176,35 @@ def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path):
     plain = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={ref}", "--local")
     assert plain.returncode == 0, plain.stdout + plain.stderr
     assert weights_equal(os.path.join(run_dir, "model.pt"), os.path.join(ref, "model.pt"))
+
+
+def test_logs_follow_ends_after_the_job_is_killed_with_sigkill(tmp_path):
+    """`logs -f` of a local run whose processes are all killed with kill -9 (nothing of the job
+    can record its end) ends, saying what status saw, instead of following forever."""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    follower = None
+    try:
+        _until(lambda: _logged_a_step(run_dir), proc)
+        record = _attempt(run_dir)
+        _signal_ranks(record, signal.SIGSTOP)  # it must not finish before the kill
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "clusterflow.logs", run_dir, "-f"],
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _signal_ranks(record, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        out, err = follower.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if follower is not None and follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 0, err
+    assert "step 1/6" in out
+    assert "status says failed" in err, err
