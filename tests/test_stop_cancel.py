@@ -208,3 +208,52 @@ def test_logs_follow_ends_after_the_job_is_killed_with_sigkill(tmp_path):
     assert follower.returncode == 0, err
     assert "step 1/6" in out
     assert "status says failed" in err, err
+
+
+def test_sigterm_to_a_local_job_says_how_to_resume(tmp_path):
+    """`kill` (SIGTERM) of a local job's ranks: saved and stopped; submit says so, with how to
+    resume, and exits 143 (not a failure's 1)."""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    try:
+        _until(lambda: _logged_a_step(run_dir), proc)
+        record = _attempt(run_dir)
+        _signal_ranks(record, signal.SIGSTOP)
+        try:
+            _signal_ranks(record, signal.SIGTERM)
+        finally:
+            _signal_ranks(record, signal.SIGCONT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    out = open(tmp_path / "stdout.txt").read()
+    assert code == 143, out
+    assert "stopped by SIGTERM" in out and "resume by running the same command again" in out
+    assert _status(run_dir)["state"] == "stopped"
+
+
+def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it(tmp_path):
+    """The refusal names `clusterflow cancel RUN_DIR`, and that cancel does stop the local run."""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    try:
+        _until(lambda: _logged_a_step(run_dir), proc)
+        record = _attempt(run_dir)
+        _signal_ranks(record, signal.SIGSTOP)
+        try:
+            again = run_cli(
+                "clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", "--local"
+            )
+            assert again.returncode == 2, again.stdout + again.stderr
+            assert f"python -m clusterflow.cancel {run_dir}" in again.stderr
+            assert run_cli("clusterflow.cancel", run_dir).returncode == 0
+        finally:
+            _signal_ranks(record, signal.SIGCONT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 0
+    assert _status(run_dir)["state"] == "cancelled"
+    assert not os.path.exists(os.path.join(run_dir, "model.pt"))
