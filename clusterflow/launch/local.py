@@ -152,7 +152,9 @@ class RankWatch:
         while time.time() < deadline and not self.job.done():
             time.sleep(0.2)
         if not self.job.done():
-            self.job.cancel()  # the controller stops every remaining task (SIGINT, then SIGKILL)
+            # The controller ignores SIGINT (submit_local), so job.cancel() would not reach it: the
+            # ranks are ended here, and the controller ends once its tasks have.
+            self._kill_survivors()
             deadline = time.time() + 10
             while time.time() < deadline and not self.job.done():
                 time.sleep(0.1)
