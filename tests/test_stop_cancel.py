@@ -257,3 +257,22 @@ def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it
     assert code == 0
     assert _status(run_dir)["state"] == "cancelled"
     assert not os.path.exists(os.path.join(run_dir, "model.pt"))
+
+
+def test_ctrl_c_while_the_local_job_starts_is_not_lost(tmp_path):
+    """Ctrl-C right after `submit --local` began starting the job (its submitit folder exists,
+    the ranks may not): held back, not lost; the ranks stop at their first steps, `stopped`."""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    try:
+        _until(lambda: os.path.exists(os.path.join(run_dir, "logs", "submitit")), proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = open(tmp_path / "stderr.txt").read()
+    assert code == 130, err
+    assert "Traceback" not in err, err
+    assert _status(run_dir)["state"] == "stopped"
+    assert not os.path.exists(os.path.join(run_dir, "model.pt"))

@@ -13,20 +13,20 @@ jobs with ``srun --kill-on-bad-exit=1``.
 
 Ctrl-C in the terminal reaches every process of the foreground group. The ranks take it as a stop
 (``train/preemption.py``: agree, save at the step reached, end ``stopped``); submitit's local
-controller is started with SIGINT ignored, so that it does not kill them (SIGINT, then SIGKILL a
-second later) before they have saved; this process keeps echoing the log until they have
-stopped, and a second Ctrl-C ends them at once.
+controller is started with SIGINT blocked, so that it never kills them (SIGINT, then SIGKILL a
+second later) before they have saved, and the ranks unblock it once their handler is in place (a
+Ctrl-C during their start-up is held until then); this process keeps echoing the log until they
+have stopped, and a second Ctrl-C ends them at once.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import signal
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import submitit
 
@@ -200,8 +200,15 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
         **({"visible_gpus": gpus} if gpus else {}),
     )
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
-    with _sigint_ignored():  # inherited by the controller and the ranks (until they handle it)
+    # SIGINT blocked while the controller starts: it and the ranks inherit the blocked signal (the
+    # ranks unblock it with their stop handler in place); here it is unblocked in the loop below,
+    # so a Ctrl-C meanwhile is held back, not lost.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
         job = ex.submit(jobs.job_for(cfg))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        raise
     print(
         f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), "
         f"run dir {cfg.run.dir}"
@@ -212,6 +219,7 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     why, results, interrupted = None, None, False
     while True:
         try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
             why = _follow(cfg.run.dir, job, watch, tail, interrupted)
             # A job that recorded its failure pickled no result: asking submitit for it waits
             # 15 s for nothing.
@@ -277,17 +285,6 @@ def ended(job_id: str, outcome: str, run_dir: str) -> int:
     return code
 
 
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored in this process while the controller starts (it inherits that, and Python
-    keeps an inherited SIG_IGN), so Ctrl-C reaches only the ranks' own stop handler."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def _kill_now(job: Any, watch: RankWatch, run_dir: str) -> int:
     """A second Ctrl-C: end the ranks and the controller at once."""
     watch.signal_ranks(signal.SIGKILL)
@@ -308,8 +305,9 @@ def _follow(
 ) -> str | None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
     at once when a rank dies (its peers would wait for it), returning why. Once ``interrupted``,
-    SIGINT is sent again to the ranks while the run says it is running: a rank that was still
-    starting up (SIGINT ignored until it installs its handler) hears it then."""
+    SIGINT is sent again to the ranks while the run says it is running: a rank that did not
+    exist yet when the terminal sent it (a Ctrl-C while the job was being started) hears it
+    then."""
     paths = rundir.RunPaths(run_dir)
     while True:
         done = job.done()

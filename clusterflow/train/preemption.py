@@ -74,6 +74,9 @@ class Preemption:
         handler would requeue without our checkpoint), so ours take precedence."""
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._handle)
+        # `submit --local` starts the ranks with SIGINT blocked (so that submitit's controller
+        # cannot act on Ctrl-C); from here on it is handled, and one held back arrives now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HANDLED))
         return self
 
     def uninstall(self) -> None:
