@@ -21,6 +21,10 @@ EXIT_BAD_INPUT = 2
 # Not 0: the command stopped before it finished (a `run` or `submit --wait` cut short that way
 # has not succeeded), and `set -o pipefail` scripts treat it as they treat coreutils.
 EXIT_BROKEN_PIPE = 141
+# 128 + SIGINT and 128 + SIGTERM: `submit --local` (and `run`) stopped by Ctrl-C or by SIGTERM,
+# after saving a checkpoint at the step reached; running the same command again resumes.
+EXIT_INTERRUPTED = 130
+EXIT_TERMINATED = 143
 # A rank the stall watchdog ended: distinct from 1 and 2, so `sacct` shows ExitCode 86:0.
 EXIT_STALLED = 86
 
@@ -98,7 +102,7 @@ def cli(main: Callable[[list[str] | None], int]) -> Callable[[list[str] | None],
         except KeyboardInterrupt:
             _flush_stdout()
             print("interrupted", file=sys.stderr)
-            return 130
+            return EXIT_INTERRUPTED
         except BaseException:  # argparse's --help and its errors; a crash, whose traceback stays
             _flush_stdout()
             raise

@@ -59,8 +59,7 @@ def test_targets():
         "done: already completed; left alone",
         "dead: failed; marked cancelled so that it is not resumed",
         "stop: stopped; marked cancelled so that it is not resumed",
-        "local: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked "
-        "cancelled",
+        "local: no Slurm job known (a local run stops at its next step); marked cancelled",
         "again: already cancelled",
     ]
 
@@ -98,8 +97,7 @@ def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path
     assert out.stdout.splitlines() == [
         f"{sw}/d: never submitted; nothing to cancel",
         f"{sw}/a: already completed; left alone",
-        f"{sw}/b: no Slurm job known (a local run stops with Ctrl-C in its terminal); marked "
-        "cancelled",
+        f"{sw}/b: no Slurm job known (a local run stops at its next step); marked cancelled",
         f"{sw}/c: stopped; marked cancelled so that it is not resumed",
     ]
     assert [cancel_marker.is_cancelled(os.path.join(sw, n)) for n in names] == [

@@ -5,6 +5,7 @@ import io
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from conftest import REPO, run_cli
 
 from clusterflow import rundir
 from clusterflow.manage import logs
+from clusterflow.rundir import lease
 
 
 def make_run(tmp_path):
@@ -34,6 +36,22 @@ def attempt(d, a, job, hosts=("node1",)):
             "started_at": 1.7e9 + a,
             "hosts": list(hosts),
             "source": "slurm",
+        },
+    )
+
+
+def live_attempt(d, a, job):
+    """An attempt of a local job whose process is alive (this test's own)."""
+    me = [socket.gethostname(), os.getpid(), lease.process_start(os.getpid())]
+    rundir.append_jsonl(
+        rundir.RunPaths(d).attempts,
+        {
+            "attempt": a,
+            "job_id": job,
+            "started_at": 1.7e9 + a,
+            "hosts": [me[0]],
+            "source": "submitit-local",
+            "procs": [me],
         },
     )
 
@@ -137,7 +155,7 @@ def _expect(lines, want, timeout=30):
 @pytest.mark.parametrize("end", ["completed", "cancelled"])
 def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, end):
     d = make_run(tmp_path)
-    attempt(d, 0, "900")
+    live_attempt(d, 0, "900")
     append(d, 0, 0, "first attempt starts\n")
     rundir.write_status(rundir.RunPaths(d), state="running")
     proc = subprocess.Popen(
@@ -157,7 +175,7 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
         )  # not an end: the follower waits for the next attempt
         time.sleep(1.0)
         assert proc.poll() is None
-        attempt(d, 1, "900")
+        live_attempt(d, 1, "900")
         append(d, 0, 1, "second attempt resumes\n")
         seen = _expect(lines, "second attempt resumes")
         assert any(
@@ -169,6 +187,12 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
         else:
             with open(os.path.join(d, "cancelled.json"), "w") as f:
                 f.write("{}")
+            # The job trains on until it has seen the marker: its lines are still followed
+            # (written after the grace a follower that ended at the marker would have taken).
+            time.sleep(2.0)
+            append(d, 0, 1, "still training just after the cancel\n")
+            _expect(lines, "still training")
+            rundir.write_status(rundir.RunPaths(d), state="cancelled")
         append(d, 0, 1, "last line, written just after the final state\n")
         _expect(lines, "last line")
         assert proc.wait(timeout=30) == 0

@@ -69,6 +69,11 @@ TABLE = [
     ),  # torchrun outside Slurm: nobody requeues
     ("preempted", "submitit-local", None, 0, Action("preempted", "stopped")),
     ("timeout", "submitit-local", None, 1, Action("timeout", "stopped")),
+    # a user's cancel or Ctrl-C: never requeued, whoever launched the job
+    ("cancelled", "slurm", "", 0, Action("cancelled", "cancelled")),
+    ("cancelled", "submitit-local", None, 0, Action("cancelled", "cancelled")),
+    ("interrupted", "slurm", "", 0, Action("interrupted", "stopped")),
+    ("interrupted", "submitit-local", None, 0, Action("interrupted", "stopped")),
 ]
 
 

@@ -110,7 +110,21 @@ TABLE = [
     ),
     (Evidence(recorded_state="running", attempts=1, first_error=STALL), "running", STALL["error"]),
     (Evidence(recorded_state="stopped", first_error=STALL), "stopped", None),
-    # a user's cancel wins over anything but completed
+    # a user's cancel wins over anything but completed, and over "running" only once no live
+    # process trains
+    (Evidence(recorded_state="running", attempts=1, alive=True, cancelled=True), "running", None),
+    (
+        Evidence(
+            recorded_state="running", attempts=1, queue="RUNNING|None", alive=True, cancelled=True
+        ),
+        "running",
+        None,
+    ),
+    (
+        Evidence(recorded_state="running", attempts=1, queue="", alive=False, cancelled=True),
+        "cancelled",
+        None,
+    ),
     (Evidence(recorded_state="running", attempts=1, cancelled=True), "cancelled", None),
     (
         Evidence(recorded_state="requeued", queue="PENDING|BeginTime", attempts=1, cancelled=True),
@@ -165,3 +179,11 @@ def test_a_stall_carries_its_facts():
 )
 def test_liveness_is_asked_only_when_a_claim_needs_it(evidence, asked):
     assert needs_liveness(evidence) is asked
+
+
+def test_a_cancel_the_live_job_has_not_acted_on_yet_is_a_note_on_running():
+    e = Evidence(recorded_state="running", attempts=1, alive=True, cancelled=True)
+    assert "cancel requested" in decide(e).note
+    assert decide(Evidence(recorded_state="running", attempts=1, alive=True)).note is None
+    gone = Evidence(recorded_state="running", attempts=1, alive=False, cancelled=True)
+    assert decide(gone).note is None

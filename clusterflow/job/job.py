@@ -21,7 +21,14 @@ from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job import failure
 from clusterflow.job.requeue import after_stop
-from clusterflow.rundir import first_error, frozen_code, lease, saved_config, states
+from clusterflow.rundir import (
+    cancel_marker,
+    first_error,
+    frozen_code,
+    lease,
+    saved_config,
+    states,
+)
 from clusterflow.tasks import Stopped, Task, load_task
 from clusterflow.train.preemption import REASONS, Preemption
 from clusterflow.train.trainer import Trainer
@@ -128,8 +135,8 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
 
 
 def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | None = None) -> str:
-    """Run this task's share of the job. Returns completed, preempted, timeout, requeued or
-    failed."""
+    """Run this task's share of the job. Returns completed, preempted, timeout, interrupted,
+    cancelled, requeued or failed."""
 
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
@@ -142,10 +149,15 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         cfg = from_dict(_take_run_dir(env, cfg, environ))
         held = True
+        if _cancelled_before_start(env, cfg):
+            return _end_cancelled(cfg, env, environ)
         attempt = _start(env, cfg, device)
         _threads(env, environ)
 
-        preemption = Preemption().install()
+        # Rank 0 looks for the user's cancel while training; the agreement tells the others.
+        preemption = Preemption(
+            (lambda: cancel_marker.is_cancelled(cfg.run.dir)) if env.is_main else None
+        ).install()
 
         # The code frozen at submission, on every rank of every attempt.
         frozen_code.activate(cfg.run.dir)
@@ -225,11 +237,37 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     return answer
 
 
+def _cancelled_before_start(env: DistEnv, cfg: Config) -> bool:
+    """Collective. Whether the user cancelled the run before this job started (a job that was
+    queued, or requeued, when ``clusterflow cancel`` ran): rank 0 reads the marker, every rank
+    hears its answer."""
+    seen = cancel_marker.is_cancelled(cfg.run.dir) if env.is_main else None
+    return bool(dist.broadcast_object(seen))
+
+
+def _end_cancelled(cfg: Config, env: DistEnv, environ: Mapping[str, str]) -> str:
+    """End a cancelled run's job before anything is trained or recorded: state ``cancelled``,
+    the run dir released, outcome ``cancelled`` (the process exits 0)."""
+    if env.is_main:
+        paths = rundir.RunPaths(cfg.run.dir)
+        rundir.write_status(paths, state=states.CANCELLED, job_id=env.job_id)
+        print(
+            f"run {cfg.run.dir} was cancelled by the user ({paths.cancelled}): not training. "
+            "Submitting the run again resumes it.",
+            flush=True,
+        )
+        _let_go(cfg, env, environ, states.CANCELLED)
+    dist.barrier()
+    dist.shutdown()
+    return states.CANCELLED
+
+
 def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
     """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
     requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
 
-    if outcome in (states.COMPLETED, states.FAILED) or not environ.get("SLURM_JOB_ID"):
+    ended = (states.COMPLETED, states.FAILED, states.CANCELLED)
+    if outcome in ended or not environ.get("SLURM_JOB_ID"):
         lease.release(cfg.run.dir)
 
 

@@ -24,7 +24,8 @@ log = logging.getLogger("clusterflow")
 
 @dataclass(frozen=True)
 class Action:
-    outcome: str  # what the job reports: completed, requeued, preempted or timeout
+    # what the job reports: completed, requeued, preempted, timeout, interrupted or cancelled
+    outcome: str
     state: str  # what status.json says
     requeue: bool = False  # run `scontrol requeue` (on success: outcome and state "requeued")
     why: str = ""  # for the log line of a requeue
@@ -32,12 +33,17 @@ class Action:
 
 
 def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, limit: int) -> Action:
-    """``outcome``: completed, preempted or timeout (from the trainer); ``source``: the launcher
+    """``outcome``: completed, preempted, timeout, interrupted (SIGINT) or cancelled (the user's
+    marker) (from the trainer); ``source``: the launcher
     (slurm, torchrun, submitit-local, single); ``slurm_state``: JobState of this job (None outside
     a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops
     so far, this one included; ``limit``: cluster.max_timeout_requeues."""
     if outcome == "completed":
         return Action("completed", "completed")
+    if outcome == "cancelled":
+        return Action("cancelled", "cancelled")
+    if outcome == "interrupted":  # the user stopped it here: nothing brings it back by itself
+        return Action("interrupted", "stopped")
     if slurm_state is None:  # nothing will bring the job back by itself
         return Action(outcome, "stopped" if source == "submitit-local" else "requeued")
     if outcome == "timeout":

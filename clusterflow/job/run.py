@@ -20,7 +20,7 @@ import sys
 from clusterflow.config.job_config import Config
 from clusterflow.dist.env import DistEnv
 from clusterflow.dist.sampler import check_fits
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 from clusterflow.job import failure
 from clusterflow.job.job import run_job
 from clusterflow.rundir import preflight, saved_config
@@ -66,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     # this command with the YAML as it is now: it keeps the saved config) or writes it, and
     # broadcasts it to every rank before anything else.
     outcome = run_job(cfg)
-    return EXIT_OK if outcome in ("completed", "preempted", "requeued") else EXIT_JOB_FAILED
+    if outcome == "interrupted":  # Ctrl-C: saved and stopped; the same command resumes
+        return EXIT_INTERRUPTED
+    ok = ("completed", "preempted", "requeued", "cancelled")
+    return EXIT_OK if outcome in ok else EXIT_JOB_FAILED
 
 
 def _check_task(cfg: Config, world: int) -> int:

@@ -10,6 +10,13 @@ first rank seen gone without one is the cause: the job is ended and that rank na
 error when it recorded one (``errors/rank<R>.json``), else with what is known (no Python error:
 killed by a signal, out of memory, or a crash in native code). Slurm does the same for real
 jobs with ``srun --kill-on-bad-exit=1``.
+
+Ctrl-C in the terminal reaches every process of the foreground group. The ranks take it as a stop
+(``train/preemption.py``: agree, save at the step reached, end ``stopped``); submitit's local
+controller is started with SIGINT blocked, so that it never kills them (SIGINT, then SIGKILL a
+second later) before they have saved, and the ranks unblock it once their handler is in place (a
+Ctrl-C during their start-up is held until then); this process keeps echoing the log until they
+have stopped, and a second Ctrl-C ends them at once.
 """
 
 from __future__ import annotations
@@ -25,7 +32,13 @@ import submitit
 
 from clusterflow import dist, rundir
 from clusterflow.config import Config
-from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, EXIT_OK
+from clusterflow.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+)
 from clusterflow.launch import jobs
 from clusterflow.manage import logs
 from clusterflow.rundir import first_error, lease, states
@@ -79,6 +92,15 @@ class RankWatch:
                 return rank
         return None
 
+    def signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to every rank process seen, if it still runs."""
+        for pid, start in self.procs.values():
+            if start is not None and lease.process_start(pid) == start:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
+
     def _kill_survivors(self) -> None:
         """SIGKILL any rank the controller did not stop (a busy machine can delay it past our
         wait): a rank left in the rendezvous would live on for dist.timeout_s, holding the
@@ -130,7 +152,9 @@ class RankWatch:
         while time.time() < deadline and not self.job.done():
             time.sleep(0.2)
         if not self.job.done():
-            self.job.cancel()  # the controller stops every remaining task (SIGINT, then SIGKILL)
+            # The controller ignores SIGINT (submit_local), so job.cancel() would not reach it: the
+            # ranks are ended here, and the controller ends once its tasks have.
+            self._kill_survivors()
             deadline = time.time() + 10
             while time.time() < deadline and not self.job.done():
                 time.sleep(0.1)
@@ -187,30 +211,43 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
         **({"visible_gpus": gpus} if gpus else {}),
     )
     os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
-    job = ex.submit(jobs.job_for(cfg))
+    # SIGINT blocked while the controller starts: it and the ranks inherit the blocked signal (the
+    # ranks unblock it with their stop handler in place); here it is unblocked in the loop below,
+    # so a Ctrl-C meanwhile is held back, not lost.
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        job = ex.submit(jobs.job_for(cfg))
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        raise
     print(
         f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), "
         f"run dir {cfg.run.dir}"
     )
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
-    why, results = None, None
-    try:
-        why = _follow(
-            cfg.run.dir, job, RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node)
-        )
-        # A job that recorded its failure pickled no result: asking submitit for it waits 15 s
-        # for nothing.
-        if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
-            results = job.results()
-    except KeyboardInterrupt:
-        job.cancel()
-        print(
-            "interrupted: the job was asked to stop; resume by running the same command again",
-            file=sys.stderr,
-        )
-        return 130
-    except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
-        pass
+    watch = RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node)
+    tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
+    why, results, interrupted = None, None, False
+    while True:
+        try:
+            signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+            why = _follow(cfg.run.dir, job, watch, tail, interrupted)
+            # A job that recorded its failure pickled no result: asking submitit for it waits
+            # 15 s for nothing.
+            if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
+                results = job.results()
+            break
+        except KeyboardInterrupt:
+            if interrupted:
+                return _kill_now(job, watch, cfg.run.dir)
+            interrupted = True
+            print(
+                "\ninterrupted: the ranks save a checkpoint at the step reached and stop "
+                "(Ctrl-C again ends them at once, without saving)",
+                file=sys.stderr,
+            )
+        except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
+            break
     if results is None:
         status, _ = rundir.read_object(paths.status)
         attempt = rundir.current_attempt(paths)
@@ -225,18 +262,73 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
                 file=sys.stderr,
             )
         return code
-    outcome = results[0]
-    print(f"job {job.job_id} {outcome}; python -m clusterflow.status {cfg.run.dir}")
-    return EXIT_OK if outcome == states.COMPLETED else EXIT_JOB_FAILED
+    return ended(job.job_id, results[0], cfg.run.dir)
 
 
-def _follow(run_dir: str, job: Any, watch: RankWatch) -> str | None:
+# What a local job's outcome prints (after "job N"), and its exit status. A stop resumes.
+_RESUME = "resume by running the same command again"
+OUTCOMES = {
+    states.COMPLETED: ("completed", EXIT_OK),
+    states.CANCELLED: (
+        "cancelled by the user at step {step}; submitting the run again resumes it",
+        EXIT_OK,
+    ),
+    "interrupted": (
+        "stopped by Ctrl-C at step {step}, checkpoint saved; " + _RESUME,
+        EXIT_INTERRUPTED,
+    ),
+    "preempted": (
+        "stopped by SIGTERM at step {step}, checkpoint saved; " + _RESUME,
+        EXIT_TERMINATED,
+    ),
+    "timeout": (
+        "stopped at cluster.time_min at step {step}, checkpoint saved; " + _RESUME,
+        EXIT_JOB_FAILED,
+    ),
+}
+
+
+def ended(job_id: str, outcome: str, run_dir: str) -> int:
+    """Say how the local job ended and what to do next; returns the exit status."""
+    step = rundir.read_object(rundir.RunPaths(run_dir).status)[0].get("global_step", 0)
+    said, code = OUTCOMES.get(outcome, (outcome, EXIT_JOB_FAILED))
+    print(f"job {job_id} {said.format(step=step)}; python -m clusterflow.status {run_dir}")
+    return code
+
+
+def _kill_now(job: Any, watch: RankWatch, run_dir: str) -> int:
+    """A second Ctrl-C: end the ranks and the controller at once."""
+    watch.signal_ranks(signal.SIGKILL)
+    try:
+        os.kill(int(job.job_id), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+    print(
+        "interrupted twice: the job was killed without saving; running the same command again "
+        f"resumes from the newest checkpoint (python -m clusterflow.status {run_dir})",
+        file=sys.stderr,
+    )
+    return EXIT_INTERRUPTED
+
+
+def _follow(
+    run_dir: str, job: Any, watch: RankWatch, tail: logs.Tail, interrupted: bool
+) -> str | None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
-    at once when a rank dies (its peers would wait for it), returning why."""
+    at once when a rank dies (its peers would wait for it), returning why. Once ``interrupted``,
+    SIGINT is sent again to the ranks while the run says it is running: a rank that did not
+    exist yet when the terminal sent it (a Ctrl-C while the job was being started) hears it
+    then."""
     paths = rundir.RunPaths(run_dir)
-    tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
     while True:
         done = job.done()
+        if interrupted and not done:
+            if rundir.read_object(paths.status)[0].get("state") in (
+                None,
+                states.PENDING,
+                states.RUNNING,
+            ):
+                watch.signal_ranks(signal.SIGINT)
         dead = None if done else watch.first_dead()
         # Echoed before acting on a death: the dead rank's last lines (its traceback) are
         # already written.

@@ -26,7 +26,7 @@ import sys
 from typing import Any
 
 from clusterflow import rundir, tasks
-from clusterflow.errors import EXIT_JOB_FAILED, EXIT_OK, UserError
+from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status, sweep_status
 from clusterflow.rundir import cancel_marker, frozen_code, preflight, saved_config, submissions
@@ -120,12 +120,16 @@ def _check_task_params(sw: sweep.Sweep) -> None:
 
 
 def _run_local(configs: list[Any]) -> int:
-    """``--local``: the members one after another on this machine."""
+    """``--local``: the members one after another on this machine; a member cancelled meanwhile
+    (``clusterflow cancel`` of the sweep or of the member) is skipped."""
     worst = EXIT_OK
     for cfg in configs:
+        if cancel_marker.is_cancelled(cfg.run.dir):
+            print(f"== sweep member {cfg.run.dir}: cancelled by the user; not started")
+            continue
         print(f"== sweep member {cfg.run.dir}")
         code = local.submit_local(cfg)
-        if code == 130:
+        if code == EXIT_INTERRUPTED:
             return code
         worst = max(worst, code)
     return worst

@@ -76,7 +76,7 @@ def targets(
             notes.append(f"{run_dir}: {state}; marked cancelled so that it is not resumed")
         elif job_id is None:
             notes.append(
-                f"{run_dir}: no Slurm job known (a local run stops with Ctrl-C in its terminal); "
+                f"{run_dir}: no Slurm job known (a local run stops at its next step); "
                 "marked cancelled"
             )
         else:

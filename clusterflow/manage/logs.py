@@ -3,7 +3,9 @@
 Print one rank's log across every attempt of a run (``RUN_DIR/logs/rank<R>.attempt<A>.log``),
 oldest first, each under a header naming the attempt, its job and hosts. With ``-f`` keep
 following: new lines of the newest attempt, and each new attempt as it appears after a requeue,
-until the run ends (status completed, failed, cancelled or stopped).
+until the run ends: its record says completed, failed, cancelled or stopped, or ``status``'s
+verdict does (a job killed by SIGKILL writes no end; a cancelled job that still trains is
+``running`` until it has stopped).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import IO
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_OK, UserError, cli
-from clusterflow.rundir import cancel_marker, records, states
+from clusterflow.manage import status
+from clusterflow.rundir import records, states
 from clusterflow.sweeps import index as sweep_index
 
 EXAMPLES = (
@@ -70,10 +73,36 @@ def header(run_dir: str, rank: int, attempt: int) -> str:
     return f"==> {paths.log_file(rank, attempt)} ({', '.join(parts)}) <=="
 
 
-def ended(run_dir: str) -> bool:
+# How often `-f` asks status's verdict (squeue, live processes) whether a run that has not
+# recorded an end is still alive.
+VERDICT_EVERY_S = 5.0
 
-    state = rundir.read_object(rundir.RunPaths(run_dir).status, records.STATUS)[0].get("state")
-    return states.ended(state) or cancel_marker.is_cancelled(run_dir)
+
+class EndWatch:
+    """Whether a followed run has ended: its own record when it says so, else, at most every
+    ``every_s`` seconds, ``status``'s verdict (which sees a killed job, and a cancelled job that
+    still trains)."""
+
+    def __init__(self, run_dir: str, every_s: float = VERDICT_EVERY_S, clock=time.monotonic):
+        self.run_dir, self.every_s, self.clock = run_dir, every_s, clock
+        self.asked_at: float | None = None
+        self.why = ""  # the verdict's word, when it differs from the record
+
+    def ended(self) -> bool:
+        paths = rundir.RunPaths(self.run_dir)
+        recorded = rundir.read_object(paths.status, records.STATUS)[0].get("state")
+        if states.ended(recorded):
+            return True
+        now = self.clock()
+        if self.asked_at is not None and now - self.asked_at < self.every_s:
+            return False
+        self.asked_at = now
+        seen = status.collect(self.run_dir)
+        if not states.ended(seen["state"]):
+            return False
+        said = seen.get("error") or seen.get("liveness")
+        self.why = f"status says {seen['state']}" + (f": {said}" if said else "")
+        return True
 
 
 class Tail:
@@ -133,8 +162,10 @@ def show(
     """Print every attempt of ``rank``; with ``follow``, keep going until the run ends."""
     tail: Tail | None = None
     current = -1
+    watch = EndWatch(run_dir)
     while True:
-        done = ended(run_dir)  # read before draining: lines written before the end are then printed
+        # Read before draining: lines written before the end are then printed.
+        done = follow and watch.ended()
         for attempt in [a for a in attempts(run_dir, rank) if a > current]:
             if tail is not None:
                 tail.drain(out)  # finish the previous attempt before the next header
@@ -148,6 +179,8 @@ def show(
             time.sleep(grace_s)  # the job logs its last lines just after writing its final state
             if tail is not None:
                 tail.drain(out)
+            if watch.why:
+                print(f"logs: the run ended without recording it; {watch.why}", file=sys.stderr)
             return
         time.sleep(poll_s)
 

@@ -226,6 +226,7 @@ def collect(run_dir: str) -> dict[str, Any]:
     latest = cks[-1] if cks else None
     out = {
         "state": decided.state,
+        "note": decided.note,
         "alive": alive,
         "liveness": note,
         "run_dir": run_dir,
@@ -286,6 +287,8 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"checkpoint   last write FAILED: {s['checkpoint_error']}")
     if s["liveness"]:
         lines.append(f"liveness     {s['liveness']}")
+    if s.get("note"):
+        lines.append(f"note         {s['note']}")
     for d in s["damaged_records"]:
         lines.append(f"warning      {d}: ignored (the run carries on from its checkpoints)")
     if s["mining"]:

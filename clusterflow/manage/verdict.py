@@ -10,6 +10,8 @@ status.json may not. :func:`decide` weighs them, in this order:
 | evidence (first that applies wins)                      | state                     |
 |---------------------------------------------------------|---------------------------|
 | committed: model.pt and the last step's checkpoint      | completed                 |
+| cancelled marker, a live process still trains          | running (note: cancel     |
+| (liveness: alive)                                       | requested)                |
 | cancelled marker, run not completed                     | cancelled                 |
 | no live process; recorded running/pending (or nothing); | failed                    |
 | squeue: RUNNING, COMPLETING, CONFIGURING or gone        |                           |
@@ -74,6 +76,13 @@ class Verdict:
     state: str
     error: str | None
     stalled: dict[str, Any] | None = None  # the stall's facts, when the first cause is one
+    note: str | None = None  # what is under way (a cancel the job has not acted on yet)
+
+
+# A cancelled run whose job still trains: it stops at its next agreement, saves, ends cancelled.
+CANCEL_REQUESTED = (
+    "cancel requested: the job stops at its next step boundary, saves and ends cancelled"
+)
 
 
 def queued_state(e: Evidence) -> str:
@@ -106,17 +115,20 @@ def decide(e: Evidence) -> Verdict:
     gone = needs_liveness(e) and e.alive is False
     if gone:
         state = FAILED
-    if e.cancelled and state != COMPLETED:
+    note = None
+    if e.cancelled and state == RUNNING and needs_liveness(e) and e.alive is True:
+        note = CANCEL_REQUESTED  # never "cancelled" while a live process trains
+    elif e.cancelled and state != COMPLETED:
         state = CANCELLED
     rec = e.first_error
     if rec is not None and rec.get("kind") == "stall" and state in (FAILED, RUNNING):
         facts = {k: rec.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
-        return Verdict(state, first_error.headline(rec), facts)
+        return Verdict(state, first_error.headline(rec), facts, note)
     if state == FAILED:
         error = _with_srun(first_error.worded(e.recorded_error, e.first_error), e.srun_first)
     else:
         error = e.recorded_error
-    return Verdict(state, error or (e.liveness if gone else None))
+    return Verdict(state, error or (e.liveness if gone else None), note=note)
 
 
 def _with_srun(error: str | None, first: tuple[int, str, str] | None) -> str | None:

@@ -233,7 +233,9 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     if alive:
         raise RunDirBusy(
             f"run dir {run_dir!r} is held by {who}: {why}. "
-            "One job per run dir: wait for it to end, cancel it, or choose another run.dir"
+            "One job per run dir: wait for it to end, cancel it (python -m clusterflow.cancel "
+            f"{run_dir}: a Slurm job is scancelled, a local one stops at its next step), or "
+            "choose another run.dir"
         )
     return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
 

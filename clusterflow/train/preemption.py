@@ -1,4 +1,5 @@
-"""Signals become a flag; ranks agree at a step boundary; the trainer saves and stops.
+"""Signals and a user's cancel become a flag; ranks agree at a step boundary; the trainer saves and
+stops.
 
 A handler does no I/O and no collective (either could deadlock inside a signal handler): it
 only records which signal arrived. ``StopAgreement.poll`` agrees on it at each step boundary, with
@@ -8,32 +9,74 @@ them was signalled, and no step waits for the answer.
 SIGUSR2 (cluster.signal_delay_s ahead of the time limit, sent by Slurm through
 ``--signal``) and SIGUSR1 mean "time is up: save and requeue yourself". SIGTERM means
 preemption, ``scontrol requeue`` or ``scancel``: save and exit quickly; Slurm requeues the job
-itself when the job allows it.
+itself when the job allows it. SIGINT (Ctrl-C in the terminal of ``submit --local``) means "stop
+here": save and end ``stopped``, never requeued.
+
+A user's cancel (``RUN_DIR/cancelled.json``, written by ``clusterflow cancel``) reaches a running
+job as one more reason, ``cancelled``: rank 0 looks for the marker at most every
+``AGREE_EVERY_S`` seconds when the loop asks for its flag, and the agreement carries it to every
+rank (a local run cannot be scancelled, so the job must see the marker itself).
 """
 
 from __future__ import annotations
 
 import signal
 import time
-from typing import Any
+from typing import Any, Callable
 
 from clusterflow import dist
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-HANDLED = (signal.SIGTERM, *TIMEOUT_SIGNALS)
+HANDLED = (signal.SIGTERM, signal.SIGINT, *TIMEOUT_SIGNALS)
+# The training loop's interval_s: how much training may pass between two agreements; also how
+# often rank 0 looks for the cancel marker.
+AGREE_EVERY_S = 0.2
+# By strength: the agreed reason is the strongest any rank received. A user's interrupt or cancel
+# beats a requeue; a time-limit signal upgrades a plain SIGTERM.
+REASONS = ("", "preempted", "timeout", "interrupted", "cancelled")
+# What the log says when the loop stops for each reason.
+WHY = {
+    "preempted": "SIGTERM received",
+    "timeout": "time-limit signal received",
+    "interrupted": "interrupted (SIGINT, Ctrl-C)",
+    "cancelled": "cancelled by the user (clusterflow cancel)",
+}
+
+
+def _reason_of(signum: int | None) -> str:
+    if signum is None:
+        return ""
+    if signum == signal.SIGINT:
+        return "interrupted"
+    return "timeout" if signum in TIMEOUT_SIGNALS else "preempted"
 
 
 class Preemption:
-    def __init__(self) -> None:
+    """``cancelled``: rank 0's question "did the user cancel the run?" (the marker), asked at most
+    every ``check_every_s`` seconds; None on the other ranks, which hear it through the
+    agreement."""
+
+    def __init__(
+        self,
+        cancelled: Callable[[], bool] | None = None,
+        check_every_s: float = AGREE_EVERY_S,
+        clock: Any = time.monotonic,
+    ) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
         self._previous: dict[int, Any] = {}
+        self._cancelled, self._check_every_s, self._clock = cancelled, check_every_s, clock
+        self._checked_at: float | None = None
+        self.cancel_seen = False
 
     def install(self) -> "Preemption":
         """Install after submitit's own handlers (submitit only logs SIGTERM, and its SIGUSR2
         handler would requeue without our checkpoint), so ours take precedence."""
         for sig in HANDLED:
             self._previous[sig] = signal.signal(sig, self._handle)
+        # `submit --local` starts the ranks with SIGINT blocked (so that submitit's controller
+        # cannot act on Ctrl-C); from here on it is handled, and one held back arrives now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HANDLED))
         return self
 
     def uninstall(self) -> None:
@@ -42,30 +85,36 @@ class Preemption:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is None or signum in TIMEOUT_SIGNALS:
-            # A time-limit signal upgrades a plain SIGTERM: the job must requeue itself then.
+        # The strongest signal so far wins: a time-limit signal upgrades a plain SIGTERM (the job
+        # must requeue itself then), and Ctrl-C upgrades both (nothing requeues it).
+        if REASONS.index(_reason_of(signum)) > REASONS.index(_reason_of(self.signum)):
             self.signum = signum
         if self.received_at is None:
             self.received_at = time.time()
 
+    def _cancel_requested(self) -> bool:
+        """Whether the user cancelled the run (the marker; looked for at most every
+        check_every_s)."""
+        if self.cancel_seen or self._cancelled is None:
+            return self.cancel_seen
+        now = self._clock()
+        if self._checked_at is None or now - self._checked_at >= self._check_every_s:
+            self._checked_at = now
+            self.cancel_seen = bool(self._cancelled())
+        return self.cancel_seen
+
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return self.signum is not None or self._cancel_requested()
 
     @property
     def is_timeout(self) -> bool:
         return self.signum in TIMEOUT_SIGNALS
 
     def reason(self) -> str:
-        if self.signum is None:
-            return ""
-        return "timeout" if self.is_timeout else "preempted"
-
-
-# The training loop's interval_s: how much training may pass between two agreements.
-AGREE_EVERY_S = 0.2
-# By strength: the agreed reason is the strongest any rank received.
-REASONS = ("", "preempted", "timeout")
+        if self._cancel_requested():
+            return "cancelled"
+        return _reason_of(self.signum)
 
 
 class StopAgreement:
@@ -87,8 +136,8 @@ class StopAgreement:
 
     ``agree`` blocks: it finishes the reduce in flight and reduces the flags as they are now.
     The loop calls it where a blocking read costs nothing (after an epoch's last step, after the
-    end-of-epoch checkpoint, after the mining embed). Every reason is "", "preempted" or
-    "timeout", the strongest any rank received. ``requested`` is this rank's own flag (no
+    end-of-epoch checkpoint, after the mining embed). Every reason is one of ``REASONS``, the
+    strongest any rank received. ``requested`` is this rank's own flag (no
     collective), for work that polls between batches, such as the k-NN search.
 
     One process has nobody to agree with: both answer its own flag at once.

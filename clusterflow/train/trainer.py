@@ -39,7 +39,7 @@ from clusterflow.tasks import Task
 from clusterflow.train import builders
 from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
-from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
+from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
 from clusterflow.train.window import LossWindow
 
 log = logging.getLogger("clusterflow.trainer")
@@ -120,7 +120,8 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:
-        """Train to the end or until a signal. Returns "completed", "preempted" or "timeout"."""
+        """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
+        stop reason ("preempted", "timeout", "interrupted", "cancelled")."""
         resumed = self.checkpointer.restore()
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
@@ -189,8 +190,8 @@ class Trainer:
         reason = reason or self.stop.agree()
         if reason:
             log.warning(
-                "signal received (%s): saving at global step %d and stopping",
-                reason,
+                "%s: saving at global step %d and stopping",
+                WHY.get(reason, reason),
                 self.state.global_step,
             )
             self._save(checkpointer.STOP)
