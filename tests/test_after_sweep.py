@@ -42,6 +42,7 @@ def test_after_a_sweep_dir_waits_for_every_member(tmp_path):
     first = sweep_dir / members[0]
     status = json.load(open(first / "status.json"))
     json.dump(dict(status, state="pending", job_id="4711_0"), open(first / "status.json", "w"))
+    os.remove(first / "model.pt")  # committed final weights would make it completed
     submissions.record_submission(str(first), "4711_0")
     res = run_cli(
         "clusterflow.submit",
