@@ -153,8 +153,22 @@ def test_status_rows_of_a_sweep(conf):
         last_loss=0.25,
         job_id="78",
         mining=[
-            {"epoch": 1, "num_clusters": 3, "nmi": 0.5, "ari": 0.4},
-            {"epoch": 2, "num_clusters": 3, "nmi": 0.9, "ari": 0.8},
+            {
+                "epoch": 1,
+                "num_clusters": 3,
+                "num_singletons": 0,
+                "largest_cluster": 5,
+                "nmi": 0.5,
+                "ari": 0.4,
+            },
+            {
+                "epoch": 2,
+                "num_clusters": 3,
+                "num_singletons": 0,
+                "largest_cluster": 5,
+                "nmi": 0.9,
+                "ari": 0.8,
+            },
         ],
     )
     _member_run(m1, state="failed", epoch=1, global_step=7, job_id="79", error="rank 1: boom")

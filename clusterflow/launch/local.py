@@ -186,6 +186,23 @@ def failed_exit_code(status: dict[str, Any], first: dict[str, Any] | None = None
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
+def _start(cfg: Config, gpus: list[int] | None, folder: str) -> Any:
+    """The local job, submitted to submitit's local executor (its controller starts the ranks)."""
+    ex = submitit.LocalExecutor(folder=folder)
+    if gpus is not None:
+        # CUDA numbers them as NVML (and nvidia-smi) does.
+        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    ex.update_parameters(
+        tasks_per_node=cfg.cluster.tasks_per_node,
+        nodes=1,
+        timeout_min=cfg.cluster.time_min,
+        gpus_per_node=cfg.cluster.gpus_per_node or 0,
+        **({"visible_gpus": gpus} if gpus else {}),
+    )
+    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
+    return ex.submit(jobs.job_for(cfg))
+
+
 def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
     """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process). A
     lease this process took at submission (``lease.hold_for_launch``) is handed to the job, and
@@ -199,26 +216,19 @@ def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
 def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     folder = os.path.abspath(paths.submitit_logs)
-    ex = submitit.LocalExecutor(folder=folder)
-    if gpus is not None:
-        # CUDA numbers them as NVML (and nvidia-smi) does.
-        os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    ex.update_parameters(
-        tasks_per_node=cfg.cluster.tasks_per_node,
-        nodes=1,
-        timeout_min=cfg.cluster.time_min,
-        gpus_per_node=cfg.cluster.gpus_per_node or 0,
-        **({"visible_gpus": gpus} if gpus else {}),
-    )
-    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
-    # SIGINT blocked while the controller starts: it and the ranks inherit the blocked signal (the
-    # ranks unblock it with their stop handler in place); here it is unblocked in the loop below,
-    # so a Ctrl-C meanwhile is held back, not lost.
+    # A Ctrl-C while the job starts is held back, not lost: SIGINT is blocked from before the
+    # job's folder exists until the loop below, so the controller and the ranks inherit it
+    # blocked (the ranks unblock it with their stop handler in place); and since another thread
+    # of this process (the lease's renewal) may still receive it, it is only recorded meanwhile
+    # and raised again inside the loop.
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        job = ex.submit(jobs.job_for(cfg))
+        job = _start(cfg, gpus, folder)
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+        signal.signal(signal.SIGINT, previous)
         raise
     print(
         f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), "
@@ -230,7 +240,11 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     why, results, interrupted = None, None, False
     while True:
         try:
+            signal.signal(signal.SIGINT, previous)
             signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
+            if held:
+                held.clear()
+                signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while starting
             why = _follow(cfg.run.dir, job, watch, tail, interrupted)
             # A job that recorded its failure pickled no result: asking submitit for it waits
             # 15 s for nothing.
