@@ -471,7 +471,13 @@ class MiningConfig:
     max_cluster_size: int = doc(
         0, "Split components larger than this by raising the threshold inside them; 0 disables."
     )
-    timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
+    timeout_s: int = doc(
+        3600,
+        "The longest the k-NN search may take (rank 0's gather, index and search). With the "
+        "watchdog on (dist.stall_s), a search that takes longer ends the job and is named as the "
+        "cause; the other ranks wait for it 2 x dist.stall_s longer, so their timeout never "
+        "comes first.",
+    )
     resume: bool = doc(
         True,
         "Keep each rank's embeddings and the finished k-NN query "
