@@ -44,6 +44,7 @@ def test_stall_limit(overrides, limit):
             ["dist.stall_s=soon"],
             "dist.stall_s = 'soon': must be auto, 0 (off) or a number of seconds",
         ),
+        (["dist.bucket_cap_mb=0"], "dist.bucket_cap_mb = 0: must be between 1 and 1048576 (1 TB)"),
         (
             ["dist.heartbeat_s=-1"],
             "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds",

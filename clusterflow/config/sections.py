@@ -302,6 +302,12 @@ class DistConfig:
                 f"({self.timeout_s} s), or the process-group timeout fires first and "
                 "blames a waiting peer; raise dist.timeout_s or lower dist.stall_s",
             )
+        _check(
+            1 <= self.bucket_cap_mb <= 1 << 20,
+            "dist.bucket_cap_mb",
+            self.bucket_cap_mb,
+            "must be between 1 and 1048576 (1 TB)",
+        )
 
     @property
     def stall_limit_s(self) -> float | None:
@@ -310,12 +316,6 @@ class DistConfig:
             return None
         return (
             float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
-        )
-        _check(
-            1 <= self.bucket_cap_mb <= 1 << 20,
-            "dist.bucket_cap_mb",
-            self.bucket_cap_mb,
-            "must be between 1 and 1048576 (1 TB)",
         )
 
 
