@@ -72,6 +72,34 @@ class HangInSave(Slow):
         durable.write_file = write
 
 
+class HangInShardedSave(Slow):
+    """train.parallel=fsdp: rank 1 writes its shards of step ``hang_at_step`` into the staging
+    folder, then hangs until killed (rank 0 waits for it before committing). Once per run dir."""
+
+    def __init__(self, seed=0, hang_at_step=8, **params):
+        super().__init__(seed, **params)
+        from clusterflow.checkpoint import sharded
+
+        marker = f"{os.sep}.tmp-step-{int(hang_at_step)}-"
+        plain_write = sharded.ShardedState.write
+
+        def write(state, folder, fsync):
+            listed = plain_write(state, folder, fsync)
+            done = os.path.join(os.path.dirname(os.path.dirname(folder)), "hang-in-save.done")
+            if marker in folder and tdist.get_rank() == 1 and not os.path.exists(done):
+                open(done, "w").close()
+                time.sleep(3600)
+            return listed
+
+        sharded.ShardedState.write = write
+
+
+class NoShard(PseudoIDTask):
+    """A task whose model cannot be sharded."""
+
+    shard_units = None
+
+
 class Signals(PseudoIDTask):
     """Sends itself signals at chosen loss calls of chosen attempts, like a scheduler would.
 

@@ -39,6 +39,8 @@ from clusterflow import dist, rundir
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import capture_rng
+from clusterflow.checkpoint.sharded import FORMAT as SHARDED
+from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.errors import RunFailed
@@ -77,6 +79,14 @@ class Checkpointer:
         c = cfg.checkpoint
         self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
+        # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
+        self.sharded: ShardedState | None = None
+        if cfg.train.parallel == "fsdp":
+            optimizers = {
+                n: o for n, o in self.states.items() if isinstance(o, torch.optim.Optimizer)
+            }
+            self.sharded = ShardedState(model, optimizers)
+            self.states = {n: o for n, o in self.states.items() if n not in optimizers}
         self.every_steps, self.steps_per_epoch, self.attempt = (
             c.every_steps,
             steps_per_epoch,
@@ -88,7 +98,7 @@ class Checkpointer:
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
-        if c.async_ and dist.rank() == 0:
+        if c.async_ and dist.rank() == 0 and self.sharded is None:
             optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
             self.staging = Staging(model, optimizers)
         self._last_write_s: float | None = None
@@ -117,7 +127,9 @@ class Checkpointer:
                 self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None
             )
             new_round = self._new_round()
-            if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
+            if self.sharded is not None:
+                self._write_sharded(rngs, failed)
+            elif self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
                 if dist.rank() == 0:
                     self._start_write(rngs)
             else:
@@ -140,6 +152,72 @@ class Checkpointer:
         )
         if failed:
             self._write_now(dist.gather_object(capture_rng()), failed)
+
+    def _write_sharded(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+        """Collective: every rank writes its shards into rank 0's staging folder and hashes them;
+        rank 0 adds ``train_state.pt`` and commits the folder once every rank has succeeded. A
+        kill at any point leaves a staging folder that is never read (no manifest, or one that
+        the next restore verifies before publishing it). A failure fails the job on every rank."""
+        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        folder, error = None, None
+        if dist.rank() == 0:
+            try:
+                folder = self.store.begin(step, meta)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                error = self._failure(step, exc)
+        folder, error = dist.broadcast_object((folder, error))
+        if folder is not None:
+            t0 = time.perf_counter()
+            listed, mine = {}, None
+            try:
+                listed = self.sharded.write(folder, self.store.fsync)
+            except Exception as exc:  # noqa: BLE001 - gathered: rank 0 names it
+                mine = self._failure(step, exc)
+            parts = dist.gather_object((listed, mine, dist.rank()))
+            if dist.rank() == 0:
+                error = self._commit_sharded(step, folder, parts, rngs, meta, retry_of)
+                self._last_write_s = time.perf_counter() - t0
+            error = dist.broadcast_object(error)
+        if error:
+            if dist.rank() == 0:
+                log.error("%s; the committed steps are untouched; the job stops", error)
+                rundir.write_status(self.paths, checkpoint_error=error)
+            raise CheckpointWriteError(error)
+
+    def _commit_sharded(
+        self,
+        step: int,
+        folder: str,
+        parts: list[Any],
+        rngs: list[Any] | None,
+        meta: dict[str, Any],
+        retry_of: str | None,
+    ) -> str | None:
+        """Rank 0: commit the staged folder when every rank wrote its files. Returns the error."""
+        failed = [(rank, why) for _, why, rank in parts if why]
+        if failed:
+            self.store.abandon(folder)
+            rank, why = failed[0]
+            return f"{why} (rank {rank})"
+        listed: dict[str, Any] = {}
+        for files, _, _ in parts:
+            listed.update(files)
+        t0 = time.perf_counter()
+        try:
+            path = self.store.commit(folder, step, self._files(rngs), listed, meta)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it
+            return self._failure(step, exc)
+        if retry_of:
+            rundir.write_status(self.paths, checkpoint_error=None)
+        log.info(
+            "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
+            step,
+            path,
+            len(listed) + 1,
+            len(parts),
+            time.perf_counter() - t0,
+        )
+        return None
 
     def _wait_for_write(self, expected: bool = False) -> str | None:
         """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a
@@ -227,6 +305,8 @@ class Checkpointer:
     def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
         train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
+        if self.sharded is not None:
+            return {"train_state.pt": train_state}
         return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
 
     def _meta(self) -> dict[str, Any]:
@@ -270,7 +350,9 @@ class Checkpointer:
     def restore(self) -> bool:
         """Collective, at the start of every attempt (``restore.Restorer``). Returns True when
         resumed."""
-        resumed = Restorer(self.cfg, self.model, self.states, self.progress, self.store).restore()
+        resumed = Restorer(
+            self.cfg, self.model, self.states, self.progress, self.store, self.sharded
+        ).restore()
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
 

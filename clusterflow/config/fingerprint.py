@@ -120,6 +120,10 @@ KEYS: dict[str, tuple[str, str]] = {
         "the precision of every matmul on Ampere+ GPUs, chosen for the experiment",
     ),
     "train.grad_clip": (RESULT, "optimisation"),
+    "train.parallel": (
+        RESULT,
+        "how gradients are reduced and the checkpoint format (sharded or one file)",
+    ),
     "train.log_every_steps": (
         RESOURCE,
         "logging reduces metrics only; it touches no weight and no random stream",

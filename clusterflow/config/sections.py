@@ -354,6 +354,14 @@ class TrainConfig:
     max_consecutive_skips: int = doc(
         10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
     )
+    parallel: str = doc(
+        "ddp",
+        "ddp: every rank holds the whole model, rank 0 writes checkpoints. fsdp: parameters, "
+        "gradients and optimizer state are sharded over every rank (FSDP2 fully_shard; the "
+        "task's shard_units hook says which submodules), every rank writes its shards of each "
+        "checkpoint (torch.distributed.checkpoint) and a run may resume on another world size "
+        "(docs/sharded.md).",
+    )
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
@@ -379,6 +387,14 @@ class TrainConfig:
             "must be >= 0",
         )
         _choice("train.on_nonfinite", self.on_nonfinite, ("fail", "skip_step"))
+        _choice("train.parallel", self.parallel, ("ddp", "fsdp"))
+        _check(
+            not (self.parallel == "fsdp" and self.amp == "fp16"),
+            "train.amp",
+            self.amp,
+            "fp16 loss scaling is not supported with train.parallel=fsdp; "
+            "use train.amp=bf16 (FSDP's bf16 parameters with fp32 gradient reduction)",
+        )
         _check(
             self.max_consecutive_skips >= 0,
             "train.max_consecutive_skips",

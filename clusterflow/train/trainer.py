@@ -1,4 +1,5 @@
-"""The DDP training loop: what runs on every rank between rendezvous and exit.
+"""The training loop (DDP or sharded: ``parallel.py``): what runs on every rank between
+rendezvous and exit.
 
 A fresh start and a resume go through the same code: the checkpointer restores the newest
 committed checkpoint, if any, and the loop continues from its (epoch, step within epoch). State
@@ -15,14 +16,12 @@ The loop asks each component whether it is due (``checkpointer.save(event)``, ``
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow import dist, rundir
 from clusterflow.checkpoint import checkpointer
@@ -36,7 +35,7 @@ from clusterflow.observe import phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
-from clusterflow.train import builders
+from clusterflow.train import builders, parallel
 from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
@@ -62,6 +61,7 @@ class Trainer:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
+        self.sharded = parallel.is_sharded(self.module)
         # Distinct per-rank streams from here on.
         seed_everything(rank_seed(cfg.run.seed, self.rank))
         t = cfg.train
@@ -252,12 +252,7 @@ class Trainer:
             # Picked on the device by the batch's index: no copy, nothing read back.
             labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
-        ctx = (
-            self.model.no_sync()
-            if (not sync and isinstance(self.model, DDP))
-            else contextlib.nullcontext()
-        )
-        with ctx:
+        with parallel.gradient_sync(self.model, sync):
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
@@ -283,8 +278,11 @@ class Trainer:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
         s = self.state
+        params = self.module.parameters()
         if self.guard.policy != "skip_step" or self.guard.step_ok(
-            self.module.parameters(), self.scaler, s.global_step + 1
+            parallel.local_grads(params) if self.sharded else params,
+            self.scaler,
+            s.global_step + 1,
         ):
             self.scaler.step(self.opt)
             self.scaler.update()
@@ -303,10 +301,11 @@ class Trainer:
         self.guard.check(self.state.global_step, self._state_tensors() if state else ())
 
     def _state_tensors(self) -> Iterator[Any]:
-        yield from self.module.parameters()
-        yield from self.module.buffers()
+        """This rank's part of every weight and optimizer tensor (its shards under fsdp)."""
+        yield from parallel.local(self.module.parameters())
+        yield from parallel.local(self.module.buffers())
         for per_param in self.opt.state.values():
-            yield from per_param.values()
+            yield from parallel.local(per_param.values())
 
     def _log_due(self) -> bool:
         s = self.state
@@ -324,7 +323,8 @@ class Trainer:
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
         if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
-            result = self.miner.run(self.task, self.module, finished)
+            with parallel.gathered(self.module):
+                result = self.miner.run(self.task, self.module, finished)
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round
                 # continues on restart.
@@ -435,7 +435,7 @@ class Trainer:
         if ds is None:
             return
 
-        with self.phases.enter(phases.EVAL):
+        with self.phases.enter(phases.EVAL), parallel.gathered(self.module):
             metrics = evaluate(
                 self.task,
                 self.module,
@@ -458,8 +458,12 @@ class Trainer:
     def _finish(self) -> None:
         self._status(state="running")
         self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
+        # Under fsdp: the whole model, gathered (collective), so model.pt loads into the plain one.
+        weights = parallel.full_state_dict(self.module) if self.sharded else None
         if self.rank == 0:
-            durable.write_atomic(self.paths.model, self.module.state_dict())
+            durable.write_atomic(
+                self.paths.model, weights if self.sharded else self.module.state_dict()
+            )
         dist.barrier()
 
     def _status(self, fsync: bool = True, **fields: Any) -> None:

@@ -1,0 +1,181 @@
+"""train.parallel=fsdp on real gloo ranks: training through submit --local and `run` under a
+torchrun-style launch, sharded checkpoints written by every rank, kills and stops resumed to
+weights bitwise equal to an uninterrupted run, and config errors caught at submit."""
+
+import glob
+import hashlib
+import json
+import os
+import re
+import time
+
+import launch
+import pytest
+import torch
+from conftest import REPO
+
+FSDP = ["train.parallel=fsdp"]
+
+
+def weights(run_dir):
+    return torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def rank0_log(run_dir):
+    return "".join(
+        open(p).read()
+        for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.attempt*.log")))
+    )
+
+
+def digests(folder):
+    return {
+        p: hashlib.sha256(open(p, "rb").read()).hexdigest()
+        for p in sorted(glob.glob(os.path.join(folder, "step-*", "*")))
+    }
+
+
+def wait_for(what, predicate, timeout=240):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted fsdp run of tiny.yaml on 2 ranks (`run` under a torchrun-style launch)."""
+    d = str(tmp_path_factory.mktemp("ref") / "run")
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
+    return d
+
+
+@pytest.fixture
+def tasks_path(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
+
+
+def test_submit_local_trains_sharded_and_model_pt_is_the_plain_models_state(
+    reference, tmp_path, cli
+):
+    d = str(tmp_path / "run")
+    out = cli("clusterflow.submit", "configs/tiny.yaml", "--local", f"run.dir={d}", *FSDP)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert same_weights(weights(d), weights(reference))  # submit --local and torchrun agree
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+
+    plain = PseudoIDTask(
+        seed=1, identities=24, samples_per_identity=8, input_dim=32, hidden=64, embed_dim=16
+    ).build_model()
+    plain.load_state_dict(weights(d))  # strict: every name, every shape, plain tensors
+    assert all(type(v) is torch.Tensor for v in weights(d).values())
+    step = os.path.join(d, "checkpoints", "step-18")
+    manifest = json.load(open(os.path.join(step, "manifest.json")))
+    assert manifest["format"] == "dcp" and manifest["world_size"] == 2
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"] + [
+        "train_state.pt"
+    ]
+    for name, info in manifest["files"].items():
+        assert os.path.getsize(os.path.join(step, name)) == info["size"]
+
+
+def test_sigterm_mid_epoch_resumes_bitwise(reference, tmp_path, tasks_path):
+    """Both ranks are told to stop at step 7 (the first of epoch 2): they agree on a step of epoch
+    2 (agreements run every 0.2 s), every rank writes its shards of it and the job ends; the next
+    attempt loads them and ends bitwise equal."""
+    d = str(tmp_path / "run")
+    over = [
+        f"run.dir={d}",
+        *FSDP,
+        "task.target=testtasks:Signals",
+        f"task.params.run_dir={d}",
+        "task.params.signals=0:7:TERM",
+    ]
+    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    stop = int(re.search(r"saving at global step (\d+) and stopping", rank0_log(d)).group(1))
+    assert 7 <= stop <= 12
+    assert not os.path.exists(os.path.join(d, "model.pt"))
+    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    assert re.search(
+        rf"resumed from \S+/step-{stop}: epoch 1, step {stop - 6} of the epoch", rank0_log(d)
+    )
+    assert same_weights(weights(d), weights(reference))
+
+
+def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
+    reference, tmp_path, tasks_path
+):
+    """Rank 1 has written its shards of step 8 and hangs before rank 0 commits; every process is
+    SIGKILLed. The committed steps are untouched, the next attempt removes the staging folder,
+    resumes from step 6 and ends bitwise equal to the uninterrupted run."""
+    d = str(tmp_path / "run")
+    ckpts = os.path.join(d, "checkpoints")
+    over = [
+        f"run.dir={d}",
+        *FSDP,
+        "task.target=testtasks:HangInShardedSave",
+        "task.params.step_sleep=0.05",
+        "task.params.hang_at_step=8",
+    ]
+    procs = launch.start(2, "configs/tiny.yaml", over, d)
+    try:
+        wait_for("rank 1 hanging in the write", lambda: os.path.exists(f"{d}/hang-in-save.done"))
+        wait_for(
+            "both ranks' shards of step 8",
+            lambda: len(glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "__*_0.distcp"))) == 2,
+        )
+        committed = digests(ckpts)
+        assert sorted({os.path.basename(os.path.dirname(p)) for p in committed}) == [
+            "step-4",
+            "step-6",
+        ]
+    finally:
+        launch.kill(procs)
+        launch.wait(procs)
+    assert digests(ckpts) == committed  # the kill touched no committed step
+    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    logs = rank0_log(d)
+    assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-8-" in logs
+    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)
+    assert same_weights(weights(d), weights(reference))
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (
+            ["task.target=testtasks:NoShard"],
+            "train.parallel=fsdp: task 'testtasks:NoShard' cannot be sharded",
+        ),
+        (["train.amp=fp16"], "train.amp = 'fp16': fp16 loss scaling is not supported"),
+        (["checkpoint.dir=memory://ck"], "checkpoint.dir = 'memory://ck': train.parallel=fsdp"),
+    ],
+)
+def test_submit_refuses_what_fsdp_cannot_run(cli, tmp_path, overrides, says):
+    d = str(tmp_path / "run")
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    out = cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        "--local",
+        f"run.dir={d}",
+        *FSDP,
+        *overrides,
+        env=env,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+    assert not os.path.exists(d)  # nothing written
+
+
+def test_submit_refuses_an_unknown_parallel_mode(cli, tmp_path):
+    out = cli("clusterflow.submit", "configs/tiny.yaml", "--local", "train.parallel=zero3")
+    assert out.returncode == 2
+    assert "train.parallel = 'zero3': must be one of ddp, fsdp" in out.stderr, out.stderr
