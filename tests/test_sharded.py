@@ -179,3 +179,76 @@ def test_submit_refuses_an_unknown_parallel_mode(cli, tmp_path):
     out = cli("clusterflow.submit", "configs/tiny.yaml", "--local", "train.parallel=zero3")
     assert out.returncode == 2
     assert "train.parallel = 'zero3': must be one of ddp, fsdp" in out.stderr, out.stderr
+
+
+def _flip(path):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+
+
+def _truncate(path):
+    os.truncate(path, os.path.getsize(path) - 7)
+
+
+def _lie_about_size(path):
+    folder, name = os.path.split(path)
+    mpath = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["files"][name]["size"] += 1
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
+def _forge(path):
+    """Garbage in a shard, and a manifest that agrees with it (size and digest)."""
+    import blake3
+
+    with open(path, "wb") as f:
+        f.write(b"not a shard" * 1000)
+    folder, name = os.path.split(path)
+    mpath = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(mpath))
+    data = open(path, "rb").read()
+    manifest["files"][name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__1_0.distcp", _flip, "__1_0.distcp does not match its blake3 digest"),
+        ("__0_0.distcp", _truncate, "__0_0.distcp has "),
+        ("__1_0.distcp", os.remove, "__1_0.distcp is missing"),
+        (".metadata", os.remove, ".metadata is missing"),
+        ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
+        ("__1_0.distcp", _forge, "its shards do not load on rank "),
+    ],
+    ids=[
+        "flipped-byte",
+        "truncated",
+        "missing-shard",
+        "missing-metadata",
+        "lying-manifest",
+        "forged-shard",
+    ],
+)
+def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
+    reference, tmp_path, name, damage, says
+):
+    """The finished reference run, copied; one file of its newest checkpoint (step 18) damaged
+    and model.pt removed: the run is resumed from step 16 with a warning naming the file, and
+    ends with the same weights."""
+    import shutil
+
+    d = str(tmp_path / "run")
+    shutil.copytree(reference, d, ignore=shutil.ignore_patterns("model.pt"))
+    damage(os.path.join(d, "checkpoints", "step-18", name))
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
+    logs = rank0_log(d)
+    assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
+    assert re.search(r"resumed from \S+/step-16: epoch 2, step 4 of the epoch", logs), logs
+    assert same_weights(weights(d), weights(reference))

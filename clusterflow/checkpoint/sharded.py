@@ -16,11 +16,13 @@ loaded them, so a checkpoint that fails to load on any rank leaves every rank's 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -66,7 +68,8 @@ class ShardedState:
         writer = dcp.FileSystemWriter(
             folder, single_file_per_rank=True, sync_files=fsync, thread_count=1
         )
-        dcp.save(self.state_dict(), storage_writer=writer)
+        with _plain_errors():
+            dcp.save(self.state_dict(), storage_writer=writer)
         mine = sorted(f for f in os.listdir(folder) if f.startswith(f"__{dist.rank()}_"))
         if dist.rank() == 0:
             mine.append(METADATA)
@@ -76,7 +79,8 @@ class ShardedState:
         """Collective: load the shards this rank needs from ``folder`` into copies. Returns what
         puts them into the model and optimizers; raises when they do not load."""
         target = _clone(self.state_dict())
-        dcp.load(target, storage_reader=dcp.FileSystemReader(folder))
+        with _plain_errors():
+            dcp.load(target, storage_reader=dcp.FileSystemReader(folder))
 
         def apply() -> None:
             set_model_state_dict(self.model, target["model"])
@@ -84,6 +88,19 @@ class ShardedState:
                 set_optimizer_state_dict(self.model, opt, target[name])
 
         return apply
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException holding
+    every failed rank's traceback) on every rank; raise the failure itself instead (this rank's,
+    else the lowest failed rank's), so a full disk or a damaged file reads as what it is."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = exc.failures
+        mine = failures.get(dist.rank()) or failures[min(failures)]
+        raise mine[0] from None
 
 
 def _entry(path: str) -> dict[str, Any]:
