@@ -12,7 +12,7 @@ import time
 import launch
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, run_cli
 
 FSDP = ["train.parallel=fsdp"]
 
@@ -252,3 +252,71 @@ def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
     assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
     assert re.search(r"resumed from \S+/step-16: epoch 2, step 4 of the epoch", logs), logs
     assert same_weights(weights(d), weights(reference))
+
+
+def saved_model(step_dir, tmp_path):
+    """The whole model of a sharded checkpoint, read in this process (DCP's own converter)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = str(tmp_path / "saved.pt")
+    dcp_to_torch_save(step_dir, out)
+    return torch.load(out, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def saved_on_4(tmp_path_factory):
+    """A fsdp run on 4 ranks stopped (SIGTERM) in epoch 2: (its run dir, a copy of it as the stop
+    left it, the stop step). Each test resumes a fresh copy at the same path (the run dir is a
+    task parameter)."""
+    import shutil
+
+    d = str(tmp_path_factory.mktemp("four") / "run")
+    over = [
+        f"run.dir={d}",
+        *FSDP,
+        *RESHARD,
+        "cluster.tasks_per_node=4",
+        f"task.params.run_dir={d}",
+        "task.params.signals=0:9:TERM",
+    ]
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", "--local", *over, env=env)
+    stop = re.search(r"saving at global step (\d+) and stopping", rank0_log(d))
+    assert stop, out.stdout + out.stderr
+    shutil.copytree(d, d + ".saved")
+    return d, d + ".saved", int(stop.group(1))
+
+
+# 24 samples per step: divisible by 4, 3 and 2 ranks (8 steps per epoch).
+RESHARD = ["task.target=testtasks:DumpRestored", "train.batch_size=24"]
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_run_saved_on_4_ranks_resumes_on_fewer_with_the_saved_values(saved_on_4, tmp_path, world):
+    """The stop checkpoint of 4 ranks, resumed through submit --local with 3 or 2 ranks: DCP
+    reshards it, the parameters the resumed ranks hold before their first step equal the saved
+    ones exactly, and the run completes."""
+    import shutil
+
+    d, saved_copy, stop = saved_on_4
+    shutil.rmtree(d)
+    shutil.copytree(saved_copy, d)
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    over = [
+        f"run.dir={d}",
+        *FSDP,
+        *RESHARD,
+        f"cluster.tasks_per_node={world}",
+        f"task.params.run_dir={d}",
+        "task.params.signals=0:9:TERM",
+    ]
+    out = run_cli("clusterflow.submit", "configs/tiny.yaml", "--local", *over, env=env)
+    assert out.returncode == 0, out.stdout + out.stderr
+    logs = rank0_log(d)
+    assert f"resuming with {world} ranks from a checkpoint of 4" in logs, logs
+    assert re.search(rf"resumed from \S+/step-{stop}: ", logs), logs
+    saved = saved_model(os.path.join(saved_copy, "checkpoints", f"step-{stop}"), tmp_path)
+    restored = torch.load(os.path.join(d, "restored-attempt1.pt"), weights_only=True)
+    assert restored.keys() == saved.keys()
+    assert all(torch.equal(restored[k], saved[k]) for k in saved)
+    assert os.path.exists(os.path.join(d, "model.pt"))

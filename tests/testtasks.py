@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as tdist
 
 from clusterflow.storage import durable
@@ -332,3 +333,22 @@ class TermDuringScan(ImageFolderTask):
 
         images._images_under = signalled
         super().__init__(seed, **params)
+
+
+class DumpRestored(Signals):
+    """Signals, and at the first loss call of every attempt after the first, before any step:
+    the whole model's parameters, gathered by every rank (``full_tensor`` of each shard), saved
+    by rank 0 as ``RUN_DIR/restored-attempt<N>.pt``: what the resume restored."""
+
+    def loss(self, model, batch, labels):
+        if self.calls == 0:
+            with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+                attempt = len(f.readlines()) - 1
+            if attempt > 0:
+                full = {
+                    n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for n, p in model.named_parameters()
+                }
+                if tdist.get_rank() == 0:
+                    torch.save(full, os.path.join(self.run_dir, f"restored-attempt{attempt}.pt"))
+        return super().loss(model, batch, labels)
