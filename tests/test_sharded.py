@@ -320,3 +320,53 @@ def test_a_run_saved_on_4_ranks_resumes_on_fewer_with_the_saved_values(saved_on_
     assert restored.keys() == saved.keys()
     assert all(torch.equal(restored[k], saved[k]) for k in saved)
     assert os.path.exists(os.path.join(d, "model.pt"))
+
+
+def test_export_writes_one_file_equal_to_the_gathered_weights(
+    reference, tiny_one_process_model, tmp_path, cli
+):
+    """A sharded checkpoint (the newest, and --step 16) and a one-file one, as .pt and as
+    safetensors, in fp32 and bf16: each loads into the plain model and equals the weights."""
+    from safetensors.torch import load_file
+
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+
+    def export(run_dir, *args):
+        out = cli("clusterflow.export", run_dir, *args)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return out.stdout
+
+    final = weights(reference)
+    pt, st, bf = (str(tmp_path / n) for n in ("m.pt", "m.safetensors", "bf16.pt"))
+    assert "checkpoint step 18" in export(reference, pt)
+    assert same_weights(torch.load(pt, weights_only=True), final)
+    export(reference, st, "--format", "safetensors")
+    assert same_weights(load_file(st), final)
+    export(reference, bf, "--dtype", "bf16")
+    assert same_weights(
+        torch.load(bf, weights_only=True), {k: v.to(torch.bfloat16) for k, v in final.items()}
+    )
+    plain = PseudoIDTask(
+        seed=1, identities=24, samples_per_identity=8, input_dim=32, hidden=64, embed_dim=16
+    ).build_model()
+    plain.load_state_dict(load_file(st))
+    old = str(tmp_path / "16.pt")
+    export(reference, old, "--step", "16")
+    step16 = saved_model(os.path.join(reference, "checkpoints", "step-16"), tmp_path)
+    assert same_weights(torch.load(old, weights_only=True), step16)
+    assert not same_weights(step16, final)
+    one_file_run = os.path.dirname(tiny_one_process_model)
+    export(one_file_run, pt, "--format", "pt")
+    assert same_weights(torch.load(pt, weights_only=True), weights(one_file_run))
+
+
+def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
+    for args, says in [
+        ((reference, str(tmp_path / "x.pt"), "--step", "7"), "no committed step 7; committed: "),
+        ((str(tmp_path), str(tmp_path / "x.pt")), "is not a run dir"),
+    ]:
+        out = cli("clusterflow.export", *args)
+        assert out.returncode == 2, out.stdout + out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], out.stderr
+        assert not os.path.exists(tmp_path / "x.pt")
