@@ -82,11 +82,14 @@ class Checkpointer:
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
         if cfg.train.parallel == "fsdp":
-            optimizers = {
-                n: o for n, o in self.states.items() if isinstance(o, torch.optim.Optimizer)
+            # Optimizers, and states that say they are sharded like the model (the EMA).
+            shards = {
+                n: o
+                for n, o in self.states.items()
+                if isinstance(o, torch.optim.Optimizer) or getattr(o, "sharded", False)
             }
-            self.sharded = ShardedState(model, optimizers)
-            self.states = {n: o for n, o in self.states.items() if n not in optimizers}
+            self.sharded = ShardedState(model, shards)
+            self.states = {n: o for n, o in self.states.items() if n not in shards}
         self.every_steps, self.steps_per_epoch, self.attempt = (
             c.every_steps,
             steps_per_epoch,

@@ -27,9 +27,12 @@ from clusterflow.storage.store import CheckpointStore
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def model_state(run_dir: str, step: int | None = None) -> tuple[dict[str, Any], int]:
+def model_state(
+    run_dir: str, step: int | None = None, weights: str = "model"
+) -> tuple[dict[str, Any], int]:
     """(the whole model's state_dict, its step) from the newest committed checkpoint of
-    ``run_dir`` that verifies, or from step ``step``. UserError when there is none."""
+    ``run_dir`` that verifies, or from step ``step``; ``weights="ema"``: with the EMA weights in
+    place of the parameters (``train.ema_decay``). UserError when there is none."""
     cfg = saved_config.read(run_dir, set_aside=False)
     if cfg is None:
         raise UserError(
@@ -60,22 +63,36 @@ def model_state(run_dir: str, step: int | None = None) -> tuple[dict[str, Any], 
                 f"pick another of {', '.join(map(str, steps))}"
             ) from None
     if ckpt.manifest.get("format") == SHARDED:
-        return _gather_shards(store.step_path(ckpt.step)), ckpt.step
-    return dict(ckpt.load("model.pt")), ckpt.step
+        folder = store.step_path(ckpt.step)
+        state, ema = _gather_shards(folder, "model"), _gather_shards(folder, "ema")
+    else:
+        state = dict(ckpt.load("model.pt"))
+        ema = dict((ckpt.load("train_state.pt") or {}).get("ema") or {})
+    if weights == "ema":
+        if not ema:
+            raise UserError(
+                f"--weights ema: checkpoint step {ckpt.step} of {run_dir} holds no EMA weights "
+                "(the run has train.ema_decay=0); export its weights without --weights ema"
+            )
+        state.update(ema)  # the model's buffers, the averaged parameters
+    return state, ckpt.step
 
 
-def _gather_shards(folder: str) -> dict[str, Any]:
-    """The ``model`` entries of a DCP checkpoint as whole tensors, read in one process."""
+def _gather_shards(folder: str, name: str) -> dict[str, Any]:
+    """The ``name`` entries (``model``, ``ema``) of a DCP checkpoint as whole tensors, read in
+    one process (empty when it has none)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(folder)
-    prefix = "model."
+    prefix = f"{name}."
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in reader.read_metadata().state_dict_metadata.items()
         if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
     }
+    if not state:
+        return {}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
@@ -83,11 +100,17 @@ def _gather_shards(folder: str) -> dict[str, Any]:
 
 
 def export(
-    run_dir: str, out: str, step: int | None = None, fmt: str = "pt", dtype: str | None = None
+    run_dir: str,
+    out: str,
+    step: int | None = None,
+    fmt: str = "pt",
+    dtype: str | None = None,
+    weights: str = "model",
 ) -> int:
     """Write the model of ``run_dir``'s checkpoint (newest, or ``step``) to ``out``; floating
-    tensors cast to ``dtype`` ("bf16" or "fp32") when given. Returns the step."""
-    state, at = model_state(run_dir, step)
+    tensors cast to ``dtype`` ("bf16" or "fp32") when given; ``weights="ema"``: the EMA
+    weights. Returns the step."""
+    state, at = model_state(run_dir, step, weights)
     if dtype is not None:
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     if fmt == "safetensors":
@@ -112,6 +135,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--step", type=int, help="this committed step (default: the newest)")
     p.add_argument("--format", choices=("pt", "safetensors"), default="pt", dest="fmt")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="cast floating tensors (default: keep)")
+    p.add_argument(
+        "--weights",
+        choices=("model", "ema"),
+        default="model",
+        help="the trained weights or their moving average (train.ema_decay > 0)",
+    )
     return p.parse_args(argv)
 
 
@@ -120,6 +149,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not os.path.isdir(args.run_dir):
         raise UserError(f"RUN_DIR {args.run_dir!r} is not a directory; give a run's run.dir")
-    step = export(args.run_dir, args.out, args.step, args.fmt, args.dtype)
+    step = export(args.run_dir, args.out, args.step, args.fmt, args.dtype, args.weights)
     print(f"wrote the model of checkpoint step {step} of {args.run_dir} to {args.out}")
     return 0

@@ -49,17 +49,22 @@ def _clone(obj: Any) -> Any:
 
 
 class ShardedState:
-    """The sharded part of a checkpoint: ``model`` (an FSDP2 module) and ``optimizers`` over its
-    parameters, by the names they are registered under."""
+    """The sharded part of a checkpoint: ``model`` (an FSDP2 module) and ``states`` by the names
+    they are registered under: optimizers over its parameters, and states whose ``state_dict``
+    holds DTensors sharded like them (the EMA weights)."""
 
-    def __init__(self, model: Any, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
-        self.model, self.optimizers = model, dict(optimizers)
+    def __init__(self, model: Any, states: Mapping[str, Any]) -> None:
+        self.model, self.states = model, dict(states)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: each rank's shards, keyed by parameter name (what DCP reshards by)."""
         out = {"model": get_model_state_dict(self.model)}
-        for name, opt in self.optimizers.items():
-            out[name] = get_optimizer_state_dict(self.model, opt)
+        for name, obj in self.states.items():
+            out[name] = (
+                get_optimizer_state_dict(self.model, obj)
+                if isinstance(obj, torch.optim.Optimizer)
+                else obj.state_dict()
+            )
         return out
 
     def write(self, folder: str, fsync: bool) -> dict[str, dict[str, Any]]:
@@ -84,8 +89,11 @@ class ShardedState:
 
         def apply() -> None:
             set_model_state_dict(self.model, target["model"])
-            for name, opt in self.optimizers.items():
-                set_optimizer_state_dict(self.model, opt, target[name])
+            for name, obj in self.states.items():
+                if isinstance(obj, torch.optim.Optimizer):
+                    set_optimizer_state_dict(self.model, obj, target[name])
+                else:
+                    obj.load_state_dict(target[name])
 
         return apply
 

@@ -58,6 +58,12 @@ class Config:
             f"= {per_step} so every rank gets the same micro-batch; try "
             f"train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
         )
+        _check(
+            self.mining.embed_with != "ema" or self.train.ema_decay > 0,
+            "mining.embed_with",
+            self.mining.embed_with,
+            "embedding with the EMA weights needs train.ema_decay > 0 (e.g. 0.999)",
+        )
         ckpt = self.checkpoint.dir
         _check(
             self.train.parallel != "fsdp" or not is_url(ckpt) or ckpt.startswith("file://"),

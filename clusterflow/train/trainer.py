@@ -16,6 +16,7 @@ The loop asks each component whether it is due (``checkpointer.save(event)``, ``
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 from typing import Any, Iterator
@@ -36,6 +37,7 @@ from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
+from clusterflow.train.ema import EMA
 from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
@@ -66,6 +68,7 @@ class Trainer:
         seed_everything(rank_seed(cfg.run.seed, self.rank))
         t = cfg.train
         self.opt = builders.build_optimizer(t, self.module, self.world)
+        self.ema = EMA(self.module, t.ema_decay) if t.ema_decay else None
         self._build_data()
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs)
@@ -88,6 +91,7 @@ class Trainer:
                 "scheduler": self.sched,
                 "scaler": self.scaler,
                 "train": self.state,
+                **({"ema": self.ema} if self.ema is not None else {}),
             },
             self.state,
             self.steps_per_epoch,
@@ -286,6 +290,8 @@ class Trainer:
         ):
             self.scaler.step(self.opt)
             self.scaler.update()
+            if self.ema is not None:
+                self.ema.update()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.state.step_done()
@@ -323,7 +329,8 @@ class Trainer:
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
         if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
-            with parallel.gathered(self.module):
+            teacher = self.ema.swapped() if self.cfg.mining.embed_with == "ema" else None
+            with teacher or contextlib.nullcontext(), parallel.gathered(self.module):
                 result = self.miner.run(self.task, self.module, finished)
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round
@@ -434,7 +441,22 @@ class Trainer:
         ds = self.task.eval_dataset()
         if ds is None:
             return
+        metrics = self._eval_pass(ds)
+        if self.ema is not None:
+            # The same metrics of the EMA weights: eval/x -> eval_ema/x.
+            with self.ema.swapped():
+                ema = self._eval_pass(ds)
+            metrics.update({k.replace("/", "_ema/", 1): v for k, v in ema.items()})
+        self.writer.scalars(metrics, self.state.global_step)
+        if self.rank == 0 and metrics:
+            log.info(
+                "eval after epoch %d: %s",
+                self.state.epoch + 1,
+                ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
+            )
+        self._status(eval=metrics)
 
+    def _eval_pass(self, ds: Any) -> dict[str, float]:
         with self.phases.enter(phases.EVAL), parallel.gathered(self.module):
             metrics = evaluate(
                 self.task,
@@ -445,15 +467,7 @@ class Trainer:
                 self.micro_global // self.world,
                 self.phases.tick,
             )
-        metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
-        self.writer.scalars(metrics, self.state.global_step)
-        if self.rank == 0 and metrics:
-            log.info(
-                "eval after epoch %d: %s",
-                self.state.epoch + 1,
-                ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
-            )
-        self._status(eval=metrics)
+        return {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
 
     def _finish(self) -> None:
         self._status(state="running")
@@ -464,6 +478,9 @@ class Trainer:
             durable.write_atomic(
                 self.paths.model, weights if self.sharded else self.module.state_dict()
             )
+        ema = self.ema.full_state(self.module) if self.ema is not None else None
+        if ema is not None and self.rank == 0:
+            durable.write_atomic(self.paths.model_ema, ema)
         dist.barrier()
 
     def _status(self, fsync: bool = True, **fields: Any) -> None:
