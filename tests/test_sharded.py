@@ -39,6 +39,14 @@ def digests(folder):
     }
 
 
+def live_status(run_dir):
+    try:
+        with open(os.path.join(run_dir, "status.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
 def wait_for(what, predicate, timeout=240):
     t0 = time.time()
     while time.time() - t0 < timeout:
@@ -108,12 +116,14 @@ def test_sigterm_mid_epoch_resumes_bitwise(reference, tmp_path, tasks_path):
     assert same_weights(weights(d), weights(reference))
 
 
+@pytest.mark.parametrize("background", ["true", "false"], ids=["async", "sync"])
 def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
-    reference, tmp_path, tasks_path
+    reference, tmp_path, tasks_path, background
 ):
-    """Rank 1 has written its shards of step 8 and hangs before rank 0 commits; every process is
-    SIGKILLed. The committed steps are untouched, the next attempt removes the staging folder,
-    resumes from step 6 and ends bitwise equal to the uninterrupted run."""
+    """Rank 1 has written its shards of step 8 and hangs before rank 0 commits (on the writer's
+    thread with checkpoint.async, the ranks training on); every process is SIGKILLed. The
+    committed steps are untouched, the next attempt removes the staging folder, resumes from
+    step 6 and ends bitwise equal to the uninterrupted run."""
     d = str(tmp_path / "run")
     ckpts = os.path.join(d, "checkpoints")
     over = [
@@ -122,6 +132,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
         "task.target=testtasks:HangInShardedSave",
         "task.params.step_sleep=0.05",
         "task.params.hang_at_step=8",
+        f"checkpoint.async={background}",
     ]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
     try:
@@ -130,6 +141,11 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
             "both ranks' shards of step 8",
             lambda: len(glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "__*_0.distcp"))) == 2,
         )
+        if background == "true":
+            wait_for(
+                "training past step 8 while it is written",
+                lambda: live_status(d).get("global_step", 0) >= 10,
+            )
         committed = digests(ckpts)
         assert sorted({os.path.basename(os.path.dirname(p)) for p in committed}) == [
             "step-4",
@@ -370,3 +386,15 @@ def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and says in lines[0], out.stderr
         assert not os.path.exists(tmp_path / "x.pt")
+
+
+def test_one_process_trains_sharded_too(tmp_path, cli):
+    """No launcher, one process: a one-rank mesh; its checkpoints are sharded like any other."""
+    d = str(tmp_path / "run")
+    out = cli(
+        "clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "cluster.tasks_per_node=1", *FSDP
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    manifest = json.load(open(os.path.join(d, "checkpoints", "step-18", "manifest.json")))
+    assert manifest["format"] == "dcp" and "__0_0.distcp" in manifest["files"]
+    assert all(type(v) is torch.Tensor for v in weights(d).values())

@@ -75,7 +75,9 @@ class HangInSave(Slow):
 
 class HangInShardedSave(Slow):
     """train.parallel=fsdp: rank 1 writes its shards of step ``hang_at_step`` into the staging
-    folder, then hangs until killed (rank 0 waits for it before committing). Once per run dir."""
+    folder, then hangs until killed (rank 0 waits for it before committing); with
+    checkpoint.async the hang is on the writer's thread and both ranks train on. Once per run
+    dir."""
 
     def __init__(self, seed=0, hang_at_step=8, **params):
         super().__init__(seed, **params)
@@ -84,8 +86,8 @@ class HangInShardedSave(Slow):
         marker = f"{os.sep}.tmp-step-{int(hang_at_step)}-"
         plain_write = sharded.ShardedState.write
 
-        def write(state, folder, fsync):
-            listed = plain_write(state, folder, fsync)
+        def write(state, folder, fsync, *rest):
+            listed = plain_write(state, folder, fsync, *rest)
             done = os.path.join(os.path.dirname(os.path.dirname(folder)), "hang-in-save.done")
             if marker in folder and tdist.get_rank() == 1 and not os.path.exists(done):
                 open(done, "w").close()

@@ -24,11 +24,18 @@ last step before any rank exits. A background write that fails is logged and put
 at once, and the next save is its retry, written synchronously; a synchronous write that fails
 fails the job on every rank. Committed steps are never touched by a failure.
 
+Sharded runs (``train.parallel=fsdp``, ``sharded.py``): the model, the optimizers and the EMA
+are written by every rank into rank 0's staging folder, which rank 0 commits with
+``train_state.pt`` once every rank has written and hashed its files; in the background, every
+rank copies its shards and its writer thread runs the same protocol over a process group of its
+own. The rules above (one write in flight, synchronous stops and retries) are the same.
+
 Restoring: ``restore.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
@@ -43,6 +50,7 @@ from clusterflow.checkpoint.sharded import FORMAT as SHARDED
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
 from clusterflow.rundir.saved_config import portable
@@ -104,6 +112,11 @@ class Checkpointer:
         if c.async_ and dist.rank() == 0 and self.sharded is None:
             optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
             self.staging = Staging(model, optimizers)
+        # Background sharded saves: every rank writes, over a group of their own (the loop's
+        # collectives go on meanwhile in the default group).
+        self._bg = Subgroup(cfg.dist.timeout_s) if self.sharded and c.async_ else None
+        # Where a background write may be in flight: rank 0, or every rank when sharded.
+        self._writes_here = dist.rank() == 0 or self.sharded is not None
         self._last_write_s: float | None = None
         self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
 
@@ -127,12 +140,15 @@ class Checkpointer:
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
             failed = dist.broadcast_object(
-                self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None
+                self._wait_for_write(expected=event == STOP) if self._writes_here else None
             )
             new_round = self._new_round()
+            background = (
+                self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round
+            )
             if self.sharded is not None:
-                self._write_sharded(rngs, failed)
-            elif self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
+                (self._start_sharded(rngs) if background else self._write_sharded(rngs, failed))
+            elif background:
                 if dist.rank() == 0:
                     self._start_write(rngs)
             else:
@@ -151,48 +167,89 @@ class Checkpointer:
         """Collective, at the end of the run: wait for the write in flight; write a failed one
         again now."""
         failed = dist.broadcast_object(
-            self._wait_for_write(expected=True) if dist.rank() == 0 else None
+            self._wait_for_write(expected=True) if self._writes_here else None
         )
         if failed:
-            self._write_now(dist.gather_object(capture_rng()), failed)
+            rngs = dist.gather_object(capture_rng())
+            if self.sharded is not None:
+                self._write_sharded(rngs, failed)
+            else:
+                self._write_now(rngs, failed)
 
     def _write_sharded(self, rngs: list[Any] | None, retry_of: str | None) -> None:
-        """Collective: every rank writes its shards into rank 0's staging folder and hashes them;
-        rank 0 adds ``train_state.pt`` and commits the folder once every rank has succeeded. A
-        kill at any point leaves a staging folder that is never read (no manifest, or one that
-        the next restore verifies before publishing it). A failure fails the job on every rank."""
+        """Collective: the sharded save written now (``_sharded_save``); a failure fails the job
+        on every rank."""
+        if dist.rank() == 0 and retry_of:
+            log.warning(
+                "writing checkpoint step %d synchronously: "
+                "the background write before it failed (%s)",
+                self.progress.global_step,
+                retry_of,
+            )
         step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
-        folder, error = None, None
-        if dist.rank() == 0:
-            try:
-                folder = self.store.begin(step, meta)
-            except Exception as exc:  # noqa: BLE001 - every rank learns it below
-                error = self._failure(step, exc)
-        folder, error = dist.broadcast_object((folder, error))
-        if folder is not None:
-            t0 = time.perf_counter()
-            listed, mine = {}, None
-            try:
-                listed = self.sharded.write(folder, self.store.fsync)
-            except Exception as exc:  # noqa: BLE001 - gathered: rank 0 names it
-                mine = self._failure(step, exc)
-            parts = dist.gather_object((listed, mine, dist.rank()))
-            if dist.rank() == 0:
-                error = self._commit_sharded(step, folder, parts, rngs, meta, retry_of)
-                self._last_write_s = time.perf_counter() - t0
-            error = dist.broadcast_object(error)
+        files = self._files(rngs) if dist.rank() == 0 else None
+        error = self._sharded_save(step, meta, None, files, _MAIN, retry_of)
         if error:
             if dist.rank() == 0:
                 log.error("%s; the committed steps are untouched; the job stops", error)
                 rundir.write_status(self.paths, checkpoint_error=error)
             raise CheckpointWriteError(error)
 
+    def _start_sharded(self, rngs: list[Any] | None) -> None:
+        """Every rank: copy its shards (and rank 0 the small states) now, and write them on a
+        background thread that talks over its own process group, while the loop goes on."""
+        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        shards = self.sharded.snapshot()
+        files = copy.deepcopy(self._files(rngs)) if dist.rank() == 0 else None
+
+        def write() -> None:
+            error = self._sharded_save(step, meta, shards, files, self._bg, None)
+            if error:
+                raise CheckpointWriteError(error)
+
+        self.writes.start(step, write, self._background_failed)
+
+    def _sharded_save(
+        self,
+        step: int,
+        meta: dict[str, Any],
+        shards: Any,
+        files: dict[str, Any] | None,
+        comm: Any,
+        retry_of: str | None,
+    ) -> str | None:
+        """Collective over ``comm``: every rank writes its shards (``shards``, or the live state
+        when None) into rank 0's staging folder and hashes them; rank 0 adds ``files`` and commits
+        the folder once every rank has succeeded. A kill at any point leaves a staging folder
+        that is never read (no manifest, or one that the next restore verifies before publishing
+        it). Returns the error every rank agrees on, or None."""
+        folder, error = None, None
+        if dist.rank() == 0:
+            try:
+                folder = self.store.begin(step, meta)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                error = self._failure(step, exc)
+        folder, error = comm.broadcast_object((folder, error))
+        if folder is None:
+            return error
+        t0 = time.perf_counter()
+        listed, mine = {}, None
+        try:
+            listed = self.sharded.write(folder, self.store.fsync, shards, comm.group)
+        except Exception as exc:  # noqa: BLE001 - gathered: rank 0 names it
+            mine = self._failure(step, exc)
+        parts = comm.gather_object((listed, mine, dist.rank()))
+        if dist.rank() == 0:
+            error = self._commit_sharded(step, folder, parts, files, meta, retry_of)
+            self._last_write_s = time.perf_counter() - t0
+        return comm.broadcast_object(error)
+
     def _commit_sharded(
         self,
         step: int,
         folder: str,
         parts: list[Any],
-        rngs: list[Any] | None,
+        files: dict[str, Any],
         meta: dict[str, Any],
         retry_of: str | None,
     ) -> str | None:
@@ -203,11 +260,11 @@ class Checkpointer:
             rank, why = failed[0]
             return f"{why} (rank {rank})"
         listed: dict[str, Any] = {}
-        for files, _, _ in parts:
-            listed.update(files)
+        for written, _, _ in parts:
+            listed.update(written)
         t0 = time.perf_counter()
         try:
-            path = self.store.commit(folder, step, self._files(rngs), listed, meta)
+            path = self.store.commit(folder, step, files, listed, meta)
         except Exception as exc:  # noqa: BLE001 - every rank learns it
             return self._failure(step, exc)
         if retry_of:
@@ -267,7 +324,8 @@ class Checkpointer:
             "and fails the job if it fails too",
             message,
         )
-        rundir.write_status(self.paths, checkpoint_error=message)
+        if dist.rank() == 0:
+            rundir.write_status(self.paths, checkpoint_error=message)
         return message
 
     def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
@@ -362,7 +420,7 @@ class Checkpointer:
     def committed_steps(self) -> list[int]:
         """The committed steps once rank 0's write in flight has landed (for a failure message that
         names the newest good checkpoint; a failed background write was already reported)."""
-        if dist.rank() == 0:
+        if self._writes_here:
             self.writes.wait()
         return self.store.steps()
 
@@ -374,11 +432,22 @@ class Checkpointer:
     def close(self) -> None:
         """At exit, whatever the reason: let the write in flight finish (a failure is already
         logged), and leave no half-deleted old step behind."""
-        if dist.rank() == 0:
+        if self._writes_here:
             self.writes.wait()
         if self.staging is not None:
             self.staging.close()
         self.store.wait_for_pruning()
+
+
+class _Main:
+    """The default process group, as a sharded save talks over it (no group of its own)."""
+
+    group = None
+    broadcast_object = staticmethod(dist.broadcast_object)
+    gather_object = staticmethod(dist.gather_object)
+
+
+_MAIN = _Main()
 
 
 def _cause(exc: BaseException) -> BaseException:

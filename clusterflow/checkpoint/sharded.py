@@ -67,14 +67,26 @@ class ShardedState:
             )
         return out
 
-    def write(self, folder: str, fsync: bool) -> dict[str, dict[str, Any]]:
-        """Collective: write this rank's shards into ``folder`` (rank 0: the metadata too) and
-        hash them. Returns this rank's files as manifest entries."""
+    def snapshot(self) -> dict[str, Any]:
+        """Collective: a copy of this rank's shards, for a write in the background while the
+        loop changes the live ones."""
+        return _clone(self.state_dict())
+
+    def write(
+        self, folder: str, fsync: bool, state: Any = None, group: Any = None
+    ) -> dict[str, dict[str, Any]]:
+        """Collective (over ``group``, default: the default group): write this rank's shards
+        (``state``, a snapshot, or the live state) into ``folder`` (rank 0: the metadata too)
+        and hash them. Returns this rank's files as manifest entries."""
         writer = dcp.FileSystemWriter(
             folder, single_file_per_rank=True, sync_files=fsync, thread_count=1
         )
         with _plain_errors():
-            dcp.save(self.state_dict(), storage_writer=writer)
+            dcp.save(
+                self.state_dict() if state is None else state,
+                storage_writer=writer,
+                process_group=group,
+            )
         mine = sorted(f for f in os.listdir(folder) if f.startswith(f"__{dist.rank()}_"))
         if dist.rank() == 0:
             mine.append(METADATA)

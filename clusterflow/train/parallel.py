@@ -24,6 +24,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from clusterflow import dist
 from clusterflow.errors import UserError
 from clusterflow.tasks import check_can_shard
 
@@ -73,6 +74,8 @@ def wrap_fsdp(
     """Shard ``module`` in place over all ``world`` ranks; returns it (now an FSDPModule)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    if world == 1:
+        dist.init_alone(device)
     mesh = init_device_mesh(device.type, (world,))
     mp = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
