@@ -1,4 +1,4 @@
-"""``clusterflow submit|run|status|logs|cancel ...``: the console script, the same as
+"""``clusterflow submit|run|status|logs|cancel|export ...``: the console script, the same as
 ``python -m clusterflow.<command>``."""
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ COMMANDS = {
     "status": "clusterflow.manage.status",
     "logs": "clusterflow.manage.logs",
     "cancel": "clusterflow.manage.cancel",
+    "export": "clusterflow.checkpoint.export",
 }
 
-USAGE = """usage: clusterflow {submit,run,status,logs,cancel} ...
+USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export} ...
 
   clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait] [--sweep ...]
   clusterflow run    CONFIG.yaml [KEY=VALUE ...] [--check]
   clusterflow status RUN_DIR|SWEEP_DIR [--json] [--ranks]
   clusterflow logs   RUN_DIR [-f] [--rank R]
   clusterflow cancel RUN_DIR|SWEEP_DIR
+  clusterflow export RUN_DIR OUT [--step N] [--format pt|safetensors] [--dtype bf16|fp32]
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import torch
 import torch.distributed as tdist
 
 from clusterflow.mining import knn
@@ -71,6 +72,36 @@ class HangInSave(Slow):
             return plain_write(path, payload, fsync, fs)
 
         durable.write_file = write
+
+
+class HangInShardedSave(Slow):
+    """train.parallel=fsdp: rank 1 writes its shards of step ``hang_at_step`` into the staging
+    folder, then hangs until killed (rank 0 waits for it before committing); with
+    checkpoint.async the hang is on the writer's thread and both ranks train on. Once per run
+    dir."""
+
+    def __init__(self, seed=0, hang_at_step=8, **params):
+        super().__init__(seed, **params)
+        from clusterflow.checkpoint import sharded
+
+        marker = f"{os.sep}.tmp-step-{int(hang_at_step)}-"
+        plain_write = sharded.ShardedState.write
+
+        def write(state, folder, fsync, *rest):
+            listed = plain_write(state, folder, fsync, *rest)
+            done = os.path.join(os.path.dirname(os.path.dirname(folder)), "hang-in-save.done")
+            if marker in folder and tdist.get_rank() == 1 and not os.path.exists(done):
+                open(done, "w").close()
+                time.sleep(3600)
+            return listed
+
+        sharded.ShardedState.write = write
+
+
+class NoShard(PseudoIDTask):
+    """A task whose model cannot be sharded."""
+
+    shard_units = None
 
 
 class Signals(PseudoIDTask):
@@ -326,3 +357,22 @@ class TermDuringScan(ImageFolderTask):
 
         images._images_under = signalled
         super().__init__(seed, **params)
+
+
+class DumpRestored(Signals):
+    """Signals, and at the first loss call of every attempt after the first, before any step:
+    the whole model's parameters, gathered by every rank (``full_tensor`` of each shard), saved
+    by rank 0 as ``RUN_DIR/restored-attempt<N>.pt``: what the resume restored."""
+
+    def loss(self, model, batch, labels):
+        if self.calls == 0:
+            with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+                attempt = len(f.readlines()) - 1
+            if attempt > 0:
+                full = {
+                    n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for n, p in model.named_parameters()
+                }
+                if tdist.get_rank() == 0:
+                    torch.save(full, os.path.join(self.run_dir, f"restored-attempt{attempt}.pt"))
+        return super().loss(model, batch, labels)

@@ -24,11 +24,18 @@ last step before any rank exits. A background write that fails is logged and put
 at once, and the next save is its retry, written synchronously; a synchronous write that fails
 fails the job on every rank. Committed steps are never touched by a failure.
 
+Sharded runs (``train.parallel=fsdp``, ``sharded.py``): the model, the optimizers and the EMA
+are written by every rank into rank 0's staging folder, which rank 0 commits with
+``train_state.pt`` once every rank has written and hashed its files; in the background, every
+rank copies its shards and its writer thread runs the same protocol over a process group of its
+own. The rules above (one write in flight, synchronous stops and retries) are the same.
+
 Restoring: ``restore.py``.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any, Callable, Mapping, Protocol
@@ -39,8 +46,11 @@ from clusterflow import dist, rundir
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import capture_rng
+from clusterflow.checkpoint.sharded import FORMAT as SHARDED
+from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
 from clusterflow.rundir.saved_config import portable
@@ -77,6 +87,17 @@ class Checkpointer:
         c = cfg.checkpoint
         self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
+        # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
+        self.sharded: ShardedState | None = None
+        if cfg.train.parallel == "fsdp":
+            # Optimizers, and states that say they are sharded like the model (the EMA).
+            shards = {
+                n: o
+                for n, o in self.states.items()
+                if isinstance(o, torch.optim.Optimizer) or getattr(o, "sharded", False)
+            }
+            self.sharded = ShardedState(model, shards)
+            self.states = {n: o for n, o in self.states.items() if n not in shards}
         self.every_steps, self.steps_per_epoch, self.attempt = (
             c.every_steps,
             steps_per_epoch,
@@ -88,9 +109,14 @@ class Checkpointer:
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
-        if c.async_ and dist.rank() == 0:
+        if c.async_ and dist.rank() == 0 and self.sharded is None:
             optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
             self.staging = Staging(model, optimizers)
+        # Background sharded saves: every rank writes, over a group of their own (the loop's
+        # collectives go on meanwhile in the default group).
+        self._bg = Subgroup(cfg.dist.timeout_s) if self.sharded and c.async_ else None
+        # Where a background write may be in flight: rank 0, or every rank when sharded.
+        self._writes_here = dist.rank() == 0 or self.sharded is not None
         self._last_write_s: float | None = None
         self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
 
@@ -114,10 +140,15 @@ class Checkpointer:
         with self.phases.enter(phases.CHECKPOINT):
             rngs = dist.gather_object(capture_rng())
             failed = dist.broadcast_object(
-                self._wait_for_write(expected=event == STOP) if dist.rank() == 0 else None
+                self._wait_for_write(expected=event == STOP) if self._writes_here else None
             )
             new_round = self._new_round()
-            if self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round:
+            background = (
+                self.cfg.checkpoint.async_ and event != STOP and failed is None and not new_round
+            )
+            if self.sharded is not None:
+                (self._start_sharded(rngs) if background else self._write_sharded(rngs, failed))
+            elif background:
                 if dist.rank() == 0:
                     self._start_write(rngs)
             else:
@@ -136,10 +167,117 @@ class Checkpointer:
         """Collective, at the end of the run: wait for the write in flight; write a failed one
         again now."""
         failed = dist.broadcast_object(
-            self._wait_for_write(expected=True) if dist.rank() == 0 else None
+            self._wait_for_write(expected=True) if self._writes_here else None
         )
         if failed:
-            self._write_now(dist.gather_object(capture_rng()), failed)
+            rngs = dist.gather_object(capture_rng())
+            if self.sharded is not None:
+                self._write_sharded(rngs, failed)
+            else:
+                self._write_now(rngs, failed)
+
+    def _write_sharded(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+        """Collective: the sharded save written now (``_sharded_save``); a failure fails the job
+        on every rank."""
+        if dist.rank() == 0 and retry_of:
+            log.warning(
+                "writing checkpoint step %d synchronously: "
+                "the background write before it failed (%s)",
+                self.progress.global_step,
+                retry_of,
+            )
+        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        files = self._files(rngs) if dist.rank() == 0 else None
+        error = self._sharded_save(step, meta, None, files, _MAIN, retry_of)
+        if error:
+            if dist.rank() == 0:
+                log.error("%s; the committed steps are untouched; the job stops", error)
+                rundir.write_status(self.paths, checkpoint_error=error)
+            raise CheckpointWriteError(error)
+
+    def _start_sharded(self, rngs: list[Any] | None) -> None:
+        """Every rank: copy its shards (and rank 0 the small states) now, and write them on a
+        background thread that talks over its own process group, while the loop goes on."""
+        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        shards = self.sharded.snapshot()
+        files = copy.deepcopy(self._files(rngs)) if dist.rank() == 0 else None
+
+        def write() -> None:
+            error = self._sharded_save(step, meta, shards, files, self._bg, None)
+            if error:
+                raise CheckpointWriteError(error)
+
+        self.writes.start(step, write, self._background_failed)
+
+    def _sharded_save(
+        self,
+        step: int,
+        meta: dict[str, Any],
+        shards: Any,
+        files: dict[str, Any] | None,
+        comm: Any,
+        retry_of: str | None,
+    ) -> str | None:
+        """Collective over ``comm``: every rank writes its shards (``shards``, or the live state
+        when None) into rank 0's staging folder and hashes them; rank 0 adds ``files`` and commits
+        the folder once every rank has succeeded. A kill at any point leaves a staging folder
+        that is never read (no manifest, or one that the next restore verifies before publishing
+        it). Returns the error every rank agrees on, or None."""
+        folder, error = None, None
+        if dist.rank() == 0:
+            try:
+                folder = self.store.begin(step, meta)
+            except Exception as exc:  # noqa: BLE001 - every rank learns it below
+                error = self._failure(step, exc)
+        folder, error = comm.broadcast_object((folder, error))
+        if folder is None:
+            return error
+        t0 = time.perf_counter()
+        listed, mine = {}, None
+        try:
+            listed = self.sharded.write(folder, self.store.fsync, shards, comm.group)
+        except Exception as exc:  # noqa: BLE001 - gathered: rank 0 names it
+            mine = self._failure(step, exc)
+        parts = comm.gather_object((listed, mine, dist.rank()))
+        if dist.rank() == 0:
+            error = self._commit_sharded(step, folder, parts, files, meta, retry_of)
+            self._last_write_s = time.perf_counter() - t0
+        return comm.broadcast_object(error)
+
+    def _commit_sharded(
+        self,
+        step: int,
+        folder: str,
+        parts: list[Any],
+        files: dict[str, Any],
+        meta: dict[str, Any],
+        retry_of: str | None,
+    ) -> str | None:
+        """Rank 0: commit the staged folder when every rank wrote its files. Returns the error."""
+        failed = [(rank, why) for _, why, rank in parts if why]
+        if failed:
+            self.store.abandon(folder)
+            rank, why = failed[0]
+            return f"{why} (rank {rank})"
+        listed: dict[str, Any] = {}
+        for written, _, _ in parts:
+            listed.update(written)
+        t0 = time.perf_counter()
+        try:
+            path = self.store.commit(folder, step, files, listed, meta)
+        except Exception as exc:  # noqa: BLE001 - every rank learns it
+            return self._failure(step, exc)
+        if retry_of:
+            rundir.write_status(self.paths, checkpoint_error=None)
+        log.info(
+            "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
+            step,
+            path,
+            len(listed) + 1,
+            len(parts),
+            time.perf_counter() - t0,
+        )
+        return None
 
     def _wait_for_write(self, expected: bool = False) -> str | None:
         """Rank 0: wait for the write in flight. Returns its error, if it failed. ``expected``: a
@@ -186,7 +324,8 @@ class Checkpointer:
             "and fails the job if it fails too",
             message,
         )
-        rundir.write_status(self.paths, checkpoint_error=message)
+        if dist.rank() == 0:
+            rundir.write_status(self.paths, checkpoint_error=message)
         return message
 
     def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
@@ -227,6 +366,8 @@ class Checkpointer:
     def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
         train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
+        if self.sharded is not None:
+            return {"train_state.pt": train_state}
         return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
 
     def _meta(self) -> dict[str, Any]:
@@ -270,14 +411,16 @@ class Checkpointer:
     def restore(self) -> bool:
         """Collective, at the start of every attempt (``restore.Restorer``). Returns True when
         resumed."""
-        resumed = Restorer(self.cfg, self.model, self.states, self.progress, self.store).restore()
+        resumed = Restorer(
+            self.cfg, self.model, self.states, self.progress, self.store, self.sharded
+        ).restore()
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
 
     def committed_steps(self) -> list[int]:
         """The committed steps once rank 0's write in flight has landed (for a failure message that
         names the newest good checkpoint; a failed background write was already reported)."""
-        if dist.rank() == 0:
+        if self._writes_here:
             self.writes.wait()
         return self.store.steps()
 
@@ -289,11 +432,22 @@ class Checkpointer:
     def close(self) -> None:
         """At exit, whatever the reason: let the write in flight finish (a failure is already
         logged), and leave no half-deleted old step behind."""
-        if dist.rank() == 0:
+        if self._writes_here:
             self.writes.wait()
         if self.staging is not None:
             self.staging.close()
         self.store.wait_for_pruning()
+
+
+class _Main:
+    """The default process group, as a sharded save talks over it (no group of its own)."""
+
+    group = None
+    broadcast_object = staticmethod(dist.broadcast_object)
+    gather_object = staticmethod(dist.gather_object)
+
+
+_MAIN = _Main()
 
 
 def _cause(exc: BaseException) -> BaseException:

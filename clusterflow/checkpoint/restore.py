@@ -34,7 +34,13 @@ class Restorer:
     them)."""
 
     def __init__(
-        self, cfg: Any, model: Any, states: Mapping[str, Any], progress: Any, store: Any
+        self,
+        cfg: Any,
+        model: Any,
+        states: Mapping[str, Any],
+        progress: Any,
+        store: Any,
+        sharded: Any = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
@@ -43,6 +49,8 @@ class Restorer:
             progress,
             store,
         )
+        # train.parallel=fsdp: the model and optimizers come from every rank's shards.
+        self.sharded = sharded
 
     def restore(self) -> bool:
         """Collective, at the start of every attempt. Returns True when resumed.
@@ -72,6 +80,15 @@ class Restorer:
             mine = dist.scatter_object(rngs) if head["world_size"] == dist.world() else None
             state = dist.broadcast_state(state)
             problem, undo = self._apply(state["train_state.pt"], mine)
+            load_shards = None
+            if self.sharded is not None:
+                try:  # collective: every rank reads, whatever its own states said
+                    load_shards = self.sharded.read(head["folder"])
+                except Exception as exc:  # noqa: BLE001 - any failure makes it unloadable
+                    problem = problem or (
+                        f"its shards do not load on rank {dist.rank()} ({type(exc).__name__}: "
+                        f"{str(exc)[:300]})"
+                    )
             if dist.any_rank(bool(problem)):
                 if undo is not None:
                     undo()
@@ -85,8 +102,11 @@ class Restorer:
                 self.store.refused[head["step"]] = why
                 skipped.add(head["step"])
                 continue
-            # Keys and shapes were checked by rank 0: it cannot half-apply.
-            self.model.load_state_dict(state["model.pt"])
+            if load_shards is not None:
+                load_shards()
+            else:
+                # Keys and shapes were checked by rank 0: it cannot half-apply.
+                self.model.load_state_dict(state["model.pt"])
             if mine is None:
                 log.warning(
                     "resuming with %d ranks from a checkpoint of %d; "
@@ -166,7 +186,7 @@ class Restorer:
                         ckpt.objects.get("model.pt"),
                         ckpt.objects.get("train_state.pt"),
                     )
-                    check_fits(self.model, model_state)
+                    self._check_format(ckpt.manifest, model_state)
                     self._parts(saved)
                     world = saved.get("world_size")
                     if (
@@ -187,7 +207,12 @@ class Restorer:
                 saved = dict(saved)
                 rngs = saved.pop("rng")
                 return (
-                    {"path": ckpt.path, "step": ckpt.step, "world_size": world},
+                    {
+                        "path": ckpt.path,
+                        "step": ckpt.step,
+                        "world_size": world,
+                        "folder": self.store.step_path(ckpt.step),
+                    },
                     {"model.pt": model_state, "train_state.pt": saved},
                     rngs,
                     None,
@@ -198,6 +223,19 @@ class Restorer:
         # The other ranks must not wait for a broadcast that never comes.
         except Exception as exc:  # noqa: BLE001
             return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
+
+    def _check_format(self, manifest: Mapping[str, Any], model_state: Any) -> None:
+        """ValueError unless the checkpoint is of this run's kind (sharded or one model.pt) and,
+        for one model.pt, fits the model (a sharded one is checked by every rank as it loads)."""
+        sharded = manifest.get("format") == "dcp"
+        if sharded != (self.sharded is not None):
+            raise ValueError(
+                "it is a sharded checkpoint (train.parallel=fsdp) and this run is not"
+                if sharded
+                else "it holds one model.pt (train.parallel=ddp) and this run is sharded"
+            )
+        if not sharded:
+            check_fits(self.model, model_state)
 
     def _check_config(self, path: str, manifest: Mapping[str, Any]) -> None:
         if "config" in manifest:

@@ -120,6 +120,11 @@ KEYS: dict[str, tuple[str, str]] = {
         "the precision of every matmul on Ampere+ GPUs, chosen for the experiment",
     ),
     "train.grad_clip": (RESULT, "optimisation"),
+    "train.ema_decay": (RESULT, "the EMA weights (and the labels when mining embeds with them)"),
+    "train.parallel": (
+        RESULT,
+        "how gradients are reduced and the checkpoint format (sharded or one file)",
+    ),
     "train.log_every_steps": (
         RESOURCE,
         "logging reduces metrics only; it touches no weight and no random stream",
@@ -152,6 +157,7 @@ KEYS: dict[str, tuple[str, str]] = {
         "would have written; the loop computes the same steps",
     ),
     "mining.enabled": (RESULT, "mining"),
+    "mining.embed_with": (RESULT, "mining"),
     "mining.every_epochs": (RESULT, "mining"),
     "mining.start_epoch": (RESULT, "mining"),
     "mining.k": (RESULT, "mining"),

@@ -29,6 +29,7 @@ from clusterflow.config.sections import (
     TaskConfig,
     TrainConfig,
     _check,
+    is_url,
     keys,
 )
 from clusterflow.config.values import coerce, short, shown
@@ -56,6 +57,20 @@ class Config:
             f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} "
             f"= {per_step} so every rank gets the same micro-batch; try "
             f"train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
+        )
+        _check(
+            self.mining.embed_with != "ema" or self.train.ema_decay > 0,
+            "mining.embed_with",
+            self.mining.embed_with,
+            "embedding with the EMA weights needs train.ema_decay > 0 (e.g. 0.999)",
+        )
+        ckpt = self.checkpoint.dir
+        _check(
+            self.train.parallel != "fsdp" or not is_url(ckpt) or ckpt.startswith("file://"),
+            "checkpoint.dir",
+            ckpt,
+            "train.parallel=fsdp writes sharded checkpoints from every rank to a filesystem "
+            "they all mount; use a path on a shared filesystem (or train.parallel=ddp)",
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -354,6 +354,21 @@ class TrainConfig:
     max_consecutive_skips: int = doc(
         10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
     )
+    ema_decay: float = doc(
+        0.0,
+        "Keep an exponential moving average of the weights (on every rank; sharded like the "
+        "model under fsdp): after each optimizer step ema = decay * ema + (1 - decay) * "
+        "weights; 0 turns it off. Saved in every checkpoint, evaluated beside the weights "
+        "(eval_ema/...), written as model_ema.pt at the end (docs/sharded.md).",
+    )
+    parallel: str = doc(
+        "ddp",
+        "ddp: every rank holds the whole model, rank 0 writes checkpoints. fsdp: parameters, "
+        "gradients and optimizer state are sharded over every rank (FSDP2 fully_shard; the "
+        "task's shard_units hook says which submodules), every rank writes its shards of each "
+        "checkpoint (torch.distributed.checkpoint) and a run may resume on another world size "
+        "(docs/sharded.md).",
+    )
 
     def __post_init__(self) -> None:
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
@@ -379,6 +394,20 @@ class TrainConfig:
             "must be >= 0",
         )
         _choice("train.on_nonfinite", self.on_nonfinite, ("fail", "skip_step"))
+        _choice("train.parallel", self.parallel, ("ddp", "fsdp"))
+        _check(
+            0.0 <= self.ema_decay < 1.0,
+            "train.ema_decay",
+            self.ema_decay,
+            "must be in [0, 1): 0 turns the EMA off, e.g. 0.999 averages over about 1000 steps",
+        )
+        _check(
+            not (self.parallel == "fsdp" and self.amp == "fp16"),
+            "train.amp",
+            self.amp,
+            "fp16 loss scaling is not supported with train.parallel=fsdp; "
+            "use train.amp=bf16 (FSDP's bf16 parameters with fp32 gradient reduction)",
+        )
         _check(
             self.max_consecutive_skips >= 0,
             "train.max_consecutive_skips",
@@ -438,6 +467,11 @@ class MiningConfig:
         1, "First epoch (1-based, counted as finished epochs) after which mining runs."
     )
     k: int = doc(10, "Neighbours per sample in the k-NN graph.")
+    embed_with: str = doc(
+        "model",
+        "Which weights embed the data for mining: model (the trained weights) or ema (their "
+        "moving average, train.ema_decay > 0: a teacher).",
+    )
     method: str = doc(
         "mutual_knn",
         "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, "
@@ -510,6 +544,7 @@ class MiningConfig:
                 "is a cosine similarity: between -1 and 1, or auto",
             )
         _choice("mining.method", self.method, ("mutual_knn", "finch"))
+        _choice("mining.embed_with", self.embed_with, ("model", "ema"))
         _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
         _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
         _choice("mining.singletons", self.singletons, ("cluster", "ignore"))

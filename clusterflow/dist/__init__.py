@@ -27,6 +27,7 @@ from clusterflow.dist.comm import (
     gather_object,
     gather_rows,
     init,
+    init_alone,
     initialized,
     is_main,
     pick_backend,

@@ -62,6 +62,16 @@ def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
     return device
 
 
+def init_alone(device: Any) -> None:
+    """A process group of this one process, when there is none (one rank needs no group, but
+    FSDP's device mesh and DCP do); in memory, no port. ``shutdown`` ends it."""
+    import torch.distributed as tdist
+
+    if not tdist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
+
+
 def shutdown() -> None:
     import torch.distributed as tdist
 

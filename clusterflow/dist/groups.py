@@ -33,6 +33,16 @@ class Subgroup:
         tdist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        """Every rank's ``obj`` on ``dst`` (None elsewhere)."""
+        if self.group is None:
+            return [obj]
+        import torch.distributed as tdist
+
+        out = [None] * tdist.get_world_size() if tdist.get_rank() == dst else None
+        tdist.gather_object(obj, out, dst=dst, group=self.group)
+        return out
+
     def broadcast_array(self, values: Any, n: int, src: int = 0) -> Any:
         """Rank ``src``'s int64 array of length ``n`` on every rank (``values`` is ignored
         elsewhere)."""

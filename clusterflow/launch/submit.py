@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from clusterflow import rundir
+from clusterflow import rundir, tasks
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
@@ -188,6 +188,17 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
 
 
+def check_can_shard(cfg: Config) -> None:
+    """``train.parallel=fsdp`` with a task that cannot be sharded fails here, not in the job. A
+    task whose module does not import here (a login node without its packages) is left to the
+    job's own check."""
+    try:
+        cls, _ = tasks.task_class(cfg.task.target, cfg.run.seed, dict(cfg.task.params))
+    except Exception:  # noqa: BLE001 - the job reports a task that does not load
+        return
+    tasks.check_can_shard(cfg.task.target, cls)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -205,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
+    if cfg.train.parallel == "fsdp":
+        check_can_shard(cfg)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:

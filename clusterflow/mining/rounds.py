@@ -48,12 +48,15 @@ _ROUND = re.compile(r"^epoch-(\d+)$")
 
 
 def round_key(model: Any, epoch: int, world: int, n: int, settings: dict[str, Any]) -> str:
-    """What a round's files must match to be used: the model's weights (every tensor's bytes),
-    the round and its shape, ``settings`` (mining keys, precision, engine) and the software."""
+    """What a round's files must match to be used: the model's weights (every tensor's bytes;
+    this rank's shards of a sharded model), the round and its shape, ``settings`` (mining keys,
+    precision, engine) and the software."""
     import torch
 
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
+        if hasattr(t, "to_local"):  # a DTensor (train.parallel=fsdp): this rank's shard
+            t = t.to_local()
         t = t.detach().cpu().contiguous().reshape(-1)
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())

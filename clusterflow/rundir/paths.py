@@ -30,6 +30,7 @@ Inside ``RUN_DIR``:
                                   are committed (see ``mining/rounds.py``)
     model.pt                      the final weights (plain state_dict), written when the run
                                   completes
+    model_ema.pt                  the final EMA weights (train.ema_decay > 0), the same form
     lease/gen-<N>.json            which job holds the run dir, renewed while it runs (see
                                   lease.py)
     config.yaml.damaged-*         a config.yaml that could not be read, set aside (see
@@ -112,6 +113,10 @@ class RunPaths:
     @property
     def model(self) -> str:
         return self._p("model.pt")
+
+    @property
+    def model_ema(self) -> str:
+        return self._p("model_ema.pt")
 
     @property
     def lease(self) -> str:

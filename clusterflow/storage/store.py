@@ -30,8 +30,10 @@ every crash point.
 A damaged committed step is never deleted: when the run reaches that step again it is renamed to
 ``damaged-step-<N>-<random>/`` (kept for inspection) and the step is written anew.
 
-The seam for sharded state (torch.distributed.checkpoint) is the ``files`` mapping: a sharded
-writer would add one entry per rank's shard and the manifest would list them all.
+Sharded checkpoints (``train.parallel=fsdp``) use the same folders and the same commit: rank 0
+``begin``s a staging folder, every rank writes its shards into it and hashes them, and rank 0
+``commit``s it with a manifest listing every rank's files (``format: dcp``); ``verify`` checks the
+shards' sizes and digests without loading them (every rank reads its part later).
 """
 
 from __future__ import annotations
@@ -195,14 +197,64 @@ class CheckpointStore:
 
     def _stage(self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any]) -> str:
         """Write every file, then the manifest, into a fresh ``.tmp-step-<N>-*`` folder."""
+        tmp = self._new_staging(step, files)
+        self._fill(tmp, step, files, {}, meta)
+        return tmp
+
+    def begin(self, step: int, meta: Mapping[str, Any]) -> str | None:
+        """A sharded save, first part (rank 0): a fresh staging folder for every rank to write its
+        files into, or None when step ``step`` is committed with a state at least as late."""
+        if not self._may_write(step, meta):
+            return None
+        return self._new_staging(step, {})
+
+    def commit(
+        self,
+        staged: str,
+        step: int,
+        files: Mapping[str, Any],
+        listed: Mapping[str, Mapping[str, Any]],
+        meta: Mapping[str, Any],
+    ) -> str:
+        """A sharded save, last part (rank 0, once every rank has written and hashed its files
+        into ``staged``): write ``files``, then the manifest listing them and ``listed`` (the
+        ranks' files, name -> size and digest), and publish. Returns the step path."""
+        self._fill(staged, step, files, listed, meta)
+        self._publish(staged, step)
+        self.prune()
+        return self.step_path(step)
+
+    def abandon(self, staged: str) -> None:
+        """Remove a staging folder whose save failed on some rank."""
+        self._rm(staged.rsplit("/", 1)[-1])
+
+    def _new_staging(self, step: int, files: Mapping[str, Any]) -> str:
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
         try:
             self.fs.makedirs(self.root, exist_ok=True)
             self.fs.makedirs(tmp, exist_ok=True)
-            listing = {
-                name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
-                for name, payload in files.items()
-            }
+        except BaseException as exc:
+            self._failed(tmp, step, files, exc)
+            raise
+        return tmp
+
+    def _fill(
+        self,
+        tmp: str,
+        step: int,
+        files: Mapping[str, Any],
+        listed: Mapping[str, Mapping[str, Any]],
+        meta: Mapping[str, Any],
+    ) -> None:
+        """Write ``files`` and the manifest (``listed`` and ``files``) into ``tmp``."""
+        try:
+            listing = {name: dict(info) for name, info in listed.items()}
+            listing.update(
+                {
+                    name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                    for name, payload in files.items()
+                }
+            )
             manifest = {
                 "step": step,
                 **dict(meta),
@@ -219,20 +271,22 @@ class CheckpointStore:
             if self.local and self.fsync:
                 durable.fsync_dir(tmp)
         except BaseException as exc:
-            # A failed write (a full disk, an object store error) gives its space back at once; a
-            # kill leaves the folder to the next clean_debris.
-            self._rm(tmp.rsplit("/", 1)[-1])
-            # A full disk: one line naming the device, the size and the free space.
-            if isinstance(exc, Exception):
-                diskfull.raise_if_full(
-                    exc,
-                    f"checkpoint step {step}",
-                    self.url_of(step),
-                    diskfull.payload_bytes(files),
-                    self.local,
-                )
+            self._failed(tmp, step, files, exc)
             raise
-        return tmp
+
+    def _failed(self, tmp: str, step: int, files: Mapping[str, Any], exc: BaseException) -> None:
+        """A failed write (a full disk, an object store error) gives its space back at once; a
+        kill leaves the folder to the next clean_debris. A full disk raises one line naming the
+        device, the size and the free space."""
+        self._rm(tmp.rsplit("/", 1)[-1])
+        if isinstance(exc, Exception):
+            diskfull.raise_if_full(
+                exc,
+                f"checkpoint step {step}",
+                self.url_of(step),
+                diskfull.payload_bytes(files),
+                self.local,
+            )
 
     def _publish(self, staged: str, step: int) -> None:
         """Rename a complete staged folder to ``step-<N>``; whatever held that name is set aside
@@ -359,12 +413,17 @@ class CheckpointStore:
         path = self.step_path(step)
         manifest = self._read_manifest(path, step)
         objects = {}
+        # A sharded checkpoint's shards are read by every rank later: here only their digests.
+        shards = manifest.get("format") == "dcp"
         for name, info in manifest["files"].items():
             file = f"{path}/{name}"
             try:
                 size = self.fs.size(file)
                 if size != info["size"]:
                     raise ValueError(f"{name} has {size} bytes, the manifest says {info['size']}")
+                if shards and not name.endswith(".pt"):
+                    _check_digest(name, file, info, self._remote_fs)
+                    continue
                 objects[name] = durable.load_checked(name, file, info, self._remote_fs)
             except FileNotFoundError:
                 raise ValueError(f"{name} is missing") from None
@@ -402,3 +461,11 @@ class CheckpointStore:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a
         warning."""
         return next(self.candidates(), None)
+
+
+def _check_digest(name: str, path: str, info: Mapping[str, Any], fs: Any) -> None:
+    algorithm, expected = durable.recorded_digest(info)
+    if durable.hash_file(path, algorithm, fs) != expected:
+        raise ValueError(
+            f"{name} does not match its {algorithm} digest (bit rot or a partial write)"
+        )

@@ -23,6 +23,11 @@ and optionally:
 - ``embed(model, batch) -> Tensor (B, d)``: what the mining stage clusters (``can_embed`` True)
 - ``embed_dataset() -> Dataset``: what is embedded (defaults to the train dataset)
 - ``ground_truth() -> np.ndarray | None``: true labels of the embedded samples, for quality metrics
+- ``shard_units(model) -> list[nn.Module]``: with ``train.parallel=fsdp``, the submodules that
+  are sharded as one unit each (gathered for their forward and freed after it), e.g. the
+  transformer blocks; without it, the elements of the model's outermost ``nn.Sequential`` /
+  ``nn.ModuleList`` containers that hold parameters. A task whose model cannot be sharded sets
+  ``shard_units = None``: ``submit`` refuses fsdp for it
 - ``set_epoch(epoch)``: called before each epoch (augmentations that depend on the epoch); with
   ``data.persistent_workers`` also in each DataLoader worker, on its own copy of the task, when
   the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
@@ -134,6 +139,18 @@ def task_class(target: str, seed: int, params: dict[str, Any]) -> tuple[Any, dic
             "(see docs/tasks.md for the Task protocol)"
         )
     return cls, _check_params(target, cls, seed, params)
+
+
+def check_can_shard(target: str, cls: Any) -> None:
+    """UserError when ``train.parallel=fsdp`` is asked of a task class that says it cannot be
+    sharded (``shard_units = None``) or whose ``shard_units`` is not a method."""
+    hook = getattr(cls, "shard_units", check_can_shard)
+    if hook is None or not callable(hook):
+        raise UserError(
+            f"train.parallel=fsdp: task {target!r} cannot be sharded (its shard_units is "
+            f"{hook!r}, not a method returning the submodules to shard); use train.parallel=ddp, "
+            "or give the task a shard_units(model) method (docs/sharded.md)"
+        )
 
 
 def load_task(

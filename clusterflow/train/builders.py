@@ -1,6 +1,6 @@
-"""The pieces a trainer is built from: model (DDP-wrapped), optimizer, schedule, precision, and
-``task.init_from`` weights. Each builder is small; ``Trainer.__init__`` calls them in an order
-that keeps every random draw where it was (same seed, same weights).
+"""The pieces a trainer is built from: model (DDP-wrapped or sharded), optimizer, schedule,
+precision, and ``task.init_from`` weights. Each builder is small; ``Trainer.__init__`` calls them
+in an order that keeps every random draw where it was (same seed, same weights).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -32,7 +33,9 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 def build_model(
     cfg: Any, task: Any, device: torch.device, world: int
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the module, what the loop calls: the module or its DDP wrapper). Seed before calling it."""
+    """(the module, what the loop calls: the module or its DDP wrapper; under
+    ``train.parallel=fsdp`` both are the sharded module, at every world size). Seed before calling
+    it."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
@@ -42,6 +45,10 @@ def build_model(
     if cfg.dist.sync_batchnorm and world > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     module = model.to(device)
+    if cfg.train.parallel == "fsdp":
+        units = parallel.shard_units(task, module, cfg.task.target)
+        module = parallel.wrap_fsdp(module, units, device, world, amp_dtype(cfg.train.amp, device))
+        return module, module
     if world == 1:
         return module, module
     return module, DDP(

@@ -1,4 +1,5 @@
-"""The DDP training loop: what runs on every rank between rendezvous and exit.
+"""The training loop (DDP or sharded: ``parallel.py``): what runs on every rank between
+rendezvous and exit.
 
 A fresh start and a resume go through the same code: the checkpointer restores the newest
 committed checkpoint, if any, and the loop continues from its (epoch, step within epoch). State
@@ -22,7 +23,6 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow import dist, rundir
 from clusterflow.checkpoint import checkpointer
@@ -36,7 +36,8 @@ from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
-from clusterflow.train import builders
+from clusterflow.train import builders, parallel
+from clusterflow.train.ema import EMA
 from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
@@ -62,10 +63,12 @@ class Trainer:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
+        self.sharded = parallel.is_sharded(self.module)
         # Distinct per-rank streams from here on.
         seed_everything(rank_seed(cfg.run.seed, self.rank))
         t = cfg.train
         self.opt = builders.build_optimizer(t, self.module, self.world)
+        self.ema = EMA(self.module, t.ema_decay) if t.ema_decay else None
         self._build_data()
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs)
@@ -88,6 +91,7 @@ class Trainer:
                 "scheduler": self.sched,
                 "scaler": self.scaler,
                 "train": self.state,
+                **({"ema": self.ema} if self.ema is not None else {}),
             },
             self.state,
             self.steps_per_epoch,
@@ -253,12 +257,7 @@ class Trainer:
             # Picked on the device by the batch's index: no copy, nothing read back.
             labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
-        ctx = (
-            self.model.no_sync()
-            if (not sync and isinstance(self.model, DDP))
-            else contextlib.nullcontext()
-        )
-        with ctx:
+        with parallel.gradient_sync(self.model, sync):
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
             self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
@@ -284,11 +283,16 @@ class Trainer:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
         s = self.state
+        params = self.module.parameters()
         if self.guard.policy != "skip_step" or self.guard.step_ok(
-            self.module.parameters(), self.scaler, s.global_step + 1
+            parallel.local_grads(params) if self.sharded else params,
+            self.scaler,
+            s.global_step + 1,
         ):
             self.scaler.step(self.opt)
             self.scaler.update()
+            if self.ema is not None:
+                self.ema.update()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         self.state.step_done()
@@ -304,10 +308,11 @@ class Trainer:
         self.guard.check(self.state.global_step, self._state_tensors() if state else ())
 
     def _state_tensors(self) -> Iterator[Any]:
-        yield from self.module.parameters()
-        yield from self.module.buffers()
+        """This rank's part of every weight and optimizer tensor (its shards under fsdp)."""
+        yield from parallel.local(self.module.parameters())
+        yield from parallel.local(self.module.buffers())
         for per_param in self.opt.state.values():
-            yield from per_param.values()
+            yield from parallel.local(per_param.values())
 
     def _log_due(self) -> bool:
         s = self.state
@@ -325,7 +330,9 @@ class Trainer:
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
         if self.miner.due(finished, self.cfg.train.epochs, self.task.can_embed):
-            result = self.miner.run(self.task, self.module, finished)
+            teacher = self.ema.swapped() if self.cfg.mining.embed_with == "ema" else None
+            with teacher or contextlib.nullcontext(), parallel.gathered(self.module):
+                result = self.miner.run(self.task, self.module, finished)
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round
                 # continues on restart.
@@ -435,18 +442,12 @@ class Trainer:
         ds = self.task.eval_dataset()
         if ds is None:
             return
-
-        with self.phases.enter(phases.EVAL):
-            metrics = evaluate(
-                self.task,
-                self.module,
-                ds,
-                self.device,
-                self.amp,
-                self.micro_global // self.world,
-                self.phases.tick,
-            )
-        metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
+        metrics = self._eval_pass(ds)
+        if self.ema is not None:
+            # The same metrics of the EMA weights: eval/x -> eval_ema/x.
+            with self.ema.swapped():
+                ema = self._eval_pass(ds)
+            metrics.update({k.replace("/", "_ema/", 1): v for k, v in ema.items()})
         self.writer.scalars(metrics, self.state.global_step)
         if self.rank == 0 and metrics:
             log.info(
@@ -456,11 +457,31 @@ class Trainer:
             )
         self._status(eval=metrics)
 
+    def _eval_pass(self, ds: Any) -> dict[str, float]:
+        with self.phases.enter(phases.EVAL), parallel.gathered(self.module):
+            metrics = evaluate(
+                self.task,
+                self.module,
+                ds,
+                self.device,
+                self.amp,
+                self.micro_global // self.world,
+                self.phases.tick,
+            )
+        return {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
+
     def _finish(self) -> None:
         self._status(state="running")
         self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
+        # Under fsdp: the whole model, gathered (collective), so model.pt loads into the plain one.
+        weights = parallel.full_state_dict(self.module) if self.sharded else None
         if self.rank == 0:
-            durable.write_atomic(self.paths.model, self.module.state_dict())
+            durable.write_atomic(
+                self.paths.model, weights if self.sharded else self.module.state_dict()
+            )
+        ema = self.ema.full_state(self.module) if self.ema is not None else None
+        if ema is not None and self.rank == 0:
+            durable.write_atomic(self.paths.model_ema, ema)
         dist.barrier()
 
     def _status(self, fsync: bool = True, **fields: Any) -> None:

@@ -1,0 +1,128 @@
+"""Sharded checkpoints (``train.parallel=fsdp``): every rank writes and reads its own shards.
+
+The model's and the optimizers' state are DTensor shards; they go through
+``torch.distributed.checkpoint`` (DCP) into the step's staging folder: each rank writes
+``__<rank>_<n>.distcp`` in parallel with the others, rank 0 also the global ``.metadata``, and
+each rank then hashes the files it wrote (reading them back) so the manifest can list every
+file with its size and digest. Everything else (scheduler, scaler, counters, labels, RNG) is
+small and goes to ``train_state.pt`` as in a DDP checkpoint, written by rank 0, which commits the
+folder only when every rank's files are written and hashed (``checkpointer.py``).
+
+Reading is collective too: DCP plans which saved shard pieces each rank needs for its current
+shards, so a checkpoint of 4 ranks loads on 2 or 3 (resharding weights and optimizer state,
+values unchanged). The shards are loaded into copies and applied only when every rank has
+loaded them, so a checkpoint that fails to load on any rank leaves every rank's model as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from clusterflow import dist
+from clusterflow.storage import durable
+
+FORMAT = "dcp"  # the manifest's "format" of a sharded checkpoint
+METADATA = ".metadata"  # DCP's global plan, written by rank 0
+
+
+def _clone(obj: Any) -> Any:
+    """The same nesting with every tensor copied (DTensors keep their sharding)."""
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone(v) for v in obj]
+    if torch.is_tensor(obj):
+        return obj.detach().clone()
+    return obj
+
+
+class ShardedState:
+    """The sharded part of a checkpoint: ``model`` (an FSDP2 module) and ``states`` by the names
+    they are registered under: optimizers over its parameters, and states whose ``state_dict``
+    holds DTensors sharded like them (the EMA weights)."""
+
+    def __init__(self, model: Any, states: Mapping[str, Any]) -> None:
+        self.model, self.states = model, dict(states)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: each rank's shards, keyed by parameter name (what DCP reshards by)."""
+        out = {"model": get_model_state_dict(self.model)}
+        for name, obj in self.states.items():
+            out[name] = (
+                get_optimizer_state_dict(self.model, obj)
+                if isinstance(obj, torch.optim.Optimizer)
+                else obj.state_dict()
+            )
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Collective: a copy of this rank's shards, for a write in the background while the
+        loop changes the live ones."""
+        return _clone(self.state_dict())
+
+    def write(
+        self, folder: str, fsync: bool, state: Any = None, group: Any = None
+    ) -> dict[str, dict[str, Any]]:
+        """Collective (over ``group``, default: the default group): write this rank's shards
+        (``state``, a snapshot, or the live state) into ``folder`` (rank 0: the metadata too)
+        and hash them. Returns this rank's files as manifest entries."""
+        writer = dcp.FileSystemWriter(
+            folder, single_file_per_rank=True, sync_files=fsync, thread_count=1
+        )
+        with _plain_errors():
+            dcp.save(
+                self.state_dict() if state is None else state,
+                storage_writer=writer,
+                process_group=group,
+            )
+        mine = sorted(f for f in os.listdir(folder) if f.startswith(f"__{dist.rank()}_"))
+        if dist.rank() == 0:
+            mine.append(METADATA)
+        return {name: _entry(os.path.join(folder, name)) for name in mine}
+
+    def read(self, folder: str) -> Callable[[], None]:
+        """Collective: load the shards this rank needs from ``folder`` into copies. Returns what
+        puts them into the model and optimizers; raises when they do not load."""
+        target = _clone(self.state_dict())
+        with _plain_errors():
+            dcp.load(target, storage_reader=dcp.FileSystemReader(folder))
+
+        def apply() -> None:
+            set_model_state_dict(self.model, target["model"])
+            for name, obj in self.states.items():
+                if isinstance(obj, torch.optim.Optimizer):
+                    set_optimizer_state_dict(self.model, obj, target[name])
+                else:
+                    obj.load_state_dict(target[name])
+
+        return apply
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException holding
+    every failed rank's traceback) on every rank; raise the failure itself instead (this rank's,
+    else the lowest failed rank's), so a full disk or a damaged file reads as what it is."""
+    try:
+        yield
+    except CheckpointException as exc:
+        failures = exc.failures
+        mine = failures.get(dist.rank()) or failures[min(failures)]
+        raise mine[0] from None
+
+
+def _entry(path: str) -> dict[str, Any]:
+    algorithm, _ = durable.new_hash()
+    return {"size": os.path.getsize(path), algorithm: durable.hash_file(path, algorithm)}

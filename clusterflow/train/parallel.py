@@ -1,0 +1,155 @@
+"""How the model is spread over the ranks: DDP (a whole replica each) or FSDP2 (sharded).
+
+``train.parallel=fsdp`` applies ``torch.distributed.fsdp.fully_shard`` on a one-dimensional
+device mesh over every rank: first to each unit the task names (``Task.shard_units(model)``, or
+the default below), then to the whole model, which keeps whatever no unit holds. Parameters,
+gradients and optimizer state then live as shards (DTensors), 1/world of each on every rank.
+With ``train.amp=bf16`` the parameters are gathered in bf16 for the forward and backward and the
+gradients are reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``).
+
+The loop touches the sharded model in four more places, all here: the gradient sync of the last
+micro-batch only (:func:`gradient_sync`), local shards for the non-finite checks
+(:func:`local`), the whole model gathered on every rank for evaluation and the mining embed
+(:func:`gathered`: no collective inside, so ranks may run different numbers of batches), and the
+full state dict of the final ``model.pt`` (:func:`full_state_dict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from clusterflow import dist
+from clusterflow.errors import UserError
+from clusterflow.tasks import check_can_shard
+
+_CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
+
+
+def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The elements holding parameters of the model's outermost ``Sequential``/``ModuleList``
+    containers (a transformer's blocks, a ResNet's stages' blocks); empty when it has none (the
+    whole model is then one unit)."""
+    units: list[torch.nn.Module] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        if isinstance(m, _CONTAINERS):
+            units.extend(c for c in m.children() if any(True for _ in c.parameters()))
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return [u for u in units if u is not model]
+
+
+def shard_units(task: Any, model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
+    """The task's units, checked: submodules of ``model``, none of them the model itself."""
+    check_can_shard(target, type(task))
+    hook = getattr(task, "shard_units", None)
+    units = list(hook(model)) if hook is not None else default_units(model)
+    inside = {id(m) for m in model.modules()}
+    for u in units:
+        if not isinstance(u, torch.nn.Module) or id(u) not in inside or u is model:
+            raise UserError(
+                f"task {target!r}: shard_units(model) returned {type(u).__name__} "
+                f"{str(u)[:60]!r}, which is not a submodule of the model; return the "
+                "submodules to shard (e.g. list(model.blocks)), not the model itself"
+            )
+    return units
+
+
+def wrap_fsdp(
+    module: torch.nn.Module,
+    units: list[torch.nn.Module],
+    device: torch.device,
+    world: int,
+    amp: Any,
+) -> torch.nn.Module:
+    """Shard ``module`` in place over all ``world`` ranks; returns it (now an FSDPModule)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world == 1:
+        dist.init_alone(device)
+    mesh = init_device_mesh(device.type, (world,))
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if amp == torch.bfloat16
+        else MixedPrecisionPolicy()
+    )
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fully_shard(module, mesh=mesh, mp_policy=mp)
+    return module
+
+
+def is_sharded(model: Any) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def gradient_sync(model: Any, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Around one micro-batch's backward: gradients are reduced across ranks only when ``sync``
+    (the last micro-batch of an optimizer step)."""
+    if isinstance(model, DDP) and not sync:
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def local(tensors: Iterable[Any]) -> Iterator[Any]:
+    """This rank's part of each tensor (a DTensor's local shard; a plain tensor itself)."""
+    for t in tensors:
+        yield t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grads(params: Iterable[Any]) -> Iterator[Any]:
+    """Parameters as the non-finite guard sees them: objects whose ``grad`` is this rank's
+    shard."""
+    for p in params:
+        g = p.grad
+        yield _Grad(g.to_local() if isinstance(g, DTensor) else g)
+
+
+class _Grad:
+    __slots__ = ("grad",)
+
+    def __init__(self, grad: Any) -> None:
+        self.grad = grad
+
+
+@contextlib.contextmanager
+def gathered(model: Any) -> Iterator[None]:
+    """The whole model on every rank for a while (evaluation, the mining embed): every sharded
+    module is gathered once and kept gathered, so its forwards run no collective and ranks may
+    run different numbers of batches; sharded again on exit. A no-op for an unsharded model."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            # FSDP2's defaults: the root keeps its parameters after the forward (the backward
+            # needs them at once), every other unit frees them.
+            m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def full_state_dict(model: Any) -> dict[str, Any] | None:
+    """Collective for a sharded model: its whole state_dict on CPU on rank 0 (None elsewhere);
+    the plain ``state_dict()`` otherwise."""
+    if not isinstance(model, FSDPModule):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return sd or None
