@@ -102,3 +102,41 @@ def test_sharded_approximate_indexes_find_most_neighbours():
         _, ids, _ = _gathered(parts)
         recall = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(ids, want)])
         assert recall > 0.9, (index, recall)
+
+
+def _sharded_curve(x, offsets, k, truth):
+    from clusterflow import dist
+    from clusterflow.mining import normalize
+    from clusterflow.mining.knn import KnnParams
+    from clusterflow.mining.knn.sharded import sharded_search
+    from clusterflow.mining.sharded_curves import sharded_resolve
+    from clusterflow.mining.sharded_graph import mutual_edges, sharded_clusters
+
+    lo, hi = offsets[dist.rank()], offsets[dist.rank() + 1]
+    lists = sharded_search(normalize(x[lo:hi]), offsets, KnnParams(k=k, query_batch=9), "torch")
+    graph = mutual_edges(*lists, offsets)
+    threshold, curve = sharded_resolve(graph, "auto", truth)
+    labels, _ = sharded_clusters(graph, threshold, "ignore", 0)
+    return threshold, curve.to_dict(), labels
+
+
+@pytest.mark.parametrize("world,sizes", [(2, [70, 53]), (3, [40, 3, 77]), (4, [30, 31, 0, 45])])
+def test_sharded_curve_and_auto_threshold_equal_one_process(world, sizes):
+    from clusterflow.mining import curves, normalize
+    from clusterflow.mining.knn.torch_engine import torch_search
+
+    x = _data(sum(sizes), ties=world == 3)
+    truth = np.arange(len(x)) % 7
+    offsets = list(np.cumsum([0, *sizes]))
+    parts = run_ranks(world, _sharded_curve, x, offsets, 6, truth)
+    lists = torch_search(normalize(x), 6, device="cpu")
+    t_want, want = curves.resolve_threshold(*lists, "auto", truth)
+    labels = mutual_knn_clusters(x, 6, "auto", engine="torch", singletons="ignore")
+    for threshold, got, _ in parts:
+        assert threshold == t_want
+        for name in ("thresholds", "num_clusters", "num_singletons", "largest_cluster"):
+            assert got[name] == want.to_dict()[name], name
+        assert got["mutual_edges"] == want.to_dict()["mutual_edges"]
+        for name in ("modularity", "nmi", "ari"):
+            np.testing.assert_allclose(got[name], want.to_dict()[name], rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), labels)
