@@ -15,6 +15,8 @@ few bits (so ``auto`` picks the same grid point unless two points' modularities 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from clusterflow import dist
@@ -39,10 +41,14 @@ def sharded_grid(graph: ShardedGraph) -> np.ndarray:
 
 
 def sharded_curve(
-    graph: ShardedGraph, truth: np.ndarray | None = None, thresholds: np.ndarray | None = None
+    graph: ShardedGraph,
+    truth: np.ndarray | None = None,
+    thresholds: np.ndarray | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> Curve:
     """The curve of the mutual k-NN components over ``thresholds`` (default: ``sharded_grid``);
-    collective. ``truth``: ground-truth labels of every sample (N,), for NMI and ARI."""
+    collective. ``truth``: ground-truth labels of every sample (N,), for NMI and ARI.
+    ``tick()``: once per grid point (the heartbeat)."""
     offsets, lo, hi = graph.offsets, graph.lo, graph.hi
     n = offsets[-1]
     grid = sharded_grid(graph) if thresholds is None else np.asarray(thresholds, np.float64)
@@ -68,6 +74,8 @@ def sharded_curve(
         sums = dist.all_reduce_sum([kept, inside, *point[:-1]])
         largest = dist.all_reduce_dict({"largest": point[-1]}, op="max")["largest"]
         rows.append((sums, largest))
+        if tick is not None:
+            tick()
     return _curve(grid, rows, total, n, classes)
 
 
@@ -152,11 +160,14 @@ def _curve(grid: np.ndarray, rows: list, total: float, n: int, classes: np.ndarr
 
 
 def sharded_resolve(
-    graph: ShardedGraph, threshold: float | str, truth: np.ndarray | None = None
+    graph: ShardedGraph,
+    threshold: float | str,
+    truth: np.ndarray | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[float, Curve]:
     """``curves.resolve_threshold`` across ranks: (the threshold to cluster at, the curve); a
     number is handed back unchanged, ``"auto"`` is the grid point of highest modularity."""
     if isinstance(threshold, str) and threshold != "auto":
         raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
-    curve = sharded_curve(graph, truth)
+    curve = sharded_curve(graph, truth, tick=tick)
     return (curve.auto() if isinstance(threshold, str) else threshold), curve

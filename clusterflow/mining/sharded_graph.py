@@ -26,7 +26,7 @@ lists exactly (a partition does not depend on the order edges are found in).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from scipy import sparse
@@ -118,11 +118,16 @@ def _shortcut(parent: np.ndarray, offsets: Any) -> int:
 
 
 def components(
-    u: np.ndarray, v: np.ndarray, offsets: Any, parent: np.ndarray | None = None
+    u: np.ndarray,
+    v: np.ndarray,
+    offsets: Any,
+    parent: np.ndarray | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, int]:
     """Each of this rank's nodes' root (the smallest member of its component) over the edges
     ``u - v`` (this rank's share; collective), and the hooking rounds it took. ``parent``: a
-    forest to start from (the roots of a subset of these edges: a curve's previous threshold)."""
+    forest to start from (the roots of a subset of these edges: a curve's previous threshold).
+    ``tick()``: once per round (the heartbeat)."""
     rank = dist.rank()
     lo, hi = offsets[rank], offsets[rank + 1]
     parent = np.arange(lo, hi, dtype=np.int64) if parent is None else parent.copy()
@@ -137,6 +142,8 @@ def components(
         np.minimum.at(parent, big - lo, small)
         _shortcut(parent, offsets)
         rounds += 1
+        if tick is not None:
+            tick()
 
 
 def root_sizes(root: np.ndarray, offsets: Any) -> np.ndarray:
@@ -210,12 +217,16 @@ def number(root: np.ndarray, offsets: Any, singletons: str = "cluster") -> np.nd
 
 
 def sharded_clusters(
-    graph: ShardedGraph, threshold: float, singletons: str = "cluster", max_cluster_size: int = 0
+    graph: ShardedGraph,
+    threshold: float,
+    singletons: str = "cluster",
+    max_cluster_size: int = 0,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, dict[str, int]]:
     """This rank's nodes' labels at ``threshold`` (collective), and how the work went
     (``hooking_rounds``, ``mutual_edges`` kept, on every rank)."""
     keep = graph.w >= threshold
-    root, rounds = components(graph.u[keep], graph.v[keep], graph.offsets)
+    root, rounds = components(graph.u[keep], graph.v[keep], graph.offsets, tick=tick)
     if max_cluster_size:
         root = split_large(graph, threshold, root, max_cluster_size)
     kept = int(dist.all_reduce_sum([keep.sum()])[0])

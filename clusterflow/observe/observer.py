@@ -11,7 +11,8 @@ doing); this module only wires them to the config:
   utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
 - ``dist.stall_s`` (0: off): the watchdog's limit; the mining search and wait, which wait for
   rank 0's k-NN search, get ``mining.timeout_s`` on top (the collective they wait in has that
-  timeout).
+  timeout), and so does the graph of ``mining.search=sharded`` (collectives across ranks, each
+  rank waiting for the slowest one's share).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ class Observer:
         waits = {
             phases.MINING_WAIT: cfg.mining.timeout_s + (limit or 0),
             phases.MINING_SEARCH: cfg.mining.timeout_s + (limit or 0),
+            phases.MINING_GRAPH: cfg.mining.timeout_s + (limit or 0),
         }
         self.watchdog = (
             Watchdog(

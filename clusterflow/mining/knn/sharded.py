@@ -146,10 +146,12 @@ def sharded_search(
     should_abort: Callable[[], bool] | None = None,
     timings: dict | None = None,
     blocks: Blocks | None = None,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The k nearest others of this rank's rows (global ids), searched against every rank's
     shard; collective. ``engine``: ``torch`` or ``faiss`` (``knn.choose_engine``). None on every
-    rank when any rank's ``should_abort`` said so (checked before each round)."""
+    rank when any rank's ``should_abort`` said so (checked before each round). ``tick()``: once
+    per hop (the heartbeat)."""
     import torch
 
     t0 = time.perf_counter()
@@ -196,6 +198,8 @@ def sharded_search(
             dist.wait_all(lists)
             waited += time.perf_counter() - t2
             part = merge(s_in.cpu().numpy(), i_in.cpu().numpy(), *found, kk, engine)
+            if tick is not None:
+                tick()
         if world > 1:  # the lists held now are the next rank's block: one hop home
             t1 = time.perf_counter()
             s_in = torch.empty((m, kk), dtype=torch.float32, device=link)
