@@ -38,3 +38,32 @@ def test_a_sharded_run_ends_with_the_weights_of_a_rank0_run(tmp_path, threshold)
         assert got["curve"]["num_clusters"] == want["curve"]["num_clusters"]
         np.testing.assert_allclose(got["curve"]["modularity"], want["curve"]["modularity"])
         assert "sharded over 2 ranks" in got["engine"] and got["hooking_rounds"] >= 1
+
+
+def test_a_rank_killed_in_the_exchange_resumes_from_the_finished_blocks(tmp_path, monkeypatch):
+    """Rank 1 is SIGKILLed right after its 2nd of 3 query blocks (192 samples, 32 per block),
+    while rank 0 waits for it in the ring: rank 0 fails, the relaunch reads both ranks' embeddings
+    and 2 blocks each back, searches the last round and ends as an uninterrupted run."""
+    import launch
+    from conftest import REPO
+    from test_mining_resume import same_run
+
+    over = ["cluster.tasks_per_node=2", "mining.query_batch=32", "mining.engine=torch"]
+    over += ["mining.search=sharded"]
+    plain = str(tmp_path / "plain")
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={plain}", *over], plain) == [0, 0]
+    d = str(tmp_path / "killed")
+    monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
+    over += [
+        f"run.dir={d}",
+        "task.target=testtasks:SignalInMining",
+        f"task.params.run_dir={d}",
+        "task.params.at=0:1:block:2:KILL",
+        "task.params.commit_every_s=0",
+    ]
+    first = launch.run(2, "configs/tiny.yaml", over, d)
+    assert first[1] == -9 and first[0] != 0, first
+    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    history = same_run(d, plain)
+    assert history[0]["resumed"] == {"embeddings": True, "search_blocks": 2}
+    assert history[1]["resumed"] == {"embeddings": False, "search_blocks": 0}
