@@ -326,10 +326,12 @@ def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) ->
     return full
 
 
-def exchange(parts: list[Any]) -> list[Any]:
+def exchange(parts: list[Any], rows: list[int] | None = None) -> list[Any]:
     """All-to-all of numpy arrays: ``parts[r]`` goes to rank r, and entry r of the result is what
     rank r sent here. Every array has one dtype and one shape past the first axis on every rank;
-    lengths may differ (zero too). Counts travel first, then one ``all_to_all_single``."""
+    lengths may differ (zero too). The lengths travel first, unless ``rows`` gives them (how many
+    rows each rank sends here: a reply to a request of known size), then one
+    ``all_to_all_single``."""
     import numpy as np
 
     if not initialized():
@@ -341,10 +343,12 @@ def exchange(parts: list[Any]) -> list[Any]:
     tail, dtype = parts[0].shape[1:], parts[0].dtype
     width = int(np.prod(tail, dtype=np.int64))
     device = collective_device()
-    sent = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=device)
-    got = torch.empty_like(sent)
-    tdist.all_to_all_single(got, sent)
-    got_rows = got.tolist()
+    if rows is None:
+        sent = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=device)
+        got = torch.empty_like(sent)
+        tdist.all_to_all_single(got, sent)
+        rows = got.tolist()
+    got_rows = list(rows)
     flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).view(np.uint8))
     out = torch.empty(sum(got_rows) * width * dtype.itemsize, dtype=torch.uint8, device=device)
     tdist.all_to_all_single(

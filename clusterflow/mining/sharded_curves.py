@@ -21,7 +21,13 @@ import numpy as np
 
 from clusterflow import dist
 from clusterflow.mining.curves import Curve, _count_at_least, grid_between
-from clusterflow.mining.sharded_graph import ShardedGraph, _send, components, fetch, owner
+from clusterflow.mining.sharded_graph import (
+    ShardedGraph,
+    _send,
+    components,
+    fetch_ends,
+    owner,
+)
 
 
 def sharded_grid(graph: ShardedGraph) -> np.ndarray:
@@ -65,9 +71,13 @@ def sharded_curve(
     rows = []
     for t in grid:
         kept = _count_at_least(ascending, float(t))  # a Python float, as a config value arrives
+        if rows and not dist.any_rank(kept > done):
+            rows.append(rows[-1])  # no new edge anywhere: the point before, as it was
+            continue
         parent, _ = components(graph.u[done:kept], graph.v[done:kept], offsets, parent)
         done = kept
-        same = fetch(parent, out_u, offsets) == fetch(parent, out_v, offsets)
+        pu, pv = fetch_ends(parent, out_u, out_v, offsets)
+        same = pu == pv
         inside += float(out_w[same].sum())
         out_u, out_v, out_w = out_u[~same], out_v[~same], out_w[~same]
         point = _point(parent, volume, code, classes, offsets, total, n)

@@ -69,8 +69,19 @@ def _by_owner(dest: np.ndarray, *arrays: np.ndarray) -> list[list[np.ndarray]]:
 
 
 def _send(dest: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
-    """Every entry to rank ``dest``; what this rank receives, each array concatenated."""
-    return [np.concatenate(dist.exchange(parts)) for parts in _by_owner(dest, *arrays)]
+    """Every entry to rank ``dest``; what this rank receives, each array concatenated. The arrays
+    travel together, as the bytes of one row per entry (one all-to-all)."""
+    cols = [np.ascontiguousarray(a).reshape(len(a), int(np.prod(a.shape[1:]))) for a in arrays]
+    packed = np.concatenate([c.view(np.uint8) for c in cols], axis=1) if cols else None
+    (parts,) = _by_owner(dest, packed)
+    got = np.concatenate(dist.exchange(parts))
+    out, at = [], 0
+    for a, c in zip(arrays, cols):
+        width = c.shape[1] * c.dtype.itemsize
+        col = np.ascontiguousarray(got[:, at : at + width]).view(c.dtype)
+        out.append(col.reshape(len(got), *a.shape[1:]))
+        at += width
+    return out
 
 
 def fetch(values: np.ndarray, idx: np.ndarray, offsets: Any) -> np.ndarray:
@@ -79,9 +90,16 @@ def fetch(values: np.ndarray, idx: np.ndarray, offsets: Any) -> np.ndarray:
     lo = offsets[dist.rank()]
     uniq, inv = np.unique(idx, return_inverse=True)
     cuts = np.searchsorted(uniq, np.asarray(offsets))
-    asked = dist.exchange([uniq[cuts[r] : cuts[r + 1]] for r in range(dist.world())])
-    answers = dist.exchange([values[a - lo] for a in asked])
+    asking = [uniq[cuts[r] : cuts[r + 1]] for r in range(dist.world())]
+    asked = dist.exchange(asking)
+    answers = dist.exchange([values[a - lo] for a in asked], rows=[len(a) for a in asking])
     return np.concatenate(answers)[inv] if len(idx) else values[:0]
+
+
+def fetch_ends(values: np.ndarray, u: np.ndarray, v: np.ndarray, offsets: Any) -> tuple:
+    """``fetch`` at both ends of the edges ``u - v`` in one request."""
+    both = fetch(values, np.concatenate([u, v]), offsets)
+    return both[: len(u)], both[len(u) :]
 
 
 def mutual_edges(sims: np.ndarray, ids: np.ndarray, offsets: Any) -> ShardedGraph:
@@ -133,7 +151,7 @@ def components(
     parent = np.arange(lo, hi, dtype=np.int64) if parent is None else parent.copy()
     rounds = 0
     while True:
-        pu, pv = fetch(parent, u, offsets), fetch(parent, v, offsets)
+        pu, pv = fetch_ends(parent, u, v, offsets)
         apart = pu != pv
         if not dist.any_rank(bool(apart.any())):
             return parent, rounds
