@@ -162,6 +162,7 @@ def main() -> None:
                     a.engine,
                     a.query_batch,
                     timeout=7200,
+                    pg_timeout=7200,
                 )
                 found[mode] = out[0][2]
                 same = (
@@ -182,7 +183,17 @@ def main() -> None:
         for n in a.n:
             for world in a.world:
                 for index in ("ivf", "hnsw"):
-                    out = run_ranks(world, recall, n, a.d, a.k, a.query_batch, index, timeout=7200)
+                    out = run_ranks(
+                        world,
+                        recall,
+                        n,
+                        a.d,
+                        a.k,
+                        a.query_batch,
+                        index,
+                        timeout=7200,
+                        pg_timeout=7200,
+                    )
                     hits, total = sum(o[0] for o in out), sum(o[1] for o in out)
                     print(
                         f"| {n:,} | {world} | {index} | {hits / total:.4f} | "

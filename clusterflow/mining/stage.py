@@ -6,6 +6,10 @@
     + graph    and rank 0 finds the k nearest others of each (knn.search: FAISS or exact torch);
                search=all: every rank searches its own block against all rows
                (knn.torch_engine.distributed_search) and only the k-NN lists travel to rank 0
+               search=sharded: every rank indexes its own shard, query blocks travel a ring
+               (knn/sharded.py), and the graph, the curve and the components are computed
+               across ranks (sharded_graph.py, sharded_curves.py: Miner._sharded); the labels
+               are then gathered and broadcast like rank 0's
     cluster    rank 0: the threshold curve of the mutual graph (curves.py), then mining.method:
                mutual_knn (edges >= the threshold, a number or the curve's "auto", then
                connected components: the very functions behind ``mutual_knn_clusters``) or
