@@ -371,9 +371,10 @@ def ring_pass(send: list[Any], recv: list[Any], tag: int = 0) -> list[Any]:
     import torch.distributed as tdist
 
     nxt, prev = (rank() + 1) % world(), (rank() - 1) % world()
-    works = [tdist.isend(t.contiguous(), nxt, tag=tag) for t in send if t.numel()]
-    works += [tdist.irecv(t, prev, tag=tag) for t in recv if t.numel()]
-    return works
+    # One batch, so NCCL posts the sends and receives together (two ranks send to each other).
+    ops = [tdist.P2POp(tdist.isend, t.contiguous(), nxt, tag=tag) for t in send if t.numel()]
+    ops += [tdist.P2POp(tdist.irecv, t, prev, tag=tag) for t in recv if t.numel()]
+    return tdist.batch_isend_irecv(ops) if ops else []
 
 
 def wait_all(works: list[Any]) -> None:
