@@ -44,6 +44,7 @@ def test_stall_limit(overrides, limit):
             ["dist.stall_s=soon"],
             "dist.stall_s = 'soon': must be auto, 0 (off) or a number of seconds",
         ),
+        (["dist.bucket_cap_mb=0"], "dist.bucket_cap_mb = 0: must be between 1 and 1048576 (1 TB)"),
         (
             ["dist.heartbeat_s=-1"],
             "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds",
@@ -218,3 +219,29 @@ def test_local_gpus_are_chosen_before_anything_is_written(tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "cluster.gpus_per_node=2 asks for GPUs, but NVML sees none on this machine" in out.stderr
     assert not os.path.exists(d)
+
+
+def test_a_hung_mining_search_is_named_by_rank_0_not_by_a_waiting_peers_timeout(tmp_path):
+    """Rank 0 hangs in its k-NN search while rank 1 waits for the labels: the first cause is rank
+    0's stall in the search, not rank 1's collective timing out."""
+    d = str(tmp_path / "run")
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "task.target=testtasks:HangInSearchOnRank0",
+        "dist.stall_s=5",
+        "dist.heartbeat_s=0.5",
+        "mining.timeout_s=10",
+        "--local",
+        env={"PYTHONPATH": TESTS},
+        timeout=300,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    first = first_error.read(d, 0)  # what status and a Slurm job's end report as the cause
+    assert first["rank"] == 0 and first["kind"] == "stall", first
+    assert " in mining search (" in first["error"], first
+    assert first["error"].endswith("hanging_in_knn_search)"), first
+    st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert st["state"] == "failed" and "rank 0 on " in st["error"], st
+    assert "Timed out" not in st["error"], st["error"]

@@ -10,6 +10,7 @@ import time
 
 import torch.distributed as tdist
 
+from clusterflow.mining import knn
 from clusterflow.storage import durable
 from clusterflow.tasks import images
 from clusterflow.tasks.images import ImageFolderTask
@@ -260,6 +261,27 @@ def sleeping_in_loss():
 
 def sleeping_in_embed():
     time.sleep(3600)
+
+
+def hanging_in_knn_search():
+    """Where rank 0's k-NN search hangs (a FAISS call that never returns, a dead filesystem)."""
+    time.sleep(3600)
+
+
+class HangInSearchOnRank0(PseudoIDTask):
+    """Trains like PseudoIDTask; rank 0's first k-NN search never returns, while the other ranks
+    wait for its labels."""
+
+    def __init__(self, seed=0, **params):
+        super().__init__(seed, **params)
+        search = knn.search
+
+        def hanging(*args, **kwargs):
+            if tdist.is_initialized() and tdist.get_rank() == 0:
+                hanging_in_knn_search()
+            return search(*args, **kwargs)
+
+        knn.search = hanging
 
 
 class StallOnRank1(PseudoIDTask):

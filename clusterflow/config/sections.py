@@ -302,6 +302,12 @@ class DistConfig:
                 f"({self.timeout_s} s), or the process-group timeout fires first and "
                 "blames a waiting peer; raise dist.timeout_s or lower dist.stall_s",
             )
+        _check(
+            1 <= self.bucket_cap_mb <= 1 << 20,
+            "dist.bucket_cap_mb",
+            self.bucket_cap_mb,
+            "must be between 1 and 1048576 (1 TB)",
+        )
 
     @property
     def stall_limit_s(self) -> float | None:
@@ -310,12 +316,6 @@ class DistConfig:
             return None
         return (
             float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
-        )
-        _check(
-            1 <= self.bucket_cap_mb <= 1 << 20,
-            "dist.bucket_cap_mb",
-            self.bucket_cap_mb,
-            "must be between 1 and 1048576 (1 TB)",
         )
 
 
@@ -474,7 +474,13 @@ class MiningConfig:
     max_cluster_size: int = doc(
         0, "Split components larger than this by raising the threshold inside them; 0 disables."
     )
-    timeout_s: int = doc(3600, "Timeout of the collective in which ranks wait for rank 0's search.")
+    timeout_s: int = doc(
+        3600,
+        "The longest the k-NN search may take (rank 0's gather, index and search). With the "
+        "watchdog on (dist.stall_s), a search that takes longer ends the job and is named as the "
+        "cause; the other ranks wait for it 2 x dist.stall_s longer, so their timeout never "
+        "comes first.",
+    )
     resume: bool = doc(
         True,
         "Keep each rank's embeddings and the finished k-NN query "

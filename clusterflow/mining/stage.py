@@ -309,6 +309,7 @@ class Miner:
         rounds_dir: str | None = None,
         fsync: bool = True,
         data: Any = None,
+        wait_timeout_s: int | None = None,
     ) -> None:
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
         # The data section: worker processes and pinned memory for the embedding's DataLoader.
@@ -320,8 +321,9 @@ class Miner:
         self.phases = tracker or phases.Phases()
         self.progress_bar = progress_bar
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
-        # Ranks wait here, on the mining timeout, for rank 0's search.
-        self.group = dist.Subgroup(cfg.timeout_s)
+        # Ranks wait here for rank 0's search: on mining.timeout_s, or longer with the watchdog
+        # (observe.mining_wait_timeout_s), so that a hung search is named by rank 0's watchdog.
+        self.group = dist.Subgroup(wait_timeout_s or cfg.timeout_s)
         self.params = KnnParams.from_config(cfg)
         self.search: Any = (
             SpreadSearch(self.params, device)
@@ -396,7 +398,7 @@ class Miner:
             stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
             stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
         with self.phases.enter(phases.MINING_WAIT):
-            # Waits, on the mining timeout, for rank 0's search.
+            # Waits, on the group's timeout, for rank 0's search.
             stats = self.group.broadcast_object(stats)
             if stats is None:
                 return None  # rank 0 aborted the search on a signal

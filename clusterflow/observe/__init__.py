@@ -8,6 +8,6 @@
 - ``nvml.py``: an NVML snapshot of the GPUs (optional: nvidia-ml-py).
 """
 
-from clusterflow.observe.observer import Observer, before_init, nvml_gpu
+from clusterflow.observe.observer import Observer, before_init, mining_wait_timeout_s, nvml_gpu
 
-__all__ = ["Observer", "before_init", "nvml_gpu"]
+__all__ = ["Observer", "before_init", "mining_wait_timeout_s", "nvml_gpu"]

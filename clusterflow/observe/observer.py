@@ -9,10 +9,11 @@ doing); this module only wires them to the config:
 - ``dist.heartbeat_s`` (0: off): each rank's RUN_DIR/heartbeats/rank<R>.json; rank 0 also reads
   every rank's file on its heartbeat thread and logs per-rank step time and per-GPU memory and
   utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
-- ``dist.stall_s`` (0: off): the watchdog's limit; the mining search and wait, which wait for
-  rank 0's k-NN search, get ``mining.timeout_s`` on top (the collective they wait in has that
-  timeout), and so does the graph of ``mining.search=sharded`` (collectives across ranks, each
-  rank waiting for the slowest one's share).
+- ``dist.stall_s`` (0: off): the watchdog's limit. The mining search may take
+  ``mining.timeout_s``; the ranks waiting for it wait longer (:func:`mining_wait_timeout_s`), so
+  a search that hangs is named by rank 0's own watchdog, not by a waiting peer's timeout. The
+  graph of ``mining.search=sharded`` (collectives across ranks, each rank waiting for the
+  slowest one's share) may take ``mining.timeout_s`` too.
 """
 
 from __future__ import annotations
@@ -59,6 +60,26 @@ def nvml_gpu(device: Any) -> int | str | None:
     return nvml.nvml_id_for_torch_device(device.index or 0, os.environ.get("CUDA_VISIBLE_DEVICES"))
 
 
+def mining_wait_timeout_s(mining_timeout_s: int, stall_limit_s: float | None) -> int:
+    """The timeout of the group in which ranks wait for the mining search: rank 0's watchdog
+    ends a search that outlasts ``mining.timeout_s``, and records itself as the cause, before a
+    waiting rank's collective times out and blames the wait. Without a watchdog it is
+    ``mining.timeout_s`` itself."""
+    return int(mining_timeout_s + 2 * (stall_limit_s or 0))
+
+
+def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, float]:
+    """Each long phase's watchdog limit. The search (rank 0's gather, index and search; every
+    rank's with ``mining.search=all`` or ``sharded``) and the graph across ranks (``sharded``) get
+    ``mining.timeout_s``; the wait outlasts the wait's own collective, whose timeout error names
+    the wait if the search's rank is gone silently."""
+    return {
+        phases.MINING_SEARCH: float(mining_timeout_s),
+        phases.MINING_GRAPH: float(mining_timeout_s),
+        phases.MINING_WAIT: mining_wait_timeout_s(mining_timeout_s, stall_limit_s) + stall_limit_s,
+    }
+
+
 class Observer:
     def __init__(self, cfg: Any, rank: int, attempt: int, device: Any) -> None:
         self.run_dir, self.rank, self.attempt = cfg.run.dir, rank, attempt
@@ -75,11 +96,6 @@ class Observer:
         )
         self.progress = self.heartbeat.progress if self.heartbeat is not None else Progress()
         limit = d.stall_limit_s
-        waits = {
-            phases.MINING_WAIT: cfg.mining.timeout_s + (limit or 0),
-            phases.MINING_SEARCH: cfg.mining.timeout_s + (limit or 0),
-            phases.MINING_GRAPH: cfg.mining.timeout_s + (limit or 0),
-        }
         self.watchdog = (
             Watchdog(
                 self.progress,
@@ -88,7 +104,7 @@ class Observer:
                 stall_s=limit,
                 attempt=attempt,
                 host=self.host,
-                allowances=waits,
+                allowances=phase_allowances(cfg.mining.timeout_s, limit),
                 log_file=paths.log_file(rank, attempt),
                 on_stall=self._record,
             )

@@ -32,7 +32,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.dist.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
 from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
-from clusterflow.observe import phases
+from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
@@ -106,6 +106,7 @@ class Trainer:
             rounds_dir=self.paths.mining_rounds,
             fsync=cfg.checkpoint.fsync,
             data=cfg.data,
+            wait_timeout_s=mining_wait_timeout_s(cfg.mining.timeout_s, cfg.dist.stall_limit_s),
         )
 
     def _build_data(self) -> None:
