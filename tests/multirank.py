@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 from clusterflow.dist import free_port
 
 
-def _entry(rank, world, port, fn, args, queue):
+def _entry(rank, world, port, fn, args, queue, pg_timeout=120):
     os.environ.update(
         {
             "RANK": str(rank),
@@ -27,19 +27,21 @@ def _entry(rank, world, port, fn, args, queue):
         from clusterflow.dist import DistEnv
 
         torch.set_num_threads(1)
-        dist.init(DistEnv.from_env(os.environ), "gloo", 120)
+        dist.init(DistEnv.from_env(os.environ), "gloo", pg_timeout)
         queue.put((rank, "ok", fn(*args)))
         dist.shutdown()
     except BaseException:  # noqa: BLE001
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(world, fn, *args, timeout=300):
+def run_ranks(world, fn, *args, timeout=300, pg_timeout=120):
+    """``pg_timeout``: the process group's timeout (a rank waiting longer for another fails)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)
+        ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, pg_timeout))
+        for r in range(world)
     ]
     for p in procs:
         p.start()

@@ -55,7 +55,7 @@ def test_defaults_file_overrides_precedence(tmp_path):
             "train.epochs.x=3",
             "train.epochs is a single value, not a mapping; write train.epochs=VALUE",
         ),
-        ("mining.search=everywhere", "must be one of rank0, all"),
+        ("mining.search=everywhere", "must be one of rank0, all, sharded"),
     ],
 )
 def test_bad_overrides_name_key_value_and_fix(override, needle):
@@ -107,6 +107,10 @@ def test_round_trip_and_fingerprint_ignores_run_dir(tmp_path):
         (["configs/demo.yaml", "train.epochz=1"], "unknown key train.epochz"),
         (["configs/demo.yaml", "cluster.nodes=0"], "cluster.nodes = 0"),
         (["configs/demo.yaml", "cluster.tasks_per_node=0"], "cluster.tasks_per_node = 0"),
+        (
+            ["configs/demo.yaml", "mining.search=sharded", "mining.method=finch"],
+            "which mining.search=sharded never gathers; set mining.search=rank0",
+        ),
     ],
 )
 def test_cli_bad_input_exits_2_without_traceback(cli, args, needle):
@@ -163,6 +167,18 @@ def test_spread_search_needs_the_exact_torch_engine():
     with pytest.raises(UserError, match="mining.search=all is exact"):
         config.load(None, ["mining.search=all", "mining.index=hnsw"])
     assert config.load(None, ["mining.search=all"]).mining.search == "all"
+
+
+def test_sharded_search_takes_any_engine_and_index():
+    for index in ("flat", "ivf", "hnsw"):
+        cfg = config.load(
+            None, ["mining.search=sharded", "mining.engine=faiss", f"mining.index={index}"]
+        )
+        assert (cfg.mining.search, cfg.mining.index) == ("sharded", index)
+    assert (
+        config.load(None, ["mining.search=sharded", "mining.threshold=auto"]).mining.search
+        == "sharded"
+    )
 
 
 def test_one_resume_rule_for_submit_run_and_restore(tmp_path, capsys):

@@ -135,9 +135,10 @@ class SignalInMining(PseudoIDTask):
     ``at``: ``"ATTEMPT:RANK:WHERE:N:SIG,..."``; RANK a number or ``*``; WHERE ``embed`` (during the
     N-th embedding batch of the process) or ``block`` (after the N-th k-NN query block the process
     computed, once it is handed to the round's files). E.g. ``"0:*:embed:1:TERM,1:0:block:3:TERM"``.
+    ``commit_every_s`` (>= 0): the round's files commit finished blocks at that interval.
     """
 
-    def __init__(self, seed=0, run_dir="", at="", **params):
+    def __init__(self, seed=0, run_dir="", at="", commit_every_s=-1.0, **params):
         super().__init__(seed, **params)
         self.run_dir, self.counts, self.plan = run_dir, {"embed": 0, "block": 0}, {}
         for item in filter(None, at.split(",")):
@@ -152,6 +153,11 @@ class SignalInMining(PseudoIDTask):
             task._tick("block")
 
         mining_rounds.SearchBlocks.put = counted_put
+        if float(commit_every_s) >= 0:  # blocks on disk before a SIGKILL can flush them
+            blocks_of = mining_rounds.RoundFiles.search_blocks
+            mining_rounds.RoundFiles.search_blocks = lambda files: blocks_of(
+                files, float(commit_every_s)
+            )
 
     def _tick(self, where):
         self.counts[where] += 1

@@ -488,8 +488,11 @@ class MiningConfig:
     search: str = doc(
         "rank0",
         "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which "
-        "searches on all its GPUs or cores) or all (every rank searches its own block with "
-        "the exact torch engine; query blocks are broadcast and the partial top-k merged).",
+        "searches on all its GPUs or cores), all (every rank searches its own block with "
+        "the exact torch engine; query blocks are broadcast and the partial top-k merged) or "
+        "sharded (every rank indexes only its own shard with mining.engine and mining.index, "
+        "query blocks travel a ring of ranks, and the mutual edges, components and curves are "
+        "computed across ranks: no rank holds every embedding or every k-NN list).",
     )
     nlist: int = doc(1024, "ivf: number of inverted lists.")
     nprobe: int = doc(16, "ivf: lists visited per query.")
@@ -548,7 +551,14 @@ class MiningConfig:
         _choice("mining.index", self.index, ("flat", "ivf", "hnsw"))
         _choice("mining.engine", self.engine, ("auto", "faiss", "torch"))
         _choice("mining.singletons", self.singletons, ("cluster", "ignore"))
-        _choice("mining.search", self.search, ("rank0", "all"))
+        _choice("mining.search", self.search, ("rank0", "all", "sharded"))
+        _check(
+            self.search != "sharded" or self.method != "finch",
+            "mining.method",
+            self.method,
+            "needs every embedding on rank 0 (cluster means and a search at every level), "
+            "which mining.search=sharded never gathers; set mining.search=rank0",
+        )
         if self.search == "all":
             _check(
                 self.engine != "faiss",

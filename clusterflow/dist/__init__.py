@@ -24,6 +24,7 @@ from clusterflow.dist.comm import (
     broadcast_tensor,
     collective_device,
     device_for,
+    exchange,
     gather_object,
     gather_rows,
     init,
@@ -32,8 +33,10 @@ from clusterflow.dist.comm import (
     is_main,
     pick_backend,
     rank,
+    ring_pass,
     scatter_object,
     shutdown,
+    wait_all,
     world,
 )
 from clusterflow.dist.env import DistEnv, derive_port, free_port, parse_nodelist
@@ -55,6 +58,7 @@ __all__ = [
     "collective_device",
     "derive_port",
     "device_for",
+    "exchange",
     "free_port",
     "gather_object",
     "gather_rows",
@@ -64,7 +68,9 @@ __all__ = [
     "parse_nodelist",
     "pick_backend",
     "rank",
+    "ring_pass",
     "scatter_object",
     "shutdown",
+    "wait_all",
     "world",
 ]

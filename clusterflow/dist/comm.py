@@ -334,3 +334,59 @@ def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) ->
             f"gathering rows lost {int((~seen).sum())} of {n}; this is a bug in clusterflow"
         )
     return full
+
+
+def exchange(parts: list[Any], rows: list[int] | None = None) -> list[Any]:
+    """All-to-all of numpy arrays: ``parts[r]`` goes to rank r, and entry r of the result is what
+    rank r sent here. Every array has one dtype and one shape past the first axis on every rank;
+    lengths may differ (zero too). The lengths travel first, unless ``rows`` gives them (how many
+    rows each rank sends here: a reply to a request of known size), then one
+    ``all_to_all_single``."""
+    import numpy as np
+
+    if not initialized():
+        return [np.asarray(parts[0])]
+    import torch
+    import torch.distributed as tdist
+
+    parts = [np.ascontiguousarray(p) for p in parts]
+    tail, dtype = parts[0].shape[1:], parts[0].dtype
+    width = int(np.prod(tail, dtype=np.int64))
+    device = collective_device()
+    if rows is None:
+        sent = torch.tensor([len(p) for p in parts], dtype=torch.int64, device=device)
+        got = torch.empty_like(sent)
+        tdist.all_to_all_single(got, sent)
+        rows = got.tolist()
+    got_rows = list(rows)
+    flat = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]).view(np.uint8))
+    out = torch.empty(sum(got_rows) * width * dtype.itemsize, dtype=torch.uint8, device=device)
+    tdist.all_to_all_single(
+        out,
+        flat.to(device),
+        [r * width * dtype.itemsize for r in got_rows],
+        [len(p) * width * dtype.itemsize for p in parts],
+    )
+    host = out.cpu().numpy().view(dtype)
+    ends = np.cumsum([r * width for r in got_rows])[:-1]
+    return [a.reshape(-1, *tail) for a in np.split(host, ends)]
+
+
+def ring_pass(send: list[Any], recv: list[Any], tag: int = 0) -> list[Any]:
+    """Start sending ``send`` (tensors) to the next rank and receiving ``recv`` (tensors to fill)
+    from the previous one, in a ring; returns the pending works (``wait_all``). Empty tensors are
+    not sent: both sides know the sizes. ``tag`` tells apart passes that are in flight at once."""
+    if not initialized():
+        raise RuntimeError("ring_pass needs a process group; this is a bug in clusterflow")
+    import torch.distributed as tdist
+
+    nxt, prev = (rank() + 1) % world(), (rank() - 1) % world()
+    # One batch, so NCCL posts the sends and receives together (two ranks send to each other).
+    ops = [tdist.P2POp(tdist.isend, t.contiguous(), nxt, tag=tag) for t in send if t.numel()]
+    ops += [tdist.P2POp(tdist.irecv, t, prev, tag=tag) for t in recv if t.numel()]
+    return tdist.batch_isend_irecv(ops) if ops else []
+
+
+def wait_all(works: list[Any]) -> None:
+    for w in works:
+        w.wait()

@@ -152,6 +152,8 @@ def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "threshold",
         "threshold_rule",
         "curve",
+        "engine",
+        "hooking_rounds",
     )
     return [
         {k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")}
@@ -315,6 +317,10 @@ def render(s: dict[str, Any]) -> str:
             lines.append(f"method       {m['method']}")
         if _curve_summary(m):
             lines.append(f"curve        {_curve_summary(m)}")
+        if m.get("hooking_rounds") is not None:  # mining.search=sharded
+            lines.append(
+                f"graph        across ranks, {m['hooking_rounds']} hooking rounds; {m['engine']}"
+            )
     lines += ranks.render(s)
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")

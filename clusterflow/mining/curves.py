@@ -52,8 +52,13 @@ def default_thresholds(graph: MutualGraph, step: float = 0.0025) -> np.ndarray:
     merge (the digits, k=10, in docs/mining.md)."""
     if len(graph.w) == 0:
         return np.array([1.0])
-    top = math.floor(float(graph.w[0]) / step) + 1
-    bottom = math.floor(float(graph.w[-1]) / step) - 1  # one step of margin for the rounding
+    return grid_between(float(graph.w[0]), float(graph.w[-1]), step)
+
+
+def grid_between(strongest: float, weakest: float, step: float = 0.0025) -> np.ndarray:
+    """``default_thresholds`` of a graph whose edges' similarities span ``weakest..strongest``."""
+    top = math.floor(strongest / step) + 1
+    bottom = math.floor(weakest / step) - 1  # one step of margin for the rounding
     return np.round(np.arange(top, bottom - 1, -1) * step, 10)
 
 

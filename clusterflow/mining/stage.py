@@ -6,6 +6,10 @@
     + graph    and rank 0 finds the k nearest others of each (knn.search: FAISS or exact torch);
                search=all: every rank searches its own block against all rows
                (knn.torch_engine.distributed_search) and only the k-NN lists travel to rank 0
+               search=sharded: every rank indexes its own shard, query blocks travel a ring
+               (knn/sharded.py), and the graph, the curve and the components are computed
+               across ranks (sharded_graph.py, sharded_curves.py: Miner._sharded); the labels
+               are then gathered and broadcast like rank 0's
     cluster    rank 0: the threshold curve of the mutual graph (curves.py), then mining.method:
                mutual_knn (edges >= the threshold, a number or the curve's "auto", then
                connected components: the very functions behind ``mutual_knn_clusters``) or
@@ -42,10 +46,13 @@ from clusterflow.mining.clustering import (
     tie_warning,
 )
 from clusterflow.mining.knn import KnnParams
+from clusterflow.mining.knn.sharded import sharded_search
 from clusterflow.mining.knn.torch_engine import distributed_search
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
 from clusterflow.mining.quality import quality
 from clusterflow.mining.rounds import RoundFiles, SearchBlocks, forget_rounds, round_key
+from clusterflow.mining.sharded_curves import sharded_resolve
+from clusterflow.mining.sharded_graph import mutual_edges, sharded_clusters
 from clusterflow.observe import phases
 
 log = logging.getLogger("clusterflow.mining")
@@ -229,6 +236,64 @@ class SpreadSearch:
         return (None if sims is None else (sims, ids)), timings["engine"], None
 
 
+def _offsets_of(indices: np.ndarray, n: int) -> tuple[list[int], np.ndarray]:
+    """Every rank's first index (and n), and the order that sorts this rank's rows; the shards
+    must be the contiguous blocks ``shard_range`` gives."""
+    world, rank = dist.world(), dist.rank()
+    offsets = [shard_range(n, r, world).start for r in range(world)] + [n]
+    order = np.argsort(indices, kind="stable")
+    if not np.array_equal(indices[order], np.arange(offsets[rank], offsets[rank + 1])):
+        raise RuntimeError(
+            "mining shards are not the contiguous blocks the distributed search needs; "
+            "this is a bug in clusterflow"
+        )
+    return offsets, order
+
+
+class ShardedSearch:
+    """mining.search=sharded: every rank indexes its own shard (any engine and index), query
+    blocks travel a ring of ranks (knn/sharded.py); each rank ends with its own rows' lists,
+    and the graph, the curve and the components are computed across ranks (``Miner._sharded``)."""
+
+    def __init__(self, params: KnnParams, device: Any, tick: Callable[[], None]) -> None:
+        self.params, self.device, self.tick = params, device, tick
+
+    def __call__(
+        self,
+        indices: np.ndarray,
+        emb: np.ndarray,
+        n: int,
+        should_abort: Callable[[], bool],
+        seconds: dict[str, Any],
+        files: RoundFiles | None,
+    ) -> tuple[KnnLists | None, list[int], str]:
+        """Collective: this rank's rows' k-NN lists in index order (None on every rank when
+        aborted), every rank's first index, and the engine."""
+        offsets, order = _offsets_of(indices, n)
+        engine, why = knn.choose_engine(self.params.engine)
+        timings: dict[str, Any] = {}
+        blocks = _blocks(files)
+        local = sharded_search(
+            normalize(emb[order]),
+            offsets,
+            self.params,
+            engine,
+            self.device if engine == "torch" else "cpu",
+            should_abort=should_abort,
+            timings=timings,
+            blocks=blocks,
+            tick=self.tick,
+        )
+        if blocks is not None:
+            blocks.flush()  # on a signal too: the grace period keeps the finished blocks
+            seconds.update(blocks_from_disk=timings["blocks_skipped"], keep_blocks=blocks.seconds)
+        if local is not None:
+            seconds.update(
+                index=timings["index"], search=timings["search"], exchange=timings["exchange"]
+            )
+        return local, offsets, f"{timings['engine'][:-1]}; {why})"
+
+
 class Miner:
     """The mining stage of one trainer: when a round is due, and running it. ``rounds_dir``:
     where rounds keep their work until their labels are committed (None: nowhere)."""
@@ -260,9 +325,11 @@ class Miner:
         # (observe.mining_wait_timeout_s), so that a hung search is named by rank 0's watchdog.
         self.group = dist.Subgroup(wait_timeout_s or cfg.timeout_s)
         self.params = KnnParams.from_config(cfg)
-        self.search = (
+        self.search: Any = (
             SpreadSearch(self.params, device)
             if cfg.search == "all" and dist.world() > 1
+            else ShardedSearch(self.params, device, self.phases.tick)
+            if cfg.search == "sharded"
             else Rank0Search(self.params, keep_rows=cfg.method == "finch")
         )
 
@@ -313,6 +380,8 @@ class Miner:
         embed_times = dist.gather_object((len(indices), seconds["embed"]))
         if self.stop.agree():
             return None
+        if isinstance(self.search, ShardedSearch):
+            return self._sharded(task, indices, emb, n, epoch, embed_times, reused, seconds, files)
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine, x = self.search(
@@ -336,6 +405,89 @@ class Miner:
             t3 = time.perf_counter()
             labels = self.group.broadcast_array(labels, n)
             seconds["broadcast"] = time.perf_counter() - t3
+        stats["resumed"] = {
+            "embeddings": reused,
+            "search_blocks": int(seconds.pop("blocks_from_disk", 0)),
+        }
+        seconds["total"] = sum(seconds.values())
+        stats["seconds"] = seconds
+        return Round(labels=labels, stats=stats)
+
+    def _sharded(
+        self,
+        task: Any,
+        indices: np.ndarray,
+        emb: np.ndarray,
+        n: int,
+        epoch: int,
+        embed_times: list | None,
+        reused: bool,
+        seconds: dict[str, Any],
+        files: RoundFiles | None,
+    ) -> Round | None:
+        """The rest of a mining.search=sharded round, every rank alike: the search, then the
+        mutual graph, the curve and the labels across ranks; the labels are then gathered and
+        broadcast (the sampler draws any sample on any rank), and the stats computed from them
+        on every rank."""
+        c = self.cfg
+        with self.phases.enter(phases.MINING_SEARCH):
+            lists, offsets, engine = self.search(
+                indices, emb, n, lambda: self.stop.requested, seconds, files
+            )
+        if lists is None:
+            return None  # every rank saw the abort at the same query block
+        with self.phases.enter(phases.MINING_GRAPH):
+            why = tie_warning(*lists) if len(lists[0]) else None
+            if dist.any_rank(why is not None) and dist.rank() == 0:
+                log.warning(
+                    "mining epoch %d: the embeddings are identical on at least one shard: the "
+                    "clusters are made by tie-breaking, not found; lower train.lr, or check the "
+                    "task's embed()",
+                    epoch,
+                )
+            t0 = time.perf_counter()
+            graph = mutual_edges(*lists, offsets)
+            truth = task.ground_truth()
+            threshold, curve = sharded_resolve(graph, c.threshold, truth, tick=self.phases.tick)
+            t1 = time.perf_counter()
+            local, info = sharded_clusters(
+                graph, threshold, c.singletons, c.max_cluster_size, tick=self.phases.tick
+            )
+            seconds.update(curve=t1 - t0, cluster=time.perf_counter() - t1)
+        with self.phases.enter(phases.MINING_WAIT):
+            t2 = time.perf_counter()
+            rows = np.arange(offsets[dist.rank()], offsets[dist.rank() + 1])
+            full = dist.gather_rows(rows, local[:, None], n, 1, np.int64)
+            labels = self.group.broadcast_array(
+                None if full is None else np.ascontiguousarray(full[:, 0]), n
+            )
+            seconds["broadcast"] = time.perf_counter() - t2
+        stats = {
+            "epoch": epoch,
+            **cluster_stats(labels),
+            "engine": engine,
+            "num_samples": n,
+            "method": c.method,
+            "threshold": threshold,
+            "threshold_rule": "auto" if c.threshold == "auto" else "fixed",
+            "mutual_edges": info["mutual_edges"],
+            "hooking_rounds": info["hooking_rounds"],
+            "curve": curve.to_dict(),
+        }
+        if truth is not None:
+            stats.update(quality(labels, truth))
+        times = dist.broadcast_object(embed_times)
+        stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in times]
+        stats["embed_per_s_total"] = n / max(max(t for _, t in times), 1e-9)
+        log.info(
+            "mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d",
+            epoch,
+            engine,
+            _how(stats),
+            stats["num_clusters"],
+            stats["num_singletons"],
+            stats["largest_cluster"],
+        )
         stats["resumed"] = {
             "embeddings": reused,
             "search_blocks": int(seconds.pop("blocks_from_disk", 0)),

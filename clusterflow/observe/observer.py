@@ -11,7 +11,9 @@ doing); this module only wires them to the config:
   utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
 - ``dist.stall_s`` (0: off): the watchdog's limit. The mining search may take
   ``mining.timeout_s``; the ranks waiting for it wait longer (:func:`mining_wait_timeout_s`), so
-  a search that hangs is named by rank 0's own watchdog, not by a waiting peer's timeout.
+  a search that hangs is named by rank 0's own watchdog, not by a waiting peer's timeout. The
+  graph of ``mining.search=sharded`` (collectives across ranks, each rank waiting for the
+  slowest one's share) may take ``mining.timeout_s`` too.
 """
 
 from __future__ import annotations
@@ -68,10 +70,12 @@ def mining_wait_timeout_s(mining_timeout_s: int, stall_limit_s: float | None) ->
 
 def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, float]:
     """Each long phase's watchdog limit. The search (rank 0's gather, index and search; every
-    rank's with ``mining.search=all``) gets ``mining.timeout_s``; the wait outlasts the wait's own
-    collective, whose timeout error names the wait if the search's rank is gone silently."""
+    rank's with ``mining.search=all`` or ``sharded``) and the graph across ranks (``sharded``) get
+    ``mining.timeout_s``; the wait outlasts the wait's own collective, whose timeout error names
+    the wait if the search's rank is gone silently."""
     return {
         phases.MINING_SEARCH: float(mining_timeout_s),
+        phases.MINING_GRAPH: float(mining_timeout_s),
         phases.MINING_WAIT: mining_wait_timeout_s(mining_timeout_s, stall_limit_s) + stall_limit_s,
     }
 

@@ -1,9 +1,9 @@
 """What this rank is doing now: one place to read it, and to report it.
 
 The trainer, the checkpointer and the mining stage enter a phase around each stretch of work
-(``train``, ``eval``, ``mining embed``, ``mining search``, ``mining wait``, ``checkpoint``), so a
-heartbeat, a watchdog or per-rank status can report where a rank is and since when, without
-knowing the loop. Nested phases restore the outer one when they end.
+(``train``, ``eval``, ``mining embed``, ``mining search``, ``mining graph``, ``mining wait``,
+``checkpoint``), so a heartbeat, a watchdog or per-rank status can report where a rank is and
+since when, without knowing the loop. Nested phases restore the outer one when they end.
 
 Each phase change and each :meth:`Phases.tick` (the loop calls it once per step or batch) is
 handed to ``beat(step, phase)``: with heartbeats on,
@@ -22,6 +22,8 @@ EVAL = "eval"
 MINING_EMBED = "mining embed"
 MINING_SEARCH = "mining search"
 MINING_WAIT = "mining wait"
+# mining.search=sharded: the mutual graph, curve and components computed across ranks.
+MINING_GRAPH = "mining graph"
 CHECKPOINT = "checkpoint"
 
 
