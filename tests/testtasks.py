@@ -304,3 +304,18 @@ class TermDuringScan(ImageFolderTask):
 
         images._images_under = signalled
         super().__init__(seed, **params)
+
+
+class KillWhenFileAppears(PseudoIDTask):
+    """Sleeps ``step_sleep`` seconds per step and SIGKILLs itself at the first loss call after
+    ``kill_file`` exists: a test kills a run at the moment something outside it has happened."""
+
+    def __init__(self, seed=0, kill_file="", step_sleep=0.3, **params):
+        super().__init__(seed, **params)
+        self.kill_file, self.step_sleep = kill_file, float(step_sleep)
+
+    def loss(self, model, batch, labels):
+        if os.path.exists(self.kill_file):
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(self.step_sleep)
+        return super().loss(model, batch, labels)

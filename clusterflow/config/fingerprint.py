@@ -191,6 +191,8 @@ KEYS: dict[str, tuple[str, str]] = {
         "each index travels with its epoch, so persistent workers fetch the same items",
     ),
     "data.prefetch_factor": (RESOURCE, "how far ahead workers fetch; not what they fetch"),
+    "trackers.mlflow": (RESOURCE, "where the scalars are also sent; not what they are"),
+    "trackers.wandb": (RESOURCE, "where the scalars are also sent; not what they are"),
 }
 
 

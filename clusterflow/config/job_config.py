@@ -27,6 +27,7 @@ from clusterflow.config.sections import (
     MiningConfig,
     RunConfig,
     TaskConfig,
+    TrackersConfig,
     TrainConfig,
     _check,
     keys,
@@ -45,6 +46,7 @@ class Config:
     mining: MiningConfig = field(default_factory=MiningConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
 
     def __post_init__(self) -> None:
         world = self.cluster.world_size
@@ -89,6 +91,7 @@ SECTIONS: dict[str, type] = {
     "mining": MiningConfig,
     "task": TaskConfig,
     "data": DataConfig,
+    "trackers": TrackersConfig,
 }
 
 

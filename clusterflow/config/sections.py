@@ -622,3 +622,54 @@ class DataConfig:
             self.prefetch_factor,
             "must be between 1 and 1024",
         )
+
+
+MLFLOW_KEYS = {
+    "uri": "tracking URI: a directory (file store), sqlite:///PATH, or http(s)://HOST:PORT",
+    "experiment": "experiment name (created when missing); empty: run.name",
+}
+WANDB_KEYS = {
+    "project": "W&B project",
+    "mode": "online (default) or offline (files under RUN_DIR/wandb/; wandb sync uploads them)",
+    "entity": "W&B entity (user or team); empty: the account's default",
+}
+
+
+@dataclass
+class TrackersConfig:
+    """Experiment trackers that receive the same scalars as TensorBoard (docs/trackers.md)."""
+
+    mlflow: dict[str, Any] = doc(
+        factory=dict,
+        help="MLflow, on when uri is set. "
+        + "; ".join(f"trackers.mlflow.{k}: {v}" for k, v in MLFLOW_KEYS.items())
+        + ". Needs pip install 'clusterflow[mlflow]'.",
+    )
+    wandb: dict[str, Any] = doc(
+        factory=dict,
+        help="Weights & Biases, on when project is set. "
+        + "; ".join(f"trackers.wandb.{k}: {v}" for k, v in WANDB_KEYS.items())
+        + ". Needs pip install 'clusterflow[wandb]'.",
+    )
+
+    def __post_init__(self) -> None:
+        for name, known in (("mlflow", MLFLOW_KEYS), ("wandb", WANDB_KEYS)):
+            for key, value in getattr(self, name).items():
+                _check(
+                    key in known,
+                    f"trackers.{name}.{key}",
+                    value,
+                    f"unknown key; keys of trackers.{name}: {', '.join(known)}",
+                )
+                _check(
+                    isinstance(value, str),
+                    f"trackers.{name}.{key}",
+                    value,
+                    "must be text, e.g. " + ("sqlite:///mlflow.db" if key == "uri" else "demo"),
+                )
+        mode = self.wandb.get("mode", "online")
+        _choice("trackers.wandb.mode", mode, ("online", "offline"))
+        if self.wandb and not self.wandb.get("project"):
+            _check(False, "trackers.wandb.project", "", "must be set to use W&B")
+        if self.mlflow and not self.mlflow.get("uri"):
+            _check(False, "trackers.mlflow.uri", "", "must be set to use MLflow")

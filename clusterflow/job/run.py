@@ -23,6 +23,7 @@ from clusterflow.dist.sampler import check_fits
 from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
 from clusterflow.job import failure
 from clusterflow.job.job import run_job
+from clusterflow.observe import trackers
 from clusterflow.rundir import preflight, saved_config
 from clusterflow.tasks import load_task
 
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
+    trackers.check(cfg.trackers)
     if args.check:
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)

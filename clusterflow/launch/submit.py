@@ -18,6 +18,7 @@ from clusterflow import rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
+from clusterflow.observe import trackers
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -205,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
+    trackers.check(cfg.trackers)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:

@@ -8,6 +8,10 @@ Inside ``RUN_DIR``:
     tb/                           TensorBoard events, a new file per attempt
     metrics.jsonl                 the same scalars as JSON lines (read them with
                                   ``observe/metrics.py``'s ``read_metrics``)
+    trackers.json                 each experiment tracker's run id (one tracker run per
+                                  clusterflow run) and, for W&B, the last step it holds per tag
+                                  (see ``observe/trackers/``)
+    wandb/                        W&B's own files (offline runs are synced from here)
     logs/                         rank<R>.attempt<A>.log per rank and attempt; slurm/ or
                                   submitit/ for the launcher's output
     attempts.jsonl                one line per job start (requeues included), appended by rank 0
@@ -76,6 +80,14 @@ class RunPaths:
     @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def trackers(self) -> str:
+        return self._p("trackers.json")
+
+    @property
+    def wandb(self) -> str:
+        return self._p("wandb")
 
     @property
     def logs(self) -> str:

@@ -126,18 +126,26 @@ class Trainer:
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self.writer = writer_for(
-            self.rank == 0, self.paths, self.attempt, self._purge_step(resumed)
+            self.rank == 0,
+            self.paths,
+            self.attempt,
+            self._purge_step(resumed),
+            self.cfg.trackers,
+            self.cfg.to_dict(),
         )
         self._status(state="running")
+        outcome = "failed"  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
                 reason = self._train_epoch() or self._end_of_epoch()
                 if reason:
+                    outcome = reason
                     return reason
             self._finish()
-            return "completed"
+            outcome = "completed"
+            return outcome
         finally:
-            self.writer.close()
+            self.writer.close(outcome)
             self.checkpointer.close()
 
     def _purge_step(self, resumed: bool) -> int:
@@ -349,6 +357,7 @@ class Trainer:
         scalars = self.checkpointer.save(event)
         if scalars:
             self.writer.scalars(scalars, self.state.global_step)
+            self.writer.tag("clusterflow.checkpoint", f"step-{self.state.global_step} ({event})")
             # A resume from this checkpoint logs from the next step: these points are not logged
             # again.
             self.writer.flush()

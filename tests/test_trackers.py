@@ -1,0 +1,215 @@
+"""Experiment trackers against the real thing: an `mlflow server` with a SQL store started here,
+and W&B in offline mode. A run killed mid-epoch and resumed is one tracker run whose history holds
+each step once, with the values of metrics.jsonl."""
+
+import glob
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+
+from clusterflow.dist import free_port
+from clusterflow.observe.metrics import read_metrics
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
+
+
+def submit_local(run_dir, *extra, signals=""):
+    """``clusterflow submit --local`` of tiny.yaml with the Signals test task (kills itself at
+    the loss calls ``signals`` names)."""
+    return run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        "--local",
+        f"run.dir={run_dir}",
+        "task.target=testtasks:Signals",
+        f"task.params.run_dir={run_dir}",
+        f"task.params.signals={signals}",
+        *extra,
+        env={"PYTHONPATH": os.path.join(REPO, "tests")},
+    )
+
+
+def start_server(where, port):
+    """A real MLflow tracking server with a SQLite backend store; returns it once it answers."""
+    uri = f"http://127.0.0.1:{port}"
+    log = open(where / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server"]
+        + ["--backend-store-uri", f"sqlite:///{where}/mlflow.db"]
+        + ["--default-artifact-root", str(where / "artifacts")]
+        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                return server
+        except OSError:
+            if server.poll() is not None:
+                pytest.fail("mlflow server did not start: " + open(where / "server.log").read())
+            time.sleep(0.5)
+
+
+def stop_server(server):
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    port = free_port()
+    server = start_server(tmp_path_factory.mktemp("mlflow"), port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(server)
+
+
+def flat_config(run_dir):
+    """The saved config as ``section.key`` -> text, mappings (task.params) one level deeper."""
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    out = {}
+    for section, values in cfg.items():
+        for key, value in values.items():
+            if isinstance(value, dict) and value:
+                out.update({f"{section}.{key}.{k}": str(v) for k, v in value.items()})
+            else:
+                out[f"{section}.{key}"] = str(value)
+    return out
+
+
+def committed_steps(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()]
+
+
+def held_steps(client, experiment, key="train/loss"):
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, key)]
+
+
+@pytest.mark.slow
+def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_server, tmp_path):
+    """SIGKILLed mid-epoch once MLflow holds a step past the newest checkpoint, then submitted
+    again: the resumed attempt computes those steps again and must not send them twice."""
+    d, kill = str(tmp_path / "run"), str(tmp_path / "kill-now")
+    client = MlflowClient(mlflow_server)
+    command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"] + [
+        f"run.dir={d}",
+        "task.target=testtasks:KillWhenFileAppears",
+        f"task.params.kill_file={kill}",
+        "task.params.step_sleep=1.5",
+        f"trackers.mlflow.uri={mlflow_server}",
+        "trackers.mlflow.experiment=killed",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    while not 0 < max(committed_steps(d), default=0) < max(held_steps(client, "killed"), default=0):
+        assert job.poll() is None, job.stdout.read()
+        time.sleep(0.2)
+    open(kill, "w").close()
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode != 0, out
+    newest = max(committed_steps(d))
+    assert newest < STEPS and max(held_steps(client, "killed")) > newest
+    os.unlink(kill)
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"step-{newest}" in open(f"{d}/logs/rank0.attempt1.log").read()
+
+    client = MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("killed")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    # config.yaml keeps run.dir as "." (a run dir may move); the parameter says where it ran
+    assert run.data.params == {**flat_config(d), "run.dir": d}
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert steps == list(range(1, STEPS + 1)), steps
+    written = read_metrics(d)
+    assert {m.step: m.value for m in history} == {s: written[s]["train/loss"] for s in steps}
+    # every other scalar once per step as well, mining rounds and eval included
+    for key in ("train/lr", "eval/view_cos", "mining/num_clusters", "mining/threshold"):
+        points = client.get_metric_history(run.info.run_id, key)
+        at = [m.step for m in points]
+        assert at == sorted(set(at)), (key, at)
+        assert {m.step: m.value for m in points} == {s: written[s][key] for s in at}, key
+        assert at == [s for s in sorted(written) if key in written[s]], key
+    assert run.data.tags["clusterflow.checkpoint"].startswith(f"step-{STEPS} ")
+
+
+def test_a_missing_tracker_server_is_refused_at_submit(tmp_path):
+    d = str(tmp_path / "run")
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = submit_local(d, f"trackers.mlflow.uri={dead}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and dead in lines[0] and "no tracking server" in lines[0], lines
+    assert not os.path.exists(d)
+
+
+@pytest.mark.parametrize("name, key", [("mlflow", "uri=sqlite:///x.db"), ("wandb", "project=p")])
+def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, name, key):
+    """The package hidden the way Python documents it: ``sys.modules[name] = None``."""
+    d = str(tmp_path / "run")
+    code = (
+        f"import sys; sys.modules[{name!r}] = None; from clusterflow.submit import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "configs/tiny.yaml", "--local", f"run.dir={d}"]
+        + [f"trackers.{name}.{key}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"clusterflow[{name}]" in lines[0], lines
+    assert not os.path.exists(d)
+
+
+@pytest.mark.slow
+def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path):
+    port = free_port()
+    server = start_server(tmp_path, port)
+    d = str(tmp_path / "run")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"]
+        + [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
+        + [f"trackers.mlflow.uri=http://127.0.0.1:{port}"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        while not read_metrics(d) if os.path.exists(f"{d}/metrics.jsonl") else True:
+            assert job.poll() is None, job.stdout.read()
+            time.sleep(0.2)
+    finally:
+        stop_server(server)  # the server goes down in mid-run
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, out
+    assert os.path.exists(os.path.join(d, "model.pt"))
+    log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
+    assert "tracker mlflow failed" in log and "training goes on" in log, log[-3000:]
