@@ -3,8 +3,10 @@ and W&B in offline mode. A run killed mid-epoch and resumed is one tracker run w
 each step once, with the values of metrics.jsonl."""
 
 import glob
+import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -23,7 +25,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
 
 
-def submit_local(run_dir, *extra, signals=""):
+def submit_local(run_dir, *extra, signals="", env=None):
     """``clusterflow submit --local`` of tiny.yaml with the Signals test task (kills itself at
     the loss calls ``signals`` names)."""
     return run_cli(
@@ -35,7 +37,7 @@ def submit_local(run_dir, *extra, signals=""):
         f"task.params.run_dir={run_dir}",
         f"task.params.signals={signals}",
         *extra,
-        env={"PYTHONPATH": os.path.join(REPO, "tests")},
+        env={"PYTHONPATH": os.path.join(REPO, "tests"), **(env or {})},
     )
 
 
@@ -213,3 +215,67 @@ def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path
     assert os.path.exists(os.path.join(d, "model.pt"))
     log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert "tracker mlflow failed" in log and "training goes on" in log, log[-3000:]
+
+
+def wandb_records(path):
+    """The records of a W&B transaction log (``run-ID.wandb``): a 7-byte header, then LevelDB
+    log blocks of 32 KiB whose records are protobuf ``Record`` messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, buf = open(path, "rb").read(), 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, size, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and size == 0:  # the zero padding at the end of a block
+            pos += left
+            continue
+        buf += data[pos + 7 : pos + 7 + size]
+        pos += 7 + size
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def wandb_history(path, key):
+    """``[(step, value)]`` of ``key`` in one attempt's transaction log."""
+    out = []
+    for r in wandb_records(path):
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+            if key in items:
+                out.append((r.history.step.num, json.loads(items[key])))
+    return out
+
+
+@pytest.mark.slow
+def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
+    """Killed in step 10, then resubmitted: both attempts' offline folders carry the run id that
+    trackers.json names, and, under W&B's rule that a run's steps only increase (a point at a step
+    it already has is dropped), the history holds every step once, with metrics.jsonl's values."""
+    pytest.importorskip("wandb")
+    d = str(tmp_path / "run")
+    wb = ["trackers.wandb.project=clusterflow-test", "trackers.wandb.mode=offline"]
+    env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+    first = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
+    assert first.returncode != 0, first.stdout + first.stderr
+    second = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    run_id = json.load(open(os.path.join(d, "trackers.json")))["wandb"]["run_id"]
+    folders = sorted(glob.glob(os.path.join(d, "wandb", "wandb", "offline-run-*")))
+    assert len(folders) == 2, folders
+    history, last = {}, 0
+    for folder in folders:
+        assert folder.endswith(f"-{run_id}"), folder
+        points = wandb_history(os.path.join(folder, f"run-{run_id}.wandb"), "train/loss")
+        steps = [s for s, _ in points]
+        assert steps == sorted(set(steps)), steps
+        history.update({s: v for s, v in points if s > last})
+        last = max(steps, default=last)
+    written = read_metrics(d)
+    assert sorted(history) == list(range(1, STEPS + 1)), sorted(history)
+    assert history == pytest.approx({s: written[s]["train/loss"] for s in history}, rel=1e-6)
