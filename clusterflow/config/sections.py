@@ -399,6 +399,16 @@ class CheckpointConfig:
     keep_last: int = doc(
         3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor)."
     )
+    keep_every_steps: int = doc(
+        0,
+        "Also keep every checkpoint whose step is a multiple of this (0: off), besides keep_last.",
+    )
+    keep_best: str = doc(
+        "",
+        "Also keep the checkpoint with the best value of a logged scalar, as METRIC:min or "
+        "METRIC:max (e.g. eval/view_cos:max; empty: off). A checkpoint's value is the metric's "
+        "latest value when it was saved; ties go to the earliest. RUN_DIR/best points to it.",
+    )
     dir: str = doc(
         "",
         "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path "
@@ -426,6 +436,28 @@ class CheckpointConfig:
             self.keep_last,
             "must be >= 2 so a damaged newest checkpoint has a fallback",
         )
+        _check(
+            self.keep_every_steps >= 0,
+            "checkpoint.keep_every_steps",
+            self.keep_every_steps,
+            "must be >= 0 (0 keeps no extra checkpoints)",
+        )
+        if self.keep_best:
+            metric, _, mode = self.keep_best.rpartition(":")
+            _check(
+                bool(metric) and mode in ("min", "max"),
+                "checkpoint.keep_best",
+                self.keep_best,
+                "must be METRIC:min or METRIC:max, e.g. eval/view_cos:max",
+            )
+
+    @property
+    def best(self) -> tuple[str, str] | None:
+        """(metric, "min" | "max") of keep_best, or None."""
+        if not self.keep_best:
+            return None
+        metric, _, mode = self.keep_best.rpartition(":")
+        return metric, mode
 
 
 @dataclass

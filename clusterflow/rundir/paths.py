@@ -5,6 +5,9 @@ Inside ``RUN_DIR``:
     config.yaml                   resolved config, written once by the submitting process
     checkpoints/step-<N>/         committed checkpoints (see ``storage/store.py``), unless
                                   checkpoint.dir says elsewhere
+    best                          with checkpoint.keep_best: a symbolic link to the best
+                                  checkpoint's folder (a file holding its URL when checkpoints
+                                  are not on a local path)
     tb/                           TensorBoard events, a new file per attempt
     metrics.jsonl                 the same scalars as JSON lines (read them with
                                   ``observe/metrics.py``'s ``read_metrics``)
@@ -80,6 +83,10 @@ class RunPaths:
     @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def best(self) -> str:
+        return self._p("best")
 
     @property
     def trackers(self) -> str:

@@ -356,7 +356,7 @@ class Trainer:
     def _save(self, event: str) -> None:
         scalars = self.checkpointer.save(event)
         if scalars:
-            self.writer.scalars(scalars, self.state.global_step)
+            self._log(scalars)
             self.writer.tag("clusterflow.checkpoint", f"step-{self.state.global_step} ({event})")
             # A resume from this checkpoint logs from the next step: these points are not logged
             # again.
@@ -366,6 +366,11 @@ class Trainer:
             self._status()
 
     # -- reporting ----------------------------------------------------------------------------
+    def _log(self, scalars: dict[str, float]) -> None:
+        """Scalars at the current step: to the writer, and to the checkpointer (keep_best)."""
+        self.writer.scalars(scalars, self.state.global_step)
+        self.checkpointer.note(scalars)
+
     def _log_interval(self, window: LossWindow) -> None:
         rep = window.throughput.report()
         s = self.state
@@ -385,7 +390,7 @@ class Trainer:
             **gpu_stats(),
             **self.phases.scalars(),
         }
-        self.writer.scalars(out, s.global_step)
+        self._log(out)
         if self.rank == 0:
             log.info(
                 "epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s",
@@ -416,7 +421,7 @@ class Trainer:
         scalars.update(
             {f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))}
         )
-        self.writer.scalars(scalars, self.state.global_step)
+        self._log(scalars)
         labels = self.state.labels
         if labels is not None:
             sizes = np.bincount(labels[labels >= 0])
@@ -455,7 +460,7 @@ class Trainer:
                 self.phases.tick,
             )
         metrics = {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
-        self.writer.scalars(metrics, self.state.global_step)
+        self._log(metrics)
         if self.rank == 0 and metrics:
             log.info(
                 "eval after epoch %d: %s",
