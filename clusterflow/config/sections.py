@@ -344,6 +344,13 @@ class TrainConfig:
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
     eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+    profile: str = doc(
+        "",
+        "Record a torch.profiler trace of global steps FIRST-LAST on the listed ranks, written as "
+        "FIRST-LAST@RANK,RANK (e.g. 10-12@0,1; without @: rank 0), into RUN_DIR/profile/ "
+        "(TensorBoard's profiler view and Perfetto open it; on GPUs a CUDA memory snapshot too). "
+        "Empty: off.",
+    )
     on_nonfinite: str = doc(
         "fail",
         "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the "
@@ -355,7 +362,29 @@ class TrainConfig:
         10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
     )
 
+    @property
+    def profile_window(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """(first step, last step, ranks) of ``profile``, or None when off."""
+        if not self.profile:
+            return None
+        steps, _, ranks = self.profile.partition("@")
+        first, _, last = steps.partition("-")
+        return int(first), int(last or first), tuple(int(r) for r in (ranks or "0").split(","))
+
     def __post_init__(self) -> None:
+        _check(
+            not self.profile or re.fullmatch(r"\d+(-\d+)?(@\d+(,\d+)*)?", self.profile) is not None,
+            "train.profile",
+            self.profile,
+            "must be FIRST-LAST@RANKS, e.g. 10-12@0,1 (global steps, 1-based; ranks default to 0)",
+        )
+        window = self.profile_window
+        _check(
+            window is None or 1 <= window[0] <= window[1],
+            "train.profile",
+            self.profile,
+            "the first step must be >= 1 and not after the last, e.g. 10-12",
+        )
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")

@@ -15,6 +15,7 @@ Inside ``RUN_DIR``:
                                   clusterflow run) and, for W&B, the last step it holds per tag
                                   (see ``observe/trackers/``)
     wandb/                        W&B's own files (offline runs are synced from here)
+    profile/                      train.profile's traces (see ``observe/profiling.py``)
     logs/                         rank<R>.attempt<A>.log per rank and attempt; slurm/ or
                                   submitit/ for the launcher's output
     attempts.jsonl                one line per job start (requeues included), appended by rank 0
@@ -83,6 +84,10 @@ class RunPaths:
     @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def profile(self) -> str:
+        return self._p("profile")
 
     @property
     def best(self) -> str:

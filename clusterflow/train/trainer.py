@@ -34,6 +34,7 @@ from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
 from clusterflow.observe import phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
+from clusterflow.observe.profiling import profile_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders
@@ -133,6 +134,13 @@ class Trainer:
             self.cfg.trackers,
             self.cfg.to_dict(),
         )
+        self.profile = profile_for(
+            self.cfg.train.profile_window,
+            self.rank,
+            self.attempt,
+            self.paths,
+            self.device.type == "cuda",
+        )
         self._status(state="running")
         outcome = "failed"  # what the trackers record when an exception ends the loop
         try:
@@ -145,6 +153,7 @@ class Trainer:
             outcome = "completed"
             return outcome
         finally:
+            self.profile.close()
             self.writer.close(outcome)
             self.checkpointer.close()
 
@@ -172,6 +181,8 @@ class Trainer:
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
         for batch in self._loader():
+            if micro == 0:
+                self.profile.begin(self.state.global_step + 1)
             micro += 1
             self._forward_backward(
                 batch, last_micro=micro == self.cfg.train.grad_accum, window=window
@@ -180,6 +191,7 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step()
+            self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
             self.phases.tick(self.state.global_step)
             if bar is not None:
