@@ -105,34 +105,35 @@ def held_steps(client, experiment, key="train/loss"):
     return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, key)]
 
 
-@pytest.mark.slow
 def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_server, tmp_path):
-    """SIGKILLed mid-epoch once MLflow holds a step past the newest checkpoint, then submitted
-    again: the resumed attempt computes those steps again and must not send them twice."""
+    """Held in step 10 until MLflow has steps 1-9, then SIGKILLed (mid-epoch; the newest
+    checkpoint is step 8) and submitted again: the resumed attempt computes step 9 again and
+    must not send it twice."""
     d, kill = str(tmp_path / "run"), str(tmp_path / "kill-now")
     client = MlflowClient(mlflow_server)
     command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"] + [
         f"run.dir={d}",
         "task.target=testtasks:KillWhenFileAppears",
+        f"task.params.run_dir={d}",
         f"task.params.kill_file={kill}",
-        "task.params.step_sleep=1.5",
+        "task.params.at=10",
+        "checkpoint.async=false",  # step 8 is committed before step 9 starts
         f"trackers.mlflow.uri={mlflow_server}",
         "trackers.mlflow.experiment=killed",
     ]
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-    while not 0 < max(committed_steps(d), default=0) < max(held_steps(client, "killed"), default=0):
+    while max(held_steps(client, "killed"), default=0) < 9:
         assert job.poll() is None, job.stdout.read()
         time.sleep(0.2)
     open(kill, "w").close()
     out, _ = job.communicate(timeout=600)
     assert job.returncode != 0, out
-    newest = max(committed_steps(d))
-    assert newest < STEPS and max(held_steps(client, "killed")) > newest
+    assert max(committed_steps(d)) == 8 < max(held_steps(client, "killed")) == 9
     os.unlink(kill)
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert f"step-{newest}" in open(f"{d}/logs/rank0.attempt1.log").read()
+    assert f"resumed from {d}/checkpoints/step-8:" in open(f"{d}/logs/rank0.attempt1.log").read()
 
     client = MlflowClient(mlflow_server)
     exp = client.get_experiment_by_name("killed")

@@ -307,15 +307,20 @@ class TermDuringScan(ImageFolderTask):
 
 
 class KillWhenFileAppears(PseudoIDTask):
-    """Sleeps ``step_sleep`` seconds per step and SIGKILLs itself at the first loss call after
-    ``kill_file`` exists: a test kills a run at the moment something outside it has happened."""
+    """At loss call ``at`` of the first attempt (counted per process), waits until ``kill_file``
+    exists, then SIGKILLs itself: a test kills a run at an exact step once something outside it
+    has happened (e.g. a tracker received the previous steps)."""
 
-    def __init__(self, seed=0, kill_file="", step_sleep=0.3, **params):
+    def __init__(self, seed=0, run_dir="", kill_file="", at=10, **params):
         super().__init__(seed, **params)
-        self.kill_file, self.step_sleep = kill_file, float(step_sleep)
+        self.run_dir, self.kill_file, self.at, self.calls = run_dir, kill_file, int(at), 0
 
     def loss(self, model, batch, labels):
-        if os.path.exists(self.kill_file):
+        self.calls += 1
+        with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+            first = len(f.readlines()) == 1
+        if first and self.calls == self.at:
+            while not os.path.exists(self.kill_file):
+                time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(self.step_sleep)
         return super().loss(model, batch, labels)

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
-    trackers.check(cfg.trackers)
+    trackers.check(cfg.trackers, reach=DistEnv.from_env(os.environ).rank == 0)
     if args.check:
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)

@@ -76,7 +76,10 @@ class TensorBoardWriter(NullWriter):
     """
 
     FLUSH_S = 5.0
-    TRACKER_WAIT_S = 60.0  # the end of an attempt waits this long for each tracker's queue
+    # How long the end of an attempt waits for each tracker's queue: a run that ended has no later
+    # attempt to send what is left; a stop does (from metrics.jsonl), and must exit in its grace.
+    TRACKER_WAIT_S = 60.0
+    TRACKER_STOP_WAIT_S = 5.0
 
     def __init__(
         self,
@@ -136,8 +139,9 @@ class TensorBoardWriter(NullWriter):
     def close(self, outcome: str = "") -> None:
         self._w.close()
         self._jsonl.close()
+        ended = outcome in trackers.ENDED
         for t in self._trackers:
-            t.close(outcome, self.TRACKER_WAIT_S)
+            t.close(outcome, self.TRACKER_WAIT_S if ended else self.TRACKER_STOP_WAIT_S)
 
 
 def _before(paths: RunPaths, step: int) -> dict[int, dict[str, float]]:

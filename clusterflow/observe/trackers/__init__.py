@@ -70,9 +70,10 @@ def configured(cfg: TrackersConfig) -> list[str]:
     return [name for name in ("mlflow", "wandb") if getattr(cfg, name)]
 
 
-def check(cfg: TrackersConfig) -> None:
-    """Refuse, with one line, a tracker whose package is missing or whose server does not answer
-    (submit and ``run`` call this before anything is written)."""
+def check(cfg: TrackersConfig, reach: bool = True) -> None:
+    """Refuse, with one line, a tracker whose package is missing or (with ``reach``) whose server
+    does not answer (submit and ``run`` call this before anything is written; ``run`` asks the
+    server from rank 0 only)."""
     for name in configured(cfg):
         if importlib.util.find_spec(name) is None:
             raise UserError(
@@ -80,6 +81,8 @@ def check(cfg: TrackersConfig) -> None:
                 f"{sys.executable}; pip install 'clusterflow[{name}]', or remove trackers.{name}"
             )
     uri = cfg.mlflow.get("uri", "")
+    if not reach:
+        return
     if uri.startswith(("http://", "https://")):
         _check_server(uri)
     elif uri.startswith("sqlite:///"):
