@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO
-from slurmjobs import env, rank0_logs, sha256, status
+from slurmjobs import env, live_status, rank0_logs, sha256, scmd, status, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -88,5 +88,35 @@ def test_a_job_without_slurm_commands_is_requeued_by_the_batch_script(
     logs = rank0_logs(d)
     assert "scontrol is not in this job's PATH" in logs, logs[-3000:]
     assert re.search("resumed from " + re.escape(d) + r"/checkpoints/step-[56]:", logs)
+    ref_dir, _ = reference_run
+    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+
+
+def test_torchrun_template_stops_every_worker_and_resumes_exactly(cluster, reference_run, tmp_path):
+    """torchrun.sbatch on two nodes: the time-limit signal, sent by Slurm to each node's task,
+    reaches every worker (they save together); the requeued job resumes to the weights of the
+    train.sbatch route."""
+    d = str(tmp_path / "run")
+    out = subprocess.run(
+        ["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1"]
+        + [f"--output={tmp_path}/slurm-%j.out"]
+        + [os.path.join(REPO, "slurm_templates", "torchrun.sbatch"), "configs/tiny.yaml"]
+        + [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.5"],
+        cwd=REPO,
+        env={**os.environ, **env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().split(";")[0]
+    wait_until("step 3", lambda: live_status(d).get("global_step", 0) >= 3, job_id=job)
+    scmd("scancel", "--signal=USR2", job)
+    wait_until("the run to complete", lambda: live_status(d).get("state") == "completed", 600, job)
+    s = status(d)
+    assert s["attempts"] == 2 and s["world_size"] == 2, s
+    logs = rank0_logs(d)
+    assert "time-limit signal received" in logs and "requeued job" in logs, logs[-3000:]
+    assert re.search("resumed from " + re.escape(d) + r"/checkpoints/step-\d+:", logs)
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
