@@ -138,6 +138,7 @@ class Pump:
     ) -> None:
         self.backend, self._state, self._params, self._backlog = backend, state, params, backlog
         self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._next: tuple[str, Any] | None = None
         self._held: dict[str, int] = {}
         self._failures = 0
         self._closing = threading.Event()
@@ -173,7 +174,8 @@ class Pump:
         if not self._retry(self._open):
             return
         while True:
-            kind, item = self._q.get()
+            kind, item = self._next or self._q.get()
+            self._next = None
             if kind == "close":
                 return
             if kind == "rows":
@@ -189,7 +191,7 @@ class Pump:
             except queue.Empty:
                 break
             if kind != "rows":
-                self._q.queue.appendleft((kind, item))  # type: ignore[attr-defined]
+                self._next = (kind, item)  # handled after these rows
                 break
             rows.extend(item)
         return rows
