@@ -27,6 +27,10 @@ EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 # A rank the stall watchdog ended: distinct from 1 and 2, so `sacct` shows ExitCode 86:0.
 EXIT_STALLED = 86
+# Saved and stopped to be requeued, but this job could not run `scontrol requeue` itself (a
+# container without Slurm's commands): the batch script outside requeues it on this status
+# (slurm_templates/*.sbatch do). 75 is EX_TEMPFAIL: "try again later".
+EXIT_REQUEUE_OUTSIDE = 75
 
 
 class UserError(Exception):

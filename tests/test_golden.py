@@ -59,3 +59,8 @@ def test_generated_script(name, overrides):
 def test_template():
     with open(os.path.join(HERE, "..", "slurm_templates", "train.sbatch")) as f:
         check("train.sbatch", f.read())
+
+
+def test_torchrun_template():
+    with open(os.path.join(HERE, "..", "slurm_templates", "torchrun.sbatch")) as f:
+        check("torchrun.sbatch", f.read())

@@ -106,3 +106,47 @@ def test_after_stop_counts_time_limit_stops_in_one_place(tmp_path):
     ] == 12.5
     assert rundir.count_stops(paths, "timeout") == 1
     assert rundir.read_json(paths.status)["state"] == "completed"
+
+
+INTERACTIVE = [
+    # inside `salloc`: Slurm requeues batch jobs only, so a stop is a clean stop, never a failure
+    ("timeout", "slurm", "", 1, Action("stopped", "stopped")),
+    ("timeout", "slurm", "", 3, Action("stopped", "stopped")),
+    ("preempted", "slurm", "RUNNING", 0, Action("stopped", "stopped")),
+    ("timeout", "torchrun", "", 1, Action("stopped", "stopped")),
+    ("cancelled", "slurm", "", 0, Action("cancelled", "cancelled")),
+    ("interrupted", "slurm", "", 0, Action("interrupted", "stopped")),
+    ("completed", "slurm", "", 0, Action("completed", "completed")),
+]
+
+
+@pytest.mark.parametrize(
+    "outcome,source,slurm_state,timeouts,want",
+    INTERACTIVE,
+    ids=[f"{t[0]}-{t[1]}-{t[2]}-{t[3]}" for t in INTERACTIVE],
+)
+def test_decide_in_an_interactive_allocation(outcome, source, slurm_state, timeouts, want):
+    assert decide(outcome, source, slurm_state, timeouts, LIMIT, interactive=True) == want
+
+
+def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path, monkeypatch):
+    """A job in a container without Slurm's commands: Slurm's commands hidden from PATH, the
+    stop asks for a requeue from outside (run's exit status 75) instead of failing."""
+    import shutil
+
+    from clusterflow import rundir
+    from clusterflow.dist import DistEnv
+    from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
+    from clusterflow.job.requeue import after_stop
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert shutil.which("scontrol") is None
+    environ = {"SLURM_JOB_ID": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    environ.update(SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node1")
+    environ.update(SLURM_JOB_NUM_NODES="1", SLURM_TASKS_PER_NODE="1")
+    env = DistEnv.from_env(environ)
+    assert env.source == "slurm"
+    paths = rundir.RunPaths(str(tmp_path))
+    assert after_stop(paths, "timeout", env, environ, LIMIT, None) == "requeue-outside"
+    assert rundir.read_json(paths.status)["state"] == "requeued"
+    assert EXIT_REQUEUE_OUTSIDE == 75  # what slurm_templates/train.sbatch tests for

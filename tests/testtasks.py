@@ -382,3 +382,23 @@ class DumpRestored(Signals):
                 if tdist.get_rank() == 0:
                     torch.save(full, os.path.join(self.run_dir, f"restored-attempt{attempt}.pt"))
         return super().loss(model, batch, labels)
+
+
+class KillWhenFileAppears(PseudoIDTask):
+    """At loss call ``at`` of the first attempt (counted per process), waits until ``kill_file``
+    exists, then SIGKILLs itself: a test kills a run at an exact step once something outside it
+    has happened (e.g. a tracker received the previous steps)."""
+
+    def __init__(self, seed=0, run_dir="", kill_file="", at=10, **params):
+        super().__init__(seed, **params)
+        self.run_dir, self.kill_file, self.at, self.calls = run_dir, kill_file, int(at), 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+            first = len(f.readlines()) == 1
+        if first and self.calls == self.at:
+            while not os.path.exists(self.kill_file):
+                time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)

@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
+import uuid
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
@@ -54,6 +56,7 @@ from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
 from clusterflow.rundir.saved_config import portable
+from clusterflow.storage import durable
 from clusterflow.storage.store import CheckpointStore
 
 log = logging.getLogger("clusterflow.checkpointer")
@@ -85,7 +88,13 @@ class Checkpointer:
         before_commit: Callable[[str], None] | None = None,
     ) -> None:
         c = cfg.checkpoint
-        self.store = CheckpointStore(cfg.checkpoint_dir, c.keep_last, c.fsync)
+        self.store = CheckpointStore(
+            cfg.checkpoint_dir, c.keep_last, c.fsync, c.keep_every_steps, c.best
+        )
+        # The keep_best metric's latest logged value, saved in each manifest (``note``).
+        self.metrics: dict[str, float] = {}
+        if c.best is not None and dist.rank() == 0:
+            self.store.after_publish = self._point_best
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
@@ -381,7 +390,32 @@ class Checkpointer:
             "config": portable(self.cfg.to_dict()),
             "world_size": dist.world(),
             "attempt": self.attempt,
+            **({"metrics": dict(self.metrics)} if self.metrics else {}),
         }
+
+    def note(self, scalars: Mapping[str, float]) -> None:
+        """Logged scalars: the keep_best metric's latest value goes into the next manifests."""
+        best = self.cfg.checkpoint.best
+        if best is not None and best[0] in scalars:
+            self.metrics[best[0]] = float(scalars[best[0]])
+
+    def _point_best(self) -> None:
+        """RUN_DIR/best: a relative symbolic link to the best checkpoint (its URL in a file for
+        a store that is not a local path), replaced atomically; published before pruning, so it
+        never names a pruned folder."""
+        step = self.store.best_step()
+        if step is None:
+            return
+        target = self.paths.best
+        try:
+            if not self.store.local:
+                durable.write_atomic(target, self.store.url_of(step) + "\n")
+                return
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            os.symlink(os.path.relpath(self.store.step_path(step), self.paths.root), tmp)
+            os.replace(tmp, target)
+        except OSError as exc:
+            log.warning("could not point %s at checkpoint step %d: %s", target, step, exc)
 
     def _commit(
         self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str
@@ -414,6 +448,9 @@ class Checkpointer:
         resumed = Restorer(
             self.cfg, self.model, self.states, self.progress, self.store, self.sharded
         ).restore()
+        newest = self.store.newest_manifest() if self.cfg.checkpoint.best else None
+        if newest and isinstance(newest.get("metrics"), dict):
+            self.metrics = dict(newest["metrics"])
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
 

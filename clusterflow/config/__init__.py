@@ -31,6 +31,7 @@ from clusterflow.config.sections import (
     MiningConfig,
     RunConfig,
     TaskConfig,
+    TrackersConfig,
     TrainConfig,
     keys,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "MiningConfig",
     "RunConfig",
     "TaskConfig",
+    "TrackersConfig",
     "TrainConfig",
     "build",
     "check_resume",

@@ -197,6 +197,11 @@ KEYS: dict[str, tuple[str, str]] = {
         "each index travels with its epoch, so persistent workers fetch the same items",
     ),
     "data.prefetch_factor": (RESOURCE, "how far ahead workers fetch; not what they fetch"),
+    "train.profile": (RESOURCE, "which steps are traced; not what they compute"),
+    "checkpoint.keep_every_steps": (RESOURCE, "which checkpoints stay on disk"),
+    "checkpoint.keep_best": (RESOURCE, "which checkpoints stay on disk"),
+    "trackers.mlflow": (RESOURCE, "where the scalars are also sent; not what they are"),
+    "trackers.wandb": (RESOURCE, "where the scalars are also sent; not what they are"),
 }
 
 

@@ -27,6 +27,7 @@ from clusterflow.config.sections import (
     MiningConfig,
     RunConfig,
     TaskConfig,
+    TrackersConfig,
     TrainConfig,
     _check,
     is_url,
@@ -46,6 +47,7 @@ class Config:
     mining: MiningConfig = field(default_factory=MiningConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    trackers: TrackersConfig = field(default_factory=TrackersConfig)
 
     def __post_init__(self) -> None:
         world = self.cluster.world_size
@@ -104,6 +106,7 @@ SECTIONS: dict[str, type] = {
     "mining": MiningConfig,
     "task": TaskConfig,
     "data": DataConfig,
+    "trackers": TrackersConfig,
 }
 
 

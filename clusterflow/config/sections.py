@@ -344,6 +344,13 @@ class TrainConfig:
     log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
     eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
     progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+    profile: str = doc(
+        "",
+        "Record a torch.profiler trace of global steps FIRST-LAST on the listed ranks, written as "
+        "FIRST-LAST@RANK,RANK (e.g. 10-12@0,1; without @: rank 0), into RUN_DIR/profile/ "
+        "(TensorBoard's profiler view and Perfetto open it; on GPUs a CUDA memory snapshot too). "
+        "Empty: off.",
+    )
     on_nonfinite: str = doc(
         "fail",
         "A NaN or inf loss (or weights, checked before each checkpoint): fail stops the "
@@ -370,7 +377,29 @@ class TrainConfig:
         "(docs/sharded.md).",
     )
 
+    @property
+    def profile_window(self) -> tuple[int, int, tuple[int, ...]] | None:
+        """(first step, last step, ranks) of ``profile``, or None when off."""
+        if not self.profile:
+            return None
+        steps, _, ranks = self.profile.partition("@")
+        first, _, last = steps.partition("-")
+        return int(first), int(last or first), tuple(int(r) for r in (ranks or "0").split(","))
+
     def __post_init__(self) -> None:
+        _check(
+            not self.profile or re.fullmatch(r"\d+(-\d+)?(@\d+(,\d+)*)?", self.profile) is not None,
+            "train.profile",
+            self.profile,
+            "must be FIRST-LAST@RANKS, e.g. 10-12@0,1 (global steps, 1-based; ranks default to 0)",
+        )
+        window = self.profile_window
+        _check(
+            window is None or 1 <= window[0] <= window[1],
+            "train.profile",
+            self.profile,
+            "the first step must be >= 1 and not after the last, e.g. 10-12",
+        )
         _check(self.epochs >= 1, "train.epochs", self.epochs, "must be >= 1")
         _check(self.batch_size >= 1, "train.batch_size", self.batch_size, "must be >= 1")
         _check(self.grad_accum >= 1, "train.grad_accum", self.grad_accum, "must be >= 1")
@@ -428,6 +457,16 @@ class CheckpointConfig:
     keep_last: int = doc(
         3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor)."
     )
+    keep_every_steps: int = doc(
+        0,
+        "Also keep every checkpoint whose step is a multiple of this (0: off), besides keep_last.",
+    )
+    keep_best: str = doc(
+        "",
+        "Also keep the checkpoint with the best value of a logged scalar, as METRIC:min or "
+        "METRIC:max (e.g. eval/view_cos:max; empty: off). A checkpoint's value is the metric's "
+        "latest value when it was saved; ties go to the earliest. RUN_DIR/best points to it.",
+    )
     dir: str = doc(
         "",
         "Where checkpoints go; empty means RUN_DIR/checkpoints. A relative path "
@@ -455,6 +494,28 @@ class CheckpointConfig:
             self.keep_last,
             "must be >= 2 so a damaged newest checkpoint has a fallback",
         )
+        _check(
+            self.keep_every_steps >= 0,
+            "checkpoint.keep_every_steps",
+            self.keep_every_steps,
+            "must be >= 0 (0 keeps no extra checkpoints)",
+        )
+        if self.keep_best:
+            metric, _, mode = self.keep_best.rpartition(":")
+            _check(
+                bool(metric) and mode in ("min", "max"),
+                "checkpoint.keep_best",
+                self.keep_best,
+                "must be METRIC:min or METRIC:max, e.g. eval/view_cos:max",
+            )
+
+    @property
+    def best(self) -> tuple[str, str] | None:
+        """(metric, "min" | "max") of keep_best, or None."""
+        if not self.keep_best:
+            return None
+        metric, _, mode = self.keep_best.rpartition(":")
+        return metric, mode
 
 
 @dataclass
@@ -673,3 +734,54 @@ class DataConfig:
             self.prefetch_factor,
             "must be between 1 and 1024",
         )
+
+
+MLFLOW_KEYS = {
+    "uri": "tracking URI: a directory (file store), sqlite:///PATH, or http(s)://HOST:PORT",
+    "experiment": "experiment name (created when missing); empty: run.name",
+}
+WANDB_KEYS = {
+    "project": "W&B project",
+    "mode": "online (default) or offline (files under RUN_DIR/wandb/; wandb sync uploads them)",
+    "entity": "W&B entity (user or team); empty: the account's default",
+}
+
+
+@dataclass
+class TrackersConfig:
+    """Experiment trackers that receive the same scalars as TensorBoard (docs/trackers.md)."""
+
+    mlflow: dict[str, Any] = doc(
+        factory=dict,
+        help="MLflow, on when uri is set. "
+        + "; ".join(f"trackers.mlflow.{k}: {v}" for k, v in MLFLOW_KEYS.items())
+        + ". Needs pip install 'clusterflow[mlflow]'.",
+    )
+    wandb: dict[str, Any] = doc(
+        factory=dict,
+        help="Weights & Biases, on when project is set. "
+        + "; ".join(f"trackers.wandb.{k}: {v}" for k, v in WANDB_KEYS.items())
+        + ". Needs pip install 'clusterflow[wandb]'.",
+    )
+
+    def __post_init__(self) -> None:
+        for name, known in (("mlflow", MLFLOW_KEYS), ("wandb", WANDB_KEYS)):
+            for key, value in getattr(self, name).items():
+                _check(
+                    key in known,
+                    f"trackers.{name}.{key}",
+                    value,
+                    f"unknown key; keys of trackers.{name}: {', '.join(known)}",
+                )
+                _check(
+                    isinstance(value, str),
+                    f"trackers.{name}.{key}",
+                    value,
+                    "must be text, e.g. " + ("sqlite:///mlflow.db" if key == "uri" else "demo"),
+                )
+        mode = self.wandb.get("mode", "online")
+        _choice("trackers.wandb.mode", mode, ("online", "offline"))
+        if self.wandb and not self.wandb.get("project"):
+            _check(False, "trackers.wandb.project", "", "must be set to use W&B")
+        if self.mlflow and not self.mlflow.get("uri"):
+            _check(False, "trackers.mlflow.uri", "", "must be set to use MLflow")

@@ -11,10 +11,13 @@ Time-limit requeues are counted in one place: the ``timeout`` lines of ``RUN_DIR
 from __future__ import annotations
 
 import logging
+import shlex
+import sys
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from clusterflow import rundir
+from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
 from clusterflow.rundir import cancel_marker
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
@@ -32,12 +35,20 @@ class Action:
     error: str | None = None
 
 
-def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, limit: int) -> Action:
+def decide(
+    outcome: str,
+    source: str,
+    slurm_state: str | None,
+    timeouts: int,
+    limit: int,
+    interactive: bool = False,
+) -> Action:
     """``outcome``: completed, preempted, timeout, interrupted (SIGINT) or cancelled (the user's
     marker) (from the trainer); ``source``: the launcher
     (slurm, torchrun, submitit-local, single); ``slurm_state``: JobState of this job (None outside
     a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops
-    so far, this one included; ``limit``: cluster.max_timeout_requeues."""
+    so far, this one included; ``limit``: cluster.max_timeout_requeues; ``interactive``: the job
+    is an allocation made by ``salloc`` (Slurm requeues batch jobs only)."""
     if outcome == "completed":
         return Action("completed", "completed")
     if outcome == "cancelled":
@@ -46,6 +57,8 @@ def decide(outcome: str, source: str, slurm_state: str | None, timeouts: int, li
         return Action("interrupted", "stopped")
     if slurm_state is None:  # nothing will bring the job back by itself
         return Action(outcome, "stopped" if source == "submitit-local" else "requeued")
+    if interactive:  # saved; the user runs the same command again
+        return Action("stopped", "stopped")
     if outcome == "timeout":
         if timeouts > limit:
             return Action(
@@ -80,17 +93,28 @@ def after_stop(
     if outcome != "completed":
         rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
         timeouts = rundir.count_stops(paths, "timeout")
-    slurm_state = None
+    slurm_state, interactive = None, False
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
-    action = decide(outcome, env.source, slurm_state, timeouts, limit)
+        if outcome in ("preempted", "timeout"):
+            interactive = slurm_commands.is_batch(job_id) is False
+    action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive)
     # The user's cancel wins over any requeue.
     if outcome != "completed" and cancel_marker.is_cancelled(paths.root):
         rundir.write_status(paths, state="cancelled")
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome
     if action.requeue:
-        return "requeued" if requeue(job_id, paths, action.why) else action.outcome
+        return requeue(job_id, paths, action.why) or action.outcome
+    if interactive:
+        rundir.write_status(paths, state="stopped")
+        log.warning(
+            "stopped (%s) inside an interactive allocation (salloc), which Slurm does not "
+            "requeue; the checkpoint is saved: run the same command again to resume: %s",
+            outcome,
+            resume_command(),
+        )
+        return action.outcome
     if outcome == "preempted" and slurm_state is not None:
         log.info(
             "job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state"
@@ -103,9 +127,26 @@ def after_stop(
     return action.outcome
 
 
-def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> bool:
-    """``scontrol requeue`` this job; when Slurm refuses, the run is recorded as stopped."""
+def resume_command() -> str:
+    """The command line this process runs (``srun`` and its flags not included)."""
+    return shlex.join(["python", "-m", "clusterflow.run", *sys.argv[1:]])
+
+
+def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
+    """``scontrol requeue`` this job: "requeued"; "requeue-outside" when this environment has no
+    ``scontrol`` (a container: the batch script outside requeues on the exit status
+    ``EXIT_REQUEUE_OUTSIDE``); "" when Slurm refuses (the run is recorded as stopped)."""
     out = slurm_commands.requeue(job_id)
+    if out.missing:
+        rundir.write_status(paths, state="requeued")
+        log.warning(
+            "scontrol is not in this job's PATH (a container?): exiting with status %d after %s "
+            "so that the batch script outside requeues job %s (slurm_templates/train.sbatch does)",
+            EXIT_REQUEUE_OUTSIDE,
+            why,
+            job_id,
+        )
+        return "requeue-outside"
     if not out.ok:
         said = out.error if out.returncode is None else out.stderr.strip()
         if out.returncode is None:
@@ -113,7 +154,7 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> bool:
         else:
             log.error("scontrol requeue %s failed: %s", job_id, said)
         rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {said}")
-        return False
+        return ""
     rundir.write_status(paths, state="requeued")
     log.info("requeued job %s after %s", job_id, why)
-    return True
+    return "requeued"

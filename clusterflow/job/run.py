@@ -20,9 +20,17 @@ import sys
 from clusterflow.config.job_config import Config
 from clusterflow.dist.env import DistEnv
 from clusterflow.dist.sampler import check_fits
-from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError, cli
+from clusterflow.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    EXIT_REQUEUE_OUTSIDE,
+    UserError,
+    cli,
+)
 from clusterflow.job import failure
 from clusterflow.job.job import run_job
+from clusterflow.observe import trackers
 from clusterflow.rundir import preflight, saved_config
 from clusterflow.tasks import load_task
 
@@ -57,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
+    trackers.check(cfg.trackers, reach=DistEnv.from_env(os.environ).rank == 0)
     if args.check:
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)
@@ -68,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     outcome = run_job(cfg)
     if outcome == "interrupted":  # Ctrl-C: saved and stopped; the same command resumes
         return EXIT_INTERRUPTED
-    ok = ("completed", "preempted", "requeued", "cancelled")
+    if outcome == "requeue-outside":
+        return EXIT_REQUEUE_OUTSIDE
+    ok = ("completed", "preempted", "requeued", "cancelled", "stopped")
     return EXIT_OK if outcome in ok else EXIT_JOB_FAILED
 
 

@@ -18,6 +18,7 @@ from clusterflow import rundir, tasks
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
+from clusterflow.observe import trackers
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -218,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     preflight.check_paths(cfg)
     if cfg.train.parallel == "fsdp":
         check_can_shard(cfg)
+    trackers.check(cfg.trackers)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
         if args.local:

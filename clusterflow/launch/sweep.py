@@ -29,6 +29,7 @@ from clusterflow import rundir, tasks
 from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status, sweep_status
+from clusterflow.observe import trackers
 from clusterflow.rundir import cancel_marker, frozen_code, preflight, saved_config, submissions
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
@@ -140,6 +141,7 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
     sw = sweep.expand(args.config, args.overrides, args.sweep)
     for m in sw.members:
         preflight.check_paths(m.config)
+        trackers.check(m.config.trackers)
     _check_task_params(sw)
     if args.dry_run:
         index, changes, plan = _plan(sw)

@@ -5,7 +5,9 @@
 - ``heartbeat.py``: per-rank heartbeat files, read back for ``status --ranks``;
 - ``watchdog.py``: a rank whose loop stops moving: stacks, first cause, flight recorder, exit;
 - ``metrics.py``: TensorBoard on rank 0 (a null writer elsewhere), metrics.jsonl, throughput;
-- ``nvml.py``: an NVML snapshot of the GPUs (optional: nvidia-ml-py).
+- ``nvml.py``: an NVML snapshot of the GPUs (optional: nvidia-ml-py);
+- ``profiling.py``: ``train.profile``'s torch.profiler trace of a window of steps;
+- ``trackers/``: MLflow and W&B, one tracker run per clusterflow run, each step once.
 """
 
 from clusterflow.observe.observer import Observer, before_init, mining_wait_timeout_s, nvml_gpu

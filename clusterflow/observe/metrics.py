@@ -12,6 +12,8 @@ import time
 from typing import Any, Callable, Mapping
 
 from clusterflow import rundir
+from clusterflow.config.sections import TrackersConfig
+from clusterflow.observe import trackers
 from clusterflow.rundir.records import RunPaths
 
 
@@ -31,8 +33,11 @@ class NullWriter:
     def flush(self) -> None:
         pass
 
-    def close(self) -> None:
-        pass
+    def tag(self, key: str, value: str) -> None:
+        """A tracker tag (e.g. the newest checkpoint); TensorBoard has none."""
+
+    def close(self, outcome: str = "") -> None:
+        """``outcome``: how the attempt ends ("completed", "failed", "cancelled", or a stop)."""
 
 
 class Every:
@@ -64,11 +69,26 @@ class TensorBoardWriter(NullWriter):
     log step), and the trainer flushes it before every checkpoint and after logging that
     checkpoint's own scalars (``flush``), so a killed attempt loses no point that the next
     attempt does not log again: it resumes from a checkpoint and logs every later step.
+
+    The scalars also go to the experiment trackers configured (``trackers/``), each fed from its
+    own thread; each sends first what earlier attempts left in ``metrics.jsonl`` before
+    ``purge_step`` and it does not hold yet.
     """
 
     FLUSH_S = 5.0
+    # How long the end of an attempt waits for each tracker's queue: a run that ended has no later
+    # attempt to send what is left; a stop does (from metrics.jsonl), and must exit in its grace.
+    TRACKER_WAIT_S = 60.0
+    TRACKER_STOP_WAIT_S = 5.0
 
-    def __init__(self, paths: RunPaths, attempt: int, purge_step: int) -> None:
+    def __init__(
+        self,
+        paths: RunPaths,
+        attempt: int,
+        purge_step: int,
+        trackers_cfg: TrackersConfig | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self._w = SummaryWriter(
@@ -78,6 +98,11 @@ class TensorBoardWriter(NullWriter):
         self._attempt = attempt
         self._flush_due = Every(self.FLUSH_S)
         self._row({"step": purge_step, "attempt": attempt, "purge_step": purge_step})
+        self._trackers = (
+            trackers.start(trackers_cfg, paths, config or {}, lambda: _before(paths, purge_step))
+            if trackers_cfg is not None
+            else []
+        )
 
     def _row(self, record: dict[str, Any]) -> None:
         self._jsonl.write((json.dumps(record) + "\n").encode())
@@ -91,6 +116,12 @@ class TensorBoardWriter(NullWriter):
         self._row(
             {"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}}
         )
+        for t in self._trackers:
+            t.scalars(values, step)
+
+    def tag(self, key: str, value: str) -> None:
+        for t in self._trackers:
+            t.tag(key, value)
 
     def histogram(self, tag: str, values: Any, step: int) -> None:
         self._w.add_histogram(tag, values, step)
@@ -105,13 +136,29 @@ class TensorBoardWriter(NullWriter):
     def flush(self) -> None:
         self._w.flush()
 
-    def close(self) -> None:
+    def close(self, outcome: str = "") -> None:
         self._w.close()
         self._jsonl.close()
+        ended = outcome in trackers.ENDED
+        for t in self._trackers:
+            t.close(outcome, self.TRACKER_WAIT_S if ended else self.TRACKER_STOP_WAIT_S)
 
 
-def writer_for(is_main: bool, paths: RunPaths, attempt: int, purge_step: int) -> NullWriter:
-    return TensorBoardWriter(paths, attempt, purge_step) if is_main else NullWriter()
+def _before(paths: RunPaths, step: int) -> dict[int, dict[str, float]]:
+    return {s: v for s, v in read_metrics(paths.root).items() if s < step}
+
+
+def writer_for(
+    is_main: bool,
+    paths: RunPaths,
+    attempt: int,
+    purge_step: int,
+    trackers_cfg: TrackersConfig | None = None,
+    config: Mapping[str, Any] | None = None,
+) -> NullWriter:
+    if not is_main:
+        return NullWriter()
+    return TensorBoardWriter(paths, attempt, purge_step, trackers_cfg, config)
 
 
 def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:

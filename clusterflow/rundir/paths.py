@@ -5,9 +5,17 @@ Inside ``RUN_DIR``:
     config.yaml                   resolved config, written once by the submitting process
     checkpoints/step-<N>/         committed checkpoints (see ``storage/store.py``), unless
                                   checkpoint.dir says elsewhere
+    best                          with checkpoint.keep_best: a symbolic link to the best
+                                  checkpoint's folder (a file holding its URL when checkpoints
+                                  are not on a local path)
     tb/                           TensorBoard events, a new file per attempt
     metrics.jsonl                 the same scalars as JSON lines (read them with
                                   ``observe/metrics.py``'s ``read_metrics``)
+    trackers.json                 each experiment tracker's run id (one tracker run per
+                                  clusterflow run) and, for W&B, the last step it holds per tag
+                                  (see ``observe/trackers/``)
+    wandb/                        W&B's own files (offline runs are synced from here)
+    profile/                      train.profile's traces (see ``observe/profiling.py``)
     logs/                         rank<R>.attempt<A>.log per rank and attempt; slurm/ or
                                   submitit/ for the launcher's output
     attempts.jsonl                one line per job start (requeues included), appended by rank 0
@@ -77,6 +85,22 @@ class RunPaths:
     @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def profile(self) -> str:
+        return self._p("profile")
+
+    @property
+    def best(self) -> str:
+        return self._p("best")
+
+    @property
+    def trackers(self) -> str:
+        return self._p("trackers.json")
+
+    @property
+    def wandb(self) -> str:
+        return self._p("wandb")
 
     @property
     def logs(self) -> str:

@@ -96,6 +96,17 @@ def job_state(job_id: str, timeout_s: float = 30) -> str:
     return ""
 
 
+def is_batch(job_id: str, timeout_s: float = 30) -> bool | None:
+    """Whether the job is a batch job (``sbatch``), not an interactive allocation (``salloc``),
+    whose steps Slurm refuses to requeue: ``BatchFlag`` of ``scontrol show job``; None when Slurm
+    does not answer."""
+    out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
+    for field in out.stdout.split():
+        if field.startswith("BatchFlag="):
+            return field.split("=", 1)[1] != "0"
+    return None
+
+
 def show_job(job_id: str, timeout_s: float) -> Result:
     """``scontrol show job -o JOB``: one line of ``key=value`` words, for
     ``outcome.parse_scontrol``."""

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -48,7 +49,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import fsspec
 
@@ -96,9 +97,21 @@ def _versions() -> dict[str, str]:
 
 
 class CheckpointStore:
-    def __init__(self, root: str, keep_last: int = 3, fsync: bool = True) -> None:
+    def __init__(
+        self,
+        root: str,
+        keep_last: int = 3,
+        fsync: bool = True,
+        keep_every: int = 0,
+        best: tuple[str, str] | None = None,
+    ) -> None:
+        """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
+        "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too."""
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
+        self.keep_every, self.best = keep_every, best
+        # Called after a step is published and before pruning (rank 0 points RUN_DIR/best).
+        self.after_publish: Callable[[], None] | None = None
         self.url = root
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.keep_last = keep_last
@@ -155,7 +168,7 @@ class CheckpointStore:
             return None
         staged = self._stage(step, files, meta or {})
         self._publish(staged, step)
-        self.prune()
+        self._settle()
         return self.step_path(step)
 
     def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
@@ -221,8 +234,15 @@ class CheckpointStore:
         ranks' files, name -> size and digest), and publish. Returns the step path."""
         self._fill(staged, step, files, listed, meta)
         self._publish(staged, step)
-        self.prune()
+        self._settle()
         return self.step_path(step)
+
+    def _settle(self) -> None:
+        """After a step is published: the caller's hook (``RUN_DIR/best``), then pruning, so the
+        hook never names a folder the pruning removed."""
+        if self.after_publish is not None:
+            self.after_publish()
+        self.prune()
 
     def abandon(self, staged: str) -> None:
         """Remove a staging folder whose save failed on some rank."""
@@ -303,15 +323,46 @@ class CheckpointStore:
         else:
             self.fs.mv(staged, final, recursive=True)
 
+    def kept(self, steps: list[int]) -> set[int]:
+        """Which of ``steps`` (ascending) stay: the newest ``keep_last`` (a resume takes the newest
+        that verifies, and a damaged newest one has a predecessor), the multiples of
+        ``keep_every``, and the best one."""
+        keep = set(steps[-self.keep_last :])
+        if self.keep_every:
+            keep.update(s for s in steps if s % self.keep_every == 0)
+        best = self.best_step(steps)
+        if best is not None:
+            keep.add(best)
+        return keep
+
+    def best_step(self, steps: list[int] | None = None) -> int | None:
+        """The committed step with the best value of ``best``'s metric in its manifest (the
+        earliest of equal ones); None when off or when no manifest holds the metric."""
+        if self.best is None:
+            return None
+        metric, mode = self.best
+        scored = []
+        for step in self.steps() if steps is None else steps:
+            try:
+                value = self._read_manifest(self.step_path(step), step).get("metrics", {})
+            except ValueError:
+                continue
+            value = value.get(metric) if isinstance(value, dict) else None
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                scored.append((value if mode == "min" else -value, step))
+        return min(scored)[1] if scored else None
+
     def prune(self) -> None:
-        """Keep the newest ``keep_last`` committed steps.
+        """Keep the steps :meth:`kept` names.
 
         An old step is renamed to ``.pruned-step-N-*`` (atomic locally: it stops being a checkpoint
         at once) and deleted on a background thread, off the training loop's path; a deletion cut
         short by the process ending is finished by the next ``clean_debris``.
         """
         doomed = []
-        for step in self.steps()[: -self.keep_last]:
+        steps = self.steps()
+        keep = self.kept(steps)
+        for step in (s for s in steps if s not in keep):
             if not self.local:
                 self.fs.rm(self.step_path(step), recursive=True)
                 continue

@@ -34,6 +34,7 @@ from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
 from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
+from clusterflow.observe.profiling import profile_for
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
@@ -131,18 +132,34 @@ class Trainer:
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self.writer = writer_for(
-            self.rank == 0, self.paths, self.attempt, self._purge_step(resumed)
+            self.rank == 0,
+            self.paths,
+            self.attempt,
+            self._purge_step(resumed),
+            self.cfg.trackers,
+            self.cfg.to_dict(),
+        )
+        self.profile = profile_for(
+            self.cfg.train.profile_window,
+            self.rank,
+            self.attempt,
+            self.paths,
+            self.device.type == "cuda",
         )
         self._status(state="running")
+        outcome = "failed"  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
                 reason = self._train_epoch() or self._end_of_epoch()
                 if reason:
+                    outcome = reason
                     return reason
             self._finish()
-            return "completed"
+            outcome = "completed"
+            return outcome
         finally:
-            self.writer.close()
+            self.profile.close()
+            self.writer.close(outcome)
             self.checkpointer.close()
 
     def _purge_step(self, resumed: bool) -> int:
@@ -169,6 +186,8 @@ class Trainer:
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
         for batch in self._loader():
+            if micro == 0:
+                self.profile.begin(self.state.global_step + 1)
             micro += 1
             self._forward_backward(
                 batch, last_micro=micro == self.cfg.train.grad_accum, window=window
@@ -177,6 +196,7 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step()
+            self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
             self.phases.tick(self.state.global_step)
             if bar is not None:
@@ -356,7 +376,8 @@ class Trainer:
     def _save(self, event: str) -> None:
         scalars = self.checkpointer.save(event)
         if scalars:
-            self.writer.scalars(scalars, self.state.global_step)
+            self._log(scalars)
+            self.writer.tag("clusterflow.checkpoint", f"step-{self.state.global_step} ({event})")
             # A resume from this checkpoint logs from the next step: these points are not logged
             # again.
             self.writer.flush()
@@ -365,6 +386,11 @@ class Trainer:
             self._status()
 
     # -- reporting ----------------------------------------------------------------------------
+    def _log(self, scalars: dict[str, float]) -> None:
+        """Scalars at the current step: to the writer, and to the checkpointer (keep_best)."""
+        self.writer.scalars(scalars, self.state.global_step)
+        self.checkpointer.note(scalars)
+
     def _log_interval(self, window: LossWindow) -> None:
         rep = window.throughput.report()
         s = self.state
@@ -384,7 +410,7 @@ class Trainer:
             **gpu_stats(),
             **self.phases.scalars(),
         }
-        self.writer.scalars(out, s.global_step)
+        self._log(out)
         if self.rank == 0:
             log.info(
                 "epoch %d step %d/%d (global %d) loss %.4f lr %.2e %.0f samples/s",
@@ -415,7 +441,7 @@ class Trainer:
         scalars.update(
             {f"mining/embed_per_s_rank{r}": v for r, v in enumerate(s.get("embed_per_s_rank", []))}
         )
-        self.writer.scalars(scalars, self.state.global_step)
+        self._log(scalars)
         labels = self.state.labels
         if labels is not None:
             sizes = np.bincount(labels[labels >= 0])
@@ -448,7 +474,7 @@ class Trainer:
             with self.ema.swapped():
                 ema = self._eval_pass(ds)
             metrics.update({k.replace("/", "_ema/", 1): v for k, v in ema.items()})
-        self.writer.scalars(metrics, self.state.global_step)
+        self._log(metrics)
         if self.rank == 0 and metrics:
             log.info(
                 "eval after epoch %d: %s",

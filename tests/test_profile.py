@@ -1,0 +1,36 @@
+"""train.profile: a torch.profiler trace of exactly the configured global steps, on exactly the
+configured ranks, in a file TensorBoard's profiler and Perfetto open (Chrome trace JSON)."""
+
+import json
+import os
+import re
+
+import launch
+import pytest
+
+from clusterflow import config
+from clusterflow.errors import UserError
+
+
+def test_a_profiled_run_traces_exactly_the_window_on_the_chosen_rank(tmp_path):
+    d = str(tmp_path / "run")
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", "train.profile=3-5@1"], d) == [0, 0]
+    files = sorted(os.listdir(os.path.join(d, "profile")))
+    assert files == ["rank1.attempt0.steps3-5.pt.trace.json"], files
+    trace = json.load(open(os.path.join(d, "profile", files[0])))
+    steps = {
+        int(m.group(1))
+        for e in trace["traceEvents"]
+        if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name", ""))))
+    }
+    assert steps == {3, 4, 5}
+    ops = {e.get("name") for e in trace["traceEvents"]}
+    assert any(str(op).startswith("aten::") for op in ops)  # the model's operators are in it
+    log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()
+    assert "profiled global steps 3-5" in log
+
+
+@pytest.mark.parametrize("value", ["5-3", "0-2", "3-5@", "a-b", "3-5@0;1"])
+def test_a_bad_profile_window_is_refused_with_the_form(value):
+    with pytest.raises(UserError, match="train.profile"):
+        config.load("configs/tiny.yaml", [f"train.profile={value}"])

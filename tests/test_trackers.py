@@ -1,0 +1,282 @@
+"""Experiment trackers against the real thing: an `mlflow server` with a SQL store started here,
+and W&B in offline mode. A run killed mid-epoch and resumed is one tracker run whose history holds
+each step once, with the values of metrics.jsonl."""
+
+import glob
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+from conftest import REPO, run_cli
+
+from clusterflow.dist import free_port
+from clusterflow.observe.metrics import read_metrics
+
+mlflow = pytest.importorskip("mlflow")
+from mlflow.tracking import MlflowClient  # noqa: E402
+
+STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
+
+
+def submit_local(run_dir, *extra, signals="", env=None):
+    """``clusterflow submit --local`` of tiny.yaml with the Signals test task (kills itself at
+    the loss calls ``signals`` names)."""
+    return run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        "--local",
+        f"run.dir={run_dir}",
+        "task.target=testtasks:Signals",
+        f"task.params.run_dir={run_dir}",
+        f"task.params.signals={signals}",
+        *extra,
+        env={"PYTHONPATH": os.path.join(REPO, "tests"), **(env or {})},
+    )
+
+
+def start_server(where, port):
+    """A real MLflow tracking server with a SQLite backend store; returns it once it answers."""
+    uri = f"http://127.0.0.1:{port}"
+    log = open(where / "server.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server"]
+        + ["--backend-store-uri", f"sqlite:///{where}/mlflow.db"]
+        + ["--default-artifact-root", str(where / "artifacts")]
+        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    while True:
+        try:
+            with urllib.request.urlopen(f"{uri}/health", timeout=2):
+                return server
+        except OSError:
+            if server.poll() is not None:
+                pytest.fail("mlflow server did not start: " + open(where / "server.log").read())
+            time.sleep(0.5)
+
+
+def stop_server(server):
+    os.killpg(server.pid, signal.SIGKILL)
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    port = free_port()
+    server = start_server(tmp_path_factory.mktemp("mlflow"), port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop_server(server)
+
+
+def flat_config(run_dir):
+    """The saved config as ``section.key`` -> text, mappings (task.params) one level deeper."""
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        cfg = yaml.safe_load(f)
+    out = {}
+    for section, values in cfg.items():
+        for key, value in values.items():
+            if isinstance(value, dict) and value:
+                out.update({f"{section}.{key}.{k}": str(v) for k, v in value.items()})
+            else:
+                out[f"{section}.{key}"] = str(value)
+    return out
+
+
+def committed_steps(run_dir):
+    folder = os.path.join(run_dir, "checkpoints")
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return [int(n[5:]) for n in names if n.startswith("step-") and n[5:].isdigit()]
+
+
+def held_steps(client, experiment, key="train/loss"):
+    exp = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([exp.experiment_id]) if exp else []
+    return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, key)]
+
+
+def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_server, tmp_path):
+    """Held in step 10 until MLflow has steps 1-9, then SIGKILLed (mid-epoch; the newest
+    checkpoint is step 8) and submitted again: the resumed attempt computes step 9 again and
+    must not send it twice."""
+    d, kill = str(tmp_path / "run"), str(tmp_path / "kill-now")
+    client = MlflowClient(mlflow_server)
+    command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"] + [
+        f"run.dir={d}",
+        "task.target=testtasks:KillWhenFileAppears",
+        f"task.params.run_dir={d}",
+        f"task.params.kill_file={kill}",
+        "task.params.at=10",
+        "checkpoint.async=false",  # step 8 is committed before step 9 starts
+        f"trackers.mlflow.uri={mlflow_server}",
+        "trackers.mlflow.experiment=killed",
+    ]
+    env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    while max(held_steps(client, "killed"), default=0) < 9:
+        assert job.poll() is None, job.stdout.read()
+        time.sleep(0.2)
+    open(kill, "w").close()
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode != 0, out
+    assert max(committed_steps(d)) == 8 < max(held_steps(client, "killed")) == 9
+    os.unlink(kill)
+    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"resumed from {d}/checkpoints/step-8:" in open(f"{d}/logs/rank0.attempt1.log").read()
+
+    client = MlflowClient(mlflow_server)
+    exp = client.get_experiment_by_name("killed")
+    runs = client.search_runs([exp.experiment_id])
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    # config.yaml keeps run.dir as "." (a run dir may move); the parameter says where it ran
+    assert run.data.params == {**flat_config(d), "run.dir": d}
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert steps == list(range(1, STEPS + 1)), steps
+    written = read_metrics(d)
+    assert {m.step: m.value for m in history} == {s: written[s]["train/loss"] for s in steps}
+    # every other scalar once per step as well, mining rounds and eval included
+    for key in ("train/lr", "eval/view_cos", "mining/num_clusters", "mining/threshold"):
+        points = client.get_metric_history(run.info.run_id, key)
+        at = [m.step for m in points]
+        assert at == sorted(set(at)), (key, at)
+        assert {m.step: m.value for m in points} == {s: written[s][key] for s in at}, key
+        assert at == [s for s in sorted(written) if key in written[s]], key
+    assert run.data.tags["clusterflow.checkpoint"].startswith(f"step-{STEPS} ")
+
+
+def test_a_missing_tracker_server_is_refused_at_submit(tmp_path):
+    d = str(tmp_path / "run")
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = submit_local(d, f"trackers.mlflow.uri={dead}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and dead in lines[0] and "no tracking server" in lines[0], lines
+    assert not os.path.exists(d)
+
+
+@pytest.mark.parametrize("name, key", [("mlflow", "uri=sqlite:///x.db"), ("wandb", "project=p")])
+def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, name, key):
+    """The package hidden the way Python documents it: ``sys.modules[name] = None``."""
+    d = str(tmp_path / "run")
+    code = (
+        f"import sys; sys.modules[{name!r}] = None; from clusterflow.submit import main; "
+        "sys.exit(main(sys.argv[1:]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, "configs/tiny.yaml", "--local", f"run.dir={d}"]
+        + [f"trackers.{name}.{key}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"clusterflow[{name}]" in lines[0], lines
+    assert not os.path.exists(d)
+
+
+@pytest.mark.slow
+def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path):
+    port = free_port()
+    server = start_server(tmp_path, port)
+    d = str(tmp_path / "run")
+    job = subprocess.Popen(
+        [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"]
+        + [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
+        + [f"trackers.mlflow.uri=http://127.0.0.1:{port}"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        while not read_metrics(d) if os.path.exists(f"{d}/metrics.jsonl") else True:
+            assert job.poll() is None, job.stdout.read()
+            time.sleep(0.2)
+    finally:
+        stop_server(server)  # the server goes down in mid-run
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode == 0, out
+    assert os.path.exists(os.path.join(d, "model.pt"))
+    log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
+    assert "tracker mlflow failed" in log and "training goes on" in log, log[-3000:]
+
+
+def wandb_records(path):
+    """The records of a W&B transaction log (``run-ID.wandb``): a 7-byte header, then LevelDB
+    log blocks of 32 KiB whose records are protobuf ``Record`` messages."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, buf = open(path, "rb").read(), 7, 32768, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _crc, size, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if kind == 0 and size == 0:  # the zero padding at the end of a block
+            pos += left
+            continue
+        buf += data[pos + 7 : pos + 7 + size]
+        pos += 7 + size
+        if kind in (1, 4):  # FULL or LAST
+            record = pb.Record()
+            record.ParseFromString(buf)
+            buf = b""
+            yield record
+
+
+def wandb_history(path, key):
+    """``[(step, value)]`` of ``key`` in one attempt's transaction log."""
+    out = []
+    for r in wandb_records(path):
+        if r.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+            if key in items:
+                out.append((r.history.step.num, json.loads(items[key])))
+    return out
+
+
+@pytest.mark.slow
+def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
+    """Killed in step 10, then resubmitted: both attempts' offline folders carry the run id that
+    trackers.json names, and, under W&B's rule that a run's steps only increase (a point at a step
+    it already has is dropped), the history holds every step once, with metrics.jsonl's values."""
+    pytest.importorskip("wandb")
+    d = str(tmp_path / "run")
+    wb = ["trackers.wandb.project=clusterflow-test", "trackers.wandb.mode=offline"]
+    env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
+    first = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
+    assert first.returncode != 0, first.stdout + first.stderr
+    second = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
+    assert second.returncode == 0, second.stdout + second.stderr
+    run_id = json.load(open(os.path.join(d, "trackers.json")))["wandb"]["run_id"]
+    folders = sorted(glob.glob(os.path.join(d, "wandb", "wandb", "offline-run-*")))
+    assert len(folders) == 2, folders
+    history, last = {}, 0
+    for folder in folders:
+        assert folder.endswith(f"-{run_id}"), folder
+        points = wandb_history(os.path.join(folder, f"run-{run_id}.wandb"), "train/loss")
+        steps = [s for s, _ in points]
+        assert steps == sorted(set(steps)), steps
+        history.update({s: v for s, v in points if s > last})
+        last = max(steps, default=last)
+    written = read_metrics(d)
+    assert sorted(history) == list(range(1, STEPS + 1)), sorted(history)
+    assert history == pytest.approx({s: written[s]["train/loss"] for s in history}, rel=1e-6)
