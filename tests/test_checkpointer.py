@@ -211,3 +211,24 @@ def _broadcast(bucket):
 def test_broadcast_state_sends_every_dtype_and_shape_exactly():
     assert run_ranks(3, _broadcast, 64) == [True, True, True]
     assert run_ranks(2, _broadcast, 64 << 20) == [True, True]
+
+
+def test_keep_best_resumes_with_the_metric_of_the_step_it_resumed_from(tmp_path):
+    """The newest step is damaged, so the run resumes from the one before: the keep_best metric
+    carried into the next checkpoints is that step's, not the one the damaged step logged."""
+    run_dir = str(tmp_path / "run")
+    over = {"checkpoint.keep_best": "eval/acc:max", "checkpoint.async": "false"}
+    ck, model, opt, progress = build(run_dir, **over)
+    for acc in (0.5, 0.9):
+        train_step(model, opt, progress)
+        ck.note({"eval/acc": acc})
+        ck.save(STEP)
+    ck.close()
+    weights = os.path.join(run_dir, "checkpoints", "step-2", "model.pt")
+    data = bytearray(open(weights, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(weights, "wb").write(bytes(data))
+    ck, model, opt, progress = build(run_dir, **over)
+    assert ck.restore() and progress.global_step == 1
+    assert ck.metrics == {"eval/acc": 0.5}
+    ck.close()

@@ -34,3 +34,9 @@ def test_a_profiled_run_traces_exactly_the_window_on_the_chosen_rank(tmp_path):
 def test_a_bad_profile_window_is_refused_with_the_form(value):
     with pytest.raises(UserError, match="train.profile"):
         config.load("configs/tiny.yaml", [f"train.profile={value}"])
+
+
+def test_a_profile_naming_a_rank_the_run_does_not_have_is_refused():
+    with pytest.raises(UserError, match=r"names rank 7 but the run has 2 rank\(s\)"):
+        config.load("configs/tiny.yaml", ["train.profile=3-5@0,7", "cluster.tasks_per_node=2"])
+    config.load("configs/tiny.yaml", ["train.profile=3-5@1", "cluster.tasks_per_node=2"])

@@ -3,7 +3,7 @@ test_requeuing_checkpointable)."""
 
 import pytest
 
-from clusterflow.job.requeue import Action, decide
+from clusterflow.job.requeue import NO_SCONTROL, Action, decide
 
 LIMIT = 2
 TABLE = [
@@ -59,6 +59,14 @@ TABLE = [
     ),  # scontrol requeue under way
     ("preempted", "slurm", "CANCELLED", 0, Action("preempted", "stopped")),  # scancel
     ("preempted", "slurm", "", 0, Action("preempted", "requeued")),  # scontrol did not answer
+    # a container without scontrol: the batch script outside requeues (exit 75)
+    (
+        "preempted",
+        "slurm",
+        NO_SCONTROL,
+        0,
+        Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
+    ),
     ("preempted", "single", None, 0, Action("preempted", "requeued")),
     (
         "timeout",
@@ -140,6 +148,8 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
     from clusterflow.job.requeue import after_stop
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    marker = tmp_path / ".clusterflow-requeue-123"
+    monkeypatch.setenv("CLUSTERFLOW_REQUEUE_MARKER", str(marker))  # as the batch templates set it
     assert shutil.which("scontrol") is None
     environ = {"SLURM_JOB_ID": "123", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
     environ.update(SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node1")
@@ -149,4 +159,10 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
     paths = rundir.RunPaths(str(tmp_path))
     assert after_stop(paths, "timeout", env, environ, LIMIT, None) == "requeue-outside"
     assert rundir.read_json(paths.status)["state"] == "requeued"
+    assert marker.exists()  # the templates requeue on it whatever srun's exit status says
+    marker.unlink()
+    # Preempted (SIGTERM): saved, and the batch script is asked to requeue too; exiting 0 would
+    # end the job as COMPLETED, never to come back.
+    assert after_stop(paths, "preempted", env, environ, LIMIT, None) == "requeue-outside"
+    assert rundir.read_json(paths.status)["state"] == "requeued" and marker.exists()
     assert EXIT_REQUEUE_OUTSIDE == 75  # what slurm_templates/train.sbatch tests for

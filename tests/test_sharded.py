@@ -398,3 +398,26 @@ def test_one_process_trains_sharded_too(tmp_path, cli):
     manifest = json.load(open(os.path.join(d, "checkpoints", "step-18", "manifest.json")))
     assert manifest["format"] == "dcp" and "__0_0.distcp" in manifest["files"]
     assert all(type(v) is torch.Tensor for v in weights(d).values())
+
+
+def _round_key_inside_the_gathered_window():
+    from clusterflow.mining.rounds import round_key
+    from clusterflow.train import parallel
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    m = parallel.wrap_fsdp(m, parallel.default_units(m), torch.device("cpu"), 2, None)
+    with parallel.gathered(m):
+        key = round_key(m, 1, 2, 10, {})
+        kind = type(m[0].weight).__name__
+    return kind, key
+
+
+def test_the_mining_rounds_key_leaves_the_gathered_model_gathered():
+    """The embed runs on the gathered model with no collective per batch: hashing the weights for
+    the round's files (mining.resume) must not reshard it."""
+    from multirank import run_ranks
+
+    out = run_ranks(2, _round_key_inside_the_gathered_window)
+    assert [out[r][0] for r in (0, 1)] == ["Parameter", "Parameter"], out
+    assert out[0][1] == out[1][1]  # the whole model's bytes: the same key on every rank

@@ -16,7 +16,11 @@ import pytest
 import yaml
 from conftest import REPO, run_cli
 
+from clusterflow.config.job_config import load
 from clusterflow.dist import free_port
+from clusterflow.dist.env import DistEnv
+from clusterflow.errors import UserError
+from clusterflow.job.run import _check_trackers
 from clusterflow.observe.metrics import read_metrics
 
 mlflow = pytest.importorskip("mlflow")
@@ -280,3 +284,18 @@ def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
     written = read_metrics(d)
     assert sorted(history) == list(range(1, STEPS + 1)), sorted(history)
     assert history == pytest.approx({s: written[s]["train/loss"] for s in history}, rel=1e-6)
+
+
+def test_a_tracker_down_at_a_requeue_costs_a_warning_not_the_attempt(tmp_path, capsys):
+    """The server answered at submit; it is down when Slurm restarts the job: a fresh start is
+    refused with one line, a requeued attempt (SLURM_RESTART_COUNT > 0) trains on."""
+    uri = f"http://127.0.0.1:{free_port()}"
+    cfg = load(
+        os.path.join(REPO, "configs", "tiny.yaml"),
+        [f"run.dir={tmp_path / 'run'}", f"trackers.mlflow.uri={uri}"],
+    )
+    with pytest.raises(UserError, match="no tracking server answers there"):
+        _check_trackers(cfg, DistEnv(attempt=0))
+    _check_trackers(cfg, DistEnv(attempt=1))
+    said = capsys.readouterr().err
+    assert "no tracking server answers there" in said and "requeued attempt trains on" in said

@@ -448,9 +448,15 @@ class Checkpointer:
         resumed = Restorer(
             self.cfg, self.model, self.states, self.progress, self.store, self.sharded
         ).restore()
-        newest = self.store.newest_manifest() if self.cfg.checkpoint.best else None
-        if newest and isinstance(newest.get("metrics"), dict):
-            self.metrics = dict(newest["metrics"])
+        # keep_best: the metric as of the step resumed from (a newer step may have been skipped
+        # as damaged, and its value belongs to steps this attempt trains again).
+        restored = (
+            self.store.manifest(self.progress.global_step)
+            if resumed and self.cfg.checkpoint.best
+            else None
+        )
+        if restored and isinstance(restored.get("metrics"), dict):
+            self.metrics = dict(restored["metrics"])
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
 

@@ -17,6 +17,9 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save as safetensors_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from clusterflow.checkpoint.sharded import FORMAT as SHARDED
 from clusterflow.errors import UserError, cli
@@ -81,9 +84,6 @@ def model_state(
 def _gather_shards(folder: str, name: str) -> dict[str, Any]:
     """The ``name`` entries (``model``, ``ema``) of a DCP checkpoint as whole tensors, read in
     one process (empty when it has none)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader = dcp.FileSystemReader(folder)
     prefix = f"{name}."
     state = {
@@ -114,10 +114,8 @@ def export(
     if dtype is not None:
         state = {k: v.to(DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
     if fmt == "safetensors":
-        from safetensors.torch import save
-
         # safetensors takes contiguous tensors that share no storage.
-        payload = save({k: v.detach().contiguous().clone() for k, v in state.items()})
+        payload = safetensors_save({k: v.detach().contiguous().clone() for k, v in state.items()})
         durable.write_atomic(out, payload)
     else:
         durable.write_atomic(out, state)

@@ -66,6 +66,14 @@ class Config:
             self.mining.embed_with,
             "embedding with the EMA weights needs train.ema_decay > 0 (e.g. 0.999)",
         )
+        window = self.train.profile_window
+        _check(
+            window is None or max(window[2]) < world,
+            "train.profile",
+            self.train.profile,
+            f"names rank {max(window[2]) if window else 0} but the run has {world} rank(s) "
+            f"(0..{world - 1}); name ranks below {world}",
+        )
         ckpt = self.checkpoint.dir
         _check(
             self.train.parallel != "fsdp" or not is_url(ckpt) or ckpt.startswith("file://"),

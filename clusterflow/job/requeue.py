@@ -11,6 +11,7 @@ Time-limit requeues are counted in one place: the ``timeout`` lines of ``RUN_DIR
 from __future__ import annotations
 
 import logging
+import os
 import shlex
 import sys
 from dataclasses import dataclass
@@ -23,6 +24,14 @@ from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
 log = logging.getLogger("clusterflow")
+
+# Slurm's view of the job when this environment has no scontrol (a container): unknown, and the job
+# cannot requeue itself; the batch script outside can (EXIT_REQUEUE_OUTSIDE).
+NO_SCONTROL = "no scontrol here"
+# Set by the batch templates: a file rank 0 creates when it asks for a requeue from outside. The
+# step's exit status alone can lose that request: srun --kill-on-bad-exit kills the ranks still
+# exiting, and srun then returns 128+9, not 75.
+REQUEUE_MARKER_ENV = "CLUSTERFLOW_REQUEUE_MARKER"
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,8 @@ def decide(
     """``outcome``: completed, preempted, timeout, interrupted (SIGINT) or cancelled (the user's
     marker) (from the trainer); ``source``: the launcher
     (slurm, torchrun, submitit-local, single); ``slurm_state``: JobState of this job (None outside
-    a Slurm job, "" when scontrol did not answer or was not asked); ``timeouts``: time-limit stops
+    a Slurm job, "" when scontrol did not answer or was not asked, :data:`NO_SCONTROL` when this
+    environment has no scontrol); ``timeouts``: time-limit stops
     so far, this one included; ``limit``: cluster.max_timeout_requeues; ``interactive``: the job
     is an allocation made by ``salloc`` (Slurm requeues batch jobs only)."""
     if outcome == "completed":
@@ -72,7 +82,9 @@ def decide(
     # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
     # runs (preemption, or a bare SIGTERM) it requeues itself. COMPLETING means a requeue is already
     # under way (scontrol requeue); CANCELLED means the user ended it with scancel.
-    if slurm_state == "RUNNING":
+    # Without scontrol the job cannot tell whether Slurm will bring it back: ask the batch script
+    # outside to requeue it (an early exit after the save would otherwise end the job for good).
+    if slurm_state in ("RUNNING", NO_SCONTROL):
         return Action(outcome, "requeued", requeue=True, why="the preemption signal (SIGTERM)")
     return Action(outcome, "stopped" if slurm_state == "CANCELLED" else "requeued")
 
@@ -96,6 +108,8 @@ def after_stop(
     slurm_state, interactive = None, False
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
+        if outcome == "preempted" and not slurm_commands.available("scontrol"):
+            slurm_state = NO_SCONTROL
         if outcome in ("preempted", "timeout"):
             interactive = slurm_commands.is_batch(job_id) is False
     action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive)
@@ -127,6 +141,18 @@ def after_stop(
     return action.outcome
 
 
+def _mark_requeue_outside() -> None:
+    """Create the batch script's requeue marker (:data:`REQUEUE_MARKER_ENV`), when it set one."""
+    marker = os.environ.get(REQUEUE_MARKER_ENV, "")
+    if not marker:
+        return
+    try:
+        with open(marker, "w") as f:
+            f.write(f"{EXIT_REQUEUE_OUTSIDE}\n")
+    except OSError as exc:  # the exit status still asks for the requeue
+        log.warning("could not write the requeue marker %s: %s", marker, exc)
+
+
 def resume_command() -> str:
     """The command line this process runs (``srun`` and its flags not included)."""
     return shlex.join(["python", "-m", "clusterflow.run", *sys.argv[1:]])
@@ -138,6 +164,7 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
     ``EXIT_REQUEUE_OUTSIDE``); "" when Slurm refuses (the run is recorded as stopped)."""
     out = slurm_commands.requeue(job_id)
     if out.missing:
+        _mark_requeue_outside()
         rundir.write_status(paths, state="requeued")
         log.warning(
             "scontrol is not in this job's PATH (a container?): exiting with status %d after %s "

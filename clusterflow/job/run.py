@@ -45,6 +45,18 @@ EXAMPLES = (
 )
 
 
+def _check_trackers(cfg: Config, env: DistEnv) -> None:
+    """A tracker that cannot work refuses a fresh start (exit 2, before anything is written); a
+    requeued attempt goes on with a warning, since a tracker down at that moment must never cost
+    the training run (the tracker's pump retries, and sends what it missed once it is back)."""
+    try:
+        trackers.check(cfg.trackers, reach=env.rank == 0)
+    except UserError as exc:
+        if env.attempt == 0:
+            raise
+        print(f"clusterflow: warning: {exc}; this requeued attempt trains on", file=sys.stderr)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -65,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_intermixed_args(argv)
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
-    trackers.check(cfg.trackers, reach=DistEnv.from_env(os.environ).rank == 0)
+    _check_trackers(cfg, DistEnv.from_env(os.environ))
     if args.check:
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)

@@ -27,6 +27,7 @@ search that computes only the missing ones returns the same lists.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -52,12 +53,23 @@ def round_key(model: Any, epoch: int, world: int, n: int, settings: dict[str, An
     this rank's shards of a sharded model), the round and its shape, ``settings`` (mining keys,
     precision, engine) and the software."""
     import torch
+    from torch.distributed.fsdp import FSDPModule
 
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    # An FSDP2 module's state_dict() reshards it: inside the embed's gathered window that would
+    # free the gathered parameters and make the next forward gather them again (a collective).
+    fsdp = isinstance(model, FSDPModule)
+    tensors = (
+        itertools.chain(model.named_parameters(), model.named_buffers())
+        if fsdp
+        else model.state_dict().items()
+    )
+    for name, t in tensors:
         if hasattr(t, "to_local"):  # a DTensor (train.parallel=fsdp): this rank's shard
             t = t.to_local()
         t = t.detach().cpu().contiguous().reshape(-1)
+        if fsdp:  # a numpy view would pin the gathered storage FSDP frees when it reshards
+            t = t.clone()
         h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
         h.update(t.view(torch.uint8).numpy().tobytes())
     versions = {"torch": torch.__version__}

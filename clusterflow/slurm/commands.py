@@ -87,6 +87,12 @@ def wait_until_gone(job_id: str, poll_s: float = 3.0) -> None:
 # -- scontrol ----------------------------------------------------------------------------------
 
 
+def available(name: str) -> bool:
+    """Whether the Slurm command ``name`` is on this process's PATH (a job in a container may have
+    none: it cannot ask Slurm anything, nor requeue itself)."""
+    return shutil.which(name) is not None
+
+
 def job_state(job_id: str, timeout_s: float = 30) -> str:
     """JobState from ``scontrol show job``, or "" when Slurm does not answer."""
     out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)

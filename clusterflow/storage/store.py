@@ -486,8 +486,13 @@ class CheckpointStore:
         """The manifest of the newest committed step, unverified (one small read; None when
         none)."""
         steps = self.steps()
+        return self.manifest(steps[-1]) if steps else None
+
+    def manifest(self, step: int) -> dict[str, Any] | None:
+        """Step ``step``'s manifest, unverified (one small read; None when missing or
+        unreadable)."""
         try:
-            return self._read_manifest(self.step_path(steps[-1])) if steps else None
+            return self._read_manifest(self.step_path(step))
         except ValueError:
             return None
 

@@ -20,6 +20,8 @@ import contextlib
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -72,8 +74,6 @@ def wrap_fsdp(
     amp: Any,
 ) -> torch.nn.Module:
     """Shard ``module`` in place over all ``world`` ranks; returns it (now an FSDPModule)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if world == 1:
         dist.init_alone(device)
     mesh = init_device_mesh(device.type, (world,))
@@ -147,8 +147,6 @@ def full_state_dict(model: Any) -> dict[str, Any] | None:
     the plain ``state_dict()`` otherwise."""
     if not isinstance(model, FSDPModule):
         return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     sd = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
