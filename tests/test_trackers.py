@@ -22,6 +22,7 @@ from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.run import _check_trackers
 from clusterflow.observe.metrics import read_metrics
+from clusterflow.observe.trackers import mlflow_run
 
 mlflow = pytest.importorskip("mlflow")
 from mlflow.tracking import MlflowClient  # noqa: E402
@@ -299,3 +300,30 @@ def test_a_tracker_down_at_a_requeue_costs_a_warning_not_the_attempt(tmp_path, c
     _check_trackers(cfg, DistEnv(attempt=1))
     said = capsys.readouterr().err
     assert "no tracking server answers there" in said and "requeued attempt trains on" in said
+
+
+def test_an_mlflow_send_retried_after_a_partial_failure_repeats_identical_points(monkeypatch):
+    """The second request of a send fails (the server going down): the retry sends the same
+    points with the same timestamps, which MLflow's store keeps once, not each step twice."""
+
+    class Client:
+        def __init__(self):
+            self.batches, self.fail_once = [], True
+
+        def log_batch(self, run_id, metrics):
+            if len(self.batches) == 1 and self.fail_once:
+                self.fail_once = False
+                raise ConnectionError("server went away")
+            self.batches.append([(m.key, m.value, m.timestamp, m.step) for m in metrics])
+
+    monkeypatch.setattr(mlflow_run, "_BATCH", 2)
+    backend = mlflow_run.MlflowBackend({"uri": "http://x"}, "run")
+    backend._client, backend.run_id = Client(), "r"
+    rows = [(1, {"a": 1.0, "b": 2.0}), (2, {"a": 3.0, "b": 4.0})]
+    with pytest.raises(ConnectionError):
+        backend.log(rows)
+    time.sleep(0.01)  # a later clock: a fresh timestamp would differ
+    backend.log(rows)
+    first, retried = backend._client.batches[0], backend._client.batches[1:]
+    assert [p for batch in retried for p in batch][:2] == first  # identical: dropped as duplicates
+    assert backend._stamps == {}  # delivered: nothing kept

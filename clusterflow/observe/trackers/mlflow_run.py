@@ -28,6 +28,10 @@ class MlflowBackend:
         self.run_name = run_name
         self.run_id = ""
         self._client: Any = None
+        # Each step's timestamp, kept until its points are delivered: a send retried after a
+        # partial failure or a timeout repeats identical points, which MLflow's store drops,
+        # instead of the same step again under a new timestamp.
+        self._stamps: dict[int, int] = {}
 
     def open(self, state: StateFile, params: Mapping[str, str]) -> dict[str, int]:
         for key, value in _HTTP_ENV.items():
@@ -67,9 +71,15 @@ class MlflowBackend:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(k, v, now, step) for step, values in rows for k, v in values.items()]
+        metrics = [
+            Metric(k, v, self._stamps.setdefault(step, now), step)
+            for step, values in rows
+            for k, v in values.items()
+        ]
         for i in range(0, len(metrics), _BATCH):
             self._client.log_batch(self.run_id, metrics=metrics[i : i + _BATCH])
+        for step, _ in rows:
+            self._stamps.pop(step, None)
 
     def tag(self, key: str, value: str) -> None:
         self._client.set_tag(self.run_id, key, value)
