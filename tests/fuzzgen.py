@@ -178,6 +178,13 @@ VALID = {
     "list": ["[a, b]", "[]", "x", "['module load x', 'echo 1e3']"],
     "dict": ["{}", "{a: 1}", "{mail-type: END}"],
 }
+# Keys whose values have a form of their own: mostly valid ones, some that the form refuses.
+VALID_BY_KEY = {
+    ("trackers", "mlflow"): ["{}", "{uri: 'sqlite:///fuzz.db'}", "{uri: x, experiment: e}"],
+    ("trackers", "wandb"): ["{}", "{project: p, mode: offline}", "{project: p, mode: later}"],
+    ("train", "profile"): ["''", "2-3", "1-1@0", "3-2", "1-2@9"],
+    ("checkpoint", "keep_best"): ["''", "train/loss:min", "eval/acc:max", "loss"],
+}
 ENCODINGS = ["utf-8"] * 14 + [
     "utf-8-sig",
     "utf-16",
@@ -219,6 +226,8 @@ class Gen:
     def fitting(self, section, key):
         """A value of the key's type, in some notation: most pass the type check, some a range
         check."""
+        if (section, key) in VALID_BY_KEY:
+            return self.pick(VALID_BY_KEY[section, key])
         tp = _field_types(SECTIONS[section]).get(key) if section in SECTIONS else None
         name = getattr(tp, "__name__", str(tp))
         pool = VALID.get(name) or VALID["str"]
