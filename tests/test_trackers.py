@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 import yaml
 from conftest import REPO, run_cli
+from mlflow.tracking import MlflowClient
 
 from clusterflow.config.job_config import load
 from clusterflow.dist import free_port
@@ -23,9 +24,6 @@ from clusterflow.errors import UserError
 from clusterflow.job.run import _check_trackers
 from clusterflow.observe.metrics import read_metrics
 from clusterflow.observe.trackers import mlflow_run
-
-mlflow = pytest.importorskip("mlflow")
-from mlflow.tracking import MlflowClient  # noqa: E402
 
 STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
 
@@ -263,7 +261,6 @@ def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
     """Killed in step 10, then resubmitted: both attempts' offline folders carry the run id that
     trackers.json names, and, under W&B's rule that a run's steps only increase (a point at a step
     it already has is dropped), the history holds every step once, with metrics.jsonl's values."""
-    pytest.importorskip("wandb")
     d = str(tmp_path / "run")
     wb = ["trackers.wandb.project=clusterflow-test", "trackers.wandb.mode=offline"]
     env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
