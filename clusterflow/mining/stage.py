@@ -393,10 +393,7 @@ class Miner:
                 else (None, None)
             )
         if stats is not None:  # rank 0, which gathered every rank's embedding time
-            # Per rank: its shard over its own time. Total: every sample over the time of the
-            # slowest rank (the ranks start together, and the round waits for the last one).
-            stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in embed_times]
-            stats["embed_per_s_total"] = n / max(max(t for _, t in embed_times), 1e-9)
+            stats.update(_embed_rates(embed_times, n))
         with self.phases.enter(phases.MINING_WAIT):
             # Waits, on the group's timeout, for rank 0's search.
             stats = self.group.broadcast_object(stats)
@@ -477,17 +474,8 @@ class Miner:
         if truth is not None:
             stats.update(quality(labels, truth))
         times = dist.broadcast_object(embed_times)
-        stats["embed_per_s_rank"] = [rows / max(t, 1e-9) for rows, t in times]
-        stats["embed_per_s_total"] = n / max(max(t for _, t in times), 1e-9)
-        log.info(
-            "mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d",
-            epoch,
-            engine,
-            _how(stats),
-            stats["num_clusters"],
-            stats["num_singletons"],
-            stats["largest_cluster"],
-        )
+        stats.update(_embed_rates(times, n))
+        _log_round(epoch, engine, stats)
         stats["resumed"] = {
             "embeddings": reused,
             "search_blocks": int(seconds.pop("blocks_from_disk", 0)),
@@ -616,16 +604,30 @@ class Miner:
         }
         if truth is not None:
             stats.update(quality(labels, truth))
-        log.info(
-            "mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d",
-            epoch,
-            engine,
-            _how(stats),
-            stats["num_clusters"],
-            stats["num_singletons"],
-            stats["largest_cluster"],
-        )
+        _log_round(epoch, engine, stats)
         return labels, stats
+
+
+def _embed_rates(times: list[tuple[int, float]], n: int) -> dict[str, Any]:
+    """Embedding throughput from each rank's (rows, seconds). Per rank: its shard over its own
+    time. Total: every sample over the time of the slowest rank (the ranks start together, and the
+    round waits for the last one)."""
+    return {
+        "embed_per_s_rank": [rows / max(t, 1e-9) for rows, t in times],
+        "embed_per_s_total": n / max(max(t for _, t in times), 1e-9),
+    }
+
+
+def _log_round(epoch: int, engine: str, stats: dict[str, Any]) -> None:
+    log.info(
+        "mining epoch %d: %s engine, %s, %d clusters, %d singletons, largest %d",
+        epoch,
+        engine,
+        _how(stats),
+        stats["num_clusters"],
+        stats["num_singletons"],
+        stats["largest_cluster"],
+    )
 
 
 def _how(stats: dict[str, Any]) -> str:
