@@ -48,6 +48,12 @@ def test_a_rank_that_sleeps_in_its_loss_is_named_with_its_stack(cluster, tmp_pat
     _ended_within_stall_and_a_minute(d, s)
     log = open(os.path.join(d, "logs", "rank1.attempt0.log")).read()
     assert "stacks of every thread" in log and "in sleeping_in_loss" in log
+    # A stalled rank's node is a suspect, but a two-node job on two nodes cannot leave one out.
+    assert (
+        "node node2 failed (stalled 10 s at step 2 in train (" in log
+        and "not requeued without it: leaving out node2 would leave 1 node(s) of the partition "
+        "for a job of 2" in log
+    ), log
 
 
 def test_running_ranks_are_listed_then_a_rank_stuck_in_mining_embed_is_named(cluster, tmp_path):

@@ -6,6 +6,7 @@ can be compared bitwise with a plain run of the same config.
 
 import os
 import signal
+import socket
 import time
 
 import torch
@@ -401,4 +402,26 @@ class KillWhenFileAppears(PseudoIDTask):
             while not os.path.exists(self.kill_file):
                 time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)
+
+
+class DeviceErrorOnHost(PseudoIDTask):
+    """Raises the error PyTorch raises for a GPU's uncorrectable ECC error at the loss call ``at``
+    (1-based, per process) of every process that runs on the node ``host``; elsewhere it trains
+    like PseudoIDTask."""
+
+    calls = 0
+
+    def __init__(self, seed=0, host="", at=7, **params):
+        super().__init__(seed, **params)
+        self.host, self.at = str(host), int(at)
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == self.at and socket.gethostname() == self.host:
+            raise RuntimeError(
+                "CUDA error: uncorrectable ECC error encountered\n"
+                "CUDA kernel errors might be asynchronously reported at some other API call, so "
+                "the stacktrace below might be incorrect."
+            )
         return super().loss(model, batch, labels)

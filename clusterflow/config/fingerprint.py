@@ -71,6 +71,8 @@ KEYS: dict[str, tuple[str, str]] = {
         "when the time-limit signal comes; saving is exact at any step",
     ),
     "cluster.max_timeout_requeues": (RESOURCE, "how often a run requeues itself"),
+    "cluster.exclude_failed_nodes": (RESOURCE, "whether a node's failure requeues without it"),
+    "cluster.max_node_failures": (RESOURCE, "how often a node's failure requeues the run"),
     "cluster.setup": (
         RESOURCE,
         "shell lines before the job (keep the same software for bitwise resumes)",

@@ -153,6 +153,15 @@ class ClusterConfig:
         "How many times a run may requeue itself after "
         "hitting the time limit. Preemptions are not counted.",
     )
+    exclude_failed_nodes: bool = doc(
+        True,
+        "When a failure is the node's (a CUDA or NCCL device error on a rank, a rank the stall "
+        "watchdog ends outside a collective), requeue the batch job with that node excluded, "
+        "at most max_node_failures times; false: such a job fails like any other.",
+    )
+    max_node_failures: int = doc(
+        3, "How many times a run may requeue itself after a node's failure."
+    )
     setup: list[str] = doc(
         factory=list,
         help="Shell lines run before the job on each node (module load, conda activate).",
@@ -199,6 +208,12 @@ class ClusterConfig:
             self.max_timeout_requeues >= 0,
             "cluster.max_timeout_requeues",
             self.max_timeout_requeues,
+            "must be >= 0",
+        )
+        _check(
+            self.max_node_failures >= 0,
+            "cluster.max_node_failures",
+            self.max_node_failures,
             "must be >= 0",
         )
         for key, value in self.sbatch_extra.items():

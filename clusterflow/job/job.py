@@ -9,6 +9,7 @@ Requeue carries no state: ``checkpoint()`` returns a fresh Job and the store hol
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -19,7 +20,7 @@ from clusterflow import dist, observe, rundir
 from clusterflow.config.job_config import Config, from_dict
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
-from clusterflow.job import failure
+from clusterflow.job import failure, node_fault
 from clusterflow.job.requeue import after_stop
 from clusterflow.rundir import (
     cancel_marker,
@@ -167,7 +168,9 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         else:
             trainer = Trainer(cfg, task, device, attempt, preemption)
             # Heartbeats, stall watchdog.
-            with observe.Observer(cfg, env.rank, attempt, device).watching(trainer.phases):
+            stalled = functools.partial(_requeue_after_stall, cfg=cfg, env=env, environ=environ)
+            observer = observe.Observer(cfg, env.rank, attempt, device, after_stall=stalled)
+            with observer.watching(trainer.phases):
                 outcome = trainer.fit()
         if env.is_main:
             outcome = after_stop(
@@ -186,7 +189,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
         if held and env.is_main:
             _let_go(cfg, env, environ, "failed")
-        _record_failure(exc, cfg, env.rank, write=held)
+        _record_failure(exc, cfg, env.rank, environ, write=held)
         raise
 
 
@@ -271,44 +274,98 @@ def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str)
         lease.release(cfg.run.dir)
 
 
-def _record_failure(exc: BaseException, cfg: Config, rank: int, write: bool = True) -> None:
+def _record_failure(
+    exc: BaseException,
+    cfg: Config,
+    rank: int,
+    environ: Mapping[str, str],
+    write: bool = True,
+) -> None:
     """Write who failed and why, with the exit status (``failure.describe``; only into a run dir
     this job holds): bad input is one line and exit 2; a full disk or a diverged loss one line and
-    exit 1; the task's own code its traceback and exit 1."""
+    exit 1; the task's own code its traceback and exit 1. A node's fault that is the attempt's
+    first cause requeues the job without that node (``node_fault``)."""
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
     f = failure.describe(exc, cfg.task.target)
     paths = rundir.RunPaths(cfg.run.dir)
+    host = socket.gethostname()
+    device_error = node_fault.device_error(f.message) if cfg.cluster.exclude_failed_nodes else None
+    requeued = False
     try:
         if write:
-            rundir.write_error(paths, rank, socket.gethostname(), f.message, f.trace)
+            rundir.write_error(paths, rank, host, f.message, f.trace)
             # The first rank to fail names the cause; a peer's later "connection closed" does not
             # replace it. Two ranks' read-modify-writes of status.json at once may lose the
             # winner's error: status then reads the cause from the first-error record, which no
             # later write replaces.
             # Its exit status too: a bad image (2) on rank 0 stays 2 when rank 1 then fails on
             # the closed connection (1), whatever the world size.
+            attempt = _attempt_of(paths)
             first = first_error.record(
-                cfg.run.dir, _attempt_of(paths), rank, f.message, exit_code=f.code
+                cfg.run.dir,
+                attempt,
+                rank,
+                f.message,
+                exit_code=f.code,
+                **({"node_fault": True} if device_error else {}),
             )
-            rundir.write_status(
-                paths,
-                state="failed",
-                **({"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}),
+            requeued = (
+                first
+                and device_error is not None
+                and node_fault.requeue_without(
+                    paths,
+                    environ,
+                    node_fault.Fault(rank, host, f.message),
+                    cfg.cluster.max_node_failures,
+                )
             )
+            if not requeued and (first or not _node_fault_under_way(cfg, attempt)):
+                _write_failed(paths, rank, f, first)
     except (OSError, RunFailed):
         pass  # a full disk or a vanished run dir: the message below still reaches the user
     # The task's traceback, in the rank log (echoed by --local).
     shown = f.trace if f.named and f.trace else ""
     log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
-    if f.named:
+    if f.named or requeued:
         later = (
             f"; its traceback is in {paths.log_file(rank, _attempt_of(paths))}"
             if shown and write
             else ""
         )
-        print(f"error: {f.message}{later}", file=sys.stderr)
+        left_out = f"; node {host} left out and the job requeued" if requeued else ""
+        print(f"error: {f.message}{left_out}{later}", file=sys.stderr)
         raise SystemExit(f.code) from None
+
+
+def _write_failed(paths: rundir.RunPaths, rank: int, f: failure.Failure, first: bool) -> None:
+    """status.json says failed; the first cause also gives its error and exit status."""
+    cause = {"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}
+    rundir.write_status(paths, state="failed", **cause)
+
+
+def _node_fault_under_way(cfg: Config, attempt: int) -> bool:
+    """Whether this attempt's first cause is a node's fault, whose rank records the outcome
+    (requeued without the node, or failed): a peer's later error must not overwrite it."""
+    rec = first_error.read(cfg.run.dir, attempt)
+    return bool(rec and rec.get("node_fault"))
+
+
+def _requeue_after_stall(
+    rec: dict[str, Any], cfg: Config, env: DistEnv, environ: Mapping[str, str]
+) -> None:
+    """The watchdog ended this rank: when it is the attempt's first cause and was not waiting for
+    its peers (then it is more likely their victim), its node is the suspect."""
+    if not (cfg.cluster.exclude_failed_nodes and rec.get("won") and not rec.get("waiting")):
+        return
+    # "rank R on HOST stalled N s at step S in PHASE (where)": the fault names rank and host
+    cause = str(rec["error"]).removeprefix(f"rank {env.rank} on {rec['host']} ")
+    node_fault.requeue_without(
+        rundir.RunPaths(cfg.run.dir),
+        environ,
+        node_fault.Fault(env.rank, rec["host"], cause),
+        cfg.cluster.max_node_failures,
+    )
 
 
 def _attempt_of(paths: rundir.RunPaths) -> int:

@@ -238,6 +238,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "attempts": len(attempts),
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
+        "excluded_nodes": rundir.excluded_nodes(paths),
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)
         if latest and os.path.exists(latest)
@@ -269,6 +270,11 @@ def render(s: dict[str, Any]) -> str:
         f"of the epoch, global step {s['global_step']}",
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
+    if s["excluded_nodes"]:
+        lines.append(
+            f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "
+            "failure: stops.jsonl says which rank and why)"
+        )
     if s["latest_checkpoint"]:
         age = (
             f" ({s['latest_checkpoint_age_s']:.0f} s old)"

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from clusterflow import rundir
 from clusterflow.errors import RunFailed, UserError
@@ -81,8 +81,19 @@ def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, f
 
 
 class Observer:
-    def __init__(self, cfg: Any, rank: int, attempt: int, device: Any) -> None:
+    """``after_stall``: called on the stalled rank, after its error is recorded and before it
+    exits, with the watchdog's record (``won``: it is the attempt's first cause)."""
+
+    def __init__(
+        self,
+        cfg: Any,
+        rank: int,
+        attempt: int,
+        device: Any,
+        after_stall: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.run_dir, self.rank, self.attempt = cfg.run.dir, rank, attempt
+        self.after_stall = after_stall
         self.host = socket.gethostname()
         paths = rundir.RunPaths(cfg.run.dir)
         self.paths = paths
@@ -117,6 +128,8 @@ class Observer:
         rundir.write_error(
             self.paths, self.rank, self.host, rec["error"], rec.get("traceback") or ""
         )
+        if self.after_stall is not None:
+            self.after_stall(rec)
 
     def scalars(self) -> dict[str, Any]:
         return tensorboard_scalars(self.heartbeat.ranks()) if self.heartbeat is not None else {}

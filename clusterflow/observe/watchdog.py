@@ -138,6 +138,7 @@ class Watchdog:
             "phase": phase,
             "stalled_s": round(idle, 1),
             "where": where,
+            "waiting": waiting,  # a collective it waited in: more likely a peer's victim
             "traceback": stack,
         }
         paths = rundir.RunPaths(self.run_dir)

@@ -16,10 +16,12 @@
 
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.records import (
+    NODE_FAILURE,
     append_jsonl,
     attempt_count,
     count_stops,
     current_attempt,
+    excluded_nodes,
     open_jsonl,
     read_json,
     read_jsonl,
@@ -31,11 +33,13 @@ from clusterflow.rundir.records import (
 )
 
 __all__ = [
+    "NODE_FAILURE",
     "RunPaths",
     "append_jsonl",
     "attempt_count",
     "count_stops",
     "current_attempt",
+    "excluded_nodes",
     "open_jsonl",
     "read_json",
     "read_jsonl",

@@ -369,6 +369,22 @@ def count_stops(paths: RunPaths, reason: str) -> int:
     return sum(1 for r in read_jsonl(paths.stops) if r.get("reason") == reason)
 
 
+# The stops.jsonl reason of a requeue after a node failure; its line names the ``node`` and
+# whether Slurm took it as ``excluded``.
+NODE_FAILURE = "node_failure"
+
+
+def excluded_nodes(paths: RunPaths) -> list[str]:
+    """The nodes this run's jobs left out after a node failure (their stops.jsonl lines)."""
+    return sorted(
+        {
+            str(r["node"])
+            for r in read_jsonl(paths.stops)
+            if r.get("reason") == NODE_FAILURE and r.get("excluded") and r.get("node")
+        }
+    )
+
+
 # The loop and the checkpoint writer's thread both update status.json.
 _STATUS_LOCK = threading.Lock()
 

@@ -124,6 +124,32 @@ def requeue(job_id: str, timeout_s: float = 60) -> Result:
     return run(["scontrol", "requeue", str(job_id)], timeout_s)
 
 
+def job_fields(job_id: str, timeout_s: float = 30) -> dict[str, str]:
+    """The ``key=value`` words of ``scontrol show job -o JOB`` (empty when Slurm does not answer);
+    a value with spaces (a reason) keeps only its first word."""
+    out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
+    pairs = (word.split("=", 1) for word in out.stdout.split() if "=" in word)
+    return {key: value for key, value in pairs} if out.ok else {}
+
+
+def hostnames(expression: str, timeout_s: float = 10) -> list[str] | None:
+    """The node names of a Slurm host list (``node[1-3],gpu7``), through ``scontrol show
+    hostnames``; [] for an empty or ``(null)`` list, None when scontrol does not answer."""
+    if expression in ("", "(null)", "None"):
+        return []
+    out = run(["scontrol", "show", "hostnames", expression], timeout_s)
+    return out.stdout.split() if out.ok else None
+
+
+def exclude_nodes(job_id: str, nodes: list[str], timeout_s: float = 30) -> Result:
+    """``scontrol update JobId=JOB ExcNodeList=...``: the job's excluded nodes become ``nodes``
+    (the caller passes the whole list). Slurm takes it only while the job is pending: after
+    ``scontrol requeue``, before the job starts again."""
+    return run(
+        ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"], timeout_s
+    )
+
+
 # -- sacct -------------------------------------------------------------------------------------
 
 
@@ -165,6 +191,13 @@ def cancel(job_ids: list[str], timeout_s: float = 30) -> None:
 
 
 # -- sinfo -------------------------------------------------------------------------------------
+
+
+def partition_nodes(partition: str, timeout_s: float = 10) -> str | None:
+    """The host list of a partition's nodes (``sinfo -h -p PART -o %N``), None when sinfo does not
+    answer."""
+    out = run(["sinfo", "-h", "-p", partition, "-o", "%N"], timeout_s)
+    return ",".join(out.stdout.split()) if out.ok else None
 
 
 def partitions(timeout_s: float = 10) -> list[list[str]] | None:
