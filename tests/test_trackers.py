@@ -44,15 +44,16 @@ def submit_local(run_dir, *extra, signals="", env=None):
     )
 
 
-def start_server(where, port):
-    """A real MLflow tracking server with a SQLite backend store; returns it once it answers."""
-    uri = f"http://127.0.0.1:{port}"
+def start_server(where, port, host="127.0.0.1"):
+    """A real MLflow tracking server with a SQLite backend store, listening on ``host``; returns
+    it once it answers."""
+    uri = f"http://{host}:{port}"
     log = open(where / "server.log", "w")
     server = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server"]
         + ["--backend-store-uri", f"sqlite:///{where}/mlflow.db"]
         + ["--default-artifact-root", str(where / "artifacts")]
-        + ["--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+        + ["--host", host, "--port", str(port), "--workers", "1"],
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
