@@ -194,6 +194,36 @@ def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, name,
     assert not os.path.exists(d)
 
 
+def test_wandb_online_without_an_api_key_is_refused_at_submit(tmp_path):
+    """No WANDB_API_KEY and no netrc entry: exit 2 with one line; either one lets it through."""
+    home, d = tmp_path / "home", str(tmp_path / "run")
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
+    env.update(HOME=str(home), PYTHONPATH=os.path.join(REPO, "tests"))
+    command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--dry-run"]
+    command += [f"run.dir={d}", "trackers.wandb.project=p"]
+
+    def submit(**extra):
+        return subprocess.run(
+            command, cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=120
+        )
+
+    out = submit()
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no W&B API key is set for api.wandb.ai" in lines[0], lines
+    assert f"no entry in {home}/.netrc" in lines[0] and "wandb login" in lines[0], lines
+    assert submit(WANDB_API_KEY="k" * 40).returncode == 0
+    netrc = home / ".netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    assert submit().returncode == 0
+    # another W&B server (WANDB_BASE_URL) needs its own entry
+    out = submit(WANDB_BASE_URL="https://wandb.example.org")
+    assert out.returncode == 2 and "for wandb.example.org" in out.stderr, out.stderr
+    assert not os.path.exists(d)
+
+
 @pytest.mark.slow
 def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path):
     port = free_port()

@@ -11,8 +11,9 @@ clusterflow run.
 - Never the run's failure: only rank 0 has trackers, and each one is fed by its own thread from
   a queue; a tracker that fails (server down) costs a warning and a retry with backoff, never a
   training step. The end of the run waits for the queue a bounded time.
-- Submit checks the configuration (:func:`check`): a tracker whose package is missing, or a
-  tracking server that does not answer, is refused there (exit 2).
+- Submit checks the configuration (:func:`check`): a tracker whose package is missing, a
+  tracking server that does not answer, or W&B online without an API key, is refused there
+  (exit 2).
 
 The backends (``mlflow_run.py``, ``wandb_run.py``) import their packages lazily: they are
 optional extras (``pip install 'clusterflow[mlflow]'``, ``[wandb]``).
@@ -22,11 +23,13 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import netrc
 import os
 import queue
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any, Callable, Mapping, Protocol
 
@@ -83,6 +86,8 @@ def check(cfg: TrackersConfig, reach: bool = True) -> None:
     uri = cfg.mlflow.get("uri", "")
     if not reach:
         return
+    if cfg.wandb and cfg.wandb.get("mode", "online") == "online":
+        _check_wandb_key(os.environ)
     if uri.startswith(("http://", "https://")):
         _check_server(uri)
     elif uri.startswith("sqlite:///"):
@@ -108,6 +113,28 @@ def _check_server(uri: str, timeout_s: float = 10.0) -> None:
             f"trackers.mlflow.uri = {uri!r}: no tracking server answers there ({reason}); "
             f"start it (mlflow server --host HOST --port PORT) or fix the URI"
         ) from None
+
+
+def _check_wandb_key(environ: Mapping[str, str]) -> None:
+    """W&B online needs an API key: ``WANDB_API_KEY``, or the netrc entry ``wandb login`` writes
+    for the W&B host (``WANDB_BASE_URL``, api.wandb.ai by default). Without one the job would
+    fail on its first attempt, after waiting in the queue."""
+    if environ.get("WANDB_API_KEY"):
+        return
+    base = environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    host = urllib.parse.urlparse(base).hostname or base
+    path = environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise UserError(
+        f"trackers.wandb.mode = 'online' but no W&B API key is set for {host} (no WANDB_API_KEY, "
+        f"no entry in {path}); run `wandb login` (it writes {path}, which the job's nodes read "
+        "from the shared home), export WANDB_API_KEY, or set trackers.wandb.mode=offline and "
+        "`wandb sync` the run later"
+    )
 
 
 def params(config: Mapping[str, Any]) -> dict[str, str]:
