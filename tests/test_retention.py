@@ -80,3 +80,18 @@ def test_a_bad_keep_best_is_refused_at_submit(cli, tmp_path):
     )
     assert out.returncode == 2
     assert "checkpoint.keep_best" in out.stderr and "METRIC:max" in out.stderr, out.stderr
+
+
+def test_a_keep_best_metric_never_logged_is_named_once_with_the_logged_ones(tmp_path):
+    """A misspelt metric (eval/view_cosine; the task logs eval/view_cos) keeps no best checkpoint:
+    the rank-0 log says so once, after the first epoch's eval and mining, naming what was
+    logged."""
+    d = str(tmp_path / "run")
+    overrides = [f"run.dir={d}", *RETAIN[:-1], "checkpoint.keep_best=eval/view_cosine:max"]
+    assert launch.run(1, "configs/tiny.yaml", overrides, d) == [0]
+    log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
+    said = [ln for ln in log.splitlines() if "checkpoint.keep_best" in ln]
+    assert len(said) == 1, said
+    assert "the metric 'eval/view_cosine' was not logged by epoch 1" in said[0], said
+    assert "eval/view_cos," in said[0] and "train/loss" in said[0], said
+    assert not os.path.lexists(os.path.join(d, "best"))

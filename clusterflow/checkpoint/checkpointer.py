@@ -93,6 +93,8 @@ class Checkpointer:
         )
         # The keep_best metric's latest logged value, saved in each manifest (``note``).
         self.metrics: dict[str, float] = {}
+        self.logged: set[str] = set()  # every scalar name logged so far, to name in a warning
+        self.warned_best = False
         if c.best is not None and dist.rank() == 0:
             self.store.after_publish = self._point_best
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
@@ -380,6 +382,7 @@ class Checkpointer:
         return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
 
     def _meta(self) -> dict[str, Any]:
+        self._warn_unlogged_best()
         p = self.progress
         return {
             "epoch": p.epoch,
@@ -396,8 +399,31 @@ class Checkpointer:
     def note(self, scalars: Mapping[str, float]) -> None:
         """Logged scalars: the keep_best metric's latest value goes into the next manifests."""
         best = self.cfg.checkpoint.best
-        if best is not None and best[0] in scalars:
+        if best is None:
+            return
+        self.logged.update(scalars)
+        if best[0] in scalars:
             self.metrics[best[0]] = float(scalars[best[0]])
+
+    def _warn_unlogged_best(self) -> None:
+        """Once every epoch-end metric (eval, mining) has been logged at least once, a keep_best
+        metric still unseen is named, with the names that were logged: a misspelt metric would
+        otherwise keep no best checkpoint, silently."""
+        c, best = self.cfg, self.cfg.checkpoint.best
+        if best is None or self.warned_best or best[0] in self.metrics:
+            return
+        every = (c.train.eval_every_epochs, c.mining.start_epoch + c.mining.every_epochs - 1)
+        if self.progress.epoch < max(1, *every):
+            return
+        self.warned_best = True
+        log.warning(
+            "checkpoint.keep_best = %r: the metric %r was not logged by epoch %d, so no "
+            "checkpoint is kept as the best one; metrics logged: %s",
+            self.cfg.checkpoint.keep_best,
+            best[0],
+            self.progress.epoch,
+            ", ".join(sorted(self.logged)) or "none",
+        )
 
     def _point_best(self) -> None:
         """RUN_DIR/best: a relative symbolic link to the best checkpoint (its URL in a file for
