@@ -338,6 +338,23 @@ def test_a_run_saved_on_4_ranks_resumes_on_fewer_with_the_saved_values(saved_on_
     assert os.path.exists(os.path.join(d, "model.pt"))
 
 
+def test_init_from_an_unfinished_sharded_run_takes_its_newest_checkpoint(saved_on_4, tmp_path):
+    """task.init_from names the fsdp run stopped on 4 ranks (no model.pt yet, its checkpoints are
+    DCP shards): a plain model starts from the stop checkpoint's whole parameters."""
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+    from clusterflow.train.builders import init_weights
+
+    _, saved_copy, stop = saved_on_4
+    assert not os.path.exists(os.path.join(saved_copy, "model.pt"))
+    plain = PseudoIDTask(
+        seed=7, identities=24, samples_per_identity=8, input_dim=32, hidden=64, embed_dim=16
+    ).build_model()
+    saved = saved_model(os.path.join(saved_copy, "checkpoints", f"step-{stop}"), tmp_path)
+    assert not same_weights(plain.state_dict(), saved)
+    init_weights(plain, saved_copy)
+    assert same_weights(plain.state_dict(), saved)
+
+
 def test_export_writes_one_file_equal_to_the_gathered_weights(
     reference, tiny_one_process_model, tmp_path, cli
 ):

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from clusterflow.checkpoint import export
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import CheckpointStore
@@ -84,8 +85,9 @@ def lr_schedule(t: Any, total_steps: int) -> Callable[[int], float]:
 
 
 def init_weights(model: torch.nn.Module, where: str) -> None:
-    """Start from another run's weights (``task.init_from``): a model.pt, a run dir or a
-    checkpoint dir.
+    """Start from another run's weights (``task.init_from``): a model.pt, a finished run dir (its
+    model.pt), an unfinished one (its newest committed checkpoint that verifies, sharded by
+    ``train.parallel=fsdp`` or not) or a checkpoint dir.
 
     Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
     (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
@@ -93,8 +95,14 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(where)
+    run = RunPaths(path.rstrip("/"))
+    if fs.isdir(path) and not fs.exists(run.model) and fs.exists(run.config):
+        # An unfinished run: its newest committed checkpoint, sharded (fsdp) or not, verified.
+        sd, step = export.model_state(path.rstrip("/"))
+        _load_matching(model, sd, where, f"{path} (checkpoint step {step})")
+        return
     if fs.isdir(path):
-        candidates = [RunPaths(path.rstrip("/")).model]
+        candidates = [run.model]
         if not fs.exists(candidates[0]):
             ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
             if ckpt is None:
@@ -122,6 +130,11 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
         raise UserError(
             f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict"
         )
+    _load_matching(model, sd, where, path)
+
+
+def _load_matching(model: torch.nn.Module, sd: dict[str, Any], where: str, path: str) -> None:
+    """Load the tensors of ``sd`` whose name and shape the model has; none is an error."""
     own = model.state_dict()
     matched = {k: v for k, v in sd.items() if k in own and tuple(own[k].shape) == tuple(v.shape)}
     if not matched:
