@@ -425,3 +425,14 @@ class DeviceErrorOnHost(PseudoIDTask):
                 "the stacktrace below might be incorrect."
             )
         return super().loss(model, batch, labels)
+
+
+class StallOnHost(StallOnRank1):
+    """StallOnRank1 on the node ``host`` only: elsewhere it trains like PseudoIDTask."""
+
+    def __init__(self, seed=0, host="", **params):
+        super().__init__(seed, **params)
+        self.host = str(host)
+
+    def _me(self):
+        return super()._me() if socket.gethostname() == self.host else -1

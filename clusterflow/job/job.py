@@ -302,14 +302,7 @@ def _record_failure(
             # Its exit status too: a bad image (2) on rank 0 stays 2 when rank 1 then fails on
             # the closed connection (1), whatever the world size.
             attempt = _attempt_of(paths)
-            first = first_error.record(
-                cfg.run.dir,
-                attempt,
-                rank,
-                f.message,
-                exit_code=f.code,
-                **({"node_fault": True} if device_error else {}),
-            )
+            first = first_error.record(cfg.run.dir, attempt, rank, f.message, exit_code=f.code)
             requeued = (
                 first
                 and device_error is not None
@@ -320,7 +313,7 @@ def _record_failure(
                     cfg.cluster.max_node_failures,
                 )
             )
-            if not requeued and (first or not _node_fault_under_way(cfg, attempt)):
+            if not requeued and (first or not _requeued_already(paths)):
                 _write_failed(paths, rank, f, first)
     except (OSError, RunFailed):
         pass  # a full disk or a vanished run dir: the message below still reaches the user
@@ -344,11 +337,11 @@ def _write_failed(paths: rundir.RunPaths, rank: int, f: failure.Failure, first: 
     rundir.write_status(paths, state="failed", **cause)
 
 
-def _node_fault_under_way(cfg: Config, attempt: int) -> bool:
-    """Whether this attempt's first cause is a node's fault, whose rank records the outcome
-    (requeued without the node, or failed): a peer's later error must not overwrite it."""
-    rec = first_error.read(cfg.run.dir, attempt)
-    return bool(rec and rec.get("node_fault"))
+def _requeued_already(paths: rundir.RunPaths) -> bool:
+    """Whether the rank that failed first requeued the job (a node's fault): a peer's later error,
+    a consequence of that, must not turn the state into failed."""
+    recorded, _ = rundir.read_object(paths.status)
+    return recorded.get("state") == states.REQUEUED
 
 
 def _requeue_after_stall(
