@@ -588,8 +588,8 @@ class MiningConfig:
         3600,
         "The longest the k-NN search may take (rank 0's gather, index and search). With the "
         "watchdog on (dist.stall_s), a search that takes longer ends the job and is named as the "
-        "cause; the other ranks wait for it 2 x dist.stall_s longer, so their timeout never "
-        "comes first.",
+        "cause; the other ranks wait for it dist.stall_s plus the watchdog's grace for a "
+        "waiting rank (max(10 s, dist.stall_s / 4)) longer, so their timeout never comes first.",
     )
     resume: bool = doc(
         True,

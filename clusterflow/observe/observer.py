@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 from typing import Any, Callable, Iterator, Mapping
@@ -28,7 +29,12 @@ from clusterflow import rundir
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.observe import nvml, phases
 from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
-from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
+from clusterflow.observe.watchdog import (
+    Watchdog,
+    default_victim_grace_s,
+    dump_flight_recorder,
+    flight_recorder_env,
+)
 
 log = logging.getLogger("clusterflow.observe")
 
@@ -62,10 +68,14 @@ def nvml_gpu(device: Any) -> int | str | None:
 
 def mining_wait_timeout_s(mining_timeout_s: int, stall_limit_s: float | None) -> int:
     """The timeout of the group in which ranks wait for the mining search: rank 0's watchdog
-    ends a search that outlasts ``mining.timeout_s``, and records itself as the cause, before a
-    waiting rank's collective times out and blames the wait. Without a watchdog it is
-    ``mining.timeout_s`` itself."""
-    return int(mining_timeout_s + 2 * (stall_limit_s or 0))
+    ends a search that outlasts ``mining.timeout_s`` (later by its victim grace when its thread
+    looks as if it waited in a collective: gloo's flight recorder may still list the last
+    one), and records itself as the cause, a whole ``stall_s`` before a waiting rank's
+    collective times out and blames the wait. Without a watchdog it is ``mining.timeout_s``
+    itself."""
+    if not stall_limit_s:
+        return int(mining_timeout_s)
+    return int(math.ceil(mining_timeout_s + default_victim_grace_s(stall_limit_s) + stall_limit_s))
 
 
 def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, float]:

@@ -53,6 +53,11 @@ FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's re
 log = logging.getLogger("clusterflow.watchdog")
 
 
+def default_victim_grace_s(stall_s: float) -> float:
+    """How much longer a rank that waits in a collective is given before its watchdog ends it."""
+    return max(10.0, 0.25 * stall_s)
+
+
 class Watchdog:
     """``with Watchdog(heartbeat.progress, run_dir, rank, stall_s=...):`` around the loop (or
     ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles
@@ -78,7 +83,7 @@ class Watchdog:
         self.host = host or socket.gethostname()
         self.log_file, self.on_stall = log_file, on_stall
         self.victim_grace_s = (
-            max(10.0, 0.25 * self.stall_s) if victim_grace_s is None else victim_grace_s
+            default_victim_grace_s(self.stall_s) if victim_grace_s is None else victim_grace_s
         )
         self.loop_thread = loop_thread or threading.main_thread().ident
         self._stop = threading.Event()
