@@ -73,6 +73,18 @@ def tiny_one_process_model(tmp_path_factory):
     return os.path.join(d, "model.pt")
 
 
+@pytest.fixture(scope="session")
+def tiny_two_rank_run(tmp_path_factory):
+    """Run dir of an uninterrupted 2-rank torchrun-style run (tests/launch.py) of
+    configs/tiny.yaml on this machine: what every 2-rank resume of that config must reproduce
+    bitwise. Shared by several modules: read it, never write into it."""
+    import launch
+
+    d = str(tmp_path_factory.mktemp("tiny-two-rank") / "run")
+    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}"], d) == [0, 0]
+    return d
+
+
 @pytest.fixture(params=["local", "memory"])
 def store(request, tmp_path):
     """A checkpoint store keeping two steps, on a local folder and on fsspec's memory://."""

@@ -61,11 +61,9 @@ def wait_for(what, predicate, timeout=240):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("ref") / "run")
-    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}"], d) == [0, 0]
-    return d
+@pytest.fixture
+def reference(tiny_two_rank_run):
+    return tiny_two_rank_run
 
 
 def test_kill_during_a_background_write_resumes_from_the_previous_commit(

@@ -8,8 +8,9 @@ import random
 import time
 
 import numpy as np
+import pytest
 import torch
-from multirank import run_ranks
+from multirank import SharedRanks
 
 from clusterflow import config, dist
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
@@ -111,13 +112,11 @@ def _failing_saves(root, background):
 
 
 def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_retried_first(
-    tmp_path,
+    ranks,
 ):
     """No rank waits forever for rank 0: the outcome of a synchronous write is broadcast."""
     for background, failing_step in ((False, 1), (True, 2)):
-        root = tmp_path / str(background)
-        root.mkdir()
-        results = run_ranks(2, _failing_saves, str(root), background)
+        results = ranks["failing saves", background]
         for messages in results:
             assert len(messages) == 1, results
             step, message = messages[0]
@@ -162,9 +161,9 @@ def _save_then_restore(root):
 
 
 def test_restore_reads_the_checkpoint_on_rank_0_only_and_every_rank_gets_the_state_and_its_own_rng(
-    tmp_path,
+    ranks,
 ):
-    results = run_ranks(3, _save_then_restore, str(tmp_path))
+    results = ranks["save then restore"]
     reads = [r[0] for r in results]
     assert reads[0] == ["model.pt", "train_state.pt"] and reads[1] == [] and reads[2] == []
     for _, rng_exact, step, weights, _, opt_states in results:
@@ -208,9 +207,25 @@ def _broadcast(bucket):
     )
 
 
-def test_broadcast_state_sends_every_dtype_and_shape_exactly():
-    assert run_ranks(3, _broadcast, 64) == [True, True, True]
-    assert run_ranks(2, _broadcast, 64 << 20) == [True, True]
+def test_broadcast_state_sends_every_dtype_and_shape_exactly(ranks):
+    assert ranks["broadcast", 3] == [True, True, True]
+    assert ranks["broadcast", 2] == [True, True]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """The gloo calls of this module with one spawn per world size. Order matters: the restore
+    call counts the checkpoint reads it patches in, and the broadcasts set the bucket size of
+    their processes, so each comes before what it would change."""
+    calls = {}
+    for background in (False, True):
+        root = str(tmp_path_factory.mktemp(f"failing-{background}"))
+        calls["failing saves", background] = (2, _failing_saves, (root, background))
+    root = str(tmp_path_factory.mktemp("save-then-restore"))
+    calls["save then restore"] = (3, _save_then_restore, (root,))
+    calls["broadcast", 3] = (3, _broadcast, (64,))
+    calls["broadcast", 2] = (2, _broadcast, (64 << 20,))
+    return SharedRanks(calls)
 
 
 def test_keep_best_resumes_with_the_metric_of_the_step_it_resumed_from(tmp_path):

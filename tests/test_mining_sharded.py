@@ -4,7 +4,7 @@ gathered embeddings."""
 
 import numpy as np
 import pytest
-from multirank import run_ranks
+from multirank import SharedRanks
 
 from clusterflow.mining import mutual_knn_clusters
 
@@ -52,15 +52,14 @@ CASES = [
 
 @pytest.mark.parametrize("world,sizes,k,threshold,singletons,mcs", CASES)
 @pytest.mark.parametrize("ties", [False, True])
-def test_sharded_torch_labels_equal_one_process(world, sizes, k, threshold, singletons, mcs, ties):
+def test_sharded_torch_labels_equal_one_process(
+    ranks, world, sizes, k, threshold, singletons, mcs, ties
+):
     from clusterflow.mining import normalize
     from clusterflow.mining.knn.torch_engine import torch_search
 
     x = _data(sum(sizes), ties=ties)
-    offsets = list(np.cumsum([0, *sizes]))
-    parts = run_ranks(
-        world, _sharded, x, offsets, k, threshold, "torch", "flat", 7, singletons, mcs
-    )
+    parts = ranks["torch", world, tuple(sizes), k, threshold, singletons, mcs, ties]
     sims, ids, labels = _gathered(parts)
     want_s, want_i = torch_search(normalize(x), k, device="cpu")
     np.testing.assert_array_equal(ids, want_i)
@@ -72,7 +71,7 @@ def test_sharded_torch_labels_equal_one_process(world, sizes, k, threshold, sing
     assert parts[0][3]["mutual_edges"] > 0 and len(set(want.tolist())) > 2
 
 
-def test_sharded_faiss_flat_equals_faiss_on_all_rows():
+def test_sharded_faiss_flat_equals_faiss_on_all_rows(ranks):
     """Duplicates included (ties above the k-th place). Equal similarities that straddle the k-th
     place are kept by FAISS's heap in an order no merge can reproduce (the torch engine's is a
     total order: the tests above); blocks of at least 20 rows keep FAISS on its BLAS path."""
@@ -80,8 +79,7 @@ def test_sharded_faiss_flat_equals_faiss_on_all_rows():
     from clusterflow.mining.knn import KnnParams, search
 
     x = _data(150)
-    offsets = [0, 50, 90, 150]
-    parts = run_ranks(3, _sharded, x, offsets, 6, 0.5, "faiss", "flat", 20, "ignore", 15)
+    parts = ranks["faiss flat"]
     sims, ids, labels = _gathered(parts)
     want_s, want_i = search(normalize(x), KnnParams(k=6, engine="faiss"))
     np.testing.assert_array_equal(ids, want_i)
@@ -90,15 +88,14 @@ def test_sharded_faiss_flat_equals_faiss_on_all_rows():
     np.testing.assert_array_equal(labels, want)
 
 
-def test_sharded_approximate_indexes_find_most_neighbours():
+def test_sharded_approximate_indexes_find_most_neighbours(ranks):
     from clusterflow.mining import normalize
     from clusterflow.mining.knn import KnnParams, search
 
     x = _data(400, d=8)
-    offsets = [0, 200, 400]
     _, want = search(normalize(x), KnnParams(k=5, engine="torch"))
     for index in ("ivf", "hnsw"):
-        parts = run_ranks(2, _sharded, x, offsets, 5, 0.5, "faiss", index, 64)
+        parts = ranks["faiss", index]
         _, ids, _ = _gathered(parts)
         recall = np.mean([len(set(a) & set(b)) / 5 for a, b in zip(ids, want)])
         assert recall > 0.9, (index, recall)
@@ -120,15 +117,17 @@ def _sharded_curve(x, offsets, k, truth):
     return threshold, curve.to_dict(), labels
 
 
-@pytest.mark.parametrize("world,sizes", [(2, [70, 53]), (3, [40, 3, 77]), (4, [30, 31, 0, 45])])
-def test_sharded_curve_and_auto_threshold_equal_one_process(world, sizes):
+CURVE_CASES = [(2, [70, 53]), (3, [40, 3, 77]), (4, [30, 31, 0, 45])]
+
+
+@pytest.mark.parametrize("world,sizes", CURVE_CASES)
+def test_sharded_curve_and_auto_threshold_equal_one_process(ranks, world, sizes):
     from clusterflow.mining import curves, normalize
     from clusterflow.mining.knn.torch_engine import torch_search
 
     x = _data(sum(sizes), ties=world == 3)
     truth = np.arange(len(x)) % 7
-    offsets = list(np.cumsum([0, *sizes]))
-    parts = run_ranks(world, _sharded_curve, x, offsets, 6, truth)
+    parts = ranks["curve", world, tuple(sizes)]
     lists = torch_search(normalize(x), 6, device="cpu")
     t_want, want = curves.resolve_threshold(*lists, "auto", truth)
     labels = mutual_knn_clusters(x, 6, "auto", engine="torch", singletons="ignore")
@@ -140,3 +139,30 @@ def test_sharded_curve_and_auto_threshold_equal_one_process(world, sizes):
         for name in ("modularity", "nmi", "ari"):
             np.testing.assert_allclose(got[name], want.to_dict()[name], rtol=1e-9, atol=1e-12)
     np.testing.assert_array_equal(np.concatenate([p[2] for p in parts]), labels)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every gloo call of this module, on the data its test builds, with one spawn per world
+    size."""
+    calls = {}
+    for ties in (False, True):
+        for world, sizes, k, threshold, singletons, mcs in CASES:
+            x, offsets = _data(sum(sizes), ties=ties), list(np.cumsum([0, *sizes]))
+            args = (x, offsets, k, threshold, "torch", "flat", 7, singletons, mcs)
+            key = ("torch", world, tuple(sizes), k, threshold, singletons, mcs, ties)
+            calls[key] = (world, _sharded, args)
+    x = _data(150)
+    calls["faiss flat"] = (
+        3,
+        _sharded,
+        (x, [0, 50, 90, 150], 6, 0.5, "faiss", "flat", 20, "ignore", 15),
+    )
+    x = _data(400, d=8)
+    for index in ("ivf", "hnsw"):
+        calls["faiss", index] = (2, _sharded, (x, [0, 200, 400], 5, 0.5, "faiss", index, 64))
+    for world, sizes in CURVE_CASES:
+        x, offsets = _data(sum(sizes), ties=world == 3), list(np.cumsum([0, *sizes]))
+        truth = np.arange(len(x)) % 7
+        calls["curve", world, tuple(sizes)] = (world, _sharded_curve, (x, offsets, 6, truth))
+    return SharedRanks(calls)

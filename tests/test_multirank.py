@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from multirank import run_ranks
+from multirank import SharedRanks
 
 
 def _collectives():
@@ -17,8 +17,8 @@ def _collectives():
     return summed, mean, mx, obj, gathered
 
 
-def test_collectives_on_three_ranks():
-    res = run_ranks(3, _collectives)
+def test_collectives_on_three_ranks(ranks):
+    res = ranks["collectives"]
     for r, (summed, mean, mx, obj, gathered) in enumerate(res):
         assert summed == {"a": 6.0, "b": 3.0}
         assert mean == {"a": 1.0}
@@ -64,9 +64,12 @@ def _embed_and_gather(n, batch, workers):
     return idx.tolist(), None if full is None else full[:, 0].tolist()
 
 
-@pytest.mark.parametrize("n,batch,workers", [(1001, 64, 0), (1001, 64, 2), (10, 4, 0), (2, 8, 0)])
-def test_every_index_embedded_exactly_once(n, batch, workers):
-    res = run_ranks(3, _embed_and_gather, n, batch, workers)
+EMBED_CASES = [(1001, 64, 0), (1001, 64, 2), (10, 4, 0), (2, 8, 0)]
+
+
+@pytest.mark.parametrize("n,batch,workers", EMBED_CASES)
+def test_every_index_embedded_exactly_once(ranks, n, batch, workers):
+    res = ranks["embed", n, batch, workers]
     seen = sorted(i for idx, _ in res for i in idx)
     assert seen == list(range(n))  # no duplicate padding, nothing lost
     shards = [idx for idx, _ in res]
@@ -95,12 +98,14 @@ def _mine(params, search="rank0"):
     return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
 
 
-def test_mining_end_to_end_same_labels_whatever_world_size():
-    params = {"identities": 50, "samples_per_identity": 7}
-    one = run_ranks(1, _mine, params)[0]
-    three = run_ranks(3, _mine, params)
-    two = run_ranks(2, _mine, params)
-    spread = run_ranks(3, _mine, params, "all")  # the k-NN search itself spread over the 3 ranks
+MINE_PARAMS = {"identities": 50, "samples_per_identity": 7}
+
+
+def test_mining_end_to_end_same_labels_whatever_world_size(ranks):
+    one = ranks["mine", 1][0]
+    three = ranks["mine", 3]
+    two = ranks["mine", 2]
+    spread = ranks["mine all", 3]  # the k-NN search itself spread over the 3 ranks
     for labels, stats, world in three + two + spread:
         assert labels == one[0] and stats == one[1]
     from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -137,20 +142,20 @@ def _mine_with(mining):
     )
 
 
-@pytest.mark.parametrize(
-    "mining",
-    [
-        {"threshold": "auto"},
-        {"method": "finch"},
-        {"threshold": "auto", "search": "all", "engine": "torch"},
-    ],
-)
-def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_size(mining):
+MINING_CASES = [
+    {"threshold": "auto"},
+    {"method": "finch"},
+    {"threshold": "auto", "search": "all", "engine": "torch"},
+]
+
+
+@pytest.mark.parametrize("case", range(len(MINING_CASES)), ids=lambda i: f"mining{i}")
+def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_size(ranks, case):
     """The round's curve, its auto threshold and FINCH's levels come from rank 0's k-NN lists, which
     are the same for 1 and 2 ranks (the spread search: as the exact torch engine finds them; FAISS
     may differ in the last bits of a similarity, and the auto threshold sees them)."""
-    one = run_ranks(1, _mine_with, mining)[0]
-    assert run_ranks(2, _mine_with, mining) == [one, one]
+    one = ranks["mine with", case, 1][0]
+    assert ranks["mine with", case, 2] == [one, one]
     labels, stats, curve = one
     assert (
         stats["num_clusters"] > 1
@@ -201,23 +206,24 @@ def _distributed_knn(n, k, query_batch, abort_at):
     return None if out is None else (out[0].tolist(), out[1].tolist())
 
 
-@pytest.mark.parametrize(
-    "n,k", [(101, 6), (5, 6)]
-)  # k >= n: fewer neighbours than asked, padded like one process
-def test_distributed_knn_equals_one_process(n, k):
+KNN_CASES = [(101, 6), (5, 6)]  # k >= n: fewer neighbours than asked, padded like one process
+
+
+@pytest.mark.parametrize("n,k", KNN_CASES)
+def test_distributed_knn_equals_one_process(ranks, n, k):
     from clusterflow.mining.knn.torch_engine import torch_search
 
     x = _knn_data(n)
     want_s, want_i = torch_search(x, k, query_batch=10, db_chunk=16, device="cpu")
-    parts = run_ranks(3, _distributed_knn, n, k, 10, 10**9)
+    parts = ranks["knn", n, k]
     got_s = np.concatenate([np.array(p[0], dtype=np.float32).reshape(-1, k) for p in parts])
     got_i = np.concatenate([np.array(p[1], dtype=np.int64).reshape(-1, k) for p in parts])
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_s, want_s)
 
 
-def test_distributed_knn_abort_on_one_rank_stops_every_rank():
-    assert run_ranks(3, _distributed_knn, 101, 6, 10, 2) == [
+def test_distributed_knn_abort_on_one_rank_stops_every_rank(ranks):
+    assert ranks["knn abort"] == [
         None,
         None,
         None,
@@ -240,6 +246,26 @@ def _supcon_big_ids():
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_supcon_ids_past_2_pow_24_stay_distinct(world):
+def test_supcon_ids_past_2_pow_24_stay_distinct(ranks, world):
     """2**24 + 1 is not a float32: ids that travel as floats collide with their neighbours."""
-    assert run_ranks(world, _supcon_big_ids) == [0.0] * world
+    assert ranks["supcon", world] == [0.0] * world
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Every call of this module, each on its own world size, with one spawn per world size (the
+    abort of a search last: its ranks leave the search early)."""
+    calls = {"collectives": (3, _collectives, ())}
+    calls.update({("embed", *c): (3, _embed_and_gather, c) for c in EMBED_CASES})
+    for world in (1, 3, 2):
+        calls["mine", world] = (world, _mine, (MINE_PARAMS,))
+    calls["mine all", 3] = (3, _mine, (MINE_PARAMS, "all"))
+    for case, mining in enumerate(MINING_CASES):
+        for world in (1, 2):
+            calls["mine with", case, world] = (world, _mine_with, (mining,))
+    for n, k in KNN_CASES:
+        calls["knn", n, k] = (3, _distributed_knn, (n, k, 10, 10**9))
+    for world in (1, 2):
+        calls["supcon", world] = (world, _supcon_big_ids, ())
+    calls["knn abort"] = (3, _distributed_knn, (101, 6, 10, 2))
+    return SharedRanks(calls)

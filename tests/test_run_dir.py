@@ -57,11 +57,9 @@ def steps(run_dir, sub="checkpoints"):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(tiny_two_rank_run):
     """An uninterrupted 2-rank run of tiny.yaml: its model.pt's sha256."""
-    d = str(tmp_path_factory.mktemp("ref") / "run")
-    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}"], d) == [0, 0]
-    return sha(os.path.join(d, "model.pt"))
+    return sha(os.path.join(tiny_two_rank_run, "model.pt"))
 
 
 def killed_at_step_10(run_dir, extra=()):

@@ -24,15 +24,11 @@ from clusterflow.status import main as status_main
 from clusterflow.submit import main as submit_main
 
 
-@pytest.fixture(scope="module")
-def completed_run(tmp_path_factory):
-    """One real one-process run of configs/tiny.yaml to its end, made once; tests damage copies."""
-    d = str(tmp_path_factory.mktemp("completed") / "run")
-    out = run_cli(
-        "clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "cluster.tasks_per_node=1"
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return d
+@pytest.fixture
+def completed_run(tiny_one_process_model):
+    """One real one-process run of configs/tiny.yaml to its end, made once for the session (the
+    run of conftest's tiny_one_process_model); tests damage copies."""
+    return os.path.dirname(tiny_one_process_model)
 
 
 @pytest.fixture

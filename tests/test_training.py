@@ -29,12 +29,10 @@ def same_weights(a, b):
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture
+def reference(tiny_two_rank_run):
     """One uninterrupted 2-rank run of configs/tiny.yaml, shared by the tests below."""
-    d = str(tmp_path_factory.mktemp("ref") / "run")
-    assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}"], d) == [0, 0]
-    return d
+    return tiny_two_rank_run
 
 
 def test_one_and_two_processes_give_the_same_loss_curve(reference, tmp_path):
