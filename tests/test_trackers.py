@@ -289,15 +289,37 @@ def wandb_history(path, key):
 
 @pytest.mark.slow
 def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
-    """Killed in step 10, then resubmitted: both attempts' offline folders carry the run id that
-    trackers.json names, and, under W&B's rule that a run's steps only increase (a point at a step
-    it already has is dropped), the history holds every step once, with metrics.jsonl's values."""
-    d = str(tmp_path / "run")
-    wb = ["trackers.wandb.project=clusterflow-test", "trackers.wandb.mode=offline"]
-    env = {"WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true"}
-    first = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
-    assert first.returncode != 0, first.stdout + first.stderr
-    second = submit_local(d, *wb, "cluster.tasks_per_node=1", signals="0:10:KILL", env=env)
+    """SIGKILLed in step 10 once W&B has opened its offline run (a first import of wandb can take
+    longer than ten steps), then resubmitted: both attempts' offline folders carry the run id
+    that trackers.json names, and, under W&B's rule that a run's steps only increase (a point at
+    a step it already has is dropped), the history holds every step once, with metrics.jsonl's
+    values."""
+    d, kill = str(tmp_path / "run"), str(tmp_path / "kill-now")
+    command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"] + [
+        f"run.dir={d}",
+        "cluster.tasks_per_node=1",
+        "task.target=testtasks:KillWhenFileAppears",
+        f"task.params.run_dir={d}",
+        f"task.params.kill_file={kill}",
+        "task.params.at=10",
+        "trackers.wandb.project=clusterflow-test",
+        "trackers.wandb.mode=offline",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.path.join(REPO, "tests"),
+        "WANDB_SILENT": "true",
+        "WANDB_DISABLE_GIT": "true",
+    }
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+    logs = os.path.join(d, "wandb", "wandb", "offline-run-*", "run-*.wandb")
+    while not glob.glob(logs):
+        assert job.poll() is None, job.stdout.read()
+        time.sleep(0.2)
+    open(kill, "w").close()
+    out, _ = job.communicate(timeout=600)
+    assert job.returncode != 0, out
+    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stdout + second.stderr
     run_id = json.load(open(os.path.join(d, "trackers.json")))["wandb"]["run_id"]
     folders = sorted(glob.glob(os.path.join(d, "wandb", "wandb", "offline-run-*")))
@@ -305,12 +327,7 @@ def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
     history, last = {}, 0
     for folder in folders:
         assert folder.endswith(f"-{run_id}"), folder
-        log = os.path.join(folder, f"run-{run_id}.wandb")
-        if folder == folders[0] and not os.path.exists(log):
-            # The SIGKILL took W&B's own process down before it wrote anything: the second
-            # attempt then sends every step (checked below).
-            continue
-        points = wandb_history(log, "train/loss")
+        points = wandb_history(os.path.join(folder, f"run-{run_id}.wandb"), "train/loss")
         steps = [s for s, _ in points]
         assert steps == sorted(set(steps)), steps
         history.update({s: v for s, v in points if s > last})
