@@ -4,16 +4,13 @@ does not, and comes back through `scontrol requeue` (the same job id, its next a
 then holds one run: the config as parameters, each step of `train/loss` once, in order, with the
 values of metrics.jsonl, and the status FINISHED."""
 
-import os
-
 import pytest
 from mlflow.tracking import MlflowClient
 from slurmjobs import rank0_logs, scmd, status, submit, wait_gone, wait_until
-from test_trackers import STEPS, committed_steps, flat_config, held_steps, start_server
-from test_trackers import stop_server
+from test_trackers import committed_steps, held_steps, start_server, stop_server
+from test_trackers import one_finished_run_with_each_step_once
 
 from clusterflow.dist import free_port
-from clusterflow.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slurm
 CONTROLLER = "10.77.0.1"  # the bridge address of tests/slurm/cluster.sh: both nodes reach it
@@ -61,11 +58,4 @@ def test_a_job_killed_and_requeued_by_slurm_is_one_mlflow_run_with_each_step_onc
     assert s["state"] == "completed" and s["attempts"] == 2 and s["job_id"] == job, s
     assert f"resumed from {d}/checkpoints/step-8:" in rank0_logs(d)
 
-    (run,) = client.search_runs([client.get_experiment_by_name("requeued").experiment_id])
-    assert run.info.status == "FINISHED"
-    assert run.data.params == {**flat_config(d), "run.dir": d}
-    history = client.get_metric_history(run.info.run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert steps == list(range(1, STEPS + 1)), steps
-    written = read_metrics(d)
-    assert {m.step: m.value for m in history} == {s: written[s]["train/loss"] for s in steps}
+    one_finished_run_with_each_step_once(client, "requeued", d)

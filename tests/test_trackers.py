@@ -109,6 +109,21 @@ def held_steps(client, experiment, key="train/loss"):
     return [m.step for r in runs for m in client.get_metric_history(r.info.run_id, key)]
 
 
+def one_finished_run_with_each_step_once(client, experiment, run_dir):
+    """The experiment's one run, after checking it: FINISHED, the config as parameters, and
+    train/loss at each step once, in order, with metrics.jsonl's values."""
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.status == "FINISHED"
+    # config.yaml keeps run.dir as "." (a run dir may move); the parameter says where it ran
+    assert run.data.params == {**flat_config(run_dir), "run.dir": run_dir}
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    steps = [m.step for m in history]
+    assert steps == list(range(1, STEPS + 1)), steps
+    written = read_metrics(run_dir)
+    assert {m.step: m.value for m in history} == {s: written[s]["train/loss"] for s in steps}
+    return run
+
+
 def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_server, tmp_path):
     """Held in step 10 until MLflow has steps 1-9, then SIGKILLed (mid-epoch; the newest
     checkpoint is step 8) and submitted again: the resumed attempt computes step 9 again and
@@ -140,18 +155,8 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_s
     assert f"resumed from {d}/checkpoints/step-8:" in open(f"{d}/logs/rank0.attempt1.log").read()
 
     client = MlflowClient(mlflow_server)
-    exp = client.get_experiment_by_name("killed")
-    runs = client.search_runs([exp.experiment_id])
-    assert len(runs) == 1
-    run = runs[0]
-    assert run.info.status == "FINISHED"
-    # config.yaml keeps run.dir as "." (a run dir may move); the parameter says where it ran
-    assert run.data.params == {**flat_config(d), "run.dir": d}
-    history = client.get_metric_history(run.info.run_id, "train/loss")
-    steps = [m.step for m in history]
-    assert steps == list(range(1, STEPS + 1)), steps
+    run = one_finished_run_with_each_step_once(client, "killed", d)
     written = read_metrics(d)
-    assert {m.step: m.value for m in history} == {s: written[s]["train/loss"] for s in steps}
     # every other scalar once per step as well, mining rounds and eval included
     for key in ("train/lr", "eval/view_cos", "mining/num_clusters", "mining/threshold"):
         points = client.get_metric_history(run.info.run_id, key)
