@@ -95,22 +95,15 @@ def available(name: str) -> bool:
 
 def job_state(job_id: str, timeout_s: float = 30) -> str:
     """JobState from ``scontrol show job``, or "" when Slurm does not answer."""
-    out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
-    for field in out.stdout.split():
-        if field.startswith("JobState="):
-            return field.split("=", 1)[1]
-    return ""
+    return job_fields(job_id, timeout_s).get("JobState", "")
 
 
 def is_batch(job_id: str, timeout_s: float = 30) -> bool | None:
     """Whether the job is a batch job (``sbatch``), not an interactive allocation (``salloc``),
     whose steps Slurm refuses to requeue: ``BatchFlag`` of ``scontrol show job``; None when Slurm
     does not answer."""
-    out = run(["scontrol", "show", "job", "-o", str(job_id)], timeout_s)
-    for field in out.stdout.split():
-        if field.startswith("BatchFlag="):
-            return field.split("=", 1)[1] != "0"
-    return None
+    flag = job_fields(job_id, timeout_s).get("BatchFlag")
+    return None if flag is None else flag != "0"
 
 
 def show_job(job_id: str, timeout_s: float) -> Result:
