@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README: sets up everything, then runs the whole suite.
 #   - a virtual environment in .venv with torch 2.13.0 (CPU build) and clusterflow[cpu,test]
-#   - Slurm and munge from Debian, and the local two-node cluster (tests/slurm/cluster.sh)
+#   - Slurm and munge from Debian, and the local three-node cluster (tests/slurm/cluster.sh)
 #   - pytest over tests/
 # Safe to run again: each step is skipped when already done.
 set -euo pipefail

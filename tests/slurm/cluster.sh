@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# A real two-node Slurm 22.05 cluster on this one machine, for clusterflow's tests.
+# A real three-node Slurm 22.05 cluster on this one machine, for clusterflow's tests.
 #
 #   bash tests/slurm/cluster.sh up      # install (apt) if needed, boot, wait until both nodes are idle
 #   bash tests/slurm/cluster.sh down    # stop only the daemons this script started, remove the namespaces
 #   bash tests/slurm/cluster.sh status
 #
-# Two "nodes" = two network namespaces (node1, node2) joined by a bridge that holds the
+# Three "nodes" = three network namespaces (node1..node3) joined by a bridge that holds the
 # controller's address. Each slurmd runs in its namespace with its own hostname (unshare --uts).
-# Partitions: "low" (default, preemptable, GraceTime) and "high" (PriorityTier above, preempts
-# "low" with PreemptMode=REQUEUE). Idempotent: running "up" twice changes nothing. Needs root.
+# Partitions: "low" (default, node1 and node2, preemptable, GraceTime), "high" (the same nodes,
+# PriorityTier above, preempts "low" with PreemptMode=REQUEUE) and "wide" (node1..node3, for a
+# job that holds a spare node; node3 is in no other partition, so "low" still has two nodes). Idempotent: running "up" twice changes nothing. Needs root.
 # bf_interval=1: a requeued job is started by the backfill scheduler (the main one leaves it), every
 # 30 s by default; every second here, so the requeue tests wait for the job, not the scheduler.
 set -euo pipefail
@@ -16,7 +17,7 @@ set -euo pipefail
 BR=cfbr0
 CTL_IP=10.77.0.1
 PREFIX=10.77.0
-NODES=(node1 node2)
+NODES=(node1 node2 node3)
 STATE=/run/clusterflow-slurm
 CONF=/etc/slurm/slurm.conf
 CTL_HOST=$(hostname)
@@ -97,8 +98,10 @@ MinJobAge=60
 InactiveLimit=0
 NodeName=node1 NodeAddr=$PREFIX.11 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 NodeName=node2 NodeAddr=$PREFIX.12 CPUs=$cpus RealMemory=$mem State=UNKNOWN
+NodeName=node3 NodeAddr=$PREFIX.13 CPUs=$cpus RealMemory=$mem State=UNKNOWN
 PartitionName=low Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=10 PreemptMode=REQUEUE OverSubscribe=NO
 PartitionName=high Nodes=node1,node2 Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+PartitionName=wide Nodes=node1,node2,node3 Default=NO MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=10 PreemptMode=REQUEUE OverSubscribe=NO
 EOF
   if ! cmp -s "$CONF.new" "$CONF"; then
     mv "$CONF.new" "$CONF"
@@ -155,8 +158,8 @@ start() {
 wait_idle() {
   for _ in $(seq 1 60); do
     local idle
-    idle=$(sinfo -h -N -p low -o "%N %t" 2>/dev/null | awk '$2 ~ /^(idle|mix|alloc)/' | wc -l || true)
-    if [ "$idle" -ge 2 ]; then log "both nodes up: $(sinfo -h -N -p low -o '%N=%t' | tr '\n' ' ')"; return 0; fi
+    idle=$(sinfo -h -N -p wide -o "%N %t" 2>/dev/null | awk '$2 ~ /^(idle|mix|alloc)/' | wc -l || true)
+    if [ "$idle" -ge "${#NODES[@]}" ]; then log "all nodes up: $(sinfo -h -N -p wide -o '%N=%t' | tr '\n' ' ')"; return 0; fi
     # a node that came back from an earlier boot may be "down" or "drain": resume it
     for n in "${NODES[@]}"; do scontrol update nodename="$n" state=resume >/dev/null 2>&1 || true; done
     sleep 1
