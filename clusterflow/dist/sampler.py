@@ -83,12 +83,12 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def epoch_order(dataset: Any, seed: int, epoch: int) -> list[int]:
-    """The epoch's order of every index of ``dataset``: its ``epoch_order(seed, epoch)`` when it
-    has one (a permutation of ``range(len(dataset))``), else :func:`epoch_permutation`."""
+def epoch_order(dataset: Any, seed: int, epoch: int) -> Any:
+    """The epoch's order of every index of ``dataset`` (a tensor, array or list): its
+    ``epoch_order(seed, epoch)`` when it has one (a permutation of ``range(len(dataset))``), else
+    :func:`epoch_permutation`."""
     own = getattr(dataset, "epoch_order", None)
-    order = own(seed, epoch) if own is not None else epoch_permutation(len(dataset), seed, epoch)
-    return order.tolist() if hasattr(order, "tolist") else list(order)
+    return own(seed, epoch) if own is not None else epoch_permutation(len(dataset), seed, epoch)
 
 
 @dataclass(frozen=True)
