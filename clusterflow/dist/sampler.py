@@ -149,6 +149,14 @@ class EpochPlan:
         return [list(s) for s in self.segments]
 
 
+def share(count: int, world: int, grad_accum: int, step_samples: int) -> float:
+    """The weight of a micro-batch of ``count`` samples in a step of ``step_samples``: its loss
+    (a mean over its samples) times this, averaged over ranks (DDP, FSDP) and summed over
+    micro-batches divided by ``grad_accum``, gives the mean over the step's samples. 1.0 when the
+    step splits evenly."""
+    return count * world * grad_accum / step_samples
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of each global micro-batch, from the epoch's position on."""
 

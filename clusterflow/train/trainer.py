@@ -42,6 +42,8 @@ from clusterflow.dist.sampler import (
     WithEpoch,
     check_fits,
     epoch_order,
+    share,
+    split,
 )
 from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
@@ -228,7 +230,7 @@ class Trainer:
         self.sampler.set_epoch(self.state.epoch, self.state.sample_in_epoch, self.plan)
         # Each step's global batch: (first sample, size), for the loss weights and the ledger.
         steps = iter(self.plan.batches_from(self.state.sample_in_epoch))
-        batch = (0, 0)
+        batch, micros = (0, 0), [0]
         bar = self._progress_bar()
         window = LossWindow()
         self.model.train()
@@ -239,10 +241,17 @@ class Trainer:
             if micro == 0:
                 self.profile.begin(self.state.global_step + 1)
                 batch = next(steps)
+                micros = split(batch[1], self.cfg.train.grad_accum)
+            # Every rank's share of this micro-batch, for losses that gather rows across ranks.
+            rows = split(micros[micro], self.world)
             micro += 1
-            self._forward_backward(
-                items, last_micro=micro == self.cfg.train.grad_accum, window=window, of=batch[1]
-            )
+            with dist.batch_rows(rows):
+                self._forward_backward(
+                    items,
+                    last_micro=micro == self.cfg.train.grad_accum,
+                    window=window,
+                    of=batch[1],
+                )
             if micro < self.cfg.train.grad_accum:
                 continue
             micro = 0
@@ -325,7 +334,7 @@ class Trainer:
         the micro-batch's share of the step: averaged over ranks and micro-batches, the gradient
         is the mean over the step's samples even where ranks hold different numbers of them."""
         count = len(batch["index"])
-        share = count * self.world * self.cfg.train.grad_accum / of
+        weight = share(count, self.world, self.cfg.train.grad_accum, of)
         batch = _to(batch, self.device)
         labels = self._device_labels()
         if labels is not None:
@@ -335,7 +344,7 @@ class Trainer:
         with parallel.gradient_sync(self.model, sync):
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
-            weighted = loss * share if share != 1 else loss
+            weighted = loss * weight if weight != 1 else loss
             self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()
         self.guard.observe(loss)
         window.add(loss, metrics, count)
