@@ -142,9 +142,7 @@ def _weights(folder):
     return torch.load(os.path.join(folder, "model.pt"), weights_only=True)
 
 
-def test_a_shard_run_killed_inside_shards_resumes_exactly_once_and_bitwise(
-    tmp_path, monkeypatch
-):
+def test_a_shard_run_killed_inside_shards_resumes_exactly_once_and_bitwise(tmp_path, monkeypatch):
     """69 images in 7 shards of 10, batches of 12 (14, 14, 14, 14, 13): killed on 2 ranks in
     the first epoch inside a shard, resumed on 2 ranks (its checkpoints bitwise those of the
     uninterrupted 2-rank run) and killed in epoch 2, resumed on 3 ranks and killed in epoch 3,

@@ -449,7 +449,9 @@ class _Seen:
 
     def _seen_setup(self, run_dir, kill):
         self.run_dir, self.calls, self.epoch_now = run_dir, 0, 0
-        self.kill_at = {tuple(int(x) for x in item.split("@")) for item in str(kill).split(",") if item}
+        self.kill_at = {
+            tuple(int(x) for x in item.split("@")) for item in str(kill).split(",") if item
+        }
 
     def set_epoch(self, epoch):
         self.epoch_now = epoch

@@ -9,7 +9,8 @@ the ``[s3]`` extra) holds::
                            ``<key>.cls`` (its class index in ASCII), ``key = f"{i:09d}"``:
                            what ``webdataset.WebDataset`` reads as ``__key__``, ``png``, ``cls``
     index.npz              by sample: ``offset`` (where the image's bytes start in its shard),
-                           ``size`` (int64 each) and ``label`` (int32, -1 without classes)
+                           ``size`` and ``label`` (-1 without classes), integers of the
+                           narrowest type that holds them (uint32 and int16 usually)
     index.json             written last: ``format``, ``version``, ``samples``, ``classes``,
                            ``shards`` ([{name, samples, bytes}], in sample order), ``arrays``
 

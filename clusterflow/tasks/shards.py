@@ -90,11 +90,13 @@ def write_shards(src: str, out: str, shard_size: int, seed: int = 0) -> dict[str
         offsets += off
         sizes += size
     arrays = io.BytesIO()
+    # The narrowest types that hold the values: the index is read whole by every start.
+    label = labels if labels is not None else np.full(len(files), -1)
     np.savez(
         arrays,
-        offset=np.asarray(offsets, np.int64),
-        size=np.asarray(sizes, np.int64),
-        label=(labels if labels is not None else np.full(len(files), -1)).astype(np.int32),
+        offset=np.asarray(offsets, np.uint32 if max(offsets, default=0) < 2**32 else np.int64),
+        size=np.asarray(sizes, np.uint32 if max(sizes, default=0) < 2**32 else np.int64),
+        label=label.astype(np.int16 if len(classes) < 2**15 else np.int32),
     )
     fs.pipe_file(shard_format.join(root, shard_format.INDEX_ARRAYS), arrays.getvalue())
     head = {
