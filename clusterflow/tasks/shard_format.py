@@ -10,7 +10,7 @@ the ``[s3]`` extra) holds::
                            what ``webdataset.WebDataset`` reads as ``__key__``, ``png``, ``cls``
     index.npz              by sample: ``offset`` (where the image's bytes start in its shard),
                            ``size`` and ``label`` (-1 without classes), integers of the
-                           narrowest type that holds them (uint32 and int16 usually)
+                           narrowest type that holds them, compressed (about 2 bytes a sample)
     index.json             written last: ``format``, ``version``, ``samples``, ``classes``,
                            ``shards`` ([{name, samples, bytes}], in sample order), ``arrays``
 

@@ -62,6 +62,10 @@ def _write_shard(
     return [where[n][0] for n in names], [where[n][1] for n in names], size
 
 
+def _narrowest(largest: int) -> type:
+    return next(t for t in (np.uint16, np.uint32, np.int64) if largest < np.iinfo(t).max)
+
+
 def write_shards(src: str, out: str, shard_size: int, seed: int = 0) -> dict[str, Any]:
     """Pack the image folder ``src`` into shards under ``out``; returns index.json's content."""
     files, labels, classes = scan(src, 0.0)
@@ -90,12 +94,12 @@ def write_shards(src: str, out: str, shard_size: int, seed: int = 0) -> dict[str
         offsets += off
         sizes += size
     arrays = io.BytesIO()
-    # The narrowest types that hold the values: the index is read whole by every start.
+    # The narrowest types that hold the values, compressed: every start reads the whole index.
     label = labels if labels is not None else np.full(len(files), -1)
-    np.savez(
+    np.savez_compressed(
         arrays,
-        offset=np.asarray(offsets, np.uint32 if max(offsets, default=0) < 2**32 else np.int64),
-        size=np.asarray(sizes, np.uint32 if max(sizes, default=0) < 2**32 else np.int64),
+        offset=np.asarray(offsets, _narrowest(max(offsets, default=0))),
+        size=np.asarray(sizes, _narrowest(max(sizes, default=0))),
         label=label.astype(np.int16 if len(classes) < 2**15 else np.int32),
     )
     fs.pipe_file(shard_format.join(root, shard_format.INDEX_ARRAYS), arrays.getvalue())
