@@ -566,8 +566,9 @@ class ImageShardsTask(ImageFolderTask):
     """ImageFolderTask's training on images packed into tar shards (``python -m
     clusterflow.tasks.shards SRC_FOLDER OUT``). Parameters (``task.params``): root (the shard
     folder: a path or any fsspec URL), image_size, channels, backbone, width, embed_dim,
-    temperature, crop_scale, flip, rotate_deg, jitter (as ImageFolderTask's), and mix_shards: how
-    many shards each part of an epoch's order mixes (docs/data.md)."""
+    temperature, crop_scale, flip, rotate_deg, jitter (as ImageFolderTask's; limit, make_digits and
+    scan_limit_s are taken at their defaults only), and mix_shards: how many shards each part of
+    an epoch's order mixes (docs/data.md)."""
 
     def __init__(
         self,
@@ -583,6 +584,9 @@ class ImageShardsTask(ImageFolderTask):
         flip: bool = True,
         rotate_deg: float = 10.0,
         jitter: float = 0.3,
+        limit: int = 0,
+        make_digits: bool = False,
+        scan_limit_s: float = 600.0,
         mix_shards: int = 4,
     ) -> None:
         self._configure(
@@ -605,6 +609,19 @@ class ImageShardsTask(ImageFolderTask):
             "mix_shards",
             mix_shards,
             "the number of shards an epoch's order mixes at a time, >= 1",
+            "ImageShardsTask",
+        )
+        # ImageFolderTask's folder parameters, so that one config serves both tasks; a shard
+        # folder is packed beforehand and not scanned (scan_limit_s has nothing to limit).
+        _check(
+            limit == 0, "limit", limit, "0: pack the images to use into shards", "ImageShardsTask"
+        )
+        _check(
+            make_digits is False,
+            "make_digits",
+            make_digits,
+            "false: write the digits (python -m clusterflow.tasks.digits DIR), then pack them "
+            "(python -m clusterflow.tasks.shards DIR OUT)",
             "ImageShardsTask",
         )
         self.mix_shards = mix_shards
