@@ -1,7 +1,7 @@
 """Shard benchmark: samples/s of ImageShardsTask against ImageFolderTask and against bare
 webdataset and tarfile loops over the same shards, and the cost of a resume in mid-epoch.
 
-    python benchmarks/shards.py                       # 100k 32x32 JPEGs under /tmp/clusterflow-bench-shards
+    python benchmarks/shards.py          # 100k 32x32 JPEGs in /tmp/clusterflow-bench-shards
     python benchmarks/shards.py --dir /scratch/bench --images 20000 --measure 10000
 
 The script writes its own images (random colour blocks, JPEG, in 10 class folders) and packs them

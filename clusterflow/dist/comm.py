@@ -328,7 +328,8 @@ def all_gather_rows(t: Any) -> list[Any]:
     import torch
 
     most = max(rows)
-    padded = torch.cat([t, t.new_zeros((most - t.shape[0], *t.shape[1:]))]) if t.shape[0] < most else t
+    pad = t.new_zeros((most - t.shape[0], *t.shape[1:]))
+    padded = torch.cat([t, pad]) if t.shape[0] < most else t
     return [part[:r] for part, r in zip(all_gather_tensors(padded), rows)]
 
 
