@@ -94,7 +94,7 @@ def _check_exactly_once(run_dir, n, batch_size, epochs, order_of, expected):
 def test_a_run_killed_on_2_ranks_resumed_on_3_then_1_trains_every_sample_once(
     tmp_path, monkeypatch
 ):
-    """206 samples in batches of 48: four steps of 52, 52, 51, 51, split unevenly over 3 ranks.
+    """206 samples in batches of 48: four steps of 48, 48, 48 and 62 (split unevenly over 3 ranks).
     Killed at step 3 on 2 ranks (committed step 2), resumed on 3 ranks and killed at step 7
     (committed step 6, after mining on 3 ranks), finished on 1 rank."""
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
@@ -120,7 +120,7 @@ def test_a_run_killed_on_2_ranks_resumed_on_3_then_1_trains_every_sample_once(
         48,
         2,
         lambda epoch: epoch_permutation(206, 3, epoch).tolist(),
-        {0: [(0, 104, 0, 2), (104, 206, 1, 3)], 1: [(0, 104, 1, 3), (104, 206, 2, 1)]},
+        {0: [(0, 96, 0, 2), (96, 206, 1, 3)], 1: [(0, 96, 1, 3), (96, 206, 2, 1)]},
     )
     status = collect(d)
     assert status["state"] == "completed" and status["samples"] == ledger
@@ -143,7 +143,7 @@ def _weights(folder):
 
 
 def test_a_shard_run_killed_inside_shards_resumes_exactly_once_and_bitwise(tmp_path, monkeypatch):
-    """69 images in 7 shards of 10, batches of 12 (14, 14, 14, 14, 13): killed on 2 ranks in
+    """69 images in 7 shards of 10, batches of 12 (12, 12, 12, 12, 21): killed on 2 ranks in
     the first epoch inside a shard, resumed on 2 ranks (its checkpoints bitwise those of the
     uninterrupted 2-rank run) and killed in epoch 2, resumed on 3 ranks and killed in epoch 3,
     finished on 1 rank."""
@@ -175,15 +175,15 @@ def test_a_shard_run_killed_inside_shards_resumes_exactly_once_and_bitwise(tmp_p
         3,
         lambda epoch: shard_format.epoch_order(index, 3, epoch, 2),
         {
-            0: [(0, 28, 0, 2), (28, 69, 1, 2)],
-            1: [(0, 14, 1, 2), (14, 69, 2, 3)],
-            2: [(0, 28, 2, 3), (28, 69, 3, 1)],
+            0: [(0, 24, 0, 2), (24, 69, 1, 2)],
+            1: [(0, 12, 1, 2), (12, 69, 2, 3)],
+            2: [(0, 24, 2, 3), (24, 69, 3, 1)],
         },
     )
-    # The first resume point, sample 28 of epoch 1's order, is inside shards: samples of the
+    # The first resume point, sample 24 of epoch 1's order, is inside shards: samples of the
     # same shards come before and after it.
     order = shard_format.epoch_order(index, 3, 0, 2)
-    before, after = (set(index.shard_of(order[a:b]).tolist()) for a, b in ((20, 28), (28, 40)))
+    before, after = (set(index.shard_of(order[a:b]).tolist()) for a, b in ((16, 24), (24, 36)))
     assert before & after, (before, after)
     # Steps 2 (the first attempt), 4, 5 and 6 (the resumed one, on the same world size) are
     # bitwise the uninterrupted run's.

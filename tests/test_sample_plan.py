@@ -9,18 +9,16 @@ import pytest
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.train_state import SampleLedger, TrainState
-from clusterflow.dist.sampler import EpochPlan, GlobalBatchSampler, share, split
+from clusterflow.dist.sampler import EpochPlan, GlobalBatchSampler, share
 from clusterflow.errors import UserError
 
 
 @pytest.mark.parametrize("n,batch", [(192, 32), (206, 48), (69, 12), (12, 12), (50, 7)])
-def test_an_epoch_is_n_div_batch_batches_of_sizes_within_one(n, batch):
+def test_an_epoch_is_n_div_batch_batches_the_last_taking_what_is_left(n, batch):
     plan = EpochPlan.of(n, batch)
     sizes = [size for _, size in plan.batches_from(0)]
     assert len(sizes) == n // batch == plan.steps() and sum(sizes) == n
-    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= batch
-    if n % batch == 0:
-        assert set(sizes) == {batch}  # as before: nothing changes where the batch divides n
+    assert sizes[:-1] == [batch] * (len(sizes) - 1) and sizes[-1] == batch + n % batch
 
 
 def _epoch(n, batch, world, accum, position=0, plan=None, epoch=1):
@@ -73,10 +71,10 @@ def test_a_resume_at_any_boundary_on_any_world_size_continues_the_order():
 def test_another_batch_size_starts_a_segment_where_the_run_is():
     n = 206
     plan = EpochPlan.of(n, 48)
-    at = plan.boundaries()[2]  # 104
+    at = plan.boundaries()[2]  # 96
     new = plan.with_batch(at, 24)
-    assert new.segments == ((0, 48), (104, 24)) and new.boundaries()[:3] == plan.boundaries()[:3]
-    assert [s for _, s in new.batches_from(at)] == split(n - at, (n - at) // 24)
+    assert new.segments == ((0, 48), (96, 24)) and new.boundaries()[:3] == plan.boundaries()[:3]
+    assert [s for _, s in new.batches_from(at)] == [24] * 3 + [24 + (n - at) % 24]
     rest = [i for step in _epoch(n, 24, 3, 1, at, new) for m in step for p in m for i in p]
     before = [i for step in _epoch(n, 48, 2, 1)[:2] for m in step for p in m for i in p]
     assert sorted(before + rest) == list(range(n))

@@ -2,13 +2,14 @@
 
 Training: an epoch is one order of all ``n`` indices, a deterministic function of (seed, epoch)
 (:func:`epoch_permutation`, or the train dataset's own ``epoch_order(seed, epoch)``, e.g. one
-that keeps shards together). :class:`EpochPlan` cuts that order into global batches without
-dropping or repeating a sample: ``n // batch_size`` batches whose sizes differ by at most one (the
-first ones larger), so every batch holds at least ``batch_size`` samples. A step's batch is split
-into ``grad_accum`` micro-batches and each micro-batch into ``world`` contiguous slices, again of
-sizes that differ by at most one: with ``batch_size`` a multiple of world x grad_accum, every rank
-gets at least one sample of every micro-batch, so every rank runs the same forwards, backwards
-and collectives, whatever ``n`` is.
+that keeps shards together). :class:`EpochPlan` cuts that order into ``n // batch_size`` global
+batches without dropping or repeating a sample: each of ``batch_size`` samples, but the epoch's
+last, which also takes the ``n % batch_size`` left over. A step's batch is split into
+``grad_accum`` micro-batches and each micro-batch into ``world`` contiguous slices of sizes that
+differ by at most one: with ``batch_size`` a multiple of world x grad_accum and no batch smaller
+than ``batch_size``, every rank gets at least one sample of every micro-batch, so every rank runs
+the same forwards, backwards and collectives, whatever ``n`` is. Only the epoch's last step can
+have uneven slices.
 
 The position in an epoch is a count of samples of that order consumed, not a per-rank step: the
 global batches do not depend on the world size, so a resume on any world size continues the same
@@ -95,8 +96,8 @@ def epoch_order(dataset: Any, seed: int, epoch: int) -> Any:
 class EpochPlan:
     """The global batches of one epoch of ``n`` samples: ``segments`` of (first sample, batch
     size); each segment cuts ``[first, n)`` into ``(n - first) // batch size`` batches (at least
-    one) of sizes that differ by at most one, and ends where the next segment starts (a batch
-    boundary of its own: a resume with another batch size starts one there)."""
+    one) of that size, the last of them taking what is left over, and ends where the next segment
+    starts (a batch boundary of its own: a resume with another batch size starts one there)."""
 
     n: int
     segments: tuple[tuple[int, int], ...]
@@ -109,14 +110,12 @@ class EpochPlan:
     def _segment(self, i: int) -> list[int]:
         start, batch = self.segments[i]
         end = self.segments[i + 1][0] if i + 1 < len(self.segments) else self.n
-        bounds = [start]
-        for size in split(self.n - start, max(1, (self.n - start) // batch)):
-            if bounds[-1] >= end:
-                break
-            bounds.append(bounds[-1] + size)
-        if bounds[-1] != end:
+        # Batches of ``batch`` samples from ``start``; the epoch's last takes what is left over.
+        count = max(1, (self.n - start) // batch)
+        bounds = [start + k * batch for k in range(count)] + [self.n]
+        if end not in bounds:
             raise ValueError(f"segment {self.segments[i + 1]} does not start at a batch boundary")
-        return bounds
+        return bounds[: bounds.index(end) + 1]
 
     def boundaries(self) -> list[int]:
         """Where each global batch starts, and ``n``."""

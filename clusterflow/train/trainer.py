@@ -6,10 +6,10 @@ committed checkpoint, if any, and the loop continues from its epoch and the numb
 that epoch's order it trained (``dist/sampler.py``: the same order on any world size). State
 lives in the checkpoint only, so a requeued job needs nothing else.
 
-No sample is dropped or repeated: the epoch's last batches are a little larger when the batch
-size does not divide the dataset, ranks may hold one sample more than others, and each
-micro-batch's loss is weighted by its share of the step's samples, so that the averaged gradient
-is the mean over every sample of the step whichever rank held it (docs/data.md).
+No sample is dropped or repeated: the epoch's last batch also takes the samples left over when
+the batch size does not divide the dataset, ranks may then hold one sample more than others, and
+each micro-batch's loss is weighted by its share of the step's samples, so that the averaged
+gradient is the mean over every sample of the step whichever rank held it (docs/data.md).
 
 Order of an epoch: steps (after each, the ranks agree on whether to stop, and the checkpointer
 saves when due) -> evaluation -> mining (when due) -> the end-of-epoch checkpoint, which holds the
