@@ -99,7 +99,8 @@ def store(request, tmp_path):
 
 @pytest.fixture(scope="session")
 def cluster():
-    """The local Slurm cluster (partitions low and high: node1-2; wide: node1-3), booted (idempotently) by tests/slurm/cluster.sh."""
+    """The local Slurm cluster (partitions low and high: node1-2; wide: node1-3), booted
+    (idempotently) by tests/slurm/cluster.sh."""
     if os.geteuid() != 0 or shutil.which("sinfo") is None and shutil.which("apt-get") is None:
         pytest.skip("the local Slurm cluster needs root and Debian's slurm-wlm")
     out = subprocess.run(
