@@ -251,6 +251,40 @@ def test_supcon_ids_past_2_pow_24_stay_distinct(ranks, world):
     assert ranks["supcon", world] == [0.0] * world
 
 
+def _uneven_supcon_grad():
+    """One step of the contrastive loss on a global batch of 52 samples split as the trainer
+    splits it (18, 17, 17 on 3 ranks), weighted by each rank's share, gradients averaged over
+    ranks as DDP does: the gradient of the whole batch on one rank."""
+    import torch
+
+    from clusterflow import dist
+    from clusterflow.dist.sampler import share, shard_range, split
+    from clusterflow.tasks.losses import supcon_loss
+
+    torch.manual_seed(0)
+    x, ids = torch.randn(52, 6), torch.arange(52) % 13
+    model = torch.nn.Linear(6, 4)
+    part = shard_range(52, dist.rank(), dist.world())
+    grads = []
+    for weight in (share(len(part), dist.world(), 1, 52), 1.0):
+        model.zero_grad()
+        with dist.batch_rows(split(52, dist.world())):
+            z = torch.nn.functional.normalize(model(x[part.start : part.stop]), dim=1)
+            loss, _ = supcon_loss(z, ids[part.start : part.stop])
+            (loss * weight).backward()
+        grads.append((dist.all_reduce_tensor(model.weight.grad.clone()) / dist.world()).numpy())
+    return grads
+
+
+def test_uneven_ranks_weighted_by_their_share_give_the_whole_batch_gradient(ranks):
+    import numpy as np
+
+    ((one, _),), three = ranks["uneven", 1], ranks["uneven", 3]
+    for weighted, unweighted in three:
+        np.testing.assert_allclose(weighted, one, rtol=1e-5, atol=1e-6)
+        assert np.abs(unweighted - one).max() > 1e-4  # the weights are what makes them equal
+
+
 @pytest.fixture(scope="module")
 def ranks():
     """Every call of this module, each on its own world size, with one spawn per world size (the
@@ -267,5 +301,7 @@ def ranks():
         calls["knn", n, k] = (3, _distributed_knn, (n, k, 10, 10**9))
     for world in (1, 2):
         calls["supcon", world] = (world, _supcon_big_ids, ())
+    for world in (1, 3):
+        calls["uneven", world] = (world, _uneven_supcon_grad, ())
     calls["knn abort"] = (3, _distributed_knn, (101, 6, 10, 2))
     return SharedRanks(calls)

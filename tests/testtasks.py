@@ -4,6 +4,7 @@ Each trains exactly like PseudoIDTask (same weights at every step), so their fin
 can be compared bitwise with a plain run of the same config.
 """
 
+import json
 import os
 import signal
 import socket
@@ -15,7 +16,7 @@ import torch.distributed as tdist
 from clusterflow.mining import knn
 from clusterflow.storage import durable
 from clusterflow.tasks import images
-from clusterflow.tasks.images import ImageFolderTask
+from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
 from clusterflow.tasks.pseudo_id import PseudoIDTask
 
 
@@ -436,3 +437,56 @@ class StallOnHost(StallOnRank1):
 
     def _me(self):
         return super()._me() if socket.gethostname() == self.host else -1
+
+
+class _Seen:
+    """Records every batch the task trains on, and SIGKILLs itself at chosen loss calls.
+
+    Each loss call appends ``{"attempt", "epoch", "call", "index"}`` to
+    ``RUN_DIR/seen/rank<R>.jsonl`` (before training on it: a batch of a step killed in mid-air is
+    recorded too). ``kill``: ``"ATTEMPT@CALL,..."``, SIGKILL at loss call CALL (counted per
+    process) of attempt ATTEMPT, on every rank."""
+
+    def _seen_setup(self, run_dir, kill):
+        self.run_dir, self.calls, self.epoch_now = run_dir, 0, 0
+        self.kill_at = {
+            tuple(int(x) for x in item.split("@")) for item in str(kill).split(",") if item
+        }
+
+    def set_epoch(self, epoch):
+        self.epoch_now = epoch
+        super().set_epoch(epoch)
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        with open(os.path.join(self.run_dir, "attempts.jsonl")) as f:
+            attempt = len(f.readlines()) - 1
+        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        os.makedirs(os.path.join(self.run_dir, "seen"), exist_ok=True)
+        with open(os.path.join(self.run_dir, "seen", f"rank{rank}.jsonl"), "a") as f:
+            record = {
+                "attempt": attempt,
+                "epoch": self.epoch_now,
+                "call": self.calls,
+                "index": batch["index"].tolist(),
+            }
+            f.write(json.dumps(record) + "\n")
+        if (attempt, self.calls) in self.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)
+
+
+class SeenPseudoID(_Seen, PseudoIDTask):
+    """PseudoIDTask (data in memory) that records its batches (``_Seen``)."""
+
+    def __init__(self, seed=0, run_dir="", kill="", **params):
+        super().__init__(seed, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class SeenShards(_Seen, ImageShardsTask):
+    """ImageShardsTask that records its batches (``_Seen``)."""
+
+    def __init__(self, seed=0, run_dir="", kill="", **params):
+        super().__init__(seed, **params)
+        self._seen_setup(run_dir, kill)

@@ -280,6 +280,7 @@ class Checkpointer:
             return self._failure(step, exc)
         if retry_of:
             rundir.write_status(self.paths, checkpoint_error=None)
+        rundir.write_ledger(self.paths, meta["samples"])
         log.info(
             "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
             step,
@@ -393,6 +394,9 @@ class Checkpointer:
             "config": portable(self.cfg.to_dict()),
             "world_size": dist.world(),
             "attempt": self.attempt,
+            # What this checkpoint trained of each epoch (RUN_DIR/sample_ledger.json once it is
+            # committed).
+            "samples": p.ledger.record_file(p.global_step),
             **({"metrics": dict(self.metrics)} if self.metrics else {}),
         }
 
@@ -451,6 +455,7 @@ class Checkpointer:
         path = self.store.save(step, files, meta)
         seconds = time.perf_counter() - t0
         if path:
+            rundir.write_ledger(self.paths, meta["samples"])
             log.info(
                 "checkpoint step %d committed at %s %s(%.2f s)",
                 step,

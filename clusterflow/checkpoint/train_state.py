@@ -1,8 +1,14 @@
 """Where the run is, and what it has learned besides its weights.
 
-:class:`TrainState` holds every counter the loop advances, the current pseudo-labels and the
-mining history. It is registered with the checkpointer like the optimizer is (``state_dict`` /
-``load_state_dict``), so the list of what a checkpoint holds lives in one place.
+:class:`TrainState` holds every counter the loop advances, the current pseudo-labels, the mining
+history and the sample ledger. It is registered with the checkpointer like the optimizer is
+(``state_dict`` / ``load_state_dict``), so the list of what a checkpoint holds lives in one place.
+
+The position in an epoch is ``sample_in_epoch``: how many samples of the epoch's order the
+committed steps trained (``dist/sampler.py``), so a resume on another world size or batch size
+continues the same order. The :class:`SampleLedger` says which ranges of each epoch's order which
+attempt trained; being part of the checkpointed state, it describes the committed history only:
+what a killed attempt trained after its last checkpoint is not in it, and is trained again.
 """
 
 from __future__ import annotations
@@ -11,6 +17,56 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
+
+LEDGER_FORMAT = 1
+
+
+@dataclass
+class SampleLedger:
+    """Per epoch, the ranges of its order that the committed steps trained:
+    ``{"epoch": E, "samples": N, "ranges": [{"start", "end", "attempt", "world_size",
+    "batch_size"}, ...]}``; steps of one attempt at one world size and batch size that follow each
+    other make one range."""
+
+    epochs: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(
+        self, epoch: int, n: int, start: int, end: int, attempt: int, world: int, batch: int
+    ) -> None:
+        """Samples ``[start, end)`` of epoch ``epoch``'s order, trained by one step."""
+        if not self.epochs or self.epochs[-1]["epoch"] != epoch:
+            self.epochs.append({"epoch": epoch, "samples": n, "ranges": []})
+        ranges = self.epochs[-1]["ranges"]
+        last = ranges[-1] if ranges else None
+        if last and (last["end"], last["attempt"], last["world_size"], last["batch_size"]) == (
+            start,
+            attempt,
+            world,
+            batch,
+        ):
+            last["end"] = end
+            return
+        ranges.append(
+            {
+                "start": start,
+                "end": end,
+                "attempt": attempt,
+                "world_size": world,
+                "batch_size": batch,
+            }
+        )
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        return [{**e, "ranges": [dict(r) for r in e["ranges"]]} for e in self.epochs]
+
+    def load_state_dict(self, epochs: list[dict[str, Any]]) -> None:
+        self.epochs = [{**e, "ranges": [dict(r) for r in e["ranges"]]} for e in epochs]
+
+    def record_file(self, global_step: int) -> dict[str, Any]:
+        """What ``RUN_DIR/sample_ledger.json`` holds (docs/data.md): the ledger as of the
+        committed checkpoint of ``global_step``."""
+        return {"format": LEDGER_FORMAT, "global_step": global_step, "epochs": self.state_dict()}
 
 
 @dataclass
@@ -18,6 +74,13 @@ class TrainState:
     epoch: int = 0  # epochs finished
     step_in_epoch: int = 0  # optimizer steps done in the current epoch
     global_step: int = 0  # optimizer steps done in all
+    # Samples of the current epoch's order trained; None until set from an older checkpoint
+    # that counted steps only (the trainer derives it from step_in_epoch then).
+    sample_in_epoch: int | None = 0
+    # The current epoch's batch segments ([first sample, batch size], dist/sampler.EpochPlan);
+    # empty: one segment of train.batch_size.
+    plan: list[list[int]] = field(default_factory=list)
+    ledger: SampleLedger = field(default_factory=SampleLedger)
     labels: np.ndarray | None = None  # pseudo-labels of the last mining round, by sample index
     mining_history: list[dict[str, Any]] = field(default_factory=list)  # one stats entry per round
 
@@ -27,21 +90,25 @@ class TrainState:
         later."""
         return (self.epoch, self.step_in_epoch)
 
-    def step_done(self) -> None:
+    def step_done(self, samples: int = 0) -> None:
         self.step_in_epoch += 1
         self.global_step += 1
+        self.sample_in_epoch = (self.sample_in_epoch or 0) + samples
 
     def epoch_done(self) -> None:
         self.epoch += 1
         self.step_in_epoch = 0
+        self.sample_in_epoch = 0
+        self.plan = []
 
     def state_dict(self) -> dict[str, Any]:
-        import torch
-
         return {
             "epoch": self.epoch,
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
+            "sample_in_epoch": self.sample_in_epoch,
+            "plan": [list(s) for s in self.plan],
+            "ledger": self.ledger.state_dict(),
             "labels": torch.from_numpy(self.labels) if self.labels is not None else None,
             "mining_history": self.mining_history,
         }
@@ -52,5 +119,9 @@ class TrainState:
             sd["step_in_epoch"],
             sd["global_step"],
         )
+        # A checkpoint of an older version: no sample position, plan or ledger.
+        self.sample_in_epoch = sd.get("sample_in_epoch")
+        self.plan = [list(s) for s in sd.get("plan") or []]
+        self.ledger.load_state_dict(sd.get("ledger") or [])
         self.labels = sd["labels"].numpy() if sd["labels"] is not None else None
         self.mining_history = list(sd["mining_history"])

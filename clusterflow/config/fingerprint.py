@@ -127,6 +127,10 @@ KEYS: dict[str, tuple[str, str]] = {
         RESULT,
         "how gradients are reduced and the checkpoint format (sharded or one file)",
     ),
+    "train.allow_batch_size_change": (
+        RESOURCE,
+        "whether a resume may change train.batch_size; by itself it changes nothing",
+    ),
     "train.log_every_steps": (
         RESOURCE,
         "logging reduces metrics only; it touches no weight and no random stream",
@@ -323,6 +327,29 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[Change
         if va != vb and _DERIVED_FROM[key] not in named:
             result.append(Change(f"derived.{key}", va, vb, RESULT, _DERIVED_WHY[key]))
     return result, other
+
+
+# The one result key a resume may change when the launch asks for it: the order of samples goes
+# on from the sample reached (dist/sampler.py), in batches of the new size.
+BATCH_SIZE, ALLOW_BATCH_SIZE_CHANGE = "train.batch_size", "train.allow_batch_size_change"
+_REBATCH_WHY = (
+    "train.allow_batch_size_change: the same sample order goes on from the sample reached, in "
+    "batches of the new size"
+)
+
+
+def allowed_batch_size_change(
+    result: list[Change], new: Mapping[str, Any]
+) -> tuple[list[Change], list[Change]]:
+    """(``result`` without a change of ``train.batch_size``, that change as a numerics change)
+    when ``new`` sets ``train.allow_batch_size_change``; else (``result``, [])."""
+    if _get(new, "train", "allow_batch_size_change", False) is not True:
+        return result, []
+    kept = [c for c in result if c.key != BATCH_SIZE]
+    moved = [
+        Change(c.key, c.old, c.new, NUMERICS, _REBATCH_WHY) for c in result if c.key == BATCH_SIZE
+    ]
+    return kept, moved
 
 
 def summary(changes: list[Change], limit: int = 6) -> str:

@@ -205,9 +205,12 @@ def check_resume(
     returned as ``fingerprint.Change`` items for the caller to report. ``what`` names the saved
     side (a run dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue
     re-runs the sbatch script, which re-reads a YAML file the user may have edited since) runs on
-    the saved config with a note; any other result change is refused, naming the keys."""
+    the saved config with a note; any other result change is refused, naming the keys, except a
+    new ``train.batch_size`` where ``requested`` sets ``train.allow_batch_size_change``."""
 
     result, other = fingerprint.compare(saved, requested)
+    result, rebatched = fingerprint.allowed_batch_size_change(result, requested)
+    other += rebatched
     result = [
         c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME
     ]

@@ -391,6 +391,14 @@ class TrainConfig:
         "checkpoint (torch.distributed.checkpoint) and a run may resume on another world size "
         "(docs/sharded.md).",
     )
+    allow_batch_size_change: bool = doc(
+        False,
+        "Let this launch resume a run with another train.batch_size (refused otherwise: it "
+        "changes the result). The run continues the same sample order from the sample it "
+        "reached, in batches of the new size; the learning-rate schedule counts samples, so it "
+        "continues too (docs/data.md). Give both on the command line, e.g. "
+        "train.batch_size=256 train.allow_batch_size_change=true.",
+    )
 
     @property
     def profile_window(self) -> tuple[int, int, tuple[int, ...]] | None:

@@ -10,9 +10,10 @@ Who this process is comes from ``env.py``.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
@@ -283,6 +284,53 @@ def all_gather_tensors(t: Any) -> list[Any]:
     parts = [torch.empty_like(t) for _ in range(world())]
     tdist.all_gather(parts, t.contiguous())
     return parts
+
+
+# How many rows each rank holds in the micro-batch being trained (set by the trainer from the
+# sampler: ranks may hold one row more than others at no host sync); None outside training.
+_BATCH_ROWS: tuple[int, ...] | None = None
+
+
+@contextlib.contextmanager
+def batch_rows(rows: Sequence[int]) -> Iterator[None]:
+    """While a micro-batch trains: every rank's row count in it, for :func:`all_gather_rows`."""
+    global _BATCH_ROWS
+    before, _BATCH_ROWS = _BATCH_ROWS, tuple(rows)
+    try:
+        yield
+    finally:
+        _BATCH_ROWS = before
+
+
+def rows_of_ranks(t: Any) -> tuple[int, ...]:
+    """Every rank's number of rows of ``t`` (a tensor of k rows per sample of this rank's part of
+    the micro-batch in training, e.g. two views each), or ``t``'s rows on every rank outside
+    training."""
+    if _BATCH_ROWS is None:
+        return (t.shape[0],) * world()
+    mine = _BATCH_ROWS[rank()]
+    per, left = divmod(t.shape[0], mine) if mine else (0, 1)
+    if left or not per:
+        raise ValueError(
+            f"gathering a tensor of {t.shape[0]} rows from every rank, where this rank holds "
+            f"{mine} samples of the micro-batch: gather tensors of k rows per sample"
+        )
+    return tuple(r * per for r in _BATCH_ROWS)
+
+
+def all_gather_rows(t: Any) -> list[Any]:
+    """Every rank's rows of ``t`` (a tensor over this rank's samples of the micro-batch in
+    training, shape (rows, ...)), in rank order, where ranks may hold different numbers of rows:
+    they are padded to the largest count for the collective and trimmed on arrival."""
+    rows = rows_of_ranks(t)
+    if len(set(rows)) <= 1:
+        return all_gather_tensors(t)
+    import torch
+
+    most = max(rows)
+    pad = t.new_zeros((most - t.shape[0], *t.shape[1:]))
+    padded = torch.cat([t, pad]) if t.shape[0] < most else t
+    return [part[:r] for part, r in zip(all_gather_tensors(padded), rows)]
 
 
 def all_reduce_tensor(t: Any) -> Any:

@@ -1,10 +1,21 @@
 """Exact sharding of a dataset over ranks.
 
-Training: :class:`GlobalBatchSampler` shuffles all indices once per epoch from (seed, epoch), cuts
-the permutation into global batches (the incomplete tail is dropped so every rank runs the same
-number of steps), and gives each rank a contiguous slice of every global batch. The global batch
-is therefore the same whatever the world size, and a resume at batch ``b`` of an epoch sees
-exactly the batches the uninterrupted run would have seen.
+Training: an epoch is one order of all ``n`` indices, a deterministic function of (seed, epoch)
+(:func:`epoch_permutation`, or the train dataset's own ``epoch_order(seed, epoch)``, e.g. one
+that keeps shards together). :class:`EpochPlan` cuts that order into ``n // batch_size`` global
+batches without dropping or repeating a sample: each of ``batch_size`` samples, but the epoch's
+last, which also takes the ``n % batch_size`` left over. A step's batch is split into
+``grad_accum`` micro-batches and each micro-batch into ``world`` contiguous slices of sizes that
+differ by at most one: with ``batch_size`` a multiple of world x grad_accum and no batch smaller
+than ``batch_size``, every rank gets at least one sample of every micro-batch, so every rank runs
+the same forwards, backwards and collectives, whatever ``n`` is. Only the epoch's last step can
+have uneven slices.
+
+The position in an epoch is a count of samples of that order consumed, not a per-rank step: the
+global batches do not depend on the world size, so a resume on any world size continues the same
+order, and a resume on the same world size sees exactly the batches of the uninterrupted run. A
+resume with another ``train.batch_size`` (``train.allow_batch_size_change``) starts a new segment
+of the plan at the position reached; the batches before it are the ones trained.
 
 Mining: :func:`shard_range` gives each rank a contiguous, exact block of indices, with no padding
 by repetition (DistributedSampler pads with repeats and strides its slices).
@@ -17,7 +28,8 @@ the item before fetching it.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import Dataset, Sampler
@@ -32,9 +44,15 @@ def shard_range(n: int, rank: int, world: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
+def split(total: int, parts: int) -> list[int]:
+    """The sizes of ``parts`` contiguous pieces of ``total``, differing by at most one (the first
+    ones larger)."""
+    return [len(shard_range(total, i, parts)) for i in range(parts)]
+
+
 def check_fits(n: int, batch_size: int, per_step: int, target: str) -> None:
-    """An epoch needs at least one global batch (``train.batch_size`` samples; the incomplete tail
-    is dropped); ``per_step`` (world size x grad_accum) must divide the batch."""
+    """An epoch needs at least one global batch (``train.batch_size`` samples); ``per_step``
+    (world size x grad_accum) must divide the batch."""
     # The config checks cluster.*; torchrun may start another number of processes.
     if batch_size % per_step:
         raise UserError(
@@ -66,42 +84,131 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
+def epoch_order(dataset: Any, seed: int, epoch: int) -> Any:
+    """The epoch's order of every index of ``dataset`` (a tensor, array or list): its
+    ``epoch_order(seed, epoch)`` when it has one (a permutation of ``range(len(dataset))``), else
+    :func:`epoch_permutation`."""
+    own = getattr(dataset, "epoch_order", None)
+    return own(seed, epoch) if own is not None else epoch_permutation(len(dataset), seed, epoch)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """The global batches of one epoch of ``n`` samples: ``segments`` of (first sample, batch
+    size); each segment cuts ``[first, n)`` into ``(n - first) // batch size`` batches (at least
+    one) of that size, the last of them taking what is left over, and ends where the next segment
+    starts (a batch boundary of its own: a resume with another batch size starts one there)."""
+
+    n: int
+    segments: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, n: int, batch_size: int, segments: Sequence[Sequence[int]] = ()) -> EpochPlan:
+        """The plan saved as ``segments`` (a checkpoint's), or one segment of ``batch_size``."""
+        return cls(n, tuple((int(a), int(b)) for a, b in segments) or ((0, batch_size),))
+
+    def _segment(self, i: int) -> list[int]:
+        start, batch = self.segments[i]
+        end = self.segments[i + 1][0] if i + 1 < len(self.segments) else self.n
+        # Batches of ``batch`` samples from ``start``; the epoch's last takes what is left over.
+        count = max(1, (self.n - start) // batch)
+        bounds = [start + k * batch for k in range(count)] + [self.n]
+        if end not in bounds:
+            raise ValueError(f"segment {self.segments[i + 1]} does not start at a batch boundary")
+        return bounds[: bounds.index(end) + 1]
+
+    def boundaries(self) -> list[int]:
+        """Where each global batch starts, and ``n``."""
+        out = [0]
+        for i in range(len(self.segments)):
+            out += self._segment(i)[1:]
+        return out
+
+    def steps(self) -> int:
+        return len(self.boundaries()) - 1
+
+    def batches_from(self, position: int) -> list[tuple[int, int]]:
+        """(first sample, size) of each global batch from ``position`` (a batch boundary) on."""
+        bounds = self.boundaries()
+        if position not in bounds:
+            raise ValueError(f"sample {position} is not where a batch of this epoch starts")
+        i = bounds.index(position)
+        return [(a, b - a) for a, b in zip(bounds[i:-1], bounds[i + 1 :])]
+
+    def with_batch(self, position: int, batch_size: int) -> EpochPlan:
+        """The plan from ``position`` on with another batch size: a new segment there, unless
+        fewer than ``batch_size`` samples remain (the epoch ends with the batches planned)."""
+        if batch_size == self.segments[-1][1] or self.n - position < batch_size:
+            return self
+        self.batches_from(position)  # a batch boundary, or ValueError
+        kept = tuple(s for s in self.segments if s[0] < position)
+        return EpochPlan(self.n, (*kept, (position, batch_size)))
+
+    def as_list(self) -> list[list[int]]:
+        return [list(s) for s in self.segments]
+
+
+def share(count: int, world: int, grad_accum: int, step_samples: int) -> float:
+    """The weight of a micro-batch of ``count`` samples in a step of ``step_samples``: its loss
+    (a mean over its samples) times this, averaged over ranks (DDP, FSDP) and summed over
+    micro-batches divided by ``grad_accum``, gives the mean over the step's samples. 1.0 when the
+    step splits evenly."""
+    return count * world * grad_accum / step_samples
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields this rank's part of each global micro-batch."""
+    """Yields this rank's slice of each global micro-batch, from the epoch's position on."""
 
-    def __init__(self, n: int, global_batch: int, rank: int, world: int, seed: int) -> None:
-        if global_batch % world:
-            raise ValueError(f"global batch {global_batch} not divisible by world size {world}")
-        if n < global_batch:
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        rank: int,
+        world: int,
+        seed: int,
+        grad_accum: int = 1,
+        order: Callable[[int, int], Any] | None = None,
+    ) -> None:
+        if batch_size % (world * grad_accum):
             raise ValueError(
-                f"dataset of {n} samples is smaller than one global batch of {global_batch}"
+                f"batch {batch_size} not divisible by world size x grad_accum "
+                f"{world} x {grad_accum}"
             )
-        self.n, self.global_batch, self.rank, self.world, self.seed = (
-            n,
-            global_batch,
-            rank,
-            world,
-            seed,
-        )
-        self.local = global_batch // world
+        if n < batch_size:
+            raise ValueError(f"dataset of {n} samples is smaller than one batch of {batch_size}")
+        self.n, self.rank, self.world, self.seed, self.grad_accum = n, rank, world, seed, grad_accum
+        self.order = order or (lambda seed, epoch: epoch_permutation(n, seed, epoch))
+        self.plan = EpochPlan.of(n, batch_size)
         self.epoch = 0
-        self.start = 0
+        self.position = 0
 
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.epoch, self.start = epoch, start_batch
-
-    def batches_per_epoch(self) -> int:
-        return self.n // self.global_batch
+    def set_epoch(self, epoch: int, position: int = 0, plan: EpochPlan | None = None) -> None:
+        """Iterate ``epoch`` from sample ``position`` of its order (a batch boundary of
+        ``plan``)."""
+        self.epoch, self.position = epoch, position
+        if plan is not None:
+            self.plan = plan
+        self.plan.batches_from(position)  # ValueError now, not in a DataLoader worker
+        smallest = min((size for _, size in self.plan.batches_from(0)), default=0)
+        if smallest < self.world * self.grad_accum:
+            raise UserError(
+                f"epoch {epoch} has a global batch of {smallest} samples, fewer than world size "
+                f"x grad_accum = {self.world} x {self.grad_accum}: some rank would have no "
+                "sample; resume with fewer processes, or with the train.batch_size it started with"
+            )
 
     def __len__(self) -> int:
-        return self.batches_per_epoch() - self.start
+        return len(self.plan.batches_from(self.position)) * self.grad_accum
 
     def __iter__(self) -> Iterator[list[int]]:
         # Once per epoch, not once per batch.
-        perm = epoch_permutation(self.n, self.seed, self.epoch).tolist()
-        for b in range(self.start, self.batches_per_epoch()):
-            lo = b * self.global_batch + self.rank * self.local
-            yield perm[lo : lo + self.local]
+        order = self.order(self.seed, self.epoch)
+        order = order.tolist() if hasattr(order, "tolist") else list(order)
+        for start, size in self.plan.batches_from(self.position):
+            for micro in split(size, self.grad_accum):
+                part = shard_range(micro, self.rank, self.world)
+                yield order[start + part.start : start + part.stop]
+                start += micro
 
 
 class WithEpoch(Sampler[list[tuple[int, int]]]):
@@ -129,9 +236,22 @@ class EpochItems(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, key: tuple[int, int]) -> Any:
-        epoch, index = key
+    def _at(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.task.set_epoch(epoch)
             self.epoch = epoch
+
+    def __getitem__(self, key: tuple[int, int]) -> Any:
+        epoch, index = key
+        self._at(epoch)
         return self.dataset[index]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list[Any]:
+        """A whole batch (one epoch), through the dataset's own ``__getitems__`` when it has one
+        (a dataset that reads a batch at once, e.g. sorted by where its samples lie)."""
+        if not keys:
+            return []
+        self._at(keys[0][0])
+        batch = getattr(self.dataset, "__getitems__", None)
+        indices = [index for _, index in keys]
+        return batch(indices) if batch is not None else [self.dataset[i] for i in indices]

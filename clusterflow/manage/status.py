@@ -184,6 +184,42 @@ def _curve_summary(m: dict[str, Any]) -> str:
     return out
 
 
+def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
+    """The sample ledger (sample_ledger.json: which ranges of each epoch's order which attempt
+    trained, as of the checkpoint the run continues from), or None before the first start."""
+    ledger, said = records.read_checked(paths.sample_ledger, records.LEDGER)
+    notes += said
+    return ledger
+
+
+def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
+    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them."""
+    if not ledger or not ledger["epochs"]:
+        return []
+    epochs = ledger["epochs"]
+    lines = []
+
+    def trained(e: dict[str, Any]) -> int:
+        return sum(r["end"] - r["start"] for r in e["ranges"])
+
+    earlier = epochs[:-shown]
+    if earlier:
+        full = sum(trained(e) == e["samples"] for e in earlier)
+        lines.append(
+            f"samples      epochs 1-{len(earlier)}: {full} of {len(earlier)} trained in full "
+            "(--json lists every range)"
+        )
+    for e in epochs[-shown:]:
+        ranges = ", ".join(
+            f"[{r['start']}, {r['end']}) attempt {r['attempt']} on {r['world_size']} rank(s)"
+            for r in e["ranges"]
+        )
+        lines.append(
+            f"samples      epoch {e['epoch'] + 1}: {trained(e)} of {e['samples']} trained: {ranges}"
+        )
+    return lines
+
+
 def collect(run_dir: str) -> dict[str, Any]:
     paths = rundir.RunPaths(run_dir)
     if not os.path.isdir(run_dir):
@@ -248,6 +284,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "damaged_records": notes,
         "checkpoint_error": st.get("checkpoint_error"),
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
+        "samples": _samples(paths, notes),
         "eval": st.get("eval", {}),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, last.get("started_at") or 0, notes),
@@ -275,6 +312,7 @@ def render(s: dict[str, Any]) -> str:
             f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "
             "failure: stops.jsonl says which rank and why)"
         )
+    lines += _ledger_lines(s["samples"])
     if s["latest_checkpoint"]:
         age = (
             f" ({s['latest_checkpoint_age_s']:.0f} s old)"

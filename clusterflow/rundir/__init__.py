@@ -29,6 +29,7 @@ from clusterflow.rundir.records import (
     record_attempt,
     record_stop,
     write_error,
+    write_ledger,
     write_status,
 )
 
@@ -47,5 +48,6 @@ __all__ = [
     "record_attempt",
     "record_stop",
     "write_error",
+    "write_ledger",
     "write_status",
 ]

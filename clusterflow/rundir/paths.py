@@ -34,6 +34,9 @@ Inside ``RUN_DIR``:
                                   stall (see ``observe/watchdog.py``)
     code/<version>/               the task's code frozen at submission; code/current.json names
                                   the one the next attempt imports (see frozen_code.py)
+    sample_ledger.json            per epoch, which ranges of its sample order which attempt
+                                  trained, as of the newest committed checkpoint (rewritten by
+                                  rank 0 after each commit and at each start; docs/data.md)
     mining/epoch-<E>/             a mining round's embeddings and k-NN blocks until its labels
                                   are committed (see ``mining/rounds.py``)
     model.pt                      the final weights (plain state_dict), written when the run
@@ -125,6 +128,10 @@ class RunPaths:
     @property
     def status(self) -> str:
         return self._p("status.json")
+
+    @property
+    def sample_ledger(self) -> str:
+        return self._p("sample_ledger.json")
 
     @property
     def errors(self) -> str:

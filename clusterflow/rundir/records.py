@@ -140,6 +140,33 @@ STATUS = Schema(
         "mining": Check("a list of mining rounds", _list_of(MINING_ROUND.fits)),
     }
 )
+
+
+def _ledger_range(v: Any) -> bool:
+    return (
+        isinstance(v, dict)
+        and all(_is_int(v.get(k)) for k in ("start", "end", "attempt", "world_size", "batch_size"))
+        and 0 <= v["start"] <= v["end"]
+    )
+
+
+LEDGER_EPOCH = Schema(
+    {
+        "epoch": INT,
+        "samples": INT,
+        "ranges": Check("a list of ranges", _list_of(_ledger_range)),
+    },
+    required=("epoch", "samples", "ranges"),
+)
+# RUN_DIR/sample_ledger.json (checkpoint/train_state.py's SampleLedger.record_file).
+LEDGER = Schema(
+    {
+        "format": INT,
+        "global_step": INT,
+        "epochs": Check("a list of epochs", _list_of(LEDGER_EPOCH.fits)),
+    },
+    required=("epochs",),
+)
 ATTEMPT = Schema(
     {
         "attempt": INT,
@@ -422,6 +449,12 @@ def write_status(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
         durable.write_atomic(
             paths.status, json.dumps(current, indent=1, sort_keys=True), fsync=fsync
         )
+
+
+def write_ledger(paths: RunPaths, record: dict[str, Any]) -> None:
+    """RUN_DIR/sample_ledger.json: the sample ledger of the committed checkpoint the run continues
+    from (rank 0, after each commit and at each start)."""
+    durable.write_atomic(paths.sample_ledger, json.dumps(record, separators=(",", ":")))
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:

@@ -16,10 +16,16 @@ pixels. Training is the demo's: before the first mining round every image is its
 ``python -m clusterflow.tasks.digits DIR`` writes real data to try it on (scikit-learn's UCI
 digits, no download); ``make_digits: true`` makes the task write them itself when ``root`` is
 missing or empty.
+
+``task.target: clusterflow.tasks.images:ImageShardsTask`` trains the same way on the same images
+packed into WebDataset-style tar shards (``python -m clusterflow.tasks.shards SRC_FOLDER OUT``,
+``shard_format.py``): ``task.params.root`` is the shard folder, on any fsspec URL, and each item
+is read by the shard index (docs/data.md).
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import time
@@ -32,7 +38,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import Task, check_stop
+from clusterflow.tasks import Task, check_stop, shard_format
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
 from clusterflow.tasks.digits import write_digits
@@ -192,12 +198,13 @@ def scan(
     return paths, np.asarray(labels, dtype=np.int64), list(classes)
 
 
-def decode(path: str, channels: int) -> torch.Tensor:
-    """(channels, H, W) float32 in [0, 1], EXIF orientation applied; 16-bit grey keeps its range."""
+def decode(path: str, channels: int, data: bytes | None = None) -> torch.Tensor:
+    """(channels, H, W) float32 in [0, 1], EXIF orientation applied; 16-bit grey keeps its range.
+    ``data``: the file's bytes, already read (``path`` then only names it)."""
     from PIL import Image, ImageOps
 
     try:
-        with Image.open(path) as img:
+        with Image.open(path if data is None else io.BytesIO(data)) as img:
             img = ImageOps.exif_transpose(img)
             if img.mode in ("I", "F") or img.mode.startswith("I;16"):
                 a = np.asarray(img, dtype=np.float32) / (1.0 if img.mode == "F" else 65535.0)
@@ -208,9 +215,14 @@ def decode(path: str, channels: int) -> torch.Tensor:
                     / 255.0
                 )
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        fix = (
+            "remove or replace the file (every file with an image extension under "
+            "task.params.root is used)"
+            if data is None
+            else "replace its source image and write the shards again"
+        )
         raise UnreadableImage(
-            f"cannot decode image {path} ({type(exc).__name__}: {exc}); remove or replace the file "
-            f"(every file with an image extension under task.params.root is used)"
+            f"cannot decode image {path} ({type(exc).__name__}: {exc}); {fix}"
         ) from None
     x = torch.from_numpy(np.ascontiguousarray(a))
     x = x[None] if x.ndim == 2 else x.permute(2, 0, 1)
@@ -231,9 +243,42 @@ def fit_square(x: torch.Tensor, size: int) -> torch.Tensor:
     )[0]
 
 
-class ImageFiles(Dataset):
+class ImageItems(Dataset):
     """Items: ``{"x1", "x2", "index"}`` (two augmented views) or, with ``augment=None``,
-    ``{"x", "index"}`` (the plain resized image, for mining)."""
+    ``{"x", "index"}`` (the plain resized image, for mining); ``load(index)`` says where the
+    image comes from."""
+
+    def __init__(self, image_size: int, channels: int, augment: Augment | None, seed: int) -> None:
+        self.image_size, self.channels, self.augment, self.seed = (
+            image_size,
+            channels,
+            augment,
+            seed,
+        )
+        self.epoch = 0
+
+    def load(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def view(self, img: torch.Tensor, index: int, view: int) -> torch.Tensor:
+        assert self.augment is not None
+        return self.augment(img, view_generator(self.seed, self.epoch, index, view))
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.item(self.load(index), index)
+
+    def item(self, img: torch.Tensor, index: int) -> dict[str, Any]:
+        if self.augment is None:
+            return {"x": (img - 0.5) / 0.5, "index": index}
+        return {
+            "x1": (self.view(img, index, 0) - 0.5) / 0.5,
+            "x2": (self.view(img, index, 1) - 0.5) / 0.5,
+            "index": index,
+        }
+
+
+class ImageFiles(ImageItems):
+    """One file per image under ``root``."""
 
     def __init__(
         self,
@@ -244,17 +289,11 @@ class ImageFiles(Dataset):
         augment: Augment | None,
         seed: int,
     ) -> None:
+        super().__init__(image_size, channels, augment, seed)
         # One bytes array, not a list of str: forked DataLoader workers would touch every
         # object's refcount and copy the whole list into each worker (pytorch issue 13246).
         self.files = np.array([os.fsencode(f) for f in files])
-        self.root, self.image_size, self.channels, self.augment, self.seed = (
-            root,
-            image_size,
-            channels,
-            augment,
-            seed,
-        )
-        self.epoch = 0
+        self.root = root
 
     def __len__(self) -> int:
         return len(self.files)
@@ -265,24 +304,49 @@ class ImageFiles(Dataset):
     def load(self, index: int) -> torch.Tensor:
         return fit_square(decode(self.path(index), self.channels), self.image_size)
 
-    def view(self, img: torch.Tensor, index: int, view: int) -> torch.Tensor:
-        assert self.augment is not None
-        return self.augment(img, view_generator(self.seed, self.epoch, index, view))
 
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        img = self.load(index)
-        if self.augment is None:
-            return {"x": (img - 0.5) / 0.5, "index": index}
-        return {
-            "x1": (self.view(img, index, 0) - 0.5) / 0.5,
-            "x2": (self.view(img, index, 1) - 0.5) / 0.5,
-            "index": index,
-        }
+class ShardImages(ImageItems):
+    """The images of a shard folder, read by its index (``shard_format.py``): a batch is read at
+    once (``__getitems__``, sorted by where its samples lie), and the epoch's order keeps shards
+    together (``epoch_order``)."""
+
+    def __init__(
+        self,
+        index: shard_format.ShardIndex,
+        image_size: int,
+        channels: int,
+        augment: Augment | None,
+        seed: int,
+        mix: int,
+    ) -> None:
+        super().__init__(image_size, channels, augment, seed)
+        self.index, self.mix = index, mix
+        self.reader = shard_format.ShardReader(index)
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def _name(self, index: int) -> str:
+        shard = int(self.index.shard_of(np.array([index]))[0])
+        return f"{self.index.url(shard)}:{shard_format.key_of(index)}"
+
+    def _decoded(self, index: int, data: bytes) -> torch.Tensor:
+        return fit_square(decode(self._name(index), self.channels, data), self.image_size)
+
+    def load(self, index: int) -> torch.Tensor:
+        return self._decoded(index, self.reader.read([index])[0])
+
+    def __getitems__(self, indices: list[int]) -> list[dict[str, Any]]:
+        datas = self.reader.read(indices)
+        return [self.item(self._decoded(i, d), i) for i, d in zip(indices, datas)]
+
+    def epoch_order(self, seed: int, epoch: int) -> np.ndarray:
+        return shard_format.epoch_order(self.index, seed, epoch, self.mix)
 
 
-def _check(ok: bool, name: str, value: Any, want: str) -> None:
+def _check(ok: bool, name: str, value: Any, want: str, task: str = "ImageFolderTask") -> None:
     if not ok:
-        raise UserError(f"task.params.{name} = {value!r} is invalid for ImageFolderTask: {want}")
+        raise UserError(f"task.params.{name} = {value!r} is invalid for {task}: {want}")
 
 
 def _is_int(v: Any) -> bool:
@@ -316,54 +380,20 @@ class ImageFolderTask(Task):
         make_digits: bool = False,
         scan_limit_s: float = 600.0,
     ) -> None:
-        self.seed = seed
-        _check(
-            isinstance(root, str) and root != "",
-            "root",
+        self._configure(
+            seed,
             root,
             "set it to a folder of images, e.g. task.params.root=data/digits",
-        )
-        _check(
-            _is_int(image_size) and 8 <= image_size <= 1024,
-            "image_size",
             image_size,
-            "an integer from 8 to 1024 (pixels per side)",
-        )
-        _check(
-            channels in (1, 3) and _is_int(channels), "channels", channels, "1 (grey) or 3 (RGB)"
-        )
-        _check(backbone in BACKBONES, "backbone", backbone, f"one of {', '.join(BACKBONES)}")
-        _check(
-            _is_int(width) and (width == 0 or width >= 4),
-            "width",
+            channels,
+            backbone,
             width,
-            "an integer >= 4, or 0 for the backbone's default (small 32, resnet18 64)",
-        )
-        _check(_is_int(embed_dim) and embed_dim >= 2, "embed_dim", embed_dim, "an integer >= 2")
-        _check(
-            _is_num(temperature) and temperature > 0,
-            "temperature",
+            embed_dim,
             temperature,
-            "a number > 0, e.g. 0.1",
-        )
-        _check(
-            _is_num(crop_scale) and 0 < crop_scale <= 1,
-            "crop_scale",
             crop_scale,
-            "the smallest crop's area fraction, in (0, 1]",
-        )
-        _check(isinstance(flip, bool), "flip", flip, "true or false (false for digits and text)")
-        _check(
-            _is_num(rotate_deg) and 0 <= rotate_deg <= 180,
-            "rotate_deg",
+            flip,
             rotate_deg,
-            "degrees from 0 to 180",
-        )
-        _check(
-            _is_num(jitter) and 0 <= jitter < 1,
-            "jitter",
             jitter,
-            "a brightness/contrast range in [0, 1)",
         )
         _check(
             _is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all"
@@ -390,7 +420,94 @@ class ImageFolderTask(Task):
             # class.
             keep = np.linspace(0, len(files) - 1, limit).round().astype(np.int64)
             files, labels = [files[i] for i in keep], labels[keep] if labels is not None else None
-        self.root, self.files, self.labels, self.classes = root, files, labels, classes
+        self.files, self.labels, self.classes = files, labels, classes
+        self.num_samples = len(files)
+        log.info(
+            "ImageFolderTask: %d images under %s, %s",
+            len(files),
+            root,
+            f"{len(classes)} class folders (ground truth for mining quality)"
+            if classes
+            else "flat folder (no ground truth)",
+        )
+
+    def _configure(
+        self,
+        seed: int,
+        root: str,
+        what_root: str,
+        image_size: int,
+        channels: int,
+        backbone: str,
+        width: int,
+        embed_dim: int,
+        temperature: float,
+        crop_scale: float,
+        flip: bool,
+        rotate_deg: float,
+        jitter: float,
+    ) -> None:
+        """Check and keep the parameters that do not depend on where the images are."""
+        task = type(self).__name__
+        self.seed = seed
+        _check(isinstance(root, str) and root != "", "root", root, what_root, task)
+        _check(
+            _is_int(image_size) and 8 <= image_size <= 1024,
+            "image_size",
+            image_size,
+            "an integer from 8 to 1024 (pixels per side)",
+            task=task,
+        )
+        _check(
+            channels in (1, 3) and _is_int(channels),
+            "channels",
+            channels,
+            "1 (grey) or 3 (RGB)",
+            task=task,
+        )
+        _check(backbone in BACKBONES, "backbone", backbone, f"one of {', '.join(BACKBONES)}", task)
+        _check(
+            _is_int(width) and (width == 0 or width >= 4),
+            "width",
+            width,
+            "an integer >= 4, or 0 for the backbone's default (small 32, resnet18 64)",
+            task=task,
+        )
+        _check(
+            _is_int(embed_dim) and embed_dim >= 2, "embed_dim", embed_dim, "an integer >= 2", task
+        )
+        _check(
+            _is_num(temperature) and temperature > 0,
+            "temperature",
+            temperature,
+            "a number > 0, e.g. 0.1",
+            task=task,
+        )
+        _check(
+            _is_num(crop_scale) and 0 < crop_scale <= 1,
+            "crop_scale",
+            crop_scale,
+            "the smallest crop's area fraction, in (0, 1]",
+            task=task,
+        )
+        _check(
+            isinstance(flip, bool), "flip", flip, "true or false (false for digits and text)", task
+        )
+        _check(
+            _is_num(rotate_deg) and 0 <= rotate_deg <= 180,
+            "rotate_deg",
+            rotate_deg,
+            "degrees from 0 to 180",
+            task=task,
+        )
+        _check(
+            _is_num(jitter) and 0 <= jitter < 1,
+            "jitter",
+            jitter,
+            "a brightness/contrast range in [0, 1)",
+            task=task,
+        )
+        self.root = root
         self.image_size, self.channels, self.temperature = image_size, channels, temperature
         self.backbone, self.width, self.embed_dim = (
             backbone,
@@ -403,16 +520,8 @@ class ImageFolderTask(Task):
             rotate_deg=float(rotate_deg),
             jitter=float(jitter),
         )
-        self._train: ImageFiles | None = None
-        self._embed: ImageFiles | None = None
-        log.info(
-            "ImageFolderTask: %d images under %s, %s",
-            len(files),
-            root,
-            f"{len(classes)} class folders (ground truth for mining quality)"
-            if classes
-            else "flat folder (no ground truth)",
-        )
+        self._train: ImageItems | None = None
+        self._embed: ImageItems | None = None
 
     def build_model(self) -> nn.Module:
         return Encoder(self.backbone, self.channels, self.image_size, self.width, self.embed_dim)
@@ -442,7 +551,7 @@ class ImageFolderTask(Task):
             ids = index  # before any mining round: each image is its own identity
         else:
             # -1 (ignored singleton): its own views only.
-            ids = torch.where(labels >= 0, labels, len(self.files) + index)
+            ids = torch.where(labels >= 0, labels, self.num_samples + index)
         z = model(torch.cat([batch["x1"], batch["x2"]]))
         return supcon_loss(z.float(), torch.cat([ids, ids]), self.temperature)
 
@@ -451,3 +560,94 @@ class ImageFolderTask(Task):
 
     def ground_truth(self) -> np.ndarray | None:
         return self.labels
+
+
+class ImageShardsTask(ImageFolderTask):
+    """ImageFolderTask's training on images packed into tar shards (``python -m
+    clusterflow.tasks.shards SRC_FOLDER OUT``). Parameters (``task.params``): root (the shard
+    folder: a path or any fsspec URL), image_size, channels, backbone, width, embed_dim,
+    temperature, crop_scale, flip, rotate_deg, jitter (as ImageFolderTask's; limit, make_digits and
+    scan_limit_s are taken at their defaults only), and mix_shards: how many shards each part of
+    an epoch's order mixes (docs/data.md)."""
+
+    def __init__(
+        self,
+        seed: int = 0,
+        root: str = "",
+        image_size: int = 32,
+        channels: int = 3,
+        backbone: str = "small",
+        width: int = 0,
+        embed_dim: int = 64,
+        temperature: float = 0.1,
+        crop_scale: float = 0.5,
+        flip: bool = True,
+        rotate_deg: float = 10.0,
+        jitter: float = 0.3,
+        limit: int = 0,
+        make_digits: bool = False,
+        scan_limit_s: float = 600.0,
+        mix_shards: int = 4,
+    ) -> None:
+        self._configure(
+            seed,
+            root,
+            "set it to a folder of shards written by python -m clusterflow.tasks.shards",
+            image_size,
+            channels,
+            backbone,
+            width,
+            embed_dim,
+            temperature,
+            crop_scale,
+            flip,
+            rotate_deg,
+            jitter,
+        )
+        _check(
+            _is_int(mix_shards) and mix_shards >= 1,
+            "mix_shards",
+            mix_shards,
+            "the number of shards an epoch's order mixes at a time, >= 1",
+            "ImageShardsTask",
+        )
+        # ImageFolderTask's folder parameters, so that one config serves both tasks; a shard
+        # folder is packed beforehand and not scanned (scan_limit_s has nothing to limit).
+        _check(
+            limit == 0, "limit", limit, "0: pack the images to use into shards", "ImageShardsTask"
+        )
+        _check(
+            make_digits is False,
+            "make_digits",
+            make_digits,
+            "false: write the digits (python -m clusterflow.tasks.digits DIR), then pack them "
+            "(python -m clusterflow.tasks.shards DIR OUT)",
+            "ImageShardsTask",
+        )
+        self.mix_shards = mix_shards
+        self.index = shard_format.ShardIndex.load(root)
+        self.labels, self.classes = self.index.label, self.index.classes
+        self.num_samples = len(self.index)
+        log.info(
+            "ImageShardsTask: %d images in %d shards under %s, %s",
+            self.num_samples,
+            len(self.index.shards),
+            root,
+            f"{len(self.classes)} classes (ground truth for mining quality)"
+            if self.classes
+            else "no classes (no ground truth)",
+        )
+
+    def train_dataset(self) -> ShardImages:
+        if self._train is None:
+            self._train = ShardImages(
+                self.index, self.image_size, self.channels, self.augment, self.seed, self.mix_shards
+            )
+        return self._train
+
+    def embed_dataset(self) -> ShardImages:
+        if self._embed is None:
+            self._embed = ShardImages(
+                self.index, self.image_size, self.channels, None, self.seed, self.mix_shards
+            )
+        return self._embed

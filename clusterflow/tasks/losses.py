@@ -9,24 +9,27 @@ from clusterflow import dist
 
 class _GatherWithGrad(torch.autograd.Function):
     """all_gather whose backward hands each rank the gradient of its own rows, summed over
-    ranks. Implemented with all_reduce so it works on gloo (no reduce_scatter there)."""
+    ranks. Implemented with all_reduce so it works on gloo (no reduce_scatter there). Ranks may
+    hold different numbers of rows (``dist.all_gather_rows``)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.rank, ctx.n = dist.rank(), x.shape[0]
-        return torch.cat(dist.all_gather_tensors(x))
+        rows = dist.rows_of_ranks(x)
+        ctx.start = sum(rows[: dist.rank()])
+        ctx.n = x.shape[0]
+        return torch.cat(dist.all_gather_rows(x))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         grad = dist.all_reduce_tensor(grad.contiguous())
-        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
+        return grad[ctx.start : ctx.start + ctx.n]
 
 
 def gather_with_grad(x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Rows of every rank (equal counts), and where this rank's rows start."""
+    """Rows of every rank, and where this rank's rows start."""
     if dist.world() == 1:
         return x, 0
-    return _GatherWithGrad.apply(x), dist.rank() * x.shape[0]
+    return _GatherWithGrad.apply(x), sum(dist.rows_of_ranks(x)[: dist.rank()])
 
 
 def supcon_loss(
@@ -43,7 +46,7 @@ def supcon_loss(
     """
     zg, offset = gather_with_grad(z)
     # Ids travel as integers: they need no gradient, and a float32 cannot tell apart ids past 2**24.
-    lg = torch.cat(dist.all_gather_tensors(labels.long()))
+    lg = torch.cat(dist.all_gather_rows(labels.long()))
     n = z.shape[0]
     sim = z @ zg.T / temperature  # (n, N)
     self_mask = torch.zeros_like(sim, dtype=torch.bool)

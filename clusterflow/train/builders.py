@@ -69,16 +69,22 @@ def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=t.weight_decay)
 
 
-def lr_schedule(t: Any, total_steps: int) -> Callable[[int], float]:
-    """Warm-up, then constant or cosine to zero at ``total_steps``: the multiplier of step
-    ``step``."""
+def lr_schedule(t: Any, total_samples: int, trained: Callable[[], int]) -> Callable[[int], float]:
+    """Warm-up over ``train.warmup_steps`` steps, then constant or cosine to zero at the end of
+    the run: the multiplier of step ``step``. The cosine's progress counts samples
+    (``trained()`` of ``total_samples``), so a resume with another ``train.batch_size`` continues
+    the same curve; with a batch size that divides the dataset it is the step count's progress,
+    exactly."""
 
     def multiplier(step: int) -> float:
         if t.warmup_steps and step < t.warmup_steps:
             return (step + 1) / t.warmup_steps
         if t.schedule == "constant":
             return 1.0
-        progress = (step - t.warmup_steps) / max(1, total_steps - t.warmup_steps)
+        warm = t.warmup_steps * t.batch_size
+        # Integers divided once: the correctly rounded quotient of the same ratio as
+        # (step - warmup) / (total_steps - warmup).
+        progress = (trained() - warm) / max(1, total_samples - warm)
         return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return multiplier

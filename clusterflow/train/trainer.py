@@ -2,8 +2,14 @@
 rendezvous and exit.
 
 A fresh start and a resume go through the same code: the checkpointer restores the newest
-committed checkpoint, if any, and the loop continues from its (epoch, step within epoch). State
+committed checkpoint, if any, and the loop continues from its epoch and the number of samples of
+that epoch's order it trained (``dist/sampler.py``: the same order on any world size). State
 lives in the checkpoint only, so a requeued job needs nothing else.
+
+No sample is dropped or repeated: the epoch's last batch also takes the samples left over when
+the batch size does not divide the dataset, ranks may then hold one sample more than others, and
+each micro-batch's loss is weighted by its share of the step's samples, so that the averaged
+gradient is the mean over every sample of the step whichever rank held it (docs/data.md).
 
 Order of an epoch: steps (after each, the ranks agree on whether to stop, and the checkpointer
 saves when due) -> evaluation -> mining (when due) -> the end-of-epoch checkpoint, which holds the
@@ -29,7 +35,16 @@ from clusterflow.checkpoint import checkpointer
 from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
-from clusterflow.dist.sampler import EpochItems, GlobalBatchSampler, WithEpoch, check_fits
+from clusterflow.dist.sampler import (
+    EpochItems,
+    EpochPlan,
+    GlobalBatchSampler,
+    WithEpoch,
+    check_fits,
+    epoch_order,
+    share,
+    split,
+)
 from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
 from clusterflow.observe import mining_wait_timeout_s, phases
@@ -70,13 +85,17 @@ class Trainer:
         t = cfg.train
         self.opt = builders.build_optimizer(t, self.module, self.world)
         self.ema = EMA(self.module, t.ema_decay) if t.ema_decay else None
+        self.state = TrainState()
         self._build_data()
+        n = len(self.dataset)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, builders.lr_schedule(t, self.steps_per_epoch * t.epochs)
+            self.opt,
+            builders.lr_schedule(
+                t, n * t.epochs, lambda: self.state.epoch * n + (self.state.sample_in_epoch or 0)
+            ),
         )
         self.amp = builders.amp_dtype(t.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
-        self.state = TrainState()
         self._labels_of: Any = None  # the labels array that self._labels holds on the device
         self._labels: torch.Tensor | None = None
         self._persistent_loader: torch.utils.data.DataLoader | None = None
@@ -119,16 +138,47 @@ class Trainer:
         self.dataset = self.task.train_dataset()
         check_fits(len(self.dataset), t.batch_size, self.world * t.grad_accum, self.cfg.task.target)
         self.micro_global = t.batch_size // t.grad_accum
+        dataset = self.dataset
         self.sampler = GlobalBatchSampler(
-            len(self.dataset), self.micro_global, self.rank, self.world, self.cfg.run.seed
+            len(dataset),
+            t.batch_size,
+            self.rank,
+            self.world,
+            self.cfg.run.seed,
+            t.grad_accum,
+            order=lambda seed, epoch: epoch_order(dataset, seed, epoch),
         )
-        self.steps_per_epoch = self.sampler.batches_per_epoch() // t.grad_accum
+        self.plan = self.sampler.plan
+        self.steps_per_epoch = self.plan.steps()
+
+    def _plan_epoch(self) -> None:
+        """The current epoch's global batches from the state: its saved plan (a checkpoint's), with
+        a new segment where a resume changed ``train.batch_size``."""
+        s, t = self.state, self.cfg.train
+        if s.sample_in_epoch is None:  # a checkpoint that counted steps of train.batch_size
+            s.sample_in_epoch = s.step_in_epoch * t.batch_size
+        old = EpochPlan.of(len(self.dataset), t.batch_size, s.plan)
+        self.plan = old.with_batch(s.sample_in_epoch, t.batch_size)
+        if self.plan is not old and self.rank == 0:
+            log.warning(
+                "train.batch_size %d from sample %d of epoch %d on (the epoch started with %d)",
+                t.batch_size,
+                s.sample_in_epoch,
+                s.epoch + 1,
+                old.segments[-1][1],
+            )
+        s.plan = self.plan.as_list()
+        self.steps_per_epoch = self.checkpointer.steps_per_epoch = self.plan.steps()
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:
         """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
         stop reason ("preempted", "timeout", "interrupted", "cancelled")."""
         resumed = self.checkpointer.restore()
+        self._plan_epoch()
+        if self.rank == 0:
+            # What the run continues from; a checkpoint skipped as damaged is not in it.
+            rundir.write_ledger(self.paths, self.state.ledger.record_file(self.state.global_step))
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self.writer = writer_for(
@@ -175,27 +225,37 @@ class Trainer:
 
     def _train_epoch(self) -> str:
         """The rest of the current epoch's steps. Returns the agreed stop reason, or ""."""
+        self._plan_epoch()
         self.task.set_epoch(self.state.epoch)
-        self.sampler.set_epoch(
-            self.state.epoch, self.state.step_in_epoch * self.cfg.train.grad_accum
-        )
+        self.sampler.set_epoch(self.state.epoch, self.state.sample_in_epoch, self.plan)
+        # Each step's global batch: (first sample, size), for the loss weights and the ledger.
+        steps = iter(self.plan.batches_from(self.state.sample_in_epoch))
+        batch, micros = (0, 0), [0]
         bar = self._progress_bar()
         window = LossWindow()
         self.model.train()
         self.phases.step = self.state.global_step
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
-        for batch in self._loader():
+        for items in self._loader():
             if micro == 0:
                 self.profile.begin(self.state.global_step + 1)
+                batch = next(steps)
+                micros = split(batch[1], self.cfg.train.grad_accum)
+            # Every rank's share of this micro-batch, for losses that gather rows across ranks.
+            rows = split(micros[micro], self.world)
             micro += 1
-            self._forward_backward(
-                batch, last_micro=micro == self.cfg.train.grad_accum, window=window
-            )
+            with dist.batch_rows(rows):
+                self._forward_backward(
+                    items,
+                    last_micro=micro == self.cfg.train.grad_accum,
+                    window=window,
+                    of=batch[1],
+                )
             if micro < self.cfg.train.grad_accum:
                 continue
             micro = 0
-            self._optimizer_step()
+            self._optimizer_step(batch)
             self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
             self.phases.tick(self.state.global_step)
@@ -267,10 +327,14 @@ class Trainer:
         )
 
     def _forward_backward(
-        self, batch: dict[str, Any], last_micro: bool, window: LossWindow
+        self, batch: dict[str, Any], last_micro: bool, window: LossWindow, of: int
     ) -> None:
-        """One micro-batch. Gradients are synchronised across ranks only on the last one of a
-        step."""
+        """One micro-batch of a step of ``of`` samples. Gradients are synchronised across ranks
+        only on the last one of a step. The loss (a mean over this micro-batch) is weighted by
+        the micro-batch's share of the step: averaged over ranks and micro-batches, the gradient
+        is the mean over the step's samples even where ranks hold different numbers of them."""
+        count = len(batch["index"])
+        weight = share(count, self.world, self.cfg.train.grad_accum, of)
         batch = _to(batch, self.device)
         labels = self._device_labels()
         if labels is not None:
@@ -280,9 +344,10 @@ class Trainer:
         with parallel.gradient_sync(self.model, sync):
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
-            self.scaler.scale(loss / self.cfg.train.grad_accum).backward()
+            weighted = loss * weight if weight != 1 else loss
+            self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()
         self.guard.observe(loss)
-        window.add(loss, metrics, len(batch["index"]))
+        window.add(loss, metrics, count)
 
     def _device_labels(self) -> torch.Tensor | None:
         """The pseudo-labels of every sample, copied to the device once per mining round (or
@@ -298,7 +363,8 @@ class Trainer:
             self._labels_of, self._labels = labels, src.to(self.device, non_blocking=True)
         return self._labels
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, batch: tuple[int, int]) -> None:
+        """The step that trained samples ``[start, start + size)`` of the epoch's order."""
         if self.cfg.train.grad_clip:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
@@ -314,8 +380,18 @@ class Trainer:
             if self.ema is not None:
                 self.ema.update()
         self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
-        self.state.step_done()
+        start, size = batch
+        s.step_done(size)
+        s.ledger.record(
+            s.epoch,
+            len(self.dataset),
+            start,
+            start + size,
+            self.attempt,
+            self.world,
+            self.cfg.train.batch_size,
+        )
+        self.sched.step()  # the schedule's progress counts the samples trained
 
     def _before_commit(self, event: str) -> None:
         # Every point up to a checkpoint is on disk: a resume logs only later steps again.
