@@ -26,7 +26,7 @@ USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export} ...
   clusterflow logs   RUN_DIR [-f] [--rank R]
   clusterflow cancel RUN_DIR|SWEEP_DIR
   clusterflow export RUN_DIR OUT [--step N] [--format pt|safetensors] [--dtype bf16|fp32]
-                    [--weights model|ema]
+                    [--weights model|ema] [--force]
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

@@ -5,14 +5,17 @@ untouched."""
 import hashlib
 import json
 import os
+import re
 import shutil
 
 import pytest
 import torch
 
 from clusterflow import config as cfgmod
+from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.errors import RunFailed
 from clusterflow.storage import manifest
 from clusterflow.storage.durable import serialize
 
@@ -96,7 +99,15 @@ def lie_copied_folder(tmp_path):
 
 
 def lie_foreign_model(tmp_path):
-    replace_file(tmp_path, "model.pt", torch.nn.Linear(3, 5).state_dict())
+    """Another model's weights, carrying step 8's checkpoint id: only their shapes lie."""
+    ident = json.loads((step8(tmp_path) / "manifest.json").read_text())["checkpoint_id"]
+    foreign = identity.stamp({"model.pt": torch.nn.Linear(3, 5).state_dict()}, ident, 8)
+    replace_file(tmp_path, "model.pt", foreign["model.pt"])
+
+
+def lie_no_train_state(tmp_path):
+    (step8(tmp_path) / "train_state.pt").unlink()
+    edit_manifest(tmp_path, lambda m: {**m, "files": {"model.pt": m["files"]["model.pt"]}})
 
 
 def lie_foreign_optimizer(tmp_path):
@@ -113,6 +124,18 @@ def lie_counters_missing(tmp_path):
         "global_step"
     ]  # the optimizer (registered first) loads, then the counters fail
     replace_file(tmp_path, "train_state.pt", saved)
+
+
+def copy_from_step4(name):
+    """``name`` and its manifest entry copied from step 4: size and digest agree with the file."""
+
+    def damage(tmp_path):
+        step4 = tmp_path / "checkpoints" / "step-4"
+        shutil.copyfile(step4 / name, step8(tmp_path) / name)
+        entry = json.loads((step4 / "manifest.json").read_text())["files"][name]
+        edit_manifest(tmp_path, lambda m: {**m, "files": {**m["files"], name: entry}})
+
+    return damage
 
 
 def lie_rng_missing(tmp_path):
@@ -142,9 +165,10 @@ LIES = {
         "'files' is str",
     ),
     "manifest a directory": (lie_dir, "unreadable manifest (IsADirectoryError)"),
-    "no train_state.pt": (
+    "no train_state.pt": (lie_no_train_state, "lists no train_state.pt"),
+    "train_state.pt unlisted": (
         lambda t: edit_manifest(t, lambda m: {**m, "files": {"model.pt": m["files"]["model.pt"]}}),
-        "lists no train_state.pt",
+        "train_state.pt is in the folder but not in its manifest",
     ),
     "file outside its folder": (
         lambda t: edit_manifest(
@@ -174,6 +198,11 @@ LIES = {
     ),
     "counters missing": (lie_counters_missing, "train_state.pt does not fit this run (KeyError"),
     "no RNG state": (lie_rng_missing, "no RNG state for each of its ranks"),
+    "model.pt of step 4": (copy_from_step4("model.pt"), "model.pt belongs to step 4's checkpoint"),
+    "train_state.pt of step 4": (
+        copy_from_step4("train_state.pt"),
+        "train_state.pt belongs to step 4's checkpoint",
+    ),
 }
 
 
@@ -198,6 +227,8 @@ def test_each_lie_is_skipped_and_the_previous_checkpoint_used(run, lie, caplog):
     "lie", ["model that does not fit", "optimizer of another model", "counters missing"]
 )
 def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, lie):
+    """The only checkpoint is damaged: the run refuses to start over it (a fresh start would
+    train over the run's work and exit 0), and leaves the model, states and RNG as they were."""
     ck, model, opt, state = make(str(tmp_path))
     train_to(ck, model, opt, state, 8)
     for name in os.listdir(tmp_path / "checkpoints"):  # only the step that will lie is left
@@ -207,10 +238,47 @@ def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, li
     ck, model, opt, state = make(str(tmp_path))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    assert not ck.restore()  # nothing loadable: a fresh start, from exactly the fresh state
+    with pytest.raises(RunFailed, match=re.escape(f"step-8 ({LIES[lie][1]}")):
+        ck.restore()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in init.items())
     assert opt.state_dict()["state"] == {} and state.global_step == 0
     assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_when_every_checkpoint_is_damaged_the_run_refuses_naming_each_and_the_way_out(run):
+    """Steps 4 and 8 both damaged: one line naming each step and why, and how to start from step
+    0 on purpose; doing exactly that starts the run afresh."""
+    tmp_path, _ = run
+    LIES["model that does not fit"][0](tmp_path)
+    (tmp_path / "checkpoints" / "step-4" / "train_state.pt").write_bytes(b"torn")
+    ck, _, _, state = make(str(tmp_path))
+    with pytest.raises(RunFailed) as refused:
+        ck.restore()
+    said = str(refused.value)
+    ckpts = tmp_path / "checkpoints"
+    assert "\n" not in said and said.startswith(f"every checkpoint in {ckpts} is damaged"), said
+    assert "step-8 (model.pt does not fit the model" in said, said
+    assert "step-4 (train_state.pt has 4 bytes, the manifest says" in said, said
+    way_out = f"mv {ckpts} {ckpts}.damaged"
+    assert way_out in said and "or use a new run.dir" in said, said
+    assert sorted(os.listdir(ckpts)) == ["step-4", "step-8"]  # nothing moved, nothing deleted
+    os.rename(ckpts, f"{ckpts}.damaged")
+    ck, _, _, state = make(str(tmp_path))
+    assert not ck.restore() and state.global_step == 0
+
+
+def test_a_checkpoint_of_an_older_version_without_ids_loads_as_before(run):
+    """Manifests and files written before checkpoint ids existed carry none: such a checkpoint is
+    checked by sizes and digests only, and loads."""
+    tmp_path, _ = run
+    saved = torch.load(step8(tmp_path) / "train_state.pt", weights_only=True)
+    saved.pop("checkpoint", None)
+    model = dict(torch.load(step8(tmp_path) / "model.pt", weights_only=True))  # no _metadata
+    replace_file(tmp_path, "train_state.pt", saved)
+    replace_file(tmp_path, "model.pt", model)
+    edit_manifest(tmp_path, lambda m: {k: v for k, v in m.items() if k != "checkpoint_id"})
+    ck, model, _, state = make(str(tmp_path))
+    assert ck.restore() and state.global_step == 8
 
 
 def test_schema_accepts_what_the_store_writes(run):

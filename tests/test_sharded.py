@@ -219,16 +219,50 @@ def _lie_about_size(path):
 
 
 def _forge(path):
-    """Garbage in a shard, and a manifest that agrees with it (size and digest)."""
+    """Garbage in a shard where its tensors are (the entries before them, its checkpoint id among
+    them, kept), and a manifest that agrees with it (size and digest): intact by its manifest and
+    of this checkpoint, it does not load."""
     import blake3
+    from torch.distributed.checkpoint import FileSystemReader
 
+    folder, name = os.path.split(path)
+    meta = FileSystemReader(folder).read_metadata()
+    keep = max(
+        info.offset + info.length
+        for index, info in meta.storage_data.items()
+        if info.relative_path == name and index.fqn.startswith("checkpoint.")
+    )
+    with open(path, "rb") as f:
+        data = f.read()[:keep] + b"not a shard" * 1000
     with open(path, "wb") as f:
-        f.write(b"not a shard" * 1000)
+        f.write(data)
+    mpath = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["files"][name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
+def _copy_from_step_16(path):
+    """The file and its manifest entry from step 16 (the same layout): size and digest agree."""
+    import shutil
+
+    folder, name = os.path.split(path)
+    older = os.path.join(os.path.dirname(folder), "step-16")
+    shutil.copyfile(os.path.join(older, name), path)
+    entry = json.load(open(os.path.join(older, "manifest.json")))["files"][name]
+    mpath = os.path.join(folder, "manifest.json")
+    manifest = json.load(open(mpath))
+    manifest["files"][name] = entry
+    with open(mpath, "w") as f:
+        json.dump(manifest, f)
+
+
+def _unlist(path):
     folder, name = os.path.split(path)
     mpath = os.path.join(folder, "manifest.json")
     manifest = json.load(open(mpath))
-    data = open(path, "rb").read()
-    manifest["files"][name] = {"size": len(data), "blake3": blake3.blake3(data).hexdigest()}
+    del manifest["files"][name]
     with open(mpath, "w") as f:
         json.dump(manifest, f)
 
@@ -242,6 +276,7 @@ def _forge(path):
         (".metadata", os.remove, ".metadata is missing"),
         ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
         ("__1_0.distcp", _forge, "its shards do not load on rank "),
+        ("__1_0.distcp", _copy_from_step_16, "__1_0.distcp belongs to step 16's checkpoint"),
     ],
     ids=[
         "flipped-byte",
@@ -250,6 +285,7 @@ def _forge(path):
         "missing-metadata",
         "lying-manifest",
         "forged-shard",
+        "shard-of-step-16",
     ],
 )
 def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
@@ -268,6 +304,54 @@ def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
     assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
     assert re.search(r"resumed from \S+/step-16: epoch 2, step 4 of the epoch", logs), logs
     assert same_weights(weights(d), weights(reference))
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__1_0.distcp", _unlist, "__1_0.distcp is in the folder but not in its manifest"),
+        ("__0_0.distcp", _copy_from_step_16, "__0_0.distcp belongs to step 16's checkpoint"),
+        (".metadata", _copy_from_step_16, ".metadata belongs to another checkpoint"),
+    ],
+    ids=["unlisted-shard", "shard-of-step-16", "metadata-of-step-16"],
+)
+def test_every_shard_read_is_listed_and_of_this_checkpoint(reference, tmp_path, name, damage, says):
+    """A shard the manifest leaves out, or one copied with its manifest entry from the previous
+    checkpoint (same layout, so DCP would read it without a word): export, init_from and a
+    resume (the same verification) refuse the step, naming the file."""
+    import shutil
+
+    from clusterflow.checkpoint.export import model_state
+    from clusterflow.errors import UserError
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+    from clusterflow.train.builders import init_weights
+
+    d = str(tmp_path / "run")
+    shutil.copytree(reference, d, ignore=shutil.ignore_patterns("model.pt"))
+    step18 = os.path.join(d, "checkpoints", "step-18")
+    damage(os.path.join(step18, name))
+    with pytest.raises(UserError, match=re.escape(says)):
+        model_state(d, 18)
+    plain = PseudoIDTask(
+        seed=7, identities=24, samples_per_identity=8, input_dim=32, hidden=64, embed_dim=16
+    ).build_model()
+    with pytest.raises(UserError, match=re.escape(says)):
+        init_weights(plain, step18)
+    assert model_state(d)[1] == 16  # the newest that verifies
+
+
+def test_init_from_a_sharded_step_folder_takes_its_whole_model(reference, tmp_path):
+    from clusterflow.tasks.pseudo_id import PseudoIDTask
+    from clusterflow.train.builders import init_weights
+
+    plain = PseudoIDTask(
+        seed=7, identities=24, samples_per_identity=8, input_dim=32, hidden=64, embed_dim=16
+    ).build_model()
+    step16 = os.path.join(reference, "checkpoints", "step-16")
+    saved = saved_model(step16, tmp_path)
+    assert not same_weights(plain.state_dict(), saved)
+    init_weights(plain, step16)
+    assert same_weights(plain.state_dict(), saved)
 
 
 def saved_model(step_dir, tmp_path):
@@ -389,13 +473,16 @@ def test_export_writes_one_file_equal_to_the_gathered_weights(
     assert same_weights(torch.load(old, weights_only=True), step16)
     assert not same_weights(step16, final)
     one_file_run = os.path.dirname(tiny_one_process_model)
-    export(one_file_run, pt, "--format", "pt")
+    export(one_file_run, pt, "--format", "pt", "--force")
     assert same_weights(torch.load(pt, weights_only=True), weights(one_file_run))
 
 
 def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
     for args, says in [
-        ((reference, str(tmp_path / "x.pt"), "--step", "7"), "no committed step 7; committed: "),
+        (
+            (reference, str(tmp_path / "x.pt"), "--step", "7"),
+            "no committed step 7; loadable steps: 18, 16, 12",
+        ),
         ((str(tmp_path), str(tmp_path / "x.pt")), "is not a run dir"),
     ]:
         out = cli("clusterflow.export", *args)

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -142,3 +143,31 @@ def test_a_record_naming_an_unknown_algorithm_is_damaged_not_trusted(tmp_path):
     manifest["files"]["model.pt"] = {"size": manifest["files"]["model.pt"]["size"], "md5": "0" * 32}
     (tmp_path / "step-2" / "manifest.json").write_text(json.dumps(manifest))
     assert store.latest().step == 1
+
+
+@pytest.mark.parametrize("extra", ["model.pt.orig", "__1_0.distcp", "sub/model.pt"])
+def test_a_file_its_manifest_does_not_list_makes_the_checkpoint_damaged(store, extra):
+    """A file the manifest leaves out would be read unchecked (a DCP shard is found by its name,
+    not by the manifest): the folder must hold exactly what its manifest lists."""
+    store.save(1, files(1))
+    store.save(2, files(2))
+    store.fs.makedirs(store._p("step-2", os.path.dirname(extra)), exist_ok=True)
+    store.fs.pipe(store._p("step-2", extra), serialize({"w": torch.zeros(4)}))
+    listed = extra.split("/")[0]
+    with pytest.raises(ValueError, match=rf"^{re.escape(listed)} is in the folder but not in"):
+        store.verify(2)
+    assert store.latest().step == 1
+
+
+def test_a_folder_without_manifest_is_replaced_with_a_warning_naming_it(tmp_path, caplog):
+    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store.save(1, files(1))
+    (tmp_path / "step-2").mkdir()
+    (tmp_path / "step-2" / "model.pt").write_bytes(b"partial")
+    with caplog.at_level("WARNING"):
+        assert store.save(2, files(2))
+    said = [r.getMessage() for r in caplog.records if "step-2" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"{tmp_path}/step-2 has no manifest.json" in said[0] and "model.pt" in said[0]
+    assert "never committed, so never loaded" in said[0] and "replaced" in said[0]
+    assert torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 2.0))

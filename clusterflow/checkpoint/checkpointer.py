@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Protocol
 import torch
 
 from clusterflow import dist, rundir
+from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import capture_rng
@@ -89,7 +90,7 @@ class Checkpointer:
     ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(
-            cfg.checkpoint_dir, c.keep_last, c.fsync, c.keep_every_steps, c.best
+            cfg.checkpoint_dir, c.keep_last, c.fsync, c.keep_every_steps, c.best, identity.check
         )
         # The keep_best metric's latest logged value, saved in each manifest (``note``).
         self.metrics: dict[str, float] = {}
@@ -234,19 +235,23 @@ class Checkpointer:
         the folder once every rank has succeeded. A kill at any point leaves a staging folder
         that is never read (no manifest, or one that the next restore verifies before publishing
         it). Returns the error every rank agrees on, or None."""
-        folder, error = None, None
+        folder, error, ident = None, None, identity.new_id()
         if dist.rank() == 0:
             try:
                 folder = self.store.begin(step, meta)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below
                 error = self._failure(step, exc)
-        folder, error = comm.broadcast_object((folder, error))
+        folder, error, ident = comm.broadcast_object((folder, error, ident))
         if folder is None:
             return error
+        if dist.rank() == 0:
+            files, meta = self._stamped(files, meta, ident, step)
         t0 = time.perf_counter()
         listed, mine = {}, None
         try:
-            listed = self.sharded.write(folder, self.store.fsync, shards, comm.group)
+            listed = self.sharded.write(
+                folder, self.store.fsync, shards, comm.group, identity.tag(ident, step)
+            )
         except Exception as exc:  # noqa: BLE001 - gathered: rank 0 names it
             mine = self._failure(step, exc)
         parts = comm.gather_object((listed, mine, dist.rank()))
@@ -311,7 +316,8 @@ class Checkpointer:
 
     def _start_write(self, rngs: list[Any] | None) -> None:
         """Rank 0: snapshot the state and commit it on the background thread."""
-        step, files, meta = self.progress.global_step, self._files(rngs), self._meta()
+        step = self.progress.global_step
+        files, meta = self._stamped(self._files(rngs), self._meta(), identity.new_id(), step)
         try:
             snap = self.staging.take(files)
         # E.g. no host memory for the copy: a failed write like any other.
@@ -354,7 +360,10 @@ class Checkpointer:
                     retry_of,
                 )
             try:
-                self._last_write_s = self._commit(step, self._files(rngs), self._meta(), "")
+                files, meta = self._stamped(
+                    self._files(rngs), self._meta(), identity.new_id(), step
+                )
+                self._last_write_s = self._commit(step, files, meta, "")
                 if retry_of:
                     rundir.write_status(self.paths, checkpoint_error=None)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below
@@ -381,6 +390,14 @@ class Checkpointer:
         if self.sharded is not None:
             return {"train_state.pt": train_state}
         return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
+
+    @staticmethod
+    def _stamped(
+        files: dict[str, Any], meta: dict[str, Any], ident: str, step: int
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The files and the manifest's fields of one save, tied together by its id
+        (``identity.py``)."""
+        return identity.stamp(files, ident, step), {**meta, "checkpoint_id": ident}
 
     def _meta(self) -> dict[str, Any]:
         self._warn_unlogged_best()

@@ -9,7 +9,10 @@ manifest or a bad digest; here rank 0 skips a model.pt that does not fit the mod
 without a registered state or without an RNG state per rank, and every rank undoes a state that
 its optimizer, scheduler or counters refuse (when any rank refuses, all undo). Each is skipped
 with a warning naming it and set aside when the run reaches its step again; the previous one is
-tried. A config that differs from the checkpoint's is refused (``config.check_resume``).
+tried. When every committed checkpoint is damaged the run is refused (``RunFailed``, one line
+naming each step and why, and how to start from step 0 on purpose): starting afresh would train
+over the run's work and end with exit 0. A config that differs from the checkpoint's is refused
+(``config.check_resume``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 from clusterflow import config as cfgmod
 from clusterflow import dist
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
-from clusterflow.errors import UserError
+from clusterflow.errors import RunFailed, UserError
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -64,15 +67,18 @@ class Restorer:
         again), and the previous one is tried; a skipped checkpoint leaves the model, the states
         and the RNG as they were."""
         skipped: set[int] = set()
+        damaged: dict[int, str] = {}  # rank 0: step -> why it was skipped
         while True:
             head, state, rngs, failure = (
-                self._read(skipped) if dist.rank() == 0 else ({}, None, None, None)
+                self._read(skipped, damaged) if dist.rank() == 0 else ({}, None, None, None)
             )
             head = dist.broadcast_object(head)
             if failure is not None:
                 raise failure
             if "user_error" in head:
                 raise UserError(head["user_error"])
+            if "refused" in head:
+                raise RunFailed(head["refused"])
             if "error" in head:
                 raise RuntimeError(f"rank 0 could not read the checkpoint: {head['error']}")
             if head["path"] is None:
@@ -101,6 +107,7 @@ class Restorer:
                 # Set aside, like a bad digest, when the run gets there again.
                 self.store.refused[head["step"]] = why
                 skipped.add(head["step"])
+                damaged[head["step"]] = why
                 continue
             if load_shards is not None:
                 load_shards()
@@ -167,10 +174,13 @@ class Restorer:
                 raise ValueError(f"train_state.pt has no {name!r} state")
         return parts
 
-    def _read(self, skipped: set[int]) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
+    def _read(
+        self, skipped: set[int], damaged: dict[int, str]
+    ) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
         """Rank 0: finish what a killed writer left, then the newest committed step (not in
-        ``skipped``) that verifies and fits. Returns (what every rank needs to know, the state
-        without RNG, each rank's RNG, rank 0's error)."""
+        ``skipped``) that verifies and fits; each one that does not goes into ``damaged``.
+        Returns (what every rank needs to know, the state without RNG, each rank's RNG, rank 0's
+        error)."""
         try:
             if not skipped:
                 removed = self.store.clean_debris()
@@ -179,7 +189,7 @@ class Restorer:
                         "removed unfinished checkpoint folders left by a killed writer: %s",
                         ", ".join(removed),
                     )
-            for ckpt in self.store.candidates(skip=skipped):
+            for ckpt in self.store.candidates(skip=skipped, damaged=damaged):
                 try:
                     self._check_config(ckpt.path, ckpt.manifest)
                     model_state, saved = (
@@ -203,6 +213,7 @@ class Restorer:
                     )
                     self.store.refused[ckpt.step] = str(exc)
                     skipped.add(ckpt.step)
+                    damaged[ckpt.step] = str(exc)
                     continue
                 saved = dict(saved)
                 rngs = saved.pop("rng")
@@ -217,12 +228,28 @@ class Restorer:
                     rngs,
                     None,
                 )
+            if damaged:
+                return {"refused": self._refusal(damaged)}, None, None, None
             return {"path": None}, None, None, None
         except UserError as exc:
             return {"user_error": str(exc)}, None, None, exc
         # The other ranks must not wait for a broadcast that never comes.
         except Exception as exc:  # noqa: BLE001
             return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
+
+    def _refusal(self, damaged: Mapping[int, str]) -> str:
+        """One line: every checkpoint is damaged, each step and why, and the way to start afresh
+        on purpose (the damaged folders are left as they are, for inspection)."""
+        root = self.store.root if self.store.local else self.store.url
+        each = "; ".join(
+            f"step-{step} ({_short(why)})" for step, why in sorted(damaged.items(), reverse=True)
+        )
+        aside = f"mv {root} {root}.damaged" if self.store.local else f"move them out of {root}"
+        return (
+            f"every checkpoint in {root} is damaged, so the run cannot resume from any: {each}. "
+            f"Nothing was trained over them or deleted. To start from step 0 on purpose, set "
+            f"them aside ({aside}) and launch the run again, or use a new run.dir"
+        )
 
     def _check_format(self, manifest: Mapping[str, Any], model_state: Any) -> None:
         """ValueError unless the checkpoint is of this run's kind (sharded or one model.pt) and,
@@ -281,3 +308,9 @@ def check_fits(model: Any, state: Any) -> None:
                 f"model.pt does not fit the model: {key} is {seen} in the checkpoint, "
                 f"{tuple(t.shape)} in the model"
             )
+
+
+def _short(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut at ``limit`` characters."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."

@@ -6,7 +6,10 @@ The model's and the optimizers' state are DTensor shards; they go through
 each rank then hashes the files it wrote (reading them back) so the manifest can list every
 file with its size and digest. Everything else (scheduler, scaler, counters, labels, RNG) is
 small and goes to ``train_state.pt`` as in a DDP checkpoint, written by rank 0, which commits the
-folder only when every rank's files are written and hashed (``checkpointer.py``).
+folder only when every rank's files are written and hashed (``checkpointer.py``). Each rank's
+file also holds the checkpoint's id and step (the entry ``checkpoint.rank<R>``), and
+``.metadata`` records the id as DCP's ``save_id``: :func:`carried` reads them back for
+``identity.check``.
 
 Reading is collective too: DCP plans which saved shard pieces each rank needs for its current
 shards, so a checkpoint of 4 ranks loads on 2 or 3 (resharding weights and optimizer state,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -35,6 +39,7 @@ from clusterflow.storage import durable
 
 FORMAT = "dcp"  # the manifest's "format" of a sharded checkpoint
 METADATA = ".metadata"  # DCP's global plan, written by rank 0
+TAGS = "checkpoint"  # the DCP state's entry of each rank's id and step: checkpoint.rank<R>
 
 
 def _clone(obj: Any) -> Any:
@@ -73,20 +78,23 @@ class ShardedState:
         return _clone(self.state_dict())
 
     def write(
-        self, folder: str, fsync: bool, state: Any = None, group: Any = None
+        self,
+        folder: str,
+        fsync: bool,
+        state: Any = None,
+        group: Any = None,
+        tag: Mapping[str, Any] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Collective (over ``group``, default: the default group): write this rank's shards
-        (``state``, a snapshot, or the live state) into ``folder`` (rank 0: the metadata too)
-        and hash them. Returns this rank's files as manifest entries."""
-        writer = dcp.FileSystemWriter(
-            folder, single_file_per_rank=True, sync_files=fsync, thread_count=1
-        )
-        with _plain_errors():
-            dcp.save(
-                self.state_dict() if state is None else state,
-                storage_writer=writer,
-                process_group=group,
-            )
+        (``state``, a snapshot, or the live state) and ``tag`` (the checkpoint's id and step,
+        the same on every rank) into ``folder`` (rank 0: the metadata too) and hash them.
+        Returns this rank's files as manifest entries."""
+        state = self.state_dict() if state is None else state
+        if tag is not None:
+            state = {**state, TAGS: {f"rank{dist.rank()}": dict(tag)}}
+        writer = _Writer(folder, fsync, tag["id"] if tag is not None else None)
+        with plain_errors():
+            dcp.save(state, storage_writer=writer, process_group=group)
         mine = sorted(f for f in os.listdir(folder) if f.startswith(f"__{dist.rank()}_"))
         if dist.rank() == 0:
             mine.append(METADATA)
@@ -96,7 +104,7 @@ class ShardedState:
         """Collective: load the shards this rank needs from ``folder`` into copies. Returns what
         puts them into the model and optimizers; raises when they do not load."""
         target = _clone(self.state_dict())
-        with _plain_errors():
+        with plain_errors():
             dcp.load(target, storage_reader=dcp.FileSystemReader(folder))
 
         def apply() -> None:
@@ -110,8 +118,55 @@ class ShardedState:
         return apply
 
 
+class _Writer(dcp.FileSystemWriter):
+    """DCP's writer of one file per rank, whose ``.metadata`` records ``ident`` (the checkpoint's
+    id) as its save id."""
+
+    def __init__(self, folder: str, fsync: bool, ident: str | None) -> None:
+        super().__init__(folder, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+        self.ident = ident
+
+    def storage_meta(self) -> Any:
+        meta = super().storage_meta()
+        if self.ident is not None and meta is not None:
+            meta.save_id = self.ident
+        return meta
+
+
+def carried(folder: str, files: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(the save id ``.metadata`` records, each ``.distcp`` file in ``files`` -> the tag it holds,
+    None for none), read in this process. ValueError when ``.metadata`` names a file that
+    ``files`` (the manifest) does not list, or when they cannot be read."""
+    reader = dcp.FileSystemReader(folder)
+    try:
+        meta = reader.read_metadata()
+        named = {info.relative_path for info in meta.storage_data.values()}
+        where = {index.fqn: info.relative_path for index, info in meta.storage_data.items()}
+        keys = [k for k in meta.state_dict_metadata if k.startswith(f"{TAGS}.")]
+        values: dict[str, Any] = dict.fromkeys(keys)
+        if keys:
+            with warnings.catch_warnings(), plain_errors():  # "... load in a single process"
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load(values, storage_reader=reader, no_dist=True)
+    except Exception as exc:  # noqa: BLE001 - whatever DCP raises on a damaged file
+        raise ValueError(
+            f"the checkpoint ids in {METADATA} and the shards cannot be read "
+            f"({type(exc).__name__}: {str(exc)[:300]})"
+        ) from None
+    unlisted = sorted(named - set(files))
+    if unlisted:
+        raise ValueError(
+            f"{METADATA} names {', '.join(unlisted)}, which the manifest does not list"
+        )
+    tags: dict[str, dict[str, Any]] = {}
+    for key in keys:  # checkpoint.rank<R>.id, checkpoint.rank<R>.step
+        tags.setdefault(where[key], {})[key.rsplit(".", 1)[-1]] = values[key]
+    save_id = getattr(meta.storage_meta, "save_id", None)
+    return save_id, {name: tags.get(name) for name in files if name.endswith(".distcp")}
+
+
 @contextlib.contextmanager
-def _plain_errors() -> Iterator[None]:
+def plain_errors() -> Iterator[None]:
     """DCP reports a failure on any rank as a ``CheckpointException`` (a BaseException holding
     every failed rank's traceback) on every rank; raise the failure itself instead (this rank's,
     else the lowest failed rank's), so a full disk or a damaged file reads as what it is."""

@@ -705,7 +705,10 @@ class TaskConfig:
         factory=dict, help="Keyword arguments of the task (validated by the task)."
     )
     init_from: str = doc(
-        "", "Load model weights from this model.pt (e.g. a stage-1 checkpoint) before training."
+        "",
+        "Start from these weights (matched by name and shape): a model.pt or safetensors file, "
+        "a run dir (its model.pt, else its newest checkpoint that verifies) or one "
+        "checkpoints/step-N folder (verified like a resume).",
     )
 
     def __post_init__(self) -> None:

@@ -74,14 +74,12 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:.1f} MB" if n < 10e6 else f"{n / 1e6:.0f} MB"
 
 
-def raise_if_full(
-    exc: BaseException, what: str, path: str, needed: int, local: bool = True
-) -> None:
-    """Raise a RunFailed naming the device, ``what`` was written, ``path``, the size and the free
-    space, when ``exc`` comes from a full disk (or quota); return otherwise."""
+def describe(exc: BaseException, what: str, path: str, needed: int, local: bool = True) -> str:
+    """The sentence for a full disk (or quota) behind ``exc``: the device, ``what`` was written,
+    ``path``, the size and the free space; "" when ``exc`` does not come from one."""
     err = cause(exc)
     if err is None:
-        return
+        return ""
     device, free = path, ""
     if local:
         device = device_of(path)
@@ -89,8 +87,20 @@ def raise_if_full(
             free = f", {_mb(shutil.disk_usage(_existing(path)).free)} free"
         except OSError:
             pass
-    raise RunFailed(
+    return (
         f"{_FULL[err.errno]} on {device} writing {what} to {path} "
-        f"(it needs about {_mb(needed)}{free}); free space there and "
-        "resubmit: the run resumes from its last committed checkpoint"
-    ) from None
+        f"(it needs about {_mb(needed)}{free})"
+    )
+
+
+def raise_if_full(
+    exc: BaseException, what: str, path: str, needed: int, local: bool = True
+) -> None:
+    """Raise a RunFailed naming the device, ``what`` was written, ``path``, the size and the free
+    space, when ``exc`` comes from a full disk (or quota); return otherwise."""
+    sentence = describe(exc, what, path, needed, local)
+    if sentence:
+        raise RunFailed(
+            f"{sentence}; free space there and "
+            "resubmit: the run resumes from its last committed checkpoint"
+        ) from None

@@ -5,6 +5,8 @@ from another run. Valid JSON is not enough: ``[]``, ``{"files": {}}``, an entry 
 ``size``, ``"files": "model.pt"`` or a file name that climbs out of the folder each make the
 checkpoint *damaged*. :func:`check` names what is wrong (``ValueError``), and the store skips
 that checkpoint for the previous one, as it does for a file whose digest does not match.
+``checkpoint_id`` (32 hex digits, random per save) is what each file of the checkpoint carries
+inside it too (``checkpoint/identity.py``); manifests of older versions have none.
 No torch here: ``status`` reads manifests on the login node.
 """
 
@@ -16,6 +18,7 @@ from typing import Any
 from clusterflow.storage.durable import HASHES
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")  # sha256 and blake3 (its default 32-byte output) alike
+_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 def _is_int(v: Any) -> bool:
@@ -60,6 +63,9 @@ def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
             f"the manifest says step {manifest['step']!r}, but its "
             f"folder is step-{step} (a copied or renamed folder?)"
         )
+    ident = manifest.get("checkpoint_id")
+    if ident is not None and not (isinstance(ident, str) and _ID.match(ident)):
+        raise ValueError(f"the manifest's checkpoint_id {ident!r} is not 32 hex digits")
     pos = manifest.get("position")
     if pos is not None and not (isinstance(pos, list) and all(_is_int(p) for p in pos)):
         raise ValueError(f"the manifest's position {pos!r} is not a list of integers")

@@ -11,9 +11,12 @@ Layout under the store root (``RUN_DIR/checkpoints`` by default, or any fsspec U
 Commit protocol: every file is written into ``.tmp-step-<N>-<random>/``, flushed and fsynced, the
 manifest is written last, and the folder is renamed to ``step-<N>`` (atomic on a POSIX
 filesystem; on object stores the manifest check below covers a partial copy). A reader trusts
-only a step whose manifest lists files that exist with the recorded size and digest (BLAKE3, or
-sha256 in manifests of older versions: each file's record names its algorithm); anything
-else is skipped with a warning naming it, and the previous step is used.
+only a step whose manifest lists exactly the files its folder holds, each with the recorded size
+and digest (BLAKE3, or sha256 in manifests of older versions: each file's record names its
+algorithm), and which passes the owner's ``check`` (the checkpoint id inside every file,
+``checkpoint/identity.py``); anything else is skipped with a warning naming it, and the previous
+step is used. A file the manifest does not list makes the step damaged too: nothing checks it,
+and a reader that finds files by name (DCP) would load it.
 
 One step, two states: at the last step of an epoch the trainer holds a state before and one after
 the end-of-epoch work (eval, mining). A stop there commits the first; the second must still
@@ -104,9 +107,13 @@ class CheckpointStore:
         fsync: bool = True,
         keep_every: int = 0,
         best: tuple[str, str] | None = None,
+        check: Callable[[Checkpoint], None] | None = None,
     ) -> None:
         """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
-        "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too."""
+        "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too;
+        ``check``: what a step must satisfy beyond its manifest, sizes and digests to be read
+        (raises ValueError naming what is wrong)."""
+        self.check = check
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
         self.keep_every, self.best = keep_every, best
@@ -140,9 +147,24 @@ class CheckpointStore:
     # -- listing ------------------------------------------------------------------------------
     def _entries(self) -> list[str]:
         try:
-            return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(self.root, detail=False)]
+            return self._names(self.root)
         except FileNotFoundError:
             return []
+
+    def _names(self, folder: str) -> list[str]:
+        """The names in ``folder`` (files and folders)."""
+        return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(folder, detail=False)]
+
+    def _only_listed(self, path: str, manifest: Mapping[str, Any]) -> None:
+        """ValueError when the folder ``path`` holds anything but its manifest and the files it
+        lists: a file nothing checked would otherwise be read."""
+        extra = sorted(set(self._names(path)) - set(manifest["files"]) - {MANIFEST})
+        if extra:
+            raise ValueError(
+                f"{', '.join(extra[:5])}{'...' if len(extra) > 5 else ''} "
+                f"{'is' if len(extra) == 1 else 'are'} in the folder but not in its manifest "
+                "(nothing checks such a file: copied in, or the manifest of another save?)"
+            )
 
     def steps(self) -> list[int]:
         """Steps whose folder carries a manifest, ascending (not yet verified)."""
@@ -175,6 +197,14 @@ class CheckpointStore:
         """False when step-N holds a sound state that the new one does not supersede."""
         if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
             # Nothing there, or a folder without manifest: debris that _publish replaces.
+            if self.fs.exists(self.step_path(step)):
+                log.warning(
+                    "%s has no manifest.json: it was never committed, so never loaded (it holds "
+                    "%s); it is replaced by the step %d being saved",
+                    self.url_of(step),
+                    ", ".join(sorted(self._names(self.step_path(step)))[:5]) or "nothing",
+                    step,
+                )
             return True
         try:
             # Verified, but the reader could not load it (checkpoint/restore.py).
@@ -437,6 +467,7 @@ class CheckpointStore:
         """The manifest of a folder whose files all match it (size and digest), else None."""
         try:
             manifest = self._read_manifest(path, step)
+            self._only_listed(path, manifest)
             for name, info in manifest["files"].items():
                 algorithm, digest = durable.recorded_digest(info)
                 if (
@@ -463,6 +494,7 @@ class CheckpointStore:
         """Read and check one step; raises ValueError naming what is wrong."""
         path = self.step_path(step)
         manifest = self._read_manifest(path, step)
+        self._only_listed(path, manifest)
         objects = {}
         # A sharded checkpoint's shards are read by every rank later: here only their digests.
         shards = manifest.get("format") == "dcp"
@@ -480,7 +512,10 @@ class CheckpointStore:
                 raise ValueError(f"{name} is missing") from None
             except OSError as exc:  # a directory where a file should be, a permission, an I/O error
                 raise ValueError(f"{name} cannot be read ({type(exc).__name__}: {exc})") from None
-        return Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
+        ckpt = Checkpoint(step=step, path=self.url_of(step), manifest=manifest, objects=objects)
+        if self.check is not None:
+            self.check(ckpt)
+        return ckpt
 
     def newest_manifest(self) -> dict[str, Any] | None:
         """The manifest of the newest committed step, unverified (one small read; None when
@@ -496,9 +531,11 @@ class CheckpointStore:
         except ValueError:
             return None
 
-    def candidates(self, skip: set[int] | frozenset[int] = frozenset()) -> Iterator[Checkpoint]:
+    def candidates(
+        self, skip: set[int] | frozenset[int] = frozenset(), damaged: dict[int, str] | None = None
+    ) -> Iterator[Checkpoint]:
         """Verified checkpoints, newest first, but for the steps in ``skip``; damaged ones are
-        skipped with a warning naming them."""
+        skipped with a warning naming them (and put in ``damaged``, step -> why, when given)."""
         for step in reversed(self.steps()):
             if step in skip:
                 continue
@@ -510,6 +547,8 @@ class CheckpointStore:
                     self.url_of(step),
                     exc,
                 )
+                if damaged is not None:
+                    damaged[step] = str(exc)
                 continue
             yield ckpt
 

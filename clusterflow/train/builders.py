@@ -5,17 +5,19 @@ in an order that keeps every random draw where it was (same seed, same weights).
 
 from __future__ import annotations
 
+import io
 import logging
 import math
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load as safetensors_load
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.checkpoint import export
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
-from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.store import MANIFEST
 from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
@@ -91,9 +93,11 @@ def lr_schedule(t: Any, total_samples: int, trained: Callable[[], int]) -> Calla
 
 
 def init_weights(model: torch.nn.Module, where: str) -> None:
-    """Start from another run's weights (``task.init_from``): a model.pt, a finished run dir (its
-    model.pt), an unfinished one (its newest committed checkpoint that verifies, sharded by
-    ``train.parallel=fsdp`` or not) or a checkpoint dir.
+    """Start from another run's weights (``task.init_from``): a model.pt or a safetensors file
+    (``clusterflow.export``), a finished run dir (its model.pt), an unfinished one (its newest
+    committed checkpoint that verifies, sharded by ``train.parallel=fsdp`` or not), one
+    ``checkpoints/step-N`` folder, or a folder of such steps. A checkpoint is verified as a resume
+    verifies it (its manifest, every file's size and digest, the checkpoint id each carries).
 
     Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
     (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
@@ -101,42 +105,86 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(where)
-    run = RunPaths(path.rstrip("/"))
-    if fs.isdir(path) and not fs.exists(run.model) and fs.exists(run.config):
-        # An unfinished run: its newest committed checkpoint, sharded (fsdp) or not, verified.
-        sd, step = export.model_state(path.rstrip("/"))
-        _load_matching(model, sd, where, f"{path} (checkpoint step {step})")
-        return
+    path = path.rstrip("/")
     if fs.isdir(path):
-        candidates = [run.model]
-        if not fs.exists(candidates[0]):
-            ckpt = CheckpointStore(RunPaths(where.rstrip("/")).checkpoints).latest()
-            if ckpt is None:
-                raise UserError(
-                    f"task.init_from={where!r} is a folder without model.pt or committed "
-                    "checkpoints; point it at a finished run dir, a checkpoints/step-N folder or "
-                    "a model.pt file"
-                )
-            candidates = [f"{ckpt.path}/model.pt"]
-        path = candidates[0]
+        sd, source = _folder_weights(fs, path, where)
+    else:
+        sd, source = _file_weights(fs, path, where), path
+    _load_matching(model, sd, where, source)
+
+
+def _folder_weights(fs: Any, path: str, where: str) -> tuple[dict[str, Any], str]:
+    """(state_dict, where it came from) of a folder named by ``task.init_from``."""
+    run = RunPaths(path)
+    if fs.exists(f"{path}/{MANIFEST}"):  # one checkpoints/step-N folder
+        try:
+            sd, step = export.step_folder_state(where.rstrip("/"))
+        except ValueError as exc:
+            raise UserError(
+                f"task.init_from={where!r}: checkpoint {path} is damaged ({exc}); point it at "
+                "another checkpoints/step-N folder, or at the run dir (its newest that verifies)"
+            ) from None
+        return sd, f"{path} (checkpoint step {step})"
+    if fs.exists(run.model):
+        return _file_weights(fs, run.model, where), run.model
+    if fs.exists(run.config):
+        # An unfinished run: its newest committed checkpoint, sharded (fsdp) or not, verified.
+        sd, step = export.model_state(path)
+        return sd, f"{path} (checkpoint step {step})"
+    for root in (run.checkpoints, path):  # a run dir without config.yaml, or its checkpoints
+        store = export.open_store(root)
+        damaged: dict[int, str] = {}
+        ckpt = next(store.candidates(damaged=damaged), None)
+        if ckpt is not None:
+            sd = export.checkpoint_state(store, ckpt)
+            return sd, f"{ckpt.path} (checkpoint step {ckpt.step})"
+        if damaged:
+            raise UserError(
+                f"task.init_from={where!r}: no checkpoint in {root} verifies ("
+                + "; ".join(f"step-{s}: {w}" for s, w in sorted(damaged.items(), reverse=True))
+                + "); point it at a model.pt or a sound checkpoints/step-N folder"
+            )
+    raise UserError(
+        f"task.init_from={where!r} is a folder without model.pt or committed "
+        "checkpoints; point it at a finished run dir, a checkpoints/step-N folder or "
+        "a model.pt file"
+    )
+
+
+def _file_weights(fs: Any, path: str, where: str) -> dict[str, Any]:
+    """The state_dict in a model.pt (``torch.save``) or a safetensors file."""
     try:
         with fs.open(path, "rb") as f:
-            sd = torch.load(f, map_location="cpu", weights_only=True)
+            data = f.read()
+        sd = (
+            safetensors_load(data)
+            if _is_safetensors(data)
+            else torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        )
     except FileNotFoundError:
         raise UserError(
             f"task.init_from={where!r} does not exist; point it at a model.pt, "
             "e.g. RUN_DIR/model.pt of stage 1"
         ) from None
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same one-line answer
+        detail = " ".join(str(exc).split())[:300]
         raise UserError(
             f"task.init_from={where!r}: {path} is not a readable state_dict "
-            f"({type(exc).__name__}: {exc})"
+            f"({type(exc).__name__}: {detail})"
         ) from None
     if not isinstance(sd, dict):
         raise UserError(
             f"task.init_from={where!r}: {path} holds a {type(sd).__name__}, not a state_dict"
         )
-    _load_matching(model, sd, where, path)
+    return sd
+
+
+def _is_safetensors(data: bytes) -> bool:
+    """A safetensors file: an 8-byte little-endian header length, then that much JSON."""
+    if len(data) < 10:
+        return False
+    size = int.from_bytes(data[:8], "little")
+    return 2 <= size <= len(data) - 8 and data[8:9] == b"{"
 
 
 def _load_matching(model: torch.nn.Module, sd: dict[str, Any], where: str, path: str) -> None:
