@@ -119,11 +119,11 @@ def clusterflow_rank(argv: list[str]) -> None:
     run._exit(code)
 
 
-def torchrun(nproc: int, args: list[str]) -> list[float]:
-    """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES
-    line)."""
+def torchrun_output(nproc: int, args: list[str]) -> tuple[int, list[str], str]:
+    """(exit status, output lines, the command) of one ``torchrun --standalone`` job of ``nproc``
+    ranks running ``args``, from the repository root."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-    env["PYTHONPATH"] = REPO
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p)
     cmd = [
         sys.executable,
         "-m",
@@ -135,11 +135,16 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
     done = subprocess.run(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    lines = [
-        line.split()[1:] for line in done.stdout.splitlines() if line.startswith("EPOCH_TIMES")
-    ]
-    if done.returncode or len(lines) != 1 or len(lines[0]) < 3:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
+    return done.returncode, done.stdout.splitlines(), " ".join(cmd)
+
+
+def torchrun(nproc: int, args: list[str]) -> list[float]:
+    """Seconds of each epoch after the first, of one torchrun job (from rank 0's EPOCH_TIMES
+    line)."""
+    code, output, cmd = torchrun_output(nproc, args)
+    lines = [line.split()[1:] for line in output if line.startswith("EPOCH_TIMES")]
+    if code or len(lines) != 1 or len(lines[0]) < 3:
+        raise SystemExit(f"{cmd} failed ({code}):\n" + "\n".join(output)[-3000:])
     times = [float(t) for t in lines[0]]
     return [b - a for a, b in zip(times[1:], times[2:])]
 
