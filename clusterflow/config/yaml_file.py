@@ -58,6 +58,14 @@ class _Refused(yaml.MarkedYAMLError):
         self.fix = fix
 
 
+def _too_deep(mark: Any) -> _Refused:
+    return _Refused(
+        f"nesting deeper than {MAX_DEPTH} levels",
+        mark,
+        "a config is a few levels deep: sections, keys, and task parameters",
+    )
+
+
 # Python float syntax with an exponent (YAML 1.1 needs a dot and a signed exponent: 1.0e+10).
 _FLOAT_EXP = re.compile(
     r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9][0-9_]*$"
@@ -65,25 +73,11 @@ _FLOAT_EXP = re.compile(
 _MERGE = "tag:yaml.org,2002:merge"
 
 
-# libyaml's event parser (5x faster than PyYAML's own, which matters for the fuzz test's thousands
-# of configs) under PyYAML's Python composer, whose recursion the depth limit below bounds.
-_PARSER: tuple[type, ...] = (
-    (yaml.cyaml.CParser,)
-    if yaml.__with_libyaml__
-    else (yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser)
-)
+class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.resolver.Resolver):
+    """PyYAML's Python composer and safe constructor with the limits and rules above, over an
+    event parser chosen by the subclass."""
 
-
-class _Loader(
-    yaml.composer.Composer, *_PARSER, yaml.constructor.SafeConstructor, yaml.resolver.Resolver
-):  # type: ignore[misc]
-    def __init__(self, text: str) -> None:
-        if yaml.__with_libyaml__:
-            yaml.cyaml.CParser.__init__(self, text)
-        else:
-            yaml.reader.Reader.__init__(self, text)
-            yaml.scanner.Scanner.__init__(self)
-            yaml.parser.Parser.__init__(self)
+    def _init_loading(self) -> None:
         yaml.composer.Composer.__init__(self)
         yaml.constructor.SafeConstructor.__init__(self)
         yaml.resolver.Resolver.__init__(self)
@@ -92,14 +86,22 @@ class _Loader(
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             if self._depth > MAX_DEPTH:
-                raise _Refused(
-                    f"nesting deeper than {MAX_DEPTH} levels",
-                    self.peek_event().start_mark,
-                    "a config is a few levels deep: sections, keys, and task parameters",
-                )
+                raise _too_deep(self.peek_event().start_mark)
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
+
+    def get_single_node(self) -> Any:
+        """The document's root node. A parser with a nesting limit of its own (libyaml 0.2.6 stops
+        at 1000 levels while scanning ahead in a flow collection, before the composer above sees
+        level 101) is answered with the same refusal, so the message does not depend on which
+        PyYAML or libyaml pip installed."""
+        try:
+            return super().get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            if isinstance(exc, _Refused) or "nesting" not in str(exc.problem):
+                raise
+            raise _too_deep(exc.problem_mark) from None
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         if isinstance(node, yaml.MappingNode):
@@ -137,15 +139,41 @@ class _Loader(
         return out
 
 
+class _PyLoader(_Checks, yaml.reader.Reader, yaml.scanner.Scanner, yaml.parser.Parser):
+    """Over PyYAML's own parser, where libyaml is not compiled in."""
+
+    def __init__(self, text: str) -> None:
+        yaml.reader.Reader.__init__(self, text)
+        yaml.scanner.Scanner.__init__(self)
+        yaml.parser.Parser.__init__(self)
+        self._init_loading()
+
+
+_LOADERS: list[type[_Checks]] = [_PyLoader]
+if yaml.__with_libyaml__:
+
+    class _CLoader(_Checks, yaml.cyaml.CParser):
+        """Over libyaml's event parser: 5x faster than PyYAML's own, which matters for the fuzz
+        test's thousands of configs."""
+
+        def __init__(self, text: str) -> None:
+            yaml.cyaml.CParser.__init__(self, text)
+            self._init_loading()
+
+    _LOADERS.append(_CLoader)
+
+_Loader = _LOADERS[-1]
+
 # Dates stay strings: a config has no use for date objects, and they do not survive JSON
 # (manifests).
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
-}
-_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
-_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
-_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
+for _cls in _LOADERS:
+    _cls.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+        for first, resolvers in yaml.resolver.Resolver.yaml_implicit_resolvers.items()
+    }
+    _cls.add_constructor("tag:yaml.org,2002:int", _Checks.construct_yaml_int)
+    _cls.add_constructor("tag:yaml.org,2002:float", _Checks.construct_yaml_float)
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
 
 
 class _Dumper(yaml.SafeDumper):
