@@ -490,3 +490,8 @@ class SeenShards(_Seen, ImageShardsTask):
     def __init__(self, seed=0, run_dir="", kill="", **params):
         super().__init__(seed, **params)
         self._seen_setup(run_dir, kill)
+
+
+class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
+    """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
+    SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""
