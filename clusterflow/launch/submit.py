@@ -200,6 +200,20 @@ def check_can_shard(cfg: Config) -> None:
     tasks.check_can_shard(cfg.task.target, cls)
 
 
+def check_profile(cfg: Config) -> None:
+    """A ``train.profile`` window past the run's last step fails here, not in the job: the
+    training set's size gives the step count. A task that does not load here (a login node
+    without its packages or data) is left to the job's own check."""
+    try:
+        task = tasks.load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
+        samples = len(task.train_dataset())
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - the job reports a task that does not load
+        return
+    cfg.check_profile_reaches(samples)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -219,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     preflight.check_paths(cfg)
     if cfg.train.parallel == "fsdp":
         check_can_shard(cfg)
+    if cfg.train.profile:
+        check_profile(cfg)
     trackers.check(cfg.trackers)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
