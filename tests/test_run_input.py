@@ -473,3 +473,29 @@ def test_a_users_task_declares_its_ranges_in_its_annotations(cli, tmp_path):
         "clusterflow.run", *base, f"run.dir={tmp_path}/r", "task.params.size=8", "--check", env=env
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_a_warning_of_many_lines_is_one_line_on_the_console_and_whole_in_the_log(cli, tmp_path):
+    d = tmp_path / "r"
+    out = cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        *TINY,
+        "task.target=testtasks:WarnsInBuild",
+        "--local",
+        f"run.dir={d}",
+        env=TESTS_ENV,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    console = out.stdout + out.stderr
+    whole = str(d / "warnings" / "rank0.attempt0.txt")
+    said = [line for line in console.splitlines() if "long warning" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "WARNING clusterflow.warnings: UserWarning: first line of a long warning (the whole "
+        f"warning: {whole})"
+    ), console
+    assert "torch internals" not in console
+    assert said[0] in open(d / "logs" / "rank0.attempt0.log").read().splitlines()
+    kept = open(whole).read()
+    assert "first line of a long warning\nsecond line, torch internals\nthird line" in kept
+    assert "UserWarning at " in kept and "testtasks.py:" in kept  # where it was raised

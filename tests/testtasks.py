@@ -495,3 +495,16 @@ class SeenShards(_Seen, ImageShardsTask):
 class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
     """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
     SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""
+
+
+class WarnsInBuild(Tiny):
+    """Raises a warning of many lines while building its model, as torch's internals do."""
+
+    def build_model(self):
+        import warnings
+
+        warnings.warn(
+            "first line of a long warning\nsecond line, torch internals\nthird line",
+            UserWarning,
+        )
+        return super().build_model()
