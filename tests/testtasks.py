@@ -490,3 +490,21 @@ class SeenShards(_Seen, ImageShardsTask):
     def __init__(self, seed=0, run_dir="", kill="", **params):
         super().__init__(seed, **params)
         self._seen_setup(run_dir, kill)
+
+
+class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
+    """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
+    SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""
+
+
+class WarnsInBuild(Tiny):
+    """Raises a warning of many lines while building its model, as torch's internals do."""
+
+    def build_model(self):
+        import warnings
+
+        warnings.warn(
+            "first line of a long warning\nsecond line, torch internals\nthird line",
+            UserWarning,
+        )
+        return super().build_model()

@@ -89,8 +89,14 @@ KEYS: dict[str, tuple[str, str]] = {
     "dist.stall_s": (RESOURCE, "when a rank that stopped moving ends the job; touches no weight"),
     "dist.find_unused_parameters": (
         RESOURCE,
-        "both values give the same gradients whenever both run; false "
-        "only refuses models with unused parameters",
+        "both values give the same gradients whenever both run (with dist.fixed_buckets, the "
+        "default, both keep DDP's first bucket layout); false only refuses models with unused "
+        "parameters",
+    ),
+    "dist.fixed_buckets": (
+        NUMERICS,
+        "whether DDP rebuilds its buckets after the first step decides the order in which ranks' "
+        "gradients are summed (with more than two ranks)",
     ),
     "dist.bucket_cap_mb": (
         NUMERICS,

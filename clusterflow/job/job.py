@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from typing import Any, Mapping
 
 from clusterflow import dist, observe, rundir
@@ -75,6 +76,33 @@ def setup_logging(paths: rundir.RunPaths, rank: int, attempt: int) -> None:
         sh.setFormatter(fmt)
         root.addHandler(sh)
     root.propagate = False
+    _warnings_to(paths.warnings_file(rank, attempt))
+
+
+# What torch appends to a warning raised in its C++ code: where, in torch's own sources.
+_TORCH_WHERE = " (Triggered internally at "
+_warned = logging.getLogger("clusterflow.warnings")
+
+
+def _warnings_to(whole_file: str) -> None:
+    """Python warnings (torch's included, whose text can run to many lines of its internals):
+    one line in the log (and so on rank 0's console), the whole warning with where it was raised
+    in ``whole_file``."""
+
+    def show(message: Any, category: type, filename: str, lineno: int, *_: Any) -> None:
+        text = str(message).strip()
+        first = (text.splitlines() or [""])[0].split(_TORCH_WHERE)[0]
+        try:
+            os.makedirs(os.path.dirname(whole_file), exist_ok=True)
+            with open(whole_file, "a") as f:
+                f.write(f"{category.__name__} at {filename}:{lineno}:\n{text}\n\n")
+        except OSError as exc:  # a full disk must not turn a warning into a failure
+            first += f" (not kept whole: {exc.strerror})"
+        _warned.warning(
+            "%s: %s (the whole warning: %s)", category.__name__, first[:300], whole_file
+        )
+
+    warnings.showwarning = show
 
 
 def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:

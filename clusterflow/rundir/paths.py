@@ -29,6 +29,9 @@ Inside ``RUN_DIR``:
     errors/rank<R>.json           the exception that ended a rank, written by that rank
     errors/first.attempt<A>.json  the first cause of a failed attempt, written once (see
                                   first_error.py)
+    warnings/rank<R>.attempt<A>.txt
+                                  every Python warning of that rank and attempt (torch's too),
+                                  whole, with where it was raised; the log has one line each
     heartbeats/rank<R>.json       each rank's latest heartbeat (see ``observe/heartbeat.py``)
     stalls/attempt<A>/            stacks (rank<R>.stacks.txt) and flight recorder dumps of a
                                   stall (see ``observe/watchdog.py``)
@@ -189,6 +192,9 @@ class RunPaths:
 
     def first_error_file(self, attempt: int) -> str:
         return self._p("errors", f"first.attempt{attempt}.json")
+
+    def warnings_file(self, rank: int, attempt: int) -> str:
+        return self._p("warnings", f"rank{rank}.attempt{attempt}.txt")
 
     def heartbeat_file(self, rank: int) -> str:
         return self._p("heartbeats", f"rank{rank}.json")

@@ -175,6 +175,8 @@ class Trainer:
         """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
         stop reason ("preempted", "timeout", "interrupted", "cancelled")."""
         resumed = self.checkpointer.restore()
+        if not resumed:  # a resume may change train.batch_size, and so the step count
+            self.cfg.check_profile_reaches(len(self.dataset))
         self._plan_epoch()
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
