@@ -9,8 +9,8 @@ Rank 0's heartbeat thread already reads every rank's file every ``dist.heartbeat
 read, :meth:`StragglerWatch.update` scores each training rank against the median of the others
 (``busy_s / median``). A rank above ``observe.straggler_ratio`` on every read that finds it
 training, for ``observe.straggler_window_s``, is named once per attempt: one log line (rank,
-node, ratio) and a line in ``RUN_DIR/stragglers.jsonl`` (``rundir/stragglers.py``). Nothing is added to the loop
-but the two clock reads, and nothing is written unless a rank is named.
+node, ratio) and a line in ``RUN_DIR/stragglers.jsonl`` (``rundir/stragglers.py``). Nothing is
+added to the loop but the two clock reads, and nothing is written unless a rank is named.
 
 The host clock sees a rank slowed by its host (data loading, CPU contention or throttling, a
 noisy neighbour) or by a GPU whose launch queue is full; a GPU that is slow on its own while the
