@@ -86,4 +86,7 @@ class Phases:
         ``busy_s``: the training step's own part (``observe/stragglers.py``)."""
         if step is not None:
             self.step = step
-        self.beat(self.step, self.current, None, busy_s)
+        if busy_s is None:
+            self.beat(self.step, self.current)
+        else:
+            self.beat(self.step, self.current, None, busy_s)

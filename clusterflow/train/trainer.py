@@ -79,7 +79,7 @@ class Trainer:
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
         self._first_step = True
-        self._step_mark = self._busy_until = 0.0
+        self._step_mark = self._busy_until = self._waited_mark = self._waited_until = 0.0
         # Rank 0's record of this attempt in time, for the goodput ledger.
         self.timeline = timeline_for(
             self.rank == 0, self.paths, attempt, self.phases, world_size=self.world
@@ -250,9 +250,11 @@ class Trainer:
         self.phases.step = self.state.global_step
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
-        # A step's own part (data, forward, backward before the last gradient sync), not the
-        # wait for slower peers: two clock reads a step, for the straggler watch.
+        # A step's own part (data, forward, backward before the last gradient sync) less its
+        # waits in the loss's collectives: not the wait for slower peers. A few clock reads a
+        # step, for the straggler watch.
         self._step_mark = self._busy_until = time.perf_counter()
+        self._waited_mark = self._waited_until = dist.waited_s()
         for items in self._loader():
             if micro == 0:
                 self.profile.begin(self.state.global_step + 1)
@@ -274,8 +276,9 @@ class Trainer:
             self._optimizer_step(batch)
             self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
-            self.phases.tick(self.state.global_step, self._busy_until - self._step_mark)
-            self._step_mark = time.perf_counter()
+            busy = self._busy_until - self._step_mark - (self._waited_until - self._waited_mark)
+            self.phases.tick(self.state.global_step, busy)
+            self._step_mark, self._waited_mark = time.perf_counter(), dist.waited_s()
             if self._first_step:
                 self._first_step = False
                 self.timeline.first_step(self.state.global_step)
@@ -365,7 +368,7 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
             if last_micro:
-                self._busy_until = time.perf_counter()
+                self._busy_until, self._waited_until = time.perf_counter(), dist.waited_s()
             weighted = loss * weight if weight != 1 else loss
             self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()
         self.guard.observe(loss)
