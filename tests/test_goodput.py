@@ -311,3 +311,31 @@ def test_plot_without_matplotlib_is_refused_in_one_line(resumed, tmp_path):
         "error: --plot needs matplotlib, which is not installed; pip install 'clusterflow[plot]'"
     )
     assert not (tmp_path / "g.png").exists()
+
+
+def test_a_sweep_dir_gives_one_ledger_per_member_that_started(tmp_path, capsys):
+    from clusterflow.manage.goodput import main
+
+    sweep = tmp_path / "sweep"
+    members = [{"name": "lr-0.1"}, {"name": "lr-0.2"}]
+    os.makedirs(sweep)
+    (sweep / "sweep.json").write_text(json.dumps({"version": 1, "members": members, "keys": []}))
+    _records(
+        sweep / "lr-0.1",
+        [{"attempt": 0, "started_at": 10.0, "source": "local", "world_size": 2}],
+        [
+            {
+                "attempt": 0,
+                "process_started_at": 9.0,
+                "first_step_at": 12.0,
+                "last_step": 4,
+                "written_at": 20.0,
+                "ended_at": 20.0,
+                "outcome": "completed",
+                "seconds": {"train": 8},
+            }
+        ],
+    )
+    assert main([str(sweep), "--json"]) == 0
+    (book,) = json.loads(capsys.readouterr().out)  # lr-0.2 has not started: no config.yaml
+    assert book["run_dir"].endswith("lr-0.1") and book["total"]["ratio"] == pytest.approx(8 / 11)
