@@ -115,11 +115,9 @@ class AttemptTimeline(NullTimeline):
         (TensorBoard and the trackers)."""
         self._write(fsync=True, ended_at=time.time(), outcome=outcome, last_step=step)
         try:
-            scalars = goodput.scalars(goodput.ledger(self.paths.root, running=False))
+            writer.scalars(goodput.scalars(goodput.ledger(self.paths.root, running=False)), step)
         except Exception as exc:  # noqa: BLE001 - a report must never hide how the run ended
-            log.warning("goodput not computed: %s", exc)
-            return
-        writer.scalars(scalars, step)
+            log.warning("goodput not reported: %s", exc)
 
 
 def timeline_for(
