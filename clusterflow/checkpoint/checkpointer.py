@@ -87,6 +87,7 @@ class Checkpointer:
         attempt: int = 0,
         tracker: phases.Phases | None = None,
         before_commit: Callable[[str], None] | None = None,
+        after_commit: Callable[[int], None] | None = None,
     ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(
@@ -118,6 +119,9 @@ class Checkpointer:
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
+        # Rank 0, with the step, once a checkpoint is committed (on the write thread when the
+        # save runs in the background): the attempt's timeline.
+        self.after_commit = after_commit or (lambda step: None)
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
@@ -286,6 +290,7 @@ class Checkpointer:
         if retry_of:
             rundir.write_status(self.paths, checkpoint_error=None)
         rundir.write_ledger(self.paths, meta["samples"])
+        self.after_commit(step)
         log.info(
             "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
             step,
@@ -473,6 +478,7 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         if path:
             rundir.write_ledger(self.paths, meta["samples"])
+            self.after_commit(step)
             log.info(
                 "checkpoint step %d committed at %s %s(%.2f s)",
                 step,

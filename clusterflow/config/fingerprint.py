@@ -212,6 +212,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "train.profile": (RESOURCE, "which steps are traced; not what they compute"),
     "checkpoint.keep_every_steps": (RESOURCE, "which checkpoints stay on disk"),
     "checkpoint.keep_best": (RESOURCE, "which checkpoints stay on disk"),
+    "observe.straggler_ratio": (RESOURCE, "which ranks are named slow; not what they compute"),
+    "observe.straggler_window_s": (RESOURCE, "which ranks are named slow; not what they compute"),
+    "cluster.exclude_stragglers": (RESOURCE, "which nodes a restart runs on"),
     "trackers.mlflow": (RESOURCE, "where the scalars are also sent; not what they are"),
     "trackers.wandb": (RESOURCE, "where the scalars are also sent; not what they are"),
 }

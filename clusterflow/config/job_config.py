@@ -25,6 +25,7 @@ from clusterflow.config.sections import (
     DataConfig,
     DistConfig,
     MiningConfig,
+    ObserveConfig,
     RunConfig,
     TaskConfig,
     TrackersConfig,
@@ -48,6 +49,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def __post_init__(self) -> None:
         world = self.cluster.world_size
@@ -130,6 +132,7 @@ SECTIONS: dict[str, type] = {
     "task": TaskConfig,
     "data": DataConfig,
     "trackers": TrackersConfig,
+    "observe": ObserveConfig,
 }
 
 

@@ -173,6 +173,11 @@ class ClusterConfig:
     srun_args: list[str] = doc(
         factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores]."
     )
+    exclude_stragglers: bool = doc(
+        False,
+        "When the next restart inside the allocation starts, leave out the nodes of ranks named "
+        "stragglers (RUN_DIR/stragglers.jsonl, observe.straggler_ratio); false: they stay.",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -341,6 +346,38 @@ class DistConfig:
             return None
         return (
             float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
+        )
+
+
+@dataclass
+class ObserveConfig:
+    """Watching the ranks while they train (docs/goodput.md)."""
+
+    straggler_ratio: float = doc(
+        1.2,
+        "Name a rank a straggler (in its log, status --ranks, the goodput ledger and "
+        "RUN_DIR/stragglers.jsonl) when its own part of a training step stays above this many "
+        "times the other ranks' median for observe.straggler_window_s; 0: off. Read from the "
+        "heartbeats by rank 0's heartbeat thread (needs dist.heartbeat_s > 0): no collective.",
+    )
+    straggler_window_s: float = doc(
+        60.0,
+        "How long a rank must stay above observe.straggler_ratio before it is named; at least "
+        "dist.heartbeat_s, so that more than one heartbeat decides.",
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            self.straggler_ratio == 0 or 1 < self.straggler_ratio <= 100,
+            "observe.straggler_ratio",
+            self.straggler_ratio,
+            "must be 0 (off) or above 1 and at most 100, e.g. 1.2 (20% slower than the median)",
+        )
+        _check(
+            0 <= self.straggler_window_s <= _YEAR_S,
+            "observe.straggler_window_s",
+            self.straggler_window_s,
+            f"must be between 0 and {_YEAR_S} seconds, e.g. 60",
         )
 
 

@@ -16,6 +16,7 @@ from clusterflow import rundir
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import liveness, ranks, sweep_status, verdict
+from clusterflow.observe import goodput
 from clusterflow.observe.trackers.state import received_steps
 from clusterflow.rundir import (
     cancel_marker,
@@ -243,6 +244,20 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
+def _goodput(run_dir: str, state: str) -> dict[str, Any] | None:
+    """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
+    Slurm's start and end times); None before any attempt recorded its time."""
+    book = goodput.ledger(run_dir, running=state == "running")
+    if not book["attempts"]:
+        return None
+    total = book["total"]
+    return {
+        "ratio": total["ratio"],
+        "productive_gpu_s": total["gpu_seconds"]["productive"],
+        "allocated_gpu_s": total["allocated_gpu_s"],
+    }
+
+
 def collect(run_dir: str) -> dict[str, Any]:
     paths = rundir.RunPaths(run_dir)
     if not os.path.isdir(run_dir):
@@ -317,6 +332,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "code": frozen_code.describe(run_dir, notes),
         "updated_at": st.get("updated_at"),
     }
+    out["goodput"] = _goodput(run_dir, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict
@@ -391,6 +407,12 @@ def render(s: dict[str, Any]) -> str:
                 f"graph        across ranks, {m['hooking_rounds']} hooking rounds; {m['engine']}"
             )
     lines += ranks.render(s)
+    g = s.get("goodput")
+    if g and g["ratio"] is not None:
+        lines.append(
+            f"goodput      {g['ratio']:.1%} of {g['allocated_gpu_s'] / 3600:.2f} GPU-h allocated "
+            f"went into training progress (clusterflow goodput {s['run_dir']})"
+        )
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
     if s["error"]:

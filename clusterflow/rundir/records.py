@@ -212,6 +212,7 @@ HEARTBEAT = Schema(
         "beats": INT,
         "progress_at": TIME,
         "step_time_s": NUMBER,
+        "busy_s": NUMBER,
         "heartbeat_s": NUMBER,
         **{k: INT for k in ("gpu_index",)},
         "gpu_name": TEXT,
