@@ -180,8 +180,11 @@ def report(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
 def current(paths: RunPaths) -> State | None:
     """The state transitions start from: the recorded one, except that a recorded cancel whose
     marker a resubmission removed counts as stopped (resumable)."""
-    recorded, _ = read_object(paths.status)
-    state = parse(recorded.get("state"))
+    return _standing(paths, read_object(paths.status)[0])
+
+
+def _standing(paths: RunPaths, record: dict[str, Any]) -> State | None:
+    state = parse(record.get("state"))
     if state is State.CANCELLED and not cancel_marker.is_cancelled(paths.root):
         return State.STOPPED
     return state
@@ -233,13 +236,13 @@ def _write(paths: RunPaths, move: Move | None, fsync: bool, fields: dict[str, An
     status.json empty: ``status`` then reports it as a damaged record and the next write
     replaces it; the checkpoints, the truth, are untouched."""
     with _STATUS_LOCK, _locked(paths.status):
+        record, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         if move is not None:
-            was = current(paths)
+            was = _standing(paths, record)
             if not allowed(was, move):
                 _log_refusal(paths, was, move)
                 return False
             fields = {**fields, "state": TARGET[move]}
-        record, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
         record.update(fields, updated_at=time.time())
         durable.write_atomic(
             paths.status, json.dumps(record, indent=1, sort_keys=True), fsync=fsync
