@@ -13,7 +13,7 @@ from conftest import REPO, run_cli, write_status_record
 
 from clusterflow import rundir
 from clusterflow.rundir import cancel_marker, states, transitions
-from clusterflow.rundir.states import State, StopReason
+from clusterflow.rundir.states import Cause, State, StopReason
 from clusterflow.rundir.transitions import Move
 
 # What each transition may follow, written out (from-state -> the moves it allows); the order of
@@ -106,6 +106,7 @@ def test_states_and_reasons_are_the_strings_the_records_hold():
     assert [f"{r}" for r in StopReason] == [
         "preempted", "timeout", "interrupted", "cancelled", "node_failure"
     ]  # fmt: skip
+    assert [f"{c}" for c in Cause] == ["error", "stall"]
     assert json.dumps({"s": State.RUNNING, "r": StopReason.TIMEOUT}) == (
         '{"s": "running", "r": "timeout"}'
     )

@@ -55,6 +55,13 @@ class StopReason(Name):
     NODE_FAILURE = "node_failure"  # a node's fault; the job requeued without that node
 
 
+class Cause(Name):
+    """The ``kind`` of an attempt's first cause (errors/first.attempt<A>.json)."""
+
+    ERROR = "error"  # an exception on a rank
+    STALL = "stall"  # the stall watchdog ended a rank that made no progress
+
+
 PENDING = State.PENDING
 RUNNING = State.RUNNING
 REQUEUED = State.REQUEUED
