@@ -30,7 +30,9 @@ from clusterflow.rundir import (
     lease,
     saved_config,
     states,
+    transitions,
 )
+from clusterflow.rundir.states import StopReason
 from clusterflow.tasks import Stopped, Task, load_task
 from clusterflow.train.preemption import REASONS, Preemption
 from clusterflow.train.trainer import Trainer
@@ -138,14 +140,12 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     attempt = int(dist.broadcast_object(attempt))
     setup_logging(paths, env.rank, attempt)
     if env.is_main:
-        rundir.write_status(
+        transitions.mark_started(
             paths,
-            state="running",
             job_id=env.job_id,
             world_size=env.world_size,
             hosts=sorted({p[0] for p in procs or []}),
             attempt=attempt,
-            error=None,
         )
     log.info(
         "rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
@@ -238,7 +238,7 @@ def _stopped_while_building(preemption: Preemption) -> str:
     """Collective. The stop reason all ranks agree on when a stop came while the task was built:
     the strongest any rank received ("preempted" where a rank stopped only because a peer did)."""
     strongest = dist.all_reduce_dict({"r": REASONS.index(preemption.reason())}, op="max")["r"]
-    reason = REASONS[int(strongest)] or "preempted"
+    reason = REASONS[int(strongest)] or StopReason.PREEMPTED
     log.warning("signal received (%s) while building the task: stopping, nothing trained", reason)
     return reason
 
@@ -281,7 +281,7 @@ def _end_cancelled(cfg: Config, env: DistEnv, environ: Mapping[str, str]) -> str
     the run dir released, outcome ``cancelled`` (the process exits 0)."""
     if env.is_main:
         paths = rundir.RunPaths(cfg.run.dir)
-        rundir.write_status(paths, state=states.CANCELLED, job_id=env.job_id)
+        transitions.mark_cancelled(paths, job_id=env.job_id)
         print(
             f"run {cfg.run.dir} was cancelled by the user ({paths.cancelled}): not training. "
             "Submitting the run again resumes it.",
@@ -362,7 +362,7 @@ def _record_failure(
 def _write_failed(paths: rundir.RunPaths, rank: int, f: failure.Failure, first: bool) -> None:
     """status.json says failed; the first cause also gives its error and exit status."""
     cause = {"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}
-    rundir.write_status(paths, state="failed", **cause)
+    transitions.mark_failed(paths, **cause)
 
 
 def _requeued_already(paths: rundir.RunPaths) -> bool:

@@ -28,6 +28,7 @@ from clusterflow.rundir import (
     saved_config,
     states,
     submissions,
+    transitions,
 )
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
@@ -164,7 +165,7 @@ def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     job_id = sbatch.submit(sbatch.job_folder(slurm_folder(cfg)), params, jobs.job_for(cfg))
     paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
-    rundir.write_status(paths, state="pending", job_id=job_id)
+    transitions.mark_submitted(paths, job_id=job_id)
     submissions.record_submission(cfg.run.dir, job_id)
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")

@@ -52,6 +52,8 @@ from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.observe.profiling import profile_for
 from clusterflow.observe.timeline import timeline_for
+from clusterflow.rundir import transitions
+from clusterflow.rundir.states import StopReason
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
@@ -182,7 +184,7 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:
         """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
-        stop reason ("preempted", "timeout", "interrupted", "cancelled")."""
+        stop reason (a ``StopReason``: preempted, timeout, interrupted, cancelled)."""
         t0 = time.monotonic()
         resumed = self.checkpointer.restore()
         if not resumed:  # a resume may change train.batch_size, and so the step count
@@ -210,7 +212,7 @@ class Trainer:
             self.paths,
             self.device.type == "cuda",
         )
-        self._status(state="running")
+        self._status(running=True)
         outcome = "failed"  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
@@ -459,7 +461,7 @@ class Trainer:
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round
                 # continues on restart.
-                reason = self.stop.agree() or "preempted"
+                reason = self.stop.agree() or StopReason.PREEMPTED
                 restore_rng(rng)
                 self._save(checkpointer.STOP)
                 return reason
@@ -531,7 +533,7 @@ class Trainer:
         }
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():
-            self._status(fsync=False, state="running")
+            self._status(fsync=False, running=True)
         self.timeline.progress(s.global_step)
 
     def _log_mining(self, s: dict[str, Any]) -> None:
@@ -601,7 +603,7 @@ class Trainer:
         return {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
 
     def _finish(self) -> None:
-        self._status(state="running")
+        self._status(running=True)
         self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
         # Under fsdp: the whole model, gathered (collective), so model.pt loads into the plain one.
         weights = parallel.full_state_dict(self.module) if self.sharded else None
@@ -614,16 +616,21 @@ class Trainer:
             durable.write_atomic(self.paths.model_ema, ema)
         dist.barrier()
 
-    def _status(self, fsync: bool = True, **fields: Any) -> None:
+    def _status(self, fsync: bool = True, running: bool = False, **fields: Any) -> None:
+        """Rank 0: the progress into status.json, with ``fields``; ``running`` says the attempt
+        goes on (a transition: refused after another writer ended the run)."""
         if self.rank == 0:
             s = self.state
-            rundir.write_status(
-                self.paths,
-                fsync=fsync,
-                epoch=s.epoch,
-                global_step=s.global_step,
-                step_in_epoch=s.step_in_epoch,
-                steps_per_epoch=self.steps_per_epoch,
-                phase=self.phases.current,
-                **{**self._logged, **fields},
-            )
+            progress = {
+                "epoch": s.epoch,
+                "global_step": s.global_step,
+                "step_in_epoch": s.step_in_epoch,
+                "steps_per_epoch": self.steps_per_epoch,
+                "phase": self.phases.current,
+                **self._logged,
+                **fields,
+            }
+            if running:
+                transitions.mark_running(self.paths, fsync=fsync, **progress)
+            else:
+                transitions.report(self.paths, fsync=fsync, **progress)
