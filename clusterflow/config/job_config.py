@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from clusterflow.config import fingerprint
 from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.sections import (
+    SECTIONS,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
@@ -120,20 +121,6 @@ class Config:
     @property
     def checkpoint_dir(self) -> str:
         return checkpoint_root(self.run.dir, self.checkpoint.dir)
-
-
-SECTIONS: dict[str, type] = {
-    "run": RunConfig,
-    "cluster": ClusterConfig,
-    "dist": DistConfig,
-    "train": TrainConfig,
-    "checkpoint": CheckpointConfig,
-    "mining": MiningConfig,
-    "task": TaskConfig,
-    "data": DataConfig,
-    "trackers": TrackersConfig,
-    "observe": ObserveConfig,
-}
 
 
 def checkpoint_root(run_dir: str, configured: str) -> str:
