@@ -70,6 +70,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from clusterflow.config.job_config import CHECKPOINTS
+from clusterflow.storage.names import MODEL
+
 
 @dataclass(frozen=True)
 class RunPaths:
@@ -86,7 +89,7 @@ class RunPaths:
 
     @property
     def checkpoints(self) -> str:
-        return self._p("checkpoints")
+        return self._p(CHECKPOINTS)
 
     @property
     def tb(self) -> str:
@@ -150,7 +153,7 @@ class RunPaths:
 
     @property
     def model(self) -> str:
-        return self._p("model.pt")
+        return self._p(MODEL)
 
     @property
     def model_ema(self) -> str:

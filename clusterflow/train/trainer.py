@@ -53,7 +53,7 @@ from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.observe.profiling import profile_for
 from clusterflow.observe.timeline import timeline_for
 from clusterflow.rundir import transitions
-from clusterflow.rundir.states import StopReason
+from clusterflow.rundir.states import State, StopReason
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
@@ -213,7 +213,7 @@ class Trainer:
             self.device.type == "cuda",
         )
         self._status(running=True)
-        outcome = "failed"  # what the trackers record when an exception ends the loop
+        outcome = State.FAILED  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
                 reason = self._train_epoch() or self._end_of_epoch()
@@ -221,7 +221,7 @@ class Trainer:
                     outcome = reason
                     return reason
             self._finish()
-            outcome = "completed"
+            outcome = State.COMPLETED
             return outcome
         finally:
             self.profile.close()
