@@ -4,6 +4,7 @@
 - ``states.py``: the run states and which of them are ended;
 - ``records.py``: status.json, attempts, stops, per-rank errors, and damage-proof readers;
 - ``first_error.py``: the attempt's first cause, recorded once;
+- ``restarts.py``: restarts inside a job's allocation, and the time each took to train again;
 - ``submissions.py``: which Slurm job holds the run now (submissions and attempts);
 - ``cancel_marker.py``: a user cancelled the run, for good;
 - ``lease.py``: one job per run dir;

@@ -50,6 +50,7 @@ from clusterflow.mining.stage import Miner, for_status
 from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.observe.profiling import profile_for
+from clusterflow.rundir import restarts
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
@@ -76,6 +77,8 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
+        # Rank 0 notes when its attempt's first step ends (rundir/restarts.py).
+        self._first_step_due = self.rank == 0
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
@@ -256,6 +259,9 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step(batch)
+            if self._first_step_due:
+                self._first_step_due = False
+                restarts.note_first_step(self.paths, self.attempt, self.state.global_step)
             self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
             self.phases.tick(self.state.global_step)
