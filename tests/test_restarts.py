@@ -23,7 +23,7 @@ from clusterflow.job.restarts import (
     plan,
 )
 from clusterflow.rundir import restarts
-from clusterflow.slurm import steps
+from clusterflow.slurm import outcome, steps
 
 KILLED = (1, "node2", "Killed")
 EXITED = (1, "node2", "Exited with exit code 1")
@@ -119,6 +119,16 @@ def test_srun_line_names_the_steps_nodes():
     ]
     with pytest.raises(ValueError):
         steps.srun_argv(["python", "-m", "x"], ["n1"], 1)
+
+
+def test_status_reads_the_newest_steps_report():
+    text = (
+        f"{steps.STEP_MARK}node1,node2 at 08:00:00\nsrun: error: node2: task 1: Killed\n"
+        f"{steps.STEP_MARK}node1,node3 at 08:00:09\nsrun: error: node1: task 0: Segmentation "
+        "fault\n"
+    )
+    assert outcome.first_task_failure(steps.last_step(text)) == (0, "node1", "Segmentation fault")
+    assert steps.last_step("srun: error: x") == "srun: error: x"
 
 
 def test_a_step_on_part_of_the_allocation_reads_its_own_nodes():

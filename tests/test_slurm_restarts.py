@@ -10,7 +10,8 @@ import signal
 import time
 
 import pytest
-from slurmjobs import live_status, sha256, status, submit, wait_gone, wait_until
+from conftest import run_cli
+from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_gone, wait_until
 
 from clusterflow import rundir
 from clusterflow.rundir import restarts
@@ -59,3 +60,22 @@ def test_a_rank_killed_mid_epoch_trains_again_in_the_same_job_on_the_spare(
     assert 0 < r["recovery_s"] < 60, r
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+
+
+def test_spares_beyond_the_partition_are_refused_before_anything_is_submitted(cluster, tmp_path):
+    d = str(tmp_path / "run")
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        *TWO_NODES,
+        "cluster.partition=low",
+        "cluster.spare_nodes=1",
+        env=env(),
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == (
+        "error: cluster.spare_nodes = 1: with cluster.nodes = 2 the job asks for 3 node(s) but "
+        "partition 'low' has 2; lower cluster.spare_nodes"
+    )
+    assert not os.path.exists(os.path.join(d, "status.json"))

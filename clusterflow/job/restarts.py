@@ -249,7 +249,10 @@ class Driver:
             nodes=list(p.nodes),
             left_out=list(p.left_out),
         )
-        rundir.write_status(self.paths, state=states.RUNNING, phase="restarting")
+        # The failed attempt's cause stays in its first-error record and in restarts.jsonl.
+        rundir.write_status(
+            self.paths, state=states.RUNNING, phase="restarting", error=None, exit_code=None
+        )
         out = f" ({', '.join(p.left_out)} left out)" if p.left_out else ""
         _say(
             f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "

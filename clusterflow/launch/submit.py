@@ -143,6 +143,12 @@ def check_cluster(cfg: Config) -> None:
                 f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); "
                 "lower cluster.nodes"
             )
+        if c.nodes + c.spare_nodes > nodes:
+            raise UserError(
+                f"cluster.spare_nodes = {c.spare_nodes}: with cluster.nodes = {c.nodes} the job "
+                f"asks for {c.nodes + c.spare_nodes} node(s) but partition {name!r} has "
+                f"{nodes}; lower cluster.spare_nodes"
+            )
 
 
 # -- the run directory -------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from clusterflow.rundir import (
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
+from clusterflow.slurm import steps as slurm_steps
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.sweeps import index as sweep_index
 
@@ -134,7 +135,8 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
             encoding="utf-8",
             errors="replace",
         ) as f:
-            return slurm_outcome.first_task_failure(f.read())
+            # a job that restarted inside its allocation: the newest srun step's report
+            return slurm_outcome.first_task_failure(slurm_steps.last_step(f.read()))
     except OSError:
         return None
 

@@ -19,6 +19,16 @@ from typing import Mapping, Sequence
 from clusterflow.dist.env import parse_nodelist
 from clusterflow.slurm import outcome
 
+# The line :func:`run_step` writes before each step, so that a reader of the batch output can
+# tell one step's srun messages from an earlier one's (:func:`last_step`).
+STEP_MARK = "clusterflow: srun step on "
+
+
+def last_step(text: str) -> str:
+    """The part of a batch output that the newest srun step wrote (all of it without marks)."""
+    at = text.rfind(STEP_MARK)
+    return text if at < 0 else text[at:]
+
 
 def allocation(environ: Mapping[str, str]) -> list[str]:
     """The job's nodes (SLURM_JOB_NODELIST), [] outside a job."""
@@ -61,6 +71,9 @@ def run_step(argv: Sequence[str], env: Mapping[str, str]) -> StepEnd:
     """Run one srun step to its end. srun's own stderr is passed on line by line (to the batch
     output, where it went before) and read for the first task it reports as failed."""
     started = time.time()
+    nodes = next((a.split("=", 1)[1] for a in argv if a.startswith("--nodelist=")), "?")
+    sys.stderr.write(f"{STEP_MARK}{nodes} at {time.strftime('%H:%M:%S')}\n")
+    sys.stderr.flush()
     proc = subprocess.Popen(
         list(argv), env=dict(env), stderr=subprocess.PIPE, text=True, errors="replace"
     )
