@@ -17,6 +17,10 @@ machine: on a shared machine a burst of someone else's work lands in one epoch, 
 the best run (mean of its E epochs) and the medians are printed beside it, and the load average
 before each run shows how busy the machine was.
 
+``--buckets`` adds a side with ``dist.fixed_buckets=false`` (DDP rebuilds its buckets after the
+first step instead of walking the autograd graph every step): "ratio clusterflow /
+rebuilt-buckets" is what fixed buckets (a bitwise resume with 3 or more ranks) cost a step.
+
 ``--heartbeats`` adds a third side, clusterflow with heartbeats and the stall watchdog off (the
 clusterflow side runs them every ``--heartbeat-s`` seconds): "ratio clusterflow / no-heartbeat" is
 what they cost a step.
@@ -150,7 +154,12 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
 
 
 def clusterflow_run(
-    a: argparse.Namespace, epochs: int, root: str, fsync: bool = False, heartbeats: bool = True
+    a: argparse.Namespace,
+    epochs: int,
+    root: str,
+    fsync: bool = False,
+    heartbeats: bool = True,
+    extra: tuple[str, ...] = (),
 ) -> tuple[list[float], list[float]]:
     """(seconds of each epoch after the first, the checkpoint/save_s values it logged) of one fresh
     clusterflow run."""
@@ -172,6 +181,7 @@ def clusterflow_run(
             if heartbeats
             else ["dist.heartbeat_s=0", "dist.stall_s=0"]
         ),
+        *extra,
     ]
     seconds = torchrun(
         a.nproc, [os.path.abspath(__file__), "--clusterflow", "configs/demo.yaml", *overrides]
@@ -199,6 +209,7 @@ def bare_run(a: argparse.Namespace, epochs: int) -> list[float]:
 def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float]]], list[float]]:
     """Per side, each run's epoch times; and the end-of-epoch save times clusterflow logged."""
     sides = ("clusterflow", "bare") + (("no-heartbeat",) if a.heartbeats else ())
+    sides += ("rebuilt-buckets",) if a.buckets else ()
     marginal: dict[str, list[list[float]]] = {side: [] for side in sides}
     saves: list[float] = []
     for r in range(a.repeats):
@@ -210,6 +221,9 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float
                 saves += s
             elif side == "no-heartbeat":  # heartbeats and the stall watchdog off, all else equal
                 seconds, _ = clusterflow_run(a, 1 + a.epochs, root, heartbeats=False)
+            elif side == "rebuilt-buckets":  # DDP rebuilds its buckets: no graph walk per step
+                extra = ("dist.fixed_buckets=false",)
+                seconds, _ = clusterflow_run(a, 1 + a.epochs, root, extra=extra)
             else:
                 seconds = bare_run(a, 1 + a.epochs)
             marginal[side].append(seconds)
@@ -276,6 +290,13 @@ def main() -> None:
         action="store_true",
         help="also run clusterflow with heartbeats and the stall watchdog "
         "off (dist.heartbeat_s=0 dist.stall_s=0), side by side: the ratio is their cost",
+    )
+    p.add_argument(
+        "--buckets",
+        action="store_true",
+        help="also run clusterflow with dist.fixed_buckets=false (DDP rebuilds its buckets "
+        "after the first step, no autograd-graph walk per step), side by side: the ratio is what "
+        "fixed buckets, and so a bitwise resume with 3+ ranks, cost",
     )
     p.add_argument(
         "--heartbeat-s",

@@ -1,4 +1,4 @@
-"""``clusterflow submit|run|status|logs|cancel|export ...``: the console script, the same as
+"""``clusterflow submit|run|status|logs|cancel|export|goodput ...``: the console script, the same as
 ``python -m clusterflow.<command>``."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ COMMANDS = {
     "logs": "clusterflow.manage.logs",
     "cancel": "clusterflow.manage.cancel",
     "export": "clusterflow.checkpoint.export",
+    "goodput": "clusterflow.manage.goodput",
 }
 
-USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export} ...
+USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput} ...
 
   clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait] [--sweep ...]
   clusterflow run    CONFIG.yaml [KEY=VALUE ...] [--check]
@@ -27,6 +28,7 @@ USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export} ...
   clusterflow cancel RUN_DIR|SWEEP_DIR
   clusterflow export RUN_DIR OUT [--step N] [--format pt|safetensors] [--dtype bf16|fp32]
                     [--weights model|ema] [--force]
+  clusterflow goodput RUN_DIR|SWEEP_DIR [--json] [--plot OUT.png]
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

@@ -61,6 +61,17 @@ def cli():
     return run_cli
 
 
+def write_status_record(run_dir, **fields):
+    """A status.json as a job left it (a fixture record: any state, any fields, as another
+    version or a hand could have written it); the package itself writes it only through
+    clusterflow/rundir/transitions.py."""
+    import json
+
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "status.json"), "w") as f:
+        json.dump(fields, f, indent=1, sort_keys=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_one_process_model(tmp_path_factory):
     """model.pt of an uninterrupted one-process run of configs/tiny.yaml on this machine: what

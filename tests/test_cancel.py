@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, write_status_record
 
 from clusterflow import rundir
 from clusterflow.errors import UserError
@@ -21,7 +21,7 @@ def make_run(path, state=None, job=None, source="slurm", **status):
     with open(os.path.join(d, "config.yaml"), "w") as f:
         f.write("run: {dir: x}\n")
     if state:
-        rundir.write_status(rundir.RunPaths(d), state=state, **status)
+        write_status_record(d, state=state, updated_at=time.time(), **status)
     if job:
         rundir.append_jsonl(
             rundir.RunPaths(d).attempts,

@@ -42,7 +42,9 @@ def commands():
 def test_submit_commands_in_docs_parse_and_validate(cli, page, command):
     """Every `clusterflow.submit` line of the docs resolves its config (run as --dry-run)."""
     words = shlex.split(command.split("#")[0])
-    args = words[words.index("clusterflow.submit") + 1 :]
-    args = [a for a in args if a not in ("--local", "--wait")]
-    out = cli("clusterflow.submit", *args, "--dry-run")
+    at = words.index("clusterflow.submit")
+    args = [a for a in words[at + 1 :] if a not in ("--local", "--wait")]
+    # the command's own PYTHONPATH=... (a task module beside the config): submit imports it
+    env = dict(w.split("=", 1) for w in words[:at] if w.startswith("PYTHONPATH="))
+    out = cli("clusterflow.submit", *args, "--dry-run", env=env or None)
     assert out.returncode == 0, f"{page}: {command}\n{out.stderr}"

@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 
 from clusterflow import rundir
 from clusterflow.manage import logs
-from clusterflow.rundir import lease
+from clusterflow.rundir import lease, transitions
 
 
 def make_run(tmp_path):
@@ -157,7 +157,7 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
     d = make_run(tmp_path)
     live_attempt(d, 0, "900")
     append(d, 0, 0, "first attempt starts\n")
-    rundir.write_status(rundir.RunPaths(d), state="running")
+    transitions.mark_running(rundir.RunPaths(d))
     proc = subprocess.Popen(
         [sys.executable, "-m", "clusterflow.logs", d, "-f"],
         cwd=REPO,
@@ -170,9 +170,8 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
         _expect(lines, "first attempt starts")
         append(d, 0, 0, "first attempt saves and is preempted\n")
         _expect(lines, "is preempted")
-        rundir.write_status(
-            rundir.RunPaths(d), state="requeued"
-        )  # not an end: the follower waits for the next attempt
+        # not an end: the follower waits for the next attempt
+        transitions.mark_requeued(rundir.RunPaths(d))
         time.sleep(1.0)
         assert proc.poll() is None
         live_attempt(d, 1, "900")
@@ -183,7 +182,7 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
             for s in seen
         )
         if end == "completed":
-            rundir.write_status(rundir.RunPaths(d), state="completed")
+            transitions.mark_completed(rundir.RunPaths(d))
         else:
             with open(os.path.join(d, "cancelled.json"), "w") as f:
                 f.write("{}")
@@ -192,7 +191,7 @@ def test_follow_switches_to_new_attempts_and_stops_when_the_run_ends(tmp_path, e
             time.sleep(2.0)
             append(d, 0, 1, "still training just after the cancel\n")
             _expect(lines, "still training")
-            rundir.write_status(rundir.RunPaths(d), state="cancelled")
+            transitions.mark_cancelled(rundir.RunPaths(d))
         append(d, 0, 1, "last line, written just after the final state\n")
         _expect(lines, "last line")
         assert proc.wait(timeout=30) == 0

@@ -2,6 +2,7 @@
 continue from their finished query blocks, and real 2-rank runs signalled or killed in the middle
 of a round, which end with the labels, stats and weights of an uninterrupted run."""
 
+import json
 import os
 import re
 
@@ -176,7 +177,7 @@ def weights(run_dir):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     runs = {}
-    for search_on in ("rank0", "all"):
+    for search_on in ("rank0", "all", "sharded"):
         d = str(tmp_path_factory.mktemp(search_on) / "run")
         assert launch.run(
             2, "configs/tiny.yaml", [f"run.dir={d}", *ROUND, f"mining.search={search_on}"], d
@@ -243,6 +244,20 @@ def test_a_signal_in_the_search_spread_over_every_rank(uninterrupted, tmp_path, 
     assert signalled(d, "all", "0:1:block:2:TERM", 2, monkeypatch) == [[0, 0]] * 2
     history = same_run(d, uninterrupted["all"])
     assert history[0]["resumed"] == {"embeddings": True, "search_blocks": 5}
+
+
+def test_a_stop_in_a_sharded_search_saves_and_stops(uninterrupted, tmp_path, monkeypatch):
+    """SIGTERM on rank 1 after its 2nd query block of a sharded round (a preemption's signal):
+    every rank stops at the next hop as on any other stop (exit 0, requeued), and the
+    resumed round searches only the blocks not yet finished."""
+    d = str(tmp_path / "run")
+    at = "0:1:block:2:TERM"
+    first = signalled(d, "sharded", at, 1, monkeypatch)
+    state = json.load(open(os.path.join(d, "status.json")))["state"]
+    assert first == [[0, 0]] and state == "requeued", (first, state)  # as a TERM elsewhere
+    assert signalled(d, "sharded", at, 1, monkeypatch) == [[0, 0]]
+    history = same_run(d, uninterrupted["sharded"])
+    assert history[0]["resumed"]["embeddings"] and history[0]["resumed"]["search_blocks"] >= 2
 
 
 def test_a_kill_during_the_embed_redoes_the_round(uninterrupted, tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ import os
 import re
 
 import launch
+from conftest import run_cli
 import pytest
 
 from clusterflow import config
@@ -40,3 +41,23 @@ def test_a_profile_naming_a_rank_the_run_does_not_have_is_refused():
     with pytest.raises(UserError, match=r"names rank 7 but the run has 2 rank\(s\)"):
         config.load("configs/tiny.yaml", ["train.profile=3-5@0,7", "cluster.tasks_per_node=2"])
     config.load("configs/tiny.yaml", ["train.profile=3-5@1", "cluster.tasks_per_node=2"])
+
+
+@pytest.mark.parametrize("command", ["clusterflow.submit", "clusterflow.run"])
+def test_a_window_past_the_last_step_is_refused_before_anything_is_written(tmp_path, command):
+    """tiny.yaml: 192 samples / 32 = 6 steps an epoch, 3 epochs: steps 1-18. A window from step
+    19 on would profile nothing."""
+    d = str(tmp_path / "run")
+    extra = ["--local"] if command == "clusterflow.submit" else ["--check"]
+    out = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=19-20")
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        "error: train.profile = '19-20': starts after the run's last step: 3 epoch(s) x 6 steps "
+        "(192 samples / train.batch_size 32) = 18 steps; profile steps within 1-18, e.g. 16-18"
+    ]
+    assert not os.path.exists(d)
+    ok = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=18-25")
+    assert ok.returncode == 0, ok.stdout + ok.stderr  # a window the run reaches: it is traced
+    assert command != "clusterflow.submit" or os.listdir(os.path.join(d, "profile")) == [
+        "rank0.attempt0.steps18-18.pt.trace.json"
+    ]

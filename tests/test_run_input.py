@@ -413,3 +413,89 @@ def test_sbatch_refusal_is_one_line(cluster, tmp_path):
         and "Invalid --begin specification" in line
     ), err
     assert err.strip() == line
+
+
+@pytest.mark.parametrize(
+    "param, shown",
+    [
+        (
+            "identities=1",
+            "task.params.identities = 1 is out of range for PseudoIDTask: must be >= 2",
+        ),
+        (
+            "temperature=0",
+            "task.params.temperature = 0 is out of range for PseudoIDTask: must be > 0",
+        ),
+        (
+            "keep=1.5",
+            "task.params.keep = 1.5 is out of range for PseudoIDTask: must be >= 0 and <= 1",
+        ),
+        ("noise=.nan", "task.params.noise = nan is out of range for PseudoIDTask: must be >= 0"),
+    ],
+)
+def test_a_task_param_out_of_its_declared_range_is_refused_at_submit(tmp_path, param, shown):
+    d = tmp_path / "r"
+    code, out, err = call(
+        submit.main, ["configs/tiny.yaml", "--local", f"run.dir={d}", f"task.params.{param}"]
+    )
+    assert code == 2 and one_error_line(err) == f"error: {shown}", err
+    assert not d.exists()  # refused before the run dir is written
+
+
+def test_a_users_task_declares_its_ranges_in_its_annotations(cli, tmp_path):
+    env = _task_module(
+        tmp_path,
+        "ranged",
+        "from typing import Annotated\n"
+        "from clusterflow.tasks import Range\n"
+        "from testtasks import Tiny\n"
+        "class T(Tiny):\n"
+        "    def __init__(self, seed=0, size: Annotated[int, Range(8, 64)] = 16,\n"
+        "                 dropout: Annotated[float, Range(0, 1, open_max=True)] = 0.0):\n"
+        "        super().__init__(seed, size=size)\n",
+    )
+    base = ["configs/tiny.yaml", *TINY, "task.target=ranged:T"]
+    for value, want in [
+        ("size=65", "task.params.size = 65 is out of range for T: must be >= 8 and <= 64"),
+        ("dropout=1", "task.params.dropout = 1 is out of range for T: must be >= 0 and < 1"),
+    ]:
+        out = cli(
+            "clusterflow.submit",
+            *base,
+            "--local",
+            f"run.dir={tmp_path}/r",
+            f"task.params.{value}",
+            env=env,
+        )
+        assert out.returncode == 2 and out.stderr.strip() == f"error: {want}", out.stderr
+        assert not (tmp_path / "r").exists()
+    out = cli(
+        "clusterflow.run", *base, f"run.dir={tmp_path}/r", "task.params.size=8", "--check", env=env
+    )
+    assert out.returncode == 0, out.stderr
+
+
+def test_a_warning_of_many_lines_is_one_line_on_the_console_and_whole_in_the_log(cli, tmp_path):
+    d = tmp_path / "r"
+    out = cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        *TINY,
+        "task.target=testtasks:WarnsInBuild",
+        "--local",
+        f"run.dir={d}",
+        env=TESTS_ENV,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    console = out.stdout + out.stderr
+    whole = str(d / "warnings" / "rank0.attempt0.txt")
+    said = [line for line in console.splitlines() if "long warning" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "WARNING clusterflow.warnings: UserWarning: first line of a long warning (the whole "
+        f"warning: {whole})"
+    ), console
+    assert "torch internals" not in console
+    assert said[0] in open(d / "logs" / "rank0.attempt0.log").read().splitlines()
+    kept = open(whole).read()
+    assert "first line of a long warning\nsecond line, torch internals\nthird line" in kept
+    assert "UserWarning at " in kept and "testtasks.py:" in kept  # where it was raised

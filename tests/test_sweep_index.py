@@ -3,8 +3,10 @@
 import json
 import os
 import textwrap
+import time
 
 import pytest
+from conftest import write_status_record
 
 from clusterflow import rundir
 from clusterflow.errors import UserError
@@ -133,7 +135,7 @@ def _member_run(run_dir, **st):
     with open(paths.config, "w") as f:
         f.write("run: {dir: x}\n")
     if st:
-        rundir.write_status(paths, **st)
+        write_status_record(run_dir, updated_at=time.time(), **st)
         rundir.record_attempt(paths, job_id=st.get("job_id"), source="slurm")
 
 

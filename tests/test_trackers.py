@@ -3,12 +3,14 @@ and W&B in offline mode. A run killed mid-epoch and resumed is one tracker run w
 each step once, with the values of metrics.jsonl."""
 
 import glob
+import http.server
 import json
 import os
 import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -22,6 +24,7 @@ from clusterflow.dist import free_port
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.run import _check_trackers
+from clusterflow.manage.status import collect, render
 from clusterflow.observe.metrics import read_metrics
 from clusterflow.observe.trackers import mlflow_run
 
@@ -165,6 +168,61 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_s
         assert {m.step: m.value for m in points} == {s: written[s][key] for s in at}, key
         assert at == [s for s in sorted(written) if key in written[s]], key
     assert run.data.tags["clusterflow.checkpoint"].startswith(f"step-{STEPS} ")
+    shown = collect(d)
+    assert shown["trackers"] == {"mlflow": STEPS} and "received no step" not in render(shown)
+
+
+@pytest.mark.parametrize(
+    "uri, why",
+    [
+        ("garbage://x", "scheme 'garbage' is not one MLflow tracks to"),
+        ("htp://127.0.0.1:5000", "scheme 'htp'"),
+        ("http://", "names no host"),
+        ("sqlite:/mlflow.db", "a SQLite URI is sqlite:///"),
+    ],
+)
+def test_an_mlflow_uri_mlflow_cannot_open_is_refused_at_submit(tmp_path, uri, why):
+    d = str(tmp_path / "run")
+    out = submit_local(d, f"trackers.mlflow.uri={uri}")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stdout + out.stderr
+    assert lines[0].startswith(f"error: trackers.mlflow.uri = {uri!r}: {why}"), lines
+    assert not os.path.exists(d)
+
+
+class _NotMlflow(http.server.BaseHTTPRequestHandler):
+    """A server that passes the health check and answers every MLflow call with an error: the
+    wrong service on the port, or a proxy in front of a dead one."""
+
+    def do_GET(self):  # noqa: N802 - the handler's protocol
+        self.send_response(200 if self.path.endswith("/health") else 500)
+        self.end_headers()
+        self.wfile.write(b"OK")
+
+    do_POST = do_GET  # noqa: N815
+
+    def log_message(self, *args):
+        pass
+
+
+def test_status_warns_about_a_tracker_that_never_received_a_step(tmp_path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotMlflow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    d = str(tmp_path / "run")
+    uri = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        out = submit_local(d, "cluster.tasks_per_node=1", f"trackers.mlflow.uri={uri}")
+    finally:
+        server.shutdown()
+    assert out.returncode == 0, out.stdout + out.stderr
+    shown = collect(d)
+    assert shown["trackers"] == {"mlflow": None}
+    warning = [line for line in render(shown).splitlines() if "received no step" in line]
+    assert warning == [
+        f"warning      tracker mlflow received no step of the {STEPS} trained: python -m "
+        f"clusterflow.logs {d} | grep 'tracker mlflow' says why (metrics.jsonl holds every point; "
+        "the next launch sends them once the tracker answers)"
+    ]
 
 
 def test_a_missing_tracker_server_is_refused_at_submit(tmp_path):

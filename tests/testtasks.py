@@ -490,3 +490,37 @@ class SeenShards(_Seen, ImageShardsTask):
     def __init__(self, seed=0, run_dir="", kill="", **params):
         super().__init__(seed, **params)
         self._seen_setup(run_dir, kill)
+
+
+class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
+    """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
+    SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""
+
+
+class WarnsInBuild(Tiny):
+    """Raises a warning of many lines while building its model, as torch's internals do."""
+
+    def build_model(self):
+        import warnings
+
+        warnings.warn(
+            "first line of a long warning\nsecond line, torch internals\nthird line",
+            UserWarning,
+        )
+        return super().build_model()
+
+
+class SlowRankKill(KillAtEnv):
+    """KillAtEnv that sleeps ``step_sleep`` seconds per loss call, ``slow_factor`` times as long on
+    rank ``slow_rank`` (-1: no rank is slower): a straggler on purpose, for the straggler watch
+    and the goodput ledger."""
+
+    def __init__(self, seed=0, step_sleep=0.1, slow_rank=-1, slow_factor=1.5, **params):
+        super().__init__(seed, **params)
+        self.step_sleep, self.slow_rank = float(step_sleep), int(slow_rank)
+        self.slow_factor = float(slow_factor)
+
+    def loss(self, model, batch, labels):
+        me = tdist.get_rank() if tdist.is_initialized() else 0
+        time.sleep(self.step_sleep * (self.slow_factor if me == self.slow_rank else 1.0))
+        return super().loss(model, batch, labels)

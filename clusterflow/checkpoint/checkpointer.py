@@ -56,6 +56,7 @@ from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
+from clusterflow.rundir import transitions
 from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
 from clusterflow.storage.store import CheckpointStore
@@ -87,6 +88,7 @@ class Checkpointer:
         attempt: int = 0,
         tracker: phases.Phases | None = None,
         before_commit: Callable[[str], None] | None = None,
+        after_commit: Callable[[int], None] | None = None,
     ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(
@@ -118,6 +120,9 @@ class Checkpointer:
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
+        # Rank 0, with the step, once a checkpoint is committed (on the write thread when the
+        # save runs in the background): the attempt's timeline.
+        self.after_commit = after_commit or (lambda step: None)
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.writes = BackgroundWrite()
         self.staging = None
@@ -204,7 +209,7 @@ class Checkpointer:
         if error:
             if dist.rank() == 0:
                 log.error("%s; the committed steps are untouched; the job stops", error)
-                rundir.write_status(self.paths, checkpoint_error=error)
+                transitions.report(self.paths, checkpoint_error=error)
             raise CheckpointWriteError(error)
 
     def _start_sharded(self, rngs: list[Any] | None) -> None:
@@ -284,8 +289,9 @@ class Checkpointer:
         except Exception as exc:  # noqa: BLE001 - every rank learns it
             return self._failure(step, exc)
         if retry_of:
-            rundir.write_status(self.paths, checkpoint_error=None)
+            transitions.report(self.paths, checkpoint_error=None)
         rundir.write_ledger(self.paths, meta["samples"])
+        self.after_commit(step)
         log.info(
             "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
             step,
@@ -343,7 +349,7 @@ class Checkpointer:
             message,
         )
         if dist.rank() == 0:
-            rundir.write_status(self.paths, checkpoint_error=message)
+            transitions.report(self.paths, checkpoint_error=message)
         return message
 
     def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
@@ -365,11 +371,11 @@ class Checkpointer:
                 )
                 self._last_write_s = self._commit(step, files, meta, "")
                 if retry_of:
-                    rundir.write_status(self.paths, checkpoint_error=None)
+                    transitions.report(self.paths, checkpoint_error=None)
             except Exception as exc:  # noqa: BLE001 - every rank learns it below
                 error = self._failure(step, exc)
                 log.error("%s; the committed steps are untouched; the job stops", error)
-                rundir.write_status(self.paths, checkpoint_error=error)
+                transitions.report(self.paths, checkpoint_error=error)
         error = dist.broadcast_object(error)  # instead of a barrier: every rank knows the outcome
         if error:
             raise CheckpointWriteError(error)
@@ -473,6 +479,7 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         if path:
             rundir.write_ledger(self.paths, meta["samples"])
+            self.after_commit(step)
             log.info(
                 "checkpoint step %d committed at %s %s(%.2f s)",
                 step,

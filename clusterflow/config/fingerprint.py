@@ -94,8 +94,14 @@ KEYS: dict[str, tuple[str, str]] = {
     "dist.stall_s": (RESOURCE, "when a rank that stopped moving ends the job; touches no weight"),
     "dist.find_unused_parameters": (
         RESOURCE,
-        "both values give the same gradients whenever both run; false "
-        "only refuses models with unused parameters",
+        "both values give the same gradients whenever both run (with dist.fixed_buckets, the "
+        "default, both keep DDP's first bucket layout); false only refuses models with unused "
+        "parameters",
+    ),
+    "dist.fixed_buckets": (
+        NUMERICS,
+        "whether DDP rebuilds its buckets after the first step decides the order in which ranks' "
+        "gradients are summed (with more than two ranks)",
     ),
     "dist.bucket_cap_mb": (
         NUMERICS,
@@ -211,6 +217,9 @@ KEYS: dict[str, tuple[str, str]] = {
     "train.profile": (RESOURCE, "which steps are traced; not what they compute"),
     "checkpoint.keep_every_steps": (RESOURCE, "which checkpoints stay on disk"),
     "checkpoint.keep_best": (RESOURCE, "which checkpoints stay on disk"),
+    "observe.straggler_ratio": (RESOURCE, "which ranks are named slow; not what they compute"),
+    "observe.straggler_window_s": (RESOURCE, "which ranks are named slow; not what they compute"),
+    "cluster.exclude_stragglers": (RESOURCE, "which nodes a restart runs on"),
     "trackers.mlflow": (RESOURCE, "where the scalars are also sent; not what they are"),
     "trackers.wandb": (RESOURCE, "where the scalars are also sent; not what they are"),
 }

@@ -25,6 +25,7 @@ from clusterflow.config.sections import (
     DataConfig,
     DistConfig,
     MiningConfig,
+    ObserveConfig,
     RunConfig,
     TaskConfig,
     TrackersConfig,
@@ -48,6 +49,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def __post_init__(self) -> None:
         world = self.cluster.world_size
@@ -83,6 +85,21 @@ class Config:
             "they all mount; use a path on a shared filesystem (or train.parallel=ddp)",
         )
 
+    def check_profile_reaches(self, samples: int) -> None:
+        """Refuse a ``train.profile`` window that starts after the run's last step (it would
+        profile nothing); ``samples``: the training set's size."""
+        window, t = self.train.profile_window, self.train
+        per_epoch = samples // t.batch_size
+        last = t.epochs * per_epoch
+        _check(
+            window is None or window[0] <= last,
+            "train.profile",
+            t.profile,
+            f"starts after the run's last step: {t.epochs} epoch(s) x {per_epoch} steps "
+            f"({samples} samples / train.batch_size {t.batch_size}) = {last} steps; profile "
+            f"steps within 1-{last}, e.g. {max(1, last - 2)}-{last}",
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """Sections by their config keys (``checkpoint.async``, not the field name ``async_``)."""
         data = dataclasses.asdict(self)
@@ -115,6 +132,7 @@ SECTIONS: dict[str, type] = {
     "task": TaskConfig,
     "data": DataConfig,
     "trackers": TrackersConfig,
+    "observe": ObserveConfig,
 }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,6 +185,11 @@ class ClusterConfig:
     srun_args: list[str] = doc(
         factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores]."
     )
+    exclude_stragglers: bool = doc(
+        False,
+        "When the next restart inside the allocation starts, leave out the nodes of ranks named "
+        "stragglers (RUN_DIR/stragglers.jsonl, observe.straggler_ratio); false: they stay.",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -295,6 +301,15 @@ class DistConfig:
         False, "DDP find_unused_parameters (needed when some parameters get no gradient)."
     )
     bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
+    fixed_buckets: bool = doc(
+        True,
+        "DDP keeps the gradient buckets it starts with instead of rebuilding them in the order "
+        "gradients became ready after its first step: every attempt then sums the ranks' "
+        "gradients in the same order, so a resumed run equals an uninterrupted one bit for bit "
+        "with 3 or more ranks. Costs one walk of the autograd graph per step (DDP's "
+        "find_unused_parameters); false: DDP's own rebuild (resume then differs in the last bits "
+        "with 3+ ranks).",
+    )
     sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
     heartbeat_s: float = doc(
         10.0,
@@ -355,6 +370,38 @@ class DistConfig:
             return None
         return (
             float(min(300, self.timeout_s // 2)) if self.stall_s == "auto" else float(self.stall_s)
+        )
+
+
+@dataclass
+class ObserveConfig:
+    """Watching the ranks while they train (docs/goodput.md)."""
+
+    straggler_ratio: float = doc(
+        1.2,
+        "Name a rank a straggler (in its log, status --ranks, the goodput ledger and "
+        "RUN_DIR/stragglers.jsonl) when its own part of a training step stays above this many "
+        "times the other ranks' median for observe.straggler_window_s; 0: off. Read from the "
+        "heartbeats by rank 0's heartbeat thread (needs dist.heartbeat_s > 0): no collective.",
+    )
+    straggler_window_s: float = doc(
+        60.0,
+        "How long a rank must stay above observe.straggler_ratio before it is named; at least "
+        "dist.heartbeat_s, so that more than one heartbeat decides.",
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            self.straggler_ratio == 0 or 1 < self.straggler_ratio <= 100,
+            "observe.straggler_ratio",
+            self.straggler_ratio,
+            "must be 0 (off) or above 1 and at most 100, e.g. 1.2 (20% slower than the median)",
+        )
+        _check(
+            0 <= self.straggler_window_s <= _YEAR_S,
+            "observe.straggler_window_s",
+            self.straggler_window_s,
+            f"must be between 0 and {_YEAR_S} seconds, e.g. 60",
         )
 
 
@@ -835,3 +882,34 @@ class TrackersConfig:
             _check(False, "trackers.wandb.project", "", "must be set to use W&B")
         if self.mlflow and not self.mlflow.get("uri"):
             _check(False, "trackers.mlflow.uri", "", "must be set to use MLflow")
+        if self.mlflow:
+            _check_mlflow_uri(self.mlflow["uri"])
+
+
+# The tracking-URI schemes MLflow's client opens (databases by their SQLAlchemy dialect).
+_MLFLOW_SCHEMES = ("", "file", "http", "https", "sqlite", "postgresql", "mysql", "mssql")
+
+
+def _check_mlflow_uri(uri: str) -> None:
+    """A tracking URI MLflow can open; anything else would track nothing, silently."""
+    parts = urllib.parse.urlsplit(uri)
+    scheme = parts.scheme.split("+")[0]  # postgresql+psycopg2://...
+    fix = "e.g. a directory, sqlite:///PATH/mlflow.db or http://HOST:5000"
+    if len(parts.scheme) == 1:  # a Windows drive letter: a directory
+        return
+    _check(
+        scheme in _MLFLOW_SCHEMES or scheme == "databricks",
+        "trackers.mlflow.uri",
+        uri,
+        f"scheme {parts.scheme!r} is not one MLflow tracks to "
+        f"({', '.join(s for s in _MLFLOW_SCHEMES if s)}, databricks); {fix}",
+    )
+    if scheme in ("http", "https"):
+        _check(bool(parts.hostname), "trackers.mlflow.uri", uri, f"names no host; {fix}")
+    if scheme == "sqlite":
+        _check(
+            uri.startswith("sqlite:///") and len(uri) > len("sqlite:///"),
+            "trackers.mlflow.uri",
+            uri,
+            f"a SQLite URI is sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH; {fix}",
+        )

@@ -40,6 +40,7 @@ from clusterflow.dist.comm import (
     scatter_object,
     shutdown,
     wait_all,
+    waited_s,
     world,
 )
 from clusterflow.dist.env import DistEnv, derive_port, free_port, parse_nodelist
@@ -78,5 +79,6 @@ __all__ = [
     "scatter_object",
     "shutdown",
     "wait_all",
+    "waited_s",
     "world",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import time
 from typing import Any, Iterator, Mapping, Sequence
 
 from clusterflow.dist.env import DistEnv
@@ -274,6 +275,17 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     return obj if mine else tree.unflatten(skeleton, received)
 
 
+# Host seconds spent inside the tensor collectives below (the losses' gathers): a step's wait
+# for its peers, which the straggler watch leaves out of a rank's own part of the step.
+_WAITED_S = [0.0]
+
+
+def waited_s() -> float:
+    """Host seconds this process has spent in :func:`all_gather_tensors` and
+    :func:`all_reduce_tensor` so far."""
+    return _WAITED_S[0]
+
+
 def all_gather_tensors(t: Any) -> list[Any]:
     """Every rank's ``t`` (same shape on each), in rank order."""
     if not initialized():
@@ -282,7 +294,9 @@ def all_gather_tensors(t: Any) -> list[Any]:
     import torch.distributed as tdist
 
     parts = [torch.empty_like(t) for _ in range(world())]
+    t0 = time.perf_counter()
     tdist.all_gather(parts, t.contiguous())
+    _WAITED_S[0] += time.perf_counter() - t0
     return parts
 
 
@@ -338,7 +352,9 @@ def all_reduce_tensor(t: Any) -> Any:
     if initialized():
         import torch.distributed as tdist
 
+        t0 = time.perf_counter()
         tdist.all_reduce(t)
+        _WAITED_S[0] += time.perf_counter() - t0
     return t
 
 

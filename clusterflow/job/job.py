@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import warnings
 from typing import Any, Mapping
 
 from clusterflow import dist, observe, rundir
@@ -29,7 +30,9 @@ from clusterflow.rundir import (
     lease,
     saved_config,
     states,
+    transitions,
 )
+from clusterflow.rundir.states import StopReason
 from clusterflow.tasks import Stopped, Task, load_task
 from clusterflow.train.preemption import REASONS, Preemption
 from clusterflow.train.trainer import Trainer
@@ -75,6 +78,33 @@ def setup_logging(paths: rundir.RunPaths, rank: int, attempt: int) -> None:
         sh.setFormatter(fmt)
         root.addHandler(sh)
     root.propagate = False
+    _warnings_to(paths.warnings_file(rank, attempt))
+
+
+# What torch appends to a warning raised in its C++ code: where, in torch's own sources.
+_TORCH_WHERE = " (Triggered internally at "
+_warned = logging.getLogger("clusterflow.warnings")
+
+
+def _warnings_to(whole_file: str) -> None:
+    """Python warnings (torch's included, whose text can run to many lines of its internals):
+    one line in the log (and so on rank 0's console), the whole warning with where it was raised
+    in ``whole_file``."""
+
+    def show(message: Any, category: type, filename: str, lineno: int, *_: Any) -> None:
+        text = str(message).strip()
+        first = (text.splitlines() or [""])[0].split(_TORCH_WHERE)[0]
+        try:
+            os.makedirs(os.path.dirname(whole_file), exist_ok=True)
+            with open(whole_file, "a") as f:
+                f.write(f"{category.__name__} at {filename}:{lineno}:\n{text}\n\n")
+        except OSError as exc:  # a full disk must not turn a warning into a failure
+            first += f" (not kept whole: {exc.strerror})"
+        _warned.warning(
+            "%s: %s (the whole warning: %s)", category.__name__, first[:300], whole_file
+        )
+
+    warnings.showwarning = show
 
 
 def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
@@ -111,14 +141,12 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     attempt = int(dist.broadcast_object(attempt))
     setup_logging(paths, env.rank, attempt)
     if env.is_main:
-        rundir.write_status(
+        transitions.mark_started(
             paths,
-            state="running",
             job_id=env.job_id,
             world_size=env.world_size,
             hosts=sorted({p[0] for p in procs or []}),
             attempt=attempt,
-            error=None,
         )
     log.info(
         "rank %d/%d on %s (%s, local rank %d, device %s), job %s attempt %d, master %s:%d",
@@ -211,7 +239,7 @@ def _stopped_while_building(preemption: Preemption) -> str:
     """Collective. The stop reason all ranks agree on when a stop came while the task was built:
     the strongest any rank received ("preempted" where a rank stopped only because a peer did)."""
     strongest = dist.all_reduce_dict({"r": REASONS.index(preemption.reason())}, op="max")["r"]
-    reason = REASONS[int(strongest)] or "preempted"
+    reason = REASONS[int(strongest)] or StopReason.PREEMPTED
     log.warning("signal received (%s) while building the task: stopping, nothing trained", reason)
     return reason
 
@@ -255,7 +283,7 @@ def _end_cancelled(cfg: Config, env: DistEnv, environ: Mapping[str, str]) -> str
     the run dir released, outcome ``cancelled`` (the process exits 0)."""
     if env.is_main:
         paths = rundir.RunPaths(cfg.run.dir)
-        rundir.write_status(paths, state=states.CANCELLED, job_id=env.job_id)
+        transitions.mark_cancelled(paths, job_id=env.job_id)
         print(
             f"run {cfg.run.dir} was cancelled by the user ({paths.cancelled}): not training. "
             "Submitting the run again resumes it.",
@@ -337,7 +365,7 @@ def _record_failure(
 def _write_failed(paths: rundir.RunPaths, rank: int, f: failure.Failure, first: bool) -> None:
     """status.json says failed; the first cause also gives its error and exit status."""
     cause = {"error": f"rank {rank}: {f.message}", "exit_code": f.code} if first else {}
-    rundir.write_status(paths, state="failed", **cause)
+    transitions.mark_failed(paths, **cause)
 
 
 def _requeued_already(paths: rundir.RunPaths) -> bool:

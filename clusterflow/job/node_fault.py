@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Iterator, Mapping
 
 from clusterflow import rundir
+from clusterflow.rundir import transitions
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
@@ -210,7 +211,7 @@ def _requeue(
             f", but Slurm did not take {fault.host} as excluded: the next attempt may land there"
         )
         log.error("%s", said)
-    rundir.write_status(paths, state="requeued", error=said)
+    transitions.mark_requeued(paths, error=said)
     return True
 
 

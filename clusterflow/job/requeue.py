@@ -19,7 +19,8 @@ from typing import Any, Mapping
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
-from clusterflow.rundir import cancel_marker
+from clusterflow.rundir import cancel_marker, transitions
+from clusterflow.rundir.states import State, StopReason
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
@@ -38,7 +39,7 @@ REQUEUE_MARKER_ENV = "CLUSTERFLOW_REQUEUE_MARKER"
 class Action:
     # what the job reports: completed, requeued, preempted, timeout, interrupted or cancelled
     outcome: str
-    state: str  # what status.json says
+    state: State  # what status.json says
     requeue: bool = False  # run `scontrol requeue` (on success: outcome and state "requeued")
     why: str = ""  # for the log line of a requeue
     error: str | None = None
@@ -59,25 +60,25 @@ def decide(
     environment has no scontrol); ``timeouts``: time-limit stops
     so far, this one included; ``limit``: cluster.max_timeout_requeues; ``interactive``: the job
     is an allocation made by ``salloc`` (Slurm requeues batch jobs only)."""
-    if outcome == "completed":
-        return Action("completed", "completed")
-    if outcome == "cancelled":
-        return Action("cancelled", "cancelled")
-    if outcome == "interrupted":  # the user stopped it here: nothing brings it back by itself
-        return Action("interrupted", "stopped")
+    if outcome == State.COMPLETED:
+        return Action(State.COMPLETED, State.COMPLETED)
+    if outcome == StopReason.CANCELLED:
+        return Action(StopReason.CANCELLED, State.CANCELLED)
+    if outcome == StopReason.INTERRUPTED:  # the user stopped it here: nothing brings it back
+        return Action(StopReason.INTERRUPTED, State.STOPPED)
     if slurm_state is None:  # nothing will bring the job back by itself
-        return Action(outcome, "stopped" if source == "submitit-local" else "requeued")
+        return Action(outcome, State.STOPPED if source == "submitit-local" else State.REQUEUED)
     if interactive:  # saved; the user runs the same command again
-        return Action("stopped", "stopped")
-    if outcome == "timeout":
+        return Action(State.STOPPED, State.STOPPED)
+    if outcome == StopReason.TIMEOUT:
         if timeouts > limit:
             return Action(
-                "timeout",
-                "stopped",
+                StopReason.TIMEOUT,
+                State.STOPPED,
                 error=f"time limit reached {timeouts} times (cluster.max_timeout_requeues="
                 f"{limit}); resume by submitting the same config again",
             )
-        return Action("timeout", "requeued", requeue=True, why="the time-limit signal")
+        return Action(StopReason.TIMEOUT, State.REQUEUED, requeue=True, why="the time-limit signal")
     # Slurm requeues a preempted job only if it is still running when the grace time ends; one that
     # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
     # runs (preemption, or a bare SIGTERM) it requeues itself. COMPLETING means a requeue is already
@@ -85,8 +86,8 @@ def decide(
     # Without scontrol the job cannot tell whether Slurm will bring it back: ask the batch script
     # outside to requeue it (an early exit after the save would otherwise end the job for good).
     if slurm_state in ("RUNNING", NO_SCONTROL):
-        return Action(outcome, "requeued", requeue=True, why="the preemption signal (SIGTERM)")
-    return Action(outcome, "stopped" if slurm_state == "CANCELLED" else "requeued")
+        return Action(outcome, State.REQUEUED, requeue=True, why="the preemption signal (SIGTERM)")
+    return Action(outcome, State.STOPPED if slurm_state == "CANCELLED" else State.REQUEUED)
 
 
 def after_stop(
@@ -102,26 +103,26 @@ def after_stop(
     # An array task is requeued as A_T: the bare array id would requeue every task of the array.
     job_id = (jobids.requeue_target(environ) or "") if env.source in ("slurm", "torchrun") else ""
     timeouts = 0
-    if outcome != "completed":
+    if outcome != State.COMPLETED:
         rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
-        timeouts = rundir.count_stops(paths, "timeout")
+        timeouts = rundir.count_stops(paths, StopReason.TIMEOUT)
     slurm_state, interactive = None, False
     if job_id:  # Slurm is asked only what the decision needs
-        slurm_state = slurm_commands.job_state(job_id) if outcome == "preempted" else ""
-        if outcome == "preempted" and not slurm_commands.available("scontrol"):
+        slurm_state = slurm_commands.job_state(job_id) if outcome == StopReason.PREEMPTED else ""
+        if outcome == StopReason.PREEMPTED and not slurm_commands.available("scontrol"):
             slurm_state = NO_SCONTROL
-        if outcome in ("preempted", "timeout"):
+        if outcome in (StopReason.PREEMPTED, StopReason.TIMEOUT):
             interactive = slurm_commands.is_batch(job_id) is False
     action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive)
     # The user's cancel wins over any requeue.
-    if outcome != "completed" and cancel_marker.is_cancelled(paths.root):
-        rundir.write_status(paths, state="cancelled")
+    if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths.root):
+        transitions.mark_cancelled(paths)
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome
     if action.requeue:
         return requeue(job_id, paths, action.why) or action.outcome
     if interactive:
-        rundir.write_status(paths, state="stopped")
+        transitions.mark_stopped(paths)
         log.warning(
             "stopped (%s) inside an interactive allocation (salloc), which Slurm does not "
             "requeue; the checkpoint is saved: run the same command again to resume: %s",
@@ -129,14 +130,12 @@ def after_stop(
             resume_command(),
         )
         return action.outcome
-    if outcome == "preempted" and slurm_state is not None:
+    if outcome == StopReason.PREEMPTED and slurm_state is not None:
         log.info(
             "job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state"
         )
-    rundir.write_status(
-        paths, state=action.state, **({"error": action.error} if action.error else {})
-    )
-    if outcome == "completed":
+    transitions.mark_ended(paths, action.state, error=action.error or None)
+    if outcome == State.COMPLETED:
         log.info("run completed; final weights in %s", paths.model)
     return action.outcome
 
@@ -165,7 +164,7 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
     out = slurm_commands.requeue(job_id)
     if out.missing:
         _mark_requeue_outside()
-        rundir.write_status(paths, state="requeued")
+        transitions.mark_requeued(paths)
         log.warning(
             "scontrol is not in this job's PATH (a container?): exiting with status %d after %s "
             "so that the batch script outside requeues job %s (slurm_templates/train.sbatch does)",
@@ -180,8 +179,8 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
             log.error("could not run scontrol requeue %s: %s", job_id, said)
         else:
             log.error("scontrol requeue %s failed: %s", job_id, said)
-        rundir.write_status(paths, state="stopped", error=f"scontrol requeue failed: {said}")
+        transitions.mark_stopped(paths, error=f"scontrol requeue failed: {said}")
         return ""
-    rundir.write_status(paths, state="requeued")
+    transitions.mark_requeued(paths)
     log.info("requeued job %s after %s", job_id, why)
     return "requeued"

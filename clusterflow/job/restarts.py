@@ -48,7 +48,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.dist.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
-from clusterflow.rundir import first_error, restarts, saved_config, states
+from clusterflow.rundir import first_error, restarts, saved_config, states, transitions
 from clusterflow.slurm import steps
 
 # Set for each step: "1" when a node fault in it restarts the job inside the allocation without
@@ -249,9 +249,14 @@ class Driver:
             nodes=list(p.nodes),
             left_out=list(p.left_out),
         )
-        # The failed attempt's cause stays in its first-error record and in restarts.jsonl.
-        rundir.write_status(
-            self.paths, state=states.RUNNING, phase="restarting", error=None, exit_code=None
+        # An attempt begins; the failed one's cause stays in its first-error record and in
+        # restarts.jsonl.
+        transitions.mark_started(
+            self.paths,
+            job_id,
+            world_size=len(p.nodes) * self.per_node,
+            hosts=list(p.nodes),
+            attempt=rundir.attempt_count(self.paths),
         )
         out = f" ({', '.join(p.left_out)} left out)" if p.left_out else ""
         _say(

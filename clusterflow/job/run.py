@@ -111,6 +111,7 @@ def _check_task(cfg: Config, world: int) -> int:
         print(f"error: {f.message}\n{f.trace}", file=sys.stderr)
         return f.code
     check_fits(n, cfg.train.batch_size, world * cfg.train.grad_accum, cfg.task.target)
+    cfg.check_profile_reaches(n)
     print(
         f"ok: {cfg.task.target} with {n} training samples, "
         f"{n // cfg.train.batch_size} steps per epoch, "

@@ -41,7 +41,8 @@ from clusterflow.errors import (
 )
 from clusterflow.launch import jobs
 from clusterflow.manage import logs
-from clusterflow.rundir import first_error, lease, states
+from clusterflow.rundir import first_error, lease, states, transitions
+from clusterflow.rundir.states import StopReason
 
 # The others may still end by themselves (and record their side) before they are stopped.
 GRACE_S = 3.0
@@ -173,7 +174,7 @@ class RankWatch:
             lease.check(self.run_dir, lease.identity())
         except lease.RunDirBusy:
             return why
-        rundir.write_status(paths, state="failed", error=why)
+        transitions.mark_failed(paths, error=why)
         return why
 
 
@@ -287,15 +288,15 @@ OUTCOMES = {
         "cancelled by the user at step {step}; submitting the run again resumes it",
         EXIT_OK,
     ),
-    "interrupted": (
+    StopReason.INTERRUPTED: (
         "stopped by Ctrl-C at step {step}, checkpoint saved; " + _RESUME,
         EXIT_INTERRUPTED,
     ),
-    "preempted": (
+    StopReason.PREEMPTED: (
         "stopped by SIGTERM at step {step}, checkpoint saved; " + _RESUME,
         EXIT_TERMINATED,
     ),
-    "timeout": (
+    StopReason.TIMEOUT: (
         "stopped at cluster.time_min at step {step}, checkpoint saved; " + _RESUME,
         EXIT_JOB_FAILED,
     ),

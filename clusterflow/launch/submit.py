@@ -29,6 +29,7 @@ from clusterflow.rundir import (
     saved_config,
     states,
     submissions,
+    transitions,
 )
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
@@ -183,7 +184,7 @@ def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     job_id = sbatch.submit(folder, params, jobs.job_for(cfg), python=prefix)
     paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
-    rundir.write_status(paths, state="pending", job_id=job_id)
+    transitions.mark_submitted(paths, job_id=job_id)
     submissions.record_submission(cfg.run.dir, job_id)
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
@@ -208,15 +209,30 @@ def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
     return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
 
 
-def check_can_shard(cfg: Config) -> None:
-    """``train.parallel=fsdp`` with a task that cannot be sharded fails here, not in the job. A
-    task whose module does not import here (a login node without its packages) is left to the
-    job's own check."""
+def check_task(cfg: Config) -> None:
+    """What the job would refuse about its task fails here, before anything is written: a
+    target that is not a task, ``task.params`` of the wrong name, type or declared range
+    (``tasks.Range``), ``train.parallel=fsdp`` with a task that cannot be sharded, and a
+    ``train.profile`` window past the run's last step (the training set's size gives the step
+    count: the task is built only then). A task whose module does not import here (a login
+    node without its packages or data) is left to the job's own checks."""
     try:
-        cls, _ = tasks.task_class(cfg.task.target, cfg.run.seed, dict(cfg.task.params))
-    except Exception:  # noqa: BLE001 - the job reports a task that does not load
+        cls, params = tasks.task_class(cfg.task.target, cfg.run.seed, dict(cfg.task.params))
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - the task's module needs what only the job has
         return
-    tasks.check_can_shard(cfg.task.target, cls)
+    if cfg.train.parallel == "fsdp":
+        tasks.check_can_shard(cfg.task.target, cls)
+    if not cfg.train.profile:
+        return
+    try:
+        samples = len(tasks.load_task(cfg.task.target, cfg.run.seed, params).train_dataset())
+    except UserError:
+        raise
+    except Exception:  # noqa: BLE001 - the job reports a task whose data does not load here
+        return
+    cfg.check_profile_reaches(samples)
 
 
 @cli
@@ -236,8 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     cfg = saved_config.load(args.config, args.overrides)
     preflight.check_paths(cfg)
-    if cfg.train.parallel == "fsdp":
-        check_can_shard(cfg)
+    check_task(cfg)
     trackers.check(cfg.trackers)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?

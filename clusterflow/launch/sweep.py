@@ -30,7 +30,14 @@ from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserE
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status, sweep_status
 from clusterflow.observe import trackers
-from clusterflow.rundir import cancel_marker, frozen_code, preflight, saved_config, submissions
+from clusterflow.rundir import (
+    cancel_marker,
+    frozen_code,
+    preflight,
+    saved_config,
+    submissions,
+    transitions,
+)
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
 from clusterflow.sweeps import index as sweep_index
@@ -178,7 +185,7 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
         for cfg, name in zip(configs, names):
             submissions.record_submission(cfg.run.dir, jobs[name])
-            rundir.write_status(rundir.RunPaths(cfg.run.dir), state="pending", job_id=jobs[name])
+            transitions.mark_submitted(rundir.RunPaths(cfg.run.dir), job_id=jobs[name])
             # A cancelled member is only here when its marker was deleted.
             cancel_marker.clear(cfg.run.dir)
         sweep_index.write_index(

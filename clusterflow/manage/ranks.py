@@ -3,7 +3,7 @@ the stall watchdog and ``slurm/outcome.py``.
 
 - ``ranks``: every rank's latest heartbeat of the last attempt (``observe.heartbeat.read_ranks``),
   with ages and the marks ``silent`` and ``straggler``; ``ranks_summary`` names the odd ones in
-  one line.
+  one line; ``stragglers``: the ranks named slow in the attempt (``rundir/stragglers.py``).
 - ``slurm``: once a failed or unfinished Slurm job has left the queue, sacct's verdict
   (OUT_OF_MEMORY, NODE_FAIL, TIMEOUT, CANCELLED, PREEMPTED, ...) or scontrol's, saying sacct was
   unavailable (``slurm.outcome.ask``, with timeouts).
@@ -15,7 +15,7 @@ from typing import Any
 
 from clusterflow import rundir
 from clusterflow.observe import heartbeat
-from clusterflow.rundir import saved_config, states
+from clusterflow.rundir import saved_config, states, stragglers
 from clusterflow.slurm import outcome as slurm_outcome
 
 DEFAULT_HEARTBEAT_S = 10.0
@@ -64,6 +64,9 @@ def extend(
             # A finished run's ranks are quiet by design; the ages still say when they stopped.
             r["silent"] = False
     out["ranks"] = rs
+    # The ranks rank 0 named slow for observe.straggler_window_s in this attempt.
+    attempt = last.get("attempt")
+    out["stragglers"] = stragglers.read(paths, attempt) if isinstance(attempt, int) else []
     out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
     job_id = str(out.get("job_id") or "")
     left_queue = queue == "" and job_id.replace("_", "").isdigit()
@@ -88,4 +91,12 @@ def table(out: dict[str, Any]) -> str:
         return "no heartbeats in this attempt (dist.heartbeat_s=0, or no rank has started yet)"
     text = heartbeat.render(out["ranks"])
     summary = heartbeat.summary(out["ranks"]) if out["state"] == "running" else None
-    return text + (f"\n{summary}" if summary else "")
+    named = [_named(g) for g in out.get("stragglers") or []]
+    return "\n".join([text, *([summary] if summary else []), *named])
+
+
+def _named(g: dict[str, Any]) -> str:
+    return (
+        f"straggler: rank {g['rank']} on {g['node']} at {g.get('ratio', 0):.2f}x the other "
+        f"ranks' median step time (named after {g.get('time', 0) - g.get('since', 0):.0f} s)"
+    )

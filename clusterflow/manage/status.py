@@ -16,6 +16,8 @@ from clusterflow import rundir
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import liveness, ranks, sweep_status, verdict
+from clusterflow.observe import goodput
+from clusterflow.observe.trackers.state import received_steps
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -106,6 +108,28 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
             paths.root, ""
         ), f"config.yaml is damaged ({why}); the next launch sets it aside"
     return join_checkpoints(paths.root, configured or ""), ""
+
+
+def _trackers(paths: rundir.RunPaths) -> dict[str, int | None]:
+    """Each configured tracker (config.yaml's trackers section, read as plain YAML) and the last
+    step it is known to have received (None: none)."""
+    data, _ = saved_config.read_plain(paths.root)
+    section = data.get("trackers") if isinstance(data.get("trackers"), dict) else {}
+    names = [name for name in ("mlflow", "wandb") if section.get(name)]
+    return received_steps(paths, names)
+
+
+def _tracker_lines(s: dict[str, Any]) -> list[str]:
+    """A warning for each tracker that received nothing although the run logged steps."""
+    if not s["global_step"]:
+        return []
+    return [
+        f"warning      tracker {name} received no step of the {s['global_step']} trained: "
+        f"python -m clusterflow.logs {s['run_dir']} | grep 'tracker {name}' says why "
+        "(metrics.jsonl holds every point; the next launch sends them once the tracker answers)"
+        for name, step in s["trackers"].items()
+        if step is None
+    ]
 
 
 def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[dict[str, Any]]:
@@ -223,6 +247,20 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
+def _goodput(run_dir: str, state: str) -> dict[str, Any] | None:
+    """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
+    Slurm's start and end times); None before any attempt recorded its time."""
+    book = goodput.ledger(run_dir, running=state == "running")
+    if not book["attempts"]:
+        return None
+    total = book["total"]
+    return {
+        "ratio": total["ratio"],
+        "productive_gpu_s": total["gpu_seconds"]["productive"],
+        "allocated_gpu_s": total["allocated_gpu_s"],
+    }
+
+
 def collect(run_dir: str) -> dict[str, Any]:
     paths = rundir.RunPaths(run_dir)
     if not os.path.isdir(run_dir):
@@ -290,6 +328,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "samples": _samples(paths, notes),
         "eval": st.get("eval", {}),
+        "trackers": _trackers(paths),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
@@ -297,6 +336,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "code": frozen_code.describe(run_dir, notes),
         "updated_at": st.get("updated_at"),
     }
+    out["goodput"] = _goodput(run_dir, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict
@@ -358,6 +398,7 @@ def render(s: dict[str, Any]) -> str:
         lines.append(f"note         {s['note']}")
     for d in s["damaged_records"]:
         lines.append(f"warning      {d}: ignored (the run carries on from its checkpoints)")
+    lines += _tracker_lines(s)
     if s["mining"]:
         m = s["mining"][-1]
         q = "".join(
@@ -387,6 +428,12 @@ def render(s: dict[str, Any]) -> str:
                 f"graph        across ranks, {m['hooking_rounds']} hooking rounds; {m['engine']}"
             )
     lines += ranks.render(s)
+    g = s.get("goodput")
+    if g and g["ratio"] is not None:
+        lines.append(
+            f"goodput      {g['ratio']:.1%} of {g['allocated_gpu_s'] / 3600:.2f} GPU-h allocated "
+            f"went into training progress (clusterflow goodput {s['run_dir']})"
+        )
     if s["last_loss"] is not None:
         lines.append(f"loss         {s['last_loss']:.4f}")
     if s["error"]:

@@ -51,6 +51,7 @@ from clusterflow.rundir.states import (
     PENDING,
     REQUEUED,
     RUNNING,
+    Cause,
 )
 
 _QUEUE_RUNNING = ("RUNNING", "COMPLETING", "CONFIGURING")
@@ -121,7 +122,7 @@ def decide(e: Evidence) -> Verdict:
     elif e.cancelled and state != COMPLETED:
         state = CANCELLED
     rec = e.first_error
-    if rec is not None and rec.get("kind") == "stall" and state in (FAILED, RUNNING):
+    if rec is not None and rec.get("kind") == Cause.STALL and state in (FAILED, RUNNING):
         facts = {k: rec.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
         return Verdict(state, first_error.headline(rec), facts, note)
     if state == FAILED:

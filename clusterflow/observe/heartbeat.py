@@ -53,9 +53,16 @@ class Progress:
 
     def __init__(self) -> None:
         self._state: tuple[int, int, str, float, float | None] = (0, 0, "", 0.0, None)
+        # (training steps with a busy time, their busy seconds): two adds per step.
+        self.busy: tuple[int, float] = (0, 0.0)
 
-    def bump(self, step: int, phase: str, step_time_s: float | None = None) -> None:
+    def bump(
+        self, step: int, phase: str, step_time_s: float | None = None, busy_s: float | None = None
+    ) -> None:
         self._state = (self._state[0] + 1, step, phase, time.monotonic(), step_time_s)
+        if busy_s is not None:
+            n, total = self.busy
+            self.busy = (n + 1, total + busy_s)
 
     def snapshot(self) -> tuple[int, int, str, float, float | None]:
         """(count, step, phase, monotonic time of the last bump, step time the loop passed or
@@ -94,6 +101,10 @@ class Heartbeat:
         self._last: tuple[int, float, str] | None = None
         self._step_time: float | None = None
         self._ranks: list[dict[str, Any]] = []
+        self._busy_at_write: tuple[int, float] = (0, 0.0)
+        self._busy_s: float | None = None
+        # Rank 0: called with every rank's records after each gather (the straggler watch).
+        self.watch: Callable[[list[dict[str, Any]]], None] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         os.makedirs(self.paths.heartbeats, exist_ok=True)
@@ -103,9 +114,15 @@ class Heartbeat:
             )
             self._thread.start()
 
-    def beat(self, step: int, phase: str = "train", step_time_s: float | None = None) -> None:
+    def beat(
+        self,
+        step: int,
+        phase: str = "train",
+        step_time_s: float | None = None,
+        busy_s: float | None = None,
+    ) -> None:
         """Called by the loop as often as it likes; costs a tuple and a clock read."""
-        self.progress.bump(step, phase, step_time_s)
+        self.progress.bump(step, phase, step_time_s, busy_s)
 
     def ranks(self) -> list[dict[str, Any]]:
         """Rank 0 with gather=True: every rank's latest record, as :func:`read_ranks` gives it."""
@@ -124,6 +141,7 @@ class Heartbeat:
         count, step, phase, at, passed = self.progress.snapshot()
         mono, wall = time.monotonic(), time.time()
         self._update_step_time(step, phase, at, passed)
+        self._update_busy()
         rec: dict[str, Any] = {
             "rank": self.rank,
             "host": self.host,
@@ -134,6 +152,7 @@ class Heartbeat:
             "beats": count,
             "progress_at": wall - (mono - at) if count else None,
             "step_time_s": self._step_time,
+            "busy_s": self._busy_s,
             "heartbeat_s": self.every_s,
         }
         if self.gpu is not None:
@@ -148,6 +167,15 @@ class Heartbeat:
         elif self._last and phase == "train" == self._last[2] and step > self._last[0]:
             self._step_time = (at - self._last[1]) / (step - self._last[0])
         self._last = (step, at, phase)
+
+    def _update_busy(self) -> None:
+        """Mean busy seconds per training step since the last write (kept when no step
+        passed)."""
+        n, total = self.progress.busy
+        n0, total0 = self._busy_at_write
+        if n > n0:
+            self._busy_s = (total - total0) / (n - n0)
+        self._busy_at_write = (n, total)
 
     def close(self) -> None:
         """Stop the thread and leave a last record (phase as the loop left it)."""
@@ -165,6 +193,8 @@ class Heartbeat:
                 self.write()
                 if self.gather:
                     self._ranks = read_ranks(self.run_dir, self.every_s)
+                    if self.watch is not None:
+                        self.watch(self._ranks)
             # A full disk or a flaky NFS must never end the run; retried next tick.
             except Exception:  # noqa: BLE001
                 pass

@@ -9,6 +9,8 @@ doing); this module only wires them to the config:
 - ``dist.heartbeat_s`` (0: off): each rank's RUN_DIR/heartbeats/rank<R>.json; rank 0 also reads
   every rank's file on its heartbeat thread and logs per-rank step time and per-GPU memory and
   utilisation to TensorBoard at log steps (no collective, nothing read on the loop's thread).
+- ``observe.straggler_ratio`` (0: off): rank 0's heartbeat thread names a rank that stays
+  slower than the others (``stragglers.py``); needs heartbeats.
 - ``dist.stall_s`` (0: off): the watchdog's limit. The mining search may take
   ``mining.timeout_s``; the ranks waiting for it wait longer (:func:`mining_wait_timeout_s`), so
   a search that hangs is named by rank 0's own watchdog, not by a waiting peer's timeout. The
@@ -29,6 +31,7 @@ from clusterflow import rundir
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.observe import nvml, phases
 from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
+from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.watchdog import (
     Watchdog,
     default_victim_grace_s,
@@ -115,6 +118,12 @@ class Observer:
             if d.heartbeat_s > 0
             else None
         )
+        o = cfg.observe
+        if self.heartbeat is not None and rank == 0 and o.straggler_ratio:
+            # On the heartbeat thread, after its read of every rank's file: no collective.
+            self.heartbeat.watch = StragglerWatch(
+                paths, attempt, o.straggler_ratio, o.straggler_window_s
+            ).update
         self.progress = self.heartbeat.progress if self.heartbeat is not None else Progress()
         limit = d.stall_limit_s
         self.watchdog = (

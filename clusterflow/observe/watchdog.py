@@ -41,6 +41,7 @@ from clusterflow import rundir
 from clusterflow.errors import EXIT_STALLED
 from clusterflow.observe.heartbeat import Progress
 from clusterflow.rundir import first_error
+from clusterflow.rundir.states import Cause
 from clusterflow.storage import durable
 
 WAIT_PATHS = (
@@ -156,7 +157,7 @@ class Watchdog:
                     self.rank,
                     msg,
                     host=self.host,
-                    kind="stall",
+                    kind=Cause.STALL,
                     **record,
                 )
             )

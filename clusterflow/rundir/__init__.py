@@ -1,8 +1,9 @@
 """The run directory: its file names, its records, who may use it, its saved config and code.
 
 - ``paths.py``: :class:`RunPaths`, the name of every file in a run dir (the layout is there);
-- ``states.py``: the run states and which of them are ended;
-- ``records.py``: status.json, attempts, stops, per-rank errors, and damage-proof readers;
+- ``states.py``: the run states and stop reasons, and which states are ended;
+- ``transitions.py``: the one writer of status.json: the state's transitions and their table;
+- ``records.py``: the records' schemas, attempts, stops, per-rank errors, damage-proof readers;
 - ``first_error.py``: the attempt's first cause, recorded once;
 - ``restarts.py``: restarts inside a job's allocation, and the time each took to train again;
 - ``submissions.py``: which Slurm job holds the run now (submissions and attempts);
@@ -12,7 +13,8 @@
 - ``frozen_code.py``: the task's code frozen at submission;
 - ``preflight.py``: are the run dir and the checkpoint dir usable, before anything is written.
 
-``from clusterflow import rundir`` then ``rundir.RunPaths(...)``, ``rundir.write_status(...)``.
+``from clusterflow import rundir`` then ``rundir.RunPaths(...)``; the state changes only by
+``transitions.mark_*`` (``from clusterflow.rundir import transitions``).
 """
 
 from clusterflow.rundir.paths import RunPaths
@@ -31,7 +33,6 @@ from clusterflow.rundir.records import (
     record_stop,
     write_error,
     write_ledger,
-    write_status,
 )
 
 __all__ = [
@@ -50,5 +51,4 @@ __all__ = [
     "record_stop",
     "write_error",
     "write_ledger",
-    "write_status",
 ]

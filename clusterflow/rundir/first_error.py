@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from clusterflow.rundir import records as rundir
+from clusterflow.rundir.states import Cause
 from clusterflow.storage import durable
 
 
@@ -31,7 +32,7 @@ def record(
     error: str,
     *,
     host: str | None = None,
-    kind: str = "error",
+    kind: Cause = Cause.ERROR,
     **extra: Any,
 ) -> bool:
     """Record ``error`` as this attempt's first cause. True when it won, False when a cause was
@@ -69,7 +70,7 @@ def read(run_dir: str, attempt: int, damaged: list[str] | None = None) -> dict[s
 def headline(rec: dict[str, Any]) -> str:
     """What `status` shows as ``error``: the message already names rank and host for a stall;
     other errors get them in front, the way `status` shows every rank's error."""
-    if rec.get("kind") == "stall":
+    if rec.get("kind") == Cause.STALL:
         return str(rec["error"])
     return f"rank {rec.get('rank')} on {rec.get('host')}: {rec.get('error')}"
 

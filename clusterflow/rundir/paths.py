@@ -31,7 +31,14 @@ Inside ``RUN_DIR``:
     errors/rank<R>.json           the exception that ended a rank, written by that rank
     errors/first.attempt<A>.json  the first cause of a failed attempt, written once (see
                                   first_error.py)
+    warnings/rank<R>.attempt<A>.txt
+                                  every Python warning of that rank and attempt (torch's too),
+                                  whole, with where it was raised; the log has one line each
     heartbeats/rank<R>.json       each rank's latest heartbeat (see ``observe/heartbeat.py``)
+    timeline/attempt<A>.json      when attempt A started, restored, trained its first step,
+                                  committed, ended, and its seconds per phase; rewritten by
+                                  rank 0 (see timeline.py; the goodput ledger reads it)
+    stragglers.jsonl              one line per rank named a straggler (see stragglers.py)
     stalls/attempt<A>/            stacks (rank<R>.stacks.txt) and flight recorder dumps of a
                                   stall (see ``observe/watchdog.py``)
     code/<version>/               the task's code frozen at submission; code/current.json names
@@ -172,6 +179,14 @@ class RunPaths:
         return self._p("heartbeats")
 
     @property
+    def timelines(self) -> str:
+        return self._p("timeline")
+
+    @property
+    def stragglers(self) -> str:
+        return self._p("stragglers.jsonl")
+
+    @property
     def code(self) -> str:
         return self._p("code")
 
@@ -196,8 +211,14 @@ class RunPaths:
     def first_error_file(self, attempt: int) -> str:
         return self._p("errors", f"first.attempt{attempt}.json")
 
+    def warnings_file(self, rank: int, attempt: int) -> str:
+        return self._p("warnings", f"rank{rank}.attempt{attempt}.txt")
+
     def heartbeat_file(self, rank: int) -> str:
         return self._p("heartbeats", f"rank{rank}.json")
+
+    def timeline_file(self, attempt: int) -> str:
+        return self._p("timeline", f"attempt{attempt}.json")
 
     def stalls(self, attempt: int) -> str:
         return self._p("stalls", f"attempt{attempt}")

@@ -1,5 +1,5 @@
-"""The small JSON records of a run dir that ``status`` reads: status.json (updated under a lock
-across processes), attempts.jsonl, stops.jsonl, errors/rank<R>.json; readers that survive a
+"""The small JSON records of a run dir that ``status`` reads: status.json (written only by
+``transitions.py``), attempts.jsonl, stops.jsonl, errors/rank<R>.json; readers that survive a
 damaged or half-written record.
 
 Every record has a declared schema here (field -> what it must be): a reader given one keeps the
@@ -10,18 +10,15 @@ committed checkpoints are the truth."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 from clusterflow.rundir.paths import RunPaths
-from clusterflow.rundir.states import STATES
+from clusterflow.rundir.states import STATES, StopReason
 from clusterflow.storage import durable
 
 # JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
@@ -213,6 +210,7 @@ HEARTBEAT = Schema(
         "beats": INT,
         "progress_at": TIME,
         "step_time_s": NUMBER,
+        "busy_s": NUMBER,
         "heartbeat_s": NUMBER,
         **{k: INT for k in ("gpu_index",)},
         "gpu_name": TEXT,
@@ -399,7 +397,7 @@ def count_stops(paths: RunPaths, reason: str) -> int:
 
 # The stops.jsonl reason of a requeue after a node failure; its line names the ``node`` and
 # whether Slurm took it as ``excluded``.
-NODE_FAILURE = "node_failure"
+NODE_FAILURE = StopReason.NODE_FAILURE
 
 
 def excluded_nodes(paths: RunPaths) -> list[str]:
@@ -411,45 +409,6 @@ def excluded_nodes(paths: RunPaths) -> list[str]:
             if r.get("reason") == NODE_FAILURE and r.get("excluded") and r.get("node")
         }
     )
-
-
-# The loop and the checkpoint writer's thread both update status.json.
-_STATUS_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _locked(target: str) -> Iterator[None]:
-    """An exclusive lock across processes (``target``.lock, flock): two failing ranks and the
-    --local watcher each read, update and replace status.json, and without it one of them can
-    replace the file with a copy read before another's update (a lost cause or exit code). Where
-    the filesystem has no locks, the update goes on without one."""
-    try:
-        fd = os.open(target + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
-
-
-def write_status(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
-    """Update fields of status.json. ``fsync=False`` for the training loop's progress (step, loss,
-    rate), where an fsync would cost milliseconds at log steps. A power loss right after such a
-    write loses that line, and on a filesystem that may commit a rename before the data (not
-    ext4's default) it can leave status.json empty: ``status`` then reports it as a damaged record
-    and the next write replaces it; the checkpoints, the truth, are untouched."""
-    with _STATUS_LOCK, _locked(paths.status):
-        current, _ = read_object(paths.status)  # a damaged one is replaced, never a reason to stop
-        current.update(fields, updated_at=time.time())
-        durable.write_atomic(
-            paths.status, json.dumps(current, indent=1, sort_keys=True), fsync=fsync
-        )
 
 
 def write_ledger(paths: RunPaths, record: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from clusterflow.errors import UserError
 
@@ -150,6 +151,70 @@ def sacct(job_id: str, fields: str, timeout_s: float) -> Result:
     """``sacct -j JOB -D -P -n --format=FIELDS``: the job and step rows of every attempt, with
     the fields ``|``-separated."""
     return run(["sacct", "-j", str(job_id), "-D", "-P", "-n", f"--format={fields}"], timeout_s)
+
+
+_ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "OUT_OF_ME",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "REQUEUED",
+)
+
+
+def slurm_time(text: str) -> float | None:
+    """Seconds since 1970 from Slurm's local ``YYYY-MM-DDTHH:MM:SS`` (None for Unknown, None,
+    an empty field)."""
+    try:
+        return time.mktime(time.strptime(text.strip(), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+
+
+def job_runs(job_id: str, timeout_s: float = 10) -> tuple[list[dict[str, Any]], str]:
+    """Each run of a job (a requeue starts another), oldest first: ``{"restart", "submit",
+    "start", "end", "state", "source"}``, and where they came from. ``sacct`` lists every run
+    (with slurmdbd); without it, ``scontrol show job`` knows the newest run while Slurm still
+    remembers the job (``restart`` from its Restarts; ``end`` only once it ended); ([], why)
+    when neither answers."""
+    out = sacct(job_id, "JobIDRaw,Submit,Start,End,State", timeout_s)
+    if out.ok and out.stdout.strip():
+        rows = [line.split("|") for line in out.stdout.splitlines() if line.count("|") >= 4]
+        runs = [r for r in rows if r[0] == str(job_id)]
+        return [
+            {
+                "restart": i,
+                "submit": slurm_time(r[1]),
+                "start": slurm_time(r[2]),
+                "end": slurm_time(r[3]),
+                "state": r[4].split()[0] if r[4] else "",
+                "source": "sacct",
+            }
+            for i, r in enumerate(runs)
+        ], "sacct"
+    fields = job_fields(job_id, timeout_s)
+    if not fields:
+        return [], f"sacct: {out.why() or 'no rows'}; scontrol does not know job {job_id}"
+    state = fields.get("JobState", "")
+    try:
+        restart = int(fields.get("Restarts", "0"))
+    except ValueError:
+        restart = 0
+    return [
+        {
+            "restart": restart,
+            "submit": slurm_time(fields.get("SubmitTime", "")),
+            "start": slurm_time(fields.get("StartTime", "")),
+            "end": slurm_time(fields.get("EndTime", "")) if state.startswith(_ENDED) else None,
+            "state": state,
+            "source": "scontrol",
+        }
+    ], "scontrol"
 
 
 # -- scancel -----------------------------------------------------------------------------------

@@ -32,6 +32,10 @@ and optionally:
   ``data.persistent_workers`` also in each DataLoader worker, on its own copy of the task, when
   the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
 
+A parameter's valid values can be declared in its annotation with :class:`Range`
+(``identities: Annotated[int, Range(min=2)] = 100``): ``submit`` refuses a value outside it, with
+the range, before anything is written, as it refuses a value of the wrong type.
+
 A task whose construction takes long (scanning a large folder) calls :func:`check_stop` now and
 then: while ``load_task`` builds it, a stop signal (preemption, time limit, cancel) raises
 :class:`Stopped` there, and the job ends before its first step instead of after the scan.
@@ -41,12 +45,38 @@ See docs/tasks.md for a complete example.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
+import math
 import typing
 from typing import Any, Callable
 
 from clusterflow.errors import TaskError, UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric task parameter takes, declared in its annotation, e.g.
+    ``keep: Annotated[float, Range(0, 1)]`` or ``temperature: Annotated[float, Range(0,
+    open_min=True)]`` (> 0). ``min``/``max``: None for no bound; a NaN is never in range."""
+
+    min: float | None = None
+    max: float | None = None
+    open_min: bool = False
+    open_max: bool = False
+
+    def holds(self, value: float) -> bool:
+        if isinstance(value, float) and math.isnan(value):
+            return False
+        low = self.min is None or (value > self.min if self.open_min else value >= self.min)
+        high = self.max is None or (value < self.max if self.open_max else value <= self.max)
+        return low and high
+
+    def __str__(self) -> str:
+        low = None if self.min is None else f"{'>' if self.open_min else '>='} {self.min:g}"
+        high = None if self.max is None else f"{'<' if self.open_max else '<='} {self.max:g}"
+        return " and ".join(b for b in (low, high) if b) or "any number"
 
 
 class Stopped(Exception):
@@ -225,12 +255,14 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
             f"task.params for {target}: {exc}; its parameters: {', '.join(names) or 'none'}"
         ) from None
     try:
-        hints = typing.get_type_hints(cls.__init__ if isinstance(cls, type) else cls)
+        hints = typing.get_type_hints(
+            cls.__init__ if isinstance(cls, type) else cls, include_extras=True
+        )
     except Exception:  # noqa: BLE001 - annotations we cannot resolve are simply not checked
         hints = {}
     out = dict(params)
     for name, value in params.items():
-        tp = hints.get(name)
+        tp, ranges = _annotation(hints.get(name))
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if tp is int and isinstance(value, float) and value.is_integer():
             out[name] = int(value)
@@ -247,4 +279,17 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
                 f"task.params.{name} = {value!r} is invalid for "
                 f"{getattr(cls, '__name__', target)}: expected {_KINDS[tp]}"
             )
+        for r in ranges if number else ():
+            if not r.holds(value):
+                raise UserError(
+                    f"task.params.{name} = {value!r} is out of range for "
+                    f"{getattr(cls, '__name__', target)}: must be {r}"
+                )
     return out
+
+
+def _annotation(hint: Any) -> tuple[Any, list[Range]]:
+    """(the type, the declared ranges) of a parameter's annotation."""
+    if typing.get_origin(hint) is typing.Annotated:
+        return hint.__origin__, [m for m in hint.__metadata__ if isinstance(m, Range)]
+    return hint, []

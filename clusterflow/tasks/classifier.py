@@ -9,14 +9,14 @@ computed, so the numbers are those of the whole eval set, whatever the number of
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import Task
+from clusterflow.tasks import Range, Task
 from clusterflow.tasks.pseudo_id import Encoder, SyntheticIdentities
 
 
@@ -56,39 +56,27 @@ class ClassifierTask(Task):
     def __init__(
         self,
         seed: int = 0,
-        identities: int = 100,
-        samples_per_identity: int = 20,
-        imbalance: float = 1.0,
+        identities: Annotated[int, Range(2)] = 100,
+        samples_per_identity: Annotated[int, Range(2)] = 20,
+        imbalance: Annotated[float, Range(1)] = 1.0,
         class_weights: str = "none",
-        label_smoothing: float = 0.0,
+        label_smoothing: Annotated[float, Range(0, 1, open_max=True)] = 0.0,
         train_backbone: bool = True,
-        eval_samples_per_identity: int = 4,
-        input_dim: int = 64,
-        id_dim: int = 8,
-        nuisance_dim: int = 16,
-        nuisance_scale: float = 1.5,
-        noise: float = 0.1,
-        hidden: int = 128,
-        embed_dim: int = 32,
-        keep: float = 0.5,
+        eval_samples_per_identity: Annotated[int, Range(1)] = 4,
+        input_dim: Annotated[int, Range(2)] = 64,
+        id_dim: Annotated[int, Range(1)] = 8,
+        nuisance_dim: Annotated[int, Range(0)] = 16,
+        nuisance_scale: Annotated[float, Range(0)] = 1.5,
+        noise: Annotated[float, Range(0)] = 0.1,
+        hidden: Annotated[int, Range(1)] = 128,
+        embed_dim: Annotated[int, Range(2)] = 32,
+        keep: Annotated[float, Range(0, 1)] = 0.5,
     ) -> None:
         self.seed = seed
         if class_weights not in ("none", "balanced"):
             raise UserError(
                 f"task.params.class_weights = {class_weights!r}; use 'none' or 'balanced'"
             )
-        checks = {
-            "identities": identities >= 2,
-            "samples_per_identity": samples_per_identity >= 2,
-            "imbalance": imbalance >= 1,
-            "label_smoothing": 0 <= label_smoothing < 1,
-            "eval_samples_per_identity": eval_samples_per_identity >= 1,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise UserError(
-                    f"task.params.{name} = {locals()[name]!r} is out of range for ClassifierTask"
-                )
         self.classes = identities
         self.counts = long_tail_counts(identities, samples_per_identity, imbalance)
         self.data_args = dict(

@@ -17,15 +17,14 @@ never on which rank draws it, so 1 and N processes see the same data.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from clusterflow.errors import UserError
-from clusterflow.tasks import Task
+from clusterflow.tasks import Range, Task
 from clusterflow.tasks.losses import supcon_loss
 
 
@@ -132,37 +131,19 @@ class PseudoIDTask(Task):
     def __init__(
         self,
         seed: int = 0,
-        identities: int = 100,
-        samples_per_identity: int = 20,
-        input_dim: int = 64,
-        id_dim: int = 8,
-        nuisance_dim: int = 16,
-        nuisance_scale: float = 1.5,
-        noise: float = 0.1,
-        hidden: int = 128,
-        embed_dim: int = 32,
-        temperature: float = 0.1,
-        keep: float = 0.5,
+        identities: Annotated[int, Range(2)] = 100,
+        samples_per_identity: Annotated[int, Range(2)] = 20,
+        input_dim: Annotated[int, Range(2)] = 64,
+        id_dim: Annotated[int, Range(1)] = 8,
+        nuisance_dim: Annotated[int, Range(0)] = 16,
+        nuisance_scale: Annotated[float, Range(0)] = 1.5,
+        noise: Annotated[float, Range(0)] = 0.1,
+        hidden: Annotated[int, Range(1)] = 128,
+        embed_dim: Annotated[int, Range(2)] = 32,
+        temperature: Annotated[float, Range(0, open_min=True)] = 0.1,
+        keep: Annotated[float, Range(0, 1)] = 0.5,
     ) -> None:
         self.seed = seed
-        checks = {
-            "identities": identities >= 2,
-            "samples_per_identity": samples_per_identity >= 2,
-            "input_dim": input_dim >= 2,
-            "id_dim": id_dim >= 1,
-            "nuisance_dim": nuisance_dim >= 0,
-            "hidden": hidden >= 1,
-            "embed_dim": embed_dim >= 2,
-            "temperature": temperature > 0,
-            "noise": noise >= 0,
-            "nuisance_scale": nuisance_scale >= 0,
-            "keep": 0 <= keep <= 1,
-        }
-        for name, ok in checks.items():
-            if not ok:
-                raise UserError(
-                    f"task.params.{name} = {locals()[name]!r} is out of range for PseudoIDTask"
-                )
         self.data_args = dict(
             identities=identities,
             samples_per_identity=samples_per_identity,

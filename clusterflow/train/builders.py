@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,9 @@ from clusterflow.storage.store import MANIFEST
 from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
+
+# DDP's once-per-process note when find_unused_parameters found every parameter used.
+_NONE_UNUSED = "find_unused_parameters=True was specified in DDP constructor, but did not find"
 
 
 def lr_multiplier(rule: str, world: int) -> float:
@@ -54,11 +58,23 @@ def build_model(
         return module, module
     if world == 1:
         return module, module
-    return module, DDP(
+    return module, _ddp(module, device, cfg.dist)
+
+
+def _ddp(module: torch.nn.Module, device: torch.device, d: Any) -> DDP:
+    """DDP over ``module``; ``d``: the dist section. DDP rebuilds its buckets once, after an
+    attempt's first step, in the order gradients became ready; the layout decides in which order
+    ranks' gradients are summed (with 3+ ranks), so a resumed attempt's first step would sum
+    differently from the uninterrupted run's same step. DDP never rebuilds when it looks for
+    unused parameters: ``dist.fixed_buckets`` asks for that, and silences DDP's note that none
+    were found (looking is the point)."""
+    if d.fixed_buckets and not d.find_unused_parameters:
+        warnings.filterwarnings("ignore", message=_NONE_UNUSED, category=UserWarning)
+    return DDP(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=cfg.dist.find_unused_parameters,
-        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+        find_unused_parameters=d.find_unused_parameters or d.fixed_buckets,
+        bucket_cap_mb=d.bucket_cap_mb,
     )
 
 

@@ -25,6 +25,7 @@ import time
 from typing import Any, Callable
 
 from clusterflow import dist
+from clusterflow.rundir.states import StopReason
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 HANDLED = (signal.SIGTERM, signal.SIGINT, *TIMEOUT_SIGNALS)
@@ -33,13 +34,19 @@ HANDLED = (signal.SIGTERM, signal.SIGINT, *TIMEOUT_SIGNALS)
 AGREE_EVERY_S = 0.2
 # By strength: the agreed reason is the strongest any rank received. A user's interrupt or cancel
 # beats a requeue; a time-limit signal upgrades a plain SIGTERM.
-REASONS = ("", "preempted", "timeout", "interrupted", "cancelled")
+REASONS = (
+    "",
+    StopReason.PREEMPTED,
+    StopReason.TIMEOUT,
+    StopReason.INTERRUPTED,
+    StopReason.CANCELLED,
+)
 # What the log says when the loop stops for each reason.
 WHY = {
-    "preempted": "SIGTERM received",
-    "timeout": "time-limit signal received",
-    "interrupted": "interrupted (SIGINT, Ctrl-C)",
-    "cancelled": "cancelled by the user (clusterflow cancel)",
+    StopReason.PREEMPTED: "SIGTERM received",
+    StopReason.TIMEOUT: "time-limit signal received",
+    StopReason.INTERRUPTED: "interrupted (SIGINT, Ctrl-C)",
+    StopReason.CANCELLED: "cancelled by the user (clusterflow cancel)",
 }
 
 
@@ -47,8 +54,8 @@ def _reason_of(signum: int | None) -> str:
     if signum is None:
         return ""
     if signum == signal.SIGINT:
-        return "interrupted"
-    return "timeout" if signum in TIMEOUT_SIGNALS else "preempted"
+        return StopReason.INTERRUPTED
+    return StopReason.TIMEOUT if signum in TIMEOUT_SIGNALS else StopReason.PREEMPTED
 
 
 class Preemption:
@@ -113,7 +120,7 @@ class Preemption:
 
     def reason(self) -> str:
         if self._cancel_requested():
-            return "cancelled"
+            return StopReason.CANCELLED
         return _reason_of(self.signum)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -50,7 +51,9 @@ from clusterflow.mining.stage import Miner, for_status
 from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.observe.profiling import profile_for
-from clusterflow.rundir import restarts
+from clusterflow.observe.timeline import timeline_for
+from clusterflow.rundir import restarts, transitions
+from clusterflow.rundir.states import StopReason
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
@@ -77,8 +80,12 @@ class Trainer:
         self.rank, self.world = dist.rank(), dist.world()
         self.paths = rundir.RunPaths(cfg.run.dir)
         self.phases = phases.Phases()
-        # Rank 0 notes when its attempt's first step ends (rundir/restarts.py).
-        self._first_step_due = self.rank == 0
+        self._first_step = True
+        self._step_mark = self._busy_until = self._waited_mark = self._waited_until = 0.0
+        # Rank 0's record of this attempt in time, for the goodput ledger.
+        self.timeline = timeline_for(
+            self.rank == 0, self.paths, attempt, self.phases, world_size=self.world
+        )
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         self.module, self.model = builders.build_model(cfg, task, device, self.world)
@@ -121,6 +128,7 @@ class Trainer:
             attempt,
             self.phases,
             before_commit=self._before_commit,
+            after_commit=self.timeline.committed,
         )
         self.guard = FiniteGuard(device, t, self.checkpointer.committed_steps)
         self.miner = Miner(
@@ -176,8 +184,13 @@ class Trainer:
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:
         """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
-        stop reason ("preempted", "timeout", "interrupted", "cancelled")."""
+        stop reason (a ``StopReason``: preempted, timeout, interrupted, cancelled)."""
+        t0 = time.monotonic()
         resumed = self.checkpointer.restore()
+        if not resumed:  # a resume may change train.batch_size, and so the step count
+            self.cfg.check_profile_reaches(len(self.dataset))
+        self.timeline.restored(self.state.global_step, time.monotonic() - t0)
+        self._first_step = True
         self._plan_epoch()
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
@@ -199,7 +212,7 @@ class Trainer:
             self.paths,
             self.device.type == "cuda",
         )
-        self._status(state="running")
+        self._status(running=True)
         outcome = "failed"  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
@@ -212,6 +225,7 @@ class Trainer:
             return outcome
         finally:
             self.profile.close()
+            self.timeline.ended(outcome, self.state.global_step, self.writer)
             self.writer.close(outcome)
             self.checkpointer.close()
 
@@ -240,6 +254,11 @@ class Trainer:
         self.phases.step = self.state.global_step
         self.phases.set(phases.TRAIN)
         micro, reason = 0, ""
+        # A step's own part (data, forward, backward before the last gradient sync) less its
+        # waits in the loss's collectives: not the wait for slower peers. A few clock reads a
+        # step, for the straggler watch.
+        self._step_mark = self._busy_until = time.perf_counter()
+        self._waited_mark = self._waited_until = dist.waited_s()
         for items in self._loader():
             if micro == 0:
                 self.profile.begin(self.state.global_step + 1)
@@ -259,12 +278,16 @@ class Trainer:
                 continue
             micro = 0
             self._optimizer_step(batch)
-            if self._first_step_due:
-                self._first_step_due = False
-                restarts.note_first_step(self.paths, self.attempt, self.state.global_step)
             self.profile.end(self.state.global_step)
             # A Python int: the heartbeat reads nothing from the device.
-            self.phases.tick(self.state.global_step)
+            busy = self._busy_until - self._step_mark - (self._waited_until - self._waited_mark)
+            self.phases.tick(self.state.global_step, busy)
+            self._step_mark, self._waited_mark = time.perf_counter(), dist.waited_s()
+            if self._first_step:
+                self._first_step = False
+                self.timeline.first_step(self.state.global_step)
+                if self.rank == 0:  # an attempt a restart inside the job started: when it trains
+                    restarts.note_first_step(self.paths, self.attempt, self.state.global_step)
             if bar is not None:
                 bar.update(1)
             if self._log_due():
@@ -350,6 +373,8 @@ class Trainer:
         with parallel.gradient_sync(self.model, sync):
             with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
                 loss, metrics = self.task.loss(self.model, batch, labels)
+            if last_micro:
+                self._busy_until, self._waited_until = time.perf_counter(), dist.waited_s()
             weighted = loss * weight if weight != 1 else loss
             self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()
         self.guard.observe(loss)
@@ -438,7 +463,7 @@ class Trainer:
             if result is None:
                 # A signal arrived during the round: commit the finished epoch; the round
                 # continues on restart.
-                reason = self.stop.agree() or "preempted"
+                reason = self.stop.agree() or StopReason.PREEMPTED
                 restore_rng(rng)
                 self._save(checkpointer.STOP)
                 return reason
@@ -510,7 +535,8 @@ class Trainer:
         }
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():
-            self._status(fsync=False, state="running")
+            self._status(fsync=False, running=True)
+        self.timeline.progress(s.global_step)
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {
@@ -579,7 +605,7 @@ class Trainer:
         return {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
 
     def _finish(self) -> None:
-        self._status(state="running")
+        self._status(running=True)
         self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
         # Under fsdp: the whole model, gathered (collective), so model.pt loads into the plain one.
         weights = parallel.full_state_dict(self.module) if self.sharded else None
@@ -592,16 +618,21 @@ class Trainer:
             durable.write_atomic(self.paths.model_ema, ema)
         dist.barrier()
 
-    def _status(self, fsync: bool = True, **fields: Any) -> None:
+    def _status(self, fsync: bool = True, running: bool = False, **fields: Any) -> None:
+        """Rank 0: the progress into status.json, with ``fields``; ``running`` says the attempt
+        goes on (a transition: refused after another writer ended the run)."""
         if self.rank == 0:
             s = self.state
-            rundir.write_status(
-                self.paths,
-                fsync=fsync,
-                epoch=s.epoch,
-                global_step=s.global_step,
-                step_in_epoch=s.step_in_epoch,
-                steps_per_epoch=self.steps_per_epoch,
-                phase=self.phases.current,
-                **{**self._logged, **fields},
-            )
+            progress = {
+                "epoch": s.epoch,
+                "global_step": s.global_step,
+                "step_in_epoch": s.step_in_epoch,
+                "steps_per_epoch": self.steps_per_epoch,
+                "phase": self.phases.current,
+                **self._logged,
+                **fields,
+            }
+            if running:
+                transitions.mark_running(self.paths, fsync=fsync, **progress)
+            else:
+                transitions.report(self.paths, fsync=fsync, **progress)

@@ -165,6 +165,12 @@ def sharded_search(
         np.full((len(x_local), k), -1, np.int64),
     )
     todo, reused = _todo(blocks, offsets, qb, out)
+    if timings is not None:  # known now: an aborted search reports them too
+        timings.update(
+            blocks_skipped=reused,
+            engine=f"{engine} ({params.index if engine == 'faiss' else 'exact'}, "
+            f"sharded over {world} ranks)",
+        )
     link = dist.collective_device() if world > 1 else torch.device("cpu")
 
     def rows(owner: int, j: int) -> int:
@@ -218,12 +224,5 @@ def sharded_search(
                 blocks.put(qs, *done)
     if timings is not None:
         total = time.perf_counter() - t0
-        timings.update(
-            index=shard.built,
-            search=total - shard.built,
-            exchange=waited,
-            blocks_skipped=reused,
-            engine=f"{engine} ({params.index if engine == 'faiss' else 'exact'}, "
-            f"sharded over {world} ranks)",
-        )
+        timings.update(index=shard.built, search=total - shard.built, exchange=waited)
     return out

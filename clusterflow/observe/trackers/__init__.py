@@ -235,6 +235,8 @@ class Pump:
             self.backend.tag(*item)
         elif kind == "finish":
             self.backend.finish(item)
+            if self._held:
+                self._state.record(self.backend.name, received_step=max(self._held.values()))
 
     def _send(self, rows: Any) -> None:
         """The points the tracker does not hold yet (a later step than its last one per tag)."""
@@ -246,9 +248,12 @@ class Pump:
         if not new:
             return
         self.backend.log(new)
+        first = not self._held
         for step, values in new:
             for k in values:
                 self._held[k] = step
+        if first and "received_step" not in self._state.section(self.backend.name):
+            self._state.record(self.backend.name, fsync=False, received_step=new[-1][0])
 
     def _retry(self, action: Callable[[], None]) -> bool:
         """Run ``action`` until it succeeds; False when the run ends before it does."""

@@ -1,5 +1,7 @@
-"""``RUN_DIR/trackers.json``: what each tracker needs to reopen its run (its id) and, where the
-tracker cannot be asked, the last step it holds of each tag."""
+"""``RUN_DIR/trackers.json``: what each tracker needs to reopen its run (its id), where the
+tracker cannot be asked, the last step it holds of each tag, and ``received_step``: the last step
+it is known to have received (set at its first delivery and when an attempt ends; ``status``
+warns about a tracker that never received one)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,32 @@ class StateFile:
     def section(self, name: str) -> dict[str, Any]:
         return self.data.setdefault(name, {})
 
+    def record(self, name: str, fsync: bool = True, **fields: Any) -> None:
+        """Update tracker ``name``'s section and write the file (pumps run on their own threads)."""
+        with self._lock:
+            self.data.setdefault(name, {}).update(fields)
+            durable.write_atomic(self.path, json.dumps(self.data, sort_keys=True), fsync=fsync)
+
     def save(self, fsync: bool = True) -> None:
         with self._lock:
             durable.write_atomic(self.path, json.dumps(self.data, sort_keys=True), fsync=fsync)
+
+
+def received_steps(paths: RunPaths, names: list[str]) -> dict[str, int | None]:
+    """The last step each named tracker is known to have received (None: none so far), for
+    ``status``; an unreadable file reads as nothing received."""
+    try:
+        with open(paths.trackers) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    data = data if isinstance(data, dict) else {}
+    out: dict[str, int | None] = {}
+    for name in names:
+        step = (
+            (data.get(name) or {}).get("received_step")
+            if isinstance(data.get(name), dict)
+            else None
+        )
+        out[name] = step if isinstance(step, int) and not isinstance(step, bool) else None
+    return out

@@ -1,0 +1,139 @@
+"""python -m clusterflow.goodput RUN_DIR|SWEEP_DIR [--json] [--plot OUT.png]
+
+Where every allocated second of a run went (``observe/goodput.py`` computes the ledger from the
+run's records; this module adds Slurm's times of each job, prints, and draws). docs/goodput.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.errors import EXIT_OK, UserError, cli
+from clusterflow.observe import goodput
+from clusterflow.rundir import records
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm.jobids import SLURM_SOURCES, is_slurm_id
+from clusterflow.sweeps import index as sweep_index
+
+EXAMPLES = (
+    "examples:\n"
+    "  python -m clusterflow.goodput runs/demo\n"
+    "  python -m clusterflow.goodput runs/demo --json | jq .total.ratio\n"
+    "  python -m clusterflow.goodput runs/demo --plot goodput.png   # needs matplotlib\n"
+    "  python -m clusterflow.goodput runs/sweep1                   # every member\n"
+)
+COLOURS = {
+    "queue_wait": "#bbbbbb",
+    "startup": "#9ecae1",
+    "restore": "#3182bd",
+    "productive": "#31a354",
+    "recomputed": "#fd8d3c",
+    "eval": "#756bb1",
+    "mining": "#bcbddc",
+    "checkpoint_stall": "#e6550d",
+    "stalls": "#de2d26",
+    "shutdown": "#636363",
+    "lost": "#a50f15",
+    "other": "#f0f0f0",
+}
+
+
+def slurm_times(run_dir: str) -> dict[str, list[dict[str, Any]]]:
+    """Slurm's runs of every job the run's attempts ran in (sacct, else scontrol; none for a
+    local run)."""
+    attempts, _ = records.read_records(rundir.RunPaths(run_dir).attempts, records.ATTEMPT)
+    jobs = {
+        str(a.get("job_id"))
+        for a in attempts
+        if a.get("source") in SLURM_SOURCES and is_slurm_id(str(a.get("job_id") or ""))
+    }
+    return {job: slurm_commands.job_runs(job)[0] for job in sorted(jobs)}
+
+
+def book(run_dir: str) -> dict[str, Any]:
+    if not os.path.isdir(run_dir):
+        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
+    if not os.path.exists(rundir.RunPaths(run_dir).config):
+        raise UserError(
+            f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir; pass a run.dir"
+        )
+    return goodput.ledger(run_dir, slurm_times(run_dir))
+
+
+def plot(books: list[dict[str, Any]], out: str) -> None:
+    """Each attempt as a bar on a time axis, its categories side by side in ledger order."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError(
+            "--plot needs matplotlib, which is not installed; pip install 'clusterflow[plot]'"
+        ) from None
+    rows = [(b["run_dir"], r) for b in books for r in b["attempts"]]
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * max(1, len(rows))))
+    t0 = min((r["queued_at"] for _, r in rows), default=0.0)
+    for y, (run, r) in enumerate(rows):
+        left = r["queued_at"] - t0
+        for k in goodput.CATEGORIES:
+            width = r["seconds"][k]
+            if width > 0:
+                ax.barh(y, width, left=left, color=COLOURS[k], edgecolor="none")
+            left += width
+    ax.set_yticks(range(len(rows)))
+    names = [f"{os.path.basename(run.rstrip('/'))} #{r['attempt']}" for run, r in rows]
+    ax.set_yticklabels(names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first submission")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in goodput.CATEGORIES]
+    ax.legend(
+        handles,
+        [goodput.LABELS[k] for k in goodput.CATEGORIES],
+        ncol=6,
+        fontsize=7,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.25 if len(rows) < 4 else -0.1),
+    )
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as exc:
+        raise UserError(
+            f"--plot {out!r} cannot be written ({exc}); choose a writable path"
+        ) from None
+    finally:
+        plt.close(fig)
+
+
+@cli
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m clusterflow.goodput",
+        description="Where every allocated GPU-second of a run went, per attempt and in total.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR|SWEEP_DIR")
+    p.add_argument("--json", action="store_true", help="one JSON object (a list for a sweep dir)")
+    p.add_argument("--plot", metavar="OUT.png", help="draw the attempts as a timeline")
+    args = p.parse_args(argv)
+    if sweep_index.is_sweep_dir(args.run_dir):
+        index = sweep_index.read_index(args.run_dir) or {}
+        dirs = sweep_index.member_dirs(args.run_dir, index).values()
+        books = [book(d) for d in dirs if os.path.exists(rundir.RunPaths(d).config)]
+        shown: Any = books
+    else:
+        books = [book(args.run_dir)]
+        shown = books[0]
+    if args.plot:
+        plot(books, args.plot)
+    if args.json:
+        print(json.dumps(shown, indent=1))
+    else:
+        print("\n\n".join(f"{b['run_dir']}\n{goodput.render(b)}" for b in books))
+    return EXIT_OK

@@ -1,0 +1,327 @@
+"""The goodput ledger: where every second of every attempt's wall time went.
+
+Pure over the run's own records (``attempts.jsonl``, ``timeline/attempt<A>.json``,
+``submissions.jsonl``, the attempt's first cause, ``stragglers.jsonl``) and, when the caller has
+them, Slurm's start and end of each run of a job (``slurm.commands.job_runs``). docs/goodput.md
+says what each category holds and where each time comes from.
+
+Each attempt is cut at five instants, each clamped to lie between its neighbours, so no part is
+ever negative and the parts add up to the attempt's wall time exactly:
+
+    queued -queue- allocated -startup, restore- first step -active- last record -tail- end
+
+- active: the phase seconds since the first step (train, eval, mining, checkpoint), scaled down
+  if the clocks disagree; whatever the phases do not cover is ``other``, explicit. Train is
+  split by steps: steps that an earlier attempt had trained already are ``recomputed``, steps
+  trained after the attempt's last commit that no later attempt took over are ``lost``, the
+  rest ``productive``; eval, mining and checkpoint work after the last commit of an attempt that
+  did not end cleanly is ``lost`` too.
+- tail: after a clean end of the loop (completed, stopped, failed with a record) ``shutdown``;
+  after a stall the watchdog named, ``stalls``; a kill with no record, ``lost``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any, Mapping
+
+from clusterflow import rundir
+from clusterflow.rundir import first_error, records, stragglers, timeline
+from clusterflow.rundir.states import RUNNING
+from clusterflow.slurm.jobids import SLURM_SOURCES
+
+CATEGORIES = (
+    "queue_wait",
+    "startup",
+    "restore",
+    "productive",
+    "recomputed",
+    "eval",
+    "mining",
+    "checkpoint_stall",
+    "stalls",
+    "shutdown",
+    "lost",
+    "other",
+)
+LABELS = {
+    "queue_wait": "queue wait",
+    "startup": "start-up",
+    "restore": "restore",
+    "productive": "productive",
+    "recomputed": "recomputed steps",
+    "eval": "eval",
+    "mining": "mining",
+    "checkpoint_stall": "checkpoint stall",
+    "stalls": "stalls/hangs",
+    "shutdown": "shut-down",
+    "lost": "lost after ckpt",
+    "other": "other",
+}
+
+
+def _clamp(t: float | None, low: float, high: float) -> float:
+    return low if t is None else min(max(t, low), high)
+
+
+class _Attempt:
+    """The instants and records of one attempt, as the ledger needs them."""
+
+    def __init__(self, rec: dict[str, Any], tl: dict[str, Any]) -> None:
+        self.rec, self.tl = rec, tl
+        self.n = int(rec.get("attempt", tl.get("attempt", 0)))
+        self.job = str(rec.get("job_id") or tl.get("job_id") or "")
+        self.restart = rec.get("restart_count", tl.get("restart_count"))
+        self.slurm = (rec.get("source") or "") in SLURM_SOURCES
+        self.ranks = int(tl.get("world_size") or rec.get("world_size") or 1)
+        self.restored = int(tl.get("restored_step") or 0)
+        self.last_step = int(tl.get("last_step", self.restored))
+        self.last_record = tl.get("ended_at") or tl.get("written_at")
+
+
+def _run_of(runs: Mapping[str, list[dict[str, Any]]], a: _Attempt) -> dict[str, Any] | None:
+    """Slurm's run of the attempt's job that has its restart count (sacct lists each requeue)."""
+    for run in runs.get(a.job, []):
+        if run.get("restart") == a.restart:
+            return run
+    return None
+
+
+def _last_log_line(paths: rundir.RunPaths, attempt: int) -> float | None:
+    """When any rank last wrote to its log of ``attempt`` (the files' mtimes): the last sign of
+    life of an attempt killed without a record, where Slurm has no end time for it."""
+    try:
+        names = os.listdir(paths.logs)
+    except OSError:
+        return None
+    times = []
+    for name in names:
+        if name.startswith("rank") and name.endswith(f".attempt{attempt}.log"):
+            with contextlib.suppress(OSError):
+                times.append(os.path.getmtime(os.path.join(paths.logs, name)))
+    return max(times) if times else None
+
+
+def _submitted(subs: list[dict[str, Any]], job: str) -> float | None:
+    times = [s.get("submitted_at") for s in subs if str(s.get("job_id")) == job]
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
+
+
+def ledger(
+    run_dir: str,
+    slurm: Mapping[str, list[dict[str, Any]]] | None = None,
+    running: bool | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """Every attempt's seconds per category, its GPU-time and ratio, and the run's total.
+
+    ``slurm``: job id -> runs (``{"restart", "submit", "start", "end", "source"}``); ``running``:
+    whether the newest attempt still runs (None: read status.json)."""
+    now = time.time() if now is None else now
+    paths = rundir.RunPaths(run_dir)
+    slurm = slurm or {}
+    recs, _ = records.read_records(paths.attempts, records.ATTEMPT)
+    tls = timeline.read_all(paths)
+    numbers = sorted({int(r.get("attempt", i)) for i, r in enumerate(recs)} | set(tls))
+    by_n = {int(r.get("attempt", i)): r for i, r in enumerate(recs)}
+    attempts = [_Attempt(by_n.get(n, {"attempt": n}), tls.get(n, {})) for n in numbers]
+    if running is None:
+        st, _ = records.read_object(paths.status, records.STATUS)
+        running = st.get("state") == RUNNING
+    subs, _ = records.read_records(paths.submissions, records.SUBMISSION)
+    rows, prev, high = [], None, 0
+    for i, a in enumerate(attempts):
+        newest = i == len(attempts) - 1
+        later = attempts[i + 1 :]
+        row = _row(a, prev, high, later, newest and running, slurm, subs, paths, now)
+        rows.append(row)
+        prev, high = (a, row), max(high, a.last_step)
+    return {"run_dir": run_dir, "attempts": rows, "total": _total(rows)}
+
+
+def _instants(
+    a: _Attempt,
+    prev: tuple[_Attempt, dict[str, Any]] | None,
+    later: list[_Attempt],
+    running: bool,
+    slurm: Mapping[str, list[dict[str, Any]]],
+    subs: list[dict[str, Any]],
+    paths: rundir.RunPaths,
+    now: float,
+) -> tuple[list[float], dict[str, str]]:
+    """[queued, allocated, first step, last record, end], clamped in order, and their sources."""
+    run = _run_of(slurm, a) if a.slurm else None
+    prev_end = prev[1]["ended_at"] if prev else None
+    same_run = prev is not None and a.slurm and prev[0].job == a.job
+    in_job = same_run and prev is not None and prev[0].restart == a.restart
+    started = a.tl.get("process_started_at") or a.rec.get("started_at") or now
+    src: dict[str, str] = {}
+    if in_job:
+        allocated, src["allocated"] = prev_end, "previous attempt's end (same allocation)"
+    elif run and run.get("start"):
+        allocated, src["allocated"] = run["start"], str(run["source"])
+    else:
+        allocated = started
+        src["allocated"] = (
+            "timeline (process start)" if a.tl.get("process_started_at") else "attempts.jsonl"
+        )
+    if in_job or same_run or (prev_end is not None and not a.slurm):
+        queued, src["queued"] = prev_end, "previous attempt's end"
+    elif a.slurm and _submitted(subs, a.job) is not None:
+        queued, src["queued"] = _submitted(subs, a.job), "submissions.jsonl"
+    elif run and run.get("submit"):
+        queued, src["queued"] = run["submit"], str(run["source"])
+    else:
+        queued, src["queued"] = allocated, "no queue known"
+    last_of_run = not any(b.job == a.job and b.restart == a.restart for b in later)
+    last = a.last_record or a.tl.get("first_step_at") or started
+    if running:
+        end, src["ended"] = now, "now (running)"
+    elif run and run.get("end") and last_of_run:
+        end, src["ended"] = max(run["end"], last), str(run["source"])
+    else:
+        logged = _last_log_line(paths, a.n)
+        end = max(last, logged or last)
+        src["ended"] = (
+            "rank logs (last line)"
+            if logged and logged > last
+            else "timeline"
+            if a.last_record
+            else "attempts.jsonl"
+        )
+    b0 = float(queued if queued is not None else allocated)
+    b1 = max(float(allocated if allocated is not None else b0), b0)
+    b4 = max(float(end), b1)
+    b2 = _clamp(a.tl.get("first_step_at") or b4, b1, b4)
+    b3 = _clamp(now if running else last, b2, b4)
+    return [b0, b1, b2, b3, b4], src
+
+
+def _row(
+    a: _Attempt,
+    prev: tuple[_Attempt, dict[str, Any]] | None,
+    high: int,
+    later: list[_Attempt],
+    running: bool,
+    slurm: Mapping[str, list[dict[str, Any]]],
+    subs: list[dict[str, Any]],
+    paths: rundir.RunPaths,
+    now: float,
+) -> dict[str, Any]:
+    (b0, b1, b2, b3, b4), src = _instants(a, prev, later, running, slurm, subs, paths, now)
+    s = dict.fromkeys(CATEGORIES, 0.0)
+    s["queue_wait"] = b1 - b0
+    s["restore"] = min(float(a.tl.get("restore_s") or 0.0), b2 - b1)
+    s["startup"] = (b2 - b1) - s["restore"]
+    steps = _active(a, b3 - b2, high, bool(later) or running, s)
+    tail = b4 - b3
+    stall = first_error.read(paths.root, a.n)
+    if a.tl.get("outcome"):
+        s["shutdown"] = tail
+    elif stall is not None and stall.get("kind") == "stall":
+        s["stalls"] = tail
+    else:
+        s["lost"] += tail
+    wall = b4 - b0
+    allocated = wall - s["queue_wait"]
+    return {
+        "attempt": a.n,
+        "job_id": a.job or None,
+        "ranks": a.ranks,
+        "outcome": a.tl.get("outcome"),
+        "queued_at": b0,
+        "ended_at": b4,
+        "wall_s": wall,
+        "seconds": s,
+        "gpu_seconds": {k: v * a.ranks for k, v in s.items()},
+        "ratio": s["productive"] / allocated if allocated > 0 else None,
+        "steps": steps,
+        "sources": src,
+        "stragglers": stragglers.read(paths, a.n),
+    }
+
+
+def _active(
+    a: _Attempt, span: float, high: int, taken_over: bool, s: dict[str, float]
+) -> dict[str, int]:
+    """Split the time from the first step to the last record (``span``) into ``s``; returns the
+    step counts."""
+    phase = {k: float(v) for k, v in (a.tl.get("seconds") or {}).items()}
+    measured = sum(phase.get(k, 0.0) for k in ("train", "eval", "mining", "checkpoint"))
+    scale = min(1.0, span / measured) if measured > 0 else 0.0
+    train, ev, mi, ck = (
+        phase.get(k, 0.0) * scale for k in ("train", "eval", "mining", "checkpoint")
+    )
+    s["other"] = max(0.0, span - (train + ev + mi + ck))
+    trained = max(0, a.last_step - a.restored)
+    per_step = train / trained if trained else 0.0
+    again = min(max(0, min(a.last_step, high) - a.restored), trained)
+    commit = a.tl.get("commit") or {}
+    committed = max(int(commit.get("step", 0)), a.restored)
+    clean = a.tl.get("outcome") in ("completed",)
+    # Steps after the last commit that no later attempt took over (nor will: the run ended).
+    lost_steps = 0 if taken_over or clean else max(0, a.last_step - max(committed, high))
+    s["recomputed"] = again * per_step
+    s["lost"] = lost_steps * per_step
+    s["productive"] = train - s["recomputed"] - s["lost"]
+    if trained == 0:
+        s["productive"], s["other"] = 0.0, s["other"] + train
+    after = {k: 0.0 for k in ("eval", "mining", "checkpoint")}
+    if not clean and a.tl.get("outcome") is None and commit:
+        at_commit = commit.get("seconds") or {}
+        after = {k: max(0.0, (phase.get(k, 0.0) - at_commit.get(k, 0.0)) * scale) for k in after}
+    s["lost"] += sum(after.values())
+    s["eval"], s["mining"] = ev - after["eval"], mi - after["mining"]
+    s["checkpoint_stall"] = ck - after["checkpoint"]
+    return {"restored": a.restored, "last": a.last_step, "recomputed": again, "lost": lost_steps}
+
+
+def _total(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    s = {k: sum(r["seconds"][k] for r in rows) for k in CATEGORIES}
+    gpu = {k: sum(r["gpu_seconds"][k] for r in rows) for k in CATEGORIES}
+    allocated = sum(r["gpu_seconds"][k] for r in rows for k in CATEGORIES if k != "queue_wait")
+    return {
+        "wall_s": sum(r["wall_s"] for r in rows),
+        "seconds": s,
+        "gpu_seconds": gpu,
+        "allocated_gpu_s": allocated,
+        "ratio": gpu["productive"] / allocated if allocated > 0 else None,
+    }
+
+
+def scalars(book: dict[str, Any]) -> dict[str, float]:
+    """The run's goodput for TensorBoard and the trackers: the ratio and GPU-hours per
+    category."""
+    total = book["total"]
+    out = {f"goodput/{k}_gpu_h": v / 3600 for k, v in total["gpu_seconds"].items()}
+    if total["ratio"] is not None:
+        out["goodput/ratio"] = total["ratio"]
+    return out
+
+
+def render(book: dict[str, Any]) -> str:
+    """The table: one column per attempt and the total, one row per category (seconds)."""
+    rows = book["attempts"]
+    heads = [f"attempt {r['attempt']}" for r in rows] + ["total"]
+    cols = [r["seconds"] for r in rows] + [book["total"]["seconds"]]
+    width = max(12, *(len(h) + 1 for h in heads))
+    lines = [f"{'seconds':<18}" + "".join(f"{h:>{width}}" for h in heads)]
+    for k in CATEGORIES:
+        lines.append(f"{LABELS[k]:<18}" + "".join(f"{c[k]:>{width}.1f}" for c in cols))
+    walls = [r["wall_s"] for r in rows] + [book["total"]["wall_s"]]
+    lines.append(f"{'wall':<18}" + "".join(f"{w:>{width}.1f}" for w in walls))
+    lines.append(f"{'ranks':<18}" + "".join(f"{r['ranks']:>{width}}" for r in rows))
+    ratios = [r["ratio"] for r in rows] + [book["total"]["ratio"]]
+    lines.append(
+        f"{'goodput':<18}" + "".join(f"{'-' if x is None else f'{x:.1%}':>{width}}" for x in ratios)
+    )
+    for r in rows:
+        for g in r["stragglers"]:
+            lines.append(
+                f"straggler: attempt {r['attempt']} rank {g['rank']} on {g['node']} "
+                f"({g.get('ratio', 0):.2f}x the others' median)"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,126 @@
+"""Rank 0's record of its attempt in time (``rundir/timeline.py``), for the goodput ledger.
+
+The trainer tells :class:`AttemptTimeline` when the restore ended, when the first step ended,
+each committed checkpoint (from the checkpointer, possibly on its write thread), its log steps
+and the end of the loop. Phase seconds come from :class:`~clusterflow.observe.phases.Phases`,
+which adds them up at phase changes only. Writes: one at the first step, one per commit, at most
+one per ``WRITE_EVERY_S`` at log steps, one at the end; nothing per step. Other ranks get
+:class:`NullTimeline` (nothing to write, nothing to report).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from clusterflow import rundir
+from clusterflow.observe import goodput, phases
+from clusterflow.observe.metrics import NullWriter
+from clusterflow.rundir import timeline as record
+
+log = logging.getLogger("clusterflow.goodput")
+
+
+def process_started_at(pid: int | None = None) -> float | None:
+    """When a process started, in seconds since 1970 (Linux /proc), or None where unknown."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def categories(seconds: dict[str, float]) -> dict[str, float]:
+    """Phase seconds as the ledger's activities: train, eval, mining (its phases), checkpoint."""
+    out = {"train": 0.0, "eval": 0.0, "mining": 0.0, "checkpoint": 0.0}
+    for name, s in seconds.items():
+        key = "mining" if name.startswith("mining") else name
+        if key in out:
+            out[key] += s
+    return out
+
+
+class NullTimeline:
+    def restored(self, step: int, seconds: float) -> None:
+        pass
+
+    def first_step(self, step: int) -> None:
+        pass
+
+    def progress(self, step: int) -> None:
+        pass
+
+    def committed(self, step: int) -> None:
+        pass
+
+    def ended(self, outcome: str, step: int, writer: NullWriter) -> None:
+        pass
+
+
+class AttemptTimeline(NullTimeline):
+    # At log steps, as often as status.json's progress (a kill loses at most this much record).
+    WRITE_EVERY_S = 1.0
+
+    def __init__(
+        self, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: Any
+    ) -> None:
+        self.paths, self.phases = paths, tracker
+        self._lock = threading.Lock()
+        self._base: dict[str, float] | None = None  # phase seconds at the first step
+        self._written = 0.0  # monotonic time of the last write
+        self.rec: dict[str, Any] = {
+            "attempt": attempt,
+            "process_started_at": process_started_at(),
+            **fields,
+        }
+
+    def _since_first(self) -> dict[str, float]:
+        if self._base is None:
+            return {}
+        now = categories(self.phases.totals())
+        return {k: max(0.0, v - self._base.get(k, 0.0)) for k, v in now.items()}
+
+    def _write(self, fsync: bool = False, **fields: Any) -> None:
+        with self._lock:
+            self._written = time.monotonic()
+            self.rec.update(fields, written_at=time.time(), seconds=self._since_first())
+            try:
+                record.write(self.paths, dict(self.rec), fsync=fsync)
+            except OSError as exc:  # a record, never a reason to stop training
+                log.warning("could not write %s: %s", self.paths.timeline_file(0), exc)
+
+    def restored(self, step: int, seconds: float) -> None:
+        self._write(restored_step=step, restore_s=seconds, last_step=step)
+
+    def first_step(self, step: int) -> None:
+        self._base = categories(self.phases.totals())
+        self._write(first_step_at=time.time(), first_step=step, last_step=step)
+
+    def progress(self, step: int) -> None:
+        if time.monotonic() - self._written >= self.WRITE_EVERY_S:
+            self._write(last_step=step)
+
+    def committed(self, step: int) -> None:
+        commit = {"step": step, "at": time.time(), "seconds": self._since_first()}
+        self._write(fsync=True, commit=commit, last_step=max(step, self.rec.get("last_step", 0)))
+
+    def ended(self, outcome: str, step: int, writer: NullWriter) -> None:
+        """The loop ended: the last record; the run's goodput so far goes to the writer
+        (TensorBoard and the trackers)."""
+        self._write(fsync=True, ended_at=time.time(), outcome=outcome, last_step=step)
+        try:
+            writer.scalars(goodput.scalars(goodput.ledger(self.paths.root, running=False)), step)
+        except Exception as exc:  # noqa: BLE001 - a report must never hide how the run ended
+            log.warning("goodput not reported: %s", exc)
+
+
+def timeline_for(
+    is_main: bool, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: Any
+) -> NullTimeline:
+    return AttemptTimeline(paths, attempt, tracker, **fields) if is_main else NullTimeline()

@@ -1,0 +1,93 @@
+"""When each attempt did what: ``RUN_DIR/timeline/attempt<A>.json``, the goodput ledger's record.
+
+Rank 0 rewrites its attempt's record whole (``storage.durable.write_atomic``) at the attempt's
+first step, after each committed checkpoint, at log steps at most once a second, and when the
+loop ends; a kill leaves the last one. Fields (times in seconds since 1970, durations in seconds):
+
+    attempt, job_id, restart_count    which attempt, in which Slurm job (or local process)
+    world_size                        ranks of the attempt (GPU-time = wall x ranks)
+    process_started_at                when rank 0's process started (before imports)
+    restored_step, restore_s          the checkpoint it resumed from (0: fresh) and how long
+                                      reading it took
+    first_step_at                     when its first optimizer step ended
+    last_step, written_at             the newest step trained, as of this write
+    seconds                           time in each phase since the first step (train, eval,
+                                      mining, checkpoint), as of this write
+    commit                            the newest checkpoint it committed: step, at, and the
+                                      phase seconds at that moment
+    ended_at, outcome                 when the loop ended and how (completed, preempted, ...)
+
+Readers get the fields that fit :data:`TIMELINE` (records.py's checked readers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from clusterflow.rundir import records
+from clusterflow.rundir.paths import RunPaths
+from clusterflow.storage import durable
+
+_SECONDS = records.Check(
+    "an object of finite numbers",
+    lambda v: isinstance(v, dict) and all(records.NUMBER.test(x) for x in v.values()),
+)
+_COMMIT = records.Check(
+    "an object with step, at and seconds",
+    lambda v: (
+        isinstance(v, dict)
+        and records.INT.test(v.get("step"))
+        and records.TIME.test(v.get("at"))
+        and _SECONDS.test(v.get("seconds", {}))
+    ),
+)
+TIMELINE = records.Schema(
+    {
+        "attempt": records.INT,
+        "job_id": records.JOB_ID,
+        "restart_count": records.INT,
+        "world_size": records.RANKS,
+        "process_started_at": records.TIME,
+        "restored_step": records.INT,
+        "restore_s": records.NUMBER,
+        "first_step_at": records.TIME,
+        "first_step": records.INT,
+        "last_step": records.INT,
+        "written_at": records.TIME,
+        "seconds": _SECONDS,
+        "commit": _COMMIT,
+        "ended_at": records.TIME,
+        "outcome": records.TEXT,
+    },
+    required=("attempt",),
+)
+
+
+def write(paths: RunPaths, record: dict[str, Any], fsync: bool = False) -> None:
+    """Replace attempt ``record["attempt"]``'s timeline (rank 0)."""
+    durable.write_atomic(
+        paths.timeline_file(int(record["attempt"])), json.dumps(record), fsync=fsync
+    )
+
+
+def read_all(paths: RunPaths, damaged: list[str] | None = None) -> dict[int, dict[str, Any]]:
+    """Every attempt's timeline, by attempt number; damaged ones are named in ``damaged``."""
+    try:
+        names = os.listdir(paths.timelines)
+    except OSError:
+        return {}
+    out: dict[int, dict[str, Any]] = {}
+    for name in names:
+        m = re.fullmatch(r"attempt(\d+)\.json", name)
+        if not m:
+            continue
+        rec, said = records.read_checked(
+            os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}"
+        )
+        if damaged is not None:
+            damaged += said
+        if rec is not None:
+            out[int(m.group(1))] = rec
+    return dict(sorted(out.items()))
