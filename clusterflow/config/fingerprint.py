@@ -73,6 +73,11 @@ KEYS: dict[str, tuple[str, str]] = {
     "cluster.max_timeout_requeues": (RESOURCE, "how often a run requeues itself"),
     "cluster.exclude_failed_nodes": (RESOURCE, "whether a node's failure requeues without it"),
     "cluster.max_node_failures": (RESOURCE, "how often a node's failure requeues the run"),
+    "cluster.restarts_in_job": (
+        RESOURCE,
+        "how often a failure restarts the job inside its allocation; a restart resumes exactly",
+    ),
+    "cluster.spare_nodes": (RESOURCE, "idle nodes allocated for restarts; the world size stays"),
     "cluster.setup": (
         RESOURCE,
         "shell lines before the job (keep the same software for bitwise resumes)",
