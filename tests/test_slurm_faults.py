@@ -10,6 +10,9 @@ import pytest
 from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_until
 
+from clusterflow import rundir
+from clusterflow.rundir import restarts
+
 pytestmark = pytest.mark.slurm
 # Synchronous saves: a kill in step 10 then always finds step 8 committed, never still being
 # written.
@@ -17,6 +20,8 @@ KILL_TASK = ("task.target=testtasks:KillAtEnv", "checkpoint.async=false")
 
 
 def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
+    """Also: the restarts inside the job exhausted (one here; the task kills rank 1 in every
+    attempt), the job fails as it did without them."""
     d = str(tmp_path / "run")
     t0 = time.time()
     out = run_cli(
@@ -25,6 +30,7 @@ def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
         f"run.dir={d}",
         *TWO_NODES,
         *KILL_TASK,
+        "cluster.restarts_in_job=1",
         "--wait",
         env={**env(), "CLUSTERFLOW_TEST_KILL_AT": "2", "CLUSTERFLOW_TEST_KILL_RANK": "1"},
     )
@@ -33,10 +39,19 @@ def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
         time.time() - t0 < 120
     )  # srun --kill-on-bad-exit ends rank 0 at once, not after dist.timeout_s
     s = status(d)
-    assert s["state"] == "failed"
+    assert s["state"] == "failed" and s["attempts"] == 2, s
     assert s["error"].startswith("rank 1 on node2 ended first (Killed, as srun reports it)"), s[
         "error"
     ]
+    (restart,) = restarts.read(rundir.RunPaths(d))  # one restart, then no more
+    assert (restart["cause"], restart["host"], restart["nodes"]) == (
+        "crash",
+        "node2",
+        ["node1", "node2"],
+    )  # no spare: the same nodes again
+    assert "not restarted in the job after rank 1 on node2: Killed (crash): no restart left" in (
+        open(os.path.join(d, "logs", "slurm", s["job_id"], f"{s['job_id']}_0_log.err")).read()
+    )
 
 
 def sbatch_template(run_dir, log_dir, extra_env=None):
@@ -51,6 +66,7 @@ def sbatch_template(run_dir, log_dir, extra_env=None):
         "configs/tiny.yaml",
         f"run.dir={run_dir}",
         *KILL_TASK,
+        "cluster.restarts_in_job=0",  # the kill ends the job: it is resumed by a second one
     ]
     return subprocess.run(
         cmd,

@@ -248,6 +248,22 @@ class ClusterConfig:
         kind=RESOURCE,
         why="how often a node's failure requeues the run",
     )
+    restarts_in_job: int = doc(
+        2,
+        "How many times a job restarts its training step inside its own allocation (a new srun "
+        "step from the newest checkpoint) after a failure a restart can cure: a rank killed by a "
+        "signal, a device error, a hang the stall watchdog ended. Only when none is left, or too "
+        "few healthy nodes remain, is the job requeued as before; 0: never (docs/restarts.md).",
+        kind=RESOURCE,
+        why="how often a failure restarts the job inside its allocation; a restart resumes exactly",
+    )
+    spare_nodes: int = doc(
+        0,
+        "Nodes allocated beyond cluster.nodes and kept idle: a restart inside the job runs on "
+        "cluster.nodes of the allocation's healthy nodes, leaving the failed node out.",
+        kind=RESOURCE,
+        why="idle nodes allocated for restarts; the world size stays",
+    )
     setup: list[str] = doc(
         factory=list,
         help="Shell lines run before the job on each node (module load, conda activate).",
@@ -316,6 +332,18 @@ class ClusterConfig:
             "cluster.max_node_failures",
             self.max_node_failures,
             "must be >= 0",
+        )
+        _check(
+            self.restarts_in_job >= 0,
+            "cluster.restarts_in_job",
+            self.restarts_in_job,
+            "must be >= 0 (0: a failure requeues or fails the job as before)",
+        )
+        _check(
+            self.spare_nodes >= 0,
+            "cluster.spare_nodes",
+            self.spare_nodes,
+            "must be >= 0 (nodes allocated beyond cluster.nodes for restarts)",
         )
         for key, value in self.sbatch_extra.items():
             # Each becomes a line "#SBATCH --key=value" of the job script.

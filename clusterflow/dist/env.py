@@ -17,6 +17,10 @@ from typing import Mapping
 
 from clusterflow.errors import UserError
 
+# Set by the in-allocation restart driver (clusterflow/job/restarts.py) for each srun step it
+# starts: 0 for the first, n for the n-th restart inside the same Slurm attempt.
+RESTART_IN_JOB_ENV = "CLUSTERFLOW_RESTART_IN_JOB"
+
 # ---------------------------------------------------------------------------------------------
 # Slurm nodelists, parsed without calling scontrol (it may not exist on compute nodes' PATH).
 
@@ -145,13 +149,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def derive_port(job_id: str, attempt: int) -> int:
-    """A port in [20000, 40000) from the job id and the attempt, the same on every rank.
+def derive_port(job_id: str, attempt: int, restart: int = 0) -> int:
+    """A port in [20000, 40000) from the job id, the attempt and the restart inside it, the same
+    on every rank.
 
-    A requeued attempt gets a different port, so it never trips over the previous attempt's
-    socket lingering in TIME_WAIT on the master node.
+    A requeued attempt (or a step restarted inside the allocation) gets a different port, so it
+    never trips over the previous one's socket lingering in TIME_WAIT on the master node.
     """
-    return 20000 + zlib.crc32(f"{job_id}:{attempt}".encode()) % 20000
+    key = f"{job_id}:{attempt}" + (f":{restart}" if restart else "")
+    return 20000 + zlib.crc32(key.encode()) % 20000
 
 
 def _tasks_per_node(value: str | None, num_nodes: int, ntasks: int, node_id: int) -> int:
@@ -205,6 +211,9 @@ class DistEnv:
     attempt: int = 0
     hosts: tuple[str, ...] = field(default_factory=tuple)
     source: str = "single"
+    # The srun step's number within this Slurm attempt: 0 for the first, n for the n-th restart
+    # inside the allocation (clusterflow/job/restarts.py sets RESTART_IN_JOB_ENV).
+    restart_in_job: int = 0
 
     @property
     def is_main(self) -> bool:
@@ -285,11 +294,16 @@ class DistEnv:
                 "incomplete Slurm environment: SLURM_JOB_NODELIST "
                 "not set while SLURM_PROCID is; launch with srun"
             )
-        hosts = parse_nodelist(env["SLURM_JOB_NODELIST"])
+        # A step may run on part of the allocation (spare nodes, a node left out after a fault):
+        # srun names the step's own nodes, and SLURM_NODEID counts within them.
+        step = (
+            bool(env.get("SLURM_STEP_NODELIST")) and env.get("SLURM_STEP_NUM_NODES", "").isdigit()
+        )
+        hosts = parse_nodelist(env["SLURM_STEP_NODELIST" if step else "SLURM_JOB_NODELIST"])
         rank, ntasks, nodes, node = (
             v["SLURM_PROCID"],
             v["SLURM_NTASKS"],
-            v["SLURM_JOB_NUM_NODES"],
+            int(env["SLURM_STEP_NUM_NODES"]) if step else v["SLURM_JOB_NUM_NODES"],
             v["SLURM_NODEID"],
         )
         _consistent(rank < ntasks, f"SLURM_PROCID={rank} must be below SLURM_NTASKS={ntasks}")
@@ -313,13 +327,21 @@ class DistEnv:
             # means every task).
             job_id = f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
         attempt = int(env.get("SLURM_RESTART_COUNT", "0") or 0)
-        local_world = _tasks_per_node(env.get("SLURM_TASKS_PER_NODE"), nodes, ntasks, node)
+        restart = int(env[RESTART_IN_JOB_ENV]) if env.get(RESTART_IN_JOB_ENV, "").isdigit() else 0
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") if step else None
+        local_world = _tasks_per_node(
+            per_node or env.get("SLURM_TASKS_PER_NODE"), nodes, ntasks, node
+        )
         _consistent(
             v["SLURM_LOCALID"] < local_world,
             f"SLURM_LOCALID={v['SLURM_LOCALID']} must be "
             f"below the tasks on this node ({local_world})",
         )
-        port = int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else derive_port(job_id, attempt)
+        port = (
+            int(env["MASTER_PORT"])
+            if env.get("MASTER_PORT")
+            else derive_port(job_id, attempt, restart)
+        )
         return cls(
             rank=rank,
             world_size=ntasks,
@@ -333,6 +355,7 @@ class DistEnv:
             attempt=attempt,
             hosts=tuple(hosts),
             source="slurm",
+            restart_in_job=restart,
         )
 
     @classmethod

@@ -21,7 +21,7 @@ from clusterflow import dist, observe, rundir
 from clusterflow.config.job_config import Config, from_dict
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
-from clusterflow.job import failure, node_fault
+from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import after_stop
 from clusterflow.rundir import (
     cancel_marker,
@@ -131,6 +131,7 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
             paths,
             job_id=env.job_id,
             restart_count=env.attempt,
+            restart_in_job=env.restart_in_job,
             hosts=list(env.hosts),
             world_size=env.world_size,
             source=env.source,
@@ -252,7 +253,8 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     if env.is_main:
         try:
             lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
-            answer, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0)
+            relaunch = env.attempt > 0 or env.restart_in_job > 0
+            answer, _ = saved_config.resolve(cfg, relaunch=relaunch)
             answer = answer.to_dict()
         except (UserError, OSError) as exc:
             # Every rank must hear it, or the others wait for rank 0.
@@ -334,6 +336,7 @@ def _record_failure(
             requeued = (
                 first
                 and device_error is not None
+                and not _restarted_here(host, environ)
                 and node_fault.requeue_without(
                     paths,
                     environ,
@@ -379,6 +382,8 @@ def _requeue_after_stall(
     its peers (then it is more likely their victim), its node is the suspect."""
     if not (cfg.cluster.exclude_failed_nodes and rec.get("won") and not rec.get("waiting")):
         return
+    if _restarted_here(rec["host"], environ):
+        return
     # "rank R on HOST stalled N s at step S in PHASE (where)": the fault names rank and host
     cause = str(rec["error"]).removeprefix(f"rank {env.rank} on {rec['host']} ")
     node_fault.requeue_without(
@@ -387,6 +392,15 @@ def _requeue_after_stall(
         node_fault.Fault(env.rank, rec["host"], cause),
         cfg.cluster.max_node_failures,
     )
+
+
+def _restarted_here(host: str, environ: Mapping[str, str]) -> bool:
+    """Whether the batch step's driver restarts this job inside its allocation without ``host``
+    after a node fault (``job/restarts.py``): then the failing rank does not requeue the job."""
+    if environ.get(restarts.NODE_FAULT_RESTARTS_ENV) != "1":
+        return False
+    log.error("node %s failed; the job restarts inside its allocation without it", host)
+    return True
 
 
 def _attempt_of(paths: rundir.RunPaths) -> int:

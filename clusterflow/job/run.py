@@ -54,7 +54,7 @@ def _check_trackers(cfg: Config, env: DistEnv) -> None:
     try:
         trackers.check(cfg.trackers, reach=env.rank == 0)
     except UserError as exc:
-        if env.attempt == 0:
+        if env.attempt == 0 and env.restart_in_job == 0:
             raise
         print(f"clusterflow: warning: {exc}; this requeued attempt trains on", file=sys.stderr)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from clusterflow import rundir, tasks
 from clusterflow.config.job_config import Config
@@ -100,10 +101,22 @@ def slurm_folder(cfg: Config) -> str:
     return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
 
 
+def job_parameters(
+    cfg: Config, python: str | None = None, dependency: str | None = None
+) -> tuple[str, dict[str, Any], str]:
+    """(submitit's folder, the sbatch parameters, the command prefix) of this run's one job: its
+    batch step runs the restart driver (``sbatch.restarting``) around the srun step."""
+    folder = sbatch.job_folder(slurm_folder(cfg))
+    params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
+    config_file = os.path.abspath(rundir.RunPaths(cfg.run.dir).config)
+    params, prefix = sbatch.restarting(folder, params, cfg, config_file, python)
+    return folder, params, prefix
+
+
 def sbatch_script(cfg: Config, python: str | None = None, dependency: str | None = None) -> str:
     """The exact script submitit would submit (rendered without needing srun on this host)."""
-    params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
-    return sbatch.script(sbatch.job_folder(slurm_folder(cfg)), params, python=python)
+    folder, params, prefix = job_parameters(cfg, python, dependency)
+    return sbatch.script(folder, params, python=prefix)
 
 
 def check_cluster(cfg: Config) -> None:
@@ -130,6 +143,12 @@ def check_cluster(cfg: Config) -> None:
             raise UserError(
                 f"cluster.nodes = {c.nodes} but partition {name!r} has {nodes} node(s); "
                 "lower cluster.nodes"
+            )
+        if c.nodes + c.spare_nodes > nodes:
+            raise UserError(
+                f"cluster.spare_nodes = {c.spare_nodes}: with cluster.nodes = {c.nodes} the job "
+                f"asks for {c.nodes + c.spare_nodes} node(s) but partition {name!r} has "
+                f"{nodes}; lower cluster.spare_nodes"
             )
 
 
@@ -161,8 +180,8 @@ def prepare_run_dir(cfg: Config, hold: bool = False) -> tuple[Config, bool]:
 def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     sbatch.require_sbatch("run here")
     check_cluster(cfg)
-    params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
-    job_id = sbatch.submit(sbatch.job_folder(slurm_folder(cfg)), params, jobs.job_for(cfg))
+    folder, params, prefix = job_parameters(cfg, dependency=dependency)
+    job_id = sbatch.submit(folder, params, jobs.job_for(cfg), python=prefix)
     paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
     transitions.mark_submitted(paths, job_id=job_id)

@@ -23,6 +23,7 @@ from clusterflow.rundir import (
     first_error,
     frozen_code,
     records,
+    restarts,
     saved_config,
     submissions,
 )
@@ -30,6 +31,7 @@ from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
+from clusterflow.slurm import steps as slurm_steps
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.sweeps import index as sweep_index
 
@@ -158,7 +160,8 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
             encoding="utf-8",
             errors="replace",
         ) as f:
-            return slurm_outcome.first_task_failure(f.read())
+            # a job that restarted inside its allocation: the newest srun step's report
+            return slurm_outcome.first_task_failure(slurm_steps.last_step(f.read()))
     except OSError:
         return None
 
@@ -314,6 +317,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "excluded_nodes": rundir.excluded_nodes(paths),
+        "restarts": restarts.read(paths),
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)
         if latest and os.path.exists(latest)
@@ -340,10 +344,27 @@ def collect(run_dir: str) -> dict[str, Any]:
     return out
 
 
+def _restarts_said(done: list[dict[str, Any]]) -> str:
+    """What the attempts line adds about restarts inside the job (docs/restarts.md)."""
+    if not done:
+        return ""
+    last = done[-1]
+    again = (
+        f", training again {last['recovery_s']:.1f} s after the fault"
+        if "recovery_s" in last
+        else ""
+    )
+    return (
+        f" ({len(done)} restart(s) inside the job; the last after rank {last.get('rank')} on "
+        f"{last.get('host')}: {last.get('error')} ({last.get('cause')}), on "
+        f"{', '.join(last.get('nodes') or [])}{again})"
+    )
+
+
 def render(s: dict[str, Any]) -> str:
     lines = [
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
-        f"attempts     {s['attempts']}",
+        f"attempts     {s['attempts']}" + _restarts_said(s["restarts"]),
         f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} "
         f"of the epoch, global step {s['global_step']}",
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",

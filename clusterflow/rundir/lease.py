@@ -254,7 +254,7 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
 def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
     """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
-    if env.attempt > 0 and not os.path.isdir(run_dir):
+    if (env.attempt > 0 or getattr(env, "restart_in_job", 0) > 0) and not os.path.isdir(run_dir):
         raise RunDirBusy(
             f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job "
             f"{env.job_id}, which ran there before: it was moved or deleted. "

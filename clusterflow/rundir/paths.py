@@ -21,6 +21,8 @@ Inside ``RUN_DIR``:
     attempts.jsonl                one line per job start (requeues included), appended by rank 0
     stops.jsonl                   one line per stop on a signal (preempted, timeout), appended
                                   by rank 0
+    restarts.jsonl                one line per restart inside a job's allocation, and when its
+                                  attempt trained again (see restarts.py)
     submissions.jsonl             one line per Slurm job submit made for this run (see
                                   submissions.py)
     status.json                   the latest progress, rewritten atomically by rank 0
@@ -134,6 +136,10 @@ class RunPaths:
     @property
     def stops(self) -> str:
         return self._p("stops.jsonl")
+
+    @property
+    def restarts(self) -> str:
+        return self._p("restarts.jsonl")
 
     @property
     def status(self) -> str:

@@ -174,6 +174,7 @@ ATTEMPT = Schema(
         "hosts": TEXTS,
         "world_size": RANKS,
         "restart_count": INT,
+        "restart_in_job": INT,
         "procs": PROCS,
     }
 )

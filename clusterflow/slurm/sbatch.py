@@ -60,6 +60,32 @@ def parameters(cfg: Config) -> dict[str, Any]:
     return params
 
 
+def restarting(
+    folder: str,
+    params: dict[str, Any],
+    cfg: Config,
+    config_file: str,
+    python: str | None = None,
+) -> tuple[dict[str, Any], str]:
+    """One job's parameters and command prefix for the restart driver (``python -m
+    clusterflow.job.restarts``): the job allocates ``cluster.spare_nodes`` more nodes, and its
+    batch step runs the driver, which starts the srun step itself (on ``cluster.nodes`` of them)
+    and starts it again after a failure a restart can cure. Returns (parameters, the ``python``
+    for submitit's executor): submitit appends ``-u -m submitit.core._submit FOLDER`` to that
+    prefix, so the driver's srun runs submitit's entry with submitit's own output files. A job
+    array keeps submitit's plain srun (a driver there would need each member's run dir)."""
+    python = python or shlex.quote(sys.executable)
+    paths = submitit.core.utils.JobPaths(folder=folder)
+    srun = ["srun", "--unbuffered", "--output", str(paths.stdout)]
+    if not params.get("stderr_to_stdout"):
+        srun += ["--error", str(paths.stderr)]
+    srun += list(params.get("srun_args", []))
+    driver = [python, "-u -m clusterflow.job.restarts", shlex.quote(config_file), "--"]
+    plain = {k: v for k, v in params.items() if k != "srun_args"}
+    nodes = cfg.cluster.nodes + cfg.cluster.spare_nodes
+    return dict(plain, nodes=nodes, use_srun=False), " ".join([*driver, shlex.join(srun), python])
+
+
 def with_dependency(params: dict[str, Any], dep: str | None) -> dict[str, Any]:
     """The parameters with ``#SBATCH --dependency`` added (unchanged without one)."""
     if not dep:
@@ -143,9 +169,12 @@ def require_sbatch(local: str) -> None:
         )
 
 
-def submit(folder: str, params: dict[str, Any], job: Callable[[], Any]) -> str:
-    """sbatch one job that runs ``job()``; returns its job id."""
-    ex = _executor(folder, params)
+def submit(
+    folder: str, params: dict[str, Any], job: Callable[[], Any], python: str | None = None
+) -> str:
+    """sbatch one job that runs ``job()``; returns its job id. ``python``: the command prefix
+    submitit puts before its entry (:func:`restarting`)."""
+    ex = _executor(folder, params, python)
     dry_run = "python -m clusterflow.submit ... --dry-run"
     return _sbatch(lambda: [ex.submit(job)], "the job", dry_run)[0]
 
@@ -163,10 +192,12 @@ def submit_array(folder: str, params: dict[str, Any], jobs: list[Callable[[], An
     return _sbatch(batch, "the sweep's job array", "--dry-run")
 
 
-def _executor(folder: str, params: dict[str, Any]) -> submitit.SlurmExecutor:
+def _executor(
+    folder: str, params: dict[str, Any], python: str | None = None
+) -> submitit.SlurmExecutor:
     # No max_num_timeout: clusterflow handles the time-limit signal and counts those requeues
     # itself (job/requeue.py, from stops.jsonl); submitit's own counter would be a second one.
-    ex = submitit.SlurmExecutor(folder=folder)
+    ex = submitit.SlurmExecutor(folder=folder, python=python)
     ex.update_parameters(**params)
     return ex
 

@@ -52,7 +52,7 @@ from clusterflow.observe import mining_wait_timeout_s, phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
 from clusterflow.observe.profiling import profile_for
 from clusterflow.observe.timeline import timeline_for
-from clusterflow.rundir import transitions
+from clusterflow.rundir import restarts, transitions
 from clusterflow.rundir.states import State, StopReason
 from clusterflow.storage import durable
 from clusterflow.tasks import Task
@@ -286,6 +286,8 @@ class Trainer:
             if self._first_step:
                 self._first_step = False
                 self.timeline.first_step(self.state.global_step)
+                if self.rank == 0:  # an attempt a restart inside the job started: when it trains
+                    restarts.note_first_step(self.paths, self.attempt, self.state.global_step)
             if bar is not None:
                 bar.update(1)
             if self._log_due():

@@ -1,0 +1,307 @@
+"""Restart inside the allocation: the batch step's driver that starts the training step with srun
+and, after a failure a restart can cure, starts it again in the same Slurm job, from the newest
+checkpoint, on the allocation's healthy nodes.
+
+    python -m clusterflow.job.restarts CONFIG.yaml [KEY=VALUE ...] -- srun [FLAGS] COMMAND ...
+
+The job allocates ``cluster.nodes + cluster.spare_nodes`` nodes and each step runs on
+``cluster.nodes`` of them (``--nodes``, ``--ntasks``, ``--nodelist`` added after ``srun``). After a
+step fails, :func:`classify` names the fault from what the run dir and srun recorded, and
+:func:`plan` decides (both pure, tested as tables):
+
+| the failed step (first that applies)                  | cause  | the node                     |
+|-------------------------------------------------------|--------|------------------------------|
+| ended on purpose: completed, requeued, stopped,       | none   | (no restart: as before)      |
+| cancelled, or this driver got SIGTERM                 |        |                              |
+| srun: a task ended by a signal first (SIGKILL, OOM    | crash  | left out where a spare node  |
+| killer, segfault)                                     |        | allows                       |
+| first-error record: the stall watchdog ended a rank   | stall  | left out unless the rank was |
+|                                                       |        | waiting for its peers        |
+| first-error record: a CUDA/NCCL device error          | node   | always left out              |
+| anything else (the task's exception, bad input, a     | none   | (no restart: fails as        |
+| full disk, a diverged loss)                           |        | before)                      |
+
+A restart happens while ``cluster.restarts_in_job`` allows (counted per Slurm attempt) and enough
+healthy nodes remain; otherwise the job ends as it did without this driver: a node fault requeues
+the job without its node (``node_fault.py``: the failing rank does it, since the driver tells each
+step through :data:`NODE_FAULT_RESTARTS_ENV` whether it would restart one), anything else fails.
+Nodes left out besides the faulty one come from :func:`extra_left_out` (the place for stragglers);
+they are left out only where enough nodes remain.
+
+Each restart is a new attempt in ``attempts.jsonl`` (the new step's rank 0 records it) and a line of
+``RUN_DIR/restarts.jsonl`` (``rundir/restarts.py``): the fault, when it was seen, the nodes, and,
+once the new attempt trained a step, the time from the fault to that step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from clusterflow import rundir
+from clusterflow.config.job_config import Config
+from clusterflow.dist.env import RESTART_IN_JOB_ENV
+from clusterflow.errors import UserError
+from clusterflow.job import node_fault
+from clusterflow.rundir import first_error, restarts, saved_config, states, transitions
+from clusterflow.slurm import steps
+
+# Set for each step: "1" when a node fault in it restarts the job inside the allocation without
+# that node (a restart is left and a spare healthy node exists); the failing rank then does not
+# requeue the job itself.
+NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
+
+CRASH, NODE, STALL = "crash", "node", "stall"
+_ON_PURPOSE = (states.COMPLETED, states.REQUEUED, states.STOPPED, states.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What ended a step, when a restart can cure it."""
+
+    cause: str  # crash, node or stall
+    rank: int | None
+    host: str | None
+    error: str
+    at: float  # when it was seen (seconds since 1970)
+    leave_out: bool  # the host must not run the next step
+
+
+def classify(
+    state: str | None,
+    first: Mapping[str, Any] | None,
+    srun_first: tuple[int, str, str] | None,
+    srun_at: float | None,
+) -> Fault | None:
+    """The curable fault that ended a step, or None. ``state``: status.json's state after it;
+    ``first``: the attempt's first-error record (None when the attempt recorded none);
+    ``srun_first``: (rank, node, what) of the task srun reported as failed first, at ``srun_at``."""
+    if state in _ON_PURPOSE:
+        return None
+    if srun_first is not None and not srun_first[2].startswith("Exited with exit code"):
+        rank, host, what = srun_first
+        return Fault(CRASH, rank, host, what, srun_at or time.time(), leave_out=False)
+    if first is None:
+        return None
+    rank, host, error = first.get("rank"), first.get("host"), str(first.get("error", ""))
+    at = float(first.get("time") or time.time())
+    if first.get("kind") == "stall":
+        return Fault(STALL, rank, host, error, at, leave_out=not first.get("waiting"))
+    if node_fault.device_error(error) is not None:
+        return Fault(NODE, rank, host, error, at, leave_out=True)
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    restart: bool
+    nodes: tuple[str, ...] = ()  # the next step's nodes
+    left_out: tuple[str, ...] = ()  # the allocation's nodes it does not use
+    why: str = ""  # why not, when there is no restart
+
+
+def plan(
+    fault: Fault | None,
+    used: int,
+    limit: int,
+    allocation: Sequence[str],
+    needed: int,
+    faulty: Sequence[str] = (),
+    avoid: Sequence[str] = (),
+) -> Plan:
+    """Whether to restart after ``fault``, and on which nodes. ``used``: restarts this Slurm
+    attempt made so far; ``limit``: cluster.restarts_in_job; ``faulty``: nodes an earlier node
+    fault or stall put out of use; ``avoid``: nodes to leave out only where enough others remain
+    (stragglers, a crashed rank's node, earlier crashes), in order of preference."""
+    if fault is None:
+        return Plan(False, why="not a failure a restart cures")
+    if used >= limit:
+        return Plan(False, why=f"no restart left (cluster.restarts_in_job={limit})")
+    hard = set(faulty) | ({fault.host} if fault.leave_out and fault.host else set())
+    healthy = [h for h in allocation if h not in hard]
+    if len(healthy) < needed:
+        return Plan(
+            False,
+            why=f"too few healthy nodes: {len(healthy)} of the allocation's {len(allocation)} "
+            f"({', '.join(sorted(hard))} failed) for a step of {needed}",
+        )
+    soft = ([fault.host] if fault.host and not fault.leave_out else []) + list(avoid)
+    for host in soft:
+        if host in healthy and len(healthy) > needed:
+            healthy.remove(host)
+    nodes = tuple(healthy[:needed])
+    return Plan(True, nodes, tuple(h for h in allocation if h not in nodes))
+
+
+def extra_left_out(cfg: Config, paths: rundir.RunPaths) -> list[str]:
+    """Nodes to leave out at a restart besides the failed one, where enough others remain. None
+    yet: the place where a run's stragglers are named."""
+    return []
+
+
+def node_fault_restarts(
+    used: int, limit: int, allocation: Sequence[str], needed: int, faulty: Sequence[str]
+) -> bool:
+    """Whether a node fault in the next step would be restarted here without its node."""
+    healthy = [h for h in allocation if h not in set(faulty)]
+    return used < limit and len(healthy) - 1 >= needed
+
+
+class Driver:
+    """The batch step's loop: one srun step, and another after each curable failure."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        command: Sequence[str],
+        environ: Mapping[str, str],
+        left_out: Callable[[Config, rundir.RunPaths], list[str]] = extra_left_out,
+    ) -> None:
+        self.cfg, self.command, self.environ = cfg, list(command), dict(environ)
+        self.left_out = left_out
+        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.allocation = steps.allocation(environ)
+        self.per_node = steps.tasks_per_node(environ, cfg.cluster.tasks_per_node)
+        spare = cfg.cluster.spare_nodes
+        # Allocated by hand (sbatch -N): the step runs on all but the spare nodes.
+        self.needed = max(1, len(self.allocation) - spare)
+        self.limit = cfg.cluster.restarts_in_job
+        self.faulty: list[str] = []  # out of use after a node fault or stall
+        self.avoid: list[str] = []  # left out while enough others remain
+        self.signalled = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        nodes = tuple(self.allocation[: self.needed])
+        used = 0
+        while True:
+            end = steps.run_step(
+                steps.srun_argv(self.command, nodes, self.per_node), self._env(used)
+            )
+            if end.returncode == 0 or self.signalled:
+                return end.returncode
+            fault = self._fault(end)
+            p = plan(
+                fault,
+                used,
+                self.limit,
+                self.allocation,
+                self.needed,
+                self.faulty,
+                self.avoid + self.left_out(self.cfg, self.paths),
+            )
+            if not p.restart:
+                if fault is not None:
+                    _say(f"not restarted in the job after {_what(fault)}: {p.why}")
+                return end.returncode
+            assert fault is not None
+            used += 1
+            self._remember(fault)
+            self._record(fault, used, p)
+            nodes = p.nodes
+
+    def _env(self, used: int) -> dict[str, str]:
+        restarts_node_fault = node_fault_restarts(
+            used, self.limit, self.allocation, self.needed, self.faulty
+        )
+        return {
+            **self.environ,
+            RESTART_IN_JOB_ENV: str(used),
+            NODE_FAULT_RESTARTS_ENV: "1" if restarts_node_fault else "0",
+        }
+
+    def _fault(self, end: steps.StepEnd) -> Fault | None:
+        status, _ = rundir.read_object(self.paths.status)
+        attempt = rundir.current_attempt(self.paths)
+        first = first_error.read(self.paths.root, attempt)
+        if first is not None and float(first.get("time") or 0) < end.started_at:
+            first = None  # an earlier step's: this one failed before recording anything
+        return classify(status.get("state"), first, end.first_failure, end.failed_at)
+
+    def _remember(self, fault: Fault) -> None:
+        if fault.host is None:
+            return
+        if fault.leave_out:
+            self.faulty.append(fault.host)
+        else:
+            self.avoid.append(fault.host)
+
+    def _record(self, fault: Fault, used: int, p: Plan) -> None:
+        job_id = self.environ.get("SLURM_JOB_ID", "")
+        failed = rundir.current_attempt(self.paths)
+        restarts.record_restart(
+            self.paths,
+            job_id=job_id,
+            restart=used,
+            failed_attempt=failed,
+            next_attempt=rundir.attempt_count(self.paths),
+            cause=fault.cause,
+            rank=fault.rank,
+            host=fault.host,
+            error=fault.error,
+            fault_at=fault.at,
+            restart_at=time.time(),
+            nodes=list(p.nodes),
+            left_out=list(p.left_out),
+        )
+        # An attempt begins; the failed one's cause stays in its first-error record and in
+        # restarts.jsonl.
+        transitions.mark_started(
+            self.paths,
+            job_id,
+            world_size=len(p.nodes) * self.per_node,
+            hosts=list(p.nodes),
+            attempt=rundir.attempt_count(self.paths),
+        )
+        out = f" ({', '.join(p.left_out)} left out)" if p.left_out else ""
+        _say(
+            f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
+            f"from the newest checkpoint on {', '.join(p.nodes)}{out}"
+        )
+
+    def _on_term(self, *_: Any) -> None:
+        # Slurm signals the step itself; the driver waits for it to save and end, then stops.
+        self.signalled = True
+
+
+def _what(fault: Fault) -> str:
+    where = f"rank {fault.rank} on {fault.host}" if fault.host else "a rank"
+    return f"{where}: {fault.error} ({fault.cause})"
+
+
+def _say(text: str) -> None:
+    print(f"clusterflow: {text}", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print(
+            "usage: python -m clusterflow.job.restarts CONFIG.yaml [KEY=VALUE ...] -- srun ...",
+            file=sys.stderr,
+        )
+        return 2
+    cut = argv.index("--")
+    p = argparse.ArgumentParser(prog="python -m clusterflow.job.restarts")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args(argv[:cut])
+    command = argv[cut + 1 :]
+    try:
+        cfg = saved_config.load(args.config, args.overrides)
+    except (UserError, OSError) as exc:
+        # The step itself reports a config it cannot use; nothing to restart.
+        _say(f"no restarts inside the job: {exc}")
+        cfg = None
+    if cfg is None or not os.environ.get("SLURM_JOB_NODELIST"):
+        os.execvp(command[0], command)
+    return Driver(cfg, command, os.environ).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
