@@ -19,10 +19,11 @@ from clusterflow.job.restarts import (
     Driver,
     Fault,
     classify,
+    extra_left_out,
     node_fault_restarts,
     plan,
 )
-from clusterflow.rundir import restarts
+from clusterflow.rundir import restarts, stragglers
 from clusterflow.slurm import outcome, steps
 
 KILLED = (1, "node2", "Killed")
@@ -213,3 +214,17 @@ def test_the_driver_runs_on_all_but_the_spare_nodes(tmp_path):
     assert d._env(0)[NODE_FAULT_RESTARTS_ENV] == "1"
     assert d._env(2)[NODE_FAULT_RESTARTS_ENV] == "0"
     assert d._env(1)["CLUSTERFLOW_RESTART_IN_JOB"] == "1"
+
+
+@pytest.mark.parametrize("exclude", [True, False])
+def test_a_restart_leaves_the_named_stragglers_out_when_asked(tmp_path, exclude):
+    """cluster.exclude_stragglers: the nodes of the ranks the straggler watch named (any
+    attempt) are left out of the next step; off, nobody is."""
+    cfg = from_dict(
+        {"run": {"dir": str(tmp_path)}, "cluster": {"nodes": 2, "exclude_stragglers": exclude}}
+    )
+    paths = rundir.RunPaths(str(tmp_path))
+    assert extra_left_out(cfg, paths) == []
+    stragglers.record(paths, attempt=0, rank=3, node="node2", ratio=1.5)
+    stragglers.record(paths, attempt=1, rank=1, node="node1", ratio=1.3)
+    assert extra_left_out(cfg, paths) == (["node1", "node2"] if exclude else [])

@@ -60,6 +60,19 @@ def test_a_rank_killed_mid_epoch_trains_again_in_the_same_job_on_the_spare(
     assert 0 < r["recovery_s"] < 60, r
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+    # The goodput ledger: each attempt's parts sum to its wall time, and the restart is in it.
+    out = run_cli("clusterflow.goodput", d, "--json", env=env())
+    assert out.returncode == 0, out.stdout + out.stderr
+    book = json.loads(out.stdout)
+    rows = book["attempts"]
+    for row in rows:
+        assert abs(sum(row["seconds"].values()) - row["wall_s"]) <= 0.01 * row["wall_s"], row
+    assert rows[0]["restart_in_job"] is None
+    back = rows[1]["restart_in_job"]
+    assert back["recovery_s"] == r["recovery_s"] and back["left_out"] == ["node2"], back
+    assert rows[1]["sources"]["allocated"] == "previous attempt's end (same allocation)"
+    shown = run_cli("clusterflow.goodput", d, env=env()).stdout
+    assert "restart in job: attempt 1 after a crash of rank 1 on node2: back training" in shown
 
 
 def test_spares_beyond_the_partition_are_refused_before_anything_is_submitted(cluster, tmp_path):

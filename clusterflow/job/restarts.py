@@ -48,7 +48,14 @@ from clusterflow.config.job_config import Config
 from clusterflow.dist.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
-from clusterflow.rundir import first_error, restarts, saved_config, states, transitions
+from clusterflow.rundir import (
+    first_error,
+    restarts,
+    saved_config,
+    states,
+    stragglers,
+    transitions,
+)
 from clusterflow.slurm import steps
 
 # Set for each step: "1" when a node fault in it restarts the job inside the allocation without
@@ -139,9 +146,9 @@ def plan(
 
 
 def extra_left_out(cfg: Config, paths: rundir.RunPaths) -> list[str]:
-    """Nodes to leave out at a restart besides the failed one, where enough others remain. None
-    yet: the place where a run's stragglers are named."""
-    return []
+    """Nodes to leave out at a restart besides the failed one, where enough others remain: with
+    ``cluster.exclude_stragglers``, the nodes of the ranks the straggler watch named."""
+    return stragglers.straggler_nodes(paths) if cfg.cluster.exclude_stragglers else []
 
 
 def node_fault_restarts(

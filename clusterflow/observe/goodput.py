@@ -28,7 +28,7 @@ import time
 from typing import Any, Mapping
 
 from clusterflow import rundir
-from clusterflow.rundir import first_error, records, stragglers, timeline
+from clusterflow.rundir import first_error, records, restarts, stragglers, timeline
 from clusterflow.rundir.states import COMPLETED, RUNNING
 from clusterflow.slurm.jobids import SLURM_SOURCES
 
@@ -133,13 +133,25 @@ def ledger(
         running = st.get("state") == RUNNING
     subs, _ = records.read_records(paths.submissions, records.SUBMISSION)
     rows, prev, high = [], None, 0
+    restarted = {r.get("next_attempt"): r for r in restarts.read(paths)}
     for i, a in enumerate(attempts):
         newest = i == len(attempts) - 1
         later = attempts[i + 1 :]
         row = _row(a, prev, high, later, newest and running, slurm, subs, paths, now)
+        row["restart_in_job"] = _restart(restarted.get(a.n))
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
     return {"run_dir": run_dir, "attempts": rows, "total": _total(rows)}
+
+
+def _restart(r: dict[str, Any] | None) -> dict[str, Any] | None:
+    """How an attempt that a restart inside the allocation began came about
+    (``RUN_DIR/restarts.jsonl``): the fault, the nodes left out, and the seconds from the fault
+    to its first step (``recovery_s``, None until it trained one)."""
+    if r is None:
+        return None
+    keep = ("cause", "rank", "host", "left_out", "fault_at", "first_step_at", "recovery_s")
+    return {k: r.get(k) for k in keep}
 
 
 def _instants(
@@ -319,6 +331,20 @@ def render(book: dict[str, Any]) -> str:
         f"{'goodput':<18}" + "".join(f"{'-' if x is None else f'{x:.1%}':>{width}}" for x in ratios)
     )
     for r in rows:
+        back = r.get("restart_in_job")
+        if back is not None:
+            rank = "" if back.get("rank") is None else f" of rank {back['rank']}"
+            host = f" on {back['host']}" if back.get("host") else ""
+            out = f"; left out {', '.join(back['left_out'])}" if back.get("left_out") else ""
+            took = (
+                "no step trained yet"
+                if back.get("recovery_s") is None
+                else f"back training {back['recovery_s']:.1f} s after the fault"
+            )
+            lines.append(
+                f"restart in job: attempt {r['attempt']} after a {back.get('cause')}{rank}{host}: "
+                f"{took}{out}"
+            )
         for g in r["stragglers"]:
             lines.append(
                 f"straggler: attempt {r['attempt']} rank {g['rank']} on {g['node']} "
