@@ -1,9 +1,11 @@
 """The config sections: one dataclass per section, each field documented where it is declared.
 
 Every field's ``doc`` text is the configuration reference (``docs/configuration.md`` is generated
-from it by ``python -m clusterflow.config``); ``__post_init__`` checks say what is wrong and how
-to fix it. ``job_config.py`` assembles the sections and reads YAML and overrides;
-``clusterflow.config`` re-exports these classes. No torch here: this runs on the login node.
+from it by ``python -m clusterflow.config``), and its ``kind`` and ``why`` say what changing it
+does to a run's result (``fingerprint.py`` builds its table from them); ``__post_init__`` checks
+say what is wrong and how to fix it. ``job_config.py`` assembles the sections and reads YAML and
+overrides; ``clusterflow.config`` re-exports these classes. No torch here: this runs on the login
+node.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from clusterflow.errors import UserError
 RESULT, NUMERICS, RESOURCE = "result", "numerics", "resource"
 KINDS = (RESULT, NUMERICS, RESOURCE)
 
+# Why the world size (cluster.nodes, cluster.tasks_per_node) is a numerics key.
 _WORLD = (
     "the global-batch sampler keeps the data order and the global batch; per-rank RNG streams are "
     "re-derived and the all-reduce sums in another order, so the result is not bitwise equal to an "
