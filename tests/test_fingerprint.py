@@ -4,8 +4,7 @@ import pytest
 
 from clusterflow import config
 from clusterflow.config import fingerprint
-from clusterflow.config.fingerprint import NUMERICS, RESOURCE, RESULT
-from clusterflow.config.sections import doc
+from clusterflow.config.sections import NUMERICS, RESOURCE, RESULT, doc
 
 
 def cfg(*overrides):

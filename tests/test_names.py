@@ -88,9 +88,7 @@ def _misplaced(package: str) -> list[str]:
                 owner = None if in_fstring else OWNERS.get(value)
                 if owner and owner != rel and (rel, value) not in ALLOWED:
                     out.append(f"{rel}:{line}: {value!r} (import it from {owner})")
-                if LEASE_PREFIX in value and (
-                    rel != LEASE_OWNER[0] or where not in LEASE_OWNER[1]
-                ):
+                if LEASE_PREFIX in value and (rel != LEASE_OWNER[0] or where not in LEASE_OWNER[1]):
                     out.append(f"{rel}:{line}: {value!r} (use lease.gen_file / lease.generation)")
     return out
 

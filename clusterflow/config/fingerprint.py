@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from clusterflow.config.sections import NUMERICS, RESULT, SECTIONS, keys
-from clusterflow.config.sections import RESOURCE as RESOURCE  # the three kinds, named here too
 
 
 def _classified() -> dict[str, tuple[str, str]]:
