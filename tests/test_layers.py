@@ -183,6 +183,28 @@ def test_function_level_imports_have_a_reason():
     assert lazy - LAZY_ALLOWED == set()
 
 
+def test_torch_is_imported_at_module_level_only():
+    """torch is a hard dependency of the job side: a module that needs it imports it at its top,
+    where the forbidden contract sees it. Only optional extras (faiss, mlflow, wandb, pynvml,
+    matplotlib, submitit) may be imported inside a function."""
+    nested = []
+    for name, path in modules().items():
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    targets = [node.module or ""]
+                else:
+                    continue
+                heavy = [t for t in targets if t.split(".")[0] in ("torch", "torchvision")]
+                nested.extend(f"{name}:{node.lineno} {t}" for t in heavy)
+    assert nested == []
+
+
 def test_lines_within_100_characters():
     long = []
     for root in ("clusterflow", "tests", "benchmarks"):
