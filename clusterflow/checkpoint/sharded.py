@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.storage import durable
 
 FORMAT = "dcp"  # the manifest's "format" of a sharded checkpoint
