@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 from clusterflow.dist import free_port  # noqa: E402
 from clusterflow.storage.store import CheckpointStore  # noqa: E402
+from clusterflow.storage.tensors import TORCH
 
 
 def make_state(params: int) -> tuple[dict, dict]:
@@ -96,7 +97,7 @@ def bench_save_load(root: str, params: int, repeats: int) -> dict:
         for t in s.values()
         if torch.is_tensor(t)
     )
-    store = CheckpointStore(os.path.join(root, "store"), keep_last=2)
+    store = CheckpointStore(os.path.join(root, "store"), keep_last=2, codec=TORCH)
     times: dict[str, list[float]] = {
         k: [] for k in ("torch.save", "torch.save+fsync", "store.save", "torch.load", "store.load")
     }
@@ -258,12 +259,12 @@ def _restore_rank(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    from clusterflow import dist
     from clusterflow.dist import DistEnv
+    from clusterflow.dist import comm as dist
 
     torch.set_num_threads(1)
     dist.init(DistEnv.from_env(os.environ), "gloo", 600)
-    store = CheckpointStore(os.path.join(root, "store"), keep_last=2)
+    store = CheckpointStore(os.path.join(root, "store"), keep_last=2, codec=TORCH)
     if cold and rank == 0:
         subprocess.run(["sh", "-c", "sync; echo 3 > /proc/sys/vm/drop_caches"], check=False)
     dist.barrier()
@@ -293,7 +294,12 @@ def bench_restore(root: str, params: int, repeats: int, cold: bool) -> None:
 
     model_sd, train_state = make_state(params)
     plain_save(os.path.join(root, "plain-restore"), model_sd, train_state, True)
-    store_save(CheckpointStore(os.path.join(root, "store"), keep_last=2), 1, model_sd, train_state)
+    store_save(
+        CheckpointStore(os.path.join(root, "store"), keep_last=2, codec=TORCH),
+        1,
+        model_sd,
+        train_state,
+    )
     del model_sd, train_state
     ctx = mp.get_context("spawn")
     modes = ("torch.load on every rank", "store.latest on every rank", "one reader + broadcast")
@@ -381,7 +387,7 @@ def bench_signal(root: str, hidden: int, world: int) -> None:
         p.send_signal(signal.SIGTERM)
     codes = [p.wait(timeout=300) for p in procs]
     seconds = time.perf_counter() - t0
-    store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
+    store = CheckpointStore(os.path.join(run_dir, "checkpoints"), codec=TORCH)
     ck = store.latest()
     with open(os.path.join(run_dir, "status.json")) as f:
         stopped_at = json.load(f)["global_step"]

@@ -51,7 +51,7 @@ def embed_throughput(n: int, world: int) -> float:
 def _embed_rate(n: int) -> float:
     import torch
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.mining.stage import embed_shard
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 

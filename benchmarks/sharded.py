@@ -29,10 +29,11 @@ import torch  # noqa: E402
 import torch.distributed as tdist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from clusterflow import dist  # noqa: E402
 from clusterflow.checkpoint.sharded import ShardedState  # noqa: E402
+from clusterflow.dist import comm as dist  # noqa: E402
 from clusterflow.dist import free_port  # noqa: E402
 from clusterflow.storage.store import CheckpointStore  # noqa: E402
+from clusterflow.storage.tensors import TORCH
 from clusterflow.train import parallel  # noqa: E402
 
 
@@ -95,7 +96,7 @@ def rank_main(rank, world, port, mode, args, queue):
 
 def write_times(model, opt, mode, world, args) -> float:
     root = os.path.join(args.dir, f"{mode}-{world}")
-    store = CheckpointStore(root, keep_last=2)
+    store = CheckpointStore(root, keep_last=2, codec=TORCH)
     times = []
     for step_no in range(1, args.repeats + 1):
         if dist.rank() == 0:

@@ -100,12 +100,13 @@ def tiny_two_rank_run(tmp_path_factory):
 def store(request, tmp_path):
     """A checkpoint store keeping two steps, on a local folder and on fsspec's memory://."""
     from clusterflow.storage.store import CheckpointStore
+    from clusterflow.storage.tensors import TORCH
 
     if request.param == "local":
-        return CheckpointStore(str(tmp_path / "ck"), keep_last=2)
+        return CheckpointStore(str(tmp_path / "ck"), keep_last=2, codec=TORCH)
     import uuid
 
-    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2)
+    return CheckpointStore(f"memory://ck-{uuid.uuid4().hex}", keep_last=2, codec=TORCH)
 
 
 @pytest.fixture(scope="session")

@@ -40,8 +40,8 @@ def _entry(rank, world, port, fn, args, queue, pg_timeout=120, environ=None, cwd
     try:
         import torch
 
-        from clusterflow import dist
         from clusterflow.dist import DistEnv
+        from clusterflow.dist import comm as dist
 
         torch.set_num_threads(1)
         dist.init(DistEnv.from_env(os.environ), "gloo", pg_timeout)

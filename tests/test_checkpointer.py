@@ -12,9 +12,10 @@ import pytest
 import torch
 from multirank import SharedRanks
 
-from clusterflow import config, dist
+from clusterflow import config
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.dist import comm as dist
 
 
 def build(run_dir, ckpt_dir="", seed=0, **over):

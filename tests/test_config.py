@@ -146,7 +146,8 @@ def test_login_node_import_is_light(cli):
     import sys
 
     code = (
-        "import sys, clusterflow.submit, clusterflow.status, clusterflow.config; "
+        "import sys, clusterflow.submit, clusterflow.status, clusterflow.logs, "
+        "clusterflow.cancel, clusterflow.config; "
         "print('torch' in sys.modules, 'faiss' in sys.modules)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

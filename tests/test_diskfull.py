@@ -14,6 +14,7 @@ from clusterflow import rundir
 from clusterflow.errors import RunFailed
 from clusterflow.storage import durable
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 
 @pytest.fixture
@@ -24,7 +25,7 @@ def small_disk(tmp_path):
 
 
 def test_checkpoint_larger_than_the_disk(small_disk):
-    store = CheckpointStore(os.path.join(small_disk, "ck"), keep_last=2)
+    store = CheckpointStore(os.path.join(small_disk, "ck"), keep_last=2, codec=TORCH)
     store.save(1, {"model.pt": {"w": torch.ones(1000)}})
     with pytest.raises(RunFailed) as e:
         store.save(2, {"model.pt": {"w": torch.zeros(3_000_000)}})  # 12 MB
@@ -46,7 +47,9 @@ def test_atomic_file_on_a_full_disk(small_disk):
         match=rf"no space left on tmpfs \(mounted at {small_disk}\) writing model.pt to "
         rf"{small_disk}/model.pt \(it needs about 40 MB",
     ):
-        durable.write_atomic(os.path.join(small_disk, "model.pt"), {"w": torch.zeros(10_000_000)})
+        durable.write_atomic(
+            os.path.join(small_disk, "model.pt"), {"w": torch.zeros(10_000_000)}, codec=TORCH
+        )
     assert os.listdir(small_disk) == []
 
 
@@ -92,7 +95,7 @@ def test_run_on_a_disk_that_fills_up(small_disk):
         and status["exit_code"] == 1
         and "no space left" in status["error"]
     )
-    store = CheckpointStore(ckpts)
+    store = CheckpointStore(ckpts, codec=TORCH)
     assert os.listdir(ckpts) == ["step-2"] and store.verify(2).step == 2
     os.unlink(
         filler

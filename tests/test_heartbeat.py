@@ -259,7 +259,7 @@ def test_tensorboard_scalars_cover_every_node():
 def _two_rank_heartbeats(run_dir):
     import socket
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
 
     rank = dist.rank()
     hb = Heartbeat(run_dir, rank, socket.gethostname(), every_s=0.1, gather=rank == 0)

@@ -102,8 +102,9 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     """Runs a real Trainer; returns {step: (kind, [call, ...])} for every step of the run."""
     import torch
 
-    from clusterflow import config, dist
+    from clusterflow import config
     from clusterflow.checkpoint import checkpointer
+    from clusterflow.dist import comm as dist
     from clusterflow.tasks import load_task
     from clusterflow.train.preemption import Preemption
     from clusterflow.train.trainer import Trainer

@@ -129,7 +129,7 @@ def test_dataset_items_change_with_the_epoch_not_with_repetition(tmp_path):
 
 def _rank_batches(root, workers):
     """This rank's micro-batches of epoch 1, decoded by DataLoader workers as the trainer does."""
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.dist.sampler import GlobalBatchSampler
 
     task = ImageFolderTask(seed=5, root=root, image_size=12)

@@ -17,7 +17,7 @@ from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.errors import RunFailed
 from clusterflow.storage import manifest
-from clusterflow.storage.durable import serialize
+from clusterflow.storage.tensors import serialize
 
 
 def make(run_dir, out=4):

@@ -102,7 +102,7 @@ def test_a_search_cut_short_continues_from_its_blocks(tmp_path, engine):
 
 
 def _spread(n, k, root, abort_rank, abort_after):
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.dist.sampler import shard_range
     from clusterflow.mining.knn.torch_engine import distributed_search
 
@@ -149,9 +149,10 @@ ROUND = [
 
 def last_state(run_dir):
     from clusterflow.storage.store import CheckpointStore
+    from clusterflow.storage.tensors import TORCH
 
     state = (
-        CheckpointStore(os.path.join(run_dir, "checkpoints"))
+        CheckpointStore(os.path.join(run_dir, "checkpoints"), codec=TORCH)
         .latest()
         .load("train_state.pt")["train"]
     )

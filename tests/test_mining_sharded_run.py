@@ -10,6 +10,7 @@ import torch
 from conftest import run_cli
 
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 RUN = ["configs/tiny.yaml", "--local", "mining.engine=torch", "mining.query_batch=32"]
 
@@ -17,7 +18,11 @@ RUN = ["configs/tiny.yaml", "--local", "mining.engine=torch", "mining.query_batc
 def _run(run_dir, *over):
     res = run_cli("clusterflow.submit", *RUN, f"run.dir={run_dir}", *over)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    state = CheckpointStore(os.path.join(run_dir, "checkpoints")).latest().load("train_state.pt")
+    state = (
+        CheckpointStore(os.path.join(run_dir, "checkpoints"), codec=TORCH)
+        .latest()
+        .load("train_state.pt")
+    )
     weights = torch.load(os.path.join(run_dir, "model.pt"), weights_only=True)
     return weights, state["train"]["labels"].numpy(), state["train"]["mining_history"]
 

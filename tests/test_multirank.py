@@ -6,7 +6,7 @@ from multirank import SharedRanks
 
 
 def _collectives():
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
 
     r = dist.rank()
     summed = dist.all_reduce_dict({"a": r + 1, "b": 1.0})
@@ -44,7 +44,7 @@ class IndexTask:
 def _embed_and_gather(n, batch, workers):
     import torch
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.mining.stage import embed_shard
 
     task = IndexTask(n)
@@ -82,7 +82,8 @@ def test_every_index_embedded_exactly_once(ranks, n, batch, workers):
 def _mine(params, search="rank0"):
     import torch
 
-    from clusterflow import config, dist
+    from clusterflow import config
+    from clusterflow.dist import comm as dist
     from clusterflow.mining.stage import Miner
     from clusterflow.tasks.pseudo_id import PseudoIDTask
     from clusterflow.train.preemption import Preemption, StopAgreement
@@ -186,7 +187,7 @@ def _knn_data(n):
 def _distributed_knn(n, k, query_batch, abort_at):
     import torch
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.dist.sampler import shard_range
     from clusterflow.mining.knn.torch_engine import distributed_search
 
@@ -233,7 +234,7 @@ def test_distributed_knn_abort_on_one_rank_stops_every_rank(ranks):
 def _supcon_big_ids():
     import torch
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.tasks.losses import supcon_loss
 
     torch.manual_seed(dist.rank())
@@ -257,8 +258,8 @@ def _uneven_supcon_grad():
     ranks as DDP does: the gradient of the whole batch on one rank."""
     import torch
 
-    from clusterflow import dist
-    from clusterflow.dist.sampler import share, shard_range, split
+    from clusterflow.dist import comm as dist
+    from clusterflow.dist.sampler import shard_range, share, split
     from clusterflow.tasks.losses import supcon_loss
 
     torch.manual_seed(0)

@@ -194,7 +194,7 @@ def test_skip_step_fails_after_too_many_skips_in_a_row(tmp_path):
 def _guard_on_two_ranks():
     from types import SimpleNamespace
 
-    from clusterflow import dist
+    from clusterflow.dist import comm as dist
     from clusterflow.errors import RunFailed
     from clusterflow.train.finite import FiniteGuard
 

@@ -6,8 +6,8 @@ import os
 import re
 
 import launch
-from conftest import run_cli
 import pytest
+from conftest import run_cli
 
 from clusterflow import config
 from clusterflow.errors import UserError

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from conftest import REPO
-from slurmjobs import env, live_status, rank0_logs, sha256, scmd, status, wait_until
+from slurmjobs import env, live_status, rank0_logs, scmd, sha256, status, wait_until
 
 pytestmark = pytest.mark.slurm
 

@@ -17,6 +17,7 @@ import pytest
 from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
 
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 pytestmark = pytest.mark.slurm
 
@@ -128,7 +129,7 @@ def killed_while_writing_step_12(run_dir):
 def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, reference_run, tmp_path):
     d = str(tmp_path / "run")
     ckpts, committed = killed_while_writing_step_12(d)
-    store = CheckpointStore(ckpts, keep_last=3)
+    store = CheckpointStore(ckpts, keep_last=3, codec=TORCH)
     assert store.steps() == [4, 6, 8]
     assert store.latest().step == 8
     assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
@@ -159,7 +160,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
     committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
     scmd("scancel", "--signal=KILL", "--full", job)
     wait_gone(job)
-    assert CheckpointStore(ckpts, keep_last=3).steps() == [4, 6]
+    assert CheckpointStore(ckpts, keep_last=3, codec=TORCH).steps() == [4, 6]
     assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     _, out = submit(d, *HANG_BACKGROUND, wait=True)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -52,7 +52,8 @@ def test_a_rank_that_sleeps_in_its_loss_is_named_with_its_stack(cluster, tmp_pat
     assert (
         "node node2 failed (stalled 10 s at step 2 in train (" in log
         and "not requeued without it: leaving out node2 would leave 1 node(s) of the partition "
-        "for a job of 2" in log
+        "for a job of 2"
+        in log
     ), log
 
 

@@ -7,8 +7,13 @@ values of metrics.jsonl, and the status FINISHED."""
 import pytest
 from mlflow.tracking import MlflowClient
 from slurmjobs import rank0_logs, scmd, status, submit, wait_gone, wait_until
-from test_trackers import committed_steps, held_steps, start_server, stop_server
-from test_trackers import one_finished_run_with_each_step_once
+from test_trackers import (
+    committed_steps,
+    held_steps,
+    one_finished_run_with_each_step_once,
+    start_server,
+    stop_server,
+)
 
 from clusterflow.dist import free_port
 

@@ -5,8 +5,8 @@ import re
 import pytest
 import torch
 
-from clusterflow.storage.durable import serialize
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH, serialize
 
 
 def files(v):
@@ -41,7 +41,7 @@ def test_committed_step_is_never_overwritten(store):
 
 
 def test_plain_model_pt_loads_without_clusterflow(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(1, files(1))
     sd = torch.load(os.path.join(tmp_path, "step-1", "model.pt"), weights_only=True)
     assert torch.equal(sd["w"], torch.full((4,), 1.0))
@@ -49,7 +49,7 @@ def test_plain_model_pt_loads_without_clusterflow(tmp_path):
 
 @pytest.mark.parametrize("damage", ["truncate", "bitflip", "manifest", "missing"])
 def test_damaged_newest_is_skipped(tmp_path, caplog, damage):
-    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store = CheckpointStore(str(tmp_path), keep_last=3, codec=TORCH)
     store.save(1, files(1))
     store.save(2, files(2))
     newest = tmp_path / "step-2"
@@ -72,7 +72,7 @@ def test_damaged_newest_is_skipped(tmp_path, caplog, damage):
 
 
 def test_folder_without_manifest_is_not_a_checkpoint_and_debris_is_cleaned(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(1, files(1))
     (tmp_path / "step-9").mkdir()
     (tmp_path / "step-9" / "model.pt").write_bytes(b"partial")
@@ -85,7 +85,7 @@ def test_folder_without_manifest_is_not_a_checkpoint_and_debris_is_cleaned(tmp_p
 
 
 def test_damaged_step_is_moved_aside_when_the_run_reaches_it_again(tmp_path, caplog):
-    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store = CheckpointStore(str(tmp_path), keep_last=3, codec=TORCH)
     store.save(1, files(1))
     store.save(2, files(2))
     (tmp_path / "step-2" / "model.pt").write_bytes(b"torn")
@@ -112,7 +112,7 @@ def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found
 
     root = tmp_path / "ck"
     shutil.copytree(OLD_STORE, root)
-    store = CheckpointStore(str(root), keep_last=2)
+    store = CheckpointStore(str(root), keep_last=2, codec=TORCH)
     assert (
         "sha256" in json.loads((root / "step-6" / "manifest.json").read_text())["files"]["model.pt"]
     )
@@ -136,7 +136,7 @@ def test_checkpoints_of_the_sha256_format_still_verify_and_their_damage_is_found
 
 
 def test_a_record_naming_an_unknown_algorithm_is_damaged_not_trusted(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(1, files(1))
     store.save(2, files(2))
     manifest = json.loads((tmp_path / "step-2" / "manifest.json").read_text())
@@ -160,7 +160,7 @@ def test_a_file_its_manifest_does_not_list_makes_the_checkpoint_damaged(store, e
 
 
 def test_a_folder_without_manifest_is_replaced_with_a_warning_naming_it(tmp_path, caplog):
-    store = CheckpointStore(str(tmp_path), keep_last=3)
+    store = CheckpointStore(str(tmp_path), keep_last=3, codec=TORCH)
     store.save(1, files(1))
     (tmp_path / "step-2").mkdir()
     (tmp_path / "step-2" / "model.pt").write_bytes(b"partial")

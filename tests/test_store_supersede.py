@@ -5,8 +5,8 @@ import os
 
 import torch
 
-from clusterflow.storage.durable import serialize
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH, serialize
 
 
 def files(v):
@@ -43,7 +43,7 @@ def test_a_later_state_at_the_same_step_supersedes_the_committed_one(store):
 
 
 def test_crash_after_staging_the_later_state(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(6, files(1), BEFORE)
     store._stage(6, files(2), AFTER)  # killed before the old step-6 was moved aside
     assert value(store) == 1  # until clean-up, the committed state is the old one
@@ -52,7 +52,7 @@ def test_crash_after_staging_the_later_state(tmp_path):
 
 
 def test_crash_between_the_two_renames(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(4, files(0), {"position": [0, 4]})
     store.save(6, files(1), BEFORE)
     store._stage(6, files(2), AFTER)
@@ -65,7 +65,7 @@ def test_crash_between_the_two_renames(tmp_path):
 
 
 def test_crash_while_staging_keeps_the_old_state(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(6, files(1), BEFORE)
     staged = store._stage(6, files(2), AFTER)
     os.remove(os.path.join(staged, "manifest.json"))  # the manifest comes last: killed before it
@@ -74,7 +74,7 @@ def test_crash_while_staging_keeps_the_old_state(tmp_path):
 
 
 def test_a_complete_commit_killed_before_its_rename_is_published(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(4, files(4), {"position": [0, 4]})
     staged = store._stage(8, files(8), {"position": [1, 2]})
     with open(os.path.join(staged, "model.pt"), "r+b") as f:  # ... but one torn file: not complete
@@ -88,7 +88,7 @@ def test_a_complete_commit_killed_before_its_rename_is_published(tmp_path):
 def test_pruned_and_superseded_folders_are_deleted_never_published(tmp_path):
     """Complete folders set aside by prune and by a supersede, left by a process killed while it
     deleted them in the background."""
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     for s in (4, 6):
         store.save(s, files(s), {"position": [0, s]})
     os.rename(store._stage(2, files(2), {"position": [0, 2]}), tmp_path / ".pruned-step-2-0123abcd")
@@ -98,7 +98,7 @@ def test_pruned_and_superseded_folders_are_deleted_never_published(tmp_path):
 
 
 def test_a_damaged_step_is_kept_aside_even_when_a_later_state_replaces_it(tmp_path):
-    store = CheckpointStore(str(tmp_path), keep_last=2)
+    store = CheckpointStore(str(tmp_path), keep_last=2, codec=TORCH)
     store.save(6, files(1), BEFORE)
     (tmp_path / "step-6" / "model.pt").write_bytes(b"torn")
     assert store.save(6, files(2), AFTER)

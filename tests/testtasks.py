@@ -14,7 +14,7 @@ import torch
 import torch.distributed as tdist
 
 from clusterflow.mining import knn
-from clusterflow.storage import durable
+from clusterflow.storage import durable, tensors
 from clusterflow.tasks import images
 from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
 from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -56,7 +56,7 @@ class HangInSave(Slow):
         marker = f"{os.sep}.tmp-step-{int(hang_at_step)}-"
         plain_write = durable.write_file
 
-        def write(path, payload, fsync=True, fs=None):
+        def write(path, payload, fsync=True, fs=None, codec=None):
             # Hang once per run dir: the resubmitted run writes this step again and must get
             # through.
             run_dir = os.path.dirname(
@@ -65,13 +65,13 @@ class HangInSave(Slow):
             done = os.path.join(run_dir, "hang-in-save.done")
             if marker in path and path.endswith("model.pt") and not os.path.exists(done):
                 open(done, "w").close()
-                data = payload if isinstance(payload, bytes) else durable.serialize(payload)
+                data = payload if isinstance(payload, bytes) else tensors.serialize(payload)
                 with open(path, "wb") as f:
                     f.write(data[: len(data) // 2])
                     f.flush()
                     os.fsync(f.fileno())
                 time.sleep(3600)
-            return plain_write(path, payload, fsync, fs)
+            return plain_write(path, payload, fsync, fs, codec)
 
         durable.write_file = write
 

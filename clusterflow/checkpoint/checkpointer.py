@@ -44,7 +44,7 @@ from typing import Any, Callable, Mapping, Protocol
 
 import torch
 
-from clusterflow import dist, rundir
+from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
@@ -52,6 +52,7 @@ from clusterflow.checkpoint.rng import capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.dist import comm as dist
 from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
@@ -60,6 +61,7 @@ from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -92,7 +94,13 @@ class Checkpointer:
     ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(
-            cfg.checkpoint_dir, c.keep_last, c.fsync, c.keep_every_steps, c.best, identity.check
+            cfg.checkpoint_dir,
+            c.keep_last,
+            c.fsync,
+            c.keep_every_steps,
+            c.best,
+            identity.check,
+            codec=TORCH,
         )
         # The keep_best metric's latest logged value, saved in each manifest (``note``).
         self.metrics: dict[str, float] = {}

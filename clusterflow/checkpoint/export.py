@@ -37,6 +37,7 @@ from clusterflow.rundir import preflight, saved_config
 from clusterflow.storage import diskfull, durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import Checkpoint, CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}  # by OUT's suffix
@@ -55,7 +56,7 @@ def _config(run_dir: str) -> Any:
 
 def open_store(root: str, keep_last: int = 2) -> CheckpointStore:
     """The checkpoints under ``root``, read as a resume reads them (``identity.check``)."""
-    return CheckpointStore(root, keep_last, check=identity.check)
+    return CheckpointStore(root, keep_last, check=identity.check, codec=TORCH)
 
 
 def _loadable(store: CheckpointStore, but: int | None = None) -> str:
@@ -208,7 +209,7 @@ def check_out(out: str, run_dir: str, checkpoint_dir: str, force: bool) -> None:
 def _write(out: str, payload: Any) -> None:
     """Write OUT atomically; any failure is one line (UserError) and leaves nothing at OUT."""
     try:
-        durable.write_atomic(out, payload)
+        durable.write_atomic(out, payload, codec=TORCH)
     except (OSError, RunFailed) as exc:
         full = diskfull.describe(exc, "the export", out, diskfull.payload_bytes(payload))
         if full:

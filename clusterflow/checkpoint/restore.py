@@ -25,8 +25,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from clusterflow import config as cfgmod
-from clusterflow import dist
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.dist import comm as dist
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.storage import durable
 
 METADATA = ".metadata"  # DCP's global plan, written by rank 0

@@ -2,8 +2,9 @@
 
 ``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
 exists, so the same code runs as one process. Nothing else in clusterflow calls
-``torch.distributed``: what mining, the k-NN search and the losses need lives here. torch is
-imported lazily (``clusterflow.launch.submit`` imports this module on login nodes).
+``torch.distributed``: what mining, the k-NN search and the losses need lives here. It imports
+torch, so the login side never imports it (the forbidden contract in pyproject.toml): what a
+launcher needs (ports, nodelists) is in ``env.py``.
 
 Who this process is comes from ``env.py``.
 """
@@ -16,14 +17,15 @@ import math
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
+import torch
+import torch.distributed as tdist
+
+from clusterflow.dist import tree
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import UserError
-from clusterflow.dist import tree
 
 
 def pick_backend(requested: str = "auto") -> str:
-    import torch
-
     if requested == "auto":
         return "nccl" if torch.cuda.is_available() else "gloo"
     if requested == "nccl" and not torch.cuda.is_available():
@@ -37,8 +39,6 @@ def pick_backend(requested: str = "auto") -> str:
 def device_for(env: DistEnv, backend: str) -> Any:
     """One device per local rank. When Slurm binds one GPU per task, CUDA sees only index 0,
     so the local rank is taken modulo the visible devices."""
-    import torch
-
     if backend == "nccl" or (backend != "gloo" and torch.cuda.is_available()):
         index = env.local_rank % torch.cuda.device_count()
         torch.cuda.set_device(index)
@@ -48,8 +48,6 @@ def device_for(env: DistEnv, backend: str) -> Any:
 
 def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
     """Join the process group (when there is more than one rank) and return this rank's device."""
-    import torch.distributed as tdist
-
     backend = pick_backend(backend)
     device = device_for(env, backend)
     if env.world_size > 1 and not tdist.is_initialized():
@@ -67,38 +65,26 @@ def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
 def init_alone(device: Any) -> None:
     """A process group of this one process, when there is none (one rank needs no group, but
     FSDP's device mesh and DCP do); in memory, no port. ``shutdown`` ends it."""
-    import torch.distributed as tdist
-
     if not tdist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
 
 
 def shutdown() -> None:
-    import torch.distributed as tdist
-
     if tdist.is_available() and tdist.is_initialized():
         tdist.destroy_process_group()
 
 
 def initialized() -> bool:
     """True when a process group exists (more than one rank)."""
-    try:
-        import torch.distributed as tdist
-    except ImportError:
-        return False
     return tdist.is_available() and tdist.is_initialized()
 
 
 def rank() -> int:
-    import torch.distributed as tdist
-
     return tdist.get_rank() if initialized() else 0
 
 
 def world() -> int:
-    import torch.distributed as tdist
-
     return tdist.get_world_size() if initialized() else 1
 
 
@@ -108,8 +94,6 @@ def is_main() -> bool:
 
 def barrier() -> None:
     if initialized():
-        import torch.distributed as tdist
-
         tdist.barrier()
 
 
@@ -121,8 +105,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s object on every rank (pickled; for configs, labels and small state)."""
     if not initialized():
         return obj
-    import torch.distributed as tdist
-
     box = [obj if rank() == src else None]
     tdist.broadcast_object_list(box, src=src)
     return box[0]
@@ -132,8 +114,6 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     """Every rank's object on rank ``dst`` (None elsewhere)."""
     if not initialized():
         return [obj]
-    import torch.distributed as tdist
-
     out = [None] * world() if rank() == dst else None
     tdist.gather_object(obj, out, dst=dst)
     return out
@@ -144,8 +124,6 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
     per rank)."""
     if not initialized():
         return objs[0] if objs else None
-    import torch.distributed as tdist
-
     out = [None]
     tdist.scatter_object_list(out, objs if rank() == src else None, src=src)
     return out[0]
@@ -154,9 +132,6 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
 def collective_device() -> Any:
     """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU
     ones."""
-    import torch
-    import torch.distributed as tdist
-
     return (
         torch.device("cuda", torch.cuda.current_device())
         if tdist.get_backend() == "nccl"
@@ -173,9 +148,6 @@ def all_reduce_dict(
     keys = sorted(metrics)
     if not initialized():
         return {k: float(metrics[k]) for k in keys}
-    import torch
-    import torch.distributed as tdist
-
     t = torch.tensor(
         [float(metrics[k]) for k in keys], dtype=torch.float64, device=device or collective_device()
     )
@@ -192,9 +164,6 @@ def all_reduce_sum(values: Any, device: Any = None) -> Any:
     values = np.asarray(values, dtype=np.float64)
     if not initialized():
         return values
-    import torch
-    import torch.distributed as tdist
-
     t = torch.from_numpy(values.copy()).to(device or collective_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.SUM)
     return t.cpu().numpy()
@@ -214,8 +183,6 @@ def any_rank(flag: bool, device: Any = None) -> bool:
 def broadcast_tensor(t: Any, src: int) -> Any:
     """``t`` filled in place with rank ``src``'s values."""
     if initialized():
-        import torch.distributed as tdist
-
         tdist.broadcast(t, src=src)
     return t
 
@@ -246,9 +213,6 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
     tensors travel as byte buckets of up to 16 MiB, never as a pickle of the whole state."""
     if not initialized():
         return obj
-    import torch
-    import torch.distributed as tdist
-
     mine = rank() == src
     skeleton, tensors = tree.flatten(obj) if mine else (None, [])
     skeleton, specs = broadcast_object(
@@ -290,9 +254,6 @@ def all_gather_tensors(t: Any) -> list[Any]:
     """Every rank's ``t`` (same shape on each), in rank order."""
     if not initialized():
         return [t]
-    import torch
-    import torch.distributed as tdist
-
     parts = [torch.empty_like(t) for _ in range(world())]
     t0 = time.perf_counter()
     tdist.all_gather(parts, t.contiguous())
@@ -339,8 +300,6 @@ def all_gather_rows(t: Any) -> list[Any]:
     rows = rows_of_ranks(t)
     if len(set(rows)) <= 1:
         return all_gather_tensors(t)
-    import torch
-
     most = max(rows)
     pad = t.new_zeros((most - t.shape[0], *t.shape[1:]))
     padded = torch.cat([t, pad]) if t.shape[0] < most else t
@@ -350,8 +309,6 @@ def all_gather_rows(t: Any) -> list[Any]:
 def all_reduce_tensor(t: Any) -> Any:
     """``t`` summed over ranks, in place."""
     if initialized():
-        import torch.distributed as tdist
-
         t0 = time.perf_counter()
         tdist.all_reduce(t)
         _WAITED_S[0] += time.perf_counter() - t0
@@ -364,15 +321,12 @@ def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) ->
     padded shards can never shift a row (the collective needs equal sizes: gloo refuses uneven
     ones, so shards are padded with index -1 and trimmed on arrival)."""
     import numpy as np
-    import torch
 
     dtype = np.dtype(dtype or np.float32)
     if not initialized():
         full = np.zeros((n, dim), dtype)
         full[indices] = rows
         return full
-    import torch.distributed as tdist
-
     pad = -(-n // world())
     e = torch.zeros((pad, dim), dtype=torch.from_numpy(np.zeros(0, dtype)).dtype)
     i = torch.full((pad,), -1, dtype=torch.int64)
@@ -410,9 +364,6 @@ def exchange(parts: list[Any], rows: list[int] | None = None) -> list[Any]:
 
     if not initialized():
         return [np.asarray(parts[0])]
-    import torch
-    import torch.distributed as tdist
-
     parts = [np.ascontiguousarray(p) for p in parts]
     tail, dtype = parts[0].shape[1:], parts[0].dtype
     width = int(np.prod(tail, dtype=np.int64))
@@ -442,8 +393,6 @@ def ring_pass(send: list[Any], recv: list[Any], tag: int = 0) -> list[Any]:
     not sent: both sides know the sizes. ``tag`` tells apart passes that are in flight at once."""
     if not initialized():
         raise RuntimeError("ring_pass needs a process group; this is a bug in clusterflow")
-    import torch.distributed as tdist
-
     nxt, prev = (rank() + 1) % world(), (rank() - 1) % world()
     # One batch, so NCCL posts the sends and receives together (two ranks send to each other).
     ops = [tdist.P2POp(tdist.isend, t.contiguous(), nxt, tag=tag) for t in send if t.numel()]

@@ -3,7 +3,7 @@
 :meth:`DistEnv.from_env` takes a plain mapping (``os.environ`` in production, a dict in tests) and
 understands Slurm's ``srun``, torchrun, submitit's local executor and a bare single process. Slurm
 nodelists are parsed here without calling scontrol (it may not be on compute nodes' PATH). No torch:
-this runs on login nodes too. ``clusterflow.dist`` re-exports these names.
+this runs on login nodes too; ``clusterflow.dist`` re-exports these names.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import torch
+import torch.distributed as tdist
+
 from clusterflow.dist import comm as dist
 
 
@@ -18,8 +21,6 @@ class Subgroup:
     def __init__(self, timeout_s: int) -> None:
         self.group = None
         if dist.initialized():
-            import torch.distributed as tdist
-
             self.group = tdist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
             )
@@ -27,8 +28,6 @@ class Subgroup:
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         if self.group is None:
             return obj
-        import torch.distributed as tdist
-
         box = [obj]
         tdist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
@@ -37,8 +36,6 @@ class Subgroup:
         """Every rank's ``obj`` on ``dst`` (None elsewhere)."""
         if self.group is None:
             return [obj]
-        import torch.distributed as tdist
-
         out = [None] * tdist.get_world_size() if tdist.get_rank() == dst else None
         tdist.gather_object(obj, out, dst=dst, group=self.group)
         return out
@@ -48,9 +45,6 @@ class Subgroup:
         elsewhere)."""
         if self.group is None:
             return values
-        import torch
-        import torch.distributed as tdist
-
         t = torch.from_numpy(values) if dist.rank() == src else torch.empty(n, dtype=torch.int64)
         tdist.broadcast(t, src=src, group=self.group)
         return t.numpy()
@@ -64,8 +58,6 @@ class AsyncMax:
     Collective to create, and every rank must call ``start`` and ``finish`` in the same order."""
 
     def __init__(self, timeout_s: int, size: int = 1) -> None:
-        import torch
-
         self.group = Subgroup(timeout_s).group
         self._buf = torch.zeros(size, dtype=torch.int64)
         self._view = self._buf.numpy()  # shares the buffer: reads and writes without a tensor call
@@ -80,8 +72,6 @@ class AsyncMax:
         self._view[:] = values
         self.pending = True
         if self.group is not None:
-            import torch.distributed as tdist
-
             self._work = tdist.all_reduce(
                 self._buf, op=tdist.ReduceOp.MAX, group=self.group, async_op=True
             )

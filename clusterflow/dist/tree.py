@@ -14,6 +14,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -29,8 +31,6 @@ def _empty(d: dict) -> dict:
 
 
 def _is_tensor(obj: Any) -> bool:
-    import torch
-
     return isinstance(obj, torch.Tensor)
 
 

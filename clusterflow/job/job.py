@@ -17,12 +17,16 @@ import sys
 import warnings
 from typing import Any, Mapping
 
-from clusterflow import dist, observe, rundir
+import torch
+
+from clusterflow import rundir
 from clusterflow.config.job_config import Config, from_dict
+from clusterflow.dist import comm as dist
 from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import after_stop
+from clusterflow.observe import observer as observe
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -109,8 +113,6 @@ def _warnings_to(whole_file: str) -> None:
 
 def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
     """Keep processes sharing a node from oversubscribing its cores."""
-    import torch
-
     if "OMP_NUM_THREADS" not in environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 

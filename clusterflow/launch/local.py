@@ -30,8 +30,9 @@ from typing import Any
 
 import submitit
 
-from clusterflow import dist, rundir
+from clusterflow import rundir
 from clusterflow.config import Config
+from clusterflow.dist.env import free_port
 from clusterflow.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -200,7 +201,7 @@ def _start(cfg: Config, gpus: list[int] | None, folder: str) -> Any:
         gpus_per_node=cfg.cluster.gpus_per_node or 0,
         **({"visible_gpus": gpus} if gpus else {}),
     )
-    os.environ["MASTER_PORT"] = str(dist.free_port())  # inherited by the local processes
+    os.environ["MASTER_PORT"] = str(free_port())  # inherited by the local processes
     return ex.submit(jobs.job_for(cfg))
 
 

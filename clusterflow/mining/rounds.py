@@ -38,8 +38,11 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
+from torch.distributed.fsdp import FSDPModule
 
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.tensors import TORCH
 
 log = logging.getLogger("clusterflow.mining")
 
@@ -52,9 +55,6 @@ def round_key(model: Any, epoch: int, world: int, n: int, settings: dict[str, An
     """What a round's files must match to be used: the model's weights (every tensor's bytes;
     this rank's shards of a sharded model), the round and its shape, ``settings`` (mining keys,
     precision, engine) and the software."""
-    import torch
-    from torch.distributed.fsdp import FSDPModule
-
     h = hashlib.sha256()
     # An FSDP2 module's state_dict() reshards it: inside the embed's gathered window that would
     # free the gathered parameters and make the next forward gather them again (a collective).
@@ -92,7 +92,7 @@ class RoundFiles:
         self.key, self.fsync = key, fsync
 
     def _store(self, name: str) -> CheckpointStore:
-        store = CheckpointStore(os.path.join(self.dir, name), _KEEP_ALL, self.fsync)
+        store = CheckpointStore(os.path.join(self.dir, name), _KEEP_ALL, self.fsync, codec=TORCH)
         store.clean_debris()  # what a killed writer left
         return store
 
@@ -114,8 +114,6 @@ class RoundFiles:
         return shard["indices"].numpy(), shard["rows"].numpy(), float(saved.manifest["embed_s"])
 
     def save_shard(self, indices: np.ndarray, rows: np.ndarray, seconds: float) -> None:
-        import torch
-
         shard = {
             "indices": torch.from_numpy(np.ascontiguousarray(indices)),
             "rows": torch.from_numpy(np.ascontiguousarray(rows)),
@@ -183,8 +181,6 @@ class SearchBlocks:
 
 
 def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
-    import torch
-
     starts = sorted(blocks)
     return {
         "starts": torch.tensor(starts, dtype=torch.int64),

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.mining.curves import Curve, _count_at_least, grid_between
 from clusterflow.mining.sharded_graph import (
     ShardedGraph,

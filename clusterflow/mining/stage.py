@@ -32,9 +32,11 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from clusterflow import dist
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.dist import comm as dist
+from clusterflow.dist.groups import Subgroup
 from clusterflow.dist.sampler import shard_range
 from clusterflow.errors import RunFailed
 from clusterflow.mining import curves, finch, knn
@@ -95,8 +97,6 @@ def embed_shard(
     differ by at most one sample), so no rank ever waits for another's progress. Indices are the
     host copies of the batch's ``index``, in shard order. ``tick()`` is called once per batch (the
     heartbeat: a rank stuck in one batch is a stall)."""
-    import torch
-
     shard = shard_range(len(dataset), rank, world)
     pin = pin_memory and device.type == "cuda"
     loader = torch.utils.data.DataLoader(
@@ -322,8 +322,8 @@ class Miner:
         self.progress_bar = progress_bar
         self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
         # Ranks wait here for rank 0's search: on mining.timeout_s, or longer with the watchdog
-        # (observe.mining_wait_timeout_s), so that a hung search is named by rank 0's watchdog.
-        self.group = dist.Subgroup(wait_timeout_s or cfg.timeout_s)
+        # (observe.observer.mining_wait_timeout_s), so that rank 0's watchdog names a hung search.
+        self.group = Subgroup(wait_timeout_s or cfg.timeout_s)
         self.params = KnnParams.from_config(cfg)
         self.search: Any = (
             SpreadSearch(self.params, device)
@@ -351,8 +351,6 @@ class Miner:
     def run(self, task: Any, model: Any, epoch: int) -> Round | None:
         """One round, collective. None on every rank when a preemption signal cut it short (the
         caller saves and exits; the round continues from its files on restart)."""
-        import torch
-
         threads, rng = torch.get_num_threads(), capture_rng()
         try:
             return self._round(task, model, epoch)

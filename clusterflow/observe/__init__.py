@@ -8,8 +8,7 @@
 - ``nvml.py``: an NVML snapshot of the GPUs (optional: nvidia-ml-py);
 - ``profiling.py``: ``train.profile``'s torch.profiler trace of a window of steps;
 - ``trackers/``: MLflow and W&B, one tracker run per clusterflow run, each step once.
+
+This package re-exports nothing: the login side reads heartbeats, the goodput ledger and tracker
+state through their modules, and must not load ``observer.py`` (and with it torch) on the way.
 """
-
-from clusterflow.observe.observer import Observer, before_init, mining_wait_timeout_s, nvml_gpu
-
-__all__ = ["Observer", "before_init", "mining_wait_timeout_s", "nvml_gpu"]

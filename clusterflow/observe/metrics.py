@@ -11,6 +11,8 @@ import math
 import time
 from typing import Any, Callable, Mapping
 
+from torch.utils.tensorboard import SummaryWriter
+
 from clusterflow import rundir
 from clusterflow.config.sections import TrackersConfig
 from clusterflow.observe import trackers
@@ -89,8 +91,6 @@ class TensorBoardWriter(NullWriter):
         trackers_cfg: TrackersConfig | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self._w = SummaryWriter(
             log_dir=paths.tb, purge_step=purge_step, filename_suffix=f".attempt{attempt}"
         )

@@ -27,6 +27,8 @@ import os
 import socket
 from typing import Any, Callable, Iterator, Mapping
 
+import torch
+
 from clusterflow import rundir
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.observe import nvml, phases
@@ -61,8 +63,6 @@ def nvml_gpu(device: Any) -> int | str | None:
     whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say), else the index NVML uses."""
     if getattr(device, "type", "cpu") != "cuda":
         return None
-    import torch
-
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
     if uuid:
         return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"

@@ -15,6 +15,9 @@ import logging
 import os
 from typing import Any
 
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
 from clusterflow.rundir.paths import RunPaths
 
 log = logging.getLogger("clusterflow.profile")
@@ -43,9 +46,6 @@ class StepProfile(NoProfile):
     def begin(self, step: int) -> None:
         if not self.first <= step <= self.last:
             return
-        import torch
-        from torch.profiler import ProfilerActivity, profile, record_function
-
         if self._prof is None:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
             if self.cuda:
@@ -66,8 +66,6 @@ class StepProfile(NoProfile):
             self._finish()
 
     def _finish(self) -> None:
-        import torch
-
         self._prof.stop()
         os.makedirs(self.folder, exist_ok=True)
         first, last = self._steps[0], self._steps[-1]

@@ -37,6 +37,8 @@ import traceback
 from types import FrameType
 from typing import Any, Callable, Mapping
 
+import torch
+
 from clusterflow import rundir
 from clusterflow.errors import EXIT_STALLED
 from clusterflow.observe.heartbeat import Progress
@@ -281,14 +283,8 @@ def flight_recorder_env(
 
 
 def _c10d() -> Any:
-    if "torch" not in sys.modules:
-        # Never import torch from a watchdog: a process without it has no recorder.
-        return None
-    try:
-        from torch._C import _distributed_c10d
-    except ImportError:
-        return None
-    return _distributed_c10d
+    """torch's c10d bindings, None in a torch built without distributed support."""
+    return getattr(torch._C, "_distributed_c10d", None)
 
 
 def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
@@ -354,7 +350,7 @@ def dump_flight_recorder(folder: str, rank: int, stacks_budget_s: float = 3.0) -
     """
     c10d = _c10d()
     if c10d is None:
-        return ["no flight recorder: torch.distributed not loaded"]
+        return ["no flight recorder: this torch has no torch.distributed"]
     done = []
     for fn_name, name in (
         ("_dump_fr_trace", "flight_recorder_rank_"),

@@ -1,20 +1,22 @@
 """Durable writes, one way for the whole package: streamed, hashed, fsynced, placed atomically.
 
-- :func:`write_file`: bytes, text, or an object streamed through ``torch.save``, written and
-  fsynced, with its digest computed beside the write (the checkpoint store's files).
+- :func:`write_file`: bytes, text, or an object streamed through a :class:`Codec` (torch's,
+  from ``tensors.py``), written and fsynced, with its digest computed beside the write (the
+  checkpoint store's files).
 - :func:`write_atomic`: a local file that readers see whole or not at all (``status.json``,
   ``config.yaml``, the final ``model.pt``): written as a hidden sibling with :func:`write_file`,
   then renamed over the target.
 - :func:`publish_once`: a local file created once, complete, by whoever comes first (the
   attempt's first cause, a lease generation): the loser learns that it lost.
-- :func:`load_checked`: ``torch.load`` of a file while its digest is checked beside it.
+- :func:`load_checked`: a codec's load of a file while its digest is checked beside it.
 
 Digests: new files get BLAKE3 (the ``blake3`` package: SIMD on one core, about 2-3x sha256 here,
 and multi-threaded where a load waits for it); a record names its algorithm by its key
 (``{"size": N, "blake3": HEX}``), so records of older versions (``"sha256"``) still verify.
 Without the package, new files fall back to sha256.
 
-torch is imported only to stream objects, so writing text works on a login node.
+No torch here: the login side writes its records through this module. Objects (state dicts)
+reach a file only through the codec the job side passes (``storage.tensors.TORCH``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import os
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 from clusterflow.storage import diskfull
 
@@ -66,12 +69,24 @@ def recorded_digest(info: Mapping[str, Any]) -> tuple[str, str]:
     )
 
 
-def serialize(obj: Any) -> bytes:
-    import torch
+@dataclass(frozen=True)
+class Codec:
+    """How an object becomes a file's bytes and back: ``dump(obj, binary_file)`` only appends
+    through ``write``; ``load(path_or_binary_file)``. ``versions``: the software that wrote the
+    file, for the checkpoint's manifest."""
 
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+    dump: Callable[[Any, Any], None]
+    load: Callable[[Any], Any]
+    versions: Mapping[str, str] = field(default_factory=dict)
+
+
+def _dumper(payload: Any, codec: Codec | None) -> Callable[[Any, Any], None]:
+    if codec is None:
+        raise TypeError(
+            f"a {type(payload).__name__} is written through a codec (storage.tensors.TORCH); "
+            "without one only bytes and text"
+        )
+    return codec.dump
 
 
 class _HashingWriter:
@@ -186,18 +201,21 @@ class _AppendOnly:
         pass
 
 
-def write_file(path: str, payload: Any, fsync: bool = True, fs: Any = None) -> dict[str, Any]:
-    """Write ``payload`` (bytes, str, or any object for ``torch.save``) to ``path``; returns the
+def write_file(
+    path: str, payload: Any, fsync: bool = True, fs: Any = None, codec: Codec | None = None
+) -> dict[str, Any]:
+    """Write ``payload`` (bytes, str, or any object ``codec`` dumps) to ``path``; returns the
     record ``{"size": N, ALGORITHM: HEX}``. ``fs``: the fsspec filesystem of a remote path, None
     for a local one."""
     if isinstance(payload, str):
         payload = payload.encode()
     raw = isinstance(payload, (bytes, bytearray, memoryview))
+    dump = None if raw else _dumper(payload, codec)
     if fs is not None:
         # Object stores: hash while streaming (reading back would download it again).
         with fs.open(path, "wb") as f, ThreadPoolExecutor(1) as pool:
             w = _HashingWriter(f, pool)
-            w.write(payload) if raw else _torch_save(payload, w)
+            w.write(payload) if raw else dump(payload, w)
         return {"size": w.size, w.algorithm: w.sha.hexdigest()}
     if raw and len(payload) < _CHUNK:  # small records (status, manifests): no threads needed
         with open(path, "wb") as f:
@@ -209,15 +227,15 @@ def write_file(path: str, payload: Any, fsync: bool = True, fs: Any = None) -> d
         h.update(payload)
         return {"size": len(payload), algorithm: h.hexdigest()}
     # The file is hashed from a second descriptor as it grows (a thread reading back what the
-    # kernel already holds), so the hash runs beside torch.save and then beside the fsync
-    # instead of after them. torch.save only ever appends through ``write``.
+    # kernel already holds), so the hash runs beside the codec's dump and then beside the fsync
+    # instead of after them. A dump only ever appends through ``write``.
     with (
         open(path, "wb", buffering=0) as f,
         _TailHasher(path) as tail,
         ThreadPoolExecutor(1) as pool,
     ):
         w = _AppendOnly(f, tail)
-        w.write(payload) if raw else _torch_save(payload, w)
+        w.write(payload) if raw else dump(payload, w)
         syncing = pool.submit(os.fsync, f.fileno()) if fsync else None
         digest = tail.digest()
         if syncing is not None:
@@ -225,14 +243,12 @@ def write_file(path: str, payload: Any, fsync: bool = True, fs: Any = None) -> d
     return {"size": w.size, tail.algorithm: digest}
 
 
-def _torch_save(obj: Any, f: Any) -> None:
-    import torch
-
-    torch.save(obj, f)
-
-
 def write_atomic(
-    target: str, payload: Any, fsync: bool = True, make_folder: bool = True
+    target: str,
+    payload: Any,
+    fsync: bool = True,
+    make_folder: bool = True,
+    codec: Codec | None = None,
 ) -> dict[str, Any]:
     """Replace the local file ``target`` so that readers see the old or the new content, never
     half of it. The temporary sibling is hidden (``.tmp-<name>-<random>``) and removed on error.
@@ -243,7 +259,7 @@ def write_atomic(
         os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}")
     try:
-        info = write_file(tmp, payload, fsync)
+        info = write_file(tmp, payload, fsync, codec=codec)
         os.replace(tmp, target)
     except BaseException as exc:
         try:
@@ -321,11 +337,11 @@ def hash_file(path: str, algorithm: str, fs: Any = None) -> str:
     return sha.hexdigest()
 
 
-def load_checked(name: str, path: str, info: Mapping[str, Any], fs: Any = None) -> Any:
-    """``torch.load`` one file while a second thread checks its digest; raises ValueError if
+def load_checked(
+    name: str, path: str, info: Mapping[str, Any], codec: Codec, fs: Any = None
+) -> Any:
+    """``codec.load`` one file while a second thread checks its digest; raises ValueError if
     damaged."""
-    import torch
-
     algorithm, expected = recorded_digest(info)
     with ThreadPoolExecutor(1) as pool:
         if fs is None:  # both read the file from the page cache: no copy of it in memory
@@ -338,7 +354,7 @@ def load_checked(name: str, path: str, info: Mapping[str, Any], fs: Any = None) 
             source = io.BytesIO(data)
         loaded, failure = None, None
         try:
-            loaded = torch.load(source, map_location="cpu", weights_only=True)
+            loaded = codec.load(source)
         except Exception as exc:  # noqa: BLE001
             failure = exc  # judged below, once the hash says whether the bytes are intact
         digest = hashing.result()

@@ -86,17 +86,9 @@ def position(manifest: Mapping[str, Any] | None) -> tuple[int, ...]:
     return tuple((manifest or {}).get("position") or ())
 
 
-def _versions() -> dict[str, str]:
-    out = {"python": sys.version.split()[0]}
-    try:
-        import torch
-
-        out["torch"] = torch.__version__
-    except ImportError:
-        pass
-
-    out["clusterflow"] = __version__
-    return out
+def _versions(codec: durable.Codec | None) -> dict[str, str]:
+    versions = dict(codec.versions) if codec is not None else {}
+    return {"python": sys.version.split()[0], **versions, "clusterflow": __version__}
 
 
 class CheckpointStore:
@@ -108,12 +100,16 @@ class CheckpointStore:
         keep_every: int = 0,
         best: tuple[str, str] | None = None,
         check: Callable[[Checkpoint], None] | None = None,
+        codec: durable.Codec | None = None,
     ) -> None:
         """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
         "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too;
         ``check``: what a step must satisfy beyond its manifest, sizes and digests to be read
-        (raises ValueError naming what is wrong)."""
+        (raises ValueError naming what is wrong); ``codec``: how the files' objects are written
+        and read (``storage.tensors.TORCH`` in the job); None where only steps and manifests are
+        read (the login side), or only bytes saved."""
         self.check = check
+        self.codec = codec
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
         self.keep_every, self.best = keep_every, best
@@ -183,7 +179,7 @@ class CheckpointStore:
     def save(
         self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any] | None = None
     ) -> str | None:
-        """Commit ``files`` (name -> bytes, or an object to stream through ``torch.save``) as step
+        """Commit ``files`` (name -> bytes, or an object for the store's codec) as step
         ``step``. Returns the step path, or None when that step is already committed with a state
         at least as late (``meta["position"]``): a committed state is never overwritten."""
         if not self._may_write(step, meta or {}):
@@ -301,7 +297,9 @@ class CheckpointStore:
             listing = {name: dict(info) for name, info in listed.items()}
             listing.update(
                 {
-                    name: durable.write_file(f"{tmp}/{name}", payload, self.fsync, self._remote_fs)
+                    name: durable.write_file(
+                        f"{tmp}/{name}", payload, self.fsync, self._remote_fs, self.codec
+                    )
                     for name, payload in files.items()
                 }
             )
@@ -309,7 +307,7 @@ class CheckpointStore:
                 "step": step,
                 **dict(meta),
                 "files": listing,
-                "versions": _versions(),
+                "versions": _versions(self.codec),
                 "committed_at": time.time(),
             }
             durable.write_file(
@@ -507,7 +505,7 @@ class CheckpointStore:
                 if shards and not name.endswith(".pt"):
                     _check_digest(name, file, info, self._remote_fs)
                     continue
-                objects[name] = durable.load_checked(name, file, info, self._remote_fs)
+                objects[name] = self._load(name, file, info)
             except FileNotFoundError:
                 raise ValueError(f"{name} is missing") from None
             except OSError as exc:  # a directory where a file should be, a permission, an I/O error
@@ -516,6 +514,11 @@ class CheckpointStore:
         if self.check is not None:
             self.check(ckpt)
         return ckpt
+
+    def _load(self, name: str, file: str, info: Mapping[str, Any]) -> Any:
+        if self.codec is None:
+            raise TypeError("reading a checkpoint's files needs a codec (storage.tensors.TORCH)")
+        return durable.load_checked(name, file, info, self.codec, self._remote_fs)
 
     def newest_manifest(self) -> dict[str, Any] | None:
         """The manifest of the newest committed step, unverified (one small read; None when

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 
 
 class _GatherWithGrad(torch.autograd.Function):

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.dist.sampler import shard_range
 
 

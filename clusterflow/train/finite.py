@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, NoReturn
 
 import torch
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.errors import RunFailed
 
 log = logging.getLogger("clusterflow.trainer")

@@ -26,7 +26,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.errors import UserError
 from clusterflow.tasks import check_can_shard
 

@@ -24,7 +24,8 @@ import signal
 import time
 from typing import Any, Callable
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
+from clusterflow.dist.groups import AsyncMax
 from clusterflow.rundir.states import StopReason
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -129,7 +130,7 @@ class StopAgreement:
 
     ``poll`` (every step boundary) never blocks on the answer: it reads the result of an
     all-reduce started at an earlier boundary and starts the next one with this rank's flag
-    (``dist.AsyncMax``: CPU tensors on a gloo group of their own, so nothing waits on the GPU).
+    (``AsyncMax``: CPU tensors on a gloo group of their own, so nothing waits on the GPU).
     Every rank calls ``poll`` at the same steps and reads the same collective at the same
     boundary, so all stop there together.
 
@@ -165,7 +166,7 @@ class StopAgreement:
         self.single = not dist.initialized()
         # (reason, minus the proposed cadence): one maximum gives the strongest reason and the
         # smallest proposal.
-        self._flag = None if self.single else dist.AsyncMax(timeout_s, size=2)
+        self._flag = None if self.single else AsyncMax(timeout_s, size=2)
         self.interval_s, self._clock = interval_s, clock
         self.every = 1  # boundaries from the start of a reduce to its read, agreed by every rank
         self._wait = 0  # boundaries left before the reduce in flight is read

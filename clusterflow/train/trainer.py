@@ -31,11 +31,12 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from clusterflow import dist, rundir
+from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer
 from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
+from clusterflow.dist import comm as dist
 from clusterflow.dist.sampler import (
     EpochItems,
     EpochPlan,
@@ -48,13 +49,15 @@ from clusterflow.dist.sampler import (
 )
 from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, for_status
-from clusterflow.observe import mining_wait_timeout_s, phases
+from clusterflow.observe import phases
 from clusterflow.observe.metrics import Every, gpu_stats, writer_for
+from clusterflow.observe.observer import mining_wait_timeout_s
 from clusterflow.observe.profiling import profile_for
 from clusterflow.observe.timeline import timeline_for
 from clusterflow.rundir import restarts, transitions
 from clusterflow.rundir.states import State, StopReason
 from clusterflow.storage import durable
+from clusterflow.storage.tensors import TORCH
 from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
 from clusterflow.train.ema import EMA
@@ -611,11 +614,13 @@ class Trainer:
         weights = parallel.full_state_dict(self.module) if self.sharded else None
         if self.rank == 0:
             durable.write_atomic(
-                self.paths.model, weights if self.sharded else self.module.state_dict()
+                self.paths.model,
+                weights if self.sharded else self.module.state_dict(),
+                codec=TORCH,
             )
         ema = self.ema.full_state(self.module) if self.ema is not None else None
         if ema is not None and self.rank == 0:
-            durable.write_atomic(self.paths.model_ema, ema)
+            durable.write_atomic(self.paths.model_ema, ema, codec=TORCH)
         dist.barrier()
 
     def _status(self, fsync: bool = True, running: bool = False, **fields: Any) -> None:

@@ -19,6 +19,7 @@ import logging
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 from clusterflow.mining.knn.faiss_engine import faiss_search
@@ -39,8 +40,6 @@ def faiss_available() -> bool:
 
 def choose_engine(requested: str) -> tuple[str, str]:
     """Which engine runs, and why (logged with every mining round)."""
-    import torch
-
     if requested == "faiss":
         if not faiss_available():
             raise RuntimeError(

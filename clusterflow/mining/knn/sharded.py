@@ -31,8 +31,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 from clusterflow.mining.knn.faiss_engine import build_faiss_index
 from clusterflow.mining.knn.torch_engine import _sizes, _topk_block
@@ -47,8 +48,6 @@ class _Shard:
     def __init__(
         self, x: np.ndarray, lo: int, n: int, params: KnnParams, engine: str, device: Any
     ) -> None:
-        import torch
-
         self.x, self.lo, self.params, self.engine = x, lo, params, engine
         self.kk, self.cand, self.db_chunk, _ = _sizes(n, params.k, params.query_batch, 65536)
         self.device = torch.device(device)
@@ -56,8 +55,6 @@ class _Shard:
         self.built = 0.0
 
     def _build(self) -> None:
-        import torch
-
         t0 = time.perf_counter()
         if self.engine == "torch":
             db32 = torch.from_numpy(np.ascontiguousarray(self.x)).to(self.device)
@@ -67,8 +64,6 @@ class _Shard:
         self.built = time.perf_counter() - t0
 
     def top(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        import torch
-
         s = np.full((len(q), self.kk), -np.inf, np.float32)
         i = np.full((len(q), self.kk), -1, np.int64)
         if len(q) == 0 or len(self.x) == 0:
@@ -129,8 +124,6 @@ def _todo(
 
 def _pass_queries(q: np.ndarray, m_in: int, d: int, link: Any) -> tuple[list[Any], Any]:
     """Send the query block ``q`` on and start receiving the previous rank's (``m_in`` rows)."""
-    import torch
-
     q_in = torch.empty((m_in, d), dtype=torch.float32, device=link)
     return dist.ring_pass(
         [torch.from_numpy(np.ascontiguousarray(q)).to(link)], [q_in], tag=_Q
@@ -152,8 +145,6 @@ def sharded_search(
     shard; collective. ``engine``: ``torch`` or ``faiss`` (``knn.choose_engine``). None on every
     rank when any rank's ``should_abort`` said so (checked before each round). ``tick()``: once
     per hop (the heartbeat)."""
-    import torch
-
     t0 = time.perf_counter()
     rank, world = dist.rank(), dist.world()
     n, d, k = offsets[-1], x_local.shape[1], params.k

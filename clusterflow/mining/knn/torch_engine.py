@@ -14,8 +14,9 @@ import time
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
-from clusterflow import dist
+from clusterflow.dist import comm as dist
 from clusterflow.mining.knn.common import Blocks, k_others
 
 
@@ -30,8 +31,6 @@ def _sizes(n: int, k: int, query_batch: int, db_chunk: int) -> tuple[int, int, i
 
 def _sorted_top(best_s: Any, best_i: Any, keep: int) -> tuple[Any, Any]:
     """The ``keep`` best per row: similarity descending, ties by the smaller id (a stable sort)."""
-    import torch
-
     order = torch.argsort(best_i, dim=1)
     best_s, best_i = torch.gather(best_s, 1, order), torch.gather(best_i, 1, order)
     order = torch.argsort(-best_s, dim=1, stable=True)
@@ -44,8 +43,6 @@ def _topk_block(
     """Exact top-``keep`` of the query block against the database block (ids shifted by
     ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in
     fp32."""
-    import torch
-
     n = db32.shape[0]
     best_s, best_i = None, None
     for ds in range(0, n, db_chunk):
@@ -72,8 +69,6 @@ def _replicas(
 ) -> list[tuple[Any, Any]]:
     """One (fp32, candidate-dtype) copy of the database per device; by default every visible
     GPU, else the CPU."""
-    import torch
-
     if device is None:
         devices = [torch.device(f"cuda:{i}") for i in range(torch.cuda.device_count())] or [
             torch.device("cpu")
@@ -184,8 +179,6 @@ def distributed_search(
     said so (checked before each block). ``blocks``: each rank's own finished blocks (the owner
     keeps a block); every rank skips the blocks some owner already has.
     """
-    import torch
-
     t0 = time.perf_counter()
     rank, world = dist.rank(), dist.world()
     n, d = offsets[-1], x_local.shape[1]
