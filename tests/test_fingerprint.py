@@ -4,7 +4,7 @@ import pytest
 
 from clusterflow import config
 from clusterflow.config import fingerprint
-from clusterflow.config.fingerprint import NUMERICS, RESOURCE, RESULT
+from clusterflow.config.sections import NUMERICS, RESOURCE, RESULT, doc
 
 
 def cfg(*overrides):
@@ -17,10 +17,19 @@ def test_every_config_key_is_classified_and_none_is_stale():
     }
     missing = sorted(declared - set(fingerprint.KEYS))
     stale = sorted(set(fingerprint.KEYS) - declared)
-    assert not missing, f"classify these keys in clusterflow/config/fingerprint.py KEYS: {missing}"
+    assert not missing, f"give these fields doc(kind=..., why=...) in config/sections.py: {missing}"
     assert not stale, f"these keys are no longer in config.SECTIONS: {stale}"
     assert {k for k, _ in fingerprint.KEYS.values()} == {RESULT, NUMERICS, RESOURCE}
     assert all(why for _, why in fingerprint.KEYS.values())
+
+
+def test_a_field_declares_a_known_kind_and_a_reason():
+    with pytest.raises(ValueError, match="kind='fast'"):
+        doc(1, "a key", kind="fast", why="speed")
+    with pytest.raises(ValueError, match="why=''"):
+        doc(1, "a key", kind=RESULT, why="")
+    with pytest.raises(TypeError):
+        doc(1, "a key")  # kind and why are required
 
 
 @pytest.mark.parametrize(

@@ -49,7 +49,6 @@ from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import capture_rng
-from clusterflow.checkpoint.sharded import FORMAT as SHARDED
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
@@ -60,6 +59,7 @@ from clusterflow.observe import phases
 from clusterflow.rundir import transitions
 from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
+from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
@@ -211,7 +211,7 @@ class Checkpointer:
                 self.progress.global_step,
                 retry_of,
             )
-        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        step, meta = self.progress.global_step, {**self._meta(), "format": DCP}
         files = self._files(rngs) if dist.rank() == 0 else None
         error = self._sharded_save(step, meta, None, files, _MAIN, retry_of)
         if error:
@@ -223,7 +223,7 @@ class Checkpointer:
     def _start_sharded(self, rngs: list[Any] | None) -> None:
         """Every rank: copy its shards (and rank 0 the small states) now, and write them on a
         background thread that talks over its own process group, while the loop goes on."""
-        step, meta = self.progress.global_step, {**self._meta(), "format": SHARDED}
+        step, meta = self.progress.global_step, {**self._meta(), "format": DCP}
         shards = self.sharded.snapshot()
         files = copy.deepcopy(self._files(rngs)) if dist.rank() == 0 else None
 
@@ -402,8 +402,8 @@ class Checkpointer:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
         train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
         if self.sharded is not None:
-            return {"train_state.pt": train_state}
-        return {"model.pt": self.model.state_dict(), "train_state.pt": train_state}
+            return {TRAIN_STATE: train_state}
+        return {MODEL: self.model.state_dict(), TRAIN_STATE: train_state}
 
     @staticmethod
     def _stamped(

@@ -30,12 +30,12 @@ from safetensors.torch import save as safetensors_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from clusterflow.checkpoint import identity
-from clusterflow.checkpoint.sharded import FORMAT as SHARDED
 from clusterflow.checkpoint.sharded import plain_errors
 from clusterflow.config.sections import is_url
 from clusterflow.errors import RunFailed, UserError, cli
 from clusterflow.rundir import preflight, saved_config
 from clusterflow.storage import diskfull, durable
+from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import Checkpoint, CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
@@ -112,7 +112,7 @@ def checkpoint_state(
 ) -> dict[str, Any]:
     """The whole model's state_dict in the verified checkpoint ``ckpt`` (one file or sharded);
     ``weights="ema"``: the EMA weights in place of the parameters."""
-    if ckpt.manifest.get("format") == SHARDED:
+    if ckpt.manifest.get("format") == DCP:
         folder = store.step_path(ckpt.step)
         try:
             state, ema = _gather_shards(folder, "model"), _gather_shards(folder, "ema")
@@ -123,8 +123,8 @@ def checkpoint_state(
                 f"do not load ({type(exc).__name__}: {detail}); pick another step"
             ) from None
     else:
-        state = dict(ckpt.load("model.pt"))
-        ema = dict((ckpt.load("train_state.pt") or {}).get("ema") or {})
+        state = dict(ckpt.load(MODEL))
+        ema = dict((ckpt.load(TRAIN_STATE) or {}).get("ema") or {})
     if weights == "ema":
         if not ema:
             raise UserError(
@@ -199,7 +199,7 @@ def check_out(out: str, run_dir: str, checkpoint_dir: str, force: bool) -> None:
         raise UserError(f"OUT {out!r} names no file; give a file name, e.g. exports/model.pt")
     if os.path.isdir(out):
         raise UserError(
-            f"OUT {out!r} is a folder; name the file to write, e.g. {os.path.join(out, 'model.pt')}"
+            f"OUT {out!r} is a folder; name the file to write, e.g. {os.path.join(out, MODEL)}"
         )
     if os.path.lexists(out) and not force:
         raise UserError(f"OUT {out!r} exists; pass --force to replace it, or pick another path")

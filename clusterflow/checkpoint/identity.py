@@ -26,6 +26,7 @@ from collections import OrderedDict
 from typing import Any, Mapping
 
 from clusterflow.checkpoint import sharded
+from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import Checkpoint
 
 STATE_KEY = "checkpoint"  # the entry of train_state.pt
@@ -45,20 +46,20 @@ def stamp(files: Mapping[str, Any], ident: str, step: int) -> dict[str, Any]:
     ``train_state.pt`` and ``model.pt``; the objects themselves are not changed (shallow
     copies)."""
     out = dict(files)
-    if "train_state.pt" in out:
-        out["train_state.pt"] = {**out["train_state.pt"], STATE_KEY: tag(ident, step)}
-    if "model.pt" in out:
-        model = out["model.pt"]
+    if TRAIN_STATE in out:
+        out[TRAIN_STATE] = {**out[TRAIN_STATE], STATE_KEY: tag(ident, step)}
+    if MODEL in out:
+        model = out[MODEL]
         metadata = OrderedDict(getattr(model, "_metadata", {}))
         metadata[MODEL_KEY] = tag(ident, step)
         marked = OrderedDict(model)
         marked._metadata = metadata  # type: ignore[attr-defined]
-        out["model.pt"] = marked
+        out[MODEL] = marked
     return out
 
 
 def _carried(name: str, obj: Any) -> Any:
-    if name == "model.pt":
+    if name == MODEL:
         return (getattr(obj, "_metadata", None) or {}).get(MODEL_KEY)
     return obj.get(STATE_KEY) if isinstance(obj, dict) else None
 
@@ -88,7 +89,7 @@ def check(ckpt: Checkpoint) -> None:
         why = mismatch(name, _carried(name, obj), ident, ckpt.step)
         if why:
             raise ValueError(why)
-    if ckpt.manifest.get("format") == sharded.FORMAT:
+    if ckpt.manifest.get("format") == DCP:
         save_id, shards = sharded.carried(ckpt.path, ckpt.manifest["files"])
         if save_id != ident:
             raise ValueError(

@@ -28,6 +28,7 @@ from clusterflow import config as cfgmod
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
 from clusterflow.dist import comm as dist
 from clusterflow.errors import RunFailed, UserError
+from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -85,7 +86,7 @@ class Restorer:
                 return False
             mine = dist.scatter_object(rngs) if head["world_size"] == dist.world() else None
             state = dist.broadcast_state(state)
-            problem, undo = self._apply(state["train_state.pt"], mine)
+            problem, undo = self._apply(state[TRAIN_STATE], mine)
             load_shards = None
             if self.sharded is not None:
                 try:  # collective: every rank reads, whatever its own states said
@@ -113,7 +114,7 @@ class Restorer:
                 load_shards()
             else:
                 # Keys and shapes were checked by rank 0: it cannot half-apply.
-                self.model.load_state_dict(state["model.pt"])
+                self.model.load_state_dict(state[MODEL])
             if mine is None:
                 log.warning(
                     "resuming with %d ranks from a checkpoint of %d; "
@@ -193,8 +194,8 @@ class Restorer:
                 try:
                     self._check_config(ckpt.path, ckpt.manifest)
                     model_state, saved = (
-                        ckpt.objects.get("model.pt"),
-                        ckpt.objects.get("train_state.pt"),
+                        ckpt.objects.get(MODEL),
+                        ckpt.objects.get(TRAIN_STATE),
                     )
                     self._check_format(ckpt.manifest, model_state)
                     self._parts(saved)
@@ -224,7 +225,7 @@ class Restorer:
                         "world_size": world,
                         "folder": self.store.step_path(ckpt.step),
                     },
-                    {"model.pt": model_state, "train_state.pt": saved},
+                    {MODEL: model_state, TRAIN_STATE: saved},
                     rngs,
                     None,
                 )
@@ -254,7 +255,7 @@ class Restorer:
     def _check_format(self, manifest: Mapping[str, Any], model_state: Any) -> None:
         """ValueError unless the checkpoint is of this run's kind (sharded or one model.pt) and,
         for one model.pt, fits the model (a sharded one is checked by every rank as it loads)."""
-        sharded = manifest.get("format") == "dcp"
+        sharded = manifest.get("format") == DCP
         if sharded != (self.sharded is not None):
             raise ValueError(
                 "it is a sharded checkpoint (train.parallel=fsdp) and this run is not"

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 from clusterflow.dist import comm as dist
 from clusterflow.storage import durable
 
-FORMAT = "dcp"  # the manifest's "format" of a sharded checkpoint
 METADATA = ".metadata"  # DCP's global plan, written by rank 0
 TAGS = "checkpoint"  # the DCP state's entry of each rank's id and step: checkpoint.rank<R>
 

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from clusterflow.config import fingerprint
 from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.sections import (
+    SECTIONS,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
@@ -122,25 +123,14 @@ class Config:
         return checkpoint_root(self.run.dir, self.checkpoint.dir)
 
 
-SECTIONS: dict[str, type] = {
-    "run": RunConfig,
-    "cluster": ClusterConfig,
-    "dist": DistConfig,
-    "train": TrainConfig,
-    "checkpoint": CheckpointConfig,
-    "mining": MiningConfig,
-    "task": TaskConfig,
-    "data": DataConfig,
-    "trackers": TrackersConfig,
-    "observe": ObserveConfig,
-}
+CHECKPOINTS = "checkpoints"  # the checkpoints' folder in the run dir, unless checkpoint.dir says
 
 
 def checkpoint_root(run_dir: str, configured: str) -> str:
     """Where a run's checkpoints are: RUN_DIR/checkpoints by default; ``checkpoint.dir`` as given
     when it is a URL or an absolute path; inside the run dir when relative (it moves with it)."""
     if not configured:
-        return join(run_dir, "checkpoints")
+        return join(run_dir, CHECKPOINTS)
     if "://" in configured or os.path.isabs(configured):
         return configured
     return join(run_dir, configured)

@@ -1,9 +1,11 @@
 """The config sections: one dataclass per section, each field documented where it is declared.
 
 Every field's ``doc`` text is the configuration reference (``docs/configuration.md`` is generated
-from it by ``python -m clusterflow.config``); ``__post_init__`` checks say what is wrong and how
-to fix it. ``job_config.py`` assembles the sections and reads YAML and overrides;
-``clusterflow.config`` re-exports these classes. No torch here: this runs on the login node.
+from it by ``python -m clusterflow.config``), and its ``kind`` and ``why`` say what changing it
+does to a run's result (``fingerprint.py`` builds its table from them); ``__post_init__`` checks
+say what is wrong and how to fix it. ``job_config.py`` assembles the sections and reads YAML and
+overrides; ``clusterflow.config`` re-exports these classes. No torch here: this runs on the login
+node.
 """
 
 from __future__ import annotations
@@ -18,13 +20,37 @@ from typing import Any
 from clusterflow.config.values import short
 from clusterflow.errors import UserError
 
+# What changing a key does to a run's result (``fingerprint.py`` says what each kind allows on a
+# resume): part of the experiment; the same experiment computed another way; where and how fast.
+RESULT, NUMERICS, RESOURCE = "result", "numerics", "resource"
+KINDS = (RESULT, NUMERICS, RESOURCE)
+
+# Why the world size (cluster.nodes, cluster.tasks_per_node) is a numerics key.
+_WORLD = (
+    "the global-batch sampler keeps the data order and the global batch; per-rank RNG streams are "
+    "re-derived and the all-reduce sums in another order, so the result is not bitwise equal to an "
+    "uninterrupted run (tasks whose loss depends on the per-rank batch, e.g. BatchNorm without "
+    "dist.sync_batchnorm, train differently)"
+)
+
 
 def doc(
-    default: Any = dataclasses.MISSING, help: str = "", factory: Any = None, key: str = ""
-) -> Any:  # noqa: A002
+    default: Any = dataclasses.MISSING,
+    help: str = "",  # noqa: A002
+    factory: Any = None,
+    key: str = "",
+    *,
+    kind: str,
+    why: str,
+) -> Any:
     """A dataclass field with its documentation attached (read by the config reference). ``key``:
-    the name in YAML and overrides when it cannot be a Python name (``checkpoint.async``)."""
-    metadata = {"help": help, **({"key": key} if key else {})}
+    the name in YAML and overrides when it cannot be a Python name (``checkpoint.async``).
+    ``kind`` (one of :data:`KINDS`) and ``why``: what changing the key does to the run's result,
+    and why; ``fingerprint.KEYS`` is built from them and a resume that changes the key shows
+    ``why``."""
+    if kind not in KINDS or not why:
+        raise ValueError(f"config field kind={kind!r}, why={why!r}: give one of {KINDS} and a why")
+    metadata = {"help": help, "kind": kind, "why": why, **({"key": key} if key else {})}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -69,17 +95,28 @@ class RunConfig:
         "Run directory: a filesystem path that every node sees (a shared filesystem "
         "on a cluster), not a URL (file://PATH is read as PATH). Holds config.yaml, "
         "logs/, tb/, status and, unless checkpoint.dir says otherwise, checkpoints/.",
+        kind=RESOURCE,
+        why="where the run lives; a run dir may be moved",
     )
-    name: str = doc("clusterflow", "Job name shown by Slurm and in logs.")
+    name: str = doc(
+        "clusterflow",
+        "Job name shown by Slurm and in logs.",
+        kind=RESOURCE,
+        why="the Slurm job name",
+    )
     seed: int = doc(
         0,
         "Master seed, 0 <= seed < 2**32. Per-rank seeds, data "
         "order and the synthetic demo data derive from it.",
+        kind=RESULT,
+        why="initial weights, data order and per-rank streams derive from it",
     )
     lease_s: int = doc(
         30,
         "One job per run dir: the job holding it renews its lease (RUN_DIR/lease/) this often; a "
         "lease not renewed for 4x as long is taken over by the next job. May change on resume.",
+        kind=RESOURCE,
+        why="how often the job holding the run dir renews its lease",
     )
     snapshot_code: bool = doc(
         True,
@@ -87,6 +124,8 @@ class RunConfig:
         "outside site-packages) with its git commit and diff into RUN_DIR/code/, and every "
         "attempt imports it from there; a resubmission with changed code adds a copy and says "
         "so. false runs the code in place.",
+        kind=RESOURCE,
+        why="where the code is imported from, not which code (submit freezes it each time)",
     )
 
     def __post_init__(self) -> None:
@@ -124,44 +163,93 @@ class RunConfig:
 class ClusterConfig:
     """Resources asked of Slurm (ignored by --local except tasks_per_node)."""
 
-    nodes: int = doc(1, "Number of nodes.")
+    nodes: int = doc(1, "Number of nodes.", kind=NUMERICS, why=_WORLD)
     tasks_per_node: int = doc(
         1,
         "Processes per node. With gpus_per_node > 0 it "
         "must equal gpus_per_node (one process per GPU).",
+        kind=NUMERICS,
+        why=_WORLD,
     )
-    gpus_per_node: int = doc(0, "GPUs per node; 0 runs on CPU with gloo.")
+    gpus_per_node: int = doc(
+        0,
+        "GPUs per node; 0 runs on CPU with gloo.",
+        kind=NUMERICS,
+        why=(
+            "CPU and GPU kernels compute the same math in another order "
+            "(with train.amp=auto the precision changes too: refused)"
+        ),
+    )
     gpus: str | list[int] = doc(
         "auto",
         "submit --local only: which of this machine's GPUs to use, one per process. auto: "
         "the free ones (no other process, enough free memory), in nvidia-smi order; or a list of "
         "nvidia-smi indices, e.g. [0, 2], each of which must be free. Slurm jobs get the GPUs "
         "Slurm allocates.",
+        kind=RESOURCE,
+        why="which of a workstation's GPUs run the job (submit --local)",
     )
-    cpus_per_task: int = doc(1, "CPU cores per process.")
-    mem_gb: float = doc(0.0, "Memory per node in GB; 0 leaves Slurm's default.")
-    partition: str = doc("", "Slurm partition; empty uses the cluster default.")
-    account: str = doc("", "Slurm account to charge.")
-    qos: str = doc("", "Slurm quality of service.")
-    constraint: str = doc("", "Slurm node feature constraint, e.g. a100|h100.")
-    time_min: int = doc(60, "Time limit of one attempt, in minutes.")
-    exclusive: bool = doc(False, "Ask for whole nodes.")
+    cpus_per_task: int = doc(
+        1,
+        "CPU cores per process.",
+        kind=RESOURCE,
+        why="cores asked of Slurm; torch's thread count is set from the node's cores",
+    )
+    mem_gb: float = doc(
+        0.0,
+        "Memory per node in GB; 0 leaves Slurm's default.",
+        kind=RESOURCE,
+        why="memory asked of Slurm",
+    )
+    partition: str = doc(
+        "",
+        "Slurm partition; empty uses the cluster default.",
+        kind=RESOURCE,
+        why="where Slurm runs the job (other hardware computes in another order)",
+    )
+    account: str = doc("", "Slurm account to charge.", kind=RESOURCE, why="who is charged")
+    qos: str = doc("", "Slurm quality of service.", kind=RESOURCE, why="queue priority")
+    constraint: str = doc(
+        "",
+        "Slurm node feature constraint, e.g. a100|h100.",
+        kind=RESOURCE,
+        why="which nodes (other hardware computes in another order)",
+    )
+    time_min: int = doc(
+        60,
+        "Time limit of one attempt, in minutes.",
+        kind=RESOURCE,
+        why="the time limit of one attempt",
+    )
+    exclusive: bool = doc(
+        False, "Ask for whole nodes.", kind=RESOURCE, why="whole nodes or shared ones"
+    )
     signal_delay_s: int = doc(
-        120, "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue)."
+        120,
+        "Seconds before the time limit at which Slurm sends SIGUSR2 (save and requeue).",
+        kind=RESOURCE,
+        why="when the time-limit signal comes; saving is exact at any step",
     )
     max_timeout_requeues: int = doc(
         5,
         "How many times a run may requeue itself after "
         "hitting the time limit. Preemptions are not counted.",
+        kind=RESOURCE,
+        why="how often a run requeues itself",
     )
     exclude_failed_nodes: bool = doc(
         True,
         "When a failure is the node's (a CUDA or NCCL device error on a rank, a rank the stall "
         "watchdog ends outside a collective), requeue the batch job with that node excluded, "
         "at most max_node_failures times; false: such a job fails like any other.",
+        kind=RESOURCE,
+        why="whether a node's failure requeues without it",
     )
     max_node_failures: int = doc(
-        3, "How many times a run may requeue itself after a node's failure."
+        3,
+        "How many times a run may requeue itself after a node's failure.",
+        kind=RESOURCE,
+        why="how often a node's failure requeues the run",
     )
     restarts_in_job: int = doc(
         2,
@@ -169,26 +257,40 @@ class ClusterConfig:
         "step from the newest checkpoint) after a failure a restart can cure: a rank killed by a "
         "signal, a device error, a hang the stall watchdog ended. Only when none is left, or too "
         "few healthy nodes remain, is the job requeued as before; 0: never (docs/restarts.md).",
+        kind=RESOURCE,
+        why="how often a failure restarts the job inside its allocation; a restart resumes exactly",
     )
     spare_nodes: int = doc(
         0,
         "Nodes allocated beyond cluster.nodes and kept idle: a restart inside the job runs on "
         "cluster.nodes of the allocation's healthy nodes, leaving the failed node out.",
+        kind=RESOURCE,
+        why="idle nodes allocated for restarts; the world size stays",
     )
     setup: list[str] = doc(
         factory=list,
         help="Shell lines run before the job on each node (module load, conda activate).",
+        kind=RESOURCE,
+        why="shell lines before the job (keep the same software for bitwise resumes)",
     )
     sbatch_extra: dict[str, Any] = doc(
-        factory=dict, help="Extra #SBATCH parameters, e.g. {mail-type: END}."
+        factory=dict,
+        help="Extra #SBATCH parameters, e.g. {mail-type: END}.",
+        kind=RESOURCE,
+        why="extra #SBATCH lines",
     )
     srun_args: list[str] = doc(
-        factory=list, help="Extra arguments for srun, e.g. [--cpu-bind=cores]."
+        factory=list,
+        help="Extra arguments for srun, e.g. [--cpu-bind=cores].",
+        kind=RESOURCE,
+        why="extra srun arguments",
     )
     exclude_stragglers: bool = doc(
         False,
         "When the next restart inside the allocation starts, leave out the nodes of ranks named "
         "stragglers (RUN_DIR/stragglers.jsonl, observe.straggler_ratio); false: they stay.",
+        kind=RESOURCE,
+        why="which nodes a restart runs on",
     )
 
     def __post_init__(self) -> None:
@@ -293,14 +395,40 @@ def _gpu_list(value: str | list[int]) -> str | list[int]:
 class DistConfig:
     """Process group settings."""
 
-    backend: str = doc("auto", "auto (nccl with CUDA, gloo without), nccl or gloo.")
+    backend: str = doc(
+        "auto",
+        "auto (nccl with CUDA, gloo without), nccl or gloo.",
+        kind=NUMERICS,
+        why=(
+            "gloo and nccl reduce in another order (gloo trains on CPU: with train.amp=auto "
+            "the precision changes too: refused)"
+        ),
+    )
     timeout_s: int = doc(
-        600, "Process-group timeout: a rank that stops answering fails the job after this long."
+        600,
+        "Process-group timeout: a rank that stops answering fails the job after this long.",
+        kind=RESOURCE,
+        why="how long a silent rank is waited for",
     )
     find_unused_parameters: bool = doc(
-        False, "DDP find_unused_parameters (needed when some parameters get no gradient)."
+        False,
+        "DDP find_unused_parameters (needed when some parameters get no gradient).",
+        kind=RESOURCE,
+        why=(
+            "both values give the same gradients whenever both run (with dist.fixed_buckets, the "
+            "default, both keep DDP's first bucket layout); false only refuses models with unused "
+            "parameters"
+        ),
     )
-    bucket_cap_mb: int = doc(25, "DDP gradient bucket size in MB.")
+    bucket_cap_mb: int = doc(
+        25,
+        "DDP gradient bucket size in MB.",
+        kind=NUMERICS,
+        why=(
+            "the bucket layout decides the order in which ranks' gradients are "
+            "summed (with more than two ranks)"
+        ),
+    )
     fixed_buckets: bool = doc(
         True,
         "DDP keeps the gradient buckets it starts with instead of rebuilding them in the order "
@@ -309,13 +437,25 @@ class DistConfig:
         "with 3 or more ranks. Costs one walk of the autograd graph per step (DDP's "
         "find_unused_parameters); false: DDP's own rebuild (resume then differs in the last bits "
         "with 3+ ranks).",
+        kind=NUMERICS,
+        why=(
+            "whether DDP rebuilds its buckets after the first step decides the order in which "
+            "ranks' gradients are summed (with more than two ranks)"
+        ),
     )
-    sync_batchnorm: bool = doc(False, "Convert BatchNorm layers to SyncBatchNorm.")
+    sync_batchnorm: bool = doc(
+        False,
+        "Convert BatchNorm layers to SyncBatchNorm.",
+        kind=RESULT,
+        why="BatchNorm statistics over the global batch instead of each rank's",
+    )
     heartbeat_s: float = doc(
         10.0,
         "Each rank writes its step, phase, step time, host and GPU memory/utilisation to "
         "RUN_DIR/heartbeats/ this often, from a background thread (status --ranks shows them); 0 "
         "turns heartbeats off. May change on resume.",
+        kind=RESOURCE,
+        why="how often each rank reports where it is; touches no weight",
     )
     stall_s: int | str = doc(
         "auto",
@@ -324,6 +464,8 @@ class DistConfig:
         "instead of holding it until dist.timeout_s. auto: half of dist.timeout_s, at most 300; "
         "0: no watchdog. Must be below dist.timeout_s and above the slowest step or checkpoint "
         "save; the mining wait follows mining.timeout_s instead. May change on resume.",
+        kind=RESOURCE,
+        why="when a rank that stopped moving ends the job; touches no weight",
     )
 
     def __post_init__(self) -> None:
@@ -383,11 +525,15 @@ class ObserveConfig:
         "RUN_DIR/stragglers.jsonl) when its own part of a training step stays above this many "
         "times the other ranks' median for observe.straggler_window_s; 0: off. Read from the "
         "heartbeats by rank 0's heartbeat thread (needs dist.heartbeat_s > 0): no collective.",
+        kind=RESOURCE,
+        why="which ranks are named slow; not what they compute",
     )
     straggler_window_s: float = doc(
         60.0,
         "How long a rank must stay above observe.straggler_ratio before it is named; at least "
         "dist.heartbeat_s, so that more than one heartbeat decides.",
+        kind=RESOURCE,
+        why="which ranks are named slow; not what they compute",
     )
 
     def __post_init__(self) -> None:
@@ -409,33 +555,84 @@ class ObserveConfig:
 class TrainConfig:
     """The optimisation loop."""
 
-    epochs: int = doc(4, "Number of epochs.")
-    batch_size: int = doc(
-        128, "Global batch per optimizer step, over all ranks and accumulation steps."
+    epochs: int = doc(
+        4,
+        "Number of epochs.",
+        kind=RESULT,
+        why="the cosine schedule spans all epochs, so every step's learning rate depends on it",
     )
-    grad_accum: int = doc(1, "Micro-steps accumulated per optimizer step.")
-    lr: float = doc(1e-3, "Learning rate for one process (see lr_scaling).")
-    lr_scaling: str = doc("none", "How lr grows with world size: none, linear or sqrt.")
-    warmup_steps: int = doc(0, "Linear warm-up steps.")
-    schedule: str = doc("cosine", "Learning-rate schedule after warm-up: cosine or constant.")
-    optimizer: str = doc("adamw", "adamw or sgd (momentum 0.9).")
-    weight_decay: float = doc(0.0, "Weight decay.")
-    amp: str = doc("auto", "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.")
+    batch_size: int = doc(
+        128,
+        "Global batch per optimizer step, over all ranks and accumulation steps.",
+        kind=RESULT,
+        why="the global batch",
+    )
+    grad_accum: int = doc(
+        1,
+        "Micro-steps accumulated per optimizer step.",
+        kind=RESULT,
+        why="the micro-batch, hence in-batch negatives and BatchNorm statistics",
+    )
+    lr: float = doc(
+        1e-3, "Learning rate for one process (see lr_scaling).", kind=RESULT, why="optimisation"
+    )
+    lr_scaling: str = doc(
+        "none",
+        "How lr grows with world size: none, linear or sqrt.",
+        kind=RESULT,
+        why="optimisation",
+    )
+    warmup_steps: int = doc(0, "Linear warm-up steps.", kind=RESULT, why="optimisation")
+    schedule: str = doc(
+        "cosine",
+        "Learning-rate schedule after warm-up: cosine or constant.",
+        kind=RESULT,
+        why="optimisation",
+    )
+    optimizer: str = doc("adamw", "adamw or sgd (momentum 0.9).", kind=RESULT, why="optimisation")
+    weight_decay: float = doc(0.0, "Weight decay.", kind=RESULT, why="optimisation")
+    amp: str = doc(
+        "auto",
+        "Mixed precision: auto (bf16 on GPU, none on CPU), none, bf16 or fp16.",
+        kind=RESULT,
+        why="the precision of every forward and backward pass",
+    )
     tf32: bool = doc(
         True,
         "Allow TF32 matrix products on Ampere+ GPUs "
         "(off for bitwise comparisons across GPU types).",
+        kind=RESULT,
+        why="the precision of every matmul on Ampere+ GPUs, chosen for the experiment",
     )
-    grad_clip: float = doc(0.0, "Clip the gradient norm to this value; 0 disables.")
-    log_every_steps: int = doc(10, "Steps between metric logs (TensorBoard, stdout, status).")
-    eval_every_epochs: int = doc(1, "Epochs between evaluations; 0 disables.")
-    progress_bar: bool = doc(True, "Show a tqdm progress bar on rank 0.")
+    grad_clip: float = doc(
+        0.0, "Clip the gradient norm to this value; 0 disables.", kind=RESULT, why="optimisation"
+    )
+    log_every_steps: int = doc(
+        10,
+        "Steps between metric logs (TensorBoard, stdout, status).",
+        kind=RESOURCE,
+        why="logging reduces metrics only; it touches no weight and no random stream",
+    )
+    eval_every_epochs: int = doc(
+        1,
+        "Epochs between evaluations; 0 disables.",
+        kind=NUMERICS,
+        why=(
+            "each evaluation's DataLoader draws one number from the global torch "
+            "random stream, so dropout after it draws other numbers"
+        ),
+    )
+    progress_bar: bool = doc(
+        True, "Show a tqdm progress bar on rank 0.", kind=RESOURCE, why="display only"
+    )
     profile: str = doc(
         "",
         "Record a torch.profiler trace of global steps FIRST-LAST on the listed ranks, written as "
         "FIRST-LAST@RANK,RANK (e.g. 10-12@0,1; without @: rank 0), into RUN_DIR/profile/ "
         "(TensorBoard's profiler view and Perfetto open it; on GPUs a CUDA memory snapshot too). "
         "Empty: off.",
+        kind=RESOURCE,
+        why="which steps are traced; not what they compute",
     )
     on_nonfinite: str = doc(
         "fail",
@@ -443,9 +640,17 @@ class TrainConfig:
         "run naming the step, never saving the non-finite state (checked on log steps and "
         "before saves: no per-step host sync); skip_step skips that optimizer step (reads a "
         "flag every step: one host sync and one all-reduce per step). May change on resume.",
+        kind=RESOURCE,
+        why=(
+            "what a non-finite loss does (stop, or skip the step); a run that never "
+            "meets one trains identically either way"
+        ),
     )
     max_consecutive_skips: int = doc(
-        10, "skip_step: fail the run when more optimizer steps than this in a row are skipped."
+        10,
+        "skip_step: fail the run when more optimizer steps than this in a row are skipped.",
+        kind=RESOURCE,
+        why="when skipping non-finite steps gives up",
     )
     ema_decay: float = doc(
         0.0,
@@ -453,6 +658,8 @@ class TrainConfig:
         "model under fsdp): after each optimizer step ema = decay * ema + (1 - decay) * "
         "weights; 0 turns it off. Saved in every checkpoint, evaluated beside the weights "
         "(eval_ema/...), written as model_ema.pt at the end (docs/sharded.md).",
+        kind=RESULT,
+        why="the EMA weights (and the labels when mining embeds with them)",
     )
     parallel: str = doc(
         "ddp",
@@ -461,6 +668,8 @@ class TrainConfig:
         "task's shard_units hook says which submodules), every rank writes its shards of each "
         "checkpoint (torch.distributed.checkpoint) and a run may resume on another world size "
         "(docs/sharded.md).",
+        kind=RESULT,
+        why="how gradients are reduced and the checkpoint format (sharded or one file)",
     )
     allow_batch_size_change: bool = doc(
         False,
@@ -469,6 +678,8 @@ class TrainConfig:
         "reached, in batches of the new size; the learning-rate schedule counts samples, so it "
         "continues too (docs/data.md). Give both on the command line, e.g. "
         "train.batch_size=256 train.allow_batch_size_change=true.",
+        kind=RESOURCE,
+        why="whether a resume may change train.batch_size; by itself it changes nothing",
     )
 
     @property
@@ -547,19 +758,28 @@ class CheckpointConfig:
         100,
         "Optimizer steps between checkpoints (one is also "
         "written at the end of each epoch and of the run).",
+        kind=RESOURCE,
+        why="saving reads the state and draws no random number; the weights do not change",
     )
     keep_last: int = doc(
-        3, "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor)."
+        3,
+        "Committed checkpoints kept (>= 2, so a corrupt newest one always has a predecessor).",
+        kind=RESOURCE,
+        why="retention",
     )
     keep_every_steps: int = doc(
         0,
         "Also keep every checkpoint whose step is a multiple of this (0: off), besides keep_last.",
+        kind=RESOURCE,
+        why="which checkpoints stay on disk",
     )
     keep_best: str = doc(
         "",
         "Also keep the checkpoint with the best value of a logged scalar, as METRIC:min or "
         "METRIC:max (e.g. eval/view_cos:max; empty: off). A checkpoint's value is the metric's "
         "latest value when it was saved; ties go to the earliest. RUN_DIR/best points to it.",
+        kind=RESOURCE,
+        why="which checkpoints stay on disk",
     )
     dir: str = doc(
         "",
@@ -567,9 +787,14 @@ class CheckpointConfig:
         "is inside the run dir (it moves with it); an absolute path or any fsspec "
         "URL (s3://, gs://, memory://, ...) is used as given, when its fsspec "
         "package (s3fs, gcsfs, ...) is installed; submit checks that it is.",
+        kind=RESOURCE,
+        why="where checkpoints live; a resume reads the newest one there, so move them first",
     )
     fsync: bool = doc(
-        True, "fsync files before publishing (turn off only on filesystems where it is a no-op)."
+        True,
+        "fsync files before publishing (turn off only on filesystems where it is a no-op).",
+        kind=RESOURCE,
+        why="durability",
     )
     async_: bool = doc(
         True,
@@ -578,6 +803,11 @@ class CheckpointConfig:
         "between saves); a background thread writes, hashes, fsyncs and commits it. "
         "Stops and the end of the run still wait for the write (docs/preemption.md).",
         key="async",
+        kind=RESOURCE,
+        why=(
+            "the background writer commits the same state the loop "
+            "would have written; the loop computes the same steps"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -616,30 +846,51 @@ class CheckpointConfig:
 class MiningConfig:
     """The pseudo-label mining stage run between epochs."""
 
-    enabled: bool = doc(True, "Run the mining stage (only for tasks that can embed).")
-    every_epochs: int = doc(1, "Mine after every N-th epoch.")
-    start_epoch: int = doc(
-        1, "First epoch (1-based, counted as finished epochs) after which mining runs."
+    enabled: bool = doc(
+        True, "Run the mining stage (only for tasks that can embed).", kind=RESULT, why="mining"
     )
-    k: int = doc(10, "Neighbours per sample in the k-NN graph.")
+    every_epochs: int = doc(1, "Mine after every N-th epoch.", kind=RESULT, why="mining")
+    start_epoch: int = doc(
+        1,
+        "First epoch (1-based, counted as finished epochs) after which mining runs.",
+        kind=RESULT,
+        why="mining",
+    )
+    k: int = doc(10, "Neighbours per sample in the k-NN graph.", kind=RESULT, why="mining")
     embed_with: str = doc(
         "model",
         "Which weights embed the data for mining: model (the trained weights) or ema (their "
         "moving average, train.ema_decay > 0: a teacher).",
+        kind=RESULT,
+        why="mining",
     )
     method: str = doc(
         "mutual_knn",
         "How labels come from the k-NN lists: mutual_knn (mutual edges >= threshold, "
         "connected components) or finch (first-neighbour clustering hierarchy, no "
         "threshold; the level of highest silhouette). docs/mining.md compares them.",
+        kind=RESULT,
+        why="mining",
     )
     threshold: float | str = doc(
         0.5,
         "mutual_knn: minimum cosine similarity of a kept mutual edge, or auto: each round, the "
         "threshold of highest modularity on that round's threshold curve.",
+        kind=RESULT,
+        why="mining",
     )
-    index: str = doc("flat", "FAISS index: flat (exact), ivf or hnsw.")
-    engine: str = doc("auto", "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).")
+    index: str = doc(
+        "flat",
+        "FAISS index: flat (exact), ivf or hnsw.",
+        kind=RESULT,
+        why="approximate indexes find other neighbours",
+    )
+    engine: str = doc(
+        "auto",
+        "k-NN engine: auto, faiss or torch (exact chunked matmul + top-k).",
+        kind=RESULT,
+        why="FAISS and torch may break similarity ties differently",
+    )
     search: str = doc(
         "rank0",
         "Where the k-NN search runs: rank0 (every embedding gathered to rank 0, which "
@@ -648,20 +899,37 @@ class MiningConfig:
         "sharded (every rank indexes only its own shard with mining.engine and mining.index, "
         "query blocks travel a ring of ranks, and the mutual edges, components and curves are "
         "computed across ranks: no rank holds every embedding or every k-NN list).",
+        kind=RESULT,
+        why="decides the engine",
     )
-    nlist: int = doc(1024, "ivf: number of inverted lists.")
-    nprobe: int = doc(16, "ivf: lists visited per query.")
-    hnsw_m: int = doc(32, "hnsw: graph degree M.")
-    ef_search: int = doc(128, "hnsw: efSearch.")
-    query_batch: int = doc(65536, "Queries per search batch (bounds rank 0's memory).")
-    embed_batch: int = doc(512, "Samples per embedding batch on each rank.")
+    nlist: int = doc(1024, "ivf: number of inverted lists.", kind=RESULT, why="approximate search")
+    nprobe: int = doc(16, "ivf: lists visited per query.", kind=RESULT, why="approximate search")
+    hnsw_m: int = doc(32, "hnsw: graph degree M.", kind=RESULT, why="approximate search")
+    ef_search: int = doc(128, "hnsw: efSearch.", kind=RESULT, why="approximate search")
+    query_batch: int = doc(
+        65536,
+        "Queries per search batch (bounds rank 0's memory).",
+        kind=NUMERICS,
+        why="FAISS picks its distance kernel by query block size",
+    )
+    embed_batch: int = doc(
+        512,
+        "Samples per embedding batch on each rank.",
+        kind=NUMERICS,
+        why="batched kernels sum in an order that depends on the batch size",
+    )
     singletons: str = doc(
         "cluster",
         "cluster: a sample without edges is its own cluster; "
         "ignore: it gets label -1, which losses skip.",
+        kind=RESULT,
+        why="mining",
     )
     max_cluster_size: int = doc(
-        0, "Split components larger than this by raising the threshold inside them; 0 disables."
+        0,
+        "Split components larger than this by raising the threshold inside them; 0 disables.",
+        kind=RESULT,
+        why="mining",
     )
     timeout_s: int = doc(
         3600,
@@ -669,12 +937,19 @@ class MiningConfig:
         "watchdog on (dist.stall_s), a search that takes longer ends the job and is named as the "
         "cause; the other ranks wait for it dist.stall_s plus the watchdog's grace for a "
         "waiting rank (max(10 s, dist.stall_s / 4)) longer, so their timeout never comes first.",
+        kind=RESOURCE,
+        why="how long ranks wait for rank 0's search",
     )
     resume: bool = doc(
         True,
         "Keep each rank's embeddings and the finished k-NN query "
         "blocks of a round in RUN_DIR/mining/ until its labels are "
         "committed, so a round cut short resumes where it stopped.",
+        kind=RESOURCE,
+        why=(
+            "a round read back from its files gives the labels of one computed anew, and mining "
+            "leaves the random streams as it found them"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -770,16 +1045,24 @@ class TaskConfig:
     """What is trained."""
 
     target: str = doc(
-        "clusterflow.tasks.pseudo_id:PseudoIDTask", "The task class, as package.module:Class."
+        "clusterflow.tasks.pseudo_id:PseudoIDTask",
+        "The task class, as package.module:Class.",
+        kind=RESULT,
+        why="the task",
     )
     params: dict[str, Any] = doc(
-        factory=dict, help="Keyword arguments of the task (validated by the task)."
+        factory=dict,
+        help="Keyword arguments of the task (validated by the task).",
+        kind=RESULT,
+        why="the task",
     )
     init_from: str = doc(
         "",
         "Start from these weights (matched by name and shape): a model.pt or safetensors file, "
         "a run dir (its model.pt, else its newest checkpoint that verifies) or one "
         "checkpoints/step-N folder (verified like a resume).",
+        kind=RESULT,
+        why="the initial weights",
     )
 
     def __post_init__(self) -> None:
@@ -805,18 +1088,34 @@ class DataConfig:
     """Data loading."""
 
     num_workers: int = doc(
-        0, "DataLoader worker processes per rank, for training and for the mining embed."
+        0,
+        "DataLoader worker processes per rank, for training and for the mining embed.",
+        kind=RESOURCE,
+        why=(
+            "items depend only on (seed, epoch, index), as the Task protocol asks; a task "
+            "that draws from the global random stream in __getitem__ breaks this"
+        ),
     )
     pin_memory: bool = doc(
-        True, "Pin host memory when training on GPU (faster, non-blocking copies to the device)."
+        True,
+        "Pin host memory when training on GPU (faster, non-blocking copies to the device).",
+        kind=RESOURCE,
+        why="transfer speed",
     )
     persistent_workers: bool = doc(
         False,
         "Keep the training DataLoader's workers from one epoch to the next (with "
         "num_workers > 0) instead of starting new ones each epoch. Each index travels with its "
         "epoch, so augmentations stay exactly those of fresh workers.",
+        kind=RESOURCE,
+        why="each index travels with its epoch, so persistent workers fetch the same items",
     )
-    prefetch_factor: int = doc(2, "Batches each worker prepares ahead (with num_workers > 0).")
+    prefetch_factor: int = doc(
+        2,
+        "Batches each worker prepares ahead (with num_workers > 0).",
+        kind=RESOURCE,
+        why="how far ahead workers fetch; not what they fetch",
+    )
 
     def __post_init__(self) -> None:
         _check(
@@ -853,12 +1152,16 @@ class TrackersConfig:
         help="MLflow, on when uri is set. "
         + "; ".join(f"trackers.mlflow.{k}: {v}" for k, v in MLFLOW_KEYS.items())
         + ". Needs pip install 'clusterflow[mlflow]'.",
+        kind=RESOURCE,
+        why="where the scalars are also sent; not what they are",
     )
     wandb: dict[str, Any] = doc(
         factory=dict,
         help="Weights & Biases, on when project is set. "
         + "; ".join(f"trackers.wandb.{k}: {v}" for k, v in WANDB_KEYS.items())
         + ". Needs pip install 'clusterflow[wandb]'.",
+        kind=RESOURCE,
+        why="where the scalars are also sent; not what they are",
     )
 
     def __post_init__(self) -> None:
@@ -913,3 +1216,18 @@ def _check_mlflow_uri(uri: str) -> None:
             uri,
             f"a SQLite URI is sqlite:///RELATIVE/PATH or sqlite:////ABSOLUTE/PATH; {fix}",
         )
+
+
+# Section name -> its dataclass, in the order of the config reference.
+SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "cluster": ClusterConfig,
+    "dist": DistConfig,
+    "train": TrainConfig,
+    "checkpoint": CheckpointConfig,
+    "mining": MiningConfig,
+    "task": TaskConfig,
+    "data": DataConfig,
+    "trackers": TrackersConfig,
+    "observe": ObserveConfig,
+}

@@ -52,7 +52,7 @@ class Job:
 
     def __call__(self) -> str:
         outcome = run_job(self.config)
-        if outcome == "failed":
+        if outcome == states.FAILED:
             raise RuntimeError(
                 "clusterflow job failed; see the rank logs and `python -m clusterflow.status`"
             )
@@ -219,7 +219,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
         if held and env.is_main:
-            _let_go(cfg, env, environ, "failed")
+            _let_go(cfg, env, environ, states.FAILED)
         _record_failure(exc, cfg, env.rank, environ, write=held)
         raise
 

@@ -26,6 +26,9 @@ from clusterflow.slurm import jobids
 
 log = logging.getLogger("clusterflow")
 
+# The outcome of a job that leaves its requeue to the batch script outside (no scontrol here).
+REQUEUE_OUTSIDE = "requeue-outside"
+
 # Slurm's view of the job when this environment has no scontrol (a container): unknown, and the job
 # cannot requeue itself; the batch script outside can (EXIT_REQUEUE_OUTSIDE).
 NO_SCONTROL = "no scontrol here"
@@ -172,7 +175,7 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
             why,
             job_id,
         )
-        return "requeue-outside"
+        return REQUEUE_OUTSIDE
     if not out.ok:
         said = out.error if out.returncode is None else out.stderr.strip()
         if out.returncode is None:
@@ -183,4 +186,4 @@ def requeue(job_id: str, paths: rundir.RunPaths, why: str) -> str:
         return ""
     transitions.mark_requeued(paths)
     log.info("requeued job %s after %s", job_id, why)
-    return "requeued"
+    return State.REQUEUED

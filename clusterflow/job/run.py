@@ -30,8 +30,10 @@ from clusterflow.errors import (
 )
 from clusterflow.job import failure
 from clusterflow.job.job import run_job
+from clusterflow.job.requeue import REQUEUE_OUTSIDE
 from clusterflow.observe import trackers
 from clusterflow.rundir import preflight, saved_config
+from clusterflow.rundir.states import State, StopReason
 from clusterflow.tasks import load_task
 
 EXAMPLES = (
@@ -87,11 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     # this command with the YAML as it is now: it keeps the saved config) or writes it, and
     # broadcasts it to every rank before anything else.
     outcome = run_job(cfg)
-    if outcome == "interrupted":  # Ctrl-C: saved and stopped; the same command resumes
+    if outcome == StopReason.INTERRUPTED:  # Ctrl-C: saved and stopped; the same command resumes
         return EXIT_INTERRUPTED
-    if outcome == "requeue-outside":
+    if outcome == REQUEUE_OUTSIDE:
         return EXIT_REQUEUE_OUTSIDE
-    ok = ("completed", "preempted", "requeued", "cancelled", "stopped")
+    ok = (State.COMPLETED, StopReason.PREEMPTED, State.REQUEUED, State.CANCELLED, State.STOPPED)
     return EXIT_OK if outcome in ok else EXIT_JOB_FAILED
 
 

@@ -284,7 +284,7 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
 # What a local job's outcome prints (after "job N"), and its exit status. A stop resumes.
 _RESUME = "resume by running the same command again"
 OUTCOMES = {
-    states.COMPLETED: ("completed", EXIT_OK),
+    states.COMPLETED: (states.COMPLETED, EXIT_OK),
     states.CANCELLED: (
         "cancelled by the user at step {step}; submitting the run again resumes it",
         EXIT_OK,

@@ -38,6 +38,7 @@ from clusterflow.rundir import (
     submissions,
     transitions,
 )
+from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import sbatch
 from clusterflow.sweeps import index as sweep_index
@@ -53,7 +54,7 @@ def member_state(run_dir: str) -> str | None:
         s = status.collect(run_dir)
     except UserError:
         return "unknown"
-    if s["state"] == "pending" and not s["job_id"] and not s["attempts"]:
+    if s["state"] == State.PENDING and not s["job_id"] and not s["attempts"]:
         return None
     return s["state"]
 
@@ -208,5 +209,7 @@ def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
     rows = sweep_status.collect(sweep_dir, status.collect)
     print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
     return (
-        EXIT_OK if all(r["state"] in ("completed", "cancelled") for r in rows) else EXIT_JOB_FAILED
+        EXIT_OK
+        if all(r["state"] in (State.COMPLETED, State.CANCELLED) for r in rows)
+        else EXIT_JOB_FAILED
     )

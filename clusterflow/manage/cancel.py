@@ -66,11 +66,11 @@ def targets(
     """
     mark, kill, notes = [], [], []
     for run_dir, state, job_id in runs:
-        if state == "completed":
+        if state == states.COMPLETED:
             notes.append(f"{run_dir}: already completed; left alone")
             continue
         mark.append(run_dir)
-        if state == "cancelled":
+        if state == states.CANCELLED:
             notes.append(f"{run_dir}: already cancelled")
         elif states.ended(state):
             notes.append(f"{run_dir}: {state}; marked cancelled so that it is not resumed")

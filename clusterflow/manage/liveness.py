@@ -54,7 +54,7 @@ def _lease_files(run_dir: str) -> list[str]:
         return [
             os.path.join(lease.folder(run_dir), n)
             for n in os.listdir(lease.folder(run_dir))
-            if n.startswith("gen-")
+            if lease.generation(n) is not None
         ]
     except OSError:
         return []

@@ -67,11 +67,13 @@ def extend(
     # The ranks rank 0 named slow for observe.straggler_window_s in this attempt.
     attempt = last.get("attempt")
     out["stragglers"] = stragglers.read(paths, attempt) if isinstance(attempt, int) else []
-    out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == "running" else None
+    out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == states.RUNNING else None
     job_id = str(out.get("job_id") or "")
     left_queue = queue == "" and job_id.replace("_", "").isdigit()
     out["slurm"] = (
-        slurm_outcome.ask(job_id).to_dict() if left_queue and out["state"] != "completed" else None
+        slurm_outcome.ask(job_id).to_dict()
+        if left_queue and out["state"] != states.COMPLETED
+        else None
     )
 
 
@@ -90,7 +92,7 @@ def table(out: dict[str, Any]) -> str:
     if not out["ranks"]:
         return "no heartbeats in this attempt (dist.heartbeat_s=0, or no rank has started yet)"
     text = heartbeat.render(out["ranks"])
-    summary = heartbeat.summary(out["ranks"]) if out["state"] == "running" else None
+    summary = heartbeat.summary(out["ranks"]) if out["state"] == states.RUNNING else None
     named = [_named(g) for g in out.get("stragglers") or []]
     return "\n".join([text, *([summary] if summary else []), *named])
 

@@ -27,6 +27,7 @@ from clusterflow.rundir import (
     saved_config,
     submissions,
 )
+from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
@@ -250,7 +251,7 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
 def _goodput(run_dir: str, state: str) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
     Slurm's start and end times); None before any attempt recorded its time."""
-    book = goodput.ledger(run_dir, running=state == "running")
+    book = goodput.ledger(run_dir, running=state == State.RUNNING)
     if not book["attempts"]:
         return None
     total = book["total"]

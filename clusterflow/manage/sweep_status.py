@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from clusterflow import rundir
 from clusterflow.errors import UserError
+from clusterflow.rundir.states import State
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.sweeps.sweep import labels, show
 
@@ -31,7 +32,7 @@ def row(
     return {
         **member["values"],
         "member": member["name"],
-        "state": s.get("state") or ("pending" if job_id else "not submitted"),
+        "state": s.get("state") or (State.PENDING if job_id else "not submitted"),
         "epoch": s.get("epoch"),
         "global_step": s.get("global_step"),
         "last_loss": s.get("last_loss"),
@@ -103,6 +104,6 @@ def render(table: list[dict[str, Any]], keys: list[str]) -> str:
     cells = [[title for title, _ in columns]] + [[get(r) for _, get in columns] for r in table]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in cells]
-    done = sum(1 for r in table if r["state"] == "completed")
+    done = sum(1 for r in table if r["state"] == State.COMPLETED)
     lines.append(f"{len(table)} member(s), {done} completed")
     return "\n".join(lines)

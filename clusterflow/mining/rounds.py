@@ -6,12 +6,12 @@
     RUN_DIR/mining/epoch-<E>/rank<R>/search/step-<S>/
         k-NN query blocks this rank finished (a batch of them per step)
 
-Every folder is committed by the checkpoint store (``storage/store.py``: staged, the sha256 of every
-file in a manifest written last, atomic rename; a reader trusts only a folder that verifies), so a
-kill at any moment leaves a usable folder or debris that is ignored. The manifests carry the round's
-key (``round_key``: a digest of the model's weights, world size, dataset size, the mining settings
-that change a result, the engine and the software): files of another key are deleted and the round
-starts afresh.
+Every folder is committed by the checkpoint store (``storage/store.py``: staged, every file's
+digest (BLAKE3) in a manifest written last, atomic rename; a reader trusts only a folder that
+verifies), so a kill at any moment leaves a usable folder or debris that is ignored. The manifests
+carry the round's key (``round_key``: a sha256 of the model's weights, world size, dataset size,
+the mining settings that change a result, the engine and the software): files of another key are
+deleted and the round starts afresh.
 
 Rows are kept in float32, the precision the round clusters: a resumed round then gives the labels
 of an uninterrupted one bit for bit. float16 would halve the files, but only if every round

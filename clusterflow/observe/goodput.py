@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from clusterflow import rundir
 from clusterflow.rundir import first_error, records, restarts, stragglers, timeline
-from clusterflow.rundir.states import RUNNING
+from clusterflow.rundir.states import COMPLETED, RUNNING
 from clusterflow.slurm.jobids import SLURM_SOURCES
 
 CATEGORIES = (
@@ -273,7 +273,7 @@ def _active(
     again = min(max(0, min(a.last_step, high) - a.restored), trained)
     commit = a.tl.get("commit") or {}
     committed = max(int(commit.get("step", 0)), a.restored)
-    clean = a.tl.get("outcome") in ("completed",)
+    clean = a.tl.get("outcome") == COMPLETED
     # Steps after the last commit that no later attempt took over (nor will: the run ended).
     lost_steps = 0 if taken_over or clean else max(0, a.last_step - max(committed, high))
     s["recomputed"] = again * per_step

@@ -66,6 +66,17 @@ def folder(run_dir: str) -> str:
     return rundir.RunPaths(run_dir).lease
 
 
+def gen_file(run_dir: str, gen: int) -> str:
+    """The lease record of generation ``gen``: ``RUN_DIR/lease/gen-<gen>.json``."""
+    return os.path.join(folder(run_dir), f"gen-{gen}.json")
+
+
+def generation(name: str) -> int | None:
+    """The generation of a file in the lease folder named by :func:`gen_file`, else None."""
+    m = _GEN.match(name)
+    return int(m.group(1)) if m else None
+
+
 def process_start(pid: int) -> str | None:
     """The kernel's start time of a live process (``/proc/<pid>/stat`` field 22), None when gone."""
     try:
@@ -128,12 +139,12 @@ def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
     unreadable record is {} (records are published whole, so it is damage, not a write in
     progress)."""
     try:
-        gens = [int(m.group(1)) for m in map(_GEN.match, os.listdir(folder(run_dir))) if m]
+        gens = [g for g in map(generation, os.listdir(folder(run_dir))) if g is not None]
     except OSError:
         return 0, None, ""
     if not gens:
         return 0, None, ""
-    path = os.path.join(folder(run_dir), f"gen-{max(gens)}.json")
+    path = gen_file(run_dir, max(gens))
     try:
         with open(path, "rb") as f:
             rec = json.loads(f.read())
@@ -223,13 +234,13 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     gen, rec, age = current(run_dir)
     if gen == 0:
         return 0, ""
-    path = os.path.join(folder(run_dir), f"gen-{gen}.json")
+    path = gen_file(run_dir, gen)
     if os.path.isdir(path):
         raise _unusable(path, "Is a directory")
     alive, why = judge(rec or {}, age, me, slurm_commands.queue_state)
     if why == LAUNCHED_BY_IT:
         return gen, ""
-    who = describe(rec) if rec else f"an unreadable lease ({folder(run_dir)}/gen-{gen}.json)"
+    who = describe(rec) if rec else f"an unreadable lease ({path})"
     if alive:
         raise RunDirBusy(
             f"run dir {run_dir!r} is held by {who}: {why}. "
@@ -277,7 +288,7 @@ def acquire(
     _unusable_unless(lambda: os.makedirs(folder(run_dir), exist_ok=True), folder(run_dir))
     for _ in range(10):  # each turn: someone else linked first; judge the new holder
         gen, note = _judge_holder(run_dir, me)
-        target = os.path.join(folder(run_dir), f"gen-{gen + 1}.json")
+        target = gen_file(run_dir, gen + 1)
         if _unusable_unless(lambda: _publish(run_dir, gen + 1, me), target):
             try:
                 _drop_older(run_dir, gen + 1)
@@ -297,7 +308,7 @@ def acquire(
 
 def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
     """Link generation ``gen`` into place; False when that name already exists."""
-    target = os.path.join(folder(run_dir), f"gen-{gen}.json")
+    target = gen_file(run_dir, gen)
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
@@ -323,8 +334,8 @@ def _unusable(path: str, why: str) -> RunDirBusy:
 
 def _drop_older(run_dir: str, gen: int) -> None:
     for name in os.listdir(folder(run_dir)):
-        m = _GEN.match(name)
-        if m and int(m.group(1)) < gen:
+        g = generation(name)
+        if g is not None and g < gen:
             path = os.path.join(folder(run_dir), name)
             try:
                 os.unlink(path)
@@ -345,7 +356,7 @@ def renew(lease: Lease) -> bool:
     if not _still_mine(lease):
         return False
     lease.rec.update(renewed_at=time.time(), renewals=lease.rec["renewals"] + 1)
-    target = os.path.join(folder(lease.run_dir), f"gen-{lease.gen}.json")
+    target = gen_file(lease.run_dir, lease.gen)
     durable.write_atomic(target, json.dumps(lease.rec, indent=1), make_folder=False)
     return True
 
@@ -403,6 +414,6 @@ def release(run_dir: str) -> None:
         lease.thread.join()
     if _still_mine(lease):
         try:
-            os.unlink(os.path.join(folder(run_dir), f"gen-{lease.gen}.json"))
+            os.unlink(gen_file(run_dir, lease.gen))
         except FileNotFoundError:
             pass

@@ -72,6 +72,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from clusterflow.config.job_config import CHECKPOINTS
+from clusterflow.storage.names import MODEL
+
 
 @dataclass(frozen=True)
 class RunPaths:
@@ -88,7 +91,7 @@ class RunPaths:
 
     @property
     def checkpoints(self) -> str:
-        return self._p("checkpoints")
+        return self._p(CHECKPOINTS)
 
     @property
     def tb(self) -> str:
@@ -156,7 +159,7 @@ class RunPaths:
 
     @property
     def model(self) -> str:
-        return self._p("model.pt")
+        return self._p(MODEL)
 
     @property
     def model_ema(self) -> str:

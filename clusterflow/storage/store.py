@@ -59,10 +59,10 @@ import fsspec
 from clusterflow import __version__
 from clusterflow.storage import diskfull, durable
 from clusterflow.storage import manifest as schema
+from clusterflow.storage.names import DCP, MANIFEST
 
 log = logging.getLogger("clusterflow.store")
 
-MANIFEST = "manifest.json"
 _STEP = re.compile(r"^step-(\d+)$")
 _STAGED = re.compile(r"^\.tmp-step-(\d+)-[0-9a-f]+$")
 # Never published; deleted by clean_debris.
@@ -495,7 +495,7 @@ class CheckpointStore:
         self._only_listed(path, manifest)
         objects = {}
         # A sharded checkpoint's shards are read by every rank later: here only their digests.
-        shards = manifest.get("format") == "dcp"
+        shards = manifest.get("format") == DCP
         for name, info in manifest["files"].items():
             file = f"{path}/{name}"
             try:

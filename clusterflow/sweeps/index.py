@@ -162,7 +162,7 @@ def plan(names: list[str], states: dict[str, str | None]) -> Plan:
         if state is None:
             out.new.append(name)
         elif state == run_states.COMPLETED:
-            out.skip[name] = "completed"
+            out.skip[name] = run_states.COMPLETED
         elif state in (run_states.PENDING, run_states.RUNNING, run_states.REQUEUED):
             out.skip[name] = f"still {state}"
         elif state == run_states.CANCELLED:

@@ -55,7 +55,7 @@ from clusterflow.observe.observer import mining_wait_timeout_s
 from clusterflow.observe.profiling import profile_for
 from clusterflow.observe.timeline import timeline_for
 from clusterflow.rundir import restarts, transitions
-from clusterflow.rundir.states import StopReason
+from clusterflow.rundir.states import State, StopReason
 from clusterflow.storage import durable
 from clusterflow.storage.tensors import TORCH
 from clusterflow.tasks import Task
@@ -216,7 +216,7 @@ class Trainer:
             self.device.type == "cuda",
         )
         self._status(running=True)
-        outcome = "failed"  # what the trackers record when an exception ends the loop
+        outcome = State.FAILED  # what the trackers record when an exception ends the loop
         try:
             while self.state.epoch < self.cfg.train.epochs:
                 reason = self._train_epoch() or self._end_of_epoch()
@@ -224,7 +224,7 @@ class Trainer:
                     outcome = reason
                     return reason
             self._finish()
-            outcome = "completed"
+            outcome = State.COMPLETED
             return outcome
         finally:
             self.profile.close()

@@ -40,12 +40,13 @@ from clusterflow.observe.trackers.state import StateFile
 from clusterflow.observe.trackers.wandb_run import WandbBackend
 from clusterflow.rundir import preflight
 from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.states import State
 
 log = logging.getLogger("clusterflow.trackers")
 
 # The run's final states, as the trackers' own run statuses (a stop that will be resumed leaves
 # the tracker run open).
-ENDED = ("completed", "failed", "cancelled")
+ENDED = (State.COMPLETED, State.FAILED, State.CANCELLED)
 
 Rows = list[tuple[int, dict[str, float]]]
 

@@ -11,10 +11,11 @@ import time
 from typing import Any, Mapping
 
 from clusterflow.observe.trackers.state import StateFile
+from clusterflow.rundir.states import State
 
 # MLflow's own retries take minutes per request; the pump retries instead, without blocking.
 _HTTP_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
-_STATUS = {"completed": "FINISHED", "failed": "FAILED", "cancelled": "KILLED"}
+_STATUS = {State.COMPLETED: "FINISHED", State.FAILED: "FAILED", State.CANCELLED: "KILLED"}
 _PARAM_CHARS = 6000  # MLflow's limit on a parameter value
 _BATCH = 1000  # MLflow's limit on metrics per log_batch
 

@@ -18,8 +18,9 @@ from typing import Any, Mapping
 
 from clusterflow.observe.trackers.state import StateFile
 from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.states import State
 
-_EXIT = {"completed": 0, "failed": 1, "cancelled": 1}
+_EXIT = {State.COMPLETED: 0, State.FAILED: 1, State.CANCELLED: 1}
 
 
 class WandbBackend:
