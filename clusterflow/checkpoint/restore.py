@@ -18,6 +18,7 @@ over the run's work and end with exit 0. A config that differs from the checkpoi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 from typing import Any, Callable, Mapping
@@ -26,11 +27,29 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.checkpoint.sharded import ShardedState
+from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.config.job_config import Config
 from clusterflow.dist import comm as dist
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
+from clusterflow.storage.store import CheckpointStore
 
 log = logging.getLogger("clusterflow.checkpointer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What rank 0 tells every rank about this try (one broadcast): the checkpoint to resume, or
+    nothing to resume (``path`` None), or why the run cannot resume (one of the three texts)."""
+
+    path: str | None = None
+    step: int = 0
+    world_size: int = 0
+    folder: str = ""  # the step's folder in the store (sharded checkpoints read from it)
+    refused: str = ""  # every committed checkpoint damaged: the RunFailed line
+    user_error: str = ""  # a config the checkpoint refuses: the UserError line
+    error: str = ""  # rank 0 could not read at all (any other exception)
 
 
 class Restorer:
@@ -39,12 +58,12 @@ class Restorer:
 
     def __init__(
         self,
-        cfg: Any,
-        model: Any,
+        cfg: Config,
+        model: torch.nn.Module,
         states: Mapping[str, Any],
-        progress: Any,
-        store: Any,
-        sharded: Any = None,
+        progress: TrainState,
+        store: CheckpointStore,
+        sharded: ShardedState | None = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
@@ -71,26 +90,26 @@ class Restorer:
         damaged: dict[int, str] = {}  # rank 0: step -> why it was skipped
         while True:
             head, state, rngs, failure = (
-                self._read(skipped, damaged) if dist.rank() == 0 else ({}, None, None, None)
+                self._read(skipped, damaged) if dist.rank() == 0 else (Found(), None, None, None)
             )
             head = dist.broadcast_object(head)
             if failure is not None:
                 raise failure
-            if "user_error" in head:
-                raise UserError(head["user_error"])
-            if "refused" in head:
-                raise RunFailed(head["refused"])
-            if "error" in head:
-                raise RuntimeError(f"rank 0 could not read the checkpoint: {head['error']}")
-            if head["path"] is None:
+            if head.user_error:
+                raise UserError(head.user_error)
+            if head.refused:
+                raise RunFailed(head.refused)
+            if head.error:
+                raise RuntimeError(f"rank 0 could not read the checkpoint: {head.error}")
+            if head.path is None:
                 return False
-            mine = dist.scatter_object(rngs) if head["world_size"] == dist.world() else None
+            mine = dist.scatter_object(rngs) if head.world_size == dist.world() else None
             state = dist.broadcast_state(state)
             problem, undo = self._apply(state[TRAIN_STATE], mine)
             load_shards = None
             if self.sharded is not None:
                 try:  # collective: every rank reads, whatever its own states said
-                    load_shards = self.sharded.read(head["folder"])
+                    load_shards = self.sharded.read(head.folder)
                 except Exception as exc:  # noqa: BLE001 - any failure makes it unloadable
                     problem = problem or (
                         f"its shards do not load on rank {dist.rank()} ({type(exc).__name__}: "
@@ -102,13 +121,13 @@ class Restorer:
                 why = problem or "another rank could not load it (see its log)"
                 log.warning(
                     "skipping damaged checkpoint %s: %s; falling back to the previous one",
-                    head["path"],
+                    head.path,
                     why,
                 )
                 # Set aside, like a bad digest, when the run gets there again.
-                self.store.refused[head["step"]] = why
-                skipped.add(head["step"])
-                damaged[head["step"]] = why
+                self.store.refused[head.step] = why
+                skipped.add(head.step)
+                damaged[head.step] = why
                 continue
             if load_shards is not None:
                 load_shards()
@@ -120,12 +139,12 @@ class Restorer:
                     "resuming with %d ranks from a checkpoint of %d; "
                     "per-rank RNG streams are re-derived",
                     dist.world(),
-                    head["world_size"],
+                    head.world_size,
                 )
             p = self.progress
             log.info(
                 "resumed from %s: epoch %d, step %d of the epoch, global step %d",
-                head["path"],
+                head.path,
                 p.epoch,
                 p.step_in_epoch,
                 p.global_step,
@@ -177,7 +196,7 @@ class Restorer:
 
     def _read(
         self, skipped: set[int], damaged: dict[int, str]
-    ) -> tuple[dict[str, Any], Any, Any, BaseException | None]:
+    ) -> tuple[Found, Any, Any, BaseException | None]:
         """Rank 0: finish what a killed writer left, then the newest committed step (not in
         ``skipped``) that verifies and fits; each one that does not goes into ``damaged``.
         Returns (what every rank needs to know, the state without RNG, each rank's RNG, rank 0's
@@ -219,24 +238,19 @@ class Restorer:
                 saved = dict(saved)
                 rngs = saved.pop("rng")
                 return (
-                    {
-                        "path": ckpt.path,
-                        "step": ckpt.step,
-                        "world_size": world,
-                        "folder": self.store.step_path(ckpt.step),
-                    },
+                    Found(ckpt.path, ckpt.step, world, self.store.step_path(ckpt.step)),
                     {MODEL: model_state, TRAIN_STATE: saved},
                     rngs,
                     None,
                 )
             if damaged:
-                return {"refused": self._refusal(damaged)}, None, None, None
-            return {"path": None}, None, None, None
+                return Found(refused=self._refusal(damaged)), None, None, None
+            return Found(), None, None, None
         except UserError as exc:
-            return {"user_error": str(exc)}, None, None, exc
+            return Found(user_error=str(exc)), None, None, exc
         # The other ranks must not wait for a broadcast that never comes.
         except Exception as exc:  # noqa: BLE001
-            return {"error": f"{type(exc).__name__}: {exc}"}, None, None, exc
+            return Found(error=f"{type(exc).__name__}: {exc}"), None, None, exc
 
     def _refusal(self, damaged: Mapping[int, str]) -> str:
         """One line: every checkpoint is damaged, each step and why, and the way to start afresh
