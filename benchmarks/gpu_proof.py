@@ -464,6 +464,7 @@ def loop_throughput(quick: bool) -> dict[str, Any]:
         amp="bf16" if GPU else "none",
         heartbeats=False,
         heartbeat_s=10.0,
+        buckets=False,
     )
     root = tempfile.mkdtemp(prefix="proof-loop-")
     try:

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.slurm
 # Both jobs of a test: one node, all of it (so that the second job cannot share node2 with the
 # first), and the same task, which fails on node1 only: loss call 7 comes after the checkpoint at
 # the end of the first epoch, step 6.
-ONE_NODE = ("cluster.nodes=1", "cluster.exclusive=true")
+# No restart inside the job: these prove the requeue without the node (docs/restarts.md has the
+# in-job path, tests/test_slurm_restarts.py its proof).
+ONE_NODE = ("cluster.nodes=1", "cluster.exclusive=true", "cluster.restarts_in_job=0")
 DEVICE_ERROR = (
     "task.target=testtasks:DeviceErrorOnHost",
     "task.params.host=node1",

@@ -43,6 +43,7 @@ def test_a_job_killed_and_requeued_by_slurm_is_one_mlflow_run_with_each_step_onc
         f"task.params.kill_file={kill}",
         "task.params.at=10",  # every rank SIGKILLs itself in step 10 of the first attempt
         "checkpoint.async=false",  # step 8 is committed before step 9 starts
+        "cluster.restarts_in_job=0",  # the crash fails the job: Slurm's requeue brings it back
         f"trackers.mlflow.uri={uri}",
         "trackers.mlflow.experiment=requeued",
     )
