@@ -88,7 +88,11 @@ def main():
         Exception
     ) as exc:  # what job/job.py does with a failed collective: record it, dump, fail the rank
         won = first_error.record(
-            run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname()
+            rundir.RunPaths(run_dir),
+            0,
+            rank,
+            f"{type(exc).__name__}: {exc}",
+            host=socket.gethostname(),
         )
         dump_flight_recorder(
             rundir.RunPaths(run_dir).stalls(0), rank

@@ -267,10 +267,8 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     if results is None:
         status, _ = rundir.read_object(paths.status)
         attempt = rundir.current_attempt(paths)
-        code = failed_exit_code(status, first_error.read(cfg.run.dir, attempt))
-        said = (
-            why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
-        )
+        code = failed_exit_code(status, first_error.read(paths, attempt))
+        said = why or first_error.cause(paths, status, attempt) or "the job failed; see the logs"
         print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
             print(

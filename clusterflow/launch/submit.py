@@ -185,7 +185,7 @@ def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
     transitions.mark_submitted(paths, job_id=job_id)
-    submissions.record_submission(cfg.run.dir, job_id)
+    submissions.record_submission(paths, job_id)
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
     print(f"logs: {paths.logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
@@ -193,20 +193,19 @@ def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:
         return EXIT_OK
-    return wait_for(cfg.run.dir, job_id)
+    return wait_for(paths, job_id)
 
 
-def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
+def wait_for(paths: rundir.RunPaths, job_id: str, poll_s: float = 3.0) -> int:
     """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
     A requeued job stays in the queue, so waiting spans all its attempts."""
     slurm_commands.wait_until_gone(job_id, poll_s)
-    paths = rundir.RunPaths(run_dir)
     status, _ = rundir.read_object(paths.status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
     if state == states.COMPLETED:
         return EXIT_OK
-    return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
+    return local.failed_exit_code(status, first_error.read(paths, rundir.current_attempt(paths)))
 
 
 def check_task(cfg: Config) -> None:
@@ -279,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
             "resuming from its newest checkpoint"
         )
     # Submitting a run again is the explicit way back from a cancel.
-    cancel_marker.clear(cfg.run.dir)
-    frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+    paths = rundir.RunPaths(cfg.run.dir)
+    cancel_marker.clear(paths)
+    frozen_code.take(paths, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
         return local.submit_local(cfg, chosen)
     return submit_slurm(cfg, args.wait, dependency)

@@ -278,7 +278,7 @@ def collect(run_dir: str) -> dict[str, Any]:
     progress = _progress(st, newest)
     last = attempts[-1] if attempts else {}
     # A resubmission is newer than the last attempt.
-    current = submissions.current_job_id(run_dir, notes)
+    current = submissions.current_job_id(paths, notes)
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
     queue = (
         slurm_commands.queue_state(job_id)
@@ -291,8 +291,8 @@ def collect(run_dir: str) -> dict[str, Any]:
         attempts=len(attempts),
         started=bool(cks),
         queue=queue,
-        cancelled=cancel_marker.is_cancelled(run_dir),
-        first_error=first_error.read(run_dir, rundir.current_attempt(paths), notes),
+        cancelled=cancel_marker.is_cancelled(paths),
+        first_error=first_error.read(paths, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
     )
@@ -334,7 +334,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
         "logs": paths.logs,
-        "code": frozen_code.describe(run_dir, notes),
+        "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
     out["goodput"] = _goodput(run_dir, decided.state)

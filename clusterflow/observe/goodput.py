@@ -230,7 +230,7 @@ def _row(
     s["startup"] = (b2 - b1) - s["restore"]
     steps = _active(a, b3 - b2, high, bool(later) or running, s)
     tail = b4 - b3
-    stall = first_error.read(paths.root, a.n)
+    stall = first_error.read(paths, a.n)
     if a.tl.get("outcome"):
         s["shutdown"] = tail
     elif stall is not None and stall.get("kind") == "stall":

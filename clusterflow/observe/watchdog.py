@@ -154,7 +154,7 @@ class Watchdog:
         _guard(
             lambda: record.update(
                 won=first_error.record(
-                    self.run_dir,
+                    paths,
                     self.attempt,
                     self.rank,
                     msg,
