@@ -127,7 +127,7 @@ def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: Any) -> in
     )
     attempt = 0
     if env.is_main:
-        os.makedirs(cfg.run.dir, exist_ok=True)
+        os.makedirs(paths.root, exist_ok=True)
         attempt = rundir.record_attempt(
             paths,
             job_id=env.job_id,
@@ -179,10 +179,10 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         observe.before_init(cfg, environ)
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
-        cfg = from_dict(_take_run_dir(env, cfg, environ))
+        cfg = from_dict(_take_run_dir(env, cfg, paths, environ))
         held = True
         if _cancelled_before_start(env, paths):
-            return _end_cancelled(cfg, paths, env, environ)
+            return _end_cancelled(paths, env, environ)
         attempt = _start(env, cfg, paths, device)
         _threads(env, environ)
 
@@ -214,14 +214,14 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
                 cfg.cluster.max_timeout_requeues,
                 preemption.received_at,
             )
-            _let_go(cfg, env, environ, outcome)
+            _let_go(paths, environ, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
         if held and env.is_main:
-            _let_go(cfg, env, environ, states.FAILED)
+            _let_go(paths, environ, states.FAILED)
         _record_failure(exc, cfg, paths, env.rank, environ, write=held)
         raise
 
@@ -248,7 +248,9 @@ def _stopped_while_building(preemption: Preemption) -> str:
     return reason
 
 
-def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+def _take_run_dir(
+    env: DistEnv, cfg: Config, paths: rundir.RunPaths, environ: Mapping[str, str]
+) -> dict[str, Any]:
     """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
     config against the saved one (writing it on a first start); every rank gets that config, or
     the reason this job may not run there."""
@@ -256,17 +258,17 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     answer: Any = None
     if env.is_main:
         try:
-            lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
+            lease.hold(paths, env, cfg.run.lease_s, dict(environ))
             relaunch = env.attempt > 0 or env.restart_in_job > 0
             answer, _ = saved_config.resolve(cfg, relaunch=relaunch)
             answer = answer.to_dict()
         except (UserError, OSError) as exc:
             # Every rank must hear it, or the others wait for rank 0.
-            lease.release(cfg.run.dir)
+            lease.release(paths)
             answer = (
                 str(exc)
                 if isinstance(exc, UserError)
-                else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+                else f"run dir {paths.root!r} cannot be used: {exc}"
             )
     answer = dist.broadcast_object(answer)
     if isinstance(answer, str):
@@ -282,31 +284,29 @@ def _cancelled_before_start(env: DistEnv, paths: rundir.RunPaths) -> bool:
     return bool(dist.broadcast_object(seen))
 
 
-def _end_cancelled(
-    cfg: Config, paths: rundir.RunPaths, env: DistEnv, environ: Mapping[str, str]
-) -> str:
+def _end_cancelled(paths: rundir.RunPaths, env: DistEnv, environ: Mapping[str, str]) -> str:
     """End a cancelled run's job before anything is trained or recorded: state ``cancelled``,
     the run dir released, outcome ``cancelled`` (the process exits 0)."""
     if env.is_main:
         transitions.mark_cancelled(paths, job_id=env.job_id)
         print(
-            f"run {cfg.run.dir} was cancelled by the user ({paths.cancelled}): not training. "
+            f"run {paths.root} was cancelled by the user ({paths.cancelled}): not training. "
             "Submitting the run again resumes it.",
             flush=True,
         )
-        _let_go(cfg, env, environ, states.CANCELLED)
+        _let_go(paths, environ, states.CANCELLED)
     dist.barrier()
     dist.shutdown()
     return states.CANCELLED
 
 
-def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
+def _let_go(paths: rundir.RunPaths, environ: Mapping[str, str], outcome: str) -> None:
     """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
     requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
 
     ended = (states.COMPLETED, states.FAILED, states.CANCELLED)
     if outcome in ended or not environ.get("SLURM_JOB_ID"):
-        lease.release(cfg.run.dir)
+        lease.release(paths)
 
 
 def _record_failure(

@@ -133,11 +133,12 @@ def _run_local(configs: list[Any]) -> int:
     (``clusterflow cancel`` of the sweep or of the member) is skipped."""
     worst = EXIT_OK
     for cfg in configs:
-        if cancel_marker.is_cancelled(rundir.RunPaths(cfg.run.dir)):
+        paths = rundir.RunPaths(cfg.run.dir)
+        if cancel_marker.is_cancelled(paths):
             print(f"== sweep member {cfg.run.dir}: cancelled by the user; not started")
             continue
         print(f"== sweep member {cfg.run.dir}")
-        code = local.submit_local(cfg)
+        code = local.submit_local(cfg, paths)
         if code == EXIT_INTERRUPTED:
             return code
         worst = max(worst, code)

@@ -298,7 +298,7 @@ def collect(run_dir: str) -> dict[str, Any]:
     )
     alive, note = None, None
     if verdict.needs_liveness(evidence):
-        life = liveness.check(run_dir, last, queue)
+        life = liveness.check(paths, last, queue)
         alive = life.alive
         note = life.note(progress["global_step"]) if alive is False else None
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
