@@ -184,7 +184,7 @@ def test_first_cause_six_processes_racing_exactly_one_wins(tmp_path):
 
 
 def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
-    env = flight_recorder_env(str(tmp_path), 2, {"TORCH_FR_BUFFER_SIZE": "0"})
+    env = flight_recorder_env(rundir.RunPaths(str(tmp_path)), 2, {"TORCH_FR_BUFFER_SIZE": "0"})
     assert "TORCH_FR_BUFFER_SIZE" not in env  # the user turned the recorder off: respected
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     prefix = str(tmp_path / "stalls" / "attempt2" / "nccl_trace_rank_")

@@ -176,7 +176,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
         # The flight recorder reads its variables when the group starts.
-        observe.before_init(cfg, environ)
+        observe.before_init(paths, environ)
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         cfg = from_dict(_take_run_dir(env, cfg, paths, environ))
@@ -202,7 +202,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
             stalled = functools.partial(
                 _requeue_after_stall, cfg=cfg, paths=paths, env=env, environ=environ
             )
-            observer = observe.Observer(cfg, env.rank, attempt, device, after_stall=stalled)
+            observer = observe.Observer(cfg, paths, env.rank, attempt, device, after_stall=stalled)
             with observer.watching(trainer.phases):
                 outcome = trainer.fit()
         if env.is_main:

@@ -46,7 +46,7 @@ def ranks(
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
     # Nodes' clocks differ by seconds; an older attempt by minutes.
     since = float(last.get("started_at") or 0) - 60
-    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world, damaged=damaged)
+    return heartbeat.read_ranks(paths, every_s, since=since, world_size=world, damaged=damaged)
 
 
 def extend(
