@@ -24,7 +24,7 @@ DEFAULT_HEARTBEAT_S = 10.0
 def _heartbeat_s(paths: rundir.RunPaths) -> float:
     """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop
     status); 0: off."""
-    data, _ = saved_config.read_plain(paths.root)
+    data, _ = saved_config.read_plain(paths)
     try:
         value = float(data["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
     except (ValueError, TypeError, KeyError, AttributeError):

@@ -97,7 +97,7 @@ def _progress(st: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
 def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
     status: then the default place, and what is wrong)."""
-    data, problem = saved_config.read_plain(paths.root)
+    data, problem = saved_config.read_plain(paths)
     configured = (
         (data.get("checkpoint") or {}).get("dir")
         if isinstance(data.get("checkpoint"), dict)
@@ -114,7 +114,7 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
 def _trackers(paths: rundir.RunPaths) -> dict[str, int | None]:
     """Each configured tracker (config.yaml's trackers section, read as plain YAML) and the last
     step it is known to have received (None: none)."""
-    data, _ = saved_config.read_plain(paths.root)
+    data, _ = saved_config.read_plain(paths)
     section = data.get("trackers") if isinstance(data.get("trackers"), dict) else {}
     names = [name for name in ("mlflow", "wandb") if section.get(name)]
     return received_steps(paths, names)
@@ -248,10 +248,10 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(run_dir: str, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
     Slurm's start and end times); None before any attempt recorded its time."""
-    book = goodput.ledger(run_dir, running=state == State.RUNNING)
+    book = goodput.ledger(paths, running=state == State.RUNNING)
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -337,7 +337,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(run_dir, decided.state)
+    out["goodput"] = _goodput(paths, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict
