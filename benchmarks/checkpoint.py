@@ -149,7 +149,7 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
     torch.save + fsync of the same state, interleaved. On a CPU machine the snapshot is a memory
     copy that runs beside the next forward/backward; the loop's slowdown while the writer works (the
     cores it takes) is printed too."""
-    from clusterflow import config
+    from clusterflow import config, rundir
     from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
     from clusterflow.checkpoint.train_state import TrainState
 
@@ -174,7 +174,12 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
         None, [f"run.dir={root}/stall-run", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
     )
     ck = Checkpointer(
-        cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=10**9
+        cfg,
+        rundir.RunPaths(cfg.run.dir),
+        model,
+        {"optimizer": opt, "train": progress},
+        progress,
+        steps_per_epoch=10**9,
     )
     keys = (
         "torch.save+fsync",

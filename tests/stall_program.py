@@ -44,7 +44,7 @@ def ranks(run_dir, mode, hb, rank):
     import torch.distributed as dist
 
     os.environ.update(
-        flight_recorder_env(run_dir, 0, os.environ)
+        flight_recorder_env(rundir.RunPaths(run_dir), 0, os.environ)
     )  # after importing torch, before the group
     dist.init_process_group(
         "gloo",
@@ -66,12 +66,12 @@ def ranks(run_dir, mode, hb, rank):
 def main():
     run_dir, mode, stall_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     rank = int(os.environ.get("RANK", "0"))
-    hb = Heartbeat(run_dir, rank, every_s=0.2)
+    hb = Heartbeat(rundir.RunPaths(run_dir), rank, every_s=0.2)
     log_file = os.path.join(run_dir, "logs", f"rank{rank}.attempt0.log")
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
     wd = Watchdog(
         hb.progress,
-        run_dir,
+        rundir.RunPaths(run_dir),
         rank,
         stall_s=stall_s,
         log_file=log_file,
@@ -88,7 +88,11 @@ def main():
         Exception
     ) as exc:  # what job/job.py does with a failed collective: record it, dump, fail the rank
         won = first_error.record(
-            run_dir, 0, rank, f"{type(exc).__name__}: {exc}", host=socket.gethostname()
+            rundir.RunPaths(run_dir),
+            0,
+            rank,
+            f"{type(exc).__name__}: {exc}",
+            host=socket.gethostname(),
         )
         dump_flight_recorder(
             rundir.RunPaths(run_dir).stalls(0), rank

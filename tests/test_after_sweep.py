@@ -7,6 +7,7 @@ import os
 from clihelp import one_error_line
 from conftest import run_cli
 
+from clusterflow import rundir
 from clusterflow.launch import stages
 from clusterflow.rundir import submissions
 
@@ -43,7 +44,7 @@ def test_after_a_sweep_dir_waits_for_every_member(tmp_path):
     status = json.load(open(first / "status.json"))
     json.dump(dict(status, state="pending", job_id="4711_0"), open(first / "status.json", "w"))
     os.remove(first / "model.pt")  # committed final weights would make it completed
-    submissions.record_submission(str(first), "4711_0")
+    submissions.record_submission(rundir.RunPaths(str(first)), "4711_0")
     res = run_cli(
         "clusterflow.submit",
         "configs/tiny.yaml",

@@ -31,14 +31,14 @@ def make_run(path, state=None, job=None, source="slurm", **status):
 
 
 def test_marker(tmp_path):
-    d = make_run(tmp_path / "r", "running", "7")
-    assert not cancel_marker.is_cancelled(d)
-    cancel_marker.mark(d, "7", now=1.0)
-    rec = json.load(open(rundir.RunPaths(d).cancelled))
-    assert cancel_marker.is_cancelled(d) and rec["job_id"] == "7" and rec["cancelled_at"] == 1.0
+    paths = rundir.RunPaths(make_run(tmp_path / "r", "running", "7"))
+    assert not cancel_marker.is_cancelled(paths)
+    cancel_marker.mark(paths, "7", now=1.0)
+    rec = json.load(open(paths.cancelled))
+    assert cancel_marker.is_cancelled(paths) and rec["job_id"] == "7" and rec["cancelled_at"] == 1.0
     assert "@" in rec["by"]
-    assert cancel_marker.clear(d) and not cancel_marker.is_cancelled(d)
-    assert not cancel_marker.clear(d)
+    assert cancel_marker.clear(paths) and not cancel_marker.is_cancelled(paths)
+    assert not cancel_marker.clear(paths)
 
 
 def test_targets():
@@ -66,11 +66,12 @@ def test_targets():
 
 def test_a_newer_submission_makes_a_stale_state_unknown(tmp_path):
     d = make_run(tmp_path / "r", "failed", "7")
-    assert cancel.job_state(d) == "failed"
+    paths = rundir.RunPaths(d)
+    assert cancel.job_state(paths) == "failed"
     # resubmitted: its job may be pending
-    submissions.record_submission(d, "8", now=time.time() + 5)
-    assert cancel.job_state(d) is None
-    runs = [(d, cancel.job_state(d), submissions.current_job_id(d))]
+    submissions.record_submission(paths, "8", now=time.time() + 5)
+    assert cancel.job_state(paths) is None
+    runs = [(d, cancel.job_state(paths), submissions.current_job_id(paths))]
     assert cancel.targets(runs)[1] == [(d, "8")]
 
 
@@ -100,7 +101,7 @@ def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path
         f"{sw}/b: no Slurm job known (a local run stops at its next step); marked cancelled",
         f"{sw}/c: stopped; marked cancelled so that it is not resumed",
     ]
-    assert [cancel_marker.is_cancelled(os.path.join(sw, n)) for n in names] == [
+    assert [cancel_marker.is_cancelled(rundir.RunPaths(os.path.join(sw, n))) for n in names] == [
         False,
         True,
         True,
@@ -114,7 +115,7 @@ def test_without_scancel_the_marker_still_stops_requeues(tmp_path):
     assert (
         out.returncode == 2 and "scancel is not on PATH, so jobs 123456789 still run" in out.stderr
     )
-    assert cancel_marker.is_cancelled(d)
+    assert cancel_marker.is_cancelled(rundir.RunPaths(d))
 
 
 def test_not_a_run_dir(tmp_path):
@@ -137,11 +138,11 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
     assert sub.returncode == 0, sub.stderr
     job = sub.stdout.strip().split(";")[0]
     try:
-        submissions.record_submission(d, job)
+        submissions.record_submission(rundir.RunPaths(d), job)
         out = run_cli("clusterflow.cancel", d)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == f"{d}: cancelled job {job}"
-        assert cancel_marker.is_cancelled(d)
+        assert cancel_marker.is_cancelled(rundir.RunPaths(d))
         deadline = time.time() + 30
         while time.time() < deadline:
             q = subprocess.run(

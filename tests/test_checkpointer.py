@@ -12,7 +12,7 @@ import pytest
 import torch
 from multirank import SharedRanks
 
-from clusterflow import config
+from clusterflow import config, rundir
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.dist import comm as dist
@@ -36,7 +36,12 @@ def build(run_dir, ckpt_dir="", seed=0, **over):
     progress = TrainState()
     return (
         Checkpointer(
-            cfg, model, {"optimizer": opt, "train": progress}, progress, steps_per_epoch=100
+            cfg,
+            rundir.RunPaths(cfg.run.dir),
+            model,
+            {"optimizer": opt, "train": progress},
+            progress,
+            steps_per_epoch=100,
         ),
         model,
         opt,

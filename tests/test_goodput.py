@@ -90,7 +90,7 @@ def test_an_in_job_restart_is_its_own_attempt_with_no_queue_and_slurm_times_are_
     )
     rundir.append_jsonl(paths.submissions, {"job_id": "42", "submitted_at": 900.0})
     runs = {"42": [{"restart": 0, "submit": 900, "start": 1000, "end": 1175, "source": "sacct"}]}
-    book = goodput.ledger(paths.root, runs, running=False)
+    book = goodput.ledger(paths, runs, running=False)
     first, second = book["attempts"]
     for row in (first, second):
         _sums_to_wall(row)
@@ -134,7 +134,7 @@ def test_clocks_that_disagree_never_make_a_negative_part(tmp_path):
             }
         ],
     )
-    (row,) = goodput.ledger(paths.root, running=False)["attempts"]
+    (row,) = goodput.ledger(paths, running=False)["attempts"]
     _sums_to_wall(row)
     assert row["seconds"]["startup"] == 0
     assert row["seconds"]["productive"] + row["seconds"]["eval"] == pytest.approx(10)

@@ -37,7 +37,7 @@ def test_beat_is_cheap_and_the_thread_writes_at_most_every_heartbeat_s(tmp_path)
             writes.append(time.monotonic())
             return super().write()
 
-    hb = Counting(str(tmp_path), rank=3, host="node2", every_s=0.25)
+    hb = Counting(rundir.RunPaths(str(tmp_path)), rank=3, host="node2", every_s=0.25)
     t0 = time.monotonic()
     for step in range(1, 20001):
         hb.beat(step, "train")
@@ -62,12 +62,12 @@ def test_beat_is_cheap_and_the_thread_writes_at_most_every_heartbeat_s(tmp_path)
 
 
 def test_a_rank_that_has_not_beaten_yet_says_starting(tmp_path):
-    rec = Heartbeat(str(tmp_path), 0, "n1", 10, start=False).write()
+    rec = Heartbeat(rundir.RunPaths(str(tmp_path)), 0, "n1", 10, start=False).write()
     assert rec["phase"] == "starting" and rec["progress_at"] is None and rec["step_time_s"] is None
 
 
 def test_step_time_is_wall_time_per_training_step_between_writes(tmp_path):
-    hb = Heartbeat(str(tmp_path), 0, "n1", 10, start=False)
+    hb = Heartbeat(rundir.RunPaths(str(tmp_path)), 0, "n1", 10, start=False)
     hb.beat(10, "train")
     at10 = hb.progress.snapshot()[3]
     assert hb.record()["step_time_s"] is None  # one point is not an interval
@@ -86,7 +86,7 @@ def test_step_time_is_wall_time_per_training_step_between_writes(tmp_path):
 def test_gpu_fields_come_from_the_snapshot_of_this_ranks_gpu(tmp_path):
     snap = [GPU0, {**GPU0, "index": 1, "uuid": "GPU-bbbb", "memory_used_mb": 100, "util_pct": 3}]
     by_index = Heartbeat(
-        str(tmp_path), 0, "n1", 10, gpu=1, start=False, snapshot=lambda: snap
+        rundir.RunPaths(str(tmp_path)), 0, "n1", 10, gpu=1, start=False, snapshot=lambda: snap
     ).record()
     assert (by_index["gpu_index"], by_index["gpu_mem_used_mb"], by_index["gpu_util_pct"]) == (
         1,
@@ -94,7 +94,13 @@ def test_gpu_fields_come_from_the_snapshot_of_this_ranks_gpu(tmp_path):
         3,
     )
     by_uuid = Heartbeat(
-        str(tmp_path), 0, "n1", 10, gpu="GPU-aaaa", start=False, snapshot=lambda: snap
+        rundir.RunPaths(str(tmp_path)),
+        0,
+        "n1",
+        10,
+        gpu="GPU-aaaa",
+        start=False,
+        snapshot=lambda: snap,
     ).record()
     assert (by_uuid["gpu_index"], by_uuid["gpu_mem_total_mb"], by_uuid["gpu_temp_c"]) == (
         0,
@@ -102,13 +108,13 @@ def test_gpu_fields_come_from_the_snapshot_of_this_ranks_gpu(tmp_path):
         64,
     )
     no_nvml = Heartbeat(
-        str(tmp_path), 0, "n1", 10, gpu=0, start=False, snapshot=lambda: None
+        rundir.RunPaths(str(tmp_path)), 0, "n1", 10, gpu=0, start=False, snapshot=lambda: None
     ).record()
     assert not [k for k in no_nvml if k.startswith("gpu_")]
 
 
 def test_a_failing_write_does_not_stop_the_thread(tmp_path):
-    hb = Heartbeat(str(tmp_path / "run"), 0, "n1", every_s=0.05)
+    hb = Heartbeat(rundir.RunPaths(str(tmp_path / "run")), 0, "n1", every_s=0.05)
     os.rename(tmp_path / "run", tmp_path / "moved")  # the run dir vanishes under the writer
     time.sleep(0.2)
     assert hb._thread.is_alive()
@@ -188,16 +194,16 @@ def test_read_ranks_drops_earlier_attempts_and_lists_missing_ranks(tmp_path):
         f.write('{"rank": 2, "ho')  # cut short (cannot happen with rename; a hand-copied dir might)
     with open(os.path.join(d, "heartbeats", ".rank3.tmp"), "w") as f:
         f.write("{}")
-    out = read_ranks(d, 10, now=now, since=now - 100, world_size=4)
+    out = read_ranks(rundir.RunPaths(d), 10, now=now, since=now - 100, world_size=4)
     assert [r["rank"] for r in out] == [0, 1, 2, 3]
     assert [r["silent"] for r in out] == [False, True, True, True]
     assert out[1]["phase"] is None and out[1]["heartbeat_age_s"] is None
-    assert [r["rank"] for r in read_ranks(d, 10, now=now)] == [
+    assert [r["rank"] for r in read_ranks(rundir.RunPaths(d), 10, now=now)] == [
         0,
         1,
         5,
     ]  # without an attempt: all it finds
-    assert read_ranks(str(tmp_path / "nothing"), 10) == []
+    assert read_ranks(rundir.RunPaths(str(tmp_path / "nothing")), 10) == []
 
 
 def test_render_and_summary_name_the_odd_ranks():
@@ -262,7 +268,9 @@ def _two_rank_heartbeats(run_dir):
     from clusterflow.dist import comm as dist
 
     rank = dist.rank()
-    hb = Heartbeat(run_dir, rank, socket.gethostname(), every_s=0.1, gather=rank == 0)
+    hb = Heartbeat(
+        rundir.RunPaths(run_dir), rank, socket.gethostname(), every_s=0.1, gather=rank == 0
+    )
     for step in range(1, 31):
         dist.barrier()  # a collective per step, as training has
         hb.beat(step, "train")
@@ -280,5 +288,5 @@ def test_two_real_ranks_see_each_other_through_their_heartbeats(tmp_path):
     results = run_ranks(2, _two_rank_heartbeats, str(tmp_path))
     assert results[0] == [(0, 30, "train", False), (1, 30, "train", False)]
     assert results[1] == []  # only rank 0 gathers
-    out = read_ranks(str(tmp_path), 0.1, world_size=2)
+    out = read_ranks(rundir.RunPaths(str(tmp_path)), 0.1, world_size=2)
     assert [r["step"] for r in out] == [30, 30] and all(r["pid"] for r in out)

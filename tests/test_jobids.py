@@ -39,24 +39,24 @@ def test_requeue_target(env, target):
 
 def test_current_job_id_is_the_newest_slurm_record(tmp_path):
     d = str(tmp_path)
-    assert submissions.current_job_id(d) is None
-    submissions.record_submission(d, "100_2", now=10.0)
-    assert submissions.current_job_id(d) == "100_2"  # pending: no attempt yet
+    assert submissions.current_job_id(rundir.RunPaths(d)) is None
+    submissions.record_submission(rundir.RunPaths(d), "100_2", now=10.0)
+    assert submissions.current_job_id(rundir.RunPaths(d)) == "100_2"  # pending: no attempt yet
     rundir.append_jsonl(
         rundir.RunPaths(d).attempts,
         {"attempt": 0, "job_id": "103", "started_at": 20.0, "source": "slurm"},
     )
-    assert submissions.current_job_id(d) == "103"  # the task's own id once it runs
-    submissions.record_submission(d, "200", now=30.0)
-    assert submissions.current_job_id(d) == "200"  # a resubmission
+    assert submissions.current_job_id(rundir.RunPaths(d)) == "103"  # the task's own id once it runs
+    submissions.record_submission(rundir.RunPaths(d), "200", now=30.0)
+    assert submissions.current_job_id(rundir.RunPaths(d)) == "200"  # a resubmission
     # a local run's job id is a process id: it must never reach scancel
     rundir.append_jsonl(
         rundir.RunPaths(d).attempts,
         {"attempt": 1, "job_id": "4242", "started_at": 40.0, "source": "submitit-local"},
     )
-    assert submissions.current_job_id(d) == "200"
+    assert submissions.current_job_id(rundir.RunPaths(d)) == "200"
     with pytest.raises(ValueError):
-        submissions.record_submission(d, "local")
+        submissions.record_submission(rundir.RunPaths(d), "local")
 
 
 def test_after_dependency():

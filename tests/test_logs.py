@@ -69,7 +69,7 @@ def test_prints_every_attempt_in_order_under_a_header(tmp_path):
         append(d, 0, a, f"rank0 attempt {a} line\n")
         append(d, 1, a, f"rank1 attempt {a} line\n")
     out = io.StringIO()
-    logs.show(d, 0, out)
+    logs.show(rundir.RunPaths(d), 0, out)
     lines = out.getvalue().splitlines()
     assert [ln for ln in lines if not ln.startswith("==>") and ln] == [
         f"rank0 attempt {a} line" for a in (0, 1, 2, 10)

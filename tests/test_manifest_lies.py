@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from clusterflow import config as cfgmod
+from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
@@ -29,7 +30,14 @@ def make(run_dir, out=4):
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     state = TrainState()
     return (
-        Checkpointer(cfg, model, {"optimizer": opt, "train": state}, state, steps_per_epoch=100),
+        Checkpointer(
+            cfg,
+            rundir.RunPaths(cfg.run.dir),
+            model,
+            {"optimizer": opt, "train": state},
+            state,
+            steps_per_epoch=100,
+        ),
         model,
         opt,
         state,

@@ -124,7 +124,7 @@ def test_status_of_a_running_job_marks_a_silent_rank(tmp_path):
 def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() - 100)
     assert first_error.record(
-        str(tmp_path),
+        rundir.RunPaths(str(tmp_path)),
         0,
         1,
         "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)",
@@ -136,14 +136,18 @@ def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
         where="x.py:3 f",
     )
     assert not first_error.record(
-        str(tmp_path), 0, 0, "RuntimeError: Connection closed by peer", host="node1"
+        rundir.RunPaths(str(tmp_path)),
+        0,
+        0,
+        "RuntimeError: Connection closed by peer",
+        host="node1",
     )
     decided = verdict.decide(
         verdict.Evidence(
             recorded_state="failed",
             recorded_error="rank 0: RuntimeError: Connection closed by peer",
             attempts=1,
-            first_error=first_error.read(str(tmp_path), 0),
+            first_error=first_error.read(rundir.RunPaths(str(tmp_path)), 0),
         )
     )
     assert decided.error == "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)"
@@ -238,7 +242,9 @@ def test_a_hung_mining_search_is_named_by_rank_0_not_by_a_waiting_peers_timeout(
         timeout=300,
     )
     assert out.returncode == 1, out.stdout + out.stderr
-    first = first_error.read(d, 0)  # what status and a Slurm job's end report as the cause
+    first = first_error.read(
+        rundir.RunPaths(d), 0
+    )  # what status and a Slurm job's end report as the cause
     assert first["rank"] == 0 and first["kind"] == "stall", first
     assert " in mining search (" in first["error"], first
     assert first["error"].endswith("hanging_in_knn_search)"), first

@@ -120,12 +120,13 @@ def test_copied_run_dir_resumes_from_its_own_checkpoints_with_submit(tmp_path, r
 def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
     from types import SimpleNamespace
 
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
     gone = str(tmp_path / "moved-away")
     env = SimpleNamespace(job_id="77", attempt=1, source="slurm")
     with pytest.raises(lease.RunDirBusy, match="is gone, but this is attempt 1 of job 77"):
-        lease.hold(gone, env, 30, {"SLURM_JOB_ID": "77"})
+        lease.hold(rundir.RunPaths(gone), env, 30, {"SLURM_JOB_ID": "77"})
     assert not os.path.exists(gone)
 
 
@@ -133,9 +134,10 @@ def test_a_requeued_job_never_recreates_a_run_dir_moved_away(tmp_path):
 
 
 def lease_record(run_dir):
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
-    return lease.current(run_dir)[1]
+    return lease.current(rundir.RunPaths(run_dir))[1]
 
 
 def wait_for(fn, timeout=180):
@@ -216,9 +218,10 @@ def test_a_killed_holder_is_taken_over_with_a_warning(tmp_path, reference):
 def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
     """A lease record of a holder on another machine, last renewed ``age_s`` ago by the storage's
     clock."""
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
-    os.makedirs(lease.folder(run_dir), exist_ok=True)
+    os.makedirs(rundir.RunPaths(run_dir).lease, exist_ok=True)
     rec = {
         "token": "t" * 32,
         "job_id": slurm_job or "elsewhere",
@@ -233,14 +236,15 @@ def plant(run_dir, host, age_s, renew_s=1, slurm_job=""):
         "renewals": 9,
         "renew_s": renew_s,
     }
-    path = os.path.join(lease.folder(run_dir), "gen-3.json")
+    path = os.path.join(rundir.RunPaths(run_dir).lease, "gen-3.json")
     with open(path, "w") as f:
         json.dump(rec, f)
-    t = lease.storage_now(run_dir) - age_s
+    t = lease.storage_now(rundir.RunPaths(run_dir)) - age_s
     os.utime(path, (t, t))
 
 
 def test_stale_and_fresh_leases_of_another_host(tmp_path):
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
     me = lease.identity()
@@ -250,10 +254,10 @@ def test_stale_and_fresh_leases_of_another_host(tmp_path):
         lease.RunDirBusy,
         match=r"held by torchrun job elsewhere \(pid 4242 on node-elsewhere.*renewed 1 s ago",
     ):
-        lease.check(d, me)
+        lease.check(rundir.RunPaths(d), me)
     plant(d, "node-elsewhere", age_s=200, renew_s=30)
     assert "its lease was not renewed for 200 s (more than 120 s); taking it over" in lease.check(
-        d, me
+        rundir.RunPaths(d), me
     )
 
 
@@ -293,11 +297,14 @@ def test_slurm_holders_are_judged_by_squeue_and_a_requeue_takes_its_own_lease():
 
 
 def _take(run_dir, go, results, hold_s):
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
     go.wait()
     try:
-        lease.acquire(run_dir, lease.identity(renew_s=30), on_lost=lambda why: None)
+        lease.acquire(
+            rundir.RunPaths(run_dir), lease.identity(renew_s=30), on_lost=lambda why: None
+        )
         results.put("won")
         time.sleep(hold_s)  # alive while the others judge it
     except lease.RunDirBusy as exc:
@@ -324,30 +331,33 @@ def test_of_many_takers_at_once_exactly_one_wins(tmp_path):
         for a in answers
         if a != "won"
     )
-    from clusterflow.rundir import lease
+    from clusterflow import rundir
 
-    assert [n for n in os.listdir(lease.folder(d)) if n.startswith("gen-")] == ["gen-4.json"]
+    assert [n for n in os.listdir(rundir.RunPaths(d).lease) if n.startswith("gen-")] == [
+        "gen-4.json"
+    ]
 
 
 def test_a_holder_that_was_taken_over_finds_out_at_its_next_renewal(tmp_path):
+    from clusterflow import rundir
     from clusterflow.rundir import lease
 
     d = str(tmp_path / "run")
     lost = []
-    held = lease.acquire(d, lease.identity(renew_s=1), on_lost=lost.append)
+    held = lease.acquire(rundir.RunPaths(d), lease.identity(renew_s=1), on_lost=lost.append)
     os.link(
-        os.path.join(lease.folder(d), f"gen-{held.gen}.json"),
-        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"),
+        os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen}.json"),
+        os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json"),
     )
-    with open(os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json.new"), "w") as f:
+    with open(os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json.new"), "w") as f:
         json.dump({**held.rec, "token": "someone-else", "pid": 1, "host": "node9"}, f)
     os.replace(
-        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json.new"),
-        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json"),
+        os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json.new"),
+        os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json"),
     )
     assert wait_for(lambda: lost, timeout=10)
     assert "lost run dir" in lost[0] and "pid 1 on node9" in lost[0]
-    lease.release(d)
+    lease.release(rundir.RunPaths(d))
     assert os.path.exists(
-        os.path.join(lease.folder(d), f"gen-{held.gen + 1}.json")
+        os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json")
     )  # never removes the new holder's

@@ -105,7 +105,7 @@ def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run
     job, out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")
     holder = wait_until(
         "the job to take the run dir",
-        lambda: (lease.current(d)[1] or {}).get("slurm_job"),
+        lambda: (lease.current(rundir.RunPaths(d))[1] or {}).get("slurm_job"),
         job_id=job,
     )
     assert holder == job

@@ -11,6 +11,7 @@ import time
 
 from conftest import REPO, run_cli, weights_equal
 
+from clusterflow import rundir
 from clusterflow.rundir import cancel_marker, lease
 
 
@@ -115,7 +116,7 @@ def test_a_job_started_after_the_cancel_trains_nothing(tmp_path):
     cancelled, exit 0, no step trained."""
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    cancel_marker.mark(run_dir, None)
+    cancel_marker.mark(rundir.RunPaths(run_dir), None)
     r = run_cli("clusterflow.run", "configs/tiny.yaml", "train.epochs=1", f"run.dir={run_dir}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cancelled by the user" in r.stdout

@@ -59,7 +59,7 @@ def test_each_transition_is_allowed_or_refused_on_a_real_record(tmp_path, pair, 
     if was is not None:
         write_status_record(d, state=was, global_step=7)
     if was is State.CANCELLED:
-        cancel_marker.mark(d, "11")
+        cancel_marker.mark(rundir.RunPaths(d), "11")
     assert transitions.allowed(was, move) is allowed
     written = {
         Move.SUBMIT: lambda: transitions.mark_submitted(paths, job_id="12"),
@@ -138,10 +138,11 @@ def test_the_transition_table_of_the_docs_and_of_transitions_py_is_the_table():
 LATE_RANK = """
 import sys
 from clusterflow.dist.env import DistEnv
+from clusterflow import rundir
 from clusterflow.job import job
 from clusterflow.rundir import saved_config
 cfg = saved_config.read(sys.argv[1])
-job._start(DistEnv.from_env({}), cfg, "cpu")
+job._start(DistEnv.from_env({}), cfg, rundir.RunPaths(cfg.run.dir), "cpu")
 """
 
 
@@ -150,7 +151,7 @@ def test_a_rank_reporting_running_after_the_users_cancel_leaves_it_cancelled(tmp
     late attempt reporting that it runs: the cancel stands, and the rank's log says why."""
     run_dir = str(tmp_path / "run")
     os.makedirs(run_dir)
-    cancel_marker.mark(run_dir, None)
+    cancel_marker.mark(rundir.RunPaths(run_dir), None)
     r = run_cli("clusterflow.run", "configs/tiny.yaml", "train.epochs=1", f"run.dir={run_dir}")
     assert r.returncode == 0, r.stdout + r.stderr
     status = os.path.join(run_dir, "status.json")

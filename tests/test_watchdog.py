@@ -12,6 +12,7 @@ import textwrap
 import pytest
 from conftest import REPO
 
+from clusterflow import rundir
 from clusterflow.dist import free_port
 from clusterflow.errors import EXIT_STALLED
 from clusterflow.observe.watchdog import (
@@ -62,7 +63,7 @@ def test_a_stalled_loop_dumps_its_stacks_records_the_cause_and_exits(tmp_path):
         timeout=STALL_S + 30
     )  # must end by itself within stall_s + a few seconds
     assert p.returncode == EXIT_STALLED, out
-    rec = first_error.read(str(tmp_path), 0)
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
     assert (
         rec["kind"] == "stall" and rec["rank"] == 0 and rec["step"] == 5 and rec["phase"] == "train"
     )
@@ -93,7 +94,7 @@ def test_the_mining_wait_has_its_own_allowance(tmp_path):
     p = _run(tmp_path, "mining-wait")
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 0 and "finished" in out, out
-    assert first_error.read(str(tmp_path), 0) is None
+    assert first_error.read(rundir.RunPaths(str(tmp_path)), 0) is None
     assert not (tmp_path / "stalls").exists()
 
 
@@ -104,7 +105,7 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
     # seconds, longer than stall_s) ran with the watchdog stopped by `with`, so it exits 1, not 86
     assert codes[0] == 1, outs[0]
     assert "first cause recorded: False" in outs[0]  # ... and its error did not overwrite the cause
-    rec = first_error.read(str(tmp_path), 0)
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
     assert (
         rec["rank"] == 1 and "rank 1 on " in rec["error"] and "sleeping_in_loss" in rec["error"]
     ), rec
@@ -126,7 +127,7 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
 def test_a_rank_stuck_in_mining_embed_is_named_with_its_phase(tmp_path):
     codes, outs = _two_ranks(tmp_path, "embed")
     assert codes[1] == EXIT_STALLED, outs[1]
-    rec = first_error.read(str(tmp_path), 0)
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
     assert (
         rec["rank"] == 1 and "in mining embed" in rec["error"] and "embedding_batch" in rec["error"]
     ), rec
@@ -134,11 +135,13 @@ def test_a_rank_stuck_in_mining_embed_is_named_with_its_phase(tmp_path):
 
 RECORDER = textwrap.dedent("""
     import os, sys, time
+    from clusterflow import rundir
     from clusterflow.rundir import first_error
     run_dir, who, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
     while time.time() < start:
         pass
-    print(first_error.record(run_dir, 0, int(who), f"error from {who}", host=f"host{who}"))
+    paths = rundir.RunPaths(run_dir)
+    print(first_error.record(paths, 0, int(who), f"error from {who}", host=f"host{who}"))
 """)
 
 
@@ -154,10 +157,10 @@ def test_first_cause_the_first_process_to_record_wins(tmp_path):
 
     assert record(1) == "True"
     assert record(0) == "False"
-    rec = first_error.read(str(tmp_path), 0)
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
     assert (rec["rank"], rec["host"], rec["error"]) == (1, "host1", "error from 1")
     # the next attempt records its own first cause
-    assert first_error.record(str(tmp_path), 1, 0, "later attempt") is True
+    assert first_error.record(rundir.RunPaths(str(tmp_path)), 1, 0, "later attempt") is True
     assert not [n for n in os.listdir(tmp_path / "errors") if n.endswith(".tmp")]
 
 
@@ -177,11 +180,11 @@ def test_first_cause_six_processes_racing_exactly_one_wins(tmp_path):
     results = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert sorted(results) == ["False"] * 5 + ["True"], results
     winner = results.index("True")
-    assert first_error.read(str(tmp_path), 0)["rank"] == winner
+    assert first_error.read(rundir.RunPaths(str(tmp_path)), 0)["rank"] == winner
 
 
 def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
-    env = flight_recorder_env(str(tmp_path), 2, {"TORCH_FR_BUFFER_SIZE": "0"})
+    env = flight_recorder_env(rundir.RunPaths(str(tmp_path)), 2, {"TORCH_FR_BUFFER_SIZE": "0"})
     assert "TORCH_FR_BUFFER_SIZE" not in env  # the user turned the recorder off: respected
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     prefix = str(tmp_path / "stalls" / "attempt2" / "nccl_trace_rank_")

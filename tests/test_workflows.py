@@ -199,7 +199,7 @@ def test_a_cancelled_run_is_never_requeued(tmp_path):
     """The job's own requeue (time limit, SIGTERM) checks the marker first: no scontrol requeue runs
     (here it would fail on the unknown job id and record "stopped")."""
     paths = rundir.RunPaths(str(tmp_path))
-    cancel_marker.mark(str(tmp_path), "99999")
+    cancel_marker.mark(rundir.RunPaths(str(tmp_path)), "99999")
     environ = {
         "SLURM_JOB_ID": "99999",
         "SLURM_PROCID": "0",

@@ -52,6 +52,7 @@ from clusterflow.checkpoint.rng import capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.config.job_config import Config
 from clusterflow.dist import comm as dist
 from clusterflow.dist.groups import Subgroup
 from clusterflow.errors import RunFailed
@@ -82,7 +83,8 @@ class Stateful(Protocol):
 class Checkpointer:
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
+        paths: rundir.RunPaths,
         model: Any,
         states: Mapping[str, Stateful],
         progress: TrainState,
@@ -131,7 +133,7 @@ class Checkpointer:
         # Rank 0, with the step, once a checkpoint is committed (on the write thread when the
         # save runs in the background): the attempt's timeline.
         self.after_commit = after_commit or (lambda step: None)
-        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.paths = paths
         self.writes = BackgroundWrite()
         self.staging = None
         if c.async_ and dist.rank() == 0 and self.sharded is None:

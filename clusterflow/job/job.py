@@ -117,10 +117,9 @@ def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
 
-def _start(env: DistEnv, cfg: Config, device: Any) -> int:
+def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: Any) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
 
-    paths = rundir.RunPaths(cfg.run.dir)
     # Every rank's process, so that `status` can tell a live run from one whose processes are all
     # gone.
     procs = dist.gather_object(
@@ -128,7 +127,7 @@ def _start(env: DistEnv, cfg: Config, device: Any) -> int:
     )
     attempt = 0
     if env.is_main:
-        os.makedirs(cfg.run.dir, exist_ok=True)
+        os.makedirs(paths.root, exist_ok=True)
         attempt = rundir.record_attempt(
             paths,
             job_id=env.job_id,
@@ -173,54 +172,57 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
     environ = os.environ if environ is None else environ
     env = DistEnv.from_env(environ)
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
+    paths = rundir.RunPaths(cfg.run.dir)  # built once here, passed down
     held = False  # until this job holds the run dir, nothing is written there (not even an error)
     try:
         # The flight recorder reads its variables when the group starts.
-        observe.before_init(cfg, environ)
+        observe.before_init(paths, environ)
         device = dist.init(env, cfg.dist.backend, cfg.dist.timeout_s)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
-        cfg = from_dict(_take_run_dir(env, cfg, environ))
+        cfg = from_dict(_take_run_dir(env, cfg, paths, environ))
         held = True
-        if _cancelled_before_start(env, cfg):
-            return _end_cancelled(cfg, env, environ)
-        attempt = _start(env, cfg, device)
+        if _cancelled_before_start(env, paths):
+            return _end_cancelled(paths, env, environ)
+        attempt = _start(env, cfg, paths, device)
         _threads(env, environ)
 
         # Rank 0 looks for the user's cancel while training; the agreement tells the others.
         preemption = Preemption(
-            (lambda: cancel_marker.is_cancelled(cfg.run.dir)) if env.is_main else None
+            (lambda: cancel_marker.is_cancelled(paths)) if env.is_main else None
         ).install()
 
         # The code frozen at submission, on every rank of every attempt.
-        frozen_code.activate(cfg.run.dir)
+        frozen_code.activate(paths)
         task = _build_task(cfg, preemption)
         if task is None:
             outcome = _stopped_while_building(preemption)
         else:
             trainer = Trainer(cfg, task, device, attempt, preemption)
             # Heartbeats, stall watchdog.
-            stalled = functools.partial(_requeue_after_stall, cfg=cfg, env=env, environ=environ)
-            observer = observe.Observer(cfg, env.rank, attempt, device, after_stall=stalled)
+            stalled = functools.partial(
+                _requeue_after_stall, cfg=cfg, paths=paths, env=env, environ=environ
+            )
+            observer = observe.Observer(cfg, paths, env.rank, attempt, device, after_stall=stalled)
             with observer.watching(trainer.phases):
                 outcome = trainer.fit()
         if env.is_main:
             outcome = after_stop(
-                rundir.RunPaths(cfg.run.dir),
+                paths,
                 outcome,
                 env,
                 environ,
                 cfg.cluster.max_timeout_requeues,
                 preemption.received_at,
             )
-            _let_go(cfg, env, environ, outcome)
+            _let_go(paths, environ, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
     except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
         if held and env.is_main:
-            _let_go(cfg, env, environ, states.FAILED)
-        _record_failure(exc, cfg, env.rank, environ, write=held)
+            _let_go(paths, environ, states.FAILED)
+        _record_failure(exc, cfg, paths, env.rank, environ, write=held)
         raise
 
 
@@ -246,7 +248,9 @@ def _stopped_while_building(preemption: Preemption) -> str:
     return reason
 
 
-def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict[str, Any]:
+def _take_run_dir(
+    env: DistEnv, cfg: Config, paths: rundir.RunPaths, environ: Mapping[str, str]
+) -> dict[str, Any]:
     """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
     config against the saved one (writing it on a first start); every rank gets that config, or
     the reason this job may not run there."""
@@ -254,17 +258,17 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     answer: Any = None
     if env.is_main:
         try:
-            lease.hold(cfg.run.dir, env, cfg.run.lease_s, dict(environ))
+            lease.hold(paths, env, cfg.run.lease_s, dict(environ))
             relaunch = env.attempt > 0 or env.restart_in_job > 0
             answer, _ = saved_config.resolve(cfg, relaunch=relaunch)
             answer = answer.to_dict()
         except (UserError, OSError) as exc:
             # Every rank must hear it, or the others wait for rank 0.
-            lease.release(cfg.run.dir)
+            lease.release(paths)
             answer = (
                 str(exc)
                 if isinstance(exc, UserError)
-                else f"run dir {cfg.run.dir!r} cannot be used: {exc}"
+                else f"run dir {paths.root!r} cannot be used: {exc}"
             )
     answer = dist.broadcast_object(answer)
     if isinstance(answer, str):
@@ -272,43 +276,43 @@ def _take_run_dir(env: DistEnv, cfg: Config, environ: Mapping[str, str]) -> dict
     return answer
 
 
-def _cancelled_before_start(env: DistEnv, cfg: Config) -> bool:
+def _cancelled_before_start(env: DistEnv, paths: rundir.RunPaths) -> bool:
     """Collective. Whether the user cancelled the run before this job started (a job that was
     queued, or requeued, when ``clusterflow cancel`` ran): rank 0 reads the marker, every rank
     hears its answer."""
-    seen = cancel_marker.is_cancelled(cfg.run.dir) if env.is_main else None
+    seen = cancel_marker.is_cancelled(paths) if env.is_main else None
     return bool(dist.broadcast_object(seen))
 
 
-def _end_cancelled(cfg: Config, env: DistEnv, environ: Mapping[str, str]) -> str:
+def _end_cancelled(paths: rundir.RunPaths, env: DistEnv, environ: Mapping[str, str]) -> str:
     """End a cancelled run's job before anything is trained or recorded: state ``cancelled``,
     the run dir released, outcome ``cancelled`` (the process exits 0)."""
     if env.is_main:
-        paths = rundir.RunPaths(cfg.run.dir)
         transitions.mark_cancelled(paths, job_id=env.job_id)
         print(
-            f"run {cfg.run.dir} was cancelled by the user ({paths.cancelled}): not training. "
+            f"run {paths.root} was cancelled by the user ({paths.cancelled}): not training. "
             "Submitting the run again resumes it.",
             flush=True,
         )
-        _let_go(cfg, env, environ, states.CANCELLED)
+        _let_go(paths, environ, states.CANCELLED)
     dist.barrier()
     dist.shutdown()
     return states.CANCELLED
 
 
-def _let_go(cfg: Config, env: DistEnv, environ: Mapping[str, str], outcome: str) -> None:
+def _let_go(paths: rundir.RunPaths, environ: Mapping[str, str], outcome: str) -> None:
     """Rank 0 at the end: release the run dir, except for a Slurm job that may come back (its
     requeued attempt takes its own lease; anyone else finds the job gone from squeue)."""
 
     ended = (states.COMPLETED, states.FAILED, states.CANCELLED)
     if outcome in ended or not environ.get("SLURM_JOB_ID"):
-        lease.release(cfg.run.dir)
+        lease.release(paths)
 
 
 def _record_failure(
     exc: BaseException,
     cfg: Config,
+    paths: rundir.RunPaths,
     rank: int,
     environ: Mapping[str, str],
     write: bool = True,
@@ -320,7 +324,6 @@ def _record_failure(
     if isinstance(exc, SystemExit) and exc.code in (0, None):
         return
     f = failure.describe(exc, cfg.task.target)
-    paths = rundir.RunPaths(cfg.run.dir)
     host = socket.gethostname()
     device_error = node_fault.device_error(f.message) if cfg.cluster.exclude_failed_nodes else None
     requeued = False
@@ -334,7 +337,7 @@ def _record_failure(
             # Its exit status too: a bad image (2) on rank 0 stays 2 when rank 1 then fails on
             # the closed connection (1), whatever the world size.
             attempt = _attempt_of(paths)
-            first = first_error.record(cfg.run.dir, attempt, rank, f.message, exit_code=f.code)
+            first = first_error.record(paths, attempt, rank, f.message, exit_code=f.code)
             requeued = (
                 first
                 and device_error is not None
@@ -378,7 +381,11 @@ def _requeued_already(paths: rundir.RunPaths) -> bool:
 
 
 def _requeue_after_stall(
-    rec: dict[str, Any], cfg: Config, env: DistEnv, environ: Mapping[str, str]
+    rec: dict[str, Any],
+    cfg: Config,
+    paths: rundir.RunPaths,
+    env: DistEnv,
+    environ: Mapping[str, str],
 ) -> None:
     """The watchdog ended this rank: when it is the attempt's first cause and was not waiting for
     its peers (then it is more likely their victim), its node is the suspect."""
@@ -389,7 +396,7 @@ def _requeue_after_stall(
     # "rank R on HOST stalled N s at step S in PHASE (where)": the fault names rank and host
     cause = str(rec["error"]).removeprefix(f"rank {env.rank} on {rec['host']} ")
     node_fault.requeue_without(
-        rundir.RunPaths(cfg.run.dir),
+        paths,
         environ,
         node_fault.Fault(env.rank, rec["host"], cause),
         cfg.cluster.max_node_failures,

@@ -118,7 +118,7 @@ def after_stop(
             interactive = slurm_commands.is_batch(job_id) is False
     action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive)
     # The user's cancel wins over any requeue.
-    if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths.root):
+    if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths):
         transitions.mark_cancelled(paths)
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome

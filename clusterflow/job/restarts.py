@@ -225,7 +225,7 @@ class Driver:
     def _fault(self, end: steps.StepEnd) -> Fault | None:
         status, _ = rundir.read_object(self.paths.status)
         attempt = rundir.current_attempt(self.paths)
-        first = first_error.read(self.paths.root, attempt)
+        first = first_error.read(self.paths, attempt)
         if first is not None and float(first.get("time") or 0) < end.started_at:
             first = None  # an earlier step's: this one failed before recording anything
         return classify(status.get("state"), first, end.first_failure, end.failed_at)

@@ -67,14 +67,14 @@ def _rank_of(pid: int) -> int | None:
 
 
 class RankWatch:
-    def __init__(self, job: Any, folder: str, run_dir: str, ntasks: int) -> None:
-        self.job, self.folder, self.run_dir, self.ntasks = job, folder, run_dir, ntasks
+    def __init__(self, job: Any, folder: str, paths: rundir.RunPaths, ntasks: int) -> None:
+        self.job, self.folder, self.paths, self.ntasks = job, folder, paths, ntasks
         self.controller = int(job.job_id)
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
         self.started_at = time.time()
         # When the first task appeared (the controller starts all at once).
         self.first_seen: float | None = None
-        self.attempts_before = rundir.attempt_count(rundir.RunPaths(run_dir))
+        self.attempts_before = rundir.attempt_count(paths)
 
     def first_dead(self) -> int | None:
         """The rank of a task that is gone without a successful result, if any: one seen and gone,
@@ -161,7 +161,7 @@ class RankWatch:
             while time.time() < deadline and not self.job.done():
                 time.sleep(0.1)
         self._kill_survivors()  # also when the controller is done but left a rank behind
-        paths = rundir.RunPaths(self.run_dir)
+        paths = self.paths
         when = (
             "before the rendezvous"
             if rundir.attempt_count(paths) == self.attempts_before
@@ -172,7 +172,7 @@ class RankWatch:
         why = f"{who} died first, {when}: {cause}; the other rank(s) were stopped"
         try:
             # Raises while another live job holds the run dir.
-            lease.check(self.run_dir, lease.identity())
+            lease.check(paths, lease.identity())
         except lease.RunDirBusy:
             return why
         transitions.mark_failed(paths, error=why)
@@ -205,18 +205,17 @@ def _start(cfg: Config, gpus: list[int] | None, folder: str) -> Any:
     return ex.submit(jobs.job_for(cfg))
 
 
-def submit_local(cfg: Config, gpus: list[int] | None = None) -> int:
+def submit_local(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None = None) -> int:
     """Run here; ``gpus``: the NVML indices chosen by ``gpus.for_local`` (one per process). A
     lease this process took at submission (``lease.hold_for_launch``) is handed to the job, and
     let go here if the job never took it."""
     try:
-        return _run_here(cfg, gpus)
+        return _run_here(cfg, paths, gpus)
     finally:
-        lease.release(cfg.run.dir)
+        lease.release(paths)
 
 
-def _run_here(cfg: Config, gpus: list[int] | None) -> int:
-    paths = rundir.RunPaths(cfg.run.dir)
+def _run_here(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None) -> int:
     folder = os.path.abspath(paths.submitit_logs)
     # A Ctrl-C while the job starts is held back, not lost: SIGINT is blocked from before the
     # job's folder exists until the loop below, so the controller and the ranks inherit it
@@ -237,7 +236,7 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
         f"run dir {cfg.run.dir}"
     )
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
-    watch = RankWatch(job, folder, cfg.run.dir, cfg.cluster.tasks_per_node)
+    watch = RankWatch(job, folder, paths, cfg.cluster.tasks_per_node)
     tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
     why, results, interrupted = None, None, False
     while True:
@@ -247,7 +246,7 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
             if held:
                 held.clear()
                 signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while starting
-            why = _follow(cfg.run.dir, job, watch, tail, interrupted)
+            why = _follow(paths, job, watch, tail, interrupted)
             # A job that recorded its failure pickled no result: asking submitit for it waits
             # 15 s for nothing.
             if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
@@ -255,7 +254,7 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
             break
         except KeyboardInterrupt:
             if interrupted:
-                return _kill_now(job, watch, cfg.run.dir)
+                return _kill_now(job, watch, paths)
             interrupted = True
             print(
                 "\ninterrupted: the ranks save a checkpoint at the step reached and stop "
@@ -267,10 +266,8 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
     if results is None:
         status, _ = rundir.read_object(paths.status)
         attempt = rundir.current_attempt(paths)
-        code = failed_exit_code(status, first_error.read(cfg.run.dir, attempt))
-        said = (
-            why or first_error.cause(cfg.run.dir, status, attempt) or "the job failed; see the logs"
-        )
+        code = failed_exit_code(status, first_error.read(paths, attempt))
+        said = why or first_error.cause(paths, status, attempt) or "the job failed; see the logs"
         print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
             print(
@@ -278,7 +275,7 @@ def _run_here(cfg: Config, gpus: list[int] | None) -> int:
                 file=sys.stderr,
             )
         return code
-    return ended(job.job_id, results[0], cfg.run.dir)
+    return ended(job.job_id, results[0], paths)
 
 
 # What a local job's outcome prints (after "job N"), and its exit status. A stop resumes.
@@ -304,15 +301,15 @@ OUTCOMES = {
 }
 
 
-def ended(job_id: str, outcome: str, run_dir: str) -> int:
+def ended(job_id: str, outcome: str, paths: rundir.RunPaths) -> int:
     """Say how the local job ended and what to do next; returns the exit status."""
-    step = rundir.read_object(rundir.RunPaths(run_dir).status)[0].get("global_step", 0)
+    step = rundir.read_object(paths.status)[0].get("global_step", 0)
     said, code = OUTCOMES.get(outcome, (outcome, EXIT_JOB_FAILED))
-    print(f"job {job_id} {said.format(step=step)}; python -m clusterflow.status {run_dir}")
+    print(f"job {job_id} {said.format(step=step)}; python -m clusterflow.status {paths.root}")
     return code
 
 
-def _kill_now(job: Any, watch: RankWatch, run_dir: str) -> int:
+def _kill_now(job: Any, watch: RankWatch, paths: rundir.RunPaths) -> int:
     """A second Ctrl-C: end the ranks and the controller at once."""
     watch.signal_ranks(signal.SIGKILL)
     try:
@@ -321,21 +318,20 @@ def _kill_now(job: Any, watch: RankWatch, run_dir: str) -> int:
         pass
     print(
         "interrupted twice: the job was killed without saving; running the same command again "
-        f"resumes from the newest checkpoint (python -m clusterflow.status {run_dir})",
+        f"resumes from the newest checkpoint (python -m clusterflow.status {paths.root})",
         file=sys.stderr,
     )
     return EXIT_INTERRUPTED
 
 
 def _follow(
-    run_dir: str, job: Any, watch: RankWatch, tail: logs.Tail, interrupted: bool
+    paths: rundir.RunPaths, job: Any, watch: RankWatch, tail: logs.Tail, interrupted: bool
 ) -> str | None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
     at once when a rank dies (its peers would wait for it), returning why. Once ``interrupted``,
     SIGINT is sent again to the ranks while the run says it is running: a rank that did not
     exist yet when the terminal sent it (a Ctrl-C while the job was being started) hears it
     then."""
-    paths = rundir.RunPaths(run_dir)
     while True:
         done = job.done()
         if interrupted and not done:

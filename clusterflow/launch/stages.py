@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 
+from clusterflow import rundir
 from clusterflow.errors import UserError
 from clusterflow.manage import status
 from clusterflow.rundir import states, submissions
@@ -48,7 +49,7 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
                 f"--after {run_dir}: that run is {state}; with --local the earlier stage must have "
                 f"completed (run it first, e.g. submit its config with --local)"
             )
-        runs.append((run_dir, state, submissions.current_job_id(run_dir)))
+        runs.append((run_dir, state, submissions.current_job_id(rundir.RunPaths(run_dir))))
     return after_dependency(runs)
 
 

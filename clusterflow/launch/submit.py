@@ -155,37 +155,38 @@ def check_cluster(cfg: Config) -> None:
 # -- the run directory -------------------------------------------------------------------------
 
 
-def prepare_run_dir(cfg: Config, hold: bool = False) -> tuple[Config, bool]:
+def prepare_run_dir(cfg: Config, paths: rundir.RunPaths, hold: bool = False) -> tuple[Config, bool]:
     """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
     write config.yaml once. Returns the config to run, and True when resuming an existing run (a
     different config is refused: saved_config.resolve). The job takes the lease when it starts;
     with ``hold`` (``--local``) this process takes it first, so that of two submissions at once
     the later one is refused before it writes anything, and hands it to its job."""
     if hold:
-        lease.hold_for_launch(cfg.run.dir, lambda note: print(f"note: {note}", file=sys.stderr))
+        lease.hold_for_launch(paths, lambda note: print(f"note: {note}", file=sys.stderr))
     else:
-        note = lease.check(cfg.run.dir, lease.identity())
+        note = lease.check(paths, lease.identity())
         if note:
             print(f"note: {note}", file=sys.stderr)
     try:
         return saved_config.resolve(cfg)
     except BaseException:
-        lease.release(cfg.run.dir)
+        lease.release(paths)
         raise
 
 
 # -- launching ---------------------------------------------------------------------------------
 
 
-def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
+def submit_slurm(
+    cfg: Config, paths: rundir.RunPaths, wait: bool, dependency: str | None = None
+) -> int:
     sbatch.require_sbatch("run here")
     check_cluster(cfg)
     folder, params, prefix = job_parameters(cfg, dependency=dependency)
     job_id = sbatch.submit(folder, params, jobs.job_for(cfg), python=prefix)
-    paths = rundir.RunPaths(cfg.run.dir)
     # status asks squeue about it from now on
     transitions.mark_submitted(paths, job_id=job_id)
-    submissions.record_submission(cfg.run.dir, job_id)
+    submissions.record_submission(paths, job_id)
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
     print(f"logs: {paths.logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
@@ -193,20 +194,19 @@ def submit_slurm(cfg: Config, wait: bool, dependency: str | None = None) -> int:
     print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:
         return EXIT_OK
-    return wait_for(cfg.run.dir, job_id)
+    return wait_for(paths, job_id)
 
 
-def wait_for(run_dir: str, job_id: str, poll_s: float = 3.0) -> int:
+def wait_for(paths: rundir.RunPaths, job_id: str, poll_s: float = 3.0) -> int:
     """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
     A requeued job stays in the queue, so waiting spans all its attempts."""
     slurm_commands.wait_until_gone(job_id, poll_s)
-    paths = rundir.RunPaths(run_dir)
     status, _ = rundir.read_object(paths.status)
     state = status.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
     if state == states.COMPLETED:
         return EXIT_OK
-    return local.failed_exit_code(status, first_error.read(run_dir, rundir.current_attempt(paths)))
+    return local.failed_exit_code(status, first_error.read(paths, rundir.current_attempt(paths)))
 
 
 def check_task(cfg: Config) -> None:
@@ -272,15 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.local
         else None
     )
-    cfg, resumed = prepare_run_dir(cfg, hold=args.local)
+    paths = rundir.RunPaths(cfg.run.dir)
+    cfg, resumed = prepare_run_dir(cfg, paths, hold=args.local)
     if resumed:
         print(
             f"run dir {cfg.run.dir} exists with the same config: "
             "resuming from its newest checkpoint"
         )
     # Submitting a run again is the explicit way back from a cancel.
-    cancel_marker.clear(cfg.run.dir)
-    frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+    cancel_marker.clear(paths)
+    frozen_code.take(paths, cfg.task.target, cfg.run.snapshot_code)
     if args.local:
-        return local.submit_local(cfg, chosen)
-    return submit_slurm(cfg, args.wait, dependency)
+        return local.submit_local(cfg, paths, chosen)
+    return submit_slurm(cfg, paths, args.wait, dependency)

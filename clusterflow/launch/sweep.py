@@ -84,7 +84,7 @@ def _prepare(members: list[sweep.Member]) -> list[Any]:
     configs = []
     for m in members:
         cfg, resumed = saved_config.resolve(m.config)
-        frozen_code.take(cfg.run.dir, cfg.task.target, cfg.run.snapshot_code)
+        frozen_code.take(rundir.RunPaths(cfg.run.dir), cfg.task.target, cfg.run.snapshot_code)
         configs.append(cfg)
     return configs
 
@@ -133,11 +133,12 @@ def _run_local(configs: list[Any]) -> int:
     (``clusterflow cancel`` of the sweep or of the member) is skipped."""
     worst = EXIT_OK
     for cfg in configs:
-        if cancel_marker.is_cancelled(cfg.run.dir):
+        paths = rundir.RunPaths(cfg.run.dir)
+        if cancel_marker.is_cancelled(paths):
             print(f"== sweep member {cfg.run.dir}: cancelled by the user; not started")
             continue
         print(f"== sweep member {cfg.run.dir}")
-        code = local.submit_local(cfg)
+        code = local.submit_local(cfg, paths)
         if code == EXIT_INTERRUPTED:
             return code
         worst = max(worst, code)
@@ -185,10 +186,11 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         names = [m.name for m in todo]
         jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
         for cfg, name in zip(configs, names):
-            submissions.record_submission(cfg.run.dir, jobs[name])
-            transitions.mark_submitted(rundir.RunPaths(cfg.run.dir), job_id=jobs[name])
+            paths = rundir.RunPaths(cfg.run.dir)
+            submissions.record_submission(paths, jobs[name])
+            transitions.mark_submitted(paths, job_id=jobs[name])
             # A cancelled member is only here when its marker was deleted.
-            cancel_marker.clear(cfg.run.dir)
+            cancel_marker.clear(paths)
         sweep_index.write_index(
             sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs)
         )

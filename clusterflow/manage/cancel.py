@@ -42,11 +42,10 @@ def runs_of(target: str) -> list[str]:
     return [target]
 
 
-def job_state(run_dir: str) -> str | None:
+def job_state(paths: rundir.RunPaths) -> str | None:
     """The state the run's job last wrote (not the marker's: after a failed scancel, cancelling
     again retries it), or None when a submission is newer than it (a resubmitted job may be
     pending)."""
-    paths = rundir.RunPaths(run_dir)
     st, _ = rundir.read_object(paths.status, records.STATUS)
     submitted = [
         r.get("submitted_at") or 0 for r in rundir.read_jsonl(paths.submissions, records.SUBMISSION)
@@ -88,15 +87,16 @@ def cancel(target: str) -> list[str]:
     """Mark and scancel; returns the lines to print."""
     runs: list[tuple[str, Any, Any]] = []
     skipped = []
-    for run_dir in runs_of(target):
-        if not os.path.exists(rundir.RunPaths(run_dir).config):
+    found = {run_dir: rundir.RunPaths(run_dir) for run_dir in runs_of(target)}
+    for run_dir, paths in found.items():
+        if not os.path.exists(paths.config):
             skipped.append(f"{run_dir}: never submitted; nothing to cancel")
             continue
-        runs.append((run_dir, job_state(run_dir), submissions.current_job_id(run_dir)))
+        runs.append((run_dir, job_state(paths), submissions.current_job_id(paths)))
     mark, kill, notes = targets(runs)
     ids = {run_dir: job for run_dir, job in kill}
     for run_dir in mark:
-        cancel_marker.mark(run_dir, ids.get(run_dir))
+        cancel_marker.mark(found[run_dir], ids.get(run_dir))
     slurm_commands.cancel(list(dict.fromkeys(ids.values())))
     return skipped + notes + [f"{run_dir}: cancelled job {job}" for run_dir, job in kill]
 

@@ -42,10 +42,10 @@ COLOURS = {
 }
 
 
-def slurm_times(run_dir: str) -> dict[str, list[dict[str, Any]]]:
+def slurm_times(paths: rundir.RunPaths) -> dict[str, list[dict[str, Any]]]:
     """Slurm's runs of every job the run's attempts ran in (sacct, else scontrol; none for a
     local run)."""
-    attempts, _ = records.read_records(rundir.RunPaths(run_dir).attempts, records.ATTEMPT)
+    attempts, _ = records.read_records(paths.attempts, records.ATTEMPT)
     jobs = {
         str(a.get("job_id"))
         for a in attempts
@@ -57,11 +57,12 @@ def slurm_times(run_dir: str) -> dict[str, list[dict[str, Any]]]:
 def book(run_dir: str) -> dict[str, Any]:
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
-    if not os.path.exists(rundir.RunPaths(run_dir).config):
+    paths = rundir.RunPaths(run_dir)
+    if not os.path.exists(paths.config):
         raise UserError(
             f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir; pass a run.dir"
         )
-    return goodput.ledger(run_dir, slurm_times(run_dir))
+    return goodput.ledger(paths, slurm_times(paths))
 
 
 def plot(books: list[dict[str, Any]], out: str) -> None:

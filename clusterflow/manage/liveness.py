@@ -39,9 +39,9 @@ class Liveness:
         return f"no live process since {since} ({self.how}); last step {last_step}"
 
 
-def _last_seen(run_dir: str) -> float | None:
+def _last_seen(paths: rundir.RunPaths) -> float | None:
     times = []
-    for path in [rundir.RunPaths(run_dir).status] + _lease_files(run_dir):
+    for path in [paths.status] + _lease_files(paths):
         try:
             times.append(os.stat(path).st_mtime)
         except OSError:
@@ -49,21 +49,21 @@ def _last_seen(run_dir: str) -> float | None:
     return max(times) if times else None
 
 
-def _lease_files(run_dir: str) -> list[str]:
+def _lease_files(paths: rundir.RunPaths) -> list[str]:
     try:
         return [
-            os.path.join(lease.folder(run_dir), n)
-            for n in os.listdir(lease.folder(run_dir))
+            os.path.join(paths.lease, n)
+            for n in os.listdir(paths.lease)
             if lease.generation(n) is not None
         ]
     except OSError:
         return []
 
 
-def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
+def check(paths: rundir.RunPaths, attempt: dict[str, Any], queue: str | None) -> Liveness:
     """``attempt``: the last line of attempts.jsonl; ``queue``: squeue's answer for its Slurm job
     (None when it is not a Slurm job or squeue did not answer)."""
-    seen = _last_seen(run_dir)
+    seen = _last_seen(paths)
     if queue is not None:
         job = attempt.get("job_id")
         return Liveness(
@@ -83,7 +83,7 @@ def check(run_dir: str, attempt: dict[str, Any], queue: str | None) -> Liveness:
         return Liveness(True, seen, f"process {alive[0]} is alive on {host}")
     if procs and len(here) == len(procs):
         return Liveness(False, seen, f"its {len(procs)} process(es) on {host} are gone")
-    gen, rec, age = lease.current(run_dir)
+    gen, rec, age = lease.current(paths)
     if gen:
         # Only the fields that fit the lease's schema: a hand-edited one must not stop status.
         rec, _ = records.checked(rec or {}, records.LEASE, "lease")

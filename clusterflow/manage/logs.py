@@ -34,25 +34,24 @@ EXAMPLES = (
 _NAME = re.compile(r"^rank(\d+)\.attempt(\d+)\.log$")
 
 
-def _names(run_dir: str) -> list[tuple[int, int]]:
+def _names(paths: rundir.RunPaths) -> list[tuple[int, int]]:
     try:
-        names = os.listdir(rundir.RunPaths(run_dir).logs)
+        names = os.listdir(paths.logs)
     except FileNotFoundError:
         return []
     return [(int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, names) if m]
 
 
-def attempts(run_dir: str, rank: int) -> list[int]:
+def attempts(paths: rundir.RunPaths, rank: int) -> list[int]:
     """The attempts that left a log for ``rank``, in order."""
-    return sorted(a for r, a in _names(run_dir) if r == rank)
+    return sorted(a for r, a in _names(paths) if r == rank)
 
 
-def ranks(run_dir: str) -> list[int]:
-    return sorted({r for r, _ in _names(run_dir)})
+def ranks(paths: rundir.RunPaths) -> list[int]:
+    return sorted({r for r, _ in _names(paths)})
 
 
-def header(run_dir: str, rank: int, attempt: int) -> str:
-    paths = rundir.RunPaths(run_dir)
+def header(paths: rundir.RunPaths, rank: int, attempt: int) -> str:
     rec = next(
         (
             r
@@ -83,21 +82,22 @@ class EndWatch:
     ``every_s`` seconds, ``status``'s verdict (which sees a killed job, and a cancelled job that
     still trains)."""
 
-    def __init__(self, run_dir: str, every_s: float = VERDICT_EVERY_S, clock=time.monotonic):
-        self.run_dir, self.every_s, self.clock = run_dir, every_s, clock
+    def __init__(
+        self, paths: rundir.RunPaths, every_s: float = VERDICT_EVERY_S, clock=time.monotonic
+    ):
+        self.paths, self.every_s, self.clock = paths, every_s, clock
         self.asked_at: float | None = None
         self.why = ""  # the verdict's word, when it differs from the record
 
     def ended(self) -> bool:
-        paths = rundir.RunPaths(self.run_dir)
-        recorded = rundir.read_object(paths.status, records.STATUS)[0].get("state")
+        recorded = rundir.read_object(self.paths.status, records.STATUS)[0].get("state")
         if states.ended(recorded):
             return True
         now = self.clock()
         if self.asked_at is not None and now - self.asked_at < self.every_s:
             return False
         self.asked_at = now
-        seen = status.collect(self.run_dir)
+        seen = status.collect(self.paths.root)
         if not states.ended(seen["state"]):
             return False
         said = seen.get("error") or seen.get("liveness")
@@ -130,8 +130,8 @@ class Tail:
             out.flush()
 
 
-def _check(run_dir: str, rank: int) -> None:
-
+def _check(paths: rundir.RunPaths, rank: int) -> None:
+    run_dir = paths.root
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
     if sweep_index.is_sweep_dir(run_dir):
@@ -139,12 +139,11 @@ def _check(run_dir: str, rank: int) -> None:
             f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
             f"(python -m clusterflow.status {run_dir} lists them)"
         )
-    paths = rundir.RunPaths(run_dir)
     if not os.path.exists(paths.config):
         raise UserError(f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir")
     if rank < 0:
         raise UserError(f"--rank {rank}: ranks are numbered from 0")
-    have = ranks(run_dir)
+    have = ranks(paths)
     if have and rank not in have:
         raise UserError(
             f"rank {rank} has no logs in {paths.logs}; ranks with logs: {', '.join(map(str, have))}"
@@ -152,7 +151,7 @@ def _check(run_dir: str, rank: int) -> None:
 
 
 def show(
-    run_dir: str,
+    paths: rundir.RunPaths,
     rank: int,
     out: IO[str],
     follow: bool = False,
@@ -162,15 +161,15 @@ def show(
     """Print every attempt of ``rank``; with ``follow``, keep going until the run ends."""
     tail: Tail | None = None
     current = -1
-    watch = EndWatch(run_dir)
+    watch = EndWatch(paths)
     while True:
         # Read before draining: lines written before the end are then printed.
         done = follow and watch.ended()
-        for attempt in [a for a in attempts(run_dir, rank) if a > current]:
+        for attempt in [a for a in attempts(paths, rank) if a > current]:
             if tail is not None:
                 tail.drain(out)  # finish the previous attempt before the next header
-            out.write(("\n" if tail is not None else "") + header(run_dir, rank, attempt) + "\n")
-            tail, current = Tail(rundir.RunPaths(run_dir).log_file(rank, attempt)), attempt
+            out.write(("\n" if tail is not None else "") + header(paths, rank, attempt) + "\n")
+            tail, current = Tail(paths.log_file(rank, attempt)), attempt
         if tail is not None:
             tail.drain(out)
         if not follow:
@@ -202,16 +201,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rank", type=int, default=0, help="which rank's log (default 0)")
     args = p.parse_args(argv)
-    _check(args.run_dir, args.rank)
-    if not attempts(args.run_dir, args.rank) and not args.follow:
+    paths = rundir.RunPaths(args.run_dir)
+    _check(paths, args.rank)
+    if not attempts(paths, args.rank) and not args.follow:
         print(
-            f"no log yet in {rundir.RunPaths(args.run_dir).logs} (the job has not started); "
+            f"no log yet in {paths.logs} (the job has not started); "
             f"python -m clusterflow.logs {args.run_dir} -f waits for it",
             file=sys.stderr,
         )
         return EXIT_OK
     try:
-        show(args.run_dir, args.rank, sys.stdout, follow=args.follow)
+        show(paths, args.rank, sys.stdout, follow=args.follow)
     except BrokenPipeError:  # | head
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK

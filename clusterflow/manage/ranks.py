@@ -24,7 +24,7 @@ DEFAULT_HEARTBEAT_S = 10.0
 def _heartbeat_s(paths: rundir.RunPaths) -> float:
     """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop
     status); 0: off."""
-    data, _ = saved_config.read_plain(paths.root)
+    data, _ = saved_config.read_plain(paths)
     try:
         value = float(data["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
     except (ValueError, TypeError, KeyError, AttributeError):
@@ -46,7 +46,7 @@ def ranks(
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
     # Nodes' clocks differ by seconds; an older attempt by minutes.
     since = float(last.get("started_at") or 0) - 60
-    return heartbeat.read_ranks(paths.root, every_s, since=since, world_size=world, damaged=damaged)
+    return heartbeat.read_ranks(paths, every_s, since=since, world_size=world, damaged=damaged)
 
 
 def extend(

@@ -97,7 +97,7 @@ def _progress(st: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
 def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
     status: then the default place, and what is wrong)."""
-    data, problem = saved_config.read_plain(paths.root)
+    data, problem = saved_config.read_plain(paths)
     configured = (
         (data.get("checkpoint") or {}).get("dir")
         if isinstance(data.get("checkpoint"), dict)
@@ -114,7 +114,7 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
 def _trackers(paths: rundir.RunPaths) -> dict[str, int | None]:
     """Each configured tracker (config.yaml's trackers section, read as plain YAML) and the last
     step it is known to have received (None: none)."""
-    data, _ = saved_config.read_plain(paths.root)
+    data, _ = saved_config.read_plain(paths)
     section = data.get("trackers") if isinstance(data.get("trackers"), dict) else {}
     names = [name for name in ("mlflow", "wandb") if section.get(name)]
     return received_steps(paths, names)
@@ -248,10 +248,10 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(run_dir: str, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
     Slurm's start and end times); None before any attempt recorded its time."""
-    book = goodput.ledger(run_dir, running=state == State.RUNNING)
+    book = goodput.ledger(paths, running=state == State.RUNNING)
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -278,7 +278,7 @@ def collect(run_dir: str) -> dict[str, Any]:
     progress = _progress(st, newest)
     last = attempts[-1] if attempts else {}
     # A resubmission is newer than the last attempt.
-    current = submissions.current_job_id(run_dir, notes)
+    current = submissions.current_job_id(paths, notes)
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
     queue = (
         slurm_commands.queue_state(job_id)
@@ -291,14 +291,14 @@ def collect(run_dir: str) -> dict[str, Any]:
         attempts=len(attempts),
         started=bool(cks),
         queue=queue,
-        cancelled=cancel_marker.is_cancelled(run_dir),
-        first_error=first_error.read(run_dir, rundir.current_attempt(paths), notes),
+        cancelled=cancel_marker.is_cancelled(paths),
+        first_error=first_error.read(paths, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
     )
     alive, note = None, None
     if verdict.needs_liveness(evidence):
-        life = liveness.check(run_dir, last, queue)
+        life = liveness.check(paths, last, queue)
         alive = life.alive
         note = life.note(progress["global_step"]) if alive is False else None
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
@@ -334,10 +334,10 @@ def collect(run_dir: str) -> dict[str, Any]:
         "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
         "logs": paths.logs,
-        "code": frozen_code.describe(run_dir, notes),
+        "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(run_dir, decided.state)
+    out["goodput"] = _goodput(paths, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict

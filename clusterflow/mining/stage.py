@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.config.job_config import Config
 from clusterflow.dist import comm as dist
 from clusterflow.dist.groups import Subgroup
 from clusterflow.dist.sampler import shard_range
@@ -300,7 +301,7 @@ class Miner:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         device: Any,
         amp_dtype: Any,
         stop: Any,

@@ -111,7 +111,7 @@ def _submitted(subs: list[dict[str, Any]], job: str) -> float | None:
 
 
 def ledger(
-    run_dir: str,
+    paths: rundir.RunPaths,
     slurm: Mapping[str, list[dict[str, Any]]] | None = None,
     running: bool | None = None,
     now: float | None = None,
@@ -121,7 +121,6 @@ def ledger(
     ``slurm``: job id -> runs (``{"restart", "submit", "start", "end", "source"}``); ``running``:
     whether the newest attempt still runs (None: read status.json)."""
     now = time.time() if now is None else now
-    paths = rundir.RunPaths(run_dir)
     slurm = slurm or {}
     recs, _ = records.read_records(paths.attempts, records.ATTEMPT)
     tls = timeline.read_all(paths)
@@ -141,7 +140,7 @@ def ledger(
         row["restart_in_job"] = _restart(restarted.get(a.n))
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
-    return {"run_dir": run_dir, "attempts": rows, "total": _total(rows)}
+    return {"run_dir": paths.root, "attempts": rows, "total": _total(rows)}
 
 
 def _restart(r: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -230,7 +229,7 @@ def _row(
     s["startup"] = (b2 - b1) - s["restore"]
     steps = _active(a, b3 - b2, high, bool(later) or running, s)
     tail = b4 - b3
-    stall = first_error.read(paths.root, a.n)
+    stall = first_error.read(paths, a.n)
     if a.tl.get("outcome"):
         s["shutdown"] = tail
     elif stall is not None and stall.get("kind") == "stall":

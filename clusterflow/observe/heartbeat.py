@@ -71,7 +71,7 @@ class Progress:
 
 
 class Heartbeat:
-    """``Heartbeat(run_dir, rank, host, every_s).beat(step=..., phase=...)``; ``close()`` at exit.
+    """``Heartbeat(paths, rank, host, every_s).beat(step=..., phase=...)``; ``close()`` at exit.
 
     ``gpu`` is this rank's GPU as NVML knows it (an index or a ``GPU-...`` UUID; see
     :func:`clusterflow.observe.nvml.nvml_id_for_torch_device`), None on CPU. With
@@ -82,7 +82,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        run_dir: str,
+        paths: rundir.RunPaths,
         rank: int,
         host: str | None = None,
         every_s: float = 10.0,
@@ -92,8 +92,7 @@ class Heartbeat:
         start: bool = True,
         snapshot: Callable[[], list[dict[str, Any]] | None] = nvml.read_snapshot,
     ) -> None:
-        self.run_dir, self.rank, self.every_s = run_dir, rank, float(every_s)
-        self.paths = rundir.RunPaths(run_dir)
+        self.paths, self.rank, self.every_s = paths, rank, float(every_s)
         self.host = host or socket.gethostname()
         self.gpu, self.gather, self._snapshot = gpu, gather, snapshot
         self.progress = Progress()
@@ -192,7 +191,7 @@ class Heartbeat:
             try:
                 self.write()
                 if self.gather:
-                    self._ranks = read_ranks(self.run_dir, self.every_s)
+                    self._ranks = read_ranks(self.paths, self.every_s)
                     if self.watch is not None:
                         self.watch(self._ranks)
             # A full disk or a flaky NFS must never end the run; retried next tick.
@@ -206,7 +205,7 @@ class Heartbeat:
 
 
 def read_ranks(
-    run_dir: str,
+    paths: rundir.RunPaths,
     heartbeat_s: float,
     *,
     now: float | None = None,
@@ -223,7 +222,7 @@ def read_ranks(
     and one without a rank is dropped.
     """
     now = time.time() if now is None else now
-    folder = rundir.RunPaths(run_dir).heartbeats
+    folder = paths.heartbeats
     records: dict[int, dict[str, Any]] = {}
     try:
         names = os.listdir(folder)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from clusterflow import rundir
+from clusterflow.config.job_config import Config
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.observe import nvml, phases
 from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
@@ -44,17 +45,17 @@ from clusterflow.observe.watchdog import (
 log = logging.getLogger("clusterflow.observe")
 
 
-def before_init(cfg: Any, environ: Mapping[str, str]) -> None:
+def before_init(paths: rundir.RunPaths, environ: Mapping[str, str]) -> None:
     """Export the flight recorder's variables (a value the user set is kept). The attempt is the
     one rank 0 records next: every rank reads attempts.jsonl before the rendezvous, rank 0 appends
     after it. Nothing is written into the run dir here: this job does not hold it yet."""
     try:
-        attempt = rundir.attempt_count(rundir.RunPaths(cfg.run.dir))  # the attempt about to start
+        attempt = rundir.attempt_count(paths)  # the attempt about to start
     except OSError:
         # A run dir that cannot be read is refused, with its reason, once the job takes it.
         attempt = 0
     os.environ.update(
-        flight_recorder_env(cfg.run.dir, attempt, {**os.environ, **environ}, make_folder=False)
+        flight_recorder_env(paths, attempt, {**os.environ, **environ}, make_folder=False)
     )
 
 
@@ -99,22 +100,20 @@ class Observer:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
+        paths: rundir.RunPaths,
         rank: int,
         attempt: int,
         device: Any,
         after_stall: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        self.run_dir, self.rank, self.attempt = cfg.run.dir, rank, attempt
+        self.rank, self.attempt = rank, attempt
         self.after_stall = after_stall
         self.host = socket.gethostname()
-        paths = rundir.RunPaths(cfg.run.dir)
         self.paths = paths
         d = cfg.dist
         self.heartbeat = (
-            Heartbeat(
-                cfg.run.dir, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0
-            )
+            Heartbeat(paths, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0)
             if d.heartbeat_s > 0
             else None
         )
@@ -129,7 +128,7 @@ class Observer:
         self.watchdog = (
             Watchdog(
                 self.progress,
-                cfg.run.dir,
+                paths,
                 rank,
                 stall_s=limit,
                 attempt=attempt,

@@ -115,7 +115,7 @@ class AttemptTimeline(NullTimeline):
         (TensorBoard and the trackers)."""
         self._write(fsync=True, ended_at=time.time(), outcome=outcome, last_step=step)
         try:
-            writer.scalars(goodput.scalars(goodput.ledger(self.paths.root, running=False)), step)
+            writer.scalars(goodput.scalars(goodput.ledger(self.paths, running=False)), step)
         except Exception as exc:  # noqa: BLE001 - a report must never hide how the run ended
             log.warning("goodput not reported: %s", exc)
 

@@ -62,14 +62,14 @@ def default_victim_grace_s(stall_s: float) -> float:
 
 
 class Watchdog:
-    """``with Watchdog(heartbeat.progress, run_dir, rank, stall_s=...):`` around the loop (or
+    """``with Watchdog(heartbeat.progress, paths, rank, stall_s=...):`` around the loop (or
     ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles
     it."""
 
     def __init__(
         self,
         progress: Progress,
-        run_dir: str,
+        paths: rundir.RunPaths,
         rank: int,
         *,
         stall_s: float,
@@ -81,7 +81,7 @@ class Watchdog:
         on_stall: Callable[[dict[str, Any]], None] | None = None,
         loop_thread: int | None = None,
     ) -> None:
-        self.progress, self.run_dir, self.rank, self.attempt = progress, run_dir, rank, attempt
+        self.progress, self.paths, self.rank, self.attempt = progress, paths, rank, attempt
         self.stall_s, self.allowances = float(stall_s), dict(allowances or {})
         self.host = host or socket.gethostname()
         self.log_file, self.on_stall = log_file, on_stall
@@ -149,12 +149,12 @@ class Watchdog:
             "waiting": waiting,  # a collective it waited in: more likely a peer's victim
             "traceback": stack,
         }
-        paths = rundir.RunPaths(self.run_dir)
+        paths = self.paths
         stalls = paths.stalls(self.attempt)
         _guard(
             lambda: record.update(
                 won=first_error.record(
-                    self.run_dir,
+                    paths,
                     self.attempt,
                     self.rank,
                     msg,
@@ -263,13 +263,13 @@ def waiting_in_collective(frame: FrameType | None) -> str | None:
 
 
 def flight_recorder_env(
-    run_dir: str, attempt: int, environ: Mapping[str, str], make_folder: bool = True
+    paths: rundir.RunPaths, attempt: int, environ: Mapping[str, str], make_folder: bool = True
 ) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
     prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and
     the older NCCL-only ones; a variable the user set is kept."""
-    prefix = rundir.RunPaths(run_dir).nccl_trace_prefix(attempt)
+    prefix = paths.nccl_trace_prefix(attempt)
     if make_folder:  # else observer.py makes it later, once the job holds the run dir
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {

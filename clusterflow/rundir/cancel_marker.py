@@ -19,12 +19,12 @@ from clusterflow.rundir.paths import RunPaths
 from clusterflow.storage import durable
 
 
-def is_cancelled(run_dir: str) -> bool:
+def is_cancelled(paths: RunPaths) -> bool:
     """True once a user cancelled the run: the job must neither requeue nor start training."""
-    return os.path.exists(RunPaths(run_dir).cancelled)
+    return os.path.exists(paths.cancelled)
 
 
-def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
+def mark(paths: RunPaths, job_id: str | None, now: float | None = None) -> None:
     """Record the cancel: when, which job, by whom."""
     try:
         user = getpass.getuser()
@@ -35,7 +35,7 @@ def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
         "job_id": job_id,
         "by": f"{user}@{socket.gethostname()}",
     }
-    target = RunPaths(run_dir).cancelled
+    target = paths.cancelled
     try:
         durable.write_atomic(target, json.dumps(record, indent=1))
     except OSError as exc:  # a folder in its place, a read-only run dir
@@ -45,10 +45,10 @@ def mark(run_dir: str, job_id: str | None, now: float | None = None) -> None:
         ) from None
 
 
-def clear(run_dir: str) -> bool:
+def clear(paths: RunPaths) -> bool:
     """Remove the marker (an explicit resubmission of this run). True when there was one."""
     try:
-        os.remove(RunPaths(run_dir).cancelled)
+        os.remove(paths.cancelled)
         return True
     except FileNotFoundError:
         return False

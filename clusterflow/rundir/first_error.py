@@ -21,12 +21,13 @@ import time
 from typing import Any
 
 from clusterflow.rundir import records as rundir
+from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import Cause
 from clusterflow.storage import durable
 
 
 def record(
-    run_dir: str,
+    paths: RunPaths,
     attempt: int,
     rank: int,
     error: str,
@@ -37,7 +38,7 @@ def record(
 ) -> bool:
     """Record ``error`` as this attempt's first cause. True when it won, False when a cause was
     already there."""
-    target = rundir.RunPaths(run_dir).first_error_file(attempt)
+    target = paths.first_error_file(attempt)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     if os.path.exists(target):
         return False  # the common loser's path: skip writing a temp file
@@ -54,11 +55,11 @@ def record(
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
-def read(run_dir: str, attempt: int, damaged: list[str] | None = None) -> dict[str, Any] | None:
+def read(paths: RunPaths, attempt: int, damaged: list[str] | None = None) -> dict[str, Any] | None:
     """This attempt's first cause, or None; a record that does not fit its schema is named in
     ``damaged`` (when given), and one without a rank or an error is ignored."""
     rec, said = rundir.read_checked(
-        rundir.RunPaths(run_dir).first_error_file(attempt),
+        paths.first_error_file(attempt),
         rundir.FIRST_ERROR,
         f"errors/first.attempt{attempt}.json",
     )
@@ -83,6 +84,6 @@ def worded(recorded: str | None, rec: dict[str, Any] | None) -> str | None:
     return f"rank {rec.get('rank')}: {rec.get('error')}" if rec else None
 
 
-def cause(run_dir: str, status: dict[str, Any], attempt: int) -> str | None:
+def cause(paths: RunPaths, status: dict[str, Any], attempt: int) -> str | None:
     """:func:`worded` for status.json's record and this attempt's first-error record."""
-    return worded(status.get("error"), read(run_dir, attempt))
+    return worded(status.get("error"), read(paths, attempt))

@@ -36,6 +36,7 @@ from typing import Any, MutableMapping
 
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
+from clusterflow.rundir.paths import RunPaths
 from clusterflow.storage import durable
 
 MAX_BYTES = 20 * 2**20
@@ -169,12 +170,11 @@ def git_state(source: str) -> tuple[dict[str, Any] | None, str]:
 
 
 def take(
-    run_dir: str, target: str, enabled: bool = True, max_bytes: int = MAX_BYTES
+    paths: RunPaths, target: str, enabled: bool = True, max_bytes: int = MAX_BYTES
 ) -> dict[str, Any] | None:
     """Called by submit (login node) before each submission. Returns the manifest, or None when
     nothing is frozen (disabled, installed code, clusterflow's own tasks); then the pointer is
     removed so that no older snapshot is imported by mistake."""
-    paths = rundir.RunPaths(run_dir)
     pointer = paths.code_pointer
     found = locate(target) if enabled else None
     if found is None:
@@ -220,7 +220,7 @@ def take(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _say_if_changed(run_dir, rundir.read_json(pointer), manifest)
+    _say_if_changed(paths, rundir.read_json(pointer), manifest)
     durable.write_atomic(pointer, json.dumps(manifest, indent=1))
     return manifest
 
@@ -232,25 +232,24 @@ def _version_words(manifest: dict[str, Any]) -> str:
     return f"{manifest['version']}" + (f" (commit {commit}{dirty})" if commit else "")
 
 
-def _say_if_changed(run_dir: str, before: dict[str, Any] | None, now: dict[str, Any]) -> None:
+def _say_if_changed(paths: RunPaths, before: dict[str, Any] | None, now: dict[str, Any]) -> None:
     """A resubmission that brings other code than the run last ran: said, with where the earlier
     copy stays (the run continues from its checkpoint with the new code)."""
     if not isinstance(before, dict) or before.get("version") in (None, now["version"]):
         return
     print(
-        f"note: the task's code changed since the last submission to {run_dir}: "
+        f"note: the task's code changed since the last submission to {paths.root}: "
         f"{now['module']} {_version_words(before)} -> {_version_words(now)}; the run continues "
         f"with the new code; the earlier copy stays in "
-        f"{rundir.RunPaths(run_dir).code_version(before['version'])}",
+        f"{paths.code_version(before['version'])}",
         file=sys.stderr,
     )
 
 
-def describe(run_dir: str, damaged: list[str] | None = None) -> dict[str, Any] | None:
+def describe(paths: RunPaths, damaged: list[str] | None = None) -> dict[str, Any] | None:
     """For status: {module, version, commit, dirty, path} of the snapshot the next attempt
     imports; None when nothing was frozen, or when code/current.json does not fit its schema
     (named in ``damaged``, when given)."""
-    paths = rundir.RunPaths(run_dir)
     manifest, said = rundir.read_checked(
         paths.code_pointer, rundir.CODE_POINTER, "code/current.json"
     )
@@ -269,16 +268,16 @@ def describe(run_dir: str, damaged: list[str] | None = None) -> dict[str, Any] |
 
 
 def activate(
-    run_dir: str, environ: MutableMapping[str, str] | None = None
+    paths: RunPaths, environ: MutableMapping[str, str] | None = None
 ) -> dict[str, Any] | None:
     """Called by every rank of every attempt before the task is imported: put the frozen copy
     first on sys.path (and PYTHONPATH, for worker processes) and forget any copy imported
     before."""
     damaged: list[str] = []
-    info = describe(run_dir, damaged)
+    info = describe(paths, damaged)
     if damaged:
         raise UserError(
-            f"{rundir.RunPaths(run_dir).code_pointer} is damaged ({'; '.join(damaged)}); "
+            f"{paths.code_pointer} is damaged ({'; '.join(damaged)}); "
             "submit the run again to take a new code snapshot"
         )
     if info is None:
@@ -288,7 +287,7 @@ def activate(
         os.path.join(path, info["module"] + ".py")
     ):
         raise UserError(
-            f"the code snapshot {path} named by {rundir.RunPaths(run_dir).code_pointer} "
+            f"the code snapshot {path} named by {paths.code_pointer} "
             "is missing or incomplete; submit the run again to take a new one"
         )
     if path in sys.path:

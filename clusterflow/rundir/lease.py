@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from clusterflow.errors import UserError
-from clusterflow.rundir import records as rundir
+from clusterflow.rundir.paths import RunPaths
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.storage import durable
 
@@ -62,13 +62,9 @@ class RunDirBusy(UserError):
     written to it, not even an error record."""
 
 
-def folder(run_dir: str) -> str:
-    return rundir.RunPaths(run_dir).lease
-
-
-def gen_file(run_dir: str, gen: int) -> str:
+def gen_file(paths: RunPaths, gen: int) -> str:
     """The lease record of generation ``gen``: ``RUN_DIR/lease/gen-<gen>.json``."""
-    return os.path.join(folder(run_dir), f"gen-{gen}.json")
+    return os.path.join(paths.lease, f"gen-{gen}.json")
 
 
 def generation(name: str) -> int | None:
@@ -134,17 +130,17 @@ def describe(rec: dict[str, Any]) -> str:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
+def _read(paths: RunPaths) -> tuple[int, dict[str, Any] | None, str]:
     """(generation, holder record, its path); (0, None, "") when nobody holds the run dir. An
     unreadable record is {} (records are published whole, so it is damage, not a write in
     progress)."""
     try:
-        gens = [g for g in map(generation, os.listdir(folder(run_dir))) if g is not None]
+        gens = [g for g in map(generation, os.listdir(paths.lease)) if g is not None]
     except OSError:
         return 0, None, ""
     if not gens:
         return 0, None, ""
-    path = gen_file(run_dir, max(gens))
+    path = gen_file(paths, max(gens))
     try:
         with open(path, "rb") as f:
             rec = json.loads(f.read())
@@ -153,22 +149,22 @@ def _read(run_dir: str) -> tuple[int, dict[str, Any] | None, str]:
     return max(gens), rec if isinstance(rec, dict) else {}, path
 
 
-def current(run_dir: str) -> tuple[int, dict[str, Any] | None, float]:
+def current(paths: RunPaths) -> tuple[int, dict[str, Any] | None, float]:
     """(generation, holder record or None, seconds since its last renewal by the storage's
     clock)."""
-    gen, rec, path = _read(run_dir)
+    gen, rec, path = _read(paths)
     if not gen:
         return 0, None, 0.0
     try:
-        return gen, rec, max(0.0, storage_now(run_dir) - os.stat(path).st_mtime)
+        return gen, rec, max(0.0, storage_now(paths) - os.stat(path).st_mtime)
     except OSError:
         return gen, rec, float("inf")
 
 
-def storage_now(run_dir: str) -> float:
+def storage_now(paths: RunPaths) -> float:
     """The storage's clock: the mtime of a file written now (NFS servers set it), so a lease age
     never mixes two machines' clocks."""
-    probe = os.path.join(folder(run_dir), f".probe-{uuid.uuid4().hex[:8]}")
+    probe = os.path.join(paths.lease, f".probe-{uuid.uuid4().hex[:8]}")
     try:
         with open(probe, "wb"):
             pass
@@ -223,18 +219,18 @@ def judge(
 LAUNCHED_BY_IT = "it is the launcher of this job, which hands the run dir over"
 
 
-def check(run_dir: str, me: dict[str, Any]) -> str:
+def check(paths: RunPaths, me: dict[str, Any]) -> str:
     """Raise RunDirBusy when a live job holds ``run_dir``; else a note on a holder that is gone
     ("" if none)."""
-    return _judge_holder(run_dir, me)[1]
+    return _judge_holder(paths, me)[1]
 
 
-def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
+def _judge_holder(paths: RunPaths, me: dict[str, Any]) -> tuple[int, str]:
     """(the holder's generation, a note when it is gone); raises RunDirBusy while it lives."""
-    gen, rec, age = current(run_dir)
+    gen, rec, age = current(paths)
     if gen == 0:
         return 0, ""
-    path = gen_file(run_dir, gen)
+    path = gen_file(paths, gen)
     if os.path.isdir(path):
         raise _unusable(path, "Is a directory")
     alive, why = judge(rec or {}, age, me, slurm_commands.queue_state)
@@ -243,29 +239,29 @@ def _judge_holder(run_dir: str, me: dict[str, Any]) -> tuple[int, str]:
     who = describe(rec) if rec else f"an unreadable lease ({path})"
     if alive:
         raise RunDirBusy(
-            f"run dir {run_dir!r} is held by {who}: {why}. "
+            f"run dir {paths.root!r} is held by {who}: {why}. "
             "One job per run dir: wait for it to end, cancel it (python -m clusterflow.cancel "
-            f"{run_dir}: a Slurm job is scancelled, a local one stops at its next step), or "
+            f"{paths.root}: a Slurm job is scancelled, a local one stops at its next step), or "
             "choose another run.dir"
         )
-    return gen, f"run dir {run_dir!r} was held by {who}, but {why}; taking it over"
+    return gen, f"run dir {paths.root!r} was held by {who}, but {why}; taking it over"
 
 
-def hold(run_dir: str, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
+def hold(paths: RunPaths, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
     """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
-    if (env.attempt > 0 or getattr(env, "restart_in_job", 0) > 0) and not os.path.isdir(run_dir):
+    if (env.attempt > 0 or getattr(env, "restart_in_job", 0) > 0) and not os.path.isdir(paths.root):
         raise RunDirBusy(
-            f"run dir {run_dir!r} is gone, but this is attempt {env.attempt} of job "
+            f"run dir {paths.root!r} is gone, but this is attempt {env.attempt} of job "
             f"{env.job_id}, which ran there before: it was moved or deleted. "
             "This job writes nothing; resubmit with run.dir=<where it is now>"
         )
-    return acquire(run_dir, identity(env, environ, renew_s))
+    return acquire(paths, identity(env, environ, renew_s))
 
 
 @dataclass
 class Lease:
-    run_dir: str
+    paths: RunPaths
     gen: int
     rec: dict[str, Any]
     thread: threading.Thread | None = None
@@ -273,7 +269,7 @@ class Lease:
 
 
 def acquire(
-    run_dir: str,
+    paths: RunPaths,
     me: dict[str, Any],
     on_lost: Callable[[str], None] | None = None,
     on_note: Callable[[str], None] | None = None,
@@ -282,33 +278,33 @@ def acquire(
     until :func:`release`. Raises RunDirBusy while another live job holds it, or when the lease
     cannot be written or an older one removed. ``on_note``: what is said of a holder that is
     gone (a log warning by default)."""
-    key = os.path.realpath(run_dir)
+    key = os.path.realpath(paths.root)
     if key in _held:
         return _held[key]
-    _unusable_unless(lambda: os.makedirs(folder(run_dir), exist_ok=True), folder(run_dir))
+    _unusable_unless(lambda: os.makedirs(paths.lease, exist_ok=True), paths.lease)
     for _ in range(10):  # each turn: someone else linked first; judge the new holder
-        gen, note = _judge_holder(run_dir, me)
-        target = gen_file(run_dir, gen + 1)
-        if _unusable_unless(lambda: _publish(run_dir, gen + 1, me), target):
+        gen, note = _judge_holder(paths, me)
+        target = gen_file(paths, gen + 1)
+        if _unusable_unless(lambda: _publish(paths, gen + 1, me), target):
             try:
-                _drop_older(run_dir, gen + 1)
+                _drop_older(paths, gen + 1)
             except RunDirBusy:
                 os.unlink(target)  # ours, just published: the run dir stays as it was
                 raise
             if note:  # said once the run dir is taken, not before a refusal
                 (on_note or _warn)(note)
-            lease = _held[key] = Lease(run_dir, gen + 1, me)
+            lease = _held[key] = Lease(paths, gen + 1, me)
             _start_renewing(lease, on_lost or _abort)
             return lease
     raise RunDirBusy(
-        f"run dir {run_dir!r}: could not take the lease (other jobs keep taking it); "
+        f"run dir {paths.root!r}: could not take the lease (other jobs keep taking it); "
         "one job per run dir"
     )
 
 
-def _publish(run_dir: str, gen: int, rec: dict[str, Any]) -> bool:
+def _publish(paths: RunPaths, gen: int, rec: dict[str, Any]) -> bool:
     """Link generation ``gen`` into place; False when that name already exists."""
-    target = gen_file(run_dir, gen)
+    target = gen_file(paths, gen)
     return durable.publish_once(target, json.dumps(rec, indent=1))
 
 
@@ -332,11 +328,11 @@ def _unusable(path: str, why: str) -> RunDirBusy:
     )
 
 
-def _drop_older(run_dir: str, gen: int) -> None:
-    for name in os.listdir(folder(run_dir)):
+def _drop_older(paths: RunPaths, gen: int) -> None:
+    for name in os.listdir(paths.lease):
         g = generation(name)
         if g is not None and g < gen:
-            path = os.path.join(folder(run_dir), name)
+            path = os.path.join(paths.lease, name)
             try:
                 os.unlink(path)
             except FileNotFoundError:
@@ -346,7 +342,7 @@ def _drop_older(run_dir: str, gen: int) -> None:
 
 
 def _still_mine(lease: Lease) -> bool:
-    gen, rec, _ = _read(lease.run_dir)
+    gen, rec, _ = _read(lease.paths)
     return gen == lease.gen and (rec or {}).get("token") == lease.rec["token"]
 
 
@@ -356,7 +352,7 @@ def renew(lease: Lease) -> bool:
     if not _still_mine(lease):
         return False
     lease.rec.update(renewed_at=time.time(), renewals=lease.rec["renewals"] + 1)
-    target = gen_file(lease.run_dir, lease.gen)
+    target = gen_file(lease.paths, lease.gen)
     durable.write_atomic(target, json.dumps(lease.rec, indent=1), make_folder=False)
     return True
 
@@ -368,15 +364,15 @@ def _start_renewing(lease: Lease, on_lost: Callable[[str], None]) -> None:
         while not lease.stop.wait(float(lease.rec["renew_s"])):
             try:
                 if not renew(lease):
-                    _, rec, _ = _read(lease.run_dir)
+                    _, rec, _ = _read(lease.paths)
                     on_lost(
-                        f"this job lost run dir {lease.run_dir!r} to "
+                        f"this job lost run dir {lease.paths.root!r} to "
                         f"{describe(rec) if rec else 'another job'}"
                     )
                     return
             # A storage hiccup: try again next period; a long outage ends in takeover.
             except OSError as exc:
-                log.warning("could not renew the lease of %s: %s", lease.run_dir, exc)
+                log.warning("could not renew the lease of %s: %s", lease.paths.root, exc)
 
     lease.thread = threading.Thread(target=loop, name="clusterflow-lease", daemon=True)
     lease.thread.start()
@@ -389,13 +385,13 @@ def _abort(why: str) -> None:
     os._exit(1)
 
 
-def hold_for_launch(run_dir: str, on_note: Callable[[str], None]) -> Lease:
+def hold_for_launch(paths: RunPaths, on_note: Callable[[str], None]) -> Lease:
     """``submit --local``: hold ``run_dir`` from before anything is written until the job this
     process starts takes it over (the job finds this lease's token in ``LAUNCHER_ENV`` and takes
     the next generation; this process then stops renewing, quietly)."""
     me = identity()
     me.update(source="submit --local", job_id=str(os.getpid()))
-    held = acquire(run_dir, me, on_lost=_handed_over, on_note=on_note)
+    held = acquire(paths, me, on_lost=_handed_over, on_note=on_note)
     os.environ[LAUNCHER_ENV] = held.rec["token"]
     return held
 
@@ -404,9 +400,9 @@ def _handed_over(why: str) -> None:
     """The launcher's lease, taken over by its job (or judged gone): nothing to stop."""
 
 
-def release(run_dir: str) -> None:
+def release(paths: RunPaths) -> None:
     """Stop renewing and remove this process's generation, if it still holds it."""
-    lease = _held.pop(os.path.realpath(run_dir), None)
+    lease = _held.pop(os.path.realpath(paths.root), None)
     if lease is None:
         return
     if lease.stop is not None:
@@ -414,6 +410,6 @@ def release(run_dir: str) -> None:
         lease.thread.join()
     if _still_mine(lease):
         try:
-            os.unlink(gen_file(run_dir, lease.gen))
+            os.unlink(gen_file(paths, lease.gen))
         except FileNotFoundError:
             pass

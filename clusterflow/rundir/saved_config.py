@@ -78,12 +78,12 @@ def _parse(target: str) -> Any:
         return yaml.safe_load(f.read().decode("utf-8"))
 
 
-def read_plain(run_dir: str) -> tuple[dict[str, Any], str]:
+def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
     """The saved config as plain YAML, for readers that must never stop on it (``status``):
     (mapping, "") or, when it is missing or damaged, ({}, what is wrong). Nothing is checked
     or set aside here: the next launch does that (:func:`read`)."""
     try:
-        data = _parse(rundir.RunPaths(run_dir).config)
+        data = _parse(paths.config)
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
         return {}, type(exc).__name__
     if not isinstance(data, dict):

@@ -16,23 +16,22 @@ from clusterflow.rundir.records import ATTEMPT, SUBMISSION, append_jsonl, read_r
 from clusterflow.slurm.jobids import SLURM_SOURCES, is_slurm_id
 
 
-def record_submission(run_dir: str, job_id: str, now: float | None = None) -> None:
+def record_submission(paths: RunPaths, job_id: str, now: float | None = None) -> None:
     """Called by submit for every run dir it submits to Slurm (one run, or each sweep member)."""
     if not is_slurm_id(job_id):
         # a programming error: local runs are not recorded
         raise ValueError(f"not a Slurm job id: {job_id!r}")
     append_jsonl(
-        RunPaths(run_dir).submissions,
+        paths.submissions,
         {"job_id": str(job_id), "submitted_at": time.time() if now is None else now},
     )
 
 
-def current_job_id(run_dir: str, damaged: list[str] | None = None) -> str | None:
+def current_job_id(paths: RunPaths, damaged: list[str] | None = None) -> str | None:
     """The Slurm job that holds the run now (or held it last), or None (never submitted to Slurm:
     a local run, whose job id is a process id that must never reach scancel, or a run by hand).
     A record that does not fit its schema is named in ``damaged`` (when given) and the fields
     that do not fit are ignored."""
-    paths = RunPaths(run_dir)
     submitted, said = read_records(paths.submissions, SUBMISSION)
     attempts, _ = read_records(paths.attempts, ATTEMPT)  # status names damaged attempts itself
     if damaged is not None:

@@ -185,7 +185,7 @@ def current(paths: RunPaths) -> State | None:
 
 def _standing(paths: RunPaths, record: dict[str, Any]) -> State | None:
     state = parse(record.get("state"))
-    if state is State.CANCELLED and not cancel_marker.is_cancelled(paths.root):
+    if state is State.CANCELLED and not cancel_marker.is_cancelled(paths):
         return State.STOPPED
     return state
 

@@ -16,9 +16,11 @@ from safetensors.torch import load as safetensors_load
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.checkpoint import export
+from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import MANIFEST
+from clusterflow.tasks import Task
 from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
@@ -38,7 +40,7 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 
 
 def build_model(
-    cfg: Any, task: Any, device: torch.device, world: int
+    cfg: Config, task: Task, device: torch.device, world: int
 ) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(the module, what the loop calls: the module or its DDP wrapper; under
     ``train.parallel=fsdp`` both are the sharded module, at every world size). Seed before calling

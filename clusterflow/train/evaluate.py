@@ -13,6 +13,7 @@ import torch
 
 from clusterflow.dist import comm as dist
 from clusterflow.dist.sampler import shard_range
+from clusterflow.tasks import Task
 
 
 def _as_array(value: Any) -> np.ndarray:
@@ -22,7 +23,7 @@ def _as_array(value: Any) -> np.ndarray:
 
 
 def evaluate(
-    task: Any,
+    task: Task,
     model: torch.nn.Module,
     dataset: Any,
     device: torch.device,

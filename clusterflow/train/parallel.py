@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.dist import comm as dist
 from clusterflow.errors import UserError
-from clusterflow.tasks import check_can_shard
+from clusterflow.tasks import Task, check_can_shard
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
 
@@ -50,7 +50,7 @@ def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [u for u in units if u is not model]
 
 
-def shard_units(task: Any, model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
+def shard_units(task: Task, model: torch.nn.Module, target: str) -> list[torch.nn.Module]:
     """The task's units, checked: submodules of ``model``, none of them the model itself."""
     check_can_shard(target, type(task))
     hook = getattr(task, "shard_units", None)

@@ -118,6 +118,7 @@ class Trainer:
         self._logged: dict[str, float] = {}
         self.checkpointer = checkpointer.Checkpointer(
             cfg,
+            self.paths,
             self.module,
             {
                 "optimizer": self.opt,
