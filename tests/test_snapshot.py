@@ -11,6 +11,7 @@ import pytest
 
 from clusterflow.errors import UserError
 from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir.paths import RunPaths
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -61,7 +62,7 @@ def run_python(code, cwd, env_extra=None):
 
 def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    manifest = snapshot.take(run_dir, "mytasks.task:Task")
+    manifest = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
     ).stdout.strip()
@@ -94,6 +95,7 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
     probe = (
         "import multiprocessing, os, subprocess, sys\n"
         "from clusterflow.rundir import frozen_code as snapshot\n"
+        "from clusterflow.rundir.paths import RunPaths\n"
         "{activate}"
         "import mytasks.task, mytasks.helper\n"
         "print(mytasks.task.VALUE, mytasks.helper.HELP, mytasks.task.__file__)\n"
@@ -110,7 +112,9 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
         "edited while pending"
     )  # the control: without the snapshot the edit is seen
     frozen = run_python(
-        probe.format(activate=f"snapshot.activate({run_dir!r})\n"), cwd=repo, env_extra=env
+        probe.format(activate=f"snapshot.activate(RunPaths({run_dir!r}))\n"),
+        cwd=repo,
+        env_extra=env,
     ).splitlines()
     value, helper, path = frozen[0].split(" ", 2)
     assert (value, helper) == ("submitted", "untracked") and path.startswith(version_dir)
@@ -119,12 +123,13 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
 
 def test_a_module_imported_before_activation_is_replaced(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    snapshot.take(run_dir, "mytasks.task:Task")
+    snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "edited"\n')
     out = run_python(
         "import mytasks.task\n"
         "from clusterflow.rundir import frozen_code as snapshot\n"
-        f"snapshot.activate({run_dir!r})\n"
+        "from clusterflow.rundir.paths import RunPaths\n"
+        f"snapshot.activate(RunPaths({run_dir!r}))\n"
         "import importlib, mytasks.task as t\nprint(t.VALUE)",
         cwd=repo,
         env_extra={"PYTHONPATH": repo},
@@ -140,7 +145,8 @@ def test_finding_the_package_imports_nothing(repo, tmp_path):
     code = (
         f"import sys; sys.path.insert(0, {repo!r})\n"
         "from clusterflow.rundir import frozen_code as snapshot\n"
-        f"m = snapshot.take({str(tmp_path / 'run')!r}, 'mytasks.task:Task')\n"
+        "from clusterflow.rundir.paths import RunPaths\n"
+        f"m = snapshot.take(RunPaths({str(tmp_path / 'run')!r}), 'mytasks.task:Task')\n"
         "print(m['files'], 'torch' in sys.modules, 'mytasks' in sys.modules)"
     )
     assert run_python(code, cwd=str(tmp_path)) == "4 False False"
@@ -148,28 +154,32 @@ def test_finding_the_package_imports_nothing(repo, tmp_path):
 
 def test_same_code_reuses_the_version_and_changed_code_adds_one(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    first = snapshot.take(run_dir, "mytasks.task:Task")
-    assert snapshot.take(run_dir, "mytasks.task:Task")["version"] == first["version"]
+    first = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
+    assert snapshot.take(RunPaths(run_dir), "mytasks.task:Task")["version"] == first["version"]
     write(os.path.join(repo, "mytasks", "task.py"), 'VALUE = "second"\n')
-    second = snapshot.take(run_dir, "mytasks.task:Task")
+    second = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     assert second["version"] != first["version"]
     assert sorted(
         n for n in os.listdir(os.path.join(run_dir, "code")) if not n.endswith(".json")
     ) == sorted([first["version"], second["version"]])
-    assert snapshot.describe(run_dir)["version"] == second["version"]
+    assert snapshot.describe(RunPaths(run_dir))["version"] == second["version"]
     # opting out removes the pointer: no stale snapshot is imported
-    assert snapshot.take(run_dir, "mytasks.task:Task", enabled=False) is None
-    assert snapshot.describe(run_dir) is None and snapshot.activate(run_dir) is None
+    assert snapshot.take(RunPaths(run_dir), "mytasks.task:Task", enabled=False) is None
+    assert (
+        snapshot.describe(RunPaths(run_dir)) is None
+        and snapshot.activate(RunPaths(run_dir)) is None
+    )
 
 
 def test_a_moved_run_dir_still_activates(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    snapshot.take(run_dir, "mytasks.task:Task")
+    snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     moved = str(tmp_path / "moved")
     shutil.move(run_dir, moved)
     out = run_python(
         "from clusterflow.rundir import frozen_code as snapshot\n"
-        f"snapshot.activate({moved!r})\n"
+        "from clusterflow.rundir.paths import RunPaths\n"
+        f"snapshot.activate(RunPaths({moved!r}))\n"
         "import mytasks.task\nprint(mytasks.task.__file__)",
         cwd=str(tmp_path),
     )
@@ -178,8 +188,8 @@ def test_a_moved_run_dir_still_activates(repo, tmp_path):
 
 def test_describe_gives_status_the_commit(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    m = snapshot.take(run_dir, "mytasks.task:Task")
-    d = snapshot.describe(run_dir)
+    m = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
+    d = snapshot.describe(RunPaths(run_dir))
     assert d == {
         "module": "mytasks",
         "version": m["version"],
@@ -196,7 +206,7 @@ def test_too_much_code_is_refused_naming_the_largest_files(repo, tmp_path):
     with open(os.path.join(repo, "mytasks", "data", "weights.bin"), "wb") as f:
         f.write(b"\0" * 3 * 2**20)
     with pytest.raises(UserError) as e:
-        snapshot.take(str(tmp_path / "run"), "mytasks.task:Task", max_bytes=2**20)
+        snapshot.take(RunPaths(str(tmp_path / "run")), "mytasks.task:Task", max_bytes=2**20)
     msg = str(e.value)
     assert (
         "over the snapshot limit of 1 MiB" in msg
@@ -210,7 +220,7 @@ def test_a_single_module_outside_git(tmp_path, monkeypatch):
     d = tmp_path / "plain"
     write(str(d / "onefile.py"), "X = 1\n")
     monkeypatch.syspath_prepend(str(d))
-    m = snapshot.take(str(tmp_path / "run"), "onefile:Task")
+    m = snapshot.take(RunPaths(str(tmp_path / "run")), "onefile:Task")
     assert m["git"] is None and m["files"] == 1
     assert os.path.exists(os.path.join(tmp_path, "run", "code", m["version"], "onefile.py"))
 
@@ -222,14 +232,14 @@ def test_installed_and_builtin_code_is_not_copied(tmp_path):
     assert snapshot.locate("yaml:Loader") is None  # site-packages
     assert snapshot.locate("json:JSONDecoder") is None  # standard library
     assert snapshot.locate("sys:x") is None  # built in
-    assert snapshot.take(str(tmp_path / "run"), "yaml:Loader") is None
+    assert snapshot.take(RunPaths(str(tmp_path / "run")), "yaml:Loader") is None
     with pytest.raises(UserError, match="no module named 'no_such_pkg_xyz' on the Python path"):
         snapshot.locate("no_such_pkg_xyz.mod:Task")
 
 
 def test_a_missing_snapshot_is_a_clear_error(repo, tmp_path):
     run_dir = str(tmp_path / "run")
-    m = snapshot.take(run_dir, "mytasks.task:Task")
+    m = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     shutil.rmtree(os.path.join(run_dir, "code", m["version"]))
     with pytest.raises(UserError, match="is missing or incomplete; submit the run again"):
-        snapshot.activate(run_dir, environ={})
+        snapshot.activate(RunPaths(run_dir), environ={})

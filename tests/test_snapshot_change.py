@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from clusterflow.rundir import frozen_code as snapshot
+from clusterflow.rundir.paths import RunPaths
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
@@ -25,13 +26,13 @@ def test_a_resubmission_with_changed_task_code_says_so(tmp_path, monkeypatch, ca
     subprocess.run(["git", "init", "-q"], cwd=repo, check=True)
     monkeypatch.syspath_prepend(str(repo))
     run_dir = str(tmp_path / "run")
-    first = snapshot.take(run_dir, "changedtasks.task:Task")
-    again = snapshot.take(run_dir, "changedtasks.task:Task")
+    first = snapshot.take(RunPaths(run_dir), "changedtasks.task:Task")
+    again = snapshot.take(RunPaths(run_dir), "changedtasks.task:Task")
     assert again["version"] == first["version"]
     assert "changed" not in capsys.readouterr().err  # unchanged code: nothing to say
 
     write(str(repo / "changedtasks" / "task.py"), "VALUE = 2\n")
-    second = snapshot.take(run_dir, "changedtasks.task:Task")
+    second = snapshot.take(RunPaths(run_dir), "changedtasks.task:Task")
     err = capsys.readouterr().err
     assert second["version"] != first["version"]
     assert "task's code changed" in err and first["version"] in err and second["version"] in err
