@@ -94,10 +94,9 @@ def _progress(st: dict[str, Any], manifest: dict[str, Any]) -> dict[str, Any]:
     return {k: recorded.get(k, 0) for k in PROGRESS}
 
 
-def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
-    """Where the checkpoints are, from config.yaml read as plain YAML (a damaged one must not stop
-    status: then the default place, and what is wrong)."""
-    data, problem = saved_config.read_plain(paths)
+def _checkpoint_root(paths: rundir.RunPaths, data: dict[str, Any], problem: str) -> tuple[str, str]:
+    """Where the checkpoints are, from config.yaml read as plain YAML (``data``; a damaged one,
+    ``problem``, must not stop status: then the default place, and what is wrong)."""
     configured = (
         (data.get("checkpoint") or {}).get("dir")
         if isinstance(data.get("checkpoint"), dict)
@@ -111,10 +110,9 @@ def _checkpoint_root(paths: rundir.RunPaths) -> tuple[str, str]:
     return join_checkpoints(paths.root, configured or ""), ""
 
 
-def _trackers(paths: rundir.RunPaths) -> dict[str, int | None]:
-    """Each configured tracker (config.yaml's trackers section, read as plain YAML) and the last
-    step it is known to have received (None: none)."""
-    data, _ = saved_config.read_plain(paths)
+def _trackers(paths: rundir.RunPaths, data: dict[str, Any]) -> dict[str, int | None]:
+    """Each configured tracker (config.yaml's trackers section, ``data`` read as plain YAML) and
+    the last step it is known to have received (None: none)."""
     section = data.get("trackers") if isinstance(data.get("trackers"), dict) else {}
     names = [name for name in ("mlflow", "wandb") if section.get(name)]
     return received_steps(paths, names)
@@ -272,7 +270,8 @@ def collect(run_dir: str) -> dict[str, Any]:
     st, notes = rundir.read_object(paths.status, records.STATUS)
     attempts, said = records.read_records(paths.attempts, records.ATTEMPT)
     notes += said
-    root, damaged_config = _checkpoint_root(paths)
+    plain, problem = saved_config.read_plain(paths)  # config.yaml read once, as plain YAML
+    root, damaged_config = _checkpoint_root(paths, plain, problem)
     notes += [damaged_config] if damaged_config else []
     cks, damaged, newest = _checkpoints(root)
     progress = _progress(st, newest)
@@ -329,7 +328,7 @@ def collect(run_dir: str) -> dict[str, Any]:
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "samples": _samples(paths, notes),
         "eval": st.get("eval", {}),
-        "trackers": _trackers(paths),
+        "trackers": _trackers(paths, plain),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
