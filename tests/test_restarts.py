@@ -5,6 +5,8 @@ Slurm cluster in tests/test_slurm_restarts.py."""
 
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 from conftest import REPO
@@ -23,7 +25,8 @@ from clusterflow.job.restarts import (
     node_fault_restarts,
     plan,
 )
-from clusterflow.rundir import restarts, stragglers
+from clusterflow.rundir import first_error, restarts, stragglers
+from clusterflow.rundir.states import Cause
 from clusterflow.slurm import outcome, steps
 
 KILLED = (1, "node2", "Killed")
@@ -43,6 +46,11 @@ BAD_INPUT = {"rank": 0, "host": "node1", "error": "task.params.size = 3: ...", "
         ("failed", ECC, EXITED, ("node", "node2", True)),
         ("failed", STALL, (1, "node2", "Exited with exit code 86"), ("stall", "node2", True)),
         ("failed", {**STALL, "waiting": "all_reduce"}, None, ("stall", "node2", False)),
+        # srun reported the stalled rank's kill (at 7.0) after the watchdog's record (at 5)
+        ("failed", STALL, KILLED, ("stall", "node2", True)),
+        ("failed", ECC, KILLED, ("node", "node2", True)),
+        # a record written after srun's report of a signal is the kill's consequence
+        ("failed", {**STALL, "time": 9}, KILLED, ("crash", "node2", False)),
         ("failed", TASK, EXITED, None),  # the task's own exception: fails as before
         ("failed", BAD_INPUT, None, None),
         ("failed", None, EXITED, None),  # nothing names a cause
@@ -228,3 +236,22 @@ def test_a_restart_leaves_the_named_stragglers_out_when_asked(tmp_path, exclude)
     stragglers.record(paths, attempt=0, rank=3, node="node2", ratio=1.5)
     stragglers.record(paths, attempt=1, rank=1, node="node1", ratio=1.3)
     assert extra_left_out(cfg, paths) == (["node1", "node2"] if exclude else [])
+
+
+def test_the_driver_waits_for_a_record_that_lands_after_srun_reported_the_exit(tmp_path):
+    """The stalled rank wrote its record before exiting 86; on a shared filesystem the batch
+    node may see it later than srun's report. The driver waits for it (up to RECORD_WAIT_S)."""
+    cfg = from_dict({"run": {"dir": str(tmp_path)}, "cluster": {"nodes": 1, "spare_nodes": 1}})
+    d = Driver(cfg, ["srun", "x"], {"SLURM_JOB_NODELIST": "node[1-2]"})
+    started = time.time()
+    end = steps.StepEnd(1, (1, "node2", "Exited with exit code 86"), started + 1, started)
+
+    def land() -> None:
+        time.sleep(1.0)
+        first_error.record(d.paths, 0, 1, "rank 1 on node2 stalled", host="node2", kind=Cause.STALL)
+
+    writer = threading.Thread(target=land)
+    writer.start()
+    fault = d._fault(end)
+    writer.join()
+    assert fault is not None and (fault.cause, fault.host) == ("stall", "node2")

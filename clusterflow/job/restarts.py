@@ -13,13 +13,21 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 |-------------------------------------------------------|--------|------------------------------|
 | ended on purpose: completed, requeued, stopped,       | none   | (no restart: as before)      |
 | cancelled, or this driver got SIGTERM                 |        |                              |
+| first-error record, written before srun reported a    | stall  | left out unless the rank was |
+| signal: the stall watchdog ended a rank               |        | waiting for its peers        |
+| first-error record, written before srun reported a    | node   | always left out              |
+| signal: a CUDA/NCCL device error                      |        |                              |
 | srun: a task ended by a signal first (SIGKILL, OOM    | crash  | left out where a spare node  |
 | killer, segfault)                                     |        | allows                       |
-| first-error record: the stall watchdog ended a rank   | stall  | left out unless the rank was |
-|                                                       |        | waiting for its peers        |
-| first-error record: a CUDA/NCCL device error          | node   | always left out              |
+| first-error record: a stall or device error after it  | stall, | as above                     |
+|                                                       | node   |                              |
 | anything else (the task's exception, bad input, a     | none   | (no restart: fails as        |
 | full disk, a diverged loss)                           |        | before)                      |
+
+srun kills a step's other tasks after one ends badly, so a stall or device error recorded before
+srun's first report of a signal is the step's cause and the signal its consequence. A rank
+writes its record before it exits; when srun reports a rank's exit code and the record is not
+there yet (a shared filesystem's lag), the driver waits up to ``RECORD_WAIT_S`` for it.
 
 A restart happens while ``cluster.restarts_in_job`` allows (counted per Slurm attempt) and enough
 healthy nodes remain; otherwise the job ends as it did without this driver: a node fault requeues
@@ -64,6 +72,9 @@ from clusterflow.slurm import steps
 NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
 
 CRASH, NODE, STALL = "crash", "node", "stall"
+# How long the driver waits for a rank's first-error record after srun reported the rank's exit
+# code (the rank wrote it before exiting; another node may see it a moment later).
+RECORD_WAIT_S = 5.0
 _ON_PURPOSE = (states.COMPLETED, states.REQUEUED, states.STOPPED, states.CANCELLED)
 
 
@@ -90,9 +101,17 @@ def classify(
     ``srun_first``: (rank, node, what) of the task srun reported as failed first, at ``srun_at``."""
     if state in _ON_PURPOSE:
         return None
-    if srun_first is not None and not srun_first[2].startswith("Exited with exit code"):
+    recorded = _recorded(first)
+    signalled = srun_first is not None and not srun_first[2].startswith("Exited with exit code")
+    if signalled and (recorded is None or srun_at is None or recorded.at > srun_at):
+        assert srun_first is not None
         rank, host, what = srun_first
         return Fault(CRASH, rank, host, what, srun_at or time.time(), leave_out=False)
+    return recorded
+
+
+def _recorded(first: Mapping[str, Any] | None) -> Fault | None:
+    """The curable fault a first-error record names: a stall or a device error."""
     if first is None:
         return None
     rank, host, error = first.get("rank"), first.get("host"), str(first.get("error", ""))
@@ -224,11 +243,22 @@ class Driver:
 
     def _fault(self, end: steps.StepEnd) -> Fault | None:
         status, _ = rundir.read_object(self.paths.status)
-        attempt = rundir.current_attempt(self.paths)
-        first = first_error.read(self.paths, attempt)
-        if first is not None and float(first.get("time") or 0) < end.started_at:
-            first = None  # an earlier step's: this one failed before recording anything
+        exited = end.first_failure is not None and end.first_failure[2].startswith("Exited")
+        first = self._first_error(end.started_at, RECORD_WAIT_S if exited else 0.0)
         return classify(status.get("state"), first, end.first_failure, end.failed_at)
+
+    def _first_error(self, since: float, wait_s: float) -> dict[str, Any] | None:
+        """The step's first-error record (one written before ``since`` is an earlier step's),
+        polled for up to ``wait_s`` while it is missing."""
+        give_up = time.monotonic() + wait_s
+        while True:
+            attempt = rundir.current_attempt(self.paths)
+            first = first_error.read(self.paths, attempt)
+            if first is not None and float(first.get("time") or 0) >= since:
+                return first
+            if time.monotonic() >= give_up:
+                return None
+            time.sleep(0.2)
 
     def _remember(self, fault: Fault) -> None:
         if fault.host is None:
