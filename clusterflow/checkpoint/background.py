@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class BackgroundWrite:
         return self._thread is not None and self._thread.is_alive()
 
     def start(
-        self, step: int, write: Callable[[], Any], on_error: Callable[[int, BaseException], str]
+        self, step: int, write: Callable[[], object], on_error: Callable[[int, BaseException], str]
     ) -> None:
         """Run ``write`` on a new thread; the previous write must have been waited for.
         ``on_error(step, exc)`` returns the message kept for ``wait``."""

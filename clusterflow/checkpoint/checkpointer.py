@@ -40,7 +40,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import torch
 
@@ -48,7 +49,7 @@ from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.restore import Restorer
-from clusterflow.checkpoint.rng import capture_rng
+from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
@@ -75,9 +76,11 @@ class CheckpointWriteError(RunFailed):
 
 
 class Stateful(Protocol):
-    def state_dict(self) -> Any: ...
+    """A registered state: optimizers, schedulers, the grad scaler, the train state, the EMA."""
 
-    def load_state_dict(self, state: Any) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> object: ...
 
 
 class Checkpointer:
@@ -85,7 +88,7 @@ class Checkpointer:
         self,
         cfg: Config,
         paths: rundir.RunPaths,
-        model: Any,
+        model: torch.nn.Module,
         states: Mapping[str, Stateful],
         progress: TrainState,
         steps_per_epoch: int,
@@ -203,7 +206,7 @@ class Checkpointer:
             else:
                 self._write_now(rngs, failed)
 
-    def _write_sharded(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+    def _write_sharded(self, rngs: list[RngState] | None, retry_of: str | None) -> None:
         """Collective: the sharded save written now (``_sharded_save``); a failure fails the job
         on every rank."""
         if dist.rank() == 0 and retry_of:
@@ -222,7 +225,7 @@ class Checkpointer:
                 transitions.report(self.paths, checkpoint_error=error)
             raise CheckpointWriteError(error)
 
-    def _start_sharded(self, rngs: list[Any] | None) -> None:
+    def _start_sharded(self, rngs: list[RngState] | None) -> None:
         """Every rank: copy its shards (and rank 0 the small states) now, and write them on a
         background thread that talks over its own process group, while the loop goes on."""
         step, meta = self.progress.global_step, {**self._meta(), "format": DCP}
@@ -240,9 +243,9 @@ class Checkpointer:
         self,
         step: int,
         meta: dict[str, Any],
-        shards: Any,
+        shards: dict[str, Any] | None,
         files: dict[str, Any] | None,
-        comm: Any,
+        comm: Subgroup | _Main,
         retry_of: str | None,
     ) -> str | None:
         """Collective over ``comm``: every rank writes its shards (``shards``, or the live state
@@ -279,7 +282,7 @@ class Checkpointer:
         self,
         step: int,
         folder: str,
-        parts: list[Any],
+        parts: list[tuple[dict[str, dict[str, Any]], str | None, int]],
         files: dict[str, Any],
         meta: dict[str, Any],
         retry_of: str | None,
@@ -330,7 +333,7 @@ class Checkpointer:
             )
         return outcome.error
 
-    def _start_write(self, rngs: list[Any] | None) -> None:
+    def _start_write(self, rngs: list[RngState] | None) -> None:
         """Rank 0: snapshot the state and commit it on the background thread."""
         step = self.progress.global_step
         files, meta = self._stamped(self._files(rngs), self._meta(), identity.new_id(), step)
@@ -362,7 +365,7 @@ class Checkpointer:
             transitions.report(self.paths, checkpoint_error=message)
         return message
 
-    def _write_now(self, rngs: list[Any] | None, retry_of: str | None) -> None:
+    def _write_now(self, rngs: list[RngState] | None, retry_of: str | None) -> None:
         """Collective: rank 0 commits before anyone goes on; a failure fails the job on every
         rank."""
         error = None
@@ -400,7 +403,7 @@ class Checkpointer:
             f"{type(cause).__name__}: {cause}"
         )
 
-    def _files(self, rngs: list[Any] | None) -> dict[str, Any]:
+    def _files(self, rngs: list[RngState] | None) -> dict[str, Any]:
         train_state = {name: obj.state_dict() for name, obj in self.states.items()}
         train_state.update(rng=rngs, world_size=dist.world())  # one RNG entry per rank
         if self.sharded is not None:

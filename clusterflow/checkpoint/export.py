@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.sharded import plain_errors
+from clusterflow.config.job_config import Config
 from clusterflow.config.sections import is_url
 from clusterflow.errors import RunFailed, UserError, cli
 from clusterflow.rundir import preflight, saved_config
@@ -44,7 +45,7 @@ FORMATS = {".pt": "pt", ".pth": "pt", ".safetensors": "safetensors"}  # by OUT's
 _STEP_FOLDER = re.compile(r"^step-(\d+)$")
 
 
-def _config(run_dir: str) -> Any:
+def _config(run_dir: str) -> Config:
     cfg = saved_config.read(run_dir, set_aside=False)
     if cfg is None:
         raise UserError(
@@ -206,7 +207,7 @@ def check_out(out: str, run_dir: str, checkpoint_dir: str, force: bool) -> None:
     preflight.check_local_dir("OUT's folder", os.path.dirname(os.path.abspath(out)))
 
 
-def _write(out: str, payload: Any) -> None:
+def _write(out: str, payload: dict[str, torch.Tensor] | bytes) -> None:
     """Write OUT atomically; any failure is one line (UserError) and leaves nothing at OUT."""
     try:
         durable.write_atomic(out, payload, codec=TORCH)

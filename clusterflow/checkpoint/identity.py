@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import uuid
 from collections import OrderedDict
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from clusterflow.checkpoint import sharded
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
@@ -58,13 +59,13 @@ def stamp(files: Mapping[str, Any], ident: str, step: int) -> dict[str, Any]:
     return out
 
 
-def _carried(name: str, obj: Any) -> Any:
+def _carried(name: str, obj: object) -> object:
     if name == MODEL:
         return (getattr(obj, "_metadata", None) or {}).get(MODEL_KEY)
     return obj.get(STATE_KEY) if isinstance(obj, dict) else None
 
 
-def mismatch(name: str, carried: Any, ident: str, step: int) -> str | None:
+def mismatch(name: str, carried: object, ident: str, step: int) -> str | None:
     """Why ``name``, carrying ``carried``, is not a file of checkpoint ``ident`` of ``step``."""
     if carried == tag(ident, step):
         return None

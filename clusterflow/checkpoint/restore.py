@@ -21,12 +21,13 @@ import copy
 import dataclasses
 import json
 import logging
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
 from clusterflow import config as cfgmod
-from clusterflow.checkpoint.rng import capture_rng, restore_rng
+from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
@@ -151,7 +152,9 @@ class Restorer:
             )
             return True
 
-    def _apply(self, saved: Mapping[str, Any], rng: Any) -> tuple[str, Callable[[], None] | None]:
+    def _apply(
+        self, saved: Mapping[str, Any], rng: RngState | None
+    ) -> tuple[str, Callable[[], None] | None]:
         """Apply the registered states and this rank's RNG. Returns (problem, undo): on a problem
         nothing is changed; otherwise ``undo`` puts them back (another rank may still refuse)."""
         parts = self._parts(saved)
@@ -174,7 +177,7 @@ class Restorer:
             return f"train_state.pt does not fit this run ({type(exc).__name__}: {exc})", None
         return "", undo
 
-    def _parts(self, saved: Any) -> dict[str, Any]:
+    def _parts(self, saved: object) -> dict[str, Any]:
         """Each registered state's saved form; ValueError when one is missing."""
         if not isinstance(saved, dict):
             raise ValueError(
@@ -196,7 +199,7 @@ class Restorer:
 
     def _read(
         self, skipped: set[int], damaged: dict[int, str]
-    ) -> tuple[Found, Any, Any, BaseException | None]:
+    ) -> tuple[Found, dict[str, Any] | None, list[RngState] | None, BaseException | None]:
         """Rank 0: finish what a killed writer left, then the newest committed step (not in
         ``skipped``) that verifies and fits; each one that does not goes into ``damaged``.
         Returns (what every rank needs to know, the state without RNG, each rank's RNG, rank 0's
@@ -266,7 +269,7 @@ class Restorer:
             f"them aside ({aside}) and launch the run again, or use a new run.dir"
         )
 
-    def _check_format(self, manifest: Mapping[str, Any], model_state: Any) -> None:
+    def _check_format(self, manifest: Mapping[str, Any], model_state: object) -> None:
         """ValueError unless the checkpoint is of this run's kind (sharded or one model.pt) and,
         for one model.pt, fits the model (a sharded one is checked by every rank as it loads)."""
         sharded = manifest.get("format") == DCP
@@ -300,7 +303,7 @@ class Restorer:
             )
 
 
-def check_fits(model: Any, state: Any) -> None:
+def check_fits(model: torch.nn.Module, state: object) -> None:
     """ValueError unless ``state`` has exactly the model's keys, each a tensor of its shape, so
     that ``load_state_dict`` cannot fail half-way (it copies matching entries before it raises)."""
     if state is None:

@@ -9,6 +9,10 @@ from typing import Any
 import numpy as np
 import torch
 
+# One rank's random streams by source ("python", "numpy", "torch", "cuda"), in plain lists and
+# tensors that torch.load(weights_only=True) reads.
+RngState = dict[str, Any]
+
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
@@ -22,10 +26,10 @@ def rank_seed(run_seed: int, rank: int) -> int:
     return (run_seed * 1_000_003 + rank * 7919) % 2**31
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rng() -> RngState:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
-    out: dict[str, Any] = {
+    out: RngState = {
         "python": [py_version, list(py_state), py_gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
@@ -35,7 +39,7 @@ def capture_rng() -> dict[str, Any]:
     return out
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     v, s, g = state["python"]
     random.setstate((v, tuple(s), g))
     kind, keys, pos, has_gauss, cached = state["numpy"]

@@ -22,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed import ProcessGroup
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -41,7 +44,7 @@ METADATA = ".metadata"  # DCP's global plan, written by rank 0
 TAGS = "checkpoint"  # the DCP state's entry of each rank's id and step: checkpoint.rank<R>
 
 
-def _clone(obj: Any) -> Any:
+def _clone(obj: object) -> Any:
     """The same nesting with every tensor copied (DTensors keep their sharding)."""
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
@@ -57,7 +60,7 @@ class ShardedState:
     they are registered under: optimizers over its parameters, and states whose ``state_dict``
     holds DTensors sharded like them (the EMA weights)."""
 
-    def __init__(self, model: Any, states: Mapping[str, Any]) -> None:
+    def __init__(self, model: torch.nn.Module, states: Mapping[str, Any]) -> None:
         self.model, self.states = model, dict(states)
 
     def state_dict(self) -> dict[str, Any]:
@@ -80,8 +83,8 @@ class ShardedState:
         self,
         folder: str,
         fsync: bool,
-        state: Any = None,
-        group: Any = None,
+        state: dict[str, Any] | None = None,
+        group: ProcessGroup | None = None,
         tag: Mapping[str, Any] | None = None,
     ) -> dict[str, dict[str, Any]]:
         """Collective (over ``group``, default: the default group): write this rank's shards
@@ -125,14 +128,16 @@ class _Writer(dcp.FileSystemWriter):
         super().__init__(folder, single_file_per_rank=True, sync_files=fsync, thread_count=1)
         self.ident = ident
 
-    def storage_meta(self) -> Any:
+    def storage_meta(self) -> StorageMeta | None:
         meta = super().storage_meta()
         if self.ident is not None and meta is not None:
             meta.save_id = self.ident
         return meta
 
 
-def carried(folder: str, files: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+def carried(
+    folder: str, files: Mapping[str, Any]
+) -> tuple[str | None, dict[str, dict[str, Any] | None]]:
     """(the save id ``.metadata`` records, each ``.distcp`` file in ``files`` -> the tag it holds,
     None for none), read in this process. ValueError when ``.metadata`` names a file that
     ``files`` (the manifest) does not list, or when they cannot be read."""

@@ -30,8 +30,9 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -44,19 +45,19 @@ class TornSnapshot(RuntimeError):
 
 @dataclass(eq=False)
 class Snapshot:
-    skeleton: Any
+    skeleton: Any  # tree.flatten's skeleton of the state
     paths: list[str]  # each tensor's place in the state, for messages
-    sources: list[Any]  # the live tensors, held until copied
-    copies: list[Any]
+    sources: list[torch.Tensor]  # the live tensors, held until copied
+    copies: list[torch.Tensor | None]
     # A tensor that is another one's view -> that one.
     alias: dict[int, int] = field(default_factory=dict)
     # Sparse, subclassed or on a second GPU: copied at once, no buffer.
     odd: set[int] = field(default_factory=set)
     rest: list[int] = field(default_factory=list)  # copied by the writer's thread
     versions: dict[int, int] = field(default_factory=dict)
-    device: Any = None  # the GPU of the state's CUDA tensors, if any
-    ready: Any = None  # CUDA event on the training stream at the boundary
-    done: Any = None  # CUDA event on the side stream after the last copy
+    device: torch.device | None = None  # the GPU of the state's CUDA tensors, if any
+    ready: torch.cuda.Event | None = None  # CUDA event on the training stream at the boundary
+    done: torch.cuda.Event | None = None  # CUDA event on the side stream after the last copy
     copied: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
     checked: bool = False
@@ -64,22 +65,22 @@ class Snapshot:
     torn: str = ""
 
 
-def _version(t: Any) -> int | None:
+def _version(t: torch.Tensor) -> int | None:
     try:
         return t._version
     except RuntimeError:  # inference tensors keep no version counter
         return None
 
 
-def _plain(t: Any) -> bool:
+def _plain(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
 class Staging:
-    def __init__(self, model: Any, optimizers: Iterable[Any]) -> None:
+    def __init__(self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         self.model, self.optimizers = model, list(optimizers)
-        self._buffers: dict[str, Any] = {}
-        self._streams: dict[Any, Any] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: Snapshot | None = None
         # Time the loop waited in the hook, summed until read (and reset) by the owner.
         self.gate_s = 0.0
@@ -91,8 +92,9 @@ class Staging:
         self._hooks, self._buffers, self._pending = [], {}, None
 
     # -- on the loop's thread -----------------------------------------------------------------
-    def take(self, state: Any) -> Snapshot:
-        """Start a snapshot of ``state`` (nested dicts/lists of tensors and small objects)."""
+    def take(self, state: dict[str, Any]) -> Snapshot:
+        """Start a snapshot of ``state`` (file name -> nested dicts/lists of tensors and small
+        objects, as the checkpointer commits them)."""
         skeleton, tensors = tree.flatten(state)
         paths = [s.path for s in tree.slots(skeleton)]
         snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
@@ -137,12 +139,12 @@ class Staging:
         self._pending = snap
         return snap
 
-    def _gate(self, *_: Any) -> None:
+    def _gate(self, *_: object) -> None:
         """Optimizer step pre-hook: the step changes deferred tensors, so they must be copied
         first."""
         snap = self._pending
         if snap is None or snap.gated:
-            return None
+            return
         t0 = time.perf_counter()
         snap.copied.wait()
         self._check(snap)  # before this step's kernels are queued (on a GPU the copy may still run)
@@ -150,7 +152,7 @@ class Staging:
             torch.cuda.current_stream(snap.device).wait_event(snap.done)
         snap.gated = True
         self.gate_s += time.perf_counter() - t0
-        return None
+        return
 
     # -- on the writer's thread ---------------------------------------------------------------
     def copy_rest(self, snap: Snapshot) -> None:
@@ -165,7 +167,7 @@ class Staging:
         finally:
             snap.copied.set()  # never leave the loop waiting, even when a copy failed
 
-    def result(self, snap: Snapshot) -> Any:
+    def result(self, snap: Snapshot) -> dict[str, Any]:
         """The state as host copies, once every copy is done; raises TornSnapshot."""
         if snap.done is not None:
             snap.done.synchronize()
@@ -197,7 +199,7 @@ class Staging:
                     buf.copy_(t)
                 snap.copies[i] = buf
 
-    def _buffer(self, path: str, t: Any) -> Any:
+    def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
         # t's layout when dense, else contiguous.
         stride = torch.empty_like(t, device="meta").stride()
@@ -206,7 +208,7 @@ class Staging:
             self._buffers[path] = buf
         return buf
 
-    def _stream(self, device: Any) -> Any:
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device=device)
         return self._streams[device]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from typing import Any
 
 from clusterflow.errors import RunFailed
 
@@ -32,7 +31,7 @@ def cause(exc: BaseException | None) -> OSError | None:
     return None
 
 
-def payload_bytes(obj: Any) -> int:
+def payload_bytes(obj: object) -> int:
     """About how many bytes ``obj`` takes on disk: its tensors' and byte strings' sizes."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):
         return int(obj.numel() * obj.element_size())

@@ -26,18 +26,42 @@ import io
 import os
 import threading
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from types import TracebackType
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from clusterflow.storage import diskfull
+
+if TYPE_CHECKING:
+    from fsspec import AbstractFileSystem
 
 _CHUNK = 16 << 20  # bytes per write/read: large enough to amortise, small enough to overlap
 # The algorithms a record may name; new files get the first one available.
 HASHES = ("blake3", "sha256")
 
+# What a write appends: raw payloads are bytes; torch.save hands memoryviews of its buffers.
+Chunk = bytes | bytearray | memoryview
 
-def new_hash(algorithm: str | None = None, threads: bool = False) -> tuple[str, Any]:
+
+class Hasher(Protocol):
+    """hashlib's sha256 and blake3's hasher alike."""
+
+    def update(self, data: Chunk, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+class Sink(Protocol):
+    """What a codec's ``dump`` writes into: it only appends, through ``write``."""
+
+    def write(self, data: Chunk, /) -> int: ...
+
+    def flush(self) -> None: ...
+
+
+def new_hash(algorithm: str | None = None, threads: bool = False) -> tuple[str, Hasher]:
     """(name, hasher) for new files (``algorithm=None``) or for checking a record. ``threads``:
     BLAKE3 on every core, for a reader that waits for the digest (while writing, one core hashes
     beside the writer and leaves the others to the training loop)."""
@@ -75,12 +99,13 @@ class Codec:
     through ``write``; ``load(path_or_binary_file)``. ``versions``: the software that wrote the
     file, for the checkpoint's manifest."""
 
-    dump: Callable[[Any, Any], None]
-    load: Callable[[Any], Any]
+    dump: Callable[[object, Sink], None]
+    # Returns what the file holds (a nested state of tensors), inspected by its reader.
+    load: Callable[[str | IO[bytes]], Any]
     versions: Mapping[str, str] = field(default_factory=dict)
 
 
-def _dumper(payload: Any, codec: Codec | None) -> Callable[[Any, Any], None]:
+def _dumper(payload: object, codec: Codec | None) -> Callable[[object, Sink], None]:
     if codec is None:
         raise TypeError(
             f"a {type(payload).__name__} is written through a codec (storage.tensors.TORCH); "
@@ -97,11 +122,11 @@ class _HashingWriter:
     (hashing them later, after the write returned, gives a wrong digest).
     """
 
-    def __init__(self, f: Any, pool: ThreadPoolExecutor) -> None:
+    def __init__(self, f: IO[bytes], pool: ThreadPoolExecutor) -> None:
         self.f, self.pool, self.size = f, pool, 0
         self.algorithm, self.sha = new_hash()
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Chunk) -> int:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _CHUNK):
             part = view[start : start + _CHUNK]
@@ -168,10 +193,15 @@ class _TailHasher:
         except BaseException as exc:  # noqa: BLE001 - re-raised by digest()
             self.error = exc
 
-    def __enter__(self) -> "_TailHasher":
+    def __enter__(self) -> _TailHasher:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if self.thread.is_alive():  # an error in the writer: stop the reader before closing its fd
             with self.cond:
                 self.closed = True
@@ -185,10 +215,10 @@ class _AppendOnly:
     """An unbuffered file seen by torch.save: every byte reaches the kernel before write returns
     (so the tail hasher may read it), partial writes are retried, and the length is counted."""
 
-    def __init__(self, f: Any, tail: _TailHasher) -> None:
+    def __init__(self, f: io.FileIO, tail: _TailHasher) -> None:
         self.f, self.tail, self.size = f, tail, 0
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Chunk) -> int:
         view = memoryview(data).cast("B")
         done = 0
         while done < len(view):
@@ -202,7 +232,11 @@ class _AppendOnly:
 
 
 def write_file(
-    path: str, payload: Any, fsync: bool = True, fs: Any = None, codec: Codec | None = None
+    path: str,
+    payload: object,
+    fsync: bool = True,
+    fs: AbstractFileSystem | None = None,
+    codec: Codec | None = None,
 ) -> dict[str, Any]:
     """Write ``payload`` (bytes, str, or any object ``codec`` dumps) to ``path``; returns the
     record ``{"size": N, ALGORITHM: HEX}``. ``fs``: the fsspec filesystem of a remote path, None
@@ -245,7 +279,7 @@ def write_file(
 
 def write_atomic(
     target: str,
-    payload: Any,
+    payload: object,
     fsync: bool = True,
     make_folder: bool = True,
     codec: Codec | None = None,
@@ -319,7 +353,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def hash_file(path: str, algorithm: str, fs: Any = None) -> str:
+def hash_file(path: str, algorithm: str, fs: AbstractFileSystem | None = None) -> str:
     _, sha = new_hash(algorithm, threads=True)
     if fs is not None:
         with fs.open(path, "rb") as f:
@@ -338,15 +372,19 @@ def hash_file(path: str, algorithm: str, fs: Any = None) -> str:
 
 
 def load_checked(
-    name: str, path: str, info: Mapping[str, Any], codec: Codec, fs: Any = None
+    name: str,
+    path: str,
+    info: Mapping[str, Any],
+    codec: Codec,
+    fs: AbstractFileSystem | None = None,
 ) -> Any:
-    """``codec.load`` one file while a second thread checks its digest; raises ValueError if
-    damaged."""
+    """``codec.load`` one file (what it holds) while a second thread checks its digest; raises
+    ValueError if damaged."""
     algorithm, expected = recorded_digest(info)
     with ThreadPoolExecutor(1) as pool:
         if fs is None:  # both read the file from the page cache: no copy of it in memory
             hashing = pool.submit(hash_file, path, algorithm)
-            source: Any = path
+            source: str | IO[bytes] = path
         else:  # download once; hash and unpickle the same bytes
             with fs.open(path, "rb") as f:
                 data = f.read()

@@ -21,11 +21,11 @@ _DIGEST = re.compile(r"^[0-9a-f]{64}$")  # sha256 and blake3 (its default 32-byt
 _ID = re.compile(r"^[0-9a-f]{32}$")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_entry(name: Any, info: Any) -> None:
+def _check_entry(name: object, info: object) -> None:
     if not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name:
         raise ValueError(f"the manifest names a file that is not in its folder: {name!r}")
     if not isinstance(info, dict):
@@ -43,7 +43,7 @@ def _check_entry(name: Any, info: Any) -> None:
         )
 
 
-def check(manifest: Any, step: int | None = None) -> dict[str, Any]:
+def check(manifest: object, step: int | None = None) -> dict[str, Any]:
     """``manifest`` itself when its schema holds, else ValueError naming the first lie.
     ``step``: the step of the folder it was read from (``step-<N>``), when known."""
     if not isinstance(manifest, dict):

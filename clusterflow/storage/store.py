@@ -51,8 +51,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import fsspec
 
@@ -561,7 +562,9 @@ class CheckpointStore:
         return next(self.candidates(), None)
 
 
-def _check_digest(name: str, path: str, info: Mapping[str, Any], fs: Any) -> None:
+def _check_digest(
+    name: str, path: str, info: Mapping[str, Any], fs: fsspec.AbstractFileSystem | None
+) -> None:
     algorithm, expected = durable.recorded_digest(info)
     if durable.hash_file(path, algorithm, fs) != expected:
         raise ValueError(

@@ -9,21 +9,21 @@ CheckpointStore` and to ``durable.write_atomic``; the login side never imports t
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import IO, Any
 
 import torch
 
 from clusterflow.storage.durable import Codec
 
 
-def _load(source: Any) -> Any:
+def _load(source: str | IO[bytes]) -> Any:
     return torch.load(source, map_location="cpu", weights_only=True)
 
 
 TORCH = Codec(dump=torch.save, load=_load, versions={"torch": torch.__version__})
 
 
-def serialize(obj: Any) -> bytes:
+def serialize(obj: object) -> bytes:
     """``obj`` as the bytes ``torch.save`` writes."""
     buf = io.BytesIO()
     torch.save(obj, buf)
