@@ -17,7 +17,7 @@ full state dict of the final ``model.pt`` (:func:`full_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, overload
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -101,6 +101,14 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
     if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+@overload
+def local(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]: ...
+
+
+@overload
+def local(tensors: Iterable[object]) -> Iterator[object]: ...
 
 
 def local(tensors: Iterable[object]) -> Iterator[object]:
