@@ -1,8 +1,9 @@
 """The process group and the collectives clusterflow uses, with single-process defaults.
 
 ``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
-exists, so the same code runs as one process. Nothing else in clusterflow calls
-``torch.distributed``: what mining, the k-NN search and the losses need lives here. It imports
+exists, so the same code runs as one process. Nothing outside ``dist`` calls a collective of
+``torch.distributed`` itself (FSDP and DCP run their own): what mining, the k-NN search and the
+losses need lives here, the groups with their own timeout in ``groups.py``. It imports
 torch, so the login side never imports it (the forbidden contract in pyproject.toml): what a
 launcher needs (ports, nodelists) is in ``env.py``.
 
