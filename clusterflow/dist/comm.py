@@ -1,8 +1,9 @@
 """The process group and the collectives clusterflow uses, with single-process defaults.
 
 ``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
-exists, so the same code runs as one process. Nothing else in clusterflow calls
-``torch.distributed``: what mining, the k-NN search and the losses need lives here. It imports
+exists, so the same code runs as one process. Nothing outside ``dist`` calls a collective of
+``torch.distributed`` itself (FSDP and DCP run their own): what mining, the k-NN search and the
+losses need lives here, the groups with their own timeout in ``groups.py``. It imports
 torch, so the login side never imports it (the forbidden contract in pyproject.toml): what a
 launcher needs (ports, nodelists) is in ``env.py``.
 
@@ -17,6 +18,8 @@ import math
 import time
 from typing import Any, Iterator, Mapping, Sequence
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as tdist
 
@@ -36,7 +39,7 @@ def pick_backend(requested: str = "auto") -> str:
     return requested
 
 
-def device_for(env: DistEnv, backend: str) -> Any:
+def device_for(env: DistEnv, backend: str) -> torch.device:
     """One device per local rank. When Slurm binds one GPU per task, CUDA sees only index 0,
     so the local rank is taken modulo the visible devices."""
     if backend == "nccl" or (backend != "gloo" and torch.cuda.is_available()):
@@ -46,7 +49,7 @@ def device_for(env: DistEnv, backend: str) -> Any:
     return torch.device("cpu")
 
 
-def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
+def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> torch.device:
     """Join the process group (when there is more than one rank) and return this rank's device."""
     backend = pick_backend(backend)
     device = device_for(env, backend)
@@ -62,7 +65,7 @@ def init(env: DistEnv, backend: str = "auto", timeout_s: int = 600) -> Any:
     return device
 
 
-def init_alone(device: Any) -> None:
+def init_alone(device: torch.device) -> None:
     """A process group of this one process, when there is none (one rank needs no group, but
     FSDP's device mesh and DCP do); in memory, no port. ``shutdown`` ends it."""
     if not tdist.is_initialized():
@@ -101,7 +104,7 @@ def barrier() -> None:
 # Python objects and numbers
 
 
-def broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: object, src: int = 0) -> Any:
     """Rank ``src``'s object on every rank (pickled; for configs, labels and small state)."""
     if not initialized():
         return obj
@@ -110,7 +113,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
+def gather_object(obj: object, dst: int = 0) -> list[Any] | None:
     """Every rank's object on rank ``dst`` (None elsewhere)."""
     if not initialized():
         return [obj]
@@ -119,7 +122,7 @@ def gather_object(obj: Any, dst: int = 0) -> list[Any] | None:
     return out
 
 
-def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
+def scatter_object(objs: list[object] | None, src: int = 0) -> Any:
     """Rank r's entry of rank ``src``'s list ``objs`` (pickled; small objects such as one RNG state
     per rank)."""
     if not initialized():
@@ -129,7 +132,7 @@ def scatter_object(objs: list[Any] | None, src: int = 0) -> Any:
     return out[0]
 
 
-def collective_device() -> Any:
+def collective_device() -> torch.device:
     """Where the default group's tensors must live: NCCL reduces only CUDA tensors, gloo CPU
     ones."""
     return (
@@ -140,7 +143,7 @@ def collective_device() -> Any:
 
 
 def all_reduce_dict(
-    metrics: Mapping[str, float], op: str = "sum", device: Any = None
+    metrics: Mapping[str, float], op: str = "sum", device: torch.device | None = None
 ) -> dict[str, float]:
     """Reduce a dict of numbers across ranks in one collective (sum, mean or max)."""
     if not metrics:
@@ -157,10 +160,10 @@ def all_reduce_dict(
     return dict(zip(keys, t.tolist()))
 
 
-def all_reduce_sum(values: Any, device: Any = None) -> Any:
+def all_reduce_sum(
+    values: npt.ArrayLike, device: torch.device | None = None
+) -> npt.NDArray[np.float64]:
     """Element-wise float64 sum of a 1-D array across ranks (a numpy array comes back)."""
-    import numpy as np
-
     values = np.asarray(values, dtype=np.float64)
     if not initialized():
         return values
@@ -169,7 +172,7 @@ def all_reduce_sum(values: Any, device: Any = None) -> Any:
     return t.cpu().numpy()
 
 
-def any_rank(flag: bool, device: Any = None) -> bool:
+def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     """True on every rank when it is true on at least one (one tiny all-reduce)."""
     if not initialized():
         return bool(flag)
@@ -180,7 +183,7 @@ def any_rank(flag: bool, device: Any = None) -> bool:
 # Tensors
 
 
-def broadcast_tensor(t: Any, src: int) -> Any:
+def broadcast_tensor(t: torch.Tensor, src: int) -> torch.Tensor:
     """``t`` filled in place with rank ``src``'s values."""
     if initialized():
         tdist.broadcast(t, src=src)
@@ -192,7 +195,9 @@ def broadcast_tensor(t: Any, src: int) -> Any:
 _BUCKET = 16 << 20
 
 
-def _buckets(specs: list[tuple[tuple[int, ...], Any]]) -> list[list[tuple[int, int, int]]]:
+def _buckets(
+    specs: list[tuple[tuple[int, ...], torch.dtype]],
+) -> list[list[tuple[int, int, int]]]:
     """(index, offset, nbytes) of each tensor, grouped into buckets; offsets aligned for any
     dtype's view."""
     out: list[list[tuple[int, int, int]]] = [[]]
@@ -207,7 +212,7 @@ def _buckets(specs: list[tuple[tuple[int, ...], Any]]) -> list[list[tuple[int, i
     return [b for b in out if b]
 
 
-def broadcast_state(obj: Any, src: int = 0) -> Any:
+def broadcast_state(obj: object, src: int = 0) -> Any:
     """Rank ``src``'s nested state (dicts and lists of tensors and small objects) on every rank,
     with CPU tensors. Only the structure and the small objects are pickled (``tree.flatten``); the
     tensors travel as byte buckets of up to 16 MiB, never as a pickle of the whole state."""
@@ -219,7 +224,7 @@ def broadcast_state(obj: Any, src: int = 0) -> Any:
         (skeleton, [(tuple(t.shape), t.dtype) for t in tensors]), src
     )
     device = collective_device()
-    received: list[Any] = []
+    received: list[torch.Tensor] = []
     buckets = _buckets(specs)
     # One buffer for every bucket: a fresh buffer per bucket costs page faults on both sides.
     whole = torch.empty(
@@ -250,7 +255,7 @@ def waited_s() -> float:
     return _WAITED_S[0]
 
 
-def all_gather_tensors(t: Any) -> list[Any]:
+def all_gather_tensors(t: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's ``t`` (same shape on each), in rank order."""
     if not initialized():
         return [t]
@@ -277,7 +282,7 @@ def batch_rows(rows: Sequence[int]) -> Iterator[None]:
         _BATCH_ROWS = before
 
 
-def rows_of_ranks(t: Any) -> tuple[int, ...]:
+def rows_of_ranks(t: torch.Tensor) -> tuple[int, ...]:
     """Every rank's number of rows of ``t`` (a tensor of k rows per sample of this rank's part of
     the micro-batch in training, e.g. two views each), or ``t``'s rows on every rank outside
     training."""
@@ -293,7 +298,7 @@ def rows_of_ranks(t: Any) -> tuple[int, ...]:
     return tuple(r * per for r in _BATCH_ROWS)
 
 
-def all_gather_rows(t: Any) -> list[Any]:
+def all_gather_rows(t: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's rows of ``t`` (a tensor over this rank's samples of the micro-batch in
     training, shape (rows, ...)), in rank order, where ranks may hold different numbers of rows:
     they are padded to the largest count for the collective and trimmed on arrival."""
@@ -306,7 +311,7 @@ def all_gather_rows(t: Any) -> list[Any]:
     return [part[:r] for part, r in zip(all_gather_tensors(padded), rows)]
 
 
-def all_reduce_tensor(t: Any) -> Any:
+def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over ranks, in place."""
     if initialized():
         t0 = time.perf_counter()
@@ -315,13 +320,13 @@ def all_reduce_tensor(t: Any) -> Any:
     return t
 
 
-def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) -> Any:
+def gather_rows(
+    indices: np.ndarray, rows: np.ndarray, n: int, dim: int, dtype: npt.DTypeLike = None
+) -> np.ndarray | None:
     """Rank 0 receives every rank's rows and places them by index into an (n, dim) array; the
     others get None and keep O(shard) memory. Indices travel with the rows, so uneven or
     padded shards can never shift a row (the collective needs equal sizes: gloo refuses uneven
     ones, so shards are padded with index -1 and trimmed on arrival)."""
-    import numpy as np
-
     dtype = np.dtype(dtype or np.float32)
     if not initialized():
         full = np.zeros((n, dim), dtype)
@@ -354,14 +359,12 @@ def gather_rows(indices: Any, rows: Any, n: int, dim: int, dtype: Any = None) ->
     return full
 
 
-def exchange(parts: list[Any], rows: list[int] | None = None) -> list[Any]:
+def exchange(parts: list[np.ndarray], rows: list[int] | None = None) -> list[np.ndarray]:
     """All-to-all of numpy arrays: ``parts[r]`` goes to rank r, and entry r of the result is what
     rank r sent here. Every array has one dtype and one shape past the first axis on every rank;
     lengths may differ (zero too). The lengths travel first, unless ``rows`` gives them (how many
     rows each rank sends here: a reply to a request of known size), then one
     ``all_to_all_single``."""
-    import numpy as np
-
     if not initialized():
         return [np.asarray(parts[0])]
     parts = [np.ascontiguousarray(p) for p in parts]
@@ -387,7 +390,7 @@ def exchange(parts: list[Any], rows: list[int] | None = None) -> list[Any]:
     return [a.reshape(-1, *tail) for a in np.split(host, ends)]
 
 
-def ring_pass(send: list[Any], recv: list[Any], tag: int = 0) -> list[Any]:
+def ring_pass(send: list[torch.Tensor], recv: list[torch.Tensor], tag: int = 0) -> list[tdist.Work]:
     """Start sending ``send`` (tensors) to the next rank and receiving ``recv`` (tensors to fill)
     from the previous one, in a ring; returns the pending works (``wait_all``). Empty tensors are
     not sent: both sides know the sizes. ``tag`` tells apart passes that are in flight at once."""
@@ -400,6 +403,6 @@ def ring_pass(send: list[Any], recv: list[Any], tag: int = 0) -> list[Any]:
     return tdist.batch_isend_irecv(ops) if ops else []
 
 
-def wait_all(works: list[Any]) -> None:
+def wait_all(works: list[tdist.Work]) -> None:
     for w in works:
         w.wait()

@@ -1,6 +1,6 @@
 """Process groups of their own, for waits that must not share the default group's timeout or its
 queue: the mining wait (ranks wait while rank 0 searches) and the stop agreement (an all-reduce
-started at one step and read at the next). Re-exported by ``dist``; torch is imported lazily.
+started at one step and read at the next).
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 import torch.distributed as tdist
 
@@ -19,20 +21,20 @@ class Subgroup:
     in it while rank 0 runs the k-NN search). Collective to create: every rank, same order."""
 
     def __init__(self, timeout_s: int) -> None:
-        self.group = None
+        self.group: tdist.ProcessGroup | None = None
         if dist.initialized():
             self.group = tdist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
             )
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+    def broadcast_object(self, obj: object, src: int = 0) -> Any:
         if self.group is None:
             return obj
         box = [obj]
         tdist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
-    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+    def gather_object(self, obj: object, dst: int = 0) -> list[Any] | None:
         """Every rank's ``obj`` on ``dst`` (None elsewhere)."""
         if self.group is None:
             return [obj]
@@ -40,7 +42,9 @@ class Subgroup:
         tdist.gather_object(obj, out, dst=dst, group=self.group)
         return out
 
-    def broadcast_array(self, values: Any, n: int, src: int = 0) -> Any:
+    def broadcast_array(
+        self, values: npt.NDArray[np.int64] | None, n: int, src: int = 0
+    ) -> npt.NDArray[np.int64]:
         """Rank ``src``'s int64 array of length ``n`` on every rank (``values`` is ignored
         elsewhere)."""
         if self.group is None:
@@ -61,7 +65,7 @@ class AsyncMax:
         self.group = Subgroup(timeout_s).group
         self._buf = torch.zeros(size, dtype=torch.int64)
         self._view = self._buf.numpy()  # shares the buffer: reads and writes without a tensor call
-        self._work: Any = None
+        self._work: tdist.Work | None = None
         self.pending = False
 
     def start(self, *values: int) -> None:

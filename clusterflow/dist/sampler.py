@@ -29,12 +29,16 @@ the item before fetching it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from clusterflow.errors import UserError
+
+# An epoch's order of the indices: a permutation of range(n), as a tensor, an array or a list.
+Order = torch.Tensor | np.ndarray | Sequence[int]
 
 
 def shard_range(n: int, rank: int, world: int) -> range:
@@ -84,7 +88,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)
 
 
-def epoch_order(dataset: Any, seed: int, epoch: int) -> Any:
+def epoch_order(dataset: Dataset, seed: int, epoch: int) -> Order:
     """The epoch's order of every index of ``dataset`` (a tensor, array or list): its
     ``epoch_order(seed, epoch)`` when it has one (a permutation of ``range(len(dataset))``), else
     :func:`epoch_permutation`."""
@@ -167,7 +171,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         world: int,
         seed: int,
         grad_accum: int = 1,
-        order: Callable[[int, int], Any] | None = None,
+        order: Callable[[int, int], Order] | None = None,
     ) -> None:
         if batch_size % (world * grad_accum):
             raise ValueError(
@@ -226,11 +230,19 @@ class WithEpoch(Sampler[list[tuple[int, int]]]):
         return ([(epoch, i) for i in batch] for batch in self.batches)
 
 
+class EpochTask(Protocol):
+    """What :class:`EpochItems` asks of a task (``clusterflow.tasks.Task``, a layer above)."""
+
+    def train_dataset(self) -> Dataset: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+
 class EpochItems(Dataset):
     """The task's train dataset, fetched by (epoch, index): ``task.set_epoch`` runs in the fetching
     process (a persistent worker holds its own copy of the task) whenever the epoch changes."""
 
-    def __init__(self, task: Any) -> None:
+    def __init__(self, task: EpochTask) -> None:
         self.task, self.dataset, self.epoch = task, task.train_dataset(), None
 
     def __len__(self) -> int:

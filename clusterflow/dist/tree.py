@@ -11,6 +11,7 @@ pickled. Dict subclasses and their ``_metadata`` (what ``Module.state_dict`` att
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +31,16 @@ def _empty(d: dict) -> dict:
         return {}  # a dict subclass that needs arguments: its items are what matters
 
 
-def _is_tensor(obj: Any) -> bool:
+def _is_tensor(obj: object) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
-def flatten(obj: Any, path: str = "") -> tuple[Any, list[Any]]:
+def flatten(obj: object, path: str = "") -> tuple[Any, list[torch.Tensor]]:
     """(skeleton, tensors). Non-tensor leaves are kept as they are (``copy.deepcopy`` the skeleton
     to keep them from changing later)."""
-    tensors: list[Any] = []
+    tensors: list[torch.Tensor] = []
 
-    def walk(o: Any, where: str) -> Any:
+    def walk(o: object, where: str) -> Any:
         if _is_tensor(o):
             tensors.append(o)
             return Slot(len(tensors) - 1, where)
@@ -58,11 +59,11 @@ def flatten(obj: Any, path: str = "") -> tuple[Any, list[Any]]:
     return walk(obj, path), tensors
 
 
-def slots(skeleton: Any) -> list[Slot]:
+def slots(skeleton: object) -> list[Slot]:
     """Every slot of a skeleton, in tensor-list order."""
     found: list[Slot] = []
 
-    def walk(o: Any) -> None:
+    def walk(o: object) -> None:
         if isinstance(o, Slot):
             found.append(o)
         elif isinstance(o, dict):
@@ -76,7 +77,7 @@ def slots(skeleton: Any) -> list[Slot]:
     return sorted(found, key=lambda s: s.index)
 
 
-def unflatten(skeleton: Any, tensors: list[Any]) -> Any:
+def unflatten(skeleton: object, tensors: Sequence[torch.Tensor]) -> Any:
     """The skeleton with each slot replaced by ``tensors[slot.index]`` (containers are rebuilt)."""
     if isinstance(skeleton, Slot):
         return tensors[skeleton.index]

@@ -20,7 +20,6 @@ import os
 import sys
 import traceback
 from dataclasses import dataclass
-from typing import Any
 
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, TaskError, UserError
 
@@ -41,7 +40,7 @@ def _task_file(target: str) -> str | None:
     return os.path.realpath(path) if path else None
 
 
-def task_frame(exc: BaseException, target: str) -> Any:
+def task_frame(exc: BaseException, target: str) -> traceback.FrameSummary | None:
     """The outermost frame of ``exc``'s traceback in the task's module (the Task method clusterflow
     called: ``build_model``, ``loss``, ...), or None."""
     path = _task_file(target)

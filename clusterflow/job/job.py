@@ -15,7 +15,7 @@ import os
 import socket
 import sys
 import warnings
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -41,6 +41,9 @@ from clusterflow.tasks import Stopped, Task, load_task
 from clusterflow.train.preemption import REASONS, Preemption
 from clusterflow.train.trainer import Trainer
 
+if TYPE_CHECKING:
+    import submitit
+
 log = logging.getLogger("clusterflow")
 
 
@@ -58,7 +61,7 @@ class Job:
             )
         return outcome
 
-    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint(self, *args: object, **kwargs: object) -> submitit.helpers.DelayedSubmission:
         """submitit's requeue hook: state is on disk, so a fresh Job is all a requeue needs."""
         import submitit
 
@@ -95,7 +98,9 @@ def _warnings_to(whole_file: str) -> None:
     one line in the log (and so on rank 0's console), the whole warning with where it was raised
     in ``whole_file``."""
 
-    def show(message: Any, category: type, filename: str, lineno: int, *_: Any) -> None:
+    def show(
+        message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: object
+    ) -> None:
         text = str(message).strip()
         first = (text.splitlines() or [""])[0].split(_TORCH_WHERE)[0]
         try:
@@ -117,7 +122,7 @@ def _threads(env: DistEnv, environ: Mapping[str, str]) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
 
-def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: Any) -> int:
+def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: torch.device) -> int:
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
 
     # Every rank's process, so that `status` can tell a live run from one whose processes are all

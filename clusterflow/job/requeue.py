@@ -15,9 +15,10 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Mapping
 
 from clusterflow import rundir
+from clusterflow.dist.env import DistEnv
 from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
 from clusterflow.rundir import cancel_marker, transitions
 from clusterflow.rundir.states import State, StopReason
@@ -96,13 +97,13 @@ def decide(
 def after_stop(
     paths: rundir.RunPaths,
     outcome: str,
-    env: Any,
+    env: DistEnv,
     environ: Mapping[str, str],
     limit: int,
     signal_at: float | None,
 ) -> str:
     """Rank 0: record the outcome and carry out :func:`decide`'s action; returns the job's outcome.
-    ``env``: this job's DistEnv; ``environ``: the environment it was read from."""
+    ``env``: this job's; ``environ``: the environment it was read from."""
     # An array task is requeued as A_T: the bare array id would requeue every task of the array.
     job_id = (jobids.requeue_target(environ) or "") if env.source in ("slurm", "torchrun") else ""
     timeouts = 0

@@ -49,6 +49,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any, Callable, Mapping, Sequence
 
 from clusterflow import rundir
@@ -301,7 +302,7 @@ class Driver:
             f"from the newest checkpoint on {', '.join(p.nodes)}{out}"
         )
 
-    def _on_term(self, *_: Any) -> None:
+    def _on_term(self, signum: int, frame: FrameType | None) -> None:
         # Slurm signals the step itself; the driver waits for it to save and end, then stops.
         self.signalled = True
 

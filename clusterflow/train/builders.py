@@ -11,12 +11,14 @@ import math
 import warnings
 from typing import Any, Callable
 
+import fsspec
 import torch
 from safetensors.torch import load as safetensors_load
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.checkpoint import export
 from clusterflow.config.job_config import Config
+from clusterflow.config.sections import DistConfig, TrainConfig
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import MANIFEST
@@ -63,8 +65,8 @@ def build_model(
     return module, _ddp(module, device, cfg.dist)
 
 
-def _ddp(module: torch.nn.Module, device: torch.device, d: Any) -> DDP:
-    """DDP over ``module``; ``d``: the dist section. DDP rebuilds its buckets once, after an
+def _ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
+    """DDP over ``module``, as the dist section ``d`` says. DDP rebuilds its buckets once, after an
     attempt's first step, in the order gradients became ready; the layout decides in which order
     ranks' gradients are summed (with 3+ ranks), so a resumed attempt's first step would sum
     differently from the uninterrupted run's same step. DDP never rebuilds when it looks for
@@ -80,8 +82,7 @@ def _ddp(module: torch.nn.Module, device: torch.device, d: Any) -> DDP:
     )
 
 
-def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:
-    """``t``: the train section."""
+def build_optimizer(t: TrainConfig, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:
     lr = t.lr * lr_multiplier(t.lr_scaling, world)
     params = [p for p in module.parameters() if p.requires_grad]
     if t.optimizer == "adamw":
@@ -89,7 +90,9 @@ def build_optimizer(t: Any, module: torch.nn.Module, world: int) -> torch.optim.
     return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=t.weight_decay)
 
 
-def lr_schedule(t: Any, total_samples: int, trained: Callable[[], int]) -> Callable[[int], float]:
+def lr_schedule(
+    t: TrainConfig, total_samples: int, trained: Callable[[], int]
+) -> Callable[[int], float]:
     """Warm-up over ``train.warmup_steps`` steps, then constant or cosine to zero at the end of
     the run: the multiplier of step ``step``. The cosine's progress counts samples
     (``trained()`` of ``total_samples``), so a resume with another ``train.batch_size`` continues
@@ -120,8 +123,6 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     Tensors are matched by name and shape; the rest of the model keeps its fresh initialisation
     (a new classifier head, say). A file that matches nothing is an error, not a silent no-op.
     """
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(where)
     path = path.rstrip("/")
     if fs.isdir(path):
@@ -131,7 +132,9 @@ def init_weights(model: torch.nn.Module, where: str) -> None:
     _load_matching(model, sd, where, source)
 
 
-def _folder_weights(fs: Any, path: str, where: str) -> tuple[dict[str, Any], str]:
+def _folder_weights(
+    fs: fsspec.AbstractFileSystem, path: str, where: str
+) -> tuple[dict[str, Any], str]:
     """(state_dict, where it came from) of a folder named by ``task.init_from``."""
     run = RunPaths(path)
     if fs.exists(f"{path}/{MANIFEST}"):  # one checkpoints/step-N folder
@@ -169,7 +172,7 @@ def _folder_weights(fs: Any, path: str, where: str) -> tuple[dict[str, Any], str
     )
 
 
-def _file_weights(fs: Any, path: str, where: str) -> dict[str, Any]:
+def _file_weights(fs: fsspec.AbstractFileSystem, path: str, where: str) -> dict[str, Any]:
     """The state_dict in a model.pt (``torch.save``) or a safetensors file."""
     try:
         with fs.open(path, "rb") as f:

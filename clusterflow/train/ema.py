@@ -16,7 +16,7 @@ and the trained weights back after, bit for bit.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -41,10 +41,10 @@ class EMA:
             torch._foreach_mul_(shadow, self.decay)
             torch._foreach_add_(shadow, params, alpha=1.0 - self.decay)
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.names, self.shadow))
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
         if set(state) != set(self.names):
             missing = sorted(set(self.names) - set(state))[:3]
             extra = sorted(set(state) - set(self.names))[:3]
@@ -67,7 +67,7 @@ class EMA:
                 for p, k in zip(self.params, kept):
                     p.copy_(k)
 
-    def full_state(self, module: torch.nn.Module) -> dict[str, Any] | None:
+    def full_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """Collective under fsdp: the model's whole state_dict with the averages in place of its
         parameters (rank 0; None elsewhere), the form of model.pt."""
         with self.swapped():

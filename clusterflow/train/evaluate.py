@@ -6,17 +6,19 @@ macro F1 cannot be averaged at all; it needs the summed per-class counts).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
+import numpy.typing as npt
 import torch
+from torch.utils.data import Dataset
 
 from clusterflow.dist import comm as dist
 from clusterflow.dist.sampler import shard_range
 from clusterflow.tasks import Task
 
 
-def _as_array(value: Any) -> np.ndarray:
+def _as_array(value: torch.Tensor | npt.ArrayLike) -> np.ndarray:
     if torch.is_tensor(value):
         value = value.detach().float().cpu().numpy()
     return np.atleast_1d(np.asarray(value, dtype=np.float64))
@@ -25,11 +27,11 @@ def _as_array(value: Any) -> np.ndarray:
 def evaluate(
     task: Task,
     model: torch.nn.Module,
-    dataset: Any,
+    dataset: Dataset,
     device: torch.device,
     amp: torch.dtype | None,
     batch_size: int,
-    tick: Any = None,
+    tick: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()``
     once per batch."""
@@ -72,7 +74,7 @@ def evaluate(
         else np.zeros(0)
     )
     flat = dist.all_reduce_sum(flat, device)
-    totals: dict[str, tuple[Any, float]] = {}
+    totals: dict[str, tuple[float | np.ndarray, float]] = {}
     i = 0
     for k, n in shapes.items():
         s = flat[i : i + n]

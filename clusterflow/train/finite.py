@@ -22,10 +22,11 @@ Policies (``train.on_nonfinite``):
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Iterable, Mapping, NoReturn
+from typing import Callable, Iterable, Mapping, NoReturn, Protocol
 
 import torch
 
+from clusterflow.config.sections import TrainConfig
 from clusterflow.dist import comm as dist
 from clusterflow.errors import RunFailed
 
@@ -35,7 +36,15 @@ _NONE = 1 << 40  # "no non-finite loss" in the all-reduced minimum
 _BAD = "\0non-finite"  # the flag's key among the means: no metric name starts with a NUL
 
 
-def _all_finite(tensors: list[Any]) -> bool:
+class HasGrad(Protocol):
+    """A parameter as :meth:`FiniteGuard.step_ok` sees it: something with a gradient (a
+    parameter, or this rank's shard of one: ``parallel.local_grads``)."""
+
+    @property
+    def grad(self) -> torch.Tensor | None: ...
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
     """Every element of every tensor is finite (a host read). An inf or NaN makes its tensor's sum
     inf or NaN, so finite sums prove it with one cheap reduction each; only when a sum is not
     finite (an element that is not, or finite values that overflowed) does the exact test decide."""
@@ -54,7 +63,9 @@ def _all_finite(tensors: list[Any]) -> bool:
 class FiniteGuard:
     """``train``: the train section; ``committed``: the committed steps, for the failure message."""
 
-    def __init__(self, device: Any, train: Any, committed: Callable[[], list[int]]) -> None:
+    def __init__(
+        self, device: torch.device, train: TrainConfig, committed: Callable[[], list[int]]
+    ) -> None:
         self.train, self.committed = train, committed
         self.policy = train.on_nonfinite
         self.ok = torch.ones((), dtype=torch.bool, device=device)
@@ -69,7 +80,7 @@ class FiniteGuard:
         self.checked_at = global_step
         self._reset()
 
-    def observe(self, loss: Any) -> None:
+    def observe(self, loss: torch.Tensor) -> None:
         """Every micro-step; device-side only."""
         self.ok &= torch.isfinite(loss.detach()).all()
         self.count += self.ok
@@ -79,7 +90,10 @@ class FiniteGuard:
         self.count.zero_()
 
     def check(
-        self, global_step: int, state: Iterable[Any] = (), means: Mapping[str, float] | None = None
+        self,
+        global_step: int,
+        state: Iterable[object] = (),
+        means: Mapping[str, float] | None = None,
     ) -> dict[str, float]:
         """Collective. Returns when every loss since the last check (and every tensor of ``state``)
         is finite on every rank; raises RunFailed naming the step otherwise. ``means``: numbers to
@@ -114,7 +128,7 @@ class FiniteGuard:
             f"{global_step}, while every loss was finite"
         )
 
-    def step_ok(self, params: Iterable[Any], scaler: Any, step: int) -> bool:
+    def step_ok(self, params: Iterable[HasGrad], scaler: torch.amp.GradScaler, step: int) -> bool:
         """skip_step, before optimizer step ``step``: True when its losses (every rank) and
         gradients are finite; else the step is to be skipped (a warning says so), and too many in
         a row fail. With fp16 loss scaling, infinite gradients are the scaler's business (it

@@ -17,7 +17,7 @@ full state dict of the final ``model.pt`` (:func:`full_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, overload
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -71,9 +71,10 @@ def wrap_fsdp(
     units: list[torch.nn.Module],
     device: torch.device,
     world: int,
-    amp: Any,
+    amp: torch.dtype | None,
 ) -> torch.nn.Module:
-    """Shard ``module`` in place over all ``world`` ranks; returns it (now an FSDPModule)."""
+    """Shard ``module`` in place over all ``world`` ranks; returns it (now an FSDPModule).
+    ``amp``: bf16 gathers the parameters in bf16 and reduces the gradients in fp32."""
     if world == 1:
         dist.init_alone(device)
     mesh = init_device_mesh(device.type, (world,))
@@ -88,11 +89,11 @@ def wrap_fsdp(
     return module
 
 
-def is_sharded(model: Any) -> bool:
+def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def gradient_sync(model: Any, sync: bool) -> contextlib.AbstractContextManager[Any]:
+def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
     """Around one micro-batch's backward: gradients are reduced across ranks only when ``sync``
     (the last micro-batch of an optimizer step)."""
     if isinstance(model, DDP) and not sync:
@@ -102,13 +103,22 @@ def gradient_sync(model: Any, sync: bool) -> contextlib.AbstractContextManager[A
     return contextlib.nullcontext()
 
 
-def local(tensors: Iterable[Any]) -> Iterator[Any]:
-    """This rank's part of each tensor (a DTensor's local shard; a plain tensor itself)."""
+@overload
+def local(tensors: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]: ...
+
+
+@overload
+def local(tensors: Iterable[object]) -> Iterator[object]: ...
+
+
+def local(tensors: Iterable[object]) -> Iterator[object]:
+    """This rank's part of each tensor (a DTensor's local shard; a plain tensor, or anything
+    else an optimizer's state holds, itself)."""
     for t in tensors:
         yield t.to_local() if isinstance(t, DTensor) else t
 
 
-def local_grads(params: Iterable[Any]) -> Iterator[Any]:
+def local_grads(params: Iterable[torch.nn.Parameter]) -> Iterator[_Grad]:
     """Parameters as the non-finite guard sees them: objects whose ``grad`` is this rank's
     shard."""
     for p in params:
@@ -119,12 +129,12 @@ def local_grads(params: Iterable[Any]) -> Iterator[Any]:
 class _Grad:
     __slots__ = ("grad",)
 
-    def __init__(self, grad: Any) -> None:
+    def __init__(self, grad: torch.Tensor | None) -> None:
         self.grad = grad
 
 
 @contextlib.contextmanager
-def gathered(model: Any) -> Iterator[None]:
+def gathered(model: torch.nn.Module) -> Iterator[None]:
     """The whole model on every rank for a while (evaluation, the mining embed): every sharded
     module is gathered once and kept gathered, so its forwards run no collective and ranks may
     run different numbers of batches; sharded again on exit. A no-op for an unsharded model."""
@@ -142,7 +152,7 @@ def gathered(model: Any) -> Iterator[None]:
             m.set_reshard_after_forward(m is not model, recurse=False)
 
 
-def full_state_dict(model: Any) -> dict[str, Any] | None:
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
     """Collective for a sharded model: its whole state_dict on CPU on rank 0 (None elsewhere);
     the plain ``state_dict()`` otherwise."""
     if not isinstance(model, FSDPModule):

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import signal
 import time
-from typing import Any, Callable
+from types import FrameType
+from typing import Callable
 
 from clusterflow.dist import comm as dist
 from clusterflow.dist.groups import AsyncMax
@@ -51,6 +52,11 @@ WHY = {
 }
 
 
+# What signal.signal returns: the handler installed before (a function, SIG_DFL/SIG_IGN, or None
+# when it was not installed from Python).
+_Handler = Callable[[int, FrameType | None], object] | int | None
+
+
 def _reason_of(signum: int | None) -> str:
     if signum is None:
         return ""
@@ -68,11 +74,11 @@ class Preemption:
         self,
         cancelled: Callable[[], bool] | None = None,
         check_every_s: float = AGREE_EVERY_S,
-        clock: Any = time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
-        self._previous: dict[int, Any] = {}
+        self._previous: dict[int, _Handler] = {}
         self._cancelled, self._check_every_s, self._clock = cancelled, check_every_s, clock
         self._checked_at: float | None = None
         self.cancel_seen = False
@@ -92,7 +98,7 @@ class Preemption:
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         # The strongest signal so far wins: a time-limit signal upgrades a plain SIGTERM (the job
         # must requeue itself then), and Ctrl-C upgrades both (nothing requeues it).
         if REASONS.index(_reason_of(signum)) > REASONS.index(_reason_of(self.signum)):
@@ -159,7 +165,7 @@ class StopAgreement:
         preemption: Preemption,
         timeout_s: int = 600,
         interval_s: float = 0.0,
-        clock: Any = time.perf_counter,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
 
         self.preemption = preemption

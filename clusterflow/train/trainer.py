@@ -26,10 +26,11 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer
@@ -65,6 +66,9 @@ from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
 from clusterflow.train.window import LossWindow
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -109,7 +113,8 @@ class Trainer:
         )
         self.amp = builders.amp_dtype(t.amp, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=self.amp == torch.float16)
-        self._labels_of: Any = None  # the labels array that self._labels holds on the device
+        # The labels array that self._labels holds on the device.
+        self._labels_of: np.ndarray | None = None
         self._labels: torch.Tensor | None = None
         self._persistent_loader: torch.utils.data.DataLoader | None = None
         self._progress_due = Every(1.0)  # status.json's progress fields
@@ -345,7 +350,7 @@ class Trainer:
             self._persistent_loader = loader
         return loader
 
-    def _progress_bar(self) -> Any:
+    def _progress_bar(self) -> tqdm | None:
         if self.rank != 0 or not self.cfg.train.progress_bar:
             return None
         from tqdm import tqdm
@@ -438,8 +443,9 @@ class Trainer:
         optimizer tensor), or the run stops here. At log steps, before each commit, at epoch end."""
         self.guard.check(self.state.global_step, self._state_tensors() if state else ())
 
-    def _state_tensors(self) -> Iterator[Any]:
-        """This rank's part of every weight and optimizer tensor (its shards under fsdp)."""
+    def _state_tensors(self) -> Iterator[object]:
+        """This rank's part of every weight and optimizer tensor (its shards under fsdp), and the
+        optimizer state's other values (``FiniteGuard.check`` keeps the floating-point tensors)."""
         yield from parallel.local(self.module.parameters())
         yield from parallel.local(self.module.buffers())
         for per_param in self.opt.state.values():
@@ -595,7 +601,7 @@ class Trainer:
             )
         self._status(eval=metrics)
 
-    def _eval_pass(self, ds: Any) -> dict[str, float]:
+    def _eval_pass(self, ds: Dataset) -> dict[str, float]:
         with self.phases.enter(phases.EVAL), parallel.gathered(self.module):
             metrics = evaluate(
                 self.task,
@@ -624,7 +630,7 @@ class Trainer:
             durable.write_atomic(self.paths.model_ema, ema, codec=TORCH)
         dist.barrier()
 
-    def _status(self, fsync: bool = True, running: bool = False, **fields: Any) -> None:
+    def _status(self, fsync: bool = True, running: bool = False, **fields: object) -> None:
         """Rank 0: the progress into status.json, with ``fields``; ``running`` says the attempt
         goes on (a transition: refused after another writer ended the run)."""
         if self.rank == 0:

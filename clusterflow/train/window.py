@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
@@ -20,12 +20,12 @@ class LossWindow:
         self.clear()
 
     def clear(self) -> None:
-        self.loss: Any = 0.0
+        self.loss: torch.Tensor | float = 0.0
         self.n = 0.0
-        self.extra: dict[str, Any] = {}
+        self.extra: dict[str, torch.Tensor | float] = {}
 
     @staticmethod
-    def _value(v: Any, name: str = "loss") -> Any:
+    def _value(v: torch.Tensor | float, name: str = "loss") -> torch.Tensor | float:
         if not torch.is_tensor(v):
             return float(v)
         if v.numel() != 1:  # the shape is known on the host: checking it reads nothing back
@@ -36,7 +36,12 @@ class LossWindow:
             )
         return v.detach().reshape(()).to(torch.float64)
 
-    def add(self, loss: Any, metrics: dict[str, Any], samples: int) -> None:
+    def add(
+        self,
+        loss: torch.Tensor | float,
+        metrics: Mapping[str, torch.Tensor | float],
+        samples: int,
+    ) -> None:
         self.loss = self.loss + self._value(loss)
         self.n += 1
         for k, v in metrics.items():
