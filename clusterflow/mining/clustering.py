@@ -142,7 +142,7 @@ def mutual_knn_clusters(
     max_cluster_size: int = 0,
     query_batch: int = 65536,
     timings: dict | None = None,
-    **index_args: Any,
+    **index_args: int | bool,
 ) -> np.ndarray:
     """Pseudo-labels from the mutual k-NN graph (see the module docstring for the definition).
 

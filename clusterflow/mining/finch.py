@@ -24,7 +24,7 @@ where the silhouette picks 228 (NMI 0.99); docs/mining.md has the table.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
 
 import numpy as np
 from scipy import sparse
@@ -32,10 +32,8 @@ from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining import knn
 from clusterflow.mining.curves import modularity
+from clusterflow.mining.knn import KnnParams
 from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
-
-if TYPE_CHECKING:
-    from clusterflow.mining.knn import KnnParams
 
 Search = Callable[[np.ndarray, int], "tuple[np.ndarray, np.ndarray] | None"]
 
@@ -60,13 +58,13 @@ def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     return sums / np.maximum(np.linalg.norm(sums, axis=1, keepdims=True), 1e-12)
 
 
-def default_search(params: "KnnParams | None" = None) -> Search:
+def default_search(params: KnnParams | None = None) -> Search:
     """The search over the cluster means: ``knn.search`` with ``params`` (a mining round passes
     its own; default: exact, FAISS flat or torch) and the k each level asks for."""
 
-    base = params or knn.KnnParams(k=1)
+    base = params or KnnParams(k=1)
 
-    def search(x: np.ndarray, k: int):
+    def search(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
         return knn.search(x, dataclasses.replace(base, k=k))
 
     return search

@@ -35,7 +35,6 @@ import re
 import shutil
 import threading
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +50,9 @@ _KEEP_ALL = 1 << 30  # the store's retention: never prune a round's batches
 _ROUND = re.compile(r"^epoch-(\d+)$")
 
 
-def round_key(model: Any, epoch: int, world: int, n: int, settings: dict[str, Any]) -> str:
+def round_key(
+    model: torch.nn.Module, epoch: int, world: int, n: int, settings: dict[str, object]
+) -> str:
     """What a round's files must match to be used: the model's weights (every tensor's bytes;
     this rank's shards of a sharded model), the round and its shape, ``settings`` (mining keys,
     precision, engine) and the software."""
@@ -120,7 +121,7 @@ class RoundFiles:
         }
         self._store("shard").save(0, {"shard.pt": shard}, {"key": self.key, "embed_s": seconds})
 
-    def search_blocks(self, every_s: float = COMMIT_EVERY_S) -> "SearchBlocks":
+    def search_blocks(self, every_s: float = COMMIT_EVERY_S) -> SearchBlocks:
         return SearchBlocks(self._store("search"), self.key, every_s)
 
     def discard(self) -> None:
@@ -180,7 +181,7 @@ class SearchBlocks:
         self.seconds += self.last - t0
 
 
-def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
+def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, torch.Tensor]:
     starts = sorted(blocks)
     return {
         "starts": torch.tensor(starts, dtype=torch.int64),
@@ -190,7 +191,7 @@ def _pack(blocks: dict[int, tuple[np.ndarray, np.ndarray]]) -> dict[str, Any]:
     }
 
 
-def _unpack(packed: dict[str, Any]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+def _unpack(packed: dict[str, torch.Tensor]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     ends = np.cumsum(packed["rows"].numpy())
     sims, ids = (
         np.split(packed["sims"].numpy(), ends[:-1]),

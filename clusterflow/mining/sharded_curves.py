@@ -15,7 +15,7 @@ few bits (so ``auto`` picks the same grid point unless two points' modularities 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

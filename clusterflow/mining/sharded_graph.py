@@ -25,8 +25,8 @@ lists exactly (a partition does not depend on the order edges are found in).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
 
 import numpy as np
 from scipy import sparse
@@ -56,7 +56,7 @@ class ShardedGraph:
         return self.offsets[dist.rank() + 1]
 
 
-def owner(ids: np.ndarray, offsets: tuple[int, ...] | list[int]) -> np.ndarray:
+def owner(ids: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
     """The rank that owns each (global) node id."""
     return np.searchsorted(np.asarray(offsets), ids, side="right") - 1
 
@@ -84,7 +84,7 @@ def _send(dest: np.ndarray, *arrays: np.ndarray) -> list[np.ndarray]:
     return out
 
 
-def fetch(values: np.ndarray, idx: np.ndarray, offsets: Any) -> np.ndarray:
+def fetch(values: np.ndarray, idx: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
     """``values`` (this rank's nodes' entries) at the global ids ``idx``, asked of their owners
     (collective: every rank calls it, with its own ``idx``)."""
     lo = offsets[dist.rank()]
@@ -96,13 +96,15 @@ def fetch(values: np.ndarray, idx: np.ndarray, offsets: Any) -> np.ndarray:
     return np.concatenate(answers)[inv] if len(idx) else values[:0]
 
 
-def fetch_ends(values: np.ndarray, u: np.ndarray, v: np.ndarray, offsets: Any) -> tuple:
+def fetch_ends(
+    values: np.ndarray, u: np.ndarray, v: np.ndarray, offsets: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
     """``fetch`` at both ends of the edges ``u - v`` in one request."""
     both = fetch(values, np.concatenate([u, v]), offsets)
     return both[: len(u)], both[len(u) :]
 
 
-def mutual_edges(sims: np.ndarray, ids: np.ndarray, offsets: Any) -> ShardedGraph:
+def mutual_edges(sims: np.ndarray, ids: np.ndarray, offsets: Sequence[int]) -> ShardedGraph:
     """The mutual edges of every rank's lists (``sims, ids``: this rank's rows, global ids, as
     ``knn.sharded.sharded_search`` returns them); collective."""
     offsets = tuple(int(o) for o in offsets)
@@ -124,7 +126,7 @@ def mutual_edges(sims: np.ndarray, ids: np.ndarray, offsets: Any) -> ShardedGrap
     return ShardedGraph(offsets, u[order], v[order], w[order], w_uv[order], w_vu[order])
 
 
-def _shortcut(parent: np.ndarray, offsets: Any) -> int:
+def _shortcut(parent: np.ndarray, offsets: Sequence[int]) -> int:
     """Pointer jumping until every node points at its root (in place); the rounds it took."""
     rounds = 0
     while True:
@@ -138,7 +140,7 @@ def _shortcut(parent: np.ndarray, offsets: Any) -> int:
 def components(
     u: np.ndarray,
     v: np.ndarray,
-    offsets: Any,
+    offsets: Sequence[int],
     parent: np.ndarray | None = None,
     tick: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, int]:
@@ -164,7 +166,7 @@ def components(
             tick()
 
 
-def root_sizes(root: np.ndarray, offsets: Any) -> np.ndarray:
+def root_sizes(root: np.ndarray, offsets: Sequence[int]) -> np.ndarray:
     """For each of this rank's nodes, the size of the component it is the root of (0 for a node
     that is not a root)."""
     lo, hi = offsets[dist.rank()], offsets[dist.rank() + 1]
@@ -172,7 +174,9 @@ def root_sizes(root: np.ndarray, offsets: Any) -> np.ndarray:
     return np.bincount(got - lo, minlength=hi - lo).astype(np.int64)
 
 
-def split_large(graph: ShardedGraph, threshold: float, root: np.ndarray, max_size: int) -> Any:
+def split_large(
+    graph: ShardedGraph, threshold: float, root: np.ndarray, max_size: int
+) -> np.ndarray:
     """Roots after splitting every component larger than ``max_size`` as
     ``clustering._split_large`` does; each such component is split by the owner of its smallest
     member, which receives its members and kept edges."""
@@ -218,7 +222,7 @@ def split_large(graph: ShardedGraph, threshold: float, root: np.ndarray, max_siz
     return root
 
 
-def number(root: np.ndarray, offsets: Any, singletons: str = "cluster") -> np.ndarray:
+def number(root: np.ndarray, offsets: Sequence[int], singletons: str = "cluster") -> np.ndarray:
     """Labels 0..C-1 in order of each cluster's smallest member (its root); with
     ``singletons="ignore"``, -1 for clusters of one and the others numbered among themselves."""
     rank = dist.rank()

@@ -28,14 +28,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
+from tqdm import tqdm
 
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
-from clusterflow.config.job_config import Config
+from clusterflow.config.sections import DataConfig, MiningConfig
 from clusterflow.dist import comm as dist
 from clusterflow.dist.groups import Subgroup
 from clusterflow.dist.sampler import shard_range
@@ -57,6 +60,7 @@ from clusterflow.mining.rounds import RoundFiles, SearchBlocks, forget_rounds, r
 from clusterflow.mining.sharded_curves import sharded_resolve
 from clusterflow.mining.sharded_graph import mutual_edges, sharded_clusters
 from clusterflow.observe import phases
+from clusterflow.tasks import Task
 
 log = logging.getLogger("clusterflow.mining")
 
@@ -74,19 +78,30 @@ class Round:
     stats: dict[str, Any]
 
 
+class StopVote(Protocol):
+    """What a round asks of the trainer's stop agreement (``train.preemption.StopAgreement``):
+    ``agree()``, collective, the reason all ranks stop for ("" to go on), at the round's one
+    blocking point; ``requested``, this rank's own flag, polled between query blocks."""
+
+    @property
+    def requested(self) -> bool: ...
+
+    def agree(self) -> str: ...
+
+
 def embed_shard(
-    task: Any,
-    model: Any,
-    dataset: Any,
+    task: Task,
+    model: torch.nn.Module,
+    dataset: Dataset,
     rank: int,
     world: int,
     batch: int,
-    device: Any,
-    amp_dtype: Any,
-    progress: Any = None,
+    device: torch.device,
+    amp_dtype: torch.dtype | None,
+    progress: tqdm | None = None,
     num_workers: int = 0,
     pin_memory: bool = False,
-    tick: Any = None,
+    tick: Callable[[], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """This rank's contiguous shard: (indices, float32 embeddings).
 
@@ -107,7 +122,7 @@ def embed_shard(
         num_workers=num_workers,
         pin_memory=pin,
     )
-    host: Any = None
+    host: torch.Tensor | None = None
     idx = []
     done = 0
     was_training = model.training
@@ -184,7 +199,7 @@ class SpreadSearch:
     """mining.search=all: every rank searches its own block with the exact torch engine (query
     blocks broadcast, partial top-k merged); only the k-NN lists travel to rank 0."""
 
-    def __init__(self, params: KnnParams, device: Any) -> None:
+    def __init__(self, params: KnnParams, device: torch.device) -> None:
         self.params, self.device = params, device
 
     def __call__(
@@ -256,7 +271,7 @@ class ShardedSearch:
     blocks travel a ring of ranks (knn/sharded.py); each rank ends with its own rows' lists,
     and the graph, the curve and the components are computed across ranks (``Miner._sharded``)."""
 
-    def __init__(self, params: KnnParams, device: Any, tick: Callable[[], None]) -> None:
+    def __init__(self, params: KnnParams, device: torch.device, tick: Callable[[], None]) -> None:
         self.params, self.device, self.tick = params, device, tick
 
     def __call__(
@@ -301,15 +316,15 @@ class Miner:
 
     def __init__(
         self,
-        cfg: Config,
-        device: Any,
-        amp_dtype: Any,
-        stop: Any,
+        cfg: MiningConfig,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+        stop: StopVote,
         tracker: phases.Phases | None = None,
         progress_bar: bool = True,
         rounds_dir: str | None = None,
         fsync: bool = True,
-        data: Any = None,
+        data: DataConfig | None = None,
         wait_timeout_s: int | None = None,
     ) -> None:
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
@@ -326,7 +341,7 @@ class Miner:
         # (observe.observer.mining_wait_timeout_s), so that rank 0's watchdog names a hung search.
         self.group = Subgroup(wait_timeout_s or cfg.timeout_s)
         self.params = KnnParams.from_config(cfg)
-        self.search: Any = (
+        self.search: Rank0Search | SpreadSearch | ShardedSearch = (
             SpreadSearch(self.params, device)
             if cfg.search == "all" and dist.world() > 1
             else ShardedSearch(self.params, device, self.phases.tick)
@@ -349,7 +364,7 @@ class Miner:
         if self.rounds_dir is not None:
             forget_rounds(self.rounds_dir, committed_epoch)
 
-    def run(self, task: Any, model: Any, epoch: int) -> Round | None:
+    def run(self, task: Task, model: torch.nn.Module, epoch: int) -> Round | None:
         """One round, collective. None on every rank when a preemption signal cut it short (the
         caller saves and exits; the round continues from its files on restart)."""
         threads, rng = torch.get_num_threads(), capture_rng()
@@ -361,7 +376,7 @@ class Miner:
             # The embed's DataLoader draws a seed; a resumed round may skip the embed.
             restore_rng(rng)
 
-    def _round(self, task: Any, model: Any, epoch: int) -> Round | None:
+    def _round(self, task: Task, model: torch.nn.Module, epoch: int) -> Round | None:
         dataset = task.embed_dataset()
         n = len(dataset)
         seconds: dict[str, Any] = {}
@@ -411,12 +426,12 @@ class Miner:
 
     def _sharded(
         self,
-        task: Any,
+        task: Task,
         indices: np.ndarray,
         emb: np.ndarray,
         n: int,
         epoch: int,
-        embed_times: list | None,
+        embed_times: list[tuple[int, float]] | None,
         reused: bool,
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -483,7 +498,7 @@ class Miner:
         stats["seconds"] = seconds
         return Round(labels=labels, stats=stats)
 
-    def _files(self, model: Any, epoch: int, n: int) -> RoundFiles | None:
+    def _files(self, model: torch.nn.Module, epoch: int, n: int) -> RoundFiles | None:
         if self.rounds_dir is None:
             return None
         c = self.cfg
@@ -501,9 +516,9 @@ class Miner:
 
     def _embed(
         self,
-        task: Any,
-        model: Any,
-        dataset: Any,
+        task: Task,
+        model: torch.nn.Module,
+        dataset: Dataset,
         epoch: int,
         files: RoundFiles | None,
         seconds: dict[str, Any],
@@ -548,18 +563,16 @@ class Miner:
             seconds["keep_embeddings"] = time.perf_counter() - t1
         return indices, emb, False
 
-    def _bar(self, n: int, epoch: int) -> Any:
+    def _bar(self, n: int, epoch: int) -> tqdm | None:
         if dist.rank() != 0 or not self.progress_bar:
             return None
-        from tqdm import tqdm
-
         return tqdm(
             total=n, desc=f"mining epoch {epoch}: embed", unit="img", leave=False, mininterval=1.0
         )
 
     def _cluster(
         self,
-        task: Any,
+        task: Task,
         lists: KnnLists,
         x: np.ndarray | None,
         n: int,

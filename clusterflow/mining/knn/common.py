@@ -4,9 +4,12 @@ own id is dropped from its results."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
+import torch
+
+from clusterflow.config.sections import MiningConfig
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class KnnParams:
             raise ValueError(f"k must be >= 1, got {self.k}")
 
     @classmethod
-    def from_config(cls, mining: Any) -> "KnnParams":
+    def from_config(cls, mining: MiningConfig) -> KnnParams:
         return cls(
             k=mining.k,
             engine=mining.engine,
@@ -66,7 +69,9 @@ def _drop_self(
     return sims[keep].reshape(len(ids), k), ids[keep].reshape(len(ids), k)
 
 
-def k_others(best_s: Any, best_i: Any, start: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+def k_others(
+    best_s: np.ndarray | torch.Tensor, best_i: np.ndarray | torch.Tensor, start: int, k: int
+) -> tuple[np.ndarray, np.ndarray]:
     """The top k+1 (or fewer, when the set is that small) of queries ``start..`` (numpy arrays or
     tensors), as numpy padded to k+1 columns, without each query itself: its k nearest others."""
     s_np, i_np = (t.cpu().numpy() if hasattr(t, "cpu") else t for t in (best_s, best_i))

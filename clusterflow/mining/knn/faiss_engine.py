@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 
+if TYPE_CHECKING:
+    import faiss  # optional (the cpu or gpu extra): imported where an index is built
 
-def build_faiss_index(x: np.ndarray, params: KnnParams) -> Any:
+
+def build_faiss_index(x: np.ndarray, params: KnnParams) -> faiss.Index:
     import faiss
 
     d = x.shape[1]

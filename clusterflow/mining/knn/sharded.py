@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +38,9 @@ from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 from clusterflow.mining.knn.faiss_engine import build_faiss_index
 from clusterflow.mining.knn.torch_engine import _sizes, _topk_block
 
+if TYPE_CHECKING:
+    import faiss  # optional (the cpu or gpu extra): imported where an index is built
+
 _Q, _S, _I = 0, 1, 2  # ring tags: query rows, partial similarities, partial ids
 
 
@@ -46,12 +49,19 @@ class _Shard:
     query among them (global ids; padded with -inf / -1 where the shard has fewer rows)."""
 
     def __init__(
-        self, x: np.ndarray, lo: int, n: int, params: KnnParams, engine: str, device: Any
+        self,
+        x: np.ndarray,
+        lo: int,
+        n: int,
+        params: KnnParams,
+        engine: str,
+        device: torch.device | str,
     ) -> None:
         self.x, self.lo, self.params, self.engine = x, lo, params, engine
         self.kk, self.cand, self.db_chunk, _ = _sizes(n, params.k, params.query_batch, 65536)
         self.device = torch.device(device)
-        self.index: Any = None
+        # torch: the (fp32, candidate-dtype) rows; faiss: the index (built on the first query).
+        self.index: tuple[torch.Tensor, torch.Tensor] | faiss.Index | None = None
         self.built = 0.0
 
     def _build(self) -> None:
@@ -122,7 +132,9 @@ def _todo(
     return (todo if world > 1 else [mine]), reused
 
 
-def _pass_queries(q: np.ndarray, m_in: int, d: int, link: Any) -> tuple[list[Any], Any]:
+def _pass_queries(
+    q: np.ndarray, m_in: int, d: int, link: torch.device
+) -> tuple[list[torch.distributed.Work], torch.Tensor]:
     """Send the query block ``q`` on and start receiving the previous rank's (``m_in`` rows)."""
     q_in = torch.empty((m_in, d), dtype=torch.float32, device=link)
     return dist.ring_pass(
@@ -135,7 +147,7 @@ def sharded_search(
     offsets: list[int],
     params: KnnParams,
     engine: str,
-    device: Any = "cpu",
+    device: torch.device | str = "cpu",
     should_abort: Callable[[], bool] | None = None,
     timings: dict | None = None,
     blocks: Blocks | None = None,
@@ -167,7 +179,7 @@ def sharded_search(
     def rows(owner: int, j: int) -> int:
         return min(qb, offsets[owner + 1] - todo[owner][j]) if j < len(todo[owner]) else 0
 
-    def tensor(a: np.ndarray) -> Any:
+    def tensor(a: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a)).to(link)
 
     waited = 0.0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -29,7 +29,9 @@ def _sizes(n: int, k: int, query_batch: int, db_chunk: int) -> tuple[int, int, i
     return kk, cand, db_chunk, max(1, min(query_batch, (1 << 26) // db_chunk))
 
 
-def _sorted_top(best_s: Any, best_i: Any, keep: int) -> tuple[Any, Any]:
+def _sorted_top(
+    best_s: torch.Tensor, best_i: torch.Tensor, keep: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``keep`` best per row: similarity descending, ties by the smaller id (a stable sort)."""
     order = torch.argsort(best_i, dim=1)
     best_s, best_i = torch.gather(best_s, 1, order), torch.gather(best_i, 1, order)
@@ -38,8 +40,15 @@ def _sorted_top(best_s: Any, best_i: Any, keep: int) -> tuple[Any, Any]:
 
 
 def _topk_block(
-    q32: Any, q_c: Any, db32: Any, db_c: Any, cand: int, keep: int, db_chunk: int, id_offset: int
-) -> tuple[Any, Any]:
+    q32: torch.Tensor,
+    q_c: torch.Tensor,
+    db32: torch.Tensor,
+    db_c: torch.Tensor,
+    cand: int,
+    keep: int,
+    db_chunk: int,
+    id_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact top-``keep`` of the query block against the database block (ids shifted by
     ``id_offset``): ``cand`` candidates per query scored in the candidate dtype, re-ranked in
     fp32."""
@@ -66,7 +75,7 @@ def _topk_block(
 
 def _replicas(
     x: np.ndarray, device: str | list[str] | None, candidate_dtype: str
-) -> list[tuple[Any, Any]]:
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One (fp32, candidate-dtype) copy of the database per device; by default every visible
     GPU, else the CPU."""
     if device is None:
@@ -163,7 +172,7 @@ def distributed_search(
     x_local: np.ndarray,
     offsets: list[int],
     k: int,
-    device: Any,
+    device: torch.device | str,
     query_batch: int = 65536,
     db_chunk: int = 65536,
     should_abort: Callable[[], bool] | None = None,
