@@ -50,9 +50,17 @@ import importlib
 import inspect
 import math
 import typing
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from clusterflow.errors import TaskError, UserError
+
+if TYPE_CHECKING:  # the login side imports this module: torch and numpy are named, not imported
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +109,7 @@ def check_stop(doing: str) -> None:
 class Task:
     """Base class with the optional parts filled in; subclass it (or duck-type it)."""
 
-    def __init__(self, seed: int = 0, **params: Any) -> None:
+    def __init__(self, seed: int = 0, **params: object) -> None:
         if params:
             raise UserError(
                 f"task {type(self).__name__} takes no parameters, "
@@ -109,44 +117,50 @@ class Task:
             )
         self.seed = seed
 
-    def build_model(self) -> Any:
+    def build_model(self) -> nn.Module:
         raise NotImplementedError("a Task must implement build_model()")
 
-    def train_dataset(self) -> Any:
+    def train_dataset(self) -> Dataset:
         raise NotImplementedError("a Task must implement train_dataset()")
 
-    def loss(self, model: Any, batch: dict[str, Any], labels: Any) -> tuple[Any, dict[str, Any]]:
+    def loss(
+        self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Mapping[str, torch.Tensor | float]]:
         raise NotImplementedError("a Task must implement loss()")
 
-    def eval_dataset(self) -> Any:
+    def eval_dataset(self) -> Dataset | None:
         return None
 
-    def eval_step(self, model: Any, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
+    def eval_step(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> Mapping[str, tuple[torch.Tensor | np.ndarray | float, float]]:
         return {}
 
-    def eval_metrics(self, totals: dict[str, tuple[Any, float]]) -> dict[str, float]:
+    def eval_metrics(self, totals: dict[str, tuple[np.ndarray | float, float]]) -> dict[str, float]:
         return {k: s / max(c, 1e-12) for k, (s, c) in totals.items() if isinstance(s, float)}
 
     @property
     def can_embed(self) -> bool:
         return type(self).embed is not Task.embed
 
-    def embed(self, model: Any, batch: dict[str, Any]) -> Any:
+    def embed(self, model: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         raise NotImplementedError(
             f"task {type(self).__name__} does not embed; set mining.enabled=false"
         )
 
-    def embed_dataset(self) -> Any:
+    def embed_dataset(self) -> Dataset:
         return self.train_dataset()
 
-    def ground_truth(self) -> Any:
+    def ground_truth(self) -> np.ndarray | None:
         return None
 
     def set_epoch(self, epoch: int) -> None:
         pass
 
 
-def task_class(target: str, seed: int, params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+def task_class(
+    target: str, seed: int, params: dict[str, object]
+) -> tuple[Callable[..., Task], dict[str, object]]:
     """Import ``task.target``'s class and check ``params`` against it, without building the task:
     (the class, the params as it takes them). Raises what :func:`load_task` raises for these."""
     module_name, _, cls_name = target.partition(":")
@@ -171,7 +185,7 @@ def task_class(target: str, seed: int, params: dict[str, Any]) -> tuple[Any, dic
     return cls, _check_params(target, cls, seed, params)
 
 
-def check_can_shard(target: str, cls: Any) -> None:
+def check_can_shard(target: str, cls: Callable[..., Task]) -> None:
     """UserError when ``train.parallel=fsdp`` is asked of a task class that says it cannot be
     sharded (``shard_units = None``) or whose ``shard_units`` is not a method."""
     hook = getattr(cls, "shard_units", check_can_shard)
@@ -184,7 +198,7 @@ def check_can_shard(target: str, cls: Any) -> None:
 
 
 def load_task(
-    target: str, seed: int, params: dict[str, Any], stop: Callable[[], bool] = _never
+    target: str, seed: int, params: dict[str, object], stop: Callable[[], bool] = _never
 ) -> Task:
     """Import and construct ``task.target``. A target that does not exist and parameters that do
     not fit the class are a UserError (exit 2); the task's own code raising while it is imported
@@ -207,7 +221,7 @@ def load_task(
         _stop_requested = _never
 
 
-def _import(target: str, module_name: str) -> Any:
+def _import(target: str, module_name: str) -> ModuleType:
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -234,7 +248,9 @@ def _import(target: str, module_name: str) -> Any:
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> dict[str, Any]:
+def _check_params(
+    target: str, cls: Callable[..., Task], seed: int, params: dict[str, object]
+) -> dict[str, object]:
     """``params`` checked against the signature of ``cls``: unknown or missing names are refused,
     and so is a value of the wrong type for a parameter annotated int, float, bool or str, before
     the task runs (a whole number written as ``1e3`` is the int 1000). Finer checks are the
@@ -288,7 +304,7 @@ def _check_params(target: str, cls: Any, seed: int, params: dict[str, Any]) -> d
     return out
 
 
-def _annotation(hint: Any) -> tuple[Any, list[Range]]:
+def _annotation(hint: object) -> tuple[object, list[Range]]:
     """(the type, the declared ranges) of a parameter's annotation."""
     if typing.get_origin(hint) is typing.Annotated:
         return hint.__origin__, [m for m in hint.__metadata__ if isinstance(m, Range)]

@@ -132,7 +132,7 @@ class ClassifierTask(Task):
         self.train_dataset().epoch = epoch
 
     def loss(
-        self, model: nn.Module, batch: dict[str, Any], labels: Any
+        self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = model(batch["x1"]).float()
         y = batch["label"]
@@ -144,7 +144,9 @@ class ClassifierTask(Task):
             "accuracy": (logits.argmax(1) == y).float().mean()
         }  # a tensor: read back on log steps only
 
-    def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
+    def eval_step(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> dict[str, tuple[torch.Tensor | float, float]]:
         logits = model(batch["x"]).float()
         y = batch["label"]
         pred = logits.argmax(1)
@@ -158,7 +160,7 @@ class ClassifierTask(Task):
             "hit_per_class": (torch.bincount(y[pred == y], minlength=c), 0.0),
         }
 
-    def eval_metrics(self, totals: dict[str, tuple[Any, float]]) -> dict[str, float]:
+    def eval_metrics(self, totals: dict[str, tuple[np.ndarray | float, float]]) -> dict[str, float]:
         out = super().eval_metrics(totals)
         true, pred, hit = (
             np.asarray(totals[k][0]) for k in ("true_per_class", "pred_per_class", "hit_per_class")

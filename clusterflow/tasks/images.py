@@ -29,7 +29,8 @@ import io
 import logging
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -344,16 +345,16 @@ class ShardImages(ImageItems):
         return shard_format.epoch_order(self.index, seed, epoch, self.mix)
 
 
-def _check(ok: bool, name: str, value: Any, want: str, task: str = "ImageFolderTask") -> None:
+def _check(ok: bool, name: str, value: object, want: str, task: str = "ImageFolderTask") -> None:
     if not ok:
         raise UserError(f"task.params.{name} = {value!r} is invalid for {task}: {want}")
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,7 @@ def join(root: str, name: str) -> str:
     return f"{root.rstrip('/')}/{name}"
 
 
-def _is_local(fs: Any) -> bool:
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     protocol = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return "file" in protocol or "local" in protocol
 
@@ -134,7 +135,7 @@ class ShardIndex:
     def url(self, shard: int) -> str:
         return join(self.root, self.shards[shard]["name"])
 
-    def payload_bytes(self, indices: Any) -> int:
+    def payload_bytes(self, indices: np.ndarray | Sequence[int]) -> int:
         """How many bytes the images of ``indices`` hold (what reading them costs)."""
         return int(self.size[np.asarray(indices, dtype=np.int64)].sum())
 
@@ -162,7 +163,7 @@ class ShardReader:
 
     def __init__(self, index: ShardIndex) -> None:
         self.index = index
-        self._fs: Any = None
+        self._fs: fsspec.AbstractFileSystem | None = None
         self._local = False
         self._fds: dict[int, int] = {}
         self._pid = -1

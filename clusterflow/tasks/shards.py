@@ -37,7 +37,12 @@ def _member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 
 def _write_shard(
-    fs: Any, url: str, src: str, files: list[str], labels: np.ndarray | None, first: int
+    fs: fsspec.AbstractFileSystem,
+    url: str,
+    src: str,
+    files: list[str],
+    labels: np.ndarray | None,
+    first: int,
 ) -> tuple[list[int], list[int], int]:
     """One shard of ``files`` (samples ``first``...): (each image's data offset, its size, the
     shard's bytes), the offsets as tarfile reads them back."""

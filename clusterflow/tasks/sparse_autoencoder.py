@@ -139,7 +139,7 @@ class SparseAutoencoderTask(Task):
         }
 
     def loss(
-        self, model: nn.Module, batch: dict[str, Any], labels: Any
+        self, model: nn.Module, batch: dict[str, Any], labels: torch.Tensor | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         p = self._parts(model, batch["x"])
         loss = p["mse"].mean() + self.l1 * p["l1"].mean()
@@ -153,7 +153,9 @@ class SparseAutoencoderTask(Task):
         }
         return loss, metrics
 
-    def eval_step(self, model: nn.Module, batch: dict[str, Any]) -> dict[str, tuple[Any, float]]:
+    def eval_step(
+        self, model: nn.Module, batch: dict[str, Any]
+    ) -> dict[str, tuple[torch.Tensor | float, float]]:
         x = batch["x"]
         p = self._parts(model, x)
         n = float(len(x))
@@ -170,7 +172,7 @@ class SparseAutoencoderTask(Task):
             "eval/dictionary_recovery": (float(cos.max(1).values.mean()), 1.0),
         }
 
-    def eval_metrics(self, totals: dict[str, tuple[Any, float]]) -> dict[str, float]:
+    def eval_metrics(self, totals: dict[str, tuple[np.ndarray | float, float]]) -> dict[str, float]:
         out = {k: s / max(c, 1e-12) for k, (s, c) in totals.items() if k.startswith("eval/")}
         n = totals["eval/mse"][1]
         mean = np.asarray(totals["x_sum"][0]) / max(n, 1)
