@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from clusterflow.dist import comm as dist
 
@@ -13,14 +14,14 @@ class _GatherWithGrad(torch.autograd.Function):
     hold different numbers of rows (``dist.all_gather_rows``)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: FunctionCtx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         rows = dist.rows_of_ranks(x)
         ctx.start = sum(rows[: dist.rank()])
         ctx.n = x.shape[0]
         return torch.cat(dist.all_gather_rows(x))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def backward(ctx: FunctionCtx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         grad = dist.all_reduce_tensor(grad.contiguous())
         return grad[ctx.start : ctx.start + ctx.n]
 
