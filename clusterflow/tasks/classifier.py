@@ -17,7 +17,19 @@ from torch import nn
 
 from clusterflow.errors import UserError
 from clusterflow.tasks import Range, Task
-from clusterflow.tasks.pseudo_id import Encoder, SyntheticIdentities
+from clusterflow.tasks.pseudo_id import (
+    EmbedDim,
+    Encoder,
+    Hidden,
+    IdDim,
+    Identities,
+    InputDim,
+    Keep,
+    NonNegative,
+    NuisanceDim,
+    SyntheticIdentities,
+    identity_data,
+)
 
 
 class Classifier(Encoder):
@@ -51,26 +63,26 @@ class ClassifierTask(Task):
     class), imbalance (largest / smallest class, 1 = balanced), class_weights ("none" or
     "balanced"), label_smoothing, train_backbone, eval_samples_per_identity, and the data and
     encoder shape of PseudoIDTask (input_dim, id_dim, nuisance_dim, nuisance_scale, noise, hidden,
-    embed_dim)."""
+    embed_dim, keep), with the same ranges."""
 
     def __init__(
         self,
         seed: int = 0,
-        identities: Annotated[int, Range(2)] = 100,
-        samples_per_identity: Annotated[int, Range(2)] = 20,
+        identities: Identities = 100,
+        samples_per_identity: Identities = 20,
         imbalance: Annotated[float, Range(1)] = 1.0,
         class_weights: str = "none",
         label_smoothing: Annotated[float, Range(0, 1, open_max=True)] = 0.0,
         train_backbone: bool = True,
         eval_samples_per_identity: Annotated[int, Range(1)] = 4,
-        input_dim: Annotated[int, Range(2)] = 64,
-        id_dim: Annotated[int, Range(1)] = 8,
-        nuisance_dim: Annotated[int, Range(0)] = 16,
-        nuisance_scale: Annotated[float, Range(0)] = 1.5,
-        noise: Annotated[float, Range(0)] = 0.1,
-        hidden: Annotated[int, Range(1)] = 128,
-        embed_dim: Annotated[int, Range(2)] = 32,
-        keep: Annotated[float, Range(0, 1)] = 0.5,
+        input_dim: InputDim = 64,
+        id_dim: IdDim = 8,
+        nuisance_dim: NuisanceDim = 16,
+        nuisance_scale: NonNegative = 1.5,
+        noise: NonNegative = 0.1,
+        hidden: Hidden = 128,
+        embed_dim: EmbedDim = 32,
+        keep: Keep = 0.5,
     ) -> None:
         self.seed = seed
         if class_weights not in ("none", "balanced"):
@@ -79,14 +91,8 @@ class ClassifierTask(Task):
             )
         self.classes = identities
         self.counts = long_tail_counts(identities, samples_per_identity, imbalance)
-        self.data_args = dict(
-            identities=identities,
-            input_dim=input_dim,
-            id_dim=id_dim,
-            nuisance_dim=max(1, nuisance_dim),
-            nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
-            noise=noise,
-            keep=keep,
+        self.data_args = identity_data(
+            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
         )
         self.eval_per_class = eval_samples_per_identity
         self.hidden, self.embed_dim = hidden, embed_dim

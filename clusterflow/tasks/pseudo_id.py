@@ -124,36 +124,64 @@ class Encoder(nn.Module):
         return nn.functional.normalize(self.net(x), dim=-1)
 
 
+# The parameters of the synthetic identities and of the encoder, each range declared once: the
+# tasks built on SyntheticIdentities (PseudoIDTask, ClassifierTask) take them under the same names.
+Identities = Annotated[int, Range(2)]  # identities, samples_per_identity
+InputDim = Annotated[int, Range(2)]
+IdDim = Annotated[int, Range(1)]
+NuisanceDim = Annotated[int, Range(0)]
+NonNegative = Annotated[float, Range(0)]  # nuisance_scale, noise
+Hidden = Annotated[int, Range(1)]
+EmbedDim = Annotated[int, Range(2)]
+Keep = Annotated[float, Range(0, 1)]
+
+
+def identity_data(
+    identities: int,
+    input_dim: int,
+    id_dim: int,
+    nuisance_dim: int,
+    nuisance_scale: float,
+    noise: float,
+    keep: float,
+) -> dict[str, Any]:
+    """SyntheticIdentities' arguments from a task's parameters; ``nuisance_dim`` 0 means no
+    nuisance: one nuisance dimension at scale 0."""
+    return {
+        "identities": identities,
+        "input_dim": input_dim,
+        "id_dim": id_dim,
+        "nuisance_dim": max(nuisance_dim, 1),
+        "nuisance_scale": nuisance_scale if nuisance_dim else 0.0,
+        "noise": noise,
+        "keep": keep,
+    }
+
+
 class PseudoIDTask(Task):
     """Parameters (``task.params``): identities, samples_per_identity, input_dim, id_dim,
-    nuisance_dim, nuisance_scale, noise, hidden, embed_dim, temperature, eval_identities."""
+    nuisance_dim, nuisance_scale, noise, hidden, embed_dim, temperature, keep."""
 
     def __init__(
         self,
         seed: int = 0,
-        identities: Annotated[int, Range(2)] = 100,
-        samples_per_identity: Annotated[int, Range(2)] = 20,
-        input_dim: Annotated[int, Range(2)] = 64,
-        id_dim: Annotated[int, Range(1)] = 8,
-        nuisance_dim: Annotated[int, Range(0)] = 16,
-        nuisance_scale: Annotated[float, Range(0)] = 1.5,
-        noise: Annotated[float, Range(0)] = 0.1,
-        hidden: Annotated[int, Range(1)] = 128,
-        embed_dim: Annotated[int, Range(2)] = 32,
+        identities: Identities = 100,
+        samples_per_identity: Identities = 20,
+        input_dim: InputDim = 64,
+        id_dim: IdDim = 8,
+        nuisance_dim: NuisanceDim = 16,
+        nuisance_scale: NonNegative = 1.5,
+        noise: NonNegative = 0.1,
+        hidden: Hidden = 128,
+        embed_dim: EmbedDim = 32,
         temperature: Annotated[float, Range(0, open_min=True)] = 0.1,
-        keep: Annotated[float, Range(0, 1)] = 0.5,
+        keep: Keep = 0.5,
     ) -> None:
         self.seed = seed
-        self.data_args = dict(
-            identities=identities,
-            samples_per_identity=samples_per_identity,
-            input_dim=input_dim,
-            id_dim=id_dim,
-            nuisance_dim=max(nuisance_dim, 1),
-            nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
-            noise=noise,
-            keep=keep,
+        shape = identity_data(
+            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
         )
+        self.data_args = {**shape, "samples_per_identity": samples_per_identity}
         self.hidden, self.embed_dim, self.temperature = hidden, embed_dim, temperature
         self._train: SyntheticIdentities | None = None
         self._embed: SyntheticIdentities | None = None
