@@ -71,7 +71,7 @@ def flatten(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _get(cfg: Mapping[str, Any], section: str, key: str, default: Any) -> Any:
+def _get(cfg: Mapping[str, Any], section: str, key: str, default: object) -> Any:
     return (cfg.get(section) or {}).get(key, default)
 
 
@@ -133,7 +133,7 @@ class Change:
 _ABSENT = object()
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     return "(unset)" if value is _ABSENT else json.dumps(value, default=str)
 
 

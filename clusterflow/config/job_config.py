@@ -191,7 +191,9 @@ def resume_config(saved: Config, requested: Config) -> Config:
     return from_dict(data)
 
 
-def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, Any]) -> bool:
+def _both_hold(
+    change: fingerprint.Change, saved: Mapping[str, Any], requested: Mapping[str, Any]
+) -> bool:
     """False for a section key only one side holds (added or removed by another clusterflow
     version, so it takes its default): not a difference. Sub-keys (task.params.x) and derived
     values count."""
@@ -205,7 +207,7 @@ def _both_hold(change: Any, saved: Mapping[str, Any], requested: Mapping[str, An
 
 def check_resume(
     saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False
-) -> list[Any]:
+) -> list[fingerprint.Change]:
     """The one config-consistency rule, shared by the ``submit`` and ``run`` commands and the
     checkpoint restore: a run continues only with the experiment it started with. Keys that
     change results (``fingerprint.KEYS``: model, data, optimisation, seed, mining) must match;
@@ -252,7 +254,7 @@ def _field_types(section_cls: type) -> dict[str, Any]:
     return {key: hints[fname] for key, fname in keys(section_cls).items()}
 
 
-def _name(source: str, name: Any, what: str, example: str) -> str:
+def _name(source: str, name: object, what: str, example: str) -> str:
     """``name`` if it is a string; else a UserError (YAML reads ``1:`` or ``null:`` as a number or
     null)."""
     if not isinstance(name, str):

@@ -14,6 +14,7 @@ import dataclasses
 import math
 import re
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +36,9 @@ _WORLD = (
 
 
 def doc(
-    default: Any = dataclasses.MISSING,
+    default: object = dataclasses.MISSING,
     help: str = "",  # noqa: A002
-    factory: Any = None,
+    factory: Callable[[], object] | None = None,
     key: str = "",
     *,
     kind: str,
@@ -66,7 +67,7 @@ _YEAR_S = 365 * 24 * 3600  # timeouts become a timedelta, and then int64 millise
 _INT32 = 2**31 - 1
 
 
-def _check(ok: bool, key: str, value: Any, why: str) -> None:
+def _check(ok: bool, key: str, value: object, why: str) -> None:
     if not ok:
         raise UserError(f"{key} = {short(repr(value))}: {why}")
 

@@ -26,7 +26,7 @@ INT_MAX = 2**63 - 1  # what the C libraries underneath take (int64)
 _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
 
 
-def type_name(tp: Any) -> str:
+def type_name(tp: object) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(type_name(t) for t in typing.get_args(tp))
@@ -47,7 +47,7 @@ def short(text: str, limit: int = 100) -> str:
     )
 
 
-def shown(value: Any) -> str:
+def shown(value: object) -> str:
     """The value as the user wrote it, for messages."""
     if isinstance(value, (YInt, YFloat)) and value.text:
         return short(value.text)
@@ -56,7 +56,7 @@ def shown(value: Any) -> str:
     return short(repr(value))
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     if value is None:
         return "null"
     return (
@@ -68,7 +68,7 @@ def _kind(value: Any) -> str:
     )
 
 
-def coerce(key: str, value: Any, tp: Any) -> Any:
+def coerce(key: str, value: object, tp: object) -> Any:
     """``value`` as type ``tp`` or a UserError naming the key, the value and the type."""
     origin = typing.get_origin(tp)
     if (value is None and origin is not dict) or (value == "" and tp in (int, float, bool)):
@@ -124,7 +124,7 @@ def coerce(key: str, value: Any, tp: Any) -> Any:
     raise TypeError(f"unsupported config type {tp!r} for {key}")
 
 
-def _integer(key: str, value: Any, bad: UserError) -> int:
+def _integer(key: str, value: object, bad: UserError) -> int:
     if isinstance(value, bool):
         raise bad
     if isinstance(value, int):
@@ -155,7 +155,7 @@ def _integer(key: str, value: Any, bad: UserError) -> int:
     return out
 
 
-def _number(key: str, value: Any, bad: UserError) -> float:
+def _number(key: str, value: object, bad: UserError) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise bad
     try:
@@ -169,7 +169,7 @@ def _number(key: str, value: Any, bad: UserError) -> float:
     return out
 
 
-def _text(key: str, value: Any, bad: UserError) -> str:
+def _text(key: str, value: object, bad: UserError) -> str:
     if isinstance(value, (YInt, YFloat)) and value.text:
         value = value.text  # a partition named 007 or a run dir 2024.10 is kept as written
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -190,7 +190,7 @@ def _text(key: str, value: Any, bad: UserError) -> str:
     return value
 
 
-def _check_plain(key: str, value: Any) -> None:
+def _check_plain(key: str, value: object) -> None:
     if isinstance(value, dict):
         for k, v in value.items():
             if not isinstance(k, str):

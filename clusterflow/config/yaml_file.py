@@ -53,12 +53,12 @@ class YFloat(float):
 class _Refused(yaml.MarkedYAMLError):
     """A well-formed file we refuse to build a config from; ``fix`` says what to do."""
 
-    def __init__(self, problem: str, mark: Any, fix: str) -> None:
+    def __init__(self, problem: str, mark: yaml.Mark | None, fix: str) -> None:
         super().__init__(problem=problem, problem_mark=mark)
         self.fix = fix
 
 
-def _too_deep(mark: Any) -> _Refused:
+def _too_deep(mark: yaml.Mark | None) -> _Refused:
     return _Refused(
         f"nesting deeper than {MAX_DEPTH} levels",
         mark,
@@ -82,7 +82,7 @@ class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.res
         yaml.constructor.SafeConstructor.__init__(self)
         yaml.resolver.Resolver.__init__(self)
 
-    def compose_node(self, parent: Any, index: Any) -> Any:
+    def compose_node(self, parent: yaml.Node | None, index: object) -> yaml.Node | None:
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             if self._depth > MAX_DEPTH:
@@ -91,7 +91,7 @@ class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.res
         finally:
             self._depth -= 1
 
-    def get_single_node(self) -> Any:
+    def get_single_node(self) -> yaml.Node | None:
         """The document's root node. A parser with a nesting limit of its own (libyaml 0.2.6 stops
         at 1000 levels while scanning ahead in a flow collection, before the composer above sees
         level 101) is answered with the same refusal, so the message does not depend on which
@@ -103,7 +103,7 @@ class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.res
                 raise
             raise _too_deep(exc.problem_mark) from None
 
-    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
         if isinstance(node, yaml.MappingNode):
             seen: dict[Any, Any] = {}
             for key_node, _ in node.value:
@@ -120,7 +120,7 @@ class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.res
                 seen[key] = key_node.start_mark
         return super().construct_mapping(node, deep=deep)
 
-    def construct_yaml_int(self, node: Any) -> YInt:
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> YInt:
         digits = sum(c.isdigit() for c in node.value)
         if digits > MAX_INT_DIGITS:
             raise _Refused(
@@ -133,7 +133,7 @@ class _Checks(yaml.composer.Composer, yaml.constructor.SafeConstructor, yaml.res
         out.text = node.value
         return out
 
-    def construct_yaml_float(self, node: Any) -> YFloat:
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> YFloat:
         out = YFloat(super().construct_yaml_float(node))
         out.text = node.value
         return out
@@ -184,11 +184,11 @@ class _Dumper(yaml.SafeDumper):
 _Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_EXP, list("-+0123456789."))
 
 
-def dump(data: Any) -> str:
+def dump(data: object) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
-def _check_expansion(root: Any) -> None:
+def _check_expansion(root: yaml.Node) -> None:
     """Count the values ``root`` expands to, aliases followed, without building them (a node shared
     through an alias is counted once per use). Iterative: the graph may be deeper than the stack."""
     sizes: dict[int, int] = {}
@@ -229,11 +229,11 @@ def _check_expansion(root: Any) -> None:
         stack.extend((c, False) for c in children if id(c) not in sizes)
 
 
-def _where(source: str, mark: Any) -> str:
+def _where(source: str, mark: yaml.Mark | None) -> str:
     return f"{source}:{mark.line + 1}:{mark.column + 1}" if mark is not None else source
 
 
-def _char_at(text: str, mark: Any) -> str:
+def _char_at(text: str, mark: yaml.Mark | None) -> str:
     lines = text.split("\n")
     if mark is None or mark.line >= len(lines) or mark.column >= len(lines[mark.line]):
         return ""
@@ -293,7 +293,7 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
             loader.dispose()
 
 
-def plain(value: Any) -> Any:
+def plain(value: object) -> Any:
     """``value`` with every number as a plain int or float (for task params, which leave the
     config)."""
     if isinstance(value, bool) or value is None:
