@@ -34,7 +34,7 @@ def record(
     *,
     host: str | None = None,
     kind: Cause = Cause.ERROR,
-    **extra: Any,
+    **extra: object,
 ) -> bool:
     """Record ``error`` as this attempt's first cause. True when it won, False when a cause was
     already there."""

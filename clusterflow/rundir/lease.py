@@ -43,6 +43,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from clusterflow.dist import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.slurm import commands as slurm_commands
@@ -84,7 +85,7 @@ def process_start(pid: int) -> str | None:
 
 
 def identity(
-    env: Any = None, environ: dict[str, str] | None = None, renew_s: int = 30
+    env: DistEnv | None = None, environ: dict[str, str] | None = None, renew_s: int = 30
 ) -> dict[str, Any]:
     """This process as a holder. ``env``: its DistEnv (job id, launcher, attempt); None for
     ``submit`` on a login node, which only checks."""
@@ -247,7 +248,9 @@ def _judge_holder(paths: RunPaths, me: dict[str, Any]) -> tuple[int, str]:
     return gen, f"run dir {paths.root!r} was held by {who}, but {why}; taking it over"
 
 
-def hold(paths: RunPaths, env: Any, renew_s: int, environ: dict[str, str] | None = None) -> "Lease":
+def hold(
+    paths: RunPaths, env: DistEnv, renew_s: int, environ: dict[str, str] | None = None
+) -> "Lease":
     """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
     if (env.attempt > 0 or getattr(env, "restart_in_job", 0) > 0) and not os.path.isdir(paths.root):

@@ -36,11 +36,11 @@ class Check:
     test: Callable[[Any], bool]
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def _is_number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -81,11 +81,11 @@ class Schema:
     fields: Mapping[str, Check]
     required: tuple[str, ...] = field(default=())
 
-    def fits(self, v: Any) -> bool:
+    def fits(self, v: object) -> bool:
         return isinstance(v, dict) and not checked(v, self, "")[1]
 
 
-def _curve_fits(v: Any) -> bool:
+def _curve_fits(v: object) -> bool:
     """A mining round's threshold curve: equally long lists, as status's summary reads them."""
     if not isinstance(v, dict) or not _list_of(_is_number)(v.get("thresholds")):
         return False
@@ -139,7 +139,7 @@ STATUS = Schema(
 )
 
 
-def _ledger_range(v: Any) -> bool:
+def _ledger_range(v: object) -> bool:
     return (
         isinstance(v, dict)
         and all(_is_int(v.get(k)) for k in ("start", "end", "attempt", "world_size", "batch_size"))
@@ -239,18 +239,18 @@ LEASE = Schema(
 )
 
 
-def _shown(v: Any) -> str:
+def _shown(v: object) -> str:
     text = json.dumps(v) if not isinstance(v, (dict, list)) else type(v).__name__
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _kind(v: Any) -> str:
+def _kind(v: object) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
         type(v), "a number"
     )
 
 
-def checked(rec: Any, schema: Schema, where: str) -> tuple[dict[str, Any] | None, list[str]]:
+def checked(rec: object, schema: Schema, where: str) -> tuple[dict[str, Any] | None, list[str]]:
     """(the fields of ``rec`` that fit ``schema``, a warning per field that does not); (None,
     warnings) when ``rec`` is no object or lacks a required field. A null field counts as absent.
     ``where`` names the record in the warnings (a file, "attempts.jsonl line 3")."""
@@ -283,7 +283,7 @@ def read_checked(
     return checked(rec, schema, where)
 
 
-def read_json(target: str, default: Any = None) -> Any:
+def read_json(target: str, default: object = None) -> Any:
     """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8,
     a folder)."""
     try:
@@ -380,14 +380,14 @@ def current_attempt(paths: RunPaths) -> int:
     return max(0, attempt_count(paths) - 1)
 
 
-def record_attempt(paths: RunPaths, **fields: Any) -> int:
+def record_attempt(paths: RunPaths, **fields: object) -> int:
     """Append this job start to attempts.jsonl; returns its attempt number."""
     n = attempt_count(paths)
     append_jsonl(paths.attempts, {"attempt": n, "started_at": time.time(), **fields})
     return n
 
 
-def record_stop(paths: RunPaths, **fields: Any) -> None:
+def record_stop(paths: RunPaths, **fields: object) -> None:
     append_jsonl(paths.stops, fields)
 
 

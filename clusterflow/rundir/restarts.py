@@ -53,7 +53,7 @@ RESTART_RECORD = records.Schema(
 )
 
 
-def record_restart(paths: RunPaths, **fields: Any) -> None:
+def record_restart(paths: RunPaths, **fields: object) -> None:
     """The driver: a new srun step was started after a fault (the fields above)."""
     records.append_jsonl(paths.restarts, {"event": RESTART, **fields})
 

@@ -28,7 +28,7 @@ STRAGGLER = records.Schema(
 )
 
 
-def record(paths: RunPaths, **fields: Any) -> None:
+def record(paths: RunPaths, **fields: object) -> None:
     records.append_jsonl(paths.stragglers, fields)
 
 

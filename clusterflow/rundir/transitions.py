@@ -116,7 +116,7 @@ def mark_submitted(paths: RunPaths, job_id: str | None = None) -> bool:
 
 
 def mark_started(
-    paths: RunPaths, job_id: Any, world_size: int, hosts: list[str], attempt: int
+    paths: RunPaths, job_id: str, world_size: int, hosts: list[str], attempt: int
 ) -> bool:
     """Rank 0 began an attempt: running, with who runs it; an earlier attempt's error is
     cleared."""
@@ -131,7 +131,7 @@ def mark_started(
     )
 
 
-def mark_running(paths: RunPaths, fsync: bool = True, **progress: Any) -> bool:
+def mark_running(paths: RunPaths, fsync: bool = True, **progress: object) -> bool:
     """The attempt goes on: running, with its progress (step, loss, rate, phase)."""
     return _move(paths, Move.RUN, fsync=fsync, **progress)
 
@@ -168,7 +168,7 @@ def mark_ended(paths: RunPaths, state: str, error: str | None = None) -> bool:
     return _move(paths, move, **_given(error=error))
 
 
-def report(paths: RunPaths, fsync: bool = True, **fields: Any) -> None:
+def report(paths: RunPaths, fsync: bool = True, **fields: object) -> None:
     """Update fields of status.json that are no state (eval, mining, checkpoint_error,
     progress). ``fsync=False`` for the training loop's progress, where an fsync would cost
     milliseconds at log steps."""
@@ -199,11 +199,11 @@ _STATUS_LOCK = threading.Lock()
 _LOGGED: set[tuple[str, Any, Move]] = set()
 
 
-def _given(**fields: Any) -> dict[str, Any]:
+def _given(**fields: object) -> dict[str, object]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _move(paths: RunPaths, move: Move, fsync: bool = True, **fields: Any) -> bool:
+def _move(paths: RunPaths, move: Move, fsync: bool = True, **fields: object) -> bool:
     """Take ``move`` with ``fields``: True when written, False when the table refused it."""
     return _write(paths, move, fsync, fields)
 
@@ -229,7 +229,7 @@ def _locked(target: str) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def _write(paths: RunPaths, move: Move | None, fsync: bool, fields: dict[str, Any]) -> bool:
+def _write(paths: RunPaths, move: Move | None, fsync: bool, fields: dict[str, object]) -> bool:
     """Update status.json with ``fields`` (and ``move``'s state, when the table allows it from
     the recorded one). A power loss right after an unsynced write loses that line, and on a
     filesystem that may commit a rename before the data (not ext4's default) it can leave
