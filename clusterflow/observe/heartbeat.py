@@ -330,7 +330,7 @@ def render(ranks: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _num(value: Any, fmt: str) -> str:
+def _num(value: object, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 

@@ -11,6 +11,8 @@ import math
 import time
 from typing import Any, Callable, Mapping
 
+import numpy as np
+import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from clusterflow import rundir
@@ -23,13 +25,13 @@ class NullWriter:
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         pass
 
-    def histogram(self, tag: str, values: Any, step: int) -> None:
+    def histogram(self, tag: str, values: np.ndarray | torch.Tensor, step: int) -> None:
         pass
 
     def text(self, tag: str, value: str, step: int) -> None:
         pass
 
-    def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
+    def image(self, tag: str, draw: Callable[[], np.ndarray], step: int) -> None:
         """``draw()`` returns an (H, W, 3) uint8 array; only a writer that keeps images calls it."""
 
     def flush(self) -> None:
@@ -123,13 +125,13 @@ class TensorBoardWriter(NullWriter):
         for t in self._trackers:
             t.tag(key, value)
 
-    def histogram(self, tag: str, values: Any, step: int) -> None:
+    def histogram(self, tag: str, values: np.ndarray | torch.Tensor, step: int) -> None:
         self._w.add_histogram(tag, values, step)
 
     def text(self, tag: str, value: str, step: int) -> None:
         self._w.add_text(tag, value, step)
 
-    def image(self, tag: str, draw: Callable[[], Any], step: int) -> None:
+    def image(self, tag: str, draw: Callable[[], np.ndarray], step: int) -> None:
         self._w.add_image(tag, draw(), step, dataformats="HWC")
         self._w.flush()
 
@@ -145,7 +147,7 @@ class TensorBoardWriter(NullWriter):
 
 
 def _before(paths: RunPaths, step: int) -> dict[int, dict[str, float]]:
-    return {s: v for s, v in read_metrics(paths.root).items() if s < step}
+    return {s: v for s, v in _read(paths).items() if s < step}
 
 
 def writer_for(
@@ -165,9 +167,13 @@ def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:
     """``{step: {tag: value}}`` from ``RUN_DIR/metrics.jsonl``, one value per (step, tag) as
     TensorBoard shows them: when an attempt starts, what earlier attempts logged at or after its
     ``purge_step`` (the first step it logs again) is dropped, and a later row wins over an
-    earlier one at the same (step, tag)."""
+    earlier one at the same (step, tag). The entry for a path a user gives (docs/status.md)."""
+    return _read(RunPaths(run_dir))
+
+
+def _read(paths: RunPaths) -> dict[int, dict[str, float]]:
     out: dict[int, dict[str, float]] = {}
-    for row in rundir.read_jsonl(RunPaths(run_dir).metrics):
+    for row in rundir.read_jsonl(paths.metrics):
         if "purge_step" in row:
             out = {s: v for s, v in out.items() if s < row["purge_step"]}
             continue

@@ -17,6 +17,7 @@ some VMs) is left out.
 
 from __future__ import annotations
 
+import types
 from typing import Any, Mapping
 
 MB = 2**20
@@ -43,7 +44,7 @@ def read_snapshot() -> list[dict[str, Any]] | None:
             pass
 
 
-def _read_gpu(nv: Any, index: int) -> dict[str, Any]:
+def _read_gpu(nv: types.ModuleType, index: int) -> dict[str, Any]:
     h = nv.nvmlDeviceGetHandleByIndex(index)
     mem = nv.nvmlDeviceGetMemoryInfo(h)
     gpu: dict[str, Any] = {
@@ -77,7 +78,7 @@ def _read_gpu(nv: Any, index: int) -> dict[str, Any]:
     return gpu
 
 
-def _text(value: Any) -> str:
+def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 

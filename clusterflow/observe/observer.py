@@ -59,7 +59,7 @@ def before_init(paths: rundir.RunPaths, environ: Mapping[str, str]) -> None:
     )
 
 
-def nvml_gpu(device: Any) -> int | str | None:
+def nvml_gpu(device: torch.device) -> int | str | None:
     """This rank's GPU as NVML names it: its UUID when torch knows it (the same GPU to CUDA and NVML
     whatever CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER say), else the index NVML uses."""
     if getattr(device, "type", "cpu") != "cuda":
@@ -104,7 +104,7 @@ class Observer:
         paths: rundir.RunPaths,
         rank: int,
         attempt: int,
-        device: Any,
+        device: torch.device,
         after_stall: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.rank, self.attempt = rank, attempt

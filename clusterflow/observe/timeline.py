@@ -68,7 +68,7 @@ class AttemptTimeline(NullTimeline):
     WRITE_EVERY_S = 1.0
 
     def __init__(
-        self, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: Any
+        self, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: object
     ) -> None:
         self.paths, self.phases = paths, tracker
         self._lock = threading.Lock()
@@ -86,7 +86,7 @@ class AttemptTimeline(NullTimeline):
         now = categories(self.phases.totals())
         return {k: max(0.0, v - self._base.get(k, 0.0)) for k, v in now.items()}
 
-    def _write(self, fsync: bool = False, **fields: Any) -> None:
+    def _write(self, fsync: bool = False, **fields: object) -> None:
         with self._lock:
             self._written = time.monotonic()
             self.rec.update(fields, written_at=time.time(), seconds=self._since_first())
@@ -121,6 +121,6 @@ class AttemptTimeline(NullTimeline):
 
 
 def timeline_for(
-    is_main: bool, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: Any
+    is_main: bool, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: object
 ) -> NullTimeline:
     return AttemptTimeline(paths, attempt, tracker, **fields) if is_main else NullTimeline()

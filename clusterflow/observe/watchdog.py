@@ -34,7 +34,7 @@ import sysconfig
 import threading
 import time
 import traceback
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, Callable, Mapping
 
 import torch
@@ -104,7 +104,12 @@ class Watchdog:
     def __enter__(self) -> "Watchdog":
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         # Stopped before any error handler runs: reporting an error (a flight-recorder dump, a slow
         # write) is no progress, and the watchdog must not end a rank that is busy failing properly.
         self.stop()

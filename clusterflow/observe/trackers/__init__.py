@@ -49,6 +49,9 @@ log = logging.getLogger("clusterflow.trackers")
 ENDED = (State.COMPLETED, State.FAILED, State.CANCELLED)
 
 Rows = list[tuple[int, dict[str, float]]]
+# What a Pump's queue carries after its kind: "rows" Rows, "tag" (key, value), "finish" the
+# outcome, "close" None.
+_Item = Rows | tuple[str, str] | str | None
 
 
 class Backend(Protocol):
@@ -165,8 +168,8 @@ class Pump:
         backlog: Callable[[], Mapping[int, Mapping[str, float]]],
     ) -> None:
         self.backend, self._state, self._params, self._backlog = backend, state, params, backlog
-        self._q: queue.Queue[tuple[str, Any]] = queue.Queue()
-        self._next: tuple[str, Any] | None = None
+        self._q: queue.Queue[tuple[str, _Item]] = queue.Queue()
+        self._next: tuple[str, _Item] | None = None
         self._held: dict[str, int] = {}
         self._failures = 0
         self._closing = threading.Event()
@@ -229,7 +232,7 @@ class Pump:
         backlog = sorted(self._backlog().items())
         self._send(backlog)
 
-    def _do(self, kind: str, item: Any) -> None:
+    def _do(self, kind: str, item: _Item) -> None:
         if kind == "rows":
             self._send(item)
         elif kind == "tag":
@@ -239,7 +242,7 @@ class Pump:
             if self._held:
                 self._state.record(self.backend.name, received_step=max(self._held.values()))
 
-    def _send(self, rows: Any) -> None:
+    def _send(self, rows: Rows) -> None:
         """The points the tracker does not hold yet (a later step than its last one per tag)."""
         new: Rows = []
         for step, values in rows:

@@ -35,7 +35,7 @@ class StateFile:
     def section(self, name: str) -> dict[str, Any]:
         return self.data.setdefault(name, {})
 
-    def record(self, name: str, fsync: bool = True, **fields: Any) -> None:
+    def record(self, name: str, fsync: bool = True, **fields: object) -> None:
         """Update tracker ``name``'s section and write the file (pumps run on their own threads)."""
         with self._lock:
             self.data.setdefault(name, {}).update(fields)
