@@ -67,7 +67,9 @@ def _rank_of(pid: int) -> int | None:
 
 
 class RankWatch:
-    def __init__(self, job: Any, folder: str, paths: rundir.RunPaths, ntasks: int) -> None:
+    def __init__(
+        self, job: submitit.LocalJob, folder: str, paths: rundir.RunPaths, ntasks: int
+    ) -> None:
         self.job, self.folder, self.paths, self.ntasks = job, folder, paths, ntasks
         self.controller = int(job.job_id)
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
@@ -188,7 +190,7 @@ def failed_exit_code(status: dict[str, Any], first: dict[str, Any] | None = None
     return code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
-def _start(cfg: Config, gpus: list[int] | None, folder: str) -> Any:
+def _start(cfg: Config, gpus: list[int] | None, folder: str) -> submitit.LocalJob:
     """The local job, submitted to submitit's local executor (its controller starts the ranks)."""
     ex = submitit.LocalExecutor(folder=folder)
     if gpus is not None:
@@ -309,7 +311,7 @@ def ended(job_id: str, outcome: str, paths: rundir.RunPaths) -> int:
     return code
 
 
-def _kill_now(job: Any, watch: RankWatch, paths: rundir.RunPaths) -> int:
+def _kill_now(job: submitit.LocalJob, watch: RankWatch, paths: rundir.RunPaths) -> int:
     """A second Ctrl-C: end the ranks and the controller at once."""
     watch.signal_ranks(signal.SIGKILL)
     try:
@@ -325,7 +327,11 @@ def _kill_now(job: Any, watch: RankWatch, paths: rundir.RunPaths) -> int:
 
 
 def _follow(
-    paths: rundir.RunPaths, job: Any, watch: RankWatch, tail: logs.Tail, interrupted: bool
+    paths: rundir.RunPaths,
+    job: submitit.LocalJob,
+    watch: RankWatch,
+    tail: logs.Tail,
+    interrupted: bool,
 ) -> str | None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
     at once when a rank dies (its peers would wait for it), returning why. Once ``interrupted``,

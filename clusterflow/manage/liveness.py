@@ -30,7 +30,7 @@ class Liveness:
     last_seen: float | None  # the last sign of life (epoch seconds)
     how: str  # what was checked, for the reader
 
-    def note(self, last_step: Any) -> str:
+    def note(self, last_step: object) -> str:
         since = (
             time.strftime("%H:%M:%S", time.localtime(self.last_seen))
             if self.last_seen

@@ -35,7 +35,7 @@ def _heartbeat_s(paths: rundir.RunPaths) -> float:
 def ranks(
     paths: rundir.RunPaths,
     last: dict[str, Any],
-    world_size: Any,
+    world_size: object,
     damaged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no
