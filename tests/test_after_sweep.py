@@ -57,4 +57,4 @@ def test_after_a_sweep_dir_waits_for_every_member(tmp_path):
     assert res.returncode == 2
     assert members[0] in one_error_line(res.stderr), res.stderr
     runs = stages.after_runs([str(sweep_dir)])
-    assert [os.path.basename(r) for r in runs] == members
+    assert [os.path.basename(r.root) for r in runs] == members

@@ -79,7 +79,7 @@ def test_cancel_a_sweep_without_slurm_jobs_marks_the_unfinished_members(tmp_path
     sw = str(tmp_path / "sw")
     names = ["a", "b", "c", "d"]
     sweep_index.write_index(
-        sw,
+        rundir.RunPaths(sw),
         {
             "version": 1,
             "keys": ["train.lr"],
@@ -120,9 +120,9 @@ def test_without_scancel_the_marker_still_stops_requeues(tmp_path):
 
 def test_not_a_run_dir(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        cancel.runs_of(str(tmp_path / "nope"))
+        cancel.runs_of(rundir.RunPaths(str(tmp_path / "nope")))
     with pytest.raises(UserError, match="neither config.yaml nor sweep.json"):
-        cancel.runs_of(str(tmp_path))
+        cancel.runs_of(rundir.RunPaths(str(tmp_path)))
 
 
 @pytest.mark.slurm

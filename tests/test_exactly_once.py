@@ -20,6 +20,7 @@ from PIL import Image
 
 from clusterflow.dist.sampler import EpochPlan, epoch_permutation
 from clusterflow.manage.status import collect
+from clusterflow.rundir.paths import RunPaths
 from clusterflow.tasks import shard_format
 from clusterflow.tasks.shards import write_shards
 
@@ -122,7 +123,7 @@ def test_a_run_killed_on_2_ranks_resumed_on_3_then_1_trains_every_sample_once(
         lambda epoch: epoch_permutation(206, 3, epoch).tolist(),
         {0: [(0, 96, 0, 2), (96, 206, 1, 3)], 1: [(0, 96, 1, 3), (96, 206, 2, 1)]},
     )
-    status = collect(d)
+    status = collect(RunPaths(d))
     assert status["state"] == "completed" and status["samples"] == ledger
     assert status["mining"] and status["mining"][0]["epoch"] == 1
 
@@ -191,5 +192,5 @@ def test_a_shard_run_killed_inside_shards_resumes_exactly_once_and_bitwise(tmp_p
         a = _weights(os.path.join(plain, "checkpoints", f"step-{step}"))
         b = _weights(os.path.join(d, "checkpoints", f"step-{step}"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
-    rounds = collect(d)["mining"]
+    rounds = collect(RunPaths(d))["mining"]
     assert [r["epoch"] for r in rounds] == [1, 2] and all("nmi" in r for r in rounds)

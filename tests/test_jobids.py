@@ -98,12 +98,12 @@ def logs_folder(sweep_dir):
 
 def test_array_plan_holds_one_config_per_member_in_order(members):
     ms = members.members
-    folder = logs_folder(members.dir)
+    folder = logs_folder(members.paths.root)
     plan = sbatch.array_plan(folder, [m.config for m in ms], [m.name for m in ms], max_parallel=2)
     assert plan.names == [m.name for m in ms] and plan.max_num_timeout == 5 and plan.size == 4
     assert plan.parameters["array_parallelism"] == 2 and plan.parameters["nodes"] == 2
     assert plan.parameters["job_name"] == "lr-sweep"
-    assert plan.folder == os.path.join(os.path.abspath(members.dir), "logs", "slurm", "%j")
+    assert plan.folder == os.path.join(os.path.abspath(members.paths.root), "logs", "slurm", "%j")
     assert [c.run.dir for c in plan.configs] == [m.run_dir for m in ms]
     assert [(c.train.lr, c.mining.k) for c in plan.configs] == [
         (0.1, 5),
@@ -120,7 +120,7 @@ def test_array_plan_holds_one_config_per_member_in_order(members):
 
 def test_array_script_for_dry_run(members):
     ms = members.members
-    folder = logs_folder(members.dir)
+    folder = logs_folder(members.paths.root)
     plan = sbatch.array_plan(folder, [m.config for m in ms], [m.name for m in ms], max_parallel=3)
     script = sbatch.script(plan.folder, plan.parameters, python="python3", array_size=plan.size)
     for line in [
@@ -148,7 +148,7 @@ def test_members_with_different_resources_cannot_share_an_array(members, tmp_pat
         UserError, match="ask Slurm for different time; one job array has one set of resources"
     ):
         sbatch.array_plan(
-            logs_folder(members.dir), [ms[0].config, other.config], [ms[0].name, "other"]
+            logs_folder(members.paths.root), [ms[0].config, other.config], [ms[0].name, "other"]
         )
 
 

@@ -272,6 +272,7 @@ def test_each_round_shows_its_curve_in_tensorboard_and_status(uninterrupted):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from clusterflow.manage.status import collect, render
+    from clusterflow.rundir.paths import RunPaths
 
     d = uninterrupted["rank0"]
     acc = EventAccumulator(os.path.join(d, "tb"), size_guidance={"images": 0, "scalars": 0})
@@ -280,7 +281,7 @@ def test_each_round_shows_its_curve_in_tensorboard_and_status(uninterrupted):
         (760, 500)
     ] * 2  # one figure per round
     assert [e.value for e in acc.Scalars("mining/threshold")] == [0.5, 0.5]
-    rounds = collect(d)["mining"]
+    rounds = collect(RunPaths(d))["mining"]
     assert [(r["threshold"], r["threshold_rule"], r["method"]) for r in rounds] == [
         (0.5, "fixed", "mutual_knn")
     ] * 2
@@ -297,7 +298,7 @@ def test_each_round_shows_its_curve_in_tensorboard_and_status(uninterrupted):
         "nmi",
         "ari",
     }
-    text = render(collect(d))
+    text = render(collect(RunPaths(d)))
     assert (
         "threshold    0.5 (fixed); per round: 0.5, 0.5" in text
         and "(0.5 keeps every mutual edge)" in text

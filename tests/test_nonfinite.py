@@ -47,8 +47,9 @@ def status(run_dir):
     """What `status --json` says (its error is the first cause, also when two failing ranks raced
     to write status.json)."""
     from clusterflow.manage import status as status_cli
+    from clusterflow.rundir.paths import RunPaths
 
-    return status_cli.collect(run_dir)
+    return status_cli.collect(RunPaths(run_dir))
 
 
 def rank0_log(run_dir, attempt=0):

@@ -102,7 +102,7 @@ def test_parse_refuses_what_cannot_be_one_sweep(args, overrides, needle):
 
 def test_expand_is_the_cartesian_product_in_a_stable_order(conf, tmp_path):
     sw = sweep.expand(conf, ["mining.threshold=0.6"], ["train.lr=0.001,1.0e-2", "mining.k=10,5"])
-    assert sw.dir == str(tmp_path / "sw") and sw.keys == ["train.lr", "mining.k"]
+    assert sw.paths.root == str(tmp_path / "sw") and sw.keys == ["train.lr", "mining.k"]
     # the first --sweep varies slowest; values are resolved like overrides (1.0e-2 is the number
     # 0.01)
     assert [m.values for m in sw.members] == [
@@ -118,7 +118,7 @@ def test_expand_is_the_cartesian_product_in_a_stable_order(conf, tmp_path):
         "k=5,lr=0.01",
     ]
     for m in sw.members:
-        assert m.run_dir == os.path.join(sw.dir, m.name)
+        assert m.run_dir == os.path.join(sw.paths.root, m.name)
         assert (
             m.config.train.lr == m.values["train.lr"] and m.config.mining.k == m.values["mining.k"]
         )
@@ -128,7 +128,7 @@ def test_expand_is_the_cartesian_product_in_a_stable_order(conf, tmp_path):
     assert (
         "lr" not in sw.base["train"]
         and "k" not in sw.base["mining"]
-        and sw.base["run"]["dir"] == sw.dir
+        and sw.base["run"]["dir"] == sw.paths.root
     )
     # the order of the --sweep flags changes neither the members' names nor their dirs
     again = sweep.expand(conf, ["mining.threshold=0.6"], ["mining.k=10,5", "train.lr=0.001,1.0e-2"])

@@ -33,42 +33,43 @@ def expand(conf, *overrides, axes=("train.lr=0.1,0.2", "mining.k=5,10")):
 
 def test_index_round_trip_is_atomic_and_relative(conf, tmp_path):
     sw = expand(conf)
-    assert sweep_index.read_index(sw.dir) is None and not sweep_index.is_sweep_dir(sw.dir)
+    assert sweep_index.read_index(sw.paths) is None and not sweep_index.is_sweep_dir(sw.paths)
     index, changes = sweep_index.merge(None, sw)
     assert changes == [] and [m["name"] for m in index["members"]] == [m.name for m in sw.members]
     index = sweep_index.record_submission(
         index, "123", {m.name: f"123_{i}" for i, m in enumerate(sw.members)}, now=5.0
     )
-    with sweep_index.locked(sw.dir):
-        sweep_index.write_index(sw.dir, index)
-    assert sweep_index.is_sweep_dir(sw.dir) and sweep_index.read_index(sw.dir) == json.loads(
+    with sweep_index.locked(sw.paths):
+        sweep_index.write_index(sw.paths, index)
+    assert sweep_index.is_sweep_dir(sw.paths) and sweep_index.read_index(sw.paths) == json.loads(
         json.dumps(index)
     )
-    assert not [n for n in os.listdir(sw.dir) if n.startswith(".tmp-")]
+    assert not [n for n in os.listdir(sw.paths.root) if n.startswith(".tmp-")]
     assert sweep_index.member_job_id(index, sw.members[2].name) == "123_2"
     # run dirs are stored by name only: a moved sweep dir still finds its members
     moved = str(tmp_path / "moved")
-    os.rename(sw.dir, moved)
-    dirs = sweep_index.member_dirs(moved, sweep_index.read_index(moved))
-    assert list(dirs.values()) == [os.path.join(moved, m.name) for m in sw.members]
+    os.rename(sw.paths.root, moved)
+    there = rundir.RunPaths(moved)
+    dirs = sweep_index.member_dirs(there, sweep_index.read_index(there))
+    assert [d.root for d in dirs.values()] == [os.path.join(moved, m.name) for m in sw.members]
 
 
 def test_a_damaged_index_or_a_single_run_dir_is_refused(conf, tmp_path):
     sw = expand(conf)
-    os.makedirs(sw.dir)
-    with open(rundir.RunPaths(sw.dir).sweep_index, "w") as f:
+    os.makedirs(sw.paths.root)
+    with open(sw.paths.sweep_index, "w") as f:
         f.write('{"version": 1, "memb')
     with pytest.raises(UserError, match="sweep.json cannot be read"):
-        sweep_index.read_index(sw.dir)
-    with open(rundir.RunPaths(sw.dir).sweep_index, "w") as f:
+        sweep_index.read_index(sw.paths)
+    with open(sw.paths.sweep_index, "w") as f:
         json.dump({"version": 99, "members": []}, f)
     with pytest.raises(UserError, match="not a clusterflow sweep index of version 1"):
-        sweep_index.read_index(sw.dir)
+        sweep_index.read_index(sw.paths)
     single = tmp_path / "single"
     single.mkdir()
     (single / "config.yaml").write_text("{}")
     with pytest.raises(UserError, match="holds a single run"):
-        sweep_index.read_index(str(single))
+        sweep_index.read_index(rundir.RunPaths(str(single)))
 
 
 def test_resubmitting_the_same_sweep_merges_and_reports_resource_changes(conf):
@@ -100,11 +101,11 @@ def test_another_sweep_into_the_same_dir_is_refused(conf):
 
 
 def test_lock_refuses_a_second_submission_at_once(tmp_path):
-    with sweep_index.locked(str(tmp_path)):
+    with sweep_index.locked(rundir.RunPaths(str(tmp_path))):
         with pytest.raises(UserError, match="another submission of the sweep"):
-            with sweep_index.locked(str(tmp_path)):
+            with sweep_index.locked(rundir.RunPaths(str(tmp_path))):
                 pass
-    with sweep_index.locked(str(tmp_path)):  # released
+    with sweep_index.locked(rundir.RunPaths(str(tmp_path))):  # released
         pass
 
 
@@ -145,7 +146,7 @@ def test_status_rows_of_a_sweep(conf):
     index = sweep_index.record_submission(
         index, "77", {m.name: f"77_{i}" for i, m in enumerate(sw.members[:3])}
     )
-    sweep_index.write_index(sw.dir, index)
+    sweep_index.write_index(sw.paths, index)
     m0, m1, m2, _ = (m.run_dir for m in sw.members)
     _member_run(
         m0,
@@ -175,7 +176,7 @@ def test_status_rows_of_a_sweep(conf):
     )
     _member_run(m1, state="failed", epoch=1, global_step=7, job_id="79", error="rank 1: boom")
     _member_run(m2)  # submitted, not started
-    rows = sweep_status.collect(sw.dir, status.collect)
+    rows = sweep_status.collect(sw.paths, status.collect)
     assert [r["state"] for r in rows] == ["completed", "failed", "pending", "not submitted"]
     r = rows[0]
     assert (
@@ -191,7 +192,7 @@ def test_status_rows_of_a_sweep(conf):
     assert r["run_dir"] == m0 and rows[2]["job_id"] == "77_2" and rows[3]["job_id"] is None
     assert rows[1]["error"] == "rank 1: boom" and rows[1]["nmi"] is None
     json.dumps(rows)  # the --json list
-    table = sweep_status.render(rows, sweep_status.keys_of(sw.dir)).splitlines()
+    table = sweep_status.render(rows, sweep_status.keys_of(sw.paths)).splitlines()
     assert table[0].split() == [
         "lr",
         "k",
@@ -219,4 +220,4 @@ def test_status_rows_of_a_sweep(conf):
     assert table[4].split()[:9] == ["0.2", "10", "not", "submitted", "-", "-", "-", "-", "-"]
     assert table[-1] == "4 member(s), 1 completed"
     with pytest.raises(UserError, match="not a sweep dir"):
-        sweep_status.collect(m0, status.collect)
+        sweep_status.collect(rundir.RunPaths(m0), status.collect)

@@ -27,6 +27,7 @@ from clusterflow.job.run import _check_trackers
 from clusterflow.manage.status import collect, render
 from clusterflow.observe.metrics import read_metrics
 from clusterflow.observe.trackers import mlflow_run
+from clusterflow.rundir.paths import RunPaths
 
 STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
 
@@ -168,7 +169,7 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_s
         assert {m.step: m.value for m in points} == {s: written[s][key] for s in at}, key
         assert at == [s for s in sorted(written) if key in written[s]], key
     assert run.data.tags["clusterflow.checkpoint"].startswith(f"step-{STEPS} ")
-    shown = collect(d)
+    shown = collect(RunPaths(d))
     assert shown["trackers"] == {"mlflow": STEPS} and "received no step" not in render(shown)
 
 
@@ -215,7 +216,7 @@ def test_status_warns_about_a_tracker_that_never_received_a_step(tmp_path):
     finally:
         server.shutdown()
     assert out.returncode == 0, out.stdout + out.stderr
-    shown = collect(d)
+    shown = collect(RunPaths(d))
     assert shown["trackers"] == {"mlflow": None}
     warning = [line for line in render(shown).splitlines() if "received no step" in line]
     assert warning == [

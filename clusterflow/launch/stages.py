@@ -23,8 +23,8 @@ from clusterflow.slurm import jobids
 from clusterflow.sweeps import index as sweep_index
 
 
-def _state(run_dir: str) -> str | None:
-    return status.collect(run_dir)["state"]
+def _state(paths: rundir.RunPaths) -> str | None:
+    return status.collect(paths)["state"]
 
 
 def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> str | None:
@@ -38,31 +38,33 @@ def dependency(after: list[str], local: bool = False, dry_run: bool = False) -> 
             print(f"# warning: {exc} (a real submission refuses this)", file=sys.stderr)
             return None
     runs = []
-    for run_dir in after_runs(after):
+    for paths in after_runs(after):
+        run_dir = paths.root
         if not os.path.isdir(run_dir):
             raise UserError(
                 f"--after {run_dir}: no such run dir; pass the run.dir of a submitted run"
             )
-        state = _state(run_dir)
+        state = _state(paths)
         if local and state != states.COMPLETED:
             raise UserError(
                 f"--after {run_dir}: that run is {state}; with --local the earlier stage must have "
                 f"completed (run it first, e.g. submit its config with --local)"
             )
-        runs.append((run_dir, state, submissions.current_job_id(rundir.RunPaths(run_dir))))
+        runs.append((run_dir, state, submissions.current_job_id(paths)))
     return after_dependency(runs)
 
 
-def after_runs(after: list[str]) -> list[str]:
+def after_runs(after: list[str]) -> list[rundir.RunPaths]:
     """The run dirs behind ``--after``: a sweep dir stands for every member of its index (the new
     stage waits for all of them), in sweep order."""
-    runs: list[str] = []
+    runs: list[rundir.RunPaths] = []
     for path in after:
-        if sweep_index.is_sweep_dir(path):
-            index = sweep_index.read_index(path) or {"members": []}
-            runs += sweep_index.member_dirs(path, index).values()
+        paths = rundir.RunPaths(path)
+        if sweep_index.is_sweep_dir(paths):
+            index = sweep_index.read_index(paths) or {"members": []}
+            runs += sweep_index.member_dirs(paths, index).values()
         else:
-            runs.append(path)
+            runs.append(paths)
     return list(dict.fromkeys(runs))
 
 

@@ -97,25 +97,28 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # -- Slurm ---------------------------------------------------------------------------------------
 
 
-def slurm_folder(cfg: Config) -> str:
-    return os.path.abspath(rundir.RunPaths(cfg.run.dir).slurm_logs)
+def slurm_folder(paths: rundir.RunPaths) -> str:
+    return os.path.abspath(paths.slurm_logs)
 
 
 def job_parameters(
-    cfg: Config, python: str | None = None, dependency: str | None = None
+    cfg: Config,
+    paths: rundir.RunPaths,
+    python: str | None = None,
+    dependency: str | None = None,
 ) -> tuple[str, dict[str, Any], str]:
     """(submitit's folder, the sbatch parameters, the command prefix) of this run's one job: its
     batch step runs the restart driver (``sbatch.restarting``) around the srun step."""
-    folder = sbatch.job_folder(slurm_folder(cfg))
+    folder = sbatch.job_folder(slurm_folder(paths))
     params = sbatch.with_dependency(sbatch.parameters(cfg), dependency)
-    config_file = os.path.abspath(rundir.RunPaths(cfg.run.dir).config)
+    config_file = os.path.abspath(paths.config)
     params, prefix = sbatch.restarting(folder, params, cfg, config_file, python)
     return folder, params, prefix
 
 
 def sbatch_script(cfg: Config, python: str | None = None, dependency: str | None = None) -> str:
     """The exact script submitit would submit (rendered without needing srun on this host)."""
-    folder, params, prefix = job_parameters(cfg, python, dependency)
+    folder, params, prefix = job_parameters(cfg, rundir.RunPaths(cfg.run.dir), python, dependency)
     return sbatch.script(folder, params, python=prefix)
 
 
@@ -182,14 +185,14 @@ def submit_slurm(
 ) -> int:
     sbatch.require_sbatch("run here")
     check_cluster(cfg)
-    folder, params, prefix = job_parameters(cfg, dependency=dependency)
+    folder, params, prefix = job_parameters(cfg, paths, dependency=dependency)
     job_id = sbatch.submit(folder, params, jobs.job_for(cfg), python=prefix)
     # status asks squeue about it from now on
     transitions.mark_submitted(paths, job_id=job_id)
     submissions.record_submission(paths, job_id)
     print(f"submitted job {job_id}")
     print(f"run dir: {cfg.run.dir}")
-    print(f"logs: {paths.logs} (rank<R>.attempt<A>.log) and {slurm_folder(cfg)}/{job_id}/")
+    print(f"logs: {paths.logs} (rank<R>.attempt<A>.log) and {slurm_folder(paths)}/{job_id}/")
     print(f"status: python -m clusterflow.status {cfg.run.dir}")
     print(f"tensorboard: tensorboard --logdir {paths.tb}")
     if not wait:

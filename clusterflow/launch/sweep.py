@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 from clusterflow import rundir, tasks
+from clusterflow.config import Config, fingerprint
 from clusterflow.errors import EXIT_INTERRUPTED, EXIT_JOB_FAILED, EXIT_OK, UserError
 from clusterflow.launch import jobs, local
 from clusterflow.manage import status, sweep_status
@@ -45,13 +46,13 @@ from clusterflow.sweeps import index as sweep_index
 from clusterflow.sweeps import sweep
 
 
-def member_state(run_dir: str) -> str | None:
+def member_state(paths: rundir.RunPaths) -> str | None:
     """What a resubmission decides on: None for a member that never ran (no config.yaml, or
     written by a submission whose sbatch failed), else the state status reports."""
-    if not os.path.exists(os.path.join(run_dir, "config.yaml")):
+    if not os.path.exists(paths.config):
         return None
     try:
-        s = status.collect(run_dir)
+        s = status.collect(paths)
     except UserError:
         return "unknown"
     if s["state"] == State.PENDING and not s["job_id"] and not s["attempts"]:
@@ -59,15 +60,17 @@ def member_state(run_dir: str) -> str | None:
     return s["state"]
 
 
-def _plan(sw: sweep.Sweep) -> tuple[dict[str, Any], list[Any], sweep_index.Plan]:
-    index, changes = sweep_index.merge(sweep_index.read_index(sw.dir), sw)
+def _plan(
+    sw: sweep.Sweep, dirs: dict[str, rundir.RunPaths]
+) -> tuple[dict[str, Any], list[fingerprint.Change], sweep_index.Plan]:
+    """``dirs``: each member's run dir, by name."""
+    index, changes = sweep_index.merge(sweep_index.read_index(sw.paths), sw)
     names = [m.name for m in sw.members]
-    dirs = {m.name: m.run_dir for m in sw.members}
     return index, changes, sweep_index.plan(names, {n: member_state(dirs[n]) for n in names})
 
 
 def _show_plan(sw: sweep.Sweep, plan: sweep_index.Plan) -> None:
-    print(f"sweep {sw.dir}: {len(sw.members)} member(s) over {', '.join(sw.keys)}")
+    print(f"sweep {sw.paths.root}: {len(sw.members)} member(s) over {', '.join(sw.keys)}")
     for m in sw.members:
         what = (
             "new"
@@ -79,20 +82,22 @@ def _show_plan(sw: sweep.Sweep, plan: sweep_index.Plan) -> None:
         print(f"  {m.name:<40} {what}")
 
 
-def _prepare(members: list[sweep.Member]) -> list[Any]:
+def _prepare(
+    members: list[sweep.Member], dirs: dict[str, rundir.RunPaths]
+) -> list[tuple[Config, rundir.RunPaths]]:
     """Each member's run dir checked and its config written (or resumed); its code frozen."""
-    configs = []
+    prepared = []
     for m in members:
         cfg, resumed = saved_config.resolve(m.config)
-        frozen_code.take(rundir.RunPaths(cfg.run.dir), cfg.task.target, cfg.run.snapshot_code)
-        configs.append(cfg)
-    return configs
+        frozen_code.take(dirs[m.name], cfg.task.target, cfg.run.snapshot_code)
+        prepared.append((cfg, dirs[m.name]))
+    return prepared
 
 
 def _submit_array(
     sw: sweep.Sweep,
     names: list[str],
-    configs: list[Any],
+    configs: list[Config],
     max_parallel: int | None,
     dependency: str | None,
 ) -> dict[str, str]:
@@ -107,7 +112,7 @@ def _submit_array(
 
 def _folder(sw: sweep.Sweep) -> str:
     """submitit's folder for the sweep's job array (task T's output: SWEEP_DIR/logs/slurm/A_T)."""
-    return sbatch.job_folder(rundir.RunPaths(sw.dir).slurm_logs)
+    return sbatch.job_folder(sw.paths.slurm_logs)
 
 
 def _check_task_params(sw: sweep.Sweep) -> None:
@@ -128,12 +133,11 @@ def _check_task_params(sw: sweep.Sweep) -> None:
         sweep.report_invalid(failures, len(sw.members))
 
 
-def _run_local(configs: list[Any]) -> int:
+def _run_local(prepared: list[tuple[Config, rundir.RunPaths]]) -> int:
     """``--local``: the members one after another on this machine; a member cancelled meanwhile
     (``clusterflow cancel`` of the sweep or of the member) is skipped."""
     worst = EXIT_OK
-    for cfg in configs:
-        paths = rundir.RunPaths(cfg.run.dir)
+    for cfg, paths in prepared:
         if cancel_marker.is_cancelled(paths):
             print(f"== sweep member {cfg.run.dir}: cancelled by the user; not started")
             continue
@@ -152,8 +156,10 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         preflight.check_paths(m.config)
         trackers.check(m.config.trackers)
     _check_task_params(sw)
+    # Each member's run dir, built once here and handed to every step below.
+    dirs = {m.name: rundir.RunPaths(m.run_dir) for m in sw.members}
     if args.dry_run:
-        index, changes, plan = _plan(sw)
+        index, changes, plan = _plan(sw, dirs)
         _show_plan(sw, plan)
         for c in changes:
             print(f"# note: changed since the last submission: {c}")
@@ -165,8 +171,8 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
             params = sbatch.with_dependency(ap.parameters, dependency)
             print(sbatch.script(ap.folder, params, array_size=ap.size))
         return EXIT_OK
-    with sweep_index.locked(sw.dir):
-        index, changes, plan = _plan(sw)
+    with sweep_index.locked(sw.paths):
+        index, changes, plan = _plan(sw, dirs)
         if changes:
             print(
                 "note: resources changed since the last submission: "
@@ -174,42 +180,42 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
                 file=sys.stderr,
             )
         _show_plan(sw, plan)
-        sweep_index.write_index(sw.dir, index)
+        sweep_index.write_index(sw.paths, index)
         todo = [m for m in sw.members if m.name in plan.to_submit]
         if not todo:
             print("nothing to submit: every member is completed, still queued or cancelled")
-            print(f"status: python -m clusterflow.status {sw.dir}")
+            print(f"status: python -m clusterflow.status {sw.paths.root}")
             return EXIT_OK
-        configs = _prepare(todo)
+        prepared = _prepare(todo, dirs)
         if args.local:
-            return _run_local(configs)
+            return _run_local(prepared)
         names = [m.name for m in todo]
+        configs = [cfg for cfg, _ in prepared]
         jobs = _submit_array(sw, names, configs, args.max_parallel, dependency)
-        for cfg, name in zip(configs, names):
-            paths = rundir.RunPaths(cfg.run.dir)
+        for (_, paths), name in zip(prepared, names):
             submissions.record_submission(paths, jobs[name])
             transitions.mark_submitted(paths, job_id=jobs[name])
             # A cancelled member is only here when its marker was deleted.
             cancel_marker.clear(paths)
         sweep_index.write_index(
-            sw.dir, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs)
+            sw.paths, sweep_index.record_submission(index, jobs[names[0]].split("_")[0], jobs)
         )
     print(
         f"submitted job array {jobs[names[0]].split('_')[0]}: {len(names)} member(s)"
         + (f", at most {args.max_parallel} at once" if args.max_parallel else "")
     )
-    print(f"sweep dir: {sw.dir}")
-    print(f"status: python -m clusterflow.status {sw.dir}")
-    print(f"cancel: python -m clusterflow.cancel {sw.dir}")
-    return wait_for(sw.dir, jobs[names[0]].split("_")[0]) if args.wait else EXIT_OK
+    print(f"sweep dir: {sw.paths.root}")
+    print(f"status: python -m clusterflow.status {sw.paths.root}")
+    print(f"cancel: python -m clusterflow.cancel {sw.paths.root}")
+    return wait_for(sw.paths, jobs[names[0]].split("_")[0]) if args.wait else EXIT_OK
 
 
-def wait_for(sweep_dir: str, array_id: str, poll_s: float = 3.0) -> int:
+def wait_for(paths: rundir.RunPaths, array_id: str, poll_s: float = 3.0) -> int:
     """``--wait``: block until the array left the queue (requeues included); exit 0 when every
     member completed, else 1."""
     slurm_commands.wait_until_gone(array_id, poll_s)
-    rows = sweep_status.collect(sweep_dir, status.collect)
-    print(sweep_status.render(rows, sweep_status.keys_of(sweep_dir)))
+    rows = sweep_status.collect(paths, status.collect)
+    print(sweep_status.render(rows, sweep_status.keys_of(paths)))
     return (
         EXIT_OK
         if all(r["state"] in (State.COMPLETED, State.CANCELLED) for r in rows)

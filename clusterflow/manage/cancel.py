@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from clusterflow import rundir
 from clusterflow.errors import EXIT_OK, UserError, cli
@@ -25,18 +24,19 @@ EXAMPLES = """examples:
 """
 
 
-def runs_of(target: str) -> list[str]:
+def runs_of(target: rundir.RunPaths) -> list[rundir.RunPaths]:
     """The run dirs behind RUN_DIR or SWEEP_DIR."""
-    if not os.path.isdir(target):
+    if not os.path.isdir(target.root):
         raise UserError(
-            f"{target!r} does not exist; pass a run dir or a sweep dir (the run.dir you submitted)"
+            f"{target.root!r} does not exist; pass a run dir or a sweep dir "
+            "(the run.dir you submitted)"
         )
     index = sweep_index.read_index(target) if sweep_index.is_sweep_dir(target) else None
     if index is not None:
         return list(sweep_index.member_dirs(target, index).values())
-    if not os.path.exists(rundir.RunPaths(target).config):
+    if not os.path.exists(target.config):
         raise UserError(
-            f"{target!r} holds neither config.yaml nor sweep.json: "
+            f"{target.root!r} holds neither config.yaml nor sweep.json: "
             "not a clusterflow run or sweep dir"
         )
     return [target]
@@ -85,9 +85,9 @@ def targets(
 
 def cancel(target: str) -> list[str]:
     """Mark and scancel; returns the lines to print."""
-    runs: list[tuple[str, Any, Any]] = []
+    runs: list[tuple[str, str | None, str | None]] = []
     skipped = []
-    found = {run_dir: rundir.RunPaths(run_dir) for run_dir in runs_of(target)}
+    found = {paths.root: paths for paths in runs_of(rundir.RunPaths(target))}
     for run_dir, paths in found.items():
         if not os.path.exists(paths.config):
             skipped.append(f"{run_dir}: never submitted; nothing to cancel")

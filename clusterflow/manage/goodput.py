@@ -54,13 +54,14 @@ def slurm_times(paths: rundir.RunPaths) -> dict[str, list[dict[str, Any]]]:
     return {job: slurm_commands.job_runs(job)[0] for job in sorted(jobs)}
 
 
-def book(run_dir: str) -> dict[str, Any]:
-    if not os.path.isdir(run_dir):
-        raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
-    paths = rundir.RunPaths(run_dir)
+def book(paths: rundir.RunPaths) -> dict[str, Any]:
+    if not os.path.isdir(paths.root):
+        raise UserError(
+            f"run dir {paths.root!r} does not exist; pass the run.dir of a submitted run"
+        )
     if not os.path.exists(paths.config):
         raise UserError(
-            f"{run_dir!r} has no config.yaml, so it is not a clusterflow run dir; pass a run.dir"
+            f"{paths.root!r} has no config.yaml, so it is not a clusterflow run dir; pass a run.dir"
         )
     return goodput.ledger(paths, slurm_times(paths))
 
@@ -123,13 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object (a list for a sweep dir)")
     p.add_argument("--plot", metavar="OUT.png", help="draw the attempts as a timeline")
     args = p.parse_args(argv)
-    if sweep_index.is_sweep_dir(args.run_dir):
-        index = sweep_index.read_index(args.run_dir) or {}
-        dirs = sweep_index.member_dirs(args.run_dir, index).values()
-        books = [book(d) for d in dirs if os.path.exists(rundir.RunPaths(d).config)]
+    target = rundir.RunPaths(args.run_dir)
+    if sweep_index.is_sweep_dir(target):
+        index = sweep_index.read_index(target) or {}
+        dirs = sweep_index.member_dirs(target, index).values()
+        books = [book(d) for d in dirs if os.path.exists(d.config)]
         shown: Any = books
     else:
-        books = [book(args.run_dir)]
+        books = [book(target)]
         shown = books[0]
     if args.plot:
         plot(books, args.plot)

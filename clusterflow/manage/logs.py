@@ -97,7 +97,7 @@ class EndWatch:
         if self.asked_at is not None and now - self.asked_at < self.every_s:
             return False
         self.asked_at = now
-        seen = status.collect(self.paths.root)
+        seen = status.collect(self.paths)
         if not states.ended(seen["state"]):
             return False
         said = seen.get("error") or seen.get("liveness")
@@ -134,7 +134,7 @@ def _check(paths: rundir.RunPaths, rank: int) -> None:
     run_dir = paths.root
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
-    if sweep_index.is_sweep_dir(run_dir):
+    if sweep_index.is_sweep_dir(paths):
         raise UserError(
             f"{run_dir!r} is a sweep; logs follows one run: pass a member's dir "
             f"(python -m clusterflow.status {run_dir} lists them)"

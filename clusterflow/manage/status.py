@@ -67,7 +67,7 @@ def _last_step_of_run(manifest: dict[str, Any]) -> bool:
     return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -260,8 +260,8 @@ def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
     }
 
 
-def collect(run_dir: str) -> dict[str, Any]:
-    paths = rundir.RunPaths(run_dir)
+def collect(paths: rundir.RunPaths) -> dict[str, Any]:
+    run_dir = paths.root
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
     if not os.path.exists(paths.config):
@@ -472,14 +472,15 @@ def main(argv: list[str] | None = None) -> int:
         help="one row per rank from its heartbeat: step, phase, ages, step time, GPU",
     )
     args = p.parse_args(argv)
-    if sweep_index.is_sweep_dir(args.run_dir):
-        rows = sweep_status.collect(args.run_dir, collect)
+    target = rundir.RunPaths(args.run_dir)
+    if sweep_index.is_sweep_dir(target):
+        rows = sweep_status.collect(target, collect)
         print(
             json.dumps(rows, indent=1)
             if args.json
-            else sweep_status.render(rows, sweep_status.keys_of(args.run_dir))
+            else sweep_status.render(rows, sweep_status.keys_of(target))
         )
         return EXIT_OK
-    s = collect(args.run_dir)
+    s = collect(target)
     print(json.dumps(s, indent=1) if args.json else ranks.table(s) if args.ranks else render(s))
     return EXIT_OK

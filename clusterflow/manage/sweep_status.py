@@ -4,9 +4,9 @@ mining NMI/ARI, job id, run dir), as a JSON list or a text table.
 :func:`collect` takes the single-run collector as an argument (``status.collect``), so status
 can call it without an import cycle:
 
-    if sweep_index.is_sweep_dir(d):
-        rows = sweep_status.collect(d, collect)
-        keys = sweep_status.keys_of(d)
+    if sweep_index.is_sweep_dir(paths):
+        rows = sweep_status.collect(paths, collect)
+        keys = sweep_status.keys_of(paths)
         print(json.dumps(rows, indent=1) if args.json else sweep_status.render(rows, keys))
 """
 
@@ -45,42 +45,50 @@ def row(
 
 
 def rows(
-    sweep_dir: str, index: dict[str, Any], statuses: dict[str, dict[str, Any] | None]
+    dirs: dict[str, rundir.RunPaths],
+    index: dict[str, Any],
+    statuses: dict[str, dict[str, Any] | None],
 ) -> list[dict[str, Any]]:
-    """Rows in sweep order; ``statuses`` maps member names to their status dicts (or None)."""
-    dirs = sweep_index.member_dirs(sweep_dir, index)
+    """Rows in sweep order; ``dirs`` and ``statuses`` map member names to their run dirs and
+    status dicts (or None)."""
     return [
         row(
-            m, dirs[m["name"]], statuses.get(m["name"]), sweep_index.member_job_id(index, m["name"])
+            m,
+            dirs[m["name"]].root,
+            statuses.get(m["name"]),
+            sweep_index.member_job_id(index, m["name"]),
         )
         for m in index["members"]
     ]
 
 
-def collect(sweep_dir: str, collect_run: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
+def collect(
+    paths: rundir.RunPaths, collect_run: Callable[[rundir.RunPaths], dict[str, Any]]
+) -> list[dict[str, Any]]:
     """Read the index and every member's status (a member that cannot be read gets state
     unknown)."""
-    index = sweep_index.read_index(sweep_dir) if sweep_index.is_sweep_dir(sweep_dir) else None
+    index = sweep_index.read_index(paths) if sweep_index.is_sweep_dir(paths) else None
     if index is None:
-        raise UserError(f"{sweep_dir!r} has no sweep.json, so it is not a sweep dir")
+        raise UserError(f"{paths.root!r} has no sweep.json, so it is not a sweep dir")
+    dirs = sweep_index.member_dirs(paths, index)
     statuses: dict[str, dict[str, Any] | None] = {}
-    for name, run_dir in sweep_index.member_dirs(sweep_dir, index).items():
-        if not os.path.exists(rundir.RunPaths(run_dir).config):
+    for name, member in dirs.items():
+        if not os.path.exists(member.config):
             statuses[name] = None
             continue
         try:
-            statuses[name] = collect_run(run_dir)
+            statuses[name] = collect_run(member)
         except UserError as exc:
             statuses[name] = {"state": "unknown", "error": str(exc)}
-    return rows(sweep_dir, index, statuses)
+    return rows(dirs, index, statuses)
 
 
-def keys_of(sweep_dir: str) -> list[str]:
-    index = sweep_index.read_index(sweep_dir)
+def keys_of(paths: rundir.RunPaths) -> list[str]:
+    index = sweep_index.read_index(paths)
     return list(index["keys"]) if index else []
 
 
-def _cell(value: Any, digits: int | None = None) -> str:
+def _cell(value: object, digits: int | None = None) -> str:
     if value is None:
         return "-"
     if digits is not None and isinstance(value, (int, float)) and not isinstance(value, bool):

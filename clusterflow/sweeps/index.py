@@ -29,23 +29,22 @@ from clusterflow.config import fingerprint
 from clusterflow.errors import UserError
 from clusterflow.rundir import states as run_states
 from clusterflow.storage import durable
-from clusterflow.sweeps.sweep import Sweep
+from clusterflow.sweeps.sweep import Member, Sweep
 
 VERSION = 1
 
 
-def is_sweep_dir(path: str) -> bool:
-    return os.path.isfile(rundir.RunPaths(path).sweep_index)
+def is_sweep_dir(paths: rundir.RunPaths) -> bool:
+    return os.path.isfile(paths.sweep_index)
 
 
-def read_index(sweep_dir: str) -> dict[str, Any] | None:
+def read_index(paths: rundir.RunPaths) -> dict[str, Any] | None:
     """The index, or None for a directory that holds no sweep yet. Refuses a single run's dir."""
-    paths = rundir.RunPaths(sweep_dir)
     target = paths.sweep_index
     if not os.path.exists(target):
         if os.path.exists(paths.config):
             raise UserError(
-                f"run.dir {sweep_dir!r} holds a single run (config.yaml), not a sweep; "
+                f"run.dir {paths.root!r} holds a single run (config.yaml), not a sweep; "
                 f"choose another run.dir for the sweep"
             )
         return None
@@ -69,23 +68,22 @@ def read_index(sweep_dir: str) -> dict[str, Any] | None:
     return index
 
 
-def write_index(sweep_dir: str, index: dict[str, Any]) -> None:
+def write_index(paths: rundir.RunPaths, index: dict[str, Any]) -> None:
     durable.write_atomic(
-        rundir.RunPaths(sweep_dir).sweep_index,
-        json.dumps(index, indent=1, sort_keys=False, default=str),
+        paths.sweep_index, json.dumps(index, indent=1, sort_keys=False, default=str)
     )
 
 
 @contextlib.contextmanager
-def locked(sweep_dir: str) -> Iterator[None]:
+def locked(paths: rundir.RunPaths) -> Iterator[None]:
     """Hold ``SWEEP_DIR/.sweep.lock`` (flock): one submission of a sweep at a time."""
-    os.makedirs(sweep_dir, exist_ok=True)
-    with open(rundir.RunPaths(sweep_dir).sweep_lock, "a") as f:
+    os.makedirs(paths.root, exist_ok=True)
+    with open(paths.sweep_lock, "a") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise UserError(
-                f"another submission of the sweep in {sweep_dir!r} "
+                f"another submission of the sweep in {paths.root!r} "
                 "is running; wait for it, then try again"
             ) from None
         try:
@@ -94,7 +92,7 @@ def locked(sweep_dir: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def member_record(m: Any) -> dict[str, Any]:
+def member_record(m: Member) -> dict[str, Any]:
     return {"name": m.name, "values": m.values, "overrides": list(m.overrides)}
 
 
@@ -113,7 +111,7 @@ def merge(
     if index is None:
         new["members"] = [member_record(m) for m in sweep.members]
         return new, []
-    where = rundir.RunPaths(sweep.dir).sweep_index
+    where = sweep.paths.sweep_index
     if set(index["keys"]) != set(sweep.keys):
         raise UserError(
             f"{where} holds a sweep over {', '.join(index['keys'])}; "
@@ -185,10 +183,9 @@ def record_submission(
     return dict(index, submissions=[*index.get("submissions", []), entry])
 
 
-def member_dirs(sweep_dir: str, index: dict[str, Any]) -> dict[str, str]:
-    """name -> run dir, in sweep order."""
-    paths = rundir.RunPaths(sweep_dir)
-    return {m["name"]: paths.member(m["name"]) for m in index["members"]}
+def member_dirs(paths: rundir.RunPaths, index: dict[str, Any]) -> dict[str, rundir.RunPaths]:
+    """name -> the member's run dir, in sweep order."""
+    return {m["name"]: rundir.RunPaths(paths.member(m["name"])) for m in index["members"]}
 
 
 def member_job_id(index: dict[str, Any], name: str) -> str | None:

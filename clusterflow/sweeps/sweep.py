@@ -65,7 +65,7 @@ class Member:
 
 @dataclass
 class Sweep:
-    dir: str  # the sweep dir: run.dir of the base config
+    paths: rundir.RunPaths  # the sweep dir: run.dir of the base config
     keys: list[str]  # swept keys in --sweep order
     members: list[Member]
     base: dict[str, Any] = field(default_factory=dict)  # resolved config without the swept keys
@@ -159,7 +159,7 @@ def _drop(cfg: dict[str, Any], key: str) -> None:
         node.pop(last, None)
 
 
-def show(value: Any) -> str:
+def show(value: object) -> str:
     """A value as it reads in a name or a table: 0.001, true, [64,32]."""
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -198,9 +198,9 @@ def member_name(values: dict[str, Any], result_fingerprint: str) -> str:
     )
 
 
-def _member_dirs(cfg: Config, sweep_dir: str, name: str) -> Config:
+def _member_dirs(cfg: Config, sweep_paths: rundir.RunPaths, name: str) -> Config:
     d = cfg.to_dict()
-    d["run"]["dir"] = rundir.RunPaths(sweep_dir).member(name)
+    d["run"]["dir"] = sweep_paths.member(name)
     # Members must never share a checkpoint dir (they would resume each other).
     if d["checkpoint"]["dir"]:
         d["checkpoint"]["dir"] = d["checkpoint"]["dir"].rstrip("/") + "/" + name
@@ -265,7 +265,7 @@ def expand(
     if failures:
         report_invalid(failures, len(combos))
     _check_distinct(axes, members)
-    sweep_dir = members[0].config.run.dir
+    sweep_paths = rundir.RunPaths(members[0].config.run.dir)
     folded: dict[str, str] = {}
     for m in members:
         # A clash needs equal readable parts and equal 24-bit hashes, and is never silent.
@@ -280,7 +280,7 @@ def expand(
     for a in axes:
         _drop(base, a.key)
     members = [
-        Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_dir, m.name))
+        Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_paths, m.name))
         for m in members
     ]
-    return Sweep(sweep_dir, [a.key for a in axes], members, base)
+    return Sweep(sweep_paths, [a.key for a in axes], members, base)
