@@ -16,6 +16,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from typing import IO
 
 from clusterflow import rundir
@@ -83,8 +84,11 @@ class EndWatch:
     still trains)."""
 
     def __init__(
-        self, paths: rundir.RunPaths, every_s: float = VERDICT_EVERY_S, clock=time.monotonic
-    ):
+        self,
+        paths: rundir.RunPaths,
+        every_s: float = VERDICT_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.paths, self.every_s, self.clock = paths, every_s, clock
         self.asked_at: float | None = None
         self.why = ""  # the verdict's word, when it differs from the record
