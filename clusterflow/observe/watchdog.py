@@ -34,8 +34,8 @@ import sysconfig
 import threading
 import time
 import traceback
-from types import FrameType, TracebackType
-from typing import Any, Callable, Mapping
+from types import FrameType, ModuleType, TracebackType
+from typing import Any, Callable, Mapping, TypeVar
 
 import torch
 
@@ -54,6 +54,7 @@ WAIT_PATHS = (
 )
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
 log = logging.getLogger("clusterflow.watchdog")
+T = TypeVar("T")
 
 
 def default_victim_grace_s(stall_s: float) -> float:
@@ -287,15 +288,15 @@ def flight_recorder_env(
     return {k: v for k, v in wanted.items() if k not in environ}
 
 
-def _c10d() -> Any:
+def _c10d() -> ModuleType | None:
     """torch's c10d bindings, None in a torch built without distributed support."""
     return getattr(torch._C, "_distributed_c10d", None)
 
 
-def _with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+def _with_timeout(fn: Callable[[], T], timeout_s: float) -> T:
     """Run ``fn`` on a helper thread: a recorder wedged behind a hung NCCL call must not stop the
     exit."""
-    box: list[Any] = []
+    box: list[T] = []
     t = threading.Thread(target=lambda: box.append(fn()), daemon=True)
     t.start()
     t.join(timeout_s)

@@ -41,7 +41,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from clusterflow.dist import DistEnv
 from clusterflow.errors import UserError
@@ -50,6 +50,7 @@ from clusterflow.slurm import commands as slurm_commands
 from clusterflow.storage import durable
 
 log = logging.getLogger("clusterflow")
+T = TypeVar("T")
 
 STALE_RENEWALS = 4  # a lease not renewed for this many periods is abandoned
 # The token of the lease a local launcher holds for the job it starts (inherited by the job).
@@ -315,7 +316,7 @@ def _warn(note: str) -> None:
     log.warning("%s", note)
 
 
-def _unusable_unless(action: Callable[[], Any], path: str) -> Any:
+def _unusable_unless(action: Callable[[], T], path: str) -> T:
     """``action()``, or RunDirBusy naming ``path`` when the storage refuses it."""
     try:
         return action()

@@ -15,7 +15,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, BinaryIO, Callable, Iterator, Mapping
 
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import STATES, StopReason
@@ -349,7 +349,7 @@ def read_jsonl(target: str, schema: Schema | None = None) -> list[dict[str, Any]
     return [rec for _, rec in _lines(target) if isinstance(rec, dict)]
 
 
-def open_jsonl(target: str) -> Any:
+def open_jsonl(target: str) -> BinaryIO:
     """Open a JSON-lines file for appending. A line left unfinished by a killed writer is closed
     first, so it cannot swallow the next record."""
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
