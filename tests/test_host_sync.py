@@ -102,7 +102,7 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     """Runs a real Trainer; returns {step: (kind, [call, ...])} for every step of the run."""
     import torch
 
-    from clusterflow import config
+    from clusterflow import config, rundir
     from clusterflow.checkpoint import checkpointer
     from clusterflow.dist import comm as dist
     from clusterflow.tasks import load_task
@@ -112,9 +112,8 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     cfg = config.load(config_path, [f"run.dir={run_dir}", *overrides])
     os.makedirs(run_dir, exist_ok=True)
     device = torch.device(device)
-    trainer = Trainer(
-        cfg, load_task(cfg.task.target, cfg.run.seed, cfg.task.params), device, 0, Preemption()
-    )
+    task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
+    trainer = Trainer(cfg, rundir.RunPaths(run_dir), task, device, 0, Preemption())
     calls, steps = [], {}
     save, loader = trainer._save, trainer._loader
 

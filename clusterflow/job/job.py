@@ -202,7 +202,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         if task is None:
             outcome = _stopped_while_building(preemption)
         else:
-            trainer = Trainer(cfg, task, device, attempt, preemption)
+            trainer = Trainer(cfg, paths, task, device, attempt, preemption)
             # Heartbeats, stall watchdog.
             stalled = functools.partial(
                 _requeue_after_stall, cfg=cfg, paths=paths, env=env, environ=environ

@@ -81,11 +81,17 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 class Trainer:
     def __init__(
-        self, cfg: Config, task: Task, device: torch.device, attempt: int, preemption: Preemption
+        self,
+        cfg: Config,
+        paths: rundir.RunPaths,
+        task: Task,
+        device: torch.device,
+        attempt: int,
+        preemption: Preemption,
     ) -> None:
         self.cfg, self.task, self.device, self.attempt = cfg, task, device, attempt
         self.rank, self.world = dist.rank(), dist.world()
-        self.paths = rundir.RunPaths(cfg.run.dir)
+        self.paths = paths
         self.phases = phases.Phases()
         self._first_step = True
         self._step_mark = self._busy_until = self._waited_mark = self._waited_until = 0.0
