@@ -8,6 +8,7 @@ import time
 import pytest
 
 from clusterflow import rundir
+from clusterflow.observe.stragglers import scores as straggler_scores
 from clusterflow.observe.heartbeat import (
     Heartbeat,
     mark,
@@ -125,7 +126,7 @@ def test_a_failing_write_does_not_stop_the_thread(tmp_path):
     assert json.loads((tmp_path / "run" / "heartbeats" / "rank0.json").read_text())["step"] == 7
 
 
-def _rec(rank, age, step_time=0.2, phase="train", host=None, now=1000.0, **extra):
+def _rec(rank, age, busy=0.2, phase="train", host=None, now=1000.0, **extra):
     return {
         "rank": rank,
         "host": host or f"node{rank // 4 + 1}",
@@ -133,49 +134,61 @@ def _rec(rank, age, step_time=0.2, phase="train", host=None, now=1000.0, **extra
         "phase": phase,
         "time": now - age,
         "progress_at": now - age,
-        "step_time_s": step_time,
+        "step_time_s": busy,
+        "busy_s": busy,
         **extra,
     }
 
 
 @pytest.mark.parametrize(
-    "records,heartbeat_s,silent,stragglers",
+    "records,heartbeat_s,ratio,silent,stragglers",
     [
-        ([_rec(0, 1), _rec(1, 2)], 10, [], []),  # all fresh, equal
-        ([_rec(0, 1), _rec(1, 31)], 10, [1], []),  # 31 s > max(3 x 10, 30)
-        ([_rec(0, 1), _rec(1, 29)], 10, [], []),  # under the 30 s floor
-        ([_rec(0, 1), _rec(1, 100)], 60, [], []),  # 100 s < 3 x 60
-        (
-            [_rec(0, 1), _rec(1, 1, step_time=0.5)],
-            10,
-            [],
-            [1],
-        ),  # two ranks: the other's time is the median
-        ([_rec(0, 1), _rec(1, 1, step_time=0.29)], 10, [], []),  # 1.45 x: not a straggler
-        ([_rec(0, 1, 0.010), _rec(1, 1, 0.030)], 10, [], []),  # 3 x but only 20 ms: jitter
-        ([_rec(r, 1, 0.2) for r in range(7)] + [_rec(7, 1, 0.35)], 10, [], [7]),
+        ([_rec(0, 1), _rec(1, 2)], 10, 1.2, [], []),  # all fresh, equal
+        ([_rec(0, 1), _rec(1, 31)], 10, 1.2, [1], []),  # 31 s > max(3 x 10, 30)
+        ([_rec(0, 1), _rec(1, 29)], 10, 1.2, [], []),  # under the 30 s floor
+        ([_rec(0, 1), _rec(1, 100)], 60, 1.2, [], []),  # 100 s < 3 x 60
+        ([_rec(0, 1), _rec(1, 1, 0.5)], 10, 1.2, [], [1]),  # two ranks: the other is the median
+        # lock-step DDP: every step takes the slowest rank's time; its own part tells
+        ([_rec(0, 1, step_time_s=0.5), _rec(1, 1, 0.5)], 10, 1.2, [], [1]),
+        ([_rec(0, 1, step_time_s=0.9), _rec(1, 1, step_time_s=0.2)], 10, 1.2, [], []),
+        ([_rec(0, 1), _rec(1, 1, 0.29)], 10, 1.5, [], []),  # 1.45 x under observe.straggler_ratio
+        ([_rec(0, 1), _rec(1, 1, 0.29)], 10, 1.2, [], [1]),
+        ([_rec(0, 1), _rec(1, 1, 0.5)], 10, 0, [], []),  # straggler_ratio 0: the watch is off
+        ([_rec(r, 1, 0.2) for r in range(7)] + [_rec(7, 1, 0.35)], 10, 1.2, [], [7]),
         (
             [_rec(r, 1, 0.2) for r in range(4)] + [_rec(4, 1, 0.5, phase="eval")],
             10,
+            1.2,
             [],
             [],
         ),  # eval is not compared
         (
             [_rec(0, 1, 0.2), _rec(1, 1, 0.2), _rec(2, 90, 5.0)],
             10,
+            1.2,
             [2],
             [],
         ),  # a silent rank is not a straggler
-        ([_rec(0, 1, None), _rec(1, 1, 0.9)], 10, [], []),  # no step time yet: nothing to compare
+        ([_rec(0, 1, None), _rec(1, 1, 0.9)], 10, 1.2, [], []),  # no busy time yet: no compare
     ],
 )
-def test_marks(records, heartbeat_s, silent, stragglers):
-    out = mark(records, heartbeat_s, now=1000.0)
+def test_marks(records, heartbeat_s, ratio, silent, stragglers):
+    out = mark(records, heartbeat_s, now=1000.0, straggler_ratio=ratio)
     assert [r["rank"] for r in out if r["silent"]] == silent
     assert [r["rank"] for r in out if r["straggler"]] == stragglers
     assert all(
         r["heartbeat_age_s"] == round(1000.0 - rec["time"], 1) for r, rec in zip(out, records)
     )
+
+
+def test_the_mark_and_the_straggler_watch_score_a_rank_alike():
+    """One definition: a rank marked on a read is a rank the watch counts as slow on it."""
+    records = [_rec(r, 1, 0.2) for r in range(3)] + [_rec(3, 1, 0.3), _rec(4, 1, 0.23)]
+    out = mark(records, 10, now=1000.0, straggler_ratio=1.2)
+    scored = straggler_scores(out)
+    slow = [rank for rank, (ratio, _) in scored.items() if ratio > 1.2]
+    assert [r["rank"] for r in out if r["straggler"]] == slow == [3]
+    assert out[3]["busy_ratio"] == round(scored[3][0], 3) and out[3]["median_busy_s"] == 0.2
 
 
 def _write(run_dir, rec):
@@ -225,6 +238,7 @@ def test_render_and_summary_name_the_odd_ranks():
         ],
         10,
         now=1000.0,
+        straggler_ratio=1.2,
     )
     table = render(ranks)
     lines = table.splitlines()
@@ -232,7 +246,8 @@ def test_render_and_summary_name_the_odd_ranks():
     assert "30.0/80 GiB" in lines[1] and "97%" in lines[1] and "64C" in lines[1]
     assert lines[3].rstrip().endswith("straggler") and lines[4].rstrip().endswith("silent")
     assert summary(ranks) == (
-        "rank 2 on node3 straggles (0.610 s/step, others' median 0.200 s); "
+        "rank 2 on node3 straggles (0.610 s of its own work a step, 3.05x the others' median "
+        "0.200 s); "
         "rank 3 on node4 is silent (last heartbeat 95 s ago)"
     )
     assert summary(ranks[:2]) is None

@@ -14,22 +14,19 @@ from __future__ import annotations
 from typing import Any
 
 from clusterflow import rundir
+from clusterflow.config.sections import DistConfig, ObserveConfig
 from clusterflow.observe import heartbeat
 from clusterflow.rundir import saved_config, states, stragglers
 from clusterflow.slurm import outcome as slurm_outcome
 
-DEFAULT_HEARTBEAT_S = 10.0
-
-
-def _heartbeat_s(paths: rundir.RunPaths) -> float:
-    """dist.heartbeat_s from config.yaml read as plain YAML (a damaged file must not stop
-    status); 0: off."""
-    data, _ = saved_config.read_plain(paths)
+def _setting(data: dict[str, Any], section: str, key: str, default: float) -> float:
+    """A number of config.yaml read as plain YAML (a damaged file must not stop status): the
+    default where it is missing, not a number, or negative."""
     try:
-        value = float(data["dist"].get("heartbeat_s", DEFAULT_HEARTBEAT_S))
+        value = float(data[section].get(key, default))
     except (ValueError, TypeError, KeyError, AttributeError):
-        return DEFAULT_HEARTBEAT_S
-    return value if value >= 0 else DEFAULT_HEARTBEAT_S
+        return default
+    return value if value >= 0 else default
 
 
 def ranks(
@@ -39,14 +36,19 @@ def ranks(
     damaged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no
-    attempt began); damaged heartbeats are named in ``damaged``."""
-    every_s = _heartbeat_s(paths)
+    attempt began), marked a straggler above ``observe.straggler_ratio``; damaged heartbeats
+    are named in ``damaged``."""
+    data, _ = saved_config.read_plain(paths)
+    every_s = _setting(data, "dist", "heartbeat_s", DistConfig.heartbeat_s)
+    ratio = _setting(data, "observe", "straggler_ratio", ObserveConfig.straggler_ratio)
     if not last or not every_s:
         return []  # heartbeats off: no rank is silent for want of one
     world = int(world_size) if isinstance(world_size, int) and world_size > 0 else None
     # Nodes' clocks differ by seconds; an older attempt by minutes.
     since = float(last.get("started_at") or 0) - 60
-    return heartbeat.read_ranks(paths, every_s, since=since, world_size=world, damaged=damaged)
+    return heartbeat.read_ranks(
+        paths, every_s, since=since, world_size=world, damaged=damaged, straggler_ratio=ratio
+    )
 
 
 def extend(

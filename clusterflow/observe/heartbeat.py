@@ -28,19 +28,16 @@ from __future__ import annotations
 import json
 import os
 import socket
-import statistics
 import threading
 import time
 from typing import Any, Callable
 
 from clusterflow import rundir
-from clusterflow.observe import nvml
+from clusterflow.observe import nvml, stragglers
 from clusterflow.rundir import records as run_records
 from clusterflow.storage import durable
 
 PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
-STRAGGLER_RATIO = 1.5  # step time above 1.5 x the median of the other ranks ...
-STRAGGLER_FLOOR_S = 0.05  # ... and at least 50 ms above it, so jitter on tiny steps marks nobody
 SILENT_FLOOR_S = 30.0  # clock skew between nodes and NFS attribute caching stay well below this
 
 
@@ -212,9 +209,11 @@ def read_ranks(
     since: float | None = None,
     world_size: int | None = None,
     damaged: list[str] | None = None,
+    straggler_ratio: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Every rank's latest heartbeat, oldest rank first, with ``heartbeat_age_s``,
-    ``progress_age_s`` and the marks ``straggler`` and ``silent``.
+    ``progress_age_s`` and the marks ``straggler`` (above ``straggler_ratio``, 0: none) and
+    ``silent``.
 
     ``since`` (the attempt's start) drops records an earlier attempt left; with ``world_size``, a
     rank that has not written yet in this attempt is listed too, as silent with no phase. A record
@@ -246,14 +245,18 @@ def read_ranks(
             records.setdefault(
                 r, {"rank": r, "host": None, "step": None, "phase": None, "time": None}
             )
-    return mark([records[r] for r in sorted(records)], heartbeat_s, now)
+    return mark([records[r] for r in sorted(records)], heartbeat_s, now, straggler_ratio)
 
 
-def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[dict[str, Any]]:
+def mark(
+    records: list[dict[str, Any]], heartbeat_s: float, now: float, straggler_ratio: float = 0.0
+) -> list[dict[str, Any]]:
     """Ages and marks, pure. Silent: no heartbeat for max(3 x heartbeat_s, 30 s). Straggler: a
-    training rank whose step time is > 1.5 x the median of the *other* training ranks and at least
-    50 ms above it (leaving itself out lets two ranks find a straggler, and one slow rank in a big
-    job cannot pull the median up)."""
+    training rank whose own part of a step (``busy_s``) is above ``straggler_ratio`` x the median
+    of the other training ranks' on this read: the straggler watch's score
+    (``observe/stragglers.py``), which names a rank once it stays there for
+    ``observe.straggler_window_s``. Adds ``busy_ratio`` and ``median_busy_s`` to each scored
+    rank."""
     silent_after = max(3 * heartbeat_s, SILENT_FLOOR_S)
     out = []
     for rec in records:
@@ -267,23 +270,12 @@ def mark(records: list[dict[str, Any]], heartbeat_s: float, now: float) -> list[
         r["silent"] = r["heartbeat_age_s"] is None or r["heartbeat_age_s"] > silent_after
         r["straggler"] = False
         out.append(r)
-    training = [
-        r
-        for r in out
-        if r.get("phase") == "train" and not r["silent"] and r.get("step_time_s") is not None
-    ]
-    times = sorted(r["step_time_s"] for r in training)
-    for r in training:
-        if len(times) < 2:
-            break
-        others = list(times)
-        others.remove(r["step_time_s"])
-        median = statistics.median(others)
-        r["median_step_time_s"] = median
-        r["straggler"] = (
-            r["step_time_s"] > STRAGGLER_RATIO * median
-            and r["step_time_s"] - median >= STRAGGLER_FLOOR_S
-        )
+    scores = stragglers.scores(out)
+    for r in out:
+        scored = scores.get(int(r["rank"]))
+        if scored is not None:
+            r["busy_ratio"], r["median_busy_s"] = round(scored[0], 3), scored[1]
+            r["straggler"] = straggler_ratio > 0 and scored[0] > straggler_ratio
     return out
 
 
@@ -298,8 +290,8 @@ def summary(ranks: list[dict[str, Any]]) -> str | None:
             parts.append(f"{who} is silent (last heartbeat {r['heartbeat_age_s']:.0f} s ago)")
         elif r["straggler"]:
             parts.append(
-                f"{who} straggles ({r['step_time_s']:.3f} s/step, "
-                f"others' median {r['median_step_time_s']:.3f} s)"
+                f"{who} straggles ({r['busy_s']:.3f} s of its own work a step, "
+                f"{r['busy_ratio']:.2f}x the others' median {r['median_busy_s']:.3f} s)"
             )
     return "; ".join(parts) or None
 
