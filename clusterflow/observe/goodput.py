@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from clusterflow import rundir
 from clusterflow.rundir import first_error, records, restarts, stragglers, timeline
-from clusterflow.rundir.states import COMPLETED, RUNNING
+from clusterflow.rundir.states import COMPLETED, RUNNING, Cause
 from clusterflow.slurm.jobids import SLURM_SOURCES
 
 CATEGORIES = (
@@ -79,6 +80,16 @@ class _Attempt:
         self.restored = int(tl.get("restored_step") or 0)
         self.last_step = int(tl.get("last_step", self.restored))
         self.last_record = tl.get("ended_at") or tl.get("written_at")
+
+
+@dataclass(frozen=True)
+class _Sources:
+    """What the ledger reads once for all attempts of a run."""
+
+    paths: rundir.RunPaths
+    slurm: Mapping[str, list[dict[str, Any]]]  # job id -> Slurm's runs of it
+    subs: list[dict[str, Any]]  # submissions.jsonl
+    now: float
 
 
 def _run_of(runs: Mapping[str, list[dict[str, Any]]], a: _Attempt) -> dict[str, Any] | None:
@@ -131,12 +142,12 @@ def ledger(
         st, _ = records.read_object(paths.status, records.STATUS)
         running = st.get("state") == RUNNING
     subs, _ = records.read_records(paths.submissions, records.SUBMISSION)
+    src = _Sources(paths, slurm, subs, now)
     rows, prev, high = [], None, 0
     restarted = {r.get("next_attempt"): r for r in restarts.read(paths)}
     for i, a in enumerate(attempts):
         newest = i == len(attempts) - 1
-        later = attempts[i + 1 :]
-        row = _row(a, prev, high, later, newest and running, slurm, subs, paths, now)
+        row = _row(src, a, prev, high, attempts[i + 1 :], newest and running)
         row["restart_in_job"] = _restart(restarted.get(a.n))
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
@@ -154,49 +165,48 @@ def _restart(r: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _instants(
+    src: _Sources,
     a: _Attempt,
     prev: tuple[_Attempt, dict[str, Any]] | None,
     later: list[_Attempt],
     running: bool,
-    slurm: Mapping[str, list[dict[str, Any]]],
-    subs: list[dict[str, Any]],
-    paths: rundir.RunPaths,
-    now: float,
 ) -> tuple[list[float], dict[str, str]]:
-    """[queued, allocated, first step, last record, end], clamped in order, and their sources."""
-    run = _run_of(slurm, a) if a.slurm else None
+    """[queued, allocated, first step, last record, end], clamped in order, and where each came
+    from."""
+    now, subs = src.now, src.subs
+    run = _run_of(src.slurm, a) if a.slurm else None
     prev_end = prev[1]["ended_at"] if prev else None
     same_run = prev is not None and a.slurm and prev[0].job == a.job
     in_job = same_run and prev is not None and prev[0].restart == a.restart
     started = a.tl.get("process_started_at") or a.rec.get("started_at") or now
-    src: dict[str, str] = {}
+    said: dict[str, str] = {}
     if in_job:
-        allocated, src["allocated"] = prev_end, "previous attempt's end (same allocation)"
+        allocated, said["allocated"] = prev_end, "previous attempt's end (same allocation)"
     elif run and run.get("start"):
-        allocated, src["allocated"] = run["start"], str(run["source"])
+        allocated, said["allocated"] = run["start"], str(run["source"])
     else:
         allocated = started
-        src["allocated"] = (
+        said["allocated"] = (
             "timeline (process start)" if a.tl.get("process_started_at") else "attempts.jsonl"
         )
     if in_job or same_run or (prev_end is not None and not a.slurm):
-        queued, src["queued"] = prev_end, "previous attempt's end"
+        queued, said["queued"] = prev_end, "previous attempt's end"
     elif a.slurm and _submitted(subs, a.job) is not None:
-        queued, src["queued"] = _submitted(subs, a.job), "submissions.jsonl"
+        queued, said["queued"] = _submitted(subs, a.job), "submissions.jsonl"
     elif run and run.get("submit"):
-        queued, src["queued"] = run["submit"], str(run["source"])
+        queued, said["queued"] = run["submit"], str(run["source"])
     else:
-        queued, src["queued"] = allocated, "no queue known"
+        queued, said["queued"] = allocated, "no queue known"
     last_of_run = not any(b.job == a.job and b.restart == a.restart for b in later)
     last = a.last_record or a.tl.get("first_step_at") or started
     if running:
-        end, src["ended"] = now, "now (running)"
+        end, said["ended"] = now, "now (running)"
     elif run and run.get("end") and last_of_run:
-        end, src["ended"] = max(run["end"], last), str(run["source"])
+        end, said["ended"] = max(run["end"], last), str(run["source"])
     else:
-        logged = _last_log_line(paths, a.n)
+        logged = _last_log_line(src.paths, a.n)
         end = max(last, logged or last)
-        src["ended"] = (
+        said["ended"] = (
             "rank logs (last line)"
             if logged and logged > last
             else "timeline"
@@ -208,31 +218,30 @@ def _instants(
     b4 = max(float(end), b1)
     b2 = _clamp(a.tl.get("first_step_at") or b4, b1, b4)
     b3 = _clamp(now if running else last, b2, b4)
-    return [b0, b1, b2, b3, b4], src
+    return [b0, b1, b2, b3, b4], said
 
 
 def _row(
+    src: _Sources,
     a: _Attempt,
     prev: tuple[_Attempt, dict[str, Any]] | None,
     high: int,
     later: list[_Attempt],
     running: bool,
-    slurm: Mapping[str, list[dict[str, Any]]],
-    subs: list[dict[str, Any]],
-    paths: rundir.RunPaths,
-    now: float,
 ) -> dict[str, Any]:
-    (b0, b1, b2, b3, b4), src = _instants(a, prev, later, running, slurm, subs, paths, now)
+    """One attempt's seconds per category; ``high``: the highest step an earlier attempt
+    reached; ``running``: the attempt still runs."""
+    (b0, b1, b2, b3, b4), said = _instants(src, a, prev, later, running)
     s = dict.fromkeys(CATEGORIES, 0.0)
     s["queue_wait"] = b1 - b0
     s["restore"] = min(float(a.tl.get("restore_s") or 0.0), b2 - b1)
     s["startup"] = (b2 - b1) - s["restore"]
     steps = _active(a, b3 - b2, high, bool(later) or running, s)
     tail = b4 - b3
-    stall = first_error.read(paths, a.n)
+    first = first_error.read(src.paths, a.n)
     if a.tl.get("outcome"):
         s["shutdown"] = tail
-    elif stall is not None and stall.get("kind") == "stall":
+    elif first is not None and first.get("kind") == Cause.STALL:
         s["stalls"] = tail
     else:
         s["lost"] += tail
@@ -250,8 +259,8 @@ def _row(
         "gpu_seconds": {k: v * a.ranks for k, v in s.items()},
         "ratio": s["productive"] / allocated if allocated > 0 else None,
         "steps": steps,
-        "sources": src,
-        "stragglers": stragglers.read(paths, a.n),
+        "sources": said,
+        "stragglers": stragglers.read(src.paths, a.n),
     }
 
 
