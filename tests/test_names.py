@@ -1,6 +1,6 @@
-"""Shared names have one owner each: no run state, stop reason, job outcome, checkpoint file
-name, checkpoint format, checkpoints folder or lease file name is written as a string literal
-outside the module that defines it (the others import the name).
+"""Shared names have one owner each: no run state, stop reason, stall cause, job outcome,
+checkpoint file name, checkpoint format, checkpoints folder or lease file name is written as a
+string literal outside the module that defines it (the others import the name).
 
 The package is read with ``ast``, so docstrings, comments and words inside a longer message (an
 f-string's text) do not count; a literal equal to a name does, wherever it stands (a comparison,
@@ -16,14 +16,15 @@ import os
 import clusterflow
 from clusterflow.config.job_config import CHECKPOINTS
 from clusterflow.job.requeue import REQUEUE_OUTSIDE
-from clusterflow.rundir.states import State, StopReason
+from clusterflow.rundir.states import Cause, State, StopReason
 from clusterflow.storage import names
 
 PACKAGE = os.path.dirname(clusterflow.__file__)
 
 # literal -> the module (relative to the package's parent) that owns it
 OWNERS = {
-    **{str(s): "clusterflow/rundir/states.py" for s in (*State, *StopReason)},
+    # Cause.ERROR ("error") is also every record's key for a message: only the stall is owned.
+    **{str(s): "clusterflow/rundir/states.py" for s in (*State, *StopReason, Cause.STALL)},
     REQUEUE_OUTSIDE: "clusterflow/job/requeue.py",
     **{
         n: "clusterflow/storage/names.py"

@@ -65,6 +65,7 @@ from clusterflow.rundir import (
     stragglers,
     transitions,
 )
+from clusterflow.rundir.states import Cause
 from clusterflow.slurm import steps
 
 # Set for each step: "1" when a node fault in it restarts the job inside the allocation without
@@ -72,7 +73,8 @@ from clusterflow.slurm import steps
 # requeue the job itself.
 NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
 
-CRASH, NODE, STALL = "crash", "node", "stall"
+# The causes a restart names in restarts.jsonl; a stall is the first-error record's own kind.
+CRASH, NODE, STALL = "crash", "node", Cause.STALL
 # How long the driver waits for a rank's first-error record after srun reported the rank's exit
 # code (the rank wrote it before exiting; another node may see it a moment later).
 RECORD_WAIT_S = 5.0
@@ -117,7 +119,7 @@ def _recorded(first: Mapping[str, Any] | None) -> Fault | None:
         return None
     rank, host, error = first.get("rank"), first.get("host"), str(first.get("error", ""))
     at = float(first.get("time") or time.time())
-    if first.get("kind") == "stall":
+    if first.get("kind") == Cause.STALL:
         return Fault(STALL, rank, host, error, at, leave_out=not first.get("waiting"))
     if node_fault.device_error(error) is not None:
         return Fault(NODE, rank, host, error, at, leave_out=True)
