@@ -12,7 +12,7 @@ from clihelp import call, one_error_line
 from conftest import REPO, tmpfs
 from fsspec.registry import known_implementations
 
-from clusterflow import config, rundir
+from clusterflow import config, rundir, tasks
 from clusterflow.job import run
 from clusterflow.launch import submit
 
@@ -440,6 +440,44 @@ def test_a_task_param_out_of_its_declared_range_is_refused_at_submit(tmp_path, p
     )
     assert code == 2 and one_error_line(err) == f"error: {shown}", err
     assert not d.exists()  # refused before the run dir is written
+
+
+@pytest.mark.parametrize(
+    "param, shown",
+    [
+        (
+            "image_size=4",
+            "task.params.image_size = 4 is out of range for ImageFolderTask: must be >= 8 and "
+            "<= 1024 (pixels per side)",
+        ),
+        (
+            "channels=2",
+            "task.params.channels = 2 is out of range for ImageFolderTask: must be one of 1, 3 "
+            "(grey or RGB)",
+        ),
+        (
+            "backbone=vgg",
+            "task.params.backbone = 'vgg' is out of range for ImageFolderTask: must be one of "
+            "small, resnet18",
+        ),
+    ],
+)
+def test_an_image_task_param_is_refused_at_submit_not_in_the_job(tmp_path, param, shown):
+    """The image tasks declare their values (Range, OneOf): a bad one never reaches the queue."""
+    d = tmp_path / "r"
+    argv = ["configs/images_digits.yaml", "--local", f"run.dir={d}", f"task.params.{param}"]
+    code, out, err = call(submit.main, argv)
+    assert code == 2 and one_error_line(err) == f"error: {shown}", err
+    assert not d.exists()
+
+
+def test_one_of_takes_its_values_and_no_lookalike():
+    choice = tasks.OneOf(1, 3, what="grey or RGB")
+    assert choice.holds(1) and choice.holds(3) and choice.holds(3.0)
+    assert not choice.holds(True) and not choice.holds(2) and not choice.holds("3")
+    assert str(choice) == "one of 1, 3 (grey or RGB)"
+    flag = tasks.OneOf(True)
+    assert flag.holds(True) and not flag.holds(1)
 
 
 def test_a_users_task_declares_its_ranges_in_its_annotations(cli, tmp_path):

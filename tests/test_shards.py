@@ -11,7 +11,7 @@ from conftest import run_cli
 from test_images import classes_folder
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import shard_format
+from clusterflow.tasks import load_task, shard_format
 from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
 
 
@@ -112,5 +112,5 @@ def test_a_missing_or_damaged_shard_folder_is_one_line(packed, tmp_path):
     task = ImageShardsTask(root=str(cut))
     with pytest.raises(UserError, match="the shard changed or was cut after its index"):
         task.train_dataset()[5]
-    with pytest.raises(UserError, match="mix_shards = 0 is invalid for ImageShardsTask"):
-        ImageShardsTask(root=out, mix_shards=0)
+    with pytest.raises(UserError, match="mix_shards = 0 is out of range for ImageShardsTask"):
+        load_task("clusterflow.tasks.images:ImageShardsTask", 0, {"root": out, "mix_shards": 0})

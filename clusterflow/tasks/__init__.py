@@ -33,8 +33,10 @@ and optionally:
   the first item of a new epoch reaches it: it must only set state the task reaches (its dataset)
 
 A parameter's valid values can be declared in its annotation with :class:`Range`
-(``identities: Annotated[int, Range(min=2)] = 100``): ``submit`` refuses a value outside it, with
-the range, before anything is written, as it refuses a value of the wrong type.
+(``identities: Annotated[int, Range(min=2)] = 100``) or :class:`OneOf`
+(``backbone: Annotated[str, OneOf("small", "resnet18")] = "small"``): ``submit`` refuses a value
+outside them, with what they allow, before anything is written, as it refuses a value of the
+wrong type.
 
 A task whose construction takes long (scanning a large folder) calls :func:`check_stop` now and
 then: while ``load_task`` builds it, a stop signal (preemption, time limit, cancel) raises
@@ -73,8 +75,11 @@ class Range:
     max: float | None = None
     open_min: bool = False
     open_max: bool = False
+    what: str = ""  # what the number means, shown with a refusal, e.g. "pixels per side"
 
-    def holds(self, value: float) -> bool:
+    def holds(self, value: object) -> bool:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return True  # a value of another type is the type check's to refuse
         if isinstance(value, float) and math.isnan(value):
             return False
         low = self.min is None or (value > self.min if self.open_min else value >= self.min)
@@ -84,7 +89,32 @@ class Range:
     def __str__(self) -> str:
         low = None if self.min is None else f"{'>' if self.open_min else '>='} {self.min:g}"
         high = None if self.max is None else f"{'<' if self.open_max else '<='} {self.max:g}"
-        return " and ".join(b for b in (low, high) if b) or "any number"
+        bounds = " and ".join(b for b in (low, high) if b) or "any number"
+        return f"{bounds} ({self.what})" if self.what else bounds
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class OneOf:
+    """The only values a task parameter takes, declared in its annotation, e.g.
+    ``channels: Annotated[int, OneOf(1, 3, what="grey or RGB")]`` or
+    ``backbone: Annotated[str, OneOf("small", "resnet18")]``."""
+
+    values: tuple[object, ...]
+    what: str = ""
+
+    def __init__(self, *values: object, what: str = "") -> None:
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "what", what)
+
+    def holds(self, value: object) -> bool:
+        # True == 1 in Python: a bool matches only a bool
+        return any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.values
+        )
+
+    def __str__(self) -> str:
+        listed = ", ".join(str(v) for v in self.values)
+        return f"one of {listed} ({self.what})" if self.what else f"one of {listed}"
 
 
 class Stopped(Exception):
@@ -295,8 +325,8 @@ def _check_params(
                 f"task.params.{name} = {value!r} is invalid for "
                 f"{getattr(cls, '__name__', target)}: expected {_KINDS[tp]}"
             )
-        for r in ranges if number else ():
-            if not r.holds(value):
+        for r in ranges:
+            if not r.holds(out[name]):
                 raise UserError(
                     f"task.params.{name} = {value!r} is out of range for "
                     f"{getattr(cls, '__name__', target)}: must be {r}"
@@ -304,8 +334,9 @@ def _check_params(
     return out
 
 
-def _annotation(hint: object) -> tuple[object, list[Range]]:
-    """(the type, the declared ranges) of a parameter's annotation."""
+def _annotation(hint: object) -> tuple[object, list[Range | OneOf]]:
+    """(the type, the declared ranges and choices) of a parameter's annotation."""
     if typing.get_origin(hint) is typing.Annotated:
-        return hint.__origin__, [m for m in hint.__metadata__ if isinstance(m, Range)]
+        found = [m for m in hint.__metadata__ if isinstance(m, (Range, OneOf))]
+        return hint.__origin__, found
     return hint, []

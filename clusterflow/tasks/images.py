@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import Task, check_stop, shard_format
+from clusterflow.tasks import OneOf, Range, Task, check_stop, shard_format
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
 from clusterflow.tasks.digits import write_digits
@@ -354,8 +354,18 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+# The parameters both image tasks take, each declared once with the values it allows: submit
+# refuses another value before anything is written (clusterflow.tasks.Range, OneOf).
+ImageSize = Annotated[int, Range(8, 1024, what="pixels per side")]
+Channels = Annotated[int, OneOf(1, 3, what="grey or RGB")]
+Backbone = Annotated[str, OneOf(*BACKBONES)]
+EmbedDim = Annotated[int, Range(2)]
+Temperature = Annotated[float, Range(0, open_min=True, what="e.g. 0.1")]
+CropScale = Annotated[float, Range(0, 1, open_min=True, what="the smallest crop's area fraction")]
+RotateDeg = Annotated[float, Range(0, 180, what="degrees")]
+Jitter = Annotated[float, Range(0, 1, open_max=True, what="a brightness/contrast range")]
+Limit = Annotated[int, Range(0, what="a number of images, 0 for all")]
+ScanLimit = Annotated[float, Range(0, what="the longest the scan of root may take, 0: no limit")]
 
 
 class ImageFolderTask(Task):
@@ -367,19 +377,19 @@ class ImageFolderTask(Task):
         self,
         seed: int = 0,
         root: str = "",
-        image_size: int = 32,
-        channels: int = 3,
-        backbone: str = "small",
+        image_size: ImageSize = 32,
+        channels: Channels = 3,
+        backbone: Backbone = "small",
         width: int = 0,
-        embed_dim: int = 64,
-        temperature: float = 0.1,
-        crop_scale: float = 0.5,
+        embed_dim: EmbedDim = 64,
+        temperature: Temperature = 0.1,
+        crop_scale: CropScale = 0.5,
         flip: bool = True,
-        rotate_deg: float = 10.0,
-        jitter: float = 0.3,
-        limit: int = 0,
+        rotate_deg: RotateDeg = 10.0,
+        jitter: Jitter = 0.3,
+        limit: Limit = 0,
         make_digits: bool = False,
-        scan_limit_s: float = 600.0,
+        scan_limit_s: ScanLimit = 600.0,
     ) -> None:
         self._configure(
             seed,
@@ -395,16 +405,6 @@ class ImageFolderTask(Task):
             flip,
             rotate_deg,
             jitter,
-        )
-        _check(
-            _is_int(limit) and limit >= 0, "limit", limit, "a number of images >= 1, or 0 for all"
-        )
-        _check(isinstance(make_digits, bool), "make_digits", make_digits, "true or false")
-        _check(
-            _is_num(scan_limit_s) and scan_limit_s >= 0,
-            "scan_limit_s",
-            scan_limit_s,
-            "the longest the scan of root may take, in seconds (0: no limit)",
         )
         if make_digits and (
             not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))
@@ -448,64 +448,16 @@ class ImageFolderTask(Task):
         rotate_deg: float,
         jitter: float,
     ) -> None:
-        """Check and keep the parameters that do not depend on where the images are."""
+        """Keep the parameters that do not depend on where the images are; root and width are
+        checked here, the others by their annotations when the task is loaded (and at submit)."""
         task = type(self).__name__
         self.seed = seed
         _check(isinstance(root, str) and root != "", "root", root, what_root, task)
-        _check(
-            _is_int(image_size) and 8 <= image_size <= 1024,
-            "image_size",
-            image_size,
-            "an integer from 8 to 1024 (pixels per side)",
-            task=task,
-        )
-        _check(
-            channels in (1, 3) and _is_int(channels),
-            "channels",
-            channels,
-            "1 (grey) or 3 (RGB)",
-            task=task,
-        )
-        _check(backbone in BACKBONES, "backbone", backbone, f"one of {', '.join(BACKBONES)}", task)
         _check(
             _is_int(width) and (width == 0 or width >= 4),
             "width",
             width,
             "an integer >= 4, or 0 for the backbone's default (small 32, resnet18 64)",
-            task=task,
-        )
-        _check(
-            _is_int(embed_dim) and embed_dim >= 2, "embed_dim", embed_dim, "an integer >= 2", task
-        )
-        _check(
-            _is_num(temperature) and temperature > 0,
-            "temperature",
-            temperature,
-            "a number > 0, e.g. 0.1",
-            task=task,
-        )
-        _check(
-            _is_num(crop_scale) and 0 < crop_scale <= 1,
-            "crop_scale",
-            crop_scale,
-            "the smallest crop's area fraction, in (0, 1]",
-            task=task,
-        )
-        _check(
-            isinstance(flip, bool), "flip", flip, "true or false (false for digits and text)", task
-        )
-        _check(
-            _is_num(rotate_deg) and 0 <= rotate_deg <= 180,
-            "rotate_deg",
-            rotate_deg,
-            "degrees from 0 to 180",
-            task=task,
-        )
-        _check(
-            _is_num(jitter) and 0 <= jitter < 1,
-            "jitter",
-            jitter,
-            "a brightness/contrast range in [0, 1)",
             task=task,
         )
         self.root = root
@@ -575,20 +527,20 @@ class ImageShardsTask(ImageFolderTask):
         self,
         seed: int = 0,
         root: str = "",
-        image_size: int = 32,
-        channels: int = 3,
-        backbone: str = "small",
+        image_size: ImageSize = 32,
+        channels: Channels = 3,
+        backbone: Backbone = "small",
         width: int = 0,
-        embed_dim: int = 64,
-        temperature: float = 0.1,
-        crop_scale: float = 0.5,
+        embed_dim: EmbedDim = 64,
+        temperature: Temperature = 0.1,
+        crop_scale: CropScale = 0.5,
         flip: bool = True,
-        rotate_deg: float = 10.0,
-        jitter: float = 0.3,
-        limit: int = 0,
+        rotate_deg: RotateDeg = 10.0,
+        jitter: Jitter = 0.3,
+        limit: Limit = 0,
         make_digits: bool = False,
-        scan_limit_s: float = 600.0,
-        mix_shards: int = 4,
+        scan_limit_s: ScanLimit = 600.0,
+        mix_shards: Annotated[int, Range(1, what="shards an epoch's order mixes at a time")] = 4,
     ) -> None:
         self._configure(
             seed,
@@ -604,13 +556,6 @@ class ImageShardsTask(ImageFolderTask):
             flip,
             rotate_deg,
             jitter,
-        )
-        _check(
-            _is_int(mix_shards) and mix_shards >= 1,
-            "mix_shards",
-            mix_shards,
-            "the number of shards an epoch's order mixes at a time, >= 1",
-            "ImageShardsTask",
         )
         # ImageFolderTask's folder parameters, so that one config serves both tasks; a shard
         # folder is packed beforehand and not scanned (scan_limit_s has nothing to limit).
