@@ -14,6 +14,7 @@ everything else is checked as a run checks it.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -126,8 +127,6 @@ def _exit(code: int) -> None:
     """Flush everything, then leave without interpreter teardown: once the job has finished,
     C++ threads of the communication library can abort the process while Python unwinds
     ("terminate called without an active exception"), turning a completed run into exit -6."""
-    import logging
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import numpy as np
+from PIL import Image, ImageDraw
 
 WIDTH, HEIGHT, LEFT, RIGHT, TOP, GAP, BOTTOM = 760, 500, 60, 150, 30, 40, 36
 COUNTS = (
@@ -31,8 +32,6 @@ SCORES = (
 
 def render(stats: dict[str, Any]) -> np.ndarray:
     """The figure of one round's stats (``curve``, ``threshold``, ``threshold_rule``, ``epoch``)."""
-    from PIL import Image, ImageDraw
-
     curve = stats["curve"]
     img = Image.new("RGB", (WIDTH, HEIGHT), "white")
     draw = ImageDraw.Draw(img)

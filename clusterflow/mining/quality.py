@@ -19,6 +19,7 @@ def _own_singletons(pred: np.ndarray) -> np.ndarray:
 
 
 def quality(pred: np.ndarray, truth: np.ndarray) -> dict[str, float]:
+    # scikit-learn takes about a second to import: only a run with ground truth scores
     from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
     pred = _own_singletons(pred)

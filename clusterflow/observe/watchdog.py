@@ -26,6 +26,7 @@ this one too, and then the peers' heartbeats (and dist.timeout_s) are what is le
 from __future__ import annotations
 
 import faulthandler
+import json
 import logging
 import os
 import socket
@@ -313,8 +314,6 @@ def active_collective(timeout_s: float = 5.0) -> str | None:
     if dump is None:
         return None
     try:
-        import json
-
         trace = json.loads(
             _with_timeout(lambda: dump(includeCollectives=True, onlyActive=True), timeout_s)
         )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import re
 
+import fsspec
+
 from clusterflow.config.job_config import Config
 from clusterflow.config.sections import is_url
 from clusterflow.config.values import short
@@ -70,8 +72,6 @@ def check_local_dir(key: str, path: str) -> None:
 
 def check_backend(key: str, url: str) -> None:
     """fsspec can open ``url``: its protocol is known and the package behind it is installed."""
-    import fsspec
-
     for part in url.split("::"):
         protocol, _ = fsspec.core.split_protocol(part)
         if not protocol or protocol == "file":

@@ -99,6 +99,7 @@ class ClassifierTask(Task):
         self.label_smoothing, self.train_backbone = label_smoothing, train_backbone
         self.weights: torch.Tensor | None = None
         if class_weights == "balanced":
+            # scikit-learn takes about a second to import; submit imports this module
             from sklearn.utils.class_weight import compute_class_weight
 
             w = compute_class_weight(

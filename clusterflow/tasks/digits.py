@@ -22,6 +22,7 @@ import socket
 import sys
 
 import numpy as np
+from PIL import Image
 
 from clusterflow.errors import EXIT_OK, UserError, cli
 
@@ -29,7 +30,7 @@ from clusterflow.errors import EXIT_OK, UserError, cli
 def write_digits(out_dir: str) -> int:
     """Write the digits into ``out_dir`` (which must not exist or be empty). Returns how many
     images the folder holds; when another process created it first, its copy is kept."""
-    from PIL import Image
+    # scikit-learn takes about a second to import: only the command that writes the digits does
     from sklearn.datasets import load_digits
 
     digits = load_digits()

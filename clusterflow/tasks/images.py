@@ -35,6 +35,7 @@ from typing import Annotated, Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image, ImageOps
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -202,8 +203,6 @@ def scan(
 def decode(path: str, channels: int, data: bytes | None = None) -> torch.Tensor:
     """(channels, H, W) float32 in [0, 1], EXIF orientation applied; 16-bit grey keeps its range.
     ``data``: the file's bytes, already read (``path`` then only names it)."""
-    from PIL import Image, ImageOps
-
     try:
         with Image.open(path if data is None else io.BytesIO(data)) as img:
             img = ImageOps.exif_transpose(img)

@@ -26,11 +26,12 @@ import contextlib
 import logging
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+from tqdm import tqdm
 
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer
@@ -66,9 +67,6 @@ from clusterflow.train.evaluate import evaluate
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import AGREE_EVERY_S, WHY, Preemption, StopAgreement
 from clusterflow.train.window import LossWindow
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -359,8 +357,6 @@ class Trainer:
     def _progress_bar(self) -> tqdm | None:
         if self.rank != 0 or not self.cfg.train.progress_bar:
             return None
-        from tqdm import tqdm
-
         return tqdm(
             total=self.steps_per_epoch,
             initial=self.state.step_in_epoch,
