@@ -15,7 +15,7 @@ from clusterflow.errors import UserError
 from clusterflow.manage import ranks as rank_status
 from clusterflow.manage import verdict
 from clusterflow.observe import phases
-from clusterflow.rundir import first_error
+from clusterflow.rundir import first_error, saved_config
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -111,7 +111,7 @@ def _run_dir(tmp_path, attempt_started, heartbeat_s=1):
 def test_status_of_a_running_job_marks_a_silent_rank(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() - 100)
     out = {"state": "running", "world_size": 2, "job_id": "", "error": None}
-    rank_status.extend(out, paths, last, None)
+    rank_status.extend(out, paths, saved_config.read_plain(paths)[0], last, None)
     assert [(r["rank"], r["host"], r["silent"]) for r in out["ranks"]] == [
         (0, "node1", False),
         (1, "node2", True),
@@ -153,7 +153,7 @@ def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
     assert decided.error == "rank 1 on node2 stalled 60 s at step 20 in train (x.py:3 f)"
     assert decided.stalled["rank"] == 1 and decided.stalled["host"] == "node2"
     out = {"state": decided.state, "world_size": 2, "job_id": "", "error": decided.error}
-    rank_status.extend(out, paths, last, None)
+    rank_status.extend(out, paths, saved_config.read_plain(paths)[0], last, None)
     assert not any(r["silent"] for r in out["ranks"])  # a finished run's ranks are quiet by design
     assert out["ranks_summary"] is None
 
@@ -161,7 +161,7 @@ def test_a_stall_is_the_error_a_peers_later_failure_is_not(tmp_path):
 def test_with_heartbeats_off_no_rank_is_called_silent(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() - 100, heartbeat_s=0)
     out = {"state": "running", "world_size": 2, "job_id": "", "error": None}
-    rank_status.extend(out, paths, last, None)
+    rank_status.extend(out, paths, saved_config.read_plain(paths)[0], last, None)
     assert out["ranks"] == [] and out["ranks_summary"] is None
     assert rank_status.table(out).startswith("no heartbeats in this attempt")
 
@@ -169,7 +169,7 @@ def test_with_heartbeats_off_no_rank_is_called_silent(tmp_path):
 def test_heartbeats_of_an_earlier_attempt_are_not_shown(tmp_path):
     paths, last = _run_dir(tmp_path, time.time() + 600)
     out = {"state": "running", "world_size": 2, "job_id": "", "error": None}
-    rank_status.extend(out, paths, last, None)
+    rank_status.extend(out, paths, saved_config.read_plain(paths)[0], last, None)
     assert [r["heartbeat_age_s"] for r in out["ranks"]] == [None, None]
 
 

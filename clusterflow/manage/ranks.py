@@ -16,7 +16,7 @@ from typing import Any
 from clusterflow import rundir
 from clusterflow.config.sections import DistConfig, ObserveConfig
 from clusterflow.observe import heartbeat
-from clusterflow.rundir import saved_config, states, stragglers
+from clusterflow.rundir import states, stragglers
 from clusterflow.slurm import outcome as slurm_outcome
 
 def _setting(data: dict[str, Any], section: str, key: str, default: float) -> float:
@@ -31,14 +31,15 @@ def _setting(data: dict[str, Any], section: str, key: str, default: float) -> fl
 
 def ranks(
     paths: rundir.RunPaths,
+    data: dict[str, Any],
     last: dict[str, Any],
     world_size: object,
     damaged: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every rank of the last attempt, from its heartbeat (none when heartbeats are off or no
-    attempt began), marked a straggler above ``observe.straggler_ratio``; damaged heartbeats
-    are named in ``damaged``."""
-    data, _ = saved_config.read_plain(paths)
+    attempt began), marked a straggler above ``observe.straggler_ratio``; ``data``: config.yaml
+    read as plain YAML (``saved_config.read_plain``); damaged heartbeats are named in
+    ``damaged``."""
     every_s = _setting(data, "dist", "heartbeat_s", DistConfig.heartbeat_s)
     ratio = _setting(data, "observe", "straggler_ratio", ObserveConfig.straggler_ratio)
     if not last or not every_s:
@@ -54,13 +55,14 @@ def ranks(
 def extend(
     out: dict[str, Any],
     paths: rundir.RunPaths,
+    data: dict[str, Any],
     last: dict[str, Any],
     queue: str | None,
     damaged: list[str] | None = None,
 ) -> None:
     """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object (damaged heartbeats to
-    ``damaged``)."""
-    rs = ranks(paths, last, out.get("world_size"), damaged)
+    ``damaged``); ``data``: config.yaml read as plain YAML."""
+    rs = ranks(paths, data, last, out.get("world_size"), damaged)
     if states.ended(out["state"]):
         for r in rs:
             # A finished run's ranks are quiet by design; the ages still say when they stopped.

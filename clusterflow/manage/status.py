@@ -339,7 +339,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
     out["goodput"] = _goodput(paths, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, last, queue, notes)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, plain, last, queue, notes)  # ranks, Slurm's verdict
     return out
 
 
