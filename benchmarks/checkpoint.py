@@ -33,10 +33,10 @@ import time
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
+import torch
 
-from clusterflow.dist import free_port  # noqa: E402
-from clusterflow.storage.store import CheckpointStore  # noqa: E402
+from clusterflow.distributed import free_port
+from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
 
@@ -264,8 +264,8 @@ def _restore_rank(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    from clusterflow.dist import DistEnv
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import DistEnv
+    from clusterflow.distributed import comm as dist
 
     torch.set_num_threads(1)
     dist.init(DistEnv.from_env(os.environ), "gloo", 600)

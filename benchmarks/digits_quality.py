@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from clusterflow import config as cfgmod
 from clusterflow import rundir
-from clusterflow.mining import mutual_knn_clusters  # noqa: E402
-from clusterflow.mining.quality import quality  # noqa: E402
+from clusterflow.mining import mutual_knn_clusters
+from clusterflow.mining.quality import quality
 
 
 def row(name: str, labels: np.ndarray, truth: np.ndarray) -> str:

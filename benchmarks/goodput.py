@@ -86,6 +86,7 @@ def submit(run_dir: str, args: argparse.Namespace, mode: str) -> str:
             "checkpoint.async=false",
             *extra,
         ],
+        check=False,
         cwd=REPO,
         env=env(),
         capture_output=True,
@@ -98,7 +99,9 @@ def submit(run_dir: str, args: argparse.Namespace, mode: str) -> str:
 
 
 def queue_state(job: str) -> str:
-    out = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["squeue", "-h", "-j", job, "-o", "%T"], check=False, capture_output=True, text=True
+    )
     return out.stdout.strip()
 
 
@@ -117,6 +120,7 @@ def compete(args: argparse.Namespace) -> str:
             "--wrap",
             f"sleep {args.queue_s}",
         ],
+        check=False,
         capture_output=True,
         text=True,
     )
@@ -164,7 +168,7 @@ def run_mode(mode: str, root: str, args: argparse.Namespace) -> dict:
         time.sleep(0.1)
     wall = time.time() - t0
     for c in competitors:
-        subprocess.run(["scancel", c], capture_output=True)
+        subprocess.run(["scancel", c], check=False, capture_output=True)
     lineage: dict[int, float] = {}
     for r in read_jsonl(os.path.join(d, "metrics.jsonl")):
         if "perf/step_time_s" in r:
@@ -212,7 +216,7 @@ def main() -> None:
             f"{r['productive_s']:>12.1f} {r['goodput']:>8.3f} {r['goodput_alloc']:>10.3f}"
         )
     a, b = rows
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")
     print(
         f"ratios in-job/requeue: wall {a['wall_s'] / b['wall_s']:.2f}x, fault->step "
         f"{mean(a['recovery_s']) / mean(b['recovery_s']):.2f}x, goodput "

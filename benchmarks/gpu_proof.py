@@ -43,8 +43,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
@@ -53,20 +54,20 @@ for _p in (REPO, BENCH):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import embed as bench_embed
+import numpy as np
+import sharded as bench_sharded
+import torch
+import trainer as bench_trainer
 
-import embed as bench_embed  # noqa: E402
-import sharded as bench_sharded  # noqa: E402
-import trainer as bench_trainer  # noqa: E402
-from clusterflow.dist import free_port  # noqa: E402
-from clusterflow.job import run as job_run  # noqa: E402
-from clusterflow.mining import knn  # noqa: E402
-from clusterflow.observe import nvml  # noqa: E402
-from clusterflow.rundir import RunPaths  # noqa: E402
-from clusterflow.tasks.images import ImageFolderTask  # noqa: E402
-from clusterflow.tasks.pseudo_id import PseudoIDTask  # noqa: E402
-from clusterflow.train.trainer import Trainer  # noqa: E402
+from clusterflow.distributed import free_port
+from clusterflow.job import run as job_run
+from clusterflow.mining import knn
+from clusterflow.observe import nvml
+from clusterflow.rundir import RunPaths
+from clusterflow.tasks.images import ImageFolderTask
+from clusterflow.tasks.pseudo_id import PseudoIDTask
+from clusterflow.train.trainer import Trainer
 
 GPU = torch.cuda.is_available()
 NO_GPU = f"no CUDA device here (torch {torch.__version__}): its CPU equivalent ran at a small size"
@@ -219,6 +220,7 @@ def _driver() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            check=False,
             capture_output=True,
             text=True,
             timeout=30,
@@ -240,7 +242,10 @@ def _faiss_build() -> str:
 def _commit() -> str | None:
     try:
         out = subprocess.run(
-            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
+            check=False,
+            capture_output=True,
+            text=True,
         )
     except OSError:
         return None
@@ -833,8 +838,10 @@ def report_md(report: dict[str, Any]) -> str:
     lines = [f"GPU proof of {report['started']}, {sizes}: {env}.", ""]
     if not report["gpu"]:
         lines += [
-            f"No GPU here (torch {torch.__version__}): every GPU figure is not taken; each row "
-            "is its CPU equivalent at a small size.",
+            (
+                f"No GPU here (torch {torch.__version__}): every GPU figure is not taken; each row "
+                "is its CPU equivalent at a small size."
+            ),
             "",
         ]
     lines += ["| figure | ran on | result | goal | met |", "|---|---|---|---|---|"]

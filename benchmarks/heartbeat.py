@@ -22,10 +22,10 @@ import time
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
+import torch
 
-from clusterflow.observe.heartbeat import Heartbeat  # noqa: E402
-from clusterflow.observe.watchdog import Watchdog  # noqa: E402
+from clusterflow.observe.heartbeat import Heartbeat
+from clusterflow.observe.watchdog import Watchdog
 
 
 def run(

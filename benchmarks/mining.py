@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from clusterflow.mining import mutual_knn_clusters, normalize  # noqa: E402
+from clusterflow.mining import mutual_knn_clusters, normalize
 
 
 def data(n: int, d: int, seed: int = 0) -> np.ndarray:
@@ -51,7 +51,7 @@ def embed_throughput(n: int, world: int) -> float:
 def _embed_rate(n: int) -> float:
     import torch
 
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.mining.stage import embed_shard
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 

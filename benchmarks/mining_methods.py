@@ -26,10 +26,10 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from clusterflow.mining import curves, finch
-from clusterflow.mining.clustering import clusters_from_graph, mutual_edges, normalize  # noqa: E402
-from clusterflow.mining.knn import KnnParams, search  # noqa: E402
-from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph  # noqa: E402
-from clusterflow.mining.quality import quality  # noqa: E402
+from clusterflow.mining.clustering import clusters_from_graph, mutual_edges, normalize
+from clusterflow.mining.knn import KnnParams, search
+from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
+from clusterflow.mining.quality import quality
 
 EXACT = KnnParams(k=1, engine="faiss")  # FAISS flat: exact
 
@@ -107,7 +107,7 @@ def table(name: str, x_raw: np.ndarray, truth: np.ndarray, k: int, fixed: float)
     graph = mutual_graph(sims, ids)
     curve = curves.threshold_curve(sims, ids, truth=truth, graph=graph)
     # one fixed threshold, as mutual_knn_clusters clusters
-    at = lambda t: clusters_from_graph(mutual_edges(sims, ids, t))  # noqa: E731
+    at = lambda t: clusters_from_graph(mutual_edges(sims, ids, t))
     best = float(curve.thresholds[int(np.argmax(curve.nmi))])
     auto = curve.auto()
     out = [
@@ -204,7 +204,7 @@ def timing(n: int, d: int, k: int) -> None:
     merges = curves.merge_similarities(graph)
     t_merges = time.perf_counter() - t0
     t0 = time.perf_counter()
-    labels, info = finch.finch_clusters(
+    _labels, info = finch.finch_clusters(
         x, sims, ids, search=finch.default_search(EXACT), graph=graph
     )
     t_finch = time.perf_counter() - t0

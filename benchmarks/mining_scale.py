@@ -64,8 +64,8 @@ def one_mode(mode: str, n: int, d: int, k: int, threshold: float, engine: str, q
     """What one rank measures for one mode: (seconds, peak MB over its start, its labels)."""
     import torch
 
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import shard_range
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import shard_range
     from clusterflow.mining import curves, knn
     from clusterflow.mining.clustering import clusters_from_graph, normalize
     from clusterflow.mining.knn.sharded import sharded_search
@@ -113,8 +113,8 @@ def one_mode(mode: str, n: int, d: int, k: int, threshold: float, engine: str, q
 
 def recall(n: int, d: int, k: int, qb: int, index: str):
     """Recall@k of this rank's lists with ivf or hnsw shards against flat shards."""
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import shard_range
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import shard_range
     from clusterflow.mining.clustering import normalize
     from clusterflow.mining.knn import KnnParams
     from clusterflow.mining.knn.sharded import sharded_search

@@ -28,9 +28,9 @@ from types import SimpleNamespace
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import torch  # noqa: E402
+import torch
 
-from clusterflow.train.finite import FiniteGuard  # noqa: E402
+from clusterflow.train.finite import FiniteGuard
 
 
 def sync(device: torch.device) -> None:
@@ -41,7 +41,7 @@ def sync(device: torch.device) -> None:
 def run(policy: str, model, opt, data, device, steps: int, log_every: int) -> float:
     """Seconds per step over ``steps`` steps."""
     train = SimpleNamespace(on_nonfinite=policy, grad_accum=1, max_consecutive_skips=10, lr=1e-3)
-    guard = FiniteGuard(device, train, lambda: [])
+    guard = FiniteGuard(device, train, list)
     scaler = torch.amp.GradScaler(device.type, enabled=False)
     sync(device)
     t0 = time.perf_counter()

@@ -25,16 +25,16 @@ import time
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-import torch  # noqa: E402
-import torch.distributed as tdist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch
+import torch.distributed as tdist
+import torch.multiprocessing as mp
 
-from clusterflow.checkpoint.sharded import ShardedState  # noqa: E402
-from clusterflow.dist import comm as dist  # noqa: E402
-from clusterflow.dist import free_port  # noqa: E402
-from clusterflow.storage.store import CheckpointStore  # noqa: E402
+from clusterflow.checkpoint.sharded import ShardedState
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed import free_port
+from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
-from clusterflow.train import parallel  # noqa: E402
+from clusterflow.train import parallel
 
 
 def build(params: float, width: int) -> torch.nn.Module:

@@ -29,19 +29,19 @@ import time
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from PIL import Image  # noqa: E402
+import numpy as np
+import torch
+from PIL import Image
 
-from clusterflow.dist.sampler import EpochPlan, GlobalBatchSampler, epoch_order  # noqa: E402
-from clusterflow.tasks import shard_format  # noqa: E402
-from clusterflow.tasks.images import (  # noqa: E402
+from clusterflow.distributed.sampler import EpochPlan, GlobalBatchSampler, epoch_order
+from clusterflow.tasks import shard_format
+from clusterflow.tasks.images import (
     ImageFolderTask,
     ImageShardsTask,
     decode,
     fit_square,
 )
-from clusterflow.tasks.shards import write_shards  # noqa: E402
+from clusterflow.tasks.shards import write_shards
 
 SEED = 7
 
@@ -159,9 +159,9 @@ def resume_cost(task: ImageShardsTask, batch: int) -> dict:
     urls = [task.index.url(s) for s in range(len(task.index.shards))]
     work = SameWork(task)
     r0, t0 = rchar(), time.perf_counter()
-    seen, out = 0, []
-    for s in wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False):
-        seen += 1
+    out = []
+    samples = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, empty_check=False)
+    for seen, s in enumerate(samples, start=1):
         if seen > half:
             out.append(work(s["jpg"], int(s["__key__"])))
             if len(out) == batch:

@@ -34,6 +34,7 @@ apart, from the checkpoint/save_s that the runs log, with fsync off and (one ext
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shutil
 import statistics
@@ -137,7 +138,13 @@ def torchrun_output(nproc: int, args: list[str]) -> tuple[int, list[str], str]:
         *args,
     ]
     done = subprocess.run(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        check=False,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return done.returncode, done.stdout.splitlines(), " ".join(cmd)
 
@@ -150,7 +157,7 @@ def torchrun(nproc: int, args: list[str]) -> list[float]:
     if code or len(lines) != 1 or len(lines[0]) < 3:
         raise SystemExit(f"{cmd} failed ({code}):\n" + "\n".join(output)[-3000:])
     times = [float(t) for t in lines[0]]
-    return [b - a for a, b in zip(times[1:], times[2:])]
+    return [b - a for a, b in itertools.pairwise(times[1:])]
 
 
 def clusterflow_run(

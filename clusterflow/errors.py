@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import select
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1

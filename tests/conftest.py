@@ -24,6 +24,7 @@ def run_cli(*args, cwd=REPO, env=None, timeout=600):
     e.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", *args],
+        check=False,
         cwd=cwd,
         env=e,
         capture_output=True,
@@ -117,6 +118,7 @@ def cluster():
         pytest.skip("the local Slurm cluster needs root and Debian's slurm-wlm")
     out = subprocess.run(
         ["bash", os.path.join(REPO, "tests", "slurm", "cluster.sh"), "up"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=600,

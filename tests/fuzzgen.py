@@ -249,7 +249,7 @@ class Gen:
                 value = (
                     self.pick(TARGETS)
                     if key == "target"
-                    else "{%s: %s}" % (self.pick(PARAM_KEYS), self.value())
+                    else f"{{{self.pick(PARAM_KEYS)}: {self.value()}}}"
                 )
                 cfg.setdefault("task", {})[key] = value
             else:

@@ -9,7 +9,7 @@ import time
 
 from conftest import REPO
 
-from clusterflow.dist import free_port
+from clusterflow.distributed import free_port
 
 
 def start(world, config, overrides, log_dir):

@@ -13,7 +13,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from clusterflow.dist import free_port
+from clusterflow.distributed import free_port
 
 _CTX = mp.get_context("forkserver")
 # torch only: what every rank imports anyway; clusterflow's modules are imported by each rank
@@ -40,8 +40,8 @@ def _entry(rank, world, port, fn, args, queue, pg_timeout=120, environ=None, cwd
     try:
         import torch
 
-        from clusterflow.dist import DistEnv
-        from clusterflow.dist import comm as dist
+        from clusterflow.distributed import DistEnv
+        from clusterflow.distributed import comm as dist
 
         torch.set_num_threads(1)
         dist.init(DistEnv.from_env(os.environ), "gloo", pg_timeout)

@@ -70,7 +70,7 @@ def wait_until(what, predicate, timeout=240, job_id=None):
 
 def queue(job_id):
     return subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True
+        ["squeue", "-h", "-j", job_id, "-o", "%T %r"], check=False, capture_output=True, text=True
     ).stdout.strip()
 
 
@@ -81,7 +81,7 @@ def wait_gone(job_id, timeout=300):
 
 
 def scmd(*args):
-    out = subprocess.run(list(args), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(list(args), check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{args}: {out.stdout}{out.stderr}"
     return out.stdout.strip()
 

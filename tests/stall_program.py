@@ -84,9 +84,8 @@ def main():
                 single(run_dir, mode, hb)
             else:
                 ranks(run_dir, mode, hb, rank)
-    except (
-        Exception
-    ) as exc:  # what job/job.py does with a failed collective: record it, dump, fail the rank
+    # What job/job.py does with a failed collective: record it, dump, fail the rank.
+    except Exception as exc:  # noqa: BLE001
         won = first_error.record(
             rundir.RunPaths(run_dir),
             0,

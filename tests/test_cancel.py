@@ -131,6 +131,7 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
     d = make_run(tmp_path / "r")
     sub = subprocess.run(
         ["sbatch", "--hold", "--parsable", "-o", "/dev/null", "--wrap", "sleep 600"],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -146,7 +147,7 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
         deadline = time.time() + 30
         while time.time() < deadline:
             q = subprocess.run(
-                ["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True
+                ["squeue", "-h", "-j", job, "-o", "%T"], check=False, capture_output=True, text=True
             ).stdout.strip()
             if q in ("", "CANCELLED"):
                 break
@@ -155,4 +156,4 @@ def test_cancel_scancels_the_runs_real_pending_job(cluster, tmp_path):
         # cancelling again is harmless: the job has already left the queue
         assert run_cli("clusterflow.cancel", d).returncode == 0
     finally:
-        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+        subprocess.run(["scancel", job], check=False, capture_output=True, timeout=30)

@@ -15,7 +15,7 @@ from multirank import SharedRanks
 from clusterflow import config, rundir
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 
 
 def build(run_dir, ckpt_dir="", seed=0, **over):
@@ -133,7 +133,7 @@ def test_a_failed_synchronous_write_fails_every_rank_and_a_background_one_is_ret
 
 
 def _save_then_restore(root):
-    import clusterflow.storage.durable as durable
+    from clusterflow.storage import durable
 
     reads = []
     plain = durable.load_checked
@@ -199,8 +199,8 @@ def _broadcast(bucket):
     got = dist.broadcast_state(_tensors_of_every_kind() if dist.rank() == 0 else None)
     want = _tensors_of_every_kind()
     flat_got, flat_want = (
-        [got[k] for k in "f bf16 i b scalar empty t".split()],
-        [want[k] for k in "f bf16 i b scalar empty t".split()],
+        [got[k] for k in ["f", "bf16", "i", "b", "scalar", "empty", "t"]],
+        [want[k] for k in ["f", "bf16", "i", "b", "scalar", "empty", "t"]],
     )
     ok = all(
         a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

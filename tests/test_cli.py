@@ -20,7 +20,13 @@ def script(*args):
     if not os.path.exists(SCRIPT):
         pytest.skip(f"no console script at {SCRIPT} (pip install -e . puts it there)")
     return subprocess.run(
-        [SCRIPT, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120
+        [SCRIPT, *args],
+        check=False,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -72,7 +78,13 @@ def test_a_pipe_to_head_ends_quietly(run_dir, argv):
         f"| head -1"
     )
     out = subprocess.run(
-        ["bash", "-c", line], cwd=REPO, env=env(), capture_output=True, text=True, timeout=120
+        ["bash", "-c", line],
+        check=False,
+        cwd=REPO,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     quiet(out.stderr)
     # 0 when the whole output was written before head left, 141 when head left first.
@@ -114,6 +126,7 @@ def test_a_broken_pipe_that_is_not_stdout_keeps_its_traceback():
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
+        check=False,
         cwd=REPO,
         env=env(),
         capture_output=True,

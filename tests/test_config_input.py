@@ -136,9 +136,9 @@ def test_seed_bound_is_the_rng_bound(tmp_path):
 
 def test_the_largest_seed_works_everywhere_it_is_used():
     """run.seed < 2**32 is enough for every seed derived from it (checkpoint/rng.py,
-    dist/sampler.py, the tasks)."""
+    distributed/sampler.py, the tasks)."""
     from clusterflow.checkpoint.rng import rank_seed, seed_everything
-    from clusterflow.dist.sampler import epoch_permutation
+    from clusterflow.distributed.sampler import epoch_permutation
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     top = 2**32 - 1
@@ -205,6 +205,7 @@ def test_unreadable_file(tmp_path):
     # root reads any file: run the CLI without root's override, for real
     out = subprocess.run(
         [sys.executable, "-m", "clusterflow.submit", path, "--dry-run"],
+        check=False,
         capture_output=True,
         text=True,
         preexec_fn=_without_dac_override,
@@ -318,8 +319,10 @@ def test_tabs_say_spaces(tmp_path):
     [
         (
             "- train\n- run\n",
-            "the top level must be a mapping of sections (run, cluster, dist, train, checkpoint, "
-            "mining, task, data, trackers, observe), got a list",
+            (
+                "the top level must be a mapping of sections (run, cluster, dist, train, "
+                "checkpoint, mining, task, data, trackers, observe), got a list"
+            ),
         ),
         ("hello\n", "got 'hello'"),
         ("0\n", "got 0"),
@@ -379,6 +382,7 @@ def test_non_utf8_override_on_the_command_line(cli):
             b"run.name=\xff",
             "--dry-run",
         ],
+        check=False,
         capture_output=True,
         text=True,
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

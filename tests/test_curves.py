@@ -1,6 +1,8 @@
 """Threshold curves and the automatic threshold (clusterflow.mining.curves) against clustering at
 one fixed threshold, as mutual_knn_clusters does (``today``)."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -110,10 +112,10 @@ def brute_force(sims, ids, t):
     best = [{} for _ in range(len(ids))]
     for i, row in enumerate(ids):
         for j, s in zip(row.tolist(), sims[i].tolist()):
-            if j >= 0 and j != i and s == s:
+            if j >= 0 and j != i and not math.isnan(s):
                 best[i][j] = max(best[i].get(j, -np.inf), s)
     # compared as float32, like numpy
-    passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t  # noqa: E731
+    passes = lambda i, j: j in best[i] and np.float32(best[i][j]) >= t
     edges = sorted(
         (i, j) for i in range(len(ids)) for j in best[i] if i < j and passes(i, j) and passes(j, i)
     )

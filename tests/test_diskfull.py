@@ -77,7 +77,9 @@ def test_run_on_a_disk_that_fills_up(small_disk):
         "train.eval_every_epochs=0",
     ]
     env = {**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")}
-    out = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    out = subprocess.run(
+        args, check=False, capture_output=True, text=True, cwd=REPO, env=env, timeout=300
+    )
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr and "Logging error" not in out.stderr, out.stderr
     ckpts = os.path.join(run_dir, "checkpoints")
@@ -100,7 +102,9 @@ def test_run_on_a_disk_that_fills_up(small_disk):
     os.unlink(
         filler
     )  # the user frees space and runs the same command again: it resumes from step 2
-    again = subprocess.run(args, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    again = subprocess.run(
+        args, check=False, capture_output=True, text=True, cwd=REPO, env=env, timeout=300
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert (
         "resumed from" in again.stdout

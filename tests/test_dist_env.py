@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from clusterflow.dist import DistEnv, derive_port, parse_nodelist
+from clusterflow.distributed import DistEnv, derive_port, parse_nodelist
 from clusterflow.errors import UserError
 
 SLURM = {
@@ -41,26 +41,26 @@ def test_bad_nodelist(text):
 
 
 CASES = [
-    ("nothing", {}, dict(rank=0, world_size=1, source="single")),
+    ("nothing", {}, {"rank": 0, "world_size": 1, "source": "single"}),
     (
         "slurm",
         SLURM,
-        dict(
-            rank=3,
-            world_size=4,
-            local_rank=1,
-            local_world_size=2,
-            node_rank=1,
-            num_nodes=2,
-            master_addr="gpu07",
-            master_port=derive_port("1234", 2),
-            job_id="1234",
-            attempt=2,
-            hosts=("gpu07", "gpu08"),
-            source="slurm",
-        ),
+        {
+            "rank": 3,
+            "world_size": 4,
+            "local_rank": 1,
+            "local_world_size": 2,
+            "node_rank": 1,
+            "num_nodes": 2,
+            "master_addr": "gpu07",
+            "master_port": derive_port("1234", 2),
+            "job_id": "1234",
+            "attempt": 2,
+            "hosts": ("gpu07", "gpu08"),
+            "source": "slurm",
+        },
     ),
-    ("slurm port override", {**SLURM, "MASTER_PORT": "29999"}, dict(master_port=29999)),
+    ("slurm port override", {**SLURM, "MASTER_PORT": "29999"}, {"master_port": 29999}),
     (
         "torchrun",
         {
@@ -71,7 +71,7 @@ CASES = [
             "MASTER_ADDR": "h",
             "MASTER_PORT": "1234",
         },
-        dict(rank=1, world_size=2, master_addr="h", master_port=1234, source="torchrun"),
+        {"rank": 1, "world_size": 2, "master_addr": "h", "master_port": 1234, "source": "torchrun"},
     ),
     (
         "torchrun inside slurm wins",
@@ -84,7 +84,7 @@ CASES = [
             "MASTER_ADDR": "gpu07",
             "MASTER_PORT": "5",
         },
-        dict(world_size=8, source="torchrun", num_nodes=2),
+        {"world_size": 8, "source": "torchrun", "num_nodes": 2},
     ),
     (
         "submitit local",
@@ -95,14 +95,14 @@ CASES = [
             "SUBMITIT_LOCAL_JOB_ID": "77",
             "MASTER_PORT": "4000",
         },
-        dict(
-            rank=1,
-            world_size=2,
-            local_rank=1,
-            master_port=4000,
-            source="submitit-local",
-            job_id="77",
-        ),
+        {
+            "rank": 1,
+            "world_size": 2,
+            "local_rank": 1,
+            "master_port": 4000,
+            "source": "submitit-local",
+            "job_id": "77",
+        },
     ),
 ]
 
@@ -163,10 +163,12 @@ def test_slurm_limit_on_hosts_is_enforced_before_expanding():
     (run under a 1 GiB address-space cap: expanding 100 million names would need far more)."""
     code = (
         "import resource; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-        "from clusterflow.dist import parse_nodelist\n"
+        "from clusterflow.distributed import parse_nodelist\n"
         "parse_nodelist('n[0-100000000]')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1 and "MemoryError" not in out.stderr, out.stderr[-2000:]
     assert (
         "UserError: Slurm nodelist 'n[0-100000000]': range '0-100000000' has 100000001 hosts, over "

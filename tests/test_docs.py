@@ -25,7 +25,7 @@ def test_relative_links_resolve(page):
 
 def commands():
     for page in PAGES:
-        for block in re.findall(r"```bash\n(.*?)```", open(page).read(), re.S):
+        for block in re.findall(r"```bash\n(.*?)```", open(page).read(), re.DOTALL):
             text = block.replace("\\\n", " ")
             for line in text.splitlines():
                 for part in line.split("&&"):

@@ -6,11 +6,10 @@ uninterrupted run's, bit for bit."""
 
 import os
 
+import launch
 import pytest
 import torch
 from conftest import REPO
-
-import launch
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ import torch
 from conftest import REPO
 from PIL import Image
 
-from clusterflow.dist.sampler import EpochPlan, epoch_permutation
+from clusterflow.distributed.sampler import EpochPlan, epoch_permutation
 from clusterflow.manage.status import collect
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.tasks import shard_format

@@ -1,5 +1,7 @@
 """FINCH over our k-NN lists (clusterflow.mining.finch) against a brute-force reference."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -95,7 +97,7 @@ def test_level_zero_uses_the_round_lists_and_later_levels_search_only_the_means(
 def test_levels_are_numbered_by_smallest_member_and_nested():
     x, _ = blobs(seed=5)
     levels = finch_levels(x, torch_search(x, 5)[1])
-    for fine, coarse in zip(levels, levels[1:]):
+    for fine, coarse in itertools.pairwise(levels):
         assert coarse.max() < fine.max()
         # nested: each fine cluster sits inside one coarse cluster
         assert all(len(np.unique(coarse[fine == c])) == 1 for c in range(fine.max() + 1))
@@ -104,7 +106,7 @@ def test_levels_are_numbered_by_smallest_member_and_nested():
 
 
 def test_level_choice():
-    x, y = blobs(n=800, seed=6)
+    x, _y = blobs(n=800, seed=6)
     sims, ids = torch_search(x, 10)
     labels, info = finch_clusters(x, sims, ids)
     assert info["level"] == int(np.argmax(info["silhouette"])) and len(info["modularity"]) == len(
@@ -141,7 +143,7 @@ def test_on_the_digits_and_the_demo_identities():
     raw, y = load_digits(return_X_y=True)
     x = normalize((raw - raw.mean(0)).astype(np.float32))
     sims, ids = faiss_search(x, 10)
-    labels, info = finch_clusters(x, sims, ids)
+    labels, _ = finch_clusters(x, sims, ids)
     assert quality(labels, y)["nmi"] > 0.75
     again, _ = finch_clusters(x, sims, ids)
     np.testing.assert_array_equal(labels, again)
@@ -150,7 +152,7 @@ def test_on_the_digits_and_the_demo_identities():
     ds = SyntheticIdentities(0, 200, 20, 64, 8, 16, 0.5, 0.1, augment=False)
     x = normalize(ds.base)
     sims, ids = faiss_search(x, 10)
-    labels, info = finch_clusters(x, sims, ids)
+    labels, _info = finch_clusters(x, sims, ids)
     assert 100 < labels.max() + 1 < 400 and quality(labels, ds.labels)["nmi"] > 0.9
 
 

@@ -48,7 +48,7 @@ def test_background_snapshot_of_gpu_state_is_the_state_at_the_boundary():
     import copy
 
     from clusterflow.checkpoint.staging import Staging
-    from clusterflow.dist import tree
+    from clusterflow.distributed import tree
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048)).cuda()

@@ -29,7 +29,12 @@ FIGURES = [
 
 def proof(*args):
     return subprocess.run(
-        [sys.executable, PROOF, *args], cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, PROOF, *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

@@ -68,18 +68,22 @@ def test_chosen(snapshot, want, asked, chosen):
             BUSY1,
             2,
             [0, 1],
-            "cluster.gpus=[0, 1]: GPU 1 is busy: held by pid 4242 (python, 30.0 GiB); pick a free "
-            "one (2, 3), use cluster.gpus=auto, or wait for or stop that process",
+            (
+                "cluster.gpus=[0, 1]: GPU 1 is busy: held by pid 4242 (python, 30.0 GiB); pick a "
+                "free one (2, 3), use cluster.gpus=auto, or wait for or stop that process"
+            ),
         ),
         (
             MIXED,
             2,
             "auto",
-            "cluster.gpus_per_node=2 but only 1 of 4 GPUs are free (3): GPU 0 busy: held by pid "
-            "4242 (python, 30.0 GiB); GPU 1 in use: 20.0 GiB used by a process not visible here "
-            "(another container or user?); GPU 2 too little memory: 1.7 GiB free, 2.0 GiB needed; "
-            "lower cluster.gpus_per_node to 1, wait for or stop the processes holding them, or "
-            "name GPUs with cluster.gpus=[...]",
+            (
+                "cluster.gpus_per_node=2 but only 1 of 4 GPUs are free (3): GPU 0 busy: held by "
+                "pid 4242 (python, 30.0 GiB); GPU 1 in use: 20.0 GiB used by a process not "
+                "visible here (another container or user?); GPU 2 too little memory: 1.7 GiB "
+                "free, 2.0 GiB needed; lower cluster.gpus_per_node to 1, wait for or stop the "
+                "processes holding them, or name GPUs with cluster.gpus=[...]"
+            ),
         ),
         (
             [
@@ -91,17 +95,21 @@ def test_chosen(snapshot, want, asked, chosen):
             ],
             1,
             "auto",
-            "cluster.gpus_per_node=1 but only 0 of 1 GPUs are free (none): GPU 0 busy: held by pid "
-            "1 (a, 1.0 GiB), pid 2 (b, 1.0 GiB), pid 3 (c) and 1 more; wait for or stop the "
-            "processes holding them, or name GPUs with cluster.gpus=[...]",
+            (
+                "cluster.gpus_per_node=1 but only 0 of 1 GPUs are free (none): GPU 0 busy: held "
+                "by pid 1 (a, 1.0 GiB), pid 2 (b, 1.0 GiB), pid 3 (c) and 1 more; wait for or "
+                "stop the processes holding them, or name GPUs with cluster.gpus=[...]"
+            ),
         ),
         (FREE, 5, "auto", "cluster.gpus_per_node=5 but only 4 of 4 GPUs are free (0, 1, 2, 3)"),
         (
             FREE,
             2,
             [0, 7],
-            "cluster.gpus=[0, 7]: no GPU 7 on this machine; it has 0, 1, 2, 3 (as nvidia-smi "
-            "numbers them)",
+            (
+                "cluster.gpus=[0, 7]: no GPU 7 on this machine; it has 0, 1, 2, 3 (as nvidia-smi "
+                "numbers them)"
+            ),
         ),
         (
             FREE,

@@ -8,7 +8,6 @@ import time
 import pytest
 
 from clusterflow import rundir
-from clusterflow.observe.stragglers import scores as straggler_scores
 from clusterflow.observe.heartbeat import (
     Heartbeat,
     mark,
@@ -17,6 +16,7 @@ from clusterflow.observe.heartbeat import (
     summary,
     tensorboard_scalars,
 )
+from clusterflow.observe.stragglers import scores as straggler_scores
 
 GPU0 = {
     "index": 0,
@@ -280,7 +280,7 @@ def test_tensorboard_scalars_cover_every_node():
 def _two_rank_heartbeats(run_dir):
     import socket
 
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
 
     rank = dist.rank()
     hb = Heartbeat(

@@ -104,7 +104,7 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
 
     from clusterflow import config, rundir
     from clusterflow.checkpoint import checkpointer
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.tasks import load_task
     from clusterflow.train.preemption import Preemption
     from clusterflow.train.trainer import Trainer
@@ -168,7 +168,7 @@ def test_a_step_that_does_not_log_reads_nothing_back(world, tmp_path, capsys):
     overrides = [
         "train.log_every_steps=3",
         "checkpoint.every_steps=5",
-        "cluster.tasks_per_node=%d" % world,
+        f"cluster.tasks_per_node={world}",
     ]
     results = run_ranks(
         world,

@@ -129,8 +129,8 @@ def test_dataset_items_change_with_the_epoch_not_with_repetition(tmp_path):
 
 def _rank_batches(root, workers):
     """This rank's micro-batches of epoch 1, decoded by DataLoader workers as the trainer does."""
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import GlobalBatchSampler
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import GlobalBatchSampler
 
     task = ImageFolderTask(seed=5, root=root, image_size=12)
     ds = task.train_dataset()
@@ -219,20 +219,26 @@ def test_digits_writer_writes_the_real_scans(tmp_path):
         ),
         (
             {"image_size": 4},
-            "task.params.image_size = 4 is out of range for ImageFolderTask: must be >= 8 and "
-            "<= 1024 (pixels per side)",
+            (
+                "task.params.image_size = 4 is out of range for ImageFolderTask: must be >= 8 and "
+                "<= 1024 (pixels per side)"
+            ),
         ),
         ({"image_size": "32"}, "task.params.image_size = '32' is invalid"),
         ({"image_size": True}, "task.params.image_size = True is invalid"),
         (
             {"channels": 2},
-            "task.params.channels = 2 is out of range for ImageFolderTask: must be one of 1, 3 "
-            "(grey or RGB)",
+            (
+                "task.params.channels = 2 is out of range for ImageFolderTask: must be one of 1, 3 "
+                "(grey or RGB)"
+            ),
         ),
         (
             {"backbone": "vgg"},
-            "task.params.backbone = 'vgg' is out of range for ImageFolderTask: must be one of "
-            "small, resnet18",
+            (
+                "task.params.backbone = 'vgg' is out of range for ImageFolderTask: must be one of "
+                "small, resnet18"
+            ),
         ),
         ({"width": 2}, "task.params.width = 2 is invalid"),
         ({"embed_dim": 1}, "task.params.embed_dim = 1 is out of range"),

@@ -46,26 +46,28 @@ def imports(mods: dict[str, str]) -> list[tuple[str, str, bool]]:
     """(importer, imported, inside a function) for every import of a clusterflow module."""
     out = []
     for name, path in mods.items():
-        tree = ast.parse(open(path, encoding="utf-8").read())
+        with open(path, encoding="utf-8") as f:
+            out.extend(_imports_of(name, ast.parse(f.read()), mods))
+    return out
 
-        def visit(node: ast.AST, nested: bool) -> None:
-            for child in ast.iter_child_nodes(node):
-                if isinstance(child, ast.ImportFrom) and (child.module or "").startswith(
-                    "clusterflow"
-                ):
-                    for alias in child.names:
-                        full = f"{child.module}.{alias.name}"
-                        out.append((name, full if full in mods else child.module, nested))
-                elif isinstance(child, ast.Import):
-                    out.extend(
-                        (name, a.name, nested)
-                        for a in child.names
-                        if a.name.startswith("clusterflow")
-                    )
-                funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
-                visit(child, nested or isinstance(child, funcs))
 
-        visit(tree, False)
+def _imports_of(name: str, tree: ast.AST, mods: dict[str, str]) -> list[tuple[str, str, bool]]:
+    out = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("clusterflow"):
+                for alias in child.names:
+                    full = f"{child.module}.{alias.name}"
+                    out.append((name, full if full in mods else child.module, nested))
+            elif isinstance(child, ast.Import):
+                out.extend(
+                    (name, a.name, nested) for a in child.names if a.name.startswith("clusterflow")
+                )
+            funcs = (ast.FunctionDef, ast.AsyncFunctionDef)
+            visit(child, nested or isinstance(child, funcs))
+
+    visit(tree, False)
     return out
 
 
@@ -76,7 +78,9 @@ def lint_imports(root: str) -> subprocess.CompletedProcess:
     )
     assert lint, "import-linter is not installed (pip install -e '.[test]')"
     env = {**os.environ, "PYTHONPATH": root}
-    return subprocess.run([lint], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [lint], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_layer_contracts_hold():
@@ -137,7 +141,9 @@ def test_importing_every_login_side_module_loads_neither_torch_nor_faiss():
         "print(sorted({'torch', 'torchvision', 'faiss'} & set(sys.modules)))"
     )
     env = {**os.environ, "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
@@ -233,16 +239,3 @@ def test_type_checking_blocks_name_only_packages_outside_clusterflow():
                     if t.startswith(".") or t.split(".")[0] == "clusterflow"
                 )
     assert hidden == []
-
-
-def test_lines_within_100_characters():
-    long = []
-    for root in ("clusterflow", "tests", "benchmarks"):
-        for folder, _, files in os.walk(os.path.join(REPO, root)):
-            for f in files:
-                if f.endswith(".py"):
-                    path = os.path.join(folder, f)
-                    for n, line in enumerate(open(path, encoding="utf-8"), 1):
-                        if len(line.rstrip("\n")) > 100:
-                            long.append(f"{os.path.relpath(path, REPO)}:{n}")
-    assert long == [], f"{len(long)} lines over 100 characters, e.g. {long[:10]}"

@@ -53,7 +53,7 @@ def test_two_submissions_a_moment_apart_one_is_refused_in_one_line(tmp_path, apa
     results = [(p.wait(timeout=600), *p.communicate()) for p in (first, second)]
     codes = sorted(r[0] for r in results)
     assert codes == [0, 2], results
-    code, out, err = next(r for r in results if r[0] == 2)
+    _code, out, err = next(r for r in results if r[0] == 2)
     line = one_error_line(err)
     assert "is held by submit --local job" in line or "is held by" in line, line
     assert "resuming" not in out and "replaced" not in err and "see the logs" not in err, (out, err)

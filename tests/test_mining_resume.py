@@ -102,8 +102,8 @@ def test_a_search_cut_short_continues_from_its_blocks(tmp_path, engine):
 
 
 def _spread(n, k, root, abort_rank, abort_after):
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import shard_range
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import shard_range
     from clusterflow.mining.knn.torch_engine import distributed_search
 
     x, world, rank = data(n), dist.world(), dist.rank()

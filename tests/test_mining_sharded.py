@@ -23,7 +23,7 @@ def _data(n, d=16, seed=0, ties=False):
 
 
 def _sharded(x, offsets, k, threshold, engine, index="flat", qb=7, singletons="cluster", mcs=0):
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.mining import normalize
     from clusterflow.mining.knn import KnnParams
     from clusterflow.mining.knn.sharded import sharded_search
@@ -102,7 +102,7 @@ def test_sharded_approximate_indexes_find_most_neighbours(ranks):
 
 
 def _sharded_curve(x, offsets, k, truth):
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.mining import normalize
     from clusterflow.mining.knn import KnnParams
     from clusterflow.mining.knn.sharded import sharded_search

@@ -6,7 +6,7 @@ from multirank import SharedRanks
 
 
 def _collectives():
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
 
     r = dist.rank()
     summed = dist.all_reduce_dict({"a": r + 1, "b": 1.0})
@@ -44,7 +44,7 @@ class IndexTask:
 def _embed_and_gather(n, batch, workers):
     import torch
 
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.mining.stage import embed_shard
 
     task = IndexTask(n)
@@ -83,7 +83,7 @@ def _mine(params, search="rank0"):
     import torch
 
     from clusterflow import config
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.mining.stage import Miner
     from clusterflow.tasks.pseudo_id import PseudoIDTask
     from clusterflow.train.preemption import Preemption, StopAgreement
@@ -157,7 +157,7 @@ def test_auto_threshold_and_finch_rounds_give_the_same_labels_whatever_world_siz
     may differ in the last bits of a similarity, and the auto threshold sees them)."""
     one = ranks["mine with", case, 1][0]
     assert ranks["mine with", case, 2] == [one, one]
-    labels, stats, curve = one
+    _labels, stats, curve = one
     assert (
         stats["num_clusters"] > 1
         and len(curve["thresholds"]) > 20
@@ -187,8 +187,8 @@ def _knn_data(n):
 def _distributed_knn(n, k, query_batch, abort_at):
     import torch
 
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import shard_range
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import shard_range
     from clusterflow.mining.knn.torch_engine import distributed_search
 
     x = _knn_data(n)
@@ -234,7 +234,7 @@ def test_distributed_knn_abort_on_one_rank_stops_every_rank(ranks):
 def _supcon_big_ids():
     import torch
 
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.tasks.losses import supcon_loss
 
     torch.manual_seed(dist.rank())
@@ -258,8 +258,8 @@ def _uneven_supcon_grad():
     ranks as DDP does: the gradient of the whole batch on one rank."""
     import torch
 
-    from clusterflow.dist import comm as dist
-    from clusterflow.dist.sampler import shard_range, share, split
+    from clusterflow.distributed import comm as dist
+    from clusterflow.distributed.sampler import shard_range, share, split
     from clusterflow.tasks.losses import supcon_loss
 
     torch.manual_seed(0)

@@ -21,14 +21,18 @@ from clusterflow.job.node_fault import Facts, Plan, device_error, plan
             "a CUDA device error",
         ),
         (
-            "Unable to determine the device handle for GPU 0000:3B:00.0: GPU has fallen off "
-            "the bus",
+            (
+                "Unable to determine the device handle for GPU 0000:3B:00.0: GPU has fallen off "
+                "the bus"
+            ),
             "a CUDA device error",
         ),
         ("CUDA error: unknown error", "a CUDA device error"),
         (
-            "NCCL error in: ProcessGroupNCCL.cpp:1275, unhandled cuda error (run with "
-            "NCCL_DEBUG=INFO for details), NCCL version 2.21.5",
+            (
+                "NCCL error in: ProcessGroupNCCL.cpp:1275, unhandled cuda error (run with "
+                "NCCL_DEBUG=INFO for details), NCCL version 2.21.5"
+            ),
             "an NCCL error",
         ),
         (

@@ -160,7 +160,7 @@ def test_skip_step_skips_exactly_the_bad_step_on_every_rank(tmp_path):
     assert status(d)["state"] == "completed"
     load = lambda s, n: torch.load(
         os.path.join(d, "checkpoints", f"step-{s}", n), weights_only=True
-    )  # noqa: E731
+    )
     m3, m4, m5 = (load(s, "model.pt") for s in (3, 4, 5))
     assert all(torch.equal(m3[k], m4[k]) for k in m3) and not all(
         torch.equal(m4[k], m5[k]) for k in m4
@@ -195,12 +195,12 @@ def test_skip_step_fails_after_too_many_skips_in_a_row(tmp_path):
 def _guard_on_two_ranks():
     from types import SimpleNamespace
 
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.errors import RunFailed
     from clusterflow.train.finite import FiniteGuard
 
     train = SimpleNamespace(on_nonfinite="fail", grad_accum=2, max_consecutive_skips=3, lr=1.0)
-    guard = FiniteGuard(torch.device("cpu"), train, lambda: [])
+    guard = FiniteGuard(torch.device("cpu"), train, list)
     guard.start(10)
     for micro in range(
         6

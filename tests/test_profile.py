@@ -52,8 +52,11 @@ def test_a_window_past_the_last_step_is_refused_before_anything_is_written(tmp_p
     out = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=19-20")
     assert out.returncode == 2, out.stdout + out.stderr
     assert out.stderr.strip().splitlines() == [
-        "error: train.profile = '19-20': starts after the run's last step: 3 epoch(s) x 6 steps "
-        "(192 samples / train.batch_size 32) = 18 steps; profile steps within 1-18, e.g. 16-18"
+        (
+            "error: train.profile = '19-20': starts after the run's last step: 3 epoch(s) x 6 "
+            "steps (192 samples / train.batch_size 32) = 18 steps; profile steps within 1-18, "
+            "e.g. 16-18"
+        )
     ]
     assert not os.path.exists(d)
     ok = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=18-25")

@@ -100,7 +100,7 @@ def test_after_stop_counts_time_limit_stops_in_one_place(tmp_path):
     import json
 
     from clusterflow import rundir
-    from clusterflow.dist import DistEnv
+    from clusterflow.distributed import DistEnv
     from clusterflow.job.requeue import after_stop
 
     paths = rundir.RunPaths(str(tmp_path))
@@ -143,7 +143,7 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
     import shutil
 
     from clusterflow import rundir
-    from clusterflow.dist import DistEnv
+    from clusterflow.distributed import DistEnv
     from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
     from clusterflow.job.requeue import after_stop
 

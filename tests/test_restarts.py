@@ -13,7 +13,7 @@ from conftest import REPO
 
 from clusterflow import rundir
 from clusterflow.config.job_config import from_dict
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job import job
 from clusterflow.job.restarts import (
@@ -205,6 +205,7 @@ def test_the_job_allocates_the_spares_and_runs_the_driver(tmp_path):
             "cluster.spare_nodes=1",
             "--dry-run",
         ],
+        check=False,
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -35,7 +35,7 @@ def both_refuse(args):
     returned."""
     lines = []
     for main, extra in ((submit.main, ["--dry-run"]), (run.main, ["--check"])):
-        code, out, err = call(main, [TINY_YAML, *TINY, *args, *extra])
+        code, _out, err = call(main, [TINY_YAML, *TINY, *args, *extra])
         assert code == 2 and "Traceback" not in err, (main, err)
         lines.append(one_error_line(err))
     assert lines[0] == lines[1]
@@ -125,7 +125,7 @@ def test_checkpoint_url_without_its_package_fails_at_submit(tmp_path):
     assert "fsspec knows no protocol 'nope'" in both_refuse(
         [f"run.dir={tmp_path}/r", "checkpoint.dir=nope://b/ck"]
     )
-    code, out, err = call(
+    code, _out, err = call(
         run.main,
         [
             "configs/tiny.yaml",
@@ -142,7 +142,7 @@ def test_checkpoint_url_without_its_package_fails_at_submit(tmp_path):
 
 
 def test_batch_larger_than_the_dataset(tmp_path):
-    code, out, err = call(
+    code, _out, err = call(
         run.main,
         ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", "train.batch_size=64", "--check"],
     )
@@ -162,8 +162,10 @@ def test_batch_larger_than_the_dataset(tmp_path):
         (["task.target=.relative:Task"], "must look like package.module:ClassName"),
         (
             ["task.params.sise=3"],
-            "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its "
-            "parameters: size, fail_in, hidden",
+            (
+                "task.params for testtasks:Tiny: got an unexpected keyword argument 'sise'; its "
+                "parameters: size, fail_in, hidden"
+            ),
         ),
         (
             ["task.params.size=abc"],
@@ -181,7 +183,7 @@ def test_batch_larger_than_the_dataset(tmp_path):
     ],
 )
 def test_task_that_cannot_be_built_is_bad_input(tmp_path, args, needle):
-    code, out, err = call(
+    code, _out, err = call(
         run.main, ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", *args, "--check"]
     )
     assert code == 2 and "Traceback" not in err and needle in one_error_line(err), err
@@ -189,7 +191,7 @@ def test_task_that_cannot_be_built_is_bad_input(tmp_path, args, needle):
 
 @pytest.mark.parametrize("target", ["builtins:dict", "builtins:int", "os:getcwd"])
 def test_a_target_that_is_not_a_task(tmp_path, target):
-    code, out, err = call(
+    code, _out, err = call(
         run.main, [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", f"task.target={target}", "--check"]
     )
     assert (
@@ -218,9 +220,11 @@ def _task_module(tmp_path, name, body):
         (
             "needs_dep",
             "import nonexistent_pkg_cf\n",
-            "task.target 'needs_dep:T': importing needs_dep failed because the module it imports, "
-            "'nonexistent_pkg_cf', is not installed; install it where the job runs (e.g. pip "
-            "install nonexistent_pkg_cf)",
+            (
+                "task.target 'needs_dep:T': importing needs_dep failed because the module it "
+                "imports, 'nonexistent_pkg_cf', is not installed; install it where the job runs "
+                "(e.g. pip install nonexistent_pkg_cf)"
+            ),
             "import nonexistent_pkg_cf",
         ),
         (
@@ -231,8 +235,10 @@ def _task_module(tmp_path, name, body):
         ),
         (
             "raises_in_init",
-            "from clusterflow.tasks import Task\nclass T(Task):\n    def __init__(self, seed=0):\n"
-            "        raise RuntimeError('boom')\n",
+            (
+                "from clusterflow.tasks import Task\nclass T(Task):\n    def __init__(self, "
+                "seed=0):\n        raise RuntimeError('boom')\n"
+            ),
             "task.target 'raises_in_init:T' failed in T.__init__: RuntimeError: boom",
             "raise RuntimeError('boom')",
         ),
@@ -265,6 +271,7 @@ def _run_both_routes(tmp_path, args):
         d = tmp_path / f"route{i}"
         out = subprocess.run(
             [sys.executable, "-m", *cmd, "configs/tiny.yaml", *TINY, f"run.dir={d}", *args],
+            check=False,
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -351,7 +358,7 @@ def test_failed_first_start_via_submit(tmp_path):
     (d / "config.yaml").write_text(
         config.load(TINY_YAML, [*TINY, f"run.dir={d}", "task.params.size=2"]).to_yaml()
     )
-    code, out, err = call(submit.main, [*args, "--dry-run"])
+    code, _out, err = call(submit.main, [*args, "--dry-run"])
     assert (
         code == 0
         and "its config.yaml is replaced by this config (task.params: {'size': 2} -> {})" in err
@@ -372,7 +379,7 @@ def test_limits_that_keep_a_valid_config_runnable(tmp_path):
     assert "mining.hnsw_m = 4294967296: must be between 1 and 2147483647" in both_refuse(
         ["mining.hnsw_m=4294967296"]
     )
-    protocol, hint = _missing_backend()
+    protocol, _hint = _missing_backend()
     assert f"task.init_from = '{protocol}://b/model.pt': fsspec cannot open" in both_refuse(
         [f"run.dir={tmp_path}/r", f"task.init_from={protocol}://b/model.pt"]
     )
@@ -402,7 +409,7 @@ def test_long_values_are_cut_in_messages():
 
 @pytest.mark.slurm
 def test_sbatch_refusal_is_one_line(cluster, tmp_path):
-    code, out, err = call(
+    code, _out, err = call(
         submit.main,
         [TINY_YAML, *TINY, f"run.dir={tmp_path}/r", "cluster.sbatch_extra={begin: notatime}"],
     )
@@ -435,7 +442,7 @@ def test_sbatch_refusal_is_one_line(cluster, tmp_path):
 )
 def test_a_task_param_out_of_its_declared_range_is_refused_at_submit(tmp_path, param, shown):
     d = tmp_path / "r"
-    code, out, err = call(
+    code, _out, err = call(
         submit.main, ["configs/tiny.yaml", "--local", f"run.dir={d}", f"task.params.{param}"]
     )
     assert code == 2 and one_error_line(err) == f"error: {shown}", err
@@ -447,18 +454,24 @@ def test_a_task_param_out_of_its_declared_range_is_refused_at_submit(tmp_path, p
     [
         (
             "image_size=4",
-            "task.params.image_size = 4 is out of range for ImageFolderTask: must be >= 8 and "
-            "<= 1024 (pixels per side)",
+            (
+                "task.params.image_size = 4 is out of range for ImageFolderTask: must be >= 8 and "
+                "<= 1024 (pixels per side)"
+            ),
         ),
         (
             "channels=2",
-            "task.params.channels = 2 is out of range for ImageFolderTask: must be one of 1, 3 "
-            "(grey or RGB)",
+            (
+                "task.params.channels = 2 is out of range for ImageFolderTask: must be one of 1, 3 "
+                "(grey or RGB)"
+            ),
         ),
         (
             "backbone=vgg",
-            "task.params.backbone = 'vgg' is out of range for ImageFolderTask: must be one of "
-            "small, resnet18",
+            (
+                "task.params.backbone = 'vgg' is out of range for ImageFolderTask: must be one of "
+                "small, resnet18"
+            ),
         ),
     ],
 )
@@ -466,7 +479,7 @@ def test_an_image_task_param_is_refused_at_submit_not_in_the_job(tmp_path, param
     """The image tasks declare their values (Range, OneOf): a bad one never reaches the queue."""
     d = tmp_path / "r"
     argv = ["configs/images_digits.yaml", "--local", f"run.dir={d}", f"task.params.{param}"]
-    code, out, err = call(submit.main, argv)
+    code, _out, err = call(submit.main, argv)
     assert code == 2 and one_error_line(err) == f"error: {shown}", err
     assert not d.exists()
 

@@ -9,7 +9,7 @@ import pytest
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.train_state import SampleLedger, TrainState
-from clusterflow.dist.sampler import EpochPlan, GlobalBatchSampler, share
+from clusterflow.distributed.sampler import EpochPlan, GlobalBatchSampler, share
 from clusterflow.errors import UserError
 
 

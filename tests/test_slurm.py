@@ -54,6 +54,7 @@ def test_template_route(cluster, tmp_path, nodes, tasks):
             "configs/tiny.yaml",
             f"run.dir={d}",
         ],
+        check=False,
         cwd=REPO,
         env={**os.environ, **env()},
         capture_output=True,

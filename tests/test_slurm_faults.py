@@ -70,6 +70,7 @@ def sbatch_template(run_dir, log_dir, extra_env=None):
     ]
     return subprocess.run(
         cmd,
+        check=False,
         cwd=REPO,
         env={**os.environ, **env(), **(extra_env or {})},
         capture_output=True,
@@ -102,7 +103,7 @@ def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run
     from clusterflow.rundir import lease
 
     d = str(tmp_path / "run")
-    job, out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")
+    job, _out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")
     holder = wait_until(
         "the job to take the run dir",
         lambda: (lease.current(rundir.RunPaths(d))[1] or {}).get("slurm_job"),

@@ -139,19 +139,25 @@ def test_parse_sacct(text, state, code, sig, extra):
     [
         (
             OOM_ON_STEP,
-            "OUT_OF_MEMORY: step 1234.0 was killed for exceeding its host memory on gpu[01-02]; a "
-            "CUDA out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or "
-            "lower data.num_workers",
+            (
+                "OUT_OF_MEMORY: step 1234.0 was killed for exceeding its host memory on "
+                "gpu[01-02]; a CUDA out-of-memory is a Python error in the rank log instead; "
+                "raise cluster.mem_gb or lower data.num_workers"
+            ),
         ),
         (
             NODE_FAIL,
-            "NODE_FAIL: a node failed on gpu[01-02]; resubmit the same config to resume from the "
-            "last checkpoint",
+            (
+                "NODE_FAIL: a node failed on gpu[01-02]; resubmit the same config to resume from "
+                "the last checkpoint"
+            ),
         ),
         (
             TIMEOUT,
-            "TIMEOUT: the time limit was reached; raise cluster.time_min or resubmit to resume "
-            "from the last checkpoint",
+            (
+                "TIMEOUT: the time limit was reached; raise cluster.time_min or resubmit to resume "
+                "from the last checkpoint"
+            ),
         ),
         (CANCELLED_BY, "CANCELLED: cancelled by uid 1000 (scancel or an administrator)"),
         (
@@ -162,20 +168,26 @@ def test_parse_sacct(text, state, code, sig, extra):
         (FAILED_SIGNAL, "FAILED: killed by signal 9 (SIGKILL) on gpu01; see the rank logs"),
         (
             STALLED,
-            "FAILED: exit code 86: a rank's stall watchdog ended it, see "
-            "errors/first.attempt*.json",
+            (
+                "FAILED: exit code 86: a rank's stall watchdog ended it, see "
+                "errors/first.attempt*.json"
+            ),
         ),
         (COMPLETED, "COMPLETED: exit code 0"),
         (
             COMPLETED_STEP_SIGNALLED,
-            "COMPLETED: the job script exited 0, but step 239023.0 was killed by signal 10 "
-            "(SIGUSR1)",
+            (
+                "COMPLETED: the job script exited 0, but step 239023.0 was killed by signal 10 "
+                "(SIGUSR1)"
+            ),
         ),
         (
             REQUEUED_THEN_OOM,
-            "OUT_OF_MEMORY: step 1234 was killed for exceeding its host memory on gpu03; a CUDA "
-            "out-of-memory is a Python error in the rank log instead; raise cluster.mem_gb or "
-            "lower data.num_workers (last of 3 attempts)",
+            (
+                "OUT_OF_MEMORY: step 1234 was killed for exceeding its host memory on gpu03; a "
+                "CUDA out-of-memory is a Python error in the rank log instead; raise "
+                "cluster.mem_gb or lower data.num_workers (last of 3 attempts)"
+            ),
         ),
     ],
 )
@@ -240,6 +252,7 @@ def test_ask_refuses_what_is_not_a_job_id():
 def _sbatch(tmp_path, *args):
     out = subprocess.run(
         ["sbatch", "--parsable", f"--output={tmp_path}/slurm-%j.out", *args],
+        check=False,
         capture_output=True,
         text=True,
         timeout=60,
@@ -253,7 +266,10 @@ def _until(job_id, states, timeout=120):
     while time.time() < deadline:
         v = parse_scontrol(
             subprocess.run(
-                ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True
+                ["scontrol", "show", "job", "-o", job_id],
+                check=False,
+                capture_output=True,
+                text=True,
             ).stdout
         )
         if v is not None and v.state in states:

@@ -35,7 +35,7 @@ SUBMITIT_SLURM = {"SlurmExecutor", "AutoExecutor", "_make_sbatch_string"}
 SLURM_MAY_IMPORT = (
     "clusterflow.slurm",
     "clusterflow.config",
-    "clusterflow.dist.env",
+    "clusterflow.distributed.env",
     "clusterflow.storage",
     "clusterflow.errors",
 )
@@ -130,8 +130,10 @@ def test_only_clusterflow_slurm_talks_to_slurm():
     [
         "import subprocess\ndef f(j):\n    subprocess.run(['scancel', j])\n",
         "from subprocess import run\ndef f():\n    return run(['/usr/bin/sinfo', '-h'])\n",
-        "import subprocess\nCMD = 'squeue -h -j {}'\n"
-        "def f(j):\n    subprocess.check_output(CMD.format(j), shell=True)\n",
+        (
+            "import subprocess\nCMD = 'squeue -h -j {}'\n"
+            "def f(j):\n    subprocess.check_output(CMD.format(j), shell=True)\n"
+        ),
         "import os\ndef f(j):\n    os.system('scontrol requeue ' + j)\n",
         "import submitit\nex = submitit.SlurmExecutor(folder='x')\n",
         "from submitit import AutoExecutor\n",

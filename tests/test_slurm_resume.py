@@ -74,7 +74,7 @@ def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_pat
     assert s["state"] == "completed" and s["attempts"] == 3, s
     reasons = [json.loads(line)["reason"] for line in open(os.path.join(d, "stops.jsonl"))]
     assert reasons == ["preempted", "timeout"]
-    assert "requeued job %s after the time-limit signal" % job in rank0_logs(d)
+    assert f"requeued job {job} after the time-limit signal" in rank0_logs(d)
     saved, resumed = stop_and_resume_steps(d)
     assert len(saved) == 2 and saved == resumed, (saved, resumed)  # no step lost, none repeated
     assert_same_weights(d, reference_run)

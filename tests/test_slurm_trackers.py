@@ -15,7 +15,7 @@ from test_trackers import (
     stop_server,
 )
 
-from clusterflow.dist import free_port
+from clusterflow.distributed import free_port
 
 pytestmark = pytest.mark.slurm
 CONTROLLER = "10.77.0.1"  # the bridge address of tests/slurm/cluster.sh: both nodes reach it

@@ -54,7 +54,13 @@ def run_python(code, cwd, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(env_extra or {})
     out = subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", code],
+        check=False,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
@@ -64,7 +70,7 @@ def test_the_job_imports_the_submitted_version_after_the_original_is_edited(repo
     run_dir = str(tmp_path / "run")
     manifest = snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
     head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+        ["git", "rev-parse", "HEAD"], check=False, cwd=repo, capture_output=True, text=True
     ).stdout.strip()
     assert (
         manifest["module"] == "mytasks"

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from clusterflow.checkpoint.staging import Staging, TornSnapshot
-from clusterflow.dist import tree
+from clusterflow.distributed import tree
 
 
 def setup():

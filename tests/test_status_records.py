@@ -383,6 +383,7 @@ def test_status_holds_the_last_logged_loss_when_the_cadence_skipped_its_write(tm
     out = subprocess.run(
         [sys.executable, "-c", ONE_STATUS_WRITE, "configs/tiny.yaml", f"run.dir={d}"]
         + ["cluster.tasks_per_node=1"],
+        check=False,
         cwd=REPO,
         env=env,
         capture_output=True,

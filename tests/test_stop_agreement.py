@@ -11,7 +11,7 @@ from multirank import SharedRanks
 def _polls(signals, polls=12, agree_at=None):
     """Polls like the loop does; ``signals`` maps a poll number to {rank: signal} sent to this
     process just before that poll. Returns (poll number, reason) of the first stop, or None."""
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.train.preemption import Preemption, StopAgreement
 
     preemption = Preemption().install()
@@ -77,7 +77,7 @@ INTERVAL_S = 5 / 128  # binary fractions: the test clock's sums and ratios are e
 def _paced(signals, polls, step_s, interval_s=INTERVAL_S):
     """Like ``_polls``, with the cadence on: this rank's steps take ``step_s[rank]`` of a test
     clock. Returns (poll, reason) of the first stop or None, the cadence then, and the reduces."""
-    from clusterflow.dist import comm as dist
+    from clusterflow.distributed import comm as dist
     from clusterflow.train.preemption import Preemption, StopAgreement
 
     clock = _Clock()

@@ -101,10 +101,12 @@ def test_another_sweep_into_the_same_dir_is_refused(conf):
 
 
 def test_lock_refuses_a_second_submission_at_once(tmp_path):
-    with sweep_index.locked(rundir.RunPaths(str(tmp_path))):
-        with pytest.raises(UserError, match="another submission of the sweep"):
-            with sweep_index.locked(rundir.RunPaths(str(tmp_path))):
-                pass
+    with (
+        sweep_index.locked(rundir.RunPaths(str(tmp_path))),
+        pytest.raises(UserError, match="another submission of the sweep"),
+        sweep_index.locked(rundir.RunPaths(str(tmp_path))),
+    ):
+        pass
     with sweep_index.locked(rundir.RunPaths(str(tmp_path))):  # released
         pass
 

@@ -20,8 +20,8 @@ from conftest import REPO, run_cli
 from mlflow.tracking import MlflowClient
 
 from clusterflow.config.job_config import load
-from clusterflow.dist import free_port
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed import free_port
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.run import _check_trackers
 from clusterflow.manage.status import collect, render
@@ -154,7 +154,7 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_s
     assert job.returncode != 0, out
     assert max(committed_steps(d)) == 8 < max(held_steps(client, "killed")) == 9
     os.unlink(kill)
-    again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    again = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True)
     assert again.returncode == 0, again.stdout + again.stderr
     assert f"resumed from {d}/checkpoints/step-8:" in open(f"{d}/logs/rank0.attempt1.log").read()
 
@@ -195,12 +195,12 @@ class _NotMlflow(http.server.BaseHTTPRequestHandler):
     """A server that passes the health check and answers every MLflow call with an error: the
     wrong service on the port, or a proxy in front of a dead one."""
 
-    def do_GET(self):  # noqa: N802 - the handler's protocol
+    def do_GET(self):
         self.send_response(200 if self.path.endswith("/health") else 500)
         self.end_headers()
         self.wfile.write(b"OK")
 
-    do_POST = do_GET  # noqa: N815
+    do_POST = do_GET
 
     def log_message(self, *args):
         pass
@@ -220,9 +220,11 @@ def test_status_warns_about_a_tracker_that_never_received_a_step(tmp_path):
     assert shown["trackers"] == {"mlflow": None}
     warning = [line for line in render(shown).splitlines() if "received no step" in line]
     assert warning == [
-        f"warning      tracker mlflow received no step of the {STEPS} trained: python -m "
-        f"clusterflow.logs {d} | grep 'tracker mlflow' says why (metrics.jsonl holds every point; "
-        "the next launch sends them once the tracker answers)"
+        (
+            f"warning      tracker mlflow received no step of the {STEPS} trained: python -m "
+            f"clusterflow.logs {d} | grep 'tracker mlflow' says why (metrics.jsonl holds every "
+            "point; the next launch sends them once the tracker answers)"
+        )
     ]
 
 
@@ -247,6 +249,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, name,
     out = subprocess.run(
         [sys.executable, "-c", code, "configs/tiny.yaml", "--local", f"run.dir={d}"]
         + [f"trackers.{name}.{key}"],
+        check=False,
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -269,7 +272,13 @@ def test_wandb_online_without_an_api_key_is_refused_at_submit(tmp_path):
 
     def submit(**extra):
         return subprocess.run(
-            command, cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=120
+            command,
+            check=False,
+            cwd=REPO,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
 
     out = submit()
@@ -383,7 +392,7 @@ def test_wandb_offline_keeps_one_run_id_across_attempts(tmp_path):
     open(kill, "w").close()
     out, _ = job.communicate(timeout=600)
     assert job.returncode != 0, out
-    second = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    second = subprocess.run(command, check=False, cwd=REPO, env=env, capture_output=True, text=True)
     assert second.returncode == 0, second.stdout + second.stderr
     run_id = json.load(open(os.path.join(d, "trackers.json")))["wandb"]["run_id"]
     folders = sorted(glob.glob(os.path.join(d, "wandb", "wandb", "offline-run-*")))

@@ -137,7 +137,7 @@ def test_the_transition_table_of_the_docs_and_of_transitions_py_is_the_table():
 
 LATE_RANK = """
 import sys
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed.env import DistEnv
 from clusterflow import rundir
 from clusterflow.job import job
 from clusterflow.rundir import saved_config
@@ -158,6 +158,7 @@ def test_a_rank_reporting_running_after_the_users_cancel_leaves_it_cancelled(tmp
     assert json.load(open(status))["state"] == "cancelled"
     late = subprocess.run(
         [sys.executable, "-c", LATE_RANK, run_dir],
+        check=False,
         cwd=REPO,
         capture_output=True,
         text=True,

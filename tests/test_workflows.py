@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 from clusterflow import config, rundir
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.requeue import after_stop
 from clusterflow.rundir import cancel_marker, saved_config

@@ -54,8 +54,8 @@ from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
-from clusterflow.dist import comm as dist
-from clusterflow.dist.groups import Subgroup
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
 from clusterflow.rundir import transitions

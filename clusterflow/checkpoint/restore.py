@@ -31,7 +31,7 @@ from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import CheckpointStore

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.storage import durable
 
 METADATA = ".metadata"  # DCP's global plan, written by rank 0

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from clusterflow.dist import tree
+from clusterflow.distributed import tree
 
 
 class TornSnapshot(RuntimeError):

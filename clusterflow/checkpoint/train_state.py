@@ -5,10 +5,10 @@ history and the sample ledger. It is registered with the checkpointer like the o
 (``state_dict`` / ``load_state_dict``), so the list of what a checkpoint holds lives in one place.
 
 The position in an epoch is ``sample_in_epoch``: how many samples of the epoch's order the
-committed steps trained (``dist/sampler.py``), so a resume on another world size or batch size
-continues the same order. The :class:`SampleLedger` says which ranges of each epoch's order which
-attempt trained; being part of the checkpointed state, it describes the committed history only:
-what a killed attempt trained after its last checkpoint is not in it, and is trained again.
+committed steps trained (``distributed/sampler.py``), so a resume on another world size or batch
+size continues the same order. The :class:`SampleLedger` says which ranges of each epoch's order
+which attempt trained; being part of the checkpointed state, it describes the committed history
+only: what a killed attempt trained after its last checkpoint is not in it, and is trained again.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class TrainState:
     # Samples of the current epoch's order trained; None until set from an older checkpoint
     # that counted steps only (the trainer derives it from step_in_epoch then).
     sample_in_epoch: int | None = 0
-    # The current epoch's batch segments ([first sample, batch size], dist/sampler.EpochPlan);
-    # empty: one segment of train.batch_size.
+    # The current epoch's batch segments ([first sample, batch size],
+    # distributed/sampler.EpochPlan); empty: one segment of train.batch_size.
     plan: list[list[int]] = field(default_factory=list)
     ledger: SampleLedger = field(default_factory=SampleLedger)
     labels: np.ndarray | None = None  # pseudo-labels of the last mining round, by sample index

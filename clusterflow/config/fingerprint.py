@@ -24,8 +24,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from clusterflow.config.sections import NUMERICS, RESULT, SECTIONS, keys
 
@@ -165,7 +166,7 @@ def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[Change
 
 
 # The one result key a resume may change when the launch asks for it: the order of samples goes
-# on from the sample reached (dist/sampler.py), in batches of the new size.
+# on from the sample reached (distributed/sampler.py), in batches of the new size.
 BATCH_SIZE, ALLOW_BATCH_SIZE_CHANGE = "train.batch_size", "train.allow_batch_size_change"
 _REBATCH_WHY = (
     "train.allow_batch_size_change: the same sample order goes on from the sample reached, in "

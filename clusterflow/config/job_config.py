@@ -14,8 +14,9 @@ import json
 import os
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from clusterflow.config import fingerprint
 from clusterflow.config import yaml_file as config_yaml
@@ -392,8 +393,10 @@ def reference_markdown() -> str:
     lines = [
         "# Configuration reference",
         "",
-        "Generated from `clusterflow/config/sections.py` by "
-        "`python -m clusterflow.config > docs/configuration.md`;",
+        (
+            "Generated from `clusterflow/config/sections.py` by "
+            "`python -m clusterflow.config > docs/configuration.md`;"
+        ),
         "a test fails when this page and the code disagree.",
         "",
         "Precedence: defaults < YAML file < `section.key=value` overrides on the command line.",

@@ -37,7 +37,7 @@ _WORLD = (
 
 def doc(
     default: object = dataclasses.MISSING,
-    help: str = "",  # noqa: A002
+    help: str = "",
     factory: Callable[[], object] | None = None,
     key: str = "",
     *,
@@ -130,8 +130,7 @@ class RunConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.dir.startswith("file://"):
-            self.dir = self.dir[len("file://") :]  # fsspec's spelling of a local path
+        self.dir = self.dir.removeprefix("file://")  # fsspec's spelling of a local path
         _check(
             bool(self.dir.strip()),
             "run.dir",

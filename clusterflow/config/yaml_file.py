@@ -255,9 +255,9 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
         return loader.construct_document(node)
     except _Refused as exc:
         raise UserError(f"{_where(source, exc.problem_mark)}: {exc.problem}; {exc.fix}") from None
-    except (yaml.reader.ReaderError, yaml.MarkedYAMLError) if lenient else ():
-        return text
     except yaml.reader.ReaderError as exc:
+        if lenient:
+            return text
         line = text.count("\n", 0, exc.position) + 1
         char = chr(exc.character) if isinstance(exc.character, int) else exc.character
         raise UserError(
@@ -265,6 +265,8 @@ def parse(text: str, source: str, lenient: bool = False) -> Any:
             f"(is it a binary file?); a config is plain text"
         ) from None
     except yaml.MarkedYAMLError as exc:
+        if lenient:
+            return text
         problem = exc.problem or exc.context or "not valid YAML"
         fix = (
             "YAML indents with spaces, not tabs: replace the tab"

@@ -15,14 +15,15 @@ import os
 import socket
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from clusterflow import rundir
 from clusterflow.config.job_config import Config, from_dict
-from clusterflow.dist import comm as dist
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import after_stop
@@ -224,7 +225,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
         return outcome
-    except BaseException as exc:  # noqa: BLE001 - record who failed, then fail the job
+    except BaseException as exc:
         if held and env.is_main:
             _let_go(paths, environ, states.FAILED)
         _record_failure(exc, cfg, paths, env.rank, environ, write=held)
@@ -421,4 +422,4 @@ def _attempt_of(paths: rundir.RunPaths) -> int:
     return rundir.current_attempt(paths)
 
 
-__all__ = ["Job", "run_job", "EXIT_JOB_FAILED"]
+__all__ = ["EXIT_JOB_FAILED", "Job", "run_job"]

@@ -33,8 +33,8 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Iterator, Mapping
 
 from clusterflow import rundir
 from clusterflow.rundir import transitions

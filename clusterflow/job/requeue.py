@@ -14,11 +14,11 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from clusterflow import rundir
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
 from clusterflow.rundir import cancel_marker, transitions
 from clusterflow.rundir.states import State, StopReason

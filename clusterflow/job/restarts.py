@@ -48,13 +48,14 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.config.job_config import Config
-from clusterflow.dist.env import RESTART_IN_JOB_ENV
+from clusterflow.distributed.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
 from clusterflow.rundir import (

@@ -19,8 +19,8 @@ import os
 import sys
 
 from clusterflow.config.job_config import Config
-from clusterflow.dist.env import DistEnv
-from clusterflow.dist.sampler import check_fits
+from clusterflow.distributed.env import DistEnv
+from clusterflow.distributed.sampler import check_fits
 from clusterflow.errors import (
     EXIT_INTERRUPTED,
     EXIT_JOB_FAILED,
@@ -107,7 +107,7 @@ def _check_task(cfg: Config, world: int) -> int:
         n = len(task.train_dataset())
     except UserError:
         raise
-    except Exception as exc:  # noqa: BLE001 - the task's own code: reported as a run reports it
+    except Exception as exc:
         f = failure.describe(exc, cfg.task.target)
         if not f.named:
             raise

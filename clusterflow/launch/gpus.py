@@ -18,8 +18,9 @@ and a UUID means the same GPU to both.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from clusterflow.errors import UserError
 from clusterflow.observe import nvml

@@ -32,7 +32,7 @@ import submitit
 
 from clusterflow import rundir
 from clusterflow.config import Config
-from clusterflow.dist.env import free_port
+from clusterflow.distributed.env import free_port
 from clusterflow.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -340,13 +340,9 @@ def _follow(
     then."""
     while True:
         done = job.done()
-        if interrupted and not done:
-            if rundir.read_object(paths.status)[0].get("state") in (
-                None,
-                states.PENDING,
-                states.RUNNING,
-            ):
-                watch.signal_ranks(signal.SIGINT)
+        running = (None, states.PENDING, states.RUNNING)
+        if interrupted and not done and rundir.read_object(paths.status)[0].get("state") in running:
+            watch.signal_ranks(signal.SIGINT)
         dead = None if done else watch.first_dead()
         # Echoed before acting on a death: the dead rank's last lines (its traceback) are
         # already written.

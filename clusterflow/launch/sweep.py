@@ -88,7 +88,7 @@ def _prepare(
     """Each member's run dir checked and its config written (or resumed); its code frozen."""
     prepared = []
     for m in members:
-        cfg, resumed = saved_config.resolve(m.config)
+        cfg, _resumed = saved_config.resolve(m.config)
         frozen_code.take(dirs[m.name], cfg.task.target, cfg.run.snapshot_code)
         prepared.append((cfg, dirs[m.name]))
     return prepared

@@ -19,6 +19,7 @@ from clusterflow.observe import heartbeat
 from clusterflow.rundir import states, stragglers
 from clusterflow.slurm import outcome as slurm_outcome
 
+
 def _setting(data: dict[str, Any], section: str, key: str, default: float) -> float:
     """A number of config.yaml read as plain YAML (a damaged file must not stop status): the
     default where it is missing, not a number, or negative."""

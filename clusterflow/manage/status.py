@@ -364,8 +364,10 @@ def render(s: dict[str, Any]) -> str:
     lines = [
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
         f"attempts     {s['attempts']}" + _restarts_said(s["restarts"]),
-        f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} "
-        f"of the epoch, global step {s['global_step']}",
+        (
+            f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} "
+            f"of the epoch, global step {s['global_step']}"
+        ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
     if s["excluded_nodes"]:

@@ -13,7 +13,8 @@ can call it without an import cycle:
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.errors import UserError

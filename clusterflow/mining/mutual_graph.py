@@ -44,7 +44,7 @@ def mutual_graph(sims: np.ndarray, ids: np.ndarray, block: int = 65536) -> Mutua
     comparison says where, for the similarity j -> i. One argsort of the E edges orders them.
     """
     ids = np.asarray(ids)
-    n, k = ids.shape
+    n, _k = ids.shape
     sims = np.asarray(sims)
     sims = sims if sims.dtype.kind == "f" else sims.astype(np.float32)
     narrow = np.int32 if n < 2**31 else np.int64  # half the bytes for the row gathers

@@ -40,7 +40,7 @@ def quality(pred: np.ndarray, truth: np.ndarray) -> dict[str, float]:
     rows, cols = c.nonzero()
     bp = (nij**2 / a[rows]).sum() / n
     br = (nij**2 / b[cols]).sum() / n
-    f = lambda x, y: 2 * x * y / (x + y) if x + y else 0.0  # noqa: E731
+    f = lambda x, y: 2 * x * y / (x + y) if x + y else 0.0
     return {
         "pairwise_precision": float(pp),
         "pairwise_recall": float(pr),

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.mining.curves import Curve, _count_at_least, grid_between
 from clusterflow.mining.sharded_graph import (
     ShardedGraph,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import sparse
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.mining.clustering import _split_large
 from clusterflow.mining.mutual_graph import _one_listing_per_neighbour
 

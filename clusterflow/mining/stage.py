@@ -39,9 +39,9 @@ from tqdm import tqdm
 
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
 from clusterflow.config.sections import DataConfig, MiningConfig
-from clusterflow.dist import comm as dist
-from clusterflow.dist.groups import Subgroup
-from clusterflow.dist.sampler import shard_range
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.groups import Subgroup
+from clusterflow.distributed.sampler import shard_range
 from clusterflow.errors import RunFailed
 from clusterflow.mining import curves, finch, knn
 from clusterflow.mining.clustering import (

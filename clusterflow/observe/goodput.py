@@ -25,8 +25,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.rundir import first_error, records, restarts, stragglers, timeline

@@ -30,7 +30,8 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.observe import nvml, stragglers
@@ -311,8 +312,8 @@ def render(ranks: list[dict[str, Any]]) -> str:
         )
         marks = ",".join(m for m in ("silent", "straggler") if r.get(m))
         lines.append(
-            f"{r['rank']:>4}  {str(r.get('host') or '?'):<12} {_num(r.get('step'), '{}'):>7}  "
-            f"{str(r.get('phase') or '-'):<13} "
+            f"{r['rank']:>4}  {r.get('host') or '?'!s:<12} {_num(r.get('step'), '{}'):>7}  "
+            f"{r.get('phase') or '-'!s:<13} "
             f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} "
             f"{_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
             f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} "

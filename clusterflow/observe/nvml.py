@@ -18,7 +18,8 @@ some VMs) is left out.
 from __future__ import annotations
 
 import types
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 MB = 2**20
 

@@ -25,7 +25,8 @@ import logging
 import math
 import os
 import socket
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -79,7 +80,7 @@ def mining_wait_timeout_s(mining_timeout_s: int, stall_limit_s: float | None) ->
     itself."""
     if not stall_limit_s:
         return int(mining_timeout_s)
-    return int(math.ceil(mining_timeout_s + default_victim_grace_s(stall_limit_s) + stall_limit_s))
+    return math.ceil(mining_timeout_s + default_victim_grace_s(stall_limit_s) + stall_limit_s)
 
 
 def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, float]:

@@ -35,8 +35,9 @@ import sysconfig
 import threading
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from types import FrameType, ModuleType, TracebackType
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,7 +52,7 @@ WAIT_PATHS = (
     "torch/distributed/",
     "torch/nn/parallel/",
     "torch/autograd/",
-    "clusterflow/dist/comm.py",
+    "clusterflow/distributed/comm.py",
 )
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
 log = logging.getLogger("clusterflow.watchdog")
@@ -96,14 +97,14 @@ class Watchdog:
             target=self._run, name=f"clusterflow-watchdog-{rank}", daemon=True
         )
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
 
-    def __enter__(self) -> "Watchdog":
+    def __enter__(self) -> Watchdog:
         return self.start()
 
     def __exit__(

@@ -32,7 +32,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from typing import Any, MutableMapping
+from collections.abc import MutableMapping
+from typing import Any
 
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
@@ -48,7 +49,7 @@ GIT_TIMEOUT_S = 20
 def _installed_roots() -> list[str]:
     paths = sysconfig.get_paths()
     roots = [paths.get(k) for k in ("purelib", "platlib", "stdlib", "platstdlib")]
-    roots += list(getattr(site, "getsitepackages", lambda: [])()) + [site.getusersitepackages()]
+    roots += list(getattr(site, "getsitepackages", list)()) + [site.getusersitepackages()]
     return [os.path.realpath(r) for r in roots if r]
 
 
@@ -132,7 +133,12 @@ def _check_size(files: list[tuple[str, str]], source: str, max_bytes: int) -> in
 def _git(args: list[str], cwd: str) -> str | None:
     try:
         out = subprocess.run(
-            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S
+            ["git", *args],
+            check=False,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

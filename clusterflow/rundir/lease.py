@@ -32,6 +32,7 @@ directory, an immutable file) is refused in one line naming it. No torch here.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -40,10 +41,11 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
-from clusterflow.dist import DistEnv
+from clusterflow.distributed import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.slurm import commands as slurm_commands
@@ -56,7 +58,7 @@ STALE_RENEWALS = 4  # a lease not renewed for this many periods is abandoned
 # The token of the lease a local launcher holds for the job it starts (inherited by the job).
 LAUNCHER_ENV = "CLUSTERFLOW_LAUNCHER_LEASE"
 _GEN = re.compile(r"^gen-(\d+)\.json$")
-_held: dict[str, "Lease"] = {}  # run dir (real path) -> the lease this process holds
+_held: dict[str, Lease] = {}  # run dir (real path) -> the lease this process holds
 
 
 class RunDirBusy(UserError):
@@ -251,7 +253,7 @@ def _judge_holder(paths: RunPaths, me: dict[str, Any]) -> tuple[int, str]:
 
 def hold(
     paths: RunPaths, env: DistEnv, renew_s: int, environ: dict[str, str] | None = None
-) -> "Lease":
+) -> Lease:
     """Rank 0 at job start, before anything is written to ``run_dir``. A relaunch (a requeued
     attempt) never recreates a run dir that is gone: it was moved or deleted since the job began."""
     if (env.attempt > 0 or getattr(env, "restart_in_job", 0) > 0) and not os.path.isdir(paths.root):
@@ -289,7 +291,7 @@ def acquire(
     for _ in range(10):  # each turn: someone else linked first; judge the new holder
         gen, note = _judge_holder(paths, me)
         target = gen_file(paths, gen + 1)
-        if _unusable_unless(lambda: _publish(paths, gen + 1, me), target):
+        if _unusable_unless(functools.partial(_publish, paths, gen + 1, me), target):
             try:
                 _drop_older(paths, gen + 1)
             except RunDirBusy:

@@ -14,8 +14,9 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Callable, Iterator, Mapping
+from typing import Any, BinaryIO
 
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import STATES, StopReason
@@ -353,7 +354,7 @@ def open_jsonl(target: str) -> BinaryIO:
     """Open a JSON-lines file for appending. A line left unfinished by a killed writer is closed
     first, so it cannot swallow the next record."""
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-    f = open(target, "a+b")
+    f = open(target, "a+b")  # noqa: SIM115 - the caller owns it (the writer appends to it)
     if f.tell() > 0:
         f.seek(-1, os.SEEK_END)
         if f.read(1) != b"\n":

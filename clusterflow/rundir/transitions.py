@@ -37,7 +37,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from clusterflow.rundir import cancel_marker
 from clusterflow.rundir.paths import RunPaths

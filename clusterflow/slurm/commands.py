@@ -49,7 +49,7 @@ def run(argv: list[str], timeout_s: float) -> Result:
         return missing
     try:
         p = subprocess.run(
-            argv, capture_output=True, text=True, errors="replace", timeout=timeout_s
+            argv, check=False, capture_output=True, text=True, errors="replace", timeout=timeout_s
         )
     except FileNotFoundError:
         return missing

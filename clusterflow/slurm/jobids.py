@@ -11,7 +11,7 @@ Which job a run dir is held by is ``clusterflow.rundir.submissions``. Pure funct
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 # Attempt sources (DistEnv.source) whose job_id is a Slurm job id; torchrun inside sbatch reports

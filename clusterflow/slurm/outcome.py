@@ -220,7 +220,7 @@ def parse_scontrol(text: str) -> Verdict | None:
     )
 
 
-_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)[\d,-]*: (.+)$", re.M)
+_SRUN_ERROR = re.compile(r"^srun: error: (\S+): tasks? (\d+)[\d,-]*: (.+)$", re.MULTILINE)
 
 
 def first_task_failure(text: str) -> tuple[int, str, str] | None:

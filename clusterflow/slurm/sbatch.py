@@ -20,8 +20,9 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import submitit
 from submitit.slurm.slurm import _make_sbatch_string

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
-from clusterflow.dist.env import parse_nodelist
+from clusterflow.distributed.env import parse_nodelist
 from clusterflow.slurm import outcome
 
 # The line :func:`run_step` writes before each step, so that a reader of the batch output can

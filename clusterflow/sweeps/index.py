@@ -21,8 +21,9 @@ import fcntl
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from clusterflow import rundir
 from clusterflow.config import fingerprint

@@ -243,7 +243,7 @@ def load_task(
         return cls(seed=seed, **params)
     except (UserError, Stopped):
         raise  # the task checked its parameters and said what is wrong, or the job is stopping
-    except Exception as exc:  # noqa: BLE001 - the task's own code: keep its traceback
+    except Exception as exc:
         raise TaskError(
             f"task.target {target!r} failed in {cls_name}.__init__: {type(exc).__name__}: {exc}"
         ) from exc
@@ -269,7 +269,7 @@ def _import(target: str, module_name: str) -> ModuleType:
     except UserError:
         raise
     # A SyntaxError or anything raised at import: the task's code.
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         raise TaskError(
             f"task.target {target!r}: importing {module_name} failed: {type(exc).__name__}: {exc}"
         ) from exc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import FunctionCtx
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 
 
 class _GatherWithGrad(torch.autograd.Function):

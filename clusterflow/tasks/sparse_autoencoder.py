@@ -110,7 +110,7 @@ class SparseAutoencoderTask(Task):
                     f"task.params.{name} = {locals()[name]!r} "
                     "is out of range for SparseAutoencoderTask"
                 )
-        self.args = dict(dim=dim, features=features, active=active, noise=noise)
+        self.args = {"dim": dim, "features": features, "active": active, "noise": noise}
         self.samples, self.eval_samples, self.latents, self.l1 = samples, eval_samples, latents, l1
         self._train: SyntheticActivations | None = None
 

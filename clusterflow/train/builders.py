@@ -9,7 +9,8 @@ import io
 import logging
 import math
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import fsspec
 import torch

@@ -13,8 +13,8 @@ import numpy.typing as npt
 import torch
 from torch.utils.data import Dataset
 
-from clusterflow.dist import comm as dist
-from clusterflow.dist.sampler import shard_range
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.sampler import shard_range
 from clusterflow.tasks import Task
 
 

@@ -22,12 +22,13 @@ Policies (``train.on_nonfinite``):
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable, Mapping, NoReturn, Protocol
+from collections.abc import Callable, Iterable, Mapping
+from typing import NoReturn, Protocol
 
 import torch
 
 from clusterflow.config.sections import TrainConfig
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.errors import RunFailed
 
 log = logging.getLogger("clusterflow.trainer")

@@ -17,7 +17,8 @@ full state dict of the final ``model.pt`` (:func:`full_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, overload
+from collections.abc import Iterable, Iterator
+from typing import Any, overload
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -26,7 +27,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.errors import UserError
 from clusterflow.tasks import Task, check_can_shard
 

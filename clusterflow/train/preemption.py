@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from types import FrameType
-from typing import Callable
 
-from clusterflow.dist import comm as dist
-from clusterflow.dist.groups import AsyncMax
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.groups import AsyncMax
 from clusterflow.rundir.states import StopReason
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
@@ -83,7 +83,7 @@ class Preemption:
         self._checked_at: float | None = None
         self.cancel_seen = False
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         """Install after submitit's own handlers (submitit only logs SIGTERM, and its SIGUSR2
         handler would requeue without our checkpoint), so ours take precedence."""
         for sig in HANDLED:

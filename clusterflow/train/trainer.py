@@ -3,7 +3,7 @@ rendezvous and exit.
 
 A fresh start and a resume go through the same code: the checkpointer restores the newest
 committed checkpoint, if any, and the loop continues from its epoch and the number of samples of
-that epoch's order it trained (``dist/sampler.py``: the same order on any world size). State
+that epoch's order it trained (``distributed/sampler.py``: the same order on any world size). State
 lives in the checkpoint only, so a requeued job needs nothing else.
 
 No sample is dropped or repeated: the epoch's last batch also takes the samples left over when
@@ -26,7 +26,8 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,8 +39,8 @@ from clusterflow.checkpoint import checkpointer
 from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
-from clusterflow.dist import comm as dist
-from clusterflow.dist.sampler import (
+from clusterflow.distributed import comm as dist
+from clusterflow.distributed.sampler import (
     EpochItems,
     EpochPlan,
     GlobalBatchSampler,

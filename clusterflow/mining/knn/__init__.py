@@ -56,8 +56,10 @@ def choose_engine(requested: str) -> tuple[str, str]:
         if torch.cuda.is_available() and not hasattr(faiss, "StandardGpuResources"):
             return (
                 "torch",
-                "CUDA is available but this faiss build has no GPU support; "
-                "the exact torch engine uses the GPU",
+                (
+                    "CUDA is available but this faiss build has no GPU support; "
+                    "the exact torch engine uses the GPU"
+                ),
             )
         return "faiss", "faiss is installed" + (
             " with GPU support" if hasattr(faiss, "StandardGpuResources") else " (CPU build)"

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 from clusterflow.mining.knn.faiss_engine import build_faiss_index
 from clusterflow.mining.knn.torch_engine import _sizes, _topk_block

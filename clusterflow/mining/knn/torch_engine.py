@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 from clusterflow.mining.knn.common import Blocks, k_others
 
 

@@ -31,7 +31,8 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 from clusterflow.config.sections import TrackersConfig
 from clusterflow.errors import UserError

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from clusterflow.observe.trackers.state import StateFile
 from clusterflow.rundir.paths import RunPaths

@@ -13,7 +13,7 @@ import numpy.typing as npt
 import torch
 import torch.distributed as tdist
 
-from clusterflow.dist import comm as dist
+from clusterflow.distributed import comm as dist
 
 
 class Subgroup:

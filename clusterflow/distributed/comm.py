@@ -1,7 +1,7 @@
 """The process group and the collectives clusterflow uses, with single-process defaults.
 
 ``rank()`` is 0, ``world()`` is 1 and every collective is the identity when no process group
-exists, so the same code runs as one process. Nothing outside ``dist`` calls a collective of
+exists, so the same code runs as one process. Nothing outside ``distributed`` calls a collective of
 ``torch.distributed`` itself (FSDP and DCP run their own): what mining, the k-NN search and the
 losses need lives here, the groups with their own timeout in ``groups.py``. It imports
 torch, so the login side never imports it (the forbidden contract in pyproject.toml): what a
@@ -16,15 +16,16 @@ import contextlib
 import datetime
 import math
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 import torch.distributed as tdist
 
-from clusterflow.dist import tree
-from clusterflow.dist.env import DistEnv
+from clusterflow.distributed import tree
+from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 
 

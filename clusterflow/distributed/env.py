@@ -3,7 +3,7 @@
 :meth:`DistEnv.from_env` takes a plain mapping (``os.environ`` in production, a dict in tests) and
 understands Slurm's ``srun``, torchrun, submitit's local executor and a bare single process. Slurm
 nodelists are parsed here without calling scontrol (it may not be on compute nodes' PATH). No torch:
-this runs on login nodes too; ``clusterflow.dist`` re-exports these names.
+this runs on login nodes too; ``clusterflow.distributed`` re-exports these names.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import os
 import re
 import socket
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from clusterflow.errors import UserError
 
@@ -224,7 +224,7 @@ class DistEnv:
         return self.world_size > 1
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "DistEnv":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> DistEnv:
         env = os.environ if env is None else env
         if "RANK" in env or "LOCAL_RANK" in env or "WORLD_SIZE" in env:
             # torchrun wins even inside a Slurm allocation: it sets the exact layout it launched.
@@ -239,7 +239,7 @@ class DistEnv:
         )
 
     @classmethod
-    def _torchrun(cls, env: Mapping[str, str]) -> "DistEnv":
+    def _torchrun(cls, env: Mapping[str, str]) -> DistEnv:
         v = _ints(env, ["RANK", "LOCAL_RANK", "WORLD_SIZE"], "torchrun")
         local_world = int(env.get("LOCAL_WORLD_SIZE", v["WORLD_SIZE"]))
         _consistent(
@@ -277,7 +277,7 @@ class DistEnv:
         )
 
     @classmethod
-    def _slurm(cls, env: Mapping[str, str]) -> "DistEnv":
+    def _slurm(cls, env: Mapping[str, str]) -> DistEnv:
         v = _ints(
             env,
             [
@@ -359,7 +359,7 @@ class DistEnv:
         )
 
     @classmethod
-    def _submitit_local(cls, env: Mapping[str, str]) -> "DistEnv":
+    def _submitit_local(cls, env: Mapping[str, str]) -> DistEnv:
         v = _ints(
             env,
             ["SUBMITIT_LOCAL_GLOBALID", "SUBMITIT_LOCAL_LOCALID", "SUBMITIT_LOCAL_NTASKS"],

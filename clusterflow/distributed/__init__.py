@@ -9,11 +9,11 @@
 - ``sampler.py``: which rank trains and embeds which samples (torch).
 
 This package re-exports only the torch-free names of ``env.py`` (``DistEnv``, ``derive_port``,
-``free_port``, ``parse_nodelist``): importing ``clusterflow.dist`` or any of its modules must not
-load torch on a login node. Code that runs in the job imports the module it needs:
-``from clusterflow.dist import comm`` then ``comm.rank()``, ``comm.broadcast_object(...)``.
+``free_port``, ``parse_nodelist``): importing ``clusterflow.distributed`` or any of its modules
+must not load torch on a login node. Code that runs in the job imports the module it needs:
+``from clusterflow.distributed import comm`` then ``comm.rank()``, ``comm.broadcast_object(...)``.
 """
 
-from clusterflow.dist.env import DistEnv, derive_port, free_port, parse_nodelist
+from clusterflow.distributed.env import DistEnv, derive_port, free_port, parse_nodelist
 
 __all__ = ["DistEnv", "derive_port", "free_port", "parse_nodelist"]
