@@ -412,12 +412,13 @@ class DistConfig:
     )
     find_unused_parameters: bool = doc(
         False,
-        "DDP find_unused_parameters (needed when some parameters get no gradient).",
-        kind=RESOURCE,
+        "DDP find_unused_parameters (needed when some parameters get no gradient; costs a walk "
+        "of the autograd graph per step).",
+        kind=NUMERICS,
         why=(
-            "both values give the same gradients whenever both run (with dist.fixed_buckets, the "
-            "default, both keep DDP's first bucket layout); false only refuses models with unused "
-            "parameters"
+            "DDP keeps its first bucket layout when it looks for unused parameters, and "
+            "dist.fixed_buckets builds another one when it does not: the layout decides the order "
+            "in which ranks' gradients are summed (with more than two ranks)"
         ),
     )
     bucket_cap_mb: int = doc(
@@ -431,12 +432,12 @@ class DistConfig:
     )
     fixed_buckets: bool = doc(
         True,
-        "DDP keeps the gradient buckets it starts with instead of rebuilding them in the order "
-        "gradients became ready after its first step: every attempt then sums the ranks' "
-        "gradients in the same order, so a resumed run equals an uninterrupted one bit for bit "
-        "with 3 or more ranks. Costs one walk of the autograd graph per step (DDP's "
-        "find_unused_parameters); false: DDP's own rebuild (resume then differs in the last bits "
-        "with 3+ ranks).",
+        "DDP's gradient buckets are built once, before the first step, in reverse order of "
+        "the model's parameters (a backward of zeros, no data, no random draw), instead of DDP "
+        "reducing the first step in one bucket and rebuilding after it: every step of every "
+        "attempt then sums the ranks' gradients in the same order, so a resumed run equals an "
+        "uninterrupted one bit for bit with 3 or more ranks. No cost per step. false: DDP's own "
+        "rebuild (resume then differs in the last bits with 3+ ranks).",
         kind=NUMERICS,
         why=(
             "whether DDP rebuilds its buckets after the first step decides the order in which "

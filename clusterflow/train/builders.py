@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +26,6 @@ from clusterflow.tasks import Task
 from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
-
-# DDP's once-per-process note when find_unused_parameters found every parameter used.
-_NONE_UNUSED = "find_unused_parameters=True was specified in DDP constructor, but did not find"
 
 
 def lr_multiplier(rule: str, world: int) -> float:
@@ -67,20 +63,56 @@ def build_model(
 
 
 def _ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
-    """DDP over ``module``, as the dist section ``d`` says. DDP rebuilds its buckets once, after an
-    attempt's first step, in the order gradients became ready; the layout decides in which order
-    ranks' gradients are summed (with 3+ ranks), so a resumed attempt's first step would sum
-    differently from the uninterrupted run's same step. DDP never rebuilds when it looks for
-    unused parameters: ``dist.fixed_buckets`` asks for that, and silences DDP's note that none
-    were found (looking is the point)."""
-    if d.fixed_buckets and not d.find_unused_parameters:
-        warnings.filterwarnings("ignore", message=_NONE_UNUSED, category=UserWarning)
-    return DDP(
+    """DDP over ``module``, as the dist section ``d`` says. DDP reduces an attempt's first step in
+    one bucket and then rebuilds its buckets in the order gradients became ready; the layout
+    decides in which order ranks' gradients are summed (with 3+ ranks), so a resumed attempt's
+    first step would sum differently from the uninterrupted run's same step.
+    ``dist.fixed_buckets`` builds the final layout before the first step instead
+    (``_fix_buckets``): every step of every attempt then uses the same one, at no cost per step.
+    DDP never rebuilds when it looks for unused parameters (``dist.find_unused_parameters``): its
+    first layout stays."""
+    ddp = DDP(
         module,
         device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=d.find_unused_parameters or d.fixed_buckets,
+        find_unused_parameters=d.find_unused_parameters,
         bucket_cap_mb=d.bucket_cap_mb,
     )
+    if d.fixed_buckets and not d.find_unused_parameters:
+        _fix_buckets(ddp)
+    return ddp
+
+
+def _fix_buckets(ddp: DDP) -> None:
+    """Rebuild ``ddp``'s buckets now (collective), as its first backward would: DDP's reducer
+    records the order in which parameters' gradients arrive during a backward and rebuilds its
+    buckets in that order, once. Here the backward is of a sum of zeros over the parameters, so
+    they arrive in reverse order of definition (the order a plain network's backward produces,
+    what DDP itself assumes before it has seen one), on every rank and in every attempt. Nothing
+    else changes: no forward, no data, no random draw; the zero gradients it all-reduces are
+    dropped and the weights are untouched."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not params:
+        return
+    # Weights whose gradient DDP expects sparse (as DDP tells them): a sparse lookup's zero.
+    sparse = {
+        id(m.weight)
+        for m in ddp.module.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    }
+    total = None
+    for p in params:  # the last term's gradient is computed first
+        if id(p) in sparse:
+            first = torch.zeros(1, dtype=torch.long, device=p.device)
+            term = torch.nn.functional.embedding(first, p, sparse=True).sum() * 0
+        else:
+            term = p.sum() * 0
+        total = term if total is None else total + term
+    ddp.reducer.prepare_for_forward()
+    ddp.reducer.prepare_for_backward([total])
+    total.backward()
+    for p in params:
+        p.grad = None
+    ddp.reducer._rebuild_buckets()
 
 
 def build_optimizer(t: TrainConfig, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:
