@@ -1,6 +1,7 @@
 """Training-loop benchmark: clusterflow's loop against a bare DDP loop doing the same work.
 
-    python benchmarks/trainer.py                         # 2 ranks (CPU: gloo), 3 repeats
+    python benchmarks/trainer.py                         # 2, 3 and 4 ranks (CPU: gloo), 2 repeats
+    python benchmarks/trainer.py --nproc 2 --repeats 3   # one world size
     python benchmarks/trainer.py --nproc 8 --amp bf16    # a GPU node: one rank per GPU (NCCL)
 
 Both sides run under torchrun with the same number of ranks on configs/demo.yaml's task (the
@@ -15,10 +16,11 @@ data, the first epoch's warm-up) is left out. Repeats are interleaved and altern
 sides; the best epoch of each side is the claim (the least disturbed by whatever else runs on the
 machine: on a shared machine a burst of someone else's work lands in one epoch, not in all of them),
 the best run (mean of its E epochs) and the medians are printed beside it, and the load average
-before each run shows how busy the machine was.
+before each run shows how busy the machine was. Each world size in ``--nproc`` is measured in
+turn; the ratios of every world size are printed again last.
 
 ``--buckets`` adds a side with ``dist.fixed_buckets=false`` (DDP rebuilds its buckets after the
-first step instead of walking the autograd graph every step): "ratio clusterflow /
+first step, as bare DDP does, instead of having them built before it): "ratio clusterflow /
 rebuilt-buckets" is what fixed buckets (a bitwise resume with 3 or more ranks) cost a step.
 
 ``--heartbeats`` adds a third side, clusterflow with heartbeats and the stall watchdog off (the
@@ -242,7 +244,9 @@ def measure(a: argparse.Namespace, root: str) -> tuple[dict[str, list[list[float
     return marginal, saves
 
 
-def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
+def report(marginal: dict[str, list[list[float]]], steps: int) -> dict[str, tuple[float, ...]]:
+    """Prints each side's figures and its ratios to clusterflow's; returns the ratios (best
+    epoch, best run, median epoch) per other side."""
     best: dict[str, dict[str, float]] = {}
     for side, runs in marginal.items():
         epochs = [t for run in runs for t in run]
@@ -254,12 +258,16 @@ def report(marginal: dict[str, list[list[float]]], steps: int) -> None:
             f"{min(epochs):.3f}-{max(epochs):.3f}"
         )
     cf = best["clusterflow"]
+    ratios = {}
     for other in [side for side in best if side != "clusterflow"]:
         o = best[other]
-        print(
-            f"ratio clusterflow / {other}: best epoch {cf['epoch'] / o['epoch']:.3f}x, best run "
-            f"{cf['run'] / o['run']:.3f}x, median epoch {cf['median'] / o['median']:.3f}x"
-        )
+        ratios[other] = (cf["epoch"] / o["epoch"], cf["run"] / o["run"], cf["median"] / o["median"])
+        print(f"ratio clusterflow / {other}: {_ratios(ratios[other])}")
+    return ratios
+
+
+def _ratios(r: tuple[float, ...]) -> str:
+    return f"best epoch {r[0]:.3f}x, best run {r[1]:.3f}x, median epoch {r[2]:.3f}x"
 
 
 def tick_cost_s(n: int = 200_000) -> float:
@@ -283,11 +291,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
-        "--nproc", type=int, default=2, help="ranks on this machine (one per GPU on a GPU node)"
+        "--nproc",
+        type=int,
+        nargs="+",
+        default=[2, 3, 4],
+        help="ranks on this machine, one world size after another (one per GPU on a GPU node)",
     )
     p.add_argument("--epochs", type=int, default=3, help="E: the epochs measured beyond the first")
     p.add_argument("--identities", type=int, default=1000, help="20 samples each; global batch 128")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--amp", default="none", choices=("none", "bf16"))
     p.add_argument(
         "--no-fsync-run", action="store_true", help="skip the extra run that times fsynced saves"
@@ -324,12 +336,26 @@ def main() -> None:
         return
     import torch
 
-    steps = a.identities * 20 // 128
     where = (
         torch.cuda.get_device_name(0)
         if torch.cuda.is_available()
         else f"CPU, {os.cpu_count()} cores"
     )
+    summary = {}
+    for world in a.nproc:
+        summary[world] = measure_world(argparse.Namespace(**{**vars(a), "nproc": world}), where)
+    print(
+        "\nclusterflow / each other side, per world size (the default configuration's goal: "
+        "<= 1.03x bare DDP):"
+    )
+    for world, ratios in summary.items():
+        for other, r in ratios.items():
+            print(f"{world} ranks, clusterflow / {other}: {_ratios(r)}")
+
+
+def measure_world(a: argparse.Namespace, where: str) -> dict[str, tuple[float, ...]]:
+    """One world size, ``a.nproc`` ranks: every side, its figures printed; the ratios."""
+    steps = a.identities * 20 // 128
     print(
         f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs "
         f"2-{1 + a.epochs}, {a.repeats} repeats"
@@ -340,7 +366,7 @@ def main() -> None:
         fsynced = [] if a.no_fsync_run else clusterflow_run(a, 1 + a.epochs, root, fsync=True)[1]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    report(marginal, steps)
+    ratios = report(marginal, steps)
     if a.heartbeats:
         per_step = min(t for run in marginal["clusterflow"] for t in run) / steps
         tick = tick_cost_s()
@@ -357,6 +383,7 @@ def main() -> None:
             "the same save with fsync on (not in the figure): median "
             f"{statistics.median(fsynced):.3f} s, max {max(fsynced):.3f} s of {len(fsynced)}"
         )
+    return ratios
 
 
 if __name__ == "__main__":
