@@ -58,11 +58,14 @@ def _checkpoints(root: str) -> tuple[list[str], list[str], dict[str, Any]]:
 
 
 def _last_step_of_run(manifest: dict[str, Any]) -> bool:
-    """Whether a committed checkpoint is the run's last one: every epoch of its config trained
-    (train.epochs may not change on a resume, so its own config says how many)."""
+    """Whether a committed checkpoint is the run's last one: every epoch of the run trained (its
+    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
+    config's train.epochs, which may not change on a resume)."""
     config = manifest.get("config")
     train = config.get("train") if isinstance(config, dict) else None
-    epochs = train.get("epochs") if isinstance(train, dict) else None
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        epochs = train.get("epochs") if isinstance(train, dict) else None
     epoch = manifest.get("epoch")
     return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
 
