@@ -89,15 +89,26 @@ def uninterrupted(tmp_path_factory):
     return d
 
 
-def test_the_conversion_changes_at_most_15_lines():
+def test_the_conversion_changes_at_most_15_lines_and_the_docs_show_its_diff():
     diff = list(
-        difflib.unified_diff(open(PLAIN).read().splitlines(), open(CONVERTED).read().splitlines())
+        difflib.unified_diff(
+            open(PLAIN).read().splitlines(),
+            open(CONVERTED).read().splitlines(),
+            "plain_ddp.py",
+            "converted_ddp.py",
+            n=1,
+            lineterm="",
+        )
     )
     added = [line for line in diff[2:] if line.startswith("+")]
     removed = [line for line in diff[2:] if line.startswith("-")]
     print(f"\nconverted_ddp.py: {len(added)} lines added or changed, {len(removed)} removed")
     assert 0 < len(added) <= 15 and len(removed) <= 15, "\n".join(diff)
     assert any("clusterflow.start()" in line for line in added)
+    page = open(os.path.join(REPO, "docs", "own-loop.md")).read()
+    shown = page.split("```diff\n", 1)[1].split("```", 1)[0].rstrip("\n").splitlines()
+    assert shown == diff, "docs/own-loop.md's diff is stale"
+    assert f"**{len(added)} lines added or changed, {len(removed)} removed**" in page
 
 
 def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_path):
@@ -299,3 +310,76 @@ def test_import_clusterflow_stays_light_until_start_is_asked_for():
         [sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO
     )
     assert out.returncode == 0, out.stderr
+
+
+# -- submit --script / run --script: the script's own arguments -----------------------------------
+
+ARGV_SCRIPT = """
+import json, sys
+import torch
+import clusterflow
+run = clusterflow.start()
+with open(sys.argv[0] + ".argv.json", "w") as f:
+    json.dump(sys.argv[1:], f)
+model = run.setup(torch.nn.Linear(2, 1))
+loader = run.loader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+run.restore(model=model)
+for epoch in run.epochs(1):
+    for (x,) in loader:
+        run.step()
+run.finish()
+"""
+
+
+def test_the_scripts_own_arguments_reach_it_untouched(tmp_path):
+    script = tmp_path / "argv.py"
+    script.write_text(ARGV_SCRIPT)
+    args = ["--lr", "0.1", "--", "x=1,2", "with space", "--name=é'\"", "-v", "run.dir=not-ours"]
+    d = str(tmp_path / "run")
+    out = run_cli("clusterflow.run", "--script", str(script), f"run.dir={d}", "--", *args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.load(open(str(script) + ".argv.json")) == args
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "completed" and status["script"]["args"] == args, status
+
+
+def test_a_sweep_of_a_scripts_argument_sets_it_in_each_member(tmp_path):
+    from clusterflow.sweeps import sweep
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    sw = sweep.expand(
+        None,
+        [f"run.dir={tmp_path / 'sweep'}"],
+        ["arg:--lr=0.1,0.3", "arg:depth=2,4"],
+        str(script),
+        ["--lr=0.01", "--epochs", "3", "depth=1"],
+    )
+    got = {m.name.rsplit("-", 1)[0]: m.config.script.args for m in sw.members}
+    assert got == {
+        "lr=0.1,depth=2": ["--lr=0.1", "--epochs", "3", "depth=2"],
+        "lr=0.1,depth=4": ["--lr=0.1", "--epochs", "3", "depth=4"],
+        "lr=0.3,depth=2": ["--lr=0.3", "--epochs", "3", "depth=2"],
+        "lr=0.3,depth=4": ["--lr=0.3", "--epochs", "3", "depth=4"],
+    }
+    assert sweep.with_arg(["--lr", "1", "--x"], "--lr", "2") == ["--lr", "2", "--x"]
+    assert sweep.with_arg(["--x"], "--lr", "2") == ["--x", "--lr", "2"]
+    assert sweep.with_arg([], "lr", "2") == ["lr=2"]
+    with pytest.raises(UserError, match="give the script with --script"):
+        sweep.expand(None, [f"run.dir={tmp_path / 's2'}"], ["arg:--lr=1,2"])
+
+
+def test_the_converted_script_trains_sharded_with_fsdp(tmp_path):
+    """train.parallel=fsdp: run.setup shards the model, the optimizer follows its parameters into
+    the shards, checkpoints are sharded (DCP) and model.pt is the whole plain state_dict."""
+    d = str(tmp_path / "run")
+    config = (*CONFIG, "train.parallel=fsdp")
+    assert launch.wait(start(2, d, config=config)) == [0, 0], rank0_log(d)[-3000:]
+    store = CheckpointStore(os.path.join(d, "checkpoints"))
+    assert store.newest_manifest()["format"] == "dcp"
+    state = torch.load(os.path.join(d, "model.pt"), weights_only=True)
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)
+    )
+    plain.load_state_dict(state)  # every key, every shape
+    assert json.loads(run_cli("clusterflow.status", d, "--json").stdout)["global_step"] == 18

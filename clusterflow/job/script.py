@@ -81,6 +81,12 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
     else:
         file = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
         cfg, ignored = by_hand(config, overrides, list(sys.argv)), []
+    if torch.distributed.is_initialized():
+        raise UserError(
+            "clusterflow.start(): the process group is initialized already (a "
+            "dist.init_process_group call before it); remove that call: start() joins the group "
+            "itself, from the environment Slurm, torchrun or submitit set"
+        )
     if cfg.train.on_nonfinite == "skip_step":
         raise UserError(
             "train.on_nonfinite = 'skip_step' skips the optimizer step of a task; a script "

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import time
 from typing import Any
 
@@ -111,6 +112,16 @@ def _checkpoint_root(paths: rundir.RunPaths, data: dict[str, Any], problem: str)
             paths.root, ""
         ), f"config.yaml is damaged ({why}); the next launch sets it aside"
     return join_checkpoints(paths.root, configured or ""), ""
+
+
+def _script(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The script of the user's own the run trains with (config.yaml's script section, ``data``
+    read as plain YAML), or None for a task's run."""
+    section = data.get("script") if isinstance(data.get("script"), dict) else {}
+    path, args = section.get("path"), section.get("args")
+    if not isinstance(path, str) or not path:
+        return None
+    return {"path": path, "args": [str(a) for a in args] if isinstance(args, list) else []}
 
 
 def _trackers(paths: rundir.RunPaths, data: dict[str, Any]) -> dict[str, int | None]:
@@ -337,6 +348,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         "error": decided.error,
         "logs": paths.logs,
         "code": frozen_code.describe(paths, notes),
+        "script": _script(plain),
         "updated_at": st.get("updated_at"),
     }
     out["goodput"] = _goodput(paths, decided.state)
@@ -373,6 +385,8 @@ def render(s: dict[str, Any]) -> str:
         ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
+    if s.get("script"):
+        lines.append(f"script       {shlex.join([s['script']['path'], *s['script']['args']])}")
     if s["excluded_nodes"]:
         lines.append(
             f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "

@@ -49,7 +49,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from clusterflow import rundir
-from clusterflow.checkpoint import checkpointer
+from clusterflow.checkpoint import checkpointer, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
 from clusterflow.checkpoint.rng import (
     RngState,
@@ -116,25 +116,42 @@ class Ending(Protocol):
 
 def _stateful(name: str, obj: object) -> Stateful:
     """``obj`` as a registered state: anything with ``state_dict``/``load_state_dict`` as it is;
-    a dict (restored in place), a torch, numpy or ``random`` generator through an adapter."""
+    a dict (restored in place) through an adapter."""
     if callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     ):
         return obj  # type: ignore[return-value]
     if isinstance(obj, dict):
         return _InPlace(obj)
-    if isinstance(obj, torch.Generator):
-        return _TorchGenerator(obj)
-    if isinstance(obj, np.random.Generator):
-        return _NumpyGenerator(obj)
-    if isinstance(obj, random.Random):
-        return _PythonRandom(obj)
     raise UserError(
         f"run.restore({name}=...): a {type(obj).__name__} cannot be saved with the checkpoint; "
         "pass an object with state_dict()/load_state_dict() (optimizer, scheduler, GradScaler, "
         "module), a dict of numbers, strings, lists and tensors (restored in place), or a "
         "torch.Generator, numpy Generator or random.Random"
     )
+
+
+def _stream(obj: object) -> tuple[Callable[[], object], Callable[[object], None]] | None:
+    """A random generator of the script's own as (its state, set it), or None for another
+    object: saved per rank, like the global streams."""
+    if isinstance(obj, torch.Generator):
+        return obj.get_state, obj.set_state  # type: ignore[return-value]
+    if isinstance(obj, np.random.Generator):
+        bits = obj.bit_generator
+
+        def put(state: object) -> None:
+            bits.state = copy.deepcopy(state)
+
+        return (lambda: copy.deepcopy(bits.state)), put
+    if isinstance(obj, random.Random):
+        r = obj
+
+        def put_py(state: object) -> None:
+            version, internal, gauss = state  # type: ignore[misc]
+            r.setstate((version, tuple(internal), gauss))
+
+        return (lambda: [r.getstate()[0], list(r.getstate()[1]), r.getstate()[2]]), put_py
+    return None
 
 
 class _InPlace:
@@ -149,40 +166,6 @@ class _InPlace:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.d.clear()
         self.d.update(copy.deepcopy(state))
-
-
-class _TorchGenerator:
-    def __init__(self, g: torch.Generator) -> None:
-        self.g = g
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return {"state": self.g.get_state()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.g.set_state(state["state"])
-
-
-class _NumpyGenerator:
-    def __init__(self, g: np.random.Generator) -> None:
-        self.g = g
-
-    def state_dict(self) -> dict[str, Any]:
-        return copy.deepcopy(self.g.bit_generator.state)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.g.bit_generator.state = copy.deepcopy(state)
-
-
-class _PythonRandom:
-    def __init__(self, g: random.Random) -> None:
-        self.g = g
-
-    def state_dict(self) -> dict[str, Any]:
-        version, internal, gauss = self.g.getstate()
-        return {"version": version, "state": list(internal), "gauss": gauss}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.g.setstate((state["version"], tuple(state["state"]), state["gauss"]))
 
 
 def _to_device(batch: object, device: torch.device) -> object:
@@ -231,6 +214,32 @@ class _Embedding(Task):
 
     def ground_truth(self) -> np.ndarray | None:
         return self.truth
+
+
+def _no_mark(*_: object) -> None:
+    """The forward hook of a copy of a set-up model (an EMA, an AveragedModel): nothing."""
+
+
+class _Mark:
+    """A forward hook on a set-up model: the step's own part (data, forward) ends with its last
+    forward, for the straggler watch. A copy or a pickle of the model gets :func:`_no_mark`, so
+    copying a model never copies the run."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __call__(self, *_: object) -> None:
+        self.run._busy_until, self.run._waited_until = time.perf_counter(), dist.waited_s()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Callable[..., None]:
+        return _no_mark
+
+    def __reduce__(self) -> tuple[Callable[..., None], tuple[()]]:
+        return _no_mark_factory, ()
+
+
+def _no_mark_factory() -> Callable[..., None]:
+    return _no_mark
 
 
 class Loader:
@@ -321,7 +330,9 @@ class Run:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         self.state = TrainState()
         self.window = LossWindow()
-        self.guard = FiniteGuard(device, cfg.train, self.committed_steps)
+        self.guard = FiniteGuard(
+            device, cfg.train, self.committed_steps, own_loop=bool(cfg.script.path)
+        )
         self.miner = Miner(
             cfg.mining,
             device,
@@ -367,7 +378,13 @@ class Run:
         self._step_mark = self._busy_until = 0.0
         self._waited_mark = self._waited_until = 0.0
         self._closed = False
+        # A stop agreed at an epoch's last step: saved there, before the loop's end-of-epoch work
+        # (the task trainer: its eval and mining resume in a fresh attempt), or at the epoch's end
+        # after it (a script: a resume never starts in an epoch whose steps are all done, where a
+        # loop that reads its last batch's variables after the loop would find none).
+        self.stop_before_epoch_end = False
         self._resumed = False
+        self._streams: list[str] = []  # the script's own random streams (rng.track)
         self.outcome: str | None = None
 
     # -- what the loop reads ------------------------------------------------------------------
@@ -473,25 +490,23 @@ class Run:
             wrapped = module
         for m in (model, module, wrapped):
             self._modules[id(m)] = module
-        module.register_forward_hook(self._forward_done)
+        module.register_forward_hook(_Mark(self))
         if not self._seeded:
             # Distinct per-rank streams from here on.
             seed_everything(rank_seed(cfg.run.seed, self.rank))
             self._seeded = True
         return wrapped if optimizer is None else (wrapped, optimizer)
 
-    def _forward_done(self, *_: object) -> None:
-        """After each forward of a set-up model: the step's own part ends with its last one."""
-        self._busy_until, self._waited_until = time.perf_counter(), dist.waited_s()
-
-    def module_of(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The module ``run.setup`` took (or returned) ``model`` for; UserError for another."""
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The plain module ``run.setup`` took (or returned) ``model`` for: what an embedding
+        for ``run.mine`` calls (a DDP wrapper's forward is collective, and ranks embed different
+        numbers of batches). UserError for a model not set up."""
         module = self._modules.get(id(model))
         if module is None:
             raise UserError(
-                f"run.restore(model=...): this {type(model).__name__} was not passed to "
-                "run.setup, so it is not on the run's device nor wrapped for the world; call "
-                "model, optimizer = run.setup(model, optimizer) first and pass what it returned"
+                f"this {type(model).__name__} was not passed to run.setup, so it is not on the "
+                "run's device nor wrapped for the world; call model, optimizer = "
+                "run.setup(model, optimizer) first and pass what it returned"
             )
         return module
 
@@ -635,8 +650,12 @@ class Run:
             raise UserError(
                 "run.restore(...) needs the model: run.restore(model=model, optimizer=optimizer)"
             )
-        module = self.module_of(model)
+        try:
+            module = self.unwrap(model)
+        except UserError as exc:
+            raise UserError(f"run.restore(model=...): {exc}") from None
         registered: dict[str, Stateful] = {}
+        streams: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {}
         for name, obj in (("optimizer", optimizer), *states.items()):
             if obj is None:
                 continue
@@ -647,8 +666,15 @@ class Run:
                 )
             if isinstance(obj, torch.nn.Module) and id(obj) in self._modules:
                 obj = self._modules[id(obj)]  # a second model set up: its plain state_dict
+            stream = _stream(obj)
+            if stream is not None:
+                streams[name] = stream
+                continue
             registered[name] = _stateful(name, obj)
         registered["train"] = self.state
+        for name, (get, put) in streams.items():
+            rng.track(name, get, put)
+        self._streams = list(streams)
         self._module = module
         self._optimizers = [o for o in registered.values() if isinstance(o, torch.optim.Optimizer)]
         self.checkpointer = Checkpointer(
@@ -665,6 +691,8 @@ class Run:
         )
         t0 = time.monotonic()
         resumed = self.checkpointer.restore()
+        if resumed:  # the state restored is a committed one
+            self._saved_at = (self.state.global_step, self.state.position)
         self.timeline.restored(self.state.global_step, time.monotonic() - t0)
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
@@ -817,15 +845,19 @@ class Run:
             self._log_interval()
             self.window.clear()
         reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
+        last = s.step_in_epoch == self.steps_per_epoch
+        if reason and last and not self.stop_before_epoch_end:
+            reason = ""  # the epoch's end stops: its flag stays set until then
         if not reason:
             self._save(checkpointer.STEP)
-            if s.step_in_epoch == self.steps_per_epoch:
+            if last:
                 # A round cut short is redone from here, the loop's eval included.
                 self._steps_done_rng = capture_rng()
-                # After the last step, the reduce in flight is read at once (blocking costs
-                # nothing here): a signal during the last step stops before the end-of-epoch
-                # work, not after it.
-                reason = self.stop.agree()
+                if self.stop_before_epoch_end:
+                    # After the last step, the reduce in flight is read at once (blocking costs
+                    # nothing here): a signal during the last step stops before the
+                    # end-of-epoch work, not after it.
+                    reason = self.stop.agree()
         if reason:
             self._stop(reason)
 
@@ -900,9 +932,10 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        rng.untrack(self._streams)
         self._profile.close()
+        self.timeline.ended(outcome, self.state.global_step, self._writer or NullWriter())
         if self._writer is not None:
-            self.timeline.ended(outcome, self.state.global_step, self._writer)
             self._writer.close(outcome)
         if self.checkpointer is not None:
             self.checkpointer.close()

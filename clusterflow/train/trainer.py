@@ -65,7 +65,7 @@ class Trainer:
         target = cfg.task.target
         # Distinct per-rank streams from here on (run.setup).
         self.model = run.setup(module, shard_units=lambda m: parallel.shard_units(task, m, target))
-        self.module = run.module_of(self.model)
+        self.module = run.unwrap(self.model)
         self.sharded = parallel.is_sharded(self.module)
         t, d = cfg.train, cfg.data
         self.opt = builders.build_optimizer(t, self.module, self.world)
@@ -94,6 +94,8 @@ class Trainer:
         self._labels: torch.Tensor | None = None
         if self.ema is not None:
             run.at_finish(self._write_ema)
+        # A stop at an epoch's last step saves before the eval and mining, which a resume redoes.
+        run.stop_before_epoch_end = True
 
     @property
     def phases(self) -> phases.Phases:

@@ -80,8 +80,9 @@ def main():
             scheduler.step()
             record(rank, epoch, index)
             run.step(loss=loss)
+        run.mine(lambda batch: run.unwrap(model)[:2](batch[0]))
         if rank == 0:
-            print(f"epoch {epoch} loss {loss.item():.4f}")
+            print(f"epoch {epoch} done")
 
     run.finish()
 

@@ -81,7 +81,7 @@ def main():
             scheduler.step()
             record(rank, epoch, index)
         if rank == 0:
-            print(f"epoch {epoch} loss {loss.item():.4f}")
+            print(f"epoch {epoch} done")
 
     if rank == 0:
         torch.save(model.module.state_dict(), "model.pt")
