@@ -383,3 +383,23 @@ def test_the_converted_script_trains_sharded_with_fsdp(tmp_path):
     )
     plain.load_state_dict(state)  # every key, every shape
     assert json.loads(run_cli("clusterflow.status", d, "--json").stdout)["global_step"] == 18
+
+
+@pytest.mark.parametrize(
+    "example, args",
+    [
+        ("ddp_classifier.py", ["--epochs", "1", "--width", "8"]),
+        (
+            "pretrain.py",
+            ["--epochs", "1", "--samples", "256", "--seq-len", "16", "--d-model", "16"]
+            + ["--layers", "1", "--global-batch", "64", "--warmup", "2"],
+        ),
+    ],
+)
+def test_the_examples_run_at_toy_size(tmp_path, example, args):
+    d = str(tmp_path / "run")
+    script = os.path.join(REPO, "examples", example)
+    out = run_cli("clusterflow.run", "--script", script, f"run.dir={d}", "--", *args)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "completed" and status["epoch"] == 1, status

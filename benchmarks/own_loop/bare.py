@@ -2,6 +2,7 @@
 synthetic data. converted.py is the same script converted to clusterflow."""
 
 import argparse
+import time
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ def main():
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
 
+    t0 = time.perf_counter()
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for xb, yb in loader:
@@ -45,6 +47,7 @@ def main():
             optimizer.step()
 
     if rank == 0:
+        print(f"loop_s={time.perf_counter() - t0:.3f}", flush=True)
         torch.save(model.module.state_dict(), "model.pt")
     dist.destroy_process_group()
 

@@ -2,6 +2,7 @@
 training; checkpoints, heartbeats, the watchdog, metrics and status on)."""
 
 import argparse
+import time
 
 import torch
 from torch.utils.data import TensorDataset
@@ -35,6 +36,7 @@ def main():
     loader = run.loader(dataset, batch_size=args.batch * run.world_size)
     run.restore(model=model, optimizer=optimizer)
 
+    t0 = time.perf_counter()
     for epoch in run.epochs(args.epochs):
         for xb, yb in loader:
             loss = torch.nn.functional.cross_entropy(model(xb), yb)
@@ -42,6 +44,8 @@ def main():
             loss.backward()
             optimizer.step()
             run.step(loss=loss)
+    if run.rank == 0:
+        print(f"loop_s={time.perf_counter() - t0:.3f}", flush=True)
 
     run.finish()
 

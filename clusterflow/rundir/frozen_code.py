@@ -302,7 +302,7 @@ def describe(paths: RunPaths, damaged: list[str] | None = None) -> dict[str, Any
     git = manifest.get("git") or {}
     return {
         "module": manifest["module"],
-        "script": manifest.get("script"),
+        **({"script": manifest["script"]} if manifest.get("script") else {}),
         "version": manifest["version"],
         "commit": git.get("commit"),
         "dirty": git.get("dirty"),

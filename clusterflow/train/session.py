@@ -623,8 +623,9 @@ class Run:
     def _step_missing(self) -> None:
         raise UserError(
             f"run.step() was not called after global step {self.state.global_step + 1}'s "
-            "batch of run.loader: call run.step(loss=...) once after each optimizer.step(), or "
-            "a resume cannot know which samples were trained"
+            "batch of run.loader: call run.step(loss=...) once after each optimizer.step() (a "
+            "step of several batches: run.loader(..., accumulate=N)), or a resume cannot know "
+            "which samples were trained"
         )
 
     # -- state --------------------------------------------------------------------------------
