@@ -164,6 +164,17 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
         return None
 
 
+def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:
+    """How many runs of Slurm job ``job_id`` the run's attempts know: its highest restart count
+    (SLURM_RESTART_COUNT) + 1, or 0 when none of them ran in it."""
+    counts = [
+        a["restart_count"]
+        for a in attempts
+        if str(a.get("job_id")) == job_id and isinstance(a.get("restart_count"), int)
+    ]
+    return max(counts) + 1 if counts else 0
+
+
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = (
         "epoch",
@@ -294,7 +305,14 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         first_error=first_error.read(paths, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
+        job_id=job_id,
+        slurm_runs=_runs_known(attempts, job_id),
+        resume=saved_config.how_to_resume(paths),
     )
+    asked = None
+    if verdict.needs_slurm(evidence):
+        asked = slurm_outcome.ask(job_id)
+        evidence = dataclasses.replace(evidence, slurm=asked)
     alive, note = None, None
     if verdict.needs_liveness(evidence):
         life = liveness.check(paths, last, queue)
@@ -339,7 +357,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
     out["goodput"] = _goodput(paths, decided.state)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, plain, last, queue, notes)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, plain, last, queue, notes, asked)  # ranks, Slurm's verdict
     return out
 
 

@@ -213,6 +213,8 @@ HEARTBEAT = Schema(
         "step_time_s": NUMBER,
         "busy_s": NUMBER,
         "heartbeat_s": NUMBER,
+        "paused_from": TIME,
+        "paused_to": TIME,
         **{k: INT for k in ("gpu_index",)},
         "gpu_name": TEXT,
         **{
