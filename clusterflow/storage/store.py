@@ -547,14 +547,22 @@ class CheckpointStore:
                 ckpt = self.verify(step)
             except ValueError as exc:
                 log.warning(
-                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    "skipping damaged checkpoint %s: %s; %s",
                     self.url_of(step),
                     exc,
+                    self.fallback(step, skip),
                 )
                 if damaged is not None:
                     damaged[step] = str(exc)
                 continue
             yield ckpt
+
+    def fallback(self, step: int, skip: set[int] | frozenset[int] = frozenset()) -> str:
+        """What a reader that skips ``step`` does next, for its warning: an older committed step
+        (not in ``skip``) to try, or none."""
+        if any(s < step and s not in skip for s in self.steps()):
+            return "falling back to the previous one"
+        return "no older checkpoint to fall back to"
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a
