@@ -219,7 +219,8 @@ def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
 
 
 def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
-    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them."""
+    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them;
+    the earlier ones summed up in one line (shown in full when there is only one)."""
     if not ledger or not ledger["epochs"]:
         return []
     epochs = ledger["epochs"]
@@ -228,12 +229,14 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     def trained(e: dict[str, Any]) -> int:
         return sum(r["end"] - r["start"] for r in e["ranges"])
 
+    if len(epochs) == shown + 1:
+        shown += 1
     earlier = epochs[:-shown]
     if earlier:
         full = sum(trained(e) == e["samples"] for e in earlier)
         lines.append(
-            f"samples      epochs 1-{len(earlier)}: {full} of {len(earlier)} trained in full "
-            "(--json lists every range)"
+            f"samples      epochs {earlier[0]['epoch'] + 1}-{earlier[-1]['epoch'] + 1}: "
+            f"{full} of {len(earlier)} trained in full (--json lists every range)"
         )
     for e in epochs[-shown:]:
         ranges = ", ".join(
