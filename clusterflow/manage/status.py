@@ -249,10 +249,12 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
-    Slurm's start and end times); None before any attempt recorded its time."""
+    Slurm's start and end times); None before any attempt recorded its time. The records it read
+    that are damaged (its timelines) join ``notes``."""
     book = goodput.ledger(paths, running=state == State.RUNNING)
+    notes += [d for d in book["damaged_records"] if d not in notes]
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -339,7 +341,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(paths, decided.state)
+    out["goodput"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, plain, last, queue, notes)  # ranks, Slurm's verdict
