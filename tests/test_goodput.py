@@ -242,18 +242,27 @@ def _killed_then_completed(d, restored=8):
 
 def test_a_copied_run_dir_gets_no_copy_time(tmp_path):
     """``cp -r`` gives every file the copy's time: a recorded end (``ended_at``) is trusted over
-    the rank logs' modification time, and a killed attempt's last log line is never later than
-    the next attempt's start."""
-    paths = _killed_then_completed(tmp_path / "run")
+    the rank logs' modification time, and a killed attempt's log time later than the next
+    attempt's start is the copy's: the attempt ends at its last record, as in the original."""
+    original = _killed_then_completed(tmp_path / "run")
+    _logged(original, 0, 125.0)  # killed 5 s after its last record
+    _logged(original, 1, 160.5)
+    copy = _killed_then_completed(tmp_path / "copy")
     for n in (0, 1):
-        _logged(paths, n, 5000.0)  # the copy, an hour and more later
-    first, second = goodput.ledger(paths, running=False, now=6000.0)["attempts"]
+        _logged(copy, n, 5000.0)  # the copy, an hour and more later
+    first, second = goodput.ledger(copy, running=False, now=6000.0)["attempts"]
     for row in (first, second):
         _sums_to_wall(row)
-    # Killed: its last 10 s after its last record and the eval, mining and save after its commit.
-    assert first["ended_at"] == 130.0 and first["seconds"]["lost"] == pytest.approx(10 + 3.5)
+    # Killed: the eval, mining and save after its commit are lost; no copy time.
+    assert first["ended_at"] == 120.0 and first["seconds"]["lost"] == pytest.approx(3.5)
+    assert first["sources"]["ended"] == "timeline"
     assert second["ended_at"] == 160.0 and second["seconds"]["shutdown"] == 0
-    assert second["wall_s"] == 30 and second["sources"]["ended"] == "timeline"
+    assert second["wall_s"] == 40 and second["sources"]["ended"] == "timeline"
+    # The original: the logs tell when the killed attempt's processes died (5 s lost more).
+    first, second = goodput.ledger(original, running=False, now=6000.0)["attempts"]
+    assert first["ended_at"] == 125.0 and first["seconds"]["lost"] == pytest.approx(5 + 3.5)
+    assert first["sources"]["ended"] == "rank logs (last line)"
+    assert second["ended_at"] == 160.0 and second["seconds"]["shutdown"] == 0
 
 
 def test_a_timeline_that_lags_its_own_last_commit_is_corrected_by_the_next_restore(tmp_path):

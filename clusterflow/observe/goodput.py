@@ -24,8 +24,8 @@ ever negative and the parts add up to the attempt's wall time exactly:
   after a stall the watchdog named, ``stalls``; a kill with no record, ``lost``.
 - end: Slurm's end, else the recorded end of the loop (``ended_at``: file times are not trusted
   where a record says it, since a copy of the run dir gives every file the copy's time), else
-  the last sign of life: the last record, the first error, or the rank logs' last write, which
-  is never later than the next attempt's start.
+  the last sign of life: the last record, the first error, or the rank logs' last write (not
+  taken when it is later than the next attempt's start: a copy's time).
 - An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
   its allocation to its end is ``other``: the records cannot split it.
 """
@@ -278,16 +278,16 @@ def _last_sign_of_life(
 ) -> tuple[float, str]:
     """The end of an attempt with no record of its end (killed, or dead in start-up): the latest
     of its last record, its first error and its rank logs' last write, and where it came from.
-    The logs' time is a file time, which a copy of the run dir resets: never later than the next
-    attempt's start."""
+    The logs' time is a file time, which a copy of the run dir resets: one later than the next
+    attempt's start is the copy's, not this attempt's, and is not taken."""
     signs = [(last, "timeline" if a.last_record else "attempts.jsonl")]
     first = first_error.read(src.paths, a.n)
     if first is not None and first.get("time"):
         signs.append((float(first["time"]), "first error"))
     logged = _last_log_line(src.paths, a.n)
     nxt = next((t for b in later if (t := b.start()) is not None), None)
-    if logged is not None:
-        signs.append((logged if nxt is None else min(logged, nxt), "rank logs (last line)"))
+    if logged is not None and (nxt is None or logged <= nxt):
+        signs.append((logged, "rank logs (last line)"))
     end, said = signs[0]
     for t, where in signs[1:]:
         if t > end:
