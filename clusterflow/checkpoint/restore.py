@@ -121,9 +121,10 @@ class Restorer:
                     undo()
                 why = problem or "another rank could not load it (see its log)"
                 log.warning(
-                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    "skipping damaged checkpoint %s: %s; %s",
                     head.path,
                     why,
+                    self.store.fallback(head.step, skipped),
                 )
                 # Set aside, like a bad digest, when the run gets there again.
                 self.store.refused[head.step] = why
@@ -230,9 +231,10 @@ class Restorer:
                         raise ValueError("train_state.pt has no RNG state for each of its ranks")
                 except ValueError as exc:
                     log.warning(
-                        "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                        "skipping damaged checkpoint %s: %s; %s",
                         ckpt.path,
                         exc,
+                        self.store.fallback(ckpt.step, skipped),
                     )
                     self.store.refused[ckpt.step] = str(exc)
                     skipped.add(ckpt.step)

@@ -230,7 +230,8 @@ def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
 
 
 def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
-    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them."""
+    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them;
+    the earlier ones summed up in one line (shown in full when there is only one)."""
     if not ledger or not ledger["epochs"]:
         return []
     epochs = ledger["epochs"]
@@ -239,12 +240,14 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     def trained(e: dict[str, Any]) -> int:
         return sum(r["end"] - r["start"] for r in e["ranges"])
 
+    if len(epochs) == shown + 1:
+        shown += 1
     earlier = epochs[:-shown]
     if earlier:
         full = sum(trained(e) == e["samples"] for e in earlier)
         lines.append(
-            f"samples      epochs 1-{len(earlier)}: {full} of {len(earlier)} trained in full "
-            "(--json lists every range)"
+            f"samples      epochs {earlier[0]['epoch'] + 1}-{earlier[-1]['epoch'] + 1}: "
+            f"{full} of {len(earlier)} trained in full (--json lists every range)"
         )
     for e in epochs[-shown:]:
         ranges = ", ".join(
@@ -257,10 +260,12 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
-    Slurm's start and end times); None before any attempt recorded its time."""
+    Slurm's start and end times); None before any attempt recorded its time. The records it read
+    that are damaged (its timelines) join ``notes``."""
     book = goodput.ledger(paths, running=state == State.RUNNING)
+    notes += [d for d in book["damaged_records"] if d not in notes]
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -354,7 +359,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(paths, decided.state)
+    out["goodput"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, plain, last, queue, notes, asked)  # ranks, Slurm's verdict

@@ -51,6 +51,7 @@ def _list_of(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 INT = Check("an integer", _is_int)
 NUMBER = Check("a finite number", _is_number)
+SECONDS = Check("a finite number of seconds >= 0", lambda v: _is_number(v) and v >= 0)
 # Seconds since 1970 that time.localtime can show (a year up to about 5000).
 TIME = Check("a time in seconds since 1970", lambda v: _is_number(v) and 0 <= v < 1e11)
 RANKS = Check("a rank count from 1 to 1000000", lambda v: _is_int(v) and 0 < v <= 1_000_000)
@@ -169,6 +170,7 @@ ATTEMPT = Schema(
     {
         "attempt": INT,
         "started_at": TIME,
+        "process_started_at": TIME,
         "job_id": JOB_ID,
         "source": TEXT,
         "host": TEXT,
