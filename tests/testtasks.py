@@ -492,6 +492,24 @@ class SeenShards(_Seen, ImageShardsTask):
         self._seen_setup(run_dir, kill)
 
 
+class LeakFiles(PseudoIDTask):
+    """At its second loss call, opens /dev/null until the process has no file descriptor left
+    (and keeps them): whatever opens a file next (a checkpoint, TensorBoard) fails with EMFILE."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == 2:
+            self.held = []
+            try:
+                while True:
+                    self.held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        return super().loss(model, batch, labels)
+
+
 class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
     """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
     SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""

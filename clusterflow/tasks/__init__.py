@@ -117,6 +117,19 @@ class OneOf:
         return f"one of {listed} ({self.what})" if self.what else f"one of {listed}"
 
 
+class DatasetError(UserError):
+    """Bad data met while reading an item (an image that does not decode, a damaged shard): one
+    line naming the file and the fix. Raised in a DataLoader worker, it reaches the main process
+    rebuilt from "Caught ... Original Traceback ...": only its own last line is kept, so the
+    job's error stays that one line."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
+
+
 class Stopped(Exception):
     """A stop was requested while the task was being built; nothing has trained yet."""
 
