@@ -156,6 +156,7 @@ LEDGER_EPOCH = Schema(
     {
         "epoch": INT,
         "samples": INT,
+        "digest": TEXT,
         "ranges": Check("a list of ranges", _list_of(_ledger_range)),
     },
     required=("epoch", "samples", "ranges"),

@@ -5,7 +5,10 @@ A task is named in config as ``task.target: "package.module:Class"`` and built a
 
 - ``build_model() -> nn.Module``
 - ``train_dataset() -> Dataset`` whose items are dicts holding at least ``"index"`` (the sample's
-  position in the dataset; labels and mining are keyed by it)
+  position in the dataset; labels and mining are keyed by it). It may offer ``data_digest() ->
+  str``, a hash of what names each sample in index order: with its length, the identity of the
+  data that a run's checkpoints record and a resume must match (the image tasks' file list and
+  shard index; without one the length alone is compared)
 - ``loss(model, batch, labels) -> (loss, metrics)``: ``labels`` holds the current pseudo-labels of
   the batch (a LongTensor, -1 = ignore) or None before the first mining round; ``metrics`` maps
   names to numbers averaged over the batch (logged after an all-reduce): 0-dim tensors, which stay

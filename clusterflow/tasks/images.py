@@ -25,6 +25,7 @@ is read by the shard index (docs/data.md).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -298,6 +299,13 @@ class ImageFiles(ImageItems):
     def __len__(self) -> int:
         return len(self.files)
 
+    def data_digest(self) -> str:
+        """What the run's checkpoints record of the data (``Task`` protocol): the file list in
+        index order, so images added, removed or renamed are other data."""
+        h = hashlib.sha256(f"{len(self.files)}:{self.files.dtype.itemsize}:".encode())
+        h.update(self.files.tobytes())
+        return h.hexdigest()
+
     def path(self, index: int) -> str:
         return os.path.join(self.root, os.fsdecode(self.files[index]))
 
@@ -326,6 +334,11 @@ class ShardImages(ImageItems):
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def data_digest(self) -> str:
+        """What the run's checkpoints record of the data (``Task`` protocol): the digest of the
+        shard index, so a folder packed again is other data."""
+        return self.index.digest
 
     def _name(self, index: int) -> str:
         shard = int(self.index.shard_of(np.array([index]))[0])
