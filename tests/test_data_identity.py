@@ -24,8 +24,6 @@ from PIL import Image
 from clusterflow.tasks import shard_format
 from clusterflow.tasks.shards import write_shards
 
-pytestmark = pytest.mark.slow
-
 CONFIG = (
     "run: {{seed: 3}}\n"
     "train: {{epochs: {epochs}, batch_size: 12, lr: 0.003, log_every_steps: 1, "
@@ -91,6 +89,7 @@ def _steps(run_dir):
     return sorted(os.listdir(os.path.join(run_dir, "checkpoints")))
 
 
+@pytest.mark.slow
 def test_a_shard_folder_packed_again_between_a_kill_and_its_resume_is_refused(
     tmp_path, monkeypatch
 ):
@@ -137,6 +136,7 @@ def test_a_shard_folder_packed_again_between_a_kill_and_its_resume_is_refused(
         )
 
 
+@pytest.mark.slow
 def test_new_data_at_an_epoch_boundary_is_taken_when_asked_without_the_old_labels(
     tmp_path, monkeypatch
 ):
@@ -197,6 +197,7 @@ def test_an_image_folder_that_gained_images_is_refused(tmp_path, monkeypatch):
     assert "75 samples (digest " in line, line
 
 
+@pytest.mark.slow
 def test_a_users_dataset_whose_length_changed_is_refused(tmp_path, monkeypatch):
     """A user's task whose dataset offers no digest: 103 identities x 2 samples, killed in
     mid-epoch; the file it reads now says 110: refused naming both lengths. Back at 103, the

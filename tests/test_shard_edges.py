@@ -113,7 +113,6 @@ def _open_shards():
     return found
 
 
-@pytest.mark.slow
 def test_more_shards_than_the_open_file_limit_train(tmp_path):
     """120 images in 120 shards of one, one rank under ``ulimit -n 96``: one descriptor a shard
     would run out (Too many open files); a bounded set trains the epoch."""
@@ -125,7 +124,6 @@ def test_more_shards_than_the_open_file_limit_train(tmp_path):
     assert "Too many open files" not in text
 
 
-@pytest.mark.slow
 def test_running_out_of_file_descriptors_is_named_wherever_it_happens(tmp_path):
     """A task that leaks descriptors until two are left: whatever clusterflow opens next fails
     with EMFILE, and the job says so in one line with the limit and the fix (not a traceback
@@ -200,7 +198,6 @@ def test_an_index_of_another_packing_is_named_not_blamed_on_an_image(tmp_path):
     assert "truncated" not in text and "cannot decode" not in text, text
 
 
-@pytest.mark.slow
 def test_a_swapped_shard_stops_a_run_in_one_line(tmp_path, same_layout):
     out, _ = same_layout
     shutil.copyfile(os.path.join(out, "shard-000000.tar"), os.path.join(out, "shard-000001.tar"))
@@ -267,7 +264,6 @@ def test_the_writers_src_errors_speak_of_src(tmp_path):
 # -- the sample ledger is a hint -------------------------------------------------------------------
 
 
-@pytest.mark.slow
 def test_a_sample_ledger_that_cannot_be_written_does_not_stop_training(tmp_path):
     run_dir = tmp_path / "run"
     os.makedirs(run_dir / "sample_ledger.json")
