@@ -494,6 +494,44 @@ class SeenShards(_Seen, ImageShardsTask):
         self._seen_setup(run_dir, kill)
 
 
+class SeenFolder(_Seen, ImageFolderTask):
+    """ImageFolderTask that records its batches (``_Seen``)."""
+
+    def __init__(self, seed=0, run_dir="", kill="", **params):
+        super().__init__(seed, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class SeenFromFile(_Seen, PseudoIDTask):
+    """A user's task whose data is whatever a file says now: ``identities`` is read from
+    ``data_file`` (so the dataset's length can change without a change of config); its dataset
+    offers no digest, only its length."""
+
+    def __init__(self, seed=0, run_dir="", kill="", data_file="", **params):
+        with open(data_file) as f:
+            identities = int(f.read())
+        super().__init__(seed, identities=identities, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class LeakFiles(PseudoIDTask):
+    """At its second loss call, opens /dev/null until the process has no file descriptor left
+    (and keeps them): whatever opens a file next (a checkpoint, TensorBoard) fails with EMFILE."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == 2:
+            self.held = []
+            try:
+                while True:
+                    self.held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        return super().loss(model, batch, labels)
+
+
 class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
     """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
     SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""

@@ -48,6 +48,7 @@ import torch
 from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
+from clusterflow.checkpoint.data_identity import DataIdentity
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
@@ -515,11 +516,12 @@ class Checkpointer:
             out["checkpoint/save_s"], self._last_write_s = self._last_write_s, None
         return out
 
-    def restore(self) -> bool:
-        """Collective, at the start of every attempt (``restore.Restorer``). Returns True when
-        resumed."""
+    def restore(self, data: DataIdentity | None = None) -> bool:
+        """Collective, at the start of every attempt (``restore.Restorer``): ``data`` is the
+        identity of the data this attempt trains on, which the checkpoint's must match
+        (``data_identity.py``). Returns True when resumed."""
         resumed = Restorer(
-            self.cfg, self.model, self.states, self.progress, self.store, self.sharded
+            self.cfg, self.model, self.states, self.progress, self.store, self.sharded, data
         ).restore()
         # keep_best: the metric as of the step resumed from (a newer step may have been skipped
         # as damaged, and its value belongs to steps this attempt trains again).

@@ -11,6 +11,7 @@ committed checkpoints are the truth."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -18,9 +19,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from clusterflow.errors import RunFailed
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import STATES, StopReason
 from clusterflow.storage import durable
+
+log = logging.getLogger("clusterflow.records")
 
 # JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
 # parser's recursion limit (RecursionError).
@@ -153,6 +157,7 @@ LEDGER_EPOCH = Schema(
     {
         "epoch": INT,
         "samples": INT,
+        "digest": TEXT,
         "ranges": Check("a list of ranges", _list_of(_ledger_range)),
     },
     required=("epoch", "samples", "ranges"),
@@ -418,8 +423,19 @@ def excluded_nodes(paths: RunPaths) -> list[str]:
 
 def write_ledger(paths: RunPaths, record: dict[str, Any]) -> None:
     """RUN_DIR/sample_ledger.json: the sample ledger of the committed checkpoint the run continues
-    from (rank 0, after each commit and at each start)."""
-    durable.write_atomic(paths.sample_ledger, json.dumps(record, separators=(",", ":")))
+    from (rank 0, after each commit and at each start). A hint: every checkpoint holds its
+    ledger, so a file that cannot be written (a folder in its place, no permission, a full disk)
+    is a warning, and training goes on."""
+    try:
+        durable.write_atomic(paths.sample_ledger, json.dumps(record, separators=(",", ":")))
+    except (OSError, RunFailed) as exc:
+        log.warning(
+            "%s cannot be written (%s); training goes on: the sample ledger is kept in each "
+            "checkpoint (its manifest's samples), and status shows it once the file can be "
+            "written again (move away what is in its place)",
+            paths.sample_ledger,
+            " ".join(str(exc).split()),
+        )
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:
