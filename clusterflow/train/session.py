@@ -51,6 +51,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
+from clusterflow.checkpoint.data_identity import identify
 from clusterflow.checkpoint.rng import (
     RngState,
     capture_rng,
@@ -258,6 +259,8 @@ class Loader:
         self.run, self.dataset, self.batch_size = run, dataset, batch_size
         self.accumulate, self.set_epoch, self.kwargs = accumulate, set_epoch, kwargs
         self.n = len(dataset)  # type: ignore[arg-type]
+        # What a checkpoint records of the data, and a resume compares with it.
+        self.data = identify(dataset)  # type: ignore[arg-type]
         self.sampler = GlobalBatchSampler(
             self.n,
             batch_size,
@@ -691,7 +694,7 @@ class Run:
             after_commit=self.timeline.committed,
         )
         t0 = time.monotonic()
-        resumed = self.checkpointer.restore()
+        resumed = self.checkpointer.restore(self._loader.data if self._loader is not None else None)
         if resumed:  # the state restored is a committed one
             self._saved_at = (self.state.global_step, self.state.position)
         self.timeline.restored(self.state.global_step, time.monotonic() - t0)
@@ -830,7 +833,13 @@ class Run:
         s = self.state
         s.step_done(size)
         s.ledger.record(
-            s.epoch, loader.n, start, start + size, self.attempt, self.world_size, loader.batch_size
+            s.epoch,
+            loader.data,
+            start,
+            start + size,
+            self.attempt,
+            self.world_size,
+            loader.batch_size,
         )
         self._profile.end(s.global_step)
         # Python numbers: the heartbeat reads nothing from the device.
