@@ -94,7 +94,9 @@ def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(c
     assert (r["cause"], r["rank"], r["host"]) == ("crash", 1, host), r
     assert killed_at - 1 < r["fault_at"] <= r["restart_at"] < r["first_step_at"], r
     logs = rank0_logs(d)
-    saved = [int(x) for x in re.findall(r"saving at global step (\d+) and stopping", logs)]
+    # In mid-epoch ("saving at global step N and stopping") or, for a signal at an epoch's last
+    # step, after that epoch's end ("saved at global step N (the end of epoch E)").
+    saved = [int(x) for x in re.findall(r"sav(?:ing|ed) at global step (\d+)", logs)]
     resumed = [int(x) for x in re.findall(r"resumed from \S+/step-(\d+):", logs)]
     assert len(saved) == 1 and resumed[0] == saved[0] >= 3, (saved, resumed)
     assert len(resumed) == 2 and resumed[1] >= saved[0], resumed  # the restart

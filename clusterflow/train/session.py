@@ -804,6 +804,12 @@ class Run:
         self._forget_mined_rounds()
         reason = self.stop.agree()
         if reason:
+            log.warning(
+                "%s: saved at global step %d (the end of epoch %d) and stopping",
+                WHY.get(reason, reason),
+                self.state.global_step,
+                self.state.epoch,
+            )
             self._end_stopped(reason)
 
     def step(
@@ -1009,6 +1015,13 @@ class Run:
             if self._steps_done_rng is not None:
                 restore_rng(self._steps_done_rng)
             self._save(checkpointer.STOP)
+            log.warning(
+                "%s: saved at global step %d (in the mining round after epoch %d, which the "
+                "next attempt continues) and stopping",
+                WHY.get(reason, reason),
+                self.state.global_step,
+                finished,
+            )
             self._end_stopped(reason)
         self.state.labels = result.labels
         self.state.mining_history.append(result.stats)
