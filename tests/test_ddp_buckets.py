@@ -43,15 +43,15 @@ def _layouts():
     import torch
 
     from clusterflow.config.sections import DistConfig
-    from clusterflow.train.builders import _ddp
+    from clusterflow.train.parallel import wrap_ddp
 
     out = {}
     for fixed in (True, False):
         cfg = DistConfig(fixed_buckets=fixed, bucket_cap_mb=1)
-        uninterrupted = _ddp(_model(), torch.device("cpu"), cfg)
+        uninterrupted = wrap_ddp(_model(), torch.device("cpu"), cfg)
         _grads(uninterrupted, 0)  # the step before the one a resumed attempt starts at
         want = _grads(uninterrupted, 1)
-        resumed = _ddp(_model(), torch.device("cpu"), cfg)
+        resumed = wrap_ddp(_model(), torch.device("cpu"), cfg)
         got = _grads(resumed, 1)
         out[fixed] = {
             "finds_unused": uninterrupted.find_unused_parameters,

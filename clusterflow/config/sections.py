@@ -1085,6 +1085,41 @@ class TaskConfig:
 
 
 @dataclass
+class ScriptConfig:
+    """A training script of the user's own that calls the library API (``clusterflow.start()``,
+    docs/own-loop.md) instead of a task: what ``submit --script`` runs."""
+
+    path: str = doc(
+        "",
+        "The script that trains (python PATH), as given to submit --script, run --script or "
+        "python/torchrun by hand; empty for a task.target run.",
+        kind=RESULT,
+        why="the program that trains",
+    )
+    args: list[str] = doc(
+        factory=list,
+        help="The script's own command-line arguments, passed to it untouched (the words after "
+        "-- on the submit command line).",
+        kind=RESULT,
+        why="a script's arguments choose its model, data and optimisation",
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            not self.path or self.path.endswith(".py"),
+            "script.path",
+            self.path,
+            "must be a Python file (train.py); a module or a task is task.target's",
+        )
+        _check(
+            not self.args or bool(self.path),
+            "script.args",
+            self.args,
+            "are the arguments of a script: give its path too (submit --script train.py -- ARGS)",
+        )
+
+
+@dataclass
 class DataConfig:
     """Data loading."""
 
@@ -1116,6 +1151,15 @@ class DataConfig:
         "Batches each worker prepares ahead (with num_workers > 0).",
         kind=RESOURCE,
         why="how far ahead workers fetch; not what they fetch",
+    )
+    allow_change: bool = doc(
+        False,
+        "Let this launch resume a run whose data changed since its checkpoint (another number "
+        "of samples, or another digest: a shard folder packed again, an image folder with other "
+        "files); refused otherwise. Taken only at an epoch boundary: the run trains its next "
+        "epoch on the new data, without the pseudo-labels mined on the old (docs/data.md).",
+        kind=RESOURCE,
+        why="whether a resume may take other data; by itself it changes nothing",
     )
 
     def __post_init__(self) -> None:
@@ -1231,4 +1275,5 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "trackers": TrackersConfig,
     "observe": ObserveConfig,
+    "script": ScriptConfig,
 }

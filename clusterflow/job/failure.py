@@ -3,11 +3,15 @@ it helps (the user's own task code).
 
 | raised                                            | exit | printed and recorded                 |
 |---------------------------------------------------|------|--------------------------------------|
+| the process out of file descriptors (EMFILE,      | 1    | one line: the limit, how many are    |
+| wherever it happens: a checkpoint, TensorBoard,   |      | held, the fix, and where it happened |
+| a DataLoader worker)                              |      |                                      |
 | ``UserError``: bad input (config, task.target     | 2    | one line                             |
 | that does not exist, task.params, batch size)     |      |                                      |
 | ``RunFailed``: a full disk, a diverged loss       | 1    | one line                             |
 | anything raised in the task's module (importing   | 1    | one line naming task.target and      |
 | it, ``__init__``, ``build_model``, ``loss``, ...) |      | where, then the task's traceback     |
+| or in a script of the user's own (``--script``)   |      | (the script's: naming the script)    |
 | anything else (a clusterflow defect)              | 1    | the traceback, as Python prints it   |
 
 ``submit --local`` and ``run`` give the same exit status for the same failure: the job records it
@@ -16,7 +20,9 @@ in ``status.json`` (``exit_code``) and ``submit`` exits with it.
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import sys
 import traceback
 from dataclasses import dataclass
@@ -40,10 +46,13 @@ def _task_file(target: str) -> str | None:
     return os.path.realpath(path) if path else None
 
 
-def task_frame(exc: BaseException, target: str) -> traceback.FrameSummary | None:
+def task_frame(
+    exc: BaseException, target: str, script: str | None = None
+) -> traceback.FrameSummary | None:
     """The outermost frame of ``exc``'s traceback in the task's module (the Task method clusterflow
-    called: ``build_model``, ``loss``, ...), or None."""
-    path = _task_file(target)
+    called: ``build_model``, ``loss``, ...), or in ``script`` (a script of the user's own), or
+    None."""
+    path = os.path.realpath(script) if script else _task_file(target)
     if path is None:
         return None
     frames = [
@@ -57,8 +66,50 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def describe(exc: BaseException, target: str) -> Failure:
-    """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``)."""
+def _out_of_descriptors(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain that says the process has no file descriptor left: an
+    OSError with errno EMFILE, or one whose message names it (a DataLoader worker's error is
+    rebuilt in the main process from its text, without the errno; a failed checkpoint write
+    keeps its cause's text)."""
+    named = f"[Errno {errno.EMFILE}]"
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        seen.add(id(here))
+        if (isinstance(here, OSError) and here.errno == errno.EMFILE) or named in str(here):
+            return here
+        here = here.__cause__ or here.__context__
+    return None
+
+
+def _descriptors_sentence(exc: BaseException) -> str:
+    """One line for a process out of file descriptors: what it holds, its limit, the fix, and
+    the error where it ran out (which blames whatever file it was opening then)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = f"{len(os.listdir('/proc/self/fd'))} open files"
+    except OSError:  # no descriptor left to list them with, or no /proc
+        held = "all it may"
+    lines = str(exc).strip().splitlines()
+    where = " ".join(lines[-1].split()) if lines else ""
+    if not where.startswith(f"{type(exc).__name__}:"):  # a worker's rebuilt error names it
+        where = f"{type(exc).__name__}: {where}"
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    return (
+        f"too many open files (EMFILE): the process holds {held}, its limit (ulimit -n) is "
+        f"{soft}, the hard limit {hard_text}; raise it where the job starts (ulimit -n in the "
+        "batch script or the shell, up to the hard limit), or have fewer files open at once "
+        "(fewer data.num_workers; a task's own open files); it ran out at: "
+        f"{where}"
+    )
+
+
+def describe(exc: BaseException, target: str, script: str | None = None) -> Failure:
+    """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``) or,
+    with ``script``, that script (the file it runs from)."""
+    emfile = _out_of_descriptors(exc)
+    if emfile is not None:
+        return Failure(_descriptors_sentence(emfile), "", EXIT_JOB_FAILED, True)
     if isinstance(exc, UserError):
         return Failure(str(exc), "", EXIT_BAD_INPUT, True)
     if isinstance(exc, RunFailed):
@@ -67,11 +118,12 @@ def describe(exc: BaseException, target: str) -> Failure:
         return Failure(
             str(exc), "".join(traceback.format_exception(exc.__cause__)), EXIT_JOB_FAILED, True
         )
-    frame = task_frame(exc, target) if isinstance(exc, Exception) else None
+    frame = task_frame(exc, target, script) if isinstance(exc, Exception) else None
     if frame is not None:
         where = f"{frame.name} ({frame.filename}:{frame.lineno})"
+        what = f"script {os.path.basename(script)!r}" if script else f"task.target {target!r}"
         return Failure(
-            f"task.target {target!r} failed in {where}: {_one_line(exc)}",
+            f"{what} failed in {where}: {_one_line(exc)}",
             "".join(traceback.format_exception(exc)),
             EXIT_JOB_FAILED,
             True,

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import time
 from typing import Any
 
@@ -58,11 +59,14 @@ def _checkpoints(root: str) -> tuple[list[str], list[str], dict[str, Any]]:
 
 
 def _last_step_of_run(manifest: dict[str, Any]) -> bool:
-    """Whether a committed checkpoint is the run's last one: every epoch of its config trained
-    (train.epochs may not change on a resume, so its own config says how many)."""
+    """Whether a committed checkpoint is the run's last one: every epoch of the run trained (its
+    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
+    config's train.epochs, which may not change on a resume)."""
     config = manifest.get("config")
     train = config.get("train") if isinstance(config, dict) else None
-    epochs = train.get("epochs") if isinstance(train, dict) else None
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        epochs = train.get("epochs") if isinstance(train, dict) else None
     epoch = manifest.get("epoch")
     return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
 
@@ -108,6 +112,16 @@ def _checkpoint_root(paths: rundir.RunPaths, data: dict[str, Any], problem: str)
             paths.root, ""
         ), f"config.yaml is damaged ({why}); the next launch sets it aside"
     return join_checkpoints(paths.root, configured or ""), ""
+
+
+def _script(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The script of the user's own the run trains with (config.yaml's script section, ``data``
+    read as plain YAML), or None for a task's run."""
+    section = data.get("script") if isinstance(data.get("script"), dict) else {}
+    path, args = section.get("path"), section.get("args")
+    if not isinstance(path, str) or not path:
+        return None
+    return {"path": path, "args": [str(a) for a in args] if isinstance(args, list) else []}
 
 
 def _trackers(paths: rundir.RunPaths, data: dict[str, Any]) -> dict[str, int | None]:
@@ -162,6 +176,17 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
             return slurm_outcome.first_task_failure(slurm_steps.last_step(f.read()))
     except OSError:
         return None
+
+
+def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:
+    """How many runs of Slurm job ``job_id`` the run's attempts know: its highest restart count
+    (SLURM_RESTART_COUNT) + 1, or 0 when none of them ran in it."""
+    counts = [
+        a["restart_count"]
+        for a in attempts
+        if str(a.get("job_id")) == job_id and isinstance(a.get("restart_count"), int)
+    ]
+    return max(counts) + 1 if counts else 0
 
 
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -219,7 +244,8 @@ def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
 
 
 def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
-    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them."""
+    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them;
+    the earlier ones summed up in one line (shown in full when there is only one)."""
     if not ledger or not ledger["epochs"]:
         return []
     epochs = ledger["epochs"]
@@ -228,12 +254,14 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     def trained(e: dict[str, Any]) -> int:
         return sum(r["end"] - r["start"] for r in e["ranges"])
 
+    if len(epochs) == shown + 1:
+        shown += 1
     earlier = epochs[:-shown]
     if earlier:
         full = sum(trained(e) == e["samples"] for e in earlier)
         lines.append(
-            f"samples      epochs 1-{len(earlier)}: {full} of {len(earlier)} trained in full "
-            "(--json lists every range)"
+            f"samples      epochs {earlier[0]['epoch'] + 1}-{earlier[-1]['epoch'] + 1}: "
+            f"{full} of {len(earlier)} trained in full (--json lists every range)"
         )
     for e in epochs[-shown:]:
         ranges = ", ".join(
@@ -246,10 +274,12 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
-    Slurm's start and end times); None before any attempt recorded its time."""
+    Slurm's start and end times); None before any attempt recorded its time. The records it read
+    that are damaged (its timelines) join ``notes``."""
     book = goodput.ledger(paths, running=state == State.RUNNING)
+    notes += [d for d in book["damaged_records"] if d not in notes]
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -294,7 +324,14 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         first_error=first_error.read(paths, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
+        job_id=job_id,
+        slurm_runs=_runs_known(attempts, job_id),
+        resume=saved_config.how_to_resume(paths),
     )
+    asked = None
+    if verdict.needs_slurm(evidence):
+        asked = slurm_outcome.ask(job_id)
+        evidence = dataclasses.replace(evidence, slurm=asked)
     alive, note = None, None
     if verdict.needs_liveness(evidence):
         life = liveness.check(paths, last, queue)
@@ -334,12 +371,13 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         "error": decided.error,
         "logs": paths.logs,
         "code": frozen_code.describe(paths, notes),
+        "script": _script(plain),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(paths, decided.state)
+    out["goodput"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, plain, last, queue, notes)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, plain, last, queue, notes, asked)  # ranks, Slurm's verdict
     return out
 
 
@@ -370,6 +408,8 @@ def render(s: dict[str, Any]) -> str:
         ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
+    if s.get("script"):
+        lines.append(f"script       {shlex.join([s['script']['path'], *s['script']['args']])}")
     if s["excluded_nodes"]:
         lines.append(
             f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "

@@ -1,6 +1,7 @@
-"""The pieces a trainer is built from: model (DDP-wrapped or sharded), optimizer, schedule,
-precision, and ``task.init_from`` weights. Each builder is small; ``Trainer.__init__`` calls them
-in an order that keeps every random draw where it was (same seed, same weights).
+"""The pieces a trainer is built from: model, optimizer, schedule, precision, and
+``task.init_from`` weights (``Run.setup`` places and wraps the model). Each builder is small;
+``Trainer.__init__`` calls them in an order that keeps every random draw where it was (same seed,
+same weights).
 """
 
 from __future__ import annotations
@@ -14,16 +15,14 @@ from typing import Any
 import fsspec
 import torch
 from safetensors.torch import load as safetensors_load
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.checkpoint import export
 from clusterflow.config.job_config import Config
-from clusterflow.config.sections import DistConfig, TrainConfig
+from clusterflow.config.sections import TrainConfig
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import MANIFEST
 from clusterflow.tasks import Task
-from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -38,81 +37,16 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
 
 
-def build_model(
-    cfg: Config, task: Task, device: torch.device, world: int
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the module, what the loop calls: the module or its DDP wrapper; under
-    ``train.parallel=fsdp`` both are the sharded module, at every world size). Seed before calling
-    it."""
+def build_model(cfg: Config, task: Task, device: torch.device) -> torch.nn.Module:
+    """The task's model with ``task.init_from``'s weights, unwrapped and where the task built it
+    (``Run.setup`` places and wraps it). Seed before calling it."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     model = task.build_model()
     if cfg.task.init_from:
         init_weights(model, cfg.task.init_from)
-    if cfg.dist.sync_batchnorm and world > 1:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    module = model.to(device)
-    if cfg.train.parallel == "fsdp":
-        units = parallel.shard_units(task, module, cfg.task.target)
-        module = parallel.wrap_fsdp(module, units, device, world, amp_dtype(cfg.train.amp, device))
-        return module, module
-    if world == 1:
-        return module, module
-    return module, _ddp(module, device, cfg.dist)
-
-
-def _ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
-    """DDP over ``module``, as the dist section ``d`` says. DDP reduces an attempt's first step in
-    one bucket and then rebuilds its buckets in the order gradients became ready; the layout
-    decides in which order ranks' gradients are summed (with 3+ ranks), so a resumed attempt's
-    first step would sum differently from the uninterrupted run's same step.
-    ``dist.fixed_buckets`` builds the final layout before the first step instead
-    (``_fix_buckets``): every step of every attempt then uses the same one, at no cost per step.
-    DDP never rebuilds when it looks for unused parameters (``dist.find_unused_parameters``): its
-    first layout stays."""
-    ddp = DDP(
-        module,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=d.find_unused_parameters,
-        bucket_cap_mb=d.bucket_cap_mb,
-    )
-    if d.fixed_buckets and not d.find_unused_parameters:
-        _fix_buckets(ddp)
-    return ddp
-
-
-def _fix_buckets(ddp: DDP) -> None:
-    """Rebuild ``ddp``'s buckets now (collective), as its first backward would: DDP's reducer
-    records the order in which parameters' gradients arrive during a backward and rebuilds its
-    buckets in that order, once. Here the backward is of a sum of zeros over the parameters, so
-    they arrive in reverse order of definition (the order a plain network's backward produces,
-    what DDP itself assumes before it has seen one), on every rank and in every attempt. Nothing
-    else changes: no forward, no data, no random draw; the zero gradients it all-reduces are
-    dropped and the weights are untouched."""
-    params = [p for p in ddp.module.parameters() if p.requires_grad]
-    if not params:
-        return
-    # Weights whose gradient DDP expects sparse (as DDP tells them): a sparse lookup's zero.
-    sparse = {
-        id(m.weight)
-        for m in ddp.module.modules()
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
-    }
-    total = None
-    for p in params:  # the last term's gradient is computed first
-        if id(p) in sparse:
-            first = torch.zeros(1, dtype=torch.long, device=p.device)
-            term = torch.nn.functional.embedding(first, p, sparse=True).sum() * 0
-        else:
-            term = p.sum() * 0
-        total = term if total is None else total + term
-    ddp.reducer.prepare_for_forward()
-    ddp.reducer.prepare_for_backward([total])
-    total.backward()
-    for p in params:
-        p.grad = None
-    ddp.reducer._rebuild_buckets()
+    return model
 
 
 def build_optimizer(t: TrainConfig, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:

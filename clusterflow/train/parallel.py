@@ -17,7 +17,7 @@ full state dict of the final ``model.pt`` (:func:`full_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
@@ -27,11 +27,90 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from clusterflow.config.sections import DistConfig
 from clusterflow.distributed import comm as dist
 from clusterflow.errors import UserError
 from clusterflow.tasks import Task, check_can_shard
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
+
+
+def wrap_ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
+    """DDP over ``module``, as the dist section ``d`` says. DDP reduces an attempt's first step in
+    one bucket and then rebuilds its buckets in the order gradients became ready; the layout
+    decides in which order ranks' gradients are summed (with 3+ ranks), so a resumed attempt's
+    first step would sum differently from the uninterrupted run's same step.
+    ``dist.fixed_buckets`` builds the final layout before the first step instead
+    (:func:`_fix_buckets`): every step of every attempt then uses the same one, at no cost per
+    step. DDP never rebuilds when it looks for unused parameters (``dist.find_unused_parameters``):
+    its first layout stays."""
+    ddp = DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=d.find_unused_parameters,
+        bucket_cap_mb=d.bucket_cap_mb,
+    )
+    if d.fixed_buckets and not d.find_unused_parameters:
+        _fix_buckets(ddp)
+    return ddp
+
+
+def _fix_buckets(ddp: DDP) -> None:
+    """Rebuild ``ddp``'s buckets now (collective), as its first backward would: DDP's reducer
+    records the order in which parameters' gradients arrive during a backward and rebuilds its
+    buckets in that order, once. Here the backward is of a sum of zeros over the parameters, so
+    they arrive in reverse order of definition (the order a plain network's backward produces,
+    what DDP itself assumes before it has seen one), on every rank and in every attempt. Nothing
+    else changes: no forward, no data, no random draw; the zero gradients it all-reduces are
+    dropped, any gradient a parameter held is put back, and the weights are untouched."""
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not params:
+        return
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    # Weights whose gradient DDP expects sparse (as DDP tells them): a sparse lookup's zero.
+    sparse = {
+        id(m.weight)
+        for m in ddp.module.modules()
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse
+    }
+    total = None
+    for p in params:  # the last term's gradient is computed first
+        if id(p) in sparse:
+            first = torch.zeros(1, dtype=torch.long, device=p.device)
+            term = torch.nn.functional.embedding(first, p, sparse=True).sum() * 0
+        else:
+            term = p.sum() * 0
+        total = term if total is None else total + term
+    ddp.reducer.prepare_for_forward()
+    ddp.reducer.prepare_for_backward([total])
+    total.backward()
+    for p, g in zip(params, held):
+        p.grad = g
+    ddp.reducer._rebuild_buckets()
+
+
+def is_wrapped(model: torch.nn.Module) -> bool:
+    """A DDP wrapper or a sharded module: a model set up already."""
+    return isinstance(model, (DDP, FSDPModule))
+
+
+def rebind(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: torch.nn.Module
+) -> None:
+    """After ``fully_shard`` replaced ``module``'s parameters with sharded ones: the optimizer's
+    parameter groups hold the new parameters (``names``: each old parameter's id -> its name).
+    Only an optimizer that has not stepped can follow: its state would be for the old ones."""
+    if optimizer.state:
+        raise UserError(
+            "run.setup(model, optimizer): the optimizer has stepped already, and its state "
+            "cannot follow the parameters into their shards (train.parallel=fsdp); set the "
+            "model up before the first optimizer step"
+        )
+    now = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [now.get(names.get(id(p), ""), p) for p in group["params"]]
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:
