@@ -55,6 +55,7 @@ for _p in (REPO, BENCH):
         sys.path.insert(0, _p)
 
 import embed as bench_embed
+import knn as bench_knn
 import numpy as np
 import sharded as bench_sharded
 import torch
@@ -408,12 +409,13 @@ def bf16_resume_demo(quick: bool) -> dict[str, Any]:
 
 def knn_exact(quick: bool) -> dict[str, Any]:
     n, d, k = (1_200_000, 512, 30) if GPU else ((4000, 64, 30) if quick else (20000, 128, 30))
-    x = _blobs(n, d)
+    device = "cuda" if GPU else "cpu"
+    x = bench_knn.blobs(n, d, device)
     ours_s, (_, ids) = timed(knn.search, x, knn.KnnParams(k=k))
     engine, why = knn.choose_engine("auto")
-    bare_s, bare_ids = timed(_bare_knn, x, k)
+    bare_s, bare_ids = timed(bench_knn.bare_knn, x, k, device)
     # The same neighbour sets (ties may be ordered differently at the cut).
-    same = float(np.mean([set(a) == set(b) for a, b in zip(ids.tolist(), bare_ids.tolist())]))
+    same = bench_knn.same_sets(ids, bare_ids)
     values = {
         "n": n,
         "d": d,
@@ -429,34 +431,6 @@ def knn_exact(quick: bool) -> dict[str, Any]:
         f"({bare_s / ours_s:.2f}x), same neighbours for {100 * same:.2f}% of rows"
     )
     return result(values, summary, ours_s < 10 if GPU else None, GPU)
-
-
-def _blobs(n: int, d: int) -> np.ndarray:
-    """``n`` L2-normalised rows around ``n // 50`` centres (float32), made on the GPU if any."""
-    device = "cuda" if GPU else "cpu"
-    g = torch.Generator(device=device).manual_seed(0)
-    centres = torch.randn(max(2, n // 50), d, generator=g, device=device)
-    out = torch.empty(n, d, dtype=torch.float32)
-    for lo in range(0, n, 1 << 18):
-        hi = min(n, lo + (1 << 18))
-        pick = torch.randint(0, len(centres), (hi - lo,), generator=g, device=device)
-        rows = centres[pick] + 0.8 * torch.randn(hi - lo, d, generator=g, device=device)
-        out[lo:hi] = torch.nn.functional.normalize(rows, dim=1).cpu()
-    return out.numpy()
-
-
-def _bare_knn(x: np.ndarray, k: int) -> np.ndarray:
-    """What a researcher writes: fp32 matmul against every row and topk, a query block at a
-    time, self dropped; the ids (N, k)."""
-    device = "cuda" if GPU else "cpu"
-    db = torch.from_numpy(x).to(device)
-    block = max(1, (1 << 31) // (4 * len(db)))  # ~2 GB of scores per block
-    out = []
-    for lo in range(0, len(db), block):
-        scores = db[lo : lo + block] @ db.T
-        scores[torch.arange(len(scores)), torch.arange(lo, lo + len(scores))] = -float("inf")
-        out.append(scores.topk(k, dim=1).indices.cpu())
-    return torch.cat(out).numpy()
 
 
 def loop_throughput(quick: bool) -> dict[str, Any]:

@@ -36,7 +36,7 @@ import torch
 from clusterflow.distributed import comm as dist
 from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
 from clusterflow.mining.knn.faiss_engine import build_faiss_index
-from clusterflow.mining.knn.torch_engine import _sizes, _topk_block
+from clusterflow.mining.knn.torch_engine import ExactRows, _sizes, scoring_dtype
 
 if TYPE_CHECKING:
     import faiss  # optional (the cpu or gpu extra): imported where an index is built
@@ -58,17 +58,21 @@ class _Shard:
         device: torch.device | str,
     ) -> None:
         self.x, self.lo, self.params, self.engine = x, lo, params, engine
-        self.kk, self.cand, self.db_chunk, _ = _sizes(n, params.k, params.query_batch, 65536)
         self.device = torch.device(device)
-        # torch: the (fp32, candidate-dtype) rows; faiss: the index (built on the first query).
-        self.index: tuple[torch.Tensor, torch.Tensor] | faiss.Index | None = None
+        self.kk, self.db_chunk, _ = _sizes(n, params.k, params.query_batch, 65536, self.device)
+        # torch: the rows, searched exactly; faiss: the index (built on the first query).
+        self.index: ExactRows | faiss.Index | None = None
         self.built = 0.0
 
     def _build(self) -> None:
         t0 = time.perf_counter()
         if self.engine == "torch":
-            db32 = torch.from_numpy(np.ascontiguousarray(self.x)).to(self.device)
-            self.index = (db32, db32.to(torch.bfloat16) if self.device.type == "cuda" else db32)
+            self.index = ExactRows(
+                torch.from_numpy(np.ascontiguousarray(self.x)).to(self.device),
+                scoring_dtype(self.device),
+                self.lo,
+                self.db_chunk,
+            )
         else:
             self.index = build_faiss_index(self.x, self.params)
         self.built = time.perf_counter() - t0
@@ -81,11 +85,8 @@ class _Shard:
         if self.index is None:
             self._build()
         if self.engine == "torch":
-            db32, db_c = self.index
             q32 = torch.from_numpy(np.ascontiguousarray(q)).to(self.device)
-            ps, pi = _topk_block(
-                q32, q32.to(db_c.dtype), db32, db_c, self.cand, self.kk, self.db_chunk, self.lo
-            )
+            ps, pi = self.index.top(q32, self.kk)
             ps, pi = ps.cpu().numpy(), pi.cpu().numpy()
         else:
             ps, pi = self.index.search(np.ascontiguousarray(q), min(self.kk, len(self.x)))
