@@ -5,7 +5,8 @@
     python benchmarks/trainer.py --nproc 8 --amp bf16    # a GPU node: one rank per GPU (NCCL)
 
 Both sides run under torchrun with the same number of ranks on configs/demo.yaml's task (the
-pseudo-ID demo, ``--identities`` identities x 20 samples, global batch 128): clusterflow as
+pseudo-ID demo, ``--identities`` identities x 20 samples, global batch 128, or the multiple of
+the world size below it: 126 on 3 ranks): clusterflow as
 ``python -m clusterflow.run`` with mining and eval off, and the bare loop below (plain
 DistributedDataParallel + DistributedSampler + DataLoader + AdamW around ``PseudoIDTask.loss``,
 nothing else: no logging, no checkpoints, no stop agreement). Each runs 1 + E epochs and rank 0
@@ -180,6 +181,7 @@ def clusterflow_run(
         f"run.dir={run_dir}",
         f"task.params.identities={a.identities}",
         f"train.epochs={epochs}",
+        f"train.batch_size={global_batch(a.nproc)}",
         "mining.enabled=false",
         "train.eval_every_epochs=0",
         "train.progress_bar=false",
@@ -201,6 +203,11 @@ def clusterflow_run(
     ]
     shutil.rmtree(run_dir, ignore_errors=True)
     return seconds, saves
+
+
+def global_batch(world: int) -> int:
+    """128, or the multiple of ``world`` below it (every rank takes the same share)."""
+    return 128 // world * world
 
 
 def bare_run(a: argparse.Namespace, epochs: int) -> list[float]:
@@ -356,7 +363,7 @@ def main() -> None:
 
 def measure_world(a: argparse.Namespace, where: str) -> dict[str, tuple[float, ...]]:
     """One world size, ``a.nproc`` ranks: every side, its figures printed; the ratios."""
-    steps = a.identities * 20 // 128
+    steps = a.identities * 20 // global_batch(a.nproc)
     print(
         f"{a.nproc} ranks ({where}), {steps} steps per epoch, marginal time of epochs "
         f"2-{1 + a.epochs}, {a.repeats} repeats"
