@@ -38,8 +38,10 @@ _PAIRS_CACHED = 1 << 20
 # Pairs whose similarities one re-check step holds at once (bounds its memory: x d floats).
 _PAIR_BATCH = 1 << 22
 # Candidate scores per tile on a CPU (16 MB in fp32, a part of the last-level cache), as at most
-# _TILE_COLS database rows by at least _TILE_ROWS queries: big enough for the matmul's speed.
-_TILE, _TILE_COLS, _TILE_ROWS = 1 << 22, 4096, 1024
+# _TILE_COLS database rows by at least _TILE_ROWS queries: enough queries for the matmul's speed,
+# and long rows for topk, whose heap of the best c so far rejects most of a long row's scores at
+# one comparison each (a short row pays the heap's filling again and again).
+_TILE, _TILE_COLS, _TILE_ROWS = 1 << 22, 16384, 256
 # Columns of a CPU tile per group in its top-c search (``_tile_top``).
 _GROUP = 4
 # Rows reaching a re-checked query's floor beyond ``keep``, on average, that make the re-check
