@@ -28,6 +28,7 @@ LAZY_ALLOWED = {
     ("clusterflow.cli", "clusterflow.manage.logs"),
     ("clusterflow.cli", "clusterflow.manage.cancel"),
     ("clusterflow.launch.jobs", "clusterflow.job.job"),
+    ("clusterflow.launch.jobs", "clusterflow.train.memory"),
 }
 
 
