@@ -205,7 +205,6 @@ def test_the_run_appears_on_the_runs_page(dashboard, live, driver):
     assert "runs/sweep-lr/lr=0.003" not in rows  # members are under their sweep
     (sweep,) = texts(driver, "#sweeps .sweep")
     assert "3 member(s), 3 completed" in sweep and "lr=0.003" in sweep
-    screenshot(driver, "dashboard-runs.png")
 
 
 def test_a_new_step_reaches_the_chart_without_a_reload(dashboard, live, driver):
@@ -282,7 +281,8 @@ def test_the_gpus_name_the_run_that_holds_them(runs, live, driver):
         assert "runs/live rank 1" in row(1)
         assert "pid 4242 (jupyter)" in row(2) and "busy: held by pid 4242" in row(2)
         assert "free: no process" in row(3) and "H100" in row(3)
-        screenshot(driver, "dashboard-gpus.png")
+        until("the live run's progress", lambda: "epoch" in texts(driver, "#runs tbody tr")[0])
+        screenshot(driver, "dashboard-runs.png")
 
 
 def test_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(dashboard, live, driver):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import importlib.util
 import json
@@ -37,7 +38,7 @@ from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import cancel as run_cancel
 from clusterflow.observe import nvml
 from clusterflow.web import views
-from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot
+from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot, Sweep
 from clusterflow.web.feeds import Delta
 
 if TYPE_CHECKING:
@@ -325,30 +326,35 @@ class Dashboard:
         return self.events(self._run_events(run_id, rank), ping=PING_S)
 
     async def _runs_events(self) -> AsyncIterator[dict[str, str]]:
+        """The Runs page: everything once (and again when runs come or go), then each row or
+        sweep group whose content changed, and the GPUs when they did."""
         assert self.hub is not None
-        seen: dict[str, int] = {}
+        seen: dict[str, int] = {}  # run or sweep id -> the version last looked at
+        sent: dict[str, str] = {}  # ... -> the JSON last sent
         catalog_seen, gpus_sent = -1, ""
         while not self.stopping:
             cat = self.catalog
-            versions = {**{r.id: r.version for r in cat.runs.values()}}
-            versions.update({s.id: s.version for s in cat.sweeps.values()})
+            runs, sweeps = dict(cat.runs), dict(cat.sweeps)
             if cat.version != catalog_seen:
                 catalog_seen = cat.version
-                seen = versions
                 page = views.runs_page(cat)
+                seen = {i: e.version for i, e in [*runs.items(), *sweeps.items()]}
+                sent = {r["id"]: _json(r) for r in page["runs"]}
+                sent.update({g["id"]: _json(g) for g in page["sweeps"]})
                 gpus_sent = _json(page["gpus"])
                 yield {"event": "runs", "data": _json(page)}
             else:
-                rows = [views.row(r) for r in cat.runs.values() if seen.get(r.id) != r.version]
-                changed_sweeps = [s for s in cat.sweeps.values() if seen.get(s.id) != s.version]
-                sweeps_of_rows = {r["sweep"] for r in rows if r.get("sweep")}
-                groups = [
-                    views.sweep(s, dict(cat.runs))
-                    for s in cat.sweeps.values()
-                    if s in changed_sweeps or s.id in sweeps_of_rows
-                ]
+                rows = _changed(
+                    [r for r in runs.values() if seen.get(r.id) != r.version], views.row, sent
+                )
+                touched = {r["sweep"] for r in rows if r.get("sweep")}
+                groups = _changed(
+                    [s for s in sweeps.values() if seen.get(s.id) != s.version or s.id in touched],
+                    functools.partial(views.sweep, runs=runs),
+                    sent,
+                )
+                seen = {i: e.version for i, e in [*runs.items(), *sweeps.items()]}
                 if rows or groups:
-                    seen = versions
                     yield {"event": "rows", "data": _json({"runs": rows, "sweeps": groups})}
                 # Who holds a GPU changes with the runs' heartbeats as much as with NVML's.
                 gpus = _json(views.gpus(cat))
@@ -364,7 +370,7 @@ class Dashboard:
         if self.poller is not None:
             self.poller.wake.set()
         try:
-            summary_seen, gpus_sent = -1, ""
+            summary_seen, gpus_sent, detail_sent = -1, "", ""
             metrics_at, log_at = (-1, 0), (-1, 0)
             while not self.stopping:
                 run = cat.runs.get(run_id)
@@ -373,7 +379,10 @@ class Dashboard:
                     return
                 if run.version != summary_seen:
                     summary_seen = run.version
-                    yield {"event": "summary", "data": _json(views.detail(run))}
+                    detail = _json(views.detail(run))
+                    if detail != detail_sent:
+                        detail_sent = detail
+                        yield {"event": "summary", "data": detail}
                 metrics, log = await asyncio.to_thread(self._feeds, run, rank, metrics_at, log_at)
                 if metrics is not None:
                     metrics_at = (metrics.generation, metrics.version)
@@ -399,6 +408,22 @@ class Dashboard:
             feed = run.logs.get(rank)
             log = feed.since(*log_at) if feed is not None else None
         return metrics, log
+
+
+def _changed(
+    entries: list[Run] | list[Sweep],
+    view: Callable[[Any], dict[str, Any]],
+    sent: dict[str, str],
+) -> list[dict[str, Any]]:
+    """The views of ``entries`` whose JSON differs from what ``sent`` holds (updated)."""
+    out = []
+    for entry in entries:
+        shown = view(entry)
+        text = _json(shown)
+        if sent.get(entry.id) != text:
+            sent[entry.id] = text
+            out.append(shown)
+    return out
 
 
 def _delta(d: Delta) -> dict[str, object]:

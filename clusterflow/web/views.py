@@ -221,11 +221,17 @@ def detail(run: Run) -> dict[str, Any]:
 
 
 def _round(m: dict[str, Any]) -> dict[str, Any]:
-    """A mining round; its cluster-size histogram as [bin, count] pairs, in order (a JSON object's
-    keys "1" and "2" would come first in the browser, before "3-4")."""
+    """A mining round; its cluster-size histogram as [bin, count] pairs, smallest clusters first
+    (status.json keeps its keys sorted as text: "10-19" before "2")."""
     hist = m.get("size_histogram")
     pairs = [[str(k), v] for k, v in hist.items()] if isinstance(hist, dict) else []
-    return {**m, "size_histogram": pairs}
+    return {**m, "size_histogram": sorted(pairs, key=_lower_bound)}
+
+
+def _lower_bound(pair: list[Any]) -> int:
+    """The smallest size of a histogram bin named "5-9" or "1" (unnamed ones last)."""
+    head = pair[0].split("-", 1)[0]
+    return int(head) if head.isdigit() else 2**62
 
 
 def gpus(catalog: Catalog) -> list[dict[str, Any]] | None:

@@ -305,6 +305,7 @@ function runPage() {
 
   function redraw() {
     timer = null;
+    drewAt = Date.now();
     steps = [...table.keys()].sort((a, b) => a - b);
     const names = new Set();
     for (const values of table.values()) for (const k of Object.keys(values)) names.add(k);
@@ -345,10 +346,13 @@ function runPage() {
       { ...title("GPU memory used (GB)"), empty: cpu });
   }
 
-  // Charts are drawn again at most once a second, whatever the rate of news: a busy machine
+  // Charts are drawn again at most twice a second, whatever the rate of news: a busy machine
   // (or a run logging every few milliseconds) must not keep the page from answering.
+  let drewAt = 0;
   function schedule() {
-    if (timer === null) timer = setTimeout(() => requestAnimationFrame(redraw), 1000);
+    if (timer !== null) return;
+    const wait = Math.max(0, drewAt + 500 - Date.now());
+    timer = setTimeout(() => requestAnimationFrame(redraw), wait);
   }
 
   function card(k, v, id) {
@@ -479,8 +483,9 @@ function runPage() {
     const node = document.getElementById("chart-attempts");
     node.style.height = `${120 + 36 * attempts.length}px`;
     chart("chart-attempts", traces, { barmode: "overlay", showlegend: true,
-      legend: { orientation: "h", y: -0.35 }, xaxis: { title: { text: "seconds since the first submission" } },
-      yaxis: { autorange: "reversed" }, shapes, annotations: notes, margin: { l: 80, r: 12, t: 24, b: 70 } });
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      title: { text: "seconds since the first submission", font: { size: 11 }, x: 0.01, xanchor: "left" },
+      yaxis: { autorange: "reversed" }, shapes, annotations: notes, margin: { l: 80, r: 12, t: 30, b: 60 } });
   }
 
   function renderMining(s) {
@@ -499,8 +504,9 @@ function runPage() {
           name: q.toUpperCase(), yaxis: "y2", line: { dash: "dot" } });
       }
     }
-    chart("chart-rounds", traces, { title: { text: "rounds", font: { size: 12 } }, showlegend: true,
-      legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "after epoch" } },
+    chart("chart-rounds", traces, { title: { text: "rounds, after each epoch", font: { size: 12 } }, showlegend: true,
+      margin: { l: 48, r: 40, t: 28, b: 60 },
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
       yaxis2: { overlaying: "y", side: "right", range: [0, 1] } });
     const select = document.getElementById("round");
     const keep = select.value;
@@ -521,15 +527,16 @@ function runPage() {
       const shapes = r.threshold === undefined || r.threshold === null ? [] : [{ type: "line",
         x0: r.threshold, x1: r.threshold, yref: "paper", y0: 0, y1: 1, line: { color: "#c62828", dash: "dot" } }];
       chart("chart-curve", traces, { title: { text: `threshold curve (chosen ${num(r.threshold, 3)})`, font: { size: 12 } },
-        showlegend: true, legend: { orientation: "h", y: -0.3 }, xaxis: { title: { text: "threshold" } },
+        margin: { l: 48, r: 40, t: 28, b: 60 },
+        showlegend: true, legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
         yaxis: { type: "log" }, yaxis2: { overlaying: "y", side: "right", range: [0, 1] }, shapes });
     } else {
       chart("chart-curve", [], { empty: "no threshold curve in this round (mining.threshold=auto records one)" });
     }
     const h = r.size_histogram || [];
     chart("chart-sizes", h.length ? [{ type: "bar", x: h.map((p) => p[0]), y: h.map((p) => p[1]),
-      name: "clusters" }] : [], { title: { text: "cluster sizes", font: { size: 12 } },
-      xaxis: { title: { text: "members" }, type: "category" }, empty: "no cluster sizes recorded" });
+      name: "clusters" }] : [], { title: { text: "clusters by number of members", font: { size: 12 } },
+      xaxis: { title: { text: "" }, type: "category" }, empty: "no cluster sizes recorded" });
   }
 
   function renderSamples(s) {
@@ -557,8 +564,9 @@ function runPage() {
     const node = document.getElementById("chart-samples");
     node.style.height = `${110 + 26 * epochs.length}px`;
     chart("chart-samples", [...byAttempt.values(), rest], { barmode: "overlay", showlegend: true,
-      legend: { orientation: "h", y: -0.4 }, xaxis: { title: { text: "position in the epoch's sample order" } },
-      yaxis: { autorange: "reversed" }, margin: { l: 70, r: 12, t: 12, b: 60 } });
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      title: { text: "position in the epoch's sample order", font: { size: 11 }, x: 0.01, xanchor: "left" },
+      yaxis: { autorange: "reversed" }, margin: { l: 70, r: 12, t: 30, b: 50 } });
   }
 
   function onMetrics(d) {
@@ -616,6 +624,20 @@ function runPage() {
   });
   renderSummary(INITIAL);
   connect();
+  // Plotly (4.6 MB) is fetched once the page has loaded: the summary, tables and logs show at
+  // once, and the charts as soon as it has been read.
+  const plotly = document.querySelector('meta[name="clusterflow-plotly"]');
+  if (plotly) {
+    window.addEventListener("load", () => {
+      const script = el("script", { src: plotly.content });
+      script.addEventListener("load", () => {
+        rendered.clear();
+        renderSummary(summary);
+        schedule();
+      });
+      document.head.append(script);
+    });
+  }
 }
 
 if (document.body.dataset.page === "runs") runsPage();
