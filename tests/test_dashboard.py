@@ -444,3 +444,41 @@ def test_every_gpu_with_its_memory_and_the_run_that_holds_it(tmp_path):
     assert shown[3]["free"] and shown[3]["why"].startswith("free: no process")
     assert shown[0]["memory_used_mb"] == 30000 and shown[0]["util_pct"] == 97
     assert web_catalog.Catalog([str(tmp_path / "runs")], lambda: None).gpus is None
+
+
+@pytest.mark.slurm
+def test_one_squeue_call_answers_as_one_per_job(cluster):
+    """On the local cluster: held jobs (one a two-task array), a cancelled one and an id Slurm
+    never had; queue_states answers each as queue_state does, in one squeue call."""
+    import subprocess
+
+    from clusterflow.slurm import commands
+
+    def sbatch(*extra):
+        out = subprocess.run(
+            ["sbatch", "--hold", "--parsable", "-o", "/dev/null", *extra, "--wrap", "sleep 600"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().split(";")[0]
+
+    held, array, gone = sbatch(), sbatch("--array=0-1"), sbatch()
+    try:
+        subprocess.run(["scancel", gone], check=False, capture_output=True, timeout=30)
+        ids = [held, f"{array}_0", f"{array}_1", gone, "999999991", "not-a-job"]
+        deadline = time.time() + 30
+        while commands.queue_state(gone) and time.time() < deadline:
+            time.sleep(0.5)  # a cancelled job leaves the queue within moments
+        batched = commands.queue_states(ids)
+        assert batched == {j: commands.queue_state(j) for j in ids if j != "not-a-job"}
+        assert batched[held].startswith("PENDING|") and batched[f"{array}_1"].startswith("PENDING")
+        assert batched[gone] == "" and batched["999999991"] == ""
+        assert commands.queue_states(["999999991", "999999992"]) == {
+            "999999991": "",
+            "999999992": "",
+        }
+    finally:
+        subprocess.run(["scancel", held, array], check=False, capture_output=True, timeout=30)

@@ -21,12 +21,11 @@ from clusterflow.sweeps import index as sweep_index
 from clusterflow.web.catalog import Catalog, Run, Sweep
 from clusterflow.web.discover import ident
 
-SUMMARY = (
+# A Runs page row's fields of status (a row is light: 200 of them make the page).
+ROW = (
     "state",
     "note",
     "error",
-    "liveness",
-    "alive",
     "job_id",
     "epoch",
     "global_step",
@@ -34,9 +33,14 @@ SUMMARY = (
     "steps_per_epoch",
     "attempts",
     "world_size",
+    "last_loss",
+)
+# What a run's page adds.
+SUMMARY = (
+    "liveness",
+    "alive",
     "hosts",
     "excluded_nodes",
-    "last_loss",
     "updated_at",
     "checkpoint_error",
     "damaged_records",
@@ -125,11 +129,10 @@ def row(run: Run) -> dict[str, Any]:
             "name": run.name,
             "sweep": None if run.found.sweep is None else ident(run.found.sweep),
             "problem": run.problem,
-            **_pick(s, SUMMARY),
+            **_pick(s, ROW),
             "epochs": _epochs(run),
             "goodput": good.get("ratio"),
             "last_heartbeat": _last_heartbeat(ranks),
-            "heartbeat_s": next((r["heartbeat_s"] for r in ranks if r.get("heartbeat_s")), None),
             "stragglers": sum(1 for r in ranks if r.get("straggler")),
             "silent": sum(1 for r in ranks if r.get("silent")),
         }
@@ -198,6 +201,7 @@ def detail(run: Run) -> dict[str, Any]:
     return cleaned(
         {
             **row(run),
+            **_pick(s, SUMMARY),
             "run_dir": run.paths.root,
             "ranks": [_pick(r, RANK) for r in s.get("ranks") or []],
             "stragglers_named": s.get("stragglers") or [],
