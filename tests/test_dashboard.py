@@ -351,7 +351,9 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         assert code == 200
         rows = {r["name"]: r for r in json.loads(body)["runs"]}
         assert rows["runs/good"]["state"] == "running"
-        assert rows["runs/bad"]["problem"] or rows["runs/bad"]["damaged_records"]
+        code, body, _ = get(f"{s.url}/api/run/{ids['runs/bad']}?token={s.token}")
+        bad = json.loads(body)
+        assert code == 200 and (bad["problem"] or bad["damaged_records"]), bad
         code, body, _ = get(f"{s.url}/run/{ids['runs/bad']}?token={s.token}")
         assert code == 200
         for rank in (0, 1):
