@@ -8,6 +8,49 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The suite runs in parallel (pytest-xdist, `--dist loadgroup`: tests/run.sh), in groups that one
+# worker runs in order: every test of the one local Slurm cluster is in SLURM_GROUP (its jobs
+# would otherwise queue behind or preempt each other); tests that share a module- or
+# session-scoped fixture (a run they only read) are grouped by it, so it is built once; every
+# other test is a group of its own. Groups are handed out longest first: the Slurm group, then
+# those with a slow test, then the rest in file order.
+SLURM_GROUP = "slurm-cluster"
+_SHARED_SCOPES = ("module", "package", "session")
+# Session fixtures that are cheap or that every worker may build for itself.
+_PER_WORKER = {"cluster", "tmp_path_factory", "worker_id", "testrun_uid"}
+
+
+def _group(item):
+    if item.get_closest_marker("slurm"):
+        return SLURM_GROUP
+    shared = sorted(
+        name
+        for name, defs in item._fixtureinfo.name2fixturedefs.items()
+        if defs and defs[-1].scope in _SHARED_SCOPES and name not in _PER_WORKER
+    )
+    if not shared:
+        return item.nodeid
+    scopes = {item._fixtureinfo.name2fixturedefs[n][-1].scope for n in shared}
+    where = "" if scopes == {"session"} else item.module.__name__ + ":"
+    return where + ",".join(shared)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "cluster" in item.fixturenames:
+            item.add_marker(pytest.mark.slurm)
+    groups = {item.nodeid: _group(item) for item in items}
+    slow = {groups[item.nodeid] for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        group = groups[item.nodeid]
+        return 0 if group == SLURM_GROUP else 1 if group in slow else 2
+
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    items.sort(key=rank)  # stable: file order within each rank
+
 
 def run_cli(*args, cwd=REPO, env=None, timeout=600):
     """Run `python -m clusterflow.<...>` as a user would; returns CompletedProcess."""

@@ -30,4 +30,11 @@ if [ "$(id -u)" = 0 ] && [ "${CLUSTERFLOW_NO_SLURM:-0}" != 1 ]; then
 else
   echo "note: not root (or CLUSTERFLOW_NO_SLURM=1): the Slurm tests will be skipped" >&2
 fi
-exec python -m pytest -q -rs "$@"
+# In parallel: most tests wait (Slurm's queue, process start-up, sleeps), so more workers than
+# cores pay; tests/conftest.py groups what must run in one worker (the Slurm cluster's tests, a
+# shared run's readers). CLUSTERFLOW_TEST_WORKERS=0 runs everything in this one process.
+WORKERS=${CLUSTERFLOW_TEST_WORKERS:-4}
+if [ "$WORKERS" = 0 ]; then
+  exec python -m pytest -q -rs "$@"
+fi
+exec python -m pytest -q -rs -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"

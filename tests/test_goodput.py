@@ -9,13 +9,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, run_cli
 
 from clusterflow import rundir
+from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
+from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
-from clusterflow.observe import goodput
+from clusterflow.observe import goodput, phases
 from clusterflow.observe.stragglers import StragglerWatch
+from clusterflow.observe.timeline import AttemptTimeline
 from clusterflow.rundir import stragglers, timeline
 
 WINDOW_S = 2.0
@@ -106,7 +110,13 @@ def test_an_in_job_restart_is_its_own_attempt_with_no_queue_and_slurm_times_are_
     assert second["sources"]["allocated"].startswith("previous attempt's end")
     assert second["seconds"]["restore"] == 3
     assert second["seconds"]["startup"] == 20 - 3  # 1090 -> 1110, less the restore
-    assert second["steps"] == {"restored": 40, "last": 100, "recomputed": 10, "lost": 0}
+    assert second["steps"] == {
+        "restored": 40,
+        "last": 100,
+        "committed": 40,
+        "recomputed": 10,
+        "lost": 0,
+    }
     assert second["seconds"]["recomputed"] == pytest.approx(10)  # 10 of 60 steps of 60 s
     assert second["seconds"]["shutdown"] == 5  # 1170 -> Slurm's end 1175
     assert second["sources"]["ended"] == "sacct"
@@ -138,6 +148,211 @@ def test_clocks_that_disagree_never_make_a_negative_part(tmp_path):
     _sums_to_wall(row)
     assert row["seconds"]["startup"] == 0
     assert row["seconds"]["productive"] + row["seconds"]["eval"] == pytest.approx(10)
+
+
+def _logged(paths, attempt, at, ranks=(0, 1)):
+    """Rank logs of ``attempt`` last written at ``at`` (their modification time)."""
+    os.makedirs(paths.logs, exist_ok=True)
+    for r in ranks:
+        with open(paths.log_file(r, attempt), "a") as f:
+            f.write("a line\n")
+        os.utime(paths.log_file(r, attempt), (at, at))
+
+
+LOCAL = {"source": "local", "world_size": 2, "job_id": "7"}
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x00\xff not json", b'{"attempt": 0, "first_step'])
+def test_a_damaged_timeline_is_named_and_its_time_is_other_not_start_up(tmp_path, damage):
+    """A timeline that is empty, garbage or cut short: named where damaged records are named
+    (the ledger's and status's ``damaged_records``), and the attempt's time from its processes'
+    start to its end, which the record would have split, is ``other``: not start-up."""
+    paths = _records(
+        tmp_path / "run",
+        [{**LOCAL, "attempt": 0, "started_at": 104.0, "process_started_at": 100.0}],
+        [],
+    )
+    os.makedirs(paths.timelines, exist_ok=True)
+    with open(paths.timeline_file(0), "wb") as f:
+        f.write(damage)
+    _logged(paths, 0, 123.0)
+    book = goodput.ledger(paths, running=False, now=200.0)
+    (row,) = book["attempts"]
+    _sums_to_wall(row)
+    assert row["wall_s"] == 23 and row["seconds"]["other"] == 23, row["seconds"]
+    assert row["seconds"]["startup"] == 0 and row["ratio"] == 0
+    named = [w for w in book["damaged_records"] if w.startswith("timeline/attempt0.json")]
+    assert named, book["damaged_records"]
+    from clusterflow.manage import status
+
+    shown = status.collect(paths)["damaged_records"]
+    assert any(w.startswith("timeline/attempt0.json") for w in shown), shown
+
+
+def test_an_attempt_that_failed_in_start_up_counts_from_its_processes_start(tmp_path):
+    """No timeline (it died before its first step): its start-up runs from the earliest start of
+    its ranks' processes (attempts.jsonl), not from the moment rank 0 recorded the attempt."""
+    paths = _records(
+        tmp_path / "run",
+        [{**LOCAL, "attempt": 0, "started_at": 112.8, "process_started_at": 100.0}],
+        [],
+    )
+    _logged(paths, 0, 113.0)
+    (row,) = goodput.ledger(paths, running=False, now=200.0)["attempts"]
+    _sums_to_wall(row)
+    assert row["seconds"]["startup"] == pytest.approx(13.0) and row["wall_s"] == pytest.approx(13)
+    assert row["sources"]["allocated"] == "attempts.jsonl (process start)"
+
+
+def _killed_then_completed(d, restored=8):
+    """Attempt 0 killed after its last record at 120 (commit at step 8, last step 11), attempt 1
+    resumed from step ``restored``, its processes started at 130, completed at 160."""
+    return _records(
+        d,
+        [
+            {**LOCAL, "attempt": 0, "started_at": 102.0, "process_started_at": 100.0},
+            {**LOCAL, "attempt": 1, "started_at": 132.0, "process_started_at": 130.0},
+        ],
+        [
+            {
+                "attempt": 0,
+                "process_started_at": 100.0,
+                "first_step_at": 105.0,
+                "last_step": 11,
+                "written_at": 120.0,
+                "seconds": {"train": 11.0, "eval": 1.0, "mining": 2.0, "checkpoint": 1.0},
+                # The end of epoch 2 (eval, mining) came after the commit of step 8.
+                "commit": {"step": 8, "at": 117.0, "seconds": {"train": 8.0, "checkpoint": 0.5}},
+            },
+            {
+                "attempt": 1,
+                "process_started_at": 130.0,
+                "restored_step": restored,
+                "restore_s": 1.0,
+                "first_step_at": 135.0,
+                "last_step": 18,
+                "written_at": 160.0,
+                "ended_at": 160.0,
+                "outcome": "completed",
+                "seconds": {"train": 20.0},
+            },
+        ],
+    )
+
+
+def test_a_copied_run_dir_gets_no_copy_time(tmp_path):
+    """``cp -r`` gives every file the copy's time: a recorded end (``ended_at``) is trusted over
+    the rank logs' modification time, and a killed attempt's log time later than the next
+    attempt's start is the copy's: the attempt ends at its last record, as in the original."""
+    original = _killed_then_completed(tmp_path / "run")
+    _logged(original, 0, 125.0)  # killed 5 s after its last record
+    _logged(original, 1, 160.5)
+    copy = _killed_then_completed(tmp_path / "copy")
+    for n in (0, 1):
+        _logged(copy, n, 5000.0)  # the copy, an hour and more later
+    first, second = goodput.ledger(copy, running=False, now=6000.0)["attempts"]
+    for row in (first, second):
+        _sums_to_wall(row)
+    # Killed: the eval, mining and save after its commit are lost; no copy time.
+    assert first["ended_at"] == 120.0 and first["seconds"]["lost"] == pytest.approx(3.5)
+    assert first["sources"]["ended"] == "timeline"
+    assert second["ended_at"] == 160.0 and second["seconds"]["shutdown"] == 0
+    assert second["wall_s"] == 40 and second["sources"]["ended"] == "timeline"
+    # The original: the logs tell when the killed attempt's processes died (5 s lost more).
+    first, second = goodput.ledger(original, running=False, now=6000.0)["attempts"]
+    assert first["ended_at"] == 125.0 and first["seconds"]["lost"] == pytest.approx(5 + 3.5)
+    assert first["sources"]["ended"] == "rank logs (last line)"
+    assert second["ended_at"] == 160.0 and second["seconds"]["shutdown"] == 0
+
+
+def test_a_timeline_that_lags_its_own_last_commit_is_corrected_by_the_next_restore(tmp_path):
+    """Killed between committing step 12 and recording it: the next attempt resumed from step
+    12, so the killed one committed it; its eval and mining before that commit were kept."""
+    paths = _killed_then_completed(tmp_path / "run", restored=12)
+    first, second = goodput.ledger(paths, running=False, now=6000.0)["attempts"]
+    for row in (first, second):
+        _sums_to_wall(row)
+    assert first["seconds"]["eval"] == 1 and first["seconds"]["mining"] == 2
+    assert first["seconds"]["lost"] == 0
+    assert first["steps"]["committed"] == 12 and first["steps"]["last"] == 12
+    assert second["steps"]["recomputed"] == 0
+
+
+@pytest.mark.parametrize("outcome", ["failed", None])
+@pytest.mark.parametrize("committed", [True, False])
+def test_eval_and_mining_an_attempt_abandoned_are_lost(tmp_path, outcome, committed):
+    """An attempt that ended without completing (a failure ends the loop with a record; a kill
+    leaves none) and a restart inside the job resumed from its last commit, or from where it had
+    started itself when it committed nothing: its eval, mining and saves after that commit are
+    lost, not useful."""
+    job = {"job_id": "42", "source": "slurm", "restart_count": 0, "world_size": 2}
+    done = {"train": 20.0, "eval": 4.0, "mining": 6.0, "checkpoint": 1.0}
+    first = {
+        "attempt": 0,
+        "process_started_at": 1000.0,
+        "restored_step": 0,
+        "first_step_at": 1010.0,
+        "last_step": 20,
+        "written_at": 1045.0,
+        "seconds": done,
+    }
+    if committed:
+        first["commit"] = {"step": 10, "at": 1025.0, "seconds": {"train": 10.0, "checkpoint": 0.5}}
+    if outcome:
+        first.update(outcome=outcome, ended_at=1046.0)
+    second = {
+        "attempt": 1,
+        "process_started_at": 1050.0,
+        "restored_step": 10 if committed else 0,
+        "first_step_at": 1060.0,
+        "last_step": 40,
+        "written_at": 1100.0,
+        "ended_at": 1100.0,
+        "outcome": "completed",
+        "seconds": {"train": 40.0},
+    }
+    paths = _records(
+        tmp_path / "run",
+        [{**job, "attempt": 0, "started_at": 1001.0}, {**job, "attempt": 1, "started_at": 1051}],
+        [first, second],
+    )
+    row = goodput.ledger(paths, running=False, now=2000.0)["attempts"][0]
+    _sums_to_wall(row)
+    assert row["seconds"]["eval"] == 0 and row["seconds"]["mining"] == 0, row["seconds"]
+    after_ckpt = 0.5 if committed else 1.0
+    assert row["seconds"]["checkpoint_stall"] == pytest.approx(1.0 - after_ckpt)
+    assert row["seconds"]["lost"] == pytest.approx(4 + 6 + after_ckpt)
+
+
+def test_negative_seconds_in_a_timeline_are_named_and_never_make_a_negative_part(tmp_path):
+    """A timeline that is valid JSON but holds negative durations: each is named as damaged and
+    ignored; no part is negative."""
+    paths = _records(
+        tmp_path / "run",
+        [{**LOCAL, "attempt": 0, "started_at": 101.0}],
+        [
+            {
+                "attempt": 0,
+                "process_started_at": 100.0,
+                "restored_step": 0,
+                "restore_s": -50.0,
+                "first_step_at": 110.0,
+                "last_step": 10,
+                "written_at": 130.0,
+                "ended_at": 130.0,
+                "outcome": "completed",
+                "seconds": {"train": -30.0, "eval": 5.0},
+                "commit": {"step": 10, "at": 129.0, "seconds": {"train": -1.0}},
+            }
+        ],
+    )
+    book = goodput.ledger(paths, running=False, now=200.0)
+    (row,) = book["attempts"]
+    _sums_to_wall(row)
+    said = " | ".join(book["damaged_records"])
+    for field in ("restore_s", "seconds", "commit"):
+        assert f"timeline/attempt0.json: {field} is " in said, said
+    assert row["seconds"]["startup"] == 10 and row["seconds"]["other"] == 20
 
 
 def test_a_straggler_is_named_once_after_its_window_and_a_recovered_rank_starts_over(tmp_path):
@@ -176,19 +391,73 @@ def test_straggler_keys_are_checked(tmp_path):
         load(str(cfg), ["observe.straggler_window_s=-1"])
 
 
+# -- the writer: rank 0's timeline ---------------------------------------------------------------
+
+
+def test_each_timeline_write_carries_the_step_the_loop_has_trained(tmp_path):
+    """The commit of step 8, reported from the save's write thread after the loop trained step 10
+    (no progress write between: they are at most one a second), records step 10 as trained."""
+    paths = rundir.RunPaths(str(tmp_path))
+    tracker = phases.Phases()
+    tl = AttemptTimeline(paths, 3, tracker, world_size=1)
+    tl.restored(0, 0.1)
+    tracker.tick(1)
+    tl.first_step(1)
+    for step in range(2, 11):
+        tracker.tick(step)
+        tl.progress(step)
+    tl.committed(8)
+    rec = timeline.read_all(paths).records[3]
+    assert rec["commit"]["step"] == 8 and rec["last_step"] == 10, rec
+
+
+def test_a_commit_is_recorded_before_the_checkpoints_are_pruned(tmp_path):
+    """The timeline hears of a commit as soon as it is published: before the retention's pruning
+    (a synchronous delete on an object store), so a kill then leaves no record behind."""
+    cfg = load(None, [f"run.dir={tmp_path}", "checkpoint.every_steps=1", "checkpoint.async=false"])
+    said = []
+    model = torch.nn.Linear(3, 2)
+    state = TrainState()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ck = Checkpointer(
+        cfg,
+        rundir.RunPaths(cfg.run.dir),
+        model,
+        {"optimizer": opt, "train": state},
+        state,
+        steps_per_epoch=100,
+        after_commit=lambda step: said.append(("timeline", step)),
+    )
+    prune = ck.store.prune
+    ck.store.prune = lambda: (said.append(("prune", state.global_step)), prune())
+    for _ in range(3):
+        state.step_done()
+        ck.save(STEP)
+    assert said == [(what, step) for step in (1, 2, 3) for what in ("timeline", "prune")], said
+
+
 # -- the CLI's refusals -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("what", ["missing", "not a run dir"])
-def test_bad_input_is_one_error_line_and_exit_2(tmp_path, what):
+@pytest.mark.parametrize(
+    "what, said",
+    [
+        ("missing", "does not exist"),
+        ("not a run dir", "no config.yaml"),
+        ("a file", "is a file, not a run dir"),
+    ],
+)
+def test_bad_input_is_one_error_line_and_exit_2(tmp_path, what, said):
     target = tmp_path / "nothing"
     if what == "not a run dir":
         target.mkdir()
+    if what == "a file":
+        target.write_text("run: {}\n")
     out = run_cli("clusterflow.goodput", str(target), "--json")
     assert out.returncode == 2, out.stdout + out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(target) in lines[0]
-    assert ("does not exist" if what == "missing" else "no config.yaml") in lines[0]
+    assert said in lines[0], lines[0]
 
 
 # -- a real run, killed and resumed, no slow rank ------------------------------------------------
@@ -197,7 +466,7 @@ def test_bad_input_is_one_error_line_and_exit_2(tmp_path, what):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     """configs/tiny.yaml on 2 local ranks, 0.4 s per step, killed at step 12 (checkpoint at 8,
-    the timeline's last record at step 11), then resumed to the end."""
+    the timeline's last record at step 9 to 11), then resumed to the end."""
     d = str(tmp_path_factory.mktemp("goodput") / "run")
     args = ("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TASK)
     args += ("task.params.step_sleep=0.4", "--local")
@@ -211,14 +480,18 @@ def resumed(tmp_path_factory):
 
 
 def test_every_attempt_of_a_killed_and_resumed_run_sums_to_its_wall_time(resumed):
-    _, book = resumed
+    d, book = resumed
     first, second = book["attempts"]
     for row in book["attempts"]:
         _sums_to_wall(row)
     assert sum(book["total"]["seconds"].values()) == pytest.approx(book["total"]["wall_s"], 0.01)
-    assert first["outcome"] is None and first["steps"]["last"] == 11
+    # Killed in step 12, it last recorded step 9, 10 or 11: rank 0 records progress at most once
+    # a second (0.4 s steps), and what it trained after its last record is its lost tail.
+    last = first["steps"]["last"]
+    assert first["outcome"] is None and 9 <= last <= 11, first["steps"]
+    assert last == timeline.read_all(rundir.RunPaths(d)).records[0]["last_step"]
     assert second["outcome"] == "completed" and second["steps"]["restored"] == 8
-    assert second["steps"]["recomputed"] == 3  # steps 9-11, trained by the killed attempt
+    assert second["steps"]["recomputed"] == last - 8  # trained by the killed attempt
     for k in ("restore", "recomputed", "productive", "mining", "startup"):
         assert second["seconds"][k] > 0, k
     assert first["seconds"]["productive"] > 0 and first["seconds"]["checkpoint_stall"] > 0
@@ -234,7 +507,7 @@ def test_nobody_is_named_when_no_rank_is_slow(resumed):
     # The watch had what it needs: busy times in the heartbeats, training longer than the window.
     beats = [json.load(open(paths.heartbeat_file(r))) for r in (0, 1)]
     assert all(b.get("busy_s") for b in beats), beats
-    assert timeline.read_all(paths)[1]["seconds"]["train"] > WINDOW_S
+    assert timeline.read_all(paths).records[1]["seconds"]["train"] > WINDOW_S
     assert not os.path.exists(paths.stragglers)
     assert all(row["stragglers"] == [] for row in book["attempts"])
 
@@ -253,6 +526,70 @@ def test_status_tensorboard_and_the_table_show_the_ratio(resumed, tmp_path):
     assert table.returncode == 0, table.stderr
     assert "recomputed steps" in table.stdout and "goodput" in table.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- a real run: killed between a commit and its record, then dead in start-up, then resumed ----
+
+
+@pytest.fixture(scope="module")
+def lagging(tmp_path_factory):
+    """configs/tiny.yaml on 2 local ranks for 2 epochs of 6 steps, no mining nor eval: the first
+    launch is SIGKILLed while it publishes step 8 (its staged checkpoint complete, and rank 0
+    recording no progress between commits, so its timeline says commit 6); the second dies while
+    its task is built; the third publishes the staged step 8, resumes from it and completes.
+    About 2 minutes on 2 shared cores (three launches)."""
+    d = str(tmp_path_factory.mktemp("lagging") / "run")
+    args = ("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TASK, "--local")
+    args += ("task.target=testtasks:KillBeforePublish", "task.params.step_sleep=0.05")
+    args += ("train.epochs=2", "mining.enabled=false", "train.eval_every_epochs=0")
+    killed = run_cli(*args, env={**ENV, "CLUSTERFLOW_TEST_KILL_PUBLISH": "8"})
+    assert killed.returncode != 0, killed.stdout + killed.stderr
+    failed = run_cli(*args, env={**ENV, "CLUSTERFLOW_TEST_FAIL_START": "1"})
+    assert failed.returncode != 0 and "CLUSTERFLOW_TEST_FAIL_START" in failed.stdout + failed.stderr
+    done = run_cli(*args, env=ENV)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = run_cli("clusterflow.goodput", d, "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    return d, json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_a_commit_its_timeline_missed_counts_its_steps_once(lagging):
+    """The killed attempt's timeline lags its own last commit (step 8, published by the next
+    start from the folder it staged): the restore that resumed from step 8 proves the commit, so
+    each of the run's 12 steps is productive in exactly one attempt."""
+    d, book = lagging
+    paths = rundir.RunPaths(d)
+    tl = timeline.read_all(paths).records[0]
+    assert tl["commit"]["step"] == 6 and tl["last_step"] == 6, tl  # the record lags
+    resumed = open(paths.log_file(0, 2)).read()
+    assert "as step-8: it was complete, but its writer was killed before the rename" in resumed
+    first, _, last = book["attempts"]
+    for row in book["attempts"]:
+        _sums_to_wall(row)
+    assert last["steps"]["restored"] == 8 and last["steps"]["recomputed"] == 0
+    kept = [r["steps"] for r in book["attempts"]]
+    assert sum(s["last"] - s["restored"] - s["recomputed"] - s["lost"] for s in kept) == 12, kept
+    assert first["steps"]["committed"] == 8 and first["steps"]["last"] == 8, first["steps"]
+    assert first["seconds"]["productive"] > 0 and last["outcome"] == "completed"
+
+
+@pytest.mark.slow
+def test_an_attempt_dead_in_start_up_counts_from_its_processes_start(lagging):
+    """The second launch died while its task was built, before its first record: its start-up
+    runs from the first start of its ranks' processes (attempts.jsonl), not from the moment rank
+    0 recorded the attempt, seconds later."""
+    d, book = lagging
+    recs = [json.loads(line) for line in open(rundir.RunPaths(d).attempts)]
+    first_tl = timeline.read_all(rundir.RunPaths(d)).records[0]
+    assert recs[0]["process_started_at"] <= first_tl["process_started_at"]
+    dead = book["attempts"][1]
+    assert dead["outcome"] is None and dead["steps"]["last"] == 0
+    assert dead["sources"]["allocated"] == "attempts.jsonl (process start)", dead["sources"]
+    began = recs[1]["process_started_at"]
+    assert began < recs[1]["started_at"]
+    assert dead["seconds"]["startup"] >= recs[1]["started_at"] - began
+    assert dead["wall_s"] == pytest.approx(dead["seconds"]["queue_wait"] + dead["ended_at"] - began)
 
 
 # -- a real run with rank 1 made 1.5x slower per step --------------------------------------------
@@ -314,29 +651,92 @@ def test_plot_without_matplotlib_is_refused_in_one_line(resumed, tmp_path):
     assert not (tmp_path / "g.png").exists()
 
 
-def test_a_sweep_dir_gives_one_ledger_per_member_that_started(tmp_path, capsys):
+def test_a_sweep_dir_gives_one_object_with_every_member_that_started_and_a_total(tmp_path, capsys):
     from clusterflow.manage.goodput import main
 
     sweep = tmp_path / "sweep"
-    members = [{"name": "lr-0.1"}, {"name": "lr-0.2"}]
+    members = [{"name": "lr-0.1"}, {"name": "lr-0.2"}, {"name": "lr-0.3"}]
     os.makedirs(sweep)
     (sweep / "sweep.json").write_text(json.dumps({"version": 1, "members": members, "keys": []}))
-    _records(
-        sweep / "lr-0.1",
-        [{"attempt": 0, "started_at": 10.0, "source": "local", "world_size": 2}],
-        [
-            {
-                "attempt": 0,
-                "process_started_at": 9.0,
-                "first_step_at": 12.0,
-                "last_step": 4,
-                "written_at": 20.0,
-                "ended_at": 20.0,
-                "outcome": "completed",
-                "seconds": {"train": 8},
-            }
-        ],
-    )
+    for name, ranks, train in (("lr-0.1", 2, 8), ("lr-0.2", 1, 4)):
+        _records(
+            sweep / name,
+            [{"attempt": 0, "started_at": 10.0, "source": "local", "world_size": ranks}],
+            [
+                {
+                    "attempt": 0,
+                    "process_started_at": 9.0,
+                    "first_step_at": 12.0,
+                    "last_step": 4,
+                    "written_at": 20.0,
+                    "ended_at": 20.0,
+                    "outcome": "completed",
+                    "seconds": {"train": train},
+                }
+            ],
+        )
     assert main([str(sweep), "--json"]) == 0
-    (book,) = json.loads(capsys.readouterr().out)  # lr-0.2 has not started: no config.yaml
-    assert book["run_dir"].endswith("lr-0.1") and book["total"]["ratio"] == pytest.approx(8 / 11)
+    book = json.loads(capsys.readouterr().out)
+    assert book["sweep_dir"] == str(sweep)
+    # lr-0.3 has not started (no config.yaml): not a member of the ledger, but named.
+    first, second = book["members"]
+    assert first["run_dir"].endswith("lr-0.1") and first["total"]["ratio"] == pytest.approx(8 / 11)
+    assert second["total"]["ratio"] == pytest.approx(4 / 11)
+    assert book["not_started"] == ["lr-0.3"]
+    total = book["total"]
+    assert total["allocated_gpu_s"] == pytest.approx(2 * 11 + 11)
+    assert total["ratio"] == pytest.approx((2 * 8 + 4) / (2 * 11 + 11))
+    assert total["wall_s"] == pytest.approx(22)
+    assert main([str(sweep)]) == 0
+    table = capsys.readouterr().out
+    assert "sweep total: 2 members started (not started: lr-0.3), goodput 60.6% of" in table
+
+
+def test_the_plot_keeps_its_axis_label_clear_of_the_legend(tmp_path, monkeypatch):
+    """The x-axis label and the tick labels are drawn where the legend is not, and inside the
+    image, for one attempt and for many."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot  # it wraps Figure.savefig when first imported: before the patch
+    from matplotlib.figure import Figure
+    from matplotlib.legend import Legend
+
+    from clusterflow.manage import goodput as command
+
+    drawn = []
+    save = Figure.savefig
+
+    def keep(fig, *args, **kwargs):
+        """Save, then note where the label, the tick labels and the legend were drawn."""
+        save(fig, *args, **kwargs)
+        renderer = fig.canvas.get_renderer()
+        ax = fig.axes[0]
+        (legend,) = fig.findobj(Legend)
+        ticks = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text()]
+        drawn.append(
+            (
+                fig.bbox,
+                legend.get_window_extent(renderer),
+                ax.xaxis.label.get_window_extent(renderer),
+                ticks,
+            )
+        )
+
+    monkeypatch.setattr(Figure, "savefig", keep)
+    for n in (1, 6):
+        paths = _records(
+            tmp_path / f"run{n}",
+            [{**LOCAL, "attempt": a, "started_at": 10.0 * a} for a in range(n)],
+            [
+                {"attempt": a, "process_started_at": 10.0 * a, "first_step_at": 10.0 * a + 3}
+                for a in range(n)
+            ],
+        )
+        command.plot([goodput.ledger(paths, running=False, now=10.0 * n)], str(tmp_path / "g.png"))
+        image, box, label, ticks = drawn[-1]
+        assert ticks
+        for shown in (label, *ticks):
+            assert not shown.overlaps(box), (n, shown, box)
+        for shown in (label, box):
+            assert shown.y0 >= 0 and shown.x0 >= 0 and shown.x1 <= image.x1, (n, shown)

@@ -62,6 +62,22 @@ def test_beat_is_cheap_and_the_thread_writes_at_most_every_heartbeat_s(tmp_path)
     ]  # the temp file was renamed away
 
 
+def test_the_longest_pause_between_writes_stays_on_record(tmp_path, monkeypatch):
+    """A rank frozen (SIGSTOP) and woken again (Slurm's SIGCONT before the step's SIGTERM) writes
+    fresh heartbeats, but its record keeps the pause: the restart driver reads it."""
+    from clusterflow.observe import heartbeat
+
+    clock = iter([100.0, 100.5, 122.0, 122.5])
+    monkeypatch.setattr(heartbeat.time, "time", lambda: next(clock))
+    hb = Heartbeat(rundir.RunPaths(str(tmp_path)), 1, "n2", 0.5, start=False)
+    first = hb.write()
+    assert (first["paused_from"], first["paused_to"]) == (None, None)
+    hb.write(), hb.write()
+    last = hb.write()
+    assert (last["time"], last["paused_from"], last["paused_to"]) == (122.5, 100.5, 122.0)
+    assert read_ranks(hb.paths, 0.5, now=123.0)[0]["paused_to"] == 122.0  # fits its schema
+
+
 def test_a_rank_that_has_not_beaten_yet_says_starting(tmp_path):
     rec = Heartbeat(rundir.RunPaths(str(tmp_path)), 0, "n1", 10, start=False).write()
     assert rec["phase"] == "starting" and rec["progress_at"] is None and rec["step_time_s"] is None

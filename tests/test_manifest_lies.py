@@ -4,6 +4,7 @@ untouched."""
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -231,10 +232,21 @@ def test_each_lie_is_skipped_and_the_previous_checkpoint_used(run, lie, caplog):
     assert str(step8(tmp_path)) in warning and reason in warning, warning
 
 
+def _skipped(caplog, step):
+    """The warning that skipped checkpoint ``step``."""
+    (said,) = [
+        r.getMessage()
+        for r in caplog.records
+        if r.getMessage().startswith("skipping damaged checkpoint")
+        and f"step-{step}:" in r.getMessage()
+    ]
+    return said
+
+
 @pytest.mark.parametrize(
     "lie", ["model that does not fit", "optimizer of another model", "counters missing"]
 )
-def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, lie):
+def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, caplog, lie):
     """The only checkpoint is damaged: the run refuses to start over it (a fresh start would
     train over the run's work and exit 0), and leaves the model, states and RNG as they were."""
     ck, model, opt, state = make(str(tmp_path))
@@ -246,22 +258,29 @@ def test_a_refused_checkpoint_leaves_model_states_and_rng_untouched(tmp_path, li
     ck, model, opt, state = make(str(tmp_path))
     init = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    with pytest.raises(RunFailed, match=re.escape(f"step-8 ({LIES[lie][1]}")):
+    with (
+        pytest.raises(RunFailed, match=re.escape(f"step-8 ({LIES[lie][1]}")),
+        caplog.at_level(logging.WARNING),
+    ):
         ck.restore()
+    assert _skipped(caplog, 8).endswith("; no older checkpoint to fall back to")
     assert all(torch.equal(model.state_dict()[k], v) for k, v in init.items())
     assert opt.state_dict()["state"] == {} and state.global_step == 0
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_when_every_checkpoint_is_damaged_the_run_refuses_naming_each_and_the_way_out(run):
+def test_when_every_checkpoint_is_damaged_the_run_refuses_naming_each_and_the_way_out(run, caplog):
     """Steps 4 and 8 both damaged: one line naming each step and why, and how to start from step
     0 on purpose; doing exactly that starts the run afresh."""
     tmp_path, _ = run
     LIES["model that does not fit"][0](tmp_path)
     (tmp_path / "checkpoints" / "step-4" / "train_state.pt").write_bytes(b"torn")
     ck, _, _, state = make(str(tmp_path))
-    with pytest.raises(RunFailed) as refused:
+    with pytest.raises(RunFailed) as refused, caplog.at_level(logging.WARNING):
         ck.restore()
+    # Step 8 is skipped for step 4; step 4, found damaged by the store, has none to fall back to.
+    assert _skipped(caplog, 8).endswith("; falling back to the previous one")
+    assert _skipped(caplog, 4).endswith("; no older checkpoint to fall back to")
     said = str(refused.value)
     ckpts = tmp_path / "checkpoints"
     assert "\n" not in said and said.startswith(f"every checkpoint in {ckpts} is damaged"), said

@@ -166,3 +166,87 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
     assert after_stop(paths, "preempted", env, environ, LIMIT, None) == "requeue-outside"
     assert rundir.read_json(paths.status)["state"] == "requeued" and marker.exists()
     assert EXIT_REQUEUE_OUTSIDE == 75  # what slurm_templates/train.sbatch tests for
+
+
+# What `scontrol show job -o` said on the local cluster while a job's steps got their SIGTERM.
+BATCH_KILLED = {"JobState": "COMPLETING", "Reason": "NonZeroExitCode", "Restarts": "0",
+                "ExitCode": "137:0", "Requeue": "1"}  # fmt: skip
+REQUEUING = {"JobState": "COMPLETING", "Reason": "None", "Restarts": "1", "ExitCode": "0:0"}
+ENDS = (
+    "Slurm ends job 7 without requeueing it (JobState COMPLETING, ExitCode 137:0, Reason "
+    "NonZeroExitCode; Restarts 0)"
+)
+
+
+@pytest.mark.parametrize(
+    "fields, restart_count, expected",
+    [
+        # the batch script died (SIGKILL): the job ends FAILED, no requeue counted
+        (BATCH_KILLED, 0, ENDS),
+        # scontrol requeue (or a preemption's requeue): Restarts counted beyond this attempt
+        (REQUEUING, 0, None),
+        ({**BATCH_KILLED, "Restarts": "2"}, 2, ENDS.replace("Restarts 0", "Restarts 2")),
+        ({**BATCH_KILLED, "JobState": "FAILED"}, 0, ENDS.replace("COMPLETING", "FAILED")),
+        ({**BATCH_KILLED, "JobState": "RUNNING"}, 0, None),  # a preemption's grace time
+        ({**BATCH_KILLED, "JobState": "PENDING"}, 0, None),
+        ({**BATCH_KILLED, "JobState": "CANCELLED"}, 0, None),  # scancel: stopped, not failed
+        ({**BATCH_KILLED, "Restarts": ""}, 0, None),  # Slurm did not say
+        ({}, 0, None),  # scontrol did not answer
+    ],
+)
+def test_slurm_says_when_it_ends_a_job_without_a_requeue(fields, restart_count, expected):
+    from clusterflow.slurm.commands import not_requeued
+
+    assert not_requeued("7", fields, restart_count) == expected
+
+
+@pytest.mark.parametrize(
+    "slurm_state, ends, want",
+    [
+        (
+            "COMPLETING",
+            ENDS,
+            Action(
+                "failed", "failed", error=f"{ENDS}: the SIGTERM was the job's end, not a preemption"
+            ),
+        ),
+        ("COMPLETING", None, Action("preempted", "requeued")),  # a requeue counted
+        (
+            "RUNNING",
+            ENDS,
+            Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
+        ),
+        ("CANCELLED", ENDS, Action("preempted", "stopped")),
+    ],
+)
+def test_a_sigterm_that_ends_the_job_for_good_is_a_failure_not_a_requeue(slurm_state, ends, want):
+    assert decide("preempted", "slurm", slurm_state, 0, LIMIT, ends=ends) == want
+
+
+def test_after_stop_names_the_command_that_resumes_a_job_slurm_does_not_requeue(
+    tmp_path, monkeypatch
+):
+    """The ranks' SIGTERM came from their batch step's death: state failed, the cause and the
+    resume command in status.json, the run dir let go of (a resubmission may take it)."""
+    from clusterflow import rundir
+    from clusterflow.distributed import DistEnv
+    from clusterflow.job.requeue import after_stop
+    from clusterflow.slurm import commands
+
+    monkeypatch.setattr(commands, "job_fields", lambda job_id, timeout_s=30: BATCH_KILLED)
+    monkeypatch.setattr(commands, "is_batch", lambda job_id, timeout_s=30: True)
+    monkeypatch.setattr(commands, "available", lambda name: True)
+    environ = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    environ.update(SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node1")
+    environ.update(SLURM_JOB_NUM_NODES="1", SLURM_TASKS_PER_NODE="1")
+    paths = rundir.RunPaths(str(tmp_path))
+    assert after_stop(paths, "preempted", DistEnv.from_env(environ), environ, LIMIT, 1.0) == (
+        "failed"
+    )
+    st = rundir.read_json(paths.status)
+    assert st["state"] == "failed", st
+    assert st["error"] == (
+        f"{ENDS}: the SIGTERM was the job's end, not a preemption; resume from its newest "
+        f"checkpoint with: python -m clusterflow.submit {tmp_path}/config.yaml"
+    )
+    assert [s["reason"] for s in rundir.read_jsonl(paths.stops)] == ["preempted"]

@@ -3,6 +3,8 @@
 nodelist in DistEnv, the restarts record and the config keys. The restart itself runs on the real
 Slurm cluster in tests/test_slurm_restarts.py."""
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ from clusterflow.config.job_config import from_dict
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job import job
+from clusterflow.job import restarts as restarts_module
 from clusterflow.job.restarts import (
     NODE_FAULT_RESTARTS_ENV,
     Driver,
@@ -24,6 +27,7 @@ from clusterflow.job.restarts import (
     extra_left_out,
     node_fault_restarts,
     plan,
+    silent_peer,
 )
 from clusterflow.rundir import first_error, restarts, stragglers
 from clusterflow.rundir.states import Cause
@@ -45,6 +49,7 @@ BAD_INPUT = {"rank": 0, "host": "node1", "error": "task.params.size = 3: ...", "
         ("failed", None, (0, "node1", "Segmentation fault"), ("crash", "node1", False)),
         ("failed", ECC, EXITED, ("node", "node2", True)),
         ("failed", STALL, (1, "node2", "Exited with exit code 86"), ("stall", "node2", True)),
+        # a waiting rank, nobody's heartbeat silent: its node is used again
         ("failed", {**STALL, "waiting": "all_reduce"}, None, ("stall", "node2", False)),
         # srun reported the stalled rank's kill (at 7.0) after the watchdog's record (at 5)
         ("failed", STALL, KILLED, ("stall", "node2", True)),
@@ -256,3 +261,133 @@ def test_the_driver_waits_for_a_record_that_lands_after_srun_reported_the_exit(t
     fault = d._fault(end)
     writer.join()
     assert fault is not None and (fault.cause, fault.host) == ("stall", "node2")
+
+
+def test_a_record_written_before_srun_reported_a_peers_signal_is_waited_for(tmp_path):
+    """Under load srun may report a peer's signal first (the stalled rank still dumping its
+    stacks, or its record not yet visible on the batch node): the stall recorded before that
+    report is the cause, so the driver waits for it before calling the step a crash."""
+    cfg = from_dict({"run": {"dir": str(tmp_path)}, "cluster": {"nodes": 1, "spare_nodes": 1}})
+    d = Driver(cfg, ["srun", "x"], {"SLURM_JOB_NODELIST": "node[1-2]"})
+    started = time.time()
+    end = steps.StepEnd(137, (0, "node1", "Killed"), started + 1, started)
+
+    def land() -> None:
+        time.sleep(1.0)  # visible a second after srun's report, stamped before it
+        first_error.record(
+            d.paths, 0, 1, "rank 1 on node2 stalled", host="node2", kind=Cause.STALL,
+            time=started + 0.5,
+        )  # fmt: skip
+
+    writer = threading.Thread(target=land)
+    writer.start()
+    fault = d._fault(end)
+    writer.join()
+    assert fault is not None, "no fault"
+    assert (fault.cause, fault.rank, fault.host, fault.leave_out) == ("stall", 1, "node2", True)
+
+
+# The healthy rank 0 waited in a collective until its watchdog ended it (at 100.0); rank 1's
+# process froze (SIGSTOP, a hung node): its heartbeat thread stopped with it.
+VICTIM = {
+    "rank": 0,
+    "host": "node1",
+    "kind": "stall",
+    "error": "rank 0 on node1 stalled 20 s at step 3 in train (...), waiting in allreduce",
+    "waiting": "allreduce (torch/distributed/distributed_c10d.py)",
+    "time": 100.0,
+}
+
+
+def beat(rank, host, at, every_s=0.5, paused=(None, None)):
+    return {
+        "rank": rank,
+        "host": host,
+        "time": at,
+        "heartbeat_s": every_s,
+        "paused_from": paused[0],
+        "paused_to": paused[1],
+    }
+
+
+@pytest.mark.parametrize(
+    "beats, expected",
+    [
+        # rank 1 quiet for 22 s when the watchdog fired; rank 0 wrote 0.3 s before
+        ([beat(0, "node1", 99.7), beat(1, "node2", 78.0)], (1, "node2", 22.0)),
+        # Slurm's SIGCONT before the step's SIGTERM woke it: it wrote again after the record, and
+        # its longest pause spans the record's time
+        (
+            [beat(0, "node1", 99.7), beat(1, "node2", 101.2, paused=(78.0, 100.9))],
+            (1, "node2", 22.0),
+        ),
+        # a long pause that ended before the record (a slow start) is no silence then
+        ([beat(0, "node1", 99.7), beat(1, "node2", 101.2, paused=(40.0, 70.0))], None),
+        # every rank wrote within two periods: nobody went silent (the waiting rank stays blamed)
+        ([beat(0, "node1", 99.7), beat(1, "node2", 98.9)], None),
+        # the quietest of two silent ranks
+        ([beat(0, "node1", 99.7), beat(1, "node2", 80), beat(2, "node2", 60)], (2, "node2", 40.0)),
+        # slow heartbeats (10 s): 15 s without one is within two periods and a margin
+        ([beat(0, "node1", 99, 10), beat(1, "node2", 85, 10)], None),
+        ([beat(0, "node1", 99, 10), beat(1, "node2", 70, 10)], (1, "node2", 30.0)),
+        ([], None),  # heartbeats off
+    ],
+)
+def test_the_rank_whose_heartbeat_went_silent_is_found(beats, expected):
+    assert silent_peer(VICTIM, beats) == expected
+
+
+def test_a_waiting_ranks_stall_blames_the_rank_whose_heartbeat_went_silent():
+    """SIGSTOP on rank 1: the healthy rank 0, waiting for it, is the one the watchdog ends. The
+    silent rank is the cause: named, and its node left out where a spare allows; the waiting
+    rank's node is used again (docs/restarts.md)."""
+    fault = classify("failed", VICTIM, (0, "node1", "Exited with exit code 86"), 101.0,
+                     silent=(1, "node2", 22.0))  # fmt: skip
+    assert (fault.cause, fault.rank, fault.host) == ("stall", 1, "node2")
+    assert "no heartbeat for 22 s" in fault.error and "rank 0 on node1" in fault.error
+    p = plan(fault, 0, 2, ALLOC, 2)
+    assert p.nodes == ("node1", "node3") and p.left_out == ("node2",)
+    assert plan(fault, 0, 2, ALLOC[:2], 2).nodes == ("node1", "node2")  # no spare: same nodes
+    # nobody silent: the waiting rank's own node is used again, not left out
+    waiting = classify("failed", VICTIM, (0, "node1", "Exited with exit code 86"), 101.0)
+    assert (waiting.cause, waiting.rank, waiting.host) == ("stall", 0, "node1")
+    assert plan(waiting, 0, 2, ALLOC, 2).nodes == ("node1", "node2")
+
+
+def test_the_driver_reads_the_heartbeats_of_the_failed_step(tmp_path):
+    cfg = from_dict({"run": {"dir": str(tmp_path)}, "cluster": {"nodes": 2, "spare_nodes": 1}})
+    d = Driver(cfg, ["srun", "x"], {"SLURM_JOB_NODELIST": "node[1-3]"})
+    now = time.time()
+    os.makedirs(d.paths.heartbeats, exist_ok=True)
+    # rank 1 was frozen from now - 25 until the step's end woke it (SIGCONT), after the record
+    for b in (beat(0, "node1", now - 0.2), beat(1, "node2", now + 2, paused=(now - 25, now + 1.5))):
+        with open(d.paths.heartbeat_file(b["rank"]), "w") as f:
+            json.dump({**b, "step": 3, "phase": "train"}, f)
+    first_error.record(
+        d.paths, 0, 0, VICTIM["error"], host="node1", kind=Cause.STALL,
+        waiting=VICTIM["waiting"],
+    )  # fmt: skip
+    end = steps.StepEnd(86, (0, "node1", "Exited with exit code 86"), now, now - 60, now)
+    fault = d._fault(end)
+    assert (fault.cause, fault.rank, fault.host) == ("stall", 1, "node2"), fault
+
+
+def test_the_batch_step_exits_with_the_code_of_the_task_that_failed_first(tmp_path, monkeypatch):
+    """Bad input on one rank (exit 2): srun ends its peers with SIGTERM and itself returns 143,
+    which would read like a SIGTERM in sacct; the batch step exits 2, as the README says, and a
+    task killed by a signal first keeps srun's own status."""
+    monkeypatch.setattr(restarts_module, "RECORD_WAIT_S", 0.2)
+    srun = tmp_path / "srun"
+    srun.write_text(
+        "#!/bin/sh\n"
+        'echo "srun: error: node1: task 0: $FIRST" >&2\n'
+        'echo "srun: error: node2: task 1: Terminated" >&2\n'
+        "exit 143\n"
+    )
+    srun.chmod(0o755)
+    cfg = from_dict({"run": {"dir": str(tmp_path / "run")}, "cluster": {"nodes": 2}})
+    for first, code in (("Exited with exit code 2", 2), ("Killed", 143)):
+        environ = {**os.environ, "SLURM_JOB_NODELIST": "node[1-2]", "FIRST": first}
+        d = Driver(cfg, [str(srun), "x"], environ)
+        d.limit = 0  # no restart: the step's end is the job's
+        assert d.run() == code, first

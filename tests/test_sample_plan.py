@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clusterflow import config as cfgmod
+from clusterflow.checkpoint.data_identity import DataIdentity, Position, identify, judge_resume
 from clusterflow.checkpoint.train_state import SampleLedger, TrainState
 from clusterflow.distributed.sampler import EpochPlan, GlobalBatchSampler, share
 from clusterflow.errors import UserError
@@ -112,26 +113,63 @@ def test_weights_make_the_mean_over_the_step_whatever_the_split():
 
 
 def test_the_ledger_keeps_one_range_per_attempt_world_and_batch():
-    ledger = SampleLedger()
+    ledger, data = SampleLedger(), DataIdentity(206, "ab" * 32)
     for start, end, attempt, world in ((0, 52, 0, 2), (52, 104, 0, 2), (104, 155, 1, 3)):
-        ledger.record(0, 206, start, end, attempt, world, 48)
-    ledger.record(0, 206, 155, 206, 1, 3, 48)
-    ledger.record(1, 206, 0, 52, 1, 3, 48)
+        ledger.record(0, data, start, end, attempt, world, 48)
+    ledger.record(0, data, 155, 206, 1, 3, 48)
+    ledger.record(1, data, 0, 52, 1, 3, 48)
+    assert [(e["samples"], e["digest"]) for e in ledger.epochs] == [(206, "ab" * 32)] * 2
     assert [(r["start"], r["end"], r["attempt"]) for r in ledger.epochs[0]["ranges"]] == [
         (0, 104, 0),
         (104, 206, 1),
     ]
-    state = TrainState()
+    state = TrainState(data=data)
     state.ledger = ledger
     state.step_done(52)
     again = TrainState()
     again.load_state_dict(state.state_dict())
     assert again.ledger.epochs == ledger.epochs and again.sample_in_epoch == 52
+    assert again.data == data
     old = state.state_dict()
-    for key in ("sample_in_epoch", "plan", "ledger"):
+    for key in ("sample_in_epoch", "plan", "ledger", "data"):
         del old[key]  # a checkpoint of an earlier version
     again.load_state_dict(old)
     assert again.sample_in_epoch is None and again.plan == [] and again.ledger.epochs == []
+    assert again.data is None
+
+
+class Sized:
+    def __init__(self, n, digest=None):
+        self.n = n
+        if digest is not None:
+            self.data_digest = lambda: digest
+
+    def __len__(self):
+        return self.n
+
+
+def test_the_data_a_checkpoint_trained_on_is_compared_with_the_data_of_the_resume():
+    """Same length and digest (or no digest on a side): resumed as it is. Otherwise refused in
+    one line naming both, unless at an epoch boundary with data.allow_change."""
+    mid, boundary = Position(1, 24, 2), Position(1, 0, 0)
+    saved = identify(Sized(69, "a" * 64))
+    assert saved == DataIdentity(69, "a" * 64) and identify([1, 2]) == DataIdentity(2)
+    for now in (DataIdentity(69, "a" * 64), DataIdentity(69)):
+        assert not judge_resume(saved, now, "checkpoint X", mid, allow_change=False)
+    assert not judge_resume(None, DataIdentity(5), "checkpoint X", mid, allow_change=False)
+    assert not judge_resume(DataIdentity(69), saved, "checkpoint X", mid, allow_change=False)
+    for now in (DataIdentity(69, "b" * 64), DataIdentity(119, "a" * 64), DataIdentity(70)):
+        for allow in (False, True):
+            with pytest.raises(UserError) as exc:
+                judge_resume(saved, now, "checkpoint X", mid, allow)
+            text = str(exc.value)
+            assert f"it trained on 69 samples (digest {'a' * 12})" in text
+            assert f"now gives {now}" in text and "in mid-epoch" in text and "\n" not in text
+        with pytest.raises(UserError, match="data.allow_change=true would resume"):
+            judge_resume(saved, now, "checkpoint X", boundary, allow_change=False)
+        assert judge_resume(saved, now, "checkpoint X", boundary, allow_change=True)
+    with pytest.raises(TypeError, match="data_digest"):
+        identify(Sized(3, digest=b"bytes"))
 
 
 def test_a_new_batch_size_resumes_only_when_the_launch_allows_it():

@@ -2,15 +2,20 @@
 of two nodes and one spare whose rank 1 is SIGKILLed in mid-epoch starts a new srun step in the
 same Slurm job, from the newest checkpoint, on node1 and the spare node3 (node2 left out), records
 the restart and the time from the fault to the next step, and ends bitwise equal to an
-uninterrupted run."""
+uninterrupted run. A frozen rank (SIGSTOP) is named by its silent heartbeat and its node left
+out; the batch step's driver killed ends the run failed (Slurm does not requeue it), with the
+command that resumes it."""
 
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import run_cli
+from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_gone, wait_until
 
 from clusterflow import rundir
@@ -92,3 +97,100 @@ def test_spares_beyond_the_partition_are_refused_before_anything_is_submitted(cl
         "partition 'low' has 2; lower cluster.spare_nodes"
     )
     assert not os.path.exists(os.path.join(d, "status.json"))
+
+
+def _driver_pid(run_dir):
+    """The batch step's own process, ``python -m clusterflow.job.restarts RUN/config.yaml -- ...``
+    (the test cluster's nodes share this machine's pids)."""
+    config = os.path.join(run_dir, "config.yaml").encode()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"clusterflow.job.restarts" in argv and config in argv:
+            return int(pid)
+    return None
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_left_out_then_a_killed_driver_ends_the_run_failed(
+    cluster, reference_run, tmp_path
+):
+    """SIGSTOP on rank 1: the healthy rank 0 waits in a collective until its watchdog ends it;
+    the restart names rank 1 (its heartbeat went silent) and leaves node2 out. Then SIGKILL on the
+    batch step's driver (an OOM kill on the batch node): Slurm ends the job FAILED and does not
+    requeue it, so the ranks, which saved on the step's SIGTERM, say failed, not requeued;
+    `submit --wait` and `status` agree; the resume command named trains to the end bitwise equal
+    to an uninterrupted run."""
+    d = str(tmp_path / "run")
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    waiting = subprocess.Popen(
+        [
+            sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}",
+            *TWO_NODES, "cluster.partition=wide", "cluster.spare_nodes=1",
+            "task.target=testtasks:Slow", "task.params.step_sleep=0.5", "checkpoint.async=false",
+            "dist.stall_s=10", "dist.heartbeat_s=0.5", "--wait",
+        ],
+        cwd=REPO, env={**e, **env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job = wait_until("the job id", lambda: live_status(d).get("job_id"), timeout=120)
+    wait_until("step 3", lambda: (live_status(d).get("global_step") or 0) >= 3, job_id=job)
+    (first,) = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    host, pid, _ = first["procs"][1]
+    assert host == "node2"
+    os.kill(pid, signal.SIGSTOP)
+    path = os.path.join(d, "restarts.jsonl")
+    wait_until("the restart", lambda: os.path.exists(path), timeout=180, job_id=job)
+    (r,) = [x for x in read_jsonl(path) if x["event"] == "restart"]
+    assert (r["cause"], r["rank"], r["host"]) == ("stall", 1, "node2"), r
+    assert r["nodes"] == ["node1", "node3"] and r["left_out"] == ["node2"], r
+    assert "no heartbeat for" in r["error"] and "rank 0 on node1" in r["error"], r
+
+    # The restarted attempt trains; then the batch step's driver is killed.
+    wait_until(
+        "the restarted attempt training",
+        lambda: (
+            live_status(d).get("attempt") == 1
+            and live_status(d).get("state") == "running"
+            and len(read_jsonl(path)) == 2
+        ),
+        job_id=job,
+    )
+    os.kill(_driver_pid(d), signal.SIGKILL)
+    out, err = waiting.communicate(timeout=300)
+    assert waiting.returncode == 1, out + err
+    assert f"job {job} ended: failed" in out, out + err
+    s = status(d)
+    assert s["state"] == "failed" and s["attempts"] == 2, s
+    resume = f"python -m clusterflow.submit {d}/config.yaml"
+    assert f"Slurm ends job {job} without requeueing it" in s["error"], s["error"]
+    assert s["error"].endswith(resume), s["error"]
+    assert s["slurm"]["state"] == "FAILED" and s["slurm"]["exit_code"] == 137, s["slurm"]
+    stops = read_jsonl(os.path.join(d, "stops.jsonl"))
+    assert stops[-1]["reason"] == "preempted", stops
+    saved = s["global_step"]
+    assert s["latest_checkpoint"].endswith(f"step-{saved}"), s
+
+    # Records that say requeued (a job that could not ask Slurm) are reconciled with Slurm's.
+    with open(os.path.join(d, "status.json")) as f:
+        record = json.load(f)
+    with open(os.path.join(d, "status.json"), "w") as f:
+        json.dump({**record, "state": "requeued", "error": None}, f)
+    s = status(d)
+    assert s["state"] == "failed", s
+    assert re.match(
+        rf"Slurm ended job {job} without requeueing it \(FAILED: exit code 137", s["error"]
+    )
+    assert s["error"].endswith(resume), s["error"]
+
+    again = run_cli(*resume.split()[2:], "--wait", env=env())
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert status(d)["state"] == "completed"
+    assert (
+        f"resumed from {d}/checkpoints/step-{saved}"
+        in open(os.path.join(d, "logs", "rank0.attempt2.log")).read()
+    )
+    ref_dir, _ = reference_run
+    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))

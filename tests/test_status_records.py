@@ -414,3 +414,47 @@ def test_the_state_table_of_the_docs_is_the_one_of_states_py():
         docs = _state_rows(f.read(), lambda c: c.strip("`"))
     code = _state_rows(states.__doc__, lambda c: c)
     assert sorted(code) == sorted(STATES) and docs == code, (docs, code)
+
+
+def _ledger_epoch(epoch, trained, samples=192):
+    ranges = [{"start": 0, "end": trained, "attempt": 0, "world_size": 2, "batch_size": 32}]
+    return {"epoch": epoch, "samples": samples, "ranges": ranges}
+
+
+@pytest.mark.parametrize(
+    "trained, said",
+    [
+        # Three epochs: each on its own line, as no summary of one epoch says more than it.
+        (
+            [192, 192, 64],
+            [
+                "epoch 1: 192 of 192 trained: [0, 192) attempt 0 on 2 rank(s)",
+                "epoch 2: 192 of 192 trained: [0, 192) attempt 0 on 2 rank(s)",
+                "epoch 3: 64 of 192 trained: [0, 64) attempt 0 on 2 rank(s)",
+            ],
+        ),
+        # Five: the first three summed up by their own numbers, the last two in full.
+        (
+            [192, 100, 192, 192, 192],
+            [
+                "epochs 1-3: 2 of 3 trained in full (--json lists every range)",
+                "epoch 4: 192 of 192 trained: [0, 192) attempt 0 on 2 rank(s)",
+                "epoch 5: 192 of 192 trained: [0, 192) attempt 0 on 2 rank(s)",
+            ],
+        ),
+    ],
+)
+def test_the_sample_ledger_lines_name_each_epoch_once(tmp_path, capsys, trained, said):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "config.yaml").write_text("run: {dir: x}\n")
+    ledger = {"format": 1, "global_step": 18, "epochs": []}
+    ledger["epochs"] = [_ledger_epoch(e, n) for e, n in enumerate(trained)]
+    (d / "sample_ledger.json").write_text(json.dumps(ledger))
+    assert status_main([str(d)]) == 0
+    shown = [
+        line.split(None, 1)[1]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("samples ")
+    ]
+    assert shown == said

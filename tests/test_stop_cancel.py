@@ -1,6 +1,7 @@
 """Cancel means cancel, Ctrl-C means stop (issue 23): real local runs of configs/tiny.yaml, driven
 as a user drives them from a terminal."""
 
+import contextlib
 import glob
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import REPO, run_cli, weights_equal
 
 from clusterflow import rundir
@@ -232,6 +234,42 @@ def test_sigterm_to_a_local_job_says_how_to_resume(tmp_path):
     assert code == 143, out
     assert "stopped by SIGTERM" in out and "resume by running the same command again" in out
     assert _status(run_dir)["state"] == "stopped"
+
+
+@pytest.mark.slow
+def test_sigterm_to_submit_local_alone_stops_the_ranks_with_a_save(tmp_path):
+    """SIGTERM to the `submit --local` process only (`kill PID`, a workflow manager; not its
+    process group): submit passes it on, the ranks save at the step reached and end `stopped`
+    with a `preempted` stop line, and submit says so and exits 143 once no rank is left."""
+    run_dir = str(tmp_path / "run")
+    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    try:
+        _until(lambda: _logged_a_step(run_dir), proc)
+        record = _attempt(run_dir)
+        _signal_ranks(record, signal.SIGSTOP)  # it must not finish before the signal
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+            time.sleep(0.5)  # submit acts on it while the ranks are held
+        finally:
+            _signal_ranks(record, signal.SIGCONT)
+        code = proc.wait(timeout=300)
+        alive = [pid for _, pid, start in record["procs"] if lease.process_start(pid) == start]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks that outlived submit
+    out = open(tmp_path / "stdout.txt").read()
+    err = open(tmp_path / "stderr.txt").read()
+    assert code == 143, out + err
+    assert alive == [], out + err
+    assert "Traceback" not in err, err
+    assert "stopped by SIGTERM" in out and "resume by running the same command again" in out
+    seen = _status(run_dir)
+    assert seen["state"] == "stopped" and 1 <= seen["global_step"] < 18, seen
+    assert _newest_step(run_dir) == seen["global_step"], (seen, out)
+    with open(os.path.join(run_dir, "stops.jsonl")) as f:
+        assert [json.loads(line)["reason"] for line in f] == ["preempted"]
 
 
 def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it(tmp_path):

@@ -1,8 +1,11 @@
 """The one rule for what `status` shows as state and error (manage/verdict.py), as a table."""
 
+from dataclasses import replace
+
 import pytest
 
-from clusterflow.manage.verdict import Evidence, decide, needs_liveness
+from clusterflow.manage.verdict import Evidence, decide, needs_liveness, needs_slurm
+from clusterflow.slurm.outcome import Verdict
 
 RANK1 = {"rank": 1, "host": "node2", "error": "RuntimeError: boom", "kind": "error"}
 STALL = {
@@ -187,3 +190,59 @@ def test_a_cancel_the_live_job_has_not_acted_on_yet_is_a_note_on_running():
     assert decide(Evidence(recorded_state="running", attempts=1, alive=True)).note is None
     gone = Evidence(recorded_state="running", attempts=1, alive=False, cancelled=True)
     assert decide(gone).note is None
+
+
+# The records say requeued (the ranks took their batch step's end for a preemption, or could not
+# ask Slurm); what Slurm's own record says decides.
+SLURM_FAILED = Verdict(
+    "FAILED", "scontrol", exit_code=137, signal=0, nodes="node[1,3]", note="sacct unavailable"
+)
+COMPLETING = replace(SLURM_FAILED, state="COMPLETING")
+RESUME = "resume from its newest checkpoint with: python -m clusterflow.submit r/config.yaml"
+REQUEUED = {"recorded_state": "requeued", "attempts": 2, "job_id": "7", "resume": RESUME}
+
+
+def ended(slurm):
+    return (
+        f"Slurm ended job 7 without requeueing it ({slurm.line()}), although the run recorded it "
+        f"requeued; {RESUME}"
+    )
+
+
+def seen(queue, slurm=None, **more):
+    return Evidence(**REQUEUED, queue=queue, slurm=slurm, slurm_runs=1, **more)
+
+
+SLURM_TABLE = [
+    # gone from the queue, Slurm says FAILED and counted no requeue beyond the known run
+    (seen("", SLURM_FAILED), True, "failed", ended(SLURM_FAILED)),
+    # no attempt ran in that job (a resubmission that failed before it started)
+    (Evidence(**REQUEUED, queue="", slurm=SLURM_FAILED), True, "failed", ended(SLURM_FAILED)),
+    # completing, no requeue counted: the job is ending for good (its ranks still saving)
+    (seen("COMPLETING|None", COMPLETING), True, "failed", ended(COMPLETING)),
+    # completing with a requeue counted (scontrol requeue), or pending again: it comes back
+    (seen("COMPLETING|None", replace(COMPLETING, attempts=2)), True, "requeued", None),
+    (seen("", replace(SLURM_FAILED, state="PENDING")), True, "requeued", None),
+    # scancel of a requeued job: stopped, nothing brings it back
+    (
+        seen("", Verdict("CANCELLED", "scontrol")),
+        True,
+        "stopped",
+        ended(Verdict("CANCELLED", "scontrol")),
+    ),
+    # Slurm forgot the job, which is not queued: it never comes back
+    (seen("", Verdict("UNKNOWN", "none")), True, "failed", ended(Verdict("UNKNOWN", "none"))),
+    # not asked: pending (it comes back), squeue silent, or the records say something else
+    (seen("PENDING|BeginTime"), False, "requeued", None),
+    (seen(None), False, "requeued", None),
+    (Evidence(**{**REQUEUED, "recorded_state": "stopped"}, queue=""), False, "stopped", None),
+    # the user's cancel still wins
+    (seen("", SLURM_FAILED, cancelled=True), True, "cancelled", None),
+]
+
+
+@pytest.mark.parametrize("evidence, asked, state, error", SLURM_TABLE)
+def test_a_run_recorded_requeued_is_reconciled_with_slurm(evidence, asked, state, error):
+    assert needs_slurm(evidence) is asked
+    v = decide(evidence)
+    assert (v.state, v.error) == (state, error)

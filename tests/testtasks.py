@@ -14,7 +14,9 @@ import torch
 import torch.distributed as tdist
 
 from clusterflow.mining import knn
+from clusterflow.observe.timeline import AttemptTimeline
 from clusterflow.storage import durable, tensors
+from clusterflow.storage.store import CheckpointStore
 from clusterflow.tasks import images
 from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
 from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -492,6 +494,44 @@ class SeenShards(_Seen, ImageShardsTask):
         self._seen_setup(run_dir, kill)
 
 
+class SeenFolder(_Seen, ImageFolderTask):
+    """ImageFolderTask that records its batches (``_Seen``)."""
+
+    def __init__(self, seed=0, run_dir="", kill="", **params):
+        super().__init__(seed, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class SeenFromFile(_Seen, PseudoIDTask):
+    """A user's task whose data is whatever a file says now: ``identities`` is read from
+    ``data_file`` (so the dataset's length can change without a change of config); its dataset
+    offers no digest, only its length."""
+
+    def __init__(self, seed=0, run_dir="", kill="", data_file="", **params):
+        with open(data_file) as f:
+            identities = int(f.read())
+        super().__init__(seed, identities=identities, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class LeakFiles(PseudoIDTask):
+    """At its second loss call, opens /dev/null until the process has no file descriptor left
+    (and keeps them): whatever opens a file next (a checkpoint, TensorBoard) fails with EMFILE."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == 2:
+            self.held = []
+            try:
+                while True:
+                    self.held.append(os.open(os.devnull, os.O_RDONLY))
+            except OSError:
+                pass
+        return super().loss(model, batch, labels)
+
+
 class KillAtEnvThenSignalInMining(KillAtEnv, SignalInMining):
     """KillAtEnv's SIGKILL in training (the launch whose environment asks for it), and
     SignalInMining's signals inside the mining rounds of the attempts ``at`` names."""
@@ -524,6 +564,34 @@ class SlowRankKill(KillAtEnv):
         me = tdist.get_rank() if tdist.is_initialized() else 0
         time.sleep(self.step_sleep * (self.slow_factor if me == self.slow_rank else 1.0))
         return super().loss(model, batch, labels)
+
+
+class KillBeforePublish(SlowRankKill):
+    """SlowRankKill with two faults that its environment turns on, for the goodput ledger.
+
+    ``$CLUSTERFLOW_TEST_KILL_PUBLISH=N``: rank 0 SIGKILLs itself when its checkpoint store is about
+    to publish step N (the staged folder complete, its rename not done: the next start publishes
+    it and resumes from it), and records no progress between commits, so its timeline is exactly
+    one commit behind the commit that the next attempt resumes from.
+    ``$CLUSTERFLOW_TEST_FAIL_START=1``: the task raises while it is built, so the attempt dies in
+    start-up, seconds after its processes started and before its first record."""
+
+    def __init__(self, seed=0, **params):
+        if os.environ.get("CLUSTERFLOW_TEST_FAIL_START"):
+            raise RuntimeError("the task failed while it was built (CLUSTERFLOW_TEST_FAIL_START)")
+        super().__init__(seed, **params)
+        at = os.environ.get("CLUSTERFLOW_TEST_KILL_PUBLISH")
+        if not at:
+            return
+        AttemptTimeline.WRITE_EVERY_S = float("inf")
+        publish = CheckpointStore._publish
+
+        def killed_before_publishing(store, staged, step):
+            if step == int(at) and os.path.basename(store.root.rstrip("/")) == "checkpoints":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return publish(store, staged, step)
+
+        CheckpointStore._publish = killed_before_publishing
 
 
 class MemoryProbe:

@@ -48,6 +48,7 @@ import torch
 from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
+from clusterflow.checkpoint.data_identity import DataIdentity
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
@@ -111,8 +112,8 @@ class Checkpointer:
         self.metrics: dict[str, float] = {}
         self.logged: set[str] = set()  # every scalar name logged so far, to name in a warning
         self.warned_best = False
-        if c.best is not None and dist.rank() == 0:
-            self.store.after_publish = self._point_best
+        if dist.rank() == 0:
+            self.store.after_publish = self._published
         self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
@@ -133,8 +134,8 @@ class Checkpointer:
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
-        # Rank 0, with the step, once a checkpoint is committed (on the write thread when the
-        # save runs in the background): the attempt's timeline.
+        # Rank 0, with the step, as soon as a checkpoint is published (on the write thread when
+        # the save runs in the background): the attempt's timeline.
         self.after_commit = after_commit or (lambda step: None)
         self.paths = paths
         self.writes = BackgroundWrite()
@@ -304,7 +305,6 @@ class Checkpointer:
         if retry_of:
             transitions.report(self.paths, checkpoint_error=None)
         rundir.write_ledger(self.paths, meta["samples"])
-        self.after_commit(step)
         log.info(
             "checkpoint step %d committed at %s (%d files from %d ranks, %.2f s)",
             step,
@@ -465,6 +465,13 @@ class Checkpointer:
             ", ".join(sorted(self.logged)) or "none",
         )
 
+    def _published(self, step: int) -> None:
+        """Rank 0, as soon as a save published ``step`` (before pruning): the attempt's timeline
+        records the commit, then RUN_DIR/best points at the best step."""
+        self.after_commit(step)
+        if self.cfg.checkpoint.best is not None:
+            self._point_best()
+
     def _point_best(self) -> None:
         """RUN_DIR/best: a relative symbolic link to the best checkpoint (its URL in a file for
         a store that is not a local path), replaced atomically; published before pruning, so it
@@ -492,7 +499,6 @@ class Checkpointer:
         seconds = time.perf_counter() - t0
         if path:
             rundir.write_ledger(self.paths, meta["samples"])
-            self.after_commit(step)
             log.info(
                 "checkpoint step %d committed at %s %s(%.2f s)",
                 step,
@@ -510,11 +516,12 @@ class Checkpointer:
             out["checkpoint/save_s"], self._last_write_s = self._last_write_s, None
         return out
 
-    def restore(self) -> bool:
-        """Collective, at the start of every attempt (``restore.Restorer``). Returns True when
-        resumed."""
+    def restore(self, data: DataIdentity | None = None) -> bool:
+        """Collective, at the start of every attempt (``restore.Restorer``): ``data`` is the
+        identity of the data this attempt trains on, which the checkpoint's must match
+        (``data_identity.py``). Returns True when resumed."""
         resumed = Restorer(
-            self.cfg, self.model, self.states, self.progress, self.store, self.sharded
+            self.cfg, self.model, self.states, self.progress, self.store, self.sharded, data
         ).restore()
         # keep_best: the metric as of the step resumed from (a newer step may have been skipped
         # as damaged, and its value belongs to steps this attempt trains again).

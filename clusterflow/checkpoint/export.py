@@ -32,9 +32,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.sharded import plain_errors
 from clusterflow.config.job_config import Config
+from clusterflow.config.paths import check_local_dir
 from clusterflow.config.sections import is_url
 from clusterflow.errors import RunFailed, UserError, cli
-from clusterflow.rundir import preflight, saved_config
+from clusterflow.rundir import saved_config
 from clusterflow.storage import diskfull, durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import Checkpoint, CheckpointStore
@@ -204,7 +205,7 @@ def check_out(out: str, run_dir: str, checkpoint_dir: str, force: bool) -> None:
         )
     if os.path.lexists(out) and not force:
         raise UserError(f"OUT {out!r} exists; pass --force to replace it, or pick another path")
-    preflight.check_local_dir("OUT's folder", os.path.dirname(os.path.abspath(out)))
+    check_local_dir("OUT's folder", os.path.dirname(os.path.abspath(out)))
 
 
 def _write(out: str, payload: dict[str, torch.Tensor] | bytes) -> None:

@@ -12,7 +12,9 @@ with a warning naming it and set aside when the run reaches its step again; the 
 tried. When every committed checkpoint is damaged the run is refused (``RunFailed``, one line
 naming each step and why, and how to start from step 0 on purpose): starting afresh would train
 over the run's work and end with exit 0. A config that differs from the checkpoint's is refused
-(``config.check_resume``).
+(``config.check_resume``), and so is other data than the checkpoint trained on, unless the launch
+asks for it at an epoch boundary (``data_identity.judge_resume``; the pseudo-labels are dropped
+then).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from clusterflow import config as cfgmod
+from clusterflow.checkpoint.data_identity import DataIdentity, Position, judge_resume
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
@@ -51,11 +54,12 @@ class Found:
     refused: str = ""  # every committed checkpoint damaged: the RunFailed line
     user_error: str = ""  # a config the checkpoint refuses: the UserError line
     error: str = ""  # rank 0 could not read at all (any other exception)
+    new_data: bool = False  # resumed on other data (data.allow_change): drop the pseudo-labels
 
 
 class Restorer:
     """One restore: ``states`` are the checkpointer's registered states (``progress`` among
-    them)."""
+    them); ``data``: the identity of the data this attempt trains on (None: not compared)."""
 
     def __init__(
         self,
@@ -65,6 +69,7 @@ class Restorer:
         progress: TrainState,
         store: CheckpointStore,
         sharded: ShardedState | None = None,
+        data: DataIdentity | None = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
@@ -75,6 +80,7 @@ class Restorer:
         )
         # train.parallel=fsdp: the model and optimizers come from every rank's shards.
         self.sharded = sharded
+        self.data = data
 
     def restore(self) -> bool:
         """Collective, at the start of every attempt. Returns True when resumed.
@@ -103,6 +109,7 @@ class Restorer:
             if head.error:
                 raise RuntimeError(f"rank 0 could not read the checkpoint: {head.error}")
             if head.path is None:
+                self.progress.data = self.data
                 return False
             mine = dist.scatter_object(rngs) if head.world_size == dist.world() else None
             state = dist.broadcast_state(state)
@@ -121,9 +128,10 @@ class Restorer:
                     undo()
                 why = problem or "another rank could not load it (see its log)"
                 log.warning(
-                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    "skipping damaged checkpoint %s: %s; %s",
                     head.path,
                     why,
+                    self.store.fallback(head.step, skipped),
                 )
                 # Set aside, like a bad digest, when the run gets there again.
                 self.store.refused[head.step] = why
@@ -143,6 +151,17 @@ class Restorer:
                     head.world_size,
                 )
             p = self.progress
+            if head.new_data:
+                dropped = len(p.labels) if p.labels is not None else 0
+                p.labels = None
+                log.warning(
+                    "resumed on new data (data.allow_change=true): the pseudo-labels of %d "
+                    "samples dropped; epoch %d trains as before the first mining round",
+                    dropped,
+                    p.epoch + 1,
+                )
+            if self.data is not None:
+                p.data = self.data
             log.info(
                 "resumed from %s: epoch %d, step %d of the epoch, global step %d",
                 head.path,
@@ -230,18 +249,26 @@ class Restorer:
                         raise ValueError("train_state.pt has no RNG state for each of its ranks")
                 except ValueError as exc:
                     log.warning(
-                        "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                        "skipping damaged checkpoint %s: %s; %s",
                         ckpt.path,
                         exc,
+                        self.store.fallback(ckpt.step, skipped),
                     )
                     self.store.refused[ckpt.step] = str(exc)
                     skipped.add(ckpt.step)
                     damaged[ckpt.step] = str(exc)
                     continue
+                new_data = self._check_data(ckpt.path, self._parts(saved)[self._progress_name()])
                 saved = dict(saved)
                 rngs = saved.pop("rng")
                 return (
-                    Found(ckpt.path, ckpt.step, world, self.store.step_path(ckpt.step)),
+                    Found(
+                        ckpt.path,
+                        ckpt.step,
+                        world,
+                        self.store.step_path(ckpt.step),
+                        new_data=new_data,
+                    ),
                     {MODEL: model_state, TRAIN_STATE: saved},
                     rngs,
                     None,
@@ -267,6 +294,28 @@ class Restorer:
             f"every checkpoint in {root} is damaged, so the run cannot resume from any: {each}. "
             f"Nothing was trained over them or deleted. To start from step 0 on purpose, set "
             f"them aside ({aside}) and launch the run again, or use a new run.dir"
+        )
+
+    def _progress_name(self) -> str:
+        return next(name for name, obj in self.states.items() if obj is self.progress)
+
+    def _check_data(self, path: str, train: object) -> bool:
+        """Whether the checkpoint at ``path`` (its train state ``train``) trained on the data of
+        this attempt: False when it did (or cannot say), True when it did not and the launch takes
+        the new data at an epoch boundary; otherwise UserError naming both."""
+        if self.data is None or not isinstance(train, dict):
+            return False
+        saved = DataIdentity.from_record(train.get("data"))
+        ledger = train.get("ledger")
+        if saved is None and isinstance(ledger, list) and ledger and isinstance(ledger[-1], dict):
+            # A checkpoint of before data identities: the ledger's count of its last epoch.
+            saved = DataIdentity.from_record({"samples": ledger[-1].get("samples")})
+        step, sample = int(train.get("step_in_epoch", 0)), train.get("sample_in_epoch")
+        if not isinstance(sample, int):  # a checkpoint that counted steps of train.batch_size
+            sample = step * self.cfg.train.batch_size
+        position = Position(int(train.get("epoch", 0)), sample, step)
+        return judge_resume(
+            saved, self.data, f"checkpoint {path}", position, self.cfg.data.allow_change
         )
 
     def _check_format(self, manifest: Mapping[str, Any], model_state: object) -> None:

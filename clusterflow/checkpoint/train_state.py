@@ -9,6 +9,8 @@ committed steps trained (``distributed/sampler.py``), so a resume on another wor
 size continues the same order. The :class:`SampleLedger` says which ranges of each epoch's order
 which attempt trained; being part of the checkpointed state, it describes the committed history
 only: what a killed attempt trained after its last checkpoint is not in it, and is trained again.
+``data`` is the identity of the data trained on (``data_identity.py``), which a resume compares
+with the data it is given; the ledger records it for each epoch.
 """
 
 from __future__ import annotations
@@ -19,24 +21,35 @@ from typing import Any
 import numpy as np
 import torch
 
+from clusterflow.checkpoint.data_identity import DataIdentity
+
 LEDGER_FORMAT = 1
 
 
 @dataclass
 class SampleLedger:
-    """Per epoch, the ranges of its order that the committed steps trained:
-    ``{"epoch": E, "samples": N, "ranges": [{"start", "end", "attempt", "world_size",
-    "batch_size"}, ...]}``; steps of one attempt at one world size and batch size that follow each
-    other make one range."""
+    """Per epoch, the data it trained (its number of samples and digest: ``DataIdentity``) and
+    the ranges of its order that the committed steps trained: ``{"epoch": E, "samples": N,
+    "digest": D, "ranges": [{"start", "end", "attempt", "world_size", "batch_size"}, ...]}``;
+    steps of one attempt at one world size and batch size that follow each other make one
+    range."""
 
     epochs: list[dict[str, Any]] = field(default_factory=list)
 
     def record(
-        self, epoch: int, n: int, start: int, end: int, attempt: int, world: int, batch: int
+        self,
+        epoch: int,
+        data: DataIdentity,
+        start: int,
+        end: int,
+        attempt: int,
+        world: int,
+        batch: int,
     ) -> None:
-        """Samples ``[start, end)`` of epoch ``epoch``'s order, trained by one step."""
+        """Samples ``[start, end)`` of epoch ``epoch``'s order of ``data``, trained by one
+        step."""
         if not self.epochs or self.epochs[-1]["epoch"] != epoch:
-            self.epochs.append({"epoch": epoch, "samples": n, "ranges": []})
+            self.epochs.append({"epoch": epoch, **data.record(), "ranges": []})
         ranges = self.epochs[-1]["ranges"]
         last = ranges[-1] if ranges else None
         if last and (last["end"], last["attempt"], last["world_size"], last["batch_size"]) == (
@@ -83,6 +96,7 @@ class TrainState:
     ledger: SampleLedger = field(default_factory=SampleLedger)
     labels: np.ndarray | None = None  # pseudo-labels of the last mining round, by sample index
     mining_history: list[dict[str, Any]] = field(default_factory=list)  # one stats entry per round
+    data: DataIdentity | None = None  # the data trained on; None in a checkpoint of before
 
     @property
     def position(self) -> tuple[int, int]:
@@ -111,6 +125,7 @@ class TrainState:
             "ledger": self.ledger.state_dict(),
             "labels": torch.from_numpy(self.labels) if self.labels is not None else None,
             "mining_history": self.mining_history,
+            "data": self.data.record() if self.data is not None else None,
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
@@ -125,3 +140,4 @@ class TrainState:
         self.ledger.load_state_dict(sd.get("ledger") or [])
         self.labels = sd["labels"].numpy() if sd["labels"] is not None else None
         self.mining_history = list(sd["mining_history"])
+        self.data = DataIdentity.from_record(sd.get("data"))

@@ -1137,6 +1137,15 @@ class DataConfig:
         kind=RESOURCE,
         why="how far ahead workers fetch; not what they fetch",
     )
+    allow_change: bool = doc(
+        False,
+        "Let this launch resume a run whose data changed since its checkpoint (another number "
+        "of samples, or another digest: a shard folder packed again, an image folder with other "
+        "files); refused otherwise. Taken only at an epoch boundary: the run trains its next "
+        "epoch on the new data, without the pseudo-labels mined on the old (docs/data.md).",
+        kind=RESOURCE,
+        why="whether a resume may take other data; by itself it changes nothing",
+    )
 
     def __post_init__(self) -> None:
         _check(

@@ -3,6 +3,9 @@ it helps (the user's own task code).
 
 | raised                                            | exit | printed and recorded                 |
 |---------------------------------------------------|------|--------------------------------------|
+| the process out of file descriptors (EMFILE,      | 1    | one line: the limit, how many are    |
+| wherever it happens: a checkpoint, TensorBoard,   |      | held, the fix, and where it happened |
+| a DataLoader worker)                              |      |                                      |
 | ``UserError``: bad input (config, task.target     | 2    | one line                             |
 | that does not exist, task.params, batch size)     |      |                                      |
 | ``RunFailed``: a full disk, a diverged loss       | 1    | one line                             |
@@ -16,7 +19,9 @@ in ``status.json`` (``exit_code``) and ``submit`` exits with it.
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import sys
 import traceback
 from dataclasses import dataclass
@@ -57,8 +62,49 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+def _out_of_descriptors(exc: BaseException) -> BaseException | None:
+    """The error in ``exc``'s chain that says the process has no file descriptor left: an
+    OSError with errno EMFILE, or one whose message names it (a DataLoader worker's error is
+    rebuilt in the main process from its text, without the errno; a failed checkpoint write
+    keeps its cause's text)."""
+    named = f"[Errno {errno.EMFILE}]"
+    seen: set[int] = set()
+    here: BaseException | None = exc
+    while here is not None and id(here) not in seen:
+        seen.add(id(here))
+        if (isinstance(here, OSError) and here.errno == errno.EMFILE) or named in str(here):
+            return here
+        here = here.__cause__ or here.__context__
+    return None
+
+
+def _descriptors_sentence(exc: BaseException) -> str:
+    """One line for a process out of file descriptors: what it holds, its limit, the fix, and
+    the error where it ran out (which blames whatever file it was opening then)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        held = f"{len(os.listdir('/proc/self/fd'))} open files"
+    except OSError:  # no descriptor left to list them with, or no /proc
+        held = "all it may"
+    lines = str(exc).strip().splitlines()
+    where = " ".join(lines[-1].split()) if lines else ""
+    if not where.startswith(f"{type(exc).__name__}:"):  # a worker's rebuilt error names it
+        where = f"{type(exc).__name__}: {where}"
+    hard_text = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    return (
+        f"too many open files (EMFILE): the process holds {held}, its limit (ulimit -n) is "
+        f"{soft}, the hard limit {hard_text}; raise it where the job starts (ulimit -n in the "
+        "batch script or the shell, up to the hard limit), or have fewer files open at once "
+        "(fewer data.num_workers; a task's own open files); it ran out at: "
+        f"{where}"
+    )
+
+
 def describe(exc: BaseException, target: str) -> Failure:
     """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``)."""
+    emfile = _out_of_descriptors(exc)
+    if emfile is not None:
+        return Failure(_descriptors_sentence(emfile), "", EXIT_JOB_FAILED, True)
     if isinstance(exc, UserError):
         return Failure(str(exc), "", EXIT_BAD_INPUT, True)
     if isinstance(exc, RunFailed):

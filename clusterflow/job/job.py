@@ -28,6 +28,7 @@ from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import after_stop
 from clusterflow.observe import observer as observe
+from clusterflow.observe import timeline
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -127,13 +128,15 @@ def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: torch.devi
     """Record this attempt (rank 0) and set up logging everywhere; returns the attempt number."""
 
     # Every rank's process, so that `status` can tell a live run from one whose processes are all
-    # gone.
-    procs = dist.gather_object(
-        [socket.gethostname(), os.getpid(), lease.process_start(os.getpid())]
-    )
+    # gone; and when the first of them started, where the attempt's start-up began (the goodput
+    # ledger's, also for an attempt that dies before its first step).
+    mine = [socket.gethostname(), os.getpid(), lease.process_start(os.getpid())]
+    gathered = dist.gather_object([mine, timeline.process_started_at()])
     attempt = 0
     if env.is_main:
         os.makedirs(paths.root, exist_ok=True)
+        procs = [p for p, _ in gathered]
+        starts = [t for _, t in gathered if t is not None]
         attempt = rundir.record_attempt(
             paths,
             job_id=env.job_id,
@@ -144,6 +147,7 @@ def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: torch.devi
             source=env.source,
             host=socket.gethostname(),
             procs=procs,
+            process_started_at=min(starts) if starts else None,
         )
     attempt = int(dist.broadcast_object(attempt))
     setup_logging(paths, env.rank, attempt)
@@ -152,7 +156,7 @@ def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: torch.devi
             paths,
             job_id=env.job_id,
             world_size=env.world_size,
-            hosts=sorted({p[0] for p in procs or []}),
+            hosts=sorted({p[0] for p, _ in gathered or []}),
             attempt=attempt,
         )
     log.info(

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from clusterflow import rundir
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
-from clusterflow.rundir import cancel_marker, transitions
+from clusterflow.rundir import cancel_marker, saved_config, transitions
 from clusterflow.rundir.states import State, StopReason
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
@@ -56,6 +56,7 @@ def decide(
     timeouts: int,
     limit: int,
     interactive: bool = False,
+    ends: str | None = None,
 ) -> Action:
     """``outcome``: completed, preempted, timeout, interrupted (SIGINT) or cancelled (the user's
     marker) (from the trainer); ``source``: the launcher
@@ -63,7 +64,9 @@ def decide(
     a Slurm job, "" when scontrol did not answer or was not asked, :data:`NO_SCONTROL` when this
     environment has no scontrol); ``timeouts``: time-limit stops
     so far, this one included; ``limit``: cluster.max_timeout_requeues; ``interactive``: the job
-    is an allocation made by ``salloc`` (Slurm requeues batch jobs only)."""
+    is an allocation made by ``salloc`` (Slurm requeues batch jobs only); ``ends``: Slurm's words
+    that it ends the job without a requeue (``slurm.commands.not_requeued``), None when it
+    counted one or did not say."""
     if outcome == State.COMPLETED:
         return Action(State.COMPLETED, State.COMPLETED)
     if outcome == StopReason.CANCELLED:
@@ -91,7 +94,17 @@ def decide(
     # outside to requeue it (an early exit after the save would otherwise end the job for good).
     if slurm_state in ("RUNNING", NO_SCONTROL):
         return Action(outcome, State.REQUEUED, requeue=True, why="the preemption signal (SIGTERM)")
-    return Action(outcome, State.STOPPED if slurm_state == "CANCELLED" else State.REQUEUED)
+    if slurm_state == "CANCELLED":
+        return Action(outcome, State.STOPPED)
+    # The SIGTERM was the job's end, not a preemption: its batch step died (the OOM killer on the
+    # batch node, a kill of the batch script) and nothing runs the job again.
+    if ends is not None:
+        return Action(
+            State.FAILED,
+            State.FAILED,
+            error=f"{ends}: the SIGTERM was the job's end, not a preemption",
+        )
+    return Action(outcome, State.REQUEUED)
 
 
 def after_stop(
@@ -110,14 +123,18 @@ def after_stop(
     if outcome != State.COMPLETED:
         rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
         timeouts = rundir.count_stops(paths, StopReason.TIMEOUT)
-    slurm_state, interactive = None, False
+    slurm_state, interactive, ends = None, False, None
     if job_id:  # Slurm is asked only what the decision needs
-        slurm_state = slurm_commands.job_state(job_id) if outcome == StopReason.PREEMPTED else ""
+        slurm_state = ""
+        if outcome == StopReason.PREEMPTED:
+            fields = slurm_commands.job_fields(job_id)
+            slurm_state = fields.get("JobState", "")
+            ends = slurm_commands.not_requeued(job_id, fields, env.attempt)
         if outcome == StopReason.PREEMPTED and not slurm_commands.available("scontrol"):
             slurm_state = NO_SCONTROL
         if outcome in (StopReason.PREEMPTED, StopReason.TIMEOUT):
             interactive = slurm_commands.is_batch(job_id) is False
-    action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive)
+    action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive, ends)
     # The user's cancel wins over any requeue.
     if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths):
         transitions.mark_cancelled(paths)
@@ -133,6 +150,11 @@ def after_stop(
             outcome,
             resume_command(),
         )
+        return action.outcome
+    if action.state == State.FAILED:
+        error = f"{action.error}; {saved_config.how_to_resume(paths)}"
+        log.error("%s", error)
+        transitions.mark_failed(paths, error=error)
         return action.outcome
     if outcome == StopReason.PREEMPTED and slurm_state is not None:
         log.info(

@@ -13,8 +13,12 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 |-------------------------------------------------------|--------|------------------------------|
 | ended on purpose: completed, requeued, stopped,       | none   | (no restart: as before)      |
 | cancelled, or this driver got SIGTERM                 |        |                              |
+| first-error record, written before srun reported a    | stall  | the silent rank's node, left |
+| signal: the stall watchdog ended a rank while another |        | out where a spare allows     |
+| rank's heartbeat had gone silent (a frozen process)   |        |                              |
 | first-error record, written before srun reported a    | stall  | left out unless the rank was |
-| signal: the stall watchdog ended a rank               |        | waiting for its peers        |
+| signal: the stall watchdog ended a rank               |        | waiting for its peers (then  |
+|                                                       |        | used again)                  |
 | first-error record, written before srun reported a    | node   | always left out              |
 | signal: a CUDA/NCCL device error                      |        |                              |
 | srun: a task ended by a signal first (SIGKILL, OOM    | crash  | left out where a spare node  |
@@ -26,8 +30,12 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 
 srun kills a step's other tasks after one ends badly, so a stall or device error recorded before
 srun's first report of a signal is the step's cause and the signal its consequence. A rank
-writes its record before it exits; when srun reports a rank's exit code and the record is not
-there yet (a shared filesystem's lag), the driver waits up to ``RECORD_WAIT_S`` for it.
+writes its record before it exits, but the batch node may see it later than srun's first report
+(of an exit code, or of a peer's signal): the driver waits for it until ``RECORD_WAIT_S`` after
+that report. A frozen process (SIGSTOP, a thread that holds the GIL, a hung node) cannot end
+itself: its peers wait for it in a collective until their own watchdog fires, so a stall record
+is checked against the step's heartbeats, and a rank whose heartbeat had gone silent when the
+record was written (:func:`silent_peer`) is named instead.
 
 A restart happens while ``cluster.restarts_in_job`` allows (counted per Slurm attempt) and enough
 healthy nodes remain; otherwise the job ends as it did without this driver: a node fault requeues
@@ -58,6 +66,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.distributed.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
+from clusterflow.observe import heartbeat
 from clusterflow.rundir import (
     first_error,
     restarts,
@@ -76,8 +85,10 @@ NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
 
 # The causes a restart names in restarts.jsonl; a stall is the first-error record's own kind.
 CRASH, NODE, STALL = "crash", "node", Cause.STALL
-# How long the driver waits for a rank's first-error record after srun reported the rank's exit
-# code (the rank wrote it before exiting; another node may see it a moment later).
+# How long after srun's first report of a failed task (an exit code or a signal) the driver waits
+# for the step's first-error record: the rank that names the cause writes it before it exits, but
+# the batch node may see it a moment later (a shared filesystem's lag, a loaded node still
+# writing), and srun may report a peer's signal first.
 RECORD_WAIT_S = 5.0
 _ON_PURPOSE = (states.COMPLETED, states.REQUEUED, states.STOPPED, states.CANCELLED)
 
@@ -92,6 +103,9 @@ class Fault:
     error: str
     at: float  # when it was seen (seconds since 1970)
     leave_out: bool  # the host must not run the next step
+    # Otherwise: the host is left out where a spare allows (False: it runs the next step too,
+    # as a rank that only waited for a peer does).
+    avoid: bool = True
 
 
 def classify(
@@ -99,13 +113,16 @@ def classify(
     first: Mapping[str, Any] | None,
     srun_first: tuple[int, str, str] | None,
     srun_at: float | None,
+    silent: tuple[int, str, float] | None = None,
 ) -> Fault | None:
     """The curable fault that ended a step, or None. ``state``: status.json's state after it;
     ``first``: the attempt's first-error record (None when the attempt recorded none);
-    ``srun_first``: (rank, node, what) of the task srun reported as failed first, at ``srun_at``."""
+    ``srun_first``: (rank, node, what) of the task srun reported as failed first, at ``srun_at``;
+    ``silent``: (rank, node, seconds) of another rank whose heartbeat had gone quiet when the
+    record was written (:func:`silent_peer`)."""
     if state in _ON_PURPOSE:
         return None
-    recorded = _recorded(first)
+    recorded = _recorded(first, silent)
     signalled = srun_first is not None and not srun_first[2].startswith("Exited with exit code")
     if signalled and (recorded is None or srun_at is None or recorded.at > srun_at):
         assert srun_first is not None
@@ -114,17 +131,64 @@ def classify(
     return recorded
 
 
-def _recorded(first: Mapping[str, Any] | None) -> Fault | None:
-    """The curable fault a first-error record names: a stall or a device error."""
+def _recorded(
+    first: Mapping[str, Any] | None, silent: tuple[int, str, float] | None
+) -> Fault | None:
+    """The curable fault a first-error record names: a stall (or the silent rank behind it) or a
+    device error."""
     if first is None:
         return None
     rank, host, error = first.get("rank"), first.get("host"), str(first.get("error", ""))
     at = float(first.get("time") or time.time())
+    if first.get("kind") == Cause.STALL and silent is not None:
+        # A frozen process (SIGSTOP, a thread holding the GIL, a hung node) cannot end itself:
+        # its peers wait for it until their own watchdog fires. Its silent heartbeat names it.
+        peer, node, quiet = silent
+        said = (
+            f"no heartbeat for {quiet:.0f} s when the stall watchdog ended rank {rank} on {host}"
+            + (", which waited for it" if first.get("waiting") else "")
+            + " (a frozen process or node)"
+        )
+        return Fault(STALL, peer, node, said, at, leave_out=False)
     if first.get("kind") == Cause.STALL:
-        return Fault(STALL, rank, host, error, at, leave_out=not first.get("waiting"))
+        waiting = bool(first.get("waiting"))
+        return Fault(STALL, rank, host, error, at, leave_out=not waiting, avoid=not waiting)
     if node_fault.device_error(error) is not None:
         return Fault(NODE, rank, host, error, at, leave_out=True)
     return None
+
+
+# A heartbeat older than this many of its periods, and this margin, when a stall was recorded
+# was silent then: a live rank's writer thread writes once a period whatever its loop does.
+SILENT_PERIODS, SILENT_MARGIN_S = 2, 2.0
+
+
+def silent_peer(
+    first: Mapping[str, Any], heartbeats: Sequence[Mapping[str, Any]]
+) -> tuple[int, str, float] | None:
+    """(rank, node, seconds) of the rank, other than the one ``first`` (a stall's first-error
+    record) names, whose heartbeat had been quiet longest when that record was written, if any
+    had been quiet for more than ``SILENT_PERIODS`` of its periods plus ``SILENT_MARGIN_S``;
+    ``heartbeats``: the step's heartbeat records (``time``, ``heartbeat_s``, and the longest
+    pause between two writes, ``paused_from``/``paused_to``: a frozen rank that Slurm's SIGCONT
+    woke before its end wrote again after the record)."""
+    at = float(first.get("time") or 0)
+    quiet = []
+    for hb in heartbeats:
+        if hb.get("rank") == first.get("rank") or not hb.get("time") or not hb.get("host"):
+            continue
+        every_s = float(hb.get("heartbeat_s") or 0)
+        since = float(hb["time"])
+        paused = hb.get("paused_from"), hb.get("paused_to")
+        if since > at and None not in paused and float(paused[0]) <= at <= float(paused[1]):
+            since = float(paused[0])  # it wrote again after the record, not during the pause
+        age = at - since
+        if every_s > 0 and age > SILENT_PERIODS * every_s + SILENT_MARGIN_S:
+            quiet.append((age, int(hb["rank"]), str(hb["host"])))
+    if not quiet:
+        return None
+    age, rank, host = max(quiet)
+    return rank, host, round(age, 1)
 
 
 @dataclass(frozen=True)
@@ -160,8 +224,8 @@ def plan(
             why=f"too few healthy nodes: {len(healthy)} of the allocation's {len(allocation)} "
             f"({', '.join(sorted(hard))} failed) for a step of {needed}",
         )
-    soft = ([fault.host] if fault.host and not fault.leave_out else []) + list(avoid)
-    for host in soft:
+    own = [fault.host] if fault.host and not fault.leave_out and fault.avoid else []
+    for host in own + list(avoid):
         if host in healthy and len(healthy) > needed:
             healthy.remove(host)
     nodes = tuple(healthy[:needed])
@@ -228,7 +292,7 @@ class Driver:
             if not p.restart:
                 if fault is not None:
                     _say(f"not restarted in the job after {_what(fault)}: {p.why}")
-                return end.returncode
+                return end.exit_status
             assert fault is not None
             used += 1
             self._remember(fault)
@@ -247,20 +311,29 @@ class Driver:
 
     def _fault(self, end: steps.StepEnd) -> Fault | None:
         status, _ = rundir.read_object(self.paths.status)
-        exited = end.first_failure is not None and end.first_failure[2].startswith("Exited")
-        first = self._first_error(end.started_at, RECORD_WAIT_S if exited else 0.0)
-        return classify(status.get("state"), first, end.first_failure, end.failed_at)
+        # srun's first report, of an exit code or of a signal, may come before the record that
+        # names the step's cause is visible here: it is waited for until RECORD_WAIT_S after
+        # that report (or after the step's end when srun reported nothing).
+        reported = end.failed_at if end.failed_at is not None else end.ended_at
+        first = self._first_error(end.started_at, reported + RECORD_WAIT_S)
+        silent = None
+        if first is not None and first.get("kind") == Cause.STALL:
+            beats = heartbeat.read_ranks(
+                self.paths, self.cfg.dist.heartbeat_s, since=end.started_at
+            )
+            silent = silent_peer(first, beats)
+        return classify(status.get("state"), first, end.first_failure, end.failed_at, silent)
 
-    def _first_error(self, since: float, wait_s: float) -> dict[str, Any] | None:
+    def _first_error(self, since: float, until: float) -> dict[str, Any] | None:
         """The step's first-error record (one written before ``since`` is an earlier step's),
-        polled for up to ``wait_s`` while it is missing."""
-        give_up = time.monotonic() + wait_s
+        polled while it is missing until ``until`` (seconds since 1970). The record is published
+        once, so the first one seen is the step's."""
         while True:
             attempt = rundir.current_attempt(self.paths)
             first = first_error.read(self.paths, attempt)
             if first is not None and float(first.get("time") or 0) >= since:
                 return first
-            if time.monotonic() >= give_up:
+            if time.time() >= until:
                 return None
             time.sleep(0.2)
 
@@ -269,7 +342,7 @@ class Driver:
             return
         if fault.leave_out:
             self.faulty.append(fault.host)
-        else:
+        elif fault.avoid:
             self.avoid.append(fault.host)
 
     def _record(self, fault: Fault, used: int, p: Plan) -> None:

@@ -17,6 +17,12 @@ controller is started with SIGINT blocked, so that it never kills them (SIGINT, 
 second later) before they have saved, and the ranks unblock it once their handler is in place (a
 Ctrl-C during their start-up is held until then); this process keeps echoing the log until they
 have stopped, and a second Ctrl-C ends them at once.
+
+A SIGTERM to this process alone (``kill``, ``timeout``, a workflow manager) would otherwise end
+it silently and leave the ranks training: it is passed on to the ranks, which save at the step
+reached and end ``stopped`` (stop reason ``preempted``), and this process exits 143 once they
+have; a second SIGTERM ends them at once. SIGTERM is held back while the job starts, as SIGINT
+is, so a rank never receives it before its handler is in place.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import pickle
 import signal
 import sys
 import time
+from types import FrameType
 from typing import Any
 
 import submitit
@@ -47,6 +54,25 @@ from clusterflow.rundir.states import StopReason
 
 # The others may still end by themselves (and record their side) before they are stopped.
 GRACE_S = 3.0
+# What this process passes on to the ranks: the signals that stop them with a save, and what it
+# says when one comes, and when a second one ends the ranks at once.
+STOPS = (signal.SIGINT, signal.SIGTERM)
+_STOPPING = {
+    signal.SIGINT: "interrupted: the ranks save a checkpoint at the step reached and stop "
+    "(Ctrl-C again ends them at once, without saving)",
+    signal.SIGTERM: "terminated (SIGTERM): the ranks save a checkpoint at the step reached and "
+    "stop (a second SIGTERM ends them at once, without saving)",
+}
+_KILLED = {signal.SIGINT: "interrupted twice", signal.SIGTERM: "terminated twice"}
+
+
+class Terminated(BaseException):
+    """SIGTERM reached ``submit --local``: raised in its main thread, as Ctrl-C raises
+    KeyboardInterrupt."""
+
+
+def _terminated(signum: int, frame: FrameType | None) -> None:
+    raise Terminated
 
 
 def _children(pid: int) -> list[int]:
@@ -219,19 +245,20 @@ def submit_local(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None = N
 
 def _run_here(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None) -> int:
     folder = os.path.abspath(paths.submitit_logs)
-    # A Ctrl-C while the job starts is held back, not lost: SIGINT is blocked from before the
-    # job's folder exists until the loop below, so the controller and the ranks inherit it
-    # blocked (the ranks unblock it with their stop handler in place); and since another thread
-    # of this process (the lease's renewal) may still receive it, it is only recorded meanwhile
-    # and raised again inside the loop.
+    # A Ctrl-C or SIGTERM while the job starts is held back, not lost: both are blocked from
+    # before the job's folder exists until the loop below, so the controller and the ranks
+    # inherit them blocked (the ranks unblock them with their stop handler in place); and since
+    # another thread of this process (the lease's renewal) may still receive one, it is only
+    # recorded meanwhile and raised again inside the loop.
     held: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOPS}
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(STOPS))
     try:
         job = _start(cfg, gpus, folder)
     except BaseException:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         raise
     print(
         f"started local job {job.job_id}: {cfg.cluster.tasks_per_node} process(es), "
@@ -240,31 +267,32 @@ def _run_here(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None) -> in
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
     watch = RankWatch(job, folder, paths, cfg.cluster.tasks_per_node)
     tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
-    why, results, interrupted = None, None, False
+    why, results = None, None
+    stopping: int | None = None  # the stop signal passed on to the ranks, once one came
     while True:
         try:
-            signal.signal(signal.SIGINT, previous)
+            signal.signal(signal.SIGINT, previous[signal.SIGINT])
+            signal.signal(signal.SIGTERM, _terminated)
             signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
             if held:
+                first = held[0]
                 held.clear()
-                signal.raise_signal(signal.SIGINT)  # the Ctrl-C held back while starting
-            why = _follow(paths, job, watch, tail, interrupted)
+                signal.raise_signal(first)  # the stop held back while starting
+            why = _follow(paths, job, watch, tail, stopping)
             # A job that recorded its failure pickled no result: asking submitit for it waits
             # 15 s for nothing.
             if rundir.read_object(paths.status)[0].get("state") != states.FAILED:
                 results = job.results()
             break
-        except KeyboardInterrupt:
-            if interrupted:
-                return _kill_now(job, watch, paths)
-            interrupted = True
-            print(
-                "\ninterrupted: the ranks save a checkpoint at the step reached and stop "
-                "(Ctrl-C again ends them at once, without saving)",
-                file=sys.stderr,
-            )
+        except (KeyboardInterrupt, Terminated) as exc:
+            if stopping is not None:
+                return _kill_now(job, watch, paths, stopping)
+            stopping = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+            watch.signal_ranks(stopping)  # Ctrl-C reached them too; a SIGTERM only this process
+            print(f"\n{_STOPPING[stopping]}", file=sys.stderr)
         except Exception:  # noqa: BLE001 - the job's own traceback is in its logs
             break
+    signal.signal(signal.SIGTERM, previous[signal.SIGTERM])
     if results is None:
         status, _ = rundir.read_object(paths.status)
         attempt = rundir.current_attempt(paths)
@@ -311,19 +339,21 @@ def ended(job_id: str, outcome: str, paths: rundir.RunPaths) -> int:
     return code
 
 
-def _kill_now(job: submitit.LocalJob, watch: RankWatch, paths: rundir.RunPaths) -> int:
-    """A second Ctrl-C: end the ranks and the controller at once."""
+def _kill_now(
+    job: submitit.LocalJob, watch: RankWatch, paths: rundir.RunPaths, stopping: int
+) -> int:
+    """A second Ctrl-C (or SIGTERM, ``stopping``): end the ranks and the controller at once."""
     watch.signal_ranks(signal.SIGKILL)
     try:
         os.kill(int(job.job_id), signal.SIGKILL)
     except (OSError, ValueError):
         pass
     print(
-        "interrupted twice: the job was killed without saving; running the same command again "
-        f"resumes from the newest checkpoint (python -m clusterflow.status {paths.root})",
+        f"{_KILLED[stopping]}: the job was killed without saving; running the same command "
+        f"again resumes from the newest checkpoint (python -m clusterflow.status {paths.root})",
         file=sys.stderr,
     )
-    return EXIT_INTERRUPTED
+    return EXIT_TERMINATED if stopping == signal.SIGTERM else EXIT_INTERRUPTED
 
 
 def _follow(
@@ -331,18 +361,19 @@ def _follow(
     job: submitit.LocalJob,
     watch: RankWatch,
     tail: logs.Tail,
-    interrupted: bool,
+    stopping: int | None,
 ) -> str | None:
     """Echo rank 0's log of the newest attempt to the terminal until the local job ends; end it
-    at once when a rank dies (its peers would wait for it), returning why. Once ``interrupted``,
-    SIGINT is sent again to the ranks while the run says it is running: a rank that did not
-    exist yet when the terminal sent it (a Ctrl-C while the job was being started) hears it
-    then."""
+    at once when a rank dies (its peers would wait for it), returning why. Once ``stopping``
+    (SIGINT or SIGTERM came), that signal is sent again to the ranks while the run says it is
+    running: a rank that did not exist yet when it came (while the job was being started) hears
+    it then."""
     while True:
         done = job.done()
         running = (None, states.PENDING, states.RUNNING)
-        if interrupted and not done and rundir.read_object(paths.status)[0].get("state") in running:
-            watch.signal_ranks(signal.SIGINT)
+        recorded = rundir.read_object(paths.status)[0].get("state") if stopping else None
+        if stopping is not None and not done and recorded in running:
+            watch.signal_ranks(stopping)
         dead = None if done else watch.first_dead()
         # Echoed before acting on a death: the dead rank's last lines (its traceback) are
         # already written.

@@ -19,6 +19,7 @@ from clusterflow import rundir, tasks
 from clusterflow.config.job_config import Config
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.launch import gpus, jobs, local, stages, sweep
+from clusterflow.manage import status as run_status
 from clusterflow.observe import trackers
 from clusterflow.rundir import (
     cancel_marker,
@@ -201,14 +202,19 @@ def submit_slurm(
 
 
 def wait_for(paths: rundir.RunPaths, job_id: str, poll_s: float = 3.0) -> int:
-    """Block until the Slurm job has left the queue; the run dir's status decides the exit code.
-    A requeued job stays in the queue, so waiting spans all its attempts."""
+    """Block until the Slurm job has left the queue; the run's state as ``status`` decides it
+    (the records weighed against Slurm's: a job recorded requeued that Slurm did not requeue
+    failed) gives the exit code. A requeued job stays in the queue, so waiting spans all its
+    attempts."""
     slurm_commands.wait_until_gone(job_id, poll_s)
     status, _ = rundir.read_object(paths.status)
-    state = status.get("state")
+    seen = run_status.collect(paths) if status.get("state") else {}
+    state = seen.get("state")
     print(f"job {job_id} ended: {state or 'unknown (no status written; see the Slurm logs)'}")
     if state == states.COMPLETED:
         return EXIT_OK
+    if seen.get("error"):
+        print(f"cause: {seen['error']}")
     return local.failed_exit_code(status, first_error.read(paths, rundir.current_attempt(paths)))
 
 

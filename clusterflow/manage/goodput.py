@@ -55,6 +55,11 @@ def slurm_times(paths: rundir.RunPaths) -> dict[str, list[dict[str, Any]]]:
 
 
 def book(paths: rundir.RunPaths) -> dict[str, Any]:
+    if os.path.exists(paths.root) and not os.path.isdir(paths.root):
+        raise UserError(
+            f"{paths.root!r} is a file, not a run dir; pass the run.dir of a submitted run "
+            "(the folder that holds its config.yaml) or a sweep dir"
+        )
     if not os.path.isdir(paths.root):
         raise UserError(
             f"run dir {paths.root!r} does not exist; pass the run.dir of a submitted run"
@@ -67,7 +72,8 @@ def book(paths: rundir.RunPaths) -> dict[str, Any]:
 
 
 def plot(books: list[dict[str, Any]], out: str) -> None:
-    """Each attempt as a bar on a time axis, its categories side by side in ledger order."""
+    """Each attempt as a bar on a time axis, its categories side by side in ledger order; the
+    legend in a row of its own under the axis and its label."""
     try:
         import matplotlib
 
@@ -78,7 +84,11 @@ def plot(books: list[dict[str, Any]], out: str) -> None:
             "--plot needs matplotlib, which is not installed; pip install 'clusterflow[plot]'"
         ) from None
     rows = [(b["run_dir"], r) for b in books for r in b["attempts"]]
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.5 * max(1, len(rows))))
+    bars_in = 0.9 + 0.45 * max(1, len(rows))  # the bars, the ticks and the axis label
+    legend_in = 0.6  # two rows of six entries
+    fig = plt.figure(figsize=(10, bars_in + legend_in))
+    grid = fig.add_gridspec(2, 1, height_ratios=(bars_in, legend_in))
+    ax, key = fig.add_subplot(grid[0]), fig.add_subplot(grid[1])
     t0 = min((r["queued_at"] for _, r in rows), default=0.0)
     for y, (run, r) in enumerate(rows):
         left = r["queued_at"] - t0
@@ -93,13 +103,14 @@ def plot(books: list[dict[str, Any]], out: str) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the first submission")
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[k]) for k in goodput.CATEGORIES]
-    ax.legend(
+    key.axis("off")
+    key.legend(
         handles,
         [goodput.LABELS[k] for k in goodput.CATEGORIES],
         ncol=6,
         fontsize=7,
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.25 if len(rows) < 4 else -0.1),
+        loc="center",
+        frameon=False,
     )
     fig.tight_layout()
     try:
@@ -112,6 +123,27 @@ def plot(books: list[dict[str, Any]], out: str) -> None:
         plt.close(fig)
 
 
+def sweep_book(target: rundir.RunPaths) -> dict[str, Any]:
+    """One object for a sweep dir: each member that started (has a config.yaml) and their total;
+    the members not started yet by name."""
+    index = sweep_index.read_index(target) or {}
+    dirs = sweep_index.member_dirs(target, index)
+    members = [book(d) for d in dirs.values() if os.path.exists(d.config)]
+    return {
+        "sweep_dir": target.root,
+        "members": members,
+        "not_started": [name for name, d in dirs.items() if not os.path.exists(d.config)],
+        "total": goodput.total_of(members),
+    }
+
+
+def _shown(b: dict[str, Any]) -> str:
+    """One run's table, its damaged records under it."""
+    lines = [b["run_dir"], goodput.render(b)]
+    lines += [f"warning: {d}: ignored" for d in b["damaged_records"]]
+    return "\n".join(lines)
+
+
 @cli
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
@@ -121,22 +153,23 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("run_dir", metavar="RUN_DIR|SWEEP_DIR")
-    p.add_argument("--json", action="store_true", help="one JSON object (a list for a sweep dir)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object (for a sweep dir: its members and their total)",
+    )
     p.add_argument("--plot", metavar="OUT.png", help="draw the attempts as a timeline")
     args = p.parse_args(argv)
     target = rundir.RunPaths(args.run_dir)
-    if sweep_index.is_sweep_dir(target):
-        index = sweep_index.read_index(target) or {}
-        dirs = sweep_index.member_dirs(target, index).values()
-        books = [book(d) for d in dirs if os.path.exists(d.config)]
-        shown: Any = books
-    else:
-        books = [book(target)]
-        shown = books[0]
+    sweep = sweep_book(target) if sweep_index.is_sweep_dir(target) else None
+    books = sweep["members"] if sweep is not None else [book(target)]
     if args.plot:
         plot(books, args.plot)
     if args.json:
-        print(json.dumps(shown, indent=1))
-    else:
-        print("\n\n".join(f"{b['run_dir']}\n{goodput.render(b)}" for b in books))
+        print(json.dumps(sweep if sweep is not None else books[0], indent=1))
+        return EXIT_OK
+    text = "\n\n".join(_shown(b) for b in books)
+    if sweep is not None:
+        text += "\n\n" + goodput.render_sweep(sweep)
+    print(text)
     return EXIT_OK

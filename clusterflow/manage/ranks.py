@@ -60,9 +60,11 @@ def extend(
     last: dict[str, Any],
     queue: str | None,
     damaged: list[str] | None = None,
+    asked: slurm_outcome.Verdict | None = None,
 ) -> None:
     """Add ``ranks``, ``ranks_summary`` and ``slurm`` to a status object (damaged heartbeats to
-    ``damaged``); ``data``: config.yaml read as plain YAML."""
+    ``damaged``); ``data``: config.yaml read as plain YAML; ``asked``: Slurm's verdict when the
+    status verdict already asked for it."""
     rs = ranks(paths, data, last, out.get("world_size"), damaged)
     if states.ended(out["state"]):
         for r in rs:
@@ -75,11 +77,9 @@ def extend(
     out["ranks_summary"] = heartbeat.summary(rs) if out["state"] == states.RUNNING else None
     job_id = str(out.get("job_id") or "")
     left_queue = queue == "" and job_id.replace("_", "").isdigit()
-    out["slurm"] = (
-        slurm_outcome.ask(job_id).to_dict()
-        if left_queue and out["state"] != states.COMPLETED
-        else None
-    )
+    if asked is None and left_queue and out["state"] != states.COMPLETED:
+        asked = slurm_outcome.ask(job_id)
+    out["slurm"] = asked.to_dict() if asked is not None else None
 
 
 def render(out: dict[str, Any]) -> list[str]:

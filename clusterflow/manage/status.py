@@ -165,6 +165,17 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
         return None
 
 
+def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:
+    """How many runs of Slurm job ``job_id`` the run's attempts know: its highest restart count
+    (SLURM_RESTART_COUNT) + 1, or 0 when none of them ran in it."""
+    counts = [
+        a["restart_count"]
+        for a in attempts
+        if str(a.get("job_id")) == job_id and isinstance(a.get("restart_count"), int)
+    ]
+    return max(counts) + 1 if counts else 0
+
+
 def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     keys = (
         "epoch",
@@ -221,7 +232,8 @@ def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
 
 
 def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
-    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them."""
+    """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them;
+    the earlier ones summed up in one line (shown in full when there is only one)."""
     if not ledger or not ledger["epochs"]:
         return []
     epochs = ledger["epochs"]
@@ -230,12 +242,14 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     def trained(e: dict[str, Any]) -> int:
         return sum(r["end"] - r["start"] for r in e["ranges"])
 
+    if len(epochs) == shown + 1:
+        shown += 1
     earlier = epochs[:-shown]
     if earlier:
         full = sum(trained(e) == e["samples"] for e in earlier)
         lines.append(
-            f"samples      epochs 1-{len(earlier)}: {full} of {len(earlier)} trained in full "
-            "(--json lists every range)"
+            f"samples      epochs {earlier[0]['epoch'] + 1}-{earlier[-1]['epoch'] + 1}: "
+            f"{full} of {len(earlier)} trained in full (--json lists every range)"
         )
     for e in epochs[-shown:]:
         ranges = ", ".join(
@@ -248,10 +262,12 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(paths: rundir.RunPaths, state: str) -> dict[str, Any] | None:
+def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, Any] | None:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
-    Slurm's start and end times); None before any attempt recorded its time."""
+    Slurm's start and end times); None before any attempt recorded its time. The records it read
+    that are damaged (its timelines) join ``notes``."""
     book = goodput.ledger(paths, running=state == State.RUNNING)
+    notes += [d for d in book["damaged_records"] if d not in notes]
     if not book["attempts"]:
         return None
     total = book["total"]
@@ -305,7 +321,14 @@ def collect(
         first_error=first_error.read(paths, rundir.current_attempt(paths), notes),
         srun_first=_srun_first(paths, job_id),
         completed=_completed(paths, newest),
+        job_id=job_id,
+        slurm_runs=_runs_known(attempts, job_id),
+        resume=saved_config.how_to_resume(paths),
     )
+    asked = None
+    if verdict.needs_slurm(evidence):
+        asked = slurm_outcome.ask(job_id)
+        evidence = dataclasses.replace(evidence, slurm=asked)
     alive, note = None, None
     if verdict.needs_liveness(evidence):
         life = liveness.check(paths, last, queue, queue_state)
@@ -347,10 +370,10 @@ def collect(
         "code": frozen_code.describe(paths, notes),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(paths, decided.state)
+    out["goodput"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, config, last, queue, notes)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
     return out
 
 

@@ -17,6 +17,11 @@ status.json may not. :func:`decide` weighs them, in this order:
 | squeue: RUNNING, COMPLETING, CONFIGURING or gone        |                           |
 | no live process; squeue not PENDING; recorded running,  | failed                    |
 | or nothing once an attempt or checkpoint exists         |                           |
+| recorded requeued, squeue not PENDING nor RUNNING, and  | failed (stopped when      |
+| Slurm's record (sacct, scontrol) shows no requeue       | Slurm says CANCELLED)     |
+| (``slurm_says``)                                        |                           |
+| recorded requeued, squeue COMPLETING, Slurm counted a   | requeued                  |
+| requeue                                                 |                           |
 | squeue: PENDING                                         | requeued (pending before  |
 |                                                         | any attempt)              |
 | squeue: RUNNING, COMPLETING, CONFIGURING                | running                   |
@@ -28,6 +33,8 @@ status.json may not. :func:`decide` weighs them, in this order:
 
 | evidence for ``error`` (first that applies wins)        | error                                |
 |---------------------------------------------------------|--------------------------------------|
+| Slurm ended a job recorded requeued without a requeue   | that, with Slurm's line and how to   |
+|                                                         | resume                               |
 | the first cause is a stall (state failed or running)    | the stall's line (rank, host, step)  |
 | failed: status.json's error, else the first-error       | that cause, with srun's first failed |
 | record                                                  | task in front when another rank      |
@@ -51,10 +58,14 @@ from clusterflow.rundir.states import (
     PENDING,
     REQUEUED,
     RUNNING,
+    STOPPED,
     Cause,
 )
+from clusterflow.slurm import outcome
 
 _QUEUE_RUNNING = ("RUNNING", "COMPLETING", "CONFIGURING")
+# Slurm's words for a job that is still queued or runs: it comes back (or never left).
+_SLURM_LIVE = ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RUNNING", "CONFIGURING")
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,10 @@ class Evidence:
     first_error: dict[str, Any] | None = None  # this attempt's first-error record
     srun_first: tuple[int, str, str] | None = None  # (rank, node, what) srun saw fail first
     completed: bool = False  # committed: model.pt and a checkpoint of the run's last step
+    job_id: str = ""  # the Slurm job that holds the run
+    slurm: outcome.Verdict | None = None  # Slurm's record of it, asked when ``needs_slurm``
+    slurm_runs: int = 0  # the runs of that job the records know (its highest restart count + 1)
+    resume: str = ""  # how to resume the run (``saved_config.how_to_resume``)
 
 
 @dataclass(frozen=True)
@@ -104,6 +119,30 @@ def queued_state(e: Evidence) -> str:
     return state
 
 
+def needs_slurm(e: Evidence) -> bool:
+    """Whether Slurm's own record of the job must be asked: the run's record says requeued, but
+    squeue shows the job neither pending nor running (completing, or gone), so only Slurm knows
+    whether it comes back."""
+    if e.recorded_state != REQUEUED or e.queue is None or not e.job_id or e.completed:
+        return False
+    return e.queue.split("|")[0] not in ("PENDING", "RUNNING", "CONFIGURING")
+
+
+def slurm_says(e: Evidence) -> str | None:
+    """The state Slurm's record gives a job that the run's record calls requeued: requeued while
+    it comes back (queued again, or a requeue counted beyond the runs the records know), failed
+    (stopped, when cancelled) once it ended without one; None when not asked, or it cannot
+    tell."""
+    v = e.slurm
+    if v is None or not needs_slurm(e):
+        return None
+    if v.state in _SLURM_LIVE or (e.slurm_runs and v.attempts > e.slurm_runs):
+        return REQUEUED
+    if v.state == "UNKNOWN":  # Slurm forgot the job: gone from the queue, it never comes back
+        return FAILED if e.queue == "" else None
+    return STOPPED if v.state == "CANCELLED" else FAILED
+
+
 def needs_liveness(e: Evidence) -> bool:
     """Whether the claim is worth checking against live processes: the run says (or, by the
     queue, seems) to run or to have just failed, and its own record does not say it ended."""
@@ -113,6 +152,8 @@ def needs_liveness(e: Evidence) -> bool:
 def decide(e: Evidence) -> Verdict:
     """The state and error ``status`` shows for this evidence (the tables above)."""
     state = queued_state(e)
+    slurm = slurm_says(e)
+    state = slurm or state
     gone = needs_liveness(e) and e.alive is False
     if gone:
         state = FAILED
@@ -121,6 +162,13 @@ def decide(e: Evidence) -> Verdict:
         note = CANCEL_REQUESTED  # never "cancelled" while a live process trains
     elif e.cancelled and state != COMPLETED:
         state = CANCELLED
+    if slurm in (FAILED, STOPPED) and state == slurm and e.slurm is not None:
+        said = e.slurm.line()
+        error = (
+            f"Slurm ended job {e.job_id} without requeueing it ({said}), although the run "
+            f"recorded it requeued; {e.resume}"
+        )
+        return Verdict(state, error, note=note)
     rec = e.first_error
     if rec is not None and rec.get("kind") == Cause.STALL and state in (FAILED, RUNNING):
         facts = {k: rec.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}

@@ -10,14 +10,24 @@ ever negative and the parts add up to the attempt's wall time exactly:
 
     queued -queue- allocated -startup, restore- first step -active- last record -tail- end
 
+- allocated: Slurm's start, else the earliest start of the attempt's processes (its timeline,
+  else ``attempts.jsonl``), so an attempt that dies in start-up counts from its ranks' start.
 - active: the phase seconds since the first step (train, eval, mining, checkpoint), scaled down
   if the clocks disagree; whatever the phases do not cover is ``other``, explicit. Train is
   split by steps: steps that an earlier attempt had trained already are ``recomputed``, steps
   trained after the attempt's last commit that no later attempt took over are ``lost``, the
-  rest ``productive``; eval, mining and checkpoint work after the last commit of an attempt that
-  did not end cleanly is ``lost`` too.
+  rest ``productive``; eval, mining and checkpoint work after the last commit (or, with none,
+  since the first step) of an attempt that ended without completing is ``lost`` too. A later
+  attempt that resumed from a newer step than the attempt recorded committing proves that it
+  committed that step (a kill between the commit and its record).
 - tail: after a clean end of the loop (completed, stopped, failed with a record) ``shutdown``;
   after a stall the watchdog named, ``stalls``; a kill with no record, ``lost``.
+- end: Slurm's end, else the recorded end of the loop (``ended_at``: file times are not trusted
+  where a record says it, since a copy of the run dir gives every file the copy's time), else
+  the last sign of life: the last record, the first error, or the rank logs' last write (not
+  taken when it is later than the next attempt's start: a copy's time).
+- An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
+  its allocation to its end is ``other``: the records cannot split it.
 """
 
 from __future__ import annotations
@@ -71,8 +81,8 @@ def _clamp(t: float | None, low: float, high: float) -> float:
 class _Attempt:
     """The instants and records of one attempt, as the ledger needs them."""
 
-    def __init__(self, rec: dict[str, Any], tl: dict[str, Any]) -> None:
-        self.rec, self.tl = rec, tl
+    def __init__(self, rec: dict[str, Any], tl: dict[str, Any], unreadable: bool) -> None:
+        self.rec, self.tl, self.unreadable = rec, tl, unreadable
         self.n = int(rec.get("attempt", tl.get("attempt", 0)))
         self.job = str(rec.get("job_id") or tl.get("job_id") or "")
         self.restart = rec.get("restart_count", tl.get("restart_count"))
@@ -80,7 +90,36 @@ class _Attempt:
         self.ranks = int(tl.get("world_size") or rec.get("world_size") or 1)
         self.restored = int(tl.get("restored_step") or 0)
         self.last_step = int(tl.get("last_step", self.restored))
+        self.commit: dict[str, Any] = tl.get("commit") or {}
         self.last_record = tl.get("ended_at") or tl.get("written_at")
+        # Every rank's process start where attempts.jsonl has it, else rank 0's (the timeline).
+        starts = [
+            t
+            for t in (rec.get("process_started_at"), tl.get("process_started_at"))
+            if t is not None
+        ]
+        self.process_start: float | None = min(starts) if starts else None
+
+    def start(self) -> float | None:
+        """The earliest recorded start of this attempt: its processes', else the record's."""
+        return self.process_start if self.process_start is not None else self.rec.get("started_at")
+
+    def committed_by_later(self, later: list[_Attempt]) -> None:
+        """A later attempt that resumed from a step newer than this attempt's recorded commit and
+        than its own restore resumed from this attempt's commit, which a kill kept out of its
+        timeline (attempts in between that recorded no restore never trained)."""
+        if "first_step_at" not in self.tl:  # it never trained a step: it committed nothing
+            return
+        for b in later:
+            if b.unreadable:
+                return
+            if "restored_step" not in b.tl:
+                continue
+            if b.restored > max(int(self.commit.get("step") or 0), self.restored):
+                # Its phase seconds as of its last record: nothing recorded came after the commit.
+                self.commit = {"step": b.restored, "seconds": self.tl.get("seconds") or {}}
+                self.last_step = max(self.last_step, b.restored)
+            return
 
 
 @dataclass(frozen=True)
@@ -134,15 +173,23 @@ def ledger(
     whether the newest attempt still runs (None: read status.json)."""
     now = time.time() if now is None else now
     slurm = slurm or {}
-    recs, _ = records.read_records(paths.attempts, records.ATTEMPT)
+    recs, damaged = records.read_records(paths.attempts, records.ATTEMPT)
     tls = timeline.read_all(paths)
-    numbers = sorted({int(r.get("attempt", i)) for i, r in enumerate(recs)} | set(tls))
+    damaged += tls.damaged
+    known = set(tls.records) | tls.unreadable
+    numbers = sorted({int(r.get("attempt", i)) for i, r in enumerate(recs)} | known)
     by_n = {int(r.get("attempt", i)): r for i, r in enumerate(recs)}
-    attempts = [_Attempt(by_n.get(n, {"attempt": n}), tls.get(n, {})) for n in numbers]
+    attempts = [
+        _Attempt(by_n.get(n, {"attempt": n}), tls.records.get(n, {}), n in tls.unreadable)
+        for n in numbers
+    ]
+    for i, a in enumerate(attempts):
+        a.committed_by_later(attempts[i + 1 :])
     if running is None:
         st, _ = records.read_object(paths.status, records.STATUS)
         running = st.get("state") == RUNNING
-    subs, _ = records.read_records(paths.submissions, records.SUBMISSION)
+    subs, said = records.read_records(paths.submissions, records.SUBMISSION)
+    damaged += said
     src = _Sources(paths, slurm, subs, now)
     rows, prev, high = [], None, 0
     restarted = {r.get("next_attempt"): r for r in restarts.read(paths)}
@@ -152,7 +199,12 @@ def ledger(
         row["restart_in_job"] = _restart(restarted.get(a.n))
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
-    return {"run_dir": paths.root, "attempts": rows, "total": _total(rows)}
+    return {
+        "run_dir": paths.root,
+        "attempts": rows,
+        "total": _total(rows),
+        "damaged_records": damaged,
+    }
 
 
 def _restart(r: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -179,7 +231,8 @@ def _instants(
     prev_end = prev[1]["ended_at"] if prev else None
     same_run = prev is not None and a.slurm and prev[0].job == a.job
     in_job = same_run and prev is not None and prev[0].restart == a.restart
-    started = a.tl.get("process_started_at") or a.rec.get("started_at") or now
+    started = a.start()
+    started = now if started is None else started
     said: dict[str, str] = {}
     if in_job:
         allocated, said["allocated"] = prev_end, "previous attempt's end (same allocation)"
@@ -188,7 +241,11 @@ def _instants(
     else:
         allocated = started
         said["allocated"] = (
-            "timeline (process start)" if a.tl.get("process_started_at") else "attempts.jsonl"
+            "timeline (process start)"
+            if a.process_start is not None and a.process_start == a.tl.get("process_started_at")
+            else "attempts.jsonl (process start)"
+            if a.process_start is not None
+            else "attempts.jsonl"
         )
     if in_job or same_run or (prev_end is not None and not a.slurm):
         queued, said["queued"] = prev_end, "previous attempt's end"
@@ -204,22 +261,38 @@ def _instants(
         end, said["ended"] = now, "now (running)"
     elif run and run.get("end") and last_of_run:
         end, said["ended"] = max(run["end"], last), str(run["source"])
+    elif a.tl.get("ended_at"):
+        end, said["ended"] = a.tl["ended_at"], "timeline"
     else:
-        logged = _last_log_line(src.paths, a.n)
-        end = max(last, logged or last)
-        said["ended"] = (
-            "rank logs (last line)"
-            if logged and logged > last
-            else "timeline"
-            if a.last_record
-            else "attempts.jsonl"
-        )
+        end, said["ended"] = _last_sign_of_life(src, a, last, later)
     b0 = float(queued if queued is not None else allocated)
     b1 = max(float(allocated if allocated is not None else b0), b0)
     b4 = max(float(end), b1)
     b2 = _clamp(a.tl.get("first_step_at") or b4, b1, b4)
     b3 = _clamp(now if running else last, b2, b4)
     return [b0, b1, b2, b3, b4], said
+
+
+def _last_sign_of_life(
+    src: _Sources, a: _Attempt, last: float, later: list[_Attempt]
+) -> tuple[float, str]:
+    """The end of an attempt with no record of its end (killed, or dead in start-up): the latest
+    of its last record, its first error and its rank logs' last write, and where it came from.
+    The logs' time is a file time, which a copy of the run dir resets: one later than the next
+    attempt's start is the copy's, not this attempt's, and is not taken."""
+    signs = [(last, "timeline" if a.last_record else "attempts.jsonl")]
+    first = first_error.read(src.paths, a.n)
+    if first is not None and first.get("time"):
+        signs.append((float(first["time"]), "first error"))
+    logged = _last_log_line(src.paths, a.n)
+    nxt = next((t for b in later if (t := b.start()) is not None), None)
+    if logged is not None and (nxt is None or logged <= nxt):
+        signs.append((logged, "rank logs (last line)"))
+    end, said = signs[0]
+    for t, where in signs[1:]:
+        if t > end:
+            end, said = t, where
+    return end, said
 
 
 def _row(
@@ -235,17 +308,14 @@ def _row(
     (b0, b1, b2, b3, b4), said = _instants(src, a, prev, later, running)
     s = dict.fromkeys(CATEGORIES, 0.0)
     s["queue_wait"] = b1 - b0
-    s["restore"] = min(float(a.tl.get("restore_s") or 0.0), b2 - b1)
-    s["startup"] = (b2 - b1) - s["restore"]
-    steps = _active(a, b3 - b2, high, bool(later) or running, s)
-    tail = b4 - b3
-    first = first_error.read(src.paths, a.n)
-    if a.tl.get("outcome"):
-        s["shutdown"] = tail
-    elif first is not None and first.get("kind") == Cause.STALL:
-        s["stalls"] = tail
+    if a.unreadable:  # nothing tells what the attempt did between its start and its end
+        s["other"] = b4 - b1
+        steps = {"restored": 0, "last": 0, "committed": 0, "recomputed": 0, "lost": 0}
     else:
-        s["lost"] += tail
+        s["restore"] = min(max(0.0, float(a.tl.get("restore_s") or 0.0)), b2 - b1)
+        s["startup"] = (b2 - b1) - s["restore"]
+        steps = _active(a, b3 - b2, high, bool(later), running, s)
+        _tail(src, a, b4 - b3, s)
     wall = b4 - b0
     allocated = wall - s["queue_wait"]
     return {
@@ -265,12 +335,24 @@ def _row(
     }
 
 
+def _tail(src: _Sources, a: _Attempt, tail: float, s: dict[str, float]) -> None:
+    """The time after the last record: shut-down after an end of the loop it recorded, a stall
+    the watchdog named, else lost."""
+    first = first_error.read(src.paths, a.n)
+    if a.tl.get("outcome"):
+        s["shutdown"] = tail
+    elif first is not None and first.get("kind") == Cause.STALL:
+        s["stalls"] = tail
+    else:
+        s["lost"] += tail
+
+
 def _active(
-    a: _Attempt, span: float, high: int, taken_over: bool, s: dict[str, float]
+    a: _Attempt, span: float, high: int, later: bool, running: bool, s: dict[str, float]
 ) -> dict[str, int]:
     """Split the time from the first step to the last record (``span``) into ``s``; returns the
-    step counts."""
-    phase = {k: float(v) for k, v in (a.tl.get("seconds") or {}).items()}
+    step counts. ``later``: a later attempt took over; ``running``: the attempt still runs."""
+    phase = {k: max(0.0, float(v)) for k, v in (a.tl.get("seconds") or {}).items()}
     measured = sum(phase.get(k, 0.0) for k in ("train", "eval", "mining", "checkpoint"))
     scale = min(1.0, span / measured) if measured > 0 else 0.0
     train, ev, mi, ck = (
@@ -280,24 +362,36 @@ def _active(
     trained = max(0, a.last_step - a.restored)
     per_step = train / trained if trained else 0.0
     again = min(max(0, min(a.last_step, high) - a.restored), trained)
-    commit = a.tl.get("commit") or {}
-    committed = max(int(commit.get("step", 0)), a.restored)
+    committed = max(int(a.commit.get("step", 0)), a.restored)
     clean = a.tl.get("outcome") == COMPLETED
     # Steps after the last commit that no later attempt took over (nor will: the run ended).
-    lost_steps = 0 if taken_over or clean else max(0, a.last_step - max(committed, high))
+    lost_steps = 0 if later or running or clean else max(0, a.last_step - max(committed, high))
     s["recomputed"] = again * per_step
     s["lost"] = lost_steps * per_step
     s["productive"] = train - s["recomputed"] - s["lost"]
     if trained == 0:
         s["productive"], s["other"] = 0.0, s["other"] + train
+    # Eval, mining and saves after the last commit of an attempt that ended without completing:
+    # the next attempt resumes from that commit (or, with none, from where this one started).
     after = {k: 0.0 for k in ("eval", "mining", "checkpoint")}
-    if not clean and a.tl.get("outcome") is None and commit:
-        at_commit = commit.get("seconds") or {}
+    if not clean and not running:
+        at_commit = a.commit.get("seconds") or {}
         after = {k: max(0.0, (phase.get(k, 0.0) - at_commit.get(k, 0.0)) * scale) for k in after}
     s["lost"] += sum(after.values())
     s["eval"], s["mining"] = ev - after["eval"], mi - after["mining"]
     s["checkpoint_stall"] = ck - after["checkpoint"]
-    return {"restored": a.restored, "last": a.last_step, "recomputed": again, "lost": lost_steps}
+    return {
+        "restored": a.restored,
+        "last": a.last_step,
+        "committed": committed,
+        "recomputed": again,
+        "lost": lost_steps,
+    }
+
+
+def total_of(books: list[dict[str, Any]]) -> dict[str, Any]:
+    """The total of several runs' ledgers (a sweep's members), in the form of one run's."""
+    return _total([b["total"] for b in books])
 
 
 def _total(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -321,6 +415,19 @@ def scalars(book: dict[str, Any]) -> dict[str, float]:
     if total["ratio"] is not None:
         out["goodput/ratio"] = total["ratio"]
     return out
+
+
+def render_sweep(sweep: dict[str, Any]) -> str:
+    """The sweep's line under its members' tables: how many started, and their goodput."""
+    total, members = sweep["total"], sweep["members"]
+    waiting = sweep["not_started"]
+    ratio = "-" if total["ratio"] is None else f"{total['ratio']:.1%}"
+    return (
+        f"sweep total: {len(members)} member{'s' if len(members) != 1 else ''} started"
+        + (f" (not started: {', '.join(waiting)})" if waiting else "")
+        + f", goodput {ratio} of {total['allocated_gpu_s'] / 3600:.2f} GPU-h allocated, "
+        f"wall {total['wall_s']:.1f} s summed over them"
+    )
 
 
 def render(book: dict[str, Any]) -> str:

@@ -21,6 +21,10 @@ keeps every rank independent. Beyond ~10,000 ranks, raise ``dist.heartbeat_s``.
 A record also carries ``progress_at``: the writer keeps running while the loop is stuck in Python
 (time.sleep, a lock, a collective), so a fresh ``time`` with an old ``progress_at`` reads "alive but
 not moving", while an old ``time`` reads "process gone, frozen with the GIL held, or node down".
+And ``paused_from``/``paused_to``: the longest pause between two of this process's writes (the
+writer frozen with the process, or held off the GIL), which stays on record after the process
+resumes: Slurm's SIGCONT before the SIGTERM that ends a step wakes a frozen (SIGSTOPped) rank,
+whose next write would otherwise hide that it had been silent (``job/restarts.py`` reads it).
 """
 
 from __future__ import annotations
@@ -100,6 +104,9 @@ class Heartbeat:
         self._ranks: list[dict[str, Any]] = []
         self._busy_at_write: tuple[int, float] = (0, 0.0)
         self._busy_s: float | None = None
+        # The wall-clock time of the last record, and the longest pause between two of them.
+        self._recorded_at: float | None = None
+        self._paused: tuple[float, float] | None = None
         # Rank 0: called with every rank's records after each gather (the straggler watch).
         self.watch: Callable[[list[dict[str, Any]]], None] | None = None
         self._stop = threading.Event()
@@ -139,6 +146,7 @@ class Heartbeat:
         mono, wall = time.monotonic(), time.time()
         self._update_step_time(step, phase, at, passed)
         self._update_busy()
+        self._update_paused(wall)
         rec: dict[str, Any] = {
             "rank": self.rank,
             "host": self.host,
@@ -151,6 +159,8 @@ class Heartbeat:
             "step_time_s": self._step_time,
             "busy_s": self._busy_s,
             "heartbeat_s": self.every_s,
+            "paused_from": self._paused[0] if self._paused else None,
+            "paused_to": self._paused[1] if self._paused else None,
         }
         if self.gpu is not None:
             rec.update(nvml.gpu_fields(nvml.find_gpu(self._snapshot(), self.gpu)))
@@ -173,6 +183,14 @@ class Heartbeat:
         if n > n0:
             self._busy_s = (total - total0) / (n - n0)
         self._busy_at_write = (n, total)
+
+    def _update_paused(self, wall: float) -> None:
+        """The longest pause between two records of this process so far."""
+        last, self._recorded_at = self._recorded_at, wall
+        if last is None:
+            return
+        if self._paused is None or wall - last > self._paused[1] - self._paused[0]:
+            self._paused = (last, wall)
 
     def close(self) -> None:
         """Stop the thread and leave a last record (phase as the loop left it)."""

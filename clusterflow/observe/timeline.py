@@ -87,13 +87,24 @@ class AttemptTimeline(NullTimeline):
         return {k: max(0.0, v - self._base.get(k, 0.0)) for k, v in now.items()}
 
     def _write(self, fsync: bool = False, **fields: object) -> None:
+        """Rewrite the record with ``fields``, the phase seconds until now and, once the loop has
+        trained, the step it trained last (a commit reported from the save's write thread while
+        the loop trained on records where the loop is, not the step of the last progress write);
+        the loop's thread and the write thread both call it, and ``last_step`` only grows."""
         with self._lock:
             self._written = time.monotonic()
+            said = [fields.get("last_step"), self.rec.get("last_step")]
+            if self._base is not None:
+                said.append(self.phases.step)
+            steps = [s for s in said if isinstance(s, int)]
+            if steps:
+                fields["last_step"] = max(steps)
             self.rec.update(fields, written_at=time.time(), seconds=self._since_first())
             try:
                 record.write(self.paths, dict(self.rec), fsync=fsync)
             except OSError as exc:  # a record, never a reason to stop training
-                log.warning("could not write %s: %s", self.paths.timeline_file(0), exc)
+                where = self.paths.timeline_file(int(self.rec["attempt"]))
+                log.warning("could not write %s: %s", where, exc)
 
     def restored(self, step: int, seconds: float) -> None:
         self._write(restored_step=step, restore_s=seconds, last_step=step)
@@ -108,7 +119,7 @@ class AttemptTimeline(NullTimeline):
 
     def committed(self, step: int) -> None:
         commit = {"step": step, "at": time.time(), "seconds": self._since_first()}
-        self._write(fsync=True, commit=commit, last_step=max(step, self.rec.get("last_step", 0)))
+        self._write(fsync=True, commit=commit, last_step=step)
 
     def ended(self, outcome: str, step: int, writer: NullWriter) -> None:
         """The loop ended: the last record; the run's goodput so far goes to the writer

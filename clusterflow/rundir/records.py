@@ -11,6 +11,7 @@ committed checkpoints are the truth."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -18,9 +19,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from clusterflow.errors import RunFailed
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import STATES, StopReason
 from clusterflow.storage import durable
+
+log = logging.getLogger("clusterflow.records")
 
 # JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
 # parser's recursion limit (RecursionError).
@@ -57,6 +61,7 @@ def _list_of(test: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 INT = Check("an integer", _is_int)
 NUMBER = Check("a finite number", _is_number)
+SECONDS = Check("a finite number of seconds >= 0", lambda v: _is_number(v) and v >= 0)
 # Seconds since 1970 that time.localtime can show (a year up to about 5000).
 TIME = Check("a time in seconds since 1970", lambda v: _is_number(v) and 0 <= v < 1e11)
 RANKS = Check("a rank count from 1 to 1000000", lambda v: _is_int(v) and 0 < v <= 1_000_000)
@@ -158,6 +163,7 @@ LEDGER_EPOCH = Schema(
     {
         "epoch": INT,
         "samples": INT,
+        "digest": TEXT,
         "ranges": Check("a list of ranges", _list_of(_ledger_range)),
     },
     required=("epoch", "samples", "ranges"),
@@ -175,6 +181,7 @@ ATTEMPT = Schema(
     {
         "attempt": INT,
         "started_at": TIME,
+        "process_started_at": TIME,
         "job_id": JOB_ID,
         "source": TEXT,
         "host": TEXT,
@@ -219,6 +226,8 @@ HEARTBEAT = Schema(
         "step_time_s": NUMBER,
         "busy_s": NUMBER,
         "heartbeat_s": NUMBER,
+        "paused_from": TIME,
+        "paused_to": TIME,
         **{k: INT for k in ("gpu_index",)},
         "gpu_name": TEXT,
         **{
@@ -528,8 +537,19 @@ def excluded_nodes(paths: RunPaths) -> list[str]:
 
 def write_ledger(paths: RunPaths, record: dict[str, Any]) -> None:
     """RUN_DIR/sample_ledger.json: the sample ledger of the committed checkpoint the run continues
-    from (rank 0, after each commit and at each start)."""
-    durable.write_atomic(paths.sample_ledger, json.dumps(record, separators=(",", ":")))
+    from (rank 0, after each commit and at each start). A hint: every checkpoint holds its
+    ledger, so a file that cannot be written (a folder in its place, no permission, a full disk)
+    is a warning, and training goes on."""
+    try:
+        durable.write_atomic(paths.sample_ledger, json.dumps(record, separators=(",", ":")))
+    except (OSError, RunFailed) as exc:
+        log.warning(
+            "%s cannot be written (%s); training goes on: the sample ledger is kept in each "
+            "checkpoint (its manifest's samples), and status shows it once the file can be "
+            "written again (move away what is in its place)",
+            paths.sample_ledger,
+            " ".join(str(exc).split()),
+        )
 
 
 def write_error(paths: RunPaths, rank: int, host: str, error: str, trace: str) -> None:

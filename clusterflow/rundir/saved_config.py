@@ -20,6 +20,7 @@ different one) or write it for a first start. No torch here: ``submit`` runs it 
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -38,6 +39,13 @@ _NOTE = (
     f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
     "# that holds this file, wherever it is moved or copied.\n"
 )
+
+
+def how_to_resume(paths: rundir.RunPaths) -> str:
+    """What resumes a run that nothing brings back, from its newest checkpoint: submitting its
+    own config.yaml again (the run dir is the folder that holds it)."""
+    command = shlex.join(["python", "-m", "clusterflow.submit", paths.config])
+    return f"resume from its newest checkpoint with: {command}"
 
 
 def portable(data: dict[str, Any]) -> dict[str, Any]:

@@ -17,13 +17,16 @@ loop ends; a kill leaves the last one. Fields (times in seconds since 1970, dura
                                       phase seconds at that moment
     ended_at, outcome                 when the loop ended and how (completed, preempted, ...)
 
-Readers get the fields that fit :data:`TIMELINE` (records.py's checked readers)."""
+Readers get the fields that fit :data:`TIMELINE` (records.py's checked readers): a field that
+does not fit (a negative duration, a string for a time) is named and left out; a record that is
+no JSON object (empty, garbage, cut short) is named and its attempt listed as ``unreadable``."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 from clusterflow.rundir import records
@@ -31,8 +34,8 @@ from clusterflow.rundir.paths import RunPaths
 from clusterflow.storage import durable
 
 _SECONDS = records.Check(
-    "an object of finite numbers",
-    lambda v: isinstance(v, dict) and all(records.NUMBER.test(x) for x in v.values()),
+    "an object of finite numbers of seconds >= 0",
+    lambda v: isinstance(v, dict) and all(records.SECONDS.test(x) for x in v.values()),
 )
 _COMMIT = records.Check(
     "an object with step, at and seconds",
@@ -51,7 +54,7 @@ TIMELINE = records.Schema(
         "world_size": records.RANKS,
         "process_started_at": records.TIME,
         "restored_step": records.INT,
-        "restore_s": records.NUMBER,
+        "restore_s": records.SECONDS,
         "first_step_at": records.TIME,
         "first_step": records.INT,
         "last_step": records.INT,
@@ -72,13 +75,23 @@ def write(paths: RunPaths, record: dict[str, Any], fsync: bool = False) -> None:
     )
 
 
-def read_all(paths: RunPaths, damaged: list[str] | None = None) -> dict[int, dict[str, Any]]:
-    """Every attempt's timeline, by attempt number; damaged ones are named in ``damaged``."""
+@dataclass
+class Timelines:
+    """Every attempt's timeline that could be read (by attempt number), the attempts whose
+    timeline exists but is unreadable, and a warning for each damaged record or field."""
+
+    records: dict[int, dict[str, Any]] = field(default_factory=dict)
+    unreadable: set[int] = field(default_factory=set)
+    damaged: list[str] = field(default_factory=list)
+
+
+def read_all(paths: RunPaths) -> Timelines:
+    """Every attempt's timeline, by attempt number."""
+    out = Timelines()
     try:
-        names = os.listdir(paths.timelines)
+        names = sorted(os.listdir(paths.timelines))
     except OSError:
-        return {}
-    out: dict[int, dict[str, Any]] = {}
+        return out
     for name in names:
         m = re.fullmatch(r"attempt(\d+)\.json", name)
         if not m:
@@ -86,8 +99,10 @@ def read_all(paths: RunPaths, damaged: list[str] | None = None) -> dict[int, dic
         rec, said = records.read_checked(
             os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}"
         )
-        if damaged is not None:
-            damaged += said
-        if rec is not None:
-            out[int(m.group(1))] = rec
-    return dict(sorted(out.items()))
+        out.damaged += said
+        if rec is None:
+            out.unreadable.add(int(m.group(1)))
+        else:
+            out.records[int(m.group(1))] = rec
+    out.records = dict(sorted(out.records.items()))
+    return out

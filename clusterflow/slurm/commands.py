@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,9 +117,26 @@ def available(name: str) -> bool:
     return shutil.which(name) is not None
 
 
-def job_state(job_id: str, timeout_s: float = 30) -> str:
-    """JobState from ``scontrol show job``, or "" when Slurm does not answer."""
-    return job_fields(job_id, timeout_s).get("JobState", "")
+# JobState words of a job that still runs, or is back in the queue.
+_LIVE = ("RUNNING", "PENDING", "CONFIGURING", "SUSPENDED", "RESIZING", "REQUEUED", "REQUEUE_")
+
+
+def not_requeued(job_id: str, fields: Mapping[str, str], restart_count: int) -> str | None:
+    """Slurm's words that the job is ending, or ended, for good, from ``scontrol show job``'s
+    ``fields`` seen by the job's own attempt ``restart_count`` (SLURM_RESTART_COUNT); None while
+    it runs, when it was cancelled, when Slurm counted a requeue beyond that attempt (Restarts:
+    ``scontrol requeue`` or a preemption under way), or when the fields do not say. Both a requeue
+    and the end of a job whose batch script died show COMPLETING while the steps are being
+    ended; only the requeue counts a restart."""
+    state, restarts = fields.get("JobState", ""), fields.get("Restarts", "")
+    if not state or state.startswith(_LIVE) or state == "CANCELLED" or not restarts.isdigit():
+        return None
+    if int(restarts) > restart_count:
+        return None
+    said = ", ".join(
+        f"{key} {fields[key]}" for key in ("JobState", "ExitCode", "Reason") if fields.get(key)
+    )
+    return f"Slurm ends job {job_id} without requeueing it ({said}; Restarts {restarts})"
 
 
 def is_batch(job_id: str, timeout_s: float = 30) -> bool | None:

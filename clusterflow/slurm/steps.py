@@ -9,6 +9,7 @@ healthy nodes. Login-node light: no torch.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -65,6 +66,15 @@ class StepEnd:
     failed_at: float | None = None
     started_at: float = 0.0
     ended_at: float = 0.0
+
+    @property
+    def exit_status(self) -> int:
+        """What the batch step exits with after this step: the exit code srun reported for the
+        task that failed first (bad input's 2 stays 2, although srun itself returns 128+15 when
+        it ended a peer with SIGTERM), else srun's own status (a task ended by a signal)."""
+        what = self.first_failure[2] if self.first_failure else ""
+        code = re.fullmatch(r"Exited with exit code (\d+)", what)
+        return int(code.group(1)) if code and self.returncode != 0 else self.returncode
 
 
 def run_step(argv: Sequence[str], env: Mapping[str, str]) -> StepEnd:

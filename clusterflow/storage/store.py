@@ -114,8 +114,9 @@ class CheckpointStore:
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
         self.keep_every, self.best = keep_every, best
-        # Called after a step is published and before pruning (rank 0 points RUN_DIR/best).
-        self.after_publish: Callable[[], None] | None = None
+        # Called with the step as soon as a save published it, before pruning (rank 0: the
+        # attempt's timeline records the commit, RUN_DIR/best points at the best step).
+        self.after_publish: Callable[[int], None] | None = None
         self.url = root
         self.fs, self.root = fsspec.core.url_to_fs(root)
         self.keep_last = keep_last
@@ -187,7 +188,7 @@ class CheckpointStore:
             return None
         staged = self._stage(step, files, meta or {})
         self._publish(staged, step)
-        self._settle()
+        self._settle(step)
         return self.step_path(step)
 
     def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
@@ -261,14 +262,15 @@ class CheckpointStore:
         ranks' files, name -> size and digest), and publish. Returns the step path."""
         self._fill(staged, step, files, listed, meta)
         self._publish(staged, step)
-        self._settle()
+        self._settle(step)
         return self.step_path(step)
 
-    def _settle(self) -> None:
-        """After a step is published: the caller's hook (``RUN_DIR/best``), then pruning, so the
+    def _settle(self, step: int) -> None:
+        """After a save published ``step``: the caller's hook at once (a kill after the publish
+        leaves its record of the commit as short a time behind as can be), then pruning, so the
         hook never names a folder the pruning removed."""
         if self.after_publish is not None:
-            self.after_publish()
+            self.after_publish(step)
         self.prune()
 
     def abandon(self, staged: str) -> None:
@@ -547,14 +549,22 @@ class CheckpointStore:
                 ckpt = self.verify(step)
             except ValueError as exc:
                 log.warning(
-                    "skipping damaged checkpoint %s: %s; falling back to the previous one",
+                    "skipping damaged checkpoint %s: %s; %s",
                     self.url_of(step),
                     exc,
+                    self.fallback(step, skip),
                 )
                 if damaged is not None:
                     damaged[step] = str(exc)
                 continue
             yield ckpt
+
+    def fallback(self, step: int, skip: set[int] | frozenset[int] = frozenset()) -> str:
+        """What a reader that skips ``step`` does next, for its warning: an older committed step
+        (not in ``skip``) to try, or none."""
+        if any(s < step and s not in skip for s in self.steps()):
+            return "falling back to the previous one"
+        return "no older checkpoint to fall back to"
 
     def latest(self) -> Checkpoint | None:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a

@@ -5,7 +5,10 @@ A task is named in config as ``task.target: "package.module:Class"`` and built a
 
 - ``build_model() -> nn.Module``
 - ``train_dataset() -> Dataset`` whose items are dicts holding at least ``"index"`` (the sample's
-  position in the dataset; labels and mining are keyed by it)
+  position in the dataset; labels and mining are keyed by it). It may offer ``data_digest() ->
+  str``, a hash of what names each sample in index order: with its length, the identity of the
+  data that a run's checkpoints record and a resume must match (the image tasks' file list and
+  shard index; without one the length alone is compared)
 - ``loss(model, batch, labels) -> (loss, metrics)``: ``labels`` holds the current pseudo-labels of
   the batch (a LongTensor, -1 = ignore) or None before the first mining round; ``metrics`` maps
   names to numbers averaged over the batch (logged after an all-reduce): 0-dim tensors, which stay
@@ -115,6 +118,19 @@ class OneOf:
     def __str__(self) -> str:
         listed = ", ".join(str(v) for v in self.values)
         return f"one of {listed} ({self.what})" if self.what else f"one of {listed}"
+
+
+class DatasetError(UserError):
+    """Bad data met while reading an item (an image that does not decode, a damaged shard): one
+    line naming the file and the fix. Raised in a DataLoader worker, it reaches the main process
+    rebuilt from "Caught ... Original Traceback ...": only its own last line is kept, so the
+    job's error stays that one line."""
+
+    def __init__(self, message: str) -> None:
+        marker = f"{type(self).__name__}: "
+        if "Original Traceback" in message and marker in message:
+            message = message.rsplit(marker, 1)[1].strip()
+        super().__init__(message)
 
 
 class Stopped(Exception):

@@ -25,6 +25,7 @@ is read by the shard index (docs/data.md).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
@@ -40,7 +41,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from clusterflow.errors import UserError
-from clusterflow.tasks import OneOf, Range, Task, check_stop, shard_format
+from clusterflow.tasks import DatasetError, OneOf, Range, Task, check_stop, shard_format
 from clusterflow.tasks.augment import Augment, view_generator
 from clusterflow.tasks.backbones import BACKBONES, Encoder
 from clusterflow.tasks.digits import write_digits
@@ -49,18 +50,11 @@ from clusterflow.tasks.losses import supcon_loss
 log = logging.getLogger("clusterflow.tasks.images")
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+ROOT = "task.params.root"  # what names an image folder in messages, unless a caller says
 
 
-class UnreadableImage(UserError):
-    """A file that Pillow cannot decode. Raised in a DataLoader worker, it reaches the main
-    process rebuilt from "Caught ... Original Traceback ...": keep only our own last line, so the
-    job's error stays the one-line message that names the file."""
-
-    def __init__(self, message: str) -> None:
-        marker = f"{type(self).__name__}: "
-        if "Original Traceback" in message and marker in message:
-            message = message.rsplit(marker, 1)[1].strip()
-        super().__init__(message)
+class UnreadableImage(DatasetError):
+    """A file that Pillow cannot decode (one line, also from a DataLoader worker)."""
 
 
 def _is_image(name: str) -> bool:
@@ -73,8 +67,10 @@ class _Walk:
     remembered instead of multiplying the data; the stop flag and the time limit are checked at
     each folder."""
 
-    def __init__(self, root: str, limit_s: float, clock: Callable[[], float]) -> None:
-        self.root, self.limit_s, self.clock = root, limit_s, clock
+    def __init__(
+        self, root: str, limit_s: float, clock: Callable[[], float], key: str = ROOT
+    ) -> None:
+        self.root, self.limit_s, self.clock, self.key = root, limit_s, clock, key
         self.started = clock()
         self.seen: set[tuple[int, int]] = set()
         self.skipped: list[str] = []  # links to folders already scanned, relative to root
@@ -95,11 +91,11 @@ class _Walk:
 
     def tick(self) -> None:
         """Before each folder is listed: stop when the job was asked to, fail past the limit."""
-        check_stop(f"scanning task.params.root={self.root}")
+        check_stop(f"scanning {self.key}={self.root}")
         self.folders += 1
         if self.limit_s and self.clock() - self.started > self.limit_s:
             raise UserError(
-                f"scanning task.params.root={self.root!r} took longer than "
+                f"scanning {self.key}={self.root!r} took longer than "
                 f"task.params.scan_limit_s={self.limit_s:g} seconds ({self.folders} folders, "
                 f"{self.images} images so far); point root at a smaller folder, or raise "
                 "task.params.scan_limit_s (0: no limit) for a folder this large"
@@ -108,8 +104,9 @@ class _Walk:
     def report(self) -> None:
         if self.skipped:
             log.warning(
-                "task.params.root=%s: %d linked folder(s) lead to a folder already scanned and "
+                "%s=%s: %d linked folder(s) lead to a folder already scanned and "
                 "were skipped (each folder is read once): %s",
+                self.key,
                 self.root,
                 len(self.skipped),
                 ", ".join(
@@ -148,17 +145,21 @@ def _images_under(folder: str, walk: _Walk) -> list[str]:
 
 
 def scan(
-    root: str, limit_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+    root: str,
+    limit_s: float = 600.0,
+    clock: Callable[[], float] = time.monotonic,
+    key: str = ROOT,
 ) -> tuple[list[str], np.ndarray | None, list[str]]:
     """(paths relative to root in a fixed order, class index per path or None, class names).
-    ``limit_s``: the longest the scan may take (0: no limit)."""
+    ``limit_s``: the longest the scan may take (0: no limit); ``key``: what names ``root`` in
+    messages (the task's parameter, or a command's argument such as ``SRC``)."""
     if not os.path.isdir(root):
         what = "is a file, not a folder" if os.path.exists(root) else "does not exist"
+        digits = "(or set task.params.make_digits=true)" if key == ROOT else ""
         raise UserError(
-            f"task.params.root={root!r} {what}; point it at a folder of images "
+            f"{key}={root!r} {what}; point it at a folder of images "
             "(one sub-folder per class, or flat), or for the digits example run "
-            f"`python -m clusterflow.tasks.digits {root}` first "
-            "(or set task.params.make_digits=true)"
+            f"`python -m clusterflow.tasks.digits {root}` first {digits}".rstrip()
         )
     # scandir: the entry types come with the listing, no stat per file (a flat folder may hold
     # millions).
@@ -167,11 +168,11 @@ def scan(
     )
     if not entries:
         raise UserError(
-            f"task.params.root={root!r} is an empty folder; "
+            f"{key}={root!r} is an empty folder; "
             "put image files in it (one sub-folder per class, or flat)"
         )
     top = [e.name for e in entries if e.is_file() and _is_image(e.name)]
-    walk = _Walk(root, limit_s, clock)
+    walk = _Walk(root, limit_s, clock, key)
     walk.first_visit(root)
     # Every class folder is marked before any is walked: a link from one class into another is
     # skipped, never read as the first class's images.
@@ -181,7 +182,7 @@ def scan(
     walk.report()
     if top and classes:
         raise UserError(
-            f"task.params.root={root!r} holds both image files ({top[0]}, ...) "
+            f"{key}={root!r} holds both image files ({top[0]}, ...) "
             f"and class folders with images ({next(iter(classes))}/, ...); "
             "move every image into a class folder, or use a flat folder"
         )
@@ -189,7 +190,7 @@ def scan(
         return top, None, []
     if not classes:
         raise UserError(
-            f"task.params.root={root!r} holds no image files "
+            f"{key}={root!r} holds no image files "
             f"({len(entries)} entries, e.g. {entries[0].name!r}); "
             f"accepted extensions: {' '.join(IMAGE_EXTENSIONS)}"
         )
@@ -298,6 +299,13 @@ class ImageFiles(ImageItems):
     def __len__(self) -> int:
         return len(self.files)
 
+    def data_digest(self) -> str:
+        """What the run's checkpoints record of the data (``Task`` protocol): the file list in
+        index order, so images added, removed or renamed are other data."""
+        h = hashlib.sha256(f"{len(self.files)}:{self.files.dtype.itemsize}:".encode())
+        h.update(self.files.tobytes())
+        return h.hexdigest()
+
     def path(self, index: int) -> str:
         return os.path.join(self.root, os.fsdecode(self.files[index]))
 
@@ -312,7 +320,7 @@ class ShardImages(ImageItems):
 
     def __init__(
         self,
-        index: shard_format.ShardIndex,
+        reader: shard_format.ShardReader,
         image_size: int,
         channels: int,
         augment: Augment | None,
@@ -320,11 +328,17 @@ class ShardImages(ImageItems):
         mix: int,
     ) -> None:
         super().__init__(image_size, channels, augment, seed)
-        self.index, self.mix = index, mix
-        self.reader = shard_format.ShardReader(index)
+        # One reader for the task's train and embed sets: one bounded set of open shards per
+        # process (a DataLoader worker unpickles a reader of its own).
+        self.index, self.mix, self.reader = reader.index, mix, reader
 
     def __len__(self) -> int:
         return len(self.index)
+
+    def data_digest(self) -> str:
+        """What the run's checkpoints record of the data (``Task`` protocol): the digest of the
+        shard index, so a folder packed again is other data."""
+        return self.index.digest
 
     def _name(self, index: int) -> str:
         shard = int(self.index.shard_of(np.array([index]))[0])
@@ -571,6 +585,7 @@ class ImageShardsTask(ImageFolderTask):
         )
         self.mix_shards = mix_shards
         self.index = shard_format.ShardIndex.load(root)
+        self.reader = shard_format.ShardReader(self.index)
         self.labels, self.classes = self.index.label, self.index.classes
         self.num_samples = len(self.index)
         log.info(
@@ -586,13 +601,18 @@ class ImageShardsTask(ImageFolderTask):
     def train_dataset(self) -> ShardImages:
         if self._train is None:
             self._train = ShardImages(
-                self.index, self.image_size, self.channels, self.augment, self.seed, self.mix_shards
+                self.reader,
+                self.image_size,
+                self.channels,
+                self.augment,
+                self.seed,
+                self.mix_shards,
             )
         return self._train
 
     def embed_dataset(self) -> ShardImages:
         if self._embed is None:
             self._embed = ShardImages(
-                self.index, self.image_size, self.channels, None, self.seed, self.mix_shards
+                self.reader, self.image_size, self.channels, None, self.seed, self.mix_shards
             )
         return self._embed

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer
+from clusterflow.checkpoint.data_identity import identify
 from clusterflow.checkpoint.rng import capture_rng, rank_seed, restore_rng, seed_everything
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
@@ -161,6 +162,8 @@ class Trainer:
     def _build_data(self) -> None:
         t = self.cfg.train
         self.dataset = self.task.train_dataset()
+        # What a checkpoint records of the data, and a resume compares with it.
+        self.data = identify(self.dataset)
         check_fits(len(self.dataset), t.batch_size, self.world * t.grad_accum, self.cfg.task.target)
         self.micro_global = t.batch_size // t.grad_accum
         dataset = self.dataset
@@ -200,7 +203,7 @@ class Trainer:
         """Train to the end or until a signal or a cancel. Returns "completed" or the agreed
         stop reason (a ``StopReason``: preempted, timeout, interrupted, cancelled)."""
         t0 = time.monotonic()
-        resumed = self.checkpointer.restore()
+        resumed = self.checkpointer.restore(self.data)
         if not resumed:  # a resume may change train.batch_size, and so the step count
             self.cfg.check_profile_reaches(len(self.dataset))
         self.timeline.restored(self.state.global_step, time.monotonic() - t0)
@@ -427,7 +430,7 @@ class Trainer:
         s.step_done(size)
         s.ledger.record(
             s.epoch,
-            len(self.dataset),
+            self.data,
             start,
             start + size,
             self.attempt,

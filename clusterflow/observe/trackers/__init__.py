@@ -34,12 +34,12 @@ import urllib.request
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from clusterflow.config.paths import check_local_dir
 from clusterflow.config.sections import TrackersConfig
 from clusterflow.errors import UserError
 from clusterflow.observe.trackers.mlflow_run import MlflowBackend
 from clusterflow.observe.trackers.state import StateFile
 from clusterflow.observe.trackers.wandb_run import WandbBackend
-from clusterflow.rundir import preflight
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import State
 
@@ -97,7 +97,7 @@ def check(cfg: TrackersConfig, reach: bool = True) -> None:
         _check_server(uri)
     elif uri.startswith("sqlite:///"):
         folder = os.path.dirname(uri[len("sqlite:///") :]) or "."
-        preflight.check_local_dir("trackers.mlflow.uri", folder)
+        check_local_dir("trackers.mlflow.uri", folder)
 
 
 def _check_server(uri: str, timeout_s: float = 10.0) -> None:
