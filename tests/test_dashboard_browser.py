@@ -5,8 +5,9 @@ the GPUs (NVML replaced at its boundary) name the run that holds them, the run k
 SIGKILL and resumed shows two attempts and the restart, cancel from the page stops it, and a
 request without the token or with ``..`` is refused.
 
-One run, one dashboard and one browser serve every test of this module (module fixtures, in
-file order): about 2-3 minutes here, most of it the run's two start-ups.
+One run, one dashboard and one browser serve every check, in order, in one test (the checks build
+on each other: the run must train before it is killed, be killed before it is resumed): 1-3
+minutes here, most of it the run's two start-ups.
 
 CLUSTERFLOW_DOCS_SCREENSHOTS=1 writes the pages' screenshots into docs/images/ for
 docs/dashboard.md (the suite leaves the tree alone otherwise).
@@ -131,7 +132,7 @@ def _alive(pid):
     return True
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dashboard") / "runs"
     os.makedirs(root)
@@ -140,7 +141,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def live(runs, tmp_path_factory):
     run = LiveRun(runs / "live", str(tmp_path_factory.mktemp("live-logs")))
     run.start()
@@ -148,14 +149,14 @@ def live(runs, tmp_path_factory):
     run.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dashboard(runs, tmp_path_factory):
     d = Dashboard([runs], str(tmp_path_factory.mktemp("dashboard-logs")))
     yield d
     d.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def driver():
     assert have_browser(), (
         "Debian's chromium and chromium-driver are needed: tests/run.sh installs them "
@@ -196,7 +197,7 @@ def _last_step(driver):
     )
 
 
-def test_the_run_appears_on_the_runs_page(dashboard, live, driver):
+def check_the_run_appears_on_the_runs_page(runs, live, dashboard, driver):
     driver.get(dashboard.url)
     rows = until(
         "the live run listed as running",
@@ -207,7 +208,7 @@ def test_the_run_appears_on_the_runs_page(dashboard, live, driver):
     assert "3 member(s), 3 completed" in sweep and "lr=0.003" in sweep
 
 
-def test_a_new_step_reaches_the_chart_without_a_reload(dashboard, live, driver):
+def check_a_new_step_reaches_the_chart_without_a_reload(runs, live, dashboard, driver):
     driver.find_element("link text", "runs/live").click()
     until("the run page", lambda: driver.find_element("id", "run-name").text == "runs/live")
     driver.execute_script("window.notReloaded = true;")
@@ -220,7 +221,7 @@ def test_a_new_step_reaches_the_chart_without_a_reload(dashboard, live, driver):
     assert driver.execute_script("return window.notReloaded === true;")
 
 
-def test_the_per_rank_toggle_changes_the_charts(dashboard, live, driver):
+def check_the_per_rank_toggle_changes_the_charts(runs, live, dashboard, driver):
     aggregated = until(
         "the step-time chart's mean of both ranks",
         lambda: (
@@ -245,7 +246,7 @@ def test_the_per_rank_toggle_changes_the_charts(dashboard, live, driver):
     assert texts(driver, "#ranks tbody tr td:first-child") == ["0", "1"]
 
 
-def test_the_gpus_name_the_run_that_holds_them(runs, live, driver):
+def check_the_gpus_name_the_run_that_holds_them(runs, live, dashboard, driver):
     """NVML replaced at its boundary: a snapshot where GPU 0 and 1 are held by the live run's
     two rank processes (their heartbeats name their pids), GPU 2 by another user's process."""
     pids = until(
@@ -285,7 +286,9 @@ def test_the_gpus_name_the_run_that_holds_them(runs, live, driver):
         screenshot(driver, "dashboard-runs.png")
 
 
-def test_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(dashboard, live, driver):
+def check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(
+    runs, live, dashboard, driver
+):
     run_id = until(
         "the run's id",
         lambda: next(
@@ -328,7 +331,7 @@ def test_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(dashboard, 
     screenshot(driver, "dashboard-run.png", height=4200)
 
 
-def test_cancel_from_the_page_stops_the_run(dashboard, live, driver):
+def check_cancel_from_the_page_stops_the_run(runs, live, dashboard, driver):
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -346,7 +349,7 @@ def test_cancel_from_the_page_stops_the_run(dashboard, live, driver):
     )
 
 
-def test_a_request_without_the_token_is_refused_and_dot_dot_is_404(dashboard, driver):
+def check_a_request_without_the_token_is_refused_and_dot_dot_is_404(runs, live, dashboard, driver):
     for path in ("/", "/api/runs", "/api/stream", "/static/plotly.min.js"):
         code, body, _ = get(dashboard.base + path)
         assert code == 403 and "needs its token" in body, path
@@ -360,3 +363,22 @@ def test_a_request_without_the_token_is_refused_and_dot_dot_is_404(dashboard, dr
     ):
         code, body = raw_get(dashboard.port, path)
         assert code == 404 and "root:" not in body, path
+
+
+CHECKS = (
+    check_the_run_appears_on_the_runs_page,
+    check_a_new_step_reaches_the_chart_without_a_reload,
+    check_the_per_rank_toggle_changes_the_charts,
+    check_the_gpus_name_the_run_that_holds_them,
+    check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart,
+    check_cancel_from_the_page_stops_the_run,
+    check_a_request_without_the_token_is_refused_and_dot_dot_is_404,
+)
+
+
+def test_the_dashboard_in_a_browser_while_a_real_run_trains(runs, live, dashboard, driver):
+    """Every check above, in order, against one live run, one dashboard and one browser."""
+    for check in CHECKS:
+        started = time.monotonic()
+        check(runs, live, dashboard, driver)
+        print(f"{check.__name__}: {time.monotonic() - started:.1f} s")
