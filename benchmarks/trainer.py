@@ -9,7 +9,7 @@ pseudo-ID demo, ``--identities`` identities x 20 samples, global batch 128): clu
 DistributedDataParallel + DistributedSampler + DataLoader + AdamW around ``PseudoIDTask.loss``,
 nothing else: no logging, no checkpoints, no stop agreement). Each runs 1 + E epochs and rank 0
 notes the time at which every epoch starts and the last one ends (for clusterflow, by wrapping
-``Trainer._train_epoch`` and ``Trainer._end_of_epoch`` with a clock read, nothing else); the time of
+``Trainer._train_epoch`` and ``Run._end_epoch`` with a clock read, nothing else); the time of
 each of epochs 2 to 1 + E is a marginal epoch time, so start-up (imports, rendezvous, building the
 data, the first epoch's warm-up) is left out. Repeats are interleaved and alternate the order of the
 sides; the best epoch of each side is the claim (the least disturbed by whatever else runs on the
@@ -102,22 +102,23 @@ def clusterflow_rank(argv: list[str]) -> None:
     """clusterflow's side, run by torchrun on every rank: ``python -m clusterflow.run`` itself,
     with the epoch boundaries timed on rank 0."""
     from clusterflow.job import run
+    from clusterflow.train.session import Run
     from clusterflow.train.trainer import Trainer
 
     times: list[float] = []
-    train_epoch, end_of_epoch = Trainer._train_epoch, Trainer._end_of_epoch
+    train_epoch, end_epoch = Trainer._train_epoch, Run._end_epoch
 
     def timed_train_epoch(self):
         times.append(time.perf_counter())
         return train_epoch(self)
 
-    def timed_end_of_epoch(self):
-        out = end_of_epoch(self)
-        if self.state.epoch == self.cfg.train.epochs:
+    def timed_end_epoch(self):
+        out = end_epoch(self)
+        if self.state.epoch == self.total_epochs:
             times.append(time.perf_counter())  # the last epoch's end: its checkpoint is committed
         return out
 
-    Trainer._train_epoch, Trainer._end_of_epoch = timed_train_epoch, timed_end_of_epoch
+    Trainer._train_epoch, Run._end_epoch = timed_train_epoch, timed_end_epoch
     code = run.main(argv)
     if os.environ.get("RANK") == "0":
         print("EPOCH_TIMES", *times, flush=True)

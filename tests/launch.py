@@ -12,12 +12,16 @@ from conftest import REPO
 from clusterflow.distributed import free_port
 
 
-def start(world, config, overrides, log_dir):
+def start(world, config, overrides, log_dir, command=None, env=None, cwd=REPO):
+    """``world`` ranks of ``python -m clusterflow.run CONFIG OVERRIDES``, or of ``command`` (a
+    list, e.g. a script of the user's own and its arguments, as torchrun would start it)."""
     port = free_port()
     procs = []
     os.makedirs(log_dir, exist_ok=True)
+    extra = dict(env or {})
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+        env.update(extra)
         env.update(
             RANK=str(r),
             LOCAL_RANK=str(r),
@@ -30,8 +34,8 @@ def start(world, config, overrides, log_dir):
         out = open(os.path.join(log_dir, f"launch-rank{r}-{time.time():.0f}.txt"), "a")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "clusterflow.run", config, *overrides],
-                cwd=REPO,
+                command or [sys.executable, "-m", "clusterflow.run", config, *overrides],
+                cwd=cwd,
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -106,35 +106,40 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     from clusterflow.checkpoint import checkpointer
     from clusterflow.distributed import comm as dist
     from clusterflow.tasks import load_task
+    from clusterflow.train import builders
     from clusterflow.train.preemption import Preemption
+    from clusterflow.train.session import Run
     from clusterflow.train.trainer import Trainer
 
     cfg = config.load(config_path, [f"run.dir={run_dir}", *overrides])
     os.makedirs(run_dir, exist_ok=True)
     device = torch.device(device)
     task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
-    trainer = Trainer(cfg, rundir.RunPaths(run_dir), task, device, 0, Preemption())
+    run = Run(
+        cfg,
+        rundir.RunPaths(run_dir),
+        device,
+        0,
+        Preemption(),
+        lambda outcome: (outcome, 0),  # the job's end: nothing to requeue here
+        amp=builders.amp_dtype(cfg.train.amp, device),
+    )
+    trainer = Trainer(run, task)
     calls, steps = [], {}
-    save, loader = trainer._save, trainer._loader
+    save, dataloader = run._save, trainer.loader.dataloader
 
-    def start_of_loop():
+    def start_of_loop(epoch):
         calls.clear()  # what the end-of-epoch work read belongs to no step
-        return loader()
+        return dataloader(epoch)
 
     def end_of_step(event):
         save(event)
         if event == checkpointer.STEP:
-            kind = (
-                "log"
-                if trainer._log_due()
-                else "save"
-                if trainer.checkpointer.due(event)
-                else "plain"
-            )
-            steps[trainer.state.global_step] = (kind, list(calls))
+            kind = "log" if run._log_due() else "save" if run.checkpointer.due(event) else "plain"
+            steps[run.global_step] = (kind, list(calls))
             calls.clear()
 
-    trainer._save, trainer._loader = end_of_step, start_of_loop
+    run._save, trainer.loader.dataloader = end_of_step, start_of_loop
     restore = _patch(calls, trainer.device)
     try:
         with _cuda_syncs_counted(device, calls):

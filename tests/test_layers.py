@@ -19,9 +19,12 @@ except ModuleNotFoundError:  # Python 3.10: import-linter depends on tomli there
 PACKAGE = os.path.join(REPO, "clusterflow")
 LOGIN_CONTRACT = "the login side imports neither torch nor faiss"
 # Function-level imports of clusterflow modules, each for a reason other than a cycle: the
-# console script loads only the command asked for, and the login node loads the job's code
-# (torch) only when it hands a job to submitit.
+# console script loads only the command asked for, the login node loads the job's code
+# (torch) only when it hands a job to submitit, and `import clusterflow` loads the library API
+# (torch) only when a script asks for clusterflow.start (a PEP 562 __getattr__).
 LAZY_ALLOWED = {
+    ("clusterflow", "clusterflow.job.script"),
+    ("clusterflow", "clusterflow.train.session"),
     ("clusterflow.cli", "clusterflow.launch.submit"),
     ("clusterflow.cli", "clusterflow.job.run"),
     ("clusterflow.cli", "clusterflow.manage.status"),

@@ -17,7 +17,7 @@ from clusterflow import rundir
 from clusterflow.config.job_config import from_dict
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
-from clusterflow.job import job
+from clusterflow.job import attempt
 from clusterflow.job import restarts as restarts_module
 from clusterflow.job.restarts import (
     NODE_FAULT_RESTARTS_ENV,
@@ -113,9 +113,9 @@ def test_a_rank_requeues_a_node_fault_itself_only_where_no_restart_would_cure_it
     assert not node_fault_restarts(2, 2, ALLOC, 2, [])  # exhausted: requeue without the node
     assert not node_fault_restarts(0, 2, ALLOC[:2], 2, [])  # no spare
     assert not node_fault_restarts(1, 2, ALLOC, 2, ["node2"])  # the spare is used up
-    assert not job._restarted_here("node2", {})
-    assert not job._restarted_here("node2", {NODE_FAULT_RESTARTS_ENV: "0"})
-    assert job._restarted_here("node2", {NODE_FAULT_RESTARTS_ENV: "1"})
+    assert not attempt._restarted_here("node2", {})
+    assert not attempt._restarted_here("node2", {NODE_FAULT_RESTARTS_ENV: "0"})
+    assert attempt._restarted_here("node2", {NODE_FAULT_RESTARTS_ENV: "1"})
 
 
 def test_srun_line_names_the_steps_nodes():

@@ -139,10 +139,10 @@ LATE_RANK = """
 import sys
 from clusterflow.distributed.env import DistEnv
 from clusterflow import rundir
-from clusterflow.job import job
+from clusterflow.job import attempt
 from clusterflow.rundir import saved_config
 cfg = saved_config.read(sys.argv[1])
-job._start(DistEnv.from_env({}), cfg, rundir.RunPaths(cfg.run.dir), "cpu")
+attempt._start(DistEnv.from_env({}), cfg, rundir.RunPaths(cfg.run.dir), "cpu")
 """
 
 

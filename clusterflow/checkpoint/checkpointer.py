@@ -131,6 +131,9 @@ class Checkpointer:
             steps_per_epoch,
             attempt,
         )
+        # The run's epochs (a script's run.epochs(n) says how many): in each manifest, so that
+        # status can tell a run's last checkpoint.
+        self.total_epochs = cfg.train.epochs
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
@@ -423,6 +426,7 @@ class Checkpointer:
         p = self.progress
         return {
             "epoch": p.epoch,
+            "epochs": self.total_epochs,
             "step_in_epoch": p.step_in_epoch,
             "global_step": p.global_step,
             "position": list(p.position),

@@ -4,14 +4,30 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-# One rank's random streams by source ("python", "numpy", "torch", "cuda"), in plain lists and
-# tensors that torch.load(weights_only=True) reads.
+# One rank's random streams by source ("python", "numpy", "torch", "cuda", and "own": the streams
+# of a script's own), in plain lists and tensors that torch.load(weights_only=True) reads.
 RngState = dict[str, Any]
+
+# The random streams a script owns (a torch.Generator, a numpy Generator, a random.Random it
+# registered with run.restore), by name: (its state now, set it). Each rank's differ, so they are
+# captured and restored with the global streams, per rank. One run per process.
+_OWN: dict[str, tuple[Callable[[], object], Callable[[object], None]]] = {}
+
+
+def track(name: str, get: Callable[[], object], put: Callable[[object], None]) -> None:
+    """Capture and restore a stream of the script's own with this rank's global streams."""
+    _OWN[name] = (get, put)
+
+
+def untrack(names: list[str]) -> None:
+    for name in names:
+        _OWN.pop(name, None)
 
 
 def seed_everything(seed: int) -> None:
@@ -36,6 +52,8 @@ def capture_rng() -> RngState:
     }
     if torch.cuda.is_available():
         out["cuda"] = torch.cuda.get_rng_state_all()
+    if _OWN:
+        out["own"] = {name: get() for name, (get, _) in _OWN.items()}
     return out
 
 
@@ -51,3 +69,6 @@ def restore_rng(state: RngState) -> None:
         and len(state["cuda"]) == torch.cuda.device_count()
     ):
         torch.cuda.set_rng_state_all(state["cuda"])
+    for name, value in (state.get("own") or {}).items():
+        if name in _OWN:
+            _OWN[name][1](value)

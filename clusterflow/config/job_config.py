@@ -29,6 +29,7 @@ from clusterflow.config.sections import (
     MiningConfig,
     ObserveConfig,
     RunConfig,
+    ScriptConfig,
     TaskConfig,
     TrackersConfig,
     TrainConfig,
@@ -52,12 +53,14 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     trackers: TrackersConfig = field(default_factory=TrackersConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
+    script: ScriptConfig = field(default_factory=ScriptConfig)
 
     def __post_init__(self) -> None:
         world = self.cluster.world_size
         per_step = world * self.train.grad_accum
         _check(
-            self.train.batch_size % per_step == 0,
+            # A script's batches come from its run.loader call, not from train.batch_size.
+            bool(self.script.path) or self.train.batch_size % per_step == 0,
             "train.batch_size",
             self.train.batch_size,
             f"must be divisible by world size x grad_accum = {world} x {self.train.grad_accum} "
@@ -360,8 +363,16 @@ def read_yaml(path: str) -> Any:
     return config_yaml.parse(config_yaml.read_text(path), path)
 
 
-def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults < file < overrides, validated. Raises UserError on any bad input."""
+def load(
+    path: str | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    given: Mapping[str, Mapping[str, Any]] | None = None,
+    defaults: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Config:
+    """Defaults < ``defaults`` < file < ``given`` < overrides, validated. ``given``: values the
+    command line gives as Python values, not as text (a script's path and arguments); ``defaults``:
+    what a file or an override may still change (a script's default run.dir). Raises UserError on
+    any bad input."""
     raw = read_yaml(path) if path else None
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
@@ -370,6 +381,11 @@ def load(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> Confi
             f"got {'a list' if isinstance(raw, list) else shown(raw)}"
         )
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for layer, under in ((defaults, True), (given, False)):
+        for section, values in (layer or {}).items():
+            node = raw.get(section)
+            node = dict(node) if isinstance(node, dict) else {}
+            raw[section] = {**values, **node} if under else {**node, **values}
     # Validate the file alone first, so an error names the file rather than an override.
     build(raw, source=path or "config")
     for text in overrides:

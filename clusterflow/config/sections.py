@@ -1105,6 +1105,41 @@ class TaskConfig:
 
 
 @dataclass
+class ScriptConfig:
+    """A training script of the user's own that calls the library API (``clusterflow.start()``,
+    docs/own-loop.md) instead of a task: what ``submit --script`` runs."""
+
+    path: str = doc(
+        "",
+        "The script that trains (python PATH), as given to submit --script, run --script or "
+        "python/torchrun by hand; empty for a task.target run.",
+        kind=RESULT,
+        why="the program that trains",
+    )
+    args: list[str] = doc(
+        factory=list,
+        help="The script's own command-line arguments, passed to it untouched (the words after "
+        "-- on the submit command line).",
+        kind=RESULT,
+        why="a script's arguments choose its model, data and optimisation",
+    )
+
+    def __post_init__(self) -> None:
+        _check(
+            not self.path or self.path.endswith(".py"),
+            "script.path",
+            self.path,
+            "must be a Python file (train.py); a module or a task is task.target's",
+        )
+        _check(
+            not self.args or bool(self.path),
+            "script.args",
+            self.args,
+            "are the arguments of a script: give its path too (submit --script train.py -- ARGS)",
+        )
+
+
+@dataclass
 class DataConfig:
     """Data loading."""
 
@@ -1260,4 +1295,5 @@ SECTIONS: dict[str, type] = {
     "data": DataConfig,
     "trackers": TrackersConfig,
     "observe": ObserveConfig,
+    "script": ScriptConfig,
 }

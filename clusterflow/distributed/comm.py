@@ -74,8 +74,18 @@ def init_alone(device: torch.device) -> None:
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
 
 
+# How long the last collectives' worker threads get the GIL before the group goes (``shutdown``).
+SETTLE_S = 0.25
+
+
 def shutdown() -> None:
     if tdist.is_available() and tdist.is_initialized():
+        # A gloo worker thread frees a finished collective's tensors with the GIL held; whoever
+        # drops the last reference to a group (DDP's reducer, when the model is freed after the
+        # job's end) joins those threads while holding the GIL. A thread still waiting for the GIL
+        # then never ends, nor does the join: the process hangs at its end (seen with gloo, two
+        # ranks, a loaded machine). Sleeping hands the GIL to the threads first.
+        time.sleep(SETTLE_S)
         tdist.destroy_process_group()
 
 

@@ -20,17 +20,17 @@ of the plan at the position reached; the batches before it are the ones trained.
 Mining: :func:`shard_range` gives each rank a contiguous, exact block of indices, with no padding
 by repetition (DistributedSampler pads with repeats and strides its slices).
 
-Persistent DataLoader workers keep the copy of the task they were started with, so the epoch
-that ``Task.set_epoch`` sets in the main process never reaches them: :class:`WithEpoch` sends
-each index with its epoch, and :class:`EpochItems` sets the epoch in whichever process fetches
-the item before fetching it.
+Persistent DataLoader workers keep the copy of the dataset (and task) they were started with, so
+the epoch that ``Task.set_epoch`` (or a dataset's ``set_epoch``) sets in the main process never
+reaches them: :class:`WithEpoch` sends each index with its epoch, and :class:`EpochItems` sets the
+epoch in whichever process fetches the item before fetching it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -231,27 +231,21 @@ class WithEpoch(Sampler[list[tuple[int, int]]]):
         return ([(epoch, i) for i in batch] for batch in self.batches)
 
 
-class EpochTask(Protocol):
-    """What :class:`EpochItems` asks of a task (``clusterflow.tasks.Task``, a layer above)."""
-
-    def train_dataset(self) -> Dataset: ...
-
-    def set_epoch(self, epoch: int) -> None: ...
-
-
 class EpochItems(Dataset):
-    """The task's train dataset, fetched by (epoch, index): ``task.set_epoch`` runs in the fetching
-    process (a persistent worker holds its own copy of the task) whenever the epoch changes."""
+    """A train dataset fetched by (epoch, index): ``set_epoch`` (a task's, or the dataset's own)
+    runs in the fetching process (a persistent worker holds its own copy of the dataset)
+    whenever the epoch changes."""
 
-    def __init__(self, task: EpochTask) -> None:
-        self.task, self.dataset, self.epoch = task, task.train_dataset(), None
+    def __init__(self, dataset: Dataset, set_epoch: Callable[[int], None] | None) -> None:
+        self.dataset, self.set_epoch, self.epoch = dataset, set_epoch, None
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def _at(self, epoch: int) -> None:
         if epoch != self.epoch:
-            self.task.set_epoch(epoch)
+            if self.set_epoch is not None:
+                self.set_epoch(epoch)
             self.epoch = epoch
 
     def __getitem__(self, key: tuple[int, int]) -> Any:

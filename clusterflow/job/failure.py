@@ -11,6 +11,7 @@ it helps (the user's own task code).
 | ``RunFailed``: a full disk, a diverged loss       | 1    | one line                             |
 | anything raised in the task's module (importing   | 1    | one line naming task.target and      |
 | it, ``__init__``, ``build_model``, ``loss``, ...) |      | where, then the task's traceback     |
+| or in a script of the user's own (``--script``)   |      | (the script's: naming the script)    |
 | anything else (a clusterflow defect)              | 1    | the traceback, as Python prints it   |
 
 ``submit --local`` and ``run`` give the same exit status for the same failure: the job records it
@@ -45,10 +46,13 @@ def _task_file(target: str) -> str | None:
     return os.path.realpath(path) if path else None
 
 
-def task_frame(exc: BaseException, target: str) -> traceback.FrameSummary | None:
+def task_frame(
+    exc: BaseException, target: str, script: str | None = None
+) -> traceback.FrameSummary | None:
     """The outermost frame of ``exc``'s traceback in the task's module (the Task method clusterflow
-    called: ``build_model``, ``loss``, ...), or None."""
-    path = _task_file(target)
+    called: ``build_model``, ``loss``, ...), or in ``script`` (a script of the user's own), or
+    None."""
+    path = os.path.realpath(script) if script else _task_file(target)
     if path is None:
         return None
     frames = [
@@ -100,8 +104,9 @@ def _descriptors_sentence(exc: BaseException) -> str:
     )
 
 
-def describe(exc: BaseException, target: str) -> Failure:
-    """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``)."""
+def describe(exc: BaseException, target: str, script: str | None = None) -> Failure:
+    """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``) or,
+    with ``script``, that script (the file it runs from)."""
     emfile = _out_of_descriptors(exc)
     if emfile is not None:
         return Failure(_descriptors_sentence(emfile), "", EXIT_JOB_FAILED, True)
@@ -113,11 +118,12 @@ def describe(exc: BaseException, target: str) -> Failure:
         return Failure(
             str(exc), "".join(traceback.format_exception(exc.__cause__)), EXIT_JOB_FAILED, True
         )
-    frame = task_frame(exc, target) if isinstance(exc, Exception) else None
+    frame = task_frame(exc, target, script) if isinstance(exc, Exception) else None
     if frame is not None:
         where = f"{frame.name} ({frame.filename}:{frame.lineno})"
+        what = f"script {os.path.basename(script)!r}" if script else f"task.target {target!r}"
         return Failure(
-            f"task.target {target!r} failed in {where}: {_one_line(exc)}",
+            f"{what} failed in {where}: {_one_line(exc)}",
             "".join(traceback.format_exception(exc)),
             EXIT_JOB_FAILED,
             True,

@@ -3,6 +3,7 @@ and, after a failure a restart can cure, starts it again in the same Slurm job, 
 checkpoint, on the allocation's healthy nodes.
 
     python -m clusterflow.job.restarts CONFIG.yaml [KEY=VALUE ...] -- srun [FLAGS] COMMAND ...
+    python -m clusterflow.job.restarts --script train.py [KEY=VALUE ...] -- srun [FLAGS] COMMAND
 
 The job allocates ``cluster.nodes + cluster.spare_nodes`` nodes and each step runs on
 ``cluster.nodes`` of them (``--nodes``, ``--ntasks``, ``--nodelist`` added after ``srun``). After a
@@ -396,18 +397,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" not in argv:
         print(
-            "usage: python -m clusterflow.job.restarts CONFIG.yaml [KEY=VALUE ...] -- srun ...",
+            "usage: python -m clusterflow.job.restarts CONFIG.yaml|--script PATH [KEY=VALUE ...] "
+            "-- srun ...",
             file=sys.stderr,
         )
         return 2
     cut = argv.index("--")
     p = argparse.ArgumentParser(prog="python -m clusterflow.job.restarts")
-    p.add_argument("config")
+    p.add_argument("config", nargs="?")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv[:cut])
+    p.add_argument("--script")
+    args = p.parse_intermixed_args(argv[:cut])
     command = argv[cut + 1 :]
     try:
-        cfg = saved_config.load(args.config, args.overrides)
+        cfg = saved_config.load_command(args.config, args.overrides, args.script, None)
     except (UserError, OSError) as exc:
         # The step itself reports a config it cannot use; nothing to restart.
         _say(f"no restarts inside the job: {exc}")

@@ -1,7 +1,10 @@
 """python -m clusterflow.run CONFIG.yaml [KEY=VALUE ...]
+python -m clusterflow.run --script train.py [CONFIG.yaml] [KEY=VALUE ...] [-- SCRIPT_ARGS]
 
 The in-allocation entry point: run this process's share of the job, reading rank and world from
-Slurm (``srun``), torchrun, or nothing (a single process). The sbatch template calls it under
+Slurm (``srun``), torchrun, or nothing (a single process). With ``--script``, the job's program
+is a script of the user's own that calls ``clusterflow.start()`` (docs/own-loop.md), run with the
+words after ``--`` as its arguments, untouched. The sbatch template calls it under
 ``srun``. The config is resolved once: the first attempt writes RUN_DIR/config.yaml, and every
 rank of every later attempt runs on that file as rank 0 read it. A later launch into the same run
 dir must ask for the same config (``config.job_config.check_resume``), except a requeue of the
@@ -21,20 +24,12 @@ import sys
 from clusterflow.config.job_config import Config
 from clusterflow.distributed.env import DistEnv
 from clusterflow.distributed.sampler import check_fits
-from clusterflow.errors import (
-    EXIT_INTERRUPTED,
-    EXIT_JOB_FAILED,
-    EXIT_OK,
-    EXIT_REQUEUE_OUTSIDE,
-    UserError,
-    cli,
-)
+from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.job import failure
+from clusterflow.job.attempt import exit_code
 from clusterflow.job.job import run_job
-from clusterflow.job.requeue import REQUEUE_OUTSIDE
 from clusterflow.observe import trackers
 from clusterflow.rundir import preflight, saved_config
-from clusterflow.rundir.states import State, StopReason
 from clusterflow.tasks import load_task
 
 EXAMPLES = (
@@ -45,6 +40,8 @@ EXAMPLES = (
     "  srun python -m clusterflow.run configs/demo.yaml run.dir=runs/x    # inside an allocation\n"
     "  python -m clusterflow.run configs/demo.yaml --check"
     "                # validate everything, train nothing\n"
+    "  torchrun --nproc-per-node 2 -m clusterflow.run --script train.py -- --lr 0.1"
+    "   # your own script\n"
 )
 
 
@@ -68,8 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config")
+    p.add_argument("config", nargs="?", help="YAML config file (optional with --script)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        help="run this training script (it calls clusterflow.start()); the words after -- are "
+        "its arguments",
+    )
     p.add_argument(
         "--check",
         action="store_true",
@@ -77,25 +80,25 @@ def main(argv: list[str] | None = None) -> int:
         "then exit without training or writing anything: 0 when the run would start, 2 with the "
         "reason otherwise",
     )
-    args = p.parse_intermixed_args(argv)
-    cfg = saved_config.load(args.config, args.overrides)
+    words, script_args = saved_config.split_script_args(
+        list(sys.argv[1:] if argv is None else argv)
+    )
+    args = p.parse_intermixed_args(words)
+    cfg = saved_config.load_command(args.config, args.overrides, args.script, script_args)
     preflight.check_paths(cfg)
     _check_trackers(cfg, DistEnv.from_env(os.environ))
     if args.check:
         env = DistEnv.from_env(os.environ)
         cfg, _ = saved_config.resolve(cfg, relaunch=env.attempt > 0, write=False)
+        if cfg.script.path:
+            print(f"ok: {cfg.script.path} on {env.world_size} process(es); run dir {cfg.run.dir}")
+            return EXIT_OK
         return _check_task(cfg, env.world_size)
 
     # Rank 0 takes the run dir's lease, then resumes with the saved config (a requeued job re-runs
     # this command with the YAML as it is now: it keeps the saved config) or writes it, and
     # broadcasts it to every rank before anything else.
-    outcome = run_job(cfg)
-    if outcome == StopReason.INTERRUPTED:  # Ctrl-C: saved and stopped; the same command resumes
-        return EXIT_INTERRUPTED
-    if outcome == REQUEUE_OUTSIDE:
-        return EXIT_REQUEUE_OUTSIDE
-    ok = (State.COMPLETED, StopReason.PREEMPTED, State.REQUEUED, State.CANCELLED, State.STOPPED)
-    return EXIT_OK if outcome in ok else EXIT_JOB_FAILED
+    return exit_code(run_job(cfg))
 
 
 def _check_task(cfg: Config, world: int) -> int:

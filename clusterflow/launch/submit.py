@@ -1,11 +1,13 @@
 """python -m clusterflow.submit CONFIG.yaml [KEY=VALUE ...] [--sweep KEY=V1,V2 ...]
 [--after RUN_DIR ...] [--local] [--dry-run] [--wait]
+python -m clusterflow.submit --script train.py [CONFIG.yaml] [KEY=VALUE ...] [...] [-- ARGS]
 
 Runs on the login node: resolve and validate the config, check the run dir and checkpoint dir
 (``preflight``), create the run directory and write ``config.yaml``, then hand the job to
 submitit (Slurm) or to submitit's local executor (``--local``: this machine,
-cluster.tasks_per_node processes, gloo on CPU). Importing this module loads neither torch nor
-faiss.
+cluster.tasks_per_node processes, gloo on CPU). With ``--script``, the job runs a training script
+of the user's own that calls ``clusterflow.start()`` (docs/own-loop.md), with the words after
+``--`` as its arguments. Importing this module loads neither torch nor faiss.
 """
 
 from __future__ import annotations
@@ -50,19 +52,34 @@ EXAMPLES = (
     "  python -m clusterflow.submit configs/two_stage_2_classifier.yaml --after runs/two_stage_1\n"
     "                                                                       "
     " # starts when stage 1 has completed\n"
+    "  python -m clusterflow.submit --script train.py cluster.nodes=2 -- --lr 0.1"
+    "   # your own training script\n"
+    "  python -m clusterflow.submit --script train.py --sweep arg:--lr=0.1,0.3 -- --epochs 5\n"
+    "                                                                       "
+    " # one member per value of the script's --lr\n"
 )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``script_args``: the words after ``--`` (None: no ``--``)."""
+    words, script_args = saved_config.split_script_args(
+        list(sys.argv[1:] if argv is None else argv)
+    )
     p = argparse.ArgumentParser(
         prog="python -m clusterflow.submit",
         description=__doc__.split("\n\n")[1],
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("config", help="YAML config file")
+    p.add_argument("config", nargs="?", help="YAML config file (optional with --script)")
     p.add_argument(
         "overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. train.epochs=3"
+    )
+    p.add_argument(
+        "--script",
+        metavar="PATH",
+        help="run this training script of your own (it calls clusterflow.start(); "
+        "docs/own-loop.md); the words after -- are its arguments, passed untouched",
     )
     p.add_argument("--local", action="store_true", help="run here without Slurm (implies --wait)")
     p.add_argument(
@@ -79,7 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         metavar="KEY=V1,V2",
         help="sweep KEY over the values (repeatable: the cartesian product); one job array, "
-        "one run dir per member under run.dir (docs/workflows.md)",
+        "one run dir per member under run.dir (docs/workflows.md); arg:NAME=V1,V2 sweeps a "
+        "script's own argument NAME (--lr, or lr for key=value arguments)",
     )
     p.add_argument(
         "--max-parallel", type=int, metavar="N", help="with --sweep: at most N members run at once"
@@ -92,7 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="start only after that run completed (Slurm afterok; repeatable); "
         "with --local it must be completed",
     )
-    return p.parse_intermixed_args(argv)  # flags may come after the overrides too
+    args = p.parse_intermixed_args(words)  # flags may come after the overrides too
+    args.script_args = script_args
+    return args
 
 
 # -- Slurm ---------------------------------------------------------------------------------------
@@ -259,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
             "--max-parallel limits the members of a sweep running at once; "
             "it needs --sweep KEY=V1,V2"
         )
-    cfg = saved_config.load(args.config, args.overrides)
+    cfg = saved_config.load_command(args.config, args.overrides, args.script, args.script_args)
     preflight.check_paths(cfg)
-    check_task(cfg)
+    if not cfg.script.path:
+        check_task(cfg)
     trackers.check(cfg.trackers)
     if args.dry_run:
         saved_config.resolve(cfg, write=False)  # would the run dir take this config?
@@ -295,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     # Submitting a run again is the explicit way back from a cancel.
     cancel_marker.clear(paths)
-    frozen_code.take(paths, cfg.task.target, cfg.run.snapshot_code)
+    frozen_code.take(paths, cfg.task.target, cfg.run.snapshot_code, script=cfg.script.path)
     if args.local:
         return local.submit_local(cfg, paths, chosen)
     return submit_slurm(cfg, paths, args.wait, dependency)

@@ -89,7 +89,9 @@ def _prepare(
     prepared = []
     for m in members:
         cfg, _resumed = saved_config.resolve(m.config)
-        frozen_code.take(dirs[m.name], cfg.task.target, cfg.run.snapshot_code)
+        frozen_code.take(
+            dirs[m.name], cfg.task.target, cfg.run.snapshot_code, script=cfg.script.path
+        )
         prepared.append((cfg, dirs[m.name]))
     return prepared
 
@@ -151,11 +153,17 @@ def _run_local(prepared: list[tuple[Config, rundir.RunPaths]]) -> int:
 
 def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
     """The ``--sweep`` branch of ``submit.main``."""
-    sw = sweep.expand(args.config, args.overrides, args.sweep)
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not os.path.isfile(config):
+        config, overrides = None, [config, *overrides]  # --script PATH KEY=VALUE ...
+    if args.script is None and args.script_args is not None:
+        saved_config.load_command(config, overrides, None, args.script_args)  # refuses
+    sw = sweep.expand(config, overrides, args.sweep, args.script, args.script_args or [])
     for m in sw.members:
         preflight.check_paths(m.config)
         trackers.check(m.config.trackers)
-    _check_task_params(sw)
+    if not args.script:
+        _check_task_params(sw)
     # Each member's run dir, built once here and handed to every step below.
     dirs = {m.name: rundir.RunPaths(m.run_dir) for m in sw.members}
     if args.dry_run:

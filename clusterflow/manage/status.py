@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,11 +60,14 @@ def _checkpoints(root: str) -> tuple[list[str], list[str], dict[str, Any]]:
 
 
 def _last_step_of_run(manifest: dict[str, Any]) -> bool:
-    """Whether a committed checkpoint is the run's last one: every epoch of its config trained
-    (train.epochs may not change on a resume, so its own config says how many)."""
+    """Whether a committed checkpoint is the run's last one: every epoch of the run trained (its
+    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
+    config's train.epochs, which may not change on a resume)."""
     config = manifest.get("config")
     train = config.get("train") if isinstance(config, dict) else None
-    epochs = train.get("epochs") if isinstance(train, dict) else None
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        epochs = train.get("epochs") if isinstance(train, dict) else None
     epoch = manifest.get("epoch")
     return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
 
@@ -109,6 +113,16 @@ def _checkpoint_root(paths: rundir.RunPaths, data: dict[str, Any], problem: str)
             paths.root, ""
         ), f"config.yaml is damaged ({why}); the next launch sets it aside"
     return join_checkpoints(paths.root, configured or ""), ""
+
+
+def _script(data: dict[str, Any]) -> dict[str, Any] | None:
+    """The script of the user's own the run trains with (config.yaml's script section, ``data``
+    read as plain YAML), or None for a task's run."""
+    section = data.get("script") if isinstance(data.get("script"), dict) else {}
+    path, args = section.get("path"), section.get("args")
+    if not isinstance(path, str) or not path:
+        return None
+    return {"path": path, "args": [str(a) for a in args] if isinstance(args, list) else []}
 
 
 def _trackers(paths: rundir.RunPaths, data: dict[str, Any]) -> dict[str, int | None]:
@@ -368,6 +382,7 @@ def collect(
         "error": decided.error,
         "logs": paths.logs,
         "code": frozen_code.describe(paths, notes),
+        "script": _script(config),
         "updated_at": st.get("updated_at"),
     }
     out["goodput"] = _goodput(paths, decided.state, notes)
@@ -404,6 +419,8 @@ def render(s: dict[str, Any]) -> str:
         ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
     ]
+    if s.get("script"):
+        lines.append(f"script       {shlex.join([s['script']['path'], *s['script']['args']])}")
     if s["excluded_nodes"]:
         lines.append(
             f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "

@@ -1,6 +1,7 @@
 """What each rank is doing, seen from outside: metrics, heartbeats, the stall watchdog.
 
-- ``observer.py``: wires heartbeats and the watchdog to the config around ``Trainer.fit``;
+- ``observer.py``: wires heartbeats and the watchdog to the config around the run (a task's or a
+  script's);
 - ``phases.py``: what a rank is doing now (train, eval, mining, checkpoint) and since when;
 - ``heartbeat.py``: per-rank heartbeat files, read back for ``status --ranks``;
 - ``watchdog.py``: a rank whose loop stops moving: stacks, first cause, flight recorder, exit;

@@ -4,7 +4,9 @@ it runs.
 
 What is copied: the top-level package of ``task.target`` (or its single module file), found with
 ``importlib.util.find_spec`` of the top-level name, which imports nothing (no torch on the login
-node). Every file of it except caches and hidden files, up to :data:`MAX_BYTES` in all (a package
+node); for a script of the user's own (``script.path``), the Python files beside it and the
+packages in its folder (what ``python SCRIPT`` imports from there), and the job runs the copy.
+Every file of it except caches and hidden files, up to :data:`MAX_BYTES` in all (a package
 holding a dataset or weights is refused, naming the largest files). Not copied: code installed in
 site-packages or the standard library (pip versions it), and clusterflow itself (it runs the job
 from where it is installed). Other top-level modules the task imports are not frozen: keep task
@@ -86,6 +88,29 @@ def locate(target: str) -> tuple[str, str] | None:
     if any(_inside(path, root) for root in _installed_roots()):
         return None
     return top, path
+
+
+def locate_script(script: str) -> tuple[str, str]:
+    """(the script's module name, its folder) to copy for ``script.path``."""
+    path = os.path.realpath(script)
+    if not os.path.isfile(path):
+        raise UserError(f"script.path = {script!r}: no such file (looked in {os.getcwd()})")
+    return os.path.splitext(os.path.basename(path))[0], os.path.dirname(path)
+
+
+def _script_files(folder: str) -> list[tuple[str, str]]:
+    """(absolute path, path inside the snapshot) of the Python files in ``folder`` and of every
+    file of the packages (folders with an ``__init__.py``) in it, sorted."""
+    out = []
+    for name in sorted(os.listdir(folder)):
+        full = os.path.join(folder, name)
+        if _skipped(name) or name == "clusterflow":  # it runs the job from where it is installed
+            continue
+        if name.endswith(".py") and os.path.isfile(full):
+            out.append((full, name))
+        elif os.path.isfile(os.path.join(full, "__init__.py")):
+            out.extend(_files(full))
+    return out
 
 
 def _skipped(name: str) -> bool:
@@ -176,19 +201,29 @@ def git_state(source: str) -> tuple[dict[str, Any] | None, str]:
 
 
 def take(
-    paths: RunPaths, target: str, enabled: bool = True, max_bytes: int = MAX_BYTES
+    paths: RunPaths,
+    target: str,
+    enabled: bool = True,
+    max_bytes: int = MAX_BYTES,
+    script: str = "",
 ) -> dict[str, Any] | None:
     """Called by submit (login node) before each submission. Returns the manifest, or None when
     nothing is frozen (disabled, installed code, clusterflow's own tasks); then the pointer is
-    removed so that no older snapshot is imported by mistake."""
+    removed so that no older snapshot is imported by mistake. ``script``: a script of the user's
+    own (``script.path``) is frozen instead of ``target``."""
     pointer = paths.code_pointer
-    found = locate(target) if enabled else None
+    if not enabled:
+        found = None
+    elif script:
+        found = locate_script(script)
+    else:
+        found = locate(target)
     if found is None:
         if os.path.exists(pointer):
             os.remove(pointer)
         return None
     module, source = found
-    files = _files(source)
+    files = _script_files(source) if script else _files(source)
     total = _check_size(files, source, max_bytes)
     git, diff = git_state(source)
     os.makedirs(paths.code, exist_ok=True)
@@ -207,6 +242,7 @@ def take(
         manifest = {
             "version": version,
             "module": module,
+            **({"script": os.path.basename(script)} if script else {}),
             "source": source,
             "files": len(files),
             "bytes": total,
@@ -266,6 +302,7 @@ def describe(paths: RunPaths, damaged: list[str] | None = None) -> dict[str, Any
     git = manifest.get("git") or {}
     return {
         "module": manifest["module"],
+        **({"script": manifest["script"]} if manifest.get("script") else {}),
         "version": manifest["version"],
         "commit": git.get("commit"),
         "dirty": git.get("dirty"),

@@ -237,7 +237,8 @@ HEARTBEAT = Schema(
     required=("rank",),
 )
 CODE_POINTER = Schema(
-    {"module": TEXT, "version": TEXT, "git": OBJECT}, required=("module", "version")
+    {"module": TEXT, "script": TEXT, "version": TEXT, "git": OBJECT},
+    required=("module", "version"),
 )
 LEASE = Schema(
     {

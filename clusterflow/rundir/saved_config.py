@@ -68,9 +68,70 @@ def load(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """``config.load``, except that a run dir's own config.yaml runs in the folder that holds it
     (unless ``run.dir=`` is among the overrides)."""
     cfg = cfgmod.load(path, overrides)
-    if is_saved(path) and not any(o.split("=", 1)[0].strip() == "run.dir" for o in overrides):
+    return _in_its_folder(cfg, path, overrides)
+
+
+def _in_its_folder(cfg: Config, path: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
+    if (
+        path
+        and is_saved(path)
+        and not any(o.split("=", 1)[0].strip() == "run.dir" for o in overrides)
+    ):
         cfg.run.dir = os.path.dirname(path) or "."
     return cfg
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """(clusterflow's words, the script's) of a command line ``... -- SCRIPT_ARGS``: every word
+    after the first ``--`` is the script's, untouched; None when there is no ``--``."""
+    if "--" not in argv:
+        return list(argv), None
+    cut = argv.index("--")
+    return list(argv[:cut]), list(argv[cut + 1 :])
+
+
+def load_script(
+    path: str | None,
+    overrides: list[str] | tuple[str, ...],
+    script: str,
+    args: list[str] | tuple[str, ...] = (),
+) -> Config:
+    """The config of ``--script SCRIPT [CONFIG.yaml] [KEY=VALUE ...] [-- ARGS]``: defaults, then
+    run.dir ``runs/<script name>``, then the optional file, the script and its arguments, the
+    overrides. A script that is not a readable Python file is refused here."""
+    if not script.endswith(".py") or not os.path.isfile(script):
+        why = "is not a Python file (.py)" if not script.endswith(".py") else "does not exist"
+        raise UserError(
+            f"--script {script!r} {why} (looked in {os.getcwd()}); give the path of the "
+            "training script, e.g. --script train.py"
+        )
+    stem = os.path.splitext(os.path.basename(script))[0]
+    cfg = cfgmod.load(
+        path,
+        overrides,
+        given={"script": {"path": os.path.normpath(script), "args": list(args)}},
+        defaults={"run": {"dir": f"runs/{stem}"}},
+    )
+    return _in_its_folder(cfg, path, overrides)
+
+
+def load_command(
+    config: str | None, overrides: list[str], script: str | None, script_args: list[str] | None
+) -> Config:
+    """The config of a ``run`` or ``submit`` command line: ``CONFIG [KEY=VALUE ...]``, or
+    ``--script PATH [CONFIG] [KEY=VALUE ...] [-- SCRIPT_ARGS]``."""
+    if config is not None and "=" in config and not os.path.isfile(config):
+        overrides, config = [config, *overrides], None  # --script PATH KEY=VALUE ...
+    if script is not None:
+        return load_script(config, overrides, script, script_args or [])
+    if script_args is not None:
+        raise UserError(
+            f"the words after -- ({' '.join(script_args) or 'none'}) are a script's arguments: "
+            "give the script with --script PATH, or drop the --"
+        )
+    if config is None:
+        raise UserError("give a config file (CONFIG.yaml [KEY=VALUE ...]) or --script PATH")
+    return load(config, overrides)
 
 
 def write_config(cfg: Config) -> None:

@@ -57,10 +57,10 @@ from typing import Any
 
 import fsspec
 
-from clusterflow import __version__
 from clusterflow.storage import diskfull, durable
 from clusterflow.storage import manifest as schema
 from clusterflow.storage.names import DCP, MANIFEST
+from clusterflow.version import __version__
 
 log = logging.getLogger("clusterflow.store")
 

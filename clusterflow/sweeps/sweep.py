@@ -1,5 +1,10 @@
 """Sweeps: ``--sweep KEY=V1,V2[,...]`` (repeatable) expanded into one validated config per member.
 
+``--sweep arg:NAME=V1,V2`` sweeps an argument of a script of the user's own (``submit --script``):
+each member's ``script.args`` are the base ones (the words after ``--``) with ``NAME`` set to the
+value: ``--lr 0.1`` or ``--lr=0.1`` replaced for a dashed name, ``lr=0.1`` for a ``key=value``
+argument, appended where the base arguments lack it. Such values are passed as typed, as text.
+
 Values are split at top-level commas only, so a value may itself hold commas inside brackets,
 braces or quotes: ``--sweep train.lr=1e-3,1e-2``, ``--sweep task.params.dims=[64,32],[128,64]``,
 ``--sweep run.name='a,b',c``. Each value then goes through the config loader exactly like a
@@ -29,12 +34,15 @@ from clusterflow import rundir
 from clusterflow.config import fingerprint
 from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
+from clusterflow.rundir import saved_config
 
 MAX_MEMBERS = 1000  # Slurm's default MaxArraySize is 1001 (array indices 0..1000)
 VALUE_CHARS = 32  # characters of one value in a member name
 # Characters of the readable part of a member name (file names hold 255 bytes).
 READABLE_CHARS = 100
 HASH_CHARS = 6
+# An axis over a script's own argument: arg:NAME.
+ARG = "arg:"
 # Keys a sweep may not vary, and why (one job array = one sbatch script; members need their own
 # dirs).
 FIXED = {
@@ -112,10 +120,16 @@ def parse(args: list[str], overrides: list[str] | tuple[str, ...] = ()) -> list[
     for arg in args:
         key, sep, text = arg.partition("=")
         key = key.strip()
+        if key.startswith(ARG) and sep and key[len(ARG) :] and text.strip():
+            if key in [a.key for a in axes]:
+                raise UserError(f"--sweep {key}: given twice; give each argument once")
+            axes.append(Axis(key, tuple(split_values(text, key))))
+            continue
         if not sep or "." not in key or not text.strip():
             raise UserError(
-                f"--sweep {arg!r} must look like "
-                "section.key=V1,V2, e.g. --sweep train.lr=0.001,0.01"
+                f"--sweep {arg!r} must look like section.key=V1,V2, e.g. --sweep "
+                "train.lr=0.001,0.01, or arg:NAME=V1,V2 for a script's argument, e.g. "
+                "--sweep arg:--lr=0.1,0.3"
             )
         for prefix, why in FIXED.items():
             if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
@@ -180,8 +194,12 @@ def _safe(text: str, limit: int) -> str:
 
 
 def labels(keys: list[str]) -> dict[str, str]:
-    """Short labels: the last part of each key, or the whole key where two last parts clash."""
-    last = [k.rsplit(".", 1)[-1] for k in keys]
+    """Short labels: the last part of each key (a script argument's name without its dashes), or
+    the whole key where two last parts clash."""
+    last = [
+        _safe(k[len(ARG) :].lstrip("-"), VALUE_CHARS) if k.startswith(ARG) else k.rsplit(".", 1)[-1]
+        for k in keys
+    ]
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
@@ -243,23 +261,70 @@ def _check_distinct(axes: list[Axis], members: list[Member]) -> None:
                 )
 
 
+def with_arg(args: list[str] | tuple[str, ...], name: str, value: str) -> list[str]:
+    """``args`` with the script argument ``name`` set to ``value`` (``--lr 0.1``, ``--lr=0.1``,
+    ``lr=0.1``); appended where ``args`` lacks it."""
+    out = list(args)
+    for i, a in enumerate(out):
+        if a.startswith(name + "="):
+            out[i] = f"{name}={value}"
+            return out
+        if name.startswith("-") and a == name and i + 1 < len(out):
+            out[i + 1] = value
+            return out
+    return out + ([name, value] if name.startswith("-") else [f"{name}={value}"])
+
+
+def _load(
+    config_path: str | None,
+    overrides: list[str],
+    script: str | None,
+    script_args: list[str] | tuple[str, ...],
+    arg_values: list[tuple[str, str]],
+) -> Config:
+    """One member's config: the base config (or the script's), its overrides and arguments."""
+    if not script:
+        if arg_values:
+            raise UserError(
+                f"--sweep {arg_values[0][0]}=...: an arg: axis sweeps a script's own argument; "
+                "give the script with --script PATH"
+            )
+        return cfgmod.load(config_path, overrides)
+    args = list(script_args)
+    for key, text in arg_values:
+        args = with_arg(args, key[len(ARG) :], text)
+    return saved_config.load_script(config_path, overrides, script, args)
+
+
 def expand(
-    config_path: str | None, overrides: list[str] | tuple[str, ...], sweep_args: list[str]
+    config_path: str | None,
+    overrides: list[str] | tuple[str, ...],
+    sweep_args: list[str],
+    script: str | None = None,
+    script_args: list[str] | tuple[str, ...] = (),
 ) -> Sweep:
-    """Every member of the sweep, validated; raises one UserError listing every invalid member."""
+    """Every member of the sweep, validated; raises one UserError listing every invalid member.
+    ``script``, ``script_args``: a script of the user's own and its base arguments."""
     axes = parse(sweep_args, overrides)
     members: list[Member] = []
     failures: list[tuple[str, str]] = []
     combos = list(itertools.product(*[a.texts for a in axes]))
     for combo in combos:
         member_overrides = tuple(f"{a.key}={t}" for a, t in zip(axes, combo))
+        keyed = [(a.key, t) for a, t in zip(axes, combo)]
         try:
-            cfg = cfgmod.load(config_path, [*overrides, *member_overrides])
+            cfg = _load(
+                config_path,
+                [*overrides, *(f"{k}={t}" for k, t in keyed if not k.startswith(ARG))],
+                script,
+                script_args,
+                [(k, t) for k, t in keyed if k.startswith(ARG)],
+            )
         except UserError as exc:
             failures.append((",".join(f"{a.key}={t}" for a, t in zip(axes, combo)), str(exc)))
             continue
         d = cfg.to_dict()
-        values = {a.key: lookup(d, a.key) for a in axes}
+        values = {k: t if k.startswith(ARG) else lookup(d, k) for k, t in keyed}
         name = member_name(values, fingerprint.result_fingerprint(d))
         members.append(Member(name, values, member_overrides, cfg))
     if failures:
@@ -279,6 +344,8 @@ def expand(
     base = members[0].config.to_dict()
     for a in axes:
         _drop(base, a.key)
+    if script:
+        base["script"]["args"] = list(script_args)  # each member's are its own
     members = [
         Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_paths, m.name))
         for m in members

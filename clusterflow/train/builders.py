@@ -1,6 +1,7 @@
-"""The pieces a trainer is built from: model (DDP-wrapped or sharded), optimizer, schedule,
-precision, and ``task.init_from`` weights. Each builder is small; ``Trainer.__init__`` calls them
-in an order that keeps every random draw where it was (same seed, same weights).
+"""The pieces a trainer is built from: model, optimizer, schedule, precision, and
+``task.init_from`` weights (``Run.setup`` places and wraps the model). Each builder is small;
+``Trainer.__init__`` calls them in an order that keeps every random draw where it was (same seed,
+same weights).
 """
 
 from __future__ import annotations
@@ -8,28 +9,22 @@ from __future__ import annotations
 import io
 import logging
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import fsspec
 import torch
 from safetensors.torch import load as safetensors_load
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.checkpoint import export
 from clusterflow.config.job_config import Config
-from clusterflow.config.sections import DistConfig, TrainConfig
+from clusterflow.config.sections import TrainConfig
 from clusterflow.errors import UserError
 from clusterflow.rundir.records import RunPaths
 from clusterflow.storage.store import MANIFEST
 from clusterflow.tasks import Task
-from clusterflow.train import parallel
 
 log = logging.getLogger("clusterflow.trainer")
-
-# DDP's once-per-process note when find_unused_parameters found every parameter used.
-_NONE_UNUSED = "find_unused_parameters=True was specified in DDP constructor, but did not find"
 
 
 def lr_multiplier(rule: str, world: int) -> float:
@@ -42,45 +37,16 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
 
 
-def build_model(
-    cfg: Config, task: Task, device: torch.device, world: int
-) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(the module, what the loop calls: the module or its DDP wrapper; under
-    ``train.parallel=fsdp`` both are the sharded module, at every world size). Seed before calling
-    it."""
+def build_model(cfg: Config, task: Task, device: torch.device) -> torch.nn.Module:
+    """The task's model with ``task.init_from``'s weights, unwrapped and where the task built it
+    (``Run.setup`` places and wraps it). Seed before calling it."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = cfg.train.tf32
         torch.backends.cudnn.allow_tf32 = cfg.train.tf32
     model = task.build_model()
     if cfg.task.init_from:
         init_weights(model, cfg.task.init_from)
-    if cfg.dist.sync_batchnorm and world > 1:
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    module = model.to(device)
-    if cfg.train.parallel == "fsdp":
-        units = parallel.shard_units(task, module, cfg.task.target)
-        module = parallel.wrap_fsdp(module, units, device, world, amp_dtype(cfg.train.amp, device))
-        return module, module
-    if world == 1:
-        return module, module
-    return module, _ddp(module, device, cfg.dist)
-
-
-def _ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
-    """DDP over ``module``, as the dist section ``d`` says. DDP rebuilds its buckets once, after an
-    attempt's first step, in the order gradients became ready; the layout decides in which order
-    ranks' gradients are summed (with 3+ ranks), so a resumed attempt's first step would sum
-    differently from the uninterrupted run's same step. DDP never rebuilds when it looks for
-    unused parameters: ``dist.fixed_buckets`` asks for that, and silences DDP's note that none
-    were found (looking is the point)."""
-    if d.fixed_buckets and not d.find_unused_parameters:
-        warnings.filterwarnings("ignore", message=_NONE_UNUSED, category=UserWarning)
-    return DDP(
-        module,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        find_unused_parameters=d.find_unused_parameters or d.fixed_buckets,
-        bucket_cap_mb=d.bucket_cap_mb,
-    )
+    return model
 
 
 def build_optimizer(t: TrainConfig, module: torch.nn.Module, world: int) -> torch.optim.Optimizer:

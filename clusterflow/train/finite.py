@@ -65,9 +65,14 @@ class FiniteGuard:
     """``train``: the train section; ``committed``: the committed steps, for the failure message."""
 
     def __init__(
-        self, device: torch.device, train: TrainConfig, committed: Callable[[], list[int]]
+        self,
+        device: torch.device,
+        train: TrainConfig,
+        committed: Callable[[], list[int]],
+        own_loop: bool = False,
     ) -> None:
-        self.train, self.committed = train, committed
+        # own_loop: a script's loop, whose learning rate and clipping are its own, not train.*'s.
+        self.train, self.committed, self.own_loop = train, committed, own_loop
         self.policy = train.on_nonfinite
         self.ok = torch.ones((), dtype=torch.bool, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)
@@ -169,6 +174,11 @@ class FiniteGuard:
             if steps
             else "no checkpoint was committed"
         )
+        if self.own_loop:
+            raise RunFailed(
+                f"training diverged: {problem}. Nothing non-finite was saved ({kept}). Lower the "
+                "script's learning rate or clip its gradients, and start a new run.dir"
+            )
         raise RunFailed(
             f"training diverged: {problem}. Nothing non-finite was saved ({kept}). Lower train.lr "
             f"(now {self.train.lr:g}) or set train.grad_clip and start a new run.dir, or resume "

@@ -17,7 +17,8 @@ full state dict of the final ``model.pt`` (:func:`full_state_dict`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
@@ -27,11 +28,53 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from clusterflow.config.sections import DistConfig
 from clusterflow.distributed import comm as dist
 from clusterflow.errors import UserError
 from clusterflow.tasks import Task, check_can_shard
 
 _CONTAINERS = (torch.nn.Sequential, torch.nn.ModuleList)
+# DDP's once-per-process note when find_unused_parameters found every parameter used.
+_NONE_UNUSED = "find_unused_parameters=True was specified in DDP constructor, but did not find"
+
+
+def wrap_ddp(module: torch.nn.Module, device: torch.device, d: DistConfig) -> DDP:
+    """DDP over ``module``, as the dist section ``d`` says. DDP rebuilds its buckets once, after an
+    attempt's first step, in the order gradients became ready; the layout decides in which order
+    ranks' gradients are summed (with 3+ ranks), so a resumed attempt's first step would sum
+    differently from the uninterrupted run's same step. DDP never rebuilds when it looks for
+    unused parameters: ``dist.fixed_buckets`` asks for that, and silences DDP's note that none
+    were found (looking is the point)."""
+    if d.fixed_buckets and not d.find_unused_parameters:
+        warnings.filterwarnings("ignore", message=_NONE_UNUSED, category=UserWarning)
+    return DDP(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=d.find_unused_parameters or d.fixed_buckets,
+        bucket_cap_mb=d.bucket_cap_mb,
+    )
+
+
+def is_wrapped(model: torch.nn.Module) -> bool:
+    """A DDP wrapper or a sharded module: a model set up already."""
+    return isinstance(model, (DDP, FSDPModule))
+
+
+def rebind(
+    optimizer: torch.optim.Optimizer, names: Mapping[int, str], module: torch.nn.Module
+) -> None:
+    """After ``fully_shard`` replaced ``module``'s parameters with sharded ones: the optimizer's
+    parameter groups hold the new parameters (``names``: each old parameter's id -> its name).
+    Only an optimizer that has not stepped can follow: its state would be for the old ones."""
+    if optimizer.state:
+        raise UserError(
+            "run.setup(model, optimizer): the optimizer has stepped already, and its state "
+            "cannot follow the parameters into their shards (train.parallel=fsdp); set the "
+            "model up before the first optimizer step"
+        )
+    now = dict(module.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [now.get(names.get(id(p), ""), p) for p in group["params"]]
 
 
 def default_units(model: torch.nn.Module) -> list[torch.nn.Module]:

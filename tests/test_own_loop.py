@@ -1,0 +1,405 @@
+"""A plain PyTorch DDP script converted to clusterflow (tests/ownloop/: plain_ddp.py and
+converted_ddp.py, started as torchrun starts them, through ``python -m clusterflow.run
+--script``): at most 15 changed lines; killed with SIGKILL at a random step in mid-epoch and
+resumed, bitwise equal to its uninterrupted run, its batches after the resume those of the
+uninterrupted run; stopped in mid-epoch and resumed on another world size, every sample trained
+once per epoch as the script itself recorded it; every misuse refused with one line."""
+
+import difflib
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import launch
+import pytest
+import torch
+from conftest import REPO, run_cli, weights_equal
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from clusterflow import rundir
+from clusterflow.config import load
+from clusterflow.distributed.sampler import EpochPlan
+from clusterflow.errors import UserError
+from clusterflow.storage.store import CheckpointStore
+from clusterflow.train.preemption import Preemption
+from clusterflow.train.session import Run
+
+HERE = os.path.join(REPO, "tests", "ownloop")
+PLAIN, CONVERTED = os.path.join(HERE, "plain_ddp.py"), os.path.join(HERE, "converted_ddp.py")
+# 200 samples, 16 a rank: 6 steps an epoch on 2 ranks; saves every 4 steps (in the background).
+CONFIG = ("checkpoint.every_steps=4", "train.log_every_steps=2", "dist.heartbeat_s=1")
+EPOCHS = 3
+ARGS = ("--epochs", str(EPOCHS))
+
+
+def start(world, run_dir, env=None, config=CONFIG):
+    """``world`` ranks of the converted script, as torchrun starts ``python -m clusterflow.run
+    --script converted_ddp.py ... -- --epochs 3``."""
+    seen = os.path.join(run_dir + "-seen")
+    os.makedirs(seen, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "clusterflow.run",
+        "--script",
+        CONVERTED,
+        f"run.dir={run_dir}",
+        *config,
+        "--",
+        *ARGS,
+    ]
+    return launch.start(
+        world, None, None, run_dir + "-logs", command=command, env={"SEEN_DIR": seen, **(env or {})}
+    )
+
+
+def seen(run_dir):
+    """What the script recorded: rank -> [{"epoch", "pid", "index"}, ...] in the order trained."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir + "-seen", "rank*.jsonl")):
+        rank = int(os.path.basename(path)[4:-6])
+        out[rank] = [json.loads(line) for line in open(path)]
+    return out
+
+
+def wait_for(path, procs, timeout=300):
+    t0 = time.time()
+    while not os.path.exists(path):
+        codes = [p.poll() for p in procs]
+        assert all(c is None for c in codes), f"a rank ended before {path}: {codes}"
+        assert time.time() - t0 < timeout, f"no {path} after {timeout} s"
+        time.sleep(0.1)
+
+
+def rank0_log(run_dir):
+    return "".join(
+        open(p).read() for p in sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.*.log")))
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("own-loop") / "run")
+    assert launch.wait(start(2, d)) == [0, 0], rank0_log(d)[-3000:]
+    return d
+
+
+def test_the_conversion_changes_at_most_15_lines_and_the_docs_show_its_diff():
+    diff = list(
+        difflib.unified_diff(
+            open(PLAIN).read().splitlines(),
+            open(CONVERTED).read().splitlines(),
+            "plain_ddp.py",
+            "converted_ddp.py",
+            n=1,
+            lineterm="",
+        )
+    )
+    added = [line for line in diff[2:] if line.startswith("+")]
+    removed = [line for line in diff[2:] if line.startswith("-")]
+    print(f"\nconverted_ddp.py: {len(added)} lines added or changed, {len(removed)} removed")
+    assert 0 < len(added) <= 15 and len(removed) <= 15, "\n".join(diff)
+    assert any("clusterflow.start()" in line for line in added)
+    page = open(os.path.join(REPO, "docs", "own-loop.md")).read()
+    shown = page.split("```diff\n", 1)[1].split("```", 1)[0].rstrip("\n").splitlines()
+    assert shown == diff, "docs/own-loop.md's diff is stale"
+    assert f"**{len(added)} lines added or changed, {len(removed)} removed**" in page
+
+
+def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_path):
+    # Mid-epoch steps of epochs 2 and 3 (6 steps each): the kill comes before run.step.
+    k = random.choice([s for s in range(7, 18) if s % 6])
+    print(f"\nSIGKILL of both ranks at global step {k}")
+    d = str(tmp_path / "run")
+    procs = start(2, d, env={"HOLD_AT_STEP": str(k)})
+    wait_for(os.path.join(d + "-seen", "held"), procs)
+    launch.kill(procs)
+    assert launch.wait(procs) == [-signal.SIGKILL] * 2
+    committed = CheckpointStore(os.path.join(d, "checkpoints")).steps()
+    assert committed and max(committed) < k, committed
+    assert launch.wait(start(2, d)) == [0, 0], rank0_log(d)[-3000:]
+
+    resumed = max(committed)
+    assert f"/step-{resumed}: epoch {resumed // 6}, step {resumed % 6} of the epoch" in rank0_log(d)
+    assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
+    # What the script saw after the resume: the uninterrupted run's batches from that step on.
+    mine, plain = seen(d), seen(uninterrupted)
+    for rank in (0, 1):
+        second = [r for r in mine[rank] if r["pid"] != mine[rank][0]["pid"]]
+        assert [(r["epoch"], r["index"]) for r in second] == [
+            (r["epoch"], r["index"]) for r in plain[rank][resumed:]
+        ]
+
+
+def test_stopped_mid_epoch_and_resumed_on_three_ranks_each_sample_is_trained_once_per_epoch(
+    tmp_path,
+):
+    d = str(tmp_path / "run")
+    # Steps of 0.3 s: the stop agreement reads every rank's flag at each step boundary.
+    procs = start(2, d, env={"HOLD_AT_STEP": "8", "STEP_SLEEP_S": "0.3"})
+    wait_for(os.path.join(d + "-seen", "held"), procs)
+    launch.kill(procs, signal.SIGTERM)
+    open(os.path.join(d + "-seen", "release"), "w").close()
+    assert launch.wait(procs) == [0, 0], rank0_log(d)[-3000:]
+    stopped = int(rank0_log(d).split("saving at global step ")[1].split()[0])
+    assert 8 <= stopped <= 10, stopped  # in mid-epoch 2 (the signal came at step 8)
+    assert launch.wait(start(3, d)) == [0, 0, 0], rank0_log(d)[-3000:]
+
+    records = seen(d)
+    assert sorted(records) == [0, 1, 2]  # the resumed attempt ran on three ranks
+    for epoch in range(EPOCHS):
+        trained = [
+            i for rs in records.values() for r in rs if r["epoch"] == epoch for i in r["index"]
+        ]
+        assert sorted(trained) == list(range(200)), (epoch, len(trained))
+    # The ledger says the same: epoch 2 half on 2 ranks (32 a step), the rest on 3 (48 a step).
+    position = (stopped - 6) * 32
+    ledger = json.load(open(os.path.join(d, "sample_ledger.json")))
+    second = ledger["epochs"][1]["ranges"]
+    assert [(r["start"], r["end"], r["world_size"]) for r in second] == [
+        (0, position, 2),
+        (position, 200, 3),
+    ], second
+    steps = 6 + EpochPlan.of(200, 32).with_batch(position, 48).steps() + 200 // 48
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "completed" and status["attempts"] == 2, status
+    assert status["world_size"] == 3 and status["global_step"] == steps, status
+
+
+# -- misuse ---------------------------------------------------------------------------------------
+
+
+class Items(Dataset):
+    def __init__(self, n=64):
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i
+
+
+def a_run(tmp_path, name):
+    cfg = load(None, [f"run.dir={tmp_path / name}", "script.path=train.py"])
+    os.makedirs(cfg.run.dir)
+    return Run(
+        cfg,
+        rundir.RunPaths(cfg.run.dir),
+        torch.device("cpu"),
+        0,
+        Preemption(),
+        lambda outcome: (outcome, 0),
+    )
+
+
+def set_up(run):
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return (*run.setup(model, opt), model)
+
+
+def train_step(model, opt, x):
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def refused(fn, *args, **kwargs):
+    with pytest.raises(UserError) as e:
+        fn(*args, **kwargs)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_dataloader_of_the_users_own_is_refused_naming_run_loader(tmp_path):
+    run = a_run(tmp_path, "own")
+    model, opt, _ = set_up(run)
+    run.loader(Items(), batch_size=8)
+    run.restore(model=model, optimizer=opt)
+    mine = DataLoader(Items(), batch_size=8, shuffle=True)
+    for _ in run.epochs(1):
+        for x, _i in mine:
+            train_step(model, opt, x)
+            message = refused(run.step)
+            break
+        break
+    assert "a DataLoader of your own" in message and "run.loader(dataset" in message
+    for key, value in (
+        ("shuffle", True),
+        ("sampler", DistributedSampler(Items(), num_replicas=1, rank=0)),
+        ("drop_last", True),
+    ):
+        message = refused(a_run(tmp_path, key).loader, Items(), 8, **{key: value})
+        assert f"run.loader(..., {key}=...)" in message and "bypass" in message
+    message = refused(lambda: a_run(tmp_path, "dl").loader(DataLoader(Items()), 8))
+    assert "takes a dataset, not a DataLoader" in message
+
+
+def test_a_step_missing_or_twice_is_refused(tmp_path):
+    run = a_run(tmp_path, "steps")
+    model, opt, _ = set_up(run)
+    loader = run.loader(Items(), batch_size=8)
+    run.restore(model=model, optimizer=opt)
+    for _ in run.epochs(1):
+        batches = iter(loader)
+        x, _i = next(batches)
+        train_step(model, opt, x)
+        run.step()
+        assert "called twice" in refused(run.step)
+        next(batches)
+        assert "run.step() was not called after global step 2" in refused(next, batches)
+        break
+
+
+def test_state_after_restore_and_a_model_not_set_up_are_refused(tmp_path):
+    run = a_run(tmp_path, "state")
+    model, opt, original = set_up(run)
+    run.loader(Items(), batch_size=8)
+    other = torch.nn.Linear(4, 2)
+    assert "was not passed to run.setup" in refused(lambda: run.restore(model=other))
+    assert "cannot be saved" in refused(lambda: run.restore(model=model, extra=object()))
+    assert "before run.restore" in refused(lambda: next(iter(run.epochs(1))))
+    assert not run.restore(model=original, optimizer=opt, counters={"seen": 0})
+    assert "called twice" in refused(lambda: run.restore(model=model, optimizer=opt))
+    assert "came after run.restore" in refused(lambda: run.setup(torch.nn.Linear(4, 2)))
+    other_run = a_run(tmp_path, "reserved")
+    message = refused(other_run.restore, model=set_up(other_run)[0], train={})
+    assert "'train' is a name the checkpoint keeps" in message
+
+
+def test_a_script_with_its_own_shuffled_loader_fails_with_one_line(tmp_path):
+    script = tmp_path / "own_loader.py"
+    script.write_text(
+        "import torch\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "import clusterflow\n"
+        "run = clusterflow.start()\n"
+        "model, opt = run.setup(torch.nn.Linear(2, 1), None), None\n"
+        "run.loader(TensorDataset(torch.zeros(8, 2)), batch_size=4)\n"
+        "run.restore(model=model)\n"
+        "for epoch in run.epochs(1):\n"
+        "    mine = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=4, shuffle=True)\n"
+        "    for (x,) in mine:\n"
+        "        run.step()\n"
+        "run.finish()\n"
+    )
+    d = str(tmp_path / "run")
+    out = run_cli("clusterflow.run", "--script", str(script), f"run.dir={d}")
+    assert out.returncode == 2, out.stdout + out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: run.step(): no batch of run.loader came before this step"), last
+    assert "Traceback" not in out.stderr
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "failed" and "a DataLoader of your own" in status["error"], status
+
+
+def test_import_clusterflow_stays_light_until_start_is_asked_for():
+    code = (
+        "import sys, clusterflow\n"
+        "assert 'torch' not in sys.modules, 'import clusterflow loaded torch'\n"
+        "assert callable(clusterflow.start) and 'torch' in sys.modules\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr
+
+
+# -- submit --script / run --script: the script's own arguments -----------------------------------
+
+ARGV_SCRIPT = """
+import json, sys
+import torch
+import clusterflow
+run = clusterflow.start()
+with open(sys.argv[0] + ".argv.json", "w") as f:
+    json.dump(sys.argv[1:], f)
+model = run.setup(torch.nn.Linear(2, 1))
+loader = run.loader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+run.restore(model=model)
+for epoch in run.epochs(1):
+    for (x,) in loader:
+        run.step()
+run.finish()
+"""
+
+
+def test_the_scripts_own_arguments_reach_it_untouched(tmp_path):
+    script = tmp_path / "argv.py"
+    script.write_text(ARGV_SCRIPT)
+    args = ["--lr", "0.1", "--", "x=1,2", "with space", "--name=é'\"", "-v", "run.dir=not-ours"]
+    d = str(tmp_path / "run")
+    out = run_cli("clusterflow.run", "--script", str(script), f"run.dir={d}", "--", *args)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert json.load(open(str(script) + ".argv.json")) == args
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "completed" and status["script"]["args"] == args, status
+
+
+def test_a_sweep_of_a_scripts_argument_sets_it_in_each_member(tmp_path):
+    from clusterflow.sweeps import sweep
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    sw = sweep.expand(
+        None,
+        [f"run.dir={tmp_path / 'sweep'}"],
+        ["arg:--lr=0.1,0.3", "arg:depth=2,4"],
+        str(script),
+        ["--lr=0.01", "--epochs", "3", "depth=1"],
+    )
+    got = {m.name.rsplit("-", 1)[0]: m.config.script.args for m in sw.members}
+    assert got == {
+        "lr=0.1,depth=2": ["--lr=0.1", "--epochs", "3", "depth=2"],
+        "lr=0.1,depth=4": ["--lr=0.1", "--epochs", "3", "depth=4"],
+        "lr=0.3,depth=2": ["--lr=0.3", "--epochs", "3", "depth=2"],
+        "lr=0.3,depth=4": ["--lr=0.3", "--epochs", "3", "depth=4"],
+    }
+    assert sweep.with_arg(["--lr", "1", "--x"], "--lr", "2") == ["--lr", "2", "--x"]
+    assert sweep.with_arg(["--x"], "--lr", "2") == ["--x", "--lr", "2"]
+    assert sweep.with_arg([], "lr", "2") == ["lr=2"]
+    with pytest.raises(UserError, match="give the script with --script"):
+        sweep.expand(None, [f"run.dir={tmp_path / 's2'}"], ["arg:--lr=1,2"])
+
+
+def test_the_converted_script_trains_sharded_with_fsdp(tmp_path):
+    """train.parallel=fsdp: run.setup shards the model, the optimizer follows its parameters into
+    the shards, checkpoints are sharded (DCP) and model.pt is the whole plain state_dict."""
+    d = str(tmp_path / "run")
+    config = (*CONFIG, "train.parallel=fsdp")
+    assert launch.wait(start(2, d, config=config)) == [0, 0], rank0_log(d)[-3000:]
+    store = CheckpointStore(os.path.join(d, "checkpoints"))
+    assert store.newest_manifest()["format"] == "dcp"
+    state = torch.load(os.path.join(d, "model.pt"), weights_only=True)
+    plain = torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 4)
+    )
+    plain.load_state_dict(state)  # every key, every shape
+    assert json.loads(run_cli("clusterflow.status", d, "--json").stdout)["global_step"] == 18
+
+
+@pytest.mark.parametrize(
+    "example, args",
+    [
+        ("ddp_classifier.py", ["--epochs", "1", "--width", "8"]),
+        (
+            "pretrain.py",
+            ["--epochs", "1", "--samples", "256", "--seq-len", "16", "--d-model", "16"]
+            + ["--layers", "1", "--global-batch", "64", "--warmup", "2"],
+        ),
+    ],
+)
+def test_the_examples_run_at_toy_size(tmp_path, example, args):
+    d = str(tmp_path / "run")
+    script = os.path.join(REPO, "examples", example)
+    out = run_cli("clusterflow.run", "--script", script, f"run.dir={d}", "--", *args)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert status["state"] == "completed" and status["epoch"] == 1, status
