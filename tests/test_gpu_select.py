@@ -8,7 +8,7 @@ from conftest import REPO
 
 from clusterflow import config
 from clusterflow.errors import UserError
-from clusterflow.launch.gpus import Need, classify, select_gpus
+from clusterflow.launch.gpus import Need, classify, for_local, select_gpus
 from clusterflow.observe import nvml
 
 
@@ -378,3 +378,19 @@ def test_submit_local_refuses_in_one_line_when_no_gpu_fits(tmp_path, monkeypatch
         submit.main(argv)
     assert "NVML sees none" in capsys.readouterr().err
     assert not asked  # no GPU: the model is never built for an estimate
+
+
+def test_a_script_run_is_not_estimated_as_the_default_task(monkeypatch, capsys):
+    """`submit --script train.py --local` on GPUs: the script's model is its own, unknown before
+    it runs, so no need is estimated (config.yaml's task.target is then only the default task,
+    which the script never trains) and the GPUs are taken by free memory alone."""
+    from clusterflow.launch import jobs
+    from clusterflow.rundir import saved_config
+
+    script = os.path.join(REPO, "examples", "ddp_classifier.py")
+    cfg = saved_config.load_command(None, ["cluster.gpus=1"], script, [])
+    assert jobs.memory_need(cfg) is None
+    monkeypatch.setattr(nvml, "read_snapshot", lambda: [gpu(0, used=900), gpu(1, used=300)])
+    chosen = for_local(1, 1, {}, need=lambda: jobs.memory_need(cfg))
+    said = capsys.readouterr().out
+    assert chosen == [1] and "the run needs" not in said, said

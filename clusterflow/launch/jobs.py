@@ -22,8 +22,12 @@ def job_for(cfg: Config) -> Any:
     return Job(cfg.to_dict())
 
 
-def memory_need(cfg: Config) -> Need:
-    """What one process of ``cfg``'s run needs on its GPU (``train/memory.py``)."""
+def memory_need(cfg: Config) -> Need | None:
+    """What one process of ``cfg``'s run needs on its GPU (``train/memory.py``); None for a
+    script of the user's own (``submit --script``), whose model is unknown before it runs (its
+    task.target is only the default task, which it never trains)."""
+    if cfg.script.path:
+        return None
     from clusterflow.train import memory  # torch: only for a --local run on GPUs
 
     return Need(memory.estimate(cfg))
