@@ -49,7 +49,10 @@ def test_stall_limit(overrides, limit):
             ["dist.heartbeat_s=-1"],
             "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds",
         ),
-        (["cluster.gpus=first"], "cluster.gpus = 'first': must be auto or a list of GPU indices"),
+        (
+            ["cluster.gpus=first"],
+            "cluster.gpus = 'first': must be auto, a count of GPUs, or a list of GPU indices",
+        ),
         (["cluster.gpus=[1,1]"], "cluster.gpus = [1, 1]: must list distinct GPU indices"),
     ],
 )
