@@ -173,7 +173,12 @@ class Attempt:
         failed and why recorded (``record_failure``: a SystemExit with the exit status for a
         failure it names in one line)."""
         if self.run is not None:
-            self.run.close(State.FAILED)
+            try:
+                self.run.close(State.FAILED)
+            except Exception as closing:  # noqa: BLE001 - the failure being recorded comes first
+                # A writer that failed with the same cause (TensorBoard's thread out of file
+                # descriptors) raises it again on close; the record names the first one.
+                log.warning("closing the run after it failed raised too: %s", closing)
         self._unwatch(exc)
         if self.held and self.env.is_main:
             _let_go(self.paths, self.environ, states.FAILED)

@@ -20,6 +20,7 @@ PREFIX=10.77.0
 NODES=(node1 node2 node3)
 STATE=/run/clusterflow-slurm
 CONF=/etc/slurm/slurm.conf
+LOCK=/run/clusterflow-slurm.lock
 CTL_HOST=$(hostname)
 
 log() { echo "[cluster] $*" >&2; }
@@ -65,7 +66,8 @@ config() {
   local cpus mem
   cpus=$(nproc)
   mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 4 ))
-  cat > "$CONF.new" <<EOF
+  local new="$CONF.new.$$"
+  cat > "$new" <<EOF
 ClusterName=clusterflow-test
 SlurmctldHost=$CTL_HOST($CTL_IP)
 AuthType=auth/munge
@@ -103,11 +105,11 @@ PartitionName=low Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP Priori
 PartitionName=high Nodes=node1,node2 Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 PartitionName=wide Nodes=node1,node2,node3 Default=NO MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=10 PreemptMode=REQUEUE OverSubscribe=NO
 EOF
-  if ! cmp -s "$CONF.new" "$CONF"; then
-    mv "$CONF.new" "$CONF"
+  if ! cmp -s "$new" "$CONF"; then
+    mv "$new" "$CONF"
     echo changed > "$STATE/config-changed"
   else
-    rm -f "$CONF.new"
+    rm -f "$new"
   fi
   [ -f /etc/slurm/cgroup.conf ] || echo "CgroupPlugin=cgroup/v1" > /etc/slurm/cgroup.conf
 }
@@ -187,9 +189,13 @@ down() {
   log "down"
 }
 
+# One "up" or "down" at a time: several test sessions (parallel workers, two checkouts) may each
+# ask for the cluster at once. Fd 9 holds the lock; the daemons do not inherit it (detached).
+serialized() { exec 9>"$LOCK"; flock 9; "$@"; }
+
 case "${1:-up}" in
-  up) up ;;
-  down) down ;;
+  up) serialized up ;;
+  down) serialized down ;;
   status) sinfo -N -l ;;
   *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
 esac
