@@ -1,5 +1,5 @@
-"""``clusterflow submit|run|status|logs|cancel|export|goodput ...``: the console script, the same as
-``python -m clusterflow.<command>``."""
+"""``clusterflow submit|run|status|logs|cancel|export|goodput|dashboard ...``: the console script,
+the same as ``python -m clusterflow.<command>``."""
 
 from __future__ import annotations
 
@@ -17,9 +17,10 @@ COMMANDS = {
     "cancel": "clusterflow.manage.cancel",
     "export": "clusterflow.checkpoint.export",
     "goodput": "clusterflow.manage.goodput",
+    "dashboard": "clusterflow.web.server",
 }
 
-USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput} ...
+USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput,dashboard} ...
 
   clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait] [--sweep ...]
   clusterflow run    CONFIG.yaml [KEY=VALUE ...] [--check]
@@ -29,6 +30,7 @@ USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput} ...
   clusterflow export RUN_DIR OUT [--step N] [--format pt|safetensors] [--dtype bf16|fp32]
                     [--weights model|ema] [--force]
   clusterflow goodput RUN_DIR|SWEEP_DIR [--json] [--plot OUT.png]
+  clusterflow dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0]
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

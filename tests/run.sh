@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of the README: sets up everything, then runs the whole suite.
 #   - a virtual environment in .venv with torch 2.13.0 (CPU build) and clusterflow[cpu,test]
+#   - Debian's chromium and chromium-driver (the dashboard's browser tests)
 #   - Slurm and munge from Debian, and the local three-node cluster (tests/slurm/cluster.sh)
 #   - pytest over tests/
 # Safe to run again: each step is skipped when already done.
@@ -15,6 +16,15 @@ python -m pip install -q --upgrade pip >/dev/null
 # torch first: a plain `torch` requirement would otherwise pull the multi-GB CUDA build.
 python -c 'import torch' 2>/dev/null || python -m pip install -q torch==2.13.0
 python -m pip install -q -e '.[cpu,test]'
+# Debian's chromium and its driver: the dashboard's browser tests drive them with Selenium (which
+# then never downloads a browser of its own).
+if ! { command -v chromium && command -v chromedriver; } >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "note: not root: install chromium and chromium-driver for the dashboard's browser tests" >&2
+  fi
+fi
 if [ "$(id -u)" = 0 ] && [ "${CLUSTERFLOW_NO_SLURM:-0}" != 1 ]; then
   bash tests/slurm/cluster.sh up
 else

@@ -501,6 +501,37 @@ def test_every_attempt_of_a_killed_and_resumed_run_sums_to_its_wall_time(resumed
     )
 
 
+STARTUP_PHASES = [
+    "imports",
+    "rendezvous",
+    "run dir",
+    "task data",
+    "model",
+    "restore",
+    "first batch",
+    "first step",
+]
+
+
+def test_each_attempt_records_its_start_up_by_phase(resumed):
+    """Rank 0's start-up, phase by phase from its process's start to the end of its first step,
+    in the timeline, the ledger's --json and its table: the phases, in order, add up to that span
+    (one clock read ends one phase and starts the next); the resumed attempt read a checkpoint."""
+    d, book = resumed
+    records = timeline.read_all(rundir.RunPaths(d)).records
+    for row in book["attempts"]:
+        rec, got = records[row["attempt"]], row["startup_phases"]
+        assert rec["startup"] == got
+        assert list(got) == STARTUP_PHASES, got
+        assert all(v >= 0 for v in got.values()), got
+        assert sum(got.values()) <= rec["first_step_at"] - rec["process_started_at"] + 1e-6
+    assert book["attempts"][1]["startup_phases"]["restore"] > 0
+    table = run_cli("clusterflow.goodput", d)
+    assert table.returncode == 0, table.stderr
+    for row in book["attempts"]:
+        assert f"start-up of attempt {row['attempt']} (rank 0, s): imports " in table.stdout
+
+
 def test_nobody_is_named_when_no_rank_is_slow(resumed):
     d, book = resumed
     paths = rundir.RunPaths(d)

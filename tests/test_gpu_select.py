@@ -4,9 +4,11 @@ needed."""
 import os
 
 import pytest
+from conftest import REPO
 
+from clusterflow import config
 from clusterflow.errors import UserError
-from clusterflow.launch.gpus import classify, select_gpus
+from clusterflow.launch.gpus import Need, classify, for_local, select_gpus
 from clusterflow.observe import nvml
 
 
@@ -136,7 +138,7 @@ def test_refused(snapshot, want, asked, message):
 
 def test_our_own_processes_do_not_make_a_gpu_busy():
     sel = select_gpus(BUSY1, 4, "auto", ignore_pids=[4242], idle_used_mb=40000)
-    assert sel.indices == (0, 1, 2, 3)
+    assert sel.indices == (0, 2, 3, 1)  # all usable; the most free memory first
 
 
 def test_auto_stays_within_cuda_visible_devices():
@@ -240,3 +242,155 @@ def test_read_snapshot_without_a_gpu_is_none():
     """This machine has no NVIDIA driver; with or without nvidia-ml-py the reader answers None,
     never raises."""
     assert nvml.read_snapshot() is None
+
+
+# -- the run's need, and the GPUs that fit it ------------------------------------------------------
+
+GIB = 2**30
+NEED = Need(
+    {
+        "parameters": 2 * GIB,
+        "gradients": 2 * GIB,
+        "optimizer state": 4 * GIB,
+        "activations of one batch": 6 * GIB,
+    }
+)
+ROOMY = [
+    gpu(0, used=60000),  # used by a process we cannot see
+    gpu(1, used=400, total=24576),  # 23.6 GiB free
+    gpu(2, used=300),  # 79.4 GiB free
+    gpu(3, used=900, total=16000),  # 14.7 GiB free: less than the need, 15 GiB
+]
+
+
+def test_the_need_is_said_with_its_parts():
+    assert NEED.total_mb == 15 * 1024
+    assert NEED.line() == (
+        "the run needs about 15.0 GiB per GPU (parameters 2.0 GiB, gradients 2.0 GiB, "
+        "optimizer state 4.0 GiB, activations of one batch 6.0 GiB, CUDA context 1.0 GiB)"
+    )
+
+
+def test_auto_and_a_count_take_the_gpus_with_the_most_free_memory_that_fit():
+    sel = select_gpus(ROOMY, 2, "auto", need=NEED)
+    assert sel.indices == (2, 1)  # 79.4 GiB free, then 23.6 GiB
+    assert sel.reasons[3] == "too little memory: 14.7 GiB free, 15.0 GiB needed"
+    assert sel.summary().splitlines()[1] == "  " + NEED.line()
+    assert select_gpus(ROOMY, 1, 1, need=NEED).indices == (2,)
+
+
+def test_no_gpu_fits_the_need_is_one_line_with_the_parts():
+    small = [gpu(0, total=16000, used=900), gpu(1, used=31020, procs=[(4242, "python", 30720)])]
+    with pytest.raises(UserError) as err:
+        select_gpus(small, 1, 1, need=NEED)
+    said = str(err.value)
+    assert "\n" not in said
+    assert said.startswith("cluster.gpus=1 but only 0 of 2 GPUs are free (none): GPU 0 too little")
+    assert "GPU 1 busy: held by pid 4242 (python, 30.0 GiB)" in said
+    assert "(the run needs about 15.0 GiB per GPU (parameters 2.0 GiB," in said
+    with pytest.raises(UserError, match=r"GPU 0 is too little memory: .*\(the run needs about"):
+        select_gpus(small, 1, [0], need=NEED)
+
+
+@pytest.mark.parametrize(
+    "overrides,gpus,per_node,tasks",
+    [
+        (["cluster.gpus=2"], 2, 2, 2),
+        (["cluster.gpus=2", "cluster.gpus_per_node=2"], 2, 2, 2),
+        (["cluster.gpus=[2]", "cluster.gpus_per_node=1"], [2], 1, 1),
+        (["cluster.gpus=0,2", "cluster.gpus_per_node=2"], [0, 2], 2, 2),
+        (["cluster.gpus=auto"], "auto", 0, 1),
+    ],
+)
+def test_cluster_gpus_is_auto_a_count_or_a_list(overrides, gpus, per_node, tasks):
+    c = config.load(None, overrides).cluster
+    assert (c.gpus, c.gpus_per_node, c.tasks_per_node) == (gpus, per_node, tasks)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["cluster.gpus=0"], "cluster.gpus = 0: a count of GPUs must be >= 1"),
+        (
+            ["cluster.gpus=2", "cluster.gpus_per_node=4"],
+            "cluster.gpus = 2: asks for 2 GPU(s) but cluster.gpus_per_node=4; set one of them",
+        ),
+    ],
+)
+def test_a_count_that_does_not_fit_is_refused(overrides, message):
+    with pytest.raises(UserError) as err:
+        config.load(None, overrides)
+    assert message in str(err.value)
+
+
+def test_the_estimate_counts_parameters_gradients_optimizer_and_activations(monkeypatch):
+    """A model known by hand (testtasks:MemoryProbe: 64 -> 256 -> 8): parameters exactly, the
+    optimizer's moments per parameter, and activations that grow with the batch."""
+    from clusterflow.train import memory
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "tests"))
+    probe = ["task.target=testtasks:MemoryProbe", "cluster.tasks_per_node=2"]
+    params = (64 * 256 + 256 + 256 * 8 + 8) * 4
+    adamw = memory.estimate(config.load(None, [*probe, "train.batch_size=8", "train.amp=none"]))
+    assert adamw["parameters"] == adamw["gradients"] == params
+    assert adamw["optimizer state"] == 2 * params
+    # Autograd keeps, per sample, at least the input (64) and the hidden layer (256) in fp32.
+    assert 4 * (64 + 256) * 4 <= adamw["activations of one batch"] <= 4 * (64 + 2 * 256 + 8) * 4
+    sgd = memory.estimate(config.load(None, [*probe, "train.optimizer=sgd", "train.amp=none"]))
+    assert sgd["optimizer state"] == params
+    big = memory.estimate(config.load(None, [*probe, "train.batch_size=64", "train.amp=none"]))
+    assert big["activations of one batch"] == 8 * adamw["activations of one batch"]
+    bf16 = memory.estimate(config.load(None, [*probe, "train.batch_size=64", "train.amp=bf16"]))
+    assert 2 * bf16["activations of one batch"] == big["activations of one batch"]
+
+
+def test_submit_local_refuses_in_one_line_when_no_gpu_fits(tmp_path, monkeypatch, capsys):
+    """NVML replaced at its boundary (nvml.read_snapshot): two GPUs, one busy, one too small
+    for the run's estimated need. submit --local says so in one line, with the need's parts, and
+    writes nothing."""
+    from clusterflow.launch import submit
+
+    monkeypatch.syspath_prepend(os.path.join(REPO, "tests"))
+    asked = []
+
+    def need(cfg):
+        asked.append(cfg.task.target)
+        return NEED
+
+    monkeypatch.setattr(
+        nvml,
+        "read_snapshot",
+        lambda: [gpu(0, total=16000, used=900), gpu(1, used=31020, procs=[(4242, "py", 30720)])],
+    )
+    monkeypatch.setattr(submit.jobs, "memory_need", need)
+    run_dir = tmp_path / "run"
+    argv = ["configs/tiny.yaml", "--local", f"run.dir={run_dir}", "cluster.gpus=2"]
+    with pytest.raises(SystemExit) as stop:
+        submit.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: cluster.gpus=2 but only 0 of 2 GPUs are free (none)")
+    assert "the run needs about 15.0 GiB per GPU" in err and asked
+    assert not run_dir.exists()
+    monkeypatch.setattr(nvml, "read_snapshot", lambda: None)
+    asked.clear()
+    with pytest.raises(SystemExit):
+        submit.main(argv)
+    assert "NVML sees none" in capsys.readouterr().err
+    assert not asked  # no GPU: the model is never built for an estimate
+
+
+def test_a_script_run_is_not_estimated_as_the_default_task(monkeypatch, capsys):
+    """`submit --script train.py --local` on GPUs: the script's model is its own, unknown before
+    it runs, so no need is estimated (config.yaml's task.target is then only the default task,
+    which the script never trains) and the GPUs are taken by free memory alone."""
+    from clusterflow.launch import jobs
+    from clusterflow.rundir import saved_config
+
+    script = os.path.join(REPO, "examples", "ddp_classifier.py")
+    cfg = saved_config.load_command(None, ["cluster.gpus=1"], script, [])
+    assert jobs.memory_need(cfg) is None
+    monkeypatch.setattr(nvml, "read_snapshot", lambda: [gpu(0, used=900), gpu(1, used=300)])
+    chosen = for_local(1, 1, {}, need=lambda: jobs.memory_need(cfg))
+    said = capsys.readouterr().out
+    assert chosen == [1] and "the run needs" not in said, said

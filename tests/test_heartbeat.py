@@ -285,9 +285,11 @@ def test_tensorboard_scalars_cover_every_node():
     )
     assert tensorboard_scalars(ranks) == {
         "ranks/step_time_s/rank0": 0.2,
+        "ranks/busy_s/rank0": 0.2,
         "gpus/node1/gpu0/mem_used_gb": 2.0,
         "gpus/node1/gpu0/util_pct": 90.0,
         "ranks/step_time_s/rank1": 0.3,
+        "ranks/busy_s/rank1": 0.3,
         "gpus/node2/gpu0/mem_used_gb": 1.0,
         "gpus/node2/gpu0/util_pct": 50.0,
     }

@@ -30,7 +30,9 @@ LAZY_ALLOWED = {
     ("clusterflow.cli", "clusterflow.manage.status"),
     ("clusterflow.cli", "clusterflow.manage.logs"),
     ("clusterflow.cli", "clusterflow.manage.cancel"),
+    ("clusterflow.cli", "clusterflow.web.server"),
     ("clusterflow.launch.jobs", "clusterflow.job.job"),
+    ("clusterflow.launch.jobs", "clusterflow.train.memory"),
 }
 
 

@@ -40,6 +40,8 @@ ALLOWED = {
     ("clusterflow/errors.py", "interrupted"),
     # status --json's key for the list of kept checkpoints, not the folder's name.
     ("clusterflow/manage/status.py", "checkpoints"),
+    # the same key of status's, read by the dashboard's run page.
+    ("clusterflow/web/views.py", "checkpoints"),
 }
 
 

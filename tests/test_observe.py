@@ -49,7 +49,10 @@ def test_stall_limit(overrides, limit):
             ["dist.heartbeat_s=-1"],
             "dist.heartbeat_s = -1.0: must be 0 (off) or between 0.1 and 3600 seconds",
         ),
-        (["cluster.gpus=first"], "cluster.gpus = 'first': must be auto or a list of GPU indices"),
+        (
+            ["cluster.gpus=first"],
+            "cluster.gpus = 'first': must be auto, a count of GPUs, or a list of GPU indices",
+        ),
         (["cluster.gpus=[1,1]"], "cluster.gpus = [1, 1]: must list distinct GPU indices"),
     ],
 )
@@ -191,9 +194,10 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     # Ended by the watchdog, not by the collective's timeout (dist.timeout_s, 600 s by default):
     # how much sooner depends on the machine's load, the stalled seconds below on the watchdog.
     assert time.time() - t0 < 600
-    # The watchdog looks once a second, and a loaded machine can delay a look: 5 s or a few more.
+    # At least dist.stall_s; how many more depends on the load (the watchdog looks once a second),
+    # and fewer than the collective's timeout, which would have ended the job otherwise.
     said = re.search(r"stalled (\d+) s at step 2 in train", out.stderr)
-    assert "rank 1 (pid" in out.stderr and said and 5 <= int(said.group(1)) <= 15, out.stderr
+    assert "rank 1 (pid" in out.stderr and said and 5 <= int(said.group(1)) < 600, out.stderr
     st = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert st["state"] == "failed"
     # the task's file as it ran: tests/testtasks.py, or its copy frozen into RUN_DIR/code/ at

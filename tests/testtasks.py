@@ -592,3 +592,24 @@ class KillBeforePublish(SlowRankKill):
             return publish(store, staged, step)
 
         CheckpointStore._publish = killed_before_publishing
+
+
+class MemoryProbe:
+    """Two linear layers, 64 -> 256 -> 8, on ``size`` random samples: a model whose memory is
+    known by hand (tests/test_gpu_select.py's estimate checks)."""
+
+    def __init__(self, seed=0, size=64):
+        self.seed, self.size = seed, int(size)
+
+    def build_model(self):
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+        )
+
+    def train_dataset(self):
+        g = torch.Generator().manual_seed(self.seed)
+        x = torch.randn(self.size, 64, generator=g)
+        return [{"x": x[i], "index": i} for i in range(self.size)]
+
+    def loss(self, model, batch, labels):
+        return model(batch["x"]).pow(2).mean(), {}

@@ -180,10 +180,11 @@ class ClusterConfig:
             "(with train.amp=auto the precision changes too: refused)"
         ),
     )
-    gpus: str | list[int] = doc(
+    gpus: str | int | list[int] = doc(
         "auto",
         "submit --local only: which of this machine's GPUs to use, one per process. auto: "
-        "the free ones (no other process, enough free memory), in nvidia-smi order; or a list of "
+        "the free ones (no other process, room for the run's estimated need) with the most "
+        "free memory; a count N: N of those (sets cluster.gpus_per_node=N); or a list of "
         "nvidia-smi indices, e.g. [0, 2], each of which must be free. Slurm jobs get the GPUs "
         "Slurm allocates.",
         kind=RESOURCE,
@@ -304,6 +305,16 @@ class ClusterConfig:
             self.tasks_per_node >= 1, "cluster.tasks_per_node", self.tasks_per_node, "must be >= 1"
         )
         _check(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node, "must be >= 0")
+        self.gpus = _gpu_list(self.gpus)
+        if isinstance(self.gpus, int):
+            _check(
+                self.gpus_per_node in (0, self.gpus),
+                "cluster.gpus",
+                self.gpus,
+                f"asks for {self.gpus} GPU(s) but cluster.gpus_per_node={self.gpus_per_node}; "
+                "set one of them (cluster.gpus: N sets cluster.gpus_per_node)",
+            )
+            self.gpus_per_node = self.gpus
         if self.gpus_per_node > 0:
             _check(
                 self.tasks_per_node in (1, self.gpus_per_node),
@@ -314,7 +325,6 @@ class ClusterConfig:
                 "(or leave it at 1 and it is set for you)",
             )
             self.tasks_per_node = self.gpus_per_node
-        self.gpus = _gpu_list(self.gpus)
         _check(self.cpus_per_task >= 1, "cluster.cpus_per_task", self.cpus_per_task, "must be >= 1")
         _check(self.mem_gb >= 0, "cluster.mem_gb", self.mem_gb, "must be >= 0")
         _check(self.time_min >= 1, "cluster.time_min", self.time_min, "must be >= 1 minute")
@@ -369,9 +379,19 @@ class ClusterConfig:
         return self.nodes * self.tasks_per_node
 
 
-def _gpu_list(value: str | list[int]) -> str | list[int]:
-    """cluster.gpus: auto, a list, or the list as one word on the command line
-    (cluster.gpus=0,2)."""
+def _gpu_list(value: str | int | list[int]) -> str | int | list[int]:
+    """cluster.gpus: auto, a count (2, or "2" on the command line), or a list of indices
+    ([0, 2], or cluster.gpus=0,2 as one word on the command line)."""
+    if isinstance(value, str) and re.fullmatch(r"\s*\d+\s*", value):
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        _check(
+            value >= 1,
+            "cluster.gpus",
+            value,
+            "a count of GPUs must be >= 1 (cluster.gpus_per_node=0 runs on CPU)",
+        )
+        return value
     if isinstance(value, str) and re.fullmatch(r"\s*\[?\s*\d+(\s*,\s*\d+)*\s*\]?\s*", value):
         value = [int(v) for v in re.findall(r"\d+", value)]
     if isinstance(value, str):
@@ -379,7 +399,8 @@ def _gpu_list(value: str | list[int]) -> str | list[int]:
             value == "auto",
             "cluster.gpus",
             value,
-            "must be auto or a list of GPU indices as nvidia-smi numbers them, e.g. [0, 2]",
+            "must be auto, a count of GPUs, or a list of GPU indices as nvidia-smi numbers them, "
+            "e.g. [0, 2]",
         )
         return value
     _check(

@@ -80,6 +80,10 @@ class Attempt:
         environ: Mapping[str, str] | None = None,
         code_file: str | None = None,
     ) -> None:
+        # Where the start-up goes, from this process's start: its interpreter, imports and config
+        # end here; the attempt marks its own phases, the run the rest up to the first step.
+        self.startup = timeline.Startup(timeline.process_started_at())
+        self.startup.mark(timeline.IMPORTS)
         self.environ = os.environ if environ is None else environ
         self.env = DistEnv.from_env(self.environ)
         self.cfg = config if isinstance(config, Config) else from_dict(dict(config))
@@ -102,6 +106,7 @@ class Attempt:
         # The flight recorder reads its variables when the group starts.
         observe.before_init(paths, self.environ)
         self.device = dist.init(env, self.cfg.dist.backend, self.cfg.dist.timeout_s)
+        self.startup.mark(timeline.RENDEZVOUS)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         self.cfg = from_dict(_take_run_dir(env, self.cfg, paths, self.environ))
         self.held = True
@@ -114,6 +119,7 @@ class Attempt:
         self.preemption = Preemption(
             (lambda: cancel_marker.is_cancelled(paths)) if env.is_main else None
         ).install()
+        self.startup.mark(timeline.RUN_DIR)
         return True
 
     def open_run(self, amp: Amp, what: str) -> Run:
@@ -128,6 +134,7 @@ class Attempt:
             self.end,
             amp=amp,
             what=what,
+            startup=self.startup,
         )
         stalled = functools.partial(
             _requeue_after_stall, cfg=self.cfg, paths=self.paths, env=self.env, environ=self.environ

@@ -19,6 +19,7 @@ from clusterflow.distributed import comm as dist
 from clusterflow.errors import EXIT_JOB_FAILED
 from clusterflow.job.attempt import Attempt
 from clusterflow.job.script import run_script
+from clusterflow.observe.timeline import TASK_DATA
 from clusterflow.rundir import frozen_code, states
 from clusterflow.rundir.states import StopReason
 from clusterflow.tasks import Stopped, Task, load_task
@@ -67,6 +68,7 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         # The code frozen at submission, on every rank of every attempt.
         frozen_code.activate(job.paths)
         task = _build_task(cfg, job.preemption)
+        job.startup.mark(TASK_DATA)
         if task is None:
             outcome, _ = job.end(_stopped_while_building(job.preemption))
             return outcome

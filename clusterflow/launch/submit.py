@@ -298,7 +298,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     # the free GPUs, chosen (or a busy one refused) before anything is written
     chosen = (
-        gpus.for_local(cfg.cluster.gpus_per_node, cfg.cluster.gpus, os.environ)
+        gpus.for_local(
+            cfg.cluster.gpus_per_node,
+            cfg.cluster.gpus,
+            os.environ,
+            need=lambda: jobs.memory_need(cfg),
+        )
         if args.local
         else None
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,9 +61,15 @@ def _lease_files(paths: rundir.RunPaths) -> list[str]:
         return []
 
 
-def check(paths: rundir.RunPaths, attempt: dict[str, Any], queue: str | None) -> Liveness:
+def check(
+    paths: rundir.RunPaths,
+    attempt: dict[str, Any],
+    queue: str | None,
+    queue_state: Callable[[str], str | None] = slurm_commands.queue_state,
+) -> Liveness:
     """``attempt``: the last line of attempts.jsonl; ``queue``: squeue's answer for its Slurm job
-    (None when it is not a Slurm job or squeue did not answer)."""
+    (None when it is not a Slurm job or squeue did not answer); ``queue_state``: how to ask
+    squeue about the job holding the lease."""
     seen = _last_seen(paths)
     if queue is not None:
         job = attempt.get("job_id")
@@ -87,7 +94,7 @@ def check(paths: rundir.RunPaths, attempt: dict[str, Any], queue: str | None) ->
     if gen:
         # Only the fields that fit the lease's schema: a hand-edited one must not stop status.
         rec, _ = records.checked(rec or {}, records.LEASE, "lease")
-        ok, why = lease.judge(rec or {}, age, lease.identity(), slurm_commands.queue_state)
+        ok, why = lease.judge(rec or {}, age, lease.identity(), queue_state)
         return Liveness(ok, seen, f"the job holding its lease: {why}")
     # Rank 0, the lease holder, ran here: gone, and it left no lease.
     if procs and procs[0][0] == host:

@@ -111,24 +111,38 @@ class EndWatch:
 
 class Tail:
     """One log file read incrementally (a UTF-8 character cut between two reads stays whole); also
-    what `submit --local` echoes to the terminal."""
+    what `submit --local` echoes to the terminal and what the dashboard shows of each rank."""
 
     def __init__(self, path: str) -> None:
         self.path, self.pos = path, 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.skipped = 0  # bytes passed over unread (``read(limit)``)
 
-    def drain(self, out: IO[str]) -> None:
+    def read(self, limit: int | None = None) -> str:
+        """The text written since the last read. With ``limit``, at most its last ``limit``
+        bytes, from the first line that starts within them (a 2 GB log costs a seek, not 2 GB);
+        ``skipped`` counts what was passed over."""
         try:
             size = os.path.getsize(self.path)
             if size < self.pos:  # truncated or replaced: read it again from the start
                 self.pos = 0
+            cut = limit is not None and size - self.pos > limit
+            if cut:
+                self.skipped += size - limit - self.pos
+                self.pos = size - limit
+                self.decoder.reset()
             with open(self.path, "rb") as f:
                 f.seek(self.pos)
-                data = f.read()
-                self.pos = f.tell()
-        except FileNotFoundError:
-            return
-        text = self.decoder.decode(data)
+                data = f.read(size - self.pos)
+                self.pos += len(data)
+        except OSError:  # not there (yet), or a folder in its place
+            return ""
+        if cut:
+            data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
+        return self.decoder.decode(data)
+
+    def drain(self, out: IO[str]) -> None:
+        text = self.read()
         if text:
             out.write(text)
             out.flush()

@@ -11,6 +11,7 @@ import json
 import os
 import shlex
 import time
+from collections.abc import Callable
 from typing import Any
 
 from clusterflow import rundir
@@ -205,6 +206,7 @@ def _mining(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "curve",
         "engine",
         "hooking_rounds",
+        "size_histogram",
     )
     return [
         {k: m.get(k) for k in keys if k in m} | {"seconds": (m.get("seconds") or {}).get("total")}
@@ -290,7 +292,15 @@ def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, 
     }
 
 
-def collect(paths: rundir.RunPaths) -> dict[str, Any]:
+def collect(
+    paths: rundir.RunPaths,
+    queue_state: Callable[[str], str | None] = slurm_commands.queue_state,
+    plain: tuple[dict[str, Any], str] | None = None,
+) -> dict[str, Any]:
+    """What the run is doing, from its records. ``queue_state``: squeue's answer for a job id (the
+    dashboard passes one that asks squeue once for all its runs); ``plain``: config.yaml as
+    ``saved_config.read_plain`` returns it, when the caller has it already (the dashboard reads
+    it again only when the file changes)."""
     run_dir = paths.root
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
@@ -300,8 +310,9 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
     st, notes = rundir.read_object(paths.status, records.STATUS)
     attempts, said = records.read_records(paths.attempts, records.ATTEMPT)
     notes += said
-    plain, problem = saved_config.read_plain(paths)  # config.yaml read once, as plain YAML
-    root, damaged_config = _checkpoint_root(paths, plain, problem)
+    # config.yaml read once, as plain YAML
+    config, problem = plain if plain is not None else saved_config.read_plain(paths)
+    root, damaged_config = _checkpoint_root(paths, config, problem)
     notes += [damaged_config] if damaged_config else []
     cks, damaged, newest = _checkpoints(root)
     progress = _progress(st, newest)
@@ -310,7 +321,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
     current = submissions.current_job_id(paths, notes)
     job_id = current or str(last.get("job_id") or st.get("job_id") or "")
     queue = (
-        slurm_commands.queue_state(job_id)
+        queue_state(job_id)
         if current or (last.get("source") or "slurm") in ("slurm", "torchrun")
         else None
     )
@@ -334,7 +345,7 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         evidence = dataclasses.replace(evidence, slurm=asked)
     alive, note = None, None
     if verdict.needs_liveness(evidence):
-        life = liveness.check(paths, last, queue)
+        life = liveness.check(paths, last, queue, queue_state)
         alive = life.alive
         note = life.note(progress["global_step"]) if alive is False else None
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
@@ -365,19 +376,19 @@ def collect(paths: rundir.RunPaths) -> dict[str, Any]:
         "mining": _mining(st.get("mining") if isinstance(st.get("mining"), list) else []),
         "samples": _samples(paths, notes),
         "eval": st.get("eval", {}),
-        "trackers": _trackers(paths, plain),
+        "trackers": _trackers(paths, config),
         "last_loss": st.get("last_loss"),
         "errors": _errors(paths, last.get("started_at") or 0, notes),
         "error": decided.error,
         "logs": paths.logs,
         "code": frozen_code.describe(paths, notes),
-        "script": _script(plain),
+        "script": _script(config),
         "updated_at": st.get("updated_at"),
     }
     out["goodput"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, plain, last, queue, notes, asked)  # ranks, Slurm's verdict
+    ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
     return out
 
 

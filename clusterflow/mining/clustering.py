@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy import sparse
-from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining import curves, knn
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
+
+if TYPE_CHECKING:
+    from scipy import sparse
 
 
 def normalize(x: np.ndarray) -> np.ndarray:
@@ -82,6 +83,9 @@ def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) ->
         sub = sub.copy()
         sub.data[sub.data <= np.quantile(sub.data, 0.25)] = 0
         sub.eliminate_zeros()
+        # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+        from scipy.sparse.csgraph import connected_components
+
         ncomp, parts = connected_components(sub, directed=False)
         if ncomp == 1:
             stack.append((members, sub))
@@ -98,6 +102,9 @@ def _split_large(graph: sparse.csr_matrix, labels: np.ndarray, max_size: int) ->
 def clusters_from_graph(
     graph: sparse.csr_matrix, singletons: str = "cluster", max_cluster_size: int = 0
 ) -> np.ndarray:
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy.sparse.csgraph import connected_components
+
     _, labels = connected_components(graph, directed=False)
     if max_cluster_size:
         labels = _split_large(graph, labels, max_cluster_size)

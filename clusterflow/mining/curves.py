@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from scipy import sparse
-from scipy.sparse.csgraph import connected_components, minimum_spanning_tree
 
 from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
 
@@ -70,6 +68,10 @@ def merge_similarities(graph: MutualGraph) -> np.ndarray:
     if len(graph.w) == 0:
         return np.zeros(0, np.float32)
     rank = np.arange(1, len(graph.w) + 1, dtype=np.float64)  # graph.w is sorted: rank 1 = strongest
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy import sparse
+    from scipy.sparse.csgraph import minimum_spanning_tree
+
     forest = minimum_spanning_tree(
         sparse.csr_matrix((rank, (graph.u, graph.v)), shape=(graph.n, graph.n))
     )
@@ -169,6 +171,10 @@ def _sweep(graph: MutualGraph, thresholds: np.ndarray, labels: bool = False):
     edges that a merge put inside one component leave the list, so a step costs
     O(components + pending edges), plus O(N) when ``labels`` asks for every node's component.
     """
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy import sparse
+    from scipy.sparse.csgraph import connected_components
+
     n = graph.n
     weight = np.maximum(graph.w, 0).astype(np.float64)
     total = float(weight.sum())
@@ -255,6 +261,9 @@ class _Agreement:
     def __call__(self, labels: np.ndarray) -> tuple[float, float]:
         n, rows = self.n, int(labels.max()) + 1
         # The matrix sums repeated (label, truth) pairs: the contingency table.
+        # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+        from scipy import sparse
+
         table = sparse.csr_matrix((np.ones(n), (labels, self.truth)), shape=(rows, len(self.b)))
         nij = table.data
         a = np.asarray(table.sum(1)).ravel()

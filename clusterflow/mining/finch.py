@@ -27,8 +27,6 @@ import dataclasses
 from collections.abc import Callable
 
 import numpy as np
-from scipy import sparse
-from scipy.sparse.csgraph import connected_components
 
 from clusterflow.mining import knn
 from clusterflow.mining.curves import modularity
@@ -44,6 +42,10 @@ def first_neighbour_components(first: np.ndarray) -> np.ndarray:
     meets their first node; the tests check this)."""
     n = len(first)
     to = np.where(first >= 0, first, np.arange(n))
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy import sparse
+    from scipy.sparse.csgraph import connected_components
+
     graph = sparse.coo_matrix((np.ones(n, np.int8), (np.arange(n), to)), shape=(n, n))
     return connected_components(graph, directed=False)[1].astype(np.int64)
 
@@ -51,6 +53,9 @@ def first_neighbour_components(first: np.ndarray) -> np.ndarray:
 def mean_directions(x: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Per cluster, the normalised sum of its rows: the direction of its mean (float32 (C, d))."""
     c = int(labels.max()) + 1
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy import sparse
+
     member = sparse.csr_matrix(
         (np.ones(len(labels), np.float32), (labels, np.arange(len(labels)))), shape=(c, len(labels))
     )
@@ -116,6 +121,9 @@ def silhouette(x: np.ndarray, labels: np.ndarray, sample: int = 4000, seed: int 
     count = np.bincount(labels).astype(np.float64)
     if len(count) < 2:
         return 0.0
+    # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
+    from scipy import sparse
+
     member = sparse.csr_matrix(
         (np.ones(n, np.float32), (labels, np.arange(n))), shape=(len(count), n)
     )

@@ -332,6 +332,9 @@ def _row(
         "steps": steps,
         "sources": said,
         "stragglers": stragglers.read(src.paths, a.n),
+        # Rank 0's start-up by phase (observe/timeline.py's Startup): where start-up and restore
+        # went, from its process's start to its first step.
+        "startup_phases": dict(a.tl.get("startup") or {}),
     }
 
 
@@ -461,6 +464,10 @@ def render(book: dict[str, Any]) -> str:
                 f"restart in job: attempt {r['attempt']} after a {back.get('cause')}{rank}{host}: "
                 f"{took}{out}"
             )
+        phases = r.get("startup_phases") or {}
+        if phases:
+            said = ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
+            lines.append(f"start-up of attempt {r['attempt']} (rank 0, s): {said}")
         for g in r["stragglers"]:
             lines.append(
                 f"straggler: attempt {r['attempt']} rank {g['rank']} on {g['node']} "

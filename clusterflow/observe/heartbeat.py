@@ -346,13 +346,16 @@ def _num(value: object, fmt: str) -> str:
 
 
 def tensorboard_scalars(ranks: list[dict[str, Any]]) -> dict[str, float]:
-    """Per-rank step time and per-GPU memory/utilisation of every node, for rank 0's writer."""
+    """Per-rank step time and busy time (a rank's own part of a step, what the straggler watch
+    scores) and per-GPU memory/utilisation of every node, for rank 0's writer."""
     out: dict[str, float] = {}
     for r in ranks:
         if r["silent"]:
             continue
         if r.get("step_time_s") is not None:
             out[f"ranks/step_time_s/rank{r['rank']}"] = float(r["step_time_s"])
+        if r.get("busy_s") is not None:
+            out[f"ranks/busy_s/rank{r['rank']}"] = float(r["busy_s"])
         gpu = f"gpus/{r.get('host')}/gpu{r.get('gpu_index')}"
         if r.get("gpu_mem_used_mb") is not None:
             out[f"{gpu}/mem_used_gb"] = r["gpu_mem_used_mb"] / 1024

@@ -18,7 +18,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from clusterflow import rundir
 from clusterflow.config.sections import TrackersConfig
-from clusterflow.observe import trackers
+from clusterflow.observe import scalar_log, trackers
 from clusterflow.rundir.records import RunPaths
 
 
@@ -173,14 +173,7 @@ def read_metrics(run_dir: str) -> dict[int, dict[str, float]]:
 
 
 def _read(paths: RunPaths) -> dict[int, dict[str, float]]:
-    out: dict[int, dict[str, float]] = {}
-    for row in rundir.read_jsonl(paths.metrics):
-        if "purge_step" in row:
-            out = {s: v for s, v in out.items() if s < row["purge_step"]}
-            continue
-        values = {k: v for k, v in row.items() if k not in ("step", "attempt")}
-        out.setdefault(int(row["step"]), {}).update(values)
-    return dict(sorted(out.items()))
+    return scalar_log.read(paths)
 
 
 class Throughput:

@@ -3,9 +3,10 @@
 The trainer tells :class:`AttemptTimeline` when the restore ended, when the first step ended,
 each committed checkpoint (from the checkpointer, possibly on its write thread), its log steps
 and the end of the loop. Phase seconds come from :class:`~clusterflow.observe.phases.Phases`,
-which adds them up at phase changes only. Writes: one at the first step, one per commit, at most
-one per ``WRITE_EVERY_S`` at log steps, one at the end; nothing per step. Other ranks get
-:class:`NullTimeline` (nothing to write, nothing to report).
+which adds them up at phase changes only; the start-up's phases come from :class:`Startup`,
+which the attempt and the run mark as they get there. Writes: one at the first step, one per
+commit, at most one per ``WRITE_EVERY_S`` at log steps, one at the end; nothing per step. Other
+ranks get :class:`NullTimeline` (nothing to write, nothing to report).
 """
 
 from __future__ import annotations
@@ -34,6 +35,36 @@ def process_started_at(pid: int | None = None) -> float | None:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return None
+
+
+# The phases of an attempt's start-up, in order (:class:`Startup`): the interpreter, the imports
+# and the config; joining the process group; the run dir taken and the attempt recorded; the
+# task and its data built; the model, optimizer and loader set up (a script: its code between
+# ``clusterflow.start()`` and ``run.restore``); the checkpoint read; the first batch loaded; the
+# first step (its forward, backward and optimizer step).
+IMPORTS = "imports"
+RENDEZVOUS = "rendezvous"
+RUN_DIR = "run dir"
+TASK_DATA = "task data"
+MODEL = "model"
+RESTORE = "restore"
+FIRST_BATCH = "first batch"
+FIRST_STEP = "first step"
+
+
+class Startup:
+    """Where this rank's start-up went: seconds per phase from the process's start to the end of
+    its first step. :meth:`mark` ends a phase (one clock read, no I/O), so the phases add up to
+    the time from the process's start to the last mark."""
+
+    def __init__(self, started_at: float | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.time() if started_at is None else started_at
+
+    def mark(self, phase: str) -> None:
+        now = time.time()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, now - self._last)
+        self._last = now
 
 
 def categories(seconds: dict[str, float]) -> dict[str, float]:
@@ -68,9 +99,15 @@ class AttemptTimeline(NullTimeline):
     WRITE_EVERY_S = 1.0
 
     def __init__(
-        self, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: object
+        self,
+        paths: rundir.RunPaths,
+        attempt: int,
+        tracker: phases.Phases,
+        startup: Startup | None = None,
+        **fields: object,
     ) -> None:
         self.paths, self.phases = paths, tracker
+        self.startup = startup or Startup(process_started_at())
         self._lock = threading.Lock()
         self._base: dict[str, float] | None = None  # phase seconds at the first step
         self._written = 0.0  # monotonic time of the last write
@@ -107,11 +144,21 @@ class AttemptTimeline(NullTimeline):
                 log.warning("could not write %s: %s", where, exc)
 
     def restored(self, step: int, seconds: float) -> None:
-        self._write(restored_step=step, restore_s=seconds, last_step=step)
+        self._write(
+            restored_step=step,
+            restore_s=seconds,
+            last_step=step,
+            startup=dict(self.startup.seconds),
+        )
 
     def first_step(self, step: int) -> None:
         self._base = categories(self.phases.totals())
-        self._write(first_step_at=time.time(), first_step=step, last_step=step)
+        self._write(
+            first_step_at=time.time(),
+            first_step=step,
+            last_step=step,
+            startup=dict(self.startup.seconds),
+        )
 
     def progress(self, step: int) -> None:
         if time.monotonic() - self._written >= self.WRITE_EVERY_S:
@@ -132,6 +179,13 @@ class AttemptTimeline(NullTimeline):
 
 
 def timeline_for(
-    is_main: bool, paths: rundir.RunPaths, attempt: int, tracker: phases.Phases, **fields: object
+    is_main: bool,
+    paths: rundir.RunPaths,
+    attempt: int,
+    tracker: phases.Phases,
+    startup: Startup | None = None,
+    **fields: object,
 ) -> NullTimeline:
-    return AttemptTimeline(paths, attempt, tracker, **fields) if is_main else NullTimeline()
+    if not is_main:
+        return NullTimeline()
+    return AttemptTimeline(paths, attempt, tracker, startup, **fields)

@@ -29,6 +29,12 @@ log = logging.getLogger("clusterflow.records")
 # JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
 # parser's recursion limit (RecursionError).
 _UNREADABLE = (OSError, ValueError, RecursionError)
+# A record is kilobytes (status.json with every mining round's curve: well under a megabyte). A
+# file far larger is no record (a runaway or hostile writer); reading it whole would cost its size
+# in memory and seconds, so readers refuse it by its size.
+MAX_RECORD_BYTES = 64 * 2**20
+# A JSON line longer than this is skipped unread (a metrics row of a thousand GPUs is ~100 KB).
+MAX_LINE_BYTES = 4 * 2**20
 
 # -- schemas ------------------------------------------------------------------------------------
 
@@ -288,15 +294,32 @@ def read_checked(
     where = where or os.path.basename(target)
     if not os.path.lexists(target):
         return None, []
+    too_large = _too_large(target)
+    if too_large:
+        return None, [f"{where} {too_large}; ignored"]
     rec = read_json(target, _DAMAGED)
     if rec is _DAMAGED:
         return None, [f"{where} is not readable JSON"]
     return checked(rec, schema, where)
 
 
+def _too_large(target: str) -> str:
+    """What is wrong with a record file larger than :data:`MAX_RECORD_BYTES` ("" when it is not,
+    or cannot be seen)."""
+    try:
+        size = os.stat(target).st_size
+    except OSError:
+        return ""
+    if size <= MAX_RECORD_BYTES:
+        return ""
+    return f"is {size / 2**20:.0f} MiB, more than a record holds ({MAX_RECORD_BYTES // 2**20} MiB)"
+
+
 def read_json(target: str, default: object = None) -> Any:
     """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8,
-    a folder)."""
+    a folder, larger than :data:`MAX_RECORD_BYTES`)."""
+    if _too_large(target):
+        return default
     try:
         with open(target, encoding="utf-8") as f:
             return json.load(f)
@@ -321,6 +344,9 @@ def read_records(target: str, schema: Schema) -> tuple[list[dict[str, Any]], lis
     cuts the last one; the rest is still good)."""
     out, warnings, cut = [], [], []
     name = os.path.basename(target)
+    too_large = _too_large(target)
+    if too_large:
+        return [], [f"{name} {too_large}; ignored"]
     for n, rec in _lines(target):
         if rec is _DAMAGED:
             cut.append(str(n))
@@ -337,18 +363,106 @@ def read_records(target: str, schema: Schema) -> tuple[list[dict[str, Any]], lis
 
 def _lines(target: str) -> Iterator[tuple[int, Any]]:
     """(line number, its JSON or _DAMAGED) for each non-empty line; nothing for a missing file
-    or a folder in its place."""
+    or a folder in its place. A line over :data:`MAX_LINE_BYTES` is _DAMAGED, and never held in
+    memory whole."""
     try:
         with open(target, "rb") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    yield n, json.loads(line.decode("utf-8"))
-                except (ValueError, RecursionError):
+            n = 0
+            while True:
+                line = f.readline(MAX_LINE_BYTES + 1)
+                if not line:
+                    return
+                n += 1
+                if len(line) > MAX_LINE_BYTES:
+                    _skip_line(f, line)
                     yield n, _DAMAGED
+                    continue
+                if line.strip():
+                    yield n, _parse_line(line)
     except OSError:
         return  # missing, or a folder where the file should be: nothing readable
+
+
+def _skip_line(f: BinaryIO, start: bytes) -> None:
+    """Read on to the end of a line too long to keep (``start``: what was read of it)."""
+    chunk = start
+    while chunk and not chunk.endswith(b"\n"):
+        chunk = f.readline(MAX_LINE_BYTES)
+
+
+def _parse_line(line: bytes) -> Any:
+    try:
+        return json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        return _DAMAGED
+
+
+class JsonLinesFollower:
+    """A JSON-lines file read on from where the last :meth:`read` stopped (a file that grows:
+    metrics.jsonl while a run trains), never re-read whole.
+
+    Each read returns the JSON objects of the lines completed since; a line still being written
+    waits for its newline. At most ``chunk_bytes`` are read per call (``behind`` says more are
+    waiting), so a huge file is taken in steps; a line over :data:`MAX_LINE_BYTES`, a line that
+    is no JSON object, and garbage bytes are counted in ``damaged`` and skipped. A file that
+    shrank or was replaced (another inode) is read again from its start: :meth:`read` then says
+    ``restarted``, and the caller drops what it built from the old one.
+    """
+
+    def __init__(self, target: str, chunk_bytes: int = 4 * 2**20) -> None:
+        self.target, self.chunk_bytes = target, chunk_bytes
+        self.pos, self.inode = 0, None
+        self.partial = b""
+        self.skipping = False  # inside a line too long to keep
+        self.damaged = 0
+        self.behind = False
+
+    def read(self) -> tuple[list[dict[str, Any]], bool]:
+        """(the objects of the lines completed since the last read, whether the file was read
+        again from its start)."""
+        try:
+            with open(self.target, "rb") as f:
+                st = os.fstat(f.fileno())
+                restarted = self.inode is not None and (
+                    st.st_ino != self.inode or st.st_size < self.pos
+                )
+                if restarted or self.inode is None:
+                    self.pos, self.partial, self.skipping = 0, b"", False
+                self.inode = st.st_ino
+                f.seek(self.pos)
+                data = f.read(self.chunk_bytes)
+                self.pos += len(data)
+                self.behind = self.pos < st.st_size
+        except OSError:  # not there (yet), or a folder in its place
+            self.behind = False
+            return [], False
+        return self._records(data), restarted
+
+    def _records(self, data: bytes) -> list[dict[str, Any]]:
+        out = []
+        lines = data.split(b"\n")
+        for i, line in enumerate(lines):
+            last = i == len(lines) - 1  # no newline after it yet
+            if self.skipping:
+                self.skipping = last
+                continue
+            line = self.partial + line
+            self.partial = b""
+            if last:
+                if len(line) > MAX_LINE_BYTES:
+                    self.damaged += 1
+                    self.skipping = True
+                else:
+                    self.partial = line
+                continue
+            if not line.strip():
+                continue
+            rec = _parse_line(line) if len(line) <= MAX_LINE_BYTES else _DAMAGED
+            if isinstance(rec, dict):
+                out.append(rec)
+            else:
+                self.damaged += 1
+        return out
 
 
 def read_jsonl(target: str, schema: Schema | None = None) -> list[dict[str, Any]]:

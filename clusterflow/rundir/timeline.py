@@ -9,6 +9,9 @@ loop ends; a kill leaves the last one. Fields (times in seconds since 1970, dura
     process_started_at                when rank 0's process started (before imports)
     restored_step, restore_s          the checkpoint it resumed from (0: fresh) and how long
                                       reading it took
+    startup                           rank 0's seconds per start-up phase, from its process's
+                                      start (imports, rendezvous, run dir, task data, model,
+                                      restore, first batch, first step), as of this write
     first_step_at                     when its first optimizer step ended
     last_step, written_at             the newest step trained, as of this write
     seconds                           time in each phase since the first step (train, eval,
@@ -55,6 +58,7 @@ TIMELINE = records.Schema(
         "process_started_at": records.TIME,
         "restored_step": records.INT,
         "restore_s": records.SECONDS,
+        "startup": _SECONDS,
         "first_step_at": records.TIME,
         "first_step": records.INT,
         "last_step": records.INT,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,28 @@ def queue_state(job_id: str, timeout_s: float = 5) -> str | None:
         # "Invalid job id": forgotten after MinJobAge, so long gone
         return "" if "Invalid job id" in out.stderr else None
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
+
+
+def queue_states(job_ids: Iterable[str], timeout_s: float = 5) -> dict[str, str] | None:
+    """:func:`queue_state` of many jobs in one squeue call (the dashboard's runs): job id ->
+    ``STATE|REASON``, or "" for one squeue does not list; None when squeue does not answer. Ids
+    that are not Slurm job ids are left out."""
+    ids = sorted({str(j) for j in job_ids if str(j or "").replace("_", "").isdigit()})
+    if not ids:
+        return {}
+    # -r: one line per array task (an array's pending tasks are otherwise listed as 12_[3-7])
+    out = run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%r"], timeout_s)
+    if out.returncode is None:
+        return None
+    if not out.ok:
+        # "Invalid job id": squeue forgot every one of them (MinJobAge), so all long gone
+        return dict.fromkeys(ids, "") if "Invalid job id" in out.stderr else None
+    listed = {}
+    for line in out.stdout.splitlines():
+        job, _, state = line.strip().partition("|")
+        if job and state:
+            listed.setdefault(job, state)
+    return {j: listed.get(j, "") for j in ids}
 
 
 def wait_until_gone(job_id: str, poll_s: float = 3.0) -> None:

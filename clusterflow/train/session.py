@@ -79,7 +79,15 @@ from clusterflow.observe import phases
 from clusterflow.observe.metrics import Every, NullWriter, gpu_stats, writer_for
 from clusterflow.observe.observer import mining_wait_timeout_s
 from clusterflow.observe.profiling import NoProfile, profile_for
-from clusterflow.observe.timeline import timeline_for
+from clusterflow.observe.timeline import (
+    FIRST_BATCH,
+    FIRST_STEP,
+    MODEL,
+    RESTORE,
+    Startup,
+    process_started_at,
+    timeline_for,
+)
 from clusterflow.rundir import restarts, transitions
 from clusterflow.rundir.states import State, StopReason
 from clusterflow.storage import durable
@@ -320,15 +328,18 @@ class Run:
         ending: Ending,
         amp: Amp = None,
         what: str = "",
+        startup: Startup | None = None,
     ) -> None:
         self.config, self.paths, self.device, self.attempt = cfg, paths, device, attempt
         self.rank, self.world_size = dist.rank(), dist.world()
         self.run_dir = paths.root
         self.amp, self.what, self._ending = amp, what, ending
         self.phases = phases.Phases()
+        # Where the start-up went, marked up to the first step (the attempt marked its part).
+        self.startup = startup or Startup(process_started_at())
         # Rank 0's record of this attempt in time, for the goodput ledger.
         self.timeline = timeline_for(
-            self.rank == 0, paths, attempt, self.phases, world_size=self.world_size
+            self.rank == 0, paths, attempt, self.phases, self.startup, world_size=self.world_size
         )
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         self.state = TrainState()
@@ -373,6 +384,7 @@ class Run:
         self._awaiting_step = False
         self._fetched = False  # a batch of run.loader came this epoch
         self._first_step = True
+        self._first_batch = True
         self._mined = -1  # the epoch whose mining round ran in this attempt
         self._saved_at: tuple[int, tuple[int, int]] | None = None
         self._steps_done_rng: RngState | None = None
@@ -617,6 +629,9 @@ class Run:
                     self._step_missing()
                 self.global_batch = next(self._steps)
                 self._profile.begin(s.global_step + 1)
+            if self._first_batch:
+                self._first_batch = False
+                self.startup.mark(FIRST_BATCH)
             self._micro += 1
             if self._micro == accumulate:
                 self._micro, self._awaiting_step = 0, True
@@ -693,10 +708,12 @@ class Run:
             before_commit=self._commit_check,
             after_commit=self.timeline.committed,
         )
+        self.startup.mark(MODEL)
         t0 = time.monotonic()
         resumed = self.checkpointer.restore(self._loader.data if self._loader is not None else None)
         if resumed:  # the state restored is a committed one
             self._saved_at = (self.state.global_step, self.state.position)
+        self.startup.mark(RESTORE)
         self.timeline.restored(self.state.global_step, time.monotonic() - t0)
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
@@ -854,6 +871,7 @@ class Run:
         self._step_mark, self._waited_mark = time.perf_counter(), dist.waited_s()
         if self._first_step:
             self._first_step = False
+            self.startup.mark(FIRST_STEP)
             self.timeline.first_step(s.global_step)
             if self.rank == 0:  # an attempt a restart inside the job started: when it trains
                 restarts.note_first_step(self.paths, self.attempt, s.global_step)

@@ -1,0 +1,644 @@
+// clusterflow dashboard: the Runs page and a run's page. Data arrives inline with the page and
+// then as server-sent events (/api/stream); charts are Plotly (plotly.min.js from plotly's
+// wheel). Text from run dirs is only ever set as textContent, never parsed as HTML.
+"use strict";
+
+const TOKEN = document.querySelector('meta[name="clusterflow-token"]').content;
+const INITIAL = JSON.parse(document.getElementById("initial").textContent);
+const NOW = () => Date.now() / 1000;
+
+// -- small helpers -------------------------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === null || v === undefined || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "dataset") Object.assign(node.dataset, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+function num(v, digits) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "–";
+  return digits === undefined ? String(v) : Number(v).toFixed(digits);
+}
+
+function pct(v) {
+  return v === null || v === undefined ? "–" : (100 * v).toFixed(1) + "%";
+}
+
+function seconds(s) {
+  if (s === null || s === undefined) return "–";
+  if (s < 60) return s.toFixed(0) + " s";
+  if (s < 3600) return (s / 60).toFixed(1) + " min";
+  return (s / 3600).toFixed(1) + " h";
+}
+
+// An age that counts up in the page (see tick()).
+function ageCell(t) {
+  return el("span", { class: "age", dataset: { t: t === null || t === undefined ? "" : t } },
+    t ? seconds(Math.max(0, NOW() - t)) + " ago" : "–");
+}
+
+function tick() {
+  for (const node of document.querySelectorAll(".age")) {
+    const t = parseFloat(node.dataset.t);
+    if (!Number.isNaN(t)) node.textContent = seconds(Math.max(0, NOW() - t)) + " ago";
+  }
+}
+setInterval(tick, 1000);
+
+function stateBadge(state) {
+  return el("span", { class: "state " + (state || "unknown") }, state || "unknown");
+}
+
+function plain(text) {
+  // Names shown in charts: Plotly reads a few HTML tags in labels; a run dir's names have none.
+  return String(text).replace(/[<>&]/g, "");
+}
+
+function live(on) {
+  const node = document.getElementById("live");
+  node.className = on ? "live" : "live off";
+  node.textContent = on ? "live" : "reconnecting";
+}
+
+function stream(query, handlers) {
+  const source = new EventSource("/api/stream" + query);
+  source.onopen = () => live(true);
+  source.onerror = () => live(false);
+  for (const [name, handle] of Object.entries(handlers)) {
+    source.addEventListener(name, (e) => handle(JSON.parse(e.data)));
+  }
+  return source;
+}
+
+function gpuRows(tbody, gpus) {
+  const section = document.getElementById("gpus-section");
+  section.hidden = !gpus || !gpus.length;
+  tbody.replaceChildren();
+  for (const g of gpus || []) {
+    const used = g.memory_used_mb || 0;
+    const total = g.memory_total_mb || 1;
+    const holders = (g.processes || []).map((p) =>
+      p.run_id
+        ? el("a", { href: "/run/" + p.run_id }, `${p.run} rank ${p.rank}`)
+        : `pid ${p.pid} (${p.name || "?"})`);
+    tbody.append(el("tr", {},
+      el("td", {}, g.index),
+      el("td", {}, g.name || "?"),
+      el("td", {}, el("span", { class: "bar" }, el("span", { style: `width:${100 * used / total}%` })),
+        `${(used / 1024).toFixed(1)} / ${(total / 1024).toFixed(1)} GiB`),
+      el("td", {}, g.util_pct === undefined ? "–" : g.util_pct + "%"),
+      el("td", { class: "wrap" }, holders.length ? holders.flatMap((h, i) => (i ? [", ", h] : [h])) : "none"),
+      el("td", { class: "wrap" }, g.why)));
+  }
+}
+
+// -- the Runs page -------------------------------------------------------------------------------
+
+function runsPage() {
+  const rows = new Map();
+  const sweeps = new Map();
+  let sortKey = "name";
+  let sortDir = 1;
+  const tbody = document.querySelector("#runs tbody");
+
+  function progress(r) {
+    if (!r.epochs || !r.steps_per_epoch) return null;
+    return Math.min(1, (r.epoch + (r.step_in_epoch || 0) / r.steps_per_epoch) / r.epochs);
+  }
+
+  function value(r, key) {
+    if (key === "progress") return progress(r);
+    return r[key];
+  }
+
+  function render() {
+    const state = document.getElementById("state-filter").value;
+    const name = document.getElementById("name-filter").value.toLowerCase();
+    const shown = [...rows.values()]
+      .filter((r) => !r.sweep)
+      .filter((r) => !state || (r.state || "unknown") === state)
+      .filter((r) => !name || r.name.toLowerCase().includes(name))
+      .sort((a, b) => {
+        const x = value(a, sortKey); const y = value(b, sortKey);
+        if (x === y) return a.name < b.name ? -1 : 1;
+        if (x === null || x === undefined) return 1;
+        if (y === null || y === undefined) return -1;
+        return (x < y ? -1 : 1) * sortDir;
+      });
+    tbody.replaceChildren(...shown.map((r) => {
+      const p = progress(r);
+      const marks = [];
+      if (r.stragglers) marks.push(`${r.stragglers} straggler(s)`);
+      if (r.silent && r.state === "running") marks.push(`${r.silent} silent`);
+      return el("tr", { id: "run-" + r.id, dataset: { state: r.state || "unknown" } },
+        el("td", {}, el("a", { href: "/run/" + r.id }, r.name)),
+        el("td", { title: r.error || r.note || r.problem || "" }, stateBadge(r.state)),
+        el("td", {}, p === null ? "–" : [el("span", { class: "bar" },
+          el("span", { style: `width:${100 * p}%` })),
+          `epoch ${r.epoch}/${r.epochs}, step ${r.global_step}`]),
+        el("td", {}, num(r.world_size), marks.length ? " · " + marks.join(", ") : ""),
+        el("td", {}, pct(r.goodput)),
+        el("td", {}, ageCell(r.last_heartbeat)),
+        el("td", {}, num(r.attempts)),
+        el("td", {}, num(r.last_loss, 4)),
+        el("td", {}, r.job_id || "–"));
+    }));
+    const total = [...rows.values()].filter((r) => !r.sweep).length;
+    document.getElementById("counts").textContent = `${shown.length} of ${total} run(s)`;
+    renderSweeps();
+  }
+
+  function renderSweeps() {
+    const box = document.getElementById("sweeps");
+    document.getElementById("sweeps-section").hidden = sweeps.size === 0;
+    const state = document.getElementById("state-filter").value;
+    box.replaceChildren(...[...sweeps.values()].sort((a, b) => (a.name < b.name ? -1 : 1)).map((s) => {
+      const members = s.members.filter((m) => !state || m.state === state);
+      const keys = s.keys || [];
+      const done = s.members.filter((m) => m.state === "completed").length;
+      return el("div", { class: "sweep", id: "sweep-" + s.id },
+        el("h3", {}, s.name, el("span", { class: "muted" },
+          ` · ${s.members.length} member(s), ${done} completed`)),
+        s.problem ? el("p", { class: "warn" }, s.problem) : null,
+        el("table", { class: "grid" },
+          el("thead", {}, el("tr", {}, ...keys.map((k) => el("th", {}, k)),
+            el("th", {}, "state"), el("th", {}, "epoch"), el("th", {}, "step"),
+            el("th", {}, "loss"), el("th", {}, "NMI"), el("th", {}, "ARI"), el("th", {}, "member"))),
+          el("tbody", {}, ...members.map((m) => el("tr", {},
+            ...keys.map((k) => el("td", {}, m.values[k])),
+            el("td", {}, stateBadge(m.state)), el("td", {}, num(m.epoch)),
+            el("td", {}, num(m.global_step)), el("td", {}, num(m.last_loss, 4)),
+            el("td", {}, num(m.nmi, 3)), el("td", {}, num(m.ari, 3)),
+            el("td", {}, m.id ? el("a", { href: "/run/" + m.id }, m.member) : m.member))))));
+    }));
+  }
+
+  function load(data) {
+    rows.clear(); sweeps.clear();
+    for (const r of data.runs) rows.set(r.id, r);
+    for (const s of data.sweeps) sweeps.set(s.id, s);
+    document.getElementById("truncated").hidden = !data.truncated;
+    gpuRows(document.querySelector("#gpus tbody"), data.gpus);
+    render();
+  }
+
+  for (const th of document.querySelectorAll("#runs th[data-key]")) {
+    th.addEventListener("click", () => {
+      sortDir = sortKey === th.dataset.key ? -sortDir : 1;
+      sortKey = th.dataset.key;
+      for (const other of document.querySelectorAll("#runs th")) other.className = "";
+      th.className = sortDir > 0 ? "asc" : "desc";
+      render();
+    });
+  }
+  document.getElementById("state-filter").addEventListener("change", render);
+  document.getElementById("name-filter").addEventListener("input", render);
+  load(INITIAL);
+  stream("", {
+    runs: load,
+    rows: (data) => {
+      for (const r of data.runs) rows.set(r.id, r);
+      for (const s of data.sweeps) sweeps.set(s.id, s);
+      render();
+    },
+    gpus: (gpus) => gpuRows(document.querySelector("#gpus tbody"), gpus),
+  });
+}
+
+// -- a run's page --------------------------------------------------------------------------------
+
+const LAYOUT = {
+  margin: { l: 48, r: 12, t: 28, b: 32 },
+  font: { size: 11 },
+  showlegend: false,
+  xaxis: { title: { text: "step" } },
+  uirevision: "keep",
+};
+const CONFIG = { displayModeBar: false, responsive: true };
+
+const drawn = new Map(); // chart id -> what it shows now, as JSON: an unchanged chart is left be
+
+function chart(id, traces, layout) {
+  const node = document.getElementById(id);
+  if (!node || typeof Plotly === "undefined") return;
+  const key = JSON.stringify([traces, layout]);
+  if (drawn.get(id) === key && node.isConnected) return;
+  drawn.set(id, key);
+  if (!traces.length) {
+    if (node.data) Plotly.purge(node);
+    node.replaceChildren(el("div", { class: "empty" }, (layout && layout.empty) || "no data yet"));
+    return;
+  }
+  if (!node.data) node.replaceChildren();
+  const merged = { ...LAYOUT, ...layout };
+  delete merged.empty;
+  Plotly.react(node, traces, merged, CONFIG);
+}
+
+function runPage() {
+  const runId = document.querySelector('meta[name="clusterflow-run"]').content;
+  const table = new Map(); // step -> {tag: value}
+  let summary = INITIAL;
+  let mode = "aggregated";
+  let logRank = 0;
+  let source = null;
+  let timer = null;
+  let steps = []; // the table's steps in order, as of the last redraw
+  let known = []; // its tags
+
+  function series(tag) {
+    const x = []; const y = [];
+    for (const step of steps) {
+      const v = table.get(step)[tag];
+      if (v !== undefined) { x.push(step); y.push(v); }
+    }
+    return { x, y };
+  }
+
+  function tags() {
+    return known;
+  }
+
+  function line(tag, name, extra) {
+    const s = series(tag);
+    return { type: "scatter", mode: "lines", x: s.x, y: s.y, name: plain(name || tag), ...extra };
+  }
+
+  // Per-rank series (step time, busy time, GPU): one line each, or their mean and range.
+  function group(matching, nameOf, stragglers) {
+    const members = tags().filter((t) => matching.test(t));
+    if (!members.length) return [];
+    if (mode === "per-rank") {
+      return members.map((t) => {
+        const name = nameOf(t);
+        const slow = stragglers.has(name);
+        return line(t, slow ? name + " (straggler)" : name,
+          slow ? { line: { width: 3, dash: "dash", color: "#c62828" } } : {});
+      });
+    }
+    const x = []; const lo = []; const hi = []; const mean = [];
+    for (const step of steps) {
+      const vals = members.map((t) => table.get(step)[t]).filter((v) => v !== undefined && v !== null);
+      if (!vals.length) continue;
+      x.push(step);
+      lo.push(Math.min(...vals)); hi.push(Math.max(...vals));
+      mean.push(vals.reduce((a, b) => a + b, 0) / vals.length);
+    }
+    return [
+      { type: "scatter", mode: "lines", x, y: lo, name: "min", line: { width: 0 }, hoverinfo: "skip" },
+      { type: "scatter", mode: "lines", x, y: hi, name: "min–max", fill: "tonexty",
+        line: { width: 0 }, fillcolor: "rgba(21,101,192,0.15)" },
+      { type: "scatter", mode: "lines", x, y: mean, name: `mean of ${members.length}`,
+        line: { color: "#1565c0" } },
+    ];
+  }
+
+  function redraw() {
+    timer = null;
+    drewAt = Date.now();
+    steps = [...table.keys()].sort((a, b) => a - b);
+    const names = new Set();
+    for (const values of table.values()) for (const k of Object.keys(values)) names.add(k);
+    known = [...names].sort();
+    const title = (text) => ({ title: { text, font: { size: 12 } } });
+    chart("chart-loss", table.size ? [line("train/loss", "loss")].filter((t) => t.x.length) : [],
+      title("loss"));
+    chart("chart-lr", [line("train/lr", "lr")].filter((t) => t.x.length), title("learning rate"));
+    chart("chart-throughput", [line("perf/samples_per_s_total", "samples/s")].filter((t) => t.x.length),
+      title("throughput (samples/s, all ranks)"));
+    const skip = /^(train\/(loss|lr|epoch)$|perf\/|ranks\/|gpus\/|mining\/|phases\/|checkpoint\/|goodput\/)/;
+    const box = document.getElementById("task-charts");
+    const wanted = tags().filter((t) => !skip.test(t));
+    const ids = wanted.map((t) => "chart-task-" + t.replace(/[^A-Za-z0-9_-]/g, "_"));
+    for (const child of [...box.children]) if (!ids.includes(child.id)) child.remove();
+    wanted.forEach((t, i) => {
+      if (!document.getElementById(ids[i])) box.append(el("div", { class: "chart", id: ids[i] }));
+      chart(ids[i], [line(t)], title(plain(t)));
+    });
+    const ranks = summary.ranks || [];
+    const slow = new Set(ranks.filter((r) => r.straggler).map((r) => "rank " + r.rank));
+    const gpuRank = new Map(ranks.filter((r) => r.gpu_index !== undefined)
+      .map((r) => [`${r.host} gpu${r.gpu_index}`, r.rank]));
+    const gpuName = (t) => {
+      const m = t.match(/^gpus\/(.+)\/gpu(\d+)\//);
+      const key = `${m[1]} gpu${m[2]}`;
+      return gpuRank.has(key) ? `${key} (rank ${gpuRank.get(key)})` : key;
+    };
+    const rankName = (t) => "rank " + t.match(/rank(\d+)$/)[1];
+    const cpu = "no GPU readings (a CPU run, or NVML is not installed)";
+    chart("chart-step-time", group(/^ranks\/step_time_s\/rank\d+$/, rankName, slow),
+      { ...title("step time per rank (s)"), empty: "no per-rank step times yet (dist.heartbeat_s)" });
+    chart("chart-busy", group(/^ranks\/busy_s\/rank\d+$/, rankName, slow),
+      { ...title("busy time per step (s)"), empty: "no busy times yet" });
+    chart("chart-gpu-util", group(/^gpus\/.+\/gpu\d+\/util_pct$/, gpuName, new Set()),
+      { ...title("GPU utilisation (%)"), empty: cpu });
+    chart("chart-gpu-mem", group(/^gpus\/.+\/gpu\d+\/mem_used_gb$/, gpuName, new Set()),
+      { ...title("GPU memory used (GB)"), empty: cpu });
+  }
+
+  // Charts are drawn again at most twice a second, whatever the rate of news: a busy machine
+  // (or a run logging every few milliseconds) must not keep the page from answering.
+  let drewAt = 0;
+  function schedule() {
+    if (timer !== null) return;
+    const wait = Math.max(0, drewAt + 500 - Date.now());
+    timer = setTimeout(() => requestAnimationFrame(redraw), wait);
+  }
+
+  function card(k, v, id) {
+    return el("div", { class: "card", id }, el("div", { class: "k" }, k), el("div", { class: "v" }, v));
+  }
+
+  function renderSummary(s) {
+    summary = s;
+    const p = s.epochs && s.steps_per_epoch
+      ? ` (${(100 * Math.min(1, (s.epoch + (s.step_in_epoch || 0) / s.steps_per_epoch) / s.epochs)).toFixed(0)}%)`
+      : "";
+    document.getElementById("summary").replaceChildren(
+      card("state", stateBadge(s.state), "card-state"),
+      card("progress", `epoch ${num(s.epoch)}/${num(s.epochs)}, step ${num(s.global_step)}${p}`, "card-progress"),
+      card("ranks", `${num(s.world_size)} on ${(s.hosts || []).join(", ") || "?"}`),
+      card("attempts", num(s.attempts), "card-attempts"),
+      card("goodput", pct(s.goodput)),
+      card("last heartbeat", ageCell(s.last_heartbeat)),
+      card("loss", num(s.last_loss, 4)),
+      card("job", s.job_id || "–"));
+    const notes = [];
+    const said = (cls, text) => notes.push(el("div", { class: cls }, text));
+    if (s.problem) said("warn", s.problem);
+    if (s.error) said("warn", "cause: " + s.error);
+    if (s.note) said("muted", s.note);
+    if (s.liveness) said("muted", s.liveness);
+    if (s.ranks_summary) said("warn", s.ranks_summary);
+    if (s.checkpoint_error) said("warn", "checkpoint: " + s.checkpoint_error);
+    for (const d of s.damaged_records || []) said("muted", "record ignored: " + d);
+    if ((s.excluded_nodes || []).length) said("muted", "nodes left out: " + s.excluded_nodes.join(", "));
+    document.getElementById("notes").replaceChildren(...notes);
+    renderRanks(s);
+    changed("attempts", [s.attempts_detail, s.state], () => renderAttempts(s));
+    changed("mining", s.mining, () => renderMining(s));
+    changed("samples", s.samples, () => renderSamples(s));
+    const select = document.getElementById("log-rank");
+    const n = Math.max(1, s.world_size || 1);
+    if (select.options.length !== n) {
+      select.replaceChildren(...Array.from({ length: n }, (_, i) => el("option", { value: i }, i)));
+      select.value = String(logRank);
+    }
+    // The per-rank charts name stragglers and GPUs' ranks from the summary.
+    changed("rank-names", (s.ranks || []).map((r) => [r.rank, r.straggler, r.host, r.gpu_index]),
+      schedule);
+  }
+
+  const rendered = new Map();
+  function changed(section, data, render) {
+    const key = JSON.stringify(data === undefined ? null : data);
+    if (rendered.get(section) === key) return;
+    rendered.set(section, key);
+    render();
+  }
+
+  function renderRanks(s) {
+    const body = document.querySelector("#ranks tbody");
+    body.replaceChildren(...(s.ranks || []).map((r) => {
+      const marks = [r.silent ? "silent" : null, r.straggler ? "straggler" : null].filter(Boolean);
+      const mem = r.gpu_mem_used_mb !== undefined && r.gpu_mem_total_mb
+        ? `${(r.gpu_mem_used_mb / 1024).toFixed(1)} / ${(r.gpu_mem_total_mb / 1024).toFixed(0)} GiB` : "–";
+      return el("tr", { class: marks.join(" ") },
+        el("td", {}, r.rank), el("td", {}, r.host || "?"), el("td", {}, num(r.step)),
+        el("td", {}, r.phase || "–"), el("td", {}, ageCell(r.time)),
+        el("td", {}, ageCell(r.progress_at)), el("td", {}, num(r.step_time_s, 3)),
+        el("td", {}, num(r.busy_s, 3) + (r.busy_ratio ? ` (${r.busy_ratio.toFixed(2)}x)` : "")),
+        el("td", {}, mem),
+        el("td", {}, r.gpu_util_pct === undefined ? "–" : r.gpu_util_pct + "%"),
+        el("td", {}, marks.join(", ")));
+    }));
+    document.getElementById("stragglers").replaceChildren(...(s.stragglers_named || []).map((g) =>
+      el("li", {}, `straggler: rank ${g.rank} on ${g.node} at ${num(g.ratio, 2)}x the others' median`)));
+  }
+
+  function restartText(a, prev) {
+    const parts = [];
+    if (a.restart_in_job) {
+      const r = a.restart_in_job;
+      parts.push(`restart in the job after a ${r.cause || "fault"}` +
+        (r.rank !== null && r.rank !== undefined ? ` of rank ${r.rank}` : "") +
+        (r.host ? ` on ${r.host}` : "") +
+        ((r.left_out || []).length ? `; left out ${r.left_out.join(", ")}` : "") +
+        (r.recovery_s !== null && r.recovery_s !== undefined ? `; training again after ${r.recovery_s.toFixed(1)} s` : ""));
+    } else if (prev) {
+      parts.push(`after attempt ${prev.attempt} ${prev.outcome ? "ended " + prev.outcome : "ended without a record (killed)"}`);
+    }
+    if (a.steps && a.steps.restored) parts.push(`resumed from step ${a.steps.restored}`);
+    else if (prev) parts.push("started from step 0");
+    return parts.join("; ");
+  }
+
+  function renderAttempts(s) {
+    const attempts = s.attempts_detail || [];
+    const body = document.querySelector("#attempts tbody");
+    body.replaceChildren(...attempts.map((a, i) => el("tr", { dataset: { attempt: a.attempt } },
+      el("td", {}, a.attempt), el("td", {}, a.job_id || "–"), el("td", {}, a.ranks),
+      el("td", {}, a.outcome || (i === attempts.length - 1 && s.state === "running" ? "running" : "no record (killed)")),
+      el("td", { class: "wrap" }, a.first_error ? `rank ${a.first_error.rank}: ${a.first_error.error}` : "–"),
+      el("td", {}, a.steps ? `${a.steps.restored} → ${a.steps.last}` : "–"),
+      el("td", {}, a.steps ? a.steps.recomputed : "–"),
+      el("td", {}, a.steps ? a.steps.lost : "–"),
+      el("td", {}, pct(a.ratio)),
+      el("td", { class: "wrap restart" }, restartText(a, i ? attempts[i - 1] : null)))));
+    if (!attempts.length) { chart("chart-attempts", [], { empty: "no attempt has started yet" }); return; }
+    const t0 = Math.min(...attempts.map((a) => a.queued_at));
+    const names = attempts.map((a) => "attempt " + a.attempt);
+    const colours = s.colours || {};
+    const traces = [];
+    for (const k of s.categories || []) {
+      const base = []; const width = [];
+      for (const a of attempts) {
+        let left = a.queued_at - t0;
+        for (const c of s.categories) { if (c === k) break; left += a.seconds[c] || 0; }
+        base.push(left); width.push(a.seconds[k] || 0);
+      }
+      if (!width.some((w) => w > 0)) continue;
+      traces.push({ type: "bar", orientation: "h", y: names, x: width, base, name: s.labels[k],
+        marker: { color: colours[k] }, hovertemplate: `%{y}: ${s.labels[k]} %{x:.1f} s<extra></extra>` });
+    }
+    const shapes = []; const notes = [];
+    attempts.forEach((a, i) => {
+      if (!i) return;
+      const at = a.queued_at - t0;
+      shapes.push({ type: "line", x0: at, x1: at, yref: "paper", y0: 0, y1: 1,
+        line: { color: "#c62828", width: 1, dash: "dot" } });
+      notes.push({ x: at, yref: "paper", y: 1, text: plain("restart → attempt " + a.attempt),
+        showarrow: false, font: { size: 10, color: "#c62828" }, xanchor: "left", yanchor: "bottom" });
+    });
+    const node = document.getElementById("chart-attempts");
+    node.style.height = `${120 + 36 * attempts.length}px`;
+    chart("chart-attempts", traces, { barmode: "overlay", showlegend: true,
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      title: { text: "seconds since the first submission", font: { size: 11 }, x: 0.01, xanchor: "left" },
+      yaxis: { autorange: "reversed" }, shapes, annotations: notes, margin: { l: 80, r: 12, t: 30, b: 60 } });
+  }
+
+  function renderMining(s) {
+    const rounds = s.mining || [];
+    document.getElementById("mining-section").hidden = !rounds.length;
+    if (!rounds.length) return;
+    const x = rounds.map((r) => r.epoch);
+    const traces = [
+      { type: "scatter", mode: "lines+markers", x, y: rounds.map((r) => r.num_clusters), name: "clusters" },
+      { type: "scatter", mode: "lines+markers", x, y: rounds.map((r) => r.num_singletons), name: "singletons" },
+      { type: "scatter", mode: "lines+markers", x, y: rounds.map((r) => r.largest_cluster), name: "largest" },
+    ];
+    for (const q of ["nmi", "ari"]) {
+      if (rounds.some((r) => r[q] !== undefined && r[q] !== null)) {
+        traces.push({ type: "scatter", mode: "lines+markers", x, y: rounds.map((r) => r[q]),
+          name: q.toUpperCase(), yaxis: "y2", line: { dash: "dot" } });
+      }
+    }
+    chart("chart-rounds", traces, { title: { text: "rounds, after each epoch", font: { size: 12 } }, showlegend: true,
+      margin: { l: 48, r: 40, t: 28, b: 60 },
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      yaxis2: { overlaying: "y", side: "right", range: [0, 1] } });
+    const select = document.getElementById("round");
+    const keep = select.value;
+    select.replaceChildren(...rounds.map((r, i) => el("option", { value: i }, `after epoch ${r.epoch}`)));
+    select.value = keep && Number(keep) < rounds.length ? keep : String(rounds.length - 1);
+    renderRound(rounds[Number(select.value)]);
+  }
+
+  function renderRound(r) {
+    const c = r.curve;
+    if (c && c.thresholds) {
+      const t = c.thresholds;
+      const traces = [
+        { type: "scatter", mode: "lines", x: t, y: c.num_clusters, name: "clusters" },
+        { type: "scatter", mode: "lines", x: t, y: c.largest_cluster, name: "largest" },
+      ];
+      if (c.nmi) traces.push({ type: "scatter", mode: "lines", x: t, y: c.nmi, name: "NMI", yaxis: "y2" });
+      const shapes = r.threshold === undefined || r.threshold === null ? [] : [{ type: "line",
+        x0: r.threshold, x1: r.threshold, yref: "paper", y0: 0, y1: 1, line: { color: "#c62828", dash: "dot" } }];
+      chart("chart-curve", traces, { title: { text: `threshold curve (chosen ${num(r.threshold, 3)})`, font: { size: 12 } },
+        margin: { l: 48, r: 40, t: 28, b: 60 },
+        showlegend: true, legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+        yaxis: { type: "log" }, yaxis2: { overlaying: "y", side: "right", range: [0, 1] }, shapes });
+    } else {
+      chart("chart-curve", [], { empty: "no threshold curve in this round (mining.threshold=auto records one)" });
+    }
+    const h = r.size_histogram || [];
+    chart("chart-sizes", h.length ? [{ type: "bar", x: h.map((p) => p[0]), y: h.map((p) => p[1]),
+      name: "clusters" }] : [], { title: { text: "clusters by number of members", font: { size: 12 } },
+      xaxis: { title: { text: "" }, type: "category" }, empty: "no cluster sizes recorded" });
+  }
+
+  function renderSamples(s) {
+    const epochs = (s.samples && s.samples.epochs) || [];
+    document.getElementById("samples-section").hidden = !epochs.length;
+    if (!epochs.length) return;
+    const byAttempt = new Map();
+    const y = (e) => `epoch ${e.epoch + 1}`;
+    const rest = { type: "bar", orientation: "h", y: [], x: [], base: [], name: "not trained yet",
+      marker: { color: "#e3e6ea" }, hovertemplate: "%{y}: %{x} samples not trained yet<extra></extra>" };
+    for (const e of epochs) {
+      let trained = 0;
+      for (const r of e.ranges) {
+        if (!byAttempt.has(r.attempt)) {
+          byAttempt.set(r.attempt, { type: "bar", orientation: "h", y: [], x: [], base: [], customdata: [],
+            name: `attempt ${r.attempt}`,
+            hovertemplate: "%{y}: samples [%{base}, %{customdata}) by " + `attempt ${r.attempt}<extra></extra>` });
+        }
+        const t = byAttempt.get(r.attempt);
+        t.y.push(y(e)); t.base.push(r.start); t.x.push(r.end - r.start); t.customdata.push(r.end);
+        trained += r.end - r.start;
+      }
+      if (trained < e.samples) { rest.y.push(y(e)); rest.base.push(trained); rest.x.push(e.samples - trained); }
+    }
+    const node = document.getElementById("chart-samples");
+    node.style.height = `${110 + 26 * epochs.length}px`;
+    chart("chart-samples", [...byAttempt.values(), rest], { barmode: "overlay", showlegend: true,
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      title: { text: "position in the epoch's sample order", font: { size: 11 }, x: 0.01, xanchor: "left" },
+      yaxis: { autorange: "reversed" }, margin: { l: 70, r: 12, t: 30, b: 50 } });
+  }
+
+  function onMetrics(d) {
+    if (d.reset) table.clear();
+    for (const [step, values] of d.items) table.set(step, Object.assign(table.get(step) || {}, values));
+    schedule();
+  }
+
+  function onLog(d) {
+    const pre = document.getElementById("log");
+    const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 8;
+    const text = d.items.join("");
+    pre.textContent = (d.reset ? "" : pre.textContent) + text;
+    if (pre.textContent.length > 200000) pre.textContent = pre.textContent.slice(-150000);
+    if (atEnd || d.reset) pre.scrollTop = pre.scrollHeight;
+  }
+
+  function connect() {
+    if (source) source.close();
+    table.clear();
+    document.getElementById("log").textContent = "";
+    source = stream(`?run=${runId}&rank=${logRank}`, {
+      summary: renderSummary,
+      metrics: onMetrics,
+      log: onLog,
+      gpus: (gpus) => gpuRows(document.querySelector("#gpus tbody"), gpus),
+      gone: () => { live(false); source.close(); },
+    });
+  }
+
+  for (const b of document.querySelectorAll("#rank-toggle button")) {
+    b.addEventListener("click", () => {
+      mode = b.dataset.mode;
+      for (const other of document.querySelectorAll("#rank-toggle button")) other.classList.toggle("on", other === b);
+      schedule();
+    });
+  }
+  document.getElementById("log-rank").addEventListener("change", (e) => {
+    logRank = Number(e.target.value);
+    connect();
+  });
+  document.getElementById("round").addEventListener("change", (e) => renderRound(summary.mining[Number(e.target.value)]));
+  document.getElementById("cancel").addEventListener("click", async () => {
+    const name = summary.name;
+    const typed = window.prompt(`Cancel ${name} for good (clusterflow cancel)? Type its name to confirm:`);
+    if (typed === null) return;
+    const said = document.getElementById("cancel-said");
+    const reply = await fetch("/api/cancel", {
+      method: "POST",
+      headers: { "content-type": "application/json", "x-clusterflow-token": TOKEN },
+      body: JSON.stringify({ run: runId, confirm: typed }),
+    });
+    const body = await reply.json();
+    said.textContent = reply.ok ? body.lines.join("; ") : body.error;
+  });
+  renderSummary(INITIAL);
+  connect();
+  // Plotly (4.6 MB) is fetched once the page has loaded: the summary, tables and logs show at
+  // once, and the charts as soon as it has been read.
+  const plotly = document.querySelector('meta[name="clusterflow-plotly"]');
+  if (plotly) {
+    window.addEventListener("load", () => {
+      const script = el("script", { src: plotly.content });
+      script.addEventListener("load", () => {
+        rendered.clear();
+        renderSummary(summary);
+        schedule();
+      });
+      document.head.append(script);
+    });
+  }
+}
+
+if (document.body.dataset.page === "runs") runsPage();
+else runPage();

@@ -1,0 +1,486 @@
+"""The dashboard without a browser: which runs it finds, the readers it follows files with, its
+guard (token, paths), its one action, what its pages leave out, hostile run dirs, and the GPUs
+with NVML replaced at its boundary. tests/test_dashboard_browser.py drives it in chromium."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+from dashboards import (
+    add_metrics,
+    get,
+    make_run,
+    make_sweep,
+    poll_until,
+    raw_get,
+    served,
+    sse_events,
+)
+
+from clusterflow import rundir
+from clusterflow.errors import UserError
+from clusterflow.manage import logs, status
+from clusterflow.rundir import records
+from clusterflow.web import catalog as web_catalog
+from clusterflow.web import discover, views
+from clusterflow.web.feeds import LogFeed, MetricFeed
+
+# -- finding runs ---------------------------------------------------------------------------------
+
+
+def test_runs_and_sweeps_are_found_below_the_paths_and_new_ones_while_it_runs(tmp_path):
+    make_run(tmp_path / "runs" / "a")
+    make_run(tmp_path / "runs" / "deep" / "er" / "b")
+    make_sweep(tmp_path / "runs" / "sw", {"lr=0.1": 0.1, "lr=0.2": 0.2})
+    os.makedirs(tmp_path / "runs" / ".hidden")
+    make_run(tmp_path / "runs" / ".hidden" / "c")
+    finder = discover.Finder([str(tmp_path / "runs")])
+    found = finder.scan()
+    names = {f.name: f.kind for f in found.values()}
+    assert names == {
+        "runs/a": "run",
+        "runs/deep/er/b": "run",
+        "runs/sw": "sweep",
+        "runs/sw/lr=0.1": "run",
+        "runs/sw/lr=0.2": "run",
+    }
+    members = [f for f in found.values() if f.sweep]
+    assert {f.sweep for f in members} == {str(tmp_path / "runs" / "sw")}
+    make_run(tmp_path / "runs" / "deep" / "new")
+    assert "runs/deep/new" in {f.name for f in finder.scan().values()}
+
+
+def test_nothing_outside_the_paths_is_taken(tmp_path):
+    outside = make_run(tmp_path / "elsewhere" / "secret").root
+    runs = tmp_path / "runs"
+    make_run(runs / "a")
+    os.symlink(outside, runs / "link-to-outside")
+    sweep = runs / "sw"
+    make_sweep(sweep, {"ok": 0.1})
+    index = json.loads((sweep / "sweep.json").read_text())
+    index["members"].append({"name": "../../elsewhere/secret", "values": {"train.lr": 1}})
+    (sweep / "sweep.json").write_text(json.dumps(index))
+    found = discover.Finder([str(runs)]).scan()
+    roots = {f.root for f in found.values()}
+    assert not any(r.startswith(str(tmp_path / "elsewhere")) for r in roots), roots
+    assert {f.name for f in found.values()} == {"runs/a", "runs/sw", "runs/sw/ok"}
+
+
+def test_a_path_that_is_missing_or_a_file_is_refused_in_one_line(tmp_path, cli):
+    out = cli("clusterflow.dashboard", str(tmp_path / "nope"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "does not exist; pass a run dir, a sweep dir or a folder" in out.stderr
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        discover.check_paths([str(tmp_path / "f")])
+
+
+# -- the readers that follow files ----------------------------------------------------------------
+
+
+def test_json_lines_are_followed_from_an_offset_through_cuts_garbage_and_replacement(tmp_path):
+    target = str(tmp_path / "m.jsonl")
+    follow = records.JsonLinesFollower(target, chunk_bytes=64)
+    assert follow.read() == ([], False)  # not there yet
+    with open(target, "wb") as f:
+        f.write(b'{"step": 1}\n{"step": 2')
+    assert follow.read() == ([{"step": 1}], False)  # the cut line waits for its newline
+    with open(target, "ab") as f:
+        f.write(b"}\n\xff\xfe garbage\n[1, 2]\n" + b"[" * 100_000 + b"\n" + b'{"step": 3}\n')
+    got = []
+    while True:
+        got += follow.read()[0]
+        if not follow.behind:
+            break
+    assert got == [{"step": 2}, {"step": 3}]
+    assert follow.damaged == 3  # garbage bytes, a list, a line nested too deep
+    with open(str(tmp_path / "new"), "wb") as f:
+        f.write(b'{"step": 9}\n')
+    os.replace(str(tmp_path / "new"), target)
+    assert follow.read() == ([{"step": 9}], True)
+
+
+def test_a_line_over_the_limit_is_skipped_without_being_held(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "MAX_LINE_BYTES", 1000)
+    target = str(tmp_path / "m.jsonl")
+    with open(target, "wb") as f:
+        f.write(b'{"step": 1}\n{"x": "' + b"a" * 5000 + b'"}\n{"step": 2}\n')
+    assert records.read_jsonl(target) == [{"step": 1}, {"step": 2}]
+    follow = records.JsonLinesFollower(target, chunk_bytes=300)
+    got = []
+    for _ in range(100):
+        got += follow.read()[0]
+        assert len(follow.partial) <= 1000
+    assert got == [{"step": 1}, {"step": 2}] and follow.damaged == 1
+
+
+def test_a_2_gb_log_costs_a_seek_not_its_size(tmp_path):
+    paths = make_run(tmp_path / "run")
+    log = paths.log_file(0, 0)
+    with open(log, "wb") as f:
+        f.truncate(2 * 2**30)  # sparse: 2 GB without writing them
+        f.seek(0, os.SEEK_END)
+        f.write(b"partial line\nthe last line\n")
+    tail = logs.Tail(log)
+    text = tail.read(limit=64 * 1024)
+    assert text == "the last line\n"  # from the first line that starts within the limit
+    assert tail.skipped >= 2 * 2**30 - 64 * 1024
+    with open(log, "ab") as f:
+        f.write("épreuve ✓\n".encode())
+    assert tail.read(limit=64 * 1024) == "épreuve ✓\n"
+    feed = LogFeed(paths, 0, keep_bytes=4096)
+    assert feed.update()
+    shown = "".join(feed.since(-1, 0).items)
+    assert shown.startswith("==> ") and shown.endswith("épreuve ✓\n") and len(shown) < 8192
+
+
+def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
+    paths = make_run(tmp_path / "run", step=0)
+    feed = MetricFeed(paths, max_steps=100, max_tags=3)
+    for s in range(1, 11):
+        add_metrics(paths, s, **{"train/loss": float(s)})
+    feed.update()
+    first = feed.since(-1, 0)
+    assert first.reset and [s for s, _ in first.items] == list(range(1, 11))
+    # A new attempt logs again from step 6: what came after 5 is dropped, as TensorBoard does.
+    rundir.append_jsonl(paths.metrics, {"step": 6, "attempt": 1, "purge_step": 6})
+    add_metrics(paths, 6, **{"train/loss": 60.0, "a": 1, "b": 2, "c": 3})
+    feed.update()
+    again = feed.since(first.generation, first.version)
+    assert again.reset and dict(again.items)[6] == {"train/loss": 60.0, "a": 1.0, "b": 2.0}
+    assert feed.dropped_tags == 1 and sorted(feed.table) == [1, 2, 3, 4, 5, 6]
+    assert dict(again.items) == {s: v for s, v in feed.table.items()}
+    # The same rule as the user's reader.
+    from clusterflow.observe import scalar_log
+
+    assert {s: v["train/loss"] for s, v in scalar_log.read(paths).items()} == {
+        **{s: float(s) for s in range(1, 6)},
+        6: 60.0,
+    }
+    add_metrics(paths, 7, **{"train/loss": float("nan")})
+    feed.update()
+    tail = feed.since(again.generation, again.version)
+    assert not tail.reset and tail.items == [[7, {"train/loss": None}]]
+    for s in range(8, 400):
+        add_metrics(paths, s, **{"train/loss": float(s)})
+    feed.update()
+    assert len(feed.table) <= 100 and max(feed.table) == 399
+
+
+def test_read_metrics_passes_over_rows_that_are_no_metrics_rows(tmp_path):
+    from clusterflow.observe.metrics import read_metrics
+
+    paths = make_run(tmp_path / "run", step=2)
+    with open(paths.metrics, "a") as f:
+        f.write('{"step": "abc", "train/loss": 1}\n{"attempt": 1}\n{"purge_step": "x"}\n')
+        f.write('{"step": true, "a": 1}\n{"step": 3, "train/loss": "high", "ok": 1}\n')
+    assert read_metrics(paths.root) == {
+        1: {"train/loss": 1.0, "train/lr": 0.1},
+        2: {"train/loss": 0.5, "train/lr": 0.1},
+        3: {"ok": 1.0},
+    }
+
+
+# -- status's readers on hostile records ----------------------------------------------------------
+
+
+def test_a_record_too_large_to_be_one_is_named_not_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(records, "MAX_RECORD_BYTES", 10_000)
+    paths = make_run(tmp_path / "run")
+    with open(paths.status, "w") as f:
+        f.write('{"state": "running", "pad": "' + "x" * 20_000 + '"}')
+    with open(paths.attempts, "a") as f:
+        f.write("x" * 20_000 + "\n")
+    s = status.collect(paths)
+    said = " ".join(s["damaged_records"])
+    assert "status.json is 0 MiB, more than a record holds" in said
+    assert "attempts.jsonl is 0 MiB, more than a record holds" in said
+
+
+# -- the server: the guard ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    make_run(tmp_path / "runs" / "a")
+    make_run(tmp_path / "runs" / "b", state="completed")
+    return tmp_path / "runs"
+
+
+def test_every_request_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
+    (tmp_path / "secret.txt").write_text("not for you")
+    with served([two_runs]) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
+        run_id = next(iter(s.catalog.runs))
+        for path in ("/", f"/run/{run_id}", "/api/runs", "/api/stream", "/static/dashboard.js"):
+            code, body, _ = get(s.url + path)
+            assert code == 403 and "needs its token" in body, path
+            code, _, _ = get(s.url + path + "?token=wrong")
+            assert code == 403, path
+        code, body, headers = get(f"{s.url}/?token={s.token}")
+        assert code == 200 and "runs/a" in body
+        cookie = headers["set-cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+        code, _, _ = get(f"{s.url}/api/runs", headers={"cookie": cookie.split(";")[0]})
+        assert code == 200
+        code, _, _ = get(f"{s.url}/api/runs", headers={"x-clusterflow-token": s.token})
+        assert code == 200
+        token = f"token={s.token}"
+        for path in (
+            f"/static/../../secret.txt?{token}",
+            f"/static/..%2F..%2Fsecret.txt?{token}",
+            f"/static/%2e%2e/pyproject.toml?{token}",
+            f"/run/..?{token}",
+            f"/run/../../etc/passwd?{token}",
+            f"/api/run/{'..%2F' * 8}etc%2Fpasswd?{token}",
+            f"/api/stream?run=../a&{token}",
+            f"/{tmp_path}/secret.txt?{token}",
+        ):
+            code, body = raw_get(s.port, path)
+            assert code == 404 and "not for you" not in body, (path, code)
+
+
+def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs):
+    with served([two_runs]) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
+        run = next(r for r in s.catalog.runs.values() if r.name == "runs/a")
+        body = json.dumps({"run": run.id, "confirm": "runs/a"}).encode()
+        json_type = {"content-type": "application/json"}
+        code, said, _ = get(f"{s.url}/api/cancel?token={s.token}", json_type, body, "POST")
+        assert code == 403 and "header" in said  # the query's token is not enough
+        header = {**json_type, "x-clusterflow-token": s.token}
+        code, _, _ = get(f"{s.url}/api/cancel", header, method="GET")
+        assert code == 405
+        wrong = json.dumps({"run": run.id, "confirm": "a"}).encode()
+        code, said, _ = get(f"{s.url}/api/cancel", header, wrong, "POST")
+        assert code == 400 and "confirm with the name 'runs/a'" in said
+        assert not os.path.exists(run.paths.cancelled)
+        code, said, _ = get(f"{s.url}/api/cancel", header, body, "POST")
+        assert code == 200, said
+        assert "marked cancelled" in json.loads(said)["lines"][0]
+        assert os.path.exists(run.paths.cancelled)
+
+
+def test_no_environment_credentials_or_config_on_any_page(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123456789")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-pass-9876")
+    paths = make_run(tmp_path / "runs" / "a")
+    with open(paths.config, "a") as f:
+        f.write(
+            "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@mlflow.example'},"
+            " wandb: {project: p, api_key_hint: hunter3-secret}}\n"
+        )
+    with served([tmp_path / "runs"]) as s:
+        assert poll_until(s.catalog, lambda: any(r.status for r in s.catalog.runs.values()))
+        run_id = next(iter(s.catalog.runs))
+        bodies = [
+            get(f"{s.url}{p}?token={s.token}")[1]
+            for p in ("/", f"/run/{run_id}", "/api/runs", f"/api/run/{run_id}")
+        ]
+        events = sse_events(
+            f"{s.url}/api/stream?run={run_id}&token={s.token}",
+            lambda ev: {"summary", "metrics"} <= {e for e, _ in ev},
+        )
+        bodies.append(json.dumps(events))
+    for text in bodies:
+        for secret in ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB"):
+            assert secret not in text
+
+
+# -- live: a new record reaches a stream ----------------------------------------------------------
+
+
+def test_a_new_record_reaches_an_open_stream(two_runs):
+    with served([two_runs]) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
+        run = next(r for r in s.catalog.runs.values() if r.name == "runs/a")
+        # The server's own poll thread does the reading; the test only writes and listens.
+        url = f"{s.url}/api/stream?run={run.id}&rank=0&token={s.token}"
+
+        def has_metrics(events):
+            return any(e == "metrics" for e, _ in events)
+
+        events = sse_events(url, has_metrics)
+        steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+        assert max(steps) == 10
+        with open(run.paths.log_file(0, 0), "a") as f:
+            f.write("hello from rank 0\n")
+
+        def got_more(events):
+            metric_steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+            text = "".join(t for e, d in events if e == "log" for t in d["items"])
+            if metric_steps and max(metric_steps) < 11:
+                add_metrics(run.paths, 11, **{"train/loss": 0.01})
+            return 11 in metric_steps and "hello from rank 0" in text
+
+        sse_events(url, got_more)
+
+
+# -- hostile run dirs -----------------------------------------------------------------------------
+
+
+def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
+    runs = tmp_path / "runs"
+    good = make_run(runs / "good")
+    bad = make_run(runs / "bad")
+    with open(bad.status, "wb") as f:
+        f.write(os.urandom(4096))
+    with open(bad.attempts, "wb") as f:
+        f.write(b'{"attempt": 0, "started_at": 1.7e9, "world_size": 2}\n{"attempt": 1, "sta')
+    with open(bad.heartbeat_file(0), "w") as f:
+        f.write("[" * 50_000)
+    with open(bad.heartbeat_file(1), "w") as f:
+        json.dump({"rank": "one", "time": "soon", "step": -1}, f)
+    with open(bad.metrics, "ab") as f:
+        f.write(b'{"step": "abc", "x": 1}\n{"step": 3, "y": "NaN", "z": true}\n\x00\x01\x02\n')
+        f.write(b'{"step": 4, "x": ' + b"9" * 100_000 + b"}\n")
+    with open(bad.log_file(0, 0), "wb") as f:
+        f.truncate(2 * 2**30)
+    os.makedirs(bad.timelines, exist_ok=True)
+    with open(bad.timeline_file(0), "w") as f:
+        f.write('{"attempt": 0, "seconds": {"train": "lots"}, "first_step_at": -5}')
+    os.symlink("/etc/passwd", bad.log_file(1, 0))
+    with open(bad.config, "a") as f:
+        f.write("train: [this, is, not, a, mapping\n")
+    with served([runs]) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
+        ids = {r.name: r.id for r in s.catalog.runs.values()}
+        code, body, _ = get(f"{s.url}/api/runs?token={s.token}")
+        assert code == 200
+        rows = {r["name"]: r for r in json.loads(body)["runs"]}
+        assert rows["runs/good"]["state"] == "running"
+        code, body, _ = get(f"{s.url}/api/run/{ids['runs/bad']}?token={s.token}")
+        bad = json.loads(body)
+        assert code == 200 and (bad["problem"] or bad["damaged_records"]), bad
+        code, body, _ = get(f"{s.url}/run/{ids['runs/bad']}?token={s.token}")
+        assert code == 200
+        for rank in (0, 1):
+            url = f"{s.url}/api/stream?run={ids['runs/bad']}&rank={rank}&token={s.token}"
+            events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
+            text = "".join(t for e, d in events if e == "log" for t in d["items"])
+            assert "root:" not in text  # /etc/passwd through the link is never read
+            assert len(text) < 128 * 1024
+        # The good run still goes on.
+        add_metrics(good, 11, **{"train/loss": 0.01})
+        url = f"{s.url}/api/stream?run={ids['runs/good']}&token={s.token}"
+        sse_events(
+            url,
+            lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, _ in d["items"]),
+        )
+
+
+# -- the Runs page's data -------------------------------------------------------------------------
+
+
+def test_sweeps_are_grouped_with_their_members(tmp_path):
+    make_sweep(tmp_path / "runs" / "sw", {"lr=0.1": 0.1, "lr=0.2": 0.2})
+    index = json.loads((tmp_path / "runs" / "sw" / "sweep.json").read_text())
+    index["members"].append({"name": "lr=0.3", "values": {"train.lr": 0.3}, "overrides": []})
+    (tmp_path / "runs" / "sw" / "sweep.json").write_text(json.dumps(index))
+    cat = web_catalog.Catalog([str(tmp_path / "runs")], lambda: None)
+    assert poll_until(cat, lambda: all(r.status for r in cat.runs.values()) and cat.runs)
+    page = views.runs_page(cat)
+    (sweep,) = page["sweeps"]
+    assert sweep["keys"] == ["train.lr"]
+    members = {m["member"]: m for m in sweep["members"]}
+    assert members["lr=0.1"]["state"] == "completed" and members["lr=0.1"]["id"]
+    assert members["lr=0.3"]["state"] == "not submitted" and members["lr=0.3"]["id"] is None
+    assert members["lr=0.2"]["values"] == {"train.lr": "0.2"}
+    assert all(r["sweep"] == sweep["id"] for r in page["runs"])
+
+
+def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
+    asked = []
+
+    def ask(ids):
+        asked.append(sorted(ids))
+        return {j: "RUNNING|None" for j in ids}
+
+    for i in range(5):
+        paths = make_run(tmp_path / "runs" / f"r{i}")
+        rundir.append_jsonl(paths.submissions, {"job_id": str(700 + i), "submitted_at": 1.0})
+    cat = web_catalog.Catalog([str(tmp_path / "runs")], lambda: None, web_catalog.QueueCache(ask))
+    assert poll_until(cat, lambda: len(cat.runs) == 5 and all(r.status for r in cat.runs.values()))
+    assert poll_until(cat, lambda: all(r.status["alive"] for r in cat.runs.values()))
+    assert asked and all(len(a) == 5 for a in asked) and len(asked) <= 2, asked
+
+
+# -- GPUs, with NVML replaced at its boundary -----------------------------------------------------
+
+
+def gpu(index, used, procs=(), util=0, total=81559):
+    return {
+        "index": index,
+        "uuid": f"GPU-{index}",
+        "name": "NVIDIA H100 80GB HBM3",
+        "memory_total_mb": total,
+        "memory_used_mb": used,
+        "util_pct": util,
+        "temp_c": 40,
+        "processes": [{"pid": p, "name": n, "used_mb": mb} for p, n, mb in procs],
+    }
+
+
+def test_every_gpu_with_its_memory_and_the_run_that_holds_it(tmp_path):
+    paths = make_run(tmp_path / "runs" / "train-a", world=2)
+    host = socket.gethostname()
+    for r in range(2):
+        rec = json.loads(open(paths.heartbeat_file(r)).read())
+        rec.update(host=host, pid=5000 + r, gpu_index=r, time=time.time())
+        with open(paths.heartbeat_file(r), "w") as f:
+            json.dump(rec, f)
+    snapshot = [
+        gpu(0, 30000, [(5000, "python", 29000)], util=97),
+        gpu(1, 31000, [(5001, "python", 30000)], util=95),
+        gpu(2, 12000, [(777, "jupyter", 11800)], util=3),
+        gpu(3, 300),
+    ]
+    cat = web_catalog.Catalog([str(tmp_path / "runs")], lambda: snapshot)
+    assert poll_until(cat, lambda: cat.gpus and all(r.status for r in cat.runs.values()))
+    shown = {g["index"]: g for g in views.gpus(cat)}
+    assert [p["run"] for p in shown[0]["processes"]] == ["runs/train-a"]
+    assert shown[1]["processes"][0]["rank"] == 1
+    assert shown[2]["processes"][0]["run"] is None and not shown[2]["free"]
+    assert shown[3]["free"] and shown[3]["why"].startswith("free: no process")
+    assert shown[0]["memory_used_mb"] == 30000 and shown[0]["util_pct"] == 97
+    assert web_catalog.Catalog([str(tmp_path / "runs")], lambda: None).gpus is None
+
+
+@pytest.mark.slurm
+def test_one_squeue_call_answers_as_one_per_job(cluster):
+    """On the local cluster: held jobs (one a two-task array), a cancelled one and an id Slurm
+    never had; queue_states answers each as queue_state does, in one squeue call."""
+    import subprocess
+
+    from clusterflow.slurm import commands
+
+    def sbatch(*extra):
+        out = subprocess.run(
+            ["sbatch", "--hold", "--parsable", "-o", "/dev/null", *extra, "--wrap", "sleep 600"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip().split(";")[0]
+
+    held, array, gone = sbatch(), sbatch("--array=0-1"), sbatch()
+    try:
+        subprocess.run(["scancel", gone], check=False, capture_output=True, timeout=30)
+        ids = [held, f"{array}_0", f"{array}_1", gone, "999999991", "not-a-job"]
+        deadline = time.time() + 30
+        while commands.queue_state(gone) and time.time() < deadline:
+            time.sleep(0.5)  # a cancelled job leaves the queue within moments
+        batched = commands.queue_states(ids)
+        assert batched == {j: commands.queue_state(j) for j in ids if j != "not-a-job"}
+        assert batched[held].startswith("PENDING|") and batched[f"{array}_1"].startswith("PENDING")
+        assert batched[gone] == "" and batched["999999991"] == ""
+        assert commands.queue_states(["999999991", "999999992"]) == {
+            "999999991": "",
+            "999999992": "",
+        }
+    finally:
+        subprocess.run(["scancel", held, array], check=False, capture_output=True, timeout=30)
