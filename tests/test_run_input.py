@@ -550,3 +550,31 @@ def test_a_warning_of_many_lines_is_one_line_on_the_console_and_whole_in_the_log
     kept = open(whole).read()
     assert "first line of a long warning\nsecond line, torch internals\nthird line" in kept
     assert "UserWarning at " in kept and "testtasks.py:" in kept  # where it was raised
+
+
+def test_a_model_with_parameters_its_loss_never_uses_names_the_key_that_allows_it(cli, tmp_path):
+    """Two DDP ranks, a layer the loss never uses: one line naming dist.find_unused_parameters
+    (DDP's own error names its constructor's argument), exit 2; with the key the run trains."""
+    unused = [*TINY, "task.target=testtasks:UnusedParameter", "cluster.tasks_per_node=2"]
+    out = cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        *unused,
+        f"run.dir={tmp_path}/a",
+        "--local",
+        env=TESTS_ENV,
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    status = rundir.read_json(rundir.RunPaths(f"{tmp_path}/a").status, {})
+    assert "the model has parameters that got no gradient" in status["error"], status
+    assert "dist.find_unused_parameters=true" in status["error"], status
+    out = cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        *unused,
+        f"run.dir={tmp_path}/b",
+        "--local",
+        "dist.find_unused_parameters=true",
+        env=TESTS_ENV,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

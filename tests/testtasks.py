@@ -613,3 +613,15 @@ class MemoryProbe:
 
     def loss(self, model, batch, labels):
         return model(batch["x"]).pow(2).mean(), {}
+
+
+class UnusedParameter(Tiny):
+    """A model with a layer its loss never uses (a head kept for later): DDP finds no gradient
+    for it, which needs ``dist.find_unused_parameters``."""
+
+    def build_model(self):
+        import torch
+
+        model = super().build_model()
+        model.spare_head = torch.nn.Linear(4, 4)
+        return model

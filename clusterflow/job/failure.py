@@ -8,6 +8,8 @@ it helps (the user's own task code).
 | a DataLoader worker)                              |      |                                      |
 | ``UserError``: bad input (config, task.target     | 2    | one line                             |
 | that does not exist, task.params, batch size)     |      |                                      |
+| DDP: parameters that got no gradient in a step    | 2    | one line naming                      |
+| (``dist.find_unused_parameters`` is false)        |      | dist.find_unused_parameters          |
 | ``RunFailed``: a full disk, a diverged loss       | 1    | one line                             |
 | anything raised in the task's module (importing   | 1    | one line naming task.target and      |
 | it, ``__init__``, ``build_model``, ``loss``, ...) |      | where, then the task's traceback     |
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import resource
 import sys
 import traceback
@@ -104,6 +107,29 @@ def _descriptors_sentence(exc: BaseException) -> str:
     )
 
 
+# DDP's words when a step leaves some parameter without a gradient and DDP does not look for
+# such parameters (dist.find_unused_parameters: false, the default).
+_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+def _unused_parameters(exc: BaseException) -> str | None:
+    """One line for a model whose loss leaves parameters without a gradient under DDP: DDP's own
+    message names its constructor's argument, not the key that sets it."""
+    if not (isinstance(exc, RuntimeError) and _DDP_UNUSED in str(exc)):
+        return None
+    which = re.search(
+        r"Parameter indices which did not receive grad for (rank \d+): ([\d ]+)", str(exc)
+    )
+    seen = (
+        f" (DDP's parameter indices on {which.group(1)}: {which.group(2).strip()})" if which else ""
+    )
+    return (
+        f"the model has parameters that got no gradient in a step{seen}: DDP needs "
+        "dist.find_unused_parameters=true for such a model (it then looks for them at every "
+        "step), or leave them out of the model, or freeze them (requires_grad=False)"
+    )
+
+
 def describe(exc: BaseException, target: str, script: str | None = None) -> Failure:
     """How the job reports ``exc``, raised while running the task ``target`` (``module:Class``) or,
     with ``script``, that script (the file it runs from)."""
@@ -112,6 +138,9 @@ def describe(exc: BaseException, target: str, script: str | None = None) -> Fail
         return Failure(_descriptors_sentence(emfile), "", EXIT_JOB_FAILED, True)
     if isinstance(exc, UserError):
         return Failure(str(exc), "", EXIT_BAD_INPUT, True)
+    unused = _unused_parameters(exc)
+    if unused is not None:
+        return Failure(unused, "", EXIT_BAD_INPUT, True)
     if isinstance(exc, RunFailed):
         return Failure(str(exc), "", EXIT_JOB_FAILED, True)
     if isinstance(exc, TaskError) and exc.__cause__ is not None:
