@@ -321,7 +321,7 @@ def test_tabs_say_spaces(tmp_path):
             "- train\n- run\n",
             (
                 "the top level must be a mapping of sections (run, cluster, dist, train, "
-                "checkpoint, mining, task, data, trackers, observe), got a list"
+                "checkpoint, mining, task, data, trackers, observe, script), got a list"
             ),
         ),
         ("hello\n", "got 'hello'"),

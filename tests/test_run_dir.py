@@ -173,7 +173,9 @@ def start_submit(run_dir, *extra, env=None):
 
 def test_a_second_job_on_a_held_run_dir_is_refused_and_the_first_completes(tmp_path, reference):
     d = str(tmp_path / "run")
-    slow = ["task.target=testtasks:Slow", "task.params.step_sleep=0.3"]
+    gate = tmp_path / "gate"  # the first job trains until the checks below are done
+    gate.write_text("")
+    slow = ["task.target=testtasks:Gated", f"task.params.gate={gate}"]
     first = start_submit(d, *slow)
     assert wait_for(
         lambda: (
@@ -194,6 +196,7 @@ def test_a_second_job_on_a_held_run_dir_is_refused_and_the_first_completes(tmp_p
         2,
     ]
     assert sha(os.path.join(d, "config.yaml")) == config_before and attempts(d) == 1
+    gate.unlink()
     out, err = first.communicate(timeout=600)
     assert first.returncode == 0, out + err
     assert status(d)["state"] == "completed" and sha(os.path.join(d, "model.pt")) == reference

@@ -46,6 +46,22 @@ class Slow(PseudoIDTask):
         return super().loss(model, batch, labels)
 
 
+class Gated(Slow):
+    """Slow, and every loss call waits while the file ``gate`` exists (at most ``hold_s``): a test
+    keeps the run in training for as long as its checks take, whatever the machine's load, then
+    removes the file and lets it finish. Waiting changes no number the run computes."""
+
+    def __init__(self, seed=0, step_sleep=0.0, gate="", hold_s=300.0, **params):
+        super().__init__(seed, step_sleep, **params)
+        self.gate, self.hold_s = gate, float(hold_s)
+
+    def loss(self, model, batch, labels):
+        until = time.monotonic() + self.hold_s
+        while self.gate and os.path.exists(self.gate) and time.monotonic() < until:
+            time.sleep(0.1)
+        return super().loss(model, batch, labels)
+
+
 class HangInSave(Slow):
     """Rank 0 writes half of ``model.pt`` for step ``hang_at_step``, then hangs until killed.
 
