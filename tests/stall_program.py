@@ -6,7 +6,10 @@ MODE: ``stall`` (sleeps forever in sleeping_in_loss at step 5), ``mining-wait`` 
 STALL_S inside the mining-wait allowance, then finishes), ``ranks`` (RANK/WORLD_SIZE/MASTER_* set:
 gloo all_reduce every step; rank 1 sleeps in sleeping_in_loss at step 3 while rank 0 waits in the
 all_reduce), ``embed`` (as ranks, but rank 1 hangs in embedding_batch during the mining embed
-phase).
+phase), ``agree`` (the stop agreement's all-reduce, started at one step and read at the next, on a
+gloo side group: rank 1 beats once more a second after rank 0's last beat and then sleeps in
+sleeping_in_loss at step 3 without starting its reduce; rank 0 waits for it in
+``AsyncMax.finish``, and its stall clock started first).
 """
 
 import os
@@ -53,6 +56,9 @@ def ranks(run_dir, mode, hb, rank):
         world_size=int(os.environ["WORLD_SIZE"]),
         timeout=__import__("datetime").timedelta(seconds=120),
     )
+    if mode == "agree":
+        agree(hb, rank)
+        return
     t = torch.ones(8)
     for step in range(1, 6):
         if mode == "embed" and step == 3:
@@ -61,6 +67,20 @@ def ranks(run_dir, mode, hb, rank):
             sleeping_in_loss() if mode == "ranks" else embedding_batch()
         dist.all_reduce(t)
         hb.beat(step, "mining embed" if mode == "embed" and step >= 3 else "train")
+
+
+def agree(hb, rank):
+    from clusterflow.distributed.groups import AsyncMax
+
+    stop = AsyncMax(timeout_s=120)
+    for step in range(1, 6):
+        stop.finish()
+        hb.beat(step, "train")
+        if rank == 1 and step == 3:
+            time.sleep(1.0)
+            hb.beat(step, "train")
+            sleeping_in_loss()
+        stop.start(0)
 
 
 def main():

@@ -1,6 +1,6 @@
 """The goodput ledger and the straggler watch: pure checks over written records, then two real
 2-rank local runs shared by every assertion on them (one killed and resumed with no slow rank,
-one with rank 1 made 1.5x slower per step)."""
+one with rank 1 made three times as slow per step)."""
 
 import json
 import os
@@ -625,7 +625,7 @@ def test_an_attempt_dead_in_start_up_counts_from_its_processes_start(lagging):
     assert dead["wall_s"] == pytest.approx(dead["seconds"]["queue_wait"] + dead["ended_at"] - began)
 
 
-# -- a real run with rank 1 made 1.5x slower per step --------------------------------------------
+# -- a real run with rank 1 made three times as slow per step --------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -636,8 +636,11 @@ def straggling(tmp_path_factory):
         "configs/tiny.yaml",
         f"run.dir={d}",
         *TASK,
+        # rank 1 three times as slow: a margin that CPU contention from the rest of the suite
+        # (four workers on two cores) cannot close; the 1.2 threshold itself is tested above
         "task.params.step_sleep=0.1",
         "task.params.slow_rank=1",
+        "task.params.slow_factor=3",
         "mining.enabled=false",
         "train.eval_every_epochs=0",
         "train.epochs=5",
@@ -648,7 +651,7 @@ def straggling(tmp_path_factory):
     return d
 
 
-def test_a_rank_slowed_1_5x_is_named_with_its_node_in_the_log_status_and_ledger(straggling):
+def test_a_slowed_rank_is_named_with_its_node_in_the_log_status_and_ledger(straggling):
     d = straggling
     paths = rundir.RunPaths(d)
     host = socket.gethostname()

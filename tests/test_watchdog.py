@@ -124,6 +124,18 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
     assert first_error.headline(rec) == rec["error"]
 
 
+def test_a_rank_waiting_for_the_stop_agreement_is_a_victim_not_the_cause(tmp_path):
+    """Rank 0 waits in the stop agreement's started all-reduce (gloo, read a step later) for rank
+    1, which sleeps in its own code and went quiet a second after rank 0: rank 0 gets the victim's
+    grace, so rank 1 is the one named, not waiting."""
+    codes, outs = _two_ranks(tmp_path, "agree")
+    assert codes[1] == EXIT_STALLED, outs[1]
+    assert codes[0] == 1 and "first cause recorded: False" in outs[0], outs[0]
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
+    assert rec["rank"] == 1 and "sleeping_in_loss" in rec["error"], rec
+    assert rec["waiting"] is None and "waiting in" not in rec["error"], rec
+
+
 def test_a_rank_stuck_in_mining_embed_is_named_with_its_phase(tmp_path):
     codes, outs = _two_ranks(tmp_path, "embed")
     assert codes[1] == EXIT_STALLED, outs[1]
@@ -213,9 +225,31 @@ def test_flight_recorder_env_keeps_what_the_user_set(tmp_path):
                 "0": {"last_enqueued_collective": 1, "last_completed_collective": 1},
                 "1": {"last_enqueued_collective": 7, "last_completed_collective": 5},
             },
-            [{"collective_seq_id": 7, "pg_id": 1, "profiling_name": "gloo:broadcast"}],
-            "gloo:broadcast #7 (flight recorder)",
+            [{"collective_seq_id": 7, "pg_id": 1, "profiling_name": "nccl:broadcast"}],
+            "nccl:broadcast #7 (flight recorder)",
         ),
+        (
+            {
+                "0": {"last_enqueued_collective": 73, "last_completed_collective": 72},
+                "1": {"last_enqueued_collective": 6, "last_completed_collective": 6},
+            },
+            [
+                {"collective_seq_id": 72, "pg_id": 0, "profiling_name": "gloo:broadcast"},
+                {"collective_seq_id": 73, "pg_id": 0, "profiling_name": "gloo:broadcast"},
+            ],
+            None,
+        ),  # gloo: its completed counter lags; the stack decides
+        (
+            {
+                "0": {"last_enqueued_collective": 9, "last_completed_collective": 8},
+                "1": {"last_enqueued_collective": 3, "last_completed_collective": 2},
+            },
+            [
+                {"collective_seq_id": 9, "pg_id": 0, "profiling_name": "gloo:all_reduce"},
+                {"collective_seq_id": 3, "pg_id": 1, "profiling_name": "nccl:all_gather"},
+            ],
+            "nccl:all_gather #3 (flight recorder)",
+        ),  # a gloo side group beside an NCCL one
         (
             {"0": {"last_enqueued_collective": 4, "last_completed_collective": -1}},
             [],

@@ -53,6 +53,7 @@ WAIT_PATHS = (
     "torch/nn/parallel/",
     "torch/autograd/",
     "clusterflow/distributed/comm.py",
+    "clusterflow/distributed/groups.py",  # the stop agreement's wait for its started all-reduce
 )
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
 log = logging.getLogger("clusterflow.watchdog")
@@ -324,21 +325,27 @@ def active_collective(timeout_s: float = 5.0) -> str | None:
 
 
 def _active_in(trace: Mapping[str, Any]) -> str | None:
-    """The newest collective a recorder dump shows as enqueued and not completed. gloo leaves
-    finished entries in state "scheduled" (and marks them retired), so the per-group counters
-    decide."""
+    """The newest collective a recorder dump shows as enqueued and not completed, on a group whose
+    collectives run behind the host's back (NCCL: the loop may sit in its own code while the
+    device waits for a peer).
+
+    gloo groups are left to the stack: a gloo collective, or the wait for one started with
+    ``async_op``, blocks the calling thread inside a :data:`WAIT_PATHS` frame, so the stack is
+    exact; and gloo's recorder is not. It leaves finished entries "scheduled", and its completed
+    counter can stay behind a broadcast that returned long ago, which would make a rank asleep in
+    its own code look like a peer's victim and keep its node from being left out."""
     entries = trace.get("entries") or []
     for pg, st in (trace.get("pg_status") or {}).items():
-        if int(st.get("last_enqueued_collective", -1)) > int(
+        if int(st.get("last_enqueued_collective", -1)) <= int(
             st.get("last_completed_collective", -1)
         ):
-            seq = int(st["last_enqueued_collective"])
-            names = [
-                e.get("profiling_name")
-                for e in entries
-                if e.get("collective_seq_id") == seq and str(e.get("pg_id", pg)) == str(pg)
-            ]
-            return f"{(names or ['a collective'])[-1]} #{seq} (flight recorder)"
+            continue
+        seq = int(st["last_enqueued_collective"])
+        mine = [e for e in entries if str(e.get("pg_id", pg)) == str(pg)]
+        if any(str(e.get("profiling_name", "")).startswith("gloo:") for e in mine):
+            continue
+        names = [e.get("profiling_name") for e in mine if e.get("collective_seq_id") == seq]
+        return f"{(names or ['a collective'])[-1]} #{seq} (flight recorder)"
     return None
 
 
