@@ -15,7 +15,7 @@ from clusterflow.mining.clustering import (
     number_by_smallest_member,
 )
 from clusterflow.mining.knn import KnnParams, search
-from clusterflow.mining.quality import quality
+from clusterflow.mining.quality import Agreement, quality
 
 
 def faiss_search(x, k):
@@ -271,9 +271,17 @@ def test_fast_nmi_ari_are_sklearns_limit_cases_included():
     ]
     for truth, labels in cases:
         labels = np.unique(labels, return_inverse=True)[1]
-        got = curves._Agreement(truth)(labels)
+        got = Agreement(truth)(labels)
         want = (normalized_mutual_info_score(truth, labels), adjusted_rand_score(truth, labels))
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+    # quality(): label -1 is a singleton of its own, as sklearn sees fresh labels
+    truth = rng.integers(0, 30, 2000)
+    pred = np.where(rng.random(2000) < 0.2, -1, truth // 2)
+    own = pred.copy()
+    own[own < 0] = 1000 + np.arange((own < 0).sum())
+    q = quality(pred, truth)
+    want = (normalized_mutual_info_score(truth, own), adjusted_rand_score(truth, own))
+    np.testing.assert_allclose((q["nmi"], q["ari"]), want, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("data,k", [(blobs, 10), (with_ties, 8)])

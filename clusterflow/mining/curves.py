@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from clusterflow.mining.mutual_graph import MutualGraph, mutual_graph
+from clusterflow.mining.quality import Agreement
 
 
 def kept_edges(graph: MutualGraph, threshold: float) -> int:
@@ -234,7 +235,7 @@ def threshold_curve(
         )
     rows = []
     scores: list[tuple[float, float]] = []
-    agreement = _Agreement(truth) if truth is not None else None
+    agreement = Agreement(truth) if truth is not None else None
     for t, kept, size, q, comp in _sweep(graph, grid, labels=truth is not None):
         rows.append((len(size), int((size == 1).sum()), int(size.max()), kept, q))
         if agreement is not None:
@@ -244,52 +245,6 @@ def threshold_curve(
     if truth is not None:
         curve.nmi, curve.ari = (np.array(c, np.float64) for c in zip(*scores))
     return curve
-
-
-class _Agreement:
-    """NMI (arithmetic normalisation) and ARI of partitions against one fixed ground truth, as
-    scikit-learn defines them (limit cases included), from a sparse contingency table: one
-    O(N) table per grid point where scikit-learn's functions take 1.1 s at 200,000 samples."""
-
-    def __init__(self, truth: np.ndarray) -> None:
-        _, self.truth = np.unique(np.asarray(truth), return_inverse=True)
-        self.n = len(self.truth)
-        self.b = np.bincount(self.truth).astype(np.float64)
-        self.h_b = _entropy(self.b, self.n)
-        self.pairs_b = float((self.b * (self.b - 1) / 2).sum())
-
-    def __call__(self, labels: np.ndarray) -> tuple[float, float]:
-        n, rows = self.n, int(labels.max()) + 1
-        # The matrix sums repeated (label, truth) pairs: the contingency table.
-        # scipy.sparse takes ~0.4 s to import: only mining needs it, not the first step
-        from scipy import sparse
-
-        table = sparse.csr_matrix((np.ones(n), (labels, self.truth)), shape=(rows, len(self.b)))
-        nij = table.data
-        a = np.asarray(table.sum(1)).ravel()
-        row_of = np.repeat(np.arange(rows), np.diff(table.indptr))
-        mi = max(
-            float(
-                (
-                    nij / n * (np.log(nij * n) - np.log(a[row_of]) - np.log(self.b[table.indices]))
-                ).sum()
-            ),
-            0.0,
-        )
-        if rows == len(self.b) == 1:
-            nmi = 1.0
-        else:
-            nmi = 0.0 if mi == 0 else mi / ((_entropy(a, n) + self.h_b) / 2)
-        pairs_a = float((a * (a - 1) / 2).sum())
-        expected = pairs_a * self.pairs_b / (n * (n - 1) / 2) if n > 1 else 0.0
-        spread = (pairs_a + self.pairs_b) / 2 - expected
-        ari = 1.0 if spread == 0 else (float((nij * (nij - 1) / 2).sum()) - expected) / spread
-        return nmi, ari
-
-
-def _entropy(counts: np.ndarray, n: int) -> float:
-    p = counts[counts > 0] / n
-    return float(-(p * np.log(p)).sum())
 
 
 def modularity(graph: MutualGraph, labels: np.ndarray) -> float:

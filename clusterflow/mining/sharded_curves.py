@@ -136,7 +136,7 @@ def _point(
 
 
 def _curve(grid: np.ndarray, rows: list, total: float, n: int, classes: np.ndarray | None) -> Curve:
-    """The reduced grid points as a ``Curve`` (NMI and ARI as ``curves._Agreement`` defines
+    """The reduced grid points as a ``Curve`` (NMI and ARI as ``quality.Agreement`` defines
     them, limit cases included)."""
     cols = np.array([sums for sums, _ in rows])
     largest = np.array([lg for _, lg in rows], np.int64)
