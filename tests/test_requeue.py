@@ -1,9 +1,15 @@
 """The whole after-stop policy as a table, without a cluster (like submitit's
 test_requeuing_checkpointable)."""
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from clusterflow.job.requeue import NO_SCONTROL, Action, decide
+from clusterflow.slurm import commands as slurm_commands
 
 LIMIT = 2
 TABLE = [
@@ -250,3 +256,56 @@ def test_after_stop_names_the_command_that_resumes_a_job_slurm_does_not_requeue(
         f"checkpoint with: python -m clusterflow.submit {tmp_path}/config.yaml"
     )
     assert [s["reason"] for s in rundir.read_jsonl(paths.stops)] == ["preempted"]
+
+
+def _fake_scontrol(folder):
+    """An ``scontrol`` that writes its pid, works for a second and then succeeds: time for the
+    test to send it the SIGTERM that Slurm sends every process of a job it requeues."""
+    folder.mkdir()
+    script = folder / "scontrol"
+    script.write_text(
+        '#!/bin/sh\necho $$ > "$(dirname "$0")/pid"\nsleep 1\necho "did $*"\n', encoding="utf-8"
+    )
+    script.chmod(0o755)
+    return folder / "pid"
+
+
+def _term_when_started(pid_file):
+    def send():
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.02)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+    t = threading.Thread(target=send)
+    t.start()
+    return t
+
+
+@pytest.mark.parametrize("on_main_thread", [True, False])
+def test_a_requeue_outlives_the_sigterm_slurm_sends_the_job_it_requeues(
+    tmp_path, monkeypatch, on_main_thread
+):
+    """``scontrol requeue`` is a process of the job it requeues, and Slurm's SIGTERM to the job
+    reaches it: the command still ends with its own answer (not killed: a requeue that happened
+    read as one that failed), from the job's main thread as from the watchdog's."""
+    pid_file = _fake_scontrol(tmp_path / "bin")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    out = {}
+    sender = _term_when_started(pid_file)
+    if on_main_thread:
+        out["r"] = slurm_commands.requeue("123_1")
+    else:
+        worker = threading.Thread(target=lambda: out.update(r=slurm_commands.requeue("123_1")))
+        worker.start()
+        worker.join()
+    sender.join()
+    assert out["r"].ok and out["r"].stdout == "did requeue 123_1\n", out["r"]
+    # the same command run as a question (no requeue) dies of the signal, as any process would
+    pid_file.unlink()
+    sender = _term_when_started(pid_file)
+    asked = slurm_commands.run(["scontrol", "show", "job"], 30)
+    sender.join()
+    assert asked.returncode == -signal.SIGTERM, asked

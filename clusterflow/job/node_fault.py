@@ -60,9 +60,8 @@ _NCCL_ERRORS = re.compile(
     r"|NCCL error.*internal error|ncclInternalError",
     re.IGNORECASE,
 )
-# How long the rank keeps trying to set the excluded nodes after the requeue: the requeue's SIGTERM
-# may end one `scontrol update` half-way, and Slurm sends SIGKILL KillWait (30 s by default)
-# later.
+# How long the rank keeps trying to set the excluded nodes after the requeue: Slurm takes them only
+# once the job is pending again, and sends SIGKILL KillWait (30 s by default) after the requeue.
 EXCLUDE_TRIES_S = 8.0
 
 
@@ -216,8 +215,7 @@ def _requeue(
 
 
 def _exclude(job_id: str, nodes: tuple[str, ...]) -> bool:
-    """Set the requeued job's excluded nodes, trying again while the requeue's SIGTERM ends a try
-    half-way or the job is not pending yet."""
+    """Set the requeued job's excluded nodes, trying again while the job is not pending yet."""
     deadline = time.monotonic() + EXCLUDE_TRIES_S
     while True:
         out = slurm_commands.exclude_nodes(job_id, list(nodes))

@@ -42,23 +42,43 @@ class Result:
         return (self.stderr.strip().splitlines() or [f"exit status {self.returncode}"])[-1]
 
 
-def run(argv: list[str], timeout_s: float) -> Result:
-    """Run one Slurm command and capture its output (undecodable bytes replaced)."""
+def run(argv: list[str], timeout_s: float, *, outlive_term: bool = False) -> Result:
+    """Run one Slurm command and capture its output (undecodable bytes replaced).
+
+    ``outlive_term``: the command ignores SIGTERM. A job that requeues itself runs ``scontrol``
+    as one of its own processes, and Slurm answers the requeue by sending SIGTERM to every process
+    of the job: it could end ``scontrol`` after Slurm did the work and before it exits 0, and the
+    job would read a requeue that happened as one that failed. SIGKILL follows ``KillWait``
+    seconds later, so the command still cannot outlive the job."""
     name = argv[0]
     missing = Result(name, missing=True, error=f"{name} is not installed here")
     if shutil.which(name) is None:
         return missing
     try:
-        p = subprocess.run(
-            argv, check=False, capture_output=True, text=True, errors="replace", timeout=timeout_s
-        )
+        p = _start(argv, outlive_term)
     except FileNotFoundError:
         return missing
-    except subprocess.TimeoutExpired:
-        return Result(name, timed_out=True, error=f"{name} did not answer within {timeout_s:g} s")
     except OSError as exc:
         return Result(name, error=f"{name}: {exc}")
-    return Result(name, p.returncode, p.stdout, p.stderr)
+    try:
+        out, err = p.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        return Result(name, timed_out=True, error=f"{name} did not answer within {timeout_s:g} s")
+    return Result(name, p.returncode, out, err)
+
+
+def _start(argv: list[str], outlive_term: bool) -> subprocess.Popen[str]:
+    """Start ``argv``; with ``outlive_term``, through ``sh``, which sets SIGTERM to ignored before
+    it execs the command. An ignored signal stays ignored across exec, and a shell cannot undo one
+    it inherited, so this holds for any command; no disposition of this process changes, and
+    Slurm sends nothing before the command has asked it to requeue."""
+    if outlive_term:
+        argv = ["sh", "-c", 'trap "" TERM; exec "$0" "$@"', *argv]
+    return subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+    )
 
 
 # -- squeue ------------------------------------------------------------------------------------
@@ -155,7 +175,7 @@ def show_job(job_id: str, timeout_s: float) -> Result:
 
 def requeue(job_id: str, timeout_s: float = 60) -> Result:
     """``scontrol requeue JOB``: the job ends now and comes back to the queue with the same id."""
-    return run(["scontrol", "requeue", str(job_id)], timeout_s)
+    return run(["scontrol", "requeue", str(job_id)], timeout_s, outlive_term=True)
 
 
 def job_fields(job_id: str, timeout_s: float = 30) -> dict[str, str]:
@@ -180,7 +200,9 @@ def exclude_nodes(job_id: str, nodes: list[str], timeout_s: float = 30) -> Resul
     (the caller passes the whole list). Slurm takes it only while the job is pending: after
     ``scontrol requeue``, before the job starts again."""
     return run(
-        ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"], timeout_s
+        ["scontrol", "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"],
+        timeout_s,
+        outlive_term=True,  # run while Slurm ends the job after its requeue
     )
 
 
