@@ -1,8 +1,10 @@
 import contextlib
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -50,6 +52,168 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     items.sort(key=rank)  # stable: file order within each rank
+
+
+# Outside the Slurm group no test may reach the live cluster: its queue holds the Slurm tests' real
+# jobs, whose ids meet any id a test makes up ("79" read `running` because a real job 79 was).
+# Before each such test, Slurm's client commands on PATH are replaced by a guard that records the
+# call and answers as a controller that cannot be reached (subprocesses inherit PATH, so a run a
+# test starts is held too); a test that called one fails naming the call. A test that needs an
+# answer passes its own (a `queue_state` argument, or a fake command of its own first on PATH).
+SLURM_COMMANDS = (
+    "sacct",
+    "salloc",
+    "sattach",
+    "sbatch",
+    "scancel",
+    "scontrol",
+    "sinfo",
+    "sprio",
+    "squeue",
+    "srun",
+    "sshare",
+    "sstat",
+    "strigger",
+)
+GUARD_LOG = "CLUSTERFLOW_TEST_SLURM_GUARD_LOG"
+_GUARD = rf"""#!/bin/sh
+[ -n "${GUARD_LOG}" ] && printf '%s\n' "$(basename "$0") $*" >> "${GUARD_LOG}"
+echo "$(basename "$0"): Unable to contact slurm controller (a test outside the Slurm group may not \
+reach the live cluster: tests/conftest.py)" >&2
+exit 1
+"""
+
+
+def _guarded(item):
+    return item.get_closest_marker("slurm") is None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if _guarded(item):
+        guard_dir = _guard_dir(item.session)
+        fd, log = tempfile.mkstemp(prefix="slurm-guard-", suffix=".log")
+        os.close(fd)
+        item._slurm_guard = (os.environ.get("PATH"), os.environ.get(GUARD_LOG), log)
+        os.environ["PATH"] = guard_dir + os.pathsep + os.environ.get("PATH", "")
+        os.environ[GUARD_LOG] = log
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield
+    _fail_on_slurm_calls(item)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        result = yield
+    finally:
+        saved = getattr(item, "_slurm_guard", None)
+        if saved is not None:
+            _restore_env("PATH", saved[0])
+            _restore_env(GUARD_LOG, saved[1])
+    _fail_on_slurm_calls(item)
+    if saved is not None:
+        os.unlink(saved[2])
+    return result
+
+
+def _guard_dir(session):
+    """The folder of guard commands, made once per pytest process."""
+    existing = getattr(session, "_slurm_guard_dir", None)
+    if existing and os.path.isdir(existing):
+        return existing
+    d = session._slurm_guard_dir = tempfile.mkdtemp(prefix="slurm-guard-bin-")
+    script = os.path.join(d, "guard.sh")
+    with open(script, "w") as f:
+        f.write(_GUARD)
+    os.chmod(script, 0o755)
+    for name in SLURM_COMMANDS:
+        os.symlink(script, os.path.join(d, name))
+    return d
+
+
+def _restore_env(key, value):
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+def _fail_on_slurm_calls(item):
+    """Fail the test when it called a guarded command since the last look (the log is emptied,
+    so a call is reported once: in the phase that made it)."""
+    saved = getattr(item, "_slurm_guard", None)
+    if saved is None:
+        return
+    with open(saved[2], "r+") as f:
+        calls = [line.strip() for line in f if line.strip()]
+        f.truncate(0)
+    if calls:
+        more = f" (and {len(calls) - 5} more)" if len(calls) > 5 else ""
+        test = item.nodeid.partition("@")[0]  # pytest-xdist adds "@<group>"
+        pytest.fail(
+            f"{test} is outside the Slurm group but called Slurm's commands: "
+            f"{'; '.join(calls[:5])}{more}. Give the test its own answers (the `fake_slurm` "
+            "fixture, or a queue_state argument), or take the `cluster` fixture",
+            pytrace=False,
+        )
+
+
+class FakeSlurm:
+    """Slurm's client commands as a test defines them, first on PATH (for this process and every
+    process it starts): each answers what :meth:`answer` set and records its arguments. The
+    test's own queue, never the live cluster's."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.log = os.path.join(folder, "calls.log")
+        os.makedirs(folder, exist_ok=True)
+
+    def answer(self, name, stdout="", stderr="", code=0):
+        """``name`` (``squeue``, ``sacct``, ``scontrol``...) prints ``stdout`` and ``stderr`` and
+        exits with ``code``, whatever it is asked."""
+        path = os.path.join(self.folder, name)
+        with open(path, "w") as f:
+            f.write(
+                "#!/bin/sh\n"
+                f'echo "$(basename "$0") $*" >> {shlex.quote(self.log)}\n'
+                f"printf %s {shlex.quote(stdout)}\n"
+                f"printf %s {shlex.quote(stderr)} >&2\n"
+                f"exit {int(code)}\n"
+            )
+        os.chmod(path, 0o755)
+        return self
+
+    def forgot_every_job(self):
+        """A Slurm that no longer knows any of the test's made-up job ids (MinJobAge passed)."""
+        invalid = "slurm_load_jobs error: Invalid job id specified\n"
+        self.answer("squeue", stderr=invalid, code=1)
+        self.answer("sacct")  # no record: no accounting kept for the job
+        self.answer("scontrol", stderr=invalid, code=1)
+        return self
+
+    def calls(self):
+        """Each call made so far: the command and its arguments, one string each."""
+        if not os.path.exists(self.log):
+            return []
+        with open(self.log) as f:
+            return [line.strip() for line in f if line.strip()]
+
+
+@pytest.fixture
+def fake_slurm(tmp_path, monkeypatch):
+    """A :class:`FakeSlurm` first on PATH; a command the test does not answer fails as one that is
+    not installed (exit 127)."""
+    fake = FakeSlurm(str(tmp_path / "fake-slurm"))
+    for name in SLURM_COMMANDS:
+        fake.answer(name, stderr=f"{name} is not installed in this test\n", code=127)
+    monkeypatch.setenv("PATH", fake.folder + os.pathsep + os.environ["PATH"])
+    return fake
 
 
 def run_cli(*args, cwd=REPO, env=None, timeout=600):
@@ -157,6 +321,8 @@ def store(request, tmp_path):
 def cluster():
     """The local Slurm cluster (partitions low and high: node1-2; wide: node1-3), booted
     (idempotently) by tests/slurm/cluster.sh."""
+    if os.environ.get("CLUSTERFLOW_NO_SLURM") == "1":
+        pytest.skip("CLUSTERFLOW_NO_SLURM=1: the local Slurm cluster is left down")
     if os.geteuid() != 0 or shutil.which("sinfo") is None and shutil.which("apt-get") is None:
         pytest.skip("the local Slurm cluster needs root and Debian's slurm-wlm")
     out = subprocess.run(

@@ -14,7 +14,7 @@ from clusterflow.rundir import submissions
 ONE = ["cluster.tasks_per_node=1", "train.epochs=1"]
 
 
-def test_after_a_sweep_dir_waits_for_every_member(tmp_path):
+def test_after_a_sweep_dir_waits_for_every_member(tmp_path, fake_slurm):
     sweep_dir, next_dir = tmp_path / "sweep", tmp_path / "next"
     res = run_cli(
         "clusterflow.submit",
@@ -45,6 +45,7 @@ def test_after_a_sweep_dir_waits_for_every_member(tmp_path):
     json.dump(dict(status, state="pending", job_id="4711_0"), open(first / "status.json", "w"))
     os.remove(first / "model.pt")  # committed final weights would make it completed
     submissions.record_submission(rundir.RunPaths(str(first)), "4711_0")
+    fake_slurm.answer("squeue", stdout="PENDING|Priority\n")  # the member's job still waits
     res = run_cli(
         "clusterflow.submit",
         "configs/tiny.yaml",

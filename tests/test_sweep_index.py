@@ -142,7 +142,7 @@ def _member_run(run_dir, **st):
         rundir.record_attempt(paths, job_id=st.get("job_id"), source="slurm")
 
 
-def test_status_rows_of_a_sweep(conf):
+def test_status_rows_of_a_sweep(conf, fake_slurm):
     sw = expand(conf)
     index, _ = sweep_index.merge(None, sw)
     index = sweep_index.record_submission(
@@ -178,6 +178,9 @@ def test_status_rows_of_a_sweep(conf):
     )
     _member_run(m1, state="failed", epoch=1, global_step=7, job_id="79", error="rank 1: boom")
     _member_run(m2)  # submitted, not started
+    # Slurm has forgotten the made-up jobs: the test's own answer, never the live queue's (whose
+    # real jobs can hold these ids)
+    fake_slurm.forgot_every_job()
     rows = sweep_status.collect(sw.paths, status.collect)
     assert [r["state"] for r in rows] == ["completed", "failed", "pending", "not submitted"]
     r = rows[0]

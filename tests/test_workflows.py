@@ -195,9 +195,10 @@ def test_a_run_stopped_on_two_ranks_resumes_on_one(tmp_path, monkeypatch):
     )
 
 
-def test_a_cancelled_run_is_never_requeued(tmp_path):
+def test_a_cancelled_run_is_never_requeued(tmp_path, fake_slurm):
     """The job's own requeue (time limit, SIGTERM) checks the marker first: no scontrol requeue runs
     (here it would fail on the unknown job id and record "stopped")."""
+    fake_slurm.answer("scontrol", stdout="JobId=99999 JobState=RUNNING BatchFlag=1\n")
     paths = rundir.RunPaths(str(tmp_path))
     cancel_marker.mark(rundir.RunPaths(str(tmp_path)), "99999")
     environ = {
@@ -212,3 +213,4 @@ def test_a_cancelled_run_is_never_requeued(tmp_path):
     assert after_stop(paths, "timeout", env, environ, limit=5, signal_at=None) == "timeout"
     assert rundir.read_json(paths.status)["state"] == "cancelled"
     assert not os.path.exists(paths.stops) or "requeue" not in open(paths.stops).read()
+    assert not [c for c in fake_slurm.calls() if "requeue" in c], fake_slurm.calls()

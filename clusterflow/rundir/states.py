@@ -24,8 +24,12 @@ from enum import Enum
 
 
 class Name(str, Enum):
-    """A name written into the run's records: equal to, hashed, printed and formatted as its
-    string value, so JSON, logs and comparisons with what a record holds see the plain string."""
+    """A name written into the run's records: equal to, hashed, printed, formatted and shown
+    (``repr``) as its string value, so JSON, logs, comparisons with what a record holds and a
+    failed assertion's diff see the plain string."""
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
     def __str__(self) -> str:
         return str(self.value)
