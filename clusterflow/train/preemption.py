@@ -27,10 +27,13 @@ from types import FrameType
 
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import AsyncMax
+from clusterflow.distributed.workers import STOP_SIGNALS
 from clusterflow.rundir.states import StopReason
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-HANDLED = (signal.SIGTERM, signal.SIGINT, *TIMEOUT_SIGNALS)
+# SIGTERM, SIGINT and the time-limit signals: the ranks' DataLoader workers outlive them
+# (distributed/workers.py), and the rank stops.
+HANDLED = STOP_SIGNALS
 # The training loop's interval_s: how much training may pass between two agreements; also how
 # often rank 0 looks for the cancel marker.
 AGREE_EVERY_S = 0.2

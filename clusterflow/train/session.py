@@ -62,6 +62,7 @@ from clusterflow.checkpoint.rng import (
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import (
     EpochItems,
     EpochPlan,
@@ -281,8 +282,12 @@ class Loader:
         self._persistent: DataLoader | None = None
 
     def __len__(self) -> int:
-        """The batches left in this epoch (all of them at its start)."""
-        return len(self.sampler)
+        """The batches left in this epoch (all of them at its start), from where the run is: a
+        resumed epoch's, before the loop too."""
+        run = self.run
+        if run.plan is None:  # before run.epochs
+            return len(self.sampler)
+        return len(run.plan.batches_from(run.state.sample_in_epoch or 0)) * self.accumulate
 
     def __iter__(self) -> Iterator[Any]:
         return self.run._iterate(self)
@@ -304,6 +309,9 @@ class Loader:
             if persistent
             else (self.dataset, self.sampler)
         )
+        if kw.get("num_workers", 0) > 0:
+            # The job's stop signals reach the workers too: the rank stops, they outlive them.
+            kw["worker_init_fn"] = workers.quiet(kw.get("worker_init_fn"))
         loader = DataLoader(
             data, batch_sampler=batches, generator=g, persistent_workers=persistent, **kw
         )
@@ -398,6 +406,11 @@ class Run:
         # after it (a script: a resume never starts in an epoch whose steps are all done, where a
         # loop that reads its last batch's variables after the loop would find none).
         self.stop_before_epoch_end = False
+        # Whether the script calls run.mine after its loop (learned at its first call, or from a
+        # round in the state restored): then the last step of an epoch whose end mines is saved
+        # (LOOP_END), since a stop inside the round must not save the states the script's own
+        # code after the loop has changed.
+        self._calls_mine = False
         self._resumed = False
         self._streams: list[str] = []  # the script's own random streams (rng.track)
         self.outcome: str | None = None
@@ -565,6 +578,12 @@ class Run:
                     f"would bypass it: remove {key}="
                 )
             dataloader_kwargs.pop(key, None)
+        init = dataloader_kwargs.get("worker_init_fn")
+        if init is not None and not callable(init):
+            raise UserError(
+                f"run.loader(..., worker_init_fn={init!r}): give a function of the worker's id, "
+                "or none"
+            )
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise UserError("run.loader(dataset, batch_size=...): give batch_size once")
         if not isinstance(accumulate, int) or accumulate < 1:
@@ -623,7 +642,7 @@ class Run:
         loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.plan)
         self._steps = iter(self.plan.batches_from(s.sample_in_epoch or 0))  # type: ignore[union-attr]
         accumulate = loader.accumulate
-        for items in loader.dataloader(s.epoch):
+        for items in workers.started(loader.dataloader(s.epoch)):
             if self._micro == 0:
                 if self._awaiting_step:
                     self._step_missing()
@@ -883,7 +902,8 @@ class Run:
         if reason and last and not self.stop_before_epoch_end:
             reason = ""  # the epoch's end stops: its flag stays set until then
         if not reason:
-            self._save(checkpointer.STEP)
+            loop_end = last and self._loop_end_kept()
+            self._save(checkpointer.LOOP_END if loop_end else checkpointer.STEP)
             if last:
                 # A round cut short is redone from here, the loop's eval included.
                 self._steps_done_rng = capture_rng()
@@ -894,6 +914,12 @@ class Run:
                     reason = self.stop.agree()
         if reason:
             self._stop(reason)
+
+    def _loop_end_kept(self) -> bool:
+        """Whether this epoch's last step is saved as the loop ended it: a script that mines,
+        before a round."""
+        calls_mine = self._calls_mine or bool(self.state.mining_history)
+        return not self.stop_before_epoch_end and calls_mine and self.mining_due()
 
     def _step_refused(self) -> None:
         if not self._in_epoch:
@@ -937,9 +963,13 @@ class Run:
             # A resume from this checkpoint logs from the next step: these points are not logged
             # again.
             self.writer.flush()
-        if event != checkpointer.STEP:
+        if event in (checkpointer.EPOCH_END, checkpointer.STOP):
             # Where a stop or an epoch's end left the run, whatever the progress cadence skipped.
             self.report()
+
+    def _saved_now(self) -> bool:
+        """Whether a save holds the state as it is (committed, or its write in flight)."""
+        return self._saved_at == (self.state.global_step, self.state.position)
 
     def _stop(self, reason: str) -> None:
         log.warning(
@@ -947,7 +977,11 @@ class Run:
             WHY.get(reason, reason),
             self.state.global_step,
         )
-        self._save(checkpointer.STOP)
+        if self._saved_now():  # resumed after an epoch's last step: the checkpoint holds it
+            self.checkpointer.landed()
+            self.report()
+        else:
+            self._save(checkpointer.STOP)
         self._end_stopped(reason)
 
     def _end_stopped(self, reason: str) -> None:
@@ -1007,6 +1041,7 @@ class Run:
                 f"run.mine(...) came before the end of epoch {self.state.epoch + 1}'s steps "
                 f"({left} left): call it after the loop over run.loader"
             )
+        self._calls_mine = True
         finished = self.state.epoch + 1
         if self._mined == finished:
             raise UserError(
@@ -1027,24 +1062,52 @@ class Run:
         with parallel.gathered(module):
             result = self.miner.run(source, module, finished)
         if result is None:
-            # A signal arrived during the round: commit the finished epoch; the round continues
-            # on restart.
-            reason = self.stop.agree() or StopReason.PREEMPTED
-            if self._steps_done_rng is not None:
-                restore_rng(self._steps_done_rng)
-            self._save(checkpointer.STOP)
-            log.warning(
-                "%s: saved at global step %d (in the mining round after epoch %d, which the "
-                "next attempt continues) and stopping",
-                WHY.get(reason, reason),
-                self.state.global_step,
-                finished,
-            )
-            self._end_stopped(reason)
+            self._stop_in_round(self.stop.agree() or StopReason.PREEMPTED, finished)
         self.state.labels = result.labels
         self.state.mining_history.append(result.stats)
         self._log_mining(result.stats)
         return result.labels
+
+    def _stop_in_round(self, reason: str, finished: int) -> None:
+        """A signal cut the round after epoch ``finished`` short: the next attempt resumes at the
+        loop's end of that epoch (the code after the loop runs again, on the states as the loop
+        ended them) and continues the round from its files."""
+        why = WHY.get(reason, reason)
+        if self._saved_now():
+            # Saved at the epoch's last step (LOOP_END), or the checkpoint this attempt resumed
+            # from.
+            self.checkpointer.landed()
+            self.report()
+        elif self.stop_before_epoch_end:
+            # The task trainer: its eval before the round changes no registered state, only the
+            # random streams, which go back to the last step's.
+            if self._steps_done_rng is not None:
+                restore_rng(self._steps_done_rng)
+            self._save(checkpointer.STOP)
+        else:
+            # A script's first run.mine of this attempt: its loop's end was not kept, and its code
+            # after the loop may have changed the states, which must not be saved: the newest
+            # checkpoint stays the resume point, and the steps after it are trained again.
+            self.checkpointer.landed()
+            newest = max(self.committed_steps(), default=0)
+            log.warning(
+                "%s: stopping in the mining round after epoch %d, before this attempt kept its "
+                "loop's end (its first run.mine): nothing new is saved; the next attempt resumes "
+                "from step %d and trains the %d step(s) after it again",
+                why,
+                finished,
+                newest,
+                self.state.global_step - newest,
+            )
+            self._end_stopped(reason)
+        log.warning(
+            "%s: saved at global step %d (in the mining round after epoch %d, which the "
+            "next attempt continues) and stopping",
+            why,
+            self.state.global_step,
+            finished,
+        )
+        self._end_stopped(reason)
 
     def _forget_mined_rounds(self) -> None:
         """Delete the files of the mining rounds whose labels a committed checkpoint holds."""
