@@ -20,10 +20,11 @@ from clusterflow.rundir import cancel_marker
 from clusterflow.storage.store import CheckpointStore
 
 SCRIPT = os.path.join(REPO, "tests", "ownloop", "epoch_end.py")
-# 96 samples, 32 a step: 3 steps an epoch, 5 epochs; epoch 2 (0-based) does not call run.mine,
-# the last epoch never mines. Saves every 2 steps (in the background).
+# 96 samples, 32 a step: 3 steps an epoch, 5 epochs, the last of which never mines; one epoch
+# without run.mine (0-based): epoch 2 on two ranks, epoch 0 on one. Saves every 2 steps (in the
+# background).
 CONFIG = ("checkpoint.every_steps=2", "train.log_every_steps=1", "dist.heartbeat_s=1")
-ARGS = ("--skip-mine", "2")
+SKIP = {1: ("--skip-mine", "0"), 2: ("--skip-mine", "2")}
 EXIT = {"TERM": 0, "INT": 130, "CANCEL": 0}
 
 
@@ -37,7 +38,7 @@ def start(world, run_dir, env=None, args=()):
         f"run.dir={run_dir}",
         *CONFIG,
         "--",
-        *ARGS,
+        *SKIP[world],
         *args,
     ]
     return launch.start(world, None, None, run_dir + "-logs", command=command, env=env)
@@ -110,13 +111,15 @@ def test_stops_at_an_epochs_last_step_or_in_its_round_resume_bitwise_on_one_rank
     uninterrupted, tmp_path
 ):
     d = str(tmp_path / "run")
-    # Epoch 0's round is the attempt's first run.mine: nothing new is saved, the steps after
-    # step 2 are trained again; epoch 1: the loop's end is saved; then a stop in the round of an
-    # attempt that resumed there (its embeddings read back from the round's files).
-    stopped_and_resumed(1, d, ["mine:0:CANCEL", "last-step:1:INT", "after-loop:1:TERM"])
+    # Epoch 0 ends without run.mine though a round was due, so epoch 1's loop end is not kept:
+    # its round's stop saves nothing new, and the steps after step 4 are trained again; the next
+    # attempt keeps it (nothing is known of the script then): a signal at its last step is taken
+    # in the round; then a stop in the round of an attempt that resumed there (its embeddings read
+    # back from the round's files).
+    stopped_and_resumed(1, d, ["mine:1:CANCEL", "last-step:1:INT", "after-loop:1:TERM"])
     assert_same_run(d, uninterrupted[1])
     log = rank0_log(d)
-    assert "nothing new is saved; the next attempt resumes from step 2 and trains the 1" in log
+    assert "nothing new is saved; the next attempt resumes from step 4 and trains the 2" in log
     assert log.count("saved at global step 6 (in the mining round after epoch 2") == 2
 
 

@@ -5,10 +5,11 @@ The loop only says what happened (:data:`STEP`, :data:`LOOP_END`, :data:`EPOCH_E
 
 - every ``checkpoint.every_steps`` optimizer steps, except at the last step of an epoch, which is
   saved after its eval and mining instead (so the labels of a finished round are in it);
-- at the last step of an epoch whose end runs a script's mining round (:data:`LOOP_END`): the
-  states as the loop ended them, before the script's own code after the loop changes them (a
-  validation, a per-epoch scheduler step), so that a stop or a kill before the epoch's end resumes
-  there and that code runs once; the end-of-epoch checkpoint of the same step supersedes it;
+- at the last step of an epoch whose end runs a script's mining round (:data:`LOOP_END`; the run
+  says when): the states as the loop ended them, before the script's own code after the loop
+  changes them (a validation, a per-epoch scheduler step), so that a stop or a kill before the
+  epoch's end resumes there and that code runs once; the end-of-epoch checkpoint of the same step
+  supersedes it;
 - at the end of every epoch (after eval and mining);
 - on a stop (a signal agreed by every rank).
 

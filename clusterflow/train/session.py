@@ -64,6 +64,8 @@ from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import (
+    LOADER_BATCH,
+    TASK_BATCH,
     EpochItems,
     EpochPlan,
     GlobalBatchSampler,
@@ -278,6 +280,7 @@ class Loader:
             run.config.run.seed,
             accumulate,
             order=lambda seed, epoch: epoch_order(dataset, seed, epoch),
+            key=run.batch_key,
         )
         self._persistent: DataLoader | None = None
 
@@ -352,9 +355,11 @@ class Run:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         self.state = TrainState()
         self.window = LossWindow()
-        self.guard = FiniteGuard(
-            device, cfg.train, self.committed_steps, own_loop=bool(cfg.script.path)
-        )
+        own_loop = bool(cfg.script.path)
+        self.guard = FiniteGuard(device, cfg.train, self.committed_steps, own_loop=own_loop)
+        # What the messages about the batch name: a script's run.loader argument, or the task's
+        # config key.
+        self.batch_key = LOADER_BATCH if own_loop else TASK_BATCH
         self.miner = Miner(
             cfg.mining,
             device,
@@ -406,11 +411,12 @@ class Run:
         # after it (a script: a resume never starts in an epoch whose steps are all done, where a
         # loop that reads its last batch's variables after the loop would find none).
         self.stop_before_epoch_end = False
-        # Whether the script calls run.mine after its loop (learned at its first call, or from a
-        # round in the state restored): then the last step of an epoch whose end mines is saved
-        # (LOOP_END), since a stop inside the round must not save the states the script's own
+        # Whether the script calls run.mine after its loop: True from its first call (or a round
+        # in the state restored), False once an epoch due to mine ended without one, None until
+        # then. Unless False, the last step of an epoch whose end mines is saved as the loop ended
+        # it (LOOP_END): a stop inside the round must not save the states that the script's own
         # code after the loop has changed.
-        self._calls_mine = False
+        self._mines: bool | None = None
         self._resumed = False
         self._streams: list[str] = []  # the script's own random streams (rng.track)
         self.outcome: str | None = None
@@ -559,6 +565,13 @@ class Run:
                 "run.loader was called twice: the epoch plan drives one training loader; build "
                 "evaluation loaders with torch.utils.data.DataLoader"
             )
+        if self.checkpointer is not None:
+            raise UserError(
+                "run.loader(...) came after run.restore: a resume checks the checkpoint's data "
+                "(its length and digest) against the loader's dataset, so a resume on other data "
+                "would go unnoticed; call loader = run.loader(dataset, batch_size=...) before "
+                "run.restore(...)"
+            )
         if isinstance(dataset, DataLoader):
             raise UserError(
                 "run.loader(dataset, ...) takes a dataset, not a DataLoader: pass the DataLoader's "
@@ -588,11 +601,19 @@ class Run:
             raise UserError("run.loader(dataset, batch_size=...): give batch_size once")
         if not isinstance(accumulate, int) or accumulate < 1:
             raise UserError(f"run.loader(..., accumulate={accumulate!r}): must be an int >= 1")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            said = self.batch_key.seen(repr(batch_size))
+            raise UserError(
+                f"{said}: must be an int >= 1, the samples of one optimizer step on all ranks "
+                f"together (a multiple of world size x {self.batch_key.accumulate} = "
+                f"{self.world_size} x {accumulate})"
+            )
         check_fits(
             len(dataset),  # type: ignore[arg-type]
             batch_size,
             self.world_size * accumulate,
             self.what or "the dataset",
+            self.batch_key,
         )
         self._loader = Loader(
             self,
@@ -740,6 +761,8 @@ class Run:
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self._resumed = resumed
+        if self.state.mining_history:
+            self._mines = True
         return resumed
 
     def before_commit(self, check: Callable[[str], None]) -> None:
@@ -834,6 +857,8 @@ class Run:
                 "not train each sample once; to end the run early, leave the epochs loop too "
                 "and call run.finish()"
             )
+        if self._mines is None and self.mining_due():
+            self._mines = False  # a round was due, and the script did not call run.mine
         self._in_epoch = False
         self.state.epoch_done()
         self._save(checkpointer.EPOCH_END)
@@ -916,10 +941,9 @@ class Run:
             self._stop(reason)
 
     def _loop_end_kept(self) -> bool:
-        """Whether this epoch's last step is saved as the loop ended it: a script that mines,
-        before a round."""
-        calls_mine = self._calls_mine or bool(self.state.mining_history)
-        return not self.stop_before_epoch_end and calls_mine and self.mining_due()
+        """Whether this epoch's last step is saved as the loop ended it: a script that mines (or
+        may), before a round."""
+        return not self.stop_before_epoch_end and self._mines is not False and self.mining_due()
 
     def _step_refused(self) -> None:
         if not self._in_epoch:
@@ -1041,7 +1065,7 @@ class Run:
                 f"run.mine(...) came before the end of epoch {self.state.epoch + 1}'s steps "
                 f"({left} left): call it after the loop over run.loader"
             )
-        self._calls_mine = True
+        self._mines = True
         finished = self.state.epoch + 1
         if self._mined == finished:
             raise UserError(
@@ -1085,15 +1109,16 @@ class Run:
                 restore_rng(self._steps_done_rng)
             self._save(checkpointer.STOP)
         else:
-            # A script's first run.mine of this attempt: its loop's end was not kept, and its code
-            # after the loop may have changed the states, which must not be saved: the newest
-            # checkpoint stays the resume point, and the steps after it are trained again.
+            # A script that had not called run.mine in an epoch due to mine: its loop's end was
+            # not kept, and its code after the loop may have changed the states, which must not
+            # be saved: the newest checkpoint stays the resume point, and the steps after it are
+            # trained again.
             self.checkpointer.landed()
             newest = max(self.committed_steps(), default=0)
             log.warning(
-                "%s: stopping in the mining round after epoch %d, before this attempt kept its "
-                "loop's end (its first run.mine): nothing new is saved; the next attempt resumes "
-                "from step %d and trains the %d step(s) after it again",
+                "%s: stopping in the mining round after epoch %d, whose loop's end was not kept "
+                "(an earlier epoch due to mine had no run.mine): nothing new is saved; the next "
+                "attempt resumes from step %d and trains the %d step(s) after it again",
                 why,
                 finished,
                 newest,
