@@ -16,6 +16,7 @@ import sys
 import time
 
 import launch
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_cli, weights_equal
@@ -265,6 +266,11 @@ def test_state_after_restore_and_a_model_not_set_up_are_refused(tmp_path):
     other = torch.nn.Linear(4, 2)
     assert "was not passed to run.setup" in refused(lambda: run.restore(model=other))
     assert "cannot be saved" in refused(lambda: run.restore(model=model, extra=object()))
+    with open(os.devnull) as f:  # refused here, not at the first save (nor at the resume)
+        message = refused(lambda: run.restore(model=model, extra={"n": [1, {"f": f}]}))
+    assert "run.restore(extra=...): extra['n'][1]['f'] is a TextIOWrapper" in message, message
+    message = refused(lambda: run.restore(model=model, extra={"a": np.zeros(2)}))
+    assert "extra['a'] is a ndarray, which a checkpoint cannot hold" in message, message
     assert "before run.restore" in refused(lambda: next(iter(run.epochs(1))))
     assert not run.restore(model=original, optimizer=opt, counters={"seen": 0})
     assert "called twice" in refused(lambda: run.restore(model=model, optimizer=opt))

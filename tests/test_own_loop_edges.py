@@ -3,21 +3,33 @@ cancel``) at an epoch's last step or inside ``run.mine`` of a script with its ow
 loop (tests/ownloop/epoch_end.py: a validation into a history, a random draw, a per-epoch StepLR,
 a counter) resumes bitwise equal to the uninterrupted run, the script's own states included, on
 one and two ranks; SIGTERM to every process of the job, DataLoader workers included (as Slurm
-sends it), saves and stops, and the run completes when started again."""
+sends it), saves and stops, and the run completes when started again. A script started by hand
+that returns without run.finish() keeps its last checkpoint, one that swallows the stop gets one
+line, one kept alive after run.finish() ends on SIGTERM, its prints are in its log, its failure
+names the line that raised; its goodput record follows every step, its data its own phase."""
 
 import glob
+import json
 import os
+import runpy
 import signal
+import subprocess
 import sys
+import time
 
 import launch
 import pytest
 import torch
-from conftest import REPO, weights_equal
+from conftest import REPO, run_cli, weights_equal
 
 from clusterflow import rundir
-from clusterflow.rundir import cancel_marker
+from clusterflow.config import load
+from clusterflow.job import failure
+from clusterflow.observe.timeline import AttemptTimeline
+from clusterflow.rundir import cancel_marker, timeline
 from clusterflow.storage.store import CheckpointStore
+from clusterflow.train.preemption import Preemption
+from clusterflow.train.session import Run
 
 SCRIPT = os.path.join(REPO, "tests", "ownloop", "epoch_end.py")
 # 96 samples, 32 a step: 3 steps an epoch, 5 epochs, the last of which never mines; one epoch
@@ -139,5 +151,153 @@ def test_sigterm_to_every_process_with_dataloader_workers_stops_and_resumes(
     (held / "release").touch()
     assert launch.wait(procs) == [0, 0], rank0_log(d)[-3000:]
     assert "SIGTERM received: sav" in rank0_log(d, 0)
+    # torchrun outside Slurm: nothing requeues it, the same command resumes it.
+    assert json.load(open(os.path.join(d, "status.json")))["state"] == "stopped"
     assert launch.wait(start(2, d, args=("--workers", "2"))) == [0, 0], rank0_log(d)[-3000:]
     assert_same_run(d, uninterrupted[2])
+
+
+# -- a script's end, its output, its failure, its record ------------------------------------------
+
+BY_HAND = """
+import os, signal, sys, threading
+import torch
+import clusterflow
+
+run = clusterflow.start(**{"run.dir": sys.argv[1], "mining.enabled": False})
+print("hello from the script")
+model = run.setup(torch.nn.Linear(64, 64))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+loader = run.loader(torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=16)
+run.restore(model=model, optimizer=opt)
+try:
+    for epoch in run.epochs(2):
+        for (x,) in loader:
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if sys.argv[2] == "swallow":
+                os.kill(os.getpid(), signal.SIGTERM)
+            run.step()
+except BaseException:  # swallows RunStopped too
+    if sys.argv[2] != "swallow":
+        raise
+    for (x,) in loader:
+        pass
+if sys.argv[2] == "linger":
+    run.finish()
+    threading.Thread(target=threading.Event().wait).start()  # keeps the process alive
+    open(sys.argv[1] + "-finished", "w").close()
+"""
+
+
+def by_hand(tmp_path, mode):
+    """``python script.py RUN_DIR MODE``, as a user starts it (its own session)."""
+    script = tmp_path / "by_hand.py"
+    script.write_text(BY_HAND)
+    d = str(tmp_path / mode)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    proc = subprocess.Popen(
+        [sys.executable, str(script), d, mode],
+        cwd=str(tmp_path),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    return proc, d
+
+
+def test_a_script_that_returns_without_finish_keeps_its_last_epochs_checkpoint(tmp_path):
+    """The last epoch's checkpoint is written in the background as the script returns; the
+    interpreter's shutdown must not cut it off (running the script again would train the epoch
+    again)."""
+    proc, d = by_hand(tmp_path, "return")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out + err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("error: script by_hand.py ended without calling run.finish()")
+    ), err
+    assert "Traceback" not in err and "cannot schedule" not in out + err, out + err
+    assert CheckpointStore(os.path.join(d, "checkpoints")).steps()[-1] == 8
+
+
+def test_a_call_after_a_swallowed_stop_is_one_line(tmp_path):
+    proc, d = by_hand(tmp_path, "swallow")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, out + err
+    assert "Traceback" not in err, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: iterating run.loader came after the run stopped (preempted): the stop raised "
+            "clusterflow.RunStopped"
+        )
+    ), err
+    # python script.py outside Slurm: nothing requeues it, the same command resumes it.
+    assert json.load(open(os.path.join(d, "status.json")))["state"] == "stopped"
+
+
+def test_a_finished_script_kept_alive_by_a_thread_ends_on_sigterm_and_its_prints_are_logged(
+    tmp_path,
+):
+    proc, d = by_hand(tmp_path, "linger")
+    try:
+        launch.wait_for_file(d + "-finished", [proc])
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == -signal.SIGTERM
+    logs = run_cli("clusterflow.logs", d)
+    assert "hello from the script" in logs.stdout, logs.stdout
+
+
+def test_a_scripts_failure_names_the_line_that_raised(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "def inner():\n    raise ValueError('boom')\n\n\ndef main():\n    inner()\n\n\nmain()\n"
+    )
+    with pytest.raises(ValueError) as e:
+        runpy.run_path(str(script), run_name="__main__")
+    said = failure.describe(e.value, "", script=str(script))
+    assert said.message == f"script 'fails.py' failed in inner ({script}:2): ValueError: boom"
+
+
+def test_the_goodput_record_follows_every_step_and_a_scripts_data_is_its_own_phase(
+    tmp_path, monkeypatch
+):
+    """The timeline's last step is at most a second behind (here: none), whatever
+    train.log_every_steps; a script's data preparation is start-up phase "task data", not
+    "model"."""
+    monkeypatch.setattr(AttemptTimeline, "WRITE_EVERY_S", 0.0)
+    cfg = load(
+        None,
+        [f"run.dir={tmp_path / 'run'}", "script.path=train.py", "train.log_every_steps=100"],
+    )
+    os.makedirs(cfg.run.dir)
+    paths = rundir.RunPaths(cfg.run.dir)
+    run = Run(cfg, paths, torch.device("cpu"), 0, Preemption(), lambda outcome: (outcome, 0))
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = run.setup(model, opt)
+    time.sleep(0.3)  # the script builds its data
+    loader = run.loader(torch.utils.data.TensorDataset(torch.randn(64, 4)), batch_size=8)
+    run.restore(model=model, optimizer=opt)
+    assert run.startup.seconds["task data"] >= 0.3, run.startup.seconds
+    for _ in run.epochs(1):
+        for i, (x,) in enumerate(loader):
+            model(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            run.step()
+            if i == 2:
+                break
+        break
+    assert timeline.read_all(paths).records[0]["last_step"] == 3

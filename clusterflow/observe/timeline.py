@@ -1,12 +1,13 @@
 """Rank 0's record of its attempt in time (``rundir/timeline.py``), for the goodput ledger.
 
 The trainer tells :class:`AttemptTimeline` when the restore ended, when the first step ended,
-each committed checkpoint (from the checkpointer, possibly on its write thread), its log steps
-and the end of the loop. Phase seconds come from :class:`~clusterflow.observe.phases.Phases`,
-which adds them up at phase changes only; the start-up's phases come from :class:`Startup`,
-which the attempt and the run mark as they get there. Writes: one at the first step, one per
-commit, at most one per ``WRITE_EVERY_S`` at log steps, one at the end; nothing per step. Other
-ranks get :class:`NullTimeline` (nothing to write, nothing to report).
+each committed checkpoint (from the checkpointer, possibly on its write thread), each step
+(a clock read) and the end of the loop. Phase seconds come from
+:class:`~clusterflow.observe.phases.Phases`, which adds them up at phase changes only; the
+start-up's phases come from :class:`Startup`, which the attempt and the run mark as they get
+there. Writes: one at the first step, one per commit, at most one per ``WRITE_EVERY_S`` as steps
+go (a kill loses at most that much of the record), one at the end. Other ranks get
+:class:`NullTimeline` (nothing to write, nothing to report).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def process_started_at(pid: int | None = None) -> float | None:
 
 # The phases of an attempt's start-up, in order (:class:`Startup`): the interpreter, the imports
 # and the config; joining the process group; the run dir taken and the attempt recorded; the
-# task and its data built; the model, optimizer and loader set up (a script: its code between
-# ``clusterflow.start()`` and ``run.restore``); the checkpoint read; the first batch loaded; the
-# first step (its forward, backward and optimizer step).
+# task and its data built; the model, optimizer and loader set up; the checkpoint read; the first
+# batch loaded; the first step (its forward, backward and optimizer step). A script's code
+# between ``clusterflow.start()`` and ``run.restore`` is the model's up to ``run.setup``, the
+# data's up to ``run.loader`` (in whichever order it calls them), the model's after both.
 IMPORTS = "imports"
 RENDEZVOUS = "rendezvous"
 RUN_DIR = "run dir"
@@ -95,7 +97,7 @@ class NullTimeline:
 
 
 class AttemptTimeline(NullTimeline):
-    # At log steps, as often as status.json's progress (a kill loses at most this much record).
+    # As often as status.json's progress (a kill loses at most this much record).
     WRITE_EVERY_S = 1.0
 
     def __init__(

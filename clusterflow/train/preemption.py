@@ -55,11 +55,6 @@ WHY = {
 }
 
 
-# What signal.signal returns: the handler installed before (a function, SIG_DFL/SIG_IGN, or None
-# when it was not installed from Python).
-_Handler = Callable[[int, FrameType | None], object] | int | None
-
-
 def _reason_of(signum: int | None) -> str:
     if signum is None:
         return ""
@@ -81,7 +76,7 @@ class Preemption:
     ) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
-        self._previous: dict[int, _Handler] = {}
+        self._installed = False
         self._cancelled, self._check_every_s, self._clock = cancelled, check_every_s, clock
         self._checked_at: float | None = None
         self.cancel_seen = False
@@ -90,16 +85,25 @@ class Preemption:
         """Install after submitit's own handlers (submitit only logs SIGTERM, and its SIGUSR2
         handler would requeue without our checkpoint), so ours take precedence."""
         for sig in HANDLED:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
+        self._installed = True
         # `submit --local` starts the ranks with SIGINT blocked (so that submitit's controller
         # cannot act on Ctrl-C); from here on it is handled, and one held back arrives now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HANDLED))
         return self
 
     def uninstall(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
+        """After the run completed: the stop signals end the process again (SIGINT raises
+        KeyboardInterrupt), whatever handled them before (submitit's own SIGTERM handler only
+        logs), so that a script kept alive by a thread of its own still ends on ``timeout``,
+        Ctrl-C or Slurm's SIGTERM."""
+        if not self._installed:
+            return
+        for sig in HANDLED:
+            signal.signal(
+                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            )
+        self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # The strongest signal so far wins: a time-limit signal upgrades a plain SIGTERM (the job

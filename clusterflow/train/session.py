@@ -37,7 +37,9 @@ exactness silently.
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import logging
 import random
 import time
@@ -87,6 +89,7 @@ from clusterflow.observe.timeline import (
     FIRST_STEP,
     MODEL,
     RESTORE,
+    TASK_DATA,
     Startup,
     process_started_at,
     timeline_for,
@@ -134,6 +137,8 @@ def _stateful(name: str, obj: object) -> Stateful:
     ):
         return obj  # type: ignore[return-value]
     if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_savable(name, f"[{key!r}]", value)
         return _InPlace(obj)
     raise UserError(
         f"run.restore({name}=...): a {type(obj).__name__} cannot be saved with the checkpoint; "
@@ -164,6 +169,41 @@ def _stream(obj: object) -> tuple[Callable[[], object], Callable[[object], None]
 
         return (lambda: [r.getstate()[0], list(r.getstate()[1]), r.getstate()[2]]), put_py
     return None
+
+
+# What a registered dict may hold as it is: a checkpoint's train_state.pt is read back with
+# torch.load(weights_only=True), which takes these, tensors, and lists, tuples and these dicts of
+# them; anything else is tried.
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_CONTAINERS = (dict, collections.OrderedDict)
+
+
+def _check_savable(name: str, where: str, value: object) -> None:
+    """Refuse, naming its place, a value of a registered dict that a checkpoint cannot hold: it
+    would fail the first save (a file, a lock), or the resume that loads it."""
+    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, dict) and type(value) in _CONTAINERS:
+        for key, item in value.items():
+            _check_savable(name, f"{where}[{key!r}]", item)
+        return
+    if type(value) in (list, tuple):
+        for i, item in enumerate(value):  # type: ignore[arg-type]
+            _check_savable(name, f"{where}[{i}]", item)
+        return
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # noqa: BLE001 - any failure is the same answer: not a state
+        raise UserError(
+            f"run.restore({name}=...): {name}{where} is a {type(value).__name__}, which a "
+            "checkpoint cannot hold (it is saved and read back as torch.save and "
+            "torch.load(weights_only=True) do); keep numbers, strings, lists, dicts and tensors "
+            "in a registered dict, and register an object with state_dict()/load_state_dict() "
+            "under a name of its own"
+        ) from None
 
 
 class _InPlace:
@@ -355,7 +395,7 @@ class Run:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         self.state = TrainState()
         self.window = LossWindow()
-        own_loop = bool(cfg.script.path)
+        self.own_loop = own_loop = bool(cfg.script.path)
         self.guard = FiniteGuard(device, cfg.train, self.committed_steps, own_loop=own_loop)
         # What the messages about the batch name: a script's run.loader argument, or the task's
         # config key.
@@ -529,6 +569,8 @@ class Run:
             # Distinct per-rank streams from here on.
             seed_everything(rank_seed(cfg.run.seed, self.rank))
             self._seeded = True
+        if self.own_loop:  # the script's code up to here built its model
+            self.startup.mark(MODEL)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -623,6 +665,8 @@ class Run:
             set_epoch if set_epoch is not None else getattr(dataset, "set_epoch", None),
             dict(dataloader_kwargs),
         )
+        if self.own_loop:  # the script's code since its last call built its data
+            self.startup.mark(TASK_DATA)
         return self._loader
 
     def _plan_epoch(self) -> None:
@@ -922,6 +966,9 @@ class Run:
         if self._log_due():
             self._log_interval()
             self.window.clear()
+        # The goodput record of where the attempt got (a clock read; a write at most every
+        # second): a kill loses no more of it, whatever the log cadence.
+        self.timeline.progress(s.global_step)
         reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
         last = s.step_in_epoch == self.steps_per_epoch
         if reason and last and not self.stop_before_epoch_end:
@@ -1033,8 +1080,16 @@ class Run:
             self.checkpointer.close()
 
     def _live(self, what: str) -> None:
-        if self.outcome is not None:
-            raise UserError(f"{what} came after the run ended ({self.outcome})")
+        if self.outcome is None:
+            return
+        if self.outcome == State.COMPLETED:
+            raise UserError(f"{what} came after run.finish(): the run has ended (completed)")
+        raise UserError(
+            f"{what} came after the run stopped ({self.outcome}): the stop raised "
+            "clusterflow.RunStopped, a SystemExit, and the script caught it (an `except "
+            "BaseException:` or `except SystemExit:`); let it end the script: the run resumes "
+            "from its checkpoint when it starts again"
+        )
 
     # -- mining -------------------------------------------------------------------------------
     def mining_due(self, can_embed: bool = True) -> bool:
@@ -1248,7 +1303,6 @@ class Run:
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():
             self.report(fsync=False, running=True)
-        self.timeline.progress(s.global_step)
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {
