@@ -52,6 +52,7 @@ MODEL = "model"
 RESTORE = "restore"
 FIRST_BATCH = "first batch"
 FIRST_STEP = "first step"
+PHASES = (IMPORTS, RENDEZVOUS, RUN_DIR, TASK_DATA, MODEL, RESTORE, FIRST_BATCH, FIRST_STEP)
 
 
 class Startup:
@@ -67,6 +68,9 @@ class Startup:
         now = time.time()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, now - self._last)
         self._last = now
+        # In the phases' order, whichever a script reached first (its model or its data).
+        ordered = sorted(self.seconds, key=lambda p: PHASES.index(p) if p in PHASES else 99)
+        self.seconds = {p: self.seconds[p] for p in ordered}
 
 
 def categories(seconds: dict[str, float]) -> dict[str, float]:

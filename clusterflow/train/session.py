@@ -27,7 +27,9 @@ What each part owns (the trainer, ``trainer.py``, drives the same calls for a ta
   straggler measure, the log cadence, the non-finite guard, the stop agreement and the scheduled
   save. A stop saves, ends the job (requeue or not) and raises :class:`RunStopped`.
 - ``mine``: the mining stage (``mining/stage.py``) when it is due; its labels are saved with the
-  end-of-epoch checkpoint.
+  end-of-epoch checkpoint. A script's epoch that mines saves its last step as the loop ended it
+  (``LOOP_END``): a stop inside the round commits nothing new, and the next attempt runs the
+  script's code after the loop once more, on those states.
 - ``finish``: waits for the last write, writes ``RUN_DIR/model.pt`` and ends the job.
 
 Calls out of order are refused with one line naming the fix (a step missing or twice, a model
