@@ -218,6 +218,11 @@ class Checkpointer:
             else:
                 self._write_now(rngs, failed)
 
+    def wait(self) -> None:
+        """This rank's write in flight, finished (a failure is reported by the write itself)."""
+        if self._writes_here:
+            self._wait_for_write(expected=True)
+
     def landed(self) -> None:
         """Collective, at a stop whose state a save in flight (or committed) holds already: wait
         for that write. A failure, reported already, is not written again: the state has moved on

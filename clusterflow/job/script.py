@@ -18,6 +18,7 @@ script that returns or exits without ``run.finish()`` fails with one line saying
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -276,8 +277,14 @@ def _guard(job: Attempt) -> None:
     sys.excepthook = hook
     # At the interpreter's shutdown, before it joins threads and before concurrent.futures
     # refuses new work (its hook, registered when clusterflow imported it, runs after this one):
-    # the checkpoint write in flight still completes.
-    threading._register_atexit(_at_exit, job)  # type: ignore[attr-defined]
+    # the checkpoint write in flight completes (an epoch's end is written in the background).
+    threading._register_atexit(_write_done, job)  # type: ignore[attr-defined]
+    atexit.register(_at_exit, job)
+
+
+def _write_done(job: Attempt) -> None:
+    if job.outcome is None and job.run is not None and job.run.checkpointer is not None:
+        job.run.checkpointer.wait()
 
 
 def _at_exit(job: Attempt) -> None:
