@@ -426,10 +426,16 @@ def _restarts_said(done: list[dict[str, Any]]) -> str:
         came = f", step {last.get('restored_step')} from the {last['restored_where']}"
     elif last.get("restored_from") == "shared":
         came = f", step {last.get('restored_step')} from the shared filesystem"
+    shrunk = (
+        f", shrunk to {last.get('world_size')} rank(s) on {len(last.get('nodes') or [])} node(s): "
+        "no spare node was left (cluster.shrink; the next requeue asks for cluster.nodes again)"
+        if last.get("shrunk")
+        else ""
+    )
     return (
         f" ({len(done)} restart(s) inside the job; the last after rank {last.get('rank')} on "
         f"{last.get('host')}: {last.get('error')} ({last.get('cause')}), on "
-        f"{', '.join(last.get('nodes') or [])}{came}{again})"
+        f"{', '.join(last.get('nodes') or [])}{shrunk}{came}{again})"
     )
 
 

@@ -18,6 +18,10 @@ reboot, and a tmpfs has nothing to sync.
 A snapshot *set* is every rank's snapshot of one step of one attempt (W folders of the same
 attempt, step and world size); which copy of each rank to read, and whether a set may be used at
 all, is the job side's decision (``checkpoint/memory.py``). No torch here.
+
+``python -m clusterflow.storage.snapshots MEMORY_DIR RUN_DIR`` removes the run's folder on the
+node it runs on: the batch step's driver runs it on the nodes a completed job left out
+(``job/restarts.py``), whose snapshots no attempt clears otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -157,3 +162,13 @@ class NodeSnapshots:
         """Remove this run's folder on this node (the run ended with its state on the shared
         filesystem)."""
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    memory_dir, run_dir = (sys.argv[1:] if argv is None else argv)[:2]
+    NodeSnapshots(run_folder(memory_dir, run_dir, node_name())).clear()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
