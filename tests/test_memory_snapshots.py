@@ -18,14 +18,18 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
+from types import SimpleNamespace
 
 import launch
 import pytest
 import torch
-from conftest import REPO, run_cli, weights_equal
+from conftest import REPO, weights_equal
 
 from clusterflow.checkpoint import identity
-from clusterflow.checkpoint.memory import peer_of
+from clusterflow.checkpoint.memory import MemorySnapshots, peer_of
+from clusterflow.manage.status import collect
+from clusterflow.rundir import RunPaths, timeline
 from clusterflow.storage import replica, snapshots
 from clusterflow.storage.names import MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
@@ -69,6 +73,33 @@ def _commit(node, key, step, size=1000):
 )
 def test_each_rank_replicates_to_the_next_node(hosts, expected):
     assert [peer_of(r, hosts) for r in range(len(hosts))] == expected
+
+
+def test_sets_newer_than_a_later_attempts_restore_were_abandoned(tmp_path):
+    """Attempt 1 trained to step 10 and left snapshots of it; attempt 2 resumed from step 4 (say
+    the memory was lost and the shared filesystem had step 4) and left snapshots of step 6: the
+    step-10 set is a future the run abandoned, never restored, although it is newer and
+    complete. Each rank's own node's copy comes first; a set older than the shared filesystem's
+    newest checkpoint is not used."""
+    paths = RunPaths(str(tmp_path))
+    for attempt, restored in ((0, 0), (1, 8), (2, 4)):
+        timeline.write(paths, {"attempt": attempt, "restored_step": restored})
+    me = SimpleNamespace(paths=paths, attempt=3)
+    me._bounds = types.MethodType(MemorySnapshots._bounds, me)
+    at = (1, 4, 10)  # a position; every set below is at least as new as the shared (4, (0, 4, 4))
+    gathered = [
+        ("n1", [(Key(OWN, 1, 0, 2), 10, at), (Key(REPLICA, 1, 1, 2), 10, at)]),
+        ("n2", [(Key(OWN, 1, 1, 2), 10, at), (Key(REPLICA, 1, 0, 2), 10, at)]),
+        ("n1", [(Key(OWN, 2, 0, 2), 6, at), (Key(REPLICA, 2, 1, 2), 6, at)]),
+        ("n2", [(Key(OWN, 2, 1, 2), 6, at), (Key(REPLICA, 2, 0, 2), 6, at)]),
+    ]
+    sets = MemorySnapshots._sets(me, gathered, (4, (0, 4, 4)))
+    assert [(s[0][0].step, s[0][0].key.attempt) for s in sets] == [(6, 2)]
+    assert [(c.key.kind, c.node, c.reader) for c in sets[0][1]] == [
+        (OWN, "n2", 3),
+        (REPLICA, "n1", 2),
+    ]
+    assert MemorySnapshots._sets(me, gathered, (8, (1, 2, 8))) == []  # the shared is newer
 
 
 def test_replicas_arrive_verified_and_two_generations_stay(tmp_path):
@@ -230,6 +261,11 @@ def _resume(d, memory):
     return open(os.path.join(d, "logs", "rank0.attempt1.log")).read()
 
 
+def _status(d):
+    """``status --json``'s record of a local run (no Slurm queue to ask)."""
+    return collect(RunPaths(d), queue_state=lambda job_id: None)
+
+
 def _said(log, *words):
     return [line.split(": ", 1)[1] for line in log.splitlines() if all(w in line for w in words)]
 
@@ -248,8 +284,7 @@ def test_a_killed_rank_resumes_from_its_nodes_memory(killed, tiny_two_rank_run, 
         + "global step 9"
     ]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
-    out = run_cli("clusterflow.status", d, "--json")
-    assert json.loads(out.stdout)["restored_from"] == [None, "memory"], out.stdout
+    assert _status(d)["restored_from"] == [None, "memory"]
     # The run completed: its snapshots leave the nodes' memory.
     for node in NODES:
         assert not os.path.exists(snapshots.run_folder(f"{memory}/{{node}}", d, node))
@@ -269,8 +304,7 @@ def test_a_lost_nodes_snapshots_come_from_the_peers_replica(killed, tiny_two_ran
     ]
     assert not _said(log, "damaged checkpoint") and not _said(log, " is damaged (")
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
-    out = run_cli("clusterflow.status", d, "--json")
-    assert json.loads(out.stdout)["restored_from"] == [None, "replica"], out.stdout
+    assert _status(d)["restored_from"] == [None, "replica"]
 
 
 @pytest.mark.slow
@@ -316,5 +350,4 @@ def test_damaged_snapshots_fall_back_one_copy_then_one_tier(killed, tiny_two_ran
         f"resumed from {d}/checkpoints/step-8: epoch 1, step 2 of the epoch, global step 8"
     ]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
-    out = run_cli("clusterflow.status", d, "--json")
-    assert json.loads(out.stdout)["restored_from"] == [None, "shared"], out.stdout
+    assert _status(d)["restored_from"] == [None, "shared"]
