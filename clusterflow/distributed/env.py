@@ -168,6 +168,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def address_toward(host: str) -> str:
+    """This machine's address on its route to ``host`` (the process group's master): where a
+    peer of the job reaches a socket of this process, whether or not this machine's name
+    resolves. No packet is sent (a UDP socket's connect only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
 def derive_port(job_id: str, attempt: int, restart: int = 0) -> int:
     """A port in [PORT_LOW, PORT_HIGH) from the job id, the attempt and the restart inside it, the
     same on every rank (below the range Linux takes connection ports from, see above).

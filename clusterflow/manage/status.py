@@ -28,6 +28,7 @@ from clusterflow.rundir import (
     restarts,
     saved_config,
     submissions,
+    timeline,
 )
 from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
@@ -351,6 +352,7 @@ def collect(
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
     decided = verdict.decide(evidence)
     latest = cks[-1] if cks else None
+    tls = timeline.read_all(paths)
     out = {
         "state": decided.state,
         "note": decided.note,
@@ -364,7 +366,8 @@ def collect(
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "excluded_nodes": rundir.excluded_nodes(paths),
-        "restarts": restarts.read(paths),
+        "restarts": _restarts(paths, tls),
+        "restored_from": timeline.restored_from(tls, len(attempts)),
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)
         if latest and os.path.exists(latest)
@@ -392,6 +395,22 @@ def collect(
     return out
 
 
+def _restarts(paths: rundir.RunPaths, tls: timeline.Timelines) -> list[dict[str, Any]]:
+    """Each restart inside the job (``restarts.read``), with where its attempt took its state
+    (``restored_from``: memory, replica or shared; ``restored_where``; ``restored_step``), once
+    that attempt has restored."""
+    out = restarts.read(paths)
+    for r in out:
+        rec = tls.records.get(r.get("next_attempt"), {})
+        if "restored_step" in rec:
+            r["restored_from"] = rec.get("restored_from") or (
+                "shared" if rec["restored_step"] else None
+            )
+            r["restored_where"] = rec.get("restored_where")
+            r["restored_step"] = rec["restored_step"]
+    return out
+
+
 def _restarts_said(done: list[dict[str, Any]]) -> str:
     """What the attempts line adds about restarts inside the job (docs/restarts.md)."""
     if not done:
@@ -402,10 +421,21 @@ def _restarts_said(done: list[dict[str, Any]]) -> str:
         if "recovery_s" in last
         else ""
     )
+    came = ""
+    if last.get("restored_from") in ("memory", "replica") and last.get("restored_where"):
+        came = f", step {last.get('restored_step')} from the {last['restored_where']}"
+    elif last.get("restored_from") == "shared":
+        came = f", step {last.get('restored_step')} from the shared filesystem"
+    shrunk = (
+        f", shrunk to {last.get('world_size')} rank(s) on {len(last.get('nodes') or [])} node(s): "
+        "no spare node was left (cluster.shrink; the next requeue asks for cluster.nodes again)"
+        if last.get("shrunk")
+        else ""
+    )
     return (
         f" ({len(done)} restart(s) inside the job; the last after rank {last.get('rank')} on "
         f"{last.get('host')}: {last.get('error')} ({last.get('cause')}), on "
-        f"{', '.join(last.get('nodes') or [])}{again})"
+        f"{', '.join(last.get('nodes') or [])}{shrunk}{came}{again})"
     )
 
 

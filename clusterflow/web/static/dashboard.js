@@ -434,6 +434,7 @@ function runPage() {
         (r.rank !== null && r.rank !== undefined ? ` of rank ${r.rank}` : "") +
         (r.host ? ` on ${r.host}` : "") +
         ((r.left_out || []).length ? `; left out ${r.left_out.join(", ")}` : "") +
+        (r.restored_from ? `; restored from the ${r.restored_from === "shared" ? "shared filesystem" : r.restored_where}` : "") +
         (r.recovery_s !== null && r.recovery_s !== undefined ? `; training again after ${r.recovery_s.toFixed(1)} s` : ""));
     } else if (prev) {
       parts.push(`after attempt ${prev.attempt} ${prev.outcome ? "ended " + prev.outcome : "ended without a record (killed)"}`);
