@@ -344,13 +344,31 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
     os.symlink("/etc/passwd", bad.log_file(1, 0))
     with open(bad.config, "a") as f:
         f.write("train: [this, is, not, a, mapping\n")
+    # FIFOs where records, metrics and logs should be: opened for reading, each would wait for
+    # a writer forever (and the poll thread with it); and a record that is a link out.
+    fifos = make_run(runs / "fifos")
+    for target in (
+        fifos.attempts,
+        fifos.heartbeat_file(1),
+        fifos.sample_ledger,
+        fifos.metrics,
+        fifos.log_file(0, 0),
+        fifos.timeline_file(0),
+    ):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.exists(target):
+            os.remove(target)
+        os.mkfifo(target)
+    elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this run's")
+    os.remove(fifos.status)
+    os.symlink(elsewhere.status, fifos.status)
     with served([runs]) as s:
-        # both found and read once (a poll reads for at most its budget: on a loaded machine the
+        # all found and read once (a poll reads for at most its budget: on a loaded machine the
         # hostile run can take one poll's whole budget)
         assert poll_until(
             s.catalog,
             lambda: (
-                len(s.catalog.runs) == 2
+                len(s.catalog.runs) == 3
                 and all(r.status is not None or r.problem for r in s.catalog.runs.values())
             ),
         )
@@ -370,7 +388,17 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
             text = "".join(t for e, d in events if e == "log" for t in d["items"])
             assert "root:" not in text  # /etc/passwd through the link is never read
             assert len(text) < 128 * 1024
-        # The good run still goes on.
+        code, body, _ = get(f"{s.url}/api/run/{ids['runs/fifos']}?token={s.token}")
+        shown = json.loads(body)
+        assert "not this run's" not in body and shown["state"] != "failed", shown
+        assert "status.json is a symbolic link (to " in " ".join(shown["damaged_records"])
+        fifo = "attempts.jsonl is a FIFO (named pipe), not a regular file"
+        assert fifo in shown["damaged_records"]
+        url = f"{s.url}/api/stream?run={ids['runs/fifos']}&rank=0&token={s.token}"
+        events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
+        text = "".join(t for e, d in events if e == "log" for t in d["items"])
+        assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
+        # The good run still goes on: the poll thread never waited on a FIFO.
         add_metrics(good, 11, **{"train/loss": 0.01})
         url = f"{s.url}/api/stream?run={ids['runs/good']}&token={s.token}"
         sse_events(
