@@ -169,6 +169,29 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
     assert len(feed.table) <= 100 and max(feed.table) == 399
 
 
+def test_an_attempts_purge_at_a_step_without_values_adds_no_step(tmp_path):
+    """An own loop's metrics.jsonl: each attempt starts with its purge marker at a step it logs
+    nothing at (its first values come at train.log_every_steps); a stream is sent the steps
+    with values only, before and after the next attempt's purge."""
+    paths = make_run(tmp_path / "run", step=0)
+    rundir.append_jsonl(paths.metrics, {"step": 0, "attempt": 0, "purge_step": 0})
+    for s in (5, 10):
+        add_metrics(paths, s, **{"train/loss": 1.0 / s})
+    feed = MetricFeed(paths)
+    feed.update()
+    first = feed.since(-1, 0)
+    assert first.items == [[5, {"train/loss": 0.2}], [10, {"train/loss": 0.1}]]
+    rundir.append_jsonl(paths.metrics, {"step": 7, "attempt": 1, "purge_step": 7})
+    feed.update()
+    again = feed.since(first.generation, first.version)
+    assert again.reset and again.items == [[5, {"train/loss": 0.2}]]
+    rundir.append_jsonl(paths.metrics, {"step": 12, "attempt": 1, "purge_step": 12})  # nothing
+    add_metrics(paths, 12, **{"train/loss": 0.05})
+    feed.update()
+    last = feed.since(again.generation, again.version)
+    assert not last.reset and last.items == [[12, {"train/loss": 0.05}]]
+
+
 def test_read_metrics_passes_over_rows_that_are_no_metrics_rows(tmp_path):
     from clusterflow.observe.metrics import read_metrics
 

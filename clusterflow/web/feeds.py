@@ -83,16 +83,18 @@ class MetricFeed:
         return f"metrics.jsonl {self.follower.refused}" if self.follower.refused else ""
 
     def _add(self, row: dict[str, object]) -> bool:
-        if "purge_step" not in row:
-            keep = {k: v for k, v in row.items() if k in scalar_log.ROW_KEYS or self._room(k)}
-            row = keep
-        purged = scalar_log.fold(self.table, row)
-        if purged is None:
-            return False
-        if purged:
+        if "purge_step" in row:
+            # An attempt's marker: it drops what earlier attempts logged from its step on and
+            # adds no step (its step may never get a value: an own loop logs from its first
+            # train.log_every_steps).
+            if not scalar_log.fold(self.table, row):
+                return False
             self.generation = next(_GENERATIONS)
             self.changed = {s: v for s, v in self.changed.items() if s in self.table}
             return True
+        row = {k: v for k, v in row.items() if k in scalar_log.ROW_KEYS or self._room(k)}
+        if scalar_log.fold(self.table, row) is None:
+            return False
         step = row["step"]
         if isinstance(step, int):
             self.version += 1
