@@ -24,7 +24,7 @@ from clusterflow.errors import UserError
 from clusterflow.manage import logs, status
 from clusterflow.rundir import records
 from clusterflow.web import catalog as web_catalog
-from clusterflow.web import discover, views
+from clusterflow.web import discover, guard, views
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -232,24 +232,35 @@ def two_runs(tmp_path):
     return tmp_path / "runs"
 
 
-def test_every_request_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
+def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
+    """Every request for data needs the token (header or ?token=); the pages are shells that
+    hold no data, need none, and set no cookie (a cookie reaches every port of the host); every
+    response carries the security headers; a Host that is not this machine's name is refused."""
     (tmp_path / "secret.txt").write_text("not for you")
     with served([two_runs]) as s:
         assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
         run_id = next(iter(s.catalog.runs))
-        for path in ("/", f"/run/{run_id}", "/api/runs", "/api/stream", "/static/dashboard.js"):
+        data = ("/api/runs", f"/api/run/{run_id}", "/api/stream", f"/api/stream?run={run_id}")
+        for path in data:
             code, body, _ = get(s.url + path)
             assert code == 403 and "needs its token" in body, path
-            code, _, _ = get(s.url + path + "?token=wrong")
+            code, _, _ = get(s.url + path + ("&" if "?" in path else "?") + "token=wrong")
             assert code == 403, path
-        code, body, headers = get(f"{s.url}/?token={s.token}")
+        code, body, headers = get(f"{s.url}/api/runs", headers={"x-clusterflow-token": s.token})
         assert code == 200 and "runs/a" in body
-        cookie = headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        code, _, _ = get(f"{s.url}/api/runs", headers={"cookie": cookie.split(";")[0]})
-        assert code == 200
-        code, _, _ = get(f"{s.url}/api/runs", headers={"x-clusterflow-token": s.token})
-        assert code == 200
+        code, body, _ = get(f"{s.url}/api/runs?token={s.token}")
+        assert code == 200 and "runs/a" in body
+        for path in ("/", f"/run/{run_id}", "/static/dashboard.js", f"/?token={s.token}"):
+            code, body, headers = get(s.url + path)
+            assert code == 200 and "runs/a" not in body and s.token not in body, path
+            assert "set-cookie" not in headers, path
+            assert (
+                headers["referrer-policy"] == "no-referrer" and headers["x-frame-options"] == "DENY"
+            )
+            assert "script-src 'self'" in headers["content-security-policy"], path
+            assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        code, _, headers = get(s.url + "/api/runs")
+        assert code == 403 and headers["referrer-policy"] == "no-referrer"
         token = f"token={s.token}"
         for path in (
             f"/static/../../secret.txt?{token}",
@@ -257,12 +268,36 @@ def test_every_request_needs_the_token_and_paths_outside_are_404(two_runs, tmp_p
             f"/static/%2e%2e/pyproject.toml?{token}",
             f"/run/..?{token}",
             f"/run/../../etc/passwd?{token}",
+            "/run/not-a-run-id",
             f"/api/run/{'..%2F' * 8}etc%2Fpasswd?{token}",
             f"/api/stream?run=../a&{token}",
             f"/{tmp_path}/secret.txt?{token}",
         ):
             code, body = raw_get(s.port, path)
             assert code == 404 and "not for you" not in body, (path, code)
+        # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its name.
+        for host in ("evil.example", "evil.example:80", f"rebind.attacker.test:{s.port}"):
+            for path in ("/", f"/api/runs?{token}"):
+                code, body = raw_get(s.port, path, host=host)
+                assert code == 400 and "does not answer to the name" in body, (host, path)
+                assert "runs/a" not in body
+        for host in (f"localhost:{s.port}", "127.0.0.1", f"[::1]:{s.port}", "LOCALHOST."):
+            code, body = raw_get(s.port, f"/api/runs?{token}", host=host)
+            assert code == 200 and "runs/a" in body, host
+
+
+def test_the_names_a_dashboard_answers_to_follow_its_host():
+    """--host NAME adds NAME; --host 0.0.0.0 adds this machine's names; an IP address is never
+    a rebinding (no DNS name in it), so any is taken."""
+    local = guard.Hosts("127.0.0.1")
+    assert local.allows("localhost:8765") and local.allows("10.1.2.3:8765")
+    assert not local.allows(socket.gethostname() + ":8765") or socket.gethostname() == "localhost"
+    assert not local.allows("login1.example.org")
+    named = guard.Hosts("login1.example.org")
+    assert named.allows("login1.example.org:8765") and named.allows("Login1.Example.Org.")
+    everywhere = guard.Hosts("0.0.0.0")
+    assert everywhere.allows(socket.gethostname()) and everywhere.allows(socket.getfqdn())
+    assert not everywhere.allows("evil.example")
 
 
 def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs):
@@ -448,6 +483,19 @@ def test_sweeps_are_grouped_with_their_members(tmp_path):
     assert members["lr=0.3"]["state"] == "not submitted" and members["lr=0.3"]["id"] is None
     assert members["lr=0.2"]["values"] == {"train.lr": "0.2"}
     assert all(r["sweep"] == sweep["id"] for r in page["runs"])
+
+
+def test_a_folder_with_no_runs_says_what_was_searched(tmp_path):
+    """The Runs page of a folder with no run: the paths and how many folders were searched (the
+    browser test reads the sentence the page makes of them), once the first search is done."""
+    os.makedirs(tmp_path / "empty" / "a" / "b")
+    cat = web_catalog.Catalog([str(tmp_path / "empty")], lambda: None)
+    before = views.runs_page(cat)
+    assert before["searched"] == 0 and before["runs"] == []  # not searched yet: "looking"
+    cat.poll()
+    page = views.runs_page(cat)
+    assert page["paths"] == [str(tmp_path / "empty")] and page["searched"] == 3
+    assert cat.version == 1  # the streams send the page again: it now says nothing was found
 
 
 def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
