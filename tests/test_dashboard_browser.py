@@ -510,6 +510,11 @@ def check_a_request_without_the_token_is_refused_and_dot_dot_is_404(
     for path in ("/api/runs", "/api/stream", f"/api/stream?run={'0' * 12}"):
         code, body, _ = get(dashboard.base + path)
         assert code == 403 and "needs its token" in body, path
+    driver.get(f"{dashboard.base}/run/{'0' * 12}")  # no such run: the page says so
+    until(
+        "the page saying there is no such run",
+        lambda: "404: no such run" in driver.find_element("id", "refused").text,
+    )
     driver.get(dashboard.base + "/")
     driver.execute_script("window.localStorage.clear();")  # this origin's: the token is gone
     driver.refresh()

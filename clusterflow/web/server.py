@@ -129,7 +129,7 @@ def _json(value: object) -> str:
 class Dashboard:
     """The app's state and its handlers (bound to routes by :func:`build_app`)."""
 
-    def __init__(self, catalog: Catalog, token: str) -> None:
+    def __init__(self, catalog: Catalog) -> None:
         # The [dashboard] extra (EXTRA), imported once a dashboard is built: without it,
         # `clusterflow dashboard` says what to install in one line (serve).
         import jinja2
@@ -138,7 +138,7 @@ class Dashboard:
 
         self.responses, self.events = responses, EventSourceResponse
         self.not_found = exceptions.HTTPException
-        self.catalog, self.token = catalog, token
+        self.catalog = catalog
         self.hub: Hub | None = None
         self.poller: Poller | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -374,7 +374,7 @@ def build_app(catalog: Catalog, token: str, hosts: Hosts | None = None) -> tuple
     from starlette.applications import Starlette  # the [dashboard] extra: see EXTRA
     from starlette.routing import Route
 
-    d = Dashboard(catalog, token)
+    d = Dashboard(catalog)
     app = Starlette(
         routes=[
             Route("/", d.runs_page),

@@ -38,13 +38,15 @@ function refused(status, said) {
     try { window.localStorage.removeItem(TOKEN_KEY); } catch (e) { /* storage off */ }
   }
   const node = document.getElementById("refused");
-  node.textContent = said || `the dashboard answered ${status}`;
+  node.textContent = /^\d{3}: /.test(said) ? said : `${status}: ${said || "refused"}`;
   node.hidden = false;
   live(false, "refused");
 }
 
+// What a refusal says: the guard's {"error": ...}, or the text of a 404.
 async function errorOf(reply) {
-  try { return (await reply.json()).error; } catch (e) { return ""; }
+  const text = await reply.text().catch(() => "");
+  try { return String(JSON.parse(text).error || text); } catch (e) { return text.trim(); }
 }
 
 // -- small helpers -------------------------------------------------------------------------------
