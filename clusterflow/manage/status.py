@@ -35,6 +35,7 @@ from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
 from clusterflow.slurm import steps as slurm_steps
+from clusterflow.storage import confined
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.sweeps import index as sweep_index
 
@@ -156,7 +157,7 @@ def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[di
         names = []
     for name in names:
         e, said = records.read_checked(
-            os.path.join(paths.errors, name), records.ERROR, f"errors/{name}"
+            os.path.join(paths.errors, name), records.ERROR, f"errors/{name}", within=paths.root
         )
         damaged += said
         if e is not None and (e.get("time") or 0) >= since:
@@ -164,20 +165,24 @@ def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[di
     return errors
 
 
+# The end of a Slurm job's batch output that holds its newest srun step's report.
+SRUN_TAIL_BYTES = 4 * 2**20
+
+
 def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | None:
-    """The task srun reported as failed first in a Slurm job's output, or None."""
+    """The task srun reported as failed first in a Slurm job's output (its last
+    :data:`SRUN_TAIL_BYTES`), or None."""
     if not jobids.is_slurm_id(job_id):
         return None
+    target = os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err")
     try:
-        with open(
-            os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"),
-            encoding="utf-8",
-            errors="replace",
-        ) as f:
-            # a job that restarted inside its allocation: the newest srun step's report
-            return slurm_outcome.first_task_failure(slurm_steps.last_step(f.read()))
+        with confined.open_file(target, paths.root) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - SRUN_TAIL_BYTES))
+            text = f.read(SRUN_TAIL_BYTES).decode("utf-8", "replace")
     except OSError:
         return None
+    # a job that restarted inside its allocation: the newest srun step's report
+    return slurm_outcome.first_task_failure(slurm_steps.last_step(text))
 
 
 def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:

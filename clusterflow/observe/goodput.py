@@ -27,7 +27,8 @@ ever negative and the parts add up to the attempt's wall time exactly:
   the last sign of life: the last record, the first error, or the rank logs' last write (not
   taken when it is later than the next attempt's start: a copy's time).
 - An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
-  its allocation to its end is ``other``: the records cannot split it.
+  its allocation to its end is ``other``: the records cannot split it. ``warnings`` says so, with
+  the seconds, for every attempt whose damaged timeline left time in ``other``.
 """
 
 from __future__ import annotations
@@ -207,6 +208,13 @@ def ledger(
         "attempts": rows,
         "total": _total(rows),
         "damaged_records": damaged,
+        "warnings": [
+            f"attempt {r['attempt']}: {r['seconds']['other']:.1f} s of its "
+            f"{r['wall_s'] - r['seconds']['queue_wait']:.1f} s allocated are counted as other, "
+            f"since its timeline is damaged and cannot split them ({why})"
+            for r in rows
+            if (why := tls.damaged_attempts.get(r["attempt"])) and r["seconds"]["other"] > 0
+        ],
     }
 
 

@@ -88,11 +88,13 @@ def write(paths: RunPaths, record: dict[str, Any], fsync: bool = False) -> None:
 @dataclass
 class Timelines:
     """Every attempt's timeline that could be read (by attempt number), the attempts whose
-    timeline exists but is unreadable, and a warning for each damaged record or field."""
+    timeline exists but is unreadable, a warning for each damaged record or field, and the
+    first of them for each attempt whose timeline is damaged (unreadable or a field left out)."""
 
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     unreadable: set[int] = field(default_factory=set)
     damaged: list[str] = field(default_factory=list)
+    damaged_attempts: dict[int, str] = field(default_factory=dict)
 
 
 def read_all(paths: RunPaths) -> Timelines:
@@ -107,13 +109,16 @@ def read_all(paths: RunPaths) -> Timelines:
         if not m:
             continue
         rec, said = records.read_checked(
-            os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}"
+            os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}", within=paths.root
         )
         out.damaged += said
+        n = int(m.group(1))
+        if said:
+            out.damaged_attempts[n] = said[0]
         if rec is None:
-            out.unreadable.add(int(m.group(1)))
+            out.unreadable.add(n)
         else:
-            out.records[int(m.group(1))] = rec
+            out.records[n] = rec
     out.records = dict(sorted(out.records.items()))
     return out
 
