@@ -131,7 +131,11 @@ def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_s
     code = tmp_path / "code"
     code.mkdir()
     (code / "frozentask.py").write_text(FROZEN)
-    job1, _ = submit(s1, *SLOW)
+    # Stage 1 trains behind a gate until stage 2 is submitted and its code edited: on a loaded
+    # machine that submission alone can take longer than stage 1's whole run.
+    gate = tmp_path / "gate"
+    gate.touch()
+    job1, _ = submit(s1, "task.target=testtasks:Gated", f"task.params.gate={gate}", *SLOW[1:])
     e = env()
     e["PYTHONPATH"] = f"{code}{os.pathsep}{e['PYTHONPATH']}"
     out = run_cli(
@@ -152,6 +156,7 @@ def test_stage_two_waits_for_stage_one_across_its_requeue_and_runs_its_code_as_s
     (code / "frozentask.py").write_text(
         FROZEN.replace('"submitted"', '"edited"') + "\nraise RuntimeError('edited file ran')\n"
     )
+    gate.unlink()
     wait_until("stage 1 in mid-epoch 1", lambda: at_step(s1, 3), job_id=job1)
     assert queue(job2).startswith("PENDING Dependency")
     scmd("scontrol", "requeue", job1)
