@@ -245,7 +245,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
         d,
         "cluster.partition=wide",
         "cluster.spare_nodes=1",
-        "cluster.restarts_in_job=4",
+        "cluster.restarts_in_job=5",  # one left in attempt 4: it keeps a standby
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
         f"checkpoint.memory_dir={memory}/{{node}}",
@@ -291,7 +291,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
     ]
     batch = open(batch_log).read()
     assert re.search(
-        rf"restart 3 of 4 .*; new processes: the warm standby is not usable: its process 0 on "
+        rf"restart 3 of 5 .*; new processes: the warm standby is not usable: its process 0 on "
         rf"node\d \(pid {frozen}\) did not answer within 3 s \(hung or stopped\)",
         batch,
     ), batch
@@ -316,9 +316,11 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
     restored = [0] + [r["restored_step"] for r in rs]
     lost = [restored[a] + calls[a] - 1 - restored[a + 1] for a in range(4)]
     assert all(0 <= x <= 2 for x in lost), (lost, restored, calls)
-    # Every crash restored from the nodes' memory; the requeue after the stop from the shared
-    # filesystem, where the stop saved.
-    assert all(x in ("memory", "replica") for x in s["restored_from"][1:5]), s["restored_from"]
+    # Every crash restored from the nodes' memory, unless the shared filesystem held a newer
+    # state (an epoch's end, after its mining round: every 6 steps); the requeue after the stop
+    # restored from the shared filesystem, where the stop saved.
+    for r in rs:
+        assert r["restored_from"] in ("memory", "replica") or r["restored_step"] % 6 == 0, r
     assert s["restored_from"][5] == "shared", s["restored_from"]
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))

@@ -44,6 +44,13 @@ def test_the_standby_runs_the_steps_own_entry_and_output_files():
     assert "cannot expand" in standby.program(["srun", "-o", "out\\%t", *TEMPLATE[2:]])
 
 
+def test_with_warm_restarts_the_driver_ends_a_failed_step_itself():
+    """srun's own --kill-on-bad-exit SIGTERMs the other ranks and refuses a SIGKILL while they
+    exit: the driver's steps run without it (also against a cluster's KillOnBadExit=1)."""
+    flags = ["--unbuffered", "--kill-on-bad-exit=1", "-K", "-K1", "--kill-on-bad-exit", "-c", "4"]
+    assert steps.driver_ends_it(flags) == ["--kill-on-bad-exit=0", "--unbuffered", "-c", "4"]
+
+
 def test_a_rank_files_are_named_as_srun_names_them():
     values = {"j": 12, "t": 1, "s": 3, "N": "node3", "n": 1, "J": "12.3"}
     assert steps.expand_pattern("/l/%j_%t_log.out", values) == "/l/12_1_log.out"

@@ -53,9 +53,10 @@ Warm restarts (``cluster.warm_restarts``, ``job/standby.py``): once a step's att
 first step, the driver starts a standby step whose processes import what a rank needs and wait;
 at a restart they become the next step's ranks, in-process, and new processes start only when
 the standby cannot serve (its step ended, a process hangs or is still importing: one line says
-why). With warm restarts a crash (srun's first report of a task ended by a signal) ends the step
-at once with SIGKILL (``Step.kill``) instead of leaving its other ranks seconds to exit, and the
-driver looks for an earlier record only ``KILLED_RECORD_WAIT_S`` after that report.
+why). With warm restarts the driver ends a step itself, at once with SIGKILL (``Step.kill``), on
+srun's first report of a failed task, instead of srun's --kill-on-bad-exit leaving its other
+ranks seconds to exit; after a task ended by a signal it looks for an earlier record only
+``KILLED_RECORD_WAIT_S`` after that report.
 """
 
 from __future__ import annotations
@@ -103,9 +104,9 @@ CRASH, NODE, STALL = "crash", "node", Cause.STALL
 # writing), and srun may report a peer's signal first.
 RECORD_WAIT_S = 5.0
 # With warm restarts the driver ends a step at once (SIGKILL to every task) on srun's first report
-# of a task ended by a signal, so no task writes after it: only a record written before that
-# report can name another cause, and the driver looks for one until this long after the report
-# (a shared filesystem that shows the batch node a file a moment late).
+# of a failed task, so no task writes after it: after a task ended by a signal only a record
+# written before that report can name another cause, and the driver looks for one until this
+# long after the report (a shared filesystem that shows the batch node a file a moment late).
 KILLED_RECORD_WAIT_S = 0.5
 # The driver starts the standby for the next restart once the step's attempt trained its first
 # step (before, its imports would compete with the ranks' start-up for the nodes' CPUs), or this
@@ -370,8 +371,8 @@ class Driver:
     def _cold(self, nodes: Sequence[str]) -> steps.Step:
         """A new srun step of new processes on ``nodes``."""
         command = self.command
-        if self.warm is not None:  # one SIGINT ends its tasks at once (_on_failure)
-            command = [command[0], steps.QUIT_ON_INTERRUPT, *command[1:]]
+        if self.warm is not None:  # the driver ends it on a failed task (_on_failure)
+            command = [command[0], *steps.driver_ends_it(command[1:])]
         argv = steps.srun_argv(command, nodes, self.per_node)
         return steps.Step(argv, self._env(self.used), on_failure=self._on_failure)
 
@@ -447,14 +448,13 @@ class Driver:
 
     def _on_failure(self, step: steps.Step, failed: tuple[int, str, str]) -> None:
         """srun's first report of a failed task (from the step's reading thread). With warm
-        restarts, a task ended by a signal (a crash) ends the step at once: its other ranks would
-        otherwise take seconds to see their collective fail, record it and exit (2.5-3 s on the
-        test cluster), and nothing they write then can change the fault (:func:`classify`). Not
-        while the job stops on purpose, nor when no restart is left (the job then ends as without
-        warm restarts)."""
-        if self.warm is None or self.signalled or self.used >= self.limit:
-            return
-        if not steps.signalled(failed[2]):
+        restarts the step runs without srun's own --kill-on-bad-exit, and the driver ends it
+        at once here: srun's way SIGTERMs the other ranks and leaves them seconds to see their
+        collective fail, record it and exit (3 s on the test cluster), and nothing they write
+        then changes the fault (:func:`classify`). Not while the job stops on purpose (the
+        driver got SIGTERM, or the run says it completed, requeued or stopped): its ranks save
+        and end on their own, as they would under srun's."""
+        if self.warm is None or self.signalled:
             return
         status, _ = rundir.read_object(self.paths.status)
         if status.get("state") in _ON_PURPOSE:
@@ -497,12 +497,11 @@ class Driver:
         # srun's first report, of an exit code or of a signal, may come before the record that
         # names the step's cause is visible here: it is waited for until RECORD_WAIT_S after
         # that report (or after the step's end when srun reported nothing); KILLED_RECORD_WAIT_S
-        # when the driver ended the step at once on that report.
-        if end.killed and end.failed_at is not None:
-            until = max(end.ended_at, end.failed_at + KILLED_RECORD_WAIT_S)
-        else:
-            reported = end.failed_at if end.failed_at is not None else end.ended_at
-            until = reported + RECORD_WAIT_S
+        # after a signal when the driver ended the step at once on that report.
+        reported = end.failed_at if end.failed_at is not None else end.ended_at
+        crash = end.first_failure is not None and steps.signalled(end.first_failure[2])
+        wait_s = KILLED_RECORD_WAIT_S if end.killed and crash else RECORD_WAIT_S
+        until = max(end.ended_at, reported + wait_s) if end.killed else reported + wait_s
         first = self._first_error(end.started_at, until)
         silent = None
         if first is not None and first.get("kind") == Cause.STALL:

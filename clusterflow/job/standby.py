@@ -126,11 +126,15 @@ class _Process:
     def send(self, message: Mapping[str, object]) -> None:
         self.conn.sendall((json.dumps(message) + "\n").encode())
 
-    def answer(self) -> dict[str, Any]:
-        """The process's answer, ``{}`` when none came within ANSWER_S."""
+    def answer(self) -> dict[str, Any] | None:
+        """The process's answer, ``{}`` when none came within ANSWER_S, None when its
+        connection ended (the process did)."""
         self.conn.settimeout(ANSWER_S)
         try:
-            said = json.loads(self.reader.readline() or "{}")
+            line = self.reader.readline()
+            if not line:
+                return None
+            said = json.loads(line)
         except (OSError, ValueError):
             return {}
         return said if isinstance(said, dict) else {}
@@ -174,7 +178,8 @@ class Standby:
             prog.module,
             *prog.args,
         ]
-        line = [prog.srun, "--overlap", steps.QUIT_ON_INTERRUPT, *prog.flags, *prog.python, *warm]
+        flags = steps.driver_ends_it(prog.flags)
+        line = [prog.srun, "--overlap", *flags, *prog.python, *warm]
         self.step = steps.Step(
             steps.srun_argv(line, nodes, per_node),
             {**environ, TOKEN_ENV: self.token},
@@ -256,7 +261,10 @@ class Standby:
                     )
                 with contextlib.suppress(OSError):
                     p.send({"do": "ping"})
-                if "pong" not in p.answer():
+                said = p.answer()
+                if said is None:
+                    return f"its process {local} on {node} (pid {p.pid}) ended"
+                if "pong" not in said:
                     return (
                         f"its process {local} on {node} (pid {p.pid}) did not answer within "
                         f"{ANSWER_S:.0f} s (hung or stopped)"
@@ -297,7 +305,7 @@ class Standby:
             except OSError as exc:
                 return f"its process {key[1]} on {key[0]} could not be reached ({exc})"
         for rank, key in enumerate(needed):
-            said = procs[key].answer()
+            said = procs[key].answer() or {}
             if "ack" not in said:
                 why = said.get("refused", "no answer")
                 return f"its process {key[1]} on {key[0]} did not take rank {rank} ({why})"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -87,9 +86,18 @@ def signalled(what: str) -> bool:
     return not what.startswith("Exited with exit code")
 
 
-# srun's own flag that makes one SIGINT end every task of the step with SIGKILL at once
-# (``job_force_termination``), instead of printing the tasks' status as a first Ctrl-C does.
-QUIT_ON_INTERRUPT = "--quit-on-interrupt"
+# srun's flag that ends a step once one task fails, and its forms (``-K``, ``-K1``, ``=1``).
+_KILL_ON_BAD_EXIT = re.compile(r"--kill-on-bad-exit(=\S*)?|-K\d?")
+# What a step runs with when its driver ends it itself (Step.kill): srun's own ending of a step
+# after a failed task SIGTERMs the others and waits up to KillWait (seconds of exits), and while
+# it does, srun and scancel refuse a SIGKILL ("Kill job error"; measured on the test cluster).
+DRIVER_ENDS_IT = "--kill-on-bad-exit=0"
+
+
+def driver_ends_it(flags: Sequence[str]) -> list[str]:
+    """srun ``flags`` with srun's own --kill-on-bad-exit turned off (also against a cluster's
+    KillOnBadExit), for a step whose driver ends it on the first failed task itself."""
+    return [DRIVER_ENDS_IT, *(f for f in flags if not _KILL_ON_BAD_EXIT.fullmatch(f))]
 
 
 class Step:
@@ -162,12 +170,13 @@ class Step:
         return self.proc.poll() is None
 
     def kill(self) -> None:
-        """End every task of the step at once with SIGKILL: one SIGINT to an srun started with
-        :data:`QUIT_ON_INTERRUPT`. Tasks write nothing after it (records, checkpoints: a store
-        keeps what it had committed)."""
+        """End every task of the step at once: srun, sent SIGTERM, sends them SIGKILL ("forcing
+        job termination") and returns once they ended (0.03 s on the test cluster, against 3 s
+        for srun's own --kill-on-bad-exit: :data:`DRIVER_ENDS_IT`). Tasks write nothing after
+        it (a checkpoint store keeps what it had committed)."""
         self.killed = True
         with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGINT)
+            self.proc.terminate()
 
     def wait(self, timeout: float | None = None) -> StepEnd | None:
         """The step's end, once srun returned (None while it runs after ``timeout`` seconds)."""
@@ -274,7 +283,8 @@ def expand_pattern(pattern: str, values: Mapping[str, str | int]) -> str | None:
 def task_environment(nodes: Sequence[str], per_node: int, rank: int) -> dict[str, str]:
     """What srun sets for task ``rank`` of a step of ``per_node`` tasks on each of ``nodes``,
     of the variables that differ between steps of one job on the same node (besides the step's
-    own id and srun's ports): the task's place, the step's nodes and counts."""
+    own id, srun's ports and the task's pid): the task's place, the step's nodes (a list Slurm
+    would write ``node[1,3]``) and counts. ``SLURM_NODELIST`` stays the job's."""
     world, node = len(nodes) * per_node, rank // per_node
     counts = f"{per_node}(x{len(nodes)})" if len(nodes) > 1 else str(per_node)
     names = ",".join(nodes)
@@ -287,7 +297,6 @@ def task_environment(nodes: Sequence[str], per_node: int, rank: int) -> dict[str
         "SLURM_NNODES": str(len(nodes)),
         "SLURM_STEP_NUM_NODES": str(len(nodes)),
         "SLURM_STEP_NUM_TASKS": str(world),
-        "SLURM_NODELIST": names,
         "SLURM_STEP_NODELIST": names,
         "SLURM_TASKS_PER_NODE": counts,
         "SLURM_STEP_TASKS_PER_NODE": counts,
