@@ -4,6 +4,7 @@ side by side in one run against the plain alternative.
     python benchmarks/recovery.py                      # both parts, 2 ranks (CPU: gloo)
     python benchmarks/recovery.py --part cost --repeats 3 --hidden 128 1024
     python benchmarks/recovery.py --part crash --kill-at 49
+    flock /tmp/clusterflow-slurm.lock python benchmarks/recovery.py --part slurm --kills 4
 
 **cost**: benchmarks/trainer.py's job (configs/demo.yaml's task, ``--identities`` x 20 samples,
 global batch 128, mining and eval off, under torchrun) with ``checkpoint.memory_every_steps`` off
@@ -21,8 +22,16 @@ each: the seconds from the kill to the resumed attempt's first step (a fresh lau
 processes in both: torch's import included), the steps trained again, and the seconds until the
 run is back at the killed step (the first step plus the steps trained again at the run's step
 time). A requeue costs the same as the shared-filesystem restart plus its wait in the queue
-(hours on a busy cluster; none measured here). The restarts inside a Slurm job are measured on
-the local cluster by tests/test_slurm_recovery.py (its recovery_s), docs/restarts.md has figures.
+(hours on a busy cluster; none measured here).
+
+**slurm** (not in ``both``: it needs a Slurm cluster, tests/slurm/cluster.sh's three nodes with
+the ``wide`` partition): restarts inside the job, warm against cold. Two jobs of configs/tiny.yaml
+on two nodes and a spare, snapshots in memory every 2 steps, one with ``cluster.warm_restarts``
+on and one with it off, run one after the other; each kills ranks 1, 0, 1, ... (``--kills``) at
+the third loss call of an attempt, the warm job once the driver's standby is ready, the cold job
+once the attempt trained its first step. Printed for each side: the seconds from each fault
+(srun's report of the kill) to the next attempt's first training step (restarts.jsonl's
+``recovery_s``), their median, and the load average; then the warm restarts' start-up phases.
 """
 
 from __future__ import annotations
@@ -43,6 +52,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 import trainer
+
+from clusterflow import rundir
+from clusterflow.rundir import restarts, timeline
 
 
 def cost(a: argparse.Namespace, root: str) -> None:
@@ -173,11 +185,94 @@ def crash(a: argparse.Namespace, root: str) -> None:
         shutil.rmtree(memory, ignore_errors=True)
 
 
+def slurm(a: argparse.Namespace, root: str) -> None:
+    """Warm and cold restarts inside a Slurm job, side by side."""
+    kills = ",".join(f"{k}@3/{1 - k % 2}" for k in range(a.kills))
+    got = {}
+    for side in ("warm", "cold"):
+        d, gates = os.path.join(root, f"slurm-{side}"), os.path.join(root, f"gates-{side}")
+        memory = tempfile.mkdtemp(prefix="cf-bench-", dir="/dev/shm")
+        os.makedirs(gates)
+        out = subprocess.run(
+            [
+                sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}",
+                "cluster.nodes=2", "cluster.tasks_per_node=1", "cluster.partition=wide",
+                "cluster.spare_nodes=1", f"cluster.restarts_in_job={a.kills}",
+                f"cluster.warm_restarts={side == 'warm'}", "checkpoint.async=false",
+                "checkpoint.memory_every_steps=2", f"checkpoint.memory_dir={memory}/{{node}}",
+                "task.target=testtasks:SeenSlow", f"task.params.run_dir={d}",
+                "task.params.step_sleep=0.3", f"task.params.gates={gates}",
+                f"task.params.kill={kills}",
+            ],
+            cwd=REPO, capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")},
+        )  # fmt: skip
+        job = out.stdout.split("submitted job ")[1].split()[0]
+        batch = os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")
+        paths = rundir.RunPaths(d)
+        loads = []
+        for k in range(a.kills):
+            while not _due(side, paths, batch, k):
+                if _gone(job):
+                    raise SystemExit(f"job {job} ended before kill {k + 1}: see {batch}")
+                time.sleep(0.2)
+            loads.append(os.getloadavg()[0])
+            open(os.path.join(gates, str(k)), "w").close()
+        while not _gone(job):
+            time.sleep(1)
+        rs = restarts.read(paths)
+        seconds = [r.get("recovery_s") for r in rs]
+        warm = [r.get("warm") for r in rs]
+        print(
+            f"{side}: {len(rs)} restarts (warm: {warm}), crash to next step "
+            f"{' '.join(f'{x:.2f}' for x in seconds if x is not None)} s, median "
+            f"{statistics.median([x for x in seconds if x is not None]):.2f} s; load average at "
+            f"the kills {' '.join(f'{x:.1f}' for x in loads)}",
+            flush=True,
+        )
+        got[side] = seconds
+        tls = timeline.read_all(paths).records
+        for r in rs:
+            tl = tls.get(r["next_attempt"], {})
+            phases = " ".join(f"{k} {v:.2f}" for k, v in tl.get("startup", {}).items())
+            to_restart = r["restart_at"] - r["fault_at"]
+            print(
+                f"  attempt {r['next_attempt']}: fault to restart {to_restart:.2f} s, start-up "
+                f"{phases}",
+                flush=True,
+            )
+        shutil.rmtree(memory, ignore_errors=True)
+    med = {k: statistics.median([x for x in v if x is not None]) for k, v in got.items()}
+    print(
+        f"median crash to next step: warm {med['warm']:.2f} s, cold {med['cold']:.2f} s, "
+        f"cold / warm {med['cold'] / med['warm']:.2f}x"
+    )
+
+
+def _due(side: str, paths: rundir.RunPaths, batch: str, k: int) -> bool:
+    """Whether attempt ``k`` may be killed: its standby ready (warm), its first step (cold)."""
+    if side == "warm":
+        try:
+            return open(batch).read().count("warm standby ready:") > k
+        except OSError:
+            return False
+    try:
+        with open(os.path.join(paths.root, "timeline", f"attempt{k}.json")) as f:
+            return "first_step_at" in json.load(f)
+    except (OSError, ValueError):
+        return False
+
+
+def _gone(job: str) -> bool:
+    out = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, check=False)
+    return not out.stdout.strip()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=("cost", "crash", "both"), default="both")
+    p.add_argument("--part", choices=("cost", "crash", "both", "slurm"), default="both")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2, help="timed epochs per run, after the first")
@@ -186,6 +281,7 @@ def main() -> None:
     p.add_argument("--every", type=int, nargs="+", default=[10, 50])
     p.add_argument("--memory-every", type=int, default=10)
     p.add_argument("--kill-at", type=int, default=49)
+    p.add_argument("--kills", type=int, default=4, help="--part slurm: kills per job")
     a = p.parse_args()
     a.amp, a.heartbeat_s = "none", 10.0
     root = tempfile.mkdtemp(prefix="cf-recovery-")
@@ -194,6 +290,8 @@ def main() -> None:
             cost(a, root)
         if a.part in ("crash", "both"):
             crash(a, root)
+        if a.part == "slurm":
+            slurm(a, root)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

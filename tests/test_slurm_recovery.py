@@ -9,12 +9,23 @@ this machine's /dev/shm, so memory_dir=.../{node} keeps them apart):
   uninterrupted one;
 - a job of two nodes and no spare whose rank 1 is frozen (SIGSTOP): the restart leaves node2 out
   and the job goes on alone on node1 (cluster.shrink), every sample once per epoch, as the task
-  recorded it; status says it shrank."""
+  recorded it; status says it shrank;
+- warm restarts (cluster.warm_restarts): a job of two nodes and a spare whose ranks 1, 0, 1, 0
+  are killed; each kill waits for the driver's warm standby to be ready, and the third finds one
+  of its processes frozen: three restarts hand the ranks to the standby's processes, the third
+  falls back to new processes, naming why; then the time limit's signal reaches the ranks of a
+  warm step and the idle standby alike, the job requeues itself and completes bitwise equal to
+  an uninterrupted run, leaving no standby process behind. The crash-to-next-step seconds of
+  both kinds of restart are printed.
+
+The first test runs with warm restarts off: it is the cold restart's figure."""
 
 import json
 import os
+import re
 import shutil
 import signal
+import statistics
 import uuid
 
 import pytest
@@ -22,6 +33,7 @@ from conftest import run_cli
 from slurmjobs import (
     env,
     live_status,
+    scmd,
     sha256,
     status,
     submit,
@@ -66,6 +78,7 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
         "cluster.partition=wide",
         "cluster.spare_nodes=1",
         "cluster.restarts_in_job=4",
+        "cluster.warm_restarts=false",
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
         f"checkpoint.memory_dir={memory}/{{node}}",
@@ -205,3 +218,118 @@ def test_without_a_spare_a_frozen_ranks_node_is_left_out_and_the_job_shrinks(
     ledger = _each_sample_once(d, 24 * 8, 32)
     worlds = {(r["attempt"], r["world_size"]) for e in ledger["epochs"] for r in e["ranges"]}
     assert worlds == {(0, 2), (1, 1)}, worlds
+
+
+def _standbys(batch_log):
+    """{node: pids} of each warm standby the driver said was ready, in order."""
+    try:
+        text = open(batch_log).read()
+    except OSError:
+        return []
+    return [
+        {
+            n: [int(p) for p in pids.split(", ")]
+            for n, pids in re.findall(r"(node\d) \(pid ([\d, ]+)\)", line)
+        }
+        for line in re.findall(r"warm standby ready: (.*)", text)
+    ]
+
+
+@pytest.mark.slow
+def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
+    cluster, reference_run, memory, tmp_path
+):
+    d, gates = str(tmp_path / "run"), tmp_path / "gates"
+    gates.mkdir()
+    job, out = submit(
+        d,
+        "cluster.partition=wide",
+        "cluster.spare_nodes=1",
+        "cluster.restarts_in_job=5",  # one left in attempt 4: it keeps a standby
+        "checkpoint.async=false",
+        "checkpoint.memory_every_steps=2",
+        f"checkpoint.memory_dir={memory}/{{node}}",
+        "task.target=testtasks:SeenSlow",
+        f"task.params.run_dir={d}",
+        "task.params.step_sleep=0.3",
+        f"task.params.gates={gates}",
+        # attempts 0-3: a kill at each one's third loss call (ranks 1, 0, 1, 0), when the test
+        # opens its gate; attempt 4 holds at its second call while the test signals the job
+        "task.params.kill=0@3/1,1@3/0,2@3/1,3@3/0",
+        "task.params.hold=4@2",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    batch_log = os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")
+    frozen = None
+    for a in range(5):
+        ready = wait_until(
+            f"attempt {a}'s warm standby",
+            lambda n=a: _standbys(batch_log)[n:],
+            timeout=300,
+            job_id=job,
+        )[0]
+        if a == 2:
+            # The restart after this kill (of rank 1) runs on rank 0's node: its standby process
+            # there hangs.
+            attempts = read_jsonl(os.path.join(d, "attempts.jsonl"))
+            (frozen,) = ready[attempts[2]["procs"][0][0]]
+            os.kill(frozen, signal.SIGSTOP)
+        if a == 4:  # what Slurm sends ahead of the time limit: rank 0 requeues the job itself
+            scmd("scancel", "--signal=USR2", job)
+        (gates / str(a)).touch()
+    wait_gone(job, timeout=600)
+
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 6, s
+    rs = s["restarts"]
+    assert [r.get("warm") for r in rs] == [True, True, False, True], rs
+    assert [(r["cause"], r["rank"]) for r in rs] == [
+        ("crash", 1),
+        ("crash", 0),
+        ("crash", 1),
+        ("crash", 0),
+    ]
+    batch = open(batch_log).read()
+    assert re.search(
+        rf"restart 3 of 5 .*; new processes: the warm standby is not usable: its process 0 on "
+        rf"node\d \(pid {frozen}\) did not answer within 3 s \(hung or stopped\)",
+        batch,
+    ), batch
+    stops = read_jsonl(os.path.join(d, "stops.jsonl"))
+    assert [x["reason"] for x in stops] == ["timeout"], stops
+    attempts = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    assert [a["restart_count"] for a in attempts] == [0, 0, 0, 0, 0, 1], attempts
+    # The warm ranks are the standby's processes; the output files are the ranks' own.
+    standbys = _standbys(batch_log)
+    for a, warm in ((1, 0), (2, 1), (4, 3)):
+        pids = {pid for pids in standbys[warm].values() for pid in pids}
+        assert {pid for _, pid, _ in attempts[a]["procs"]} <= pids, (a, attempts[a], standbys)
+    slurm_logs = os.path.join(d, "logs", "slurm", job)
+    assert not any(n.startswith(f"{job}_2_") for n in os.listdir(slurm_logs))
+    rank1 = open(os.path.join(slurm_logs, f"{job}_1_log.out")).read()
+    assert rank1.count("global_rank=1(2)") == 6, rank1
+    # Steps lost per crash (as in the first test), at most memory_every_steps.
+    calls = {}
+    for name in os.listdir(os.path.join(d, "seen")):
+        for r in read_jsonl(os.path.join(d, "seen", name)):
+            calls[r["attempt"]] = max(calls.get(r["attempt"], 0), r["call"])
+    restored = [0] + [r["restored_step"] for r in rs]
+    lost = [restored[a] + calls[a] - 1 - restored[a + 1] for a in range(4)]
+    assert all(0 <= x <= 2 for x in lost), (lost, restored, calls)
+    # Every crash restored from the nodes' memory, unless the shared filesystem held a newer
+    # state (an epoch's end, after its mining round: every 6 steps); the requeue after the stop
+    # restored from the shared filesystem, where the stop saved.
+    for r in rs:
+        assert r["restored_from"] in ("memory", "replica") or r["restored_step"] % 6 == 0, r
+    assert s["restored_from"][5] == "shared", s["restored_from"]
+    ref_dir, _ = reference_run
+    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+    # No standby process outlives the job; the frozen one was killed.
+    for pid in {pid for sb in standbys for pids in sb.values() for pid in pids}:
+        assert _gone(pid), pid
+    warm = [r["recovery_s"] for r in rs if r["warm"]]
+    cold = [r["recovery_s"] for r in rs if not r["warm"]]
+    print(
+        f"recovery_s warm {warm} (median {statistics.median(warm)}), cold {cold}, "
+        f"load average {os.getloadavg()}"
+    )

@@ -477,16 +477,25 @@ class _Seen:
     ``RUN_DIR/seen/rank<R>.jsonl`` (before training on it: a batch of a step killed in mid-air is
     recorded too). ``kill``: ``"ATTEMPT@CALL,..."``, SIGKILL at loss call CALL (counted per
     process) of attempt ATTEMPT, on every rank; ``"ATTEMPT@CALL/RANK"``: on that rank only (after
-    the task's ``step_sleep``, if it has one: what the previous step started has finished)."""
+    the task's ``step_sleep``, if it has one: what the previous step started has finished).
+    ``gates``: a folder; a kill in attempt A then waits until the file ``gates/A`` exists, and so
+    does every rank at the loss calls ``hold`` names (``"ATTEMPT@CALL,..."``): the test decides
+    when (after a standby is ready, after it froze one, after it signalled the job)."""
 
-    def _seen_setup(self, run_dir, kill):
+    def _seen_setup(self, run_dir, kill, gates="", hold=""):
         self.run_dir, self.calls, self.epoch_now = run_dir, 0, 0
+        self.gates = str(gates)
         self.kill_at = {}
         for item in str(kill).split(","):
             if item:
                 at, _, rank = item.partition("/")
                 attempt, call = (int(x) for x in at.split("@"))
                 self.kill_at[(attempt, call)] = int(rank) if rank else None
+        self.hold_at = {tuple(int(x) for x in i.split("@")) for i in str(hold).split(",") if i}
+
+    def _gate(self, attempt):
+        while self.gates and not os.path.exists(os.path.join(self.gates, str(attempt))):
+            time.sleep(0.05)
 
     def set_epoch(self, epoch):
         self.epoch_now = epoch
@@ -506,11 +515,14 @@ class _Seen:
                 "index": batch["index"].tolist(),
             }
             f.write(json.dumps(record) + "\n")
+        if (attempt, self.calls) in self.hold_at:
+            self._gate(attempt)
         if (attempt, self.calls) in self.kill_at and self.kill_at[(attempt, self.calls)] in (
             None,
             rank,
         ):
             time.sleep(getattr(self, "step_sleep", 0.0))
+            self._gate(attempt)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().loss(model, batch, labels)
 
@@ -526,9 +538,9 @@ class SeenPseudoID(_Seen, PseudoIDTask):
 class SeenSlow(_Seen, Slow):
     """Slow (``step_sleep`` per step) and recording its batches (``_Seen``)."""
 
-    def __init__(self, seed=0, run_dir="", kill="", step_sleep=0.3, **params):
+    def __init__(self, seed=0, run_dir="", kill="", step_sleep=0.3, gates="", hold="", **params):
         super().__init__(seed, step_sleep, **params)
-        self._seen_setup(run_dir, kill)
+        self._seen_setup(run_dir, kill, gates, hold)
 
 
 class SeenShards(_Seen, ImageShardsTask):

@@ -295,6 +295,16 @@ class ClusterConfig:
         why="whether a restart may continue on fewer nodes; a run that shrank is not bitwise "
         "equal to an uninterrupted one (as after any change of world size)",
     )
+    warm_restarts: bool = doc(
+        True,
+        "Keep a warm standby for restarts inside the job: once the training step trains, one "
+        "more srun step (--overlap) on the allocation's nodes whose processes have imported torch "
+        "and the task and become the next step's ranks after a crash, and a crashed step ended "
+        "at once; without one ready, a restart starts new processes (docs/restarts.md).",
+        kind=RESOURCE,
+        why="whether a restart inside the job reuses processes that imported ahead; a rank runs "
+        "the same code either way",
+    )
     exclude_stragglers: bool = doc(
         False,
         "When the next restart inside the allocation starts, leave out the nodes of ranks named "

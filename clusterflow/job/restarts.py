@@ -48,6 +48,15 @@ they are left out only where enough nodes remain.
 Each restart is a new attempt in ``attempts.jsonl`` (the new step's rank 0 records it) and a line of
 ``RUN_DIR/restarts.jsonl`` (``rundir/restarts.py``): the fault, when it was seen, the nodes, and,
 once the new attempt trained a step, the time from the fault to that step.
+
+Warm restarts (``cluster.warm_restarts``, ``job/standby.py``): once a step's attempt trained its
+first step, the driver starts a standby step whose processes import what a rank needs and wait;
+at a restart they become the next step's ranks, in-process, and new processes start only when
+the standby cannot serve (its step ended, a process hangs or is still importing: one line says
+why). With warm restarts the driver ends a step itself, at once with SIGKILL (``Step.kill``), on
+srun's first report of a failed task, instead of srun's --kill-on-bad-exit leaving its other
+ranks seconds to exit; after a task ended by a signal it looks for an earlier record only
+``KILLED_RECORD_WAIT_S`` after that report.
 """
 
 from __future__ import annotations
@@ -67,13 +76,16 @@ from clusterflow.config.job_config import Config
 from clusterflow.distributed.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
+from clusterflow.job.standby import Program, Standby, program
 from clusterflow.observe import heartbeat
 from clusterflow.rundir import (
     first_error,
+    records,
     restarts,
     saved_config,
     states,
     stragglers,
+    timeline,
     transitions,
 )
 from clusterflow.rundir.states import Cause
@@ -91,6 +103,16 @@ CRASH, NODE, STALL = "crash", "node", Cause.STALL
 # the batch node may see it a moment later (a shared filesystem's lag, a loaded node still
 # writing), and srun may report a peer's signal first.
 RECORD_WAIT_S = 5.0
+# With warm restarts the driver ends a step at once (SIGKILL to every task) on srun's first report
+# of a failed task, so no task writes after it: after a task ended by a signal only a record
+# written before that report can name another cause, and the driver looks for one until this
+# long after the report (a shared filesystem that shows the batch node a file a moment late).
+KILLED_RECORD_WAIT_S = 0.5
+# The driver starts the standby for the next restart once the step's attempt trained its first
+# step (before, its imports would compete with the ranks' start-up for the nodes' CPUs), or this
+# long after the step started, whichever comes first.
+STANDBY_AFTER_S = 60.0
+POLL_S = 0.5
 _ON_PURPOSE = (states.COMPLETED, states.REQUEUED, states.STOPPED, states.CANCELLED)
 
 
@@ -264,7 +286,9 @@ def node_fault_restarts(
 
 
 class Driver:
-    """The batch step's loop: one srun step, and another after each curable failure."""
+    """The batch step's loop: one srun step, and another after each curable failure; with warm
+    restarts (``cluster.warm_restarts``), a standby step whose processes become the next step's
+    ranks (``job/standby.py``)."""
 
     def __init__(
         self,
@@ -285,24 +309,43 @@ class Driver:
         self.faulty: list[str] = []  # out of use after a node fault or stall
         self.avoid: list[str] = []  # left out while enough others remain
         self.signalled = False
+        self.used = 0  # restarts made
+        self.warm = self._warm_program()
+        self.standby: Standby | None = None
+
+    def _warm_program(self) -> Program | None:
+        """The step's program, when warm restarts are on and a standby can run it."""
+        if not self.cfg.cluster.warm_restarts or self.limit == 0:
+            return None
+        prog = program(self.command)
+        if isinstance(prog, str):
+            _say(f"warm restarts off: {prog}; a restart starts new processes")
+            return None
+        return prog
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
+        try:
+            return self._run()
+        finally:
+            self._close_standby()
+
+    def _run(self) -> int:
         nodes = tuple(self.allocation[: self.needed])
-        used = 0
         ran: set[str] = set()
+        attempt = rundir.attempt_count(self.paths)  # the number the step's rank 0 records
+        step = self._cold(nodes)
         while True:
             ran.update(nodes)
-            end = steps.run_step(
-                steps.srun_argv(self.command, nodes, self.per_node), self._env(used)
-            )
+            end = self._watch(step, attempt)
             if end.returncode == 0 or self.signalled:
+                self._close_standby()
                 self._forget_snapshots(sorted(ran - set(nodes)))
                 return end.returncode
             fault = self._fault(end)
             p = plan(
                 fault,
-                used,
+                self.used,
                 self.limit,
                 self.allocation,
                 self.needed,
@@ -315,10 +358,108 @@ class Driver:
                     _say(f"not restarted in the job after {_what(fault)}: {p.why}")
                 return end.exit_status
             assert fault is not None
-            used += 1
+            self.used += 1
             self._remember(fault, p)
-            self._record(fault, used, p)
+            cold_why = self._standby_check(p.nodes)
+            self._record(fault, self.used, p, cold_why)
             nodes = p.nodes
+            attempt = rundir.attempt_count(self.paths)
+            step = self._warm(nodes) if cold_why is None else self._cold(nodes)
+
+    # -- the steps ------------------------------------------------------------------------------
+
+    def _cold(self, nodes: Sequence[str]) -> steps.Step:
+        """A new srun step of new processes on ``nodes``."""
+        command = self.command
+        if self.warm is not None:  # the driver ends it on a failed task (_on_failure)
+            command = [command[0], *steps.driver_ends_it(command[1:])]
+        argv = steps.srun_argv(command, nodes, self.per_node)
+        return steps.Step(argv, self._env(self.used), on_failure=self._on_failure)
+
+    def _warm(self, nodes: Sequence[str]) -> steps.Step:
+        """The standby's processes on ``nodes`` as the next step's ranks; new processes when
+        they fail to take their ranks after all (said in one line)."""
+        assert self.standby is not None
+        standby, self.standby = self.standby, None
+        step = standby.become(nodes, self._step_variables(self.used), self._on_failure)
+        if isinstance(step, str):
+            standby.close(wait_s=0)
+            _say(f"the warm standby failed at the restart: {step}; starting new processes")
+            return self._cold(nodes)
+        return step
+
+    def _watch(self, step: steps.Step, attempt: int) -> steps.StepEnd:
+        """Wait for the step's end, starting the standby for the next restart once ``attempt``
+        (the step's) trained its first step."""
+        due = self.warm is not None and self.used < self.limit
+        while True:
+            end = step.wait(POLL_S)
+            if end is not None:
+                return end
+            if due and not self.signalled and self._trained(attempt, step.started_at):
+                due = False
+                self._start_standby()
+
+    def _trained(self, attempt: int, since: float) -> bool:
+        """Whether ``attempt`` trained its first step (its timeline says so), or STANDBY_AFTER_S
+        passed since ``since``."""
+        if time.time() - since >= STANDBY_AFTER_S:
+            return True
+        rec, _ = records.read_checked(
+            self.paths.timeline_file(attempt), timeline.TIMELINE, within=self.paths.root
+        )
+        return rec is not None and float(rec.get("first_step_at") or 0) >= since
+
+    def _start_standby(self) -> None:
+        self._close_standby()
+        assert self.warm is not None
+        nodes = [h for h in self.allocation if h not in self.faulty]
+        try:
+            self.standby = Standby(
+                self.warm,
+                nodes,
+                self.per_node,
+                self._env(self.used),
+                self.cfg.task.target.partition(":")[0] if not self.cfg.script.path else "",
+                self.cfg.run.dir,
+                _say,
+            )
+        except OSError as exc:
+            _say(f"no warm standby: {exc}; a restart starts new processes")
+
+    def _standby_check(self, nodes: Sequence[str]) -> str | None:
+        """None when the standby's processes can become the ranks on ``nodes``, else why not
+        (the standby is then closed)."""
+        if self.warm is None:
+            return ""
+        if self.standby is None:
+            return "no warm standby was started (the step ended before its first training step)"
+        why = self.standby.check(nodes)
+        if why is not None:
+            self.standby.close(wait_s=0)  # a hung process must not hold the restart
+            self.standby = None
+            return f"the warm standby is not usable: {why}"
+        return None
+
+    def _close_standby(self) -> None:
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
+
+    def _on_failure(self, step: steps.Step, failed: tuple[int, str, str]) -> None:
+        """srun's first report of a failed task (from the step's reading thread). With warm
+        restarts the step runs without srun's own --kill-on-bad-exit, and the driver ends it
+        at once here: srun's way SIGTERMs the other ranks and leaves them seconds to see their
+        collective fail, record it and exit (3 s on the test cluster), and nothing they write
+        then changes the fault (:func:`classify`). Not while the job stops on purpose (the
+        driver got SIGTERM, or the run says it completed, requeued or stopped): its ranks save
+        and end on their own, as they would under srun's."""
+        if self.warm is None or self.signalled:
+            return
+        status, _ = rundir.read_object(self.paths.status)
+        if status.get("state") in _ON_PURPOSE:
+            return
+        step.kill()
 
     def _forget_snapshots(self, nodes: list[str]) -> None:
         """After a completed run: remove its snapshots in the memory of the nodes an earlier step
@@ -338,23 +479,30 @@ class Driver:
         if code:
             _say(f"could not remove the run's snapshots on {', '.join(nodes)} (srun: {code})")
 
-    def _env(self, used: int) -> dict[str, str]:
+    def _step_variables(self, used: int) -> dict[str, str]:
+        """The driver's own variables for the step after ``used`` restarts."""
         restarts_node_fault = node_fault_restarts(
             used, self.limit, self.allocation, self.needed, self.faulty, self.cfg.cluster.shrink
         )
         return {
-            **self.environ,
             RESTART_IN_JOB_ENV: str(used),
             NODE_FAULT_RESTARTS_ENV: "1" if restarts_node_fault else "0",
         }
+
+    def _env(self, used: int) -> dict[str, str]:
+        return {**self.environ, **self._step_variables(used)}
 
     def _fault(self, end: steps.StepEnd) -> Fault | None:
         status, _ = rundir.read_object(self.paths.status)
         # srun's first report, of an exit code or of a signal, may come before the record that
         # names the step's cause is visible here: it is waited for until RECORD_WAIT_S after
-        # that report (or after the step's end when srun reported nothing).
+        # that report (or after the step's end when srun reported nothing); KILLED_RECORD_WAIT_S
+        # after a signal when the driver ended the step at once on that report.
         reported = end.failed_at if end.failed_at is not None else end.ended_at
-        first = self._first_error(end.started_at, reported + RECORD_WAIT_S)
+        crash = end.first_failure is not None and steps.signalled(end.first_failure[2])
+        wait_s = KILLED_RECORD_WAIT_S if end.killed and crash else RECORD_WAIT_S
+        until = max(end.ended_at, reported + wait_s) if end.killed else reported + wait_s
+        first = self._first_error(end.started_at, until)
         silent = None
         if first is not None and first.get("kind") == Cause.STALL:
             beats = heartbeat.read_ranks(
@@ -384,7 +532,10 @@ class Driver:
         elif fault.avoid:
             self.avoid.append(fault.host)
 
-    def _record(self, fault: Fault, used: int, p: Plan) -> None:
+    def _record(self, fault: Fault, used: int, p: Plan, cold_why: str | None = "") -> None:
+        """Record the restart (restarts.jsonl, the new attempt's start in status.json) and say it
+        in the batch output; ``cold_why``: None when the warm standby's processes become the
+        ranks, else why new processes start ("" with warm restarts off)."""
         job_id = self.environ.get("SLURM_JOB_ID", "")
         failed = rundir.current_attempt(self.paths)
         restarts.record_restart(
@@ -403,6 +554,7 @@ class Driver:
             left_out=list(p.left_out),
             world_size=len(p.nodes) * self.per_node,
             **({"shrunk": True} if p.shrunk else {}),
+            **({} if self.warm is None else {"warm": cold_why is None}),
         )
         # An attempt begins; the failed one's cause stays in its first-error record and in
         # restarts.jsonl.
@@ -421,6 +573,10 @@ class Driver:
                 ", the same global batch (cluster.shrink; the next requeue asks for "
                 f"{self.needed} again)"
             )
+        if cold_why is None:
+            out += "; warm: the standby's processes there become the ranks"
+        elif cold_why:
+            out += f"; new processes: {cold_why}"
         _say(
             f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
             f"from the newest checkpoint on {', '.join(p.nodes)}{out}"

@@ -182,7 +182,7 @@ def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | N
     except OSError:
         return None
     # a job that restarted inside its allocation: the newest srun step's report
-    return slurm_outcome.first_task_failure(slurm_steps.last_step(text))
+    return slurm_steps.first_failure(text)
 
 
 def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:

@@ -12,6 +12,7 @@ go (a kill loses at most that much of the record), one at the end. Other ranks g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -26,8 +27,18 @@ from clusterflow.rundir import timeline as record
 log = logging.getLogger("clusterflow.goodput")
 
 
+# Set by a warm standby's process when it becomes a rank (job/warm.py): when it did, which is
+# where the rank's start-up begins (the process itself started long before, to import).
+STARTED_AT_ENV = "CLUSTERFLOW_STARTED_AT"
+
+
 def process_started_at(pid: int | None = None) -> float | None:
-    """When a process started, in seconds since 1970 (Linux /proc), or None where unknown."""
+    """When a process started, in seconds since 1970 (Linux /proc), or None where unknown; for
+    this process, when it became a rank where a warm standby's process did
+    (:data:`STARTED_AT_ENV`)."""
+    if pid is None and os.environ.get(STARTED_AT_ENV):
+        with contextlib.suppress(ValueError):
+            return float(os.environ[STARTED_AT_ENV])
     try:
         with open(f"/proc/{pid or os.getpid()}/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
