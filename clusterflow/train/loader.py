@@ -1,0 +1,156 @@
+"""``run.loader``: a DataLoader over the epoch plan (``distributed/sampler.py``), and the checks of
+what a script passes it.
+
+Each global batch (the samples of one optimizer step on every rank) is cut from the epoch's
+order by :class:`GlobalBatchSampler` from the position the run reached, split into
+``accumulate`` micro-batches and each of those into the ranks' slices: every sample once per
+epoch at any world size, a resume continuing the same order. The DataLoader's workers outlive
+the job's stop signals (``distributed/workers.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from clusterflow.checkpoint.data_identity import identify
+from clusterflow.checkpoint.rng import rank_seed
+from clusterflow.distributed import workers
+from clusterflow.distributed.sampler import (
+    BatchKey,
+    EpochItems,
+    GlobalBatchSampler,
+    WithEpoch,
+    check_fits,
+    epoch_order,
+)
+from clusterflow.errors import UserError
+
+# DataLoader arguments the epoch plan owns.
+_PLAN_OWNS = ("shuffle", "sampler", "batch_sampler", "drop_last", "generator")
+
+
+class Loader:
+    """What ``run.loader`` returns: iterate it once in each epoch of ``run.epochs``; it yields
+    this rank's slice of each global micro-batch, from the position the run reached.
+    ``iterate(loader)`` is the run's iteration (which counts what each step takes), ``left()``
+    the batches left in the epoch."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int,
+        accumulate: int,
+        rank: int,
+        world: int,
+        seed: int,
+        key: BatchKey,
+        set_epoch: Callable[[int], None] | None,
+        kwargs: dict[str, Any],
+        iterate: Callable[[Loader], Iterator[Any]],
+        left: Callable[[], int | None],
+    ) -> None:
+        self.dataset, self.batch_size, self.accumulate = dataset, batch_size, accumulate
+        self.rank, self.seed, self.set_epoch, self.kwargs = rank, seed, set_epoch, kwargs
+        self._iterate, self._left = iterate, left
+        self.n = len(dataset)  # type: ignore[arg-type]
+        # What a checkpoint records of the data, and a resume compares with it.
+        self.data = identify(dataset)  # type: ignore[arg-type]
+        self.sampler = GlobalBatchSampler(
+            self.n,
+            batch_size,
+            rank,
+            world,
+            seed,
+            accumulate,
+            order=lambda seed, epoch: epoch_order(dataset, seed, epoch),
+            key=key,
+        )
+        self._persistent: DataLoader | None = None
+
+    def __len__(self) -> int:
+        """The batches left in this epoch (all of them at its start), from where the run is: a
+        resumed epoch's, before the loop too."""
+        left = self._left()
+        return len(self.sampler) if left is None else left
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._iterate(self)
+
+    def dataloader(self, epoch: int) -> DataLoader:
+        """This epoch's DataLoader; with persistent workers, one per attempt."""
+        kw = dict(self.kwargs)
+        persistent = bool(kw.pop("persistent_workers", False)) and kw.get("num_workers", 0) > 0
+        if persistent and self._persistent is not None:
+            return self._persistent
+        # Its own generator: worker seeds depend on (seed, rank, epoch) only, and the global
+        # random stream (dropout) is not drawn from, so a resume in mid-epoch continues that
+        # stream exactly.
+        g = torch.Generator().manual_seed(rank_seed(self.seed, self.rank) + epoch)
+        data, batches = (
+            (EpochItems(self.dataset, self.set_epoch), WithEpoch(self.sampler))
+            if persistent
+            else (self.dataset, self.sampler)
+        )
+        if kw.get("num_workers", 0) > 0:
+            # The job's stop signals reach the workers too: the rank stops, they outlive them.
+            kw["worker_init_fn"] = workers.quiet(kw.get("worker_init_fn"))
+        loader = DataLoader(
+            data, batch_sampler=batches, generator=g, persistent_workers=persistent, **kw
+        )
+        if persistent:
+            self._persistent = loader
+        return loader
+
+
+def check_arguments(
+    dataset: Dataset,
+    batch_size: object,
+    accumulate: object,
+    world: int,
+    what: str,
+    key: BatchKey,
+    kwargs: dict[str, object],
+) -> None:
+    """Refuse, in one line naming the argument, what ``run.loader`` cannot plan: a DataLoader or
+    a dataset without ``len``, a sampler or shuffle of the script's own, a batch the world does
+    not divide or larger than the dataset. Drops the plan's own arguments passed as None or
+    False from ``kwargs``."""
+    if isinstance(dataset, DataLoader):
+        raise UserError(
+            "run.loader(dataset, ...) takes a dataset, not a DataLoader: pass the DataLoader's "
+            "dataset and its batch size (run.loader builds the DataLoader over the epoch plan)"
+        )
+    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+        raise UserError(
+            f"run.loader needs a map-style dataset (len() and dataset[i]), got a "
+            f"{type(dataset).__name__}: the epoch plan orders the samples by index"
+        )
+    for name in _PLAN_OWNS:
+        if kwargs.get(name) not in (None, False):
+            raise UserError(
+                f"run.loader(..., {name}=...): the epoch plan shuffles, shards and batches "
+                "the samples itself (each sample once per epoch, at any world size, resumed "
+                "where it stopped); a sampler, shuffle, drop_last or generator of your own "
+                f"would bypass it: remove {name}="
+            )
+        kwargs.pop(name, None)
+    init = kwargs.get("worker_init_fn")
+    if init is not None and not callable(init):
+        raise UserError(
+            f"run.loader(..., worker_init_fn={init!r}): give a function of the worker's id, or none"
+        )
+    if kwargs.pop("batch_size", None) is not None:
+        raise UserError("run.loader(dataset, batch_size=...): give batch_size once")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(f"run.loader(..., accumulate={accumulate!r}): must be an int >= 1")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise UserError(
+            f"{key.seen(repr(batch_size))}: must be an int >= 1, the samples of one optimizer "
+            f"step on all ranks together (a multiple of world size x {key.accumulate} = "
+            f"{world} x {accumulate})"
+        )
+    check_fits(len(dataset), batch_size, world * accumulate, what, key)  # type: ignore[arg-type]
