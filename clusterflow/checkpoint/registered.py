@@ -24,8 +24,10 @@ import torch
 from clusterflow.checkpoint.checkpointer import Stateful
 from clusterflow.errors import UserError
 
+# The GradScaler of run.autocast's fp16 (run.scaler), registered by the run itself.
+AMP_SCALER = "amp_scaler"
 # Names a checkpoint's train_state.pt holds besides the registered states.
-RESERVED = ("model", "train", "rng", "world_size")
+RESERVED = ("model", "train", "rng", "world_size", AMP_SCALER)
 
 # A random stream as (its state now, set it).
 Stream = tuple[Callable[[], object], Callable[[object], None]]

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.distributed.sampler import EpochPlan, shard_range, split
 from clusterflow.train.loader import Loader
+from clusterflow.train.stream import StreamLoader
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -23,7 +24,7 @@ log = logging.getLogger("clusterflow.trainer")
 class Accounting:
     def __init__(self, state: TrainState, rank: int, world: int) -> None:
         self.state, self.rank, self.world = state, rank, world
-        self.loader: Loader | None = None
+        self.loader: Loader | StreamLoader | None = None
         self.plan: EpochPlan | None = None
         self.steps_per_epoch = 0
         self.global_batch: tuple[int, int] | None = None  # (first sample, size) of this step
@@ -52,6 +53,15 @@ class Accounting:
         s.plan = self.plan.as_list()
         self.steps_per_epoch = self.plan.steps()
 
+    def epochs_for(self, max_steps: int) -> int:
+        """The epochs a run of ``max_steps`` optimizer steps in all reaches (its last maybe in
+        part), from the current epoch's plan and full epochs of the batch size after it."""
+        left = max_steps - self.state.global_step - self.steps_left()
+        if left <= 0 or self.loader is None:
+            return self.state.epoch + 1
+        per = EpochPlan.of(self.loader.n, self.loader.batch_size).steps()
+        return self.state.epoch + 1 + -(-left // per)
+
     def steps_left(self) -> int:
         """Optimizer steps left in the current epoch."""
         if self.loader is None or self.plan is None:
@@ -67,10 +77,11 @@ class Accounting:
     def epoch_begins(self) -> None:
         self.global_batch, self.micro = None, 0
 
-    def batches_begin(self, loader: Loader) -> None:
+    def batches_begin(self, loader: Loader | StreamLoader) -> None:
         """The loader's iteration starts: from the epoch's position on."""
         s = self.state
-        loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.plan)
+        if not loader.stream:
+            loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.plan)  # type: ignore[union-attr]
         self._steps = iter(self.plan.batches_from(s.sample_in_epoch or 0))  # type: ignore[union-attr]
 
     def is_last_micro(self) -> bool:

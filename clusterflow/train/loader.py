@@ -20,6 +20,7 @@ from clusterflow.checkpoint.data_identity import identify
 from clusterflow.checkpoint.rng import rank_seed
 from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import (
+    RANK_BATCH,
     BatchKey,
     EpochItems,
     GlobalBatchSampler,
@@ -34,10 +35,12 @@ _PLAN_OWNS = ("shuffle", "sampler", "batch_sampler", "drop_last", "generator")
 
 
 class Loader:
-    """What ``run.loader`` returns: iterate it once in each epoch of ``run.epochs``; it yields
-    this rank's slice of each global micro-batch, from the position the run reached.
-    ``iterate(loader)`` is the run's iteration (which counts what each step takes), ``left()``
-    the batches left in the epoch."""
+    """What ``run.loader`` returns for a map-style dataset: iterate it once in each epoch of
+    ``run.epochs``; it yields this rank's slice of each global micro-batch, from the position
+    the run reached. ``iterate(loader)`` is the run's iteration (which counts what each step
+    takes), ``left()`` the batches left in the epoch."""
+
+    stream = False
 
     def __init__(
         self,
@@ -80,6 +83,10 @@ class Loader:
     def __iter__(self) -> Iterator[Any]:
         return self._iterate(self)
 
+    def batches(self, epoch: int) -> Iterator[Any]:
+        """This rank's micro-batches of ``epoch`` from the position reached."""
+        return workers.started(self.dataloader(epoch))
+
     def dataloader(self, epoch: int) -> DataLoader:
         """This epoch's DataLoader; with persistent workers, one per attempt."""
         kw = dict(self.kwargs)
@@ -106,28 +113,19 @@ class Loader:
         return loader
 
 
-def check_arguments(
-    dataset: Dataset,
-    batch_size: object,
-    accumulate: object,
-    world: int,
-    what: str,
-    key: BatchKey,
-    kwargs: dict[str, object],
-) -> None:
+def check_arguments(dataset: Dataset, accumulate: object, kwargs: dict[str, object]) -> None:
     """Refuse, in one line naming the argument, what ``run.loader`` cannot plan: a DataLoader or
-    a dataset without ``len``, a sampler or shuffle of the script's own, a batch the world does
-    not divide or larger than the dataset. Drops the plan's own arguments passed as None or
-    False from ``kwargs``."""
+    a dataset without ``len``, a sampler or shuffle of the script's own, a bad ``accumulate``.
+    Drops the plan's own arguments passed as None or False from ``kwargs``."""
     if isinstance(dataset, DataLoader):
         raise UserError(
             "run.loader(dataset, ...) takes a dataset, not a DataLoader: pass the DataLoader's "
             "dataset and its batch size (run.loader builds the DataLoader over the epoch plan)"
         )
-    if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
+    if not isinstance(dataset, IterableDataset) and not hasattr(dataset, "__len__"):
         raise UserError(
-            f"run.loader needs a map-style dataset (len() and dataset[i]), got a "
-            f"{type(dataset).__name__}: the epoch plan orders the samples by index"
+            f"run.loader needs a map-style dataset (len() and dataset[i]) or an IterableDataset, "
+            f"got a {type(dataset).__name__}: the epoch plan orders the samples by index"
         )
     for name in _PLAN_OWNS:
         if kwargs.get(name) not in (None, False):
@@ -143,14 +141,61 @@ def check_arguments(
         raise UserError(
             f"run.loader(..., worker_init_fn={init!r}): give a function of the worker's id, or none"
         )
-    if kwargs.pop("batch_size", None) is not None:
-        raise UserError("run.loader(dataset, batch_size=...): give batch_size once")
-    if not isinstance(accumulate, int) or accumulate < 1:
+    if not isinstance(accumulate, int) or isinstance(accumulate, bool) or accumulate < 1:
         raise UserError(f"run.loader(..., accumulate={accumulate!r}): must be an int >= 1")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def step_samples(
+    n: int,
+    batch_size: object,
+    global_batch_size: object,
+    accumulate: int,
+    world: int,
+    what: str,
+    key: BatchKey,
+) -> tuple[int, BatchKey]:
+    """The samples of one optimizer step on all ranks, from exactly one of ``batch_size`` (each
+    rank's micro-batch, as ``DataLoader``'s: times world size x ``accumulate``) and
+    ``global_batch_size``, and the key the messages about it name (``key`` names the global
+    one: a script's argument, or a task's config key). UserError naming the argument given when
+    it does not fit the world size or the dataset."""
+    if (batch_size is None) == (global_batch_size is None):
+        given = "both" if batch_size is not None else "neither"
         raise UserError(
-            f"{key.seen(repr(batch_size))}: must be an int >= 1, the samples of one optimizer "
-            f"step on all ranks together (a multiple of world size x {key.accumulate} = "
-            f"{world} x {accumulate})"
+            f"run.loader(dataset, ...) got {given} of batch_size and global_batch_size: give "
+            "batch_size=B (each rank's batch, as DataLoader's) or global_batch_size=G (the "
+            "samples of one optimizer step on all ranks together), one of the two"
         )
-    check_fits(len(dataset), batch_size, world * accumulate, what, key)  # type: ignore[arg-type]
+    per_step = world * accumulate
+    if batch_size is not None:
+        if not _count(batch_size):
+            raise UserError(
+                f"{RANK_BATCH.seen(repr(batch_size))}: must be an int >= 1, each rank's samples "
+                "of one batch (as DataLoader's batch_size)"
+            )
+        total = batch_size * per_step  # type: ignore[operator]
+        if total > n:
+            fit = n // per_step
+            fix = (
+                f"lower batch_size to at most {fit}"
+                if fit
+                else "use fewer processes or a larger dataset"
+            )
+            raise UserError(
+                f"{RANK_BATCH.seen(batch_size)} takes {total} samples a step (world size x "
+                f"accumulate = {world} x {accumulate} batches of {batch_size}), more than the "
+                f"training set of {what} holds ({n} samples), so an epoch has no full step; {fix}"
+            )
+        return total, RANK_BATCH
+    if not _count(global_batch_size):
+        raise UserError(
+            f"{key.seen(repr(global_batch_size))}: must be an int >= 1, the samples of one "
+            f"optimizer step on all ranks together (a multiple of world size x {key.accumulate} "
+            f"= {world} x {accumulate})"
+        )
+    check_fits(n, global_batch_size, per_step, what, key)  # type: ignore[arg-type]
+    return global_batch_size, key  # type: ignore[return-value]

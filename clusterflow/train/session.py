@@ -28,22 +28,23 @@ work to the part that owns it.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, overload
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer, registered, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
-from clusterflow.checkpoint.rng import capture_rng, rank_seed, seed_everything
+from clusterflow.checkpoint.rng import capture_rng
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
-from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import LOADER_BATCH, TASK_BATCH, EpochPlan
 from clusterflow.errors import UserError
 from clusterflow.mining.adapter import LoopMining
@@ -53,18 +54,19 @@ from clusterflow.observe.reporter import ForwardMark, Reporter
 from clusterflow.observe.timeline import MODEL, RESTORE, TASK_DATA, Startup, process_started_at
 from clusterflow.rundir.states import State, StopReason
 from clusterflow.tasks import Task
-from clusterflow.train import parallel
+from clusterflow.train import builders, parallel
 from clusterflow.train.accounting import Accounting
-from clusterflow.train.call_order import Call, CallOrder
+from clusterflow.train.call_order import Call, CallOrder, Phase
 from clusterflow.train.finite import FiniteGuard
-from clusterflow.train.loader import Loader, check_arguments
+from clusterflow.train.loader import Loader, check_arguments, step_samples
+from clusterflow.train.models import Models, Units
 from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
 from clusterflow.train.saves import Ending, RunStopped, Saves
+from clusterflow.train.stream import POSITION, StreamLoader
 from clusterflow.train.window import LossWindow
 
 # What the mining embed and the sharded model may compute in, besides the script's own autocast.
 Amp = torch.dtype | None
-Units = Sequence[torch.nn.Module] | Callable[[torch.nn.Module], Sequence[torch.nn.Module]] | None
 
 
 class Run:
@@ -126,8 +128,14 @@ class Run:
         )
         self.mining = LoopMining(cfg, paths, device, amp, self.stop, self.phases)
         self.total_epochs = 0
-        self._modules: dict[int, torch.nn.Module] = {}  # setup's input and output -> the module
-        self._seeded = False
+        self.models = Models(cfg, device, amp)
+        # run.autocast's precision, and the GradScaler fp16 needs (a no-op otherwise), saved with
+        # every checkpoint when it scales.
+        self.autocast_dtype = builders.amp_dtype(cfg.train.amp, device)
+        self.scaler = torch.amp.GradScaler(
+            device.type, enabled=self.autocast_dtype == torch.float16
+        )
+        self._counts_steps = False  # the loop is run.steps (no epochs of the script's own)
         self._loader: Loader | None = None
         self._resumed = False
         # A stop agreed at an epoch's last step: saved there, before the loop's end-of-epoch work
@@ -211,45 +219,12 @@ class Run:
     ) -> torch.nn.Module | tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The model on this rank's device, wrapped for the world (DDP, or FSDP2 with
         ``train.parallel=fsdp``: ``shard_units``, or a function of the model giving them, are
-        sharded one by one); the optimizer's parameters follow the sharding. Every rank then draws
-        from a random stream of its own (dropout, augmentations)."""
+        sharded one by one); the optimizer's parameters follow the sharding. Call it once per
+        model (a GAN's two, each with its optimizer). Every rank then draws from a random stream
+        of its own (dropout, augmentations)."""
         self.order.enter(Call.SETUP)
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(
-                f"run.setup(model): expected a torch.nn.Module, got {type(model).__name__}"
-            )
-        if id(model) in self._modules or parallel.is_wrapped(model):
-            raise UserError(
-                "run.setup(model): this model is set up (wrapped) already; set each model up "
-                "once and keep what run.setup returned"
-            )
-        cfg, world = self.config, self.world_size
-        if cfg.dist.sync_batchnorm and world > 1:
-            model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        module = model.to(self.device)
-        if cfg.train.parallel == "fsdp":
-            units = shard_units(module) if callable(shard_units) else shard_units
-            names = {id(p): n for n, p in module.named_parameters()}
-            wrapped = parallel.wrap_fsdp(
-                module,
-                list(parallel.default_units(module) if units is None else units),
-                self.device,
-                world,
-                self.amp,
-            )
-            if optimizer is not None:
-                parallel.rebind(optimizer, names, module)
-        elif world > 1:
-            wrapped = parallel.wrap_ddp(module, self.device, cfg.dist)
-        else:
-            wrapped = module
-        for m in (model, module, wrapped):
-            self._modules[id(m)] = module
-        module.register_forward_hook(ForwardMark(self.reporter.clock))
-        if not self._seeded:
-            # Distinct per-rank streams from here on.
-            seed_everything(rank_seed(cfg.run.seed, self.rank))
-            self._seeded = True
+        mark = ForwardMark(self.reporter.clock)
+        wrapped = self.models.setup(model, optimizer, shard_units, mark)
         if self.own_loop:  # the script's code up to here built its model
             self.startup.mark(MODEL)
         return wrapped if optimizer is None else (wrapped, optimizer)
@@ -258,49 +233,65 @@ class Run:
         """The plain module ``run.setup`` took (or returned) ``model`` for: what an embedding
         for ``run.mine`` calls (a DDP wrapper's forward is collective, and ranks embed different
         numbers of batches). UserError for a model not set up."""
-        module = self._modules.get(id(model))
-        if module is None:
-            raise UserError(
-                f"this {type(model).__name__} was not passed to run.setup, so it is not on the "
-                "run's device nor wrapped for the world; call model, optimizer = "
-                "run.setup(model, optimizer) first and pass what it returned"
-            )
-        return module
+        return self.models.unwrap(model)
 
     # -- data ---------------------------------------------------------------------------------
     def loader(
         self,
         dataset: Dataset,
-        batch_size: int,
+        batch_size: int | None = None,
         *,
+        global_batch_size: int | None = None,
         accumulate: int = 1,
         set_epoch: Callable[[int], None] | None = None,
         **dataloader_kwargs: object,
-    ) -> Loader:
-        """A DataLoader over the epoch plan: ``batch_size`` is the global batch (every rank's
-        samples of one optimizer step; each rank gets ``batch_size / world_size``), with
-        ``accumulate`` batches per step. ``set_epoch`` (default: the dataset's own, if it has
-        one) is called with each epoch, in the worker processes too. Other keyword arguments go to
-        ``torch.utils.data.DataLoader`` (num_workers, collate_fn, pin_memory, ...)."""
+    ) -> Loader | StreamLoader:
+        """A DataLoader over the epoch plan. Its batch, one of the two: ``batch_size``, each
+        rank's batch as ``DataLoader(dataset, batch_size)`` takes it (a step trains
+        ``batch_size x world size x accumulate`` samples), or ``global_batch_size``, the samples
+        of one optimizer step on all ranks together; ``accumulate`` batches make a step.
+        ``set_epoch`` (default: the dataset's own, if it has one) is called with each epoch, in
+        the worker processes too. Other keyword arguments go to ``torch.utils.data.DataLoader``
+        (num_workers, collate_fn, pin_memory, ...)."""
         if self._loader is not None and self.order.allows(Call.LOADER):
             raise UserError(
                 "run.loader was called twice: the epoch plan drives one training loader; build "
                 "evaluation loaders with torch.utils.data.DataLoader"
             )
         self.order.enter(Call.LOADER)
-        what = self.what or "the dataset"
         kwargs = dict(dataloader_kwargs)
-        check_arguments(
-            dataset, batch_size, accumulate, self.world_size, what, self.batch_key, kwargs
+        check_arguments(dataset, accumulate, kwargs)
+        stream = isinstance(dataset, IterableDataset)
+        total, key = step_samples(
+            sys.maxsize if stream else len(dataset),  # type: ignore[arg-type]
+            batch_size,
+            global_batch_size,
+            accumulate,
+            self.world_size,
+            self.what or "the dataset",
+            self.batch_key,
         )
+        if stream:
+            self._loader = self.account.loader = StreamLoader(
+                dataset,  # type: ignore[arg-type]
+                total,
+                accumulate,
+                self.rank,
+                self.world_size,
+                self.config.run.seed,
+                self.attempt,
+                kwargs,
+                self._iterate,
+            )
+            return self._loader
         self._loader = self.account.loader = Loader(
             dataset,
-            batch_size,
+            total,
             accumulate,
             self.rank,
             self.world_size,
             self.config.run.seed,
-            self.batch_key,
+            key,
             set_epoch if set_epoch is not None else getattr(dataset, "set_epoch", None),
             kwargs,
             self._iterate,
@@ -310,15 +301,17 @@ class Run:
             self.startup.mark(TASK_DATA)
         return self._loader
 
-    def _iterate(self, loader: Loader) -> Iterator[Any]:
+    def _iterate(self, loader: Loader | StreamLoader) -> Iterator[Any]:
         """This epoch's batches from the position reached; counts what each step takes."""
         self.order.enter(Call.ITERATE)
         self.account.batches_begin(loader)
-        for items in workers.started(loader.dataloader(self.state.epoch)):
+        for items in loader.batches(self.state.epoch):
             self.order.enter(Call.LAST_BATCH if self.account.is_last_micro() else Call.BATCH)
             first = self.account.batch_came()
             self.reporter.batch_came(self.state.global_step + 1 if first else None)
             yield items
+            if loader.stream and self.account.micro == 0 and not self.account.steps_left():
+                return  # a stream has no end of its own: not one item past the run's steps
 
     # -- state --------------------------------------------------------------------------------
     def restore(
@@ -346,24 +339,30 @@ class Run:
             if obj is None:
                 continue
             registered.check_name(name)
-            if isinstance(obj, torch.nn.Module) and id(obj) in self._modules:
-                obj = self._modules[id(obj)]  # a second model set up: its plain state_dict
+            if isinstance(obj, torch.nn.Module) and self.models.plain(obj) is not None:
+                obj = self.models.plain(obj)  # a second model set up: its plain state_dict
             stream = registered.stream(obj)
             if stream is not None:
                 streams[name] = stream
             else:
                 kept[name] = registered.stateful(name, obj)
         self.order.enter(Call.RESTORE)
+        if self.scaler.is_enabled() and all(o is not self.scaler for o in kept.values()):
+            kept[registered.AMP_SCALER] = self.scaler
         kept["train"] = self.state
+        loader = self._loader
+        if loader is not None and loader.stream:  # each rank's place in its stream
+            streams[POSITION] = (loader.position, loader.go_to)
         for name, (get, put) in streams.items():
             rng.track(name, get, put)
         self.saves.streams = list(streams)
         self.startup.mark(MODEL)
         t0 = time.monotonic()
-        loader = self._loader
         resumed = self.saves.register(
             module, kept, self.steps_per_epoch, loader.data if loader is not None else None
         )
+        if resumed and loader is not None and loader.stream and loader.resumed_at is None:
+            raise UserError(self._stream_moved())
         self.startup.mark(RESTORE)
         self.reporter.timeline.restored(self.state.global_step, time.monotonic() - t0)
         if self.rank == 0:
@@ -392,6 +391,13 @@ class Run:
         self.order.check(Call.EPOCHS)
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise UserError(f"run.epochs({n!r}): give the number of epochs, an int >= 1")
+        if self._loader is not None and self._loader.stream:
+            raise UserError(
+                f"run.epochs(n) over a stream (run.loader of a "
+                f"{type(self._loader.dataset).__name__}, an IterableDataset): a stream has no "
+                "epochs the ranks could agree on; iterate it with `for batch in "
+                "run.steps(loader, max_steps):`"
+            )
         self.order.enter(Call.EPOCHS)
         self._loop_starts(n)
         while self.state.epoch < n:
@@ -507,9 +513,89 @@ class Run:
         lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
         self.reporter.interval(reduced, rep["samples_per_s_rank"], rep["step_time_s"], lr)
 
+    def steps(self, loader: Loader | StreamLoader, max_steps: int) -> Iterator[Any]:
+        """``loader``'s batches until the run has taken ``max_steps`` optimizer steps in all,
+        across epoch boundaries, from where it left off; ``run.step`` after each optimizer step,
+        as in ``run.epochs``. Each epoch's end, when the loop reaches it, and the loop's end at
+        an epoch's last step, run :meth:`_end_epoch` (the epoch's checkpoint, the ranks'
+        agreement on a stop); ``run.finish`` saves a loop that ends in mid-epoch."""
+        self.order.check(Call.STEPS)
+        if loader is None or loader is not self._loader:
+            raise UserError(
+                "run.steps(loader, max_steps): give the loader that run.loader returned (the "
+                f"epoch plan's), not a {type(loader).__name__}"
+            )
+        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+            raise UserError(
+                f"run.steps(loader, {max_steps!r}): give the optimizer steps of the whole run, "
+                "an int >= 1"
+            )
+        self.order.enter(Call.STEPS)
+        self._counts_steps = True
+        if loader.stream:  # one epoch of the run's steps, in the stream's order
+            loader.n = max(max_steps, self.state.global_step) * loader.batch_size
+        self._plan_epoch()
+        self._loop_starts(self.account.epochs_for(max_steps))
+        while self.state.global_step < max_steps:
+            self._begin_epoch()
+            for items in loader:
+                yield items
+                if self.state.global_step >= max_steps:
+                    break
+            if self.account.steps_left() == 0:
+                self._end_epoch()  # the epoch's checkpoint; a stop agreed here ends the job
+        self.order.enter(Call.LOOP_END)
+
+    # -- helpers of the loop ------------------------------------------------------------------
+    def accumulate(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+        """Around each micro-batch's forward and backward: ``model``'s gradients are
+        synchronized across ranks only on the last micro-batch of an optimizer step
+        (``run.loader(..., accumulate=k)``), once per step (DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync``)."""
+        last = self.order.phase is not Phase.MICRO
+        return parallel.gradient_sync(self.models.wrapper(model), last)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Around a forward and its loss: ``train.amp``'s precision on the run's device (``auto``:
+        bf16 on a GPU, nothing on a CPU; ``none``: nothing). With fp16, step the optimizer
+        through ``run.scaler``."""
+        dtype = self.autocast_dtype
+        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0 (and in a process alone)."""
+        return self.rank == 0
+
+    def print(self, *args: object, sep: str = " ", end: str = "\n") -> None:
+        """``print`` on rank 0 only, flushed (the rank's log shows it at once)."""
+        if self.rank == 0:
+            print(*args, sep=sep, end=end, flush=True)
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (a download, a cache it writes); the other ranks wait for
+        it, then run it (reading what rank 0 wrote)."""
+        if self.rank != 0:
+            dist.barrier()
+        yield
+        if self.rank == 0:
+            dist.barrier()
+
+    def reduce(self, tensor: torch.Tensor, op: str = "mean") -> torch.Tensor:
+        """A copy of ``tensor`` reduced over every rank: ``op`` "mean", "sum", "max" or "min"."""
+        return dist.reduce(tensor, op)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along the first dimension in rank order, on every
+        rank; the first dimensions may differ (an evaluation's last, smaller batch)."""
+        return dist.gather(tensor)
+
     # -- mining -------------------------------------------------------------------------------
     def mining_due(self, can_embed: bool = True) -> bool:
-        """Whether this epoch's end runs a mining round (``mining.*``)."""
+        """Whether this epoch's end runs a mining round (``mining.*``; never in ``run.steps``)."""
+        if self._counts_steps:
+            return False
         return self.mining.due(self.state.epoch + 1, self.total_epochs, can_embed)
 
     def mine(
@@ -525,6 +611,12 @@ class Run:
         due; ``run.labels`` keeps the last round's. A stop during the round saves and ends the
         job (:class:`RunStopped`); the next attempt continues the round."""
         self.order.enter(Call.MINE)
+        if self._counts_steps:
+            raise UserError(
+                "run.mine(...) came inside run.steps(loader, max_steps), which has no place "
+                "between epochs: mine in `for epoch in run.epochs(n):` after the loop over "
+                "run.loader"
+            )
         left = self.account.steps_left()
         if left:
             raise UserError(
@@ -598,6 +690,16 @@ class Run:
     def _note(self, scalars: Mapping[str, float]) -> None:
         if self.checkpointer is not None:
             self.checkpointer.note(scalars)
+
+    def _stream_moved(self) -> str:
+        manifest = self.checkpointer.store.manifest(self.state.global_step) or {}  # type: ignore[union-attr]
+        return (
+            f"run.loader({type(self._loader.dataset).__name__}): the checkpoint of step "  # type: ignore[union-attr]
+            f"{self.state.global_step} holds each rank's position in its stream for "
+            f"{manifest.get('world_size', 'another number of')} ranks, and this attempt runs "
+            f"{self.world_size}: a stream's position belongs to the rank that read it; resume "
+            "on the world size it was written with, or start a new run.dir"
+        )
 
     def _facts(self) -> dict[str, object]:
         """What a refused call's message names."""
