@@ -55,9 +55,15 @@ def assert_same_weights(run_dir, reference_run):
 
 
 def stop_and_resume_steps(run_dir):
-    """The step saved at each stop and the step each later attempt resumed from: they must match."""
+    """The step saved at each stop and the step each later attempt resumed from: they must match.
+    A stop that lands on an epoch's last step (a signal late on a loaded machine) is saved by the
+    epoch's end, which says so in its own words."""
     logs = rank0_logs(run_dir)
-    saved = [int(s) for s in re.findall(r"saving at global step (\d+) and stopping", logs)]
+    mid, end = (
+        r"saving at global step (\d+)",
+        r"saved at global step (\d+) \(the end of epoch \d+\)",
+    )
+    saved = [int(a or b) for a, b in re.findall(rf"(?:{mid}|{end}) and stopping", logs)]
     resumed = [int(s) for s in re.findall(r"resumed from \S+/step-(\d+):", logs)]
     return saved, resumed
 

@@ -8,6 +8,9 @@
 - ``accounting.py``: the epoch's plan of global batches, the step each batch belongs to, what
   ``run.step`` counts;
 - ``loader.py``: ``run.loader``'s DataLoader over the epoch plan, and the checks of its arguments;
+- ``stream.py``: ``run.loader`` over an ``IterableDataset`` (torchdata's ``StatefulDataLoader``),
+  each rank's position saved per rank;
+- ``models.py``: the models ``run.setup`` placed and wrapped, one call per model, compiled or not;
 - ``saves.py``: when the loop's events commit a checkpoint, how an agreed stop ends the job
   (:class:`RunStopped`), the run's end;
 - ``trainer.py``: :class:`Trainer`: a task's loop on a Run (its model, optimizer, schedule, AMP,

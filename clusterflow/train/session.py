@@ -364,7 +364,9 @@ class Run:
         if resumed and loader is not None and loader.stream and loader.resumed_at is None:
             raise UserError(self._stream_moved())
         self.startup.mark(RESTORE)
-        self.reporter.timeline.restored(self.state.global_step, time.monotonic() - t0)
+        self.reporter.timeline.restored(
+            self.state.global_step, time.monotonic() - t0, self.checkpointer.restored_from
+        )
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
             rundir.write_ledger(self.paths, self.state.ledger.record_file(self.state.global_step))
