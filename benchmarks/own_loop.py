@@ -3,23 +3,35 @@
     python benchmarks/own_loop.py                      # 2 ranks, 5 pairs of whole runs
     python benchmarks/own_loop.py --pairs 3 --epochs 2 --nproc 4
 
-``benchmarks/own_loop/bare.py`` is a plain DDP script (an MLP on synthetic data, AdamW,
-``DistributedSampler``); ``converted.py`` is the same script converted (docs/own-loop.md), with
-clusterflow's defaults: the epoch plan, DDP with fixed buckets, a checkpoint every 100 steps and
-at each epoch's end (in the background), a log every 10 steps, heartbeats, the stall watchdog,
-TensorBoard and status, ``model.pt`` at the end. Each run is a whole ``torchrun`` launch, from
-start to the last process's exit (start-up, rendezvous, training, saves, shutdown), the
-converted one into a fresh run dir; the two alternate pair by pair (which one goes first too),
-so a machine that slows down meanwhile slows both. Each script also prints its training loop's
-time (first step to the end of the last epoch, the converted one's end-of-epoch checkpoints
-included), which tells the per-step cost from the start-up's. Prints each pair, then the ratios
-last: the median of the pairs' ratios and the ratio of the median times (converted / bare), for
-whole runs and for the loops alone.
+``benchmarks/own_loop/bare.py`` is a plain DDP script (an MLP of three layers, 1536 wide, on
+synthetic data, AdamW, ``DistributedSampler``): a step of 64 samples a rank takes tens of
+milliseconds on a CPU core, not a toy's one. ``converted.py`` is the same script converted
+(docs/own-loop.md), with clusterflow's defaults: the epoch plan, DDP with fixed buckets, a
+checkpoint every 100 steps and at each epoch's end (in the background), a log every 10 steps,
+heartbeats, the stall watchdog, TensorBoard and status, ``model.pt`` at the end.
+
+Two measures, each of whole ``torchrun`` launches from start to the last process's exit
+(start-up, rendezvous, training, saves, shutdown), the converted one into a fresh run dir, the
+two alternating pair by pair (which one goes first too), so a machine that slows down meanwhile
+slows both:
+
+- whole runs of about ten seconds (``--epochs``, ``--samples``): the converted over the bare, for
+  the whole run and for the training loop alone (first step to the end of the last epoch, as each
+  script's rank 0 prints it);
+- the fixed cost (``--fixed-pairs``): runs of one step, start to exit; the converted's seconds
+  above the bare's, and where they go: each side's :data:`SEGMENTS` (torchrun starting the
+  worker, imports, ``clusterflow.start()`` or ``init_process_group``, the model and data, the
+  loop, the end, the exit) from marks its rank 0 prints, and the converted's start-up phases as
+  its attempt's timeline records them (``RUN_DIR/timeline/attempt0.json``).
+
+Prints the machine's load average (1 minute) before and after: a shared machine's load moves
+both sides of a pair, and its spread is in the pairs.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
@@ -31,6 +43,13 @@ import time
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "own_loop")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BARE, CONVERTED = "bare.py", "converted.py"
+# Where a run's seconds go, from rank 0's marks (each script prints them) and the launch: torchrun
+# starting the worker; the script's imports; clusterflow.start() against init_process_group (the
+# converted one imports clusterflow's job side here); the model, optimizer, data and restore; the
+# loop; the end (run.finish() against the bare's save and destroy_process_group); the process's
+# exit as torchrun sees it.
+SEGMENTS = ("launcher", "imports", "start", "setup", "loop", "end", "exit")
 
 
 def _port() -> int:
@@ -39,10 +58,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def whole_run(script: str, nproc: int, args: list[str]) -> tuple[float, float]:
+def whole_run(script: str, nproc: int, args: list[str]) -> dict[str, float]:
     """Seconds from launching ``torchrun --nproc-per-node nproc script args`` to its exit, in a
-    fresh working directory (the converted script's run dir is runs/converted there), and the
-    seconds of its training loop (as its rank 0 printed them)."""
+    fresh working directory (the converted script's run dir is runs/converted there), with what
+    its rank 0 printed (``loop_s``, ``steps``, its marks), the :data:`SEGMENTS` between them and,
+    for the converted one, its attempt's start-up phases as its timeline recorded them."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=REPO)
     with tempfile.TemporaryDirectory(prefix="own-loop-") as cwd:
@@ -55,15 +75,49 @@ def whole_run(script: str, nproc: int, args: list[str]) -> tuple[float, float]:
             os.path.join(HERE, script),
             *args,
         ]
-        t0 = time.perf_counter()
+        t0, launched = time.perf_counter(), time.time()
         out = subprocess.run(command, check=False, cwd=cwd, env=env, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
+        seconds, exited = time.perf_counter() - t0, time.time()
         if out.returncode != 0:
             sys.exit(
                 f"{script} failed ({out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-3000:]}"
             )
-    loop = re.search(r"loop_s=([0-9.]+)", out.stdout)
-    return seconds, float(loop.group(1)) if loop else float("nan")
+        got = {"whole_s": seconds, "t_launch": launched, "t_exit": exited}
+        got.update({k: float(v) for k, v in re.findall(r"(\w+)=([0-9.]+)", out.stdout)})
+        marks = ["t_launch", "t_start", "t_imports", "t_joined", "t_ready", "t_loop", "t_end"]
+        for (a, b), name in zip(zip(marks, [*marks[1:], "t_exit"]), SEGMENTS):
+            got[name] = got[b] - got[a]
+        timeline = os.path.join(cwd, "runs", "converted", "timeline", "attempt0.json")
+        if os.path.exists(timeline):
+            record = json.load(open(timeline))
+            got.update({f"startup/{k}": v for k, v in record["startup"].items()})
+    return got
+
+
+def pairs(count: int, nproc: int, args: list[str], label: str) -> dict[str, list[dict[str, float]]]:
+    """``count`` pairs of whole runs of both scripts, alternating which goes first."""
+    runs: dict[str, list[dict[str, float]]] = {BARE: [], CONVERTED: []}
+    for i in range(count):
+        order = (BARE, CONVERTED) if i % 2 == 0 else (CONVERTED, BARE)
+        for name in order:
+            runs[name].append(whole_run(name, nproc, args))
+        b, c = runs[BARE][-1], runs[CONVERTED][-1]
+        print(
+            f"{label} pair {i + 1} ({order[0]} first): whole run bare {b['whole_s']:.2f} s, "
+            f"converted {c['whole_s']:.2f} s ({c['whole_s'] / b['whole_s']:.3f}x); loop bare "
+            f"{b['loop_s']:.2f} s, converted {c['loop_s']:.2f} s "
+            f"({c['loop_s'] / b['loop_s']:.3f}x); {b['steps']:.0f} steps",
+            flush=True,
+        )
+    return runs
+
+
+def median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs if key in r)
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
 
 
 def main() -> None:
@@ -71,48 +125,77 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--fixed-pairs", type=int, default=5)
     p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--samples", type=int, default=32768)
-    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--samples", type=int, default=16384)
+    p.add_argument("--width", type=int, default=1536)
     a = p.parse_args()
-    args = ["--epochs", str(a.epochs), "--samples", str(a.samples), "--width", str(a.width)]
-    whole_run("bare.py", a.nproc, ["--epochs", "1", "--samples", "1024"])  # warm the caches
-    times: dict[str, list[float]] = {"bare.py": [], "converted.py": []}
-    loops: dict[str, list[float]] = {"bare.py": [], "converted.py": []}
-    ratios, loop_ratios = [], []
-    for i in range(a.pairs):
-        order = ("bare.py", "converted.py") if i % 2 == 0 else ("converted.py", "bare.py")
-        for name in order:
-            whole, loop = whole_run(name, a.nproc, args)
-            times[name].append(whole)
-            loops[name].append(loop)
-        ratios.append(times["converted.py"][-1] / times["bare.py"][-1])
-        loop_ratios.append(loops["converted.py"][-1] / loops["bare.py"][-1])
-        print(
-            f"pair {i + 1} ({order[0]} first): whole run bare {times['bare.py'][-1]:.1f} s, "
-            f"converted {times['converted.py'][-1]:.1f} s ({ratios[-1]:.3f}x); loop bare "
-            f"{loops['bare.py'][-1]:.1f} s, converted {loops['converted.py'][-1]:.1f} s "
-            f"({loop_ratios[-1]:.3f}x)",
-            flush=True,
-        )
-    med = {k: statistics.median(v) for k, v in times.items()}
-    loop_med = {k: statistics.median(v) for k, v in loops.items()}
+    print(f"load average (1 min) at the start: {load()}; {os.cpu_count()} CPUs", flush=True)
+    width = ["--width", str(a.width)]
+    whole_run(BARE, a.nproc, ["--epochs", "1", "--samples", "1024", *width])  # warm the caches
+    one_step = ["--epochs", "1", "--samples", str(64 * a.nproc), *width]
+    fixed = pairs(a.fixed_pairs, a.nproc, one_step, "one step")
+    args = ["--epochs", str(a.epochs), "--samples", str(a.samples), *width]
+    runs = pairs(a.pairs, a.nproc, args, "whole run")
+
+    if a.pairs:
+        report_whole(runs, a)
+    if a.fixed_pairs:
+        report_fixed(fixed)
+    print(f"load average (1 min) at the end: {load()}")
+
+
+def report_whole(runs: dict[str, list[dict[str, float]]], a: argparse.Namespace) -> None:
+    b, c = runs[BARE], runs[CONVERTED]
+    step_ms = 1000 * median(b, "loop_s") / median(b, "steps")
     print(
-        f"{a.nproc} ranks, {a.epochs} epochs of {a.samples} samples, width {a.width}: whole run "
-        f"median bare {med['bare.py']:.1f} s, converted {med['converted.py']:.1f} s; loop median "
-        f"bare {loop_med['bare.py']:.1f} s, converted {loop_med['converted.py']:.1f} s"
+        f"{a.nproc} ranks, {a.epochs} epoch(s) of {a.samples} samples, width {a.width}: a bare "
+        f"step {step_ms:.1f} ms; whole run median bare {median(b, 'whole_s'):.2f} s, converted "
+        f"{median(c, 'whole_s'):.2f} s; loop median bare {median(b, 'loop_s'):.2f} s, converted "
+        f"{median(c, 'loop_s'):.2f} s"
     )
+    ratios = [y["whole_s"] / x["whole_s"] for x, y in zip(b, c)]
+    loop_ratios = [y["loop_s"] / x["loop_s"] for x, y in zip(b, c)]
     print(
         "whole runs, converted / bare: median of the pairs' ratios "
         f"{statistics.median(ratios):.3f}x, ratio of the medians "
-        f"{med['converted.py'] / med['bare.py']:.3f}x"
+        f"{median(c, 'whole_s') / median(b, 'whole_s'):.3f}x"
     )
     print(
-        f"loops alone, converted / bare: median of the pairs' ratios "
+        "loops alone, converted / bare: median of the pairs' ratios "
         f"{statistics.median(loop_ratios):.3f}x, ratio of the medians "
-        f"{loop_med['converted.py'] / loop_med['bare.py']:.3f}x"
+        f"{median(c, 'loop_s') / median(b, 'loop_s'):.3f}x"
     )
+
+
+def report_fixed(fixed: dict[str, list[dict[str, float]]]) -> None:
+    fb, fc = fixed[BARE], fixed[CONVERTED]
+    extra = [y["whole_s"] - x["whole_s"] for x, y in zip(fb, fc)]
+    print(
+        f"fixed cost (one step, start to exit): median bare {median(fb, 'whole_s'):.2f} s, "
+        f"converted {median(fc, 'whole_s'):.2f} s; converted - bare: median of the pairs "
+        f"{statistics.median(extra):+.2f} s"
+    )
+    rows = {
+        "where it goes (s), rank 0": [f"{s:>9}" for s in SEGMENTS],
+        "bare, median": [f"{median(fb, s):9.2f}" for s in SEGMENTS],
+        "converted, median": [f"{median(fc, s):9.2f}" for s in SEGMENTS],
+        "converted - bare, median of pairs": [
+            f"{statistics.median(y[s] - x[s] for x, y in zip(fb, fc)):+9.2f}" for s in SEGMENTS
+        ],
+    }
+    for label, cells in rows.items():
+        print(f"  {label:>33}:" + "".join(cells))
+    phases = sorted({k for r in fc for k in r if k.startswith("startup/")}, key=_phase_order)
+    where = ", ".join(f"{k.split('/', 1)[1]} {median(fc, k):.2f}" for k in phases)
+    print(f"  converted rank 0's timeline (s, from its process's start): {where}")
+
+
+def _phase_order(key: str) -> int:
+    order = ["imports", "rendezvous", "run dir", "task data", "model", "restore", "first batch"]
+    name = key.split("/", 1)[1]
+    return order.index(name) if name in order else len(order)
 
 
 if __name__ == "__main__":

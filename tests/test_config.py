@@ -1,9 +1,14 @@
+import dataclasses
+import importlib
 import textwrap
 
 import pytest
 import yaml
 
 from clusterflow import config
+from clusterflow.config import SECTIONS
+from clusterflow.config.job_config import task_keys_set
+from clusterflow.config.sections import APPLIES, SCRIPT, TASK
 from clusterflow.errors import UserError
 
 
@@ -222,3 +227,22 @@ def test_run_refuses_a_different_config_in_an_existing_run_dir(cli, tmp_path):
     out = cli("clusterflow.run", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=9")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "holds a run with a different config (train.epochs 3 -> 9)" in out.stderr
+
+
+def test_each_key_says_whom_it_applies_to_and_a_scripts_job_names_the_task_keys_it_sets():
+    applies = {}
+    for name, cls in SECTIONS.items():
+        # Each section in a module of its own that names the code reading it.
+        module = importlib.import_module(cls.__module__)
+        assert module.__name__ == f"clusterflow.config.sections.{name}"
+        assert "Read by" in module.__doc__ or "read by" in module.__doc__, name
+        for f in dataclasses.fields(cls):
+            assert f.metadata["applies"] in APPLIES, (name, f.name)
+            applies[f"{name}.{f.metadata.get('key', f.name)}"] = f.metadata["applies"]
+    assert applies["train.batch_size"] == applies["task.target"] == TASK
+    assert applies["script.path"] == SCRIPT and applies["train.parallel"] not in (TASK, SCRIPT)
+    cfg = config.load(
+        None,
+        ["run.dir=/tmp/x", "script.path=t.py", "train.batch_size=256", "train.parallel=fsdp"],
+    )
+    assert task_keys_set(cfg) == ["train.batch_size = 256"]

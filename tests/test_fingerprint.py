@@ -17,7 +17,7 @@ def test_every_config_key_is_classified_and_none_is_stale():
     }
     missing = sorted(declared - set(fingerprint.KEYS))
     stale = sorted(set(fingerprint.KEYS) - declared)
-    assert not missing, f"give these fields doc(kind=..., why=...) in config/sections.py: {missing}"
+    assert not missing, f"give these fields doc(kind=..., why=...) in config/sections/: {missing}"
     assert not stale, f"these keys are no longer in config.SECTIONS: {stale}"
     assert {k for k, _ in fingerprint.KEYS.values()} == {RESULT, NUMERICS, RESOURCE}
     assert all(why for _, why in fingerprint.KEYS.values())
@@ -139,7 +139,7 @@ def test_unknown_keys_count_as_result_and_sub_keys_are_named():
         and fingerprint.kind("cluster.sbatch_extra.x") == RESOURCE
     )
     old, new = cfg(), cfg()
-    new["train"]["brand_new"] = 1  # a key added to config/sections.py and forgotten here
+    new["train"]["brand_new"] = 1  # a key added to config/sections/ and forgotten here
     result, _ = fingerprint.compare(old, new)
     assert str(result[0]) == "train.brand_new (unset) -> 1"
     result, _ = fingerprint.compare(

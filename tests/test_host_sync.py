@@ -126,7 +126,7 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     )
     trainer = Trainer(run, task)
     calls, steps = [], {}
-    save, dataloader = run._save, trainer.loader.dataloader
+    save, dataloader = run.saves.save, trainer.loader.dataloader
 
     def start_of_loop(epoch):
         calls.clear()  # what the end-of-epoch work read belongs to no step
@@ -135,11 +135,14 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     def end_of_step(event):
         save(event)
         if event == checkpointer.STEP:
-            kind = "log" if run._log_due() else "save" if run.checkpointer.due(event) else "plain"
+            logs = run.reporter.log_due(
+                run.global_step, run.state.step_in_epoch, run.steps_per_epoch
+            )
+            kind = "log" if logs else "save" if run.checkpointer.due(event) else "plain"
             steps[run.global_step] = (kind, list(calls))
             calls.clear()
 
-    run._save, trainer.loader.dataloader = end_of_step, start_of_loop
+    run.saves.save, trainer.loader.dataloader = end_of_step, start_of_loop
     restore = _patch(calls, trainer.device)
     try:
         with _cuda_syncs_counted(device, calls):

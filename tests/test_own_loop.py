@@ -286,23 +286,34 @@ def test_a_loader_after_restore_and_a_bad_batch_are_refused_naming_run_loaders_a
     run.restore(model=model, optimizer=opt)
     message = refused(run.loader, Items(), 8)
     assert message.startswith("run.loader(...) came after run.restore") and "digest" in message
-    # A script's batch is run.loader's argument, never the config's train.batch_size.
+    # A script's batch is run.loader's argument (the one it passed), never the config's
+    # train.batch_size.
     said = [
         refused(a_run(tmp_path, "zero").loader, Items(), 0),
-        refused(a_run(tmp_path, "odd").loader, Items(), 8, accumulate=3),
-        refused(a_run(tmp_path, "big").loader, Items(), 128),
+        refused(a_run(tmp_path, "odd").loader, Items(), global_batch_size=8, accumulate=3),
+        refused(a_run(tmp_path, "big").loader, Items(), 40, accumulate=2),
+        refused(a_run(tmp_path, "gbig").loader, Items(), global_batch_size=128),
+        refused(a_run(tmp_path, "both").loader, Items(), 8, global_batch_size=8),
+        refused(a_run(tmp_path, "none").loader, Items()),
     ]
     assert said[0].startswith("run.loader(..., batch_size=0): must be an int >= 1"), said[0]
     assert said[1].startswith(
-        "run.loader(..., batch_size=8) must be divisible by world size x accumulate = 3"
-    ) and said[1].endswith("try run.loader(..., batch_size=6)"), said[1]
-    assert (
-        said[2].startswith(
-            "run.loader(..., batch_size=128) is larger than the training set of the dataset (64 "
-            "samples)"
-        )
-        and "lower batch_size to at most 64" in said[2]
+        "run.loader(..., global_batch_size=8) must be divisible by world size x accumulate = 3"
+    ) and said[1].endswith("try run.loader(..., global_batch_size=6)"), said[1]
+    assert said[2] == (
+        "run.loader(..., batch_size=40) takes 80 samples a step (world size x accumulate = 1 x 2 "
+        "batches of 40), more than the training set of the dataset holds (64 samples), so an "
+        "epoch has no full step; lower batch_size to at most 32"
     ), said[2]
+    assert (
+        said[3].startswith(
+            "run.loader(..., global_batch_size=128) is larger than the training set of the "
+            "dataset (64 samples)"
+        )
+        and "lower global_batch_size to at most 64" in said[3]
+    ), said[3]
+    assert said[4].startswith("run.loader(dataset, ...) got both of batch_size and global_"), said
+    assert said[5].startswith("run.loader(dataset, ...) got neither of batch_size and"), said
     assert not any("train." in m for m in said), said
 
 
@@ -417,21 +428,46 @@ def test_the_converted_script_trains_sharded_with_fsdp(tmp_path):
     assert json.loads(run_cli("clusterflow.status", d, "--json").stdout)["global_step"] == 18
 
 
-@pytest.mark.parametrize(
-    "example, args",
-    [
-        ("ddp_classifier.py", ["--epochs", "1", "--width", "8"]),
-        (
-            "pretrain.py",
-            ["--epochs", "1", "--samples", "256", "--seq-len", "16", "--d-model", "16"]
-            + ["--layers", "1", "--global-batch", "64", "--warmup", "2"],
-        ),
-    ],
-)
-def test_the_examples_run_at_toy_size(tmp_path, example, args):
+# Each example at toy size on 2 ranks, with the batch flags it documents, and the samples one
+# optimizer step trains on all ranks as its flags say: ddp_classifier's --batch is per rank (as
+# DataLoader's), pretrain's --global-batch is the whole step's (--accum micro-batches).
+EXAMPLES = {
+    "ddp_classifier.py": (["--epochs", "1", "--width", "8", "--batch", "24"], 24 * 2, 1437),
+    "pretrain.py": (  # a stream: 4 steps of 64 sequences
+        ["--steps", "4", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
+        + ["--global-batch", "64", "--accum", "2", "--warmup", "2"],
+        64,
+        4 * 64,
+    ),
+}
+
+
+@pytest.mark.parametrize("example", sorted(EXAMPLES))
+def test_every_example_trains_the_batch_its_flags_say(tmp_path, example):
+    args, per_step, samples = EXAMPLES[example]
     d = str(tmp_path / "run")
-    script = os.path.join(REPO, "examples", example)
-    out = run_cli("clusterflow.run", "--script", script, f"run.dir={d}", "--", *args)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    command = [sys.executable, "-m", "clusterflow.run", "--script"]
+    command += [os.path.join(REPO, "examples", example), f"run.dir={d}", "--", *args]
+    assert launch.wait(launch.start(2, None, None, d + "-logs", command=command)) == [0, 0], (
+        rank0_log(d)[-3000:]
+    )
     status = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
     assert status["state"] == "completed" and status["epoch"] == 1, status
+    assert status["global_step"] == samples // per_step, (status["global_step"], per_step)
+    (epoch,) = json.load(open(os.path.join(d, "sample_ledger.json")))["epochs"]
+    assert [(r["start"], r["end"], r["world_size"], r["batch_size"]) for r in epoch["ranges"]] == [
+        (0, samples, 2, per_step)
+    ]
+
+
+def test_a_batch_the_world_does_not_divide_names_the_scripts_argument(tmp_path):
+    script = os.path.join(REPO, "examples", "pretrain.py")
+    args = ["--steps", "2", "--global-batch", "63", "--accum", "2"]
+    out = run_cli("clusterflow.run", "--script", script, f"run.dir={tmp_path / 'r'}", "--", *args)
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "error: run.loader(..., global_batch_size=63) must be divisible by world size x "
+        "accumulate = 2"
+    ), last
+    assert last.endswith("try run.loader(..., global_batch_size=62)") and "train." not in last

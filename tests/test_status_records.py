@@ -361,7 +361,7 @@ def test_fuzzed_records_never_give_a_traceback(completed, kind, tmp_path, monkey
 # run, a sweep member): only the first ask is due.
 ONE_STATUS_WRITE = """
 import runpy, sys
-import clusterflow.train.session as session
+import clusterflow.observe.reporter as reporter
 
 class Once:
     def __init__(self, seconds):
@@ -371,7 +371,7 @@ class Once:
         self.asked += 1
         return self.asked == 1
 
-session.Every = Once
+reporter.Every = Once
 sys.argv = ["clusterflow.run", *sys.argv[1:]]
 runpy.run_module("clusterflow.run", run_name="__main__")
 """

@@ -57,7 +57,7 @@ from clusterflow.checkpoint.data_identity import DataIdentity
 from clusterflow.checkpoint.memory import MemorySnapshots
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import RngState, capture_rng
-from clusterflow.checkpoint.sharded import ShardedState
+from clusterflow.checkpoint.sharded import ShardedState, holds_shards
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
@@ -124,11 +124,14 @@ class Checkpointer:
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
         if cfg.train.parallel == "fsdp":
-            # Optimizers, and states that say they are sharded like the model (the EMA).
+            # Optimizers, and every state that holds shards (the trainer's EMA, a second model
+            # set up, a script's dict of sharded tensors).
             shards = {
                 n: o
                 for n, o in self.states.items()
-                if isinstance(o, torch.optim.Optimizer) or getattr(o, "sharded", False)
+                if isinstance(o, torch.optim.Optimizer)
+                or getattr(o, "sharded", False)
+                or holds_shards(o)
             }
             self.sharded = ShardedState(model, shards)
             self.states = {n: o for n, o in self.states.items() if n not in shards}

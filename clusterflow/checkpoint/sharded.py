@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from clusterflow.distributed import comm as dist
 from clusterflow.storage import durable
@@ -55,20 +56,47 @@ def _clone(obj: object) -> Any:
     return obj
 
 
+def holds_shards(obj: object) -> bool:
+    """Whether a registered state's ``state_dict`` holds DTensors (a second sharded model, a
+    dict of sharded tensors): every rank saves and loads its own part of it."""
+    if isinstance(obj, torch.optim.Optimizer) or not callable(getattr(obj, "state_dict", None)):
+        return False
+
+    def walk(v: object) -> bool:
+        if isinstance(v, DTensor):
+            return True
+        if isinstance(v, dict):
+            return any(walk(x) for x in v.values())
+        if isinstance(v, (list, tuple)):
+            return any(walk(x) for x in v)
+        return False
+
+    return walk(obj.state_dict())  # type: ignore[union-attr]
+
+
 class ShardedState:
     """The sharded part of a checkpoint: ``model`` (an FSDP2 module) and ``states`` by the names
-    they are registered under: optimizers over its parameters, and states whose ``state_dict``
-    holds DTensors sharded like them (the EMA weights)."""
+    they are registered under: optimizers (each over the parameters of the model, or of another
+    registered module, it steps), and states whose ``state_dict`` holds DTensors (the EMA
+    weights, a second model)."""
 
     def __init__(self, model: torch.nn.Module, states: Mapping[str, Any]) -> None:
         self.model, self.states = model, dict(states)
+        modules = [model, *(o for o in self.states.values() if isinstance(o, torch.nn.Module))]
+        owner = {id(p): m for m in modules for p in m.parameters()}
+        # Each optimizer's model: the module whose parameters it steps.
+        self.model_of = {
+            name: owner.get(id(opt.param_groups[0]["params"][0]), model)
+            for name, opt in self.states.items()
+            if isinstance(opt, torch.optim.Optimizer) and opt.param_groups[0]["params"]
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: each rank's shards, keyed by parameter name (what DCP reshards by)."""
         out = {"model": get_model_state_dict(self.model)}
         for name, obj in self.states.items():
             out[name] = (
-                get_optimizer_state_dict(self.model, obj)
+                get_optimizer_state_dict(self.model_of.get(name, self.model), obj)
                 if isinstance(obj, torch.optim.Optimizer)
                 else obj.state_dict()
             )
@@ -113,7 +141,7 @@ class ShardedState:
             set_model_state_dict(self.model, target["model"])
             for name, obj in self.states.items():
                 if isinstance(obj, torch.optim.Optimizer):
-                    set_optimizer_state_dict(self.model, obj, target[name])
+                    set_optimizer_state_dict(self.model_of.get(name, self.model), obj, target[name])
                 else:
                     obj.load_state_dict(target[name])
 

@@ -1,7 +1,8 @@
 """Typed configuration (no torch: it runs on the login node).
 
 - ``job_config.py``: the :class:`Config` of sections, YAML + ``a.b=c`` overrides, ``check_resume``;
-- ``sections.py``: one dataclass per section, each field documented where it is declared;
+- ``sections/``: one dataclass per section, each in a module that names the code reading it, each
+  field documented where it is declared (its help, kind, and whom it applies to: a task, a script);
 - ``yaml_file.py``: reading a config file defensively;
 - ``values.py``: from YAML values to typed fields;
 - ``fingerprint.py``: every key classed result / numerics / resource, for resuming.

@@ -13,7 +13,7 @@ Some resource keys change the result through another key; these are derived valu
 with the result keys: the world size when ``train.lr_scaling`` scales the learning rate with it,
 and the precision ``train.amp=auto`` resolves to (bf16 on a GPU, none on CPU; ``dist.backend=gloo``
 trains on CPU). Each key's kind and the reason for it are declared next to the key's field in
-``sections.py`` (``doc(kind=..., why=...)``, which refuses a field without them); :data:`KEYS`
+``sections/`` (``doc(kind=..., why=...)``, which refuses a field without them); :data:`KEYS`
 is built from there. Everything else here works on plain config dicts (``Config.to_dict()``). A
 key this table does not know (say, one a newer version added) counts as ``result``: it can
 never be changed silently.
@@ -33,7 +33,7 @@ from clusterflow.config.sections import NUMERICS, RESULT, SECTIONS, keys
 
 def _classified() -> dict[str, tuple[str, str]]:
     """``section.key`` -> (kind, why) of every config field, as declared next to the field
-    (``doc(kind=..., why=...)`` in ``sections.py``), in the config reference's order."""
+    (``doc(kind=..., why=...)`` in ``sections/``), in the config reference's order."""
     out = {}
     for section, cls in SECTIONS.items():
         fields = {f.name: f for f in dataclasses.fields(cls)}

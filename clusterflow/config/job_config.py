@@ -2,7 +2,7 @@
 the one rule for resuming a run with a config.
 
 Precedence: dataclass defaults < YAML file < command-line overrides. The sections and their
-checks live in ``sections.py``; ``docs/configuration.md`` is generated from them
+checks live in ``sections/``; ``docs/configuration.md`` is generated from them
 (``python -m clusterflow.config``). This module must not import torch: it runs on the login node.
 """
 
@@ -22,6 +22,7 @@ from clusterflow.config import fingerprint
 from clusterflow.config import yaml_file as config_yaml
 from clusterflow.config.sections import (
     SECTIONS,
+    TASK,
     CheckpointConfig,
     ClusterConfig,
     DataConfig,
@@ -33,7 +34,7 @@ from clusterflow.config.sections import (
     TaskConfig,
     TrackersConfig,
     TrainConfig,
-    _check,
+    check,
     is_url,
     keys,
 )
@@ -58,7 +59,7 @@ class Config:
     def __post_init__(self) -> None:
         world = self.cluster.world_size
         per_step = world * self.train.grad_accum
-        _check(
+        check(
             # A script's batches come from its run.loader call, not from train.batch_size.
             bool(self.script.path) or self.train.batch_size % per_step == 0,
             "train.batch_size",
@@ -67,14 +68,14 @@ class Config:
             f"= {per_step} so every rank gets the same micro-batch; try "
             f"train.batch_size={max(per_step, self.train.batch_size // per_step * per_step)}",
         )
-        _check(
+        check(
             self.mining.embed_with != "ema" or self.train.ema_decay > 0,
             "mining.embed_with",
             self.mining.embed_with,
             "embedding with the EMA weights needs train.ema_decay > 0 (e.g. 0.999)",
         )
         window = self.train.profile_window
-        _check(
+        check(
             window is None or max(window[2]) < world,
             "train.profile",
             self.train.profile,
@@ -82,7 +83,7 @@ class Config:
             f"(0..{world - 1}); name ranks below {world}",
         )
         ckpt = self.checkpoint.dir
-        _check(
+        check(
             self.train.parallel != "fsdp" or not is_url(ckpt) or ckpt.startswith("file://"),
             "checkpoint.dir",
             ckpt,
@@ -90,7 +91,7 @@ class Config:
             "they all mount; use a path on a shared filesystem (or train.parallel=ddp)",
         )
 
-        _check(
+        check(
             self.train.parallel != "fsdp" or self.checkpoint.memory_every_steps == 0,
             "checkpoint.memory_every_steps",
             self.checkpoint.memory_every_steps,
@@ -105,7 +106,7 @@ class Config:
         window, t = self.train.profile_window, self.train
         per_epoch = samples // t.batch_size
         last = t.epochs * per_epoch
-        _check(
+        check(
             window is None or window[0] <= last,
             "train.profile",
             t.profile,
@@ -413,16 +414,38 @@ def from_dict(data: dict[str, Any]) -> Config:
     return build(data, source="resolved config")
 
 
+def task_keys_set(cfg: Config) -> list[str]:
+    """The keys of a task's that ``cfg`` sets to other than their defaults (``applies=TASK``),
+    as ``key = value``: what a script's job says it leaves alone."""
+    out = []
+    for name, cls in SECTIONS.items():
+        section = getattr(cfg, name)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("applies") != TASK:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            value = getattr(section, f.name)
+            if value != default:
+                out.append(f"{name}.{f.metadata.get('key', f.name)} = {short(repr(value))}")
+    return out
+
+
 def reference_markdown() -> str:
     """The configuration reference, generated from the dataclasses (docs/configuration.md)."""
     lines = [
         "# Configuration reference",
         "",
         (
-            "Generated from `clusterflow/config/sections.py` by "
+            "Generated from `clusterflow/config/sections/` by "
             "`python -m clusterflow.config > docs/configuration.md`;"
         ),
         "a test fails when this page and the code disagree.",
+        "",
+        (
+            "*applies to*: whose job reads the key: a task's (the task trainer), a script's "
+            "(your own loop: [own loop](own-loop.md)), or both. A script's job that sets a key "
+            "of a task's says so in one line."
+        ),
         "",
         "Precedence: defaults < YAML file < `section.key=value` overrides on the command line.",
         "",
@@ -433,8 +456,8 @@ def reference_markdown() -> str:
             "",
             (cls.__doc__ or "").strip(),
             "",
-            "| key | type | default | meaning |",
-            "|---|---|---|---|",
+            "| key | type | default | applies to | meaning |",
+            "|---|---|---|---|---|",
         ]
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
@@ -448,7 +471,7 @@ def reference_markdown() -> str:
                 tname = str(tp).replace("typing.", "")
             lines.append(
                 f"| `{name}.{key}` | {tname} | `{json.dumps(default)}` "
-                f"| {f.metadata.get('help', '')} |"
+                f"| {f.metadata['applies']} | {f.metadata.get('help', '')} |"
             )
         lines.append("")
     return "\n".join(lines)

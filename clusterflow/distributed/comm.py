@@ -331,6 +331,50 @@ def all_reduce_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# The reductions a script may ask for (``run.reduce``); "mean" is the sum over the world size.
+REDUCE_OPS = ("mean", "sum", "max", "min")
+
+
+def reduce(t: torch.Tensor, op: str = "mean") -> torch.Tensor:
+    """A copy of ``t`` reduced over every rank (``op``: one of :data:`REDUCE_OPS`; an integer
+    tensor's mean is a float one). ``t`` itself is unchanged."""
+    if op not in REDUCE_OPS:
+        raise UserError(f"run.reduce(tensor, op={op!r}): op is one of {', '.join(REDUCE_OPS)}")
+    if not torch.is_tensor(t):
+        raise UserError(f"run.reduce(tensor, ...): expected a torch.Tensor, got {type(t).__name__}")
+    out = t.detach().clone()
+    if initialized():
+        kind = {"max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}.get(op, tdist.ReduceOp.SUM)
+        tdist.all_reduce(out, op=kind)
+    return out / world() if op == "mean" else out
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along the first dimension, in rank order, on every rank;
+    the first dimensions may differ (the last, smaller batch of an evaluation): each rank's is
+    padded to the largest for the collective and trimmed on arrival."""
+    if not torch.is_tensor(t) or t.dim() == 0:
+        raise UserError(
+            "run.gather(tensor): expected a torch.Tensor of at least one dimension (rows), got "
+            f"{type(t).__name__}{' of 0 dimensions' if torch.is_tensor(t) else ''}"
+        )
+    if not initialized():
+        return t.detach().clone()
+    shapes = [None] * world()
+    tdist.all_gather_object(shapes, (tuple(t.shape[1:]), str(t.dtype)))
+    if len(set(shapes)) > 1:
+        raise UserError(
+            "run.gather(tensor): every rank's tensor must have the same shape after the first "
+            f"dimension and the same dtype; the ranks have {', '.join(map(str, shapes))}"
+        )
+    rows = [int(r) for r in all_gather_tensors(torch.tensor([t.shape[0]], device=t.device))]
+    most = max(rows)
+    part = t.detach().contiguous()
+    if part.shape[0] < most:
+        part = torch.cat([part, part.new_zeros((most - part.shape[0], *part.shape[1:]))])
+    return torch.cat([p[:r] for p, r in zip(all_gather_tensors(part), rows)])
+
+
 def gather_rows(
     indices: np.ndarray, rows: np.ndarray, n: int, dim: int, dtype: npt.DTypeLike = None
 ) -> np.ndarray | None:

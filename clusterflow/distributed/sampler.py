@@ -57,9 +57,9 @@ def split(total: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class BatchKey:
-    """Where the user sets the global batch, as the messages about it name it: a task's
-    ``train.batch_size`` and ``train.grad_accum``, a script's ``run.loader(..., batch_size=...)``
-    and its ``accumulate``."""
+    """Where the user sets the batch, as the messages about it name it: a task's
+    ``train.batch_size`` and ``train.grad_accum``, a script's ``run.loader(...,
+    global_batch_size=...)`` or its per-rank ``batch_size``, and its ``accumulate``."""
 
     name: str  # the setting, to lower or keep
     accumulate: str  # the micro-batches of a step
@@ -77,6 +77,12 @@ TASK_BATCH = BatchKey(
     "train.batch_size", "grad_accum", "train.batch_size = {}", "train.batch_size={}"
 )
 LOADER_BATCH = BatchKey(
+    "global_batch_size",
+    "accumulate",
+    "run.loader(..., global_batch_size={})",
+    "run.loader(..., global_batch_size={})",
+)
+RANK_BATCH = BatchKey(
     "batch_size", "accumulate", "run.loader(..., batch_size={})", "run.loader(..., batch_size={})"
 )
 

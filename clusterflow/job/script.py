@@ -35,7 +35,7 @@ import torch
 from clusterflow import config as cfgmod
 from clusterflow import rundir
 from clusterflow.checkpoint.rng import seed_everything
-from clusterflow.config.job_config import Config, from_dict
+from clusterflow.config.job_config import Config, from_dict, task_keys_set
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job.attempt import Attempt, exit_code, record_failure
 from clusterflow.rundir import frozen_code
@@ -103,6 +103,14 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
         for line in ignored:
             if run.rank == 0:
                 log.warning("%s", line)
+        unread = task_keys_set(job.cfg)
+        if unread and run.rank == 0:
+            log.warning(
+                "%s: keys of a task's job, which a script's does not read (its batch is "
+                "run.loader's, its optimizer and schedule its own): %s",
+                _what(job.cfg),
+                ", ".join(unread),
+            )
         seed_everything(job.cfg.run.seed)  # identical initial weights on every rank
     except RunStopped:
         raise

@@ -1,8 +1,18 @@
 """The training loop and what it is made of.
 
-- ``session.py``: :class:`Run`, the library API's run (docs/own-loop.md): setup, the epoch plan's
-  loader, the registered states and their restore, epochs, steps, mining, the end; each guarantee
-  of the loop implemented once, for scripts and tasks alike;
+- ``session.py``: :class:`Run`, the library API's run (docs/own-loop.md), a facade: each guarantee
+  of the loop implemented once, for scripts and tasks alike, in the parts below and in
+  ``observe/reporter.py``, ``mining/adapter.py``, ``checkpoint/registered.py``;
+- ``call_order.py``: which call may come when (named phases, a transition table), and the one
+  line that refuses a call out of order;
+- ``accounting.py``: the epoch's plan of global batches, the step each batch belongs to, what
+  ``run.step`` counts;
+- ``loader.py``: ``run.loader``'s DataLoader over the epoch plan, and the checks of its arguments;
+- ``stream.py``: ``run.loader`` over an ``IterableDataset`` (torchdata's ``StatefulDataLoader``),
+  each rank's position saved per rank;
+- ``models.py``: the models ``run.setup`` placed and wrapped, one call per model, compiled or not;
+- ``saves.py``: when the loop's events commit a checkpoint, how an agreed stop ends the job
+  (:class:`RunStopped`), the run's end;
 - ``trainer.py``: :class:`Trainer`: a task's loop on a Run (its model, optimizer, schedule, AMP,
   accumulation, EMA, eval; then mining and the epoch's save, which the Run does);
 - ``builders.py``: the model, optimizer, lr schedule, AMP dtype, ``task.init_from``;

@@ -73,7 +73,7 @@ class Trainer:
         self.dataset = task.train_dataset()
         self.loader = run.loader(
             self.dataset,
-            t.batch_size,
+            global_batch_size=t.batch_size,
             accumulate=t.grad_accum,
             set_epoch=task.set_epoch,
             num_workers=d.num_workers,

@@ -69,7 +69,7 @@ def main():
     model, optimizer = run.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     dataset = Blobs()
-    loader = run.loader(dataset, batch_size=args.batch * run.world_size, num_workers=args.workers)
+    loader = run.loader(dataset, batch_size=args.batch, num_workers=args.workers)
     run.restore(model=model, optimizer=optimizer, scheduler=scheduler)
 
     for epoch in run.epochs(args.epochs):

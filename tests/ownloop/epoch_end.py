@@ -80,7 +80,7 @@ def main():
     model, optimizer = run.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     history = {"val": [], "lr": [], "draws": [], "epochs_seen": 0}
-    loader = run.loader(Blobs(), batch_size=args.batch, num_workers=args.workers)
+    loader = run.loader(Blobs(), global_batch_size=args.batch, num_workers=args.workers)
     val = Blobs(n=64, seed=2)
     run.restore(model=model, optimizer=optimizer, scheduler=scheduler, history=history)
 
