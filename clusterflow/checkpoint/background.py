@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from clusterflow.storage import gil
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -48,7 +50,8 @@ class BackgroundWrite:
             t0 = time.perf_counter()
             error = None
             try:
-                write()
+                with gil.writing():
+                    write()
             # Kept and reported: a failed save is never silent.
             except BaseException as exc:  # noqa: BLE001
                 error = on_error(step, exc)

@@ -48,7 +48,7 @@ from clusterflow.distributed import comm as dist
 from clusterflow.distributed.env import DistEnv, address_toward
 from clusterflow.rundir import timeline
 from clusterflow.rundir.saved_config import portable
-from clusterflow.storage import replica, snapshots
+from clusterflow.storage import gil, replica, snapshots
 from clusterflow.storage.names import MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
 from clusterflow.storage.store import Checkpoint
@@ -211,12 +211,13 @@ class MemorySnapshots:
 
         def write() -> None:
             try:
-                if staging is not None and snap is not None:
-                    staging.copy_rest(snap)
-                    state = staging.result(snap)
-                else:
-                    state = files
-                self._commit(step, state, meta)
+                with gil.writing():
+                    if staging is not None and snap is not None:
+                        staging.copy_rest(snap)
+                        state = staging.result(snap)
+                    else:
+                        state = files
+                    self._commit(step, state, meta)
             except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: said, never fatal
                 self._say_failed(step, exc)
 

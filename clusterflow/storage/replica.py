@@ -31,7 +31,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from clusterflow.storage import durable
+from clusterflow.storage import durable, gil
 from clusterflow.storage import manifest as schema
 from clusterflow.storage.names import MANIFEST
 from clusterflow.storage.snapshots import REPLICA, Key, NodeSnapshots
@@ -125,7 +125,7 @@ class Receiver:
             ).start()
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
-        with conn:
+        with conn, gil.writing():
             conn.settimeout(self.timeout_s)
             try:
                 self.receive(conn, peer)
