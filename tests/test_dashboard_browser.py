@@ -132,8 +132,8 @@ class LiveRun:
 
 EXAMPLE_ARGS = {
     "ddp_classifier": ["--epochs", "1", "--width", "8"],
-    "pretrain": ["--epochs", "1", "--samples", "256", "--seq-len", "16", "--d-model", "16"]
-    + ["--layers", "1", "--global-batch", "64", "--warmup", "2"],
+    "pretrain": ["--steps", "4", "--seq-len", "16", "--d-model", "16", "--layers", "1"]
+    + ["--global-batch", "64", "--warmup", "2"],
 }
 
 

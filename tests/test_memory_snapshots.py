@@ -31,7 +31,7 @@ from clusterflow.checkpoint.memory import MemorySnapshots, peer_of
 from clusterflow.manage.status import collect
 from clusterflow.rundir import RunPaths, timeline
 from clusterflow.storage import replica, snapshots
-from clusterflow.storage.names import MODEL, TRAIN_STATE
+from clusterflow.storage.names import MANIFEST, MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
 from clusterflow.storage.tensors import TORCH
 
@@ -237,7 +237,13 @@ def killed(tmp_path_factory):
         pytest.skip("a UTS namespace per rank needs root (CI runs as root)")
     root = tmp_path_factory.mktemp("killed")
     d, memory = str(root / "run"), str(root / "memory")
-    codes = launch.run(2, "configs/tiny.yaml", _overrides(d, memory), d, env=KILLED, nodes=NODES)
+    # Both replicas of step 9 arrived before rank 1 dies (each test reads one of them).
+    replicas = [
+        _snapshot(memory, d, node, f"replica-a0-r{rank}-w2", 9, MANIFEST)
+        for node, rank in (("node-b", 0), ("node-a", 1))
+    ]
+    env = {**KILLED, "CLUSTERFLOW_TEST_KILL_AFTER": os.pathsep.join(replicas)}
+    codes = launch.run(2, "configs/tiny.yaml", _overrides(d, memory), d, env=env, nodes=NODES)
     assert codes[1] == -signal.SIGKILL, codes
     return d, memory
 

@@ -8,6 +8,7 @@ import glob
 import os
 import signal
 import sys
+import time
 
 import launch
 import pytest
@@ -48,9 +49,14 @@ def killed_at(run_dir, step, world=2, config=(), args=()):
     """A run killed with SIGKILL before step ``step``'s optimizer steps; the step resumed."""
     procs = start(run_dir, world, {"HOLD_AT_STEP": str(step)}, config, args)
     wait_for(os.path.join(run_dir + "-seen", "held"), procs, timeout=600)
+    # A checkpoint written in the background may still be committing while rank 0 holds.
+    store = CheckpointStore(os.path.join(run_dir, "checkpoints"))
+    deadline = time.monotonic() + 300
+    while not store.steps() and time.monotonic() < deadline:
+        time.sleep(0.1)
     launch.kill(procs)
     assert launch.wait(procs) == [-signal.SIGKILL] * world
-    committed = CheckpointStore(os.path.join(run_dir, "checkpoints")).steps()
+    committed = store.steps()
     assert committed and max(committed) < step, committed
     return max(committed)
 

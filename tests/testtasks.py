@@ -230,7 +230,8 @@ class KillAtEnv(PseudoIDTask):
     set in its environment, and otherwise trains as PseudoIDTask: a test kills one launch at an
     exact step and resumes with another launch of the very same config.
     ``$CLUSTERFLOW_TEST_KILL_RANK`` limits it to one rank (e.g. 1: a rank that dies while its peers
-    wait)."""
+    wait). ``$CLUSTERFLOW_TEST_KILL_AFTER`` (paths joined by ``os.pathsep``): the kill waits until
+    each exists (a replica that must have arrived before the rank dies)."""
 
     calls = 0
 
@@ -242,6 +243,10 @@ class KillAtEnv(PseudoIDTask):
         )
         me = tdist.get_rank() if tdist.is_initialized() else 0
         if at and self.calls == int(at) and (rank is None or int(rank) == me):
+            after = [p for p in os.environ.get("CLUSTERFLOW_TEST_KILL_AFTER", "").split(os.pathsep)]
+            deadline = time.monotonic() + 300
+            while not all(os.path.exists(p) for p in after if p) and time.monotonic() < deadline:
+                time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().loss(model, batch, labels)
 
