@@ -392,6 +392,7 @@ class Run:
         # watch: the marks of the step's start and of its last forward.
         self._step_mark = self._busy_until = 0.0
         self._waited_mark = self._waited_until = 0.0
+        self._data_wait = 0.0  # seconds this step waited for its batches of run.loader
         self._closed = False
         # A stop agreed at an epoch's last step: saved there, before the loop's end-of-epoch work
         # (the task trainer: its eval and mining resume in a fresh attempt), or at the epoch's end
@@ -623,7 +624,16 @@ class Run:
         loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.plan)
         self._steps = iter(self.plan.batches_from(s.sample_in_epoch or 0))  # type: ignore[union-attr]
         accumulate = loader.accumulate
-        for items in loader.dataloader(s.epoch):
+        batches = iter(loader.dataloader(s.epoch))
+        while True:
+            # The heartbeat's data wait: a step's first batch is waited for from the step's mark
+            # (run.step's clock read), a later micro-batch from when the loop asks for it.
+            asked = self._step_mark if self._micro == 0 else time.perf_counter()
+            try:
+                items = next(batches)
+            except StopIteration:
+                break
+            self._data_wait += time.perf_counter() - asked
             if self._micro == 0:
                 if self._awaiting_step:
                     self._step_missing()
@@ -792,6 +802,7 @@ class Run:
         self.phases.set(phases.TRAIN)
         self._step_mark = self._busy_until = time.perf_counter()
         self._waited_mark = self._waited_until = dist.waited_s()
+        self._data_wait = 0.0
         if self._steps_left() == 0:  # resumed after the epoch's last step, before its end
             self._steps_done_rng = capture_rng()
             reason = self.stop.agree()
@@ -867,8 +878,14 @@ class Run:
         self._profile.end(s.global_step)
         # Python numbers: the heartbeat reads nothing from the device.
         busy = self._busy_until - self._step_mark - (self._waited_until - self._waited_mark)
-        self.phases.tick(s.global_step, busy if self._busy_until > self._step_mark else None)
-        self._step_mark, self._waited_mark = time.perf_counter(), dist.waited_s()
+        now = time.perf_counter()
+        self.phases.tick(
+            s.global_step,
+            busy if self._busy_until > self._step_mark else None,
+            self._data_wait,
+            now - self._step_mark,
+        )
+        self._step_mark, self._waited_mark, self._data_wait = now, dist.waited_s(), 0.0
         if self._first_step:
             self._first_step = False
             self.startup.mark(FIRST_STEP)
