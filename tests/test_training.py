@@ -9,6 +9,7 @@ import time
 import launch
 import pytest
 import torch
+from test_on_event import end_hanging, fired, notify_script
 
 
 def losses(run_dir):
@@ -77,8 +78,12 @@ def _steps(run_dir):
 
 
 def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path):
+    """Also: observe.on_event runs its command when the stopped run is requeued (a command that
+    then hangs, never waited for) and when the resumed one completes; the weights stay the
+    reference's."""
     d = str(tmp_path / "term")
-    over = [f"run.dir={d}"]
+    command, told = notify_script(str(tmp_path), hang_on="requeued")
+    over = [f"run.dir={d}", f"observe.on_event={command}"]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
     assert _wait_for(lambda: any(s >= 4 for s in _steps(d)))
     os.kill(
@@ -91,7 +96,14 @@ def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path
     )
     stopped_at = status["global_step"]
     assert _steps(d)[-1] == stopped_at  # the stop committed a checkpoint at the agreed step
-    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    try:
+        assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+        lines = fired(told)
+        assert [line[:3] for line in lines] == [("requeued", "0", d), ("completed", "1", d)]
+        # the requeue's command still hangs: the resumed attempt trained and ended without it
+        os.kill(int(lines[0][3]), 0)
+    finally:
+        end_hanging(fired(told))
     assert same_weights(weights(d), weights(reference))
     assert len(open(os.path.join(d, "attempts.jsonl")).readlines()) == 2
 

@@ -67,7 +67,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.distributed.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
-from clusterflow.observe import heartbeat
+from clusterflow.observe import events, heartbeat
 from clusterflow.rundir import (
     first_error,
     restarts,
@@ -269,6 +269,11 @@ class Driver:
         self.faulty: list[str] = []  # out of use after a node fault or stall
         self.avoid: list[str] = []  # left out while enough others remain
         self.signalled = False
+        self.events = events.OnEvent(
+            cfg.observe.on_event,
+            self.paths,
+            f"the batch step's driver of job {environ.get('SLURM_JOB_ID', '?')}",
+        )
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
@@ -293,6 +298,9 @@ class Driver:
             if not p.restart:
                 if fault is not None:
                     _say(f"not restarted in the job after {_what(fault)}: {p.why}")
+                said = _what(fault) if fault is not None else f"exit status {end.exit_status}"
+                self.events.fire(events.FAILED, rundir.current_attempt(self.paths), said)
+                self.events.settle()
                 return end.exit_status
             assert fault is not None
             used += 1
@@ -374,10 +382,12 @@ class Driver:
             attempt=rundir.attempt_count(self.paths),
         )
         out = f" ({', '.join(p.left_out)} left out)" if p.left_out else ""
-        _say(
+        said = (
             f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
             f"from the newest checkpoint on {', '.join(p.nodes)}{out}"
         )
+        _say(said)
+        self.events.fire(events.REQUEUED, failed, said)
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         # Slurm signals the step itself; the driver waits for it to save and end, then stops.
