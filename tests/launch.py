@@ -54,7 +54,31 @@ def run(world, config, overrides, log_dir, timeout=600):
     return wait(start(world, config, overrides, log_dir), timeout)
 
 
+def wait_for_file(path, procs, timeout=300):
+    """Until ``path`` exists; fails when a process ends first or after ``timeout`` seconds."""
+    t0 = time.time()
+    while not os.path.exists(path):
+        codes = [p.poll() for p in procs]
+        assert all(c is None for c in codes), f"a rank ended before {path}: {codes}"
+        assert time.time() - t0 < timeout, f"no {path} after {timeout} s"
+        time.sleep(0.1)
+
+
+def children(procs):
+    """The live child processes of ``procs`` (a rank's DataLoader workers)."""
+    out = []
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/task/{p.pid}/children", encoding="ascii") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
 def kill(procs, sig=signal.SIGKILL):
+    """``sig`` to every process of each one's group (its DataLoader workers too), as Slurm
+    signals every process of a job."""
     for p in procs:
         try:
             os.killpg(p.pid, sig)

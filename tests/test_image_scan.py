@@ -113,14 +113,15 @@ def test_sigterm_during_the_dataset_scan_stops_the_job_before_its_first_step(
     digits, tmp_path, monkeypatch
 ):
     """SIGTERM while the task scans its folder: the job ends at once and cleanly, as a stop before
-    the first step does (exit 0, state requeued for `run`, stops.jsonl), nothing trained."""
+    the first step does (exit 0, state stopped for `run` outside Slurm, stops.jsonl), nothing
+    trained."""
     root = twenty_pngs(digits, tmp_path / "data")
     monkeypatch.setenv("PYTHONPATH", os.path.join(REPO, "tests"))
     run_dir = tmp_path / "run"
     res = train(run_dir, root, "task.target=testtasks:TermDuringScan")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     status = json.load(open(run_dir / "status.json"))
-    assert status["state"] == "requeued" and not status.get("error"), status
+    assert status["state"] == "stopped" and not status.get("error"), status
     assert os.path.exists(run_dir / "stops.jsonl")
     assert not os.path.exists(run_dir / "checkpoints") or not [
         n for n in os.listdir(run_dir / "checkpoints") if n.startswith("step-")

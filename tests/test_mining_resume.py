@@ -249,13 +249,13 @@ def test_a_signal_in_the_search_spread_over_every_rank(uninterrupted, tmp_path, 
 
 def test_a_stop_in_a_sharded_search_saves_and_stops(uninterrupted, tmp_path, monkeypatch):
     """SIGTERM on rank 1 after its 2nd query block of a sharded round (a preemption's signal):
-    every rank stops at the next hop as on any other stop (exit 0, requeued), and the
+    every rank stops at the next hop as on any other stop (exit 0, stopped outside Slurm), and the
     resumed round searches only the blocks not yet finished."""
     d = str(tmp_path / "run")
     at = "0:1:block:2:TERM"
     first = signalled(d, "sharded", at, 1, monkeypatch)
     state = json.load(open(os.path.join(d, "status.json")))["state"]
-    assert first == [[0, 0]] and state == "requeued", (first, state)  # as a TERM elsewhere
+    assert first == [[0, 0]] and state == "stopped", (first, state)  # as a TERM elsewhere
     assert signalled(d, "sharded", at, 1, monkeypatch) == [[0, 0]]
     history = same_run(d, uninterrupted["sharded"])
     assert history[0]["resumed"]["embeddings"] and history[0]["resumed"]["search_blocks"] >= 2

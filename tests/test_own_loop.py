@@ -16,6 +16,7 @@ import sys
 import time
 
 import launch
+import numpy as np
 import pytest
 import torch
 from conftest import REPO, run_cli, weights_equal
@@ -265,6 +266,11 @@ def test_state_after_restore_and_a_model_not_set_up_are_refused(tmp_path):
     other = torch.nn.Linear(4, 2)
     assert "was not passed to run.setup" in refused(lambda: run.restore(model=other))
     assert "cannot be saved" in refused(lambda: run.restore(model=model, extra=object()))
+    with open(os.devnull) as f:  # refused here, not at the first save (nor at the resume)
+        message = refused(lambda: run.restore(model=model, extra={"n": [1, {"f": f}]}))
+    assert "run.restore(extra=...): extra['n'][1]['f'] is a TextIOWrapper" in message, message
+    message = refused(lambda: run.restore(model=model, extra={"a": np.zeros(2)}))
+    assert "extra['a'] is a ndarray, which a checkpoint cannot hold" in message, message
     assert "before run.restore" in refused(lambda: next(iter(run.epochs(1))))
     assert not run.restore(model=original, optimizer=opt, counters={"seen": 0})
     assert "called twice" in refused(lambda: run.restore(model=model, optimizer=opt))
@@ -272,6 +278,32 @@ def test_state_after_restore_and_a_model_not_set_up_are_refused(tmp_path):
     other_run = a_run(tmp_path, "reserved")
     message = refused(other_run.restore, model=set_up(other_run)[0], train={})
     assert "'train' is a name the checkpoint keeps" in message
+
+
+def test_a_loader_after_restore_and_a_bad_batch_are_refused_naming_run_loaders_argument(tmp_path):
+    run = a_run(tmp_path, "late")
+    model, opt, _ = set_up(run)
+    run.restore(model=model, optimizer=opt)
+    message = refused(run.loader, Items(), 8)
+    assert message.startswith("run.loader(...) came after run.restore") and "digest" in message
+    # A script's batch is run.loader's argument, never the config's train.batch_size.
+    said = [
+        refused(a_run(tmp_path, "zero").loader, Items(), 0),
+        refused(a_run(tmp_path, "odd").loader, Items(), 8, accumulate=3),
+        refused(a_run(tmp_path, "big").loader, Items(), 128),
+    ]
+    assert said[0].startswith("run.loader(..., batch_size=0): must be an int >= 1"), said[0]
+    assert said[1].startswith(
+        "run.loader(..., batch_size=8) must be divisible by world size x accumulate = 3"
+    ) and said[1].endswith("try run.loader(..., batch_size=6)"), said[1]
+    assert (
+        said[2].startswith(
+            "run.loader(..., batch_size=128) is larger than the training set of the dataset (64 "
+            "samples)"
+        )
+        and "lower batch_size to at most 64" in said[2]
+    ), said[2]
+    assert not any("train." in m for m in said), said
 
 
 def test_a_script_with_its_own_shuffled_loader_fails_with_one_line(tmp_path):

@@ -73,14 +73,10 @@ TABLE = [
         0,
         Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
     ),
-    ("preempted", "single", None, 0, Action("preempted", "requeued")),
-    (
-        "timeout",
-        "torchrun",
-        None,
-        9,
-        Action("timeout", "requeued"),
-    ),  # torchrun outside Slurm: nobody requeues
+    # python train.py, torchrun outside Slurm: nobody requeues; the same command resumes
+    ("preempted", "single", None, 0, Action("preempted", "stopped")),
+    ("preempted", "torchrun", None, 0, Action("preempted", "stopped")),
+    ("timeout", "torchrun", None, 9, Action("timeout", "stopped")),
     ("preempted", "submitit-local", None, 0, Action("preempted", "stopped")),
     ("timeout", "submitit-local", None, 1, Action("timeout", "stopped")),
     # a user's cancel or Ctrl-C: never requeued, whoever launched the job

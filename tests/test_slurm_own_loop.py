@@ -1,6 +1,7 @@
 """A script of the user's own on the real local Slurm cluster (``submit --script``, the converted
-DDP script of tests/ownloop/): preempted by ``scontrol requeue`` in mid-epoch 1, it saves and
-comes back as a requeued attempt; a rank of that attempt SIGKILLed in mid-epoch 2 restarts it
+DDP script of tests/ownloop/, a DataLoader worker a rank): preempted by ``scontrol requeue`` in
+mid-epoch 1 (Slurm's SIGTERM reaches the workers too), it saves and comes back as a requeued
+attempt; a rank of that attempt SIGKILLed in mid-epoch 2 restarts it
 inside the allocation on the spare node; the run ends bitwise equal to the same script's
 uninterrupted run, and ``status`` and ``goodput`` say what happened. One run serves every check
 (about 3 minutes with its reference)."""
@@ -38,6 +39,9 @@ def submit_script(run_dir, *overrides, wait=False, extra_env=None):
         "--",
         "--epochs",
         "3",
+        # Slurm signals every process of the job, the DataLoader workers too.
+        "--workers",
+        "1",
         env={**env(), **(extra_env or {})},
     )
     m = re.search(r"submitted job (\d+)", out.stdout)
@@ -82,7 +86,10 @@ def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(c
 
     s = status(d)
     assert s["state"] == "completed" and s["attempts"] == 3, s
-    assert s["script"] == {"path": os.path.normpath(SCRIPT), "args": ["--epochs", "3"]}
+    assert s["script"] == {
+        "path": os.path.normpath(SCRIPT),
+        "args": ["--epochs", "3", "--workers", "1"],
+    }
     assert s["global_step"] == 18 and s["epoch"] == 3, s
     attempts = read_jsonl(os.path.join(d, "attempts.jsonl"))
     assert [a["job_id"] for a in attempts] == [job] * 3, attempts
@@ -103,7 +110,7 @@ def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(c
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref, "model.pt"))
 
     shown = run_cli("clusterflow.status", d, env=env()).stdout
-    assert f"script       {os.path.normpath(SCRIPT)} --epochs 3" in shown, shown
+    assert f"script       {os.path.normpath(SCRIPT)} --epochs 3 --workers 1" in shown, shown
     assert "attempts     3 (1 restart(s) inside the job" in shown, shown
     out = run_cli("clusterflow.goodput", d, "--json", env=env())
     assert out.returncode == 0, out.stdout + out.stderr

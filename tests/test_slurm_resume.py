@@ -2,7 +2,8 @@
 model.pt bitwise equal to the uninterrupted reference run of the same config and topology.
 
 (a) `scontrol requeue` in mid-epoch, then the time-limit signal (SIGUSR2), which makes rank 0
-    requeue the job itself; (b) real preemption by an --exclusive job in the high partition;
+    requeue the job itself, with a DataLoader worker a rank (Slurm signals it too); (b) real
+    preemption by an --exclusive job in the high partition;
 (c) SIGKILL of the whole job in the middle of a checkpoint write, synchronous (after a mining
     round) and in the background while both nodes train on; (d) damaged newest checkpoints
     skipped on resume.
@@ -63,9 +64,10 @@ def stop_and_resume_steps(run_dir):
 
 def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_path):
     d = str(tmp_path / "run")
-    job, _ = submit(d, *SLOW)
+    job, _ = submit(d, *SLOW, "data.num_workers=1")
     wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
-    scmd("scontrol", "requeue", job)  # Slurm sends SIGTERM to every task, then requeues the job
+    # Slurm sends SIGTERM to every process of the job (the workers too), then requeues it.
+    scmd("scontrol", "requeue", job)
     wait_until("the requeued attempt in mid-epoch 2", lambda: at_step(d, 9, attempt=1), job_id=job)
     # What Slurm sends ahead of the time limit (--signal=USR2@...): rank 0 requeues the job itself.
     scmd("scancel", "--signal=USR2", job)

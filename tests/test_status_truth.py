@@ -165,6 +165,22 @@ def test_a_rank_killed_before_the_rendezvous_ends_the_local_job_at_once(tmp_path
     assert s["state"] == "failed" and s["error"].startswith("rank 1") and expected in s["error"]
 
 
+def test_a_rank_killed_by_a_signal_in_native_code_is_named_with_the_signal(tmp_path):
+    d = str(tmp_path / "run")
+    out = run_cli(
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "task.target=testtasks:AbortInLoss",
+        "cluster.tasks_per_node=1",
+        "--local",
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    named = "died first, during the run: it recorded no Python error: killed by SIGABRT (Aborted)"
+    assert named in out.stderr and "testtasks.py" in out.stderr, out.stderr
+    assert named in status(d)["error"]
+
+
 def test_a_rank_that_raises_is_named_with_its_own_error_not_a_peers(tmp_path):
     """Also: observe.on_event runs its command once for the failure, and a command that fails
     (exit 3) changes nothing of what the run says."""

@@ -65,6 +65,15 @@ def _signal_ranks(record, sig):
             os.kill(pid, sig)
 
 
+def _workers(record):
+    """The ranks' child processes: their DataLoader workers."""
+    out = []
+    for _, pid, _ in record["procs"]:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{pid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out
+
+
 def test_cancelling_a_local_sweep_stops_the_running_member_and_starts_no_other(tmp_path):
     """submit configs/tiny.yaml train.epochs=2 run.dir=SW --sweep train.lr=0.001,0.002,0.003
     --local, then `cancel SW` while member 1 runs (its ranks held still with SIGSTOP so that it
@@ -213,17 +222,24 @@ def test_logs_follow_ends_after_the_job_is_killed_with_sigkill(tmp_path):
     assert "status says failed" in err, err
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_local_job_says_how_to_resume(tmp_path):
-    """`kill` (SIGTERM) of a local job's ranks: saved and stopped; submit says so, with how to
-    resume, and exits 143 (not a failure's 1)."""
+    """`kill` (SIGTERM) of every process of a local job, its ranks' DataLoader workers too (as
+    Slurm signals a job): saved and stopped; submit says so, with how to resume, and exits 143
+    (not a failure's 1); the same command then completes."""
     run_dir = str(tmp_path / "run")
-    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    args = ["configs/tiny.yaml", f"run.dir={run_dir}", "data.num_workers=1", "--local"]
+    proc = _start(args, str(tmp_path))
     try:
         _until(lambda: _logged_a_step(run_dir), proc)
         record = _attempt(run_dir)
         _signal_ranks(record, signal.SIGSTOP)
         try:
+            workers = _workers(record)
+            assert len(workers) == 2, workers  # one a rank
             _signal_ranks(record, signal.SIGTERM)
+            for pid in workers:
+                os.kill(pid, signal.SIGTERM)
         finally:
             _signal_ranks(record, signal.SIGCONT)
         code = proc.wait(timeout=300)
@@ -231,9 +247,13 @@ def test_sigterm_to_a_local_job_says_how_to_resume(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = open(tmp_path / "stdout.txt").read()
-    assert code == 143, out
+    assert code == 143, out + open(tmp_path / "stderr.txt").read()
     assert "stopped by SIGTERM" in out and "resume by running the same command again" in out
     assert _status(run_dir)["state"] == "stopped"
+    again = run_cli("clusterflow.submit", *args)
+    assert again.returncode == 0, again.stdout + again.stderr
+    seen = _status(run_dir)
+    assert seen["state"] == "completed" and seen["attempts"] == 2, seen
 
 
 @pytest.mark.slow

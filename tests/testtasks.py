@@ -36,6 +36,19 @@ class CrashOnRank1(PseudoIDTask):
         return super().loss(model, batch, labels)
 
 
+class AbortInLoss(PseudoIDTask):
+    """Aborts (SIGABRT, as a library's failed assertion in native code does) at its second
+    step."""
+
+    calls = 0
+
+    def loss(self, model, batch, labels):
+        self.calls += 1
+        if self.calls == 2:
+            os.abort()
+        return super().loss(model, batch, labels)
+
+
 class Slow(PseudoIDTask):
     """Sleeps ``step_sleep`` seconds per step, so a test can signal a run in mid-epoch."""
 

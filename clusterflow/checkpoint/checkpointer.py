@@ -1,10 +1,15 @@
 """The one owner of checkpoints in a run: when one is due, what goes in it, writing and reading it.
 
-The loop only says what happened (:data:`STEP`, :data:`EPOCH_END`, :data:`STOP`); the checkpointer
-decides whether a save is due:
+The loop only says what happened (:data:`STEP`, :data:`LOOP_END`, :data:`EPOCH_END`,
+:data:`STOP`); the checkpointer decides whether a save is due:
 
 - every ``checkpoint.every_steps`` optimizer steps, except at the last step of an epoch, which is
   saved after its eval and mining instead (so the labels of a finished round are in it);
+- at the last step of an epoch whose end runs a script's mining round (:data:`LOOP_END`; the run
+  says when): the states as the loop ended them, before the script's own code after the loop
+  changes them (a validation, a per-epoch scheduler step), so that a stop or a kill before the
+  epoch's end resumes there and that code runs once; the end-of-epoch checkpoint of the same step
+  supersedes it;
 - at the end of every epoch (after eval and mining);
 - on a stop (a signal agreed by every rank).
 
@@ -68,7 +73,7 @@ from clusterflow.storage.tensors import TORCH
 
 log = logging.getLogger("clusterflow.checkpointer")
 
-STEP, EPOCH_END, STOP = "step", "epoch end", "stop"
+STEP, LOOP_END, EPOCH_END, STOP = "step", "loop end", "epoch end", "stop"
 
 
 class CheckpointWriteError(RunFailed):
@@ -185,6 +190,9 @@ class Checkpointer:
             elif background:
                 if dist.rank() == 0:
                     self._start_write(rngs)
+                    if event == LOOP_END and self.staging is not None:
+                        # The script's code after the loop may change any state in place.
+                        self.staging.settle()
             else:
                 self._write_now(rngs, failed)
         return self._scalars(time.perf_counter() - t0)
@@ -209,6 +217,17 @@ class Checkpointer:
                 self._write_sharded(rngs, failed)
             else:
                 self._write_now(rngs, failed)
+
+    def wait(self) -> None:
+        """This rank's write in flight, finished (a failure is reported by the write itself)."""
+        if self._writes_here:
+            self._wait_for_write(expected=True)
+
+    def landed(self) -> None:
+        """Collective, at a stop whose state a save in flight (or committed) holds already: wait
+        for that write. A failure, reported already, is not written again: the state has moved on
+        since it was taken, and the resume goes back to the checkpoint before it."""
+        dist.broadcast_object(self._wait_for_write(expected=True) if self._writes_here else None)
 
     def _write_sharded(self, rngs: list[RngState] | None, retry_of: str | None) -> None:
         """Collective: the sharded save written now (``_sharded_save``); a failure fails the job

@@ -14,7 +14,9 @@ into host buffers that it keeps between saves: one extra host copy of rank 0's s
 - The model's parameters and the optimizers' state change only in ``optimizer.step``: the
   writer's thread copies them (:meth:`Staging.copy_rest`), and a step pre-hook on every optimizer
   holds the next step until they are copied (on a GPU the hook makes the training stream wait
-  for the side stream's event; the host waits only until the copies are queued).
+  for the side stream's event; the host waits only until the copies are queued). Where other
+  code may change them next (a script's own code after its epoch's loop), :meth:`Staging.settle`
+  holds the loop the same way at once.
 - Every deferred tensor's version counter (bumped by any in-place change) is compared with its
   value at the boundary: a tensor changed by something other than a gated ``optimizer.step``
   (a task updating a teacher network by hand) tears the snapshot, and that write fails
@@ -138,6 +140,11 @@ class Staging:
             torch.cuda.current_stream(snap.device).wait_event(done)
         self._pending = snap
         return snap
+
+    def settle(self) -> None:
+        """Hold the loop until the pending snapshot is copied whole: from here on anything, not
+        only an optimizer step, may change the state in place."""
+        self._gate()
 
     def _gate(self, *_: object) -> None:
         """Optimizer step pre-hook: the step changes deferred tensors, so they must be copied

@@ -55,31 +55,60 @@ def split(total: int, parts: int) -> list[int]:
     return [len(shard_range(total, i, parts)) for i in range(parts)]
 
 
-def check_fits(n: int, batch_size: int, per_step: int, target: str) -> None:
-    """An epoch needs at least one global batch (``train.batch_size`` samples); ``per_step``
+@dataclass(frozen=True)
+class BatchKey:
+    """Where the user sets the global batch, as the messages about it name it: a task's
+    ``train.batch_size`` and ``train.grad_accum``, a script's ``run.loader(..., batch_size=...)``
+    and its ``accumulate``."""
+
+    name: str  # the setting, to lower or keep
+    accumulate: str  # the micro-batches of a step
+    said: str  # the value seen ("{}": the value)
+    form: str  # the value to set instead
+
+    def seen(self, value: object) -> str:
+        return self.said.format(value)
+
+    def set_to(self, value: int) -> str:
+        return self.form.format(value)
+
+
+TASK_BATCH = BatchKey(
+    "train.batch_size", "grad_accum", "train.batch_size = {}", "train.batch_size={}"
+)
+LOADER_BATCH = BatchKey(
+    "batch_size", "accumulate", "run.loader(..., batch_size={})", "run.loader(..., batch_size={})"
+)
+
+
+def check_fits(
+    n: int, batch_size: int, per_step: int, target: str, key: BatchKey = TASK_BATCH
+) -> None:
+    """An epoch needs at least one global batch (``batch_size`` samples); ``per_step``
     (world size x grad_accum) must divide the batch."""
     # The config checks cluster.*; torchrun may start another number of processes.
+    seen = key.seen(batch_size)
     if batch_size % per_step:
         raise UserError(
-            f"train.batch_size = {batch_size} must be divisible by world size "
-            f"x grad_accum = {per_step} (the processes this job runs); try "
-            f"train.batch_size={max(per_step, batch_size // per_step * per_step)}"
+            f"{seen} must be divisible by world size x {key.accumulate} = {per_step} (the "
+            f"processes this job runs); try "
+            f"{key.set_to(max(per_step, batch_size // per_step * per_step))}"
         )
     if n >= batch_size:
         return
     fit = n // per_step * per_step
     fix = (
-        f"lower train.batch_size to at most {fit} (a "
-        f"multiple of world size x grad_accum = {per_step})"
+        f"lower {key.name} to at most {fit} (a multiple of world size x {key.accumulate} = "
+        f"{per_step})"
         if fit
         else (
-            f"the dataset is smaller than world size x grad_accum = {per_step}: "
+            f"the dataset is smaller than world size x {key.accumulate} = {per_step}: "
             "use fewer processes or a larger dataset"
         )
     )
     raise UserError(
-        f"train.batch_size = {batch_size} is larger than the training set "
-        f"of {target} ({n} samples), so an epoch has no full batch; {fix}"
+        f"{seen} is larger than the training set of {target} ({n} samples), so an epoch has no "
+        f"full batch; {fix}"
     )
 
 
@@ -173,6 +202,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         seed: int,
         grad_accum: int = 1,
         order: Callable[[int, int], Order] | None = None,
+        key: BatchKey = TASK_BATCH,
     ) -> None:
         if batch_size % (world * grad_accum):
             raise ValueError(
@@ -182,6 +212,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if n < batch_size:
             raise ValueError(f"dataset of {n} samples is smaller than one batch of {batch_size}")
         self.n, self.rank, self.world, self.seed, self.grad_accum = n, rank, world, seed, grad_accum
+        self.key = key  # for messages
         self.order = order or (lambda seed, epoch: epoch_permutation(n, seed, epoch))
         self.plan = EpochPlan.of(n, batch_size)
         self.epoch = 0
@@ -198,8 +229,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         if smallest < self.world * self.grad_accum:
             raise UserError(
                 f"epoch {epoch} has a global batch of {smallest} samples, fewer than world size "
-                f"x grad_accum = {self.world} x {self.grad_accum}: some rank would have no "
-                "sample; resume with fewer processes, or with the train.batch_size it started with"
+                f"x {self.key.accumulate} = {self.world} x {self.grad_accum}: some rank would "
+                f"have no sample; resume with fewer processes, or with the {self.key.name} it "
+                "started with"
             )
 
     def __len__(self) -> int:

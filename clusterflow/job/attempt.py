@@ -12,6 +12,8 @@ as a fresh start.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import functools
 import logging
 import os
@@ -84,6 +86,11 @@ class Attempt:
         # end here; the attempt marks its own phases, the run the rest up to the first step.
         self.startup = timeline.Startup(timeline.process_started_at())
         self.startup.mark(timeline.IMPORTS)
+        if not faulthandler.is_enabled():
+            # A fatal signal in native code (gloo's abort, a segfault) leaves its name and the
+            # Python stack on stderr, where `submit --local` names it and Slurm's log keeps it.
+            with contextlib.suppress(ValueError, OSError, RuntimeError):  # no stderr to write to
+                faulthandler.enable(file=sys.__stderr__ or 2, all_threads=True)
         self.environ = os.environ if environ is None else environ
         self.env = DistEnv.from_env(self.environ)
         self.cfg = config if isinstance(config, Config) else from_dict(dict(config))
@@ -172,6 +179,8 @@ class Attempt:
         dist.shutdown()
         self.events.settle()
         self.outcome = outcome
+        if outcome == State.COMPLETED:  # nothing left to save: a signal ends the process again
+            self.preemption.uninstall()
         return outcome, exit_code(outcome)
 
     def fail(self, exc: BaseException) -> None:

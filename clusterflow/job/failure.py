@@ -52,8 +52,9 @@ def _task_file(target: str) -> str | None:
 def task_frame(
     exc: BaseException, target: str, script: str | None = None
 ) -> traceback.FrameSummary | None:
-    """The outermost frame of ``exc``'s traceback in the task's module (the Task method clusterflow
-    called: ``build_model``, ``loss``, ...), or in ``script`` (a script of the user's own), or
+    """The frame of ``exc``'s traceback to name: in the task's module, its outermost (the Task
+    method clusterflow called: ``build_model``, ``loss``, ...); in ``script`` (a script of the
+    user's own), its innermost (the script's line that raised, or that called what raised); else
     None."""
     path = os.path.realpath(script) if script else _task_file(target)
     if path is None:
@@ -61,7 +62,9 @@ def task_frame(
     frames = [
         f for f in traceback.extract_tb(exc.__traceback__) if os.path.realpath(f.filename) == path
     ]
-    return frames[0] if frames else None
+    if not frames:
+        return None
+    return frames[-1] if script else frames[0]
 
 
 def _one_line(exc: BaseException) -> str:

@@ -73,8 +73,8 @@ def decide(
         return Action(StopReason.CANCELLED, State.CANCELLED)
     if outcome == StopReason.INTERRUPTED:  # the user stopped it here: nothing brings it back
         return Action(StopReason.INTERRUPTED, State.STOPPED)
-    if slurm_state is None:  # nothing will bring the job back by itself
-        return Action(outcome, State.STOPPED if source == "submitit-local" else State.REQUEUED)
+    if slurm_state is None:  # not a Slurm job: nothing brings it back; the same command resumes
+        return Action(outcome, State.STOPPED)
     if interactive:  # saved; the user runs the same command again
         return Action(State.STOPPED, State.STOPPED)
     if outcome == StopReason.TIMEOUT:

@@ -19,14 +19,16 @@ script that returns or exits without ``run.finish()`` fails with one line saying
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import runpy
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 
@@ -34,7 +36,7 @@ from clusterflow import config as cfgmod
 from clusterflow import rundir
 from clusterflow.checkpoint.rng import seed_everything
 from clusterflow.config.job_config import Config, from_dict
-from clusterflow.errors import EXIT_JOB_FAILED, RunFailed, UserError
+from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job.attempt import Attempt, exit_code, record_failure
 from clusterflow.rundir import frozen_code
 from clusterflow.rundir.states import State
@@ -107,10 +109,51 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
     except BaseException as exc:
         job.fail(exc)
         raise
+    sys.stdout = _Tee(sys.stdout, job.paths.log_file(job.env.rank, job.attempt))
     _active = job
     if ctx is None:
         _guard(job)
     return run
+
+
+class _Tee:
+    """The script's standard output, into its rank's log too, where ``clusterflow logs`` and the
+    dashboard read it (under ``submit --script`` the process's own output is a file of Slurm's
+    or submitit's). Lines, as ``print`` writes them; clusterflow's log lines on rank 0's console
+    go to the stream the logging set up, not through this."""
+
+    def __init__(self, stream: TextIO, path: str) -> None:
+        self.stream = stream
+        # Open until the script ends (close_log), line-buffered: a print is in the log at once.
+        self.log: TextIO | None = open(  # noqa: SIM115
+            path, "a", encoding="utf-8", errors="replace", buffering=1
+        )
+
+    def write(self, text: str) -> int:
+        written = self.stream.write(text)
+        if self.log is not None:
+            try:
+                self.log.write(text)
+            except (OSError, ValueError):  # a full disk never fails the script's print
+                self.log = None
+        return written
+
+    def flush(self) -> None:
+        self.stream.flush()
+        if self.log is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.log.flush()
+
+    def close_log(self) -> TextIO:
+        """Stop copying; returns the stream."""
+        if self.log is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self.log.close()
+            self.log = None
+        return self.stream
+
+    def __getattr__(self, name: str) -> object:  # fileno, isatty, encoding, ...
+        return getattr(self.stream, name)
 
 
 def _what(cfg: Config) -> str:
@@ -218,6 +261,9 @@ def _guard(job: Attempt) -> None:
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if job.outcome is not None:  # the job had ended
+            if isinstance(exc, UserError):  # a call after the end: one line, as any misuse
+                print(f"error: {exc}", file=sys.stderr)
+                _leave(EXIT_BAD_INPUT)
             previous(kind, exc, tb)
             return
         code = EXIT_JOB_FAILED
@@ -229,7 +275,16 @@ def _guard(job: Attempt) -> None:
         _leave(code)
 
     sys.excepthook = hook
+    # At the interpreter's shutdown, before it joins threads and before concurrent.futures
+    # refuses new work (its hook, registered when clusterflow imported it, runs after this one):
+    # the checkpoint write in flight completes (an epoch's end is written in the background).
+    threading._register_atexit(_write_done, job)  # type: ignore[attr-defined]
     atexit.register(_at_exit, job)
+
+
+def _write_done(job: Attempt) -> None:
+    if job.outcome is None and job.run is not None and job.run.checkpointer is not None:
+        job.run.checkpointer.wait()
 
 
 def _at_exit(job: Attempt) -> None:
@@ -280,7 +335,7 @@ def run_script(config: Config, environ: Mapping[str, str] | None = None) -> str:
     cfg = config if isinstance(config, Config) else from_dict(dict(config))
     paths = rundir.RunPaths(cfg.run.dir)
     file = script_file(cfg, paths)
-    argv, path = sys.argv, list(sys.path)
+    argv, path, stdout = sys.argv, list(sys.path), sys.stdout
     sys.argv = [file, *cfg.script.args]
     sys.path.insert(0, os.path.dirname(file))  # as python puts a script's folder first
     _context, _active = _Context(cfg, file), None
@@ -299,6 +354,9 @@ def run_script(config: Config, environ: Mapping[str, str] | None = None) -> str:
         raise
     finally:
         sys.argv, sys.path[:] = argv, path
+        if isinstance(sys.stdout, _Tee):
+            sys.stdout.close_log()
+        sys.stdout = stdout
         _context = None
     if _active is None:
         _fail(

@@ -94,6 +94,38 @@ def _rank_of(pid: int) -> int | None:
         return None
 
 
+# What Python's faulthandler (every rank enables it: job/attempt.py) prints for each fatal
+# signal, and the signal.
+_FATAL = {
+    "Aborted": "SIGABRT",
+    "Segmentation fault": "SIGSEGV",
+    "Floating point exception": "SIGFPE",
+    "Bus error": "SIGBUS",
+    "Illegal instruction": "SIGILL",
+}
+_FATAL_LINE = "Fatal Python error: "
+
+
+def _fatal_signal(lines: list[str]) -> str:
+    """The fatal signal a rank's stderr names (faulthandler's dump), with the Python line it came
+    in: "killed by SIGABRT (Aborted) in native code, called from FILE:LINE in FUNCTION"; "" when
+    it names none."""
+    at = max((i for i, line in enumerate(lines) if line.startswith(_FATAL_LINE)), default=None)
+    if at is None:
+        return ""
+    what = lines[at][len(_FATAL_LINE) :].strip()
+    name = _FATAL.get(what)
+    said = f"killed by {name} ({what})" if name else f"{what} (a fatal signal)"
+    # The first frame of the thread that got it (most recent call first), after the others'.
+    current = next(
+        (i for i in range(at + 1, len(lines)) if lines[i].startswith("Current thread ")), None
+    )
+    frame = lines[current + 1].strip() if current is not None and current + 1 < len(lines) else ""
+    if not frame.startswith("File "):
+        return f"{said} in native code"
+    return f"{said} in native code, called from {frame[5:]}"
+
+
 class RankWatch:
     def __init__(
         self,
@@ -167,21 +199,29 @@ class RankWatch:
             return str(own.get("error"))
         from submitit.core.utils import JobPaths
 
+        stderr = str(JobPaths(self.folder, self.job.job_id, rank).stderr)
         try:
-            with open(
-                JobPaths(self.folder, self.job.job_id, rank).stderr,
-                encoding="utf-8",
-                errors="replace",
-            ) as f:
-                printed = [line[7:].strip() for line in f if line.startswith("error: ")]
+            with open(stderr, encoding="utf-8", errors="replace") as f:
+                lines = f.read().splitlines()
         except OSError:
-            printed = []
+            lines = []
+        printed = [line[7:].strip() for line in lines if line.startswith("error: ")]
         if printed:
             return printed[-1]
+        fatal = _fatal_signal(lines)
+        if fatal:
+            return f"it recorded no Python error: {fatal}; its Python stack then is in {stderr}"
         return (
             "it recorded no Python error: killed by a signal, out of memory, or a crash in native "
             f"code; see {self.folder}"
         )
+
+    def unexplained(self) -> str | None:
+        """After the job ended without a recorded cause (a rank killed in native code before the
+        watch saw it gone): the first rank gone without a result, named and recorded as
+        :meth:`stop` does, or None."""
+        rank = self.first_dead()
+        return self.stop(rank) if rank is not None else None
 
     def stop(self, rank: int) -> str:
         """End the job because ``rank`` died; returns (and, if this run dir is free, records)
@@ -308,7 +348,12 @@ def _run_here(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None) -> in
         status, _ = rundir.read_object(paths.status)
         attempt = rundir.current_attempt(paths)
         code = failed_exit_code(status, first_error.read(paths, attempt))
-        said = why or first_error.cause(paths, status, attempt) or "the job failed; see the logs"
+        said = (
+            why
+            or first_error.cause(paths, status, attempt)
+            or watch.unexplained()
+            or "the job failed; see the logs"
+        )
         print(f"error: {said}", file=sys.stderr)
         if code != EXIT_BAD_INPUT:
             print(

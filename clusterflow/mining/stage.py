@@ -40,6 +40,7 @@ from tqdm import tqdm
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
 from clusterflow.config.sections import DataConfig, MiningConfig
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import workers
 from clusterflow.distributed.groups import Subgroup
 from clusterflow.distributed.sampler import shard_range
 from clusterflow.errors import RunFailed
@@ -121,6 +122,8 @@ def embed_shard(
         shuffle=False,
         num_workers=num_workers,
         pin_memory=pin,
+        # A stop signal reaches the workers too: the round stops, they outlive it.
+        worker_init_fn=workers.quiet(None) if num_workers else None,
     )
     host: torch.Tensor | None = None
     idx = []
@@ -128,7 +131,7 @@ def embed_shard(
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for b in loader:
+        for b in workers.started(loader):
             idx.append(b["index"])
             b = {
                 k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v

@@ -1,12 +1,13 @@
 """Rank 0's record of its attempt in time (``rundir/timeline.py``), for the goodput ledger.
 
 The trainer tells :class:`AttemptTimeline` when the restore ended, when the first step ended,
-each committed checkpoint (from the checkpointer, possibly on its write thread), its log steps
-and the end of the loop. Phase seconds come from :class:`~clusterflow.observe.phases.Phases`,
-which adds them up at phase changes only; the start-up's phases come from :class:`Startup`,
-which the attempt and the run mark as they get there. Writes: one at the first step, one per
-commit, at most one per ``WRITE_EVERY_S`` at log steps, one at the end; nothing per step. Other
-ranks get :class:`NullTimeline` (nothing to write, nothing to report).
+each committed checkpoint (from the checkpointer, possibly on its write thread), each step
+(a clock read) and the end of the loop. Phase seconds come from
+:class:`~clusterflow.observe.phases.Phases`, which adds them up at phase changes only; the
+start-up's phases come from :class:`Startup`, which the attempt and the run mark as they get
+there. Writes: one at the first step, one per commit, at most one per ``WRITE_EVERY_S`` as steps
+go (a kill loses at most that much of the record), one at the end. Other ranks get
+:class:`NullTimeline` (nothing to write, nothing to report).
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def process_started_at(pid: int | None = None) -> float | None:
 
 # The phases of an attempt's start-up, in order (:class:`Startup`): the interpreter, the imports
 # and the config; joining the process group; the run dir taken and the attempt recorded; the
-# task and its data built; the model, optimizer and loader set up (a script: its code between
-# ``clusterflow.start()`` and ``run.restore``); the checkpoint read; the first batch loaded; the
-# first step (its forward, backward and optimizer step).
+# task and its data built; the model, optimizer and loader set up; the checkpoint read; the first
+# batch loaded; the first step (its forward, backward and optimizer step). A script's code
+# between ``clusterflow.start()`` and ``run.restore`` is the model's up to ``run.setup``, the
+# data's up to ``run.loader`` (in whichever order it calls them), the model's after both.
 IMPORTS = "imports"
 RENDEZVOUS = "rendezvous"
 RUN_DIR = "run dir"
@@ -50,6 +52,7 @@ MODEL = "model"
 RESTORE = "restore"
 FIRST_BATCH = "first batch"
 FIRST_STEP = "first step"
+PHASES = (IMPORTS, RENDEZVOUS, RUN_DIR, TASK_DATA, MODEL, RESTORE, FIRST_BATCH, FIRST_STEP)
 
 
 class Startup:
@@ -65,6 +68,9 @@ class Startup:
         now = time.time()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + max(0.0, now - self._last)
         self._last = now
+        # In the phases' order, whichever a script reached first (its model or its data).
+        ordered = sorted(self.seconds, key=lambda p: PHASES.index(p) if p in PHASES else 99)
+        self.seconds = {p: self.seconds[p] for p in ordered}
 
 
 def categories(seconds: dict[str, float]) -> dict[str, float]:
@@ -95,7 +101,7 @@ class NullTimeline:
 
 
 class AttemptTimeline(NullTimeline):
-    # At log steps, as often as status.json's progress (a kill loses at most this much record).
+    # As often as status.json's progress (a kill loses at most this much record).
     WRITE_EVERY_S = 1.0
 
     def __init__(

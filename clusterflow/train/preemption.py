@@ -27,10 +27,13 @@ from types import FrameType
 
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import AsyncMax
+from clusterflow.distributed.workers import STOP_SIGNALS
 from clusterflow.rundir.states import StopReason
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
-HANDLED = (signal.SIGTERM, signal.SIGINT, *TIMEOUT_SIGNALS)
+# SIGTERM, SIGINT and the time-limit signals: the ranks' DataLoader workers outlive them
+# (distributed/workers.py), and the rank stops.
+HANDLED = STOP_SIGNALS
 # The training loop's interval_s: how much training may pass between two agreements; also how
 # often rank 0 looks for the cancel marker.
 AGREE_EVERY_S = 0.2
@@ -50,11 +53,6 @@ WHY = {
     StopReason.INTERRUPTED: "interrupted (SIGINT, Ctrl-C)",
     StopReason.CANCELLED: "cancelled by the user (clusterflow cancel)",
 }
-
-
-# What signal.signal returns: the handler installed before (a function, SIG_DFL/SIG_IGN, or None
-# when it was not installed from Python).
-_Handler = Callable[[int, FrameType | None], object] | int | None
 
 
 def _reason_of(signum: int | None) -> str:
@@ -78,7 +76,7 @@ class Preemption:
     ) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
-        self._previous: dict[int, _Handler] = {}
+        self._installed = False
         self._cancelled, self._check_every_s, self._clock = cancelled, check_every_s, clock
         self._checked_at: float | None = None
         self.cancel_seen = False
@@ -87,16 +85,25 @@ class Preemption:
         """Install after submitit's own handlers (submitit only logs SIGTERM, and its SIGUSR2
         handler would requeue without our checkpoint), so ours take precedence."""
         for sig in HANDLED:
-            self._previous[sig] = signal.signal(sig, self._handle)
+            signal.signal(sig, self._handle)
+        self._installed = True
         # `submit --local` starts the ranks with SIGINT blocked (so that submitit's controller
         # cannot act on Ctrl-C); from here on it is handled, and one held back arrives now.
         signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HANDLED))
         return self
 
     def uninstall(self) -> None:
-        for sig, prev in self._previous.items():
-            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
+        """After the run completed: the stop signals end the process again (SIGINT raises
+        KeyboardInterrupt), whatever handled them before (submitit's own SIGTERM handler only
+        logs), so that a script kept alive by a thread of its own still ends on ``timeout``,
+        Ctrl-C or Slurm's SIGTERM."""
+        if not self._installed:
+            return
+        for sig in HANDLED:
+            signal.signal(
+                sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+            )
+        self._installed = False
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # The strongest signal so far wins: a time-limit signal upgrades a plain SIGTERM (the job

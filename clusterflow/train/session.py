@@ -27,7 +27,9 @@ What each part owns (the trainer, ``trainer.py``, drives the same calls for a ta
   straggler measure, the log cadence, the non-finite guard, the stop agreement and the scheduled
   save. A stop saves, ends the job (requeue or not) and raises :class:`RunStopped`.
 - ``mine``: the mining stage (``mining/stage.py``) when it is due; its labels are saved with the
-  end-of-epoch checkpoint.
+  end-of-epoch checkpoint. A script's epoch that mines saves its last step as the loop ended it
+  (``LOOP_END``): a stop inside the round commits nothing new, and the next attempt runs the
+  script's code after the loop once more, on those states.
 - ``finish``: waits for the last write, writes ``RUN_DIR/model.pt`` and ends the job.
 
 Calls out of order are refused with one line naming the fix (a step missing or twice, a model
@@ -37,7 +39,9 @@ exactness silently.
 
 from __future__ import annotations
 
+import collections
 import copy
+import io
 import logging
 import random
 import time
@@ -62,7 +66,10 @@ from clusterflow.checkpoint.rng import (
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import (
+    LOADER_BATCH,
+    TASK_BATCH,
     EpochItems,
     EpochPlan,
     GlobalBatchSampler,
@@ -84,6 +91,7 @@ from clusterflow.observe.timeline import (
     FIRST_STEP,
     MODEL,
     RESTORE,
+    TASK_DATA,
     Startup,
     process_started_at,
     timeline_for,
@@ -131,6 +139,8 @@ def _stateful(name: str, obj: object) -> Stateful:
     ):
         return obj  # type: ignore[return-value]
     if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_savable(name, f"[{key!r}]", value)
         return _InPlace(obj)
     raise UserError(
         f"run.restore({name}=...): a {type(obj).__name__} cannot be saved with the checkpoint; "
@@ -161,6 +171,41 @@ def _stream(obj: object) -> tuple[Callable[[], object], Callable[[object], None]
 
         return (lambda: [r.getstate()[0], list(r.getstate()[1]), r.getstate()[2]]), put_py
     return None
+
+
+# What a registered dict may hold as it is: a checkpoint's train_state.pt is read back with
+# torch.load(weights_only=True), which takes these, tensors, and lists, tuples and these dicts of
+# them; anything else is tried.
+_PLAIN = (bool, int, float, complex, str, bytes, type(None))
+_CONTAINERS = (dict, collections.OrderedDict)
+
+
+def _check_savable(name: str, where: str, value: object) -> None:
+    """Refuse, naming its place, a value of a registered dict that a checkpoint cannot hold: it
+    would fail the first save (a file, a lock), or the resume that loads it."""
+    if type(value) in _PLAIN or isinstance(value, torch.Tensor):
+        return
+    if isinstance(value, dict) and type(value) in _CONTAINERS:
+        for key, item in value.items():
+            _check_savable(name, f"{where}[{key!r}]", item)
+        return
+    if type(value) in (list, tuple):
+        for i, item in enumerate(value):  # type: ignore[arg-type]
+            _check_savable(name, f"{where}[{i}]", item)
+        return
+    try:
+        buffer = io.BytesIO()
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # noqa: BLE001 - any failure is the same answer: not a state
+        raise UserError(
+            f"run.restore({name}=...): {name}{where} is a {type(value).__name__}, which a "
+            "checkpoint cannot hold (it is saved and read back as torch.save and "
+            "torch.load(weights_only=True) do); keep numbers, strings, lists, dicts and tensors "
+            "in a registered dict, and register an object with state_dict()/load_state_dict() "
+            "under a name of its own"
+        ) from None
 
 
 class _InPlace:
@@ -277,12 +322,17 @@ class Loader:
             run.config.run.seed,
             accumulate,
             order=lambda seed, epoch: epoch_order(dataset, seed, epoch),
+            key=run.batch_key,
         )
         self._persistent: DataLoader | None = None
 
     def __len__(self) -> int:
-        """The batches left in this epoch (all of them at its start)."""
-        return len(self.sampler)
+        """The batches left in this epoch (all of them at its start), from where the run is: a
+        resumed epoch's, before the loop too."""
+        run = self.run
+        if run.plan is None:  # before run.epochs
+            return len(self.sampler)
+        return len(run.plan.batches_from(run.state.sample_in_epoch or 0)) * self.accumulate
 
     def __iter__(self) -> Iterator[Any]:
         return self.run._iterate(self)
@@ -304,6 +354,9 @@ class Loader:
             if persistent
             else (self.dataset, self.sampler)
         )
+        if kw.get("num_workers", 0) > 0:
+            # The job's stop signals reach the workers too: the rank stops, they outlive them.
+            kw["worker_init_fn"] = workers.quiet(kw.get("worker_init_fn"))
         loader = DataLoader(
             data, batch_sampler=batches, generator=g, persistent_workers=persistent, **kw
         )
@@ -344,9 +397,11 @@ class Run:
         self.stop = StopAgreement(preemption, cfg.dist.timeout_s, interval_s=AGREE_EVERY_S)
         self.state = TrainState()
         self.window = LossWindow()
-        self.guard = FiniteGuard(
-            device, cfg.train, self.committed_steps, own_loop=bool(cfg.script.path)
-        )
+        self.own_loop = own_loop = bool(cfg.script.path)
+        self.guard = FiniteGuard(device, cfg.train, self.committed_steps, own_loop=own_loop)
+        # What the messages about the batch name: a script's run.loader argument, or the task's
+        # config key.
+        self.batch_key = LOADER_BATCH if own_loop else TASK_BATCH
         self.miner = Miner(
             cfg.mining,
             device,
@@ -399,6 +454,12 @@ class Run:
         # after it (a script: a resume never starts in an epoch whose steps are all done, where a
         # loop that reads its last batch's variables after the loop would find none).
         self.stop_before_epoch_end = False
+        # Whether the script calls run.mine after its loop: True from its first call (or a round
+        # in the state restored), False once an epoch due to mine ended without one, None until
+        # then. Unless False, the last step of an epoch whose end mines is saved as the loop ended
+        # it (LOOP_END): a stop inside the round must not save the states that the script's own
+        # code after the loop has changed.
+        self._mines: bool | None = None
         self._resumed = False
         self._streams: list[str] = []  # the script's own random streams (rng.track)
         self.outcome: str | None = None
@@ -511,6 +572,8 @@ class Run:
             # Distinct per-rank streams from here on.
             seed_everything(rank_seed(cfg.run.seed, self.rank))
             self._seeded = True
+        if self.own_loop:  # the script's code up to here built its model
+            self.startup.mark(MODEL)
         return wrapped if optimizer is None else (wrapped, optimizer)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -547,6 +610,13 @@ class Run:
                 "run.loader was called twice: the epoch plan drives one training loader; build "
                 "evaluation loaders with torch.utils.data.DataLoader"
             )
+        if self.checkpointer is not None:
+            raise UserError(
+                "run.loader(...) came after run.restore: a resume checks the checkpoint's data "
+                "(its length and digest) against the loader's dataset, so a resume on other data "
+                "would go unnoticed; call loader = run.loader(dataset, batch_size=...) before "
+                "run.restore(...)"
+            )
         if isinstance(dataset, DataLoader):
             raise UserError(
                 "run.loader(dataset, ...) takes a dataset, not a DataLoader: pass the DataLoader's "
@@ -566,15 +636,29 @@ class Run:
                     f"would bypass it: remove {key}="
                 )
             dataloader_kwargs.pop(key, None)
+        init = dataloader_kwargs.get("worker_init_fn")
+        if init is not None and not callable(init):
+            raise UserError(
+                f"run.loader(..., worker_init_fn={init!r}): give a function of the worker's id, "
+                "or none"
+            )
         if dataloader_kwargs.pop("batch_size", None) is not None:
             raise UserError("run.loader(dataset, batch_size=...): give batch_size once")
         if not isinstance(accumulate, int) or accumulate < 1:
             raise UserError(f"run.loader(..., accumulate={accumulate!r}): must be an int >= 1")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            said = self.batch_key.seen(repr(batch_size))
+            raise UserError(
+                f"{said}: must be an int >= 1, the samples of one optimizer step on all ranks "
+                f"together (a multiple of world size x {self.batch_key.accumulate} = "
+                f"{self.world_size} x {accumulate})"
+            )
         check_fits(
             len(dataset),  # type: ignore[arg-type]
             batch_size,
             self.world_size * accumulate,
             self.what or "the dataset",
+            self.batch_key,
         )
         self._loader = Loader(
             self,
@@ -584,6 +668,8 @@ class Run:
             set_epoch if set_epoch is not None else getattr(dataset, "set_epoch", None),
             dict(dataloader_kwargs),
         )
+        if self.own_loop:  # the script's code since its last call built its data
+            self.startup.mark(TASK_DATA)
         return self._loader
 
     def _plan_epoch(self) -> None:
@@ -624,7 +710,7 @@ class Run:
         loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.plan)
         self._steps = iter(self.plan.batches_from(s.sample_in_epoch or 0))  # type: ignore[union-attr]
         accumulate = loader.accumulate
-        batches = iter(loader.dataloader(s.epoch))
+        batches = workers.started(loader.dataloader(s.epoch))
         while True:
             # The heartbeat's data wait: a step's first batch is waited for from the step's mark
             # (run.step's clock read), a later micro-batch from when the loop asks for it.
@@ -731,6 +817,8 @@ class Run:
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self._resumed = resumed
+        if self.state.mining_history:
+            self._mines = True
         return resumed
 
     def before_commit(self, check: Callable[[str], None]) -> None:
@@ -826,6 +914,8 @@ class Run:
                 "not train each sample once; to end the run early, leave the epochs loop too "
                 "and call run.finish()"
             )
+        if self._mines is None and self.mining_due():
+            self._mines = False  # a round was due, and the script did not call run.mine
         self._in_epoch = False
         self.state.epoch_done()
         self._save(checkpointer.EPOCH_END)
@@ -895,12 +985,16 @@ class Run:
         if self._log_due():
             self._log_interval()
             self.window.clear()
+        # The goodput record of where the attempt got (a clock read; a write at most every
+        # second): a kill loses no more of it, whatever the log cadence.
+        self.timeline.progress(s.global_step)
         reason = self.stop.poll()  # the answer of the previous step's reduce: no wait
         last = s.step_in_epoch == self.steps_per_epoch
         if reason and last and not self.stop_before_epoch_end:
             reason = ""  # the epoch's end stops: its flag stays set until then
         if not reason:
-            self._save(checkpointer.STEP)
+            loop_end = last and self._loop_end_kept()
+            self._save(checkpointer.LOOP_END if loop_end else checkpointer.STEP)
             if last:
                 # A round cut short is redone from here, the loop's eval included.
                 self._steps_done_rng = capture_rng()
@@ -911,6 +1005,11 @@ class Run:
                     reason = self.stop.agree()
         if reason:
             self._stop(reason)
+
+    def _loop_end_kept(self) -> bool:
+        """Whether this epoch's last step is saved as the loop ended it: a script that mines (or
+        may), before a round."""
+        return not self.stop_before_epoch_end and self._mines is not False and self.mining_due()
 
     def _step_refused(self) -> None:
         if not self._in_epoch:
@@ -954,9 +1053,13 @@ class Run:
             # A resume from this checkpoint logs from the next step: these points are not logged
             # again.
             self.writer.flush()
-        if event != checkpointer.STEP:
+        if event in (checkpointer.EPOCH_END, checkpointer.STOP):
             # Where a stop or an epoch's end left the run, whatever the progress cadence skipped.
             self.report()
+
+    def _saved_now(self) -> bool:
+        """Whether a save holds the state as it is (committed, or its write in flight)."""
+        return self._saved_at == (self.state.global_step, self.state.position)
 
     def _stop(self, reason: str) -> None:
         log.warning(
@@ -964,7 +1067,11 @@ class Run:
             WHY.get(reason, reason),
             self.state.global_step,
         )
-        self._save(checkpointer.STOP)
+        if self._saved_now():  # resumed after an epoch's last step: the checkpoint holds it
+            self.checkpointer.landed()
+            self.report()
+        else:
+            self._save(checkpointer.STOP)
         self._end_stopped(reason)
 
     def _end_stopped(self, reason: str) -> None:
@@ -992,8 +1099,16 @@ class Run:
             self.checkpointer.close()
 
     def _live(self, what: str) -> None:
-        if self.outcome is not None:
-            raise UserError(f"{what} came after the run ended ({self.outcome})")
+        if self.outcome is None:
+            return
+        if self.outcome == State.COMPLETED:
+            raise UserError(f"{what} came after run.finish(): the run has ended (completed)")
+        raise UserError(
+            f"{what} came after the run stopped ({self.outcome}): the stop raised "
+            "clusterflow.RunStopped, a SystemExit, and the script caught it (an `except "
+            "BaseException:` or `except SystemExit:`); let it end the script: the run resumes "
+            "from its checkpoint when it starts again"
+        )
 
     # -- mining -------------------------------------------------------------------------------
     def mining_due(self, can_embed: bool = True) -> bool:
@@ -1024,6 +1139,7 @@ class Run:
                 f"run.mine(...) came before the end of epoch {self.state.epoch + 1}'s steps "
                 f"({left} left): call it after the loop over run.loader"
             )
+        self._mines = True
         finished = self.state.epoch + 1
         if self._mined == finished:
             raise UserError(
@@ -1044,24 +1160,53 @@ class Run:
         with parallel.gathered(module):
             result = self.miner.run(source, module, finished)
         if result is None:
-            # A signal arrived during the round: commit the finished epoch; the round continues
-            # on restart.
-            reason = self.stop.agree() or StopReason.PREEMPTED
-            if self._steps_done_rng is not None:
-                restore_rng(self._steps_done_rng)
-            self._save(checkpointer.STOP)
-            log.warning(
-                "%s: saved at global step %d (in the mining round after epoch %d, which the "
-                "next attempt continues) and stopping",
-                WHY.get(reason, reason),
-                self.state.global_step,
-                finished,
-            )
-            self._end_stopped(reason)
+            self._stop_in_round(self.stop.agree() or StopReason.PREEMPTED, finished)
         self.state.labels = result.labels
         self.state.mining_history.append(result.stats)
         self._log_mining(result.stats)
         return result.labels
+
+    def _stop_in_round(self, reason: str, finished: int) -> None:
+        """A signal cut the round after epoch ``finished`` short: the next attempt resumes at the
+        loop's end of that epoch (the code after the loop runs again, on the states as the loop
+        ended them) and continues the round from its files."""
+        why = WHY.get(reason, reason)
+        if self._saved_now():
+            # Saved at the epoch's last step (LOOP_END), or the checkpoint this attempt resumed
+            # from.
+            self.checkpointer.landed()
+            self.report()
+        elif self.stop_before_epoch_end:
+            # The task trainer: its eval before the round changes no registered state, only the
+            # random streams, which go back to the last step's.
+            if self._steps_done_rng is not None:
+                restore_rng(self._steps_done_rng)
+            self._save(checkpointer.STOP)
+        else:
+            # A script that had not called run.mine in an epoch due to mine: its loop's end was
+            # not kept, and its code after the loop may have changed the states, which must not
+            # be saved: the newest checkpoint stays the resume point, and the steps after it are
+            # trained again.
+            self.checkpointer.landed()
+            newest = max(self.committed_steps(), default=0)
+            log.warning(
+                "%s: stopping in the mining round after epoch %d, whose loop's end was not kept "
+                "(an earlier epoch due to mine had no run.mine): nothing new is saved; the next "
+                "attempt resumes from step %d and trains the %d step(s) after it again",
+                why,
+                finished,
+                newest,
+                self.state.global_step - newest,
+            )
+            self._end_stopped(reason)
+        log.warning(
+            "%s: saved at global step %d (in the mining round after epoch %d, which the "
+            "next attempt continues) and stopping",
+            why,
+            self.state.global_step,
+            finished,
+        )
+        self._end_stopped(reason)
 
     def _forget_mined_rounds(self) -> None:
         """Delete the files of the mining rounds whose labels a committed checkpoint holds."""
@@ -1177,7 +1322,6 @@ class Run:
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():
             self.report(fsync=False, running=True)
-        self.timeline.progress(s.global_step)
 
     def _log_mining(self, s: dict[str, Any]) -> None:
         scalars = {

@@ -56,6 +56,7 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = p.parse_args()
 
     run = clusterflow.start()
@@ -68,7 +69,7 @@ def main():
     model, optimizer = run.setup(model, optimizer)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     dataset = Blobs()
-    loader = run.loader(dataset, batch_size=args.batch * run.world_size)
+    loader = run.loader(dataset, batch_size=args.batch * run.world_size, num_workers=args.workers)
     run.restore(model=model, optimizer=optimizer, scheduler=scheduler)
 
     for epoch in run.epochs(args.epochs):

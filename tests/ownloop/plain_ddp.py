@@ -56,6 +56,7 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     args = p.parse_args()
 
     dist.init_process_group("gloo")
@@ -69,7 +70,7 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.7)
     dataset = Blobs()
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
 
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
