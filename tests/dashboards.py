@@ -130,7 +130,7 @@ class Served:
         sock = server._bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.app = app = server.build_app(self.catalog, self.token)
+        app, self.dashboard = server.build_app(self.catalog, self.token)
         self.server = uvicorn.Server(
             uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
         )
@@ -144,7 +144,7 @@ class Served:
         assert self.server.started
 
     def close(self):
-        self.app.dashboard.stop_streams()  # no signal reaches a server in a thread
+        self.dashboard.stop_streams()  # no signal reaches a server in a thread
         self.server.should_exit = True
         self.thread.join(timeout=10)
 
@@ -159,20 +159,27 @@ def served(paths, snapshot=lambda: None):
 
 
 def get(url, headers=None, data=None, method=None):
-    """(status, body text, headers) of one request; never raises for an HTTP status."""
+    """(status, body text, headers by their names in lower case) of one request; never raises
+    for an HTTP status."""
     req = urllib.request.Request(url, data=data, headers=headers or {}, method=method)
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read().decode("utf-8", "replace"), dict(r.headers)
+            return r.status, r.read().decode("utf-8", "replace"), _lower(r.headers)
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode("utf-8", "replace"), dict(e.headers)
+        return e.code, e.read().decode("utf-8", "replace"), _lower(e.headers)
 
 
-def raw_get(port, path):
-    """A GET with the path sent exactly as given (a browser or urllib would resolve ``..``)."""
+def _lower(headers):
+    return {k.lower(): v for k, v in headers.items()}
+
+
+def raw_get(port, path, host=None):
+    """A GET with the path sent exactly as given (a browser or urllib would resolve ``..``), and
+    ``host`` as its Host header (by default 127.0.0.1:PORT)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.putrequest("GET", path, skip_accept_encoding=True)
+        conn.putrequest("GET", path, skip_host=True, skip_accept_encoding=True)
+        conn.putheader("Host", host or f"127.0.0.1:{port}")
         conn.endheaders()
         r = conn.getresponse()
         return r.status, r.read().decode("utf-8", "replace")

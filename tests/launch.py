@@ -12,9 +12,12 @@ from conftest import REPO
 from clusterflow.distributed import free_port
 
 
-def start(world, config, overrides, log_dir, command=None, env=None, cwd=REPO):
+def start(world, config, overrides, log_dir, command=None, env=None, cwd=REPO, nodes=None):
     """``world`` ranks of ``python -m clusterflow.run CONFIG OVERRIDES``, or of ``command`` (a
-    list, e.g. a script of the user's own and its arguments, as torchrun would start it)."""
+    list, e.g. a script of the user's own and its arguments, as torchrun would start it).
+    ``nodes``: a host name per rank; each rank then runs as the one rank of its node, in a UTS
+    namespace of its own with that host name (``unshare --uts``, root only), so that what each
+    node keeps for itself (``checkpoint.memory_dir`` with ``{node}``) stays apart."""
     port = free_port()
     procs = []
     os.makedirs(log_dir, exist_ok=True)
@@ -31,10 +34,14 @@ def start(world, config, overrides, log_dir, command=None, env=None, cwd=REPO):
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
         )
+        argv = command or [sys.executable, "-m", "clusterflow.run", config, *overrides]
+        if nodes:
+            env.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+            argv = ["unshare", "--uts", "sh", "-c", f'hostname {nodes[r]} && exec "$@"', "-", *argv]
         out = open(os.path.join(log_dir, f"launch-rank{r}-{time.time():.0f}.txt"), "a")
         procs.append(
             subprocess.Popen(
-                command or [sys.executable, "-m", "clusterflow.run", config, *overrides],
+                argv,
                 cwd=cwd,
                 env=env,
                 stdout=out,
@@ -50,8 +57,8 @@ def wait(procs, timeout=600):
     return codes
 
 
-def run(world, config, overrides, log_dir, timeout=600):
-    return wait(start(world, config, overrides, log_dir), timeout)
+def run(world, config, overrides, log_dir, timeout=600, env=None, nodes=None):
+    return wait(start(world, config, overrides, log_dir, env=env, nodes=nodes), timeout)
 
 
 def wait_for_file(path, procs, timeout=300):

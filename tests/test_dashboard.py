@@ -24,7 +24,7 @@ from clusterflow.errors import UserError
 from clusterflow.manage import logs, status
 from clusterflow.rundir import records
 from clusterflow.web import catalog as web_catalog
-from clusterflow.web import discover, views
+from clusterflow.web import discover, guard, views
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -169,6 +169,29 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
     assert len(feed.table) <= 100 and max(feed.table) == 399
 
 
+def test_an_attempts_purge_at_a_step_without_values_adds_no_step(tmp_path):
+    """An own loop's metrics.jsonl: each attempt starts with its purge marker at a step it logs
+    nothing at (its first values come at train.log_every_steps); a stream is sent the steps
+    with values only, before and after the next attempt's purge."""
+    paths = make_run(tmp_path / "run", step=0)
+    rundir.append_jsonl(paths.metrics, {"step": 0, "attempt": 0, "purge_step": 0})
+    for s in (5, 10):
+        add_metrics(paths, s, **{"train/loss": 1.0 / s})
+    feed = MetricFeed(paths)
+    feed.update()
+    first = feed.since(-1, 0)
+    assert first.items == [[5, {"train/loss": 0.2}], [10, {"train/loss": 0.1}]]
+    rundir.append_jsonl(paths.metrics, {"step": 7, "attempt": 1, "purge_step": 7})
+    feed.update()
+    again = feed.since(first.generation, first.version)
+    assert again.reset and again.items == [[5, {"train/loss": 0.2}]]
+    rundir.append_jsonl(paths.metrics, {"step": 12, "attempt": 1, "purge_step": 12})  # nothing
+    add_metrics(paths, 12, **{"train/loss": 0.05})
+    feed.update()
+    last = feed.since(again.generation, again.version)
+    assert not last.reset and last.items == [[12, {"train/loss": 0.05}]]
+
+
 def test_read_metrics_passes_over_rows_that_are_no_metrics_rows(tmp_path):
     from clusterflow.observe.metrics import read_metrics
 
@@ -209,24 +232,35 @@ def two_runs(tmp_path):
     return tmp_path / "runs"
 
 
-def test_every_request_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
+def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
+    """Every request for data needs the token (header or ?token=); the pages are shells that
+    hold no data, need none, and set no cookie (a cookie reaches every port of the host); every
+    response carries the security headers; a Host that is not this machine's name is refused."""
     (tmp_path / "secret.txt").write_text("not for you")
     with served([two_runs]) as s:
         assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
         run_id = next(iter(s.catalog.runs))
-        for path in ("/", f"/run/{run_id}", "/api/runs", "/api/stream", "/static/dashboard.js"):
+        data = ("/api/runs", f"/api/run/{run_id}", "/api/stream", f"/api/stream?run={run_id}")
+        for path in data:
             code, body, _ = get(s.url + path)
             assert code == 403 and "needs its token" in body, path
-            code, _, _ = get(s.url + path + "?token=wrong")
+            code, _, _ = get(s.url + path + ("&" if "?" in path else "?") + "token=wrong")
             assert code == 403, path
-        code, body, headers = get(f"{s.url}/?token={s.token}")
+        code, body, headers = get(f"{s.url}/api/runs", headers={"x-clusterflow-token": s.token})
         assert code == 200 and "runs/a" in body
-        cookie = headers["set-cookie"]
-        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
-        code, _, _ = get(f"{s.url}/api/runs", headers={"cookie": cookie.split(";")[0]})
-        assert code == 200
-        code, _, _ = get(f"{s.url}/api/runs", headers={"x-clusterflow-token": s.token})
-        assert code == 200
+        code, body, _ = get(f"{s.url}/api/runs?token={s.token}")
+        assert code == 200 and "runs/a" in body
+        for path in ("/", f"/run/{run_id}", "/static/dashboard.js", f"/?token={s.token}"):
+            code, body, headers = get(s.url + path)
+            assert code == 200 and "runs/a" not in body and s.token not in body, path
+            assert "set-cookie" not in headers, path
+            assert (
+                headers["referrer-policy"] == "no-referrer" and headers["x-frame-options"] == "DENY"
+            )
+            assert "script-src 'self'" in headers["content-security-policy"], path
+            assert "frame-ancestors 'none'" in headers["content-security-policy"], path
+        code, _, headers = get(s.url + "/api/runs")
+        assert code == 403 and headers["referrer-policy"] == "no-referrer"
         token = f"token={s.token}"
         for path in (
             f"/static/../../secret.txt?{token}",
@@ -234,12 +268,36 @@ def test_every_request_needs_the_token_and_paths_outside_are_404(two_runs, tmp_p
             f"/static/%2e%2e/pyproject.toml?{token}",
             f"/run/..?{token}",
             f"/run/../../etc/passwd?{token}",
+            "/run/not-a-run-id",
             f"/api/run/{'..%2F' * 8}etc%2Fpasswd?{token}",
             f"/api/stream?run=../a&{token}",
             f"/{tmp_path}/secret.txt?{token}",
         ):
             code, body = raw_get(s.port, path)
             assert code == 404 and "not for you" not in body, (path, code)
+        # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its name.
+        for host in ("evil.example", "evil.example:80", f"rebind.attacker.test:{s.port}"):
+            for path in ("/", f"/api/runs?{token}"):
+                code, body = raw_get(s.port, path, host=host)
+                assert code == 400 and "does not answer to the name" in body, (host, path)
+                assert "runs/a" not in body
+        for host in (f"localhost:{s.port}", "127.0.0.1", f"[::1]:{s.port}", "LOCALHOST."):
+            code, body = raw_get(s.port, f"/api/runs?{token}", host=host)
+            assert code == 200 and "runs/a" in body, host
+
+
+def test_the_names_a_dashboard_answers_to_follow_its_host():
+    """--host NAME adds NAME; --host 0.0.0.0 adds this machine's names; an IP address is never
+    a rebinding (no DNS name in it), so any is taken."""
+    local = guard.Hosts("127.0.0.1")
+    assert local.allows("localhost:8765") and local.allows("10.1.2.3:8765")
+    assert not local.allows(socket.gethostname() + ":8765") or socket.gethostname() == "localhost"
+    assert not local.allows("login1.example.org")
+    named = guard.Hosts("login1.example.org")
+    assert named.allows("login1.example.org:8765") and named.allows("Login1.Example.Org.")
+    everywhere = guard.Hosts("0.0.0.0")
+    assert everywhere.allows(socket.gethostname()) and everywhere.allows(socket.getfqdn())
+    assert not everywhere.allows("evil.example")
 
 
 def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs):
@@ -344,13 +402,31 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
     os.symlink("/etc/passwd", bad.log_file(1, 0))
     with open(bad.config, "a") as f:
         f.write("train: [this, is, not, a, mapping\n")
+    # FIFOs where records, metrics and logs should be: opened for reading, each would wait for
+    # a writer forever (and the poll thread with it); and a record that is a link out.
+    fifos = make_run(runs / "fifos")
+    for target in (
+        fifos.attempts,
+        fifos.heartbeat_file(1),
+        fifos.sample_ledger,
+        fifos.metrics,
+        fifos.log_file(0, 0),
+        fifos.timeline_file(0),
+    ):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.exists(target):
+            os.remove(target)
+        os.mkfifo(target)
+    elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this run's")
+    os.remove(fifos.status)
+    os.symlink(elsewhere.status, fifos.status)
     with served([runs]) as s:
-        # both found and read once (a poll reads for at most its budget: on a loaded machine the
+        # all found and read once (a poll reads for at most its budget: on a loaded machine the
         # hostile run can take one poll's whole budget)
         assert poll_until(
             s.catalog,
             lambda: (
-                len(s.catalog.runs) == 2
+                len(s.catalog.runs) == 3
                 and all(r.status is not None or r.problem for r in s.catalog.runs.values())
             ),
         )
@@ -370,7 +446,17 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
             text = "".join(t for e, d in events if e == "log" for t in d["items"])
             assert "root:" not in text  # /etc/passwd through the link is never read
             assert len(text) < 128 * 1024
-        # The good run still goes on.
+        code, body, _ = get(f"{s.url}/api/run/{ids['runs/fifos']}?token={s.token}")
+        shown = json.loads(body)
+        assert "not this run's" not in body and shown["state"] != "failed", shown
+        assert "status.json is a symbolic link (to " in " ".join(shown["damaged_records"])
+        fifo = "attempts.jsonl is a FIFO (named pipe), not a regular file"
+        assert fifo in shown["damaged_records"]
+        url = f"{s.url}/api/stream?run={ids['runs/fifos']}&rank=0&token={s.token}"
+        events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
+        text = "".join(t for e, d in events if e == "log" for t in d["items"])
+        assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
+        # The good run still goes on: the poll thread never waited on a FIFO.
         add_metrics(good, 11, **{"train/loss": 0.01})
         url = f"{s.url}/api/stream?run={ids['runs/good']}&token={s.token}"
         sse_events(
@@ -397,6 +483,19 @@ def test_sweeps_are_grouped_with_their_members(tmp_path):
     assert members["lr=0.3"]["state"] == "not submitted" and members["lr=0.3"]["id"] is None
     assert members["lr=0.2"]["values"] == {"train.lr": "0.2"}
     assert all(r["sweep"] == sweep["id"] for r in page["runs"])
+
+
+def test_a_folder_with_no_runs_says_what_was_searched(tmp_path):
+    """The Runs page of a folder with no run: the paths and how many folders were searched (the
+    browser test reads the sentence the page makes of them), once the first search is done."""
+    os.makedirs(tmp_path / "empty" / "a" / "b")
+    cat = web_catalog.Catalog([str(tmp_path / "empty")], lambda: None)
+    before = views.runs_page(cat)
+    assert before["searched"] == 0 and before["runs"] == []  # not searched yet: "looking"
+    cat.poll()
+    page = views.runs_page(cat)
+    assert page["paths"] == [str(tmp_path / "empty")] and page["searched"] == 3
+    assert cat.version == 1  # the streams send the page again: it now says nothing was found
 
 
 def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):

@@ -1,23 +1,28 @@
 """The dashboard in a real browser (Debian's chromium, headless, driven by Selenium) at
 `python -m clusterflow.dashboard` while a real 2-rank `submit --local` run trains: the run
-appears, a new step reaches the chart without a reload, the per-rank toggle changes the charts,
-the GPUs (NVML replaced at its boundary) name the run that holds them, the run killed with
-SIGKILL and resumed shows two attempts and the restart, cancel from the page stops it, and a
-request without the token or with ``..`` is refused.
+appears and the token leaves the address bar, a page of another port of the host learns nothing
+that opens the dashboard, a new step reaches the chart without a reload, the per-rank toggle
+changes the charts, the GPUs (NVML replaced at its boundary) name the run that holds them, the
+run killed with SIGKILL and resumed shows two attempts and the restart, cancel from the page
+stops it, both own-loop examples (run as docs/own-loop.md says) show their charts and logs, a
+folder with no runs says so, no page breaks its Content-Security-Policy, and a request without
+the token or with ``..`` is refused.
 
 One run, one dashboard and one browser serve every check, in order, in one test (the checks build
 on each other: the run must train before it is killed, be killed before it is resumed): 1-3
-minutes here, most of it the run's two start-ups.
+minutes here, most of it the run's two start-ups (the examples train meanwhile).
 
 CLUSTERFLOW_DOCS_SCREENSHOTS=1 writes the pages' screenshots into docs/images/ for
 docs/dashboard.md (the suite leaves the tree alone otherwise).
 """
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -29,6 +34,7 @@ from dashboards import (
     get,
     have_browser,
     make_sweep,
+    poll_until,
     raw_get,
     served,
 )
@@ -124,6 +130,47 @@ class LiveRun:
             self.kill()
 
 
+EXAMPLE_ARGS = {
+    "ddp_classifier": ["--epochs", "1", "--width", "8"],
+    "pretrain": ["--epochs", "1", "--samples", "256", "--seq-len", "16", "--d-model", "16"]
+    + ["--layers", "1", "--global-batch", "64", "--warmup", "2"],
+}
+
+
+class Examples:
+    """Both own-loop examples at toy size, each submitted as docs/own-loop.md says
+    (``python -m clusterflow.submit --script examples/X.py --local -- ARGS``), started at once
+    and in the background: they train while the live run starts."""
+
+    def __init__(self, root, log_dir):
+        self.dirs = {name: str(root / name) for name in EXAMPLE_ARGS}
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        self.procs = {}
+        for name, args in EXAMPLE_ARGS.items():
+            out = open(os.path.join(log_dir, f"{name}.txt"), "w")
+            argv = [sys.executable, "-m", "clusterflow.submit", "--script", f"examples/{name}.py"]
+            argv += ["--local", f"run.dir={self.dirs[name]}", "--", *args]
+            self.procs[name] = subprocess.Popen(
+                argv,
+                cwd=REPO,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def wait(self):
+        for name, proc in self.procs.items():
+            assert proc.wait(timeout=WAIT_S) == 0, f"examples/{name}.py did not complete"
+        return self.dirs
+
+    def close(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # submit, submitit's controller, the rank
+                proc.wait()
+
+
 def _alive(pid):
     try:
         os.kill(pid, 0)
@@ -147,6 +194,13 @@ def live(runs, tmp_path_factory):
     run.start()
     yield run
     run.close()
+
+
+@pytest.fixture
+def examples(tmp_path_factory):
+    ex = Examples(tmp_path_factory.mktemp("examples"), str(tmp_path_factory.mktemp("ex-logs")))
+    yield ex
+    ex.close()
 
 
 @pytest.fixture
@@ -197,8 +251,11 @@ def _last_step(driver):
     )
 
 
-def check_the_run_appears_on_the_runs_page(runs, live, dashboard, driver):
+def check_the_run_appears_on_the_runs_page(runs, live, dashboard, driver, examples):
     driver.get(dashboard.url)
+    # The page keeps the token in its own storage and takes it out of the address bar.
+    until("the token out of the address bar", lambda: "token" not in driver.current_url)
+    assert driver.current_url == dashboard.base + "/"
     rows = until(
         "the live run listed as running",
         lambda: _rows(driver).get("runs/live") == "running" and _rows(driver),
@@ -208,7 +265,71 @@ def check_the_run_appears_on_the_runs_page(runs, live, dashboard, driver):
     assert "3 member(s), 3 completed" in sweep and "lr=0.003" in sweep
 
 
-def check_a_new_step_reaches_the_chart_without_a_reload(runs, live, dashboard, driver):
+class OtherService:
+    """Another local service on another port of the same host (a forwarded TensorBoard of a
+    teammate): it records what each request brings, and its page reports what its script can
+    see of the dashboard (a cookie, the page's storage, an answer of its API)."""
+
+    def __init__(self, dashboard_base):
+        seen, reports = [], []
+        page = OTHER_PAGE.replace("DASHBOARD", dashboard_base).encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                seen.append(dict(self.headers))
+                self.send_response(200)
+                self.send_header("content-type", "text/html")
+                self.end_headers()
+                self.wfile.write(page)
+
+            def do_POST(self):
+                seen.append(dict(self.headers))
+                reports.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.seen, self.reports = seen, reports
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+OTHER_PAGE = """<!doctype html><title>another service</title><script>
+const seen = { cookie: document.cookie, stored: JSON.stringify(Object.entries(localStorage)) };
+fetch("DASHBOARD/api/runs", { credentials: "include" })
+  .then((r) => r.text()).then((t) => { seen.api = t; }, (e) => { seen.api = "failed: " + e; })
+  .finally(() => fetch("/report", { method: "POST", body: JSON.stringify(seen) }));
+</script>"""
+
+
+def check_another_port_of_the_host_learns_nothing(runs, live, dashboard, driver, examples):
+    """Browsers send a host's cookies to every port of it: whatever a page of another port
+    receives (its server: the requests' headers; its script: cookies, storage, answers) must
+    neither hold the token nor open the dashboard when replayed."""
+    other = OtherService(dashboard.base)
+    try:
+        driver.get(other.url)
+        report = until("the other page's report", lambda: other.reports and other.reports[0])
+    finally:
+        other.close()
+    assert dashboard.token not in json.dumps(report) and "runs/live" not in report["api"], report
+    assert dashboard.token not in json.dumps(other.seen), other.seen
+    for headers in other.seen:
+        cookie = {k.lower(): v for k, v in headers.items()}.get("cookie", "")
+        code, _, _ = get(f"{dashboard.base}/api/runs", headers={"cookie": cookie})
+        assert code == 403, cookie  # replayed from the same host: it opens nothing
+    driver.get(dashboard.base + "/")  # back: the page still has its token
+    until("the live run listed again", lambda: "runs/live" in _rows(driver))
+
+
+def check_a_new_step_reaches_the_chart_without_a_reload(runs, live, dashboard, driver, examples):
     driver.find_element("link text", "runs/live").click()
     until("the run page", lambda: driver.find_element("id", "run-name").text == "runs/live")
     driver.execute_script("window.notReloaded = true;")
@@ -221,7 +342,7 @@ def check_a_new_step_reaches_the_chart_without_a_reload(runs, live, dashboard, d
     assert driver.execute_script("return window.notReloaded === true;")
 
 
-def check_the_per_rank_toggle_changes_the_charts(runs, live, dashboard, driver):
+def check_the_per_rank_toggle_changes_the_charts(runs, live, dashboard, driver, examples):
     aggregated = until(
         "the step-time chart's mean of both ranks",
         lambda: (
@@ -246,7 +367,7 @@ def check_the_per_rank_toggle_changes_the_charts(runs, live, dashboard, driver):
     assert texts(driver, "#ranks tbody tr td:first-child") == ["0", "1"]
 
 
-def check_the_gpus_name_the_run_that_holds_them(runs, live, dashboard, driver):
+def check_the_gpus_name_the_run_that_holds_them(runs, live, dashboard, driver, examples):
     """NVML replaced at its boundary: a snapshot where GPU 0 and 1 are held by the live run's
     two rank processes (their heartbeats name their pids), GPU 2 by another user's process."""
     pids = until(
@@ -287,7 +408,7 @@ def check_the_gpus_name_the_run_that_holds_them(runs, live, dashboard, driver):
 
 
 def check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(
-    runs, live, dashboard, driver
+    runs, live, dashboard, driver, examples
 ):
     run_id = until(
         "the run's id",
@@ -331,7 +452,7 @@ def check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(
     screenshot(driver, "dashboard-run.png", height=4200)
 
 
-def check_cancel_from_the_page_stops_the_run(runs, live, dashboard, driver):
+def check_cancel_from_the_page_stops_the_run(runs, live, dashboard, driver, examples):
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -349,13 +470,59 @@ def check_cancel_from_the_page_stops_the_run(runs, live, dashboard, driver):
     )
 
 
-def check_a_request_without_the_token_is_refused_and_dot_dot_is_404(runs, live, dashboard, driver):
-    for path in ("/", "/api/runs", "/api/stream", "/static/plotly.min.js"):
+def check_the_own_loop_examples_show_their_charts_and_logs(runs, live, dashboard, driver, examples):
+    """An own loop's metrics.jsonl starts each attempt with a purge at a step it logs no value
+    at: both examples' pages draw their loss and show their log all the same."""
+    dirs = examples.wait()
+    with served(list(dirs.values())) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
+        driver.get(f"{s.url}/?token={s.token}")
+        for run in list(s.catalog.runs.values()):
+            driver.get(f"{s.url}/run/{run.id}")
+            until(f"{run.name}'s loss chart", lambda: _last_step(driver))
+            until(
+                f"{run.name}'s log",
+                lambda: "run completed" in driver.find_element("id", "log").text,
+            )
+            assert driver.find_element("id", "live").text == "live"
+            assert texts(driver, "#card-state .v") == ["completed"]
+
+
+def check_a_folder_with_no_runs_says_so(runs, live, dashboard, driver, examples):
+    empty = os.path.join(os.path.dirname(str(runs)), "nothing-here")
+    os.makedirs(os.path.join(empty, "some", "folder"), exist_ok=True)
+    with served([empty]) as s:
+        driver.get(f"{s.url}/?token={s.token}")
+        said = until(
+            "the page saying so",
+            lambda: "searched" in (t := driver.find_element("id", "empty").text) and t,
+        )
+        assert said.startswith("No run or sweep under ") and "nothing-here" in said, said
+        assert "3 folder(s) searched" in said and "config.yaml" in said, said
+
+
+def check_a_request_without_the_token_is_refused_and_dot_dot_is_404(
+    runs, live, dashboard, driver, examples
+):
+    # Every page so far kept to its Content-Security-Policy (Plotly included).
+    broken = [e["message"] for e in driver.get_log("browser") if "Security Policy" in e["message"]]
+    assert not broken, broken
+    for path in ("/api/runs", "/api/stream", f"/api/stream?run={'0' * 12}"):
         code, body, _ = get(dashboard.base + path)
         assert code == 403 and "needs its token" in body, path
-    driver.delete_all_cookies()
+    driver.get(f"{dashboard.base}/run/{'0' * 12}")  # no such run: the page says so
+    until(
+        "the page saying there is no such run",
+        lambda: "404: no such run" in driver.find_element("id", "refused").text,
+    )
     driver.get(dashboard.base + "/")
-    assert "403: this dashboard needs its token" in driver.find_element("tag name", "body").text
+    driver.execute_script("window.localStorage.clear();")  # this origin's: the token is gone
+    driver.refresh()
+    until(
+        "the page saying it needs its token",
+        lambda: "403: this dashboard needs its token" in driver.find_element("id", "refused").text,
+    )
+    assert not _rows(driver)
     for path in (
         f"/static/../../../../etc/passwd?token={dashboard.token}",
         f"/static/..%2F..%2F..%2Fetc%2Fpasswd?token={dashboard.token}",
@@ -367,18 +534,23 @@ def check_a_request_without_the_token_is_refused_and_dot_dot_is_404(runs, live, 
 
 CHECKS = (
     check_the_run_appears_on_the_runs_page,
+    check_another_port_of_the_host_learns_nothing,
     check_a_new_step_reaches_the_chart_without_a_reload,
     check_the_per_rank_toggle_changes_the_charts,
     check_the_gpus_name_the_run_that_holds_them,
     check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart,
     check_cancel_from_the_page_stops_the_run,
+    check_the_own_loop_examples_show_their_charts_and_logs,
+    check_a_folder_with_no_runs_says_so,
     check_a_request_without_the_token_is_refused_and_dot_dot_is_404,
 )
 
 
-def test_the_dashboard_in_a_browser_while_a_real_run_trains(runs, live, dashboard, driver):
+def test_the_dashboard_in_a_browser_while_a_real_run_trains(
+    runs, live, examples, dashboard, driver
+):
     """Every check above, in order, against one live run, one dashboard and one browser."""
     for check in CHECKS:
         started = time.monotonic()
-        check(runs, live, dashboard, driver)
+        check(runs, live, dashboard, driver, examples)
         print(f"{check.__name__}: {time.monotonic() - started:.1f} s")

@@ -3,7 +3,8 @@ import sys
 
 import pytest
 
-from clusterflow.distributed import DistEnv, derive_port, parse_nodelist
+from clusterflow.distributed import DistEnv, derive_port, free_port, parse_nodelist
+from clusterflow.distributed.env import PORT_HIGH, PORT_LOW
 from clusterflow.errors import UserError
 
 SLURM = {
@@ -155,7 +156,16 @@ def test_inconsistent_env_names_variables(name, env, needle):
 def test_port_depends_on_job_and_attempt():
     assert derive_port("1", 0) == derive_port("1", 0)
     assert derive_port("1", 0) != derive_port("1", 1)
-    assert all(20000 <= derive_port(str(j), a) < 40000 for j in range(50) for a in range(3))
+    ports = [derive_port(str(j), a) for j in range(50) for a in range(3)]
+    # below Linux's range of ports for connections (32768-60999 by default), which any socket
+    # could take before the master binds
+    assert all(PORT_LOW <= p < PORT_HIGH <= 32768 for p in ports), ports
+
+
+def test_a_free_port_is_chosen_below_the_connection_range():
+    ports = {free_port() for _ in range(20)}
+    assert all(PORT_LOW <= p < PORT_HIGH for p in ports), ports
+    assert len(ports) > 1, ports  # chosen at random: two local runs rarely meet
 
 
 def test_slurm_limit_on_hosts_is_enforced_before_expanding():

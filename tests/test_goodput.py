@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import clihelp
 import pytest
 import torch
 from conftest import REPO, run_cli
@@ -17,6 +18,7 @@ from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
+from clusterflow.goodput import main as goodput_main
 from clusterflow.observe import goodput, phases
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.timeline import AttemptTimeline
@@ -187,6 +189,12 @@ def test_a_damaged_timeline_is_named_and_its_time_is_other_not_start_up(tmp_path
 
     shown = status.collect(paths)["damaged_records"]
     assert any(w.startswith("timeline/attempt0.json") for w in shown), shown
+    # `goodput` says where that time went, as a warning beside the table and beside --json.
+    said = "warning: attempt 0: 23.0 s of its 23.0 s allocated are counted as other, since its "
+    code, out, err = clihelp.call(goodput_main, [paths.root])
+    assert code == 0 and said + "timeline is damaged and cannot split them (timeline/" in out, out
+    code, out, err = clihelp.call(goodput_main, [paths.root, "--json"])
+    assert code == 0 and json.loads(out)["warnings"] and said in err, err
 
 
 def test_an_attempt_that_failed_in_start_up_counts_from_its_processes_start(tmp_path):

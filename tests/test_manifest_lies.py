@@ -173,7 +173,7 @@ LIES = {
         lambda t: edit_manifest(t, lambda m: {**m, "files": "model.pt"}),
         "'files' is str",
     ),
-    "manifest a directory": (lie_dir, "unreadable manifest (IsADirectoryError)"),
+    "manifest a directory": (lie_dir, "unreadable manifest: manifest.json is a folder, not a"),
     "no train_state.pt": (lie_no_train_state, "lists no train_state.pt"),
     "train_state.pt unlisted": (
         lambda t: edit_manifest(t, lambda m: {**m, "files": {"model.pt": m["files"]["model.pt"]}}),

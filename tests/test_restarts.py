@@ -108,7 +108,36 @@ def test_where_the_next_step_runs(fault, used, alloc, needed, faulty, avoid, exp
         assert not p.restart and p.why.startswith(expected), p.why
 
 
+def frozen(host="node2", avoid=True):
+    """A stall whose cause is rank 1's silent heartbeat (``avoid``), or a rank that waited."""
+    return Fault("stall", 1, host, "no heartbeat for 20 s", 1.0, leave_out=False, avoid=avoid)
+
+
+@pytest.mark.parametrize(
+    "fault, alloc, faulty, expected",
+    [
+        (node(), ALLOC[:2], [], (("node1",), True)),  # a device error, no spare: node1 alone
+        (frozen(), ALLOC[:2], [], (("node1",), True)),  # a frozen rank's node: left out too
+        (frozen(), ALLOC, [], (("node1", "node3"), False)),  # with a spare the world stays
+        (crash(), ALLOC[:2], [], (("node1", "node2"), False)),  # a crash's node is used again
+        (frozen(avoid=False), ALLOC[:2], [], (("node1", "node2"), False)),  # it only waited
+        (node("node1"), ALLOC[:2], ["node2"], "too few healthy nodes: 0"),  # nothing left
+    ],
+)
+def test_without_a_spare_the_job_shrinks_to_its_healthy_nodes(fault, alloc, faulty, expected):
+    p = plan(fault, 0, 2, alloc, 2, faulty, (), shrink=True)
+    if isinstance(expected, tuple):
+        assert p.restart and (p.nodes, p.shrunk) == expected
+        assert p.left_out == tuple(h for h in alloc if h not in expected[0])
+    else:
+        assert not p.restart and p.why.startswith(expected), p.why
+    # cluster.shrink=false: as before, never on fewer nodes (no restart, or the same nodes)
+    assert not plan(fault, 0, 2, alloc, 2, faulty, ()).shrunk
+
+
 def test_a_rank_requeues_a_node_fault_itself_only_where_no_restart_would_cure_it():
+    assert node_fault_restarts(0, 2, ALLOC[:2], 2, [], shrink=True)  # the job shrinks instead
+    assert not node_fault_restarts(0, 2, ALLOC[:2], 2, ["node2"], shrink=True)  # one node left
     assert node_fault_restarts(0, 2, ALLOC, 2, [])
     assert not node_fault_restarts(2, 2, ALLOC, 2, [])  # exhausted: requeue without the node
     assert not node_fault_restarts(0, 2, ALLOC[:2], 2, [])  # no spare

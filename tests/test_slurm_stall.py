@@ -17,6 +17,9 @@ STALL = (
     f"dist.stall_s={STALL_S}",
     "dist.heartbeat_s=0.5",
     "dist.timeout_s=300",
+    # The job ends at the stall: it does not go on without the stalled rank's node (a restart on
+    # the remaining node is tests/test_slurm_recovery.py's).
+    "cluster.shrink=false",
 )
 
 

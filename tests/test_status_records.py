@@ -458,3 +458,160 @@ def test_the_sample_ledger_lines_name_each_epoch_once(tmp_path, capsys, trained,
         if line.startswith("samples ")
     ]
     assert shown == said
+
+
+# -- no record read through a link, none that blocks ---------------------------------------------
+
+MARK = "OUTSIDE-THE-RUN-DIR"
+
+
+def outside_records(now):
+    """Records as another run (another user's, a file anywhere) holds them, each naming MARK where
+    status, goodput, logs and the dashboard would show it: a run dir whose records were links to
+    them would show MARK."""
+    return {
+        "status.json": {"state": "failed", "error": MARK, "hosts": [MARK], "last_loss": 1.0},
+        "attempts.jsonl": [
+            {"attempt": 0, "started_at": now - 99, "job_id": MARK, "hosts": [MARK], "world_size": 1}
+        ],
+        "submissions.jsonl": [{"job_id": MARK, "submitted_at": now}],
+        "stops.jsonl": [{"reason": "node_failure", "node": MARK, "excluded": True}],
+        "sample_ledger.json": {
+            "epochs": [{"epoch": 0, "samples": 1, "digest": MARK, "ranges": []}]
+        },
+        "timeline/attempt0.json": {"attempt": 0, "outcome": MARK},
+        "errors/rank0.json": {"rank": 0, "host": MARK, "error": MARK, "time": now},
+        "errors/first.attempt0.json": {"rank": 0, "host": MARK, "error": MARK},
+        "code/current.json": {"module": MARK, "version": "v1"},
+        "heartbeats/rank0.json": {"rank": 0, "host": MARK, "time": now},
+        "metrics.jsonl": [{"step": 1, MARK: 1.0}],
+        "logs/rank0.attempt0.log": MARK + "\n",
+        "config.yaml": f"script: {{path: {MARK}.py}}\n",
+    }
+
+
+def write_record(path, value):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        if isinstance(value, str):
+            f.write(value)
+        elif isinstance(value, list):
+            f.write("".join(json.dumps(v) + "\n" for v in value))
+        else:
+            json.dump(value, f)
+
+
+def everything_read(run_dir):
+    """What `status`, `goodput`, `logs` and the dashboard read of a run, as one text."""
+    import io
+
+    from clusterflow.manage import logs
+    from clusterflow.manage import status as run_status
+    from clusterflow.observe import goodput, scalar_log
+    from clusterflow.rundir import RunPaths, first_error
+
+    paths = RunPaths(run_dir)
+    shown = io.StringIO()
+    logs.show(paths, 0, shown)
+    return json.dumps(
+        [
+            run_status.collect(paths, lambda job: None),
+            goodput.ledger(paths),
+            first_error.read(paths, 0),
+            scalar_log.read(paths),
+            lease.current(paths)[1],
+            shown.getvalue(),
+        ],
+        default=str,
+    )
+
+
+def test_a_record_that_is_a_link_is_named_and_never_read(completed, tmp_path):
+    """Every record status, goodput, logs and the dashboard read, made a link to another file
+    (and the heartbeats folder a link to another folder): none of the other files' contents is
+    shown, and each link is named among the damaged records."""
+    outside = tmp_path / "elsewhere"
+    attempts = os.path.join(completed, "attempts.jsonl")
+    shutil.copy(attempts, tmp_path / "attempts.jsonl")
+    for name, value in outside_records(time.time()).items():
+        write_record(str(outside / name), value)
+        target = os.path.join(completed, name)
+        if name.startswith("heartbeats/"):
+            shutil.rmtree(os.path.dirname(target))
+            os.symlink(outside / "heartbeats", os.path.dirname(target))
+            continue
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.lexists(target):
+            os.remove(target)
+        os.symlink(outside / name, target)
+    (outside / "gen-1.json").write_text(json.dumps({"host": MARK, "pid": 1}))
+    os.symlink(outside / "gen-1.json", os.path.join(completed, "lease", "gen-1.json"))
+    assert MARK not in everything_read(completed)
+    s = json.loads(status(completed, "--json"))
+    assert MARK not in json.dumps(s)
+    damaged = "\n".join(s["damaged_records"])
+    for name in ("status.json", "attempts.jsonl", "sample_ledger.json", "code/current.json"):
+        assert f"{name} is a symbolic link (to {outside / name}), not a file of" in damaged, name
+    assert "config.yaml is damaged (is a symbolic link" in damaged
+    # The heartbeats are read for the ranks of the last attempt: with attempts.jsonl back.
+    os.remove(attempts)
+    shutil.copy(tmp_path / "attempts.jsonl", attempts)
+    assert MARK not in everything_read(completed)
+    s = json.loads(status(completed, "--json"))
+    assert MARK not in json.dumps(s)
+    assert any(
+        d.startswith("heartbeats/rank0.json is reached through a symbolic link")
+        for d in s["damaged_records"]
+    ), s["damaged_records"]
+    log = json.dumps(everything_read(completed))
+    assert os.path.join(completed, "logs", "rank0.attempt0.log") + " is a symbolic link" in log
+
+
+def test_a_fifo_in_place_of_any_record_never_blocks_a_reader(completed):
+    """A FIFO opened for reading waits for a writer: in place of any record (or of the
+    heartbeats folder, or of a checkpoint's manifest) it must not stall status, goodput, logs or
+    the dashboard, which read them all (everything_read); each is tried alone."""
+    names = [*outside_records(time.time()), "heartbeats", "checkpoints/step-18/manifest.json"]
+    names += ["lease/gen-1.json", "trackers.json", "restarts.jsonl", "stragglers.jsonl"]
+    blocked = []
+    for name in names:
+        target = os.path.join(completed, name)
+        aside = target + ".aside"
+        if os.path.lexists(target):
+            os.rename(target, aside)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.mkfifo(target)
+        try:
+            if not answers(lambda: everything_read(completed), timeout=60):
+                blocked.append(name)
+        finally:
+            release(target)
+            os.remove(target)
+            if os.path.lexists(aside):
+                os.rename(aside, target)
+    assert not blocked, f"a FIFO in place of these blocked a reader: {blocked}"
+    os.mkfifo(os.path.join(completed, "status.json.fifo"))
+    os.replace(os.path.join(completed, "status.json.fifo"), os.path.join(completed, "status.json"))
+    s = json.loads(status(completed, "--json"))  # the command itself answers
+    assert s["state"] == "completed"
+    assert "status.json is a FIFO (named pipe), not a regular file" in s["damaged_records"]
+
+
+def answers(call, timeout):
+    """Whether ``call()`` returned within ``timeout`` seconds (a thread of its own: a reader
+    blocked on a FIFO stays blocked until :func:`release`)."""
+    import threading
+
+    done = []
+    thread = threading.Thread(target=lambda: done.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(done)
+
+
+def release(fifo):
+    """Let a reader blocked on ``fifo`` go: a writer opens it and closes it at once."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # nobody reads it

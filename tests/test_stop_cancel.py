@@ -26,7 +26,7 @@ def _env():
 
 def _start(args, out_dir):
     """`python -m clusterflow.submit ...` in its own process group, as a terminal starts it."""
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         [sys.executable, "-m", "clusterflow.submit", *args],
         cwd=REPO,
         env=_env(),
@@ -34,12 +34,19 @@ def _start(args, out_dir):
         stderr=open(os.path.join(out_dir, "stderr.txt"), "w"),
         start_new_session=True,
     )
+    proc.out_dir = out_dir
+    return proc
 
 
 def _until(what, proc):
     """Poll ``what()`` until it is true; the submit process must still be running meanwhile."""
     while not what():
-        assert proc.poll() is None, "submit ended before the awaited moment"
+        if proc.poll() is not None:
+            said = "".join(
+                open(os.path.join(proc.out_dir, name)).read()[-3000:]
+                for name in ("stdout.txt", "stderr.txt")
+            )
+            pytest.fail(f"submit ended (exit {proc.returncode}) before the awaited moment:\n{said}")
         time.sleep(0.05)
 
 

@@ -72,6 +72,25 @@ def test_a_damaged_index_or_a_single_run_dir_is_refused(conf, tmp_path):
         sweep_index.read_index(rundir.RunPaths(str(single)))
 
 
+def test_an_index_too_large_to_be_one_or_a_link_is_refused_unread(conf, tmp_path, cli):
+    """sweep.json of 100 MB (sparse: nothing to write) is refused by its size before a byte of
+    it is read, by the sweep's commands and the dashboard alike; a link is refused too."""
+    sw = expand(conf)
+    os.makedirs(sw.paths.root)
+    with open(sw.paths.sweep_index, "wb") as f:
+        f.truncate(100 * 2**20)
+    with pytest.raises(UserError, match=r"sweep.json is 100 MiB, more than the 16 MiB it may hold"):
+        sweep_index.read_index(sw.paths)
+    out = cli("clusterflow.status", sw.paths.root)
+    assert out.returncode == 2 and "is 100 MiB, more than the 16 MiB" in out.stderr, out.stderr
+    os.remove(sw.paths.sweep_index)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"version": 1, "members": []}))
+    os.symlink(other, sw.paths.sweep_index)
+    with pytest.raises(UserError, match=r"sweep.json is a symbolic link \(to .*other.json\)"):
+        sweep_index.read_index(sw.paths)
+
+
 def test_resubmitting_the_same_sweep_merges_and_reports_resource_changes(conf):
     first, _ = sweep_index.merge(None, expand(conf, "cluster.time_min=60"))
     again = expand(conf, "cluster.time_min=240")

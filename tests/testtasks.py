@@ -478,13 +478,17 @@ class _Seen:
     Each loss call appends ``{"attempt", "epoch", "call", "index"}`` to
     ``RUN_DIR/seen/rank<R>.jsonl`` (before training on it: a batch of a step killed in mid-air is
     recorded too). ``kill``: ``"ATTEMPT@CALL,..."``, SIGKILL at loss call CALL (counted per
-    process) of attempt ATTEMPT, on every rank."""
+    process) of attempt ATTEMPT, on every rank; ``"ATTEMPT@CALL/RANK"``: on that rank only (after
+    the task's ``step_sleep``, if it has one: what the previous step started has finished)."""
 
     def _seen_setup(self, run_dir, kill):
         self.run_dir, self.calls, self.epoch_now = run_dir, 0, 0
-        self.kill_at = {
-            tuple(int(x) for x in item.split("@")) for item in str(kill).split(",") if item
-        }
+        self.kill_at = {}
+        for item in str(kill).split(","):
+            if item:
+                at, _, rank = item.partition("/")
+                attempt, call = (int(x) for x in at.split("@"))
+                self.kill_at[(attempt, call)] = int(rank) if rank else None
 
     def set_epoch(self, epoch):
         self.epoch_now = epoch
@@ -504,7 +508,11 @@ class _Seen:
                 "index": batch["index"].tolist(),
             }
             f.write(json.dumps(record) + "\n")
-        if (attempt, self.calls) in self.kill_at:
+        if (attempt, self.calls) in self.kill_at and self.kill_at[(attempt, self.calls)] in (
+            None,
+            rank,
+        ):
+            time.sleep(getattr(self, "step_sleep", 0.0))
             os.kill(os.getpid(), signal.SIGKILL)
         return super().loss(model, batch, labels)
 
@@ -514,6 +522,14 @@ class SeenPseudoID(_Seen, PseudoIDTask):
 
     def __init__(self, seed=0, run_dir="", kill="", **params):
         super().__init__(seed, **params)
+        self._seen_setup(run_dir, kill)
+
+
+class SeenSlow(_Seen, Slow):
+    """Slow (``step_sleep`` per step) and recording its batches (``_Seen``)."""
+
+    def __init__(self, seed=0, run_dir="", kill="", step_sleep=0.3, **params):
+        super().__init__(seed, step_sleep, **params)
         self._seen_setup(run_dir, kill)
 
 

@@ -54,6 +54,7 @@ from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.data_identity import DataIdentity
+from clusterflow.checkpoint.memory import MemorySnapshots
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState
@@ -158,6 +159,15 @@ class Checkpointer:
         self._writes_here = dist.rank() == 0 or self.sharded is not None
         self._last_write_s: float | None = None
         self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
+        # checkpoint.memory_every_steps: snapshots in the nodes' memory (memory.py), between the
+        # shared filesystem's checkpoints.
+        self.memory = (
+            MemorySnapshots(cfg, paths, model, self.states, progress, attempt)
+            if c.memory_every_steps > 0 and self.sharded is None
+            else None
+        )
+        # Where the last restore read the state: (memory | replica | shared, where, step).
+        self.restored_from: tuple[str, str, int] | None = None
 
     def due(self, event: str) -> bool:
         if event != STEP:
@@ -171,8 +181,13 @@ class Checkpointer:
         this call blocked the loop), ``checkpoint/gate_s`` (how long the last optimizer step waited
         for the previous snapshot), ``checkpoint/save_s`` (the last finished write); empty when not
         due."""
+        if event == STEP and self.memory is not None and self.memory.due(self.steps_per_epoch):
+            with self.phases.enter(phases.SNAPSHOT):
+                self.memory.take(capture_rng())
         if not self.due(event):
             return {}
+        if self.memory is not None and event == STOP:
+            self.memory.stop()  # the stop's checkpoint supersedes every snapshot
         if self.before_commit is not None:
             self.before_commit(event)
         t0 = time.perf_counter()
@@ -195,6 +210,9 @@ class Checkpointer:
                         self.staging.settle()
             else:
                 self._write_now(rngs, failed)
+        if self.memory is not None and event == STOP:
+            # Committed on the shared filesystem: this node's snapshots are older than it.
+            self.memory.close(clear=True)
         return self._scalars(time.perf_counter() - t0)
 
     def _new_round(self) -> bool:
@@ -208,6 +226,8 @@ class Checkpointer:
     def finish(self) -> None:
         """Collective, at the end of the run: wait for the write in flight; write a failed one
         again now."""
+        if self.memory is not None:
+            self.memory.stop()  # no snapshot is sent to a peer that clears its own after this
         failed = dist.broadcast_object(
             self._wait_for_write(expected=True) if self._writes_here else None
         )
@@ -217,6 +237,8 @@ class Checkpointer:
                 self._write_sharded(rngs, failed)
             else:
                 self._write_now(rngs, failed)
+        if self.memory is not None:
+            self.memory.close(clear=True)
 
     def wait(self) -> None:
         """This rank's write in flight, finished (a failure is reported by the write itself)."""
@@ -533,6 +555,8 @@ class Checkpointer:
 
     def _scalars(self, stall: float) -> dict[str, float]:
         out = {"checkpoint/stall_s": stall}
+        if self.memory is not None:
+            out.update(self.memory.scalars())
         if self.staging is not None:
             out["checkpoint/gate_s"], self.staging.gate_s = self.staging.gate_s, 0.0
         if self._last_write_s is not None:
@@ -543,9 +567,22 @@ class Checkpointer:
         """Collective, at the start of every attempt (``restore.Restorer``): ``data`` is the
         identity of the data this attempt trains on, which the checkpoint's must match
         (``data_identity.py``). Returns True when resumed."""
-        resumed = Restorer(
-            self.cfg, self.model, self.states, self.progress, self.store, self.sharded, data
-        ).restore()
+        if self.memory is not None:
+            self.memory.connect()
+        restorer = Restorer(
+            self.cfg,
+            self.model,
+            self.states,
+            self.progress,
+            self.store,
+            self.sharded,
+            data,
+            self.memory,
+        )
+        resumed = restorer.restore()
+        self.restored_from = restorer.restored_from
+        if self.memory is not None:
+            self.memory.forget_after(self.progress.global_step)
         # keep_best: the metric as of the step resumed from (a newer step may have been skipped
         # as damaged, and its value belongs to steps this attempt trains again).
         restored = (
@@ -577,6 +614,8 @@ class Checkpointer:
             self.writes.wait()
         if self.staging is not None:
             self.staging.close()
+        if self.memory is not None:
+            self.memory.close()
         self.store.wait_for_pruning()
 
 

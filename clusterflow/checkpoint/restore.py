@@ -3,6 +3,9 @@
 Rank 0 alone reads, verifies and loads the newest committed checkpoint (one read of the shared
 filesystem per job, and one decision on which step is good); the others receive the state over
 the process group (``dist.broadcast_state``) and their own RNG state (``dist.scatter_object``).
+With snapshots in memory (``memory.py``), the newest complete snapshot set at least as new as the
+newest shared checkpoint is the first candidate, checked and applied as any checkpoint; the
+shared filesystem is read only when it does not load.
 
 A checkpoint that cannot be loaded is damaged, whatever the reason: the store skips a lying
 manifest or a bad digest; here rank 0 skips a model.pt that does not fit the model, a train state
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -30,6 +34,7 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.data_identity import DataIdentity, Position, judge_resume
+from clusterflow.checkpoint.memory import SHARED, MemorySnapshots
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
@@ -37,7 +42,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
-from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.store import Checkpoint, CheckpointStore, position
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -55,6 +60,7 @@ class Found:
     user_error: str = ""  # a config the checkpoint refuses: the UserError line
     error: str = ""  # rank 0 could not read at all (any other exception)
     new_data: bool = False  # resumed on other data (data.allow_change): drop the pseudo-labels
+    tier: str = SHARED  # where the state comes from: memory, replica or shared
 
 
 class Restorer:
@@ -70,6 +76,7 @@ class Restorer:
         store: CheckpointStore,
         sharded: ShardedState | None = None,
         data: DataIdentity | None = None,
+        memory: MemorySnapshots | None = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
@@ -81,6 +88,10 @@ class Restorer:
         # train.parallel=fsdp: the model and optimizers come from every rank's shards.
         self.sharded = sharded
         self.data = data
+        self.memory = memory
+        # Where the state came from: (tier, where, step), None when nothing was resumed.
+        self.restored_from: tuple[str, str, int] | None = None
+        self._first_tier = SHARED
 
     def restore(self) -> bool:
         """Collective, at the start of every attempt. Returns True when resumed.
@@ -95,9 +106,19 @@ class Restorer:
         and the RNG as they were."""
         skipped: set[int] = set()
         damaged: dict[int, str] = {}  # rank 0: step -> why it was skipped
+        newest, failure = self._prepare() if dist.rank() == 0 else (None, None)
+        newest = dist.broadcast_object(newest)
+        if failure is not None:
+            raise failure
+        if isinstance(newest, str):
+            raise RuntimeError(f"rank 0 could not read the checkpoints: {newest}")
+        first, restored = self.memory.assemble(newest) if self.memory else (None, None)
+        self._first_tier = restored.tier if restored else SHARED
         while True:
             head, state, rngs, failure = (
-                self._read(skipped, damaged) if dist.rank() == 0 else (Found(), None, None, None)
+                self._read(skipped, damaged, first)
+                if dist.rank() == 0
+                else (Found(), None, None, None)
             )
             head = dist.broadcast_object(head)
             if failure is not None:
@@ -127,6 +148,12 @@ class Restorer:
                 if undo is not None:
                     undo()
                 why = problem or "another rank could not load it (see its log)"
+                if head.tier != SHARED:
+                    log.warning(
+                        "skipping %s: %s; falling back to the shared filesystem", head.path, why
+                    )
+                    first = None
+                    continue
                 log.warning(
                     "skipping damaged checkpoint %s: %s; %s",
                     head.path,
@@ -169,6 +196,8 @@ class Restorer:
                 p.step_in_epoch,
                 p.global_step,
             )
+            where = restored.where if head.tier != SHARED and restored else head.path
+            self.restored_from = (head.tier, where, head.step)
             return True
 
     def _apply(
@@ -216,22 +245,38 @@ class Restorer:
                 raise ValueError(f"train_state.pt has no {name!r} state")
         return parts
 
-    def _read(
-        self, skipped: set[int], damaged: dict[int, str]
-    ) -> tuple[Found, dict[str, Any] | None, list[RngState] | None, BaseException | None]:
-        """Rank 0: finish what a killed writer left, then the newest committed step (not in
-        ``skipped``) that verifies and fits; each one that does not goes into ``damaged``.
-        Returns (what every rank needs to know, the state without RNG, each rank's RNG, rank 0's
-        error)."""
+    def _prepare(self) -> tuple[tuple[int, tuple[int, ...]] | str | None, BaseException | None]:
+        """Rank 0: finish what a killed writer left; returns the newest committed step and its
+        position (None when there is none, the error's text when the store cannot be read), and
+        the error itself."""
         try:
-            if not skipped:
-                removed = self.store.clean_debris()
-                if removed:
-                    log.warning(
-                        "removed unfinished checkpoint folders left by a killed writer: %s",
-                        ", ".join(removed),
-                    )
-            for ckpt in self.store.candidates(skip=skipped, damaged=damaged):
+            removed = self.store.clean_debris()
+            if removed:
+                log.warning(
+                    "removed unfinished checkpoint folders left by a killed writer: %s",
+                    ", ".join(removed),
+                )
+            steps = self.store.steps()
+            if not steps:
+                return None, None
+            return (steps[-1], position(self.store.manifest(steps[-1]))), None
+        # The other ranks must not wait for a broadcast that never comes.
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}", exc
+
+    def _read(
+        self, skipped: set[int], damaged: dict[int, str], first: Checkpoint | None = None
+    ) -> tuple[Found, dict[str, Any] | None, list[RngState] | None, BaseException | None]:
+        """Rank 0: ``first`` (a snapshot set from memory), then the newest committed step (not in
+        ``skipped``) that verifies and fits; each committed one that does not goes into
+        ``damaged``. Returns (what every rank needs to know, the state without RNG, each rank's
+        RNG, rank 0's error)."""
+        try:
+            from_memory = [first] if first is not None else []
+            for ckpt in itertools.chain(
+                from_memory, self.store.candidates(skip=skipped, damaged=damaged)
+            ):
+                memory = ckpt is first
                 try:
                     self._check_config(ckpt.path, ckpt.manifest)
                     model_state, saved = (
@@ -248,6 +293,13 @@ class Restorer:
                     ):
                         raise ValueError("train_state.pt has no RNG state for each of its ranks")
                 except ValueError as exc:
+                    if memory:
+                        log.warning(
+                            "skipping %s: %s; falling back to the shared filesystem",
+                            ckpt.path,
+                            exc,
+                        )
+                        continue
                     log.warning(
                         "skipping damaged checkpoint %s: %s; %s",
                         ckpt.path,
@@ -268,6 +320,7 @@ class Restorer:
                         world,
                         self.store.step_path(ckpt.step),
                         new_data=new_data,
+                        tier=self._first_tier if memory else SHARED,
                     ),
                     {MODEL: model_state, TRAIN_STATE: saved},
                     rngs,

@@ -90,6 +90,15 @@ class Config:
             "they all mount; use a path on a shared filesystem (or train.parallel=ddp)",
         )
 
+        _check(
+            self.train.parallel != "fsdp" or self.checkpoint.memory_every_steps == 0,
+            "checkpoint.memory_every_steps",
+            self.checkpoint.memory_every_steps,
+            "snapshots in memory hold a replicated model (train.parallel=ddp); a sharded run "
+            "(train.parallel=fsdp) keeps its checkpoints on the shared filesystem: set "
+            "checkpoint.memory_every_steps=0",
+        )
+
     def check_profile_reaches(self, samples: int) -> None:
         """Refuse a ``train.profile`` window that starts after the run's last step (it would
         profile nothing); ``samples``: the training set's size."""

@@ -286,6 +286,15 @@ class ClusterConfig:
         kind=RESOURCE,
         why="extra srun arguments",
     )
+    shrink: bool = doc(
+        True,
+        "When a restart inside the job leaves a node out and no spare node is left, continue on "
+        "the healthy nodes (fewer ranks, each sample still once per epoch) instead of requeueing; "
+        "the next requeue asks for cluster.nodes again; false: requeue as before.",
+        kind=RESOURCE,
+        why="whether a restart may continue on fewer nodes; a run that shrank is not bitwise "
+        "equal to an uninterrupted one (as after any change of world size)",
+    )
     exclude_stragglers: bool = doc(
         False,
         "When the next restart inside the allocation starts, leave out the nodes of ranks named "
@@ -849,8 +858,44 @@ class CheckpointConfig:
         ),
     )
 
+    memory_every_steps: int = doc(
+        0,
+        "Optimizer steps between snapshots in the nodes' memory (0: off): each rank's state is "
+        "copied off the training path into checkpoint.memory_dir on its node and replicated to a "
+        "rank on another node; a restart restores from the newest complete snapshot set newer "
+        "than the shared checkpoint (docs/restarts.md).",
+        kind=RESOURCE,
+        why="a snapshot reads the state and draws no random number; a restore from one is "
+        "bitwise the state saved",
+    )
+    memory_dir: str = doc(
+        "/dev/shm",
+        "Where each node keeps its snapshots and a peer's replicas (node-local memory); {node} "
+        "in it becomes the node's host name.",
+        kind=RESOURCE,
+        why="where the snapshots live",
+    )
+
     def __post_init__(self) -> None:
         _check(self.every_steps >= 1, "checkpoint.every_steps", self.every_steps, "must be >= 1")
+        _check(
+            self.memory_every_steps >= 0,
+            "checkpoint.memory_every_steps",
+            self.memory_every_steps,
+            "must be >= 0 (0: no snapshots in memory)",
+        )
+        _check(
+            self.memory_dir.startswith("/") and "://" not in self.memory_dir,
+            "checkpoint.memory_dir",
+            self.memory_dir,
+            "must be an absolute path on each node (node-local memory such as /dev/shm), not a URL",
+        )
+        _check(
+            not set("{}") & set(self.memory_dir.replace("{node}", "")),
+            "checkpoint.memory_dir",
+            self.memory_dir,
+            "may hold {node} (the node's host name) and no other {...}",
+        )
         _check(
             self.keep_last >= 2,
             "checkpoint.keep_last",

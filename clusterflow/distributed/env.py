@@ -9,6 +9,7 @@ this runs on login nodes too; ``clusterflow.distributed`` re-exports these names
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import zlib
@@ -142,22 +143,52 @@ def parse_nodelist(text: str) -> list[str]:
 # The environment
 
 
+# Linux hands out ports for outgoing connections (and for a bind to port 0) from
+# net.ipv4.ip_local_port_range, 32768-60999 by default. A rendezvous port chosen there can be
+# taken by any connection made before the master binds it (gloo's own connections, another job's):
+# the master then fails with EADDRINUSE before the first step. So ports are chosen below it.
+PORT_LOW, PORT_HIGH = 20000, 32000
+
+
 def free_port() -> int:
-    """A TCP port free on this machine now, for a rendezvous of processes started here."""
-    with socket.socket() as s:
+    """A TCP port free on this machine now, for a rendezvous of processes started here: a random
+    one in [PORT_LOW, PORT_HIGH), out of the range Linux takes ports from for connections, so only
+    another explicit choice can take it before the master binds it."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(PORT_LOW, PORT_HIGH)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # every try taken: any port the kernel has free
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def address_toward(host: str) -> str:
+    """This machine's address on its route to ``host`` (the process group's master): where a
+    peer of the job reaches a socket of this process, whether or not this machine's name
+    resolves. No packet is sent (a UDP socket's connect only picks the route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
 def derive_port(job_id: str, attempt: int, restart: int = 0) -> int:
-    """A port in [20000, 40000) from the job id, the attempt and the restart inside it, the same
-    on every rank.
+    """A port in [PORT_LOW, PORT_HIGH) from the job id, the attempt and the restart inside it, the
+    same on every rank (below the range Linux takes connection ports from, see above).
 
     A requeued attempt (or a step restarted inside the allocation) gets a different port, so it
     never trips over the previous one's socket lingering in TIME_WAIT on the master node.
     """
     key = f"{job_id}:{attempt}" + (f":{restart}" if restart else "")
-    return 20000 + zlib.crc32(key.encode()) % 20000
+    return PORT_LOW + zlib.crc32(key.encode()) % (PORT_HIGH - PORT_LOW)
 
 
 def _tasks_per_node(value: str | None, num_nodes: int, ntasks: int, node_id: int) -> int:

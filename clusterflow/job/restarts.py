@@ -198,6 +198,7 @@ class Plan:
     nodes: tuple[str, ...] = ()  # the next step's nodes
     left_out: tuple[str, ...] = ()  # the allocation's nodes it does not use
     why: str = ""  # why not, when there is no restart
+    shrunk: bool = False  # on fewer nodes than cluster.nodes (cluster.shrink)
 
 
 def plan(
@@ -208,18 +209,27 @@ def plan(
     needed: int,
     faulty: Sequence[str] = (),
     avoid: Sequence[str] = (),
+    shrink: bool = False,
 ) -> Plan:
     """Whether to restart after ``fault``, and on which nodes. ``used``: restarts this Slurm
     attempt made so far; ``limit``: cluster.restarts_in_job; ``faulty``: nodes an earlier node
     fault or stall put out of use; ``avoid``: nodes to leave out only where enough others remain
-    (stragglers, a crashed rank's node, earlier crashes), in order of preference."""
+    (stragglers, a crashed rank's node, earlier crashes), in order of preference; ``shrink``
+    (cluster.shrink): when too few healthy nodes remain, run on those there are, and leave a
+    frozen rank's node out even without a spare (a crash's node is used again: nothing says it is
+    at fault)."""
     if fault is None:
         return Plan(False, why="not a failure a restart cures")
     if used >= limit:
         return Plan(False, why=f"no restart left (cluster.restarts_in_job={limit})")
-    hard = set(faulty) | ({fault.host} if fault.leave_out and fault.host else set())
+    suspect = fault.leave_out or (shrink and fault.cause == STALL and fault.avoid)
+    hard = set(faulty) | ({fault.host} if suspect and fault.host else set())
     healthy = [h for h in allocation if h not in hard]
     if len(healthy) < needed:
+        if shrink and healthy:
+            return Plan(
+                True, tuple(healthy), tuple(h for h in allocation if h in hard), shrunk=True
+            )
         return Plan(
             False,
             why=f"too few healthy nodes: {len(healthy)} of the allocation's {len(allocation)} "
@@ -240,11 +250,17 @@ def extra_left_out(cfg: Config, paths: rundir.RunPaths) -> list[str]:
 
 
 def node_fault_restarts(
-    used: int, limit: int, allocation: Sequence[str], needed: int, faulty: Sequence[str]
+    used: int,
+    limit: int,
+    allocation: Sequence[str],
+    needed: int,
+    faulty: Sequence[str],
+    shrink: bool = False,
 ) -> bool:
-    """Whether a node fault in the next step would be restarted here without its node."""
+    """Whether a node fault in the next step would be restarted here without its node (on fewer
+    nodes, with ``shrink``)."""
     healthy = [h for h in allocation if h not in set(faulty)]
-    return used < limit and len(healthy) - 1 >= needed
+    return used < limit and len(healthy) - 1 >= (1 if shrink else needed)
 
 
 class Driver:
@@ -279,11 +295,14 @@ class Driver:
         signal.signal(signal.SIGTERM, self._on_term)
         nodes = tuple(self.allocation[: self.needed])
         used = 0
+        ran: set[str] = set()
         while True:
+            ran.update(nodes)
             end = steps.run_step(
                 steps.srun_argv(self.command, nodes, self.per_node), self._env(used)
             )
             if end.returncode == 0 or self.signalled:
+                self._forget_snapshots(sorted(ran - set(nodes)))
                 return end.returncode
             fault = self._fault(end)
             p = plan(
@@ -294,6 +313,7 @@ class Driver:
                 self.needed,
                 self.faulty,
                 self.avoid + self.left_out(self.cfg, self.paths),
+                self.cfg.cluster.shrink,
             )
             if not p.restart:
                 if fault is not None:
@@ -304,13 +324,31 @@ class Driver:
                 return end.exit_status
             assert fault is not None
             used += 1
-            self._remember(fault)
+            self._remember(fault, p)
             self._record(fault, used, p)
             nodes = p.nodes
 
+    def _forget_snapshots(self, nodes: list[str]) -> None:
+        """After a completed run: remove its snapshots in the memory of the nodes an earlier step
+        ran on and the last one did not (the last step's ranks cleared their own)."""
+        c = self.cfg.checkpoint
+        status, _ = rundir.read_object(self.paths.status)
+        if not nodes or c.memory_every_steps == 0 or status.get("state") != states.COMPLETED:
+            return
+        argv = [
+            sys.executable,
+            "-m",
+            "clusterflow.storage.snapshots",
+            c.memory_dir,
+            self.cfg.run.dir,
+        ]
+        code = steps.run_on(nodes, argv, self.environ, self.command[0])
+        if code:
+            _say(f"could not remove the run's snapshots on {', '.join(nodes)} (srun: {code})")
+
     def _env(self, used: int) -> dict[str, str]:
         restarts_node_fault = node_fault_restarts(
-            used, self.limit, self.allocation, self.needed, self.faulty
+            used, self.limit, self.allocation, self.needed, self.faulty, self.cfg.cluster.shrink
         )
         return {
             **self.environ,
@@ -346,10 +384,10 @@ class Driver:
                 return None
             time.sleep(0.2)
 
-    def _remember(self, fault: Fault) -> None:
+    def _remember(self, fault: Fault, p: Plan) -> None:
         if fault.host is None:
             return
-        if fault.leave_out:
+        if fault.leave_out or (p.shrunk and fault.host in p.left_out):
             self.faulty.append(fault.host)
         elif fault.avoid:
             self.avoid.append(fault.host)
@@ -371,6 +409,8 @@ class Driver:
             restart_at=time.time(),
             nodes=list(p.nodes),
             left_out=list(p.left_out),
+            world_size=len(p.nodes) * self.per_node,
+            **({"shrunk": True} if p.shrunk else {}),
         )
         # An attempt begins; the failed one's cause stays in its first-error record and in
         # restarts.jsonl.
@@ -382,6 +422,13 @@ class Driver:
             attempt=rundir.attempt_count(self.paths),
         )
         out = f" ({', '.join(p.left_out)} left out)" if p.left_out else ""
+        if p.shrunk:
+            out += (
+                f"; no spare node left: continuing on {len(p.nodes)} of {self.needed} nodes, "
+                f"{len(p.nodes) * self.per_node} rank(s) instead of {self.needed * self.per_node}"
+                ", the same global batch (cluster.shrink; the next requeue asks for "
+                f"{self.needed} again)"
+            )
         said = (
             f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
             f"from the newest checkpoint on {', '.join(p.nodes)}{out}"

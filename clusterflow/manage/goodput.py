@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from typing import Any
 
 from clusterflow import rundir
@@ -137,11 +138,16 @@ def sweep_book(target: rundir.RunPaths) -> dict[str, Any]:
     }
 
 
+def _warnings(b: dict[str, Any]) -> list[str]:
+    """A run's damaged records, and the time they left unsplit (``other``)."""
+    return [f"warning: {d}: ignored" for d in b["damaged_records"]] + [
+        f"warning: {w}" for w in b["warnings"]
+    ]
+
+
 def _shown(b: dict[str, Any]) -> str:
-    """One run's table, its damaged records under it."""
-    lines = [b["run_dir"], goodput.render(b)]
-    lines += [f"warning: {d}: ignored" for d in b["damaged_records"]]
-    return "\n".join(lines)
+    """One run's table, its warnings under it."""
+    return "\n".join([b["run_dir"], goodput.render(b), *_warnings(b)])
 
 
 @cli
@@ -167,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         plot(books, args.plot)
     if args.json:
         print(json.dumps(sweep if sweep is not None else books[0], indent=1))
+        for b in books:  # on stderr: stdout is the JSON
+            for line in _warnings(b):
+                print(line if sweep is None else f"{b['run_dir']}: {line}", file=sys.stderr)
         return EXIT_OK
     text = "\n\n".join(_shown(b) for b in books)
     if sweep is not None:

@@ -23,6 +23,7 @@ from clusterflow import rundir
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import status
 from clusterflow.rundir import records, states
+from clusterflow.storage import confined
 from clusterflow.sweeps import index as sweep_index
 
 EXAMPLES = (
@@ -38,7 +39,7 @@ _NAME = re.compile(r"^rank(\d+)\.attempt(\d+)\.log$")
 def _names(paths: rundir.RunPaths) -> list[tuple[int, int]]:
     try:
         names = os.listdir(paths.logs)
-    except FileNotFoundError:
+    except OSError:  # missing, or a file where the folder should be
         return []
     return [(int(m.group(1)), int(m.group(2))) for m in map(_NAME.match, names) if m]
 
@@ -111,38 +112,48 @@ class EndWatch:
 
 class Tail:
     """One log file read incrementally (a UTF-8 character cut between two reads stays whole); also
-    what `submit --local` echoes to the terminal and what the dashboard shows of each rank."""
+    what `submit --local` echoes to the terminal and what the dashboard shows of each rank. The
+    file is opened as every record is (``storage/confined.py``, below ``within``: the run dir):
+    a link or a FIFO is not read, and ``refused`` says why."""
 
-    def __init__(self, path: str) -> None:
-        self.path, self.pos = path, 0
+    def __init__(self, path: str, within: str | None = None) -> None:
+        self.path, self.within, self.pos = path, within, 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.skipped = 0  # bytes passed over unread (``read(limit)``)
+        self.refused = ""
 
     def read(self, limit: int | None = None) -> str:
         """The text written since the last read. With ``limit``, at most its last ``limit``
         bytes, from the first line that starts within them (a 2 GB log costs a seek, not 2 GB);
         ``skipped`` counts what was passed over."""
         try:
-            size = os.path.getsize(self.path)
-            if size < self.pos:  # truncated or replaced: read it again from the start
-                self.pos = 0
-            cut = limit is not None and size - self.pos > limit
-            if cut:
-                self.skipped += size - limit - self.pos
-                self.pos = size - limit
-                self.decoder.reset()
-            with open(self.path, "rb") as f:
+            with confined.open_file(self.path, self.within) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size < self.pos:  # truncated or replaced: read it again from the start
+                    self.pos = 0
+                cut = limit is not None and size - self.pos > limit
+                if cut:
+                    self.skipped += size - limit - self.pos
+                    self.pos = size - limit
+                    self.decoder.reset()
                 f.seek(self.pos)
                 data = f.read(size - self.pos)
                 self.pos += len(data)
-        except OSError:  # not there (yet), or a folder in its place
+            self.refused = ""
+        except confined.Refused as exc:
+            self.refused = exc.why
+            return ""
+        except OSError:  # not there (yet)
             return ""
         if cut:
             data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
         return self.decoder.decode(data)
 
     def drain(self, out: IO[str]) -> None:
+        said = self.refused
         text = self.read()
+        if self.refused and self.refused != said:
+            text += f"[{self.path} {self.refused}: not shown]\n"
         if text:
             out.write(text)
             out.flush()
@@ -187,7 +198,7 @@ def show(
             if tail is not None:
                 tail.drain(out)  # finish the previous attempt before the next header
             out.write(("\n" if tail is not None else "") + header(paths, rank, attempt) + "\n")
-            tail, current = Tail(paths.log_file(rank, attempt)), attempt
+            tail, current = Tail(paths.log_file(rank, attempt), paths.root), attempt
         if tail is not None:
             tail.drain(out)
         if not follow:

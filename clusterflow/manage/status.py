@@ -28,12 +28,14 @@ from clusterflow.rundir import (
     restarts,
     saved_config,
     submissions,
+    timeline,
 )
 from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.slurm import outcome as slurm_outcome
 from clusterflow.slurm import steps as slurm_steps
+from clusterflow.storage import confined
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.sweeps import index as sweep_index
 
@@ -155,7 +157,7 @@ def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[di
         names = []
     for name in names:
         e, said = records.read_checked(
-            os.path.join(paths.errors, name), records.ERROR, f"errors/{name}"
+            os.path.join(paths.errors, name), records.ERROR, f"errors/{name}", within=paths.root
         )
         damaged += said
         if e is not None and (e.get("time") or 0) >= since:
@@ -163,20 +165,24 @@ def _errors(paths: rundir.RunPaths, since: float, damaged: list[str]) -> list[di
     return errors
 
 
+# The end of a Slurm job's batch output that holds its newest srun step's report.
+SRUN_TAIL_BYTES = 4 * 2**20
+
+
 def _srun_first(paths: rundir.RunPaths, job_id: str) -> tuple[int, str, str] | None:
-    """The task srun reported as failed first in a Slurm job's output, or None."""
+    """The task srun reported as failed first in a Slurm job's output (its last
+    :data:`SRUN_TAIL_BYTES`), or None."""
     if not jobids.is_slurm_id(job_id):
         return None
+    target = os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err")
     try:
-        with open(
-            os.path.join(paths.slurm_logs, job_id, f"{job_id}_0_log.err"),
-            encoding="utf-8",
-            errors="replace",
-        ) as f:
-            # a job that restarted inside its allocation: the newest srun step's report
-            return slurm_outcome.first_task_failure(slurm_steps.last_step(f.read()))
+        with confined.open_file(target, paths.root) as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - SRUN_TAIL_BYTES))
+            text = f.read(SRUN_TAIL_BYTES).decode("utf-8", "replace")
     except OSError:
         return None
+    # a job that restarted inside its allocation: the newest srun step's report
+    return slurm_outcome.first_task_failure(slurm_steps.last_step(text))
 
 
 def _runs_known(attempts: list[dict[str, Any]], job_id: str) -> int:
@@ -357,6 +363,7 @@ def collect(
         evidence = dataclasses.replace(evidence, alive=alive, liveness=note)
     decided = verdict.decide(evidence)
     latest = cks[-1] if cks else None
+    tls = timeline.read_all(paths)
     out = {
         "state": decided.state,
         "note": decided.note,
@@ -370,7 +377,8 @@ def collect(
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "excluded_nodes": rundir.excluded_nodes(paths),
-        "restarts": restarts.read(paths),
+        "restarts": _restarts(paths, tls),
+        "restored_from": timeline.restored_from(tls, len(attempts)),
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)
         if latest and os.path.exists(latest)
@@ -482,6 +490,22 @@ def _clock(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
+def _restarts(paths: rundir.RunPaths, tls: timeline.Timelines) -> list[dict[str, Any]]:
+    """Each restart inside the job (``restarts.read``), with where its attempt took its state
+    (``restored_from``: memory, replica or shared; ``restored_where``; ``restored_step``), once
+    that attempt has restored."""
+    out = restarts.read(paths)
+    for r in out:
+        rec = tls.records.get(r.get("next_attempt"), {})
+        if "restored_step" in rec:
+            r["restored_from"] = rec.get("restored_from") or (
+                "shared" if rec["restored_step"] else None
+            )
+            r["restored_where"] = rec.get("restored_where")
+            r["restored_step"] = rec["restored_step"]
+    return out
+
+
 def _restarts_said(done: list[dict[str, Any]]) -> str:
     """What the attempts line adds about restarts inside the job (docs/restarts.md)."""
     if not done:
@@ -492,10 +516,21 @@ def _restarts_said(done: list[dict[str, Any]]) -> str:
         if "recovery_s" in last
         else ""
     )
+    came = ""
+    if last.get("restored_from") in ("memory", "replica") and last.get("restored_where"):
+        came = f", step {last.get('restored_step')} from the {last['restored_where']}"
+    elif last.get("restored_from") == "shared":
+        came = f", step {last.get('restored_step')} from the shared filesystem"
+    shrunk = (
+        f", shrunk to {last.get('world_size')} rank(s) on {len(last.get('nodes') or [])} node(s): "
+        "no spare node was left (cluster.shrink; the next requeue asks for cluster.nodes again)"
+        if last.get("shrunk")
+        else ""
+    )
     return (
         f" ({len(done)} restart(s) inside the job; the last after rank {last.get('rank')} on "
         f"{last.get('host')}: {last.get('error')} ({last.get('cause')}), on "
-        f"{', '.join(last.get('nodes') or [])}{again})"
+        f"{', '.join(last.get('nodes') or [])}{shrunk}{came}{again})"
     )
 
 

@@ -27,7 +27,8 @@ ever negative and the parts add up to the attempt's wall time exactly:
   the last sign of life: the last record, the first error, or the rank logs' last write (not
   taken when it is later than the next attempt's start: a copy's time).
 - An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
-  its allocation to its end is ``other``: the records cannot split it.
+  its allocation to its end is ``other``: the records cannot split it. ``warnings`` says so, with
+  the seconds, for every attempt whose damaged timeline left time in ``other``.
 """
 
 from __future__ import annotations
@@ -193,10 +194,13 @@ def ledger(
     src = _Sources(paths, slurm, subs, now)
     rows, prev, high = [], None, 0
     restarted = {r.get("next_attempt"): r for r in restarts.read(paths)}
+    by_number = {a.n: a for a in attempts}
     for i, a in enumerate(attempts):
         newest = i == len(attempts) - 1
         row = _row(src, a, prev, high, attempts[i + 1 :], newest and running)
-        row["restart_in_job"] = _restart(restarted.get(a.n))
+        back = restarted.get(a.n)
+        failed = by_number.get(back.get("failed_attempt")) if back else None
+        row["restart_in_job"] = _restart(back, a, failed)
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
     return {
@@ -204,17 +208,38 @@ def ledger(
         "attempts": rows,
         "total": _total(rows),
         "damaged_records": damaged,
+        "warnings": [
+            f"attempt {r['attempt']}: {r['seconds']['other']:.1f} s of its "
+            f"{r['wall_s'] - r['seconds']['queue_wait']:.1f} s allocated are counted as other, "
+            f"since its timeline is damaged and cannot split them ({why})"
+            for r in rows
+            if (why := tls.damaged_attempts.get(r["attempt"])) and r["seconds"]["other"] > 0
+        ],
     }
 
 
-def _restart(r: dict[str, Any] | None) -> dict[str, Any] | None:
-    """How an attempt that a restart inside the allocation began came about
-    (``RUN_DIR/restarts.jsonl``): the fault, the nodes left out, and the seconds from the fault
-    to its first step (``recovery_s``, None until it trained one)."""
+def _restart(
+    r: dict[str, Any] | None, a: _Attempt, failed: _Attempt | None
+) -> dict[str, Any] | None:
+    """How attempt ``a``, which a restart inside the allocation began after ``failed``, came about
+    (``RUN_DIR/restarts.jsonl``): the fault, the nodes left out, the seconds from the fault to its
+    first step (``recovery_s``, None until it trained one), where its state came from
+    (``restored_from``: memory, replica or shared; ``restored_where``) and the steps the crash
+    cost (``steps_lost``: the failed attempt's last recorded step less the step restored; its
+    timeline records the step at most a second behind the loop, so it may be a step short)."""
     if r is None:
         return None
     keep = ("cause", "rank", "host", "left_out", "fault_at", "first_step_at", "recovery_s")
-    return {k: r.get(k) for k in keep}
+    out = {k: r.get(k) for k in keep}
+    restored = "restored_step" in a.tl
+    out["restored_from"] = a.tl.get("restored_from") if restored else None
+    out["restored_where"] = a.tl.get("restored_where") if restored else None
+    out["steps_lost"] = (
+        max(0, failed.last_step - a.restored)
+        if restored and failed is not None and not failed.unreadable
+        else None
+    )
+    return out
 
 
 def _instants(
@@ -460,9 +485,21 @@ def render(book: dict[str, Any]) -> str:
                 if back.get("recovery_s") is None
                 else f"back training {back['recovery_s']:.1f} s after the fault"
             )
+            came = (
+                f"; restored from the {back['restored_where']}"
+                if back.get("restored_where") and back.get("restored_from") != "shared"
+                else "; restored from the shared filesystem"
+                if back.get("restored_from") == "shared"
+                else ""
+            )
+            lost = (
+                f"; {back['steps_lost']} step(s) trained again"
+                if back.get("steps_lost") is not None
+                else ""
+            )
             lines.append(
                 f"restart in job: attempt {r['attempt']} after a {back.get('cause')}{rank}{host}: "
-                f"{took}{out}"
+                f"{took}{came}{lost}{out}"
             )
         phases = r.get("startup_phases") or {}
         if phases:

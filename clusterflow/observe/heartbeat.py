@@ -307,13 +307,16 @@ def read_ranks(
     records: dict[int, dict[str, Any]] = {}
     try:
         names = os.listdir(folder)
-    except FileNotFoundError:
+    except OSError:  # missing, or a file where the folder should be
         names = []
     for name in names:
         if not (name.startswith("rank") and name.endswith(".json")):
             continue
         rec, said = run_records.read_checked(
-            os.path.join(folder, name), run_records.HEARTBEAT, f"heartbeats/{name}"
+            os.path.join(folder, name),
+            run_records.HEARTBEAT,
+            f"heartbeats/{name}",
+            within=paths.root,
         )
         if damaged is not None:
             damaged += said

@@ -29,6 +29,8 @@ MINING_WAIT = "mining wait"
 # mining.search=sharded: the mutual graph, curve and components computed across ranks.
 MINING_GRAPH = "mining graph"
 CHECKPOINT = "checkpoint"
+# checkpoint.memory_every_steps: the loop's part of a snapshot in memory (the rest runs beside it).
+SNAPSHOT = "snapshot"
 
 
 def _nothing(step: int, phase: str, *more: float | None) -> None:

@@ -74,17 +74,21 @@ class Startup:
 
 
 def categories(seconds: dict[str, float]) -> dict[str, float]:
-    """Phase seconds as the ledger's activities: train, eval, mining (its phases), checkpoint."""
+    """Phase seconds as the ledger's activities: train, eval, mining (its phases), checkpoint (the
+    loop's part of a snapshot in memory too)."""
     out = {"train": 0.0, "eval": 0.0, "mining": 0.0, "checkpoint": 0.0}
     for name, s in seconds.items():
         key = "mining" if name.startswith("mining") else name
+        key = phases.CHECKPOINT if key == phases.SNAPSHOT else key
         if key in out:
             out[key] += s
     return out
 
 
 class NullTimeline:
-    def restored(self, step: int, seconds: float) -> None:
+    def restored(
+        self, step: int, seconds: float, source: tuple[str, str, int] | None = None
+    ) -> None:
         pass
 
     def first_step(self, step: int) -> None:
@@ -149,12 +153,18 @@ class AttemptTimeline(NullTimeline):
                 where = self.paths.timeline_file(int(self.rec["attempt"]))
                 log.warning("could not write %s: %s", where, exc)
 
-    def restored(self, step: int, seconds: float) -> None:
+    def restored(
+        self, step: int, seconds: float, source: tuple[str, str, int] | None = None
+    ) -> None:
+        """The restore ended at ``step``; ``source``: (tier, where, step) it read (None: a fresh
+        start)."""
+        where = {"restored_from": source[0], "restored_where": source[1]} if source else {}
         self._write(
             restored_step=step,
             restore_s=seconds,
             last_step=step,
             startup=dict(self.startup.seconds),
+            **where,
         )
 
     def first_step(self, step: int) -> None:

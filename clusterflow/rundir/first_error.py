@@ -62,6 +62,7 @@ def read(paths: RunPaths, attempt: int, damaged: list[str] | None = None) -> dic
         paths.first_error_file(attempt),
         rundir.FIRST_ERROR,
         f"errors/first.attempt{attempt}.json",
+        within=paths.root,
     )
     if damaged is not None:
         damaged += said

@@ -262,7 +262,7 @@ def take(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _say_if_changed(paths, rundir.read_json(pointer), manifest)
+    _say_if_changed(paths, rundir.read_json(pointer, within=paths.root), manifest)
     durable.write_atomic(pointer, json.dumps(manifest, indent=1))
     return manifest
 
@@ -293,7 +293,7 @@ def describe(paths: RunPaths, damaged: list[str] | None = None) -> dict[str, Any
     imports; None when nothing was frozen, or when code/current.json does not fit its schema
     (named in ``damaged``, when given)."""
     manifest, said = rundir.read_checked(
-        paths.code_pointer, rundir.CODE_POINTER, "code/current.json"
+        paths.code_pointer, rundir.CODE_POINTER, "code/current.json", within=paths.root
     )
     if damaged is not None:
         damaged += said

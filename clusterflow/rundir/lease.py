@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 
 from clusterflow.distributed import DistEnv
 from clusterflow.errors import UserError
+from clusterflow.rundir import records
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.storage import durable
@@ -145,11 +146,7 @@ def _read(paths: RunPaths) -> tuple[int, dict[str, Any] | None, str]:
     if not gens:
         return 0, None, ""
     path = gen_file(paths, max(gens))
-    try:
-        with open(path, "rb") as f:
-            rec = json.loads(f.read())
-    except (OSError, ValueError, RecursionError):  # RecursionError: JSON nested too deep
-        rec = {}
+    rec = records.read_json(path, {}, within=paths.root)  # a link or a FIFO is damage too
     return max(gens), rec if isinstance(rec, dict) else {}, path
 
 

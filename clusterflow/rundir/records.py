@@ -6,7 +6,11 @@ Every record has a declared schema here (field -> what it must be): a reader giv
 fields that fit it and names each one that does not ("status.json: global_step is 'abc' (a str),
 not an integer"), so that a record written by hand, by another version or by a torn write is a
 named warning in ``status``'s ``damaged_records``, never a traceback. Records are hints; the
-committed checkpoints are the truth."""
+committed checkpoints are the truth.
+
+Every reader here opens its file through ``storage/confined.py``: a record that is a link (or
+lies in a folder that is one), a FIFO, a device or a socket is named and never read, so no
+record resolves outside its run dir and none can block a reader."""
 
 from __future__ import annotations
 
@@ -22,13 +26,10 @@ from typing import Any, BinaryIO
 from clusterflow.errors import RunFailed
 from clusterflow.rundir.paths import RunPaths
 from clusterflow.rundir.states import STATES, StopReason
-from clusterflow.storage import durable
+from clusterflow.storage import confined, durable
 
 log = logging.getLogger("clusterflow.records")
 
-# JSON that cannot be taken for a record: not JSON, not UTF-8, a folder, nested deeper than the
-# parser's recursion limit (RecursionError).
-_UNREADABLE = (OSError, ValueError, RecursionError)
 # A record is kilobytes (status.json with every mining round's curve: well under a megabyte). A
 # file far larger is no record (a runaway or hostile writer); reading it whole would cost its size
 # in memory and seconds, so readers refuse it by its size.
@@ -288,100 +289,117 @@ def checked(rec: object, schema: Schema, where: str) -> tuple[dict[str, Any] | N
 
 
 def read_checked(
-    target: str, schema: Schema, where: str | None = None
+    target: str, schema: Schema, where: str | None = None, within: str | None = None
 ) -> tuple[dict[str, Any] | None, list[str]]:
     """A JSON object record checked against ``schema``: (the record or None, warnings); (None,
-    []) when the file does not exist."""
+    []) when the file does not exist. ``within``: the folder it must not lead out of (the run
+    dir, for a record in one of its folders; by default the folder that holds it): a link, a
+    FIFO or anything but a regular file there is named and not read (``storage/confined.py``)."""
     where = where or os.path.basename(target)
-    if not os.path.lexists(target):
+    try:
+        data = confined.read_bytes(target, within, MAX_RECORD_BYTES)
+    except FileNotFoundError:
         return None, []
-    too_large = _too_large(target)
-    if too_large:
-        return None, [f"{where} {too_large}; ignored"]
-    rec = read_json(target, _DAMAGED)
+    except confined.TooLarge as exc:
+        return None, [f"{where} {_too_large(exc.size)}; ignored"]
+    except confined.Refused as exc:
+        return None, [f"{where} {exc.why}"]
+    except OSError:
+        return None, [f"{where} is not readable JSON"]
+    rec = _parse_line(data)
     if rec is _DAMAGED:
         return None, [f"{where} is not readable JSON"]
     return checked(rec, schema, where)
 
 
-def _too_large(target: str) -> str:
-    """What is wrong with a record file larger than :data:`MAX_RECORD_BYTES` ("" when it is not,
-    or cannot be seen)."""
-    try:
-        size = os.stat(target).st_size
-    except OSError:
-        return ""
-    if size <= MAX_RECORD_BYTES:
-        return ""
+def _too_large(size: int) -> str:
+    """What is wrong with a record file of ``size`` bytes, more than :data:`MAX_RECORD_BYTES`."""
     return f"is {size / 2**20:.0f} MiB, more than a record holds ({MAX_RECORD_BYTES // 2**20} MiB)"
 
 
-def read_json(target: str, default: object = None) -> Any:
+def read_json(target: str, default: object = None, within: str | None = None) -> Any:
     """The JSON in ``target``, or ``default`` when it is missing or damaged (not JSON, not UTF-8,
-    a folder, larger than :data:`MAX_RECORD_BYTES`)."""
-    if _too_large(target):
-        return default
+    larger than :data:`MAX_RECORD_BYTES`, or refused as :func:`read_checked` refuses it)."""
     try:
-        with open(target, encoding="utf-8") as f:
-            return json.load(f)
-    except _UNREADABLE:  # ValueError: JSONDecodeError and UnicodeDecodeError
+        data = confined.read_bytes(target, within, MAX_RECORD_BYTES)
+    except OSError:
         return default
+    rec = _parse_line(data)
+    return default if rec is _DAMAGED else rec
 
 
-def read_object(target: str, schema: Schema | None = None) -> tuple[dict[str, Any], list[str]]:
+def read_object(
+    target: str, schema: Schema | None = None, within: str | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """A JSON object record (status.json): (record, []) or, when it is damaged, ({}, what is
     wrong); ({}, []) when it does not exist. With ``schema``, only the fields that fit it, and a
     warning for each other one. A damaged record never stops a run or `status`."""
-    rec, warnings = read_checked(target, schema or Schema({}))
+    rec, warnings = read_checked(target, schema or Schema({}), within=within)
     return rec or {}, warnings
 
 
 _DAMAGED = object()
 
 
-def read_records(target: str, schema: Schema) -> tuple[list[dict[str, Any]], list[str]]:
+def _open_lines(target: str, within: str | None) -> tuple[BinaryIO | None, str]:
+    """A JSON-lines file opened as :func:`read_checked` opens a record: (the file, "") or (None,
+    why it is not read; "" when it does not exist or cannot be opened)."""
+    try:
+        return confined.open_file(target, within), ""
+    except confined.Refused as exc:
+        return None, exc.why
+    except OSError:
+        return None, ""
+
+
+def read_records(
+    target: str, schema: Schema, within: str | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
     """The records of a JSON-lines file checked against ``schema``, and warnings naming the
     lines and fields that do not fit (a line that is no JSON object is dropped: a kill mid-write
-    cuts the last one; the rest is still good)."""
+    cuts the last one; the rest is still good). ``within``: as :func:`read_checked`'s."""
     out, warnings, cut = [], [], []
     name = os.path.basename(target)
-    too_large = _too_large(target)
-    if too_large:
-        return [], [f"{name} {too_large}; ignored"]
-    for n, rec in _lines(target):
-        if rec is _DAMAGED:
-            cut.append(str(n))
-            continue
-        good, said = checked(rec, schema, f"{name} line {n}")
-        warnings += said
-        if good is not None:
-            out.append(good)
+    f, refused = _open_lines(target, within)
+    if f is None:
+        return [], [f"{name} {refused}"] if refused else []
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size > MAX_RECORD_BYTES:
+            return [], [f"{name} {_too_large(size)}; ignored"]
+        for n, rec in _lines(f):
+            if rec is _DAMAGED:
+                cut.append(str(n))
+                continue
+            good, said = checked(rec, schema, f"{name} line {n}")
+            warnings += said
+            if good is not None:
+                out.append(good)
     if cut:
         shown = ", ".join(cut[:5]) + (", ..." if len(cut) > 5 else "")
         warnings.insert(0, f"{name}: {len(cut)} line(s) not JSON (line {shown})")
     return out, warnings
 
 
-def _lines(target: str) -> Iterator[tuple[int, Any]]:
-    """(line number, its JSON or _DAMAGED) for each non-empty line; nothing for a missing file
-    or a folder in its place. A line over :data:`MAX_LINE_BYTES` is _DAMAGED, and never held in
-    memory whole."""
-    try:
-        with open(target, "rb") as f:
-            n = 0
-            while True:
-                line = f.readline(MAX_LINE_BYTES + 1)
-                if not line:
-                    return
-                n += 1
-                if len(line) > MAX_LINE_BYTES:
-                    _skip_line(f, line)
-                    yield n, _DAMAGED
-                    continue
-                if line.strip():
-                    yield n, _parse_line(line)
-    except OSError:
-        return  # missing, or a folder where the file should be: nothing readable
+def _lines(f: BinaryIO) -> Iterator[tuple[int, Any]]:
+    """(line number, its JSON or _DAMAGED) for each non-empty line of an open file. A line over
+    :data:`MAX_LINE_BYTES` is _DAMAGED, and never held in memory whole; a read that fails ends
+    the lines."""
+    n = 0
+    while True:
+        try:
+            line = f.readline(MAX_LINE_BYTES + 1)
+        except OSError:
+            return
+        if not line:
+            return
+        n += 1
+        if len(line) > MAX_LINE_BYTES:
+            _skip_line(f, line)
+            yield n, _DAMAGED
+            continue
+        if line.strip():
+            yield n, _parse_line(line)
 
 
 def _skip_line(f: BinaryIO, start: bytes) -> None:
@@ -410,8 +428,11 @@ class JsonLinesFollower:
     ``restarted``, and the caller drops what it built from the old one.
     """
 
-    def __init__(self, target: str, chunk_bytes: int = 4 * 2**20) -> None:
-        self.target, self.chunk_bytes = target, chunk_bytes
+    def __init__(
+        self, target: str, chunk_bytes: int = 4 * 2**20, within: str | None = None
+    ) -> None:
+        self.target, self.chunk_bytes, self.within = target, chunk_bytes, within
+        self.refused = ""  # why the file is not read (a link, a FIFO: storage/confined.py)
         self.pos, self.inode = 0, None
         self.partial = b""
         self.skipping = False  # inside a line too long to keep
@@ -421,8 +442,9 @@ class JsonLinesFollower:
     def read(self) -> tuple[list[dict[str, Any]], bool]:
         """(the objects of the lines completed since the last read, whether the file was read
         again from its start)."""
+        self.refused = ""
         try:
-            with open(self.target, "rb") as f:
+            with confined.open_file(self.target, self.within) as f:
                 st = os.fstat(f.fileno())
                 restarted = self.inode is not None and (
                     st.st_ino != self.inode or st.st_size < self.pos
@@ -434,7 +456,10 @@ class JsonLinesFollower:
                 data = f.read(self.chunk_bytes)
                 self.pos += len(data)
                 self.behind = self.pos < st.st_size
-        except OSError:  # not there (yet), or a folder in its place
+        except confined.Refused as exc:
+            self.behind, self.refused = False, exc.why
+            return [], False
+        except OSError:  # not there (yet)
             self.behind = False
             return [], False
         return self._records(data), restarted
@@ -466,13 +491,20 @@ class JsonLinesFollower:
         return out
 
 
-def read_jsonl(target: str, schema: Schema | None = None) -> list[dict[str, Any]]:
+def read_jsonl(
+    target: str, schema: Schema | None = None, within: str | None = None
+) -> list[dict[str, Any]]:
     """The JSON objects of a JSON-lines file; lines that are not one (cut by a kill mid-write,
     garbage bytes, another type) are skipped: the rest is still good. With ``schema``, only the
-    fields that fit it (:func:`read_records` names the others)."""
+    fields that fit it (:func:`read_records` names the others). A file refused as
+    :func:`read_checked` refuses one reads as empty."""
     if schema is not None:
-        return read_records(target, schema)[0]
-    return [rec for _, rec in _lines(target) if isinstance(rec, dict)]
+        return read_records(target, schema, within)[0]
+    f, _ = _open_lines(target, within)
+    if f is None:
+        return []
+    with f:
+        return [rec for _, rec in _lines(f) if isinstance(rec, dict)]
 
 
 def open_jsonl(target: str) -> BinaryIO:

@@ -5,12 +5,14 @@
     {"event": "restart", "job_id": "123", "restart": 1, "failed_attempt": 0, "next_attempt": 1,
      "cause": "crash" | "node" | "stall", "rank": 1, "host": "node2", "error": "Killed",
      "fault_at": <time>, "restart_at": <time>, "nodes": ["node1", "node3"],
-     "left_out": ["node2"]}
+     "left_out": ["node2"], "world_size": 2, "shrunk": true}
         written by the batch step's driver (``clusterflow/job/restarts.py``) when it starts a new
         srun step after a failure: ``fault_at`` is when the fault was seen (the first-error
         record's time, or the moment srun reported the task that ended first), ``restart_at`` when
         the new step was started, ``nodes`` the nodes it runs on, ``left_out`` the allocation's
-        nodes it does not use (the failed node, a straggler).
+        nodes it does not use (the failed node, a straggler), ``world_size`` its ranks, and
+        ``shrunk`` (only when true) that it runs on fewer nodes than ``cluster.nodes`` because no
+        spare was left (``cluster.shrink``).
     {"event": "first_step", "attempt": 1, "step": 9, "at": <time>}
         written by rank 0 of an attempt that a restart started, when that attempt's first
         training step ends.
@@ -45,6 +47,8 @@ RESTART_RECORD = records.Schema(
         "restart_at": records.TIME,
         "nodes": records.TEXTS,
         "left_out": records.TEXTS,
+        "world_size": records.RANKS,
+        "shrunk": records.FLAG,
         "attempt": records.INT,
         "step": records.INT,
         "at": records.TIME,

@@ -29,9 +29,10 @@ import yaml
 
 from clusterflow import config as cfgmod
 from clusterflow.config.job_config import Config
+from clusterflow.config.yaml_file import MAX_BYTES
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
-from clusterflow.storage import durable
+from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
 HEADER = "# clusterflow run config"
@@ -143,8 +144,9 @@ def write_config(cfg: Config) -> None:
 
 
 def _parse(target: str) -> Any:
-    with open(target, "rb") as f:
-        return yaml.safe_load(f.read().decode("utf-8"))
+    """config.yaml's YAML; OSError for one that is no regular file of the run dir (a link, a
+    FIFO: ``storage/confined.py``) or larger than a config may be."""
+    return yaml.safe_load(confined.read_bytes(target, limit=MAX_BYTES).decode("utf-8"))
 
 
 def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
@@ -153,6 +155,8 @@ def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
     or set aside here: the next launch does that (:func:`read`)."""
     try:
         data = _parse(paths.config)
+    except confined.Refused as exc:
+        return {}, exc.why
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
         return {}, type(exc).__name__
     if not isinstance(data, dict):

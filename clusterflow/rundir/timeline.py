@@ -9,6 +9,10 @@ loop ends; a kill leaves the last one. Fields (times in seconds since 1970, dura
     process_started_at                when rank 0's process started (before imports)
     restored_step, restore_s          the checkpoint it resumed from (0: fresh) and how long
                                       reading it took
+    restored_from, restored_where     which tier the state came from: memory (the snapshots in
+                                      the nodes' memory), replica (some from a peer's replica)
+                                      or shared (the shared filesystem), and where ("memory of
+                                      node2"); absent after a fresh start
     startup                           rank 0's seconds per start-up phase, from its process's
                                       start (imports, rendezvous, run dir, task data, model,
                                       restore, first batch, first step), as of this write
@@ -58,6 +62,8 @@ TIMELINE = records.Schema(
         "process_started_at": records.TIME,
         "restored_step": records.INT,
         "restore_s": records.SECONDS,
+        "restored_from": records.TEXT,
+        "restored_where": records.TEXT,
         "startup": _SECONDS,
         "first_step_at": records.TIME,
         "first_step": records.INT,
@@ -82,11 +88,13 @@ def write(paths: RunPaths, record: dict[str, Any], fsync: bool = False) -> None:
 @dataclass
 class Timelines:
     """Every attempt's timeline that could be read (by attempt number), the attempts whose
-    timeline exists but is unreadable, and a warning for each damaged record or field."""
+    timeline exists but is unreadable, a warning for each damaged record or field, and the
+    first of them for each attempt whose timeline is damaged (unreadable or a field left out)."""
 
     records: dict[int, dict[str, Any]] = field(default_factory=dict)
     unreadable: set[int] = field(default_factory=set)
     damaged: list[str] = field(default_factory=list)
+    damaged_attempts: dict[int, str] = field(default_factory=dict)
 
 
 def read_all(paths: RunPaths) -> Timelines:
@@ -101,12 +109,29 @@ def read_all(paths: RunPaths) -> Timelines:
         if not m:
             continue
         rec, said = records.read_checked(
-            os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}"
+            os.path.join(paths.timelines, name), TIMELINE, f"timeline/{name}", within=paths.root
         )
         out.damaged += said
+        n = int(m.group(1))
+        if said:
+            out.damaged_attempts[n] = said[0]
         if rec is None:
-            out.unreadable.add(int(m.group(1)))
+            out.unreadable.add(n)
         else:
-            out.records[int(m.group(1))] = rec
+            out.records[n] = rec
     out.records = dict(sorted(out.records.items()))
+    return out
+
+
+def restored_from(tls: Timelines, attempts: int) -> list[str | None]:
+    """Where each of ``attempts`` attempts (by number from 0) took its state: ``memory``,
+    ``replica`` or ``shared``; None after a fresh start, or where its record does not say (a
+    record of an older version that resumed says ``shared``: the only tier it had)."""
+    out: list[str | None] = []
+    for n in range(attempts):
+        rec = tls.records.get(n, {})
+        tier = rec.get("restored_from")
+        if tier is None and (rec.get("restored_step") or 0) > 0:
+            tier = "shared"
+        out.append(tier)
     return out

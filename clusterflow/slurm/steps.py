@@ -110,3 +110,21 @@ def run_step(argv: Sequence[str], env: Mapping[str, str]) -> StepEnd:
     reader.join(timeout=5)
     first, at = seen[0] if seen else (None, None)
     return StepEnd(code, first, at, started, time.time())
+
+
+def run_on(nodes: Sequence[str], argv: Sequence[str], env: Mapping[str, str], srun: str) -> int:
+    """Run ``argv`` once on each of ``nodes`` of the allocation, beside any step that runs there
+    (``--overlap``), and wait for it (a minute at most); srun's exit status, or 124."""
+    line = [
+        srun,
+        "--overlap",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        *argv,
+    ]
+    try:
+        return subprocess.run(line, env=dict(env), check=False, timeout=60).returncode
+    except subprocess.TimeoutExpired:
+        return 124

@@ -5,5 +5,7 @@
 - ``store.py``: committed checkpoints over fsspec: staged, verified, superseded, damaged ones set
   aside;
 - ``manifest.py``: what a checkpoint's manifest must hold before any file it names is read;
-- ``diskfull.py``: a full disk turned into one line naming the device, path, size and free space.
+- ``diskfull.py``: a full disk turned into one line naming the device, path, size and free space;
+- ``confined.py``: the one opener of a file that other hands write into (a run dir's records, a
+  store's manifests): a regular file, reached without a link, never blocking, within a size.
 """

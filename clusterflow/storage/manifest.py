@@ -17,6 +17,9 @@ from typing import Any
 
 from clusterflow.storage.durable import HASHES
 
+# A manifest lists a checkpoint's files: kilobytes, megabytes for a sharded one of thousands of
+# ranks. A larger file is no manifest, and is not read.
+MAX_BYTES = 64 * 2**20
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")  # sha256 and blake3 (its default 32-byte output) alike
 _ID = re.compile(r"^[0-9a-f]{32}$")
 

@@ -57,7 +57,7 @@ from typing import Any
 
 import fsspec
 
-from clusterflow.storage import diskfull, durable
+from clusterflow.storage import confined, diskfull, durable
 from clusterflow.storage import manifest as schema
 from clusterflow.storage.names import DCP, MANIFEST
 from clusterflow.version import __version__
@@ -483,10 +483,16 @@ class CheckpointStore:
     # -- reading ------------------------------------------------------------------------------
     def _read_manifest(self, path: str, step: int | None = None) -> dict[str, Any]:
         """The manifest, its schema checked (manifest.check): ValueError naming what is wrong."""
+        target = f"{path}/{MANIFEST}"
         try:
-            with self.fs.open(f"{path}/{MANIFEST}", "rb") as f:
-                data = json.loads(f.read())
-        except (OSError, ValueError) as exc:
+            if self.local:  # never through a link out of the store, never a FIFO's wait
+                data = json.loads(confined.read_bytes(target, self.root, schema.MAX_BYTES))
+            else:
+                with self.fs.open(target, "rb") as f:
+                    data = json.loads(f.read(schema.MAX_BYTES + 1))
+        except confined.Refused as exc:
+            raise ValueError(f"unreadable manifest: {MANIFEST} {exc.why}") from None
+        except (OSError, ValueError, RecursionError) as exc:
             # Missing, a directory, unreadable, not JSON, not UTF-8.
             raise ValueError(f"unreadable manifest ({exc.__class__.__name__})") from None
         return schema.check(data, step)

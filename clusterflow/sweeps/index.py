@@ -29,10 +29,13 @@ from clusterflow import rundir
 from clusterflow.config import fingerprint
 from clusterflow.errors import UserError
 from clusterflow.rundir import states as run_states
-from clusterflow.storage import durable
+from clusterflow.storage import confined, durable
 from clusterflow.sweeps.sweep import Member, Sweep
 
 VERSION = 1
+# An index holds about 300 bytes per member: 16 MiB is tens of thousands of members. A larger
+# file is no index of ours, and is refused by its size before it is read.
+MAX_INDEX_BYTES = 16 * 2**20
 
 
 def is_sweep_dir(paths: rundir.RunPaths) -> bool:
@@ -42,7 +45,7 @@ def is_sweep_dir(paths: rundir.RunPaths) -> bool:
 def read_index(paths: rundir.RunPaths) -> dict[str, Any] | None:
     """The index, or None for a directory that holds no sweep yet. Refuses a single run's dir."""
     target = paths.sweep_index
-    if not os.path.exists(target):
+    if not os.path.lexists(target):
         if os.path.exists(paths.config):
             raise UserError(
                 f"run.dir {paths.root!r} holds a single run (config.yaml), not a sweep; "
@@ -51,9 +54,13 @@ def read_index(paths: rundir.RunPaths) -> dict[str, Any] | None:
         return None
     # Not rundir.read_json: a damaged index is refused with its reason, never taken for no index.
     try:
-        with open(target, encoding="utf-8") as f:
-            index = json.load(f)
-    except (OSError, ValueError) as exc:
+        index = json.loads(confined.read_bytes(target, limit=MAX_INDEX_BYTES).decode("utf-8"))
+    except confined.Refused as exc:
+        raise UserError(
+            f"{target} {exc.why}; a sweep index is a file of the sweep dir that clusterflow "
+            "writes: restore it or choose another run.dir"
+        ) from None
+    except (OSError, ValueError, RecursionError) as exc:
         raise UserError(
             f"{target} cannot be read ({exc}); restore it or choose another run.dir"
         ) from None

@@ -810,7 +810,9 @@ class Run:
         if resumed:  # the state restored is a committed one
             self._saved_at = (self.state.global_step, self.state.position)
         self.startup.mark(RESTORE)
-        self.timeline.restored(self.state.global_step, time.monotonic() - t0)
+        self.timeline.restored(
+            self.state.global_step, time.monotonic() - t0, self.checkpointer.restored_from
+        )
         if self.rank == 0:
             # What the run continues from; a checkpoint skipped as damaged is not in it.
             rundir.write_ledger(self.paths, self.state.ledger.record_file(self.state.global_step))

@@ -321,7 +321,8 @@ class Catalog:
                 i: self.sweeps[i] if i in self.sweeps and self.sweeps[i].found == f else Sweep(f)
                 for i, f in sweeps.items()
             }
-            changed = set(self.runs) | set(self.sweeps) != before
+            # The first search changes the page even when it found nothing: it says so.
+            changed = set(self.runs) | set(self.sweeps) != before or self.version == 0
             if changed:
                 self.version += 1
         for sweep in list(self.sweeps.values()):

@@ -91,6 +91,7 @@ class Finder:
         # folder -> (its mtime when listed, its kind, its subfolders or a sweep's member names)
         self._seen: dict[str, tuple[int, str, list[str]]] = {}
         self.truncated = False  # MAX_FOLDERS was reached in the last search
+        self.searched = 0  # folders looked at in the last search (0: none yet)
 
     def scan(self) -> dict[str, Found]:
         found: dict[str, Found] = {}
@@ -99,6 +100,7 @@ class Finder:
         for root in self.roots:
             self._visit(root, root, 0, found, visited, budget)
         self.truncated = budget[0] <= 0
+        self.searched = len(visited)
         self._seen = {k: v for k, v in self._seen.items() if k in visited}
         return found
 

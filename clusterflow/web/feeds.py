@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -18,7 +19,6 @@ from clusterflow import rundir
 from clusterflow.manage import logs
 from clusterflow.observe import scalar_log
 from clusterflow.rundir.records import JsonLinesFollower
-from clusterflow.web.discover import inside
 
 
 @dataclass
@@ -50,21 +50,17 @@ class MetricFeed:
 
     def __init__(self, paths: rundir.RunPaths, max_steps: int = 2000, max_tags: int = 400) -> None:
         self.paths, self.max_steps, self.max_tags = paths, max_steps, max_tags
-        self.follower = JsonLinesFollower(paths.metrics)
+        self.follower = JsonLinesFollower(paths.metrics)  # no link, no FIFO: records.py
         self.table: dict[int, dict[str, float]] = {}
         self.changed: dict[int, int] = {}  # step -> version of its last change
         self.tags: set[str] = set()
         self.dropped_tags = 0
         self.version, self.generation = 0, next(_GENERATIONS)
-        self.refused = ""  # why the file is not read (a link out of the run dir)
         # A huge file is taken a few chunks per update (4 MiB each): the poll goes on meanwhile.
         self.chunks_per_update = 4
 
     def update(self) -> bool:
         """Read what was appended; True when the table changed."""
-        if not inside(self.paths.root, self.paths.metrics):
-            self.refused = "metrics.jsonl leads out of the run dir; not read"
-            return False
         changed = False
         for _ in range(self.chunks_per_update):
             rows, restarted = self.follower.read()
@@ -81,17 +77,24 @@ class MetricFeed:
         self.table, self.changed, self.tags = {}, {}, set()
         self.generation = next(_GENERATIONS)
 
+    @property
+    def refused(self) -> str:
+        """Why metrics.jsonl is not read ("" when it is): a link, a FIFO (``records.py``)."""
+        return f"metrics.jsonl {self.follower.refused}" if self.follower.refused else ""
+
     def _add(self, row: dict[str, object]) -> bool:
-        if "purge_step" not in row:
-            keep = {k: v for k, v in row.items() if k in scalar_log.ROW_KEYS or self._room(k)}
-            row = keep
-        purged = scalar_log.fold(self.table, row)
-        if purged is None:
-            return False
-        if purged:
+        if "purge_step" in row:
+            # An attempt's marker: it drops what earlier attempts logged from its step on and
+            # adds no step (its step may never get a value: an own loop logs from its first
+            # train.log_every_steps).
+            if not scalar_log.fold(self.table, row):
+                return False
             self.generation = next(_GENERATIONS)
             self.changed = {s: v for s, v in self.changed.items() if s in self.table}
             return True
+        row = {k: v for k, v in row.items() if k in scalar_log.ROW_KEYS or self._room(k)}
+        if scalar_log.fold(self.table, row) is None:
+            return False
         step = row["step"]
         if isinstance(step, int):
             self.version += 1
@@ -140,7 +143,6 @@ class LogFeed:
         self.chunks: deque[tuple[int, str]] = deque()
         self.size = 0
         self.version, self.generation = 0, next(_GENERATIONS)
-        self.refused = ""
 
     def update(self) -> bool:
         """Read what was written since; True when there is more to show."""
@@ -149,15 +151,14 @@ class LogFeed:
         if attempts and attempts[-1] != self.attempt:
             self.attempt = attempts[-1]
             target = self.paths.log_file(self.rank, self.attempt)
-            self.tail = None
-            if inside(self.paths.root, target):
-                self.tail, self.refused = logs.Tail(target), ""
-            else:
-                self.refused = f"{target} leads out of the run dir; not read"
+            self.tail = logs.Tail(target, self.paths.root)  # no link, no FIFO: storage/confined
             header = logs.header(self.paths, self.rank, self.attempt)
             changed = self._add(("\n" if self.chunks else "") + header + "\n")
         if self.tail is not None:
+            said = self.tail.refused
             text = self.tail.read(limit=self.keep)
+            if self.tail.refused and self.tail.refused != said:
+                text += f"[{os.path.basename(self.tail.path)} {self.tail.refused}: not shown]\n"
             if text:
                 changed = self._add(text)
         return changed

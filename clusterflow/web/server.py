@@ -1,12 +1,12 @@
 """python -m clusterflow.dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0]
 
 The web server (Starlette under uvicorn, the ``[dashboard]`` extra): pages, their data, the live
-streams (server-sent events), the one action (cancel), and the guard in front of them all.
+streams (server-sent events), the one action (cancel), behind ``guard.py``'s checks.
 
-- Every request, page, file and stream needs the token printed at start: ``?token=`` (which also
-  sets a cookie for the pages that follow), the cookie, or the ``X-Clusterflow-Token`` header.
-  Cancel needs the header itself (a cookie alone could come from another site's form) and the
-  run's name typed back as confirmation.
+- The pages (``/``, ``/run/ID``) are shells that hold no data; their script asks ``/api/...``
+  for everything, with the token in the ``X-Clusterflow-Token`` header (``guard.py``: the
+  token, the Host header, the security headers, and why no cookie).
+- Cancel needs the token in the header and the run's name typed back as confirmation.
 - It binds 127.0.0.1 unless ``--host`` says otherwise; the token is required either way.
 - Runs and sweeps are named by an id (``discover.ident``), never by a path: anything not found
   under the PATHs, ``..`` included, is a 404.
@@ -20,19 +20,17 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import hmac
 import importlib.util
 import json
 import os
+import re
 import secrets
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from http.cookies import SimpleCookie
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs
 
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import cancel as run_cancel
@@ -40,6 +38,7 @@ from clusterflow.observe import nvml
 from clusterflow.web import views
 from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot, Sweep
 from clusterflow.web.feeds import Delta
+from clusterflow.web.guard import HEADER, WILDCARDS, Guard, Hosts
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -58,16 +57,11 @@ EXAMPLES = (
     "  python -m clusterflow.dashboard runs/ --host 0.0.0.0  # reachable from other hosts;\n"
     "                                                        # the token is still required\n"
 )
-HEADER = "x-clusterflow-token"
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
 OWN_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
 PING_S = 15.0
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
+# A run's id in an address (discover.ident): anything else is no run's page.
+RUN_ID = re.compile(r"^[0-9a-f]{12}$")
 
 
 def missing_extra() -> list[str]:
@@ -82,66 +76,6 @@ def plotly_js() -> str | None:
         if os.path.isfile(path):
             return path
     return None
-
-
-# -- the token ----------------------------------------------------------------------------------
-
-
-class TokenGate:
-    """ASGI middleware: a request without the token gets 403 and nothing else."""
-
-    def __init__(self, app: Asgi, token: str, cookie: str, dashboard: Dashboard) -> None:
-        self.app, self.token, self.cookie = app, token, cookie
-        self.dashboard = dashboard  # what it guards
-
-    def _given(self, scope: Scope) -> tuple[str, str]:
-        """(the token the request carries, where: query, header or cookie)."""
-        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-        if query.get("token"):
-            return query["token"][0], "query"
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if headers.get(HEADER):
-            return headers[HEADER], "header"
-        jar: SimpleCookie = SimpleCookie()
-        with contextlib.suppress(Exception):
-            jar.load(headers.get("cookie", ""))
-        morsel = jar.get(self.cookie)
-        return (morsel.value, "cookie") if morsel else ("", "")
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given, where = self._given(scope)
-        if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
-            body = (
-                b"403: this dashboard needs its token: open the URL that "
-                b"`clusterflow dashboard` printed (it ends in ?token=...)\n"
-            )
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 403,
-                    "headers": [
-                        (b"content-type", b"text/plain; charset=utf-8"),
-                        (b"content-length", str(len(body)).encode()),
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
-            return
-        scope.setdefault("state", {})["token_via"] = where
-        if where != "query":
-            await self.app(scope, receive, send)
-            return
-        cookie = f"{self.cookie}={self.token}; Path=/; HttpOnly; SameSite=Strict".encode()
-
-        async def with_cookie(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"set-cookie", cookie)]
-            await send(message)
-
-        await self.app(scope, receive, with_cookie)
 
 
 # -- the poll thread and the streams' wake-up ---------------------------------------------------
@@ -195,7 +129,7 @@ def _json(value: object) -> str:
 class Dashboard:
     """The app's state and its handlers (bound to routes by :func:`build_app`)."""
 
-    def __init__(self, catalog: Catalog, token: str) -> None:
+    def __init__(self, catalog: Catalog) -> None:
         # The [dashboard] extra (EXTRA), imported once a dashboard is built: without it,
         # `clusterflow dashboard` says what to install in one line (serve).
         import jinja2
@@ -204,7 +138,7 @@ class Dashboard:
 
         self.responses, self.events = responses, EventSourceResponse
         self.not_found = exceptions.HTTPException
-        self.catalog, self.token = catalog, token
+        self.catalog = catalog
         self.hub: Hub | None = None
         self.poller: Poller | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -240,8 +174,10 @@ class Dashboard:
             self.hub.notify()
 
     def _page(self, template: str, **context: object) -> Response:
+        """A page's shell: no data (its script asks for that, with the token), so it needs
+        none."""
         html = self.templates.get_template(template).render(
-            version=self.version, token=self.token, plotly=self.plotly is not None, **context
+            version=self.version, plotly=self.plotly is not None, **context
         )
         return self.responses.HTMLResponse(html, headers={"cache-control": "no-store"})
 
@@ -252,11 +188,13 @@ class Dashboard:
         return run
 
     async def runs_page(self, request: Request) -> Response:
-        return self._page("runs.html", initial=views.runs_page(self.catalog))
+        return self._page("runs.html")
 
     async def run_page(self, request: Request) -> Response:
-        run = self._run(request)
-        return self._page("run.html", run_id=run.id, name=run.name, initial=views.detail(run))
+        run_id = request.path_params["run_id"]
+        if not RUN_ID.match(run_id):
+            raise self.not_found(404, "no such run under the dashboard's paths")
+        return self._page("run.html", run_id=run_id)
 
     async def runs_json(self, request: Request) -> Response:
         return self.responses.JSONResponse(views.runs_page(self.catalog))
@@ -278,8 +216,8 @@ class Dashboard:
         )
 
     async def cancel(self, request: Request) -> Response:
-        """POST {"run": id, "confirm": its name}, with the token in the header: `clusterflow
-        cancel` of that run or sweep."""
+        """POST {"run": id, "confirm": its name}, with the token in the header (an address a
+        page could be made to open carries none): `clusterflow cancel` of that run or sweep."""
 
         if request.scope.get("state", {}).get("token_via") != "header":
             return self.responses.JSONResponse(
@@ -430,12 +368,13 @@ def _delta(d: Delta) -> dict[str, object]:
     return {"reset": d.reset, "items": views.clean(d.items)}
 
 
-def build_app(catalog: Catalog, token: str, cookie: str = "clusterflow_dashboard") -> TokenGate:
-    """The ASGI app: routes behind the token."""
+def build_app(catalog: Catalog, token: str, hosts: Hosts | None = None) -> tuple[Guard, Dashboard]:
+    """The ASGI app (routes behind ``guard.py``'s checks; ``hosts``: the names it answers to, by
+    default those of 127.0.0.1) and the dashboard it serves."""
     from starlette.applications import Starlette  # the [dashboard] extra: see EXTRA
     from starlette.routing import Route
 
-    d = Dashboard(catalog, token)
+    d = Dashboard(catalog)
     app = Starlette(
         routes=[
             Route("/", d.runs_page),
@@ -448,7 +387,7 @@ def build_app(catalog: Catalog, token: str, cookie: str = "clusterflow_dashboard
         ],
         lifespan=d.lifespan,
     )
-    return TokenGate(app, token, cookie, d)
+    return Guard(app, token, hosts or Hosts("127.0.0.1")), d
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -475,7 +414,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def url_of(sock: socket.socket, host: str, token: str) -> str:
     port = sock.getsockname()[1]
-    shown = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    shown = socket.gethostname() if host in WILDCARDS else host
     shown = f"[{shown}]" if ":" in shown else shown
     return f"http://{shown}:{port}/?token={token}"
 
@@ -492,7 +431,7 @@ def serve(paths: list[str], host: str, port: int, snapshot: Snapshot = nvml.read
     catalog = Catalog(paths, snapshot)
     token = secrets.token_urlsafe(24)
     sock = _bind(host, port)
-    app = build_app(catalog, token, cookie=f"clusterflow_dashboard_{sock.getsockname()[1]}")
+    app, _ = build_app(catalog, token, Hosts(host))
     print(f"clusterflow dashboard: {url_of(sock, host, token)}", flush=True)
     config = uvicorn.Config(
         app,

@@ -184,6 +184,9 @@ def runs_page(catalog: Catalog) -> dict[str, Any]:
         "sweeps": [sweep(s, runs) for s in sorted(catalog.sweeps.values(), key=lambda s: s.name)],
         "gpus": gpus(catalog),
         "truncated": catalog.finder.truncated,
+        # What was searched, for a page that found nothing (0 folders: not searched yet).
+        "paths": list(catalog.finder.roots),
+        "searched": catalog.finder.searched,
     }
 
 
@@ -209,6 +212,7 @@ def detail(run: Run) -> dict[str, Any]:
             "errors": [_pick(e, ERROR) for e in s.get("errors") or []],
             "attempts_detail": attempts,
             "goodput_total": _pick(ledger.get("total") or {}, ("seconds", "ratio", "wall_s")),
+            "goodput_warnings": ledger.get("warnings") or [],
             "categories": list(goodput.CATEGORIES),
             "labels": goodput.LABELS,
             "colours": goodput_command.COLOURS,

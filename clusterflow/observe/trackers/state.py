@@ -10,8 +10,9 @@ import logging
 import threading
 from typing import Any
 
+from clusterflow.rundir import records
 from clusterflow.rundir.paths import RunPaths
-from clusterflow.storage import durable
+from clusterflow.storage import confined, durable
 
 log = logging.getLogger("clusterflow.trackers")
 
@@ -23,12 +24,11 @@ class StateFile:
         self.path = paths.trackers
         self._lock = threading.Lock()
         try:
-            with open(self.path) as f:
-                data = json.load(f)
+            data = json.loads(confined.read_bytes(self.path, limit=records.MAX_RECORD_BYTES))
             self.data: dict[str, Any] = data if isinstance(data, dict) else {}
         except FileNotFoundError:
             self.data = {}
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, RecursionError) as exc:
             log.warning("%s unreadable (%s): the trackers start new runs", self.path, exc)
             self.data = {}
 
@@ -49,11 +49,7 @@ class StateFile:
 def received_steps(paths: RunPaths, names: list[str]) -> dict[str, int | None]:
     """The last step each named tracker is known to have received (None: none so far), for
     ``status``; an unreadable file reads as nothing received."""
-    try:
-        with open(paths.trackers) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        data = {}
+    data = records.read_json(paths.trackers, {})
     data = data if isinstance(data, dict) else {}
     out: dict[str, int | None] = {}
     for name in names:

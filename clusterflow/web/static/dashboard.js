@@ -1,11 +1,58 @@
-// clusterflow dashboard: the Runs page and a run's page. Data arrives inline with the page and
-// then as server-sent events (/api/stream); charts are Plotly (plotly.min.js from plotly's
-// wheel). Text from run dirs is only ever set as textContent, never parsed as HTML.
+// clusterflow dashboard: the Runs page and a run's page. The pages hold no data: it arrives as
+// server-sent events (/api/stream, read with fetch so that the token goes in a header); charts
+// are Plotly (plotly.min.js from plotly's wheel). Text from run dirs is only ever set as
+// textContent, never parsed as HTML.
 "use strict";
 
-const TOKEN = document.querySelector('meta[name="clusterflow-token"]').content;
-const INITIAL = JSON.parse(document.getElementById("initial").textContent);
 const NOW = () => Date.now() / 1000;
+
+// -- the token -----------------------------------------------------------------------------------
+// Kept in this page's own storage (per scheme, host and port: no page of another port reads it)
+// and sent in a header: never in a cookie, which the browser would send to every port of the
+// host (clusterflow/web/guard.py). Taken out of the address bar as soon as the page has it.
+
+const TOKEN_HEADER = "x-clusterflow-token";
+const TOKEN_KEY = "clusterflow-dashboard-token";
+const TOKEN = takeToken();
+
+function takeToken() {
+  const url = new URL(window.location.href);
+  const given = url.searchParams.get("token");
+  let token = given || "";
+  try {
+    if (given) window.localStorage.setItem(TOKEN_KEY, given);
+    else token = window.localStorage.getItem(TOKEN_KEY) || "";
+  } catch (e) {
+    // storage turned off: this page keeps the token it was given, the next one asks again
+  }
+  if (given) {
+    url.searchParams.delete("token");
+    window.history.replaceState(null, "", url.pathname + url.search + url.hash);
+  }
+  return token;
+}
+
+// The moment a page first showed its data (performance.getEntriesByName: benchmarks/dashboard.py).
+function markDrawn(name) {
+  if (!performance.getEntriesByName(name).length) performance.mark(name);
+}
+
+function refused(status, said) {
+  // 403: no token, or another dashboard's (this port served one before): forget it.
+  if (status === 403) {
+    try { window.localStorage.removeItem(TOKEN_KEY); } catch (e) { /* storage off */ }
+  }
+  const node = document.getElementById("refused");
+  node.textContent = /^\d{3}: /.test(said) ? said : `${status}: ${said || "refused"}`;
+  node.hidden = false;
+  live(false, "refused");
+}
+
+// What a refusal says: the guard's {"error": ...}, or the text of a 404.
+async function errorOf(reply) {
+  const text = await reply.text().catch(() => "");
+  try { return String(JSON.parse(text).error || text); } catch (e) { return text.trim(); }
+}
 
 // -- small helpers -------------------------------------------------------------------------------
 
@@ -64,20 +111,78 @@ function plain(text) {
   return String(text).replace(/[<>&]/g, "");
 }
 
-function live(on) {
+function live(on, text) {
   const node = document.getElementById("live");
   node.className = on ? "live" : "live off";
-  node.textContent = on ? "live" : "reconnecting";
+  node.textContent = text || (on ? "live" : "reconnecting");
 }
 
+// A server-sent event stream read with fetch (EventSource cannot send a header): each event's
+// JSON to handlers[event]; picked up again a second after a lost connection, until close().
 function stream(query, handlers) {
-  const source = new EventSource("/api/stream" + query);
-  source.onopen = () => live(true);
-  source.onerror = () => live(false);
-  for (const [name, handle] of Object.entries(handlers)) {
-    source.addEventListener(name, (e) => handle(JSON.parse(e.data)));
+  let stopped = false;
+  let controller = null;
+  let retry = null;
+
+  function dispatch(lines) {
+    let name = "message";
+    const data = [];
+    for (const line of lines) {
+      if (line.startsWith(":")) continue; // a ping
+      const colon = line.indexOf(":");
+      const field = colon < 0 ? line : line.slice(0, colon);
+      const value = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+      if (field === "event") name = value;
+      else if (field === "data") data.push(value);
+    }
+    if (data.length && handlers[name]) handlers[name](JSON.parse(data.join("\n")));
   }
-  return source;
+
+  async function run() {
+    controller = new AbortController();
+    try {
+      const reply = await fetch("/api/stream" + query, {
+        headers: { [TOKEN_HEADER]: TOKEN, accept: "text/event-stream" },
+        cache: "no-store",
+        signal: controller.signal,
+      });
+      if (reply.status === 403 || reply.status === 404 || reply.status === 400) {
+        stopped = true;
+        refused(reply.status, await errorOf(reply));
+        return;
+      }
+      if (!reply.ok || !reply.body) throw new Error(`HTTP ${reply.status}`);
+      live(true);
+      const reader = reply.body.pipeThrough(new TextDecoderStream()).getReader();
+      let rest = "";
+      let lines = [];
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        const parts = (rest + value).split("\n");
+        rest = parts.pop();
+        for (const part of parts) {
+          const line = part.endsWith("\r") ? part.slice(0, -1) : part;
+          if (line) lines.push(line);
+          else if (lines.length) { dispatch(lines); lines = []; }
+        }
+      }
+    } catch (e) {
+      if (stopped) return;
+    }
+    if (stopped) return;
+    live(false);
+    retry = setTimeout(run, 1000);
+  }
+
+  run();
+  return {
+    close() {
+      stopped = true;
+      clearTimeout(retry);
+      if (controller) controller.abort();
+    },
+  };
 }
 
 function gpuRows(tbody, gpus) {
@@ -188,8 +293,16 @@ function runsPage() {
     for (const r of data.runs) rows.set(r.id, r);
     for (const s of data.sweeps) sweeps.set(s.id, s);
     document.getElementById("truncated").hidden = !data.truncated;
+    const empty = document.getElementById("empty");
+    empty.hidden = data.runs.length + data.sweeps.length > 0;
+    empty.textContent = !data.searched ? "Looking for runs…"
+      : `No run or sweep under ${data.paths.join(", ")} (${data.searched} folder(s) searched, ` +
+        "up to 8 deep). A run dir holds the config.yaml that submit writes, a sweep dir its " +
+        "sweep.json: pass the run.dir you submitted, or a folder above it. Runs appear here " +
+        "as they start.";
     gpuRows(document.querySelector("#gpus tbody"), data.gpus);
     render();
+    if (data.searched) markDrawn("clusterflow-runs-drawn");
   }
 
   for (const th of document.querySelectorAll("#runs th[data-key]")) {
@@ -203,7 +316,6 @@ function runsPage() {
   }
   document.getElementById("state-filter").addEventListener("change", render);
   document.getElementById("name-filter").addEventListener("input", render);
-  load(INITIAL);
   stream("", {
     runs: load,
     rows: (data) => {
@@ -248,7 +360,8 @@ function chart(id, traces, layout) {
 function runPage() {
   const runId = document.querySelector('meta[name="clusterflow-run"]').content;
   const table = new Map(); // step -> {tag: value}
-  let summary = INITIAL;
+  let summary = {};
+  let plotlyWanted = () => {}; // set below: reads Plotly once, after the first summary
   let mode = "aggregated";
   let logRank = 0;
   let source = null;
@@ -361,6 +474,10 @@ function runPage() {
 
   function renderSummary(s) {
     summary = s;
+    if (document.getElementById("run-name").textContent !== s.name) {
+      document.getElementById("run-name").textContent = s.name;
+      document.title = `${s.name} · clusterflow`;
+    }
     const p = s.epochs && s.steps_per_epoch
       ? ` (${(100 * Math.min(1, (s.epoch + (s.step_in_epoch || 0) / s.steps_per_epoch) / s.epochs)).toFixed(0)}%)`
       : "";
@@ -382,6 +499,7 @@ function runPage() {
     if (s.ranks_summary) said("warn", s.ranks_summary);
     if (s.checkpoint_error) said("warn", "checkpoint: " + s.checkpoint_error);
     for (const d of s.damaged_records || []) said("muted", "record ignored: " + d);
+    for (const w of s.goodput_warnings || []) said("muted", "goodput: " + w);
     if ((s.excluded_nodes || []).length) said("muted", "nodes left out: " + s.excluded_nodes.join(", "));
     document.getElementById("notes").replaceChildren(...notes);
     renderRanks(s);
@@ -397,6 +515,8 @@ function runPage() {
     // The per-rank charts name stragglers and GPUs' ranks from the summary.
     changed("rank-names", (s.ranks || []).map((r) => [r.rank, r.straggler, r.host, r.gpu_index]),
       schedule);
+    markDrawn("clusterflow-summary-drawn");
+    plotlyWanted();
   }
 
   const rendered = new Map();
@@ -434,6 +554,7 @@ function runPage() {
         (r.rank !== null && r.rank !== undefined ? ` of rank ${r.rank}` : "") +
         (r.host ? ` on ${r.host}` : "") +
         ((r.left_out || []).length ? `; left out ${r.left_out.join(", ")}` : "") +
+        (r.restored_from ? `; restored from the ${r.restored_from === "shared" ? "shared filesystem" : r.restored_where}` : "") +
         (r.recovery_s !== null && r.recovery_s !== undefined ? `; training again after ${r.recovery_s.toFixed(1)} s` : ""));
     } else if (prev) {
       parts.push(`after attempt ${prev.attempt} ${prev.outcome ? "ended " + prev.outcome : "ended without a record (killed)"}`);
@@ -611,33 +732,35 @@ function runPage() {
   document.getElementById("round").addEventListener("change", (e) => renderRound(summary.mining[Number(e.target.value)]));
   document.getElementById("cancel").addEventListener("click", async () => {
     const name = summary.name;
+    if (!name) return; // nothing shown yet
     const typed = window.prompt(`Cancel ${name} for good (clusterflow cancel)? Type its name to confirm:`);
     if (typed === null) return;
     const said = document.getElementById("cancel-said");
     const reply = await fetch("/api/cancel", {
       method: "POST",
-      headers: { "content-type": "application/json", "x-clusterflow-token": TOKEN },
+      headers: { "content-type": "application/json", [TOKEN_HEADER]: TOKEN },
       body: JSON.stringify({ run: runId, confirm: typed }),
     });
     const body = await reply.json();
     said.textContent = reply.ok ? body.lines.join("; ") : body.error;
   });
-  renderSummary(INITIAL);
   connect();
-  // Plotly (4.6 MB) is fetched once the page has loaded: the summary, tables and logs show at
-  // once, and the charts as soon as it has been read.
+  // Plotly (4.6 MB, a few hundred ms of the browser's one thread to read) is fetched once the
+  // summary has been drawn: the summary, tables and logs show at once, the charts as soon as it
+  // has been read.
   const plotly = document.querySelector('meta[name="clusterflow-plotly"]');
-  if (plotly) {
-    window.addEventListener("load", () => {
-      const script = el("script", { src: plotly.content });
-      script.addEventListener("load", () => {
-        rendered.clear();
-        renderSummary(summary);
-        schedule();
-      });
-      document.head.append(script);
+  plotlyWanted = () => {
+    plotlyWanted = () => {};
+    if (!plotly) return;
+    const script = el("script", { src: plotly.content });
+    script.addEventListener("load", () => {
+      rendered.clear();
+      if (summary.name) renderSummary(summary);
+      schedule();
     });
-  }
+    // after this summary is painted: a frame's callbacks run before its paint, a timeout after
+    requestAnimationFrame(() => setTimeout(() => document.head.append(script), 0));
+  };
 }
 
 if (document.body.dataset.page === "runs") runsPage();

@@ -1,0 +1,353 @@
+"""Snapshots in the nodes' memory (checkpoint.memory_every_steps), on real files, real sockets and
+real processes: replicas arrive verified and two generations stay; a sender killed while sending,
+a flipped bit and a stranger leave no replica; a 2-rank run whose rank 1 is SIGKILLed resumes
+from the memory of its nodes, from a peer's replica when a node's memory is gone, from the other
+copy when one is damaged, from the shared filesystem when a rank has no sound copy left: each
+said in one line, each bitwise equal to an uninterrupted run. The ranks run as two "nodes" on
+this machine, each in a UTS namespace of its own (``tests/launch.py``'s ``nodes``), so that
+``memory_dir=.../{node}`` keeps them apart as two machines would. The restarts on the real
+Slurm cluster are in tests/test_slurm_recovery.py."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+import types
+from types import SimpleNamespace
+
+import launch
+import pytest
+import torch
+from conftest import REPO, weights_equal
+
+from clusterflow.checkpoint import identity
+from clusterflow.checkpoint.memory import MemorySnapshots, peer_of
+from clusterflow.manage.status import collect
+from clusterflow.rundir import RunPaths, timeline
+from clusterflow.storage import replica, snapshots
+from clusterflow.storage.names import MODEL, TRAIN_STATE
+from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
+from clusterflow.storage.tensors import TORCH
+
+
+def _node(folder):
+    return NodeSnapshots(str(folder), TORCH, identity.check)
+
+
+def _commit(node, key, step, size=1000):
+    """A snapshot of ``step`` in ``node``'s own folder (rank ``key.rank``): its path."""
+    ident = identity.new_id()
+    files = identity.stamp(
+        {
+            MODEL: {"w": torch.arange(size, dtype=torch.float32) * step},
+            TRAIN_STATE: {"rng": [{"torch": torch.get_rng_state()}], "step": step},
+        },
+        ident,
+        step,
+    )
+    meta = {
+        "checkpoint_id": ident,
+        "rank": key.rank,
+        "world_size": key.world,
+        "attempt": key.attempt,
+        "position": [0, step, 0],
+    }
+    return node.store(key).save(step, files, meta)
+
+
+@pytest.mark.parametrize(
+    "hosts, expected",
+    [
+        (["a", "a"], [None, None]),  # one node: no replica
+        (["a", "b"], [1, 0]),
+        (["a", "b", "c"], [1, 2, 0]),
+        (["a", "a", "b", "b"], [2, 3, 0, 1]),  # the same local index on the next node
+        (["a", "a", "b"], [2, 2, 0]),
+    ],
+)
+def test_each_rank_replicates_to_the_next_node(hosts, expected):
+    assert [peer_of(r, hosts) for r in range(len(hosts))] == expected
+
+
+def test_sets_newer_than_a_later_attempts_restore_were_abandoned(tmp_path):
+    """Attempt 1 trained to step 10 and left snapshots of it; attempt 2 resumed from step 4 (say
+    the memory was lost and the shared filesystem had step 4) and left snapshots of step 6: the
+    step-10 set is a future the run abandoned, never restored, although it is newer and
+    complete. Each rank's own node's copy comes first; a set older than the shared filesystem's
+    newest checkpoint is not used."""
+    paths = RunPaths(str(tmp_path))
+    for attempt, restored in ((0, 0), (1, 8), (2, 4)):
+        timeline.write(paths, {"attempt": attempt, "restored_step": restored})
+    me = SimpleNamespace(paths=paths, attempt=3)
+    me._bounds = types.MethodType(MemorySnapshots._bounds, me)
+    at = (1, 4, 10)  # a position; every set below is at least as new as the shared (4, (0, 4, 4))
+    gathered = [
+        ("n1", [(Key(OWN, 1, 0, 2), 10, at), (Key(REPLICA, 1, 1, 2), 10, at)]),
+        ("n2", [(Key(OWN, 1, 1, 2), 10, at), (Key(REPLICA, 1, 0, 2), 10, at)]),
+        ("n1", [(Key(OWN, 2, 0, 2), 6, at), (Key(REPLICA, 2, 1, 2), 6, at)]),
+        ("n2", [(Key(OWN, 2, 1, 2), 6, at), (Key(REPLICA, 2, 0, 2), 6, at)]),
+    ]
+    sets = MemorySnapshots._sets(me, gathered, (4, (0, 4, 4)))
+    assert [(s[0][0].step, s[0][0].key.attempt) for s in sets] == [(6, 2)]
+    assert [(c.key.kind, c.node, c.reader) for c in sets[0][1]] == [
+        (OWN, "n2", 3),
+        (REPLICA, "n1", 2),
+    ]
+    assert MemorySnapshots._sets(me, gathered, (8, (1, 2, 8))) == []  # the shared is newer
+
+
+def test_replicas_arrive_verified_and_two_generations_stay(tmp_path):
+    mine, theirs = _node(tmp_path / "n1"), _node(tmp_path / "n2")
+    key = Key(OWN, 3, 1, 2)
+    receiver = replica.Receiver(theirs, "token", "127.0.0.1")
+    try:
+        for step in (2, 4, 6):
+            replica.send(receiver.address, "token", key, step, _commit(mine, key, step))
+    finally:
+        receiver.close()
+    got = Key(REPLICA, 3, 1, 2)
+    assert theirs.keys() == [got]
+    assert theirs.store(got).steps() == [4, 6]
+    ckpt = theirs.verify(got, 6)  # every digest and the ids inside the files checked
+    assert torch.equal(ckpt.objects[MODEL]["w"], torch.arange(1000, dtype=torch.float32) * 6)
+    assert [(e.key, e.step) for e in theirs.inventory()] == [(got, 4), (got, 6)]
+
+
+# Sends a snapshot through the real replica.send, but dies (SIGKILL) after the first MiB of its
+# files has left: a peer that dies while sending.
+_DYING_SENDER = textwrap.dedent(
+    """
+    import os, signal, socket, sys
+    from clusterflow.storage import replica
+    from clusterflow.storage.snapshots import Key
+
+    def sendfile(self, f, *args):
+        self.sendall(f.read(1 << 20))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    socket.socket.sendfile = sendfile
+    host, port, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    replica.send((host, port), "token", Key("own", 0, 0, 2), 8, folder)
+    """
+)
+
+
+def test_a_sender_killed_while_sending_leaves_no_replica(tmp_path, caplog):
+    mine, theirs = _node(tmp_path / "n1"), _node(tmp_path / "n2")
+    key = Key(OWN, 0, 0, 2)
+    _commit(mine, key, 4)
+    receiver = replica.Receiver(theirs, "token", "127.0.0.1")
+    try:
+        replica.send(receiver.address, "token", key, 4, mine.store(key).step_path(4))
+        big = _commit(mine, key, 8, size=4 << 20)  # 16 MiB of weights
+        out = subprocess.run(
+            [sys.executable, "-c", _DYING_SENDER, *map(str, receiver.address), big],
+            check=False,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == -signal.SIGKILL, out.stderr
+        deadline = time.time() + 60
+        while "not kept" not in caplog.text and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        receiver.close()
+    (line,) = [r.getMessage() for r in caplog.records if "not kept" in r.getMessage()]
+    assert line.startswith("replica of rank 0's snapshot of step 8 from 127.0.0.1 not kept: ")
+    assert "connection closed after 1048576 of " in line and "the sender died" in line, line
+    got = Key(REPLICA, 0, 0, 2)
+    assert theirs.store(got).steps() == [4]  # the previous replica whole, nothing half-written
+    assert os.listdir(theirs.store(got).root) == ["step-4"]
+
+
+_OWN = ("files", "versions", "committed_at", "step")  # the receiver's store writes these
+
+
+def _raw_send(address, header, payload):
+    with socket.create_connection(address, timeout=30) as conn:
+        data = json.dumps(header).encode()
+        conn.sendall(struct.pack(">Q", len(data)) + data + payload)
+        return conn.makefile("rb").readline().decode().strip()
+
+
+def test_a_flipped_bit_and_a_stranger_leave_no_replica(tmp_path, caplog):
+    mine, theirs = _node(tmp_path / "n1"), _node(tmp_path / "n2")
+    key = Key(OWN, 0, 1, 2)
+    folder = _commit(mine, key, 4)
+    with open(os.path.join(folder, "manifest.json")) as f:
+        manifest = json.load(f)
+    names = list(manifest["files"])
+    payload = b"".join(open(os.path.join(folder, n), "rb").read() for n in names)
+    flipped = bytearray(payload)
+    flipped[len(flipped) // 2] ^= 1
+    header = {
+        "token": "token",
+        "attempt": 0,
+        "rank": 1,
+        "world": 2,
+        "step": 4,
+        "meta": {k: v for k, v in manifest.items() if k not in _OWN},
+        "files": manifest["files"],
+    }
+    receiver = replica.Receiver(theirs, "token", "127.0.0.1")
+    try:
+        said = _raw_send(receiver.address, header, bytes(flipped))
+        assert said.startswith("error: ") and "arrived with another blake3 digest" in said, said
+        assert "arrived with another blake3 digest" in caplog.text
+        said = _raw_send(receiver.address, {**header, "token": "guess"}, payload)
+        assert said == "error: not a sender of this run"
+        said = _raw_send(receiver.address, {**header, "rank": 2}, payload)
+        assert said == "error: rank 2 of 2 ranks"
+        assert _raw_send(receiver.address, header, payload) == "ok"  # the same, unharmed
+    finally:
+        receiver.close()
+    assert theirs.store(Key(REPLICA, 0, 1, 2)).steps() == [4]
+    assert len(os.listdir(theirs.store(Key(REPLICA, 0, 1, 2)).root)) == 1
+
+
+# -- real runs -----------------------------------------------------------------------------------
+
+NODES = ["node-a", "node-b"]
+TASKS = {"PYTHONPATH": os.path.join(REPO, "tests")}  # testtasks
+KILLED = {**TASKS, "CLUSTERFLOW_TEST_KILL_AT": "11", "CLUSTERFLOW_TEST_KILL_RANK": "1"}
+
+
+def _overrides(run_dir, memory):
+    return [
+        f"run.dir={run_dir}",
+        "task.target=testtasks:KillAtEnv",
+        "checkpoint.memory_every_steps=3",
+        f"checkpoint.memory_dir={memory}/{{node}}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """A 2-rank run on two "nodes" whose rank 1 was SIGKILLed in step 11 (epoch 2; the shared
+    filesystem's newest checkpoint is step 8, the memory's newest snapshot set step 9)."""
+    if os.geteuid() != 0:
+        pytest.skip("a UTS namespace per rank needs root (CI runs as root)")
+    root = tmp_path_factory.mktemp("killed")
+    d, memory = str(root / "run"), str(root / "memory")
+    codes = launch.run(2, "configs/tiny.yaml", _overrides(d, memory), d, env=KILLED, nodes=NODES)
+    assert codes[1] == -signal.SIGKILL, codes
+    return d, memory
+
+
+def _copy(killed, tmp_path):
+    """The killed run dir and its nodes' memory, copied to ``tmp_path`` (the memory folder is
+    named after the run dir, so the copy's is renamed)."""
+    d, memory = str(tmp_path / "run"), str(tmp_path / "memory")
+    shutil.copytree(killed[0], d, symlinks=True)
+    for node in NODES:
+        shutil.copytree(
+            snapshots.run_folder(f"{killed[1]}/{{node}}", killed[0], node),
+            snapshots.run_folder(f"{memory}/{{node}}", d, node),
+        )
+    return d, memory
+
+
+def _resume(d, memory):
+    codes = launch.run(2, "configs/tiny.yaml", _overrides(d, memory), d, env=TASKS, nodes=NODES)
+    assert codes == [0, 0], open(os.path.join(d, "logs", "rank0.attempt1.log")).read()
+    return open(os.path.join(d, "logs", "rank0.attempt1.log")).read()
+
+
+def _status(d):
+    """``status --json``'s record of a local run (no Slurm queue to ask)."""
+    return collect(RunPaths(d), queue_state=lambda job_id: None)
+
+
+def _said(log, *words):
+    return [line.split(": ", 1)[1] for line in log.splitlines() if all(w in line for w in words)]
+
+
+def _snapshot(memory, d, node, key, step, name):
+    folder = snapshots.run_folder(f"{memory}/{{node}}", d, node)
+    return os.path.join(folder, key, f"step-{step}", name)
+
+
+@pytest.mark.slow
+def test_a_killed_rank_resumes_from_its_nodes_memory(killed, tiny_two_rank_run, tmp_path):
+    d, memory = _copy(killed, tmp_path)
+    log = _resume(d, memory)
+    assert _said(log, "resumed from") == [
+        "resumed from the memory of node-a, node-b (step 9): epoch 1, step 3 of the epoch, "
+        + "global step 9"
+    ]
+    assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
+    assert _status(d)["restored_from"] == [None, "memory"]
+    # The run completed: its snapshots leave the nodes' memory.
+    for node in NODES:
+        assert not os.path.exists(snapshots.run_folder(f"{memory}/{{node}}", d, node))
+
+
+@pytest.mark.slow
+def test_a_lost_nodes_snapshots_come_from_the_peers_replica(killed, tiny_two_rank_run, tmp_path):
+    d, memory = _copy(killed, tmp_path)
+    shutil.rmtree(snapshots.run_folder(f"{memory}/{{node}}", d, "node-b"))  # node-b is gone
+    # The shared filesystem's newest checkpoint damaged too: a restore that read it would say so.
+    with open(os.path.join(d, "checkpoints", "step-8", "model.pt"), "r+b") as f:
+        f.truncate(100)
+    log = _resume(d, memory)
+    assert _said(log, "resumed from") == [
+        "resumed from the memory of node-a (rank 0) and replica on node-a (rank 1) (step 9): "
+        + "epoch 1, step 3 of the epoch, global step 9"
+    ]
+    assert not _said(log, "damaged checkpoint") and not _said(log, " is damaged (")
+    assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
+    assert _status(d)["restored_from"] == [None, "replica"]
+
+
+@pytest.mark.slow
+def test_damaged_snapshots_fall_back_one_copy_then_one_tier(killed, tiny_two_rank_run, tmp_path):
+    """Rank 0's own snapshot truncated: its replica on node-b is read instead. Then, in a copy
+    of the same run, rank 0's replica bit-flipped too: no sound copy of rank 0 is left, and the
+    run resumes from the shared filesystem. One line each, naming the copy and why."""
+    d, memory = _copy(killed, tmp_path / "one")
+    own = _snapshot(memory, d, "node-a", "own-a0-r0-w2", 9, "model.pt")
+    size = os.path.getsize(own)
+    with open(own, "r+b") as f:
+        f.truncate(size - 7)
+    log = _resume(d, memory)
+    assert _said(log, " is damaged (") == [
+        "snapshot of rank 0 at step 9 in the memory of node-a is damaged (model.pt has "
+        + f"{size - 7} bytes, the manifest says {size}); trying the replica on node-b"
+    ]
+    assert _said(log, "resumed from") == [
+        "resumed from the replica on node-b (rank 0) and memory of node-b (rank 1) (step 9): "
+        + "epoch 1, step 3 of the epoch, global step 9"
+    ]
+    assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
+
+    d, memory = _copy(killed, tmp_path / "two")
+    with open(_snapshot(memory, d, "node-a", "own-a0-r0-w2", 9, "model.pt"), "r+b") as f:
+        f.truncate(100)
+    theirs = _snapshot(memory, d, "node-b", "replica-a0-r0-w2", 9, "train_state.pt")
+    with open(theirs, "r+b") as f:
+        f.seek(os.path.getsize(theirs) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    log = _resume(d, memory)
+    assert [line.split(" is damaged (")[0] for line in _said(log, " is damaged (")] == [
+        "snapshot of rank 0 at step 9 in the memory of node-a",
+        "snapshot of rank 0 at step 9 in the replica on node-b",
+    ]
+    assert _said(log, " is damaged (")[1].endswith(
+        "(train_state.pt does not match its blake3 digest (bit rot or a partial write)); "
+        "falling back to the shared filesystem"
+    )
+    assert _said(log, "resumed from") == [
+        f"resumed from {d}/checkpoints/step-8: epoch 1, step 2 of the epoch, global step 8"
+    ]
+    assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
+    assert _status(d)["restored_from"] == [None, "shared"]

@@ -1,0 +1,207 @@
+"""Recovery without loss on the real local Slurm cluster (partition wide: node1..3; low: node1..2),
+with snapshots in the nodes' memory every 2 steps (checkpoint.memory_every_steps; the nodes share
+this machine's /dev/shm, so memory_dir=.../{node} keeps them apart):
+
+- a job of two nodes and a spare, killed three times in one run: node2 lost first (its rank
+  SIGKILLed and its memory emptied, the shared filesystem's newest checkpoint truncated), then
+  rank 0, then rank 1: every restart restores from the nodes' memory or a peer's replica, never
+  reading the shared filesystem, loses at most 2 steps, and the run ends bitwise equal to an
+  uninterrupted one;
+- a job of two nodes and no spare whose rank 1 is frozen (SIGSTOP): the restart leaves node2 out
+  and the job goes on alone on node1 (cluster.shrink), every sample once per epoch, as the task
+  recorded it; status says it shrank."""
+
+import json
+import os
+import shutil
+import signal
+import uuid
+
+import pytest
+from conftest import run_cli
+from slurmjobs import (
+    env,
+    live_status,
+    sha256,
+    status,
+    submit,
+    wait_gone,
+    wait_until,
+)
+
+from clusterflow.distributed.sampler import EpochPlan
+from clusterflow.storage import snapshots
+
+pytestmark = pytest.mark.slurm
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture
+def memory():
+    """A memory dir of this test's own under /dev/shm, removed after."""
+    path = f"/dev/shm/clusterflow-test-{uuid.uuid4().hex[:8]}"
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.slow
+def test_three_crashes_restore_from_memory_and_replicas_bitwise(
+    cluster, reference_run, memory, tmp_path
+):
+    d = str(tmp_path / "run")
+    job, out = submit(
+        d,
+        "cluster.partition=wide",
+        "cluster.spare_nodes=1",
+        "cluster.restarts_in_job=4",
+        "checkpoint.async=false",
+        "checkpoint.memory_every_steps=2",
+        f"checkpoint.memory_dir={memory}/{{node}}",
+        "task.target=testtasks:SeenSlow",
+        f"task.params.run_dir={d}",
+        "task.params.step_sleep=0.3",
+        # attempt 0: rank 1 before step 9 (steps 1-8 done); attempt 1 (from step 8): rank 0
+        # before step 12; attempt 2 (from step 10): rank 1 before step 16
+        "task.params.kill=0@9/1,1@4/0,2@6/1",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_until("the job running", lambda: os.path.exists(os.path.join(d, "attempts.jsonl")))
+    (first,) = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    host, pid, _ = first["procs"][1]
+    assert host == "node2"
+    # node2 is lost: its rank killed itself, and its memory goes with it. The shared
+    # filesystem's newest checkpoint is damaged too: a restore that read it would say so.
+    wait_until("rank 1's kill", lambda: _gone(pid), timeout=300, job_id=job)
+    shutil.rmtree(snapshots.run_folder(f"{memory}/{{node}}", d, "node2"))
+    with open(os.path.join(d, "checkpoints", "step-8", "model.pt"), "r+b") as f:
+        f.truncate(64)
+    wait_gone(job, timeout=600)
+
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 4, s
+    assert s["restored_from"] == [None, "replica", "replica", "replica"], s["restored_from"]
+    got = [
+        (r["rank"], r["host"], r["nodes"], r["restored_step"], r["first_step"])
+        for r in s["restarts"]
+    ]
+    assert got == [
+        (1, "node2", ["node1", "node3"], 8, 9),
+        (0, "node1", ["node2", "node3"], 10, 11),
+        (1, "node3", ["node1", "node2"], 14, 15),
+    ], got
+    assert [r["restored_where"] for r in s["restarts"]] == [
+        "memory of node1 (rank 0) and replica on node1 (rank 1)",
+        "replica on node3 (rank 0) and memory of node3 (rank 1)",
+        "memory of node2 (rank 0) and replica on node2 (rank 1)",
+    ]
+    logs = "".join(
+        open(os.path.join(d, "logs", f"rank0.attempt{a}.log")).read() for a in range(1, 4)
+    )
+    assert "skipping damaged checkpoint" not in logs  # the truncated step-8 was never read
+    # Steps lost per crash, as the task recorded its loss calls (the last one of each killed
+    # attempt was not trained): the failed attempts trained up to 8, 11 and 15.
+    calls = {}
+    for name in os.listdir(os.path.join(d, "seen")):
+        for r in read_jsonl(os.path.join(d, "seen", name)):
+            calls[r["attempt"]] = max(calls.get(r["attempt"], 0), r["call"])
+    restored = [0] + [r["restored_step"] for r in s["restarts"]]
+    trained = [restored[a] + calls[a] - 1 for a in range(3)]
+    lost = [trained[a] - restored[a + 1] for a in range(3)]
+    assert lost == [0, 1, 1] and max(lost) <= 2, (trained, restored)
+    # The goodput ledger's count comes from the timeline, written at most once a second: it may
+    # be short, never over.
+    out = run_cli("clusterflow.goodput", d, "--json", env=env())
+    rows = json.loads(out.stdout)["attempts"]
+    said = [r["restart_in_job"]["steps_lost"] for r in rows[1:]]
+    assert all(0 <= x <= y for x, y in zip(said, lost, strict=True)), (said, lost)
+    print("recovery_s", [r["recovery_s"] for r in s["restarts"]])
+    assert all(0 < r["recovery_s"] < 60 for r in s["restarts"]), s["restarts"]
+    ref_dir, _ = reference_run
+    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+    # The run completed: its snapshots left the nodes' memory, node3's too, which the last
+    # attempt did not run on (the batch step's driver cleared it).
+    for node in ("node1", "node2", "node3"):
+        assert not os.path.exists(snapshots.run_folder(f"{memory}/{{node}}", d, node))
+
+
+def _each_sample_once(d, n, batch_size):
+    """Every epoch's samples trained exactly once, as the task recorded its batches: each
+    attempt's batches from where the ledger says it took over to where the next one did."""
+    calls = {}
+    for name in os.listdir(os.path.join(d, "seen")):
+        for r in read_jsonl(os.path.join(d, "seen", name)):
+            calls.setdefault((r["attempt"], r["epoch"], r["call"]), []).extend(r["index"])
+    seen = {}
+    for (attempt, epoch, _), indices in sorted(calls.items()):
+        seen.setdefault((attempt, epoch), []).append(sorted(indices))
+    bounds = EpochPlan.of(n, batch_size).boundaries()
+    ledger = json.load(open(os.path.join(d, "sample_ledger.json")))
+    for e in ledger["epochs"]:
+        trained = []
+        for r in e["ranges"]:
+            pos = r["start"]
+            for batch in seen[(r["attempt"], e["epoch"])]:
+                if pos >= r["end"]:
+                    break
+                assert len(batch) == bounds[bounds.index(pos) + 1] - pos
+                trained += batch
+                pos += len(batch)
+        assert sorted(trained) == list(range(n)), e["epoch"]
+    return ledger
+
+
+@pytest.mark.slow
+def test_without_a_spare_a_frozen_ranks_node_is_left_out_and_the_job_shrinks(
+    cluster, memory, tmp_path
+):
+    d = str(tmp_path / "run")
+    job, out = submit(
+        d,
+        "checkpoint.async=false",
+        "checkpoint.memory_every_steps=2",
+        f"checkpoint.memory_dir={memory}/{{node}}",
+        "task.target=testtasks:SeenSlow",
+        f"task.params.run_dir={d}",
+        "task.params.step_sleep=0.3",
+        "dist.stall_s=10",
+        "dist.heartbeat_s=0.5",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    wait_until("step 3", lambda: (live_status(d).get("global_step") or 0) >= 3, job_id=job)
+    (first,) = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    host, pid, _ = first["procs"][1]
+    assert host == "node2" and first["world_size"] == 2
+    os.kill(pid, signal.SIGSTOP)
+    wait_gone(job, timeout=600)
+
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == 2, s
+    (r,) = s["restarts"]
+    assert (r["cause"], r["rank"], r["host"]) == ("stall", 1, "node2"), r
+    assert (r["nodes"], r["left_out"], r["world_size"], r["shrunk"]) == (
+        ["node1"],
+        ["node2"],
+        1,
+        True,
+    ), r
+    assert s["world_size"] == 1 and s["hosts"] == ["node1"], s
+    assert s["restored_from"] == [None, "replica"], s["restored_from"]
+    shown = run_cli("clusterflow.status", d).stdout
+    assert "shrunk to 1 rank(s) on 1 node(s): no spare node was left (cluster.shrink" in shown
+    batch_log = open(os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")).read()
+    assert "no spare node left: continuing on 1 of 2 nodes, 1 rank(s) instead of 2" in batch_log
+    ledger = _each_sample_once(d, 24 * 8, 32)
+    worlds = {(r["attempt"], r["world_size"]) for e in ledger["epochs"] for r in e["ranges"]}
+    assert worlds == {(0, 2), (1, 1)}, worlds
