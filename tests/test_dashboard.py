@@ -23,8 +23,10 @@ from clusterflow import rundir
 from clusterflow.errors import UserError
 from clusterflow.manage import logs, status
 from clusterflow.rundir import records
+from clusterflow.slurm import commands
 from clusterflow.web import catalog as web_catalog
 from clusterflow.web import discover, guard, views
+from clusterflow.web.configs import MASK
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -143,15 +145,16 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
         add_metrics(paths, s, **{"train/loss": float(s)})
     feed.update()
     first = feed.since(-1, 0)
-    assert first.reset and [s for s, _ in first.items] == list(range(1, 11))
+    assert first.reset and [s for s, _, _ in first.items] == list(range(1, 11))
     # A new attempt logs again from step 6: what came after 5 is dropped, as TensorBoard does.
     rundir.append_jsonl(paths.metrics, {"step": 6, "attempt": 1, "purge_step": 6})
     add_metrics(paths, 6, **{"train/loss": 60.0, "a": 1, "b": 2, "c": 3})
     feed.update()
     again = feed.since(first.generation, first.version)
-    assert again.reset and dict(again.items)[6] == {"train/loss": 60.0, "a": 1.0, "b": 2.0}
+    values = {s: v for s, v, _ in again.items}
+    assert again.reset and values[6] == {"train/loss": 60.0, "a": 1.0, "b": 2.0}
     assert feed.dropped_tags == 1 and sorted(feed.table) == [1, 2, 3, 4, 5, 6]
-    assert dict(again.items) == {s: v for s, v in feed.table.items()}
+    assert values == {s: v for s, v in feed.table.items()}
     # The same rule as the user's reader.
     from clusterflow.observe import scalar_log
 
@@ -162,7 +165,10 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
     add_metrics(paths, 7, **{"train/loss": float("nan")})
     feed.update()
     tail = feed.since(again.generation, again.version)
-    assert not tail.reset and tail.items == [[7, {"train/loss": None}]]
+    assert not tail.reset and tail.items == [[7, {"train/loss": None}, None]]  # no time given
+    rundir.append_jsonl(paths.metrics, {"step": 8, "attempt": 1, "time": 1234.5, "a": 1.0})
+    feed.update()
+    assert feed.since(tail.generation, tail.version).items == [[8, {"a": 1.0}, 1234.5]]
     for s in range(8, 400):
         add_metrics(paths, s, **{"train/loss": float(s)})
     feed.update()
@@ -180,16 +186,16 @@ def test_an_attempts_purge_at_a_step_without_values_adds_no_step(tmp_path):
     feed = MetricFeed(paths)
     feed.update()
     first = feed.since(-1, 0)
-    assert first.items == [[5, {"train/loss": 0.2}], [10, {"train/loss": 0.1}]]
+    assert first.items == [[5, {"train/loss": 0.2}, None], [10, {"train/loss": 0.1}, None]]
     rundir.append_jsonl(paths.metrics, {"step": 7, "attempt": 1, "purge_step": 7})
     feed.update()
     again = feed.since(first.generation, first.version)
-    assert again.reset and again.items == [[5, {"train/loss": 0.2}]]
+    assert again.reset and again.items == [[5, {"train/loss": 0.2}, None]]
     rundir.append_jsonl(paths.metrics, {"step": 12, "attempt": 1, "purge_step": 12})  # nothing
     add_metrics(paths, 12, **{"train/loss": 0.05})
     feed.update()
     last = feed.since(again.generation, again.version)
-    assert not last.reset and last.items == [[12, {"train/loss": 0.05}]]
+    assert not last.reset and last.items == [[12, {"train/loss": 0.05}, None]]
 
 
 def test_read_metrics_passes_over_rows_that_are_no_metrics_rows(tmp_path):
@@ -240,7 +246,15 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
     with served([two_runs]) as s:
         assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
         run_id = next(iter(s.catalog.runs))
-        data = ("/api/runs", f"/api/run/{run_id}", "/api/stream", f"/api/stream?run={run_id}")
+        both = ",".join(s.catalog.runs)
+        data = (
+            "/api/runs",
+            f"/api/run/{run_id}",
+            "/api/stream",
+            f"/api/stream?run={run_id}",
+            f"/api/compare?runs={both}",
+            f"/api/stream?compare={both}",
+        )
         for path in data:
             code, body, _ = get(s.url + path)
             assert code == 403 and "needs its token" in body, path
@@ -250,7 +264,15 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
         assert code == 200 and "runs/a" in body
         code, body, _ = get(f"{s.url}/api/runs?token={s.token}")
         assert code == 200 and "runs/a" in body
-        for path in ("/", f"/run/{run_id}", "/static/dashboard.js", f"/?token={s.token}"):
+        for path in (
+            "/",
+            f"/run/{run_id}",
+            f"/compare?runs={both}",
+            "/static/dashboard.js",
+            "/static/charts.js",
+            "/static/compare.js",
+            f"/?token={s.token}",
+        ):
             code, body, headers = get(s.url + path)
             assert code == 200 and "runs/a" not in body and s.token not in body, path
             assert "set-cookie" not in headers, path
@@ -271,10 +293,18 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             "/run/not-a-run-id",
             f"/api/run/{'..%2F' * 8}etc%2Fpasswd?{token}",
             f"/api/stream?run=../a&{token}",
+            f"/api/stream?sweep=..%2F..&{token}",
+            f"/api/stream?sweep={run_id}&{token}",  # a run's id is no sweep's
             f"/{tmp_path}/secret.txt?{token}",
         ):
             code, body = raw_get(s.port, path)
             assert code == 404 and "not for you" not in body, (path, code)
+        # A compare page names runs by id only: paths, .. and unknown ids are no run of it.
+        for given in (f"../secret.txt,{tmp_path}", f"{'..%2F' * 6}etc,{'0' * 12}", "x" * 5000):
+            code, body = raw_get(s.port, f"/api/compare?runs={given}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], given
+        code, body = raw_get(s.port, f"/api/compare?runs={both},../x,{both}&{token}")
+        assert sorted(r["id"] for r in json.loads(body)["runs"]) == sorted(s.catalog.runs)
         # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its name.
         for host in ("evil.example", "evil.example:80", f"rebind.attacker.test:{s.port}"):
             for path in ("/", f"/api/runs?{token}"):
@@ -321,30 +351,68 @@ def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs
         assert os.path.exists(run.paths.cancelled)
 
 
-def test_no_environment_credentials_or_config_on_any_page(tmp_path, monkeypatch):
+def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_path, monkeypatch):
+    """The config is shown (a run's page, the compare page's legend), every secret in it
+    masked: by its key, in a URI, in cluster.setup, in a script's arguments; nothing of the
+    environment."""
     monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123456789")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-pass-9876")
-    paths = make_run(tmp_path / "runs" / "a")
-    with open(paths.config, "a") as f:
-        f.write(
-            "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@mlflow.example'},"
-            " wandb: {project: p, api_key_hint: hunter3-secret}}\n"
+    secrets = ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB", "s3cr3t")
+    for name, lr in (("a", 0.1), ("b", 0.3)):
+        paths = make_run(tmp_path / "runs" / name)
+        text = (
+            open(paths.config)
+            .read()
+            .replace("cluster: {}", "cluster: {setup: ['export HF_TOKEN=s3cr3t-hf']}")
         )
+        with open(paths.config, "w") as f:
+            f.write(
+                text
+                + "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@ml.example'},"
+                f" wandb: {{project: p, api_key_hint: hunter3-secret-{name}}}}}\n"
+                f"script: {{path: t.py, args: [--token, s3cr3t-arg, --lr, '{lr}']}}\n"
+            )
     with served([tmp_path / "runs"]) as s:
-        assert poll_until(s.catalog, lambda: any(r.status for r in s.catalog.runs.values()))
-        run_id = next(iter(s.catalog.runs))
+        assert poll_until(
+            s.catalog,
+            lambda: len(s.catalog.runs) == 2 and all(r.status for r in s.catalog.runs.values()),
+        )
+        ids = sorted(s.catalog.runs)
+        run_id = ids[0]
         bodies = [
-            get(f"{s.url}{p}?token={s.token}")[1]
-            for p in ("/", f"/run/{run_id}", "/api/runs", f"/api/run/{run_id}")
+            get(f"{s.url}{p}{'&' if '?' in p else '?'}token={s.token}")[1]
+            for p in (
+                "/",
+                f"/run/{run_id}",
+                "/api/runs",
+                f"/api/run/{run_id}",
+                f"/api/compare?runs={','.join(ids)}",
+            )
         ]
         events = sse_events(
             f"{s.url}/api/stream?run={run_id}&token={s.token}",
             lambda ev: {"summary", "metrics"} <= {e for e, _ in ev},
         )
-        bodies.append(json.dumps(events))
+        shown = json.loads(bodies[3])
+        compared = sse_events(
+            f"{s.url}/api/stream?compare={','.join(ids)}&token={s.token}",
+            lambda ev: {"compare", "metrics"} <= {e for e, _ in ev},
+        )
+        bodies += [json.dumps(events), json.dumps(compared)]
     for text in bodies:
-        for secret in ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB"):
+        for secret in secrets:
             assert secret not in text
+    config = dict(shown["config"])
+    assert config["trackers.mlflow.tracking_uri"] == f"https://{MASK}@ml.example"
+    assert config["trackers.wandb.api_key_hint"] == MASK and config["trackers.wandb.project"] == "p"
+    assert config["cluster.setup"] == f'["export HF_TOKEN={MASK}"]'
+    assert shown["script"]["args"][:2] == ["--token", MASK]
+    compare = json.loads(bodies[4])["runs"]
+    legend = next(r["legend"] for r in compare if r["name"] == "runs/a")  # differing keys
+    assert legend == {
+        "trackers.wandb.api_key_hint": MASK,
+        "script.args": f'["--token", "{MASK}", "--lr", "0.1"]',
+    }
 
 
 # -- live: a new record reaches a stream ----------------------------------------------------------
@@ -361,13 +429,13 @@ def test_a_new_record_reaches_an_open_stream(two_runs):
             return any(e == "metrics" for e, _ in events)
 
         events = sse_events(url, has_metrics)
-        steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+        steps = [st for e, d in events if e == "metrics" for st, *_ in d["items"]]
         assert max(steps) == 10
         with open(run.paths.log_file(0, 0), "a") as f:
             f.write("hello from rank 0\n")
 
         def got_more(events):
-            metric_steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+            metric_steps = [st for e, d in events if e == "metrics" for st, *_ in d["items"]]
             text = "".join(t for e, d in events if e == "log" for t in d["items"])
             if metric_steps and max(metric_steps) < 11:
                 add_metrics(run.paths, 11, **{"train/loss": 0.01})
@@ -456,12 +524,21 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
         text = "".join(t for e, d in events if e == "log" for t in d["items"])
         assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
+        # The compare page over all three: their names and the good run's metrics.
+        every = ",".join(ids.values())
+        code, body, _ = get(f"{s.url}/api/compare?runs={every}&token={s.token}")
+        assert code == 200 and len(json.loads(body)["runs"]) == 3, body
+        url = f"{s.url}/api/stream?compare={every}&token={s.token}"
+        events = sse_events(
+            url, lambda ev: any(d.get("run") == ids["runs/good"] for e, d in ev if e == "metrics")
+        )
+        assert "root:" not in json.dumps(events) and "not this run's" not in json.dumps(events)
         # The good run still goes on: the poll thread never waited on a FIFO.
         add_metrics(good, 11, **{"train/loss": 0.01})
         url = f"{s.url}/api/stream?run={ids['runs/good']}&token={s.token}"
         sse_events(
             url,
-            lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, _ in d["items"]),
+            lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, *_ in d["items"]),
         )
 
 
@@ -503,7 +580,7 @@ def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
 
     def ask(ids):
         asked.append(sorted(ids))
-        return {j: "RUNNING|None" for j in ids}
+        return {j: commands.QueuedJob("RUNNING", "None", 3600, 60, 3540, 1.0, 1, "n1") for j in ids}
 
     for i in range(5):
         paths = make_run(tmp_path / "runs" / f"r{i}")
@@ -512,6 +589,8 @@ def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
     assert poll_until(cat, lambda: len(cat.runs) == 5 and all(r.status for r in cat.runs.values()))
     assert poll_until(cat, lambda: all(r.status["alive"] for r in cat.runs.values()))
     assert asked and all(len(a) == 5 for a in asked) and len(asked) <= 2, asked
+    job = next(iter(cat.runs.values())).status["job"]  # the job panel's, from the same call
+    assert (job["state"], job["left_s"], job["nodes"]) == ("RUNNING", 3540, "n1")
 
 
 # -- GPUs, with NVML replaced at its boundary -----------------------------------------------------

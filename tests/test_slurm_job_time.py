@@ -1,6 +1,7 @@
 """The job's time as Slurm gives it, on the real local cluster: a pending job's reason and the
 start Slurm expects (``squeue --start``), a running job's time left, within seconds of
-squeue's own answer asked beside it."""
+squeue's own answer asked beside it, in `status` and in the dashboard's job panel (its catalog,
+which asks squeue once for all its runs)."""
 
 import os
 import re
@@ -9,9 +10,12 @@ import time
 
 import pytest
 from conftest import run_cli
+from dashboards import poll_until
 from slurmjobs import live_status, scmd, status, submit, wait_until
 
 from clusterflow.slurm.commands import slurm_duration, slurm_time
+from clusterflow.web import catalog as web_catalog
+from clusterflow.web import views
 
 pytestmark = pytest.mark.slurm
 
@@ -48,6 +52,10 @@ def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_lef
         assert f"job          PENDING (BeginTime): Slurm expects it to start at {when}" in text, (
             text
         )
+        cat = web_catalog.Catalog([d], lambda: None)
+        assert poll_until(cat, lambda: _panel(cat) and _panel(cat)["job"], timeout=60)
+        panel = _panel(cat)["job"]
+        assert (panel["state"], panel["reason"], panel["start_at"]) == ("PENDING", reason, expected)
 
         scmd("scontrol", "update", f"JobId={job}", "StartTime=now")
         wait_until("the run to train", lambda: live_status(d).get("state") == "running", job_id=job)
@@ -63,7 +71,20 @@ def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_lef
         assert re.search(rf"job          RUNNING on {re.escape(nodes)}: \S+ of 0:10:00, ", text), (
             text
         )
+        assert poll_until(cat, lambda: (_panel(cat)["job"] or {}).get("state") == "RUNNING", 60)
+        panel = _panel(cat)["job"]
+        left = slurm_duration(scmd("squeue", "-h", "-j", job, "-o", "%L"))
+        # The page counts down from squeue's answer: the left it shows now, as squeue's.
+        shown = panel["left_s"] - (time.time() - panel["asked_at"])
+        assert abs(shown - left) <= 5, (panel, left)
+        assert panel["nodes"] == nodes and panel["time_limit_s"] == 600
     finally:
         subprocess.run(["scancel", job], check=False)
         if gate.exists():
             os.unlink(gate)
+
+
+def _panel(cat):
+    """The one run's page as the dashboard sends it (None before its first collect)."""
+    run = next(iter(cat.runs.values()), None)
+    return views.detail(run) if run is not None and run.status else None

@@ -718,3 +718,17 @@ def _burn():
     block = b"x" * (1 << 20)
     while True:
         hashlib.sha256(block).digest()
+
+
+class FailWhenFileAppears(Slow):
+    """Slow, and its loss raises once the file ``fail_file`` exists: a run that fails when the
+    test says so (a dashboard's notification of a marked run's failure)."""
+
+    def __init__(self, seed=0, step_sleep=0.2, fail_file="", **params):
+        super().__init__(seed, step_sleep, **params)
+        self.fail_file = fail_file
+
+    def loss(self, model, batch, labels):
+        if self.fail_file and os.path.exists(self.fail_file):
+            raise ValueError(f"failing on purpose: {self.fail_file} appeared")
+        return super().loss(model, batch, labels)

@@ -4,7 +4,7 @@ every secret masked, and the keys that tell a set of runs apart (the compare vie
 A value is masked when its key names a secret (any part of the dotted name, split at ``.``,
 ``_`` and ``-``, that holds ``token``, ``key``, ``password``, ``passwd`` or ``secret``:
 ``trackers.wandb.api_key``, ``task.params.hf_token``), and inside any text that is shown: the
-password of a URL (``https://user:PASSWORD@host``), an assignment whose name does
+credentials of a URL (``https://USER:PASSWORD@host``), an assignment whose name does
 (``WANDB_API_KEY=...`` in ``cluster.setup``), and a script argument after a flag that does
 (``--api-key VALUE``, ``--token=VALUE``). The page gets the masked text only: what is masked never
 leaves the server.
@@ -23,7 +23,7 @@ OWN_KEYS = ("run.dir",)
 # A key shown as its value in a legend at most this long.
 LEGEND_VALUE_CHARS = 40
 
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^\s/:@]*:)[^\s/@]*(?=@)")
+_URL_CREDENTIALS = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)[^\s/@]+(?=@)")
 _ASSIGNMENT = re.compile(
     r"(?P<head>\b[\w.-]*(?:token|key|password|passwd|secret)[\w.-]*\s*[=:]\s*)"
     r"(?P<value>\"[^\"]*\"|'[^']*'|[^\s,;&|\"']+)",
@@ -38,8 +38,9 @@ def is_secret(key: str) -> bool:
 
 
 def mask_text(text: str) -> str:
-    """``text`` with the secrets inside it masked (a URL's password, ``NAME_KEY=value``)."""
-    text = _URL_PASSWORD.sub(lambda m: m["head"] + MASK, text)
+    """``text`` with the secrets inside it masked (a URL's user and password,
+    ``NAME_KEY=value``)."""
+    text = _URL_CREDENTIALS.sub(lambda m: m["head"] + MASK, text)
     return _ASSIGNMENT.sub(lambda m: m["head"] + MASK, text)
 
 
