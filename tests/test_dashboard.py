@@ -444,6 +444,59 @@ def test_a_new_record_reaches_an_open_stream(two_runs):
         sse_events(url, got_more)
 
 
+def _until(predicate, timeout=30.0):
+    """Wait (without polling: the server's own thread does) until ``predicate()`` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_compare_page_follows_its_runs_metrics_and_lets_go_when_closed(two_runs):
+    """A compare page gets its runs' new metrics pushed as a run's own page does, yet its runs
+    are not watched runs (no goodput ledger, records at the Runs page's pace: 8 compared runs
+    cost the server what 8 rows do, plus their metrics); closing it leaves no follower and no
+    watcher, and a run's own page still watches its run."""
+    with served([two_runs]) as s:
+        assert poll_until(
+            s.catalog,
+            lambda: len(s.catalog.runs) == 2 and all(r.status for r in s.catalog.runs.values()),
+        )
+        runs = {r.name: r for r in s.catalog.runs.values()}
+        a, b = runs["runs/a"], runs["runs/b"]
+        url = f"{s.url}/api/stream?compare={a.id},{b.id}&token={s.token}"
+        seen = []
+
+        def grew(events):
+            steps = {d["run"]: [st for st, *_ in d["items"]] for e, d in events if e == "metrics"}
+            if a.id in steps and max(steps[a.id]) < 11:
+                # Both runs' metrics came; while the page is open, a new step of one.
+                seen.append((a.followers, b.followers, a.watchers, b.watchers))
+                add_metrics(a.paths, 11, **{"train/loss": 0.01})
+            ours = [d["items"] for e, d in events if e == "metrics" and d["run"] == a.id]
+            return b.id in steps and 11 in [st for items in ours for st, *_ in items]
+
+        sse_events(url, grew)
+        assert seen[0] == (1, 1, 0, 0), seen
+        assert a.ledger is None and b.ledger is None  # followed, never collected as watched
+        assert _until(lambda: a.followers == b.followers == 0), (a.followers, b.followers)
+        assert a.watchers == b.watchers == 0
+        # A run's own page, beside a compare page of the same run that closes: still watched.
+        compared = f"{s.url}/api/stream?compare={a.id}&token={s.token}"
+        own = f"{s.url}/api/stream?run={a.id}&rank=0&token={s.token}"
+
+        def both_open(events):
+            if not any(e == "summary" for e, _ in events):
+                return False
+            sse_events(compared, lambda ev: any(e == "metrics" for e, _ in ev))
+            return _until(lambda: a.followers == 0 and a.watchers == 1 and a.ledger is not None)
+
+        sse_events(own, both_open)
+        assert _until(lambda: a.watchers == 0 and a.followers == 0)
+
+
 # -- hostile run dirs -----------------------------------------------------------------------------
 
 

@@ -10,7 +10,8 @@ again by the readers that own each fact, at a bounded cost.
   so hundreds of busy runs never starve the server; the rest wait for the next poll.
 - A run a page shows also gets its goodput ledger per attempt (``observe.goodput``), each
   attempt's first cause (``rundir.first_error``) and its feeds (``feeds.py``: metrics and logs
-  read on from offsets).
+  read on from offsets). A run a compare page shows (``watch(..., follow=True)``) gets its
+  metrics feed only; its records are collected at the Runs page's pace.
 - Slurm is asked once per :data:`QUEUE_EVERY_S` for every job the runs name, with each job's
   times (``slurm.commands.queued_jobs``: the job panel's time limit, time left, pending reason
   and expected start), never once per run.
@@ -160,6 +161,9 @@ class Run:
         self.jobs: set[str] = set()  # the Slurm jobs its last collect asked about
         # For a run a page shows:
         self.watchers = 0
+        # Compare pages that show it: its metrics are followed, as for a page of its own, but
+        # its records are collected at the pace of the Runs page (a compare page shows its row).
+        self.followers = 0
         self.watched_at = 0.0
         self.ledger: dict[str, Any] | None = None
         self.first_errors: dict[int, dict[str, Any]] = {}
@@ -292,13 +296,17 @@ class Catalog:
 
     # -- what pages ask -------------------------------------------------------------------------
 
-    def watch(self, run_id: str, log_rank: int | None, delta: int) -> None:
-        """A page showing ``run_id`` (and a rank's log) opened (+1) or closed (-1)."""
+    def watch(self, run_id: str, log_rank: int | None, delta: int, follow: bool = False) -> None:
+        """A page showing ``run_id`` (and a rank's log) opened (+1) or closed (-1); ``follow``:
+        a compare page, which wants its metrics only."""
         with self.lock:
             run = self.runs.get(run_id)
             if run is None:
                 return
-            run.watchers = max(0, run.watchers + delta)
+            if follow:
+                run.followers = max(0, run.followers + delta)
+            else:
+                run.watchers = max(0, run.watchers + delta)
             run.watched_at = time.monotonic()
             if log_rank is not None:
                 shown = self.log_ranks.setdefault(run_id, Counter())
@@ -374,17 +382,18 @@ class Catalog:
     def _feed(self, now: float) -> bool:
         changed = False
         fed = sorted(
-            (r for r in self.runs.values() if r.metrics is not None or r.watchers),
-            key=lambda r: (r.watchers > 0, r.watched_at),
+            (r for r in self.runs.values() if r.metrics is not None or r.watchers or r.followers),
+            key=lambda r: (r.watchers + r.followers > 0, r.watched_at),
             reverse=True,
         )
         for i, run in enumerate(fed):
-            if not run.watchers and (i >= MAX_FED or now - run.watched_at > LINGER_S):
+            shown = run.watchers or run.followers
+            if not shown and (i >= MAX_FED or now - run.watched_at > LINGER_S):
                 with self.lock:
                     run.drop_feeds()
                     self.log_ranks.pop(run.id, None)
                 continue
-            if run.watchers:
+            if shown:
                 with self.lock:
                     changed |= run.feed(sorted(self.log_ranks.get(run.id) or ()))
         return changed

@@ -454,9 +454,9 @@ class Dashboard:
                     shown = views.compare(cat, ids, sweep)
                     now = [r["id"] for r in shown["runs"]]
                     for run_id in set(now) - set(watched):
-                        cat.watch(run_id, None, +1)
+                        cat.watch(run_id, None, +1, follow=True)
                     for run_id in set(watched) - set(now):
-                        cat.watch(run_id, None, -1)
+                        cat.watch(run_id, None, -1, follow=True)
                         at.pop(run_id, None)
                     if set(now) - set(watched) and self.poller is not None:
                         self.poller.wake.set()
@@ -482,7 +482,7 @@ class Dashboard:
                 await self.hub.wait(PING_S)
         finally:
             for run_id in watched:
-                cat.watch(run_id, None, -1)
+                cat.watch(run_id, None, -1, follow=True)
 
     def _feeds(
         self, run: Run, rank: int, metrics_at: tuple[int, int], log_at: tuple[int, int]
