@@ -130,9 +130,11 @@ class Served:
         sock = server._bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        app, self.dashboard = server.build_app(self.catalog, self.token)
+        self.app, self.dashboard = server.build_app(self.catalog, self.token)
         self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+            uvicorn.Config(
+                self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=1
+            )
         )
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True

@@ -67,7 +67,9 @@ def test_nothing_outside_the_paths_is_taken(tmp_path):
     found = discover.Finder([str(runs)]).scan()
     roots = {f.root for f in found.values()}
     assert not any(r.startswith(str(tmp_path / "elsewhere")) for r in roots), roots
-    assert {f.name for f in found.values()} == {"runs/a", "runs/sw", "runs/sw/ok"}
+    # An index with a member that leads out of its sweep is damaged (no name clusterflow writes
+    # holds a "/"): the sweep is listed, to say so on its row, and none of its members is taken.
+    assert {f.name for f in found.values()} == {"runs/a", "runs/sw"}
 
 
 def test_a_path_that_is_missing_or_a_file_is_refused_in_one_line(tmp_path, cli):
@@ -243,9 +245,19 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
     hold no data, need none, and set no cookie (a cookie reaches every port of the host); every
     response carries the security headers; a Host that is not this machine's name is refused."""
     (tmp_path / "secret.txt").write_text("not for you")
+    make_sweep(two_runs / "sw", {"lr=0.1": 0.1, "lr=0.2": 0.2})
     with served([two_runs]) as s:
-        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
-        run_id = next(iter(s.catalog.runs))
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 4 and s.catalog.sweeps)
+        # Every route of the app is one this test asks for below: a new one must join it.
+        routes = {(r.path, tuple(sorted(r.methods))) for r in s.app.app.app.routes}
+        assert routes == {
+            *((p, ("GET", "HEAD")) for p in ("/", "/run/{run_id}", "/compare", "/static/{name}")),
+            *((p, ("GET", "HEAD")) for p in ("/api/runs", "/api/run/{run_id}", "/api/compare")),
+            ("/api/stream", ("GET", "HEAD")),
+            ("/api/cancel", ("POST",)),
+        }, routes
+        run_id = next(r.id for r in s.catalog.runs.values() if r.name == "runs/a")
+        sweep_id = next(iter(s.catalog.sweeps))
         both = ",".join(s.catalog.runs)
         data = (
             "/api/runs",
@@ -253,7 +265,10 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             "/api/stream",
             f"/api/stream?run={run_id}",
             f"/api/compare?runs={both}",
+            f"/api/compare?sweep={sweep_id}",
             f"/api/stream?compare={both}",
+            f"/api/stream?sweep={sweep_id}",
+            "/api/cancel",  # a GET: refused for its token before its method
         )
         for path in data:
             code, body, _ = get(s.url + path)
@@ -268,6 +283,7 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             "/",
             f"/run/{run_id}",
             f"/compare?runs={both}",
+            f"/compare?sweep={sweep_id}",
             "/static/dashboard.js",
             "/static/charts.js",
             "/static/compare.js",
@@ -295,6 +311,7 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             f"/api/stream?run=../a&{token}",
             f"/api/stream?sweep=..%2F..&{token}",
             f"/api/stream?sweep={run_id}&{token}",  # a run's id is no sweep's
+            f"/api/stream?sweep={'0' * 12}&{token}",
             f"/{tmp_path}/secret.txt?{token}",
         ):
             code, body = raw_get(s.port, path)
@@ -305,6 +322,9 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             assert code == 200 and json.loads(body)["runs"] == [], given
         code, body = raw_get(s.port, f"/api/compare?runs={both},../x,{both}&{token}")
         assert sorted(r["id"] for r in json.loads(body)["runs"]) == sorted(s.catalog.runs)
+        for given in ("..%2F..%2Fsw", str(tmp_path), run_id, "0" * 12):  # no sweep of it
+            code, body = raw_get(s.port, f"/api/compare?sweep={given}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], given
         # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its name.
         for host in ("evil.example", "evil.example:80", f"rebind.attacker.test:{s.port}"):
             for path in ("/", f"/api/runs?{token}"):
@@ -593,6 +613,76 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
             url,
             lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, *_ in d["items"]),
         )
+
+
+HTML = '<img src=x onerror="window.xss=1">'
+
+
+def test_a_hostile_sweep_dir_never_stops_the_runs_page_nor_a_compare_page(tmp_path):
+    """A sweep.json of garbage, a link, a FIFO, or of members that are none (a string, no name,
+    a name that leads out of the sweep, values that are a list) is named on its sweep's row and
+    its compare page is empty; the Runs page, its stream and a good sweep's compare page go on;
+    a member named with HTML, its value HTML, is sent as the text it is (the browser tests show
+    such text as text)."""
+    runs = tmp_path / "runs"
+    make_sweep(runs / "good", {"lr=0.1": 0.1, "lr=0.2": 0.2})
+    make_sweep(runs / "html", {"m": 0.1, HTML: HTML})
+    elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this sweep's")
+    for name, member in (
+        ("string", "just a string"),
+        ("nameless", {"values": {}}),
+        ("out", {"name": os.path.relpath(elsewhere.root, runs / "out"), "values": {}}),
+        ("listed", {"name": "m", "values": [1, 2]}),
+    ):
+        make_sweep(runs / name, {"m": 0.1})
+        index = json.loads((runs / name / "sweep.json").read_text())
+        index["members"].append(member)
+        (runs / name / "sweep.json").write_text(json.dumps(index))
+    make_sweep(runs / "garbage", {"m": 0.1})
+    (runs / "garbage" / "sweep.json").write_bytes(os.urandom(4096))
+    make_sweep(runs / "link", {"m": 0.1})
+    os.remove(runs / "link" / "sweep.json")
+    os.symlink(runs / "good" / "sweep.json", runs / "link" / "sweep.json")
+    make_sweep(runs / "fifo", {"m": 0.1})  # never opened (a read would wait for a writer)
+    os.remove(runs / "fifo" / "sweep.json")
+    os.mkfifo(runs / "fifo" / "sweep.json")
+    damaged = ("string", "nameless", "out", "listed", "garbage", "link")
+    with served([runs]) as s:
+        assert poll_until(
+            s.catalog,
+            lambda: (
+                len(s.catalog.sweeps) == 8
+                and all(w.index is not None or w.problem for w in s.catalog.sweeps.values())
+                and all(r.status for r in s.catalog.runs.values())
+            ),
+        )
+        token = f"token={s.token}"
+        code, body, _ = get(f"{s.url}/api/runs?{token}")
+        assert code == 200, body
+        assert "not this sweep's" not in body
+        groups = {g["name"]: g for g in json.loads(body)["sweeps"]}
+        for name in damaged:
+            assert groups[f"runs/{name}"]["problem"] and not groups[f"runs/{name}"]["members"]
+        assert "is damaged: a member is" in groups["runs/string"]["problem"]
+        assert "is a symbolic link" in groups["runs/link"]["problem"]
+        assert len(groups["runs/good"]["members"]) == 2
+        assert {r["name"] for r in json.loads(body)["runs"]} >= {"runs/fifo/m", "runs/good/lr=0.1"}
+        events = sse_events(f"{s.url}/api/stream?{token}", lambda ev: ev[0][0] == "runs")
+        assert len(events[0][1]["sweeps"]) == 8
+        ids = {w.name: w.id for w in s.catalog.sweeps.values()}
+        for name in damaged:
+            code, body, _ = get(f"{s.url}/api/compare?sweep={ids[f'runs/{name}']}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], (name, body)
+            url = f"{s.url}/api/stream?sweep={ids[f'runs/{name}']}&{token}"
+            (event,) = sse_events(url, lambda ev: ev[0][0] == "compare")
+            assert event[1]["runs"] == [] and "not this sweep's" not in json.dumps(event)
+        url = f"{s.url}/api/stream?sweep={ids['runs/html']}&{token}"
+        events = sse_events(url, lambda ev: len({d["run"] for e, d in ev if e == "metrics"}) == 2)
+        shown = events[0][1]
+        assert {r["name"] for r in shown["runs"]} == {"runs/html/m", f"runs/html/{HTML}"}
+        assert HTML in shown["sweep"]["values"]["train.lr"].values()
+        url = f"{s.url}/api/stream?sweep={ids['runs/good']}&{token}"
+        sse_events(url, lambda ev: len({d["run"] for e, d in ev if e == "metrics"}) == 2)
 
 
 # -- the Runs page's data -------------------------------------------------------------------------

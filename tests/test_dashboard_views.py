@@ -27,7 +27,15 @@ import sys
 
 import pytest
 from conftest import REPO, run_cli
-from dashboards import Dashboard, browser, close_browser, get, have_browser
+from dashboards import (
+    Dashboard,
+    add_metrics,
+    browser,
+    close_browser,
+    get,
+    have_browser,
+    make_sweep,
+)
 from test_dashboard_browser import screenshot, texts, until
 
 from clusterflow import rundir
@@ -50,7 +58,7 @@ class RealRuns:
         self.root, self.logs = root, logs
         self.sweep = os.path.join(root, "sweep-lr")
         self.failing = os.path.join(root, f"fails {HTML}")
-        self.fail_file = os.path.join(logs, "fail-now")
+        self.fail_file = os.path.join(logs, f"fail-now {HTML}")  # its error's log line
         env = dict(os.environ, **ENV)
         sweep = [
             sys.executable,
@@ -425,7 +433,12 @@ def test_names_config_values_and_log_lines_are_text_not_html(real_runs, board, p
             lambda: HTML in page.execute_script("return document.body.textContent;"),
         )
         if path.startswith("/run/"):
-            until("the log", lambda: "clusterflow" in page.find_element("id", "log").text)
+            open(real_runs.fail_file, "w").close()  # a log line of HTML: the run's error
+            until(
+                "the error in the log",
+                lambda: f"fail-now {HTML} appeared" in page.find_element("id", "log").text,
+                timeout=180,
+            )
             assert (
                 until(
                     "the config",
@@ -447,6 +460,60 @@ def test_names_config_values_and_log_lines_are_text_not_html(real_runs, board, p
             page.execute_script("return document.querySelectorAll('img[src=\"x\"]').length;") == 0
         ), path
         assert page.execute_script("return window.xss === undefined;"), path
+
+
+# Text that HTML or Plotly's pseudo-HTML (its labels take <a href>, <b>, <br>) would make into
+# elements: a link out, bold, an image whose error runs script.
+LINK = '<a href="https://evil.example/">a link</a>'
+BOLD = "<b>bold</b><br>"
+
+
+def test_a_sweeps_hostile_values_names_and_tags_are_text_on_the_compare_page(page, tmp_path):
+    """A sweep (its records only) whose swept values, member names and metric tag are HTML:
+    its compare page plots them (a value that is no number is a category of the axis) and no
+    element is made of them, in the tables or in Plotly's labels."""
+    members = make_sweep(tmp_path / "runs" / "sw", {"m1": HTML, HTML: LINK, "m3": BOLD})
+    for i, paths in enumerate(members.values()):
+        for step in (11, 12):
+            add_metrics(paths, step, **{f"eval/{LINK}{BOLD}": 0.1 * i + 0.01 * step})
+    board = Dashboard([tmp_path / "runs"], str(tmp_path))
+    try:
+        sweep = until(
+            "the sweep listed",
+            lambda: json.loads(get(f"{board.base}/api/runs?token={board.token}")[1])["sweeps"],
+        )[0]
+        _open(page, board, f"/compare?sweep={sweep['id']}")
+        until(
+            "the members' values as text",
+            lambda: all(
+                v in page.execute_script("return document.body.textContent;")
+                for v in (HTML, f"sw/{HTML}")
+            ),
+        )
+        page.execute_script(
+            "const s = document.getElementById('sweep-metric'); s.value = arguments[0];"
+            "s.dispatchEvent(new Event('change'));",
+            f"eval/{LINK}{BOLD}",
+        )
+        plotted = until(
+            "the tag's final value of 3 members by train.lr",
+            lambda: (d := _data(page, "chart-sweep-train_lr")) and len(d[0]["x"]) == 3 and d[0],
+        )
+        by_value = dict(zip(plotted["x"], plotted["y"]))
+        assert sorted(by_value.values()) == pytest.approx([0.12, 0.22, 0.32], abs=1e-9)
+        until("the parallel coordinates", lambda: (d := _data(page, "chart-parallel")) and d)
+        made = page.execute_script(
+            "const all = Array.from(document.querySelectorAll('*'));"
+            "return {img: document.querySelectorAll('img[src=\"x\"]').length,"
+            " links: all.filter((n) => ((n.getAttribute('href') || '')"
+            "   + (n.getAttribute('xlink:href') || '')).includes('evil')).length,"
+            " bold: Array.from(document.querySelectorAll('.chart tspan'))"
+            "   .filter((n) => /bold/.test(n.getAttribute('style') || '')).length,"
+            " b: document.querySelectorAll('b').length, xss: window.xss === undefined};"
+        )
+        assert made == {"img": 0, "links": 0, "bold": 0, "b": 0, "xss": True}, made
+    finally:
+        board.close()
 
 
 def test_root_path_token_file_and_the_list_of_dashboards(real_runs, board, page, tmp_path):

@@ -199,7 +199,9 @@ function comparePage() {
     const yTitle = `${{ last: "final", min: "smallest", max: "largest" }[how] || "final"} ${tag}`;
     const plots = document.getElementById("sweep-charts");
     const ids = [];
-    const ynum = (v) => (typeof v === "number" ? v : String(v));
+    // A value that is no number is a category: its label is text (Plotly's labels would take
+    // <a href>, <b> and <br> in it as markup).
+    const ynum = (v) => (typeof v === "number" ? v : plain(v));
     for (const a of swept.slice(0, 2)) {
       const id = "chart-sweep-" + a.key.replace(/[^A-Za-z0-9_-]/g, "_");
       ids.push(id);
@@ -207,7 +209,7 @@ function comparePage() {
       const xs = runs.map((r) => ynum(a.values[r.id]));
       const numeric = xs.every((x) => typeof x === "number");
       const order = xs.map((_, i) => i).sort((i, j) => (xs[i] < xs[j] ? -1 : xs[i] > xs[j] ? 1 : 0));
-      chart(id, [{ type: "scatter", mode: "lines+markers", name: yTitle,
+      chart(id, [{ type: "scatter", mode: "lines+markers", name: plain(yTitle),
         x: order.map((i) => xs[i]), y: order.map((i) => ys[i]),
         text: order.map((i) => plain(runs[i].name)),
         hovertemplate: "%{text}: %{y:.4g}<extra></extra>" }],
@@ -220,7 +222,7 @@ function comparePage() {
       const id = "chart-sweep-two";
       ids.push(id);
       if (!document.getElementById(id)) plots.append(el("div", { class: "chart", id }));
-      chart(id, [{ type: "scatter", mode: "markers", name: yTitle,
+      chart(id, [{ type: "scatter", mode: "markers", name: plain(yTitle),
         x: runs.map((r) => ynum(a.values[r.id])), y: runs.map((r) => ynum(b.values[r.id])),
         text: runs.map((r) => plain(r.name)),
         marker: { size: 14, color: ys, colorscale: "Viridis", showscale: true,
