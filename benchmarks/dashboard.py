@@ -1,6 +1,7 @@
 """Dashboard benchmark: many runs whose records grow, one server, one headless browser.
 
-    python benchmarks/dashboard.py                      # 200 runs x 16 ranks, 2 minutes
+    python benchmarks/dashboard.py                      # 200 runs x 16 ranks, 2 minutes, a
+                                                        # compare page of 8 runs open
     python benchmarks/dashboard.py --minutes 10         # the memory check over 10 minutes
     python benchmarks/dashboard.py --runs 20 --minutes 1
 
@@ -12,15 +13,16 @@ lr, throughput, per-rank times), a new status.json and timeline, and rank 0 of t
 log line; every 10 s each rank a new heartbeat. ``python -m clusterflow.dashboard`` serves them;
 Debian's chromium (Selenium) opens the pages. Measured, as the issue asks:
 
-- page load: the Runs page (every run in its table) and a run's page (its summary), navigation
-  start to the page drawn (its data comes by its stream, after the page), median of 10 loads
-  each, in the browser; and the plain HTTP time of each page's data (``/api/runs``,
-  ``/api/run/ID``);
+- page load: the Runs page (every run in its table), a run's page (its summary) and the compare
+  page of 8 runs (``--compare``: their table), navigation start to the page drawn (its data
+  comes by its stream, after the page), median of 10 loads each, in the browser; and the plain
+  HTTP time of each page's data (``/api/runs``, ``/api/run/ID``, ``/api/compare?runs=...``);
 - a new record on the page: the time from the writer appending a metrics row to the open run
-  page drawing that step on its loss chart (Plotly's afterplot event), and from a status.json
-  with a new step to the Runs page showing it;
+  page drawing that step on its loss chart (Plotly's afterplot event), the same for the compare
+  page (open all the while in a second window: its 8 runs' metrics are followed too), and from a
+  status.json with a new step to the Runs page showing it;
 - the server's CPU when nothing changes: the writer paused (its process alive, so the runs stay
-  running), a Runs page open, CPU seconds of the server over 60 s;
+  running), a Runs page and the compare page open, CPU seconds of the server over 60 s;
 - memory over the run: the server's resident set size every 10 s while the records grow, with
   both pages open.
 
@@ -56,6 +58,7 @@ from clusterflow.storage import durable
 HOST = socket.gethostname()
 # performance.mark()s of the pages (clusterflow/web/static/dashboard.js): their data first drawn.
 RUNS_DRAWN, SUMMARY_DRAWN = "clusterflow-runs-drawn", "clusterflow-summary-drawn"
+COMPARE_DRAWN = "clusterflow-compare-drawn"
 LOAD_TARGET_S, LATENCY_TARGET_S, IDLE_TARGET, GROWTH_TARGET = 0.3, 2.0, 0.05, 0.10
 
 
@@ -214,7 +217,10 @@ class Figures:
     run_load_s: list[float] = dataclasses.field(default_factory=list)
     run_http_s: list[float] = dataclasses.field(default_factory=list)
     run_charts_s: list[float] = dataclasses.field(default_factory=list)  # the loss chart drawn
+    compare_load_s: list[float] = dataclasses.field(default_factory=list)
+    compare_http_s: list[float] = dataclasses.field(default_factory=list)
     latency_s: list[float] = dataclasses.field(default_factory=list)  # metrics row -> chart
+    compare_latency_s: list[float] = dataclasses.field(default_factory=list)  # ... compare page
     runs_latency_s: list[float] = dataclasses.field(default_factory=list)  # status -> Runs page
     steps_written: int = 0
     grow_s: float = 0.0  # seconds per round of the writer over every run, as it managed
@@ -280,6 +286,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=16)
     p.add_argument("--minutes", type=float, default=2.0, help="how long the records grow")
     p.add_argument("--every", type=float, default=1.0, help="seconds between steps of every run")
+    p.add_argument("--compare", type=int, default=8, help="runs on the compare page (0: none)")
     a = p.parse_args()
     root = tempfile.mkdtemp(prefix="cf-dashboard-bench-")
     control: multiprocessing.Queue = multiprocessing.Queue()
@@ -344,6 +351,30 @@ def measure(
         _until(d, chart, 60)  # the charts: Plotly is read after the load event
         f.run_charts_s.append(d.execute_script("return performance.now();") / 1000)
     f.run_http_s = [_http_s(f"{base}/api/run/{first}?token={token}") for _ in range(10)]
+    ids = ",".join(r["id"] for r in sorted(runs, key=lambda r: r["name"])[: a.compare])
+    compare = f"{base}/compare?runs={ids}"
+    compared = f"return document.querySelectorAll('#compare-runs tbody tr').length === {a.compare};"
+    loss = "const n = document.getElementById('chart-compare-train_loss'); return !!(n && n.data);"
+    main_window = compare_window = d.current_window_handle
+    if a.compare:
+        for _ in range(10):
+            f.compare_load_s.append(_load_s(d, compare, compared, COMPARE_DRAWN))
+            _until(d, loss, 60)
+        f.compare_http_s = [
+            _http_s(f"{base}/api/compare?runs={ids}&token={token}") for _ in range(10)
+        ]
+        # The compare page stays open in a second window for the rest (a hidden tab would not
+        # draw); its first run's line is timed as the run page's loss chart is.
+        d.switch_to.new_window("window")
+        d.get(compare)
+        _until(d, loss, 120)
+        d.execute_script(
+            "window.drawn = {}; const n = document.getElementById('chart-compare-train_loss');"
+            "n.on('plotly_afterplot', () => { const now = Date.now() / 1000;"
+            " for (const s of n.data[0].x) if (!(s in window.drawn)) window.drawn[s] = now; });"
+        )
+        compare_window = d.current_window_handle
+        d.switch_to.window(main_window)
     # A new row on the open run page: Plotly's afterplot names each step drawn, with its time.
     d.get(f"{base}/run/{first}")
     _until(d, chart, 120)
@@ -364,6 +395,15 @@ def measure(
         time.sleep(0.5)
     f.load_avg.append(os.getloadavg()[0])
     drawn = d.execute_script("return window.drawn;")
+    if a.compare:
+        d.switch_to.window(compare_window)
+        on_compare = d.execute_script("return window.drawn;")
+        f.compare_latency_s = [
+            float(on_compare[str(s)]) - t
+            for s, t in sorted(landed.items())
+            if str(s) in on_compare and t >= t_start
+        ]
+        d.switch_to.window(main_window)
     # A round's steps are reported once the writer finished it: a step whose row landed before
     # the page listened was drawn unseen.
     f.latency_s = [
@@ -389,7 +429,8 @@ def measure(
         time.sleep(0.5)
     seen = d.execute_script("return window.seen;")
     f.runs_latency_s = [float(seen[str(s)]) - t for s, t in landed.items() if str(s) in seen]
-    # Nothing changes: the writer paused (alive: the runs stay running), the Runs page open.
+    # Nothing changes: the writer paused (alive: the runs stay running), the Runs page open (and
+    # the compare page, in its window).
     control.put("pause")
     time.sleep(30)
     c0, w0 = _cpu_s(pid), time.time()
@@ -415,7 +456,10 @@ def report(f: Figures) -> None:
     for name, load, http in (
         ("Runs page", f.runs_load_s, f.runs_http_s),
         ("run page", f.run_load_s, f.run_http_s),
+        ("compare page (8 runs)", f.compare_load_s, f.compare_http_s),
     ):
+        if not load:
+            continue
         print(
             f"{name + ' load (browser)':<38}median {statistics.median(load) * ms:.0f} ms, "
             f"worst {max(load) * ms:.0f} ms; HTTP alone {statistics.median(http) * ms:.0f} ms"
@@ -429,6 +473,12 @@ def report(f: Figures) -> None:
         f"95th {lat95:.2f} s, worst {_pct(f.latency_s, 1.0):.2f} s "
         f"({len(f.latency_s)} of {f.steps_written} steps drawn)"
     )
+    if f.compare_latency_s:
+        print(
+            f"{'new metrics row to the compare chart':<38}median "
+            f"{_pct(f.compare_latency_s, 0.5):.2f} s, 95th {_pct(f.compare_latency_s, 0.95):.2f}"
+            f" s, worst {_pct(f.compare_latency_s, 1.0):.2f} s ({len(f.compare_latency_s)} steps)"
+        )
     print(
         f"{'new step to the Runs page':<38}median {_pct(f.runs_latency_s, 0.5):.2f} s, "
         f"worst {_pct(f.runs_latency_s, 1.0):.2f} s ({len(f.runs_latency_s)} steps seen)"
@@ -438,11 +488,15 @@ def report(f: Figures) -> None:
     print(f"{'RSS, first minute to the end':<38}{growth:+.1%}")
     print("ratios to the targets (under 1: within):")
     runs_load, run_load = statistics.median(f.runs_load_s), statistics.median(f.run_load_s)
+    compare_load = statistics.median(f.compare_load_s) if f.compare_load_s else float("nan")
     print(
         f"  page load / 300 ms          Runs {runs_load / LOAD_TARGET_S:.2f}, "
-        f"run {run_load / LOAD_TARGET_S:.2f}"
+        f"run {run_load / LOAD_TARGET_S:.2f}, compare {compare_load / LOAD_TARGET_S:.2f}"
     )
-    print(f"  new record / 2 s (95th)     {lat95 / LATENCY_TARGET_S:.2f}")
+    print(
+        f"  new record / 2 s (95th)     run page {lat95 / LATENCY_TARGET_S:.2f}, compare page "
+        f"{_pct(f.compare_latency_s, 0.95) / LATENCY_TARGET_S:.2f}"
+    )
     print(f"  idle CPU / 5% of a core     {f.idle_cpu / IDLE_TARGET:.2f}")
     print(f"  RSS growth / 10%            {abs(growth) / GROWTH_TARGET:.2f}")
 

@@ -30,7 +30,9 @@ USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput,dash
   clusterflow export RUN_DIR OUT [--step N] [--format pt|safetensors] [--dtype bf16|fp32]
                     [--weights model|ema] [--force]
   clusterflow goodput RUN_DIR|SWEEP_DIR [--json] [--plot OUT.png]
-  clusterflow dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0]
+  clusterflow dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0] [--root-path PREFIX]
+                    [--token-file F]
+  clusterflow dashboard --list
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

@@ -130,9 +130,11 @@ class Served:
         sock = server._bind("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        app, self.dashboard = server.build_app(self.catalog, self.token)
+        self.app, self.dashboard = server.build_app(self.catalog, self.token)
         self.server = uvicorn.Server(
-            uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+            uvicorn.Config(
+                self.app, log_level="warning", access_log=False, timeout_graceful_shutdown=1
+            )
         )
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
@@ -218,11 +220,11 @@ class Dashboard:
     """``python -m clusterflow.dashboard PATHS`` as a user starts it; ``url`` is what it
     printed."""
 
-    def __init__(self, paths, log_dir):
-        self.log = open(os.path.join(log_dir, "dashboard.err"), "w")
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def __init__(self, paths, log_dir, *args, env=None):
+        self.log = open(os.path.join(log_dir, "dashboard.err"), "a")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "clusterflow.dashboard", *map(str, paths)],
+            [sys.executable, "-m", "clusterflow.dashboard", *map(str, paths), *args],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -234,6 +236,7 @@ class Dashboard:
         self.url = self.line.split(": ", 1)[1]
         parsed = urllib.parse.urlsplit(self.url)
         self.port = parsed.port
+        self.root = parsed.path.rstrip("/")  # --root-path
         self.base = f"http://127.0.0.1:{self.port}"
         self.token = urllib.parse.parse_qs(parsed.query)["token"][0]
 

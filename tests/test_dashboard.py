@@ -23,8 +23,10 @@ from clusterflow import rundir
 from clusterflow.errors import UserError
 from clusterflow.manage import logs, status
 from clusterflow.rundir import records
+from clusterflow.slurm import commands
 from clusterflow.web import catalog as web_catalog
 from clusterflow.web import discover, guard, views
+from clusterflow.web.configs import MASK
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -65,7 +67,9 @@ def test_nothing_outside_the_paths_is_taken(tmp_path):
     found = discover.Finder([str(runs)]).scan()
     roots = {f.root for f in found.values()}
     assert not any(r.startswith(str(tmp_path / "elsewhere")) for r in roots), roots
-    assert {f.name for f in found.values()} == {"runs/a", "runs/sw", "runs/sw/ok"}
+    # An index with a member that leads out of its sweep is damaged (no name clusterflow writes
+    # holds a "/"): the sweep is listed, to say so on its row, and none of its members is taken.
+    assert {f.name for f in found.values()} == {"runs/a", "runs/sw"}
 
 
 def test_a_path_that_is_missing_or_a_file_is_refused_in_one_line(tmp_path, cli):
@@ -143,15 +147,16 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
         add_metrics(paths, s, **{"train/loss": float(s)})
     feed.update()
     first = feed.since(-1, 0)
-    assert first.reset and [s for s, _ in first.items] == list(range(1, 11))
+    assert first.reset and [s for s, _, _ in first.items] == list(range(1, 11))
     # A new attempt logs again from step 6: what came after 5 is dropped, as TensorBoard does.
     rundir.append_jsonl(paths.metrics, {"step": 6, "attempt": 1, "purge_step": 6})
     add_metrics(paths, 6, **{"train/loss": 60.0, "a": 1, "b": 2, "c": 3})
     feed.update()
     again = feed.since(first.generation, first.version)
-    assert again.reset and dict(again.items)[6] == {"train/loss": 60.0, "a": 1.0, "b": 2.0}
+    values = {s: v for s, v, _ in again.items}
+    assert again.reset and values[6] == {"train/loss": 60.0, "a": 1.0, "b": 2.0}
     assert feed.dropped_tags == 1 and sorted(feed.table) == [1, 2, 3, 4, 5, 6]
-    assert dict(again.items) == {s: v for s, v in feed.table.items()}
+    assert values == {s: v for s, v in feed.table.items()}
     # The same rule as the user's reader.
     from clusterflow.observe import scalar_log
 
@@ -162,7 +167,10 @@ def test_metrics_follow_the_purge_rule_and_stay_within_their_bounds(tmp_path):
     add_metrics(paths, 7, **{"train/loss": float("nan")})
     feed.update()
     tail = feed.since(again.generation, again.version)
-    assert not tail.reset and tail.items == [[7, {"train/loss": None}]]
+    assert not tail.reset and tail.items == [[7, {"train/loss": None}, None]]  # no time given
+    rundir.append_jsonl(paths.metrics, {"step": 8, "attempt": 1, "time": 1234.5, "a": 1.0})
+    feed.update()
+    assert feed.since(tail.generation, tail.version).items == [[8, {"a": 1.0}, 1234.5]]
     for s in range(8, 400):
         add_metrics(paths, s, **{"train/loss": float(s)})
     feed.update()
@@ -180,16 +188,16 @@ def test_an_attempts_purge_at_a_step_without_values_adds_no_step(tmp_path):
     feed = MetricFeed(paths)
     feed.update()
     first = feed.since(-1, 0)
-    assert first.items == [[5, {"train/loss": 0.2}], [10, {"train/loss": 0.1}]]
+    assert first.items == [[5, {"train/loss": 0.2}, None], [10, {"train/loss": 0.1}, None]]
     rundir.append_jsonl(paths.metrics, {"step": 7, "attempt": 1, "purge_step": 7})
     feed.update()
     again = feed.since(first.generation, first.version)
-    assert again.reset and again.items == [[5, {"train/loss": 0.2}]]
+    assert again.reset and again.items == [[5, {"train/loss": 0.2}, None]]
     rundir.append_jsonl(paths.metrics, {"step": 12, "attempt": 1, "purge_step": 12})  # nothing
     add_metrics(paths, 12, **{"train/loss": 0.05})
     feed.update()
     last = feed.since(again.generation, again.version)
-    assert not last.reset and last.items == [[12, {"train/loss": 0.05}]]
+    assert not last.reset and last.items == [[12, {"train/loss": 0.05}, None]]
 
 
 def test_read_metrics_passes_over_rows_that_are_no_metrics_rows(tmp_path):
@@ -237,10 +245,31 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
     hold no data, need none, and set no cookie (a cookie reaches every port of the host); every
     response carries the security headers; a Host that is not this machine's name is refused."""
     (tmp_path / "secret.txt").write_text("not for you")
+    make_sweep(two_runs / "sw", {"lr=0.1": 0.1, "lr=0.2": 0.2})
     with served([two_runs]) as s:
-        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
-        run_id = next(iter(s.catalog.runs))
-        data = ("/api/runs", f"/api/run/{run_id}", "/api/stream", f"/api/stream?run={run_id}")
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 4 and s.catalog.sweeps)
+        # Every route of the app is one this test asks for below: a new one must join it.
+        routes = {(r.path, tuple(sorted(r.methods))) for r in s.app.app.app.routes}
+        assert routes == {
+            *((p, ("GET", "HEAD")) for p in ("/", "/run/{run_id}", "/compare", "/static/{name}")),
+            *((p, ("GET", "HEAD")) for p in ("/api/runs", "/api/run/{run_id}", "/api/compare")),
+            ("/api/stream", ("GET", "HEAD")),
+            ("/api/cancel", ("POST",)),
+        }, routes
+        run_id = next(r.id for r in s.catalog.runs.values() if r.name == "runs/a")
+        sweep_id = next(iter(s.catalog.sweeps))
+        both = ",".join(s.catalog.runs)
+        data = (
+            "/api/runs",
+            f"/api/run/{run_id}",
+            "/api/stream",
+            f"/api/stream?run={run_id}",
+            f"/api/compare?runs={both}",
+            f"/api/compare?sweep={sweep_id}",
+            f"/api/stream?compare={both}",
+            f"/api/stream?sweep={sweep_id}",
+            "/api/cancel",  # a GET: refused for its token before its method
+        )
         for path in data:
             code, body, _ = get(s.url + path)
             assert code == 403 and "needs its token" in body, path
@@ -250,7 +279,16 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
         assert code == 200 and "runs/a" in body
         code, body, _ = get(f"{s.url}/api/runs?token={s.token}")
         assert code == 200 and "runs/a" in body
-        for path in ("/", f"/run/{run_id}", "/static/dashboard.js", f"/?token={s.token}"):
+        for path in (
+            "/",
+            f"/run/{run_id}",
+            f"/compare?runs={both}",
+            f"/compare?sweep={sweep_id}",
+            "/static/dashboard.js",
+            "/static/charts.js",
+            "/static/compare.js",
+            f"/?token={s.token}",
+        ):
             code, body, headers = get(s.url + path)
             assert code == 200 and "runs/a" not in body and s.token not in body, path
             assert "set-cookie" not in headers, path
@@ -271,10 +309,22 @@ def test_all_data_needs_the_token_and_paths_outside_are_404(two_runs, tmp_path):
             "/run/not-a-run-id",
             f"/api/run/{'..%2F' * 8}etc%2Fpasswd?{token}",
             f"/api/stream?run=../a&{token}",
+            f"/api/stream?sweep=..%2F..&{token}",
+            f"/api/stream?sweep={run_id}&{token}",  # a run's id is no sweep's
+            f"/api/stream?sweep={'0' * 12}&{token}",
             f"/{tmp_path}/secret.txt?{token}",
         ):
             code, body = raw_get(s.port, path)
             assert code == 404 and "not for you" not in body, (path, code)
+        # A compare page names runs by id only: paths, .. and unknown ids are no run of it.
+        for given in (f"../secret.txt,{tmp_path}", f"{'..%2F' * 6}etc,{'0' * 12}", "x" * 5000):
+            code, body = raw_get(s.port, f"/api/compare?runs={given}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], given
+        code, body = raw_get(s.port, f"/api/compare?runs={both},../x,{both}&{token}")
+        assert sorted(r["id"] for r in json.loads(body)["runs"]) == sorted(s.catalog.runs)
+        for given in ("..%2F..%2Fsw", str(tmp_path), run_id, "0" * 12):  # no sweep of it
+            code, body = raw_get(s.port, f"/api/compare?sweep={given}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], given
         # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 sends its name.
         for host in ("evil.example", "evil.example:80", f"rebind.attacker.test:{s.port}"):
             for path in ("/", f"/api/runs?{token}"):
@@ -321,30 +371,68 @@ def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs
         assert os.path.exists(run.paths.cancelled)
 
 
-def test_no_environment_credentials_or_config_on_any_page(tmp_path, monkeypatch):
+def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_path, monkeypatch):
+    """The config is shown (a run's page, the compare page's legend), every secret in it
+    masked: by its key, in a URI, in cluster.setup, in a script's arguments; nothing of the
+    environment."""
     monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123456789")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-pass-9876")
-    paths = make_run(tmp_path / "runs" / "a")
-    with open(paths.config, "a") as f:
-        f.write(
-            "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@mlflow.example'},"
-            " wandb: {project: p, api_key_hint: hunter3-secret}}\n"
+    secrets = ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB", "s3cr3t")
+    for name, lr in (("a", 0.1), ("b", 0.3)):
+        paths = make_run(tmp_path / "runs" / name)
+        text = (
+            open(paths.config)
+            .read()
+            .replace("cluster: {}", "cluster: {setup: ['export HF_TOKEN=s3cr3t-hf']}")
         )
+        with open(paths.config, "w") as f:
+            f.write(
+                text
+                + "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@ml.example'},"
+                f" wandb: {{project: p, api_key_hint: hunter3-secret-{name}}}}}\n"
+                f"script: {{path: t.py, args: [--token, s3cr3t-arg, --lr, '{lr}']}}\n"
+            )
     with served([tmp_path / "runs"]) as s:
-        assert poll_until(s.catalog, lambda: any(r.status for r in s.catalog.runs.values()))
-        run_id = next(iter(s.catalog.runs))
+        assert poll_until(
+            s.catalog,
+            lambda: len(s.catalog.runs) == 2 and all(r.status for r in s.catalog.runs.values()),
+        )
+        ids = sorted(s.catalog.runs)
+        run_id = ids[0]
         bodies = [
-            get(f"{s.url}{p}?token={s.token}")[1]
-            for p in ("/", f"/run/{run_id}", "/api/runs", f"/api/run/{run_id}")
+            get(f"{s.url}{p}{'&' if '?' in p else '?'}token={s.token}")[1]
+            for p in (
+                "/",
+                f"/run/{run_id}",
+                "/api/runs",
+                f"/api/run/{run_id}",
+                f"/api/compare?runs={','.join(ids)}",
+            )
         ]
         events = sse_events(
             f"{s.url}/api/stream?run={run_id}&token={s.token}",
             lambda ev: {"summary", "metrics"} <= {e for e, _ in ev},
         )
-        bodies.append(json.dumps(events))
+        shown = json.loads(bodies[3])
+        compared = sse_events(
+            f"{s.url}/api/stream?compare={','.join(ids)}&token={s.token}",
+            lambda ev: {"compare", "metrics"} <= {e for e, _ in ev},
+        )
+        bodies += [json.dumps(events), json.dumps(compared)]
     for text in bodies:
-        for secret in ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB"):
+        for secret in secrets:
             assert secret not in text
+    config = dict(shown["config"])
+    assert config["trackers.mlflow.tracking_uri"] == f"https://{MASK}@ml.example"
+    assert config["trackers.wandb.api_key_hint"] == MASK and config["trackers.wandb.project"] == "p"
+    assert config["cluster.setup"] == f'["export HF_TOKEN={MASK}"]'
+    assert shown["script"]["args"][:2] == ["--token", MASK]
+    compare = json.loads(bodies[4])["runs"]
+    legend = next(r["legend"] for r in compare if r["name"] == "runs/a")  # differing keys
+    assert legend == {
+        "trackers.wandb.api_key_hint": MASK,
+        "script.args": f'["--token", "{MASK}", "--lr", "0.1"]',
+    }
 
 
 # -- live: a new record reaches a stream ----------------------------------------------------------
@@ -361,19 +449,72 @@ def test_a_new_record_reaches_an_open_stream(two_runs):
             return any(e == "metrics" for e, _ in events)
 
         events = sse_events(url, has_metrics)
-        steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+        steps = [st for e, d in events if e == "metrics" for st, *_ in d["items"]]
         assert max(steps) == 10
         with open(run.paths.log_file(0, 0), "a") as f:
             f.write("hello from rank 0\n")
 
         def got_more(events):
-            metric_steps = [st for e, d in events if e == "metrics" for st, _ in d["items"]]
+            metric_steps = [st for e, d in events if e == "metrics" for st, *_ in d["items"]]
             text = "".join(t for e, d in events if e == "log" for t in d["items"])
             if metric_steps and max(metric_steps) < 11:
                 add_metrics(run.paths, 11, **{"train/loss": 0.01})
             return 11 in metric_steps and "hello from rank 0" in text
 
         sse_events(url, got_more)
+
+
+def _until(predicate, timeout=30.0):
+    """Wait (without polling: the server's own thread does) until ``predicate()`` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_compare_page_follows_its_runs_metrics_and_lets_go_when_closed(two_runs):
+    """A compare page gets its runs' new metrics pushed as a run's own page does, yet its runs
+    are not watched runs (no goodput ledger, records at the Runs page's pace: 8 compared runs
+    cost the server what 8 rows do, plus their metrics); closing it leaves no follower and no
+    watcher, and a run's own page still watches its run."""
+    with served([two_runs]) as s:
+        assert poll_until(
+            s.catalog,
+            lambda: len(s.catalog.runs) == 2 and all(r.status for r in s.catalog.runs.values()),
+        )
+        runs = {r.name: r for r in s.catalog.runs.values()}
+        a, b = runs["runs/a"], runs["runs/b"]
+        url = f"{s.url}/api/stream?compare={a.id},{b.id}&token={s.token}"
+        seen = []
+
+        def grew(events):
+            steps = {d["run"]: [st for st, *_ in d["items"]] for e, d in events if e == "metrics"}
+            if a.id in steps and max(steps[a.id]) < 11:
+                # Both runs' metrics came; while the page is open, a new step of one.
+                seen.append((a.followers, b.followers, a.watchers, b.watchers))
+                add_metrics(a.paths, 11, **{"train/loss": 0.01})
+            ours = [d["items"] for e, d in events if e == "metrics" and d["run"] == a.id]
+            return b.id in steps and 11 in [st for items in ours for st, *_ in items]
+
+        sse_events(url, grew)
+        assert seen[0] == (1, 1, 0, 0), seen
+        assert a.ledger is None and b.ledger is None  # followed, never collected as watched
+        assert _until(lambda: a.followers == b.followers == 0), (a.followers, b.followers)
+        assert a.watchers == b.watchers == 0
+        # A run's own page, beside a compare page of the same run that closes: still watched.
+        compared = f"{s.url}/api/stream?compare={a.id}&token={s.token}"
+        own = f"{s.url}/api/stream?run={a.id}&rank=0&token={s.token}"
+
+        def both_open(events):
+            if not any(e == "summary" for e, _ in events):
+                return False
+            sse_events(compared, lambda ev: any(e == "metrics" for e, _ in ev))
+            return _until(lambda: a.followers == 0 and a.watchers == 1 and a.ledger is not None)
+
+        sse_events(own, both_open)
+        assert _until(lambda: a.watchers == 0 and a.followers == 0)
 
 
 # -- hostile run dirs -----------------------------------------------------------------------------
@@ -456,13 +597,92 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
         text = "".join(t for e, d in events if e == "log" for t in d["items"])
         assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
+        # The compare page over all three: their names and the good run's metrics.
+        every = ",".join(ids.values())
+        code, body, _ = get(f"{s.url}/api/compare?runs={every}&token={s.token}")
+        assert code == 200 and len(json.loads(body)["runs"]) == 3, body
+        url = f"{s.url}/api/stream?compare={every}&token={s.token}"
+        events = sse_events(
+            url, lambda ev: any(d.get("run") == ids["runs/good"] for e, d in ev if e == "metrics")
+        )
+        assert "root:" not in json.dumps(events) and "not this run's" not in json.dumps(events)
         # The good run still goes on: the poll thread never waited on a FIFO.
         add_metrics(good, 11, **{"train/loss": 0.01})
         url = f"{s.url}/api/stream?run={ids['runs/good']}&token={s.token}"
         sse_events(
             url,
-            lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, _ in d["items"]),
+            lambda ev: any(st == 11 for e, d in ev if e == "metrics" for st, *_ in d["items"]),
         )
+
+
+HTML = '<img src=x onerror="window.xss=1">'
+
+
+def test_a_hostile_sweep_dir_never_stops_the_runs_page_nor_a_compare_page(tmp_path):
+    """A sweep.json of garbage, a link, a FIFO, or of members that are none (a string, no name,
+    a name that leads out of the sweep, values that are a list) is named on its sweep's row and
+    its compare page is empty; the Runs page, its stream and a good sweep's compare page go on;
+    a member named with HTML, its value HTML, is sent as the text it is (the browser tests show
+    such text as text)."""
+    runs = tmp_path / "runs"
+    make_sweep(runs / "good", {"lr=0.1": 0.1, "lr=0.2": 0.2})
+    make_sweep(runs / "html", {"m": 0.1, HTML: HTML})
+    elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this sweep's")
+    for name, member in (
+        ("string", "just a string"),
+        ("nameless", {"values": {}}),
+        ("out", {"name": os.path.relpath(elsewhere.root, runs / "out"), "values": {}}),
+        ("listed", {"name": "m", "values": [1, 2]}),
+    ):
+        make_sweep(runs / name, {"m": 0.1})
+        index = json.loads((runs / name / "sweep.json").read_text())
+        index["members"].append(member)
+        (runs / name / "sweep.json").write_text(json.dumps(index))
+    make_sweep(runs / "garbage", {"m": 0.1})
+    (runs / "garbage" / "sweep.json").write_bytes(os.urandom(4096))
+    make_sweep(runs / "link", {"m": 0.1})
+    os.remove(runs / "link" / "sweep.json")
+    os.symlink(runs / "good" / "sweep.json", runs / "link" / "sweep.json")
+    make_sweep(runs / "fifo", {"m": 0.1})  # never opened (a read would wait for a writer)
+    os.remove(runs / "fifo" / "sweep.json")
+    os.mkfifo(runs / "fifo" / "sweep.json")
+    damaged = ("string", "nameless", "out", "listed", "garbage", "link")
+    with served([runs]) as s:
+        assert poll_until(
+            s.catalog,
+            lambda: (
+                len(s.catalog.sweeps) == 8
+                and all(w.index is not None or w.problem for w in s.catalog.sweeps.values())
+                and all(r.status for r in s.catalog.runs.values())
+            ),
+        )
+        token = f"token={s.token}"
+        code, body, _ = get(f"{s.url}/api/runs?{token}")
+        assert code == 200, body
+        assert "not this sweep's" not in body
+        groups = {g["name"]: g for g in json.loads(body)["sweeps"]}
+        for name in damaged:
+            assert groups[f"runs/{name}"]["problem"] and not groups[f"runs/{name}"]["members"]
+        assert "is damaged: a member is" in groups["runs/string"]["problem"]
+        assert "is a symbolic link" in groups["runs/link"]["problem"]
+        assert len(groups["runs/good"]["members"]) == 2
+        assert {r["name"] for r in json.loads(body)["runs"]} >= {"runs/fifo/m", "runs/good/lr=0.1"}
+        events = sse_events(f"{s.url}/api/stream?{token}", lambda ev: ev[0][0] == "runs")
+        assert len(events[0][1]["sweeps"]) == 8
+        ids = {w.name: w.id for w in s.catalog.sweeps.values()}
+        for name in damaged:
+            code, body, _ = get(f"{s.url}/api/compare?sweep={ids[f'runs/{name}']}&{token}")
+            assert code == 200 and json.loads(body)["runs"] == [], (name, body)
+            url = f"{s.url}/api/stream?sweep={ids[f'runs/{name}']}&{token}"
+            (event,) = sse_events(url, lambda ev: ev[0][0] == "compare")
+            assert event[1]["runs"] == [] and "not this sweep's" not in json.dumps(event)
+        url = f"{s.url}/api/stream?sweep={ids['runs/html']}&{token}"
+        events = sse_events(url, lambda ev: len({d["run"] for e, d in ev if e == "metrics"}) == 2)
+        shown = events[0][1]
+        assert {r["name"] for r in shown["runs"]} == {"runs/html/m", f"runs/html/{HTML}"}
+        assert HTML in shown["sweep"]["values"]["train.lr"].values()
+        url = f"{s.url}/api/stream?sweep={ids['runs/good']}&{token}"
+        sse_events(url, lambda ev: len({d["run"] for e, d in ev if e == "metrics"}) == 2)
 
 
 # -- the Runs page's data -------------------------------------------------------------------------
@@ -503,7 +723,7 @@ def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
 
     def ask(ids):
         asked.append(sorted(ids))
-        return {j: "RUNNING|None" for j in ids}
+        return {j: commands.QueuedJob("RUNNING", "None", 3600, 60, 3540, 1.0, 1, "n1") for j in ids}
 
     for i in range(5):
         paths = make_run(tmp_path / "runs" / f"r{i}")
@@ -512,6 +732,8 @@ def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
     assert poll_until(cat, lambda: len(cat.runs) == 5 and all(r.status for r in cat.runs.values()))
     assert poll_until(cat, lambda: all(r.status["alive"] for r in cat.runs.values()))
     assert asked and all(len(a) == 5 for a in asked) and len(asked) <= 2, asked
+    job = next(iter(cat.runs.values())).status["job"]  # the job panel's, from the same call
+    assert (job["state"], job["left_s"], job["nodes"]) == ("RUNNING", 3540, "n1")
 
 
 # -- GPUs, with NVML replaced at its boundary -----------------------------------------------------

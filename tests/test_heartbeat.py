@@ -323,3 +323,86 @@ def test_two_real_ranks_see_each_other_through_their_heartbeats(tmp_path):
     assert results[1] == []  # only rank 0 gathers
     out = read_ranks(rundir.RunPaths(str(tmp_path)), 0.1, world_size=2)
     assert [r["step"] for r in out] == [30, 30] and all(r["pid"] for r in out)
+
+
+def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
+    """A real 3-rank local run: rank 1 keeps a core busy on a thread of its own, rank 2 waits
+    for a slow dataset, rank 0 does neither. While it trains, their heartbeats and `status
+    --ranks` show rank 1's CPU use and rank 2's data wait, and nobody else's."""
+    import contextlib
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    d = str(tmp_path / "run")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
+    args = [
+        sys.executable,
+        "-m",
+        "clusterflow.submit",
+        "configs/tiny.yaml",
+        f"run.dir={d}",
+        "task.target=testtasks:Unequal",
+        "task.params.hungry_rank=1",
+        "task.params.starved_rank=2",
+        "task.params.fetch_sleep=0.02",
+        "cluster.tasks_per_node=3",
+        "train.batch_size=30",
+        "train.epochs=40",
+        "mining.enabled=false",
+        "train.eval_every_epochs=0",
+        "checkpoint.every_steps=1000",
+        "dist.heartbeat_s=0.5",
+        "--local",
+    ]
+    log = open(tmp_path / "submit.txt", "w")
+    proc = subprocess.Popen(
+        args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    paths = rundir.RunPaths(d)
+    try:
+        deadline, first = time.monotonic() + 240, None
+        while True:
+            assert proc.poll() is None, (tmp_path / "submit.txt").read_text()
+            ranks = read_ranks(paths, 0.5) if os.path.isdir(paths.heartbeats) else []
+            # Two writes in training after step 12: a window of steady steps on every rank.
+            if len(ranks) == 3 and all((r.get("step") or 0) >= 12 for r in ranks):
+                if first is None:
+                    first = {r["rank"]: r["time"] for r in ranks}
+                elif all(r["time"] > first[r["rank"]] for r in ranks):
+                    break
+            else:
+                first = None
+            assert time.monotonic() < deadline, ranks
+            time.sleep(0.2)
+        table = subprocess.run(
+            [sys.executable, "-m", "clusterflow.status", d, "--ranks"],
+            check=False,
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert table.returncode == 0, table.stderr
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+    cpu, wait = {}, {}
+    for r in ranks:
+        assert r["rss_bytes"] > 50 * 2**20, r  # torch alone takes more
+        cpu[r["rank"]], wait[r["rank"]] = r["cpu_percent"], r["data_wait_fraction"]
+    assert cpu[1] > 40 and cpu[1] > 2 * max(cpu[0], cpu[2]), cpu
+    assert wait[2] > 0.4 and wait[2] > 3 * max(wait[0], wait[1]), wait
+    rows = {}
+    for line in table.stdout.splitlines()[1:4]:
+        m = re.match(r"\s*(\d) .* (\d+)%\s+(\d+) MiB\s+(\d+)%\s", line)
+        assert m, table.stdout
+        rows[int(m[1])] = (int(m[2]), int(m[4]))
+    assert rows[1][0] > 2 * max(rows[0][0], rows[2][0]), table.stdout
+    assert rows[2][1] > 3 * max(rows[0][1], rows[1][1], 1), table.stdout

@@ -47,3 +47,26 @@ def test_a_line_cut_by_a_kill_does_not_swallow_the_next_attempts_first_row(tmp_p
         f.write((json.dumps({"step": 1, "attempt": 1, "train/loss": 2.0}) + "\n").encode())
     assert read_metrics(str(tmp_path)) == {1: {"train/loss": 2.0}}
     assert os.path.getsize(paths.metrics) > 0
+
+
+def test_each_row_says_when_it_was_logged_and_the_time_is_no_scalar(tmp_path):
+    import time
+
+    from clusterflow.observe import scalar_log
+    from clusterflow.observe.metrics import TensorBoardWriter
+
+    paths = rundir.RunPaths(str(tmp_path))
+    before = time.time()
+    w = TensorBoardWriter(paths, attempt=0, purge_step=0)
+    w.scalars({"train/loss": 0.5}, 1)
+    w.scalars({"train/loss": 0.25}, 2)
+    w.close()
+    rows = [json.loads(line) for line in open(paths.metrics)]
+    assert all(before - 1 <= r["time"] <= time.time() + 1 for r in rows if "train/loss" in r)
+    assert read_metrics(str(tmp_path)) == {1: {"train/loss": 0.5}, 2: {"train/loss": 0.25}}
+    table, times = {}, {}
+    for r in rows:
+        scalar_log.fold(table, r, times)
+    assert sorted(times) == [1, 2] and times[1] <= times[2]
+    scalar_log.fold(table, {"step": 2, "attempt": 1, "purge_step": 2}, times)
+    assert sorted(times) == [1] and sorted(table) == [1]  # a purge drops both

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import run_cli
+from test_on_event import fired, notify_script
 
 from clusterflow import rundir
 from clusterflow.config.job_config import load
@@ -177,7 +178,10 @@ def test_heartbeats_of_an_earlier_attempt_are_not_shown(tmp_path):
 
 
 def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
+    """Also: observe.on_event runs its command for the stall (the attempt's first cause) and
+    for the failure it leads to, once each."""
     d = str(tmp_path / "run")
+    command, told = notify_script(str(tmp_path))
     t0 = time.time()
     out = run_cli(
         "clusterflow.submit",
@@ -186,6 +190,7 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
         "task.target=testtasks:StallOnRank1",
         "dist.stall_s=5",
         "dist.heartbeat_s=0.5",
+        f"observe.on_event={command}",
         "--local",
         env={"PYTHONPATH": TESTS},
         timeout=300,
@@ -215,6 +220,9 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     assert {"flight_recorder_rank_0", "flight_recorder_rank_1"} <= set(
         os.listdir(stalls)
     )  # the peer's too
+    assert sorted(line[:3] for line in fired(told)) == [("failed", "0", d), ("stalled", "0", d)]
+    stalled = json.load(open(rundir.RunPaths(d).event_file(0, "stalled")))
+    assert stalled["by"].startswith("rank 1 on ") and "stalled" in stalled["message"]
 
 
 def test_local_gpus_are_chosen_before_anything_is_written(tmp_path):

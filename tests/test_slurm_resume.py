@@ -16,6 +16,7 @@ import re
 
 import pytest
 from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
+from test_on_event import fired, notify_script
 
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
@@ -69,8 +70,11 @@ def stop_and_resume_steps(run_dir):
 
 
 def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_path):
+    """Also: observe.on_event runs its command on a compute node for each requeue and for the
+    end (the weights stay the reference's)."""
     d = str(tmp_path / "run")
-    job, _ = submit(d, *SLOW, "data.num_workers=1")
+    command, told = notify_script(str(tmp_path))
+    job, _ = submit(d, *SLOW, "data.num_workers=1", f"observe.on_event={command}")
     wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
     # Slurm sends SIGTERM to every process of the job (the workers too), then requeues it.
     scmd("scontrol", "requeue", job)
@@ -86,6 +90,11 @@ def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_pat
     saved, resumed = stop_and_resume_steps(d)
     assert len(saved) == 2 and saved == resumed, (saved, resumed)  # no step lost, none repeated
     assert_same_weights(d, reference_run)
+    assert [line[:3] for line in fired(told)] == [
+        ("requeued", "0", d),
+        ("requeued", "1", d),
+        ("completed", "2", d),
+    ]
 
 
 def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_path):

@@ -11,6 +11,7 @@ import time
 import launch
 import pytest
 from conftest import REPO, run_cli, weights_equal
+from test_on_event import fired, notify_script
 
 
 @pytest.fixture(autouse=True)
@@ -181,12 +182,16 @@ def test_a_rank_killed_by_a_signal_in_native_code_is_named_with_the_signal(tmp_p
 
 
 def test_a_rank_that_raises_is_named_with_its_own_error_not_a_peers(tmp_path):
+    """Also: observe.on_event runs its command once for the failure, and a command that fails
+    (exit 3) changes nothing of what the run says."""
     d = str(tmp_path / "run")
+    command, told = notify_script(str(tmp_path))
     out = run_cli(
         "clusterflow.submit",
         "configs/tiny.yaml",
         f"run.dir={d}",
         "task.target=testtasks:CrashOnRank1",
+        f"observe.on_event={command}; exit 3",
         "--local",
     )
     assert out.returncode == 1, out.stdout + out.stderr
@@ -201,3 +206,4 @@ def test_a_rank_that_raises_is_named_with_its_own_error_not_a_peers(tmp_path):
     s = status(d)
     assert s["state"] == "failed" and "rank 1" in s["error"] and "deliberate failure" in s["error"]
     assert "Connection closed" not in s["error"]
+    assert [line[:3] for line in fired(told)] == [("failed", "0", d)]

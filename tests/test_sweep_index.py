@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import textwrap
 import time
 
@@ -65,6 +66,18 @@ def test_a_damaged_index_or_a_single_run_dir_is_refused(conf, tmp_path):
         json.dump({"version": 99, "members": []}, f)
     with pytest.raises(UserError, match="not a clusterflow sweep index of version 1"):
         sweep_index.read_index(sw.paths)
+    # Members every reader takes a name (a folder of the sweep) and values from: anything else
+    # is named, never a traceback of a reader that indexed it.
+    for members, keys, said in (
+        (["a string"], [], 'a member is "a string"'),
+        ([{"name": "../../elsewhere", "values": {}}], [], "a member is"),
+        ([{"name": "m", "values": [1]}], [], "a member is"),
+        ([{"name": "m", "values": {}}], "train.lr", 'its keys are "train.lr"'),
+    ):
+        with open(sw.paths.sweep_index, "w") as f:
+            json.dump({"version": 1, "keys": keys, "members": members}, f)
+        with pytest.raises(UserError, match=f"sweep.json is damaged: {re.escape(said)}"):
+            sweep_index.read_index(sw.paths)
     single = tmp_path / "single"
     single.mkdir()
     (single / "config.yaml").write_text("{}")

@@ -9,6 +9,7 @@ import time
 import launch
 import pytest
 import torch
+from test_on_event import end_hanging, fired, notify_script
 
 
 def losses(run_dir):
@@ -77,8 +78,12 @@ def _steps(run_dir):
 
 
 def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path):
+    """Also: observe.on_event runs its command when the resumed run completes (a command that
+    then hangs, not waited for: the run ends all the same), none for the stop (no event: not a
+    Slurm job, nothing requeues it); the weights stay the reference's."""
     d = str(tmp_path / "term")
-    over = [f"run.dir={d}"]
+    command, told = notify_script(str(tmp_path), hang_on="completed")
+    over = [f"run.dir={d}", f"observe.on_event={command}"]
     procs = launch.start(2, "configs/tiny.yaml", over, d)
     assert _wait_for(lambda: any(s >= 4 for s in _steps(d)))
     os.kill(
@@ -86,12 +91,16 @@ def test_sigterm_on_one_rank_saves_stops_and_resumes_exactly(reference, tmp_path
     )  # only rank 1 is signalled; both must stop at the same step
     assert launch.wait(procs) == [0, 0]
     status = json.load(open(os.path.join(d, "status.json")))
-    assert status["state"] in ("requeued", "stopped") and not os.path.exists(
-        os.path.join(d, "model.pt")
-    )
+    assert status["state"] == "stopped" and not os.path.exists(os.path.join(d, "model.pt"))
     stopped_at = status["global_step"]
     assert _steps(d)[-1] == stopped_at  # the stop committed a checkpoint at the agreed step
-    assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+    try:
+        assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
+        lines = fired(told)
+        assert [line[:3] for line in lines] == [("completed", "1", d)]
+        os.kill(int(lines[0][3]), 0)  # the command still hangs: the run ended without it
+    finally:
+        end_hanging(fired(told))
     assert same_weights(weights(d), weights(reference))
     assert len(open(os.path.join(d, "attempts.jsonl")).readlines()) == 2
 

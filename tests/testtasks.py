@@ -4,10 +4,12 @@ Each trains exactly like PseudoIDTask (same weights at every step), so their fin
 can be compared bitwise with a plain run of the same config.
 """
 
+import hashlib
 import json
 import os
 import signal
 import socket
+import threading
 import time
 
 import torch
@@ -19,7 +21,7 @@ from clusterflow.storage import durable, tensors
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.tasks import images
 from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
-from clusterflow.tasks.pseudo_id import PseudoIDTask
+from clusterflow.tasks.pseudo_id import PseudoIDTask, SyntheticIdentities
 
 
 class CrashOnRank1(PseudoIDTask):
@@ -687,3 +689,63 @@ class UnusedParameter(Tiny):
         model = super().build_model()
         model.spare_head = torch.nn.Linear(4, 4)
         return model
+
+
+def _own_rank():
+    return tdist.get_rank() if tdist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+class _SlowItems(SyntheticIdentities):
+    """The same samples, each ``fetch_sleep`` seconds late: a dataset the loop waits for."""
+
+    fetch_sleep = 0.0
+
+    def __getitem__(self, i):
+        time.sleep(self.fetch_sleep)
+        return super().__getitem__(i)
+
+
+class Unequal(PseudoIDTask):
+    """Every step sleeps ``step_sleep`` seconds (a GPU's time, costing no CPU); rank
+    ``hungry_rank`` also keeps a core busy on a thread of its own (hashing, which releases the
+    GIL, so the loop itself is not slowed), and rank ``starved_rank`` reads each sample
+    ``fetch_sleep`` seconds late: the efficiency figures of its heartbeats must tell them apart."""
+
+    def __init__(
+        self, seed=0, step_sleep=0.05, hungry_rank=-1, starved_rank=-1, fetch_sleep=0.0, **params
+    ):
+        super().__init__(seed, **params)
+        self.step_sleep, self.hungry_rank = float(step_sleep), int(hungry_rank)
+        self.starved_rank, self.fetch_sleep = int(starved_rank), float(fetch_sleep)
+        if _own_rank() == self.hungry_rank:
+            threading.Thread(target=_burn, daemon=True).start()
+
+    def train_dataset(self):
+        if self._train is None and _own_rank() == self.starved_rank:
+            self._train = _SlowItems(self.seed, **self.data_args, split=0)
+            self._train.fetch_sleep = self.fetch_sleep
+        return super().train_dataset()
+
+    def loss(self, model, batch, labels):
+        time.sleep(self.step_sleep)
+        return super().loss(model, batch, labels)
+
+
+def _burn():
+    block = b"x" * (1 << 20)
+    while True:
+        hashlib.sha256(block).digest()
+
+
+class FailWhenFileAppears(Slow):
+    """Slow, and its loss raises once the file ``fail_file`` exists: a run that fails when the
+    test says so (a dashboard's notification of a marked run's failure)."""
+
+    def __init__(self, seed=0, step_sleep=0.2, fail_file="", **params):
+        super().__init__(seed, step_sleep, **params)
+        self.fail_file = fail_file
+
+    def loss(self, model, batch, labels):
+        if self.fail_file and os.path.exists(self.fail_file):
+            raise ValueError(f"failing on purpose: {self.fail_file} appeared")
+        return super().loss(model, batch, labels)

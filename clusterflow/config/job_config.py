@@ -164,8 +164,8 @@ def join(base: str, *parts: str) -> str:
 
 # Keys that may differ between a run's saved config and a later launch of it: where the run dir
 # and its checkpoints are now (a moved or copied run dir resumes from its new place), how often
-# the lease is renewed, and what to do about a non-finite loss (a diverged run resumes from its
-# last finite checkpoint, skipping such steps).
+# the lease is renewed, what to do about a non-finite loss (a diverged run resumes from its
+# last finite checkpoint, skipping such steps), and the command run on the run's events.
 MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset(
     {
         "run.dir",
@@ -176,6 +176,7 @@ MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset(
         "dist.heartbeat_s",
         "dist.stall_s",
         "cluster.gpus",
+        "observe.on_event",
     }
 )
 

@@ -40,8 +40,8 @@ from clusterflow.errors import (
 )
 from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import REQUEUE_OUTSIDE, after_stop
+from clusterflow.observe import events, timeline
 from clusterflow.observe import observer as observe
-from clusterflow.observe import timeline
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -104,6 +104,7 @@ class Attempt:
         self.run: Run | None = None
         self.outcome: str | None = None
         self._watch: AbstractContextManager[None] | None = None
+        self.events = events.OnEvent("", self.paths)
 
     def begin(self) -> bool:
         """Collective. Join the group, take the run dir, record the attempt, install the stop
@@ -117,6 +118,9 @@ class Attempt:
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
         self.cfg = from_dict(_take_run_dir(env, self.cfg, paths, self.environ))
         self.held = True
+        self.events = events.OnEvent(
+            self.cfg.observe.on_event, paths, f"rank {env.rank} on {socket.gethostname()}"
+        )
         if _cancelled_before_start(env, paths):
             self.outcome = _end_cancelled(paths, env, self.environ)
             return False
@@ -169,9 +173,11 @@ class Attempt:
                 self.preemption.received_at,
             )
             _let_go(self.paths, self.environ, outcome)
+            _tell(self.events, self.paths, self.attempt, outcome)
         outcome = dist.broadcast_object(outcome)
         dist.barrier()  # nobody tears the group down while a peer still talks to it
         dist.shutdown()
+        self.events.settle()
         self.outcome = outcome
         if outcome == State.COMPLETED:  # nothing left to save: a signal ends the process again
             self.preemption.uninstall()
@@ -397,6 +403,7 @@ def record_failure(
         return
     f = failure.describe(exc, cfg.task.target, script=code_file)
     host = socket.gethostname()
+    notify = events.OnEvent(cfg.observe.on_event, paths, f"rank {rank} on {host}")
     device_error = node_fault.device_error(f.message) if cfg.cluster.exclude_failed_nodes else None
     requeued = False
     try:
@@ -421,10 +428,15 @@ def record_failure(
                     cfg.cluster.max_node_failures,
                 )
             )
+            if requeued:
+                notify.fire(events.REQUEUED, attempt, f"node {host} left out: {f.message}")
             if not requeued and (first or not _requeued_already(paths)):
                 _write_failed(paths, rank, f, first)
+                cause = first_error.read(paths, attempt) or {}
+                notify.fire(events.FAILED, attempt, str(cause.get("error") or f.message))
     except (OSError, RunFailed):
         pass  # a full disk or a vanished run dir: the message below still reaches the user
+    notify.settle()
     # The task's traceback, in the rank log (echoed by --local).
     shown = f.trace if f.named and f.trace else ""
     log.error("rank %d failed: %s%s", rank, f.message, f"\n{shown}" if shown else "")
@@ -467,12 +479,15 @@ def _requeue_after_stall(
         return
     # "rank R on HOST stalled N s at step S in PHASE (where)": the fault names rank and host
     cause = str(rec["error"]).removeprefix(f"rank {env.rank} on {rec['host']} ")
-    node_fault.requeue_without(
+    if node_fault.requeue_without(
         paths,
         environ,
         node_fault.Fault(env.rank, rec["host"], cause),
         cfg.cluster.max_node_failures,
-    )
+    ):
+        notify = events.OnEvent(cfg.observe.on_event, paths, f"rank {env.rank} on {rec['host']}")
+        notify.fire(events.REQUEUED, _attempt_of(paths), f"node {rec['host']} left out: {cause}")
+        notify.settle()
 
 
 def _restarted_here(host: str, environ: Mapping[str, str]) -> bool:
@@ -482,6 +497,29 @@ def _restarted_here(host: str, environ: Mapping[str, str]) -> bool:
         return False
     log.error("node %s failed; the job restarts inside its allocation without it", host)
     return True
+
+
+# The state an attempt's end recorded, and the event it is.
+_EVENTS = {
+    State.COMPLETED: events.COMPLETED,
+    State.REQUEUED: events.REQUEUED,
+    State.FAILED: events.FAILED,
+}
+
+
+def _tell(notify: events.OnEvent, paths: rundir.RunPaths, attempt: int, outcome: str) -> None:
+    """Rank 0 at an attempt's end: observe.on_event for the state the end recorded."""
+    recorded, _ = rundir.read_object(paths.status)
+    event = _EVENTS.get(recorded.get("state"))
+    if event is None:
+        return
+    said = {
+        events.COMPLETED: f"completed at global step {recorded.get('global_step')}",
+        events.REQUEUED: f"requeued after it stopped ({outcome}) at global step "
+        f"{recorded.get('global_step')}",
+        events.FAILED: str(recorded.get("error") or outcome),
+    }
+    notify.fire(event, attempt, said[event])
 
 
 def _attempt_of(paths: rundir.RunPaths) -> int:

@@ -77,7 +77,7 @@ from clusterflow.distributed.env import RESTART_IN_JOB_ENV
 from clusterflow.errors import UserError
 from clusterflow.job import node_fault
 from clusterflow.job.standby import Program, Standby, program
-from clusterflow.observe import heartbeat
+from clusterflow.observe import events, heartbeat
 from clusterflow.rundir import (
     first_error,
     records,
@@ -312,6 +312,11 @@ class Driver:
         self.used = 0  # restarts made
         self.warm = self._warm_program()
         self.standby: Standby | None = None
+        self.events = events.OnEvent(
+            cfg.observe.on_event,
+            self.paths,
+            f"the batch step's driver of job {environ.get('SLURM_JOB_ID', '?')}",
+        )
 
     def _warm_program(self) -> Program | None:
         """The step's program, when warm restarts are on and a standby can run it."""
@@ -356,6 +361,9 @@ class Driver:
             if not p.restart:
                 if fault is not None:
                     _say(f"not restarted in the job after {_what(fault)}: {p.why}")
+                said = _what(fault) if fault is not None else f"exit status {end.exit_status}"
+                self.events.fire(events.FAILED, rundir.current_attempt(self.paths), said)
+                self.events.settle()
                 return end.exit_status
             assert fault is not None
             self.used += 1
@@ -577,10 +585,12 @@ class Driver:
             out += "; warm: the standby's processes there become the ranks"
         elif cold_why:
             out += f"; new processes: {cold_why}"
-        _say(
+        said = (
             f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
             f"from the newest checkpoint on {', '.join(p.nodes)}{out}"
         )
+        _say(said)
+        self.events.fire(events.REQUEUED, failed, said)
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         # Slurm signals the step itself; the driver waits for it to save and end, then stops.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import sys
 import time
 from types import FrameType
@@ -49,6 +50,7 @@ from clusterflow.errors import (
 )
 from clusterflow.launch import jobs
 from clusterflow.manage import logs
+from clusterflow.observe import events
 from clusterflow.rundir import first_error, lease, states, transitions
 from clusterflow.rundir.states import StopReason
 
@@ -126,9 +128,15 @@ def _fatal_signal(lines: list[str]) -> str:
 
 class RankWatch:
     def __init__(
-        self, job: submitit.LocalJob, folder: str, paths: rundir.RunPaths, ntasks: int
+        self,
+        job: submitit.LocalJob,
+        folder: str,
+        paths: rundir.RunPaths,
+        ntasks: int,
+        on_event: str = "",
     ) -> None:
         self.job, self.folder, self.paths, self.ntasks = job, folder, paths, ntasks
+        self.on_event = on_event  # observe.on_event
         self.controller = int(job.job_id)
         self.procs: dict[int, tuple[int, str | None]] = {}  # rank -> (pid, start time)
         self.started_at = time.time()
@@ -244,6 +252,9 @@ class RankWatch:
         except lease.RunDirBusy:
             return why
         transitions.mark_failed(paths, error=why)
+        # A rank that died without a word could not tell observe.on_event itself.
+        notify = events.OnEvent(self.on_event, paths, f"submit --local on {socket.gethostname()}")
+        notify.fire(events.FAILED, rundir.current_attempt(paths), why)
         return why
 
 
@@ -305,7 +316,7 @@ def _run_here(cfg: Config, paths: rundir.RunPaths, gpus: list[int] | None) -> in
         f"run dir {cfg.run.dir}"
     )
     print(f"logs: {paths.logs}   tensorboard --logdir {paths.tb}")
-    watch = RankWatch(job, folder, paths, cfg.cluster.tasks_per_node)
+    watch = RankWatch(job, folder, paths, cfg.cluster.tasks_per_node, cfg.observe.on_event)
     tail = logs.Tail(paths.log_file(0, rundir.attempt_count(paths)))
     why, results = None, None
     stopping: int | None = None  # the stop signal passed on to the ranks, once one came

@@ -300,13 +300,19 @@ def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, 
 
 def collect(
     paths: rundir.RunPaths,
-    queue_state: Callable[[str], str | None] = slurm_commands.queue_state,
+    queue_state: Callable[[str], str | None] | None = None,
     plain: tuple[dict[str, Any], str] | None = None,
+    queued: Callable[[str], slurm_commands.QueuedJob | None] | None = None,
 ) -> dict[str, Any]:
-    """What the run is doing, from its records. ``queue_state``: squeue's answer for a job id (the
-    dashboard passes one that asks squeue once for all its runs); ``plain``: config.yaml as
+    """What the run is doing, from its records. ``queue_state``: squeue's ``STATE|REASON`` for a
+    job id, and ``queued``: its :class:`~clusterflow.slurm.commands.QueuedJob` with the job's
+    times (the dashboard passes both, from one squeue call for all its runs; by default one
+    squeue call per job asked about answers both); ``plain``: config.yaml as
     ``saved_config.read_plain`` returns it, when the caller has it already (the dashboard reads
     it again only when the file changes)."""
+    if queue_state is None:
+        asked = slurm_commands.Queue()
+        queue_state, queued = asked.state, asked.job
     run_dir = paths.root
     if not os.path.isdir(run_dir):
         raise UserError(f"run dir {run_dir!r} does not exist; pass the run.dir of a submitted run")
@@ -397,7 +403,91 @@ def collect(
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
+    listed = queued(job_id) if queued is not None and queue else None
+    out["job"] = _job(listed) if listed is not None else None
+    out.update(_finish(out, _epochs(newest, config)))
     return out
+
+
+def _job(q: slurm_commands.QueuedJob) -> dict[str, Any]:
+    """The Slurm job as squeue lists it now: state and why it waits, time limit, elapsed and left
+    (as of ``asked_at``), when it started or is expected to start, its nodes."""
+    job = q.to_dict()
+    job["reason"] = "" if q.reason in ("None", "(null)") else q.reason
+    return job
+
+
+def _epochs(manifest: dict[str, Any], config: dict[str, Any]) -> int | None:
+    """The epochs the run trains: its checkpoints' (a script's ``run.epochs(n)``), else
+    config.yaml's train.epochs."""
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        train = config.get("train")
+        epochs = train.get("epochs") if isinstance(train, dict) else None
+    return epochs if _is_int(epochs) and epochs > 0 else None
+
+
+def _finish(s: dict[str, Any], epochs: int | None) -> dict[str, Any]:
+    """The run's own estimate of what is left while it trains: ``steps_left`` of its epochs, and
+    ``eta_s``, those steps at the training ranks' median step time of their heartbeats (steps
+    only: eval, mining and checkpoints come on top)."""
+    spe = s.get("steps_per_epoch")
+    if epochs is None or not _is_int(spe) or not spe:
+        return {"steps_left": None, "eta_s": None}
+    left = max(0, (epochs - s["epoch"]) * spe - s["step_in_epoch"])
+    times = sorted(
+        r["step_time_s"]
+        for r in s.get("ranks") or []
+        if r.get("phase") == "train"
+        and not r.get("silent")
+        and isinstance(r.get("step_time_s"), (int, float))
+        and r["step_time_s"] > 0
+    )
+    step_s = times[len(times) // 2] if times else None
+    eta = left * step_s if step_s is not None and s["state"] == State.RUNNING else None
+    return {"steps_left": left, "eta_s": eta}
+
+
+def hms(seconds: float) -> str:
+    """``[D-]H:MM:SS`` as Slurm writes a duration."""
+    whole = round(max(0.0, seconds))
+    days, rest = divmod(whole, 86400)
+    text = f"{rest // 3600}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
+def _job_lines(s: dict[str, Any]) -> list[str]:
+    """The job's time and place as Slurm gives them, and the run's own estimate of its end."""
+    lines = []
+    job = s.get("job")
+    if job:
+        why = f" ({job['reason']})" if job["reason"] else ""
+        where = job["nodes"] or job["scheduled_nodes"]
+        if job["state"] == "PENDING":
+            start = (
+                f"Slurm expects it to start at {_clock(job['start_at'])}"
+                + (f" on {where}" if where else "")
+                if job["start_at"]
+                else "no expected start from Slurm yet"
+            )
+            lines.append(f"job          PENDING{why}: {start}")
+        else:
+            limit = hms(job["time_limit_s"]) if job["time_limit_s"] is not None else "no limit"
+            spent = hms(job["elapsed_s"]) if job["elapsed_s"] is not None else "?"
+            left = f", {hms(job['left_s'])} left" if job["left_s"] is not None else ""
+            lines.append(
+                f"job          {job['state']}{why} on {where or '?'}: {spent} of {limit}{left}"
+            )
+    if s.get("eta_s") is not None:
+        lines.append(
+            f"finish       {s['steps_left']} steps left, about {hms(s['eta_s'])} at the ranks' "
+            "current step time (eval, mining and checkpoints come on top)"
+        )
+    return lines
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(t))
 
 
 def _restarts(paths: rundir.RunPaths, tls: timeline.Timelines) -> list[dict[str, Any]]:
@@ -453,6 +543,7 @@ def render(s: dict[str, Any]) -> str:
             f"of the epoch, global step {s['global_step']}"
         ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
+        *_job_lines(s),
     ]
     if s.get("script"):
         lines.append(f"script       {shlex.join([s['script']['path'], *s['script']['args']])}")

@@ -25,12 +25,20 @@ And ``paused_from``/``paused_to``: the longest pause between two of this process
 writer frozen with the process, or held off the GIL), which stays on record after the process
 resumes: Slurm's SIGCONT before the SIGTERM that ends a step wakes a frozen (SIGSTOPped) rank,
 whose next write would otherwise hide that it had been silent (``job/restarts.py`` reads it).
+
+Efficiency, what ``seff`` and jobstats tell after the fact, measured as the run goes, all on the
+writer's thread but the data wait: ``cpu_percent`` (this process's CPU time, every thread, over
+the wall time since the last write: 100 is one core busy), ``rss_bytes`` (its resident memory
+now, from /proc/self/statm) and ``data_wait_fraction`` (the share of the training steps since the
+last write that the loop spent waiting for its next batch: ``run.loader`` reads a clock when a
+batch arrives, and the step's start is the clock ``run.step`` already reads).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import threading
 import time
@@ -57,14 +65,25 @@ class Progress:
         self._state: tuple[int, int, str, float, float | None] = (0, 0, "", 0.0, None)
         # (training steps with a busy time, their busy seconds): two adds per step.
         self.busy: tuple[int, float] = (0, 0.0)
+        # (seconds waited for batches, seconds of the steps they belong to): two adds per step.
+        self.waited: tuple[float, float] = (0.0, 0.0)
 
     def bump(
-        self, step: int, phase: str, step_time_s: float | None = None, busy_s: float | None = None
+        self,
+        step: int,
+        phase: str,
+        step_time_s: float | None = None,
+        busy_s: float | None = None,
+        wait_s: float | None = None,
+        step_s: float | None = None,
     ) -> None:
         self._state = (self._state[0] + 1, step, phase, time.monotonic(), step_time_s)
         if busy_s is not None:
             n, total = self.busy
             self.busy = (n + 1, total + busy_s)
+        if wait_s is not None and step_s is not None:
+            waited, stepped = self.waited
+            self.waited = (waited + wait_s, stepped + step_s)
 
     def snapshot(self) -> tuple[int, int, str, float, float | None]:
         """(count, step, phase, monotonic time of the last bump, step time the loop passed or
@@ -104,6 +123,10 @@ class Heartbeat:
         self._ranks: list[dict[str, Any]] = []
         self._busy_at_write: tuple[int, float] = (0, 0.0)
         self._busy_s: float | None = None
+        self._waited_at_write: tuple[float, float] = (0.0, 0.0)
+        self._wait_fraction: float | None = None
+        # (this process's CPU seconds, monotonic seconds) at the last write
+        self._cpu_at_write = (time.process_time(), time.monotonic())
         # The wall-clock time of the last record, and the longest pause between two of them.
         self._recorded_at: float | None = None
         self._paused: tuple[float, float] | None = None
@@ -124,9 +147,12 @@ class Heartbeat:
         phase: str = "train",
         step_time_s: float | None = None,
         busy_s: float | None = None,
+        wait_s: float | None = None,
+        step_s: float | None = None,
     ) -> None:
-        """Called by the loop as often as it likes; costs a tuple and a clock read."""
-        self.progress.bump(step, phase, step_time_s, busy_s)
+        """Called by the loop as often as it likes; costs a tuple and a clock read. ``wait_s``:
+        the seconds a training step waited for its batches, of its ``step_s``."""
+        self.progress.bump(step, phase, step_time_s, busy_s, wait_s, step_s)
 
     def ranks(self) -> list[dict[str, Any]]:
         """Rank 0 with gather=True: every rank's latest record, as :func:`read_ranks` gives it."""
@@ -146,6 +172,7 @@ class Heartbeat:
         mono, wall = time.monotonic(), time.time()
         self._update_step_time(step, phase, at, passed)
         self._update_busy()
+        self._update_wait()
         self._update_paused(wall)
         rec: dict[str, Any] = {
             "rank": self.rank,
@@ -161,6 +188,9 @@ class Heartbeat:
             "heartbeat_s": self.every_s,
             "paused_from": self._paused[0] if self._paused else None,
             "paused_to": self._paused[1] if self._paused else None,
+            "cpu_percent": self._cpu_percent(mono),
+            "rss_bytes": rss_bytes(),
+            "data_wait_fraction": self._wait_fraction,
         }
         if self.gpu is not None:
             rec.update(nvml.gpu_fields(nvml.find_gpu(self._snapshot(), self.gpu)))
@@ -183,6 +213,27 @@ class Heartbeat:
         if n > n0:
             self._busy_s = (total - total0) / (n - n0)
         self._busy_at_write = (n, total)
+
+    def _update_wait(self) -> None:
+        """The share of the training steps since the last write spent waiting for batches (kept
+        when no step passed)."""
+        waited, stepped = self.progress.waited
+        waited0, stepped0 = self._waited_at_write
+        if stepped > stepped0:
+            self._wait_fraction = round(
+                min(1.0, max(0.0, (waited - waited0) / (stepped - stepped0))), 4
+            )
+        self._waited_at_write = (waited, stepped)
+
+    def _cpu_percent(self, mono: float) -> float | None:
+        """This process's CPU use (all its threads) since the last write, in percent of a
+        core."""
+        cpu = time.process_time()
+        cpu0, mono0 = self._cpu_at_write
+        self._cpu_at_write = (cpu, mono)
+        if mono - mono0 <= 0:
+            return None
+        return round(100.0 * (cpu - cpu0) / (mono - mono0), 1)
 
     def _update_paused(self, wall: float) -> None:
         """The longest pause between two records of this process so far."""
@@ -215,6 +266,18 @@ class Heartbeat:
                 pass
             if self._stop.wait(self.every_s):
                 return
+
+
+_PAGE = resource.getpagesize()
+
+
+def rss_bytes() -> int | None:
+    """This process's resident memory now (Linux's /proc/self/statm), None where there is none."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -322,7 +385,8 @@ def render(ranks: list[dict[str, Any]]) -> str:
     """The table of `status --ranks`."""
     head = (
         f"{'rank':>4}  {'host':<12} {'step':>7}  {'phase':<13} {'beat':>6} {'moved':>6} "
-        f"{'s/step':>7}  {'gpu mem':>13} {'util':>5} {'temp':>5}  marks"
+        f"{'s/step':>7} {'cpu':>6} {'rss':>9} {'data wait':>9}  {'gpu mem':>13} {'util':>5} "
+        f"{'temp':>5}  marks"
     )
     lines = [head]
     for r in ranks:
@@ -337,7 +401,9 @@ def render(ranks: list[dict[str, Any]]) -> str:
             f"{r.get('phase') or '-'!s:<13} "
             f"{_num(r['heartbeat_age_s'], '{:.0f}s'):>6} "
             f"{_num(r.get('progress_age_s'), '{:.0f}s'):>6} "
-            f"{_num(r.get('step_time_s'), '{:.3f}'):>7}  {mem:>13} "
+            f"{_num(r.get('step_time_s'), '{:.3f}'):>7} "
+            f"{_num(r.get('cpu_percent'), '{:.0f}%'):>6} {_bytes(r.get('rss_bytes')):>9} "
+            f"{_num(r.get('data_wait_fraction'), '{:.0%}'):>9}  {mem:>13} "
             f"{_num(r.get('gpu_util_pct'), '{}%'):>5} "
             f"{_num(r.get('gpu_temp_c'), '{}C'):>5}  {marks}"
         )
@@ -348,9 +414,16 @@ def _num(value: object, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _bytes(value: object) -> str:
+    if not isinstance(value, (int, float)):
+        return "-"
+    return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.0f} MiB"
+
+
 def tensorboard_scalars(ranks: list[dict[str, Any]]) -> dict[str, float]:
-    """Per-rank step time and busy time (a rank's own part of a step, what the straggler watch
-    scores) and per-GPU memory/utilisation of every node, for rank 0's writer."""
+    """Per-rank step time, busy time (a rank's own part of a step, what the straggler watch
+    scores), CPU use, resident memory and data wait, and per-GPU memory/utilisation of every
+    node, for rank 0's writer."""
     out: dict[str, float] = {}
     for r in ranks:
         if r["silent"]:
@@ -359,6 +432,11 @@ def tensorboard_scalars(ranks: list[dict[str, Any]]) -> dict[str, float]:
             out[f"ranks/step_time_s/rank{r['rank']}"] = float(r["step_time_s"])
         if r.get("busy_s") is not None:
             out[f"ranks/busy_s/rank{r['rank']}"] = float(r["busy_s"])
+        for key in ("cpu_percent", "data_wait_fraction"):
+            if r.get(key) is not None:
+                out[f"ranks/{key}/rank{r['rank']}"] = float(r[key])
+        if r.get("rss_bytes") is not None:
+            out[f"ranks/rss_gb/rank{r['rank']}"] = r["rss_bytes"] / 2**30
         gpu = f"gpus/{r.get('host')}/gpu{r.get('gpu_index')}"
         if r.get("gpu_mem_used_mb") is not None:
             out[f"{gpu}/mem_used_gb"] = r["gpu_mem_used_mb"] / 1024

@@ -117,7 +117,12 @@ class TensorBoardWriter(NullWriter):
         if self._flush_due.due():
             self._w.flush()
         self._row(
-            {"step": step, "attempt": self._attempt, **{k: float(v) for k, v in values.items()}}
+            {
+                "step": step,
+                "attempt": self._attempt,
+                "time": round(time.time(), 3),
+                **{k: float(v) for k, v in values.items()},
+            }
         )
         for t in self._trackers:
             t.scalars(values, step)

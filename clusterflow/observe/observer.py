@@ -33,7 +33,7 @@ import torch
 from clusterflow import rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import RunFailed, UserError
-from clusterflow.observe import nvml, phases
+from clusterflow.observe import events, nvml, phases
 from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.watchdog import (
@@ -112,6 +112,7 @@ class Observer:
         self.after_stall = after_stall
         self.host = socket.gethostname()
         self.paths = paths
+        self.events = events.OnEvent(cfg.observe.on_event, paths, f"rank {rank} on {self.host}")
         d = cfg.dist
         self.heartbeat = (
             Heartbeat(paths, rank, self.host, d.heartbeat_s, gpu=nvml_gpu(device), gather=rank == 0)
@@ -143,12 +144,16 @@ class Observer:
         )
 
     def _record(self, rec: dict[str, Any]) -> None:
-        """The stalled rank's own error record: `status` lists it, `submit --local` names it."""
+        """The stalled rank's own error record: `status` lists it, `submit --local` names it;
+        observe.on_event when the stall is the attempt's first cause."""
         rundir.write_error(
             self.paths, self.rank, self.host, rec["error"], rec.get("traceback") or ""
         )
+        if rec.get("won"):
+            self.events.fire(events.STALLED, self.attempt, rec["error"])
         if self.after_stall is not None:
             self.after_stall(rec)
+        self.events.settle()  # the watchdog ends this process next
 
     def scalars(self) -> dict[str, Any]:
         return tensorboard_scalars(self.heartbeat.ranks()) if self.heartbeat is not None else {}

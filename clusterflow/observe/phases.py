@@ -84,12 +84,19 @@ class Phases:
         self.seconds[self.current] = self.seconds.get(self.current, 0.0) + now - self._changed
         self._changed = now
 
-    def tick(self, step: int | None = None, busy_s: float | None = None) -> None:
+    def tick(
+        self,
+        step: int | None = None,
+        busy_s: float | None = None,
+        wait_s: float | None = None,
+        step_s: float | None = None,
+    ) -> None:
         """Progress within the current phase (a training step, an embedding or eval batch).
-        ``busy_s``: the training step's own part (``observe/stragglers.py``)."""
+        ``busy_s``: the training step's own part (``observe/stragglers.py``); ``wait_s``: the
+        seconds it waited for its batches, of its ``step_s`` (the heartbeat's data wait)."""
         if step is not None:
             self.step = step
-        if busy_s is None:
+        if busy_s is None and wait_s is None:
             self.beat(self.step, self.current)
         else:
-            self.beat(self.step, self.current, None, busy_s)
+            self.beat(self.step, self.current, None, busy_s, wait_s, step_s)

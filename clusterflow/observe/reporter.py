@@ -31,7 +31,8 @@ Progress = Callable[[], dict[str, int]]
 
 class StepClock:
     """A step's own part (data, forward) less its waits in collectives, for the straggler watch:
-    the marks of the step's start and of its last forward (:class:`ForwardMark`)."""
+    the marks of the step's start and of its last forward (:class:`ForwardMark`); and the
+    seconds the step waited for its batches, for the heartbeat's data wait."""
 
     def __init__(self) -> None:
         self.reset()
@@ -39,17 +40,28 @@ class StepClock:
     def reset(self) -> None:
         self.step_mark = self.busy_until = time.perf_counter()
         self.waited_mark = self.waited_until = dist.waited_s()
+        self.data_wait = 0.0
 
     def forward_ended(self) -> None:
         self.busy_until, self.waited_until = time.perf_counter(), dist.waited_s()
 
-    def lap(self) -> float | None:
-        """This step's busy seconds (None when no forward of a set-up model ran in it); the next
-        step starts now."""
+    def asking(self, first_of_step: bool) -> float:
+        """The loop asks for a batch: a step's first batch is waited for from the step's start
+        (run.step's clock read), a later micro-batch from now."""
+        return self.step_mark if first_of_step else time.perf_counter()
+
+    def came(self, asked: float) -> None:
+        self.data_wait += time.perf_counter() - asked
+
+    def lap(self) -> tuple[float | None, float, float]:
+        """This step's busy seconds (None when no forward of a set-up model ran in it), the
+        seconds it waited for its batches, and its length; the next step starts now."""
+        now = time.perf_counter()
         busy = self.busy_until - self.step_mark - (self.waited_until - self.waited_mark)
         seen = self.busy_until > self.step_mark
-        self.step_mark, self.waited_mark = time.perf_counter(), dist.waited_s()
-        return busy if seen else None
+        lap = (busy if seen else None, self.data_wait, now - self.step_mark)
+        self.step_mark, self.waited_mark, self.data_wait = now, dist.waited_s(), 0.0
+        return lap
 
 
 def _no_mark(*_: object) -> None:
@@ -133,7 +145,7 @@ class Reporter:
         first step's marks."""
         self.profile.end(global_step)
         # Python numbers: the heartbeat reads nothing from the device.
-        self.phases.tick(global_step, self.clock.lap())
+        self.phases.tick(global_step, *self.clock.lap())
         if self._first_step:
             self._first_step = False
             self.startup.mark(FIRST_STEP)

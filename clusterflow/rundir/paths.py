@@ -17,7 +17,11 @@ Inside ``RUN_DIR``:
     wandb/                        W&B's own files (offline runs are synced from here)
     profile/                      train.profile's traces (see ``observe/profiling.py``)
     logs/                         rank<R>.attempt<A>.log per rank and attempt; slurm/ or
-                                  submitit/ for the launcher's output
+                                  submitit/ for the launcher's output; events.log: the output
+                                  of observe.on_event's command
+    events/attempt<A>.<event>.json
+                                  observe.on_event ran for this event of attempt A: when, by
+                                  whom (written once, see ``observe/events.py``)
     attempts.jsonl                one line per job start (requeues included), appended by rank 0
     stops.jsonl                   one line per stop on a signal (preempted, timeout), appended
                                   by rank 0
@@ -204,6 +208,17 @@ class RunPaths:
     @property
     def sweep_lock(self) -> str:
         return self._p(".sweep.lock")
+
+    @property
+    def events(self) -> str:
+        return self._p("events")
+
+    @property
+    def event_log(self) -> str:
+        return self._p("logs", "events.log")
+
+    def event_file(self, attempt: int, event: str) -> str:
+        return self._p("events", f"attempt{attempt}.{event}.json")
 
     def log_file(self, rank: int, attempt: int) -> str:
         return self._p("logs", f"rank{rank}.attempt{attempt}.log")

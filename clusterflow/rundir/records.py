@@ -229,6 +229,7 @@ HEARTBEAT = Schema(
         "heartbeat_s": NUMBER,
         "paused_from": TIME,
         "paused_to": TIME,
+        **{k: NUMBER for k in ("cpu_percent", "rss_bytes", "data_wait_fraction")},
         **{k: INT for k in ("gpu_index",)},
         "gpu_name": TEXT,
         **{

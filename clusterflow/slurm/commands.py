@@ -8,6 +8,7 @@ One function per question, each with the answer its callers need. Login-node mod
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import time
@@ -99,26 +100,132 @@ def queue_state(job_id: str, timeout_s: float = 5) -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else ""
 
 
-def queue_states(job_ids: Iterable[str], timeout_s: float = 5) -> dict[str, str] | None:
-    """:func:`queue_state` of many jobs in one squeue call (the dashboard's runs): job id ->
-    ``STATE|REASON``, or "" for one squeue does not list; None when squeue does not answer. Ids
-    that are not Slurm job ids are left out."""
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job as squeue lists it, with its times: ``time_limit_s`` (None: no limit),
+    ``elapsed_s`` and ``left_s`` as of ``asked_at`` (seconds since 1970), ``start_at``: when it
+    started, or while it is pending when Slurm's scheduler expects it to start (``squeue
+    --start``'s START_TIME, the same ``%S``; None until the scheduler has planned it), ``nodes``
+    (the nodes it runs on) and ``scheduled_nodes`` (while pending, where Slurm plans to start
+    it)."""
+
+    state: str
+    reason: str = ""
+    time_limit_s: float | None = None
+    elapsed_s: float | None = None
+    left_s: float | None = None
+    start_at: float | None = None
+    node_count: int | None = None
+    nodes: str = ""
+    scheduled_nodes: str = ""
+    asked_at: float = 0.0
+
+    @property
+    def line(self) -> str:
+        """``STATE|REASON``, as :func:`queue_state` answers."""
+        return f"{self.state}|{self.reason}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# %i job (an array task as A_T with -r), %T state, %r reason, %l time limit, %M elapsed, %L left,
+# %S start (expected while pending), %D node count, %N nodes, %Y nodes scheduled while pending
+_QUEUED_FORMAT = "%i|%T|%r|%l|%M|%L|%S|%D|%N|%Y"
+
+
+def slurm_duration(text: str) -> float | None:
+    """Seconds of Slurm's ``[days-][hours:]minutes:seconds`` (or bare minutes, as a limit is
+    written); None for ``UNLIMITED``, ``NOT_SET``, ``INVALID``, ``N/A`` or anything else."""
+    text = text.strip()
+    days, dash, clock = text.rpartition("-")
+    parts = clock.split(":")
+    if (dash and not days.isdigit()) or not all(p.isdigit() for p in parts) or len(parts) > 3:
+        return None
+    if days:  # days-hours[:minutes[:seconds]]
+        parts += ["0"] * (3 - len(parts))
+    elif len(parts) == 1:  # minutes (sbatch --time=90)
+        parts += ["0"]
+    seconds = 0
+    for p in parts:
+        seconds = seconds * 60 + int(p)
+    return float(seconds + int(days or 0) * 86400)
+
+
+def _queued(fields: list[str], asked_at: float) -> QueuedJob:
+    state, reason, limit, elapsed, left, start, count, nodes, scheduled = fields
+    return QueuedJob(
+        state=state,
+        reason=reason,
+        time_limit_s=slurm_duration(limit),
+        elapsed_s=slurm_duration(elapsed),
+        left_s=slurm_duration(left),
+        start_at=slurm_time(start),
+        node_count=int(count) if count.isdigit() else None,
+        nodes="" if nodes in ("", "(null)") else nodes,
+        scheduled_nodes="" if scheduled in ("", "(null)") else scheduled,
+        asked_at=asked_at,
+    )
+
+
+def queued_jobs(job_ids: Iterable[str], timeout_s: float = 5) -> dict[str, QueuedJob | None] | None:
+    """Many jobs in one squeue call (the dashboard's runs, a run's ``status``): job id -> its
+    :class:`QueuedJob`, or None for one squeue does not list; None when squeue does not answer.
+    Ids that are not Slurm job ids are left out."""
     ids = sorted({str(j) for j in job_ids if str(j or "").replace("_", "").isdigit()})
     if not ids:
         return {}
     # -r: one line per array task (an array's pending tasks are otherwise listed as 12_[3-7])
-    out = run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", "%i|%T|%r"], timeout_s)
+    out = run(["squeue", "-h", "-r", "-j", ",".join(ids), "-o", _QUEUED_FORMAT], timeout_s)
+    asked_at = time.time()
     if out.returncode is None:
         return None
     if not out.ok:
         # "Invalid job id": squeue forgot every one of them (MinJobAge), so all long gone
-        return dict.fromkeys(ids, "") if "Invalid job id" in out.stderr else None
-    listed = {}
+        return dict.fromkeys(ids) if "Invalid job id" in out.stderr else None
+    listed: dict[str, QueuedJob] = {}
     for line in out.stdout.splitlines():
-        job, _, state = line.strip().partition("|")
-        if job and state:
-            listed.setdefault(job, state)
-    return {j: listed.get(j, "") for j in ids}
+        fields = line.strip().split("|")
+        if len(fields) == 10 and fields[0] and fields[1]:
+            listed.setdefault(fields[0], _queued(fields[1:], asked_at))
+    return {j: listed.get(j) for j in ids}
+
+
+def queue_states(job_ids: Iterable[str], timeout_s: float = 5) -> dict[str, str] | None:
+    """:func:`queue_state` of many jobs in one squeue call: job id -> ``STATE|REASON``, or ""
+    for one squeue does not list; None when squeue does not answer."""
+    jobs = queued_jobs(job_ids, timeout_s)
+    if jobs is None:
+        return None
+    return {j: q.line if q is not None else "" for j, q in jobs.items()}
+
+
+class Queue:
+    """squeue's answers for the jobs one caller asks about, one squeue call per job id:
+    :meth:`state` as :func:`queue_state` answers, :meth:`job` with its times."""
+
+    def __init__(self, timeout_s: float = 5) -> None:
+        self.timeout_s = timeout_s
+        self._answers: dict[str, dict[str, QueuedJob | None] | None] = {}
+
+    def _ask(self, job_id: str) -> dict[str, QueuedJob | None] | None:
+        if job_id not in self._answers:
+            self._answers[job_id] = queued_jobs([job_id], self.timeout_s)
+        return self._answers[job_id]
+
+    def state(self, job_id: str) -> str | None:
+        job_id = str(job_id or "")
+        if not job_id.replace("_", "").isdigit():
+            return None  # not a Slurm job: squeue is not asked
+        answer = self._ask(job_id)
+        if answer is None:
+            return None
+        job = answer.get(job_id)
+        return job.line if job is not None else ""
+
+    def job(self, job_id: str) -> QueuedJob | None:
+        answer = self._ask(str(job_id or ""))
+        return (answer or {}).get(str(job_id))
 
 
 def wait_until_gone(job_id: str, poll_s: float = 3.0) -> None:

@@ -73,7 +73,42 @@ def read_index(paths: rundir.RunPaths) -> dict[str, Any] | None:
             f"{target} is not a clusterflow sweep index "
             f"of version {VERSION}; choose another run.dir"
         )
+    wrong = _misshapen(index)
+    if wrong:
+        raise UserError(
+            f"{target} is damaged: {wrong}; restore it (clusterflow writes each member as "
+            '{"name": ..., "values": {...}}) or choose another run.dir'
+        )
     return index
+
+
+def _misshapen(index: dict[str, Any]) -> str:
+    """What in ``index`` is not as :func:`write_index` writes it ("" when all is): every reader
+    of a member takes its name (a folder of the sweep: one path component) and its values."""
+    keys = index.get("keys", [])
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        return f"its keys are {_brief(keys)}, not a list of names"
+    for m in index["members"]:
+        name = m.get("name") if isinstance(m, dict) else None
+        if (
+            not isinstance(name, str)
+            or name in ("", ".", "..")
+            or "/" in name
+            or "\0" in name
+            or not isinstance(m.get("values", {}), dict)
+        ):
+            return f"a member is {_brief(m)}, not a name inside the sweep dir and its values"
+    subs = index.get("submissions", [])
+    if not isinstance(subs, list) or not all(
+        isinstance(s, dict) and isinstance(s.get("jobs", {}), dict) for s in subs
+    ):
+        return f"its submissions are {_brief(subs)}, not a list of submissions"
+    return ""
+
+
+def _brief(value: object) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def write_index(paths: rundir.RunPaths, index: dict[str, Any]) -> None:

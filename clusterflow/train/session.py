@@ -305,7 +305,14 @@ class Run:
         """This epoch's batches from the position reached; counts what each step takes."""
         self.order.enter(Call.ITERATE)
         self.account.batches_begin(loader)
-        for items in loader.batches(self.state.epoch):
+        batches = loader.batches(self.state.epoch)
+        while True:
+            asked = self.reporter.clock.asking(first_of_step=self.account.micro == 0)
+            try:
+                items = next(batches)
+            except StopIteration:
+                break
+            self.reporter.clock.came(asked)
             self.order.enter(Call.LAST_BATCH if self.account.is_last_micro() else Call.BATCH)
             first = self.account.batch_came()
             self.reporter.batch_came(self.state.global_step + 1 if first else None)

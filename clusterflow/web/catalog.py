@@ -10,9 +10,11 @@ again by the readers that own each fact, at a bounded cost.
   so hundreds of busy runs never starve the server; the rest wait for the next poll.
 - A run a page shows also gets its goodput ledger per attempt (``observe.goodput``), each
   attempt's first cause (``rundir.first_error``) and its feeds (``feeds.py``: metrics and logs
-  read on from offsets).
-- Slurm is asked once per :data:`QUEUE_EVERY_S` for every job the runs name
-  (``slurm.commands.queue_states``), never once per run.
+  read on from offsets). A run a compare page shows (``watch(..., follow=True)``) gets its
+  metrics feed only; its records are collected at the Runs page's pace.
+- Slurm is asked once per :data:`QUEUE_EVERY_S` for every job the runs name, with each job's
+  times (``slurm.commands.queued_jobs``: the job panel's time limit, time left, pending reason
+  and expected start), never once per run.
 - Nothing is written into a run dir here.
 """
 
@@ -85,36 +87,59 @@ def signature(paths: rundir.RunPaths) -> tuple[StatKey, ...]:
     )
 
 
+Queued = slurm_commands.QueuedJob
+
+
 class QueueCache:
-    """squeue's answer for every job the runs named lately, asked in one call per
-    :data:`QUEUE_EVERY_S`. Until its first answer a job reads as "squeue did not answer"
+    """squeue's answer for every job the runs named lately, with its times, asked in one call
+    per :data:`QUEUE_EVERY_S`. Until its first answer a job reads as "squeue did not answer"
     (``status`` then goes by the run's records and its lease), and the runs that asked are
-    collected again once it comes."""
+    collected again once it comes, or once its state changes (not when only its clock moved:
+    the page counts the time down from the answer it has)."""
 
     def __init__(
         self,
-        ask: Callable[[Iterable[str]], dict[str, str] | None] = slurm_commands.queue_states,
+        ask: Callable[[Iterable[str]], dict[str, Queued | None] | None] = (
+            slurm_commands.queued_jobs
+        ),
     ) -> None:
         self.ask = ask
-        self.answers: dict[str, str] = {}
+        self.answers: dict[str, Queued | None] = {}
         self.wanted: dict[str, float] = {}
         self.asked_at = 0.0
 
     def state(self, job_id: str) -> str | None:
+        """``STATE|REASON``, "" when squeue does not list the job, None before an answer."""
         self.wanted[str(job_id)] = time.monotonic()
+        if str(job_id) not in self.answers:
+            return None
+        job = self.answers[str(job_id)]
+        return job.line if job is not None else ""
+
+    def job(self, job_id: str) -> Queued | None:
         return self.answers.get(str(job_id))
 
     def refresh(self, now: float) -> set[str]:
-        """Ask squeue when due; the jobs whose answer changed."""
+        """Ask squeue when due; the jobs whose answer changed (state, reason, limit, nodes or
+        expected start)."""
         new = any(j not in self.answers for j in self.wanted)
         if not self.wanted or (now - self.asked_at < QUEUE_EVERY_S and not new):
             return set()
         self.asked_at = now
         self.wanted = {j: t for j, t in self.wanted.items() if now - t < 10 * QUEUE_EVERY_S}
         answers = self.ask(list(self.wanted)) or {}
-        changed = {j for j in self.wanted if answers.get(j) != self.answers.get(j)}
+        changed = {
+            j for j in self.wanted if _settled(answers.get(j)) != _settled(self.answers.get(j))
+        }
         self.answers = answers
         return changed
+
+
+def _settled(job: Queued | None) -> tuple[object, ...] | None:
+    """What of squeue's answer changes only when the job does (its clock moves every second)."""
+    if job is None:
+        return None
+    return (job.line, job.time_limit_s, job.start_at, job.nodes, job.scheduled_nodes)
 
 
 class Run:
@@ -136,6 +161,9 @@ class Run:
         self.jobs: set[str] = set()  # the Slurm jobs its last collect asked about
         # For a run a page shows:
         self.watchers = 0
+        # Compare pages that show it: its metrics are followed, as for a page of its own, but
+        # its records are collected at the pace of the Runs page (a compare page shows its row).
+        self.followers = 0
         self.watched_at = 0.0
         self.ledger: dict[str, Any] | None = None
         self.first_errors: dict[int, dict[str, Any]] = {}
@@ -176,7 +204,7 @@ class Run:
 
         problem, got = "", None
         try:
-            got = run_status.collect(self.paths, queue_state, self.plain)
+            got = run_status.collect(self.paths, queue_state, self.plain, queue.job)
         except UserError as exc:
             problem = str(exc)
         except Exception as exc:  # noqa: BLE001 - one run dir a reader chokes on must not stop the others
@@ -268,13 +296,17 @@ class Catalog:
 
     # -- what pages ask -------------------------------------------------------------------------
 
-    def watch(self, run_id: str, log_rank: int | None, delta: int) -> None:
-        """A page showing ``run_id`` (and a rank's log) opened (+1) or closed (-1)."""
+    def watch(self, run_id: str, log_rank: int | None, delta: int, follow: bool = False) -> None:
+        """A page showing ``run_id`` (and a rank's log) opened (+1) or closed (-1); ``follow``:
+        a compare page, which wants its metrics only."""
         with self.lock:
             run = self.runs.get(run_id)
             if run is None:
                 return
-            run.watchers = max(0, run.watchers + delta)
+            if follow:
+                run.followers = max(0, run.followers + delta)
+            else:
+                run.watchers = max(0, run.watchers + delta)
             run.watched_at = time.monotonic()
             if log_rank is not None:
                 shown = self.log_ranks.setdefault(run_id, Counter())
@@ -350,17 +382,18 @@ class Catalog:
     def _feed(self, now: float) -> bool:
         changed = False
         fed = sorted(
-            (r for r in self.runs.values() if r.metrics is not None or r.watchers),
-            key=lambda r: (r.watchers > 0, r.watched_at),
+            (r for r in self.runs.values() if r.metrics is not None or r.watchers or r.followers),
+            key=lambda r: (r.watchers + r.followers > 0, r.watched_at),
             reverse=True,
         )
         for i, run in enumerate(fed):
-            if not run.watchers and (i >= MAX_FED or now - run.watched_at > LINGER_S):
+            shown = run.watchers or run.followers
+            if not shown and (i >= MAX_FED or now - run.watched_at > LINGER_S):
                 with self.lock:
                     run.drop_feeds()
                     self.log_ranks.pop(run.id, None)
                 continue
-            if run.watchers:
+            if shown:
                 with self.lock:
                     changed |= run.feed(sorted(self.log_ranks.get(run.id) or ()))
         return changed

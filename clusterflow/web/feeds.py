@@ -42,7 +42,8 @@ def _finite(v: float) -> float | None:
 
 
 class MetricFeed:
-    """``RUN_DIR/metrics.jsonl`` as ``{step: {tag: value}}`` by :func:`scalar_log.fold`, at most
+    """``RUN_DIR/metrics.jsonl`` as ``{step: {tag: value}}`` by :func:`scalar_log.fold` (and
+    each step's time, ``times``, for a wall-clock axis), at most
     ``max_steps`` steps (when full, every other step of the older three quarters is dropped: a
     long run's chart keeps its shape and its recent detail in bounded memory) and ``max_tags``
     tags (a file with more names is no run's metrics; the rest are counted in ``dropped_tags``).
@@ -52,6 +53,7 @@ class MetricFeed:
         self.paths, self.max_steps, self.max_tags = paths, max_steps, max_tags
         self.follower = JsonLinesFollower(paths.metrics)  # no link, no FIFO: records.py
         self.table: dict[int, dict[str, float]] = {}
+        self.times: dict[int, float] = {}  # step -> when it was logged (rows that say so)
         self.changed: dict[int, int] = {}  # step -> version of its last change
         self.tags: set[str] = set()
         self.dropped_tags = 0
@@ -74,7 +76,7 @@ class MetricFeed:
         return changed
 
     def _reset(self) -> None:
-        self.table, self.changed, self.tags = {}, {}, set()
+        self.table, self.times, self.changed, self.tags = {}, {}, {}, set()
         self.generation = next(_GENERATIONS)
 
     @property
@@ -87,13 +89,13 @@ class MetricFeed:
             # An attempt's marker: it drops what earlier attempts logged from its step on and
             # adds no step (its step may never get a value: an own loop logs from its first
             # train.log_every_steps).
-            if not scalar_log.fold(self.table, row):
+            if not scalar_log.fold(self.table, row, self.times):
                 return False
             self.generation = next(_GENERATIONS)
             self.changed = {s: v for s, v in self.changed.items() if s in self.table}
             return True
         row = {k: v for k, v in row.items() if k in scalar_log.ROW_KEYS or self._room(k)}
-        if scalar_log.fold(self.table, row) is None:
+        if scalar_log.fold(self.table, row, self.times) is None:
             return False
         step = row["step"]
         if isinstance(step, int):
@@ -117,16 +119,18 @@ class MetricFeed:
         older = steps[: len(steps) * 3 // 4]
         for s in older[1::2]:
             del self.table[s]
+            self.times.pop(s, None)
             self.changed.pop(s, None)
         self.generation = next(_GENERATIONS)
 
     def since(self, generation: int, version: int) -> Delta:
-        """The steps changed since ``version`` of ``generation``, as ``[step, {tag: value}]``
-        (all of them for another generation); values that are not finite are None."""
+        """The steps changed since ``version`` of ``generation``, as ``[step, {tag: value},
+        time]`` (all of them for another generation; time None for a row that says none);
+        values that are not finite are None."""
         reset = generation != self.generation
         steps = sorted(s for s, v in self.changed.items() if reset or v > version)
         items: list[object] = [
-            [s, {k: _finite(v) for k, v in self.table[s].items()}] for s in steps
+            [s, {k: _finite(v) for k, v in self.table[s].items()}, self.times.get(s)] for s in steps
         ]
         return Delta(self.generation, self.version, reset, items)
 

@@ -44,9 +44,10 @@ NEEDS_TOKEN = (
     "(it ends in ?token=...)"
 )
 # Plotly and the pages set styles inline (a bar's width); scripts only from here, and no eval.
+# Images from blob: too: a chart's PNG is drawn from its SVG through one (Plotly's toImage).
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-    "img-src 'self' data:; connect-src 'self'; font-src 'self'; base-uri 'none'; "
+    "img-src 'self' data: blob:; connect-src 'self'; font-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
 SECURITY_HEADERS = (

@@ -1,4 +1,5 @@
 """python -m clusterflow.dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0]
+       [--root-path PREFIX] [--token-file F];  python -m clusterflow.dashboard --list
 
 The web server (Starlette under uvicorn, the ``[dashboard]`` extra): pages, their data, the live
 streams (server-sent events), the one action (cancel), behind ``guard.py``'s checks.
@@ -8,6 +9,12 @@ streams (server-sent events), the one action (cancel), behind ``guard.py``'s che
   token, the Host header, the security headers, and why no cookie).
 - Cancel needs the token in the header and the run's name typed back as confirmation.
 - It binds 127.0.0.1 unless ``--host`` says otherwise; the token is required either way.
+- ``--root-path PREFIX``: served under PREFIX for a reverse proxy (Open OnDemand, JupyterHub's
+  proxies), whether the proxy passes the prefix on or strips it (:class:`RootPath`); every
+  address the pages make starts with it.
+- ``--token-file F``: the token read from F (the user's own file, which nobody else may read)
+  rather than a new random one; ``--list`` prints the addresses of this user's dashboards on
+  this host (``running.py``).
 - Runs and sweeps are named by an id (``discover.ident``), never by a path: anything not found
   under the PATHs, ``..`` included, is a 404.
 - A poll thread (``catalog.Catalog.poll``) reads the run dirs; the streams wake when it found
@@ -26,19 +33,20 @@ import os
 import re
 import secrets
 import socket
+import stat
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import cancel as run_cancel
 from clusterflow.observe import nvml
-from clusterflow.web import views
+from clusterflow.web import running, views
 from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot, Sweep
 from clusterflow.web.feeds import Delta
-from clusterflow.web.guard import HEADER, WILDCARDS, Guard, Hosts
+from clusterflow.web.guard import HEADER, WILDCARDS, Asgi, Guard, Hosts, Receive, Scope, Send
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -56,12 +64,25 @@ EXAMPLES = (
     "  python -m clusterflow.dashboard runs/ --port 8765     # a fixed port (default: a free one)\n"
     "  python -m clusterflow.dashboard runs/ --host 0.0.0.0  # reachable from other hosts;\n"
     "                                                        # the token is still required\n"
+    "  python -m clusterflow.dashboard runs/ --root-path /node/gpu1/8765  # behind a proxy\n"
+    "  python -m clusterflow.dashboard --list                # the addresses of yours here\n"
 )
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
-OWN_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
+OWN_FILES = {
+    "dashboard.js": "text/javascript",
+    "charts.js": "text/javascript",
+    "compare.js": "text/javascript",
+    "dashboard.css": "text/css",
+}
 PING_S = 15.0
 # A run's id in an address (discover.ident): anything else is no run's page.
 RUN_ID = re.compile(r"^[0-9a-f]{12}$")
+# A compare page's list of ids is read this far at most.
+MAX_IDS = 256
+# What --root-path may be: path segments of URL-safe characters.
+ROOT_PATH = re.compile(r"^(/[A-Za-z0-9._~!$&'()*+,;=:@%-]+)*$")
+# What a token given in --token-file may hold: it travels in an address (?token=).
+TOKEN_TEXT = re.compile(r"^[A-Za-z0-9._~-]{16,512}$")
 
 
 def missing_extra() -> list[str]:
@@ -119,6 +140,68 @@ class Poller:
             self.wake.clear()
 
 
+# -- behind a reverse proxy -----------------------------------------------------------------------
+
+
+class RootPath:
+    """ASGI middleware: ``--root-path PREFIX``. A request under PREFIX has it taken off (a proxy
+    that passes the whole path, as Open OnDemand's does); one without is served as it is (a
+    proxy that strips the prefix, as jupyter-server-proxy does). The pages make every address
+    with PREFIX, so the browser always goes through the proxy."""
+
+    def __init__(self, app: Asgi, root: str) -> None:
+        self.app, self.root = app, root
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if (
+            self.root
+            and scope["type"] == "http"
+            and (path == self.root or path.startswith(self.root + "/"))
+        ):
+            scope = dict(scope)
+            scope["path"] = path[len(self.root) :] or "/"
+            scope["raw_path"] = scope["path"].encode("utf-8", "surrogateescape")
+        await self.app(scope, receive, send)
+
+
+def root_path(text: str) -> str:
+    """``--root-path`` as the pages use it: "" or "/a/b" (no trailing slash)."""
+    root = "/" + text.strip().strip("/") if text.strip().strip("/") else ""
+    if not ROOT_PATH.match(root) or "/../" in root + "/" or "/./" in root + "/":
+        raise UserError(
+            f"--root-path {text!r} is not a path a proxy serves under; give it as the proxy "
+            "addresses the dashboard, e.g. --root-path /node/gpu1/8765"
+        )
+    return root
+
+
+def read_token(path: str) -> str:
+    """The token in ``path`` (``--token-file``): a file of this user's that nobody else may
+    read, holding 16 to 512 URL-safe characters (letters, digits, ``._~-``)."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(4096).strip()
+    except OSError as exc:
+        raise UserError(f"--token-file {path!r} cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UserError(f"--token-file {path!r} is not a file; give a file holding the token")
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        owner = "another user's" if st.st_uid != os.getuid() else "readable by others"
+        raise UserError(
+            f"--token-file {path!r} is {owner} (mode {stat.S_IMODE(st.st_mode):o}): the token "
+            f"opens every run the dashboard shows; keep it yours alone: chmod 600 {path}"
+        )
+    if not TOKEN_TEXT.match(text):
+        raise UserError(
+            f"--token-file {path!r} holds {len(text)} character(s) that are not a token: it "
+            "needs 16 to 512 letters, digits or ._~- on one line (e.g. python -c 'import "
+            f"secrets; print(secrets.token_urlsafe(24))' > {path})"
+        )
+    return text
+
+
 # -- pages and streams --------------------------------------------------------------------------
 
 
@@ -129,7 +212,7 @@ def _json(value: object) -> str:
 class Dashboard:
     """The app's state and its handlers (bound to routes by :func:`build_app`)."""
 
-    def __init__(self, catalog: Catalog) -> None:
+    def __init__(self, catalog: Catalog, root: str = "") -> None:
         # The [dashboard] extra (EXTRA), imported once a dashboard is built: without it,
         # `clusterflow dashboard` says what to install in one line (serve).
         import jinja2
@@ -138,7 +221,7 @@ class Dashboard:
 
         self.responses, self.events = responses, EventSourceResponse
         self.not_found = exceptions.HTTPException
-        self.catalog = catalog
+        self.catalog, self.root = catalog, root
         self.hub: Hub | None = None
         self.poller: Poller | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -177,7 +260,7 @@ class Dashboard:
         """A page's shell: no data (its script asks for that, with the token), so it needs
         none."""
         html = self.templates.get_template(template).render(
-            version=self.version, plotly=self.plotly is not None, **context
+            version=self.version, plotly=self.plotly is not None, root=self.root, **context
         )
         return self.responses.HTMLResponse(html, headers={"cache-control": "no-store"})
 
@@ -195,6 +278,13 @@ class Dashboard:
         if not RUN_ID.match(run_id):
             raise self.not_found(404, "no such run under the dashboard's paths")
         return self._page("run.html", run_id=run_id)
+
+    async def compare_page(self, request: Request) -> Response:
+        return self._page("compare.html")
+
+    async def compare_json(self, request: Request) -> Response:
+        ids, sweep = _compared(request.query_params.get("runs"), request.query_params.get("sweep"))
+        return self.responses.JSONResponse(views.compare(self.catalog, ids, sweep))
 
     async def runs_json(self, request: Request) -> Response:
         return self.responses.JSONResponse(views.runs_page(self.catalog))
@@ -252,9 +342,16 @@ class Dashboard:
 
     async def stream(self, request: Request) -> Response:
         """Server-sent events: the Runs page's rows, or (``?run=ID&rank=R``) a run's summary,
-        metrics and rank R's log, each sent again only when it changed."""
+        metrics and rank R's log, or (``?compare=ID,ID...`` or ``?sweep=ID``) the compare page's
+        runs and their metrics, each sent again only when it changed."""
 
-        run_id = request.query_params.get("run")
+        query = request.query_params
+        if "compare" in query or "sweep" in query:
+            ids, sweep = _compared(query.get("compare"), query.get("sweep"))
+            if sweep is not None and sweep not in self.catalog.sweeps:
+                raise self.not_found(404, "no such sweep under the dashboard's paths")
+            return self.events(self._compare_events(ids, sweep), ping=PING_S)
+        run_id = query.get("run")
         if run_id is None:
             return self.events(self._runs_events(), ping=PING_S)
         if run_id not in self.catalog.runs:
@@ -338,6 +435,55 @@ class Dashboard:
         finally:
             cat.watch(run_id, rank, -1)
 
+    async def _compare_events(
+        self, ids: list[str], sweep: str | None
+    ) -> AsyncIterator[dict[str, str]]:
+        """The compare page: its runs (names, states, the keys that tell them apart) when they
+        change, and each run's metrics as they grow; the runs are followed as a run's page
+        follows its own while the page is open."""
+        assert self.hub is not None
+        cat = self.catalog
+        watched: list[str] = []
+        at: dict[str, tuple[int, int]] = {}
+        sent, seen = "", None
+        try:
+            while not self.stopping:
+                versions = (cat.version, *(e.version for e in _entries(cat, ids, sweep)))
+                if versions != seen:
+                    seen = versions
+                    shown = views.compare(cat, ids, sweep)
+                    now = [r["id"] for r in shown["runs"]]
+                    for run_id in set(now) - set(watched):
+                        cat.watch(run_id, None, +1, follow=True)
+                    for run_id in set(watched) - set(now):
+                        cat.watch(run_id, None, -1, follow=True)
+                        at.pop(run_id, None)
+                    if set(now) - set(watched) and self.poller is not None:
+                        self.poller.wake.set()
+                    watched = now
+                    text = _json(shown)
+                    if text != sent:
+                        sent = text
+                        yield {"event": "compare", "data": text}
+                for run_id in watched:
+                    run = cat.runs.get(run_id)
+                    if run is None:
+                        continue
+                    metrics, _ = await asyncio.to_thread(
+                        self._feeds, run, -1, at.get(run_id, (-1, 0)), (-1, 0)
+                    )
+                    if metrics is not None:
+                        at[run_id] = (metrics.generation, metrics.version)
+                        if metrics.items or metrics.reset:
+                            yield {
+                                "event": "metrics",
+                                "data": _json({"run": run_id, **_delta(metrics)}),
+                            }
+                await self.hub.wait(PING_S)
+        finally:
+            for run_id in watched:
+                cat.watch(run_id, None, -1, follow=True)
+
     def _feeds(
         self, run: Run, rank: int, metrics_at: tuple[int, int], log_at: tuple[int, int]
     ) -> tuple[Delta | None, Delta | None]:
@@ -368,26 +514,49 @@ def _delta(d: Delta) -> dict[str, object]:
     return {"reset": d.reset, "items": views.clean(d.items)}
 
 
-def build_app(catalog: Catalog, token: str, hosts: Hosts | None = None) -> tuple[Guard, Dashboard]:
+def _compared(ids: str | None, sweep: str | None) -> tuple[list[str], str | None]:
+    """A compare page's runs (``?runs=`` or ``?compare=``: ids, comma-separated) or sweep, as
+    ids: anything that is no id (a path, ``..``) is no run under the dashboard's paths."""
+    if sweep is not None:
+        return [], sweep if RUN_ID.match(sweep) else "-"
+    given = (ids or "").split(",", MAX_IDS)[:MAX_IDS]
+    return [i for i in given if RUN_ID.match(i)], None
+
+
+def _entries(cat: Catalog, ids: Iterable[str], sweep: str | None) -> list[Run | Sweep]:
+    """What a compare page shows, as the catalog holds it now (their versions say when to send
+    the page's runs again)."""
+    entry = cat.sweeps.get(sweep) if sweep else None
+    if entry is not None:
+        members = [r for r in cat.runs.values() if r.found.sweep == entry.found.root]
+        return [entry, *members]
+    return [cat.runs[i] for i in ids if i in cat.runs]
+
+
+def build_app(
+    catalog: Catalog, token: str, hosts: Hosts | None = None, root: str = ""
+) -> tuple[RootPath, Dashboard]:
     """The ASGI app (routes behind ``guard.py``'s checks; ``hosts``: the names it answers to, by
-    default those of 127.0.0.1) and the dashboard it serves."""
+    default those of 127.0.0.1; ``root``: ``--root-path``) and the dashboard it serves."""
     from starlette.applications import Starlette  # the [dashboard] extra: see EXTRA
     from starlette.routing import Route
 
-    d = Dashboard(catalog)
+    d = Dashboard(catalog, root)
     app = Starlette(
         routes=[
             Route("/", d.runs_page),
             Route("/run/{run_id}", d.run_page),
+            Route("/compare", d.compare_page),
             Route("/api/runs", d.runs_json),
             Route("/api/run/{run_id}", d.run_json),
+            Route("/api/compare", d.compare_json),
             Route("/api/stream", d.stream),
             Route("/api/cancel", d.cancel, methods=["POST"]),
             Route("/static/{name}", d.static),
         ],
         lifespan=d.lifespan,
     )
-    return Guard(app, token, hosts or Hosts("127.0.0.1")), d
+    return RootPath(Guard(app, token, hosts or Hosts("127.0.0.1")), root), d
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -412,14 +581,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket, host: str, token: str) -> str:
+def url_of(sock: socket.socket, host: str, token: str, root: str = "") -> str:
     port = sock.getsockname()[1]
     shown = socket.gethostname() if host in WILDCARDS else host
     shown = f"[{shown}]" if ":" in shown else shown
-    return f"http://{shown}:{port}/?token={token}"
+    return f"http://{shown}:{port}{root}/?token={token}"
 
 
-def serve(paths: list[str], host: str, port: int, snapshot: Snapshot = nvml.read_snapshot) -> None:
+def serve(
+    paths: list[str],
+    host: str,
+    port: int,
+    snapshot: Snapshot = nvml.read_snapshot,
+    root: str = "",
+    token: str | None = None,
+) -> None:
     missing = missing_extra()
     if missing:
         raise UserError(
@@ -429,10 +605,12 @@ def serve(paths: list[str], host: str, port: int, snapshot: Snapshot = nvml.read
     import uvicorn  # the [dashboard] extra: see EXTRA
 
     catalog = Catalog(paths, snapshot)
-    token = secrets.token_urlsafe(24)
+    token = token or secrets.token_urlsafe(24)
     sock = _bind(host, port)
-    app, _ = build_app(catalog, token, Hosts(host))
-    print(f"clusterflow dashboard: {url_of(sock, host, token)}", flush=True)
+    app, _ = build_app(catalog, token, Hosts(host), root)
+    url = url_of(sock, host, token, root)
+    listed = running.register(url, catalog.finder.roots)
+    print(f"clusterflow dashboard: {url}", flush=True)
     config = uvicorn.Config(
         app,
         log_level="warning",
@@ -440,7 +618,10 @@ def serve(paths: list[str], host: str, port: int, snapshot: Snapshot = nvml.read
         timeout_graceful_shutdown=2,
         lifespan="on",
     )
-    uvicorn.Server(config).run(sockets=[sock])
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        running.unregister(listed)
 
 
 @cli
@@ -451,11 +632,39 @@ def main(argv: list[str] | None = None) -> int:
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("paths", nargs="+", metavar="PATH", help="a run dir, a sweep dir, or a folder")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="a run dir, a sweep dir, or a folder")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=0, help="port (default 0: a free one)")
+    p.add_argument(
+        "--root-path",
+        default="",
+        metavar="PREFIX",
+        help="serve under PREFIX for a reverse proxy (Open OnDemand, JupyterHub)",
+    )
+    p.add_argument(
+        "--token-file",
+        metavar="F",
+        help="the token from F (yours alone: chmod 600) instead of a new random one",
+    )
+    p.add_argument(
+        "--list",
+        action="store_true",
+        help="print the addresses (with their tokens) of your dashboards on this host",
+    )
     args = p.parse_args(argv)
+    if args.list:
+        if args.paths:
+            raise UserError("--list takes no PATH: it lists the dashboards already running")
+        print(running.render(running.running()))
+        return EXIT_OK
+    if not args.paths:
+        raise UserError(
+            "give the PATH of a run dir, a sweep dir or a folder of them "
+            "(python -m clusterflow.dashboard runs/), or --list"
+        )
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a port; choose 0 to 65535 (0: a free one)")
-    serve(args.paths, args.host, args.port)
+    root = root_path(args.root_path)
+    token = read_token(args.token_file) if args.token_file else None
+    serve(args.paths, args.host, args.port, root=root, token=token)
     return EXIT_OK

@@ -1,8 +1,7 @@
 """What each page gets, as JSON: chosen fields of what the owners of each fact returned
 (``status.collect``, the goodput ledger, the sweep rows, NVML's snapshot), never a file read
-here. Only the fields named below leave the server: no config values beyond the epoch count, no
-environment, no tracker settings (a tracker's URI or key lives in config.yaml and the
-environment, neither of which a page sees).
+here. Only the fields named below leave the server: the config only as ``configs.py`` shows it
+(every secret masked: a tracker's key, a password in a URI), no environment.
 """
 
 from __future__ import annotations
@@ -18,8 +17,14 @@ from clusterflow.manage import goodput as goodput_command
 from clusterflow.manage import sweep_status
 from clusterflow.observe import goodput
 from clusterflow.sweeps import index as sweep_index
+from clusterflow.web import configs
 from clusterflow.web.catalog import Catalog, Run, Sweep
 from clusterflow.web.discover import ident
+
+# Runs one compare page shows at most (each one's metrics are followed while it is open).
+MAX_COMPARED = 32
+# Differing keys a run's legend names at most.
+LEGEND_KEYS = 4
 
 # A Runs page row's fields of status (a row is light: 200 of them make the page).
 ROW = (
@@ -66,6 +71,9 @@ RANK = (
     "gpu_mem_total_mb",
     "gpu_util_pct",
     "gpu_temp_c",
+    "cpu_percent",
+    "rss_bytes",
+    "data_wait_fraction",
     "silent",
     "straggler",
 )
@@ -135,6 +143,7 @@ def row(run: Run) -> dict[str, Any]:
             "last_heartbeat": _last_heartbeat(ranks),
             "stragglers": sum(1 for r in ranks if r.get("straggler")),
             "silent": sum(1 for r in ranks if r.get("silent")),
+            "stalled": bool(s.get("stalled")),
         }
     )
 
@@ -224,8 +233,90 @@ def detail(run: Run) -> dict[str, Any]:
             ],
             "code": _pick(code, ("module", "commit", "dirty")),
             "eval": s.get("eval") or {},
+            "job": s.get("job"),
+            "steps_left": s.get("steps_left"),
+            "eta_s": s.get("eta_s"),
+            "config": configs.rows(run.config),
+            "script": _script(s.get("script")),
         }
     )
+
+
+def _script(script: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A script's path and arguments (status's), secrets in them masked."""
+    if not script:
+        return None
+    return {
+        "path": configs.mask_text(str(script.get("path") or "")),
+        "args": configs.mask_args(script.get("args") or []),
+    }
+
+
+def compare(catalog: Catalog, ids: Iterable[str], sweep_id: str | None = None) -> dict[str, Any]:
+    """The compare page: the runs ``ids`` (those under the dashboard's paths, in the order
+    given, at most :data:`MAX_COMPARED`), or the members of the sweep ``sweep_id``; the config
+    keys that tell them apart, each run's values of them (its legend), and for a sweep its swept
+    keys with each member's value."""
+    runs = dict(catalog.runs)
+    entry = catalog.sweeps.get(sweep_id) if sweep_id else None
+    swept: dict[str, Any] | None = None
+    if entry is not None and entry.index is not None:
+        by_root = {os.path.realpath(r.paths.root): r.id for r in runs.values() if r.found.sweep}
+        members = sweep_index.member_dirs(entry.paths, entry.index)
+        wanted = [
+            by_root[k] for k in (os.path.realpath(p.root) for p in members.values()) if k in by_root
+        ]
+        keys = list(entry.index.get("keys", []))
+        names = {by_root.get(os.path.realpath(p.root)): n for n, p in members.items()}
+        given = {
+            m.get("name"): m.get("values") or {}
+            for m in entry.index.get("members", [])
+            if isinstance(m, dict)
+        }
+        swept = {"id": entry.id, "name": entry.name, "keys": keys, "values": {}}
+        for key in keys:
+            swept["values"][key] = {
+                i: _value(key, given.get(names[i], {}).get(key)) for i in wanted if i in names
+            }
+    else:
+        wanted = list(dict.fromkeys(i for i in ids if i in runs))
+    shown = wanted[:MAX_COMPARED]
+    differ = configs.differing({i: runs[i].config for i in shown})
+    out = []
+    for i in shown:
+        run = runs[i]
+        flat = configs.flatten(run.config)
+        out.append(
+            {
+                "id": run.id,
+                "name": run.name,
+                **_pick(run.status or {}, ("state", "epoch", "global_step", "last_loss")),
+                "legend": configs.legend(
+                    run.config, (swept or {}).get("keys") or differ[:LEGEND_KEYS]
+                ),
+                "values": {k: _value(k, flat.get(k)) for k in differ},
+            }
+        )
+    return cleaned(
+        {
+            "runs": out,
+            "keys": differ,
+            "sweep": swept,
+            "left_out": len(wanted) - len(shown),
+        }
+    )
+
+
+def _value(key: str, value: object) -> object:
+    """A config value a chart can place: a number as it is, anything else as the page shows it
+    (a secret masked)."""
+    if (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and not configs.is_secret(key)
+    ):
+        return value
+    return None if value is None else configs.shown(key, value)
 
 
 def _round(m: dict[str, Any]) -> dict[str, Any]:

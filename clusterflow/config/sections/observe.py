@@ -1,6 +1,7 @@
 """What a job tells the outside while it runs (``observe.*``).
 
-Read by ``observe/observer.py`` (the straggler watch). Every key applies to a task and to a
+Read by ``observe/observer.py`` (the straggler watch) and ``observe/events.py`` (the command run
+on the run's events). Every key applies to a task and to a
 script.
 """
 
@@ -31,8 +32,25 @@ class ObserveConfig:
         kind=RESOURCE,
         why="which ranks are named slow; not what they compute",
     )
+    on_event: str = doc(
+        "",
+        "A shell command run when the run fails, stalls, is requeued (or restarted inside its "
+        "allocation) or completes, with CLUSTERFLOW_EVENT (failed|stalled|requeued|completed), "
+        "CLUSTERFLOW_RUN_DIR, CLUSTERFLOW_ATTEMPT and CLUSTERFLOW_MESSAGE in its environment "
+        "(a mail or a chat webhook is a script of yours); run once per event by rank 0, the "
+        "rank that saw it or the batch step's driver, never waited for by training; its output "
+        "in RUN_DIR/logs/events.log. Empty: off.",
+        kind=RESOURCE,
+        why="a command run on the run's events; not what the run computes",
+    )
 
     def __post_init__(self) -> None:
+        check(
+            "\0" not in self.on_event,
+            "observe.on_event",
+            self.on_event,
+            "must be a shell command without NUL bytes, e.g. 'mail -s run me@example.org'",
+        )
         check(
             self.straggler_ratio == 0 or 1 < self.straggler_ratio <= 100,
             "observe.straggler_ratio",

@@ -1,10 +1,13 @@
-// clusterflow dashboard: the Runs page and a run's page. The pages hold no data: it arrives as
-// server-sent events (/api/stream, read with fetch so that the token goes in a header); charts
-// are Plotly (plotly.min.js from plotly's wheel). Text from run dirs is only ever set as
-// textContent, never parsed as HTML.
+// clusterflow dashboard: the Runs page and a run's page (the compare page is compare.js, the
+// charts' options charts.js). The pages hold no data: it arrives as server-sent events
+// (/api/stream, read with fetch so that the token goes in a header); charts are Plotly
+// (plotly.min.js from plotly's wheel). Text from run dirs is only ever set as textContent,
+// never parsed as HTML.
 "use strict";
 
 const NOW = () => Date.now() / 1000;
+// --root-path: every address the pages make starts with it ("" without a proxy).
+const ROOT = document.querySelector('meta[name="clusterflow-root"]').content;
 
 // -- the token -----------------------------------------------------------------------------------
 // Kept in this page's own storage (per scheme, host and port: no page of another port reads it)
@@ -12,7 +15,8 @@ const NOW = () => Date.now() / 1000;
 // host (clusterflow/web/guard.py). Taken out of the address bar as soon as the page has it.
 
 const TOKEN_HEADER = "x-clusterflow-token";
-const TOKEN_KEY = "clusterflow-dashboard-token";
+// Per root path too: behind a proxy, every app shares the proxy's origin.
+const TOKEN_KEY = "clusterflow-dashboard-token" + ROOT;
 const TOKEN = takeToken();
 
 function takeToken() {
@@ -99,6 +103,21 @@ function tick() {
     const t = parseFloat(node.dataset.t);
     if (!Number.isNaN(t)) node.textContent = seconds(Math.max(0, NOW() - t)) + " ago";
   }
+  // The job's clocks, counted from squeue's answer (asked every few seconds).
+  for (const node of document.querySelectorAll(".clock")) {
+    if (node.dataset.until) node.textContent = hms(parseFloat(node.dataset.until) - NOW());
+    else if (node.dataset.since) node.textContent = hms(NOW() - parseFloat(node.dataset.since));
+  }
+}
+
+// [D-]H:MM:SS, as Slurm writes a duration.
+function hms(s) {
+  if (s === null || s === undefined || Number.isNaN(s)) return "–";
+  const whole = Math.max(0, Math.round(s));
+  const d = Math.floor(whole / 86400);
+  const r = whole % 86400;
+  const text = `${Math.floor(r / 3600)}:${String(Math.floor((r % 3600) / 60)).padStart(2, "0")}:${String(r % 60).padStart(2, "0")}`;
+  return d ? `${d}-${text}` : text;
 }
 setInterval(tick, 1000);
 
@@ -141,7 +160,7 @@ function stream(query, handlers) {
   async function run() {
     controller = new AbortController();
     try {
-      const reply = await fetch("/api/stream" + query, {
+      const reply = await fetch(ROOT + "/api/stream" + query, {
         headers: { [TOKEN_HEADER]: TOKEN, accept: "text/event-stream" },
         cache: "no-store",
         signal: controller.signal,
@@ -194,7 +213,7 @@ function gpuRows(tbody, gpus) {
     const total = g.memory_total_mb || 1;
     const holders = (g.processes || []).map((p) =>
       p.run_id
-        ? el("a", { href: "/run/" + p.run_id }, `${p.run} rank ${p.rank}`)
+        ? el("a", { href: ROOT + "/run/" + p.run_id }, `${p.run} rank ${p.rank}`)
         : `pid ${p.pid} (${p.name || "?"})`);
     tbody.append(el("tr", {},
       el("td", {}, g.index),
@@ -209,12 +228,65 @@ function gpuRows(tbody, gpus) {
 
 // -- the Runs page -------------------------------------------------------------------------------
 
+// -- being told: browser notifications for the runs the user marked ------------------------------
+// A marked run's news (the Runs page's rows, or a run page's summary) is compared with what was
+// seen before; a run that failed, stalled, was requeued or completed since raises a notification
+// (the Notification API, once the user allowed it). The marks are kept per browser (Prefs).
+
+const told = new Map(); // run id -> [state, stalled] last seen
+
+function isMarked(id) {
+  return Prefs.values.marked.includes(id);
+}
+
+function mark(id, on) {
+  const marked = new Set(Prefs.values.marked);
+  if (on) marked.add(id); else marked.delete(id);
+  Prefs.set({ marked: [...marked] });
+  if (on && "Notification" in window && Notification.permission === "default") {
+    Notification.requestPermission();
+  }
+}
+
+function bell(id, onChange) {
+  const on = isMarked(id);
+  return el("button", {
+    class: "bell" + (on ? " on" : ""), title: on ? "notifications on: click to stop" : "notify me",
+    "aria-pressed": on ? "true" : "false",
+    onclick: () => { mark(id, !isMarked(id)); onChange(); },
+  }, on ? "★" : "☆");
+}
+
+const NEWS = { failed: "failed", requeued: "was requeued", completed: "completed" };
+
+function tell(r) {
+  const before = told.get(r.id);
+  const now = [r.state, !!r.stalled];
+  told.set(r.id, now);
+  if (!before || !isMarked(r.id)) return;
+  let news = null;
+  if (now[1] && !before[1]) news = "stalled";
+  else if (now[0] !== before[0] && NEWS[now[0]]) news = NEWS[now[0]];
+  if (!news || !("Notification" in window) || Notification.permission !== "granted") return;
+  const body = r.error || r.note || `step ${num(r.global_step)}`;
+  const n = new Notification(`${r.name} ${news}`, { body, tag: `clusterflow-${r.id}-${now[0]}` });
+  n.onclick = () => { window.focus(); window.location.href = ROOT + "/run/" + r.id; };
+}
+
 function runsPage() {
   const rows = new Map();
   const sweeps = new Map();
+  const chosen = new Set();
   let sortKey = "name";
   let sortDir = 1;
   const tbody = document.querySelector("#runs tbody");
+  const compareButton = document.getElementById("compare-selected");
+
+  function choose(id, on) {
+    if (on) chosen.add(id); else chosen.delete(id);
+    compareButton.disabled = chosen.size < 1;
+    compareButton.textContent = chosen.size ? `compare the ${chosen.size} chosen run(s)` : "compare the chosen runs";
+  }
 
   function progress(r) {
     if (!r.epochs || !r.steps_per_epoch) return null;
@@ -246,7 +318,10 @@ function runsPage() {
       if (r.stragglers) marks.push(`${r.stragglers} straggler(s)`);
       if (r.silent && r.state === "running") marks.push(`${r.silent} silent`);
       return el("tr", { id: "run-" + r.id, dataset: { state: r.state || "unknown" } },
-        el("td", {}, el("a", { href: "/run/" + r.id }, r.name)),
+        el("td", {}, el("input", { type: "checkbox", class: "choose", "aria-label": "choose " + r.name,
+          checked: chosen.has(r.id) ? "checked" : null, onchange: (e) => choose(r.id, e.target.checked) })),
+        el("td", {}, bell(r.id, render)),
+        el("td", {}, el("a", { href: ROOT + "/run/" + r.id }, r.name)),
         el("td", { title: r.error || r.note || r.problem || "" }, stateBadge(r.state)),
         el("td", {}, p === null ? "–" : [el("span", { class: "bar" },
           el("span", { style: `width:${100 * p}%` })),
@@ -273,24 +348,28 @@ function runsPage() {
       const done = s.members.filter((m) => m.state === "completed").length;
       return el("div", { class: "sweep", id: "sweep-" + s.id },
         el("h3", {}, s.name, el("span", { class: "muted" },
-          ` · ${s.members.length} member(s), ${done} completed`)),
+          ` · ${s.members.length} member(s), ${done} completed · `),
+        el("a", { href: `${ROOT}/compare?sweep=${s.id}`, class: "compare-sweep" }, "compare the members")),
         s.problem ? el("p", { class: "warn" }, s.problem) : null,
         el("table", { class: "grid" },
-          el("thead", {}, el("tr", {}, ...keys.map((k) => el("th", {}, k)),
+          el("thead", {}, el("tr", {}, el("th", {}, ""), el("th", {}, "notify"), ...keys.map((k) => el("th", {}, k)),
             el("th", {}, "state"), el("th", {}, "epoch"), el("th", {}, "step"),
             el("th", {}, "loss"), el("th", {}, "NMI"), el("th", {}, "ARI"), el("th", {}, "member"))),
-          el("tbody", {}, ...members.map((m) => el("tr", {},
+          el("tbody", {}, ...members.map((m) => el("tr", { dataset: { member: m.member } },
+            el("td", {}, m.id ? el("input", { type: "checkbox", class: "choose", "aria-label": "choose " + m.member,
+              checked: chosen.has(m.id) ? "checked" : null, onchange: (e) => choose(m.id, e.target.checked) }) : ""),
+            el("td", {}, m.id ? bell(m.id, render) : ""),
             ...keys.map((k) => el("td", {}, m.values[k])),
             el("td", {}, stateBadge(m.state)), el("td", {}, num(m.epoch)),
             el("td", {}, num(m.global_step)), el("td", {}, num(m.last_loss, 4)),
             el("td", {}, num(m.nmi, 3)), el("td", {}, num(m.ari, 3)),
-            el("td", {}, m.id ? el("a", { href: "/run/" + m.id }, m.member) : m.member))))));
+            el("td", {}, m.id ? el("a", { href: ROOT + "/run/" + m.id }, m.member) : m.member))))));
     }));
   }
 
   function load(data) {
     rows.clear(); sweeps.clear();
-    for (const r of data.runs) rows.set(r.id, r);
+    for (const r of data.runs) { rows.set(r.id, r); tell(r); }
     for (const s of data.sweeps) sweeps.set(s.id, s);
     document.getElementById("truncated").hidden = !data.truncated;
     const empty = document.getElementById("empty");
@@ -316,10 +395,13 @@ function runsPage() {
   }
   document.getElementById("state-filter").addEventListener("change", render);
   document.getElementById("name-filter").addEventListener("input", render);
+  compareButton.addEventListener("click", () => {
+    window.location.href = `${ROOT}/compare?runs=${[...chosen].join(",")}`;
+  });
   stream("", {
     runs: load,
     rows: (data) => {
-      for (const r of data.runs) rows.set(r.id, r);
+      for (const r of data.runs) { rows.set(r.id, r); tell(r); }
       for (const s of data.sweeps) sweeps.set(s.id, s);
       render();
     },
@@ -340,7 +422,9 @@ const CONFIG = { displayModeBar: false, responsive: true };
 
 const drawn = new Map(); // chart id -> what it shows now, as JSON: an unchanged chart is left be
 
-function chart(id, traces, layout) {
+// Draw ``traces`` into the node ``id`` (left be when nothing changed), with PNG and CSV
+// downloads named ``name`` (charts.js).
+function chart(id, traces, layout, name) {
   const node = document.getElementById(id);
   if (!node || typeof Plotly === "undefined") return;
   const key = JSON.stringify([traces, layout]);
@@ -355,39 +439,43 @@ function chart(id, traces, layout) {
   const merged = { ...LAYOUT, ...layout };
   delete merged.empty;
   Plotly.react(node, traces, merged, CONFIG);
+  chartTools(node, name || (layout && layout.title && layout.title.text) || id);
 }
 
 function runPage() {
   const runId = document.querySelector('meta[name="clusterflow-run"]').content;
   const table = new Map(); // step -> {tag: value}
+  const times = new Map(); // step -> when it was logged (seconds since 1970)
   let summary = {};
   let plotlyWanted = () => {}; // set below: reads Plotly once, after the first summary
-  let mode = "aggregated";
+  let mode = Prefs.values.rankMode === "per-rank" ? "per-rank" : "aggregated";
   let logRank = 0;
   let source = null;
   let timer = null;
   let steps = []; // the table's steps in order, as of the last redraw
   let known = []; // its tags
 
-  function series(tag) {
-    const x = []; const y = [];
+  // A tag's points, with the times of their steps (null where a row said none).
+  function series(tag, name) {
+    const st = []; const ys = []; const ts = [];
     for (const step of steps) {
       const v = table.get(step)[tag];
-      if (v !== undefined) { x.push(step); y.push(v); }
+      if (v !== undefined) { st.push(step); ys.push(v); ts.push(times.has(step) ? times.get(step) : null); }
     }
-    return { x, y };
+    return { name: plain(name || tag), steps: st, ys, times: ts.some((t) => t !== null) ? ts : null };
   }
 
   function tags() {
     return known;
   }
 
+  // A line as the chart options draw it (smoothing, the x axis: charts.js).
   function line(tag, name, extra) {
-    const s = series(tag);
-    return { type: "scatter", mode: "lines", x: s.x, y: s.y, name: plain(name || tag), ...extra };
+    return lineTrace(series(tag, name), Prefs.values, extra);
   }
 
-  // Per-rank series (step time, busy time, GPU): one line each, or their mean and range.
+  // Per-rank series (step time, busy time, GPU, CPU, memory, data wait): one line each, or
+  // their mean (smoothed as the options say) and range.
   function group(matching, nameOf, stragglers) {
     const members = tags().filter((t) => matching.test(t));
     if (!members.length) return [];
@@ -399,20 +487,22 @@ function runPage() {
           slow ? { line: { width: 3, dash: "dash", color: "#c62828" } } : {});
       });
     }
-    const x = []; const lo = []; const hi = []; const mean = [];
+    const st = []; const ts = []; const lo = []; const hi = []; const mean = [];
     for (const step of steps) {
       const vals = members.map((t) => table.get(step)[t]).filter((v) => v !== undefined && v !== null);
       if (!vals.length) continue;
-      x.push(step);
+      st.push(step); ts.push(times.has(step) ? times.get(step) : null);
       lo.push(Math.min(...vals)); hi.push(Math.max(...vals));
       mean.push(vals.reduce((a, b) => a + b, 0) / vals.length);
     }
+    const opts = Prefs.values;
+    const at = ts.some((t) => t !== null) ? ts : null;
+    const band = (ys, name, extra) => lineTrace({ name, steps: st, times: at, ys }, { ...opts, smoothing: 0 }, extra);
     return [
-      { type: "scatter", mode: "lines", x, y: lo, name: "min", line: { width: 0 }, hoverinfo: "skip" },
-      { type: "scatter", mode: "lines", x, y: hi, name: "min–max", fill: "tonexty",
-        line: { width: 0 }, fillcolor: "rgba(21,101,192,0.15)" },
-      { type: "scatter", mode: "lines", x, y: mean, name: `mean of ${members.length}`,
-        line: { color: "#1565c0" } },
+      band(lo, "min", { line: { width: 0 }, hoverinfo: "skip", hovertemplate: null }),
+      band(hi, "min–max", { fill: "tonexty", line: { width: 0 }, fillcolor: "rgba(21,101,192,0.15)" }),
+      lineTrace({ name: `mean of ${members.length}`, steps: st, times: at, ys: mean }, opts,
+        { line: { color: "#1565c0" } }),
     ];
   }
 
@@ -423,7 +513,8 @@ function runPage() {
     const names = new Set();
     for (const values of table.values()) for (const k of Object.keys(values)) names.add(k);
     known = [...names].sort();
-    const title = (text) => ({ title: { text, font: { size: 12 } } });
+    const axes = axesOf(Prefs.values);
+    const title = (text) => ({ title: { text, font: { size: 12 } }, ...axes });
     chart("chart-loss", table.size ? [line("train/loss", "loss")].filter((t) => t.x.length) : [],
       title("loss"));
     chart("chart-lr", [line("train/lr", "lr")].filter((t) => t.x.length), title("learning rate"));
@@ -457,6 +548,13 @@ function runPage() {
       { ...title("GPU utilisation (%)"), empty: cpu });
     chart("chart-gpu-mem", group(/^gpus\/.+\/gpu\d+\/mem_used_gb$/, gpuName, new Set()),
       { ...title("GPU memory used (GB)"), empty: cpu });
+    const beats = "no readings yet (the heartbeats, dist.heartbeat_s, logged at log steps)";
+    chart("chart-cpu", group(/^ranks\/cpu_percent\/rank\d+$/, rankName, slow),
+      { ...title("CPU per rank (% of a core)"), empty: beats });
+    chart("chart-rss", group(/^ranks\/rss_gb\/rank\d+$/, rankName, slow),
+      { ...title("resident memory per rank (GiB)"), empty: beats });
+    chart("chart-data-wait", group(/^ranks\/data_wait_fraction\/rank\d+$/, rankName, slow),
+      { ...title("share of the step waiting for data"), empty: beats });
   }
 
   // Charts are drawn again at most twice a second, whatever the rate of news: a busy machine
@@ -502,6 +600,11 @@ function runPage() {
     for (const w of s.goodput_warnings || []) said("muted", "goodput: " + w);
     if ((s.excluded_nodes || []).length) said("muted", "nodes left out: " + s.excluded_nodes.join(", "));
     document.getElementById("notes").replaceChildren(...notes);
+    tell(s);
+    renderNotify();
+    renderEfficiency(s);
+    changed("job", [s.job, s.eta_s, s.steps_left, s.state], () => renderJob(s));
+    changed("config", [s.config, s.script], () => renderConfig(s));
     renderRanks(s);
     changed("attempts", [s.attempts_detail, s.state], () => renderAttempts(s));
     changed("mining", s.mining, () => renderMining(s));
@@ -527,6 +630,85 @@ function runPage() {
     render();
   }
 
+  function renderNotify() {
+    const b = document.getElementById("notify");
+    const on = isMarked(runId);
+    b.classList.toggle("on", on);
+    b.setAttribute("aria-pressed", on ? "true" : "false");
+    b.textContent = on ? "★ notifying" : "☆ notify me";
+  }
+
+  // CPU use, resident memory and data wait from the ranks' latest heartbeats: their mean and
+  // the largest (aggregated), or each rank's (per rank), as the toggle says.
+  function renderEfficiency(s) {
+    const ranks = (s.ranks || []).filter((r) => !r.silent);
+    const box = document.getElementById("efficiency");
+    const have = (k) => ranks.filter((r) => r[k] !== null && r[k] !== undefined);
+    const gib = (b) => `${(b / 2 ** 30).toFixed(2)} GiB`;
+    const share = (f) => `${(100 * f).toFixed(0)}%`;
+    const cpu = (c) => `${c.toFixed(0)}%`;
+    const measures = [["cpu_percent", "CPU", cpu], ["rss_bytes", "memory", gib],
+      ["data_wait_fraction", "data wait", share]];
+    if (!measures.some(([k]) => have(k).length)) { box.replaceChildren(); return; }
+    if (mode === "per-rank") {
+      box.replaceChildren(...ranks.map((r) => card(`rank ${r.rank}`,
+        measures.map(([k, , f]) => (r[k] === null || r[k] === undefined ? "–" : f(r[k]))).join(" · "),
+        `eff-rank-${r.rank}`)));
+      return;
+    }
+    box.replaceChildren(...measures.map(([k, label, f]) => {
+      const vals = have(k).map((r) => r[k]);
+      if (!vals.length) return card(label, "–", `eff-${k}`);
+      const mean = vals.reduce((a, b) => a + b, 0) / vals.length;
+      const top = have(k).reduce((a, b) => (b[k] > a[k] ? b : a));
+      return card(`${label}, mean of ${vals.length}`, [f(mean),
+        el("span", { class: "muted small" }, ` max ${f(top[k])} (rank ${top.rank})`)], `eff-${k}`);
+    }));
+  }
+
+  // The Slurm job as squeue gave it (its clocks counting from that answer), and the run's own
+  // estimate of its end.
+  function renderJob(s) {
+    const j = s.job;
+    const section = document.getElementById("job-section");
+    section.hidden = !j && (s.eta_s === null || s.eta_s === undefined);
+    const cards = [];
+    if (j) {
+      cards.push(card("Slurm state", [j.state, j.reason ? ` (${j.reason})` : ""], "job-state"));
+      if (j.state === "PENDING") {
+        cards.push(card("expected start", j.start_at ? new Date(j.start_at * 1000).toLocaleString()
+          : "not planned yet", "job-start"));
+        if (j.scheduled_nodes) cards.push(card("planned nodes", j.scheduled_nodes, "job-planned"));
+      } else {
+        cards.push(card("elapsed", el("span", { class: "clock", dataset: { since: j.asked_at - (j.elapsed_s || 0) } },
+          hms(j.elapsed_s)), "job-elapsed"));
+        cards.push(card("time left", j.left_s === null || j.left_s === undefined ? "no limit"
+          : el("span", { class: "clock", dataset: { until: j.asked_at + j.left_s } }, hms(j.left_s)), "job-left"));
+      }
+      cards.push(card("time limit", j.time_limit_s === null || j.time_limit_s === undefined ? "none" : hms(j.time_limit_s), "job-limit"));
+      if (j.nodes) cards.push(card("nodes", `${j.nodes} (${num(j.node_count)})`, "job-nodes"));
+    }
+    if (s.eta_s !== null && s.eta_s !== undefined) {
+      const late = j && j.left_s !== null && j.left_s !== undefined && s.eta_s > j.left_s;
+      cards.push(card("to finish, at the current step time", [hms(s.eta_s),
+        el("span", { class: "muted small" }, ` ${num(s.steps_left)} steps` +
+          (late ? "; after the time limit: it saves and is requeued" : ""))], "job-eta"));
+    }
+    document.getElementById("job").replaceChildren(...cards);
+    tick();
+  }
+
+  function renderConfig(s) {
+    const rows = s.config || [];
+    document.getElementById("config-section").hidden = !rows.length;
+    document.getElementById("config-count").textContent = `${rows.length} keys`;
+    document.querySelector("#config tbody").replaceChildren(...rows.map(([k, v]) =>
+      el("tr", {}, el("td", { class: "mono" }, k), el("td", { class: "mono wrap" }, v))));
+    const script = document.getElementById("script");
+    script.hidden = !s.script;
+    script.textContent = s.script ? `script: ${[s.script.path, ...s.script.args].join(" ")}` : "";
+  }
+
   function renderRanks(s) {
     const body = document.querySelector("#ranks tbody");
     body.replaceChildren(...(s.ranks || []).map((r) => {
@@ -538,6 +720,9 @@ function runPage() {
         el("td", {}, r.phase || "–"), el("td", {}, ageCell(r.time)),
         el("td", {}, ageCell(r.progress_at)), el("td", {}, num(r.step_time_s, 3)),
         el("td", {}, num(r.busy_s, 3) + (r.busy_ratio ? ` (${r.busy_ratio.toFixed(2)}x)` : "")),
+        el("td", {}, r.cpu_percent === null || r.cpu_percent === undefined ? "–" : r.cpu_percent.toFixed(0) + "%"),
+        el("td", {}, r.rss_bytes === null || r.rss_bytes === undefined ? "–" : `${(r.rss_bytes / 2 ** 30).toFixed(2)} GiB`),
+        el("td", {}, pct(r.data_wait_fraction)),
         el("td", {}, mem),
         el("td", {}, r.gpu_util_pct === undefined ? "–" : r.gpu_util_pct + "%"),
         el("td", {}, marks.join(", ")));
@@ -691,8 +876,11 @@ function runPage() {
   }
 
   function onMetrics(d) {
-    if (d.reset) table.clear();
-    for (const [step, values] of d.items) table.set(step, Object.assign(table.get(step) || {}, values));
+    if (d.reset) { table.clear(); times.clear(); }
+    for (const [step, values, time] of d.items) {
+      table.set(step, Object.assign(table.get(step) || {}, values));
+      if (time !== null && time !== undefined) times.set(step, time);
+    }
     schedule();
   }
 
@@ -719,12 +907,20 @@ function runPage() {
   }
 
   for (const b of document.querySelectorAll("#rank-toggle button")) {
+    b.classList.toggle("on", b.dataset.mode === mode);
     b.addEventListener("click", () => {
       mode = b.dataset.mode;
+      Prefs.set({ rankMode: mode });
       for (const other of document.querySelectorAll("#rank-toggle button")) other.classList.toggle("on", other === b);
+      renderEfficiency(summary);
       schedule();
     });
   }
+  chartOptions(document.getElementById("chart-options"), () => { drawn.clear(); schedule(); });
+  document.getElementById("notify").addEventListener("click", () => {
+    mark(runId, !isMarked(runId));
+    renderNotify();
+  });
   document.getElementById("log-rank").addEventListener("change", (e) => {
     logRank = Number(e.target.value);
     connect();
@@ -736,7 +932,7 @@ function runPage() {
     const typed = window.prompt(`Cancel ${name} for good (clusterflow cancel)? Type its name to confirm:`);
     if (typed === null) return;
     const said = document.getElementById("cancel-said");
-    const reply = await fetch("/api/cancel", {
+    const reply = await fetch(ROOT + "/api/cancel", {
       method: "POST",
       headers: { "content-type": "application/json", [TOKEN_HEADER]: TOKEN },
       body: JSON.stringify({ run: runId, confirm: typed }),
@@ -764,4 +960,5 @@ function runPage() {
 }
 
 if (document.body.dataset.page === "runs") runsPage();
+else if (document.body.dataset.page === "compare") comparePage();
 else runPage();
