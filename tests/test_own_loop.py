@@ -83,6 +83,15 @@ def rank0_log(run_dir):
     )
 
 
+def records(run_dir):
+    """rank -> what a test script recorded in SEEN_DIR (``RUN_DIR-seen/rank<R>.jsonl``), in
+    order."""
+    out = {}
+    for path in glob.glob(os.path.join(run_dir + "-seen", "rank*.jsonl")):
+        out[int(os.path.basename(path)[4:-6])] = [json.loads(line) for line in open(path)]
+    return out
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("own-loop") / "run")

@@ -4,7 +4,6 @@ between two micro-batches and resumed bitwise, each sample trained once per epoc
 recorded it; one gradient reduction per optimizer step under DDP and FSDP2 (counted by the
 script); run.gather and run.reduce over uneven shares; the helpers alone, in one process."""
 
-import glob
 import json
 import os
 import signal
@@ -14,7 +13,16 @@ import launch
 import pytest
 import torch
 from conftest import REPO, run_cli, weights_equal
-from test_own_loop import Items, a_run, refused, set_up, train_step, wait_for
+from test_own_loop import (
+    Items,
+    a_run,
+    rank0_log,
+    records,
+    refused,
+    set_up,
+    train_step,
+    wait_for,
+)
 
 from clusterflow.storage.store import CheckpointStore
 
@@ -33,23 +41,10 @@ def start(run_dir, env=None, config=CONFIG, args=()):
     return launch.start(2, None, None, run_dir + "-logs", command=command, env=env)
 
 
-def records(run_dir):
-    """rank -> the steps it recorded, in order: {"step", "epoch", "index", "pid", "reduces"}."""
-    out = {}
-    for path in glob.glob(os.path.join(run_dir + "-seen", "rank*.jsonl")):
-        out[int(os.path.basename(path)[4:-6])] = [json.loads(line) for line in open(path)]
-    return out
-
-
-def log_of(run_dir):
-    paths = sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.*.log")))
-    return "".join(open(p).read() for p in paths)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("steps") / "run")
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     return d
 
 
@@ -69,7 +64,7 @@ def test_a_step_counted_loop_reduces_gradients_once_a_step_and_trains_each_sampl
     assert len(last) == len(set(last)) == 32  # the 10th step: the first of epoch 4
     status = json.loads(run_cli("clusterflow.status", uninterrupted, "--json").stdout)
     assert status["state"] == "completed" and status["global_step"] == 10, status
-    assert "steps 10: accuracy" in log_of(uninterrupted)
+    assert "steps 10: accuracy" in rank0_log(uninterrupted)
 
 
 def test_sigkill_between_two_micro_batches_resumes_bitwise(uninterrupted, tmp_path):
@@ -81,7 +76,7 @@ def test_sigkill_between_two_micro_batches_resumes_bitwise(uninterrupted, tmp_pa
     committed = CheckpointStore(os.path.join(d, "checkpoints")).steps()
     assert committed and max(committed) < 8, committed  # 6, or 4 with 6's write in flight
     resumed = max(committed)
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
     # What the script trained, the steps after the checkpoint once: the uninterrupted run's.
     mine, plain = records(d), records(uninterrupted)
@@ -97,7 +92,7 @@ def test_fsdp_accumulation_reduce_scatters_on_the_last_micro_batch_only(tmp_path
     d = str(tmp_path / "run")
     config = (*CONFIG, "train.parallel=fsdp")
     procs = start(d, config=config, args=("--max-steps", "4"))
-    assert launch.wait(procs) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(procs) == [0, 0], rank0_log(d)[-3000:]
     seen = records(d)
     assert sorted(seen) == [0, 1]
     for rs in seen.values():

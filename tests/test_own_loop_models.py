@@ -4,7 +4,6 @@ SIGKILL in mid-epoch and resumed bitwise: under DDP on 2 ranks; under FSDP2, whe
 second model are saved and restored sharded, on 2 ranks and after 2 -> 3 ranks; and with
 torch.compile before or after run.setup (CPU, inductor)."""
 
-import glob
 import os
 import signal
 import sys
@@ -14,7 +13,7 @@ import launch
 import pytest
 import torch
 from conftest import REPO, weights_equal
-from test_own_loop import wait_for
+from test_own_loop import rank0_log, wait_for
 
 from clusterflow.storage.store import CheckpointStore
 
@@ -30,11 +29,6 @@ def start(run_dir, world=2, env=None, config=(), args=()):
     command += [*CONFIG, *config, "--", *args]
     env = {"SEEN_DIR": seen, **(env or {})}
     return launch.start(world, None, None, run_dir + "-logs", command=command, env=env)
-
-
-def log_of(run_dir):
-    paths = sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.*.log")))
-    return "".join(open(p).read() for p in paths)
 
 
 def saved(run_dir, name):
@@ -70,14 +64,14 @@ def check_resumed(run_dir, reference, final_step):
 @pytest.fixture(scope="module")
 def ddp_run(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("gan") / "run")
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     return d
 
 
 def test_a_gan_with_two_optimizers_and_a_scripts_ema_resumes_bitwise(ddp_run, tmp_path):
     d = str(tmp_path / "run")
     killed_at(d, 9)
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     check_resumed(d, ddp_run, 18)
 
 
@@ -87,7 +81,7 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
 ):
     fsdp = ("train.parallel=fsdp",)
     plain = str(tmp_path / "plain")
-    assert launch.wait(start(plain, config=fsdp)) == [0, 0], log_of(plain)[-3000:]
+    assert launch.wait(start(plain, config=fsdp)) == [0, 0], rank0_log(plain)[-3000:]
     # Every rank's shards of the discriminator, its optimizer and the EMA are in the DCP files,
     # not in rank 0's train_state.pt.
     store = CheckpointStore(os.path.join(plain, "checkpoints"))
@@ -98,15 +92,15 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
 
     two = str(tmp_path / "two")
     killed_at(two, 9, config=fsdp)
-    assert launch.wait(start(two, config=fsdp)) == [0, 0], log_of(two)[-3000:]
+    assert launch.wait(start(two, config=fsdp)) == [0, 0], rank0_log(two)[-3000:]
     check_resumed(two, plain, 18)
 
     three = str(tmp_path / "three")
     resumed = killed_at(three, 9, config=fsdp)
-    assert launch.wait(start(three, world=3, config=fsdp)) == [0, 0, 0], log_of(three)[-3000:]
+    assert launch.wait(start(three, world=3, config=fsdp)) == [0, 0, 0], rank0_log(three)[-3000:]
     # The EMA 3 ranks began from, resharded: the one 2 ranks had at the step resumed.
     assert same(saved(three, "start-attempt1.pt"), saved(three, f"ema-step{resumed}.pt"))
-    assert "resuming with 3 ranks from a checkpoint of 2" in log_of(three)
+    assert "resuming with 3 ranks from a checkpoint of 2" in rank0_log(three)
 
 
 @pytest.mark.slow
@@ -114,10 +108,10 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
 def test_a_model_compiled_before_or_after_setup_resumes_bitwise(tmp_path, when):
     args = ("--compile", when, "--epochs", "2")
     plain = str(tmp_path / "plain")
-    assert launch.wait(start(plain, world=1, args=args)) == [0], log_of(plain)[-3000:]
+    assert launch.wait(start(plain, world=1, args=args)) == [0], rank0_log(plain)[-3000:]
     keys = torch.load(os.path.join(plain, "model.pt"), weights_only=True)
     assert not any(k.startswith("_orig_mod") for k in keys), sorted(keys)  # the plain model's
     d = str(tmp_path / "run")
     killed_at(d, 8, world=1, args=args)
-    assert launch.wait(start(d, world=1, args=args)) == [0], log_of(d)[-3000:]
+    assert launch.wait(start(d, world=1, args=args)) == [0], rank0_log(d)[-3000:]
     check_resumed(d, plain, 24)

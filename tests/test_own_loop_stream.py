@@ -3,7 +3,6 @@ rank's position saved per rank and resumed bitwise after SIGKILL in mid-pass, ev
 once per pass as the script recorded it; a resume on another world size refused in one line; a
 stream without a state of its own taken with one warning; epochs over a stream refused."""
 
-import glob
 import json
 import os
 import signal
@@ -13,7 +12,7 @@ import launch
 import pytest
 import torch
 from conftest import REPO, run_cli, weights_equal
-from test_own_loop import a_run, refused, set_up, wait_for
+from test_own_loop import a_run, rank0_log, records, refused, set_up, wait_for
 
 from clusterflow.storage.store import CheckpointStore
 
@@ -32,22 +31,10 @@ def start(run_dir, world=2, env=None, args=()):
     return launch.start(world, None, None, run_dir + "-logs", command=command, env=env)
 
 
-def records(run_dir):
-    out = {}
-    for path in glob.glob(os.path.join(run_dir + "-seen", "rank*.jsonl")):
-        out[int(os.path.basename(path)[4:-6])] = [json.loads(line) for line in open(path)]
-    return out
-
-
-def log_of(run_dir):
-    paths = sorted(glob.glob(os.path.join(run_dir, "logs", "rank0.*.log")))
-    return "".join(open(p).read() for p in paths)
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     d = str(tmp_path_factory.mktemp("stream") / "run")
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     return d
 
 
@@ -75,7 +62,7 @@ def test_a_stream_resumes_bitwise_after_sigkill_and_refuses_another_world_size(
     resumed = max(committed)
     # On 3 ranks: each rank's position is another rank's stream.
     assert launch.wait(start(d, world=3)) == [2, 2, 2]
-    line = [x for x in log_of(d).splitlines() if "holds each rank's position" in x]
+    line = [x for x in rank0_log(d).splitlines() if "holds each rank's position" in x]
     assert (
         line
         and (
@@ -83,8 +70,8 @@ def test_a_stream_resumes_bitwise_after_sigkill_and_refuses_another_world_size(
             "position in its stream for 2 ranks, and this attempt runs 3"
         )
         in line[-1]
-    ), log_of(d)[-2000:]
-    assert launch.wait(start(d)) == [0, 0], log_of(d)[-3000:]
+    ), rank0_log(d)[-2000:]
+    assert launch.wait(start(d)) == [0, 0], rank0_log(d)[-3000:]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
     mine, plain = records(d), records(uninterrupted)
     for rank in (0, 1):
@@ -110,7 +97,7 @@ def test_a_stream_without_a_state_is_taken_with_one_warning(tmp_path):
         env={"SEEN_DIR": d + "-seen"},
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    warned = [x for x in log_of(d).splitlines() if "the stream has no state_dict()" in x]
+    warned = [x for x in rank0_log(d).splitlines() if "the stream has no state_dict()" in x]
     assert len(warned) == 1 and "run.loader(Items)" in warned[0], warned
     assert "exact only if it yields the same items in the same order every time" in warned[0]
 
