@@ -245,9 +245,11 @@ class KillAtEnv(PseudoIDTask):
         )
         me = tdist.get_rank() if tdist.is_initialized() else 0
         if at and self.calls == int(at) and (rank is None or int(rank) == me):
-            after = [p for p in os.environ.get("CLUSTERFLOW_TEST_KILL_AFTER", "").split(os.pathsep)]
+            after = [
+                p for p in os.environ.get("CLUSTERFLOW_TEST_KILL_AFTER", "").split(os.pathsep) if p
+            ]
             deadline = time.monotonic() + 300
-            while not all(os.path.exists(p) for p in after if p) and time.monotonic() < deadline:
+            while not all(os.path.exists(p) for p in after) and time.monotonic() < deadline:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         return super().loss(model, batch, labels)
