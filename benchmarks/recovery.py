@@ -11,8 +11,9 @@ global batch 128, mining and eval off, under torchrun) with ``checkpoint.memory_
 and at each of ``--every``, for each model width in ``--hidden`` (``task.params.hidden``: the
 encoder's two hidden layers). Runs are interleaved, their order rotated per repeat; each run's
 epochs after the first are timed (trainer.py's marginal epoch times), and the best epoch of each
-side is the claim, with the best run and the medians beside it. "ratio every N / off" is what the
-snapshots cost a step.
+side is the claim, with the best run, the median epoch and the median of each repeat's ratio
+(its two runs ran next to each other) beside it. "ratio every N / off" is what the snapshots cost
+a step.
 
 **crash**: two local ranks of configs/demo.yaml (one process each, ``task.target`` trains as the
 demo and SIGKILLs rank 1 at step ``--kill-at``), then the same command again, which resumes:
@@ -98,9 +99,14 @@ def cost(a: argparse.Namespace, root: str) -> None:
                 )
             for side in sides[1:]:
                 r = [x / y for x, y in zip(best[side], best["off"])]
+                # Each repeat's two runs ran next to each other: their ratio leaves out a drift
+                # of the machine's speed between repeats.
+                paired = statistics.median(
+                    statistics.mean(s) / statistics.mean(o) for s, o in zip(runs[side], runs["off"])
+                )
                 print(
                     f"  ratio {side} / off: best epoch {r[0]:.3f}x, best run {r[1]:.3f}x, "
-                    f"median epoch {r[2]:.3f}x"
+                    f"median epoch {r[2]:.3f}x, median of the repeats' pairs {paired:.3f}x"
                 )
     finally:
         shutil.rmtree(memory, ignore_errors=True)

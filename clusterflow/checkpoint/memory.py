@@ -117,6 +117,7 @@ class MemorySnapshots:
             snapshots.run_folder(c.memory_dir, paths.root, self.node), TORCH, identity.check
         )
         self.key = Key(OWN, attempt, self.rank, self.world)
+        self.store = self.local.store(self.key)  # this rank's own snapshots on this node
         self.timeout_s = float(cfg.dist.timeout_s)
         self.staging: Staging | None = None
         if self.rank == 0:
@@ -228,11 +229,10 @@ class MemorySnapshots:
 
     def _commit(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """On the snapshot thread: commit into this node's memory, then send to the peer."""
-        store = self.local.store(self.key)
-        path = store.save(step, state, meta)
+        path = self.store.save(step, state, meta)
         if path is None:
             return
-        kept = store.steps()
+        kept = self.store.steps()
         if len(kept) >= snapshots.GENERATIONS:
             # Older attempts' snapshots on this node, all older than this rank's two
             # generations, are no longer needed.

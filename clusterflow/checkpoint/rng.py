@@ -46,7 +46,9 @@ def capture_rng() -> RngState:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     out: RngState = {
-        "python": [py_version, list(py_state), py_gauss],
+        # Python's Mersenne Twister state (625 ints) as one tensor: a snapshot every few steps
+        # copies and pickles one object, not 625.
+        "python": [py_version, torch.tensor(py_state, dtype=torch.int64), py_gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
@@ -59,7 +61,8 @@ def capture_rng() -> RngState:
 
 def restore_rng(state: RngState) -> None:
     v, s, g = state["python"]
-    random.setstate((v, tuple(s), g))
+    # Checkpoints of earlier versions hold a list.
+    random.setstate((v, tuple(s.tolist() if isinstance(s, torch.Tensor) else s), g))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

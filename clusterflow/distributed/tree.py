@@ -23,6 +23,9 @@ class Slot:
     index: int  # place in the tensor list
     path: str  # where it sits in the state, for messages ("model.pt/0.weight")
 
+    def __deepcopy__(self, memo: dict[int, object]) -> Slot:
+        return self  # immutable: a skeleton's deep copy (a snapshot every few steps) keeps it
+
 
 def _empty(d: dict) -> dict:
     try:

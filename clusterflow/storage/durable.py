@@ -28,6 +28,7 @@ import threading
 import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -231,6 +232,50 @@ class _AppendOnly:
         pass
 
 
+class _Spill:
+    """What a codec's dump writes into: memory until the dump outgrows one chunk, then the file
+    (:class:`_AppendOnly`, hashed as it grows). A small file (a snapshot's state, a small model)
+    is then written and hashed in one call each, without the threads a streamed one needs, and
+    a large one never sits in memory whole. ``stack`` closes what the spill opened."""
+
+    def __init__(self, path: str, stack: ExitStack) -> None:
+        self.path, self.stack = path, stack
+        self.held: bytearray | None = bytearray()
+        self.file: _AppendOnly | None = None
+        self.size = 0
+
+    def write(self, data: Chunk) -> int:
+        view = memoryview(data).cast("B")
+        if self.held is not None and len(self.held) + len(view) < _CHUNK:
+            self.held += view  # a copy: torch.save reuses its buffers
+        else:
+            if self.file is None:
+                # Closed by the stack, after the hasher that reads it back.
+                f = self.stack.enter_context(open(self.path, "wb", buffering=0))  # noqa: SIM115
+                self.file = _AppendOnly(f, self.stack.enter_context(_TailHasher(self.path)))
+                assert self.held is not None
+                self.file.write(self.held)
+                self.held = None
+            self.file.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def _write_whole(path: str, payload: Chunk, fsync: bool) -> dict[str, Any]:
+    """A payload smaller than a chunk: one write, one hash, no threads."""
+    with open(path, "wb") as f:
+        f.write(payload)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+    algorithm, h = new_hash()
+    h.update(payload)
+    return {"size": len(payload), algorithm: h.hexdigest()}
+
+
 def write_file(
     path: str,
     payload: object,
@@ -251,30 +296,23 @@ def write_file(
             w = _HashingWriter(f, pool)
             w.write(payload) if raw else dump(payload, w)
         return {"size": w.size, w.algorithm: w.sha.hexdigest()}
-    if raw and len(payload) < _CHUNK:  # small records (status, manifests): no threads needed
-        with open(path, "wb") as f:
-            f.write(payload)
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        algorithm, h = new_hash()
-        h.update(payload)
-        return {"size": len(payload), algorithm: h.hexdigest()}
-    # The file is hashed from a second descriptor as it grows (a thread reading back what the
+    if raw and len(payload) < _CHUNK:  # small records (status, manifests)
+        return _write_whole(path, payload, fsync)
+    # A large file is hashed from a second descriptor as it grows (a thread reading back what the
     # kernel already holds), so the hash runs beside the codec's dump and then beside the fsync
     # instead of after them. A dump only ever appends through ``write``.
-    with (
-        open(path, "wb", buffering=0) as f,
-        _TailHasher(path) as tail,
-        ThreadPoolExecutor(1) as pool,
-    ):
-        w = _AppendOnly(f, tail)
-        w.write(payload) if raw else dump(payload, w)
-        syncing = pool.submit(os.fsync, f.fileno()) if fsync else None
-        digest = tail.digest()
+    with ExitStack() as stack:
+        sink = _Spill(path, stack)
+        sink.write(payload) if raw else dump(payload, sink)
+        if sink.held is not None:
+            return _write_whole(path, sink.held, fsync)
+        assert sink.file is not None
+        pool = stack.enter_context(ThreadPoolExecutor(1))
+        syncing = pool.submit(os.fsync, sink.file.f.fileno()) if fsync else None
+        digest = sink.file.tail.digest()
         if syncing is not None:
             syncing.result()
-    return {"size": w.size, tail.algorithm: digest}
+    return {"size": sink.size, sink.file.tail.algorithm: digest}
 
 
 def write_atomic(

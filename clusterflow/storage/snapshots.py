@@ -112,6 +112,7 @@ class NodeSnapshots:
             os.path.join(self.folder, key.name),
             keep_last=GENERATIONS,
             fsync=False,
+            readable=False,
             check=self.check,
             codec=self.codec,
         )

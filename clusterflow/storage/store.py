@@ -102,14 +102,18 @@ class CheckpointStore:
         best: tuple[str, str] | None = None,
         check: Callable[[Checkpoint], None] | None = None,
         codec: durable.Codec | None = None,
+        readable: bool = True,
     ) -> None:
         """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
         "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too;
         ``check``: what a step must satisfy beyond its manifest, sizes and digests to be read
         (raises ValueError naming what is wrong); ``codec``: how the files' objects are written
         and read (``storage.tensors.TORCH`` in the job); None where only steps and manifests are
-        read (the login side), or only bytes saved."""
+        read (the login side), or only bytes saved; ``readable``: manifests indented for a human
+        who opens one, else compact (json's C encoder: several times faster for a manifest that
+        holds the config, which snapshots every few steps write)."""
         self.check = check
+        self.readable = readable
         self.codec = codec
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
@@ -315,7 +319,7 @@ class CheckpointStore:
             }
             durable.write_file(
                 f"{tmp}/{MANIFEST}",
-                json.dumps(manifest, indent=1, sort_keys=True),
+                json.dumps(manifest, indent=1 if self.readable else None, sort_keys=True),
                 self.fsync,
                 self._remote_fs,
             )
