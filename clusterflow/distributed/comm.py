@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -74,19 +76,61 @@ def init_alone(device: torch.device) -> None:
         tdist.init_process_group(backend, store=tdist.HashStore(), rank=0, world_size=1)
 
 
-# How long the last collectives' worker threads get the GIL before the group goes (``shutdown``).
+# The longest shutdown waits for the process's other threads to go quiet, and its poll.
 SETTLE_S = 0.25
+_SETTLE_POLL_S = 0.005
 
 
 def shutdown() -> None:
     if tdist.is_available() and tdist.is_initialized():
-        # A gloo worker thread frees a finished collective's tensors with the GIL held; whoever
-        # drops the last reference to a group (DDP's reducer, when the model is freed after the
-        # job's end) joins those threads while holding the GIL. A thread still waiting for the GIL
-        # then never ends, nor does the join: the process hangs at its end (seen with gloo, two
-        # ranks, a loaded machine). Sleeping hands the GIL to the threads first.
-        time.sleep(SETTLE_S)
+        _settle()
         tdist.destroy_process_group()
+
+
+def _settle() -> None:
+    """Let gloo's worker threads finish with the GIL before the group goes.
+
+    A gloo worker thread frees a finished collective's tensors with the GIL held; whoever drops
+    the last reference to a group (DDP's reducer, when the model is freed after the job's end)
+    joins those threads while holding the GIL. A thread still waiting for the GIL then never
+    ends, nor does the join: the process hangs at its end (seen with gloo, two ranks, a loaded
+    machine). So this thread sleeps, the GIL released, until no other thread of the process is
+    runnable on three polls in a row (a thread that waits for the GIL is woken, runnable, the
+    moment this one lets it go; one the kernel has not run yet is runnable too), at most
+    ``SETTLE_S``; without ``/proc`` (not Linux), the whole ``SETTLE_S``."""
+    deadline = time.monotonic() + SETTLE_S
+    quiet = 0
+    while quiet < 3:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(_SETTLE_POLL_S, left))
+        busy = _others_runnable()
+        if busy is None:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            return
+        quiet = 0 if busy else quiet + 1
+
+
+def _others_runnable() -> bool | None:
+    """Whether a thread of this process other than the caller is running or runnable (Linux
+    ``/proc``), None where that cannot be read."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    for tid in tids:
+        if tid == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended meanwhile
+        if state == b"R":
+            return True
+    return False
 
 
 def initialized() -> bool:
