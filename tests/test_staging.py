@@ -71,6 +71,25 @@ def test_the_snapshot_is_the_state_at_the_boundary_whatever_the_loop_does_next()
     model.load_state_dict(got["model.pt"])
 
 
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+
+def test_mutable_leaves_are_copied_at_the_boundary_and_stay_shared_where_they_were():
+    model, opt = setup()
+    staging = Staging(model, [opt])
+    seen, counter = {1, 2}, Counter()
+    live = {"train_state.pt": {"seen": seen, "again": seen, "counter": counter, "name": "x"}}
+    snap = staging.take(live)
+    seen.add(3)
+    counter.n = 5
+    staging.copy_rest(snap)
+    got = staging.result(snap)["train_state.pt"]
+    assert got["seen"] == {1, 2} and got["counter"].n == 0 and got["name"] == "x"
+    assert got["seen"] is got["again"]  # one object in the state, one in the snapshot
+
+
 def test_host_buffers_are_reused_between_saves_and_views_share_one():
     model, opt = setup()
     staging = Staging(model, [opt])

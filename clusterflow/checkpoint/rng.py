@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import array
 import random
 from collections.abc import Callable
 from typing import Any
@@ -46,9 +47,9 @@ def capture_rng() -> RngState:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     py_version, py_state, py_gauss = random.getstate()
     out: RngState = {
-        # Python's Mersenne Twister state (625 ints) as one tensor: a snapshot every few steps
-        # copies and pickles one object, not 625.
-        "python": [py_version, torch.tensor(py_state, dtype=torch.int64), py_gauss],
+        # Python's Mersenne Twister state (625 ints) as the bytes of unsigned 64-bit words: a
+        # snapshot every few steps copies and pickles one object, not 625.
+        "python": [py_version, array.array("Q", py_state).tobytes(), py_gauss],
         "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
         "torch": torch.get_rng_state(),
     }
@@ -62,7 +63,7 @@ def capture_rng() -> RngState:
 def restore_rng(state: RngState) -> None:
     v, s, g = state["python"]
     # Checkpoints of earlier versions hold a list.
-    random.setstate((v, tuple(s.tolist() if isinstance(s, torch.Tensor) else s), g))
+    random.setstate((v, tuple(array.array("Q", s) if isinstance(s, bytes) else s), g))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])

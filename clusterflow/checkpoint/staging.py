@@ -29,7 +29,6 @@ the buffers (pinned allocation is slow); later ones reuse them.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Iterable
@@ -97,9 +96,9 @@ class Staging:
     def take(self, state: dict[str, Any]) -> Snapshot:
         """Start a snapshot of ``state`` (file name -> nested dicts/lists of tensors and small
         objects, as the checkpointer commits them)."""
-        skeleton, tensors = tree.flatten(state)
+        skeleton, tensors = tree.flatten(state, copy_leaves=True)
         paths = [s.path for s in tree.slots(skeleton)]
-        snap = Snapshot(copy.deepcopy(skeleton), paths, tensors, [None] * len(tensors))
+        snap = Snapshot(skeleton, paths, tensors, [None] * len(tensors))
         live = set(paths)
         # One copy of the state, no more.
         self._buffers = {p: b for p, b in self._buffers.items() if p in live}

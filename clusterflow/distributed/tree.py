@@ -23,9 +23,6 @@ class Slot:
     index: int  # place in the tensor list
     path: str  # where it sits in the state, for messages ("model.pt/0.weight")
 
-    def __deepcopy__(self, memo: dict[int, object]) -> Slot:
-        return self  # immutable: a skeleton's deep copy (a snapshot every few steps) keeps it
-
 
 def _empty(d: dict) -> dict:
     try:
@@ -38,10 +35,18 @@ def _is_tensor(obj: object) -> bool:
     return isinstance(obj, torch.Tensor)
 
 
-def flatten(obj: object, path: str = "") -> tuple[Any, list[torch.Tensor]]:
-    """(skeleton, tensors). Non-tensor leaves are kept as they are (``copy.deepcopy`` the skeleton
-    to keep them from changing later)."""
+# Leaves that never change in place: a skeleton keeps them as they are.
+_IMMUTABLE = (int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def flatten(
+    obj: object, path: str = "", copy_leaves: bool = False
+) -> tuple[Any, list[torch.Tensor]]:
+    """(skeleton, tensors). The skeleton's dicts, lists and tuples are new; its other leaves are
+    the state's own, or with ``copy_leaves`` deep copies of the mutable ones (a set, an object),
+    so that the skeleton does not change with the state later (a snapshot taken at a step)."""
     tensors: list[torch.Tensor] = []
+    memo: dict[int, object] = {}  # one copy of a leaf the state holds twice
 
     def walk(o: object, where: str) -> Any:
         if _is_tensor(o):
@@ -57,6 +62,8 @@ def flatten(obj: object, path: str = "") -> tuple[Any, list[torch.Tensor]]:
         if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
             items = [walk(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(o)]
             return items if isinstance(o, list) else tuple(items)
+        if copy_leaves and not isinstance(o, _IMMUTABLE):
+            return copy.deepcopy(o, memo)
         return o
 
     return walk(obj, path), tensors
