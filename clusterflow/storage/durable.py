@@ -240,25 +240,25 @@ class _Spill:
 
     def __init__(self, path: str, stack: ExitStack) -> None:
         self.path, self.stack = path, stack
-        self.held: bytearray | None = bytearray()
+        self.held = bytearray()  # what was written while the file is not open yet
         self.file: _AppendOnly | None = None
-        self.size = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.held) if self.file is None else self.file.size
 
     def write(self, data: Chunk) -> int:
         view = memoryview(data).cast("B")
-        if self.held is not None and len(self.held) + len(view) < _CHUNK:
+        if self.file is None and len(self.held) + len(view) < _CHUNK:
             self.held += view  # a copy: torch.save reuses its buffers
-        else:
-            if self.file is None:
-                # Closed by the stack, after the hasher that reads it back.
-                f = self.stack.enter_context(open(self.path, "wb", buffering=0))  # noqa: SIM115
-                self.file = _AppendOnly(f, self.stack.enter_context(_TailHasher(self.path)))
-                assert self.held is not None
-                self.file.write(self.held)
-                self.held = None
-            self.file.write(view)
-        self.size += len(view)
-        return len(view)
+            return len(view)
+        if self.file is None:
+            # Closed by the stack, after the hasher that reads it back.
+            f = self.stack.enter_context(open(self.path, "wb", buffering=0))  # noqa: SIM115
+            self.file = _AppendOnly(f, self.stack.enter_context(_TailHasher(self.path)))
+            self.file.write(self.held)
+            self.held = bytearray()
+        return self.file.write(view)
 
     def flush(self) -> None:
         pass
@@ -304,9 +304,8 @@ def write_file(
     with ExitStack() as stack:
         sink = _Spill(path, stack)
         sink.write(payload) if raw else dump(payload, sink)
-        if sink.held is not None:
+        if sink.file is None:
             return _write_whole(path, sink.held, fsync)
-        assert sink.file is not None
         pool = stack.enter_context(ThreadPoolExecutor(1))
         syncing = pool.submit(os.fsync, sink.file.f.fileno()) if fsync else None
         digest = sink.file.tail.digest()
