@@ -33,11 +33,11 @@ from clusterflow.rundir import RunPaths, timeline
 from clusterflow.storage import replica, snapshots
 from clusterflow.storage.names import MANIFEST, MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
-from clusterflow.storage.tensors import TORCH
+from clusterflow.storage.tensors import PACKED
 
 
 def _node(folder):
-    return NodeSnapshots(str(folder), TORCH, identity.check)
+    return NodeSnapshots(str(folder), PACKED, identity.check)
 
 
 def _commit(node, key, step, size=1000):
@@ -166,6 +166,25 @@ def test_a_sender_killed_while_sending_leaves_no_replica(tmp_path, caplog):
     got = Key(REPLICA, 0, 0, 2)
     assert theirs.store(got).steps() == [4]  # the previous replica whole, nothing half-written
     assert os.listdir(theirs.store(got).root) == ["step-4"]
+
+
+def test_an_older_attempts_snapshots_go_once_two_generations_are_newer(tmp_path):
+    """Attempt 1 resumed from step 4 of attempt 0, which had reached step 10: attempt 0's
+    snapshots stay while attempt 1's two generations are older than its newest (a restore may
+    still need them) and go once both are newer; after that, commits stop looking for them."""
+    node = _node(tmp_path)
+    old = Key(OWN, 0, 0, 2)
+    for step in (8, 10):
+        _commit(node, old, step)
+    key = Key(OWN, 1, 0, 2)
+    me = SimpleNamespace(local=node, store=node.store(key), attempt=1, _older_left=True)
+    for step, left in ((4, True), (6, True), (12, True), (14, False)):
+        _commit(node, key, step)
+        MemorySnapshots._drop_older(me)
+        assert me._older_left is left
+        listed = node.keys()
+        assert (old in listed) is left
+    assert node.store(key).steps() == [12, 14]
 
 
 _OWN = ("files", "versions", "committed_at", "step")  # the receiver's store writes these

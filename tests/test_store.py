@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import threading
 
 import pytest
 import torch
@@ -171,3 +172,38 @@ def test_a_folder_without_manifest_is_replaced_with_a_warning_naming_it(tmp_path
     assert f"{tmp_path}/step-2 has no manifest.json" in said[0] and "model.pt" in said[0]
     assert "never committed, so never loaded" in said[0] and "replaced" in said[0]
     assert torch.equal(store.latest().load("model.pt")["w"], torch.full((4,), 2.0))
+
+
+def test_pruning_many_saves_uses_one_deleting_thread_and_waits_for_it(tmp_path):
+    """Set-aside steps of local stores are deleted by one long-lived thread: a store saving every
+    few steps starts no thread per save; wait_for_pruning still waits for its own deletions."""
+    stores = [CheckpointStore(str(tmp_path / f"s{i}"), keep_last=2, fsync=False) for i in (0, 1)]
+    before = {t.ident for t in threading.enumerate()}
+    for step in range(1, 30):
+        for s in stores:
+            s.save(step, files(step))
+    started = [t for t in threading.enumerate() if t.ident not in before]
+    assert [t.name for t in started] in ([], ["clusterflow-deleter"])
+    for s in stores:
+        s.wait_for_pruning()
+        assert sorted(os.listdir(s.root)) == ["step-28", "step-29"]
+
+
+def test_a_forked_child_prunes_on_a_thread_of_its_own(tmp_path):
+    parent = CheckpointStore(str(tmp_path / "parent"), keep_last=2, fsync=False)
+    for step in (1, 2, 3):
+        parent.save(step, files(step))
+    parent.wait_for_pruning()  # the deleting thread runs in the parent now
+    pid = os.fork()
+    if pid == 0:  # the child inherits the deleter, not its thread
+        code = 1
+        try:
+            child = CheckpointStore(str(tmp_path / "child"), keep_last=2, fsync=False)
+            for step in (1, 2, 3):
+                child.save(step, files(step))
+            child.wait_for_pruning()
+            code = 0 if sorted(os.listdir(child.root)) == ["step-2", "step-3"] else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

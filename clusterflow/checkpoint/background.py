@@ -5,16 +5,25 @@ until it has finished and hands back its :class:`Outcome` once (how long it took
 caller waited for it, and the error that ended it, if any). The checkpointer decides what a
 failure means; this module only makes sure none goes unnoticed: the error is kept until someone
 waits, and ``on_error`` runs on the writer's thread at once (to log it and put it in ``status``).
+
+:class:`Writer` is the same for work handed over every few steps (snapshots in memory): one
+thread that lives as long as its owner, so that handing a write over costs the loop a queue's
+put, not the start of a thread (which waits until the OS has run the new thread, a wait that
+grows with the machine's load).
 """
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from clusterflow.storage import gil
+
+log = logging.getLogger("clusterflow.checkpointer")
 
 
 @dataclass(frozen=True)
@@ -72,3 +81,53 @@ class BackgroundWrite:
         self._thread = None
         seconds, error = self._result
         return Outcome(self._step, seconds, time.perf_counter() - t0, error)
+
+
+class Writer:
+    """One write at a time on a thread that lives until :meth:`close`; ``name``: the thread's.
+    ``write`` handles its own errors (a snapshot's are said and dropped); one that escapes is
+    logged with its traceback."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def busy(self) -> bool:
+        return not self._idle.is_set()
+
+    def start(self, write: Callable[[], object]) -> None:
+        """Hand ``write`` to the thread; the previous write must have finished."""
+        if self.busy:
+            raise RuntimeError(
+                f"{self.name}: a write is still in flight (this is a bug in clusterflow)"
+            )
+        self._idle.clear()
+        if self._thread is None or not self._thread.is_alive():
+            # A daemon: a write hung on a dead peer must not keep a failed job alive.
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        self._queue.put(write)
+
+    def wait(self) -> None:
+        """Block until the write in flight, if any, has finished."""
+        self._idle.wait()
+
+    def close(self) -> None:
+        """End the thread once the write in flight has finished (returns at once)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+    def _run(self) -> None:
+        while (write := self._queue.get()) is not None:
+            try:
+                with gil.writing():
+                    write()
+            except BaseException:  # said; the next write still needs the thread
+                log.exception("%s: a write ended with an error it did not handle", self.name)
+            finally:
+                self._idle.set()

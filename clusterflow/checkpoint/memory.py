@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -41,6 +40,7 @@ import torch
 
 from clusterflow import rundir
 from clusterflow.checkpoint import identity
+from clusterflow.checkpoint.background import Writer
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
@@ -48,11 +48,11 @@ from clusterflow.distributed import comm as dist
 from clusterflow.distributed.env import DistEnv, address_toward
 from clusterflow.rundir import timeline
 from clusterflow.rundir.saved_config import portable
-from clusterflow.storage import gil, replica, snapshots
+from clusterflow.storage import replica, snapshots
 from clusterflow.storage.names import MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
 from clusterflow.storage.store import Checkpoint
-from clusterflow.storage.tensors import TORCH
+from clusterflow.storage.tensors import PACKED
 
 log = logging.getLogger("clusterflow.checkpointer")
 
@@ -114,7 +114,7 @@ class MemorySnapshots:
         self.rank, self.world = dist.rank(), dist.world()
         self.node = snapshots.node_name()
         self.local = NodeSnapshots(
-            snapshots.run_folder(c.memory_dir, paths.root, self.node), TORCH, identity.check
+            snapshots.run_folder(c.memory_dir, paths.root, self.node), PACKED, identity.check
         )
         self.key = Key(OWN, attempt, self.rank, self.world)
         self.store = self.local.store(self.key)  # this rank's own snapshots on this node
@@ -124,13 +124,14 @@ class MemorySnapshots:
             # checkpoint.async=false: something changes the state outside optimizer.step, so
             # everything is copied at the boundary.
             optimizers = [o for o in self.states.values() if isinstance(o, torch.optim.Optimizer)]
-            self.staging = Staging(model, optimizers if c.async_ else [])
+            self.staging = Staging(model, optimizers if c.async_ else [], one_storage=True)
         self.receiver: replica.Receiver | None = None
         self.peer: tuple[int, str, tuple[str, int]] | None = None  # (rank, node, address)
         self.token = ""
-        self._thread: threading.Thread | None = None
+        self._writer = Writer(f"snapshots-rank{self.rank}")
         self._skipped_said = False
         self._failed_said: set[str] = set()
+        self._older_left = True  # older attempts' snapshots may be on this node
         # Seconds the loop spent taking snapshots, and how many were taken, since last read.
         self.loop_s, self.taken = 0.0, 0
         # Rank 0's snapshots carry the config, which a restore checks as a checkpoint's.
@@ -178,7 +179,7 @@ class MemorySnapshots:
         share (``rng``: its random streams now) and commit it on the snapshot thread."""
         t0 = time.perf_counter()
         step = self.progress.global_step
-        if self._thread is not None and self._thread.is_alive():
+        if self._writer.busy:
             if not self._skipped_said:
                 self._skipped_said = True
                 log.warning(
@@ -212,18 +213,16 @@ class MemorySnapshots:
 
         def write() -> None:
             try:
-                with gil.writing():
-                    if staging is not None and snap is not None:
-                        staging.copy_rest(snap)
-                        state = staging.result(snap)
-                    else:
-                        state = files
-                    self._commit(step, state, meta)
+                if staging is not None and snap is not None:
+                    staging.copy_rest(snap)
+                    state = staging.parts(snap)
+                else:
+                    state = files
+                self._commit(step, state, meta)
             except Exception as exc:  # noqa: BLE001 - a snapshot is a cache: said, never fatal
                 self._say_failed(step, exc)
 
-        self._thread = threading.Thread(target=write, name=f"snapshot-{step}", daemon=True)
-        self._thread.start()
+        self._writer.start(write)
         self.loop_s += time.perf_counter() - t0
         self.taken += 1
 
@@ -232,12 +231,8 @@ class MemorySnapshots:
         path = self.store.save(step, state, meta)
         if path is None:
             return
-        kept = self.store.steps()
-        if len(kept) >= snapshots.GENERATIONS:
-            # Older attempts' snapshots on this node, all older than this rank's two
-            # generations, are no longer needed.
-            oldest = kept[0]
-            self.local.drop(lambda key, newest: key.attempt >= self.attempt or newest >= oldest)
+        if self._older_left:
+            self._drop_older()
         if self.peer is None:
             return
         peer, node, address = self.peer
@@ -245,6 +240,17 @@ class MemorySnapshots:
             replica.send(address, self.token, self.key, step, path, self.timeout_s)
         except (replica.ReplicaError, OSError) as exc:
             self._say_failed(step, exc, f"replica on {node} (rank {peer})")
+
+    def _drop_older(self) -> None:
+        """Remove older attempts' snapshots on this node once this rank's two generations are
+        newer than all of them; stop looking when none is left (no older attempt writes again)."""
+        kept = self.store.steps()
+        if len(kept) < snapshots.GENERATIONS:
+            return
+        oldest = kept[0]
+        self.local.drop(lambda key, newest: key.attempt >= self.attempt or newest >= oldest)
+        here = self.local.keys()
+        self._older_left = any(key.attempt < self.attempt for key in here)
 
     def _say_failed(self, step: int, exc: BaseException, what: str = "") -> None:
         kind = f"{what}:{type(exc).__name__}"
@@ -261,9 +267,7 @@ class MemorySnapshots:
 
     def stop(self) -> None:
         """Wait for the snapshot in flight (its replica sent or failed)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._writer.wait()
 
     def close(self, clear: bool = False) -> None:
         """At the attempt's end: stop receiving; ``clear``: remove this run's snapshots on this
@@ -276,6 +280,7 @@ class MemorySnapshots:
         if clear:
             self.stop()
             self.local.clear()
+        self._writer.close()
 
     def scalars(self) -> dict[str, float]:
         """For the metrics: the loop's seconds per snapshot since the last call."""

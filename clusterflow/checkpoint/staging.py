@@ -39,6 +39,9 @@ import torch
 
 from clusterflow.distributed import tree
 
+# Each buffer's place in the arena (``one_storage``): aligned for any dtype's view.
+_ALIGN = 64
+
 
 class TornSnapshot(RuntimeError):
     """A deferred tensor changed before it was copied."""
@@ -78,9 +81,19 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 class Staging:
-    def __init__(self, model: torch.nn.Module, optimizers: Iterable[torch.optim.Optimizer]) -> None:
-        self.model, self.optimizers = model, list(optimizers)
-        self._buffers: dict[str, torch.Tensor] = {}
+    """``one_storage``: every buffer a view of one arena, which the snapshots' codec writes in
+    one piece (``storage/tensors.py``, PACKED); not for ``torch.save``, which refuses a storage
+    viewed as two dtypes and would write the whole arena into each file."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizers: Iterable[torch.optim.Optimizer],
+        one_storage: bool = False,
+    ) -> None:
+        self.model, self.optimizers, self.one_storage = model, list(optimizers), one_storage
+        self._buffers: dict[str, torch.Tensor] = {}  # views of one arena
+        self._layout: tuple[Any, ...] = ()  # what the buffers were arranged for
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: Snapshot | None = None
         # Time the loop waited in the hook, summed until read (and reset) by the owner.
@@ -90,7 +103,7 @@ class Staging:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks, self._buffers, self._pending = [], {}, None
+        self._hooks, self._buffers, self._layout, self._pending = [], {}, (), None
 
     # -- on the loop's thread -----------------------------------------------------------------
     def take(self, state: dict[str, Any]) -> Snapshot:
@@ -99,9 +112,6 @@ class Staging:
         skeleton, tensors = tree.flatten(state, copy_leaves=True)
         paths = [s.path for s in tree.slots(skeleton)]
         snap = Snapshot(skeleton, paths, tensors, [None] * len(tensors))
-        live = set(paths)
-        # One copy of the state, no more.
-        self._buffers = {p: b for p, b in self._buffers.items() if p in live}
         snap.device = next((t.device for t in tensors if t.is_cuda), None)
         if snap.device is not None:
             snap.ready = torch.cuda.Event()
@@ -132,6 +142,7 @@ class Staging:
                 snap.versions[i] = version
             else:
                 now.append(i)
+        self._arrange(snap, sorted(set(range(len(tensors))) - snap.odd - snap.alias.keys()))
         self._copy(snap, now)
         if snap.device is not None and any(snap.sources[i].is_cuda for i in now):
             done = torch.cuda.Event()
@@ -175,25 +186,36 @@ class Staging:
 
     def result(self, snap: Snapshot) -> dict[str, Any]:
         """The state as host copies, once every copy is done; raises TornSnapshot."""
+        return tree.unflatten(snap.skeleton, self._copies(snap))
+
+    def parts(self, snap: Snapshot) -> dict[str, tree.Flat]:
+        """The same, each file (the state's top-level key) still taken apart, for a codec that
+        takes a :class:`~clusterflow.distributed.tree.Flat` (the snapshots')."""
+        copies = self._copies(snap)
+        parts: dict[str, dict[int, torch.Tensor]] = {name: {} for name in snap.skeleton}
+        for i, path in enumerate(snap.paths):
+            parts[path.split("/", 1)[0]][i] = copies[i]
+        return {name: tree.Flat(snap.skeleton[name], parts[name]) for name in snap.skeleton}
+
+    def _copies(self, snap: Snapshot) -> list[torch.Tensor]:
         if snap.done is not None:
             snap.done.synchronize()
         self._check(snap)
         snap.sources = []
         if snap.torn:
             raise TornSnapshot(snap.torn)
-        return tree.unflatten(
-            snap.skeleton, [snap.copies[snap.alias.get(i, i)] for i in range(len(snap.copies))]
-        )
+        return [snap.copies[snap.alias.get(i, i)] for i in range(len(snap.copies))]
 
     # -- helpers ------------------------------------------------------------------------------
     def _copy(self, snap: Snapshot, indices: list[int]) -> None:
+        host: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # (buffers, sources)
         with torch.no_grad():
             for i in indices:
                 t = snap.sources[i]
                 if i in snap.odd:
                     snap.copies[i] = t.detach().to("cpu", copy=True)
                     continue
-                buf = self._buffer(snap.paths[i], t)
+                buf = self._buffers[snap.paths[i]]
                 if t.is_cuda:
                     stream = self._stream(t.device)
                     with torch.cuda.stream(stream):
@@ -202,17 +224,43 @@ class Staging:
                         # The allocator must not reuse it before the copy ran.
                         t.record_stream(stream)
                 else:
-                    buf.copy_(t)
+                    host[0].append(buf)
+                    host[1].append(t)
                 snap.copies[i] = buf
+            if host[0]:
+                # One call for every host tensor: a copy_ each costs more in dispatch than in
+                # bytes for the small tensors most states hold.
+                torch._foreach_copy_(*host)
 
-    def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(path)
-        # t's layout when dense, else contiguous.
-        stride = torch.empty_like(t, device="meta").stride()
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != stride:
-            buf = torch.empty_strided(t.size(), stride, dtype=t.dtype, pin_memory=t.is_cuda)
-            self._buffers[path] = buf
-        return buf
+    def _arrange(self, snap: Snapshot, indices: list[int]) -> None:
+        """The host buffers of the tensors at ``indices``, kept while the tensors' layout stays
+        the same (one copy of the state, no more); with ``one_storage``, views of one arena."""
+        layout = tuple(
+            (snap.paths[i], snap.sources[i].dtype, snap.sources[i].shape, snap.sources[i].stride())
+            for i in indices
+        )
+        if layout == self._layout:
+            return
+        places, size = [], 0
+        for i in indices:
+            t = snap.sources[i]
+            stride = torch.empty_like(t, device="meta").stride()  # t's when dense, else contiguous
+            places.append((size, stride))
+            size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        pinned = any(snap.sources[i].is_cuda for i in indices)
+        arena = torch.empty(size if self.one_storage else 0, dtype=torch.uint8, pin_memory=pinned)
+
+        def buffer(t: torch.Tensor, start: int, stride: tuple[int, ...]) -> torch.Tensor:
+            if not self.one_storage:
+                return torch.empty_strided(t.shape, stride, dtype=t.dtype, pin_memory=pinned)
+            end = start + t.numel() * t.element_size()
+            return arena[start:end].view(t.dtype).as_strided(t.shape, stride)
+
+        self._buffers = {
+            snap.paths[i]: buffer(snap.sources[i], start, stride)
+            for i, (start, stride) in zip(indices, places)
+        }
+        self._layout = layout
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

@@ -11,9 +11,9 @@ pickled. Dict subclasses and their ``_metadata`` (what ``Module.state_dict`` att
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,6 +22,18 @@ import torch
 class Slot:
     index: int  # place in the tensor list
     path: str  # where it sits in the state, for messages ("model.pt/0.weight")
+
+
+class Flat(NamedTuple):
+    """One part of a flattened state, handed on without being put back together: its skeleton
+    and the tensors its slots name, by slot index (a codec that writes tensors one by one need
+    not walk the state again)."""
+
+    skeleton: Any
+    tensors: dict[int, torch.Tensor]
+
+    def whole(self) -> Any:
+        return unflatten(self.skeleton, self.tensors)
 
 
 def _empty(d: dict) -> dict:
@@ -42,9 +54,10 @@ _IMMUTABLE = (int, float, complex, str, bytes, type(None), torch.dtype, torch.de
 def flatten(
     obj: object, path: str = "", copy_leaves: bool = False
 ) -> tuple[Any, list[torch.Tensor]]:
-    """(skeleton, tensors). The skeleton's dicts, lists and tuples are new; its other leaves are
-    the state's own, or with ``copy_leaves`` deep copies of the mutable ones (a set, an object),
-    so that the skeleton does not change with the state later (a snapshot taken at a step)."""
+    """(skeleton, tensors). The skeleton's dicts, lists and tuples are new; its other leaves (and
+    a state_dict's ``_metadata``) are the state's own, or with ``copy_leaves`` deep copies of the
+    mutable ones (a set, an object), so that the skeleton does not change with the state later (a
+    snapshot taken at a step)."""
     tensors: list[torch.Tensor] = []
     memo: dict[int, object] = {}  # one copy of a leaf the state holds twice
 
@@ -57,7 +70,8 @@ def flatten(
             for k, v in o.items():
                 out[k] = walk(v, f"{where}/{k}" if where else str(k))
             if hasattr(o, "_metadata"):
-                out._metadata = copy.deepcopy(o._metadata)  # type: ignore[attr-defined]
+                meta = o._metadata  # type: ignore[attr-defined]
+                out._metadata = copy.deepcopy(meta, memo) if copy_leaves else meta
             return out
         if isinstance(o, (list, tuple)) and type(o) in (list, tuple):
             items = [walk(v, f"{where}/{i}" if where else str(i)) for i, v in enumerate(o)]
@@ -87,7 +101,9 @@ def slots(skeleton: object) -> list[Slot]:
     return sorted(found, key=lambda s: s.index)
 
 
-def unflatten(skeleton: object, tensors: Sequence[torch.Tensor]) -> Any:
+def unflatten(
+    skeleton: object, tensors: Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
+) -> Any:
     """The skeleton with each slot replaced by ``tensors[slot.index]`` (containers are rebuilt)."""
     if isinstance(skeleton, Slot):
         return tensors[skeleton.index]

@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import sys
@@ -92,6 +93,39 @@ def _versions(codec: durable.Codec | None) -> dict[str, str]:
     return {"python": sys.version.split()[0], **versions, "clusterflow": __version__}
 
 
+class _Deleter:
+    """Deletes set-aside folders of local stores on one long-lived thread, off the caller's path
+    (a store that snapshots every few steps would otherwise start a thread per save)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[list[str], threading.Event]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def delete(self, paths: list[str]) -> threading.Event:
+        """Queue ``paths`` for deletion; the event is set once they are gone."""
+        done = threading.Event()
+        with self._lock:
+            # A forked child inherits the object but not the thread.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="clusterflow-deleter", daemon=True
+                )
+                self._thread.start()
+            self._queue.put((paths, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            paths, done = self._queue.get()
+            for p in paths:
+                shutil.rmtree(p, ignore_errors=True)
+            done.set()
+
+
+_DELETER = _Deleter()
+
+
 class CheckpointStore:
     def __init__(
         self,
@@ -130,7 +164,7 @@ class CheckpointStore:
         )
         # What durable.* takes for "not a local path".
         self._remote_fs = None if self.local else self.fs
-        self._deleting: list[threading.Thread] = []
+        self._deleting: list[threading.Event] = []  # set when deleted
         # step -> why its reader refused it: damaged too, moved aside when reached.
         self.refused: dict[int, str] = {}
 
@@ -155,7 +189,14 @@ class CheckpointStore:
 
     def _names(self, folder: str) -> list[str]:
         """The names in ``folder`` (files and folders)."""
+        if self.local:
+            return os.listdir(folder)
         return [e.rstrip("/").rsplit("/", 1)[-1] for e in self.fs.ls(folder, detail=False)]
+
+    def _exists(self, path: str) -> bool:
+        # A local store asks the OS itself: fsspec's local calls normalise every path first, and
+        # a store that snapshots every few steps asks this a dozen times per save.
+        return os.path.exists(path) if self.local else self.fs.exists(path)
 
     def _only_listed(self, path: str, manifest: Mapping[str, Any]) -> None:
         """ValueError when the folder ``path`` holds anything but its manifest and the files it
@@ -173,7 +214,7 @@ class CheckpointStore:
         out = []
         for name in self._entries():
             m = _STEP.match(name)
-            if m and self.fs.exists(self._p(name, MANIFEST)):
+            if m and self._exists(self._p(name, MANIFEST)):
                 out.append(int(m.group(1)))
         return sorted(out)
 
@@ -197,9 +238,9 @@ class CheckpointStore:
 
     def _may_write(self, step: int, meta: Mapping[str, Any]) -> bool:
         """False when step-N holds a sound state that the new one does not supersede."""
-        if not self.fs.exists(self._p(f"step-{step}", MANIFEST)):
+        if not self._exists(self._p(f"step-{step}", MANIFEST)):
             # Nothing there, or a folder without manifest: debris that _publish replaces.
-            if self.fs.exists(self.step_path(step)):
+            if self._exists(self.step_path(step)):
                 log.warning(
                     "%s has no manifest.json: it was never committed, so never loaded (it holds "
                     "%s); it is replaced by the step %d being saved",
@@ -284,8 +325,11 @@ class CheckpointStore:
     def _new_staging(self, step: int, files: Mapping[str, Any]) -> str:
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
         try:
-            self.fs.makedirs(self.root, exist_ok=True)
-            self.fs.makedirs(tmp, exist_ok=True)
+            if self.local:
+                os.makedirs(tmp)  # with the root; the random name is new
+            else:
+                self.fs.makedirs(self.root, exist_ok=True)
+                self.fs.makedirs(tmp, exist_ok=True)
         except BaseException as exc:
             self._failed(tmp, step, files, exc)
             raise
@@ -347,7 +391,7 @@ class CheckpointStore:
         """Rename a complete staged folder to ``step-<N>``; whatever held that name is set aside
         first (an older state, or debris without a manifest) and deleted in the background."""
         final = self.step_path(step)
-        if self.fs.exists(final):
+        if self._exists(final):
             aside = self._p(f".superseded-step-{step}-{uuid.uuid4().hex[:8]}")
             self.fs.mv(final, aside, recursive=True)
             self._delete_later([aside])
@@ -413,17 +457,13 @@ class CheckpointStore:
             for p in paths:
                 self.fs.rm(p, recursive=True)
             return
-        self._deleting = [t for t in self._deleting if t.is_alive()]
-        thread = threading.Thread(
-            target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths], daemon=True
-        )
-        thread.start()
-        self._deleting.append(thread)
+        self._deleting = [done for done in self._deleting if not done.is_set()]
+        self._deleting.append(_DELETER.delete(paths))
 
     def wait_for_pruning(self) -> None:
         """Wait for background deletions (call before the process exits)."""
         while self._deleting:
-            self._deleting.pop().join()
+            self._deleting.pop().wait()
 
     def clean_debris(self) -> list[str]:
         """Finish what a killed writer left; call before writing anew. A staged folder whose files
