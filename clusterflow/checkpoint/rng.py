@@ -60,10 +60,19 @@ def capture_rng() -> RngState:
     return out
 
 
+def _python_words(saved: object) -> tuple[int, ...]:
+    """Python's Mersenne Twister words as ``capture_rng`` saved them: bytes; checkpoints of
+    earlier versions hold an int64 tensor or a list."""
+    if isinstance(saved, bytes):
+        return tuple(array.array("Q", saved))
+    if isinstance(saved, torch.Tensor):
+        return tuple(saved.tolist())
+    return tuple(saved)  # type: ignore[call-overload]
+
+
 def restore_rng(state: RngState) -> None:
     v, s, g = state["python"]
-    # Checkpoints of earlier versions hold a list.
-    random.setstate((v, tuple(array.array("Q", s) if isinstance(s, bytes) else s), g))
+    random.setstate((v, _python_words(s), g))
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
