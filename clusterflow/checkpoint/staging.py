@@ -92,7 +92,7 @@ class Staging:
         one_storage: bool = False,
     ) -> None:
         self.model, self.optimizers, self.one_storage = model, list(optimizers), one_storage
-        self._buffers: dict[str, torch.Tensor] = {}  # views of one arena
+        self._buffers: dict[str, torch.Tensor] = {}  # by path (one_storage: views of one arena)
         self._layout: tuple[Any, ...] = ()  # what the buffers were arranged for
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._pending: Snapshot | None = None
@@ -248,10 +248,12 @@ class Staging:
             places.append((size, stride))
             size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
         pinned = any(snap.sources[i].is_cuda for i in indices)
-        arena = torch.empty(size if self.one_storage else 0, dtype=torch.uint8, pin_memory=pinned)
+        arena = None
+        if self.one_storage:
+            arena = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
 
         def buffer(t: torch.Tensor, start: int, stride: tuple[int, ...]) -> torch.Tensor:
-            if not self.one_storage:
+            if arena is None:
                 return torch.empty_strided(t.shape, stride, dtype=t.dtype, pin_memory=pinned)
             end = start + t.numel() * t.element_size()
             return arena[start:end].view(t.dtype).as_strided(t.shape, stride)
