@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 from collections import Counter, OrderedDict
 from typing import IO, Any
@@ -84,8 +85,8 @@ def _dump_packed(obj: object, f: Sink) -> None:
         whole = obj.whole() if isinstance(obj, tree.Flat) else obj
         torch.save(whole, f)  # type: ignore[arg-type]  # torch.save only calls write and flush
         return
-    # Like torch.save, each storage once: tensors that share one (views, a staging arena) keep
-    # sharing it, and a state whose buffers are views of one arena is one write.
+    # Like torch.save, each storage once: views of one storage are its bytes once, and a state
+    # whose buffers are views of one arena (a snapshot's) is one write.
     storages: dict[int, int] = {}  # data_ptr -> index
     blobs: list[torch.UntypedStorage] = []
     metas = {}
@@ -146,8 +147,10 @@ class _Skeleton(pickle.Unpickler):
 
 def _load_packed(source: str | IO[bytes]) -> Any:
     if isinstance(source, str):
-        with open(source, "rb") as f:
-            data = bytearray(f.read())
+        with open(source, "rb") as f:  # read into the buffer the tensors will view: one copy
+            data = bytearray(os.fstat(f.fileno()).st_size)
+            if f.readinto(data) != len(data):
+                raise ValueError(f"{source} changed size while it was read")
     else:
         data = bytearray(source.read())
     if not data.startswith(MAGIC):
