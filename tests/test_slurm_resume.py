@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import pytest
 from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
@@ -57,13 +58,13 @@ def assert_same_weights(run_dir, reference_run):
 
 def stop_and_resume_steps(run_dir):
     """The step saved at each stop and the step each later attempt resumed from: they must match.
-    A stop that lands on an epoch's last step (a signal late on a loaded machine) is saved by the
-    epoch's end, which says so in its own words."""
+    A stop that lands on an epoch's last step, or in the mining round after it (a signal late on
+    a loaded machine), is saved by the epoch's end, which says so in its own words."""
     logs = rank0_logs(run_dir)
-    mid, end = (
-        r"saving at global step (\d+)",
-        r"saved at global step (\d+) \(the end of epoch \d+\)",
-    )
+    mid = r"saving at global step (\d+)"
+    epoch_end = r"the end of epoch \d+"
+    mining = r"in the mining round after epoch \d+, which the next attempt continues"
+    end = rf"saved at global step (\d+) \((?:{epoch_end}|{mining})\)"
     saved = [int(a or b) for a, b in re.findall(rf"(?:{mid}|{end}) and stopping", logs)]
     resumed = [int(s) for s in re.findall(r"resumed from \S+/step-(\d+):", logs)]
     return saved, resumed
@@ -125,9 +126,13 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
     assert_same_weights(d, reference_run)
 
 
-def killed_while_writing_step_12(run_dir):
-    """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process
-    of the job."""
+@pytest.fixture(scope="module")
+def killed_while_writing_step_12(cluster, tmp_path_factory):
+    """A run dir whose job ran until rank 0 was in the middle of writing checkpoint step 12, then
+    had every process SIGKILLed; and the files of its committed checkpoints, with their digests
+    taken before the kill. Each test resumes a copy of it (a run dir may be copied and resumed
+    from its new place): one kill serves them all."""
+    run_dir = str(tmp_path_factory.mktemp("killed-while-writing") / "run")
     job, _ = submit(run_dir, *HANG)
     ckpts = os.path.join(run_dir, "checkpoints")
     partial = wait_until(
@@ -140,16 +145,25 @@ def killed_while_writing_step_12(run_dir):
     wait_gone(job)
     assert status(run_dir)["state"] == "failed"  # left the queue without an outcome
     assert os.path.exists(partial[0])
-    return ckpts, committed
+    return run_dir, committed
 
 
-def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, reference_run, tmp_path):
+def copy_of(killed, run_dir):
+    """A copy of the killed run dir at ``run_dir``; returns its checkpoints folder."""
+    shutil.copytree(killed, run_dir, symlinks=True)
+    return os.path.join(run_dir, "checkpoints")
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(
+    killed_while_writing_step_12, reference_run, tmp_path
+):
+    killed, committed = killed_while_writing_step_12
+    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     d = str(tmp_path / "run")
-    ckpts, committed = killed_while_writing_step_12(d)
+    ckpts = copy_of(killed, d)
     store = CheckpointStore(ckpts, keep_last=3, codec=TORCH)
     assert store.steps() == [4, 6, 8]
     assert store.latest().step == 8
-    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     _, out = submit(d, *HANG, wait=True)  # the next attempt: the same command again
     assert out.returncode == 0, out.stdout + out.stderr
     s = status(d)
@@ -187,9 +201,11 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
     assert_same_weights(d, reference_run)
 
 
-def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run, tmp_path):
+def test_damaged_newest_checkpoints_are_skipped_on_resume(
+    killed_while_writing_step_12, reference_run, tmp_path
+):
     d = str(tmp_path / "run")
-    ckpts, _ = killed_while_writing_step_12(d)
+    ckpts = copy_of(killed_while_writing_step_12[0], d)
     model8 = os.path.join(ckpts, "step-8", "model.pt")
     data = bytearray(open(model8, "rb").read())
     data[len(data) // 2] ^= 0x10  # one flipped bit
