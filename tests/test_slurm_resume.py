@@ -126,26 +126,55 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
     assert_same_weights(d, reference_run)
 
 
+def half_written(ckpts, step):
+    return glob.glob(os.path.join(ckpts, f".tmp-step-{step}-*", "model.pt"))
+
+
+def committed_files(ckpts):
+    """Each file of the committed checkpoints, with its digest."""
+    return {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
+
+
 @pytest.fixture(scope="module")
-def killed_while_writing_step_12(cluster, tmp_path_factory):
-    """A run dir whose job ran until rank 0 was in the middle of writing checkpoint step 12, then
-    had every process SIGKILLed; and the files of its committed checkpoints, with their digests
-    taken before the kill. Each test resumes a copy of it (a run dir may be copied and resumed
-    from its new place): one kill serves them all."""
-    run_dir = str(tmp_path_factory.mktemp("killed-while-writing") / "run")
-    job, _ = submit(run_dir, *HANG)
-    ckpts = os.path.join(run_dir, "checkpoints")
+def killed_jobs(cluster, tmp_path_factory):
+    """Two jobs at once (one core of each node each), each SIGKILLed whole in the middle of a
+    checkpoint write: the synchronous one of step 12 (after a mining round), and the background
+    one of step 8 while both nodes train on past step 10. For each, its run dir and the files of
+    its committed checkpoints, with their digests taken before the kill."""
+    root = tmp_path_factory.mktemp("killed-while-writing")
+    sync, background = str(root / "step-12"), str(root / "step-8-background")
+    jobs = {sync: submit(sync, *HANG)[0], background: submit(background, *HANG_BACKGROUND)[0]}
+    ckpts = {d: os.path.join(d, "checkpoints") for d in jobs}
     partial = wait_until(
-        "a half-written step 12",
-        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-12-*", "model.pt")),
-        job_id=job,
+        "a half-written step 12", lambda: half_written(ckpts[sync], 12), job_id=jobs[sync]
     )
-    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
-    scmd("scancel", "--signal=KILL", "--full", job)
-    wait_gone(job)
-    assert status(run_dir)["state"] == "failed"  # left the queue without an outcome
+    committed = {sync: committed_files(ckpts[sync])}
+    scmd("scancel", "--signal=KILL", "--full", jobs[sync])
+    wait_until(
+        "a half-written step 8",
+        lambda: half_written(ckpts[background], 8),
+        job_id=jobs[background],
+    )
+    wait_until(
+        "both nodes training past step 8 while it is written",
+        lambda: at_step(background, 10),
+        job_id=jobs[background],
+    )
+    committed[background] = committed_files(ckpts[background])
+    scmd("scancel", "--signal=KILL", "--full", jobs[background])
+    for job in jobs.values():
+        wait_gone(job)
+    assert status(sync)["state"] == "failed"  # left the queue without an outcome
     assert os.path.exists(partial[0])
-    return run_dir, committed
+    return {"sync": (sync, committed[sync]), "background": (background, committed[background])}
+
+
+@pytest.fixture
+def killed_while_writing_step_12(killed_jobs):
+    """The run dir killed in the middle of writing step 12, and its committed files. Each test
+    resumes a copy of it (a run dir may be copied and resumed from its new place): one kill
+    serves them all."""
+    return killed_jobs["sync"]
 
 
 def copy_of(killed, run_dir):
@@ -175,22 +204,11 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(
 
 
 def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
-    cluster, reference_run, tmp_path
+    killed_jobs, reference_run, tmp_path
 ):
+    killed, committed = killed_jobs["background"]
     d = str(tmp_path / "run")
-    ckpts = os.path.join(d, "checkpoints")
-    job, _ = submit(d, *HANG_BACKGROUND)
-    wait_until(
-        "a half-written step 8",
-        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")),
-        job_id=job,
-    )
-    wait_until(
-        "both nodes training past step 8 while it is written", lambda: at_step(d, 10), job_id=job
-    )
-    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
-    scmd("scancel", "--signal=KILL", "--full", job)
-    wait_gone(job)
+    ckpts = copy_of(killed, d)
     assert CheckpointStore(ckpts, keep_last=3, codec=TORCH).steps() == [4, 6]
     assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     _, out = submit(d, *HANG_BACKGROUND, wait=True)
