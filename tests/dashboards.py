@@ -25,6 +25,8 @@ from clusterflow.web import server
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+# How long one command of the browser's driver may take to answer (Selenium's own bound: 120 s).
+COMMAND_TIMEOUT_S = 400
 
 
 def make_run(run_dir, state="running", world=2, step=10, epochs=3, attempts=1, **status):
@@ -275,6 +277,9 @@ def browser(width=1400, height=1000):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    # An answer may take minutes where four test workers share two cores with a browser that
+    # draws live charts.
+    driver.command_executor.client_config.timeout = COMMAND_TIMEOUT_S
     driver.profile_dir = profile
     return driver
 

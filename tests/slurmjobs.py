@@ -80,6 +80,63 @@ def wait_gone(job_id, timeout=300):
     )
 
 
+# Job states of a job that has ended for good (scontrol's words); a requeued job passes through
+# none of them between its attempts.
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+)
+
+
+def sbatch_wait(args, env, timeout=600):
+    """``sbatch --wait ARGS`` (in REPO, with ``env``), the job's end seen within a second: sbatch's
+    own --wait asks at 2, 10, 42, 74... s (its pause grows fourfold up to 32 s), up to half a
+    minute late for each job. Returns a CompletedProcess: sbatch's output and, as ``sbatch
+    --wait``, the job's exit code (1 when a signal ended it) through every requeue."""
+    out = subprocess.run(
+        ["sbatch", "--parsable", *args],
+        check=False,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode != 0:
+        return out
+    job = out.stdout.strip().split(";")[0]
+    fields = wait_until(
+        f"job {job} to end",
+        lambda: (f := job_fields(job)).get("JobState") in ENDED and f,
+        timeout=timeout,
+        job_id=job,
+    )
+    code, signal = (int(x) for x in fields["ExitCode"].split(":"))
+    out.returncode = 1 if signal else code
+    return out
+
+
+def job_fields(job_id):
+    """``scontrol show job``'s fields of the job ({} while scontrol does not answer)."""
+    out = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if out.returncode != 0:
+        return {}
+    return dict(w.split("=", 1) for w in out.stdout.split() if "=" in w)
+
+
 def scmd(*args):
     out = subprocess.run(list(args), check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{args}: {out.stdout}{out.stderr}"

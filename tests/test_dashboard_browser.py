@@ -456,8 +456,13 @@ def check_cancel_from_the_page_stops_the_run(runs, live, dashboard, driver, exam
     from selenium.webdriver.support import expected_conditions
     from selenium.webdriver.support.ui import WebDriverWait
 
-    driver.find_element("id", "cancel").click()
-    alert = WebDriverWait(driver, 10).until(expected_conditions.alert_is_present())
+    button = driver.find_element("id", "cancel")
+    assert button.is_displayed() and button.is_enabled()
+    # Its handler opens a prompt, which holds the page's one thread until answered: the click is
+    # dispatched by the page's own timer, so that no command of the driver waits on the prompt
+    # (a click command that does can outwait the driver's read timeout on a loaded machine).
+    driver.execute_script("const b = arguments[0]; setTimeout(() => b.click(), 0);", button)
+    alert = WebDriverWait(driver, WAIT_S).until(expected_conditions.alert_is_present())
     alert.send_keys("runs/live")
     alert.accept()
     said = until("the cancel's answer", lambda: driver.find_element("id", "cancel-said").text)

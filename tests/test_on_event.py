@@ -95,6 +95,33 @@ def test_the_command_is_not_waited_for_and_settle_is_bounded(tmp_path):
     hang.started[0].wait()
 
 
+def test_the_jobs_signals_right_after_fire_do_not_end_the_command(tmp_path):
+    """A rank that requeues its job fires ``requeued`` while Slurm already sends SIGTERM to every
+    process of the job: the command, signalled (its whole session, every stop signal) the moment
+    fire returns, still runs to its end; what it runs ignores them too, and a pipe still ends a
+    writer quietly (SIGPIPE's default is back)."""
+    paths = rundir.RunPaths(str(tmp_path / "run"))
+    gate, out = tmp_path / "gate", tmp_path / "out"
+    on = events.OnEvent(
+        f"while [ ! -e {gate} ]; do sleep 0.05; done; "
+        f"yes | head -n 1 > /dev/null; grep SigIgn /proc/self/status >> {out}; "
+        f"echo $CLUSTERFLOW_EVENT >> {out}",
+        paths,
+    )
+    assert on.fire(events.REQUEUED, 1, "requeued after the time-limit signal")
+    session = on.started[0].pid  # its own session: the group's id is its pid
+    for sig in events.JOB_SIGNALS:
+        os.killpg(session, sig)
+    gate.touch()
+    on.settle(timeout_s=120)
+    assert on.started[0].returncode == 0
+    ignored, event = out.read_text().splitlines()
+    mask = int(ignored.split()[1], 16)
+    assert all(mask & (1 << (sig - 1)) for sig in events.JOB_SIGNALS), ignored
+    assert not mask & (1 << (signal.SIGPIPE - 1)), ignored
+    assert event == "requeued"
+
+
 def test_a_failing_command_is_logged_and_changes_nothing_else(tmp_path, caplog):
     paths = rundir.RunPaths(str(tmp_path / "run"))
     on = events.OnEvent("echo about to fail; exit 3", paths)

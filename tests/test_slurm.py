@@ -2,12 +2,11 @@
 crash."""
 
 import os
-import subprocess
 import time
 
 import pytest
 from conftest import REPO, run_cli
-from slurmjobs import env, status
+from slurmjobs import env, sbatch_wait, status
 
 pytestmark = pytest.mark.slurm
 
@@ -42,10 +41,8 @@ def test_submit_route(cluster, tmp_path, nodes, tasks, request):
 @pytest.mark.parametrize("nodes,tasks", TOPOLOGIES)
 def test_template_route(cluster, tmp_path, nodes, tasks):
     d = str(tmp_path / "run")
-    out = subprocess.run(
+    out = sbatch_wait(
         [
-            "sbatch",
-            "--wait",
             "-N",
             str(nodes),
             f"--ntasks-per-node={tasks}",
@@ -54,12 +51,7 @@ def test_template_route(cluster, tmp_path, nodes, tasks):
             "configs/tiny.yaml",
             f"run.dir={d}",
         ],
-        check=False,
-        cwd=REPO,
         env={**os.environ, **env()},
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
     assert out.returncode == 0, (
         out.stdout

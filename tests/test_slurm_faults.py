@@ -3,12 +3,20 @@ moved run dir resumed through the sbatch template, a second job on a held run di
 
 import os
 import shutil
-import subprocess
 import time
 
 import pytest
 from conftest import REPO, run_cli
-from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_until
+from slurmjobs import (
+    TWO_NODES,
+    env,
+    live_status,
+    sbatch_wait,
+    sha256,
+    status,
+    submit,
+    wait_until,
+)
 
 from clusterflow import rundir
 from clusterflow.rundir import restarts
@@ -55,8 +63,6 @@ def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
 
 def sbatch_template(run_dir, log_dir, extra_env=None):
     cmd = [
-        "sbatch",
-        "--wait",
         "-N",
         "2",
         "--ntasks-per-node=1",
@@ -67,15 +73,7 @@ def sbatch_template(run_dir, log_dir, extra_env=None):
         *KILL_TASK,
         "cluster.restarts_in_job=0",  # the kill ends the job: it is resumed by a second one
     ]
-    return subprocess.run(
-        cmd,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, **env(), **(extra_env or {})},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return sbatch_wait(cmd, env={**os.environ, **env(), **(extra_env or {})})
 
 
 def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_run, tmp_path):

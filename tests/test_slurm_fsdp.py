@@ -15,9 +15,9 @@ SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.4")
 
 
 def test_sharded_run_on_two_nodes_resumes_after_a_requeue_bitwise(cluster, tmp_path):
+    # The uninterrupted reference trains beside the run under test (one core of each node each).
     ref = str(tmp_path / "ref")
-    _, out = submit(ref, *FSDP, *SLOW, "task.params.step_sleep=0", wait=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    ref_job, _ = submit(ref, *FSDP, *SLOW, "task.params.step_sleep=0")
 
     d = str(tmp_path / "run")
     job, _ = submit(d, *FSDP, *SLOW)
@@ -30,6 +30,8 @@ def test_sharded_run_on_two_nodes_resumes_after_a_requeue_bitwise(cluster, tmp_p
     )
     scmd("scontrol", "requeue", job)  # SIGTERM to both nodes' ranks, then requeued
     wait_gone(job)
+    wait_gone(ref_job)
+    assert status(ref)["state"] == "completed"
     s = status(d)
     assert s["state"] == "completed" and s["attempts"] == 2, s
     logs = rank0_logs(d)

@@ -10,7 +10,16 @@ import sys
 
 import pytest
 from conftest import REPO
-from slurmjobs import env, live_status, rank0_logs, scmd, sha256, status, wait_until
+from slurmjobs import (
+    env,
+    live_status,
+    rank0_logs,
+    sbatch_wait,
+    scmd,
+    sha256,
+    status,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slurm
 
@@ -92,16 +101,11 @@ def test_a_job_without_slurm_commands_is_requeued_by_the_batch_script(
     cluster, reference_run, tmp_path
 ):
     d = str(tmp_path / "run")
-    out = subprocess.run(
-        ["sbatch", "--wait", "-N", "2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm-%j.out"]
+    out = sbatch_wait(
+        ["-N", "2", "--ntasks-per-node=1", f"--output={tmp_path}/slurm-%j.out"]
         + [os.path.join(REPO, "slurm_templates", "train.sbatch"), "configs/tiny.yaml"]
         + [f"run.dir={d}", *STOP, f"task.params.run_dir={d}"],
-        check=False,
-        cwd=REPO,
         env={**os.environ, **env(), "CLUSTERFLOW_PYTHON": without_slurm(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
     slurm_out = "".join(open(p).read() for p in map(str, tmp_path.glob("slurm-*.out")))
     assert out.returncode == 0, out.stdout + out.stderr + slurm_out

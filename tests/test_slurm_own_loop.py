@@ -26,7 +26,7 @@ SCRIPT = os.path.join(REPO, "tests", "ownloop", "converted_ddp.py")
 CONFIG = ("checkpoint.every_steps=4", "checkpoint.async=false", "train.log_every_steps=1")
 
 
-def submit_script(run_dir, *overrides, wait=False, extra_env=None):
+def submit_script(run_dir, *overrides, extra_env=None):
     out = run_cli(
         "clusterflow.submit",
         "--script",
@@ -35,7 +35,6 @@ def submit_script(run_dir, *overrides, wait=False, extra_env=None):
         *TWO_NODES,
         *CONFIG,
         *overrides,
-        *(["--wait"] if wait else []),
         "--",
         "--epochs",
         "3",
@@ -64,9 +63,9 @@ def at(run_dir, step, attempt):
 
 
 def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(cluster, tmp_path):
+    # The uninterrupted reference trains beside the run under test (one core of each node each).
     ref = str(tmp_path / "reference")
-    _, out = submit_script(ref, wait=True)
-    assert out.returncode == 0, out.stdout + out.stderr
+    ref_job, _ = submit_script(ref)
 
     d = str(tmp_path / "run")
     job, _ = submit_script(
@@ -107,6 +106,8 @@ def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(c
     resumed = [int(x) for x in re.findall(r"resumed from \S+/step-(\d+):", logs)]
     assert len(saved) == 1 and resumed[0] == saved[0] >= 3, (saved, resumed)
     assert len(resumed) == 2 and resumed[1] >= saved[0], resumed  # the restart
+    wait_gone(ref_job, timeout=300)
+    assert status(ref)["state"] == "completed"
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref, "model.pt"))
 
     shown = run_cli("clusterflow.status", d, env=env()).stdout

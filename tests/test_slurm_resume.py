@@ -13,6 +13,7 @@ import glob
 import json
 import os
 import re
+import shutil
 
 import pytest
 from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
@@ -57,13 +58,13 @@ def assert_same_weights(run_dir, reference_run):
 
 def stop_and_resume_steps(run_dir):
     """The step saved at each stop and the step each later attempt resumed from: they must match.
-    A stop that lands on an epoch's last step (a signal late on a loaded machine) is saved by the
-    epoch's end, which says so in its own words."""
+    A stop that lands on an epoch's last step, or in the mining round after it (a signal late on
+    a loaded machine), is saved by the epoch's end, which says so in its own words."""
     logs = rank0_logs(run_dir)
-    mid, end = (
-        r"saving at global step (\d+)",
-        r"saved at global step (\d+) \(the end of epoch \d+\)",
-    )
+    mid = r"saving at global step (\d+)"
+    epoch_end = r"the end of epoch \d+"
+    mining = r"in the mining round after epoch \d+, which the next attempt continues"
+    end = rf"saved at global step (\d+) \((?:{epoch_end}|{mining})\)"
     saved = [int(a or b) for a, b in re.findall(rf"(?:{mid}|{end}) and stopping", logs)]
     resumed = [int(s) for s in re.findall(r"resumed from \S+/step-(\d+):", logs)]
     return saved, resumed
@@ -125,31 +126,73 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
     assert_same_weights(d, reference_run)
 
 
-def killed_while_writing_step_12(run_dir):
-    """Run until rank 0 is in the middle of writing checkpoint step 12, then SIGKILL every process
-    of the job."""
-    job, _ = submit(run_dir, *HANG)
-    ckpts = os.path.join(run_dir, "checkpoints")
+def half_written(ckpts, step):
+    return glob.glob(os.path.join(ckpts, f".tmp-step-{step}-*", "model.pt"))
+
+
+def committed_files(ckpts):
+    """Each file of the committed checkpoints, with its digest."""
+    return {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
+
+
+@pytest.fixture(scope="module")
+def killed_jobs(cluster, tmp_path_factory):
+    """Two jobs at once (one core of each node each), each SIGKILLed whole in the middle of a
+    checkpoint write: the synchronous one of step 12 (after a mining round), and the background
+    one of step 8 while both nodes train on past step 10. For each, its run dir and the files of
+    its committed checkpoints, with their digests taken before the kill."""
+    root = tmp_path_factory.mktemp("killed-while-writing")
+    sync, background = str(root / "step-12"), str(root / "step-8-background")
+    jobs = {sync: submit(sync, *HANG)[0], background: submit(background, *HANG_BACKGROUND)[0]}
+    ckpts = {d: os.path.join(d, "checkpoints") for d in jobs}
     partial = wait_until(
-        "a half-written step 12",
-        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-12-*", "model.pt")),
-        job_id=job,
+        "a half-written step 12", lambda: half_written(ckpts[sync], 12), job_id=jobs[sync]
     )
-    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
-    scmd("scancel", "--signal=KILL", "--full", job)
-    wait_gone(job)
-    assert status(run_dir)["state"] == "failed"  # left the queue without an outcome
+    committed = {sync: committed_files(ckpts[sync])}
+    scmd("scancel", "--signal=KILL", "--full", jobs[sync])
+    wait_until(
+        "a half-written step 8",
+        lambda: half_written(ckpts[background], 8),
+        job_id=jobs[background],
+    )
+    wait_until(
+        "both nodes training past step 8 while it is written",
+        lambda: at_step(background, 10),
+        job_id=jobs[background],
+    )
+    committed[background] = committed_files(ckpts[background])
+    scmd("scancel", "--signal=KILL", "--full", jobs[background])
+    for job in jobs.values():
+        wait_gone(job)
+    assert status(sync)["state"] == "failed"  # left the queue without an outcome
     assert os.path.exists(partial[0])
-    return ckpts, committed
+    return {"sync": (sync, committed[sync]), "background": (background, committed[background])}
 
 
-def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, reference_run, tmp_path):
+@pytest.fixture
+def killed_while_writing_step_12(killed_jobs):
+    """The run dir killed in the middle of writing step 12, and its committed files. Each test
+    resumes a copy of it (a run dir may be copied and resumed from its new place): one kill
+    serves them all."""
+    return killed_jobs["sync"]
+
+
+def copy_of(killed, run_dir):
+    """A copy of the killed run dir at ``run_dir``; returns its checkpoints folder."""
+    shutil.copytree(killed, run_dir, symlinks=True)
+    return os.path.join(run_dir, "checkpoints")
+
+
+def test_sigkill_during_checkpoint_write_keeps_the_previous_one(
+    killed_while_writing_step_12, reference_run, tmp_path
+):
+    killed, committed = killed_while_writing_step_12
+    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     d = str(tmp_path / "run")
-    ckpts, committed = killed_while_writing_step_12(d)
+    ckpts = copy_of(killed, d)
     store = CheckpointStore(ckpts, keep_last=3, codec=TORCH)
     assert store.steps() == [4, 6, 8]
     assert store.latest().step == 8
-    assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     _, out = submit(d, *HANG, wait=True)  # the next attempt: the same command again
     assert out.returncode == 0, out.stdout + out.stderr
     s = status(d)
@@ -161,22 +204,11 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(cluster, referen
 
 
 def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
-    cluster, reference_run, tmp_path
+    killed_jobs, reference_run, tmp_path
 ):
+    killed, committed = killed_jobs["background"]
     d = str(tmp_path / "run")
-    ckpts = os.path.join(d, "checkpoints")
-    job, _ = submit(d, *HANG_BACKGROUND)
-    wait_until(
-        "a half-written step 8",
-        lambda: glob.glob(os.path.join(ckpts, ".tmp-step-8-*", "model.pt")),
-        job_id=job,
-    )
-    wait_until(
-        "both nodes training past step 8 while it is written", lambda: at_step(d, 10), job_id=job
-    )
-    committed = {p: sha256(p) for p in glob.glob(os.path.join(ckpts, "step-*", "*"))}
-    scmd("scancel", "--signal=KILL", "--full", job)
-    wait_gone(job)
+    ckpts = copy_of(killed, d)
     assert CheckpointStore(ckpts, keep_last=3, codec=TORCH).steps() == [4, 6]
     assert {p: sha256(p) for p in committed} == committed  # untouched by the kill
     _, out = submit(d, *HANG_BACKGROUND, wait=True)
@@ -187,9 +219,11 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
     assert_same_weights(d, reference_run)
 
 
-def test_damaged_newest_checkpoints_are_skipped_on_resume(cluster, reference_run, tmp_path):
+def test_damaged_newest_checkpoints_are_skipped_on_resume(
+    killed_while_writing_step_12, reference_run, tmp_path
+):
     d = str(tmp_path / "run")
-    ckpts, _ = killed_while_writing_step_12(d)
+    ckpts = copy_of(killed_while_writing_step_12[0], d)
     model8 = os.path.join(ckpts, "step-8", "model.pt")
     data = bytearray(open(model8, "rb").read())
     data[len(data) // 2] ^= 0x10  # one flipped bit

@@ -25,6 +25,13 @@ of its own and not waited for; its output goes to ``RUN_DIR/logs/events.log``, i
 (a failing command) into the run's log. Before the process that started it exits, it waits up to
 :data:`GRACE_S` for the command (Slurm ends every process of a job when the job ends, a command
 still running then included); a command that hangs costs that exit those seconds and no more.
+
+The job's signals are not the command's: Slurm signals every process of a job, and a rank that
+requeues its job (``scontrol requeue``) has Slurm send SIGTERM to all of them a moment later,
+the ``requeued`` command it starts right after included. So the command starts with the stop
+signals (:data:`JOB_SIGNALS`) ignored, set before its shell runs (a shell resets blocked signals
+but keeps ignored ones, and so do the programs it starts): only SIGKILL ends it, Slurm's after
+``KillWait`` or at the step's end, once :meth:`OnEvent.settle` gave it its seconds.
 """
 
 from __future__ import annotations
@@ -33,8 +40,10 @@ import json
 import logging
 import os
 import shlex
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -55,6 +64,19 @@ ATTEMPT_ENV = "CLUSTERFLOW_ATTEMPT"
 MESSAGE_ENV = "CLUSTERFLOW_MESSAGE"
 GRACE_S = 10.0
 _SHELL = "/bin/sh"
+# What Slurm and a terminal send a job's processes to stop or end them: preemption and requeue,
+# Ctrl-C, a hang-up, the time-limit signal (USR1 or USR2, as --signal chose).
+JOB_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+# Started with JOB_SIGNALS blocked (so that none is delivered before it runs), the interpreter
+# ignores them (one pending is dropped), gives back the defaults it changed at its start-up
+# (SIGPIPE, SIGXFSZ), and becomes the shell running the command (``argv[1]``). No preexec_fn:
+# it is not safe in a process with threads, as a rank is.
+_IGNORE_THEN_EXEC = (
+    "import os, signal, sys\n"
+    f"for s in {tuple(int(s) for s in JOB_SIGNALS)}: signal.signal(s, signal.SIG_IGN)\n"
+    "for s in (signal.SIGPIPE, signal.SIGXFSZ): signal.signal(s, signal.SIG_DFL)\n"
+    f"os.execv({_SHELL!r}, [{_SHELL!r}, '-c', sys.argv[1]])\n"
+)
 
 
 class OnEvent:
@@ -110,15 +132,19 @@ class OnEvent:
                 out.write(f"== {when} {event}, attempt {attempt} ({self.who}): ".encode())
                 out.write(f"{shlex.quote(self.command)}\n".encode())
                 out.flush()
-            proc = subprocess.Popen(
-                [_SHELL, "-c", self.command],
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=out if out is not None else subprocess.DEVNULL,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a Ctrl-C or the job's signals are not the command's
-                close_fds=True,
-            )
+            held = signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _IGNORE_THEN_EXEC, self.command],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out if out is not None else subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,  # a Ctrl-C at the terminal is not the command's
+                    close_fds=True,
+                )
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
         except OSError as exc:
             log.warning("observe.on_event could not run %r for %s: %s", self.command, event, exc)
             return False
