@@ -73,7 +73,7 @@ def test_the_settle_waits_for_runnable_threads_only(case):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,  # the child imports torch: minutes under the suite's load
         check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]
