@@ -37,7 +37,7 @@ def test_an_error_a_write_did_not_handle_is_logged_and_the_thread_goes_on(caplog
     w.start(fail)
     w.wait()
     assert not w.busy
-    assert "test-writer: a write ended with an error it did not handle" in caplog.text
+    assert "test-writer: work ended with an error it did not handle" in caplog.text
     done = threading.Event()
     w.start(lambda: (threads.append(threading.current_thread()), done.set()))
     assert done.wait(10) and threads[0] is threads[1]

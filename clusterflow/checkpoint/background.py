@@ -14,16 +14,13 @@ grows with the machine's load).
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from clusterflow.storage import gil
-
-log = logging.getLogger("clusterflow.checkpointer")
+from clusterflow.storage.worker import Worker
 
 
 @dataclass(frozen=True)
@@ -90,14 +87,13 @@ class Writer:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._queue: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._thread: threading.Thread | None = None
+        self._worker = Worker(name)
+        self._done = threading.Event()
+        self._done.set()
 
     @property
     def busy(self) -> bool:
-        return not self._idle.is_set()
+        return not self._done.is_set()
 
     def start(self, write: Callable[[], object]) -> None:
         """Hand ``write`` to the thread; the previous write must have finished."""
@@ -105,29 +101,17 @@ class Writer:
             raise RuntimeError(
                 f"{self.name}: a write is still in flight (this is a bug in clusterflow)"
             )
-        self._idle.clear()
-        if self._thread is None or not self._thread.is_alive():
-            # A daemon: a write hung on a dead peer must not keep a failed job alive.
-            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-            self._thread.start()
-        self._queue.put(write)
+
+        def run() -> None:
+            with gil.writing():
+                write()
+
+        self._done = self._worker.submit(run)
 
     def wait(self) -> None:
         """Block until the write in flight, if any, has finished."""
-        self._idle.wait()
+        self._done.wait()
 
     def close(self) -> None:
         """End the thread once the write in flight has finished (returns at once)."""
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread = None
-
-    def _run(self) -> None:
-        while (write := self._queue.get()) is not None:
-            try:
-                with gil.writing():
-                    write()
-            except BaseException:  # said; the next write still needs the thread
-                log.exception("%s: a write ended with an error it did not handle", self.name)
-            finally:
-                self._idle.set()
+        self._worker.close()

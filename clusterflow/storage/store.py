@@ -45,7 +45,6 @@ import json
 import logging
 import math
 import os
-import queue
 import re
 import shutil
 import sys
@@ -61,6 +60,7 @@ import fsspec
 from clusterflow.storage import confined, diskfull, durable
 from clusterflow.storage import manifest as schema
 from clusterflow.storage.names import DCP, MANIFEST
+from clusterflow.storage.worker import Worker
 from clusterflow.version import __version__
 
 log = logging.getLogger("clusterflow.store")
@@ -93,37 +93,8 @@ def _versions(codec: durable.Codec | None) -> dict[str, str]:
     return {"python": sys.version.split()[0], **versions, "clusterflow": __version__}
 
 
-class _Deleter:
-    """Deletes set-aside folders of local stores on one long-lived thread, off the caller's path
-    (a store that snapshots every few steps would otherwise start a thread per save)."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[list[str], threading.Event]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-
-    def delete(self, paths: list[str]) -> threading.Event:
-        """Queue ``paths`` for deletion; the event is set once they are gone."""
-        done = threading.Event()
-        with self._lock:
-            # A forked child inherits the object but not the thread.
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._run, name="clusterflow-deleter", daemon=True
-                )
-                self._thread.start()
-            self._queue.put((paths, done))
-        return done
-
-    def _run(self) -> None:
-        while True:
-            paths, done = self._queue.get()
-            for p in paths:
-                shutil.rmtree(p, ignore_errors=True)
-            done.set()
-
-
-_DELETER = _Deleter()
+# Deletes set-aside folders of local stores, off the caller's path.
+_DELETER = Worker("clusterflow-deleter")
 
 
 class CheckpointStore:
@@ -458,7 +429,9 @@ class CheckpointStore:
                 self.fs.rm(p, recursive=True)
             return
         self._deleting = [done for done in self._deleting if not done.is_set()]
-        self._deleting.append(_DELETER.delete(paths))
+        self._deleting.append(
+            _DELETER.submit(lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths])
+        )
 
     def wait_for_pruning(self) -> None:
         """Wait for background deletions (call before the process exits)."""
