@@ -170,3 +170,29 @@ def test_a_waiting_standby_process_leaves_on_a_stop_signal(driver):
     proc.send_signal(signal.SIGUSR2)
     assert proc.wait(timeout=60) == 0
     conn.close()
+
+
+def test_a_standby_still_importing_is_ended_when_it_is_closed(tmp_path, capfd):
+    """The job's training ended while its standby's processes still import (they have not said
+    hello): close ends the step at once instead of waiting out their imports, and its process
+    never gets to look for the driver. srun here runs the one task itself (no Slurm)."""
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/sh\nwhile [ "${1#-}" != "$1" ]; do shift; done\nexec "$@"\n')
+    srun.chmod(0o755)
+    prog = standby.program([str(srun), "--kill-on-bad-exit=1", sys.executable, "-u", *TEMPLATE[4:]])
+    assert isinstance(prog, standby.Program), prog
+    env = {**os.environ, "SLURMD_NODENAME": "node9"}
+    # The task's module to import ahead: a slow one, so that the process is still importing
+    # when close comes (were it waited for, it would then look for the driver, and say so).
+    slow = tmp_path / "slowimport.py"
+    slow.write_text("import time\ntime.sleep(2)\n")
+    env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    said = []
+    warm = standby.Standby(prog, ["node9"], 1, env, "slowimport", str(tmp_path), said.append)
+    try:
+        warm.close()
+        assert warm.step.proc.poll() is not None  # ended, not left to finish its imports
+    finally:
+        warm.step.proc.kill()
+        warm.step.proc.wait()
+    assert "cannot reach the driver" not in capfd.readouterr().out

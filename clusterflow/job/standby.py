@@ -158,6 +158,7 @@ class Standby:
         self.environ, self.say = dict(environ), say
         self.token = secrets.token_hex(16)
         self.server = socket.create_server(("", 0), backlog=max(64, len(nodes) * per_node))
+        self.server.settimeout(1.0)  # before the accepting thread starts: close may come first
         here = environ.get("SLURMD_NODENAME") or socket.gethostname()
         toward = next((n for n in nodes if n != here), nodes[0])
         address = f"{address_toward(toward)}:{self.server.getsockname()[1]}"
@@ -195,7 +196,6 @@ class Standby:
         return self.ready_at is not None and self.step.alive()
 
     def _accept(self) -> None:
-        self.server.settimeout(1.0)
         while True:
             try:
                 conn, _ = self.server.accept()
@@ -349,13 +349,17 @@ class Standby:
     def close(self, wait_s: float = 10.0) -> None:
         """Send every process away and end the step (with SIGKILL to every task where they have
         not left within ``wait_s``; 0: at once, not waiting for srun's end): the standby never
-        outlives the job's training."""
+        outlives the job's training. A process still importing (it has not said hello) cannot be
+        sent away and holds nothing: the step is then ended at once, so that a job whose training
+        ends while its standby imports does not wait for those imports (seconds at every end of a
+        short job)."""
         with self._lock:
             procs = list(self.procs.values())
         for p in procs:
             with contextlib.suppress(OSError):
                 p.send({"do": "exit"})
         self._forget()
-        if self.step.wait(wait_s) is None:
+        importing = len(procs) < self.expected
+        if importing or self.step.wait(wait_s) is None:
             self.step.kill()
             self.step.wait(wait_s)
