@@ -1,7 +1,9 @@
 """The pause before a process group goes (distributed/comm.py's shutdown): as long as another
 thread of the process is runnable (a gloo worker that waits for the GIL to free a finished
 collective's tensors), at most SETTLE_S; a few polls when every other thread sleeps. Each case
-runs in a fresh interpreter: a pytest worker holds threads of its own and of earlier tests."""
+runs in a fresh interpreter: a pytest worker holds threads of its own and of earlier tests. The
+cases' threads are daemons, so a failed assertion fails the case instead of leaving the
+interpreter waiting for them at its exit."""
 
 import subprocess
 import sys
@@ -23,8 +25,12 @@ CASES = {
     "asleep": """
 comm.SETTLE_S = 10.0
 sleeper = threading.Event()
-t = threading.Thread(target=sleeper.wait)
+t = threading.Thread(target=sleeper.wait, daemon=True)
 t.start()
+# A thread the kernel has not run yet is runnable: wait until the sleeper sleeps.
+deadline = time.monotonic() + 60
+while comm._others_runnable() and time.monotonic() < deadline:
+    time.sleep(0.01)
 assert comm._others_runnable() is False
 took = settle_s()
 sleeper.set()
@@ -41,7 +47,7 @@ def work():
     started.set()
     while time.monotonic() < busy_until:
         pass
-t = threading.Thread(target=work)
+t = threading.Thread(target=work, daemon=True)
 t.start()
 started.wait()
 took = settle_s()
@@ -56,7 +62,7 @@ stop = threading.Event()
 def spin():
     while not stop.is_set():
         pass
-t = threading.Thread(target=spin)
+t = threading.Thread(target=spin, daemon=True)
 t.start()
 took = settle_s()
 stop.set()
@@ -73,7 +79,7 @@ def test_the_settle_waits_for_runnable_threads_only(case):
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=600,  # the child imports torch: minutes under the suite's load
+        timeout=300,  # the child imports torch: a minute or more under the suite's load
         check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]

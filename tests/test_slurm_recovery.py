@@ -245,6 +245,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
         d,
         "cluster.partition=wide",
         "cluster.spare_nodes=1",
+        "cluster.warm_restarts=true",  # configs/tiny.yaml keeps none
         "cluster.restarts_in_job=5",  # one left in attempt 4: it keeps a standby
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
