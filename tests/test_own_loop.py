@@ -83,6 +83,14 @@ def rank0_log(run_dir):
     )
 
 
+def restored_step(run_dir, attempt):
+    """The step attempt ``attempt`` resumed from, as its timeline records it. A run killed while a
+    background write renames its folder can leave that step complete but uncommitted; the
+    resume publishes it, so this can be newer than the steps committed when the run died."""
+    with open(rundir.RunPaths(run_dir).timeline_file(attempt)) as f:
+        return json.load(f)["restored_step"]
+
+
 def records(run_dir):
     """rank -> what a test script recorded in SEEN_DIR (``RUN_DIR-seen/rank<R>.jsonl``), in
     order."""
@@ -134,7 +142,8 @@ def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_p
     assert committed and max(committed) < k, committed
     assert launch.wait(start(2, d)) == [0, 0], rank0_log(d)[-3000:]
 
-    resumed = max(committed)
+    resumed = restored_step(d, 1)
+    assert max(committed) <= resumed < k, (committed, resumed)
     assert f"/step-{resumed}: epoch {resumed // 6}, step {resumed % 6} of the epoch" in rank0_log(d)
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
     # What the script saw after the resume: the uninterrupted run's batches from that step on.

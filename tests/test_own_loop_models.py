@@ -13,7 +13,7 @@ import launch
 import pytest
 import torch
 from conftest import REPO, weights_equal
-from test_own_loop import rank0_log, wait_for
+from test_own_loop import rank0_log, restored_step, wait_for
 
 from clusterflow.storage.store import CheckpointStore
 
@@ -40,7 +40,8 @@ def same(a, b):
 
 
 def killed_at(run_dir, step, world=2, config=(), args=()):
-    """A run killed with SIGKILL before step ``step``'s optimizer steps; the step resumed."""
+    """A run killed with SIGKILL before step ``step``'s optimizer steps; the newest step
+    committed when it died (the resume may find a newer one complete, see ``restored_step``)."""
     procs = start(run_dir, world, {"HOLD_AT_STEP": str(step)}, config, args)
     wait_for(os.path.join(run_dir + "-seen", "held"), procs, timeout=600)
     # A checkpoint written in the background may still be committing while rank 0 holds.
@@ -96,8 +97,10 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
     check_resumed(two, plain, 18)
 
     three = str(tmp_path / "three")
-    resumed = killed_at(three, 9, config=fsdp)
+    committed = killed_at(three, 9, config=fsdp)
     assert launch.wait(start(three, world=3, config=fsdp)) == [0, 0, 0], rank0_log(three)[-3000:]
+    resumed = restored_step(three, 1)
+    assert committed <= resumed < 9, (committed, resumed)
     # The EMA 3 ranks began from, resharded: the one 2 ranks had at the step resumed.
     assert same(saved(three, "start-attempt1.pt"), saved(three, f"ema-step{resumed}.pt"))
     assert "resuming with 3 ranks from a checkpoint of 2" in rank0_log(three)
