@@ -41,6 +41,7 @@ shards' sizes and digests without loading them (every rank reads its part later)
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -429,9 +430,7 @@ class CheckpointStore:
                 self.fs.rm(p, recursive=True)
             return
         self._deleting = [done for done in self._deleting if not done.is_set()]
-        self._deleting.append(
-            _DELETER.submit(lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths])
-        )
+        self._deleting.append(_DELETER.submit(functools.partial(_remove_trees, paths)))
 
     def wait_for_pruning(self) -> None:
         """Wait for background deletions (call before the process exits)."""
@@ -593,6 +592,11 @@ class CheckpointStore:
         """The newest checkpoint whose manifest verifies; damaged ones are skipped with a
         warning."""
         return next(self.candidates(), None)
+
+
+def _remove_trees(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_digest(
