@@ -26,6 +26,7 @@ from clusterflow import rundir
 from clusterflow.config import load
 from clusterflow.distributed.sampler import EpochPlan
 from clusterflow.errors import UserError
+from clusterflow.rundir import timeline
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.train.preemption import Preemption
 from clusterflow.train.session import Run
@@ -87,8 +88,7 @@ def restored_step(run_dir, attempt):
     """The step attempt ``attempt`` resumed from, as its timeline records it. A run killed while a
     background write renames its folder can leave that step complete but uncommitted; the
     resume publishes it, so this can be newer than the steps committed when the run died."""
-    with open(rundir.RunPaths(run_dir).timeline_file(attempt)) as f:
-        return json.load(f)["restored_step"]
+    return timeline.read_all(rundir.RunPaths(run_dir)).records[attempt]["restored_step"]
 
 
 def records(run_dir):
