@@ -110,6 +110,91 @@ def make_sweep(sweep_dir, members):
     return {n: make_run(os.path.join(sweep_dir, n), state="completed") for n in members}
 
 
+# Every secret make_secret_sweep plants holds this, in each of its parts (a URL's password with
+# / and @ too), so any trace of one on a page, an answer or a stream is found by it.
+PLANTED = "s3cr3t"
+
+
+def make_secret_sweep(sweep_dir):
+    """A sweep dir (records only) over a script's ``--api-key``, ``-k``, a tracker's key and a URL
+    with a password, its members named as ``submit --sweep`` names them, each member's config
+    holding a secret in every form the masking rule knows (a flag's value starting with -, a
+    flag and its value in one word, ``-k``, ``--auth``, ``DB_PASS=``, ``*_PWD=``, an
+    Authorization header, JSON text, a mapping inside a list, ``credentials``) and a
+    ``max_tokens`` that is no secret; returns the members' RunPaths by name."""
+    from clusterflow.sweeps import sweep
+
+    keys = ["arg:--api-key", "arg:-k", "trackers.wandb.api_key", "trackers.mlflow.uri"]
+    members = {}
+    for i in (1, 2):
+        values = {
+            "arg:--api-key": f"-{PLANTED}-api{i}",
+            "arg:-k": f"{PLANTED}-k{i}",
+            "trackers.wandb.api_key": f"{PLANTED}-wandb{i}",
+            "trackers.mlflow.uri": f"https://u{PLANTED}:{PLANTED}/{i}@{PLANTED}@ml.example",
+        }
+        members[sweep.member_name(values, "f" * 64)] = values
+    os.makedirs(sweep_dir, exist_ok=True)
+    with open(os.path.join(sweep_dir, "sweep.json"), "w") as f:
+        index = {
+            "version": 1,
+            "keys": keys,
+            "base": {},
+            "members": [
+                {"name": n, "values": v, "overrides": [f"{k}={v[k]}" for k in keys]}
+                for n, v in members.items()
+            ],
+            "submissions": [],
+        }
+        json.dump(index, f)
+    out = {}
+    for name, values in members.items():
+        paths = make_run(os.path.join(sweep_dir, name), state="completed")
+        config = {
+            "run": {"dir": paths.root},
+            "train": {"epochs": 3, "max_tokens": 512},
+            "cluster": {
+                "setup": [
+                    f"export DB_PASS={PLANTED}-env",
+                    f"export SVC_PWD={PLANTED}-pwd",
+                    f"curl -H 'Authorization: Bearer {PLANTED}-bearer' https://x",
+                ]
+            },
+            "trackers": {
+                "wandb": {"api_key": values["trackers.wandb.api_key"], "project": "p"},
+                "mlflow": {"uri": values["trackers.mlflow.uri"]},
+            },
+            "task": {
+                "params": {
+                    "dbs": [{"name": "a", "password": f"{PLANTED}-list"}],
+                    "service": json.dumps({"user": "u", "password": f"{PLANTED}-json"}),
+                    "credentials": {"user": "u", "secret": f"{PLANTED}-cred"},
+                }
+            },
+            "script": {
+                "path": "t.py",
+                "args": [
+                    "--api-key",
+                    values["arg:--api-key"],
+                    "-k",
+                    values["arg:-k"],
+                    f"-k{PLANTED}-joined",
+                    f"--token={PLANTED}-eq",
+                    "--auth",
+                    f"{PLANTED}-auth",
+                    f"DB_PASS={PLANTED}-arg",
+                    json.dumps({"password": f"{PLANTED}-argjson"}),
+                    "--max-tokens",
+                    "512",
+                ],
+            },
+        }
+        with open(paths.config, "w") as f:
+            json.dump(config, f)  # JSON is YAML
+        out[name] = paths
+    return out
+
+
 def poll_until(catalog, predicate, timeout=30.0):
     """Poll a catalog (as its thread would) until ``predicate()`` holds."""
     deadline = time.monotonic() + timeout

@@ -9,9 +9,11 @@ import time
 
 import pytest
 from dashboards import (
+    PLANTED,
     add_metrics,
     get,
     make_run,
+    make_secret_sweep,
     make_sweep,
     poll_until,
     raw_get,
@@ -20,13 +22,13 @@ from dashboards import (
 )
 
 from clusterflow import rundir
+from clusterflow.config.masking import MASK
 from clusterflow.errors import UserError
 from clusterflow.manage import logs, status
 from clusterflow.rundir import records
 from clusterflow.slurm import commands
 from clusterflow.web import catalog as web_catalog
 from clusterflow.web import discover, guard, views
-from clusterflow.web.configs import MASK
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -373,32 +375,37 @@ def test_cancel_is_a_post_with_the_header_token_and_the_name_typed_back(two_runs
 
 def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_path, monkeypatch):
     """The config is shown (a run's page, the compare page's legend), every secret in it
-    masked: by its key, in a URI, in cluster.setup, in a script's arguments; nothing of the
-    environment."""
+    masked: by its key, in a URI, in cluster.setup, in a script's arguments; a sweep's values
+    (its group on the Runs page, its compare page) and its members' names hold none; nothing of
+    the environment. Every page, answer and stream (the Runs page's, a run's, a compare page's,
+    a sweep's)."""
     monkeypatch.setenv("WANDB_API_KEY", "wandb-key-0123456789")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "mlflow-pass-9876")
-    secrets = ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB", "s3cr3t")
+    secrets = ("wandb-key", "mlflow-pass", "hunter2", "hunter3", "alice", "WANDB", PLANTED)
     for name, lr in (("a", 0.1), ("b", 0.3)):
         paths = make_run(tmp_path / "runs" / name)
         text = (
             open(paths.config)
             .read()
-            .replace("cluster: {}", "cluster: {setup: ['export HF_TOKEN=s3cr3t-hf']}")
+            .replace("cluster: {}", f"cluster: {{setup: ['export HF_TOKEN={PLANTED}-hf']}}")
         )
         with open(paths.config, "w") as f:
             f.write(
                 text
                 + "trackers: {mlflow: {tracking_uri: 'https://alice:hunter2-secret@ml.example'},"
                 f" wandb: {{project: p, api_key_hint: hunter3-secret-{name}}}}}\n"
-                f"script: {{path: t.py, args: [--token, s3cr3t-arg, --lr, '{lr}']}}\n"
+                f"script: {{path: t.py, args: [--token, {PLANTED}-arg, --lr, '{lr}']}}\n"
             )
+    members = make_secret_sweep(tmp_path / "runs" / "vault")
     with served([tmp_path / "runs"]) as s:
         assert poll_until(
             s.catalog,
-            lambda: len(s.catalog.runs) == 2 and all(r.status for r in s.catalog.runs.values()),
+            lambda: len(s.catalog.runs) == 4 and all(r.status for r in s.catalog.runs.values()),
         )
-        ids = sorted(s.catalog.runs)
+        ids = sorted(i for i, r in s.catalog.runs.items() if not r.found.sweep)
         run_id = ids[0]
+        member = next(r.id for r in s.catalog.runs.values() if r.found.sweep)
+        (sweep_id,) = s.catalog.sweeps
         bodies = [
             get(f"{s.url}{p}{'&' if '?' in p else '?'}token={s.token}")[1]
             for p in (
@@ -407,6 +414,9 @@ def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_pat
                 "/api/runs",
                 f"/api/run/{run_id}",
                 f"/api/compare?runs={','.join(ids)}",
+                f"/api/run/{member}",
+                f"/api/compare?sweep={sweep_id}",
+                f"/compare?sweep={sweep_id}",
             )
         ]
         events = sse_events(
@@ -418,7 +428,15 @@ def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_pat
             f"{s.url}/api/stream?compare={','.join(ids)}&token={s.token}",
             lambda ev: {"compare", "metrics"} <= {e for e, _ in ev},
         )
-        bodies += [json.dumps(events), json.dumps(compared)]
+        streams = [
+            sse_events(f"{s.url}/api/stream?{q}&token={s.token}", lambda ev, e=e: e in dict(ev))
+            for q, e in (
+                ("", "runs"),
+                (f"run={member}", "summary"),
+                (f"sweep={sweep_id}", "compare"),
+            )
+        ]
+        bodies += [json.dumps(events), json.dumps(compared), *map(json.dumps, streams)]
     for text in bodies:
         for secret in secrets:
             assert secret not in text
@@ -433,6 +451,52 @@ def test_no_environment_or_credentials_on_any_page_and_the_config_masked(tmp_pat
         "trackers.wandb.api_key_hint": MASK,
         "script.args": f'["--token", "{MASK}", "--lr", "0.1"]',
     }
+    # The sweep: its values masked on the Runs page and the compare page, its members' config
+    # and arguments masked in every form, a count shown.
+    (group,) = json.loads(bodies[2])["sweeps"]
+    assert sorted(m["member"] for m in group["members"]) == sorted(members)
+    assert all(
+        m["values"]
+        == {
+            "arg:--api-key": MASK,
+            "arg:-k": MASK,
+            "trackers.wandb.api_key": MASK,
+            "trackers.mlflow.uri": f"https://{MASK}@ml.example",
+        }
+        for m in group["members"]
+    )
+    swept = json.loads(bodies[6])["sweep"]["values"]
+    assert {v for by_run in swept.values() for v in by_run.values()} == {
+        MASK,
+        f"https://{MASK}@ml.example",
+    }
+    detail = json.loads(bodies[5])
+    rows = dict(detail["config"])
+    assert rows["task.params.dbs"] == f'[{{"name": "a", "password": "{MASK}"}}]'
+    assert rows["task.params.service"] == f'{{"user": "u", "password": "{MASK}"}}'
+    assert rows["task.params.credentials.user"] == MASK and rows["train.max_tokens"] == "512"
+    assert rows["cluster.setup"] == json.dumps(
+        [
+            f"export DB_PASS={MASK}",
+            f"export SVC_PWD={MASK}",
+            f"curl -H 'Authorization: {MASK}' https://x",
+        ],
+        ensure_ascii=False,
+    )
+    assert detail["script"]["args"] == [
+        "--api-key",
+        MASK,
+        "-k",
+        MASK,
+        f"-k{MASK}",
+        f"--token={MASK}",
+        "--auth",
+        MASK,
+        f"DB_PASS={MASK}",
+        f'{{"password": "{MASK}"}}',
+        "--max-tokens",
+        "512",
+    ]
 
 
 # -- live: a new record reaches a stream ----------------------------------------------------------

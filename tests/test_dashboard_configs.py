@@ -1,54 +1,8 @@
-"""What the dashboard shows of a run's config: every secret masked (by its key, inside text, in a
-script's arguments), and the keys that tell runs apart (the compare view's legend)."""
+"""What the dashboard shows of a run's config: rows with every secret masked by the one rule
+(its cases: test_masking.py), and the keys that tell runs apart (the compare view's legend)."""
 
-import pytest
-
+from clusterflow.config.masking import MASK
 from clusterflow.web import configs
-
-MASK = configs.MASK
-
-
-@pytest.mark.parametrize(
-    "key, secret",
-    [
-        ("trackers.wandb.api_key", True),
-        ("task.params.hf_token", True),
-        ("trackers.mlflow.password", True),
-        ("task.params.client-secret", True),
-        ("task.params.SECRET", True),
-        ("checkpoint.keep_best", False),
-        ("checkpoint.keep_last", False),
-        ("mining.k", False),
-        ("train.lr", False),
-    ],
-)
-def test_which_keys_name_a_secret(key, secret):
-    assert configs.is_secret(key) is secret
-
-
-def test_secrets_inside_text_are_masked():
-    assert configs.mask_text("https://bob:hunter2@mlflow.example/x") == (
-        f"https://{MASK}@mlflow.example/x"
-    )
-    assert configs.mask_text("export WANDB_API_KEY=abc123; module load cuda") == (
-        f"export WANDB_API_KEY={MASK}; module load cuda"
-    )
-    assert configs.mask_text('HF_TOKEN="a b" lr=0.1') == f"HF_TOKEN={MASK} lr=0.1"
-    assert configs.mask_text("plain words: nothing to hide") == "plain words: nothing to hide"
-
-
-def test_a_scripts_secret_arguments_are_masked():
-    args = ["--lr", "0.1", "--api-key", "K1", "--token=T1", "--hf_token", "--db", "pg://u:p@h/x"]
-    assert configs.mask_args(args) == [
-        "--lr",
-        "0.1",
-        "--api-key",
-        MASK,
-        f"--token={MASK}",
-        "--hf_token",  # a flag without a value: the next word is another flag
-        "--db",
-        f"pg://{MASK}@h/x",
-    ]
 
 
 def test_rows_mask_every_secret_and_keep_the_rest():
@@ -57,13 +11,16 @@ def test_rows_mask_every_secret_and_keep_the_rest():
         "trackers": {"wandb": {"api_key": "W", "project": "p"}, "mlflow": {}},
         "cluster": {"setup": ["export WANDB_API_KEY=S", "module load x"]},
         "script": {"path": "train.py", "args": ["--secret", "Z", "--n", "3"]},
+        "task": {"params": {"dbs": [{"password": "Q"}], "max_tokens": 512}},
     }
     rows = dict(configs.rows(config))
     assert rows["train.lr"] == "0.003" and rows["trackers.wandb.project"] == "p"
     assert rows["trackers.wandb.api_key"] == MASK and rows["trackers.mlflow"] == "{}"
     assert rows["cluster.setup"] == f'["export WANDB_API_KEY={MASK}", "module load x"]'
     assert rows["script.args"] == f'["--secret", "{MASK}", "--n", "3"]'
-    assert not any(s in str(rows) for s in ('"W"', "=S", '"Z"'))
+    assert rows["task.params.dbs"] == f'[{{"password": "{MASK}"}}]'  # a mapping in a list
+    assert rows["task.params.max_tokens"] == "512"
+    assert not any(s in str(rows) for s in ('"W"', "=S", '"Z"', '"Q"'))
 
 
 def test_the_keys_that_tell_runs_apart():
@@ -76,5 +33,8 @@ def test_the_keys_that_tell_runs_apart():
         "task.params": "(unset)",
         "task.params.d": "4",
     }
-    secret = {"trackers": {"wandb": {"api_key": "x" * 80}}}
-    assert configs.legend(secret, ["trackers.wandb.api_key"]) == {"trackers.wandb.api_key": MASK}
+    secret = {"trackers": {"wandb": {"api_key": "x" * 80}}, "train": {"max_tokens": 64}}
+    assert configs.legend(secret, ["trackers.wandb.api_key", "train.max_tokens"]) == {
+        "trackers.wandb.api_key": MASK,
+        "train.max_tokens": "64",  # a count tells runs apart
+    }

@@ -6,7 +6,9 @@ of this module (module-scoped: the suite builds them once).
 
 - two runs chosen on the Runs page overlaid on one chart, their differing key in the legend;
 - the sweep's 4 members plotted against their swept value, and in parallel coordinates;
-- a run's config with its secret masked;
+- a run's config with its secret masked; a sweep over secrets (a script's --api-key and -k, a
+  tracker's key, a URL's password) with none on the Runs page, a member's page or the compare
+  page, its members' names included;
 - smoothing, the log scale and the wall-time axis change the chart, as computed here;
 - the CSV download holds the plotted points, the PNG is a PNG;
 - a marked run that fails raises a notification (the Notification API stubbed in the page);
@@ -28,19 +30,21 @@ import sys
 import pytest
 from conftest import REPO, run_cli
 from dashboards import (
+    PLANTED,
     Dashboard,
     add_metrics,
     browser,
     close_browser,
     get,
     have_browser,
+    make_secret_sweep,
     make_sweep,
 )
 from test_dashboard_browser import screenshot, texts, until
 
 from clusterflow import rundir
+from clusterflow.config.masking import MASK
 from clusterflow.observe.metrics import read_metrics
-from clusterflow.web.configs import MASK
 
 pytestmark = pytest.mark.slow
 
@@ -292,6 +296,64 @@ def test_a_runs_config_with_its_secret_masked(real_runs, board, page):
     assert SECRET not in page.page_source and SECRET not in page.execute_script(
         "return document.documentElement.textContent;"
     )
+
+
+def _seen(page):
+    """Everything of the page a user or its script can read: its markup and its text."""
+    return page.page_source + page.execute_script("return document.documentElement.textContent;")
+
+
+def test_a_sweep_over_secrets_shows_none_on_any_page(real_runs, board, page):
+    """A sweep (its records) whose swept values and members' configs hold a secret in every form
+    the masking rule knows, beside the real runs of the module's dashboard: the Runs page's
+    group, a member's page (config and script line) and the sweep's compare page show each
+    masked, and no trace of any."""
+    members = make_secret_sweep(os.path.join(real_runs.root, "vault"))
+    sweep = until(
+        "the sweep listed",
+        lambda: next(
+            (
+                g
+                for g in json.loads(get(f"{board.base}/api/runs?token={board.token}")[1])["sweeps"]
+                if g["name"].endswith("/vault") and all(m["id"] for m in g["members"])
+            ),
+            None,
+        ),
+    )
+    _open(page, board, "/")
+    cells = until(
+        "the sweep's values",
+        lambda: page.execute_script(
+            "return Array.from(document.querySelectorAll(arguments[0]))"
+            ".map((r) => Array.from(r.cells).slice(2, 6).map((c) => c.textContent));",
+            f"#sweep-{sweep['id']} tbody tr",
+        ),
+    )
+    assert cells == [[MASK, MASK, MASK, f"https://{MASK}@ml.example"]] * 2, cells
+    assert sorted(texts(page, f"#sweep-{sweep['id']} tbody tr td:last-child")) == sorted(members)
+    assert PLANTED not in _seen(page)
+    _open(page, board, f"/run/{sweep['members'][0]['id']}")
+    rows = until(
+        "the member's config",
+        lambda: dict(
+            page.execute_script(
+                "return Array.from(document.querySelectorAll('#config tbody tr'))"
+                ".map((r) => Array.from(r.cells).map((c) => c.textContent));"
+            )
+        ),
+    )
+    assert rows["task.params.dbs"] == f'[{{"name": "a", "password": "{MASK}"}}]'
+    assert rows["trackers.mlflow.uri"] == f"https://{MASK}@ml.example"
+    assert rows["train.max_tokens"] == "512"  # a count, not a secret
+    script = page.find_element("id", "script").text
+    assert script.startswith(f"script: t.py --api-key {MASK} -k {MASK} -k{MASK}"), script
+    assert PLANTED not in _seen(page)
+    _open(page, board, f"/compare?sweep={sweep['id']}")
+    until(
+        "both members on the compare page",
+        lambda: len(texts(page, "#compare-runs tbody tr")) == 2,
+    )
+    assert PLANTED not in _seen(page)
 
 
 def test_smoothing_the_log_scale_and_the_wall_time_axis_change_the_chart(real_runs, board, page):

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from clusterflow.config import masking
 from clusterflow.config.sections import NUMERICS, RESULT, SECTIONS, keys
 
 
@@ -123,7 +124,7 @@ class Change:
     why: str = ""
 
     def __str__(self) -> str:
-        text = f"{self.key} {_show(self.old)} -> {_show(self.new)}"
+        text = f"{self.key} {_show(self.key, self.old)} -> {_show(self.key, self.new)}"
         if self.kind == NUMERICS:
             text += f" (resumes, not bitwise: {self.why})"
         elif self.kind == RESULT and self.key.startswith("derived."):
@@ -134,8 +135,11 @@ class Change:
 _ABSENT = object()
 
 
-def _show(value: object) -> str:
-    return "(unset)" if value is _ABSENT else json.dumps(value, default=str)
+def _show(key: str, value: object) -> str:
+    """A value as a change names it, its secrets masked (``masking``)."""
+    if value is _ABSENT:
+        return "(unset)"
+    return json.dumps(masking.mask_value(key, value), default=str, ensure_ascii=False)
 
 
 def compare(old: Mapping[str, Any], new: Mapping[str, Any]) -> tuple[list[Change], list[Change]]:

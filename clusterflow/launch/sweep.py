@@ -158,7 +158,14 @@ def submit_sweep(args: argparse.Namespace, dependency: str | None) -> int:
         config, overrides = None, [config, *overrides]  # --script PATH KEY=VALUE ...
     if args.script is None and args.script_args is not None:
         saved_config.load_command(config, overrides, None, args.script_args)  # refuses
-    sw = sweep.expand(config, overrides, args.sweep, args.script, args.script_args or [])
+    sw = sweep.expand(
+        config,
+        overrides,
+        args.sweep,
+        args.script,
+        args.script_args or [],
+        taken=sweep_index.names,
+    )
     for m in sw.members:
         preflight.check_paths(m.config)
         trackers.check(m.config.trackers)

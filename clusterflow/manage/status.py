@@ -1,6 +1,8 @@
 """python -m clusterflow.status RUN_DIR|SWEEP_DIR [--json] [--ranks]
 
 What a run is doing, from its run directory (and squeue, when it answers within a few seconds).
+A script's arguments and a sweep's values are shown with their secrets masked
+(``config/masking.py``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from clusterflow import rundir
+from clusterflow.config import masking
 from clusterflow.config.job_config import checkpoint_root as join_checkpoints
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import liveness, ranks, sweep_status, verdict
@@ -119,12 +122,16 @@ def _checkpoint_root(paths: rundir.RunPaths, data: dict[str, Any], problem: str)
 
 def _script(data: dict[str, Any]) -> dict[str, Any] | None:
     """The script of the user's own the run trains with (config.yaml's script section, ``data``
-    read as plain YAML), or None for a task's run."""
+    read as plain YAML), its secrets masked (``masking``: ``--api-key VALUE``), or None for a
+    task's run."""
     section = data.get("script") if isinstance(data.get("script"), dict) else {}
     path, args = section.get("path"), section.get("args")
     if not isinstance(path, str) or not path:
         return None
-    return {"path": path, "args": [str(a) for a in args] if isinstance(args, list) else []}
+    return {
+        "path": masking.mask_text(path),
+        "args": masking.mask_args(args) if isinstance(args, list) else [],
+    }
 
 
 def _trackers(paths: rundir.RunPaths, data: dict[str, Any]) -> dict[str, int | None]:

@@ -1,5 +1,5 @@
-"""``status SWEEP_DIR``: one row per member (its varying values, state, progress, last loss, last
-mining NMI/ARI, job id, run dir), as a JSON list or a text table.
+"""``status SWEEP_DIR``: one row per member (its varying values, secrets masked, state,
+progress, last loss, last mining NMI/ARI, job id, run dir), as a JSON list or a text table.
 
 :func:`collect` takes the single-run collector as an argument (``status.collect``), so status
 can call it without an import cycle:
@@ -20,18 +20,19 @@ from clusterflow import rundir
 from clusterflow.errors import UserError
 from clusterflow.rundir.states import State
 from clusterflow.sweeps import index as sweep_index
-from clusterflow.sweeps.sweep import labels, show
+from clusterflow.sweeps.sweep import labels, show, shown_value
 
 
 def row(
     member: dict[str, Any], run_dir: str, status: dict[str, Any] | None, job_id: str | None
 ) -> dict[str, Any]:
-    """One member's row. ``status`` is what status.collect returned for its run dir (None when the
-    run dir has no run yet); ``job_id`` is the index's, used until an attempt records its own."""
+    """One member's row, its values with their secrets masked (``sweep.shown_value``). ``status``
+    is what status.collect returned for its run dir (None when the run dir has no run yet);
+    ``job_id`` is the index's, used until an attempt records its own."""
     s = status or {}
     mining = (s.get("mining") or [{}])[-1]
     return {
-        **member["values"],
+        **{k: shown_value(k, v) for k, v in member["values"].items()},
         "member": member["name"],
         "state": s.get("state") or (State.PENDING if job_id else "not submitted"),
         "epoch": s.get("epoch"),

@@ -226,6 +226,12 @@ def record_submission(
     return dict(index, submissions=[*index.get("submissions", []), entry])
 
 
+def names(paths: rundir.RunPaths) -> set[str]:
+    """The member names the index of the sweep dir ``paths`` holds (none without an index)."""
+    index = read_index(paths)
+    return {m["name"] for m in index["members"]} if index else set()
+
+
 def member_dirs(paths: rundir.RunPaths, index: dict[str, Any]) -> dict[str, rundir.RunPaths]:
     """name -> the member's run dir, in sweep order."""
     return {m["name"]: rundir.RunPaths(paths.member(m["name"])) for m in index["members"]}

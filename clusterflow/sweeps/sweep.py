@@ -17,7 +17,12 @@ failures are reported at once, each naming its member. A member lives in ``RUN_D
 sorted, so the order of the ``--sweep`` flags does not matter), then six hex digits hashing the
 member's result fingerprint and values, so two members never share a directory (even on a
 case-insensitive filesystem, or when long values are cut short) and a resubmission with more time
-finds the same directories. Login-node module: no torch.
+finds the same directories. A value that is a secret by ``config/masking.py``'s rule (the key
+names one, ``arg:--api-key``, or the value holds one, a URL's password) reads ``masked`` in the
+name, ``api-key=masked-6d8bd9``: the hash alone tells such members apart, and a folder name that
+anyone listing the sweep dir sees holds no secret. A member that the sweep's index already holds
+under the name its values had before they were masked keeps that name, so its run dir is found
+again. Login-node module: no torch.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ import hashlib
 import itertools
 import json
 import unicodedata
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from clusterflow import config as cfgmod
 from clusterflow import rundir
-from clusterflow.config import fingerprint
+from clusterflow.config import fingerprint, masking
 from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
 from clusterflow.rundir import saved_config
@@ -41,6 +47,8 @@ VALUE_CHARS = 32  # characters of one value in a member name
 # Characters of the readable part of a member name (file names hold 255 bytes).
 READABLE_CHARS = 100
 HASH_CHARS = 6
+# What a masked value reads in a member's name (a name holds letters, digits, '.', '+' and '-').
+MASKED_IN_NAME = "masked"
 # An axis over a script's own argument: arg:NAME.
 ARG = "arg:"
 # Keys a sweep may not vary, and why (one job array = one sbatch script; members need their own
@@ -182,6 +190,14 @@ def show(value: object) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
 
 
+def shown_value(key: str, value: object) -> object:
+    """A member's value of the swept ``key`` as every table, page and name shows it, its secrets
+    masked (``masking``): an ``arg:NAME`` value as the script's argument NAME's."""
+    if key.startswith(ARG):
+        return masking.mask_argument(key[len(ARG) :], show(value))
+    return masking.mask_value(key, value)
+
+
 def _safe(text: str, limit: int) -> str:
     """Letters, digits, '.', '+' and '-' survive; anything else (/, spaces, %, commas, non-ASCII
     after folding accents) becomes '_', so a value can neither nest directories nor break the
@@ -203,17 +219,26 @@ def labels(keys: list[str]) -> dict[str, str]:
     return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last)}
 
 
-def member_name(values: dict[str, Any], result_fingerprint: str) -> str:
-    """``k=10,lr=0.001-3f9a1c``: the varying values (keys sorted), then a short hash of the member's
-    result fingerprint and exact values. Resource keys outside the sweep are not in it, so a
-    resubmission with a longer time limit finds the same directories."""
+def member_name(values: dict[str, Any], result_fingerprint: str, masked: bool = True) -> str:
+    """``k=10,lr=0.001-3f9a1c``: the varying values (keys sorted; a secret masked, unless
+    ``masked`` is false), then a short hash of the member's result fingerprint and exact values.
+    Resource keys outside the sweep are not in it, so a resubmission with a longer time limit
+    finds the same directories."""
     short = labels(sorted(values))
-    readable = ",".join(f"{short[k]}={_safe(show(values[k]), VALUE_CHARS)}" for k in sorted(values))
+    readable = ",".join(
+        f"{short[k]}={_safe(_in_name(k, values[k], masked), VALUE_CHARS)}" for k in sorted(values)
+    )
     exact = json.dumps([result_fingerprint, values], sort_keys=True, default=str)
     return (
         f"{readable[:READABLE_CHARS].rstrip(',=')}-"
         f"{hashlib.sha256(exact.encode()).hexdigest()[:HASH_CHARS]}"
     )
+
+
+def _in_name(key: str, value: object, masked: bool) -> str:
+    if not masked:
+        return show(value)
+    return show(shown_value(key, value)).replace(masking.MASK, MASKED_IN_NAME)
 
 
 def _member_dirs(cfg: Config, sweep_paths: rundir.RunPaths, name: str) -> Config:
@@ -302,11 +327,15 @@ def expand(
     sweep_args: list[str],
     script: str | None = None,
     script_args: list[str] | tuple[str, ...] = (),
+    taken: Callable[[rundir.RunPaths], Collection[str]] | None = None,
 ) -> Sweep:
     """Every member of the sweep, validated; raises one UserError listing every invalid member.
-    ``script``, ``script_args``: a script of the user's own and its base arguments."""
+    ``script``, ``script_args``: a script of the user's own and its base arguments. ``taken``:
+    the member names the sweep dir's index holds (``sweeps.index.names``); a member held there
+    under its name with its values unmasked keeps that name."""
     axes = parse(sweep_args, overrides)
     members: list[Member] = []
+    unmasked: dict[str, str] = {}  # a member's name -> its name with its values unmasked
     failures: list[tuple[str, str]] = []
     combos = list(itertools.product(*[a.texts for a in axes]))
     for combo in combos:
@@ -325,7 +354,9 @@ def expand(
             continue
         d = cfg.to_dict()
         values = {k: t if k.startswith(ARG) else lookup(d, k) for k, t in keyed}
-        name = member_name(values, fingerprint.result_fingerprint(d))
+        result = fingerprint.result_fingerprint(d)
+        name = member_name(values, result)
+        unmasked[name] = member_name(values, result, masked=False)
         members.append(Member(name, values, member_overrides, cfg))
     if failures:
         report_invalid(failures, len(combos))
@@ -346,8 +377,15 @@ def expand(
         _drop(base, a.key)
     if script:
         base["script"]["args"] = list(script_args)  # each member's are its own
-    members = [
-        Member(m.name, m.values, m.overrides, _member_dirs(m.config, sweep_paths, m.name))
+    # The index is read only where a name has a secret masked (the others never changed).
+    renamed = {n: u for n, u in unmasked.items() if n != u}
+    held = set(taken(sweep_paths)) if taken is not None and renamed else set()
+    named = [
+        renamed[m.name] if m.name in renamed and renamed[m.name] in held else m.name
         for m in members
+    ]
+    members = [
+        Member(name, m.values, m.overrides, _member_dirs(m.config, sweep_paths, name))
+        for name, m in zip(named, members)
     ]
     return Sweep(sweep_paths, [a.key for a in axes], members, base)

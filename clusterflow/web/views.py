@@ -1,7 +1,8 @@
 """What each page gets, as JSON: chosen fields of what the owners of each fact returned
 (``status.collect``, the goodput ledger, the sweep rows, NVML's snapshot), never a file read
-here. Only the fields named below leave the server: the config only as ``configs.py`` shows it
-(every secret masked: a tracker's key, a password in a URI), no environment.
+here. Only the fields named below leave the server: the config, a script's arguments and a
+sweep's values only with every secret masked by ``config/masking.py``'s rule (``configs.py``
+shows the config), no environment.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import socket
 from collections.abc import Iterable
 from typing import Any
 
+from clusterflow.config import masking
 from clusterflow.launch import gpus as gpu_choice
 from clusterflow.manage import goodput as goodput_command
 from clusterflow.manage import sweep_status
 from clusterflow.observe import goodput
 from clusterflow.sweeps import index as sweep_index
+from clusterflow.sweeps import sweep as sweep_axes
 from clusterflow.web import configs
 from clusterflow.web.catalog import Catalog, Run, Sweep
 from clusterflow.web.discover import ident
@@ -247,8 +250,8 @@ def _script(script: dict[str, Any] | None) -> dict[str, Any] | None:
     if not script:
         return None
     return {
-        "path": configs.mask_text(str(script.get("path") or "")),
-        "args": configs.mask_args(script.get("args") or []),
+        "path": masking.mask_text(str(script.get("path") or "")),
+        "args": masking.mask_args(script.get("args") or []),
     }
 
 
@@ -276,7 +279,7 @@ def compare(catalog: Catalog, ids: Iterable[str], sweep_id: str | None = None) -
         swept = {"id": entry.id, "name": entry.name, "keys": keys, "values": {}}
         for key in keys:
             swept["values"][key] = {
-                i: _value(key, given.get(names[i], {}).get(key)) for i in wanted if i in names
+                i: _swept(key, given.get(names[i], {}).get(key)) for i in wanted if i in names
             }
     else:
         wanted = list(dict.fromkeys(i for i in ids if i in runs))
@@ -310,13 +313,22 @@ def compare(catalog: Catalog, ids: Iterable[str], sweep_id: str | None = None) -
 def _value(key: str, value: object) -> object:
     """A config value a chart can place: a number as it is, anything else as the page shows it
     (a secret masked)."""
-    if (
-        isinstance(value, (int, float))
-        and not isinstance(value, bool)
-        and not configs.is_secret(key)
-    ):
+    if _number(value) and not masking.is_secret(key):
         return value
     return None if value is None else configs.shown(key, value)
+
+
+def _swept(key: str, value: object) -> object:
+    """A sweep member's value of its swept ``key`` (a config key, or ``arg:NAME``) as a chart
+    places it: a number as it is, anything else as the Runs page shows it (a secret masked)."""
+    if value is None:
+        return None
+    masked = sweep_axes.shown_value(key, value)
+    return masked if _number(masked) else configs.text(masked)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _round(m: dict[str, Any]) -> dict[str, Any]:

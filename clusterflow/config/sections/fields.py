@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import field
 from typing import Any
 
+from clusterflow.config import masking
 from clusterflow.config.values import short
 from clusterflow.errors import UserError
 
@@ -76,8 +77,10 @@ INT32 = 2**31 - 1
 
 
 def check(ok: bool, key: str, value: object, why: str) -> None:
+    """Refuse ``key``'s ``value`` with ``why``; the message names the value with its secrets
+    masked (``masking``), as it may reach a job's error record and the dashboard."""
     if not ok:
-        raise UserError(f"{key} = {short(repr(value))}: {why}")
+        raise UserError(f"{key} = {short(repr(masking.mask_value(key, value)))}: {why}")
 
 
 def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
