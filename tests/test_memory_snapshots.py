@@ -492,7 +492,8 @@ def _folder(memory, d, node):
 
 
 def _copy(killed, tmp_path, memory=None, nodes=NODES):
-    """The killed run dir and its ``nodes``' memory, copied to ``tmp_path`` (and ``memory``)."""
+    """The killed run dir and its ``nodes``' memory, copied to ``tmp_path`` (and ``memory``; the
+    memory folder is named after the run dir's path, so the copy's is renamed)."""
     d, memory = str(tmp_path / "run"), memory or str(tmp_path / "memory")
     shutil.copytree(killed[0], d, symlinks=True)
     for node in nodes:

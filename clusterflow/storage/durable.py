@@ -9,6 +9,8 @@
 - :func:`publish_once`: a local file created once, complete, by whoever comes first (the
   attempt's first cause, a lease generation): the loser learns that it lost.
 - :func:`load_checked`: a codec's load of a file while its digest is checked beside it.
+- ``private=True`` (:func:`open_new`): a local file created by the call, never through a link,
+  mode 0600 whatever the umask (snapshots in a node's shared memory, ``private.py``).
 
 Digests: new files get BLAKE3 (the ``blake3`` package: SIMD on one core, about 2-3x sha256 here,
 and multi-threaded where a load waits for it); a record names its algorithm by its key

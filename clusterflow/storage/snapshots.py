@@ -3,14 +3,15 @@ its own snapshots and a peer's replicas (docs/restarts.md, "Snapshots in memory"
 
 Layout, one folder per run on each node (``{node}`` in ``memory_dir`` becomes the host name)::
 
-    MEMORY_DIR/clusterflow-<run name>-<key>/
+    MEMORY_DIR/clusterflow-<run name>-<hash>/
         own-a<A>-r<R>-w<W>/step-<N>/        rank R's snapshot of step N, written by attempt A of
                                             W ranks on this node: manifest.json and its files
         replica-a<A>-r<R>-w<W>/step-<N>/    the same, received from rank R on another node
 
-``<key>``: random hex digits the run draws once and records in its run dir (``RUN_DIR/
-memory.key``, mode 0600, :func:`folder_key`), so every attempt of the run, requeued on any node,
-finds its folders and nobody who cannot read the run dir can name them before the run makes them.
+``<hash>``: of the run dir's path (two runs stay apart, a copied run dir too) and of the run's key,
+random hex digits the run draws once and records in its run dir (``RUN_DIR/memory.key``, mode
+0600, :func:`folder_key`): every attempt of the run, requeued on any node, finds its folders, and
+nobody who cannot read the run dir can name them before the run makes them.
 
 A node is shared (``/dev/shm`` is every user's): every folder here is private (``private.py``):
 made by the run with exclusive creation and mode 0700, or, found, used only when it is a folder of
@@ -36,6 +37,7 @@ on the node it runs on: the batch step's driver runs it on the nodes a completed
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -83,10 +85,11 @@ def folder_key(record: str, create: bool = False) -> str | None:
 
 def run_folder(memory_dir: str, run_dir: str, node: str, key: str) -> str:
     """This run's folder under ``memory_dir`` on ``node``: the run dir's name (for a human who
-    lists /dev/shm) and the run's ``key`` (:func:`folder_key`)."""
+    lists /dev/shm) and a hash of its absolute path and the run's ``key`` (:func:`folder_key`)."""
     root = os.path.abspath(run_dir)
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", os.path.basename(root.rstrip("/")) or "run")[:40]
-    return os.path.join(memory_dir.replace("{node}", node), f"clusterflow-{name}-{key}")
+    digest = hashlib.sha256(f"{root}\n{key}".encode()).hexdigest()[:16]
+    return os.path.join(memory_dir.replace("{node}", node), f"clusterflow-{name}-{digest}")
 
 
 def open_folder(
