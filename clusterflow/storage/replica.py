@@ -156,9 +156,13 @@ class Receiver:
             if peer[0] not in self._senders or not self._take_slot():
                 conn.close()
                 continue
-            threading.Thread(
-                target=self._serve, args=(conn, peer[0]), name="snapshot-replica", daemon=True
-            ).start()
+            try:
+                threading.Thread(
+                    target=self._serve, args=(conn, peer[0]), name="snapshot-replica", daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had: this connection is not served
+                conn.close()
+                self._give_slot()
 
     def _take_slot(self) -> bool:
         with self._lock:
@@ -166,6 +170,10 @@ class Receiver:
                 return False
             self._serving += 1
             return True
+
+    def _give_slot(self) -> None:
+        with self._lock:
+            self._serving -= 1
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -190,8 +198,7 @@ class Receiver:
                 except OSError:
                     pass
         finally:
-            with self._lock:
-                self._serving -= 1
+            self._give_slot()
 
     def receive(self, conn: socket.socket, peer: str) -> None:
         """One replica from ``conn``, whose token was read: committed, or ReplicaError/ValueError
