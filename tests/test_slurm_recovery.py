@@ -42,6 +42,7 @@ from slurmjobs import (
 )
 
 from clusterflow.distributed.sampler import EpochPlan
+from clusterflow.rundir import RunPaths
 from clusterflow.storage import snapshots
 
 pytestmark = pytest.mark.slurm
@@ -58,6 +59,12 @@ def memory():
     path = f"/dev/shm/clusterflow-test-{uuid.uuid4().hex[:8]}"
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _folder(memory, d, node):
+    """The run ``d``'s folder in ``node``'s memory."""
+    key = snapshots.folder_key(RunPaths(d).memory_key)
+    return snapshots.run_folder(f"{memory}/{{node}}", d, node, key)
 
 
 def _gone(pid):
@@ -97,7 +104,7 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
     # node2 is lost: its rank killed itself, and its memory goes with it. The shared
     # filesystem's newest checkpoint is damaged too: a restore that read it would say so.
     wait_until("rank 1's kill", lambda: _gone(pid), timeout=300, job_id=job)
-    shutil.rmtree(snapshots.run_folder(f"{memory}/{{node}}", d, "node2"))
+    shutil.rmtree(_folder(memory, d, "node2"))
     with open(os.path.join(d, "checkpoints", "step-8", "model.pt"), "r+b") as f:
         f.truncate(64)
     wait_gone(job, timeout=600)
@@ -146,7 +153,7 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
     # The run completed: its snapshots left the nodes' memory, node3's too, which the last
     # attempt did not run on (the batch step's driver cleared it).
     for node in ("node1", "node2", "node3"):
-        assert not os.path.exists(snapshots.run_folder(f"{memory}/{{node}}", d, node))
+        assert not os.path.exists(_folder(memory, d, node))
 
 
 def _each_sample_once(d, n, batch_size):

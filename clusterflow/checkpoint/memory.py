@@ -51,7 +51,7 @@ from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import replica, snapshots
 from clusterflow.storage.names import MODEL, TRAIN_STATE
 from clusterflow.storage.snapshots import OWN, REPLICA, Key, NodeSnapshots
-from clusterflow.storage.store import Checkpoint
+from clusterflow.storage.store import Checkpoint, CheckpointStore
 from clusterflow.storage.tensors import PACKED
 
 log = logging.getLogger("clusterflow.checkpointer")
@@ -113,11 +113,12 @@ class MemorySnapshots:
         self.model, self.states, self.progress = model, dict(states), progress
         self.rank, self.world = dist.rank(), dist.world()
         self.node = snapshots.node_name()
-        self.local = NodeSnapshots(
-            snapshots.run_folder(c.memory_dir, paths.root, self.node), PACKED, identity.check
-        )
+        self.memory_dir = c.memory_dir
         self.key = Key(OWN, attempt, self.rank, self.world)
-        self.store = self.local.store(self.key)  # this rank's own snapshots on this node
+        # This node's snapshots and this rank's own store there, once connect() found the
+        # node's folder sound; None: this node's memory tier is off for the attempt.
+        self.local: NodeSnapshots | None = None
+        self.store: CheckpointStore | None = None
         self.timeout_s = float(cfg.dist.timeout_s)
         self.staging: Staging | None = None
         if self.rank == 0:
@@ -127,6 +128,7 @@ class MemorySnapshots:
             self.staging = Staging(model, optimizers if c.async_ else [], one_storage=True)
         self.receiver: replica.Receiver | None = None
         self.peer: tuple[int, str, tuple[str, int]] | None = None  # (rank, node, address)
+        self.here = ""  # the address this rank's peers reach it at, and it sends from
         self.token = ""
         self._writer = Writer(f"snapshots-rank{self.rank}")
         self._skipped_said = False
@@ -143,23 +145,43 @@ class MemorySnapshots:
 
     # -- the peers --------------------------------------------------------------------------
     def connect(self) -> None:
-        """Collective: start this rank's receiver and learn every rank's; pick the peer."""
-        self.token = dist.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None)
-        try:
-            here = address_toward(DistEnv.from_env().master_addr)
-            self.receiver = replica.Receiver(self.local, self.token, here, self.timeout_s)
-            address: tuple[str, int] | None = self.receiver.address
-        except OSError as exc:
-            log.warning("snapshots in memory: no receiver for replicas on %s: %s", self.node, exc)
-            address = None
-        every = dist.gather_object((self.node, address))
+        """Collective: find this node's folder (:meth:`_open`), start this rank's receiver and
+        learn every rank's; pick the peer. A node whose folder must not be used keeps no
+        snapshots and no replicas this attempt: rank 0 says so in one line per node."""
+        token, key = dist.broadcast_object(self._draw() if self.rank == 0 else None)
+        self.token = token
+        refused = self._open(key)
+        address: tuple[str, int] | None = None
+        self.here = address_toward(DistEnv.from_env().master_addr)
+        if self.local is not None:
+            try:
+                self.receiver = replica.Receiver(self.local, token, self.here, self.timeout_s)
+                address = self.receiver.address
+            except OSError as exc:
+                log.warning(
+                    "snapshots in memory: no receiver for replicas on %s: %s", self.node, exc
+                )
+        every = dist.gather_object((self.node, address, self.here, refused))
         every = dist.broadcast_object(every)
-        hosts = [node for node, _ in every]
-        peer = peer_of(self.rank, hosts)
+        hosts = [node for node, *_ in every]
+        peers = [peer_of(r, hosts) for r in range(len(hosts))]
+        if self.receiver is not None:
+            self.receiver.admit([every[r][2] for r, p in enumerate(peers) if p == self.rank])
+        peer = peers[self.rank]
         if peer is not None and every[peer][1] is not None:
             self.peer = (peer, hosts[peer], every[peer][1])
-        if self.rank == 0:
-            nodes = list(dict.fromkeys(hosts))
+        if self.rank != 0:
+            return
+        for node, why in dict.fromkeys((n, why) for n, _, _, why in every if why):
+            log.warning(
+                "snapshots in memory off on %s for this attempt: %s; no snapshot or replica is "
+                "kept there (a restart reads the other nodes' copies or the shared filesystem); "
+                "remove it, or set checkpoint.memory_dir to a folder of your own",
+                node,
+                why,
+            )
+        nodes = list(dict.fromkeys(hosts))
+        if self.local is not None:
             log.info(
                 "snapshots in memory every %d steps under %s on each node%s",
                 self.every,
@@ -169,10 +191,41 @@ class MemorySnapshots:
                 else " (one node: no replica)",
             )
 
+    def _draw(self) -> tuple[str, str | None]:
+        """Rank 0: the attempt's token for the replicas, and the run's folder key (drawn and
+        recorded in the run dir by its first attempt; None when it cannot be: no node keeps
+        snapshots then)."""
+        try:
+            key = snapshots.folder_key(self.paths.memory_key, create=True)
+        except (ValueError, OSError) as exc:
+            log.warning(
+                "snapshots in memory off for this attempt: the run's folder key %s: %s "
+                "(remove the file: the next attempt draws a new one)",
+                self.paths.memory_key,
+                exc,
+            )
+            key = None
+        return uuid.uuid4().hex, key
+
+    def _open(self, key: str | None) -> str:
+        """This node's folder, made or checked (``snapshots.open_folder``): ``self.local`` and
+        ``self.store`` when it may be used, else why not ("" when it may)."""
+        if key is None:
+            return ""
+        try:
+            folder = snapshots.open_folder(self.memory_dir, self.paths.root, self.node, key)
+        except OSError as exc:  # private.Unsafe, or a folder that could not be made
+            return str(exc)
+        assert folder is not None  # created when missing
+        self.local = NodeSnapshots(folder, PACKED, identity.check)
+        self.store = self.local.store(self.key)  # this rank's own snapshots on this node
+        return ""
+
     # -- taking -----------------------------------------------------------------------------
     def due(self, steps_per_epoch: int) -> bool:
         p = self.progress
-        return p.global_step % self.every == 0 and p.step_in_epoch < steps_per_epoch
+        due = p.global_step % self.every == 0 and p.step_in_epoch < steps_per_epoch
+        return due and self.store is not None
 
     def take(self, rng: dict[str, Any]) -> None:
         """On the loop's thread, at a step boundary where a snapshot is due: capture this rank's
@@ -228,6 +281,7 @@ class MemorySnapshots:
 
     def _commit(self, step: int, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
         """On the snapshot thread: commit into this node's memory, then send to the peer."""
+        assert self.store is not None  # due() is False without it
         path = self.store.save(step, state, meta)
         if path is None:
             return
@@ -237,7 +291,7 @@ class MemorySnapshots:
             return
         peer, node, address = self.peer
         try:
-            replica.send(address, self.token, self.key, step, path, self.timeout_s)
+            replica.send(address, self.token, self.key, step, path, self.timeout_s, self.here)
         except (replica.ReplicaError, OSError) as exc:
             self._say_failed(step, exc, f"replica on {node} (rank {peer})")
 
@@ -277,7 +331,7 @@ class MemorySnapshots:
             self.receiver = None
         if self.staging is not None:
             self.staging.close()
-        if clear:
+        if clear and self.local is not None:
             self.stop()
             self.local.clear()
         self._writer.close()
@@ -298,10 +352,11 @@ class MemorySnapshots:
         ``newest_shared`` ((step, position) of the newest shared checkpoint, None when there is
         none), as one checkpoint on rank 0 (None elsewhere, and where there is none), and what it
         is (on every rank)."""
-        removed = self.local.clean()
+        removed = self.local.clean() if self.local is not None else []
         if removed:
             log.info("removed unfinished snapshots on %s: %s", self.node, ", ".join(removed))
-        listed = [(e.key, e.step, e.position) for e in self.local.inventory()]
+        here = self.local.inventory() if self.local is not None else []
+        listed = [(e.key, e.step, e.position) for e in here]
         gathered = dist.gather_object((self.node, listed))
         sets = self._sets(gathered, newest_shared) if self.rank == 0 else []
         bad: set[tuple[str, str, int]] = set()
@@ -333,6 +388,8 @@ class MemorySnapshots:
     def forget_after(self, step: int) -> None:
         """After a restore of ``step`` (from any tier): this node's snapshots of a later step
         belong to a future this run abandoned; remove them."""
+        if self.local is None:
+            return
         dropped = self.local.drop(lambda key, newest: newest <= step)
         if dropped:
             log.info(
@@ -416,6 +473,7 @@ class MemorySnapshots:
     def _read(self, c: Copy) -> tuple[str, dict[str, Any] | None, Any]:
         """This rank reads and verifies its assigned copy: (why not, rank 0's files and its
         manifest when it is rank 0's copy, that rank's random streams)."""
+        assert self.local is not None  # a copy is read by the rank that listed it
         try:
             ckpt = self.local.verify(c.key, c.step)
             m, train = ckpt.manifest, ckpt.objects.get(TRAIN_STATE)

@@ -482,6 +482,7 @@ class Driver:
             "clusterflow.storage.snapshots",
             c.memory_dir,
             self.cfg.run.dir,
+            self.paths.memory_key,
         ]
         code = steps.run_on(nodes, argv, self.environ, self.command[0])
         if code:

@@ -57,6 +57,9 @@ Inside ``RUN_DIR``:
     model_ema.pt                  the final EMA weights (train.ema_decay > 0), the same form
     lease/gen-<N>.json            which job holds the run dir, renewed while it runs (see
                                   lease.py)
+    memory.key                    with checkpoint.memory_every_steps: the random part of the
+                                  names of the run's folders under checkpoint.memory_dir, drawn
+                                  once, mode 0600 (see ``storage/snapshots.py``)
     config.yaml.damaged-*         a config.yaml that could not be read, set aside (see
                                   saved_config.py)
 
@@ -172,6 +175,10 @@ class RunPaths:
     @property
     def lease(self) -> str:
         return self._p("lease")
+
+    @property
+    def memory_key(self) -> str:
+        return self._p("memory.key")
 
     @property
     def submissions(self) -> str:

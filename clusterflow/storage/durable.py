@@ -9,6 +9,8 @@
 - :func:`publish_once`: a local file created once, complete, by whoever comes first (the
   attempt's first cause, a lease generation): the loser learns that it lost.
 - :func:`load_checked`: a codec's load of a file while its digest is checked beside it.
+- ``private=True`` (:func:`open_new`): a local file created by the call, never through a link,
+  mode 0600 whatever the umask (snapshots in a node's shared memory, ``private.py``).
 
 Digests: new files get BLAKE3 (the ``blake3`` package: SIMD on one core, about 2-3x sha256 here,
 and multi-threaded where a load waits for it); a record names its algorithm by its key
@@ -34,6 +36,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from clusterflow.storage import diskfull
+from clusterflow.storage.private import FILE_MODE
 
 if TYPE_CHECKING:
     from fsspec import AbstractFileSystem
@@ -238,8 +241,8 @@ class _Spill:
     is then written and hashed in one call each, without the threads a streamed one needs, and
     a large one never sits in memory whole. ``stack`` closes what the spill opened."""
 
-    def __init__(self, path: str, stack: ExitStack) -> None:
-        self.path, self.stack = path, stack
+    def __init__(self, path: str, stack: ExitStack, private: bool) -> None:
+        self.path, self.stack, self.private = path, stack, private
         self.held = bytearray()  # what was written while the file is not open yet
         self.file: _AppendOnly | None = None
 
@@ -254,7 +257,7 @@ class _Spill:
             return len(view)
         if self.file is None:
             # Closed by the stack, after the hasher that reads it back.
-            f = self.stack.enter_context(open(self.path, "wb", buffering=0))  # noqa: SIM115
+            f = self.stack.enter_context(open_new(self.path, self.private, buffering=0))
             self.file = _AppendOnly(f, self.stack.enter_context(_TailHasher(self.path)))
             self.file.write(self.held)
             self.held = bytearray()
@@ -264,9 +267,25 @@ class _Spill:
         pass
 
 
-def _write_whole(path: str, payload: Chunk, fsync: bool) -> dict[str, Any]:
+def open_new(path: str, private: bool = False, buffering: int = -1) -> IO[bytes]:
+    """The local file ``path``, opened for writing in binary. ``private``: created by this call
+    (``O_EXCL``, never through a link) with mode 0600 set explicitly, whatever the umask: only
+    this user reads it (a snapshot in a node's shared memory, ``private.py``)."""
+    if not private:
+        return open(path, "wb", buffering=buffering)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, FILE_MODE)
+    try:
+        os.fchmod(fd, FILE_MODE)
+        return open(fd, "wb", buffering=buffering)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _write_whole(path: str, payload: Chunk, fsync: bool, private: bool) -> dict[str, Any]:
     """A payload smaller than a chunk: one write, one hash, no threads."""
-    with open(path, "wb") as f:
+    with open_new(path, private) as f:
         f.write(payload)
         f.flush()
         if fsync:
@@ -282,10 +301,11 @@ def write_file(
     fsync: bool = True,
     fs: AbstractFileSystem | None = None,
     codec: Codec | None = None,
+    private: bool = False,
 ) -> dict[str, Any]:
     """Write ``payload`` (bytes, str, or any object ``codec`` dumps) to ``path``; returns the
     record ``{"size": N, ALGORITHM: HEX}``. ``fs``: the fsspec filesystem of a remote path, None
-    for a local one."""
+    for a local one. ``private``: a local file created here with mode 0600 (:func:`open_new`)."""
     if isinstance(payload, str):
         payload = payload.encode()
     raw = isinstance(payload, (bytes, bytearray, memoryview))
@@ -297,15 +317,15 @@ def write_file(
             w.write(payload) if raw else dump(payload, w)
         return {"size": w.size, w.algorithm: w.sha.hexdigest()}
     if raw and len(payload) < _CHUNK:  # small records (status, manifests)
-        return _write_whole(path, payload, fsync)
+        return _write_whole(path, payload, fsync, private)
     # A large file is hashed from a second descriptor as it grows (a thread reading back what the
     # kernel already holds), so the hash runs beside the codec's dump and then beside the fsync
     # instead of after them. A dump only ever appends through ``write``.
     with ExitStack() as stack:
-        sink = _Spill(path, stack)
+        sink = _Spill(path, stack, private)
         sink.write(payload) if raw else dump(payload, sink)
         if sink.file is None:
-            return _write_whole(path, sink.held, fsync)
+            return _write_whole(path, sink.held, fsync, private)
         pool = stack.enter_context(ThreadPoolExecutor(1))
         syncing = pool.submit(os.fsync, sink.file.f.fileno()) if fsync else None
         digest = sink.file.tail.digest()
@@ -346,32 +366,32 @@ def write_atomic(
     return info
 
 
-def publish_once(target: str, payload: str | bytes) -> bool:
+def publish_once(target: str, payload: str | bytes, private: bool = False) -> bool:
     """Create the local file ``target`` holding ``payload`` unless it exists; True when this call
     created it. The content is written complete and fsynced to a private sibling first, then
     published with ``os.link``, which fails with EEXIST when the name is taken: ``link`` is
     atomic on local filesystems and on NFS (v2 and later; ``O_EXCL`` creation is exclusive only
     from NFSv3), and a reader never sees a half-written file. A filesystem without hard links
-    (some FUSE mounts) gets an exclusive create instead."""
+    (some FUSE mounts) gets an exclusive create instead. ``private``: mode 0600."""
     data = payload.encode() if isinstance(payload, str) else payload
     tmp = os.path.join(
         os.path.dirname(target) or ".", f".tmp-{os.path.basename(target)}-{uuid.uuid4().hex[:8]}"
     )
-    write_file(tmp, data)
+    write_file(tmp, data, private=private)
     try:
         os.link(tmp, target)
         return True
     except FileExistsError:
         return False
     except OSError:
-        return _create_exclusive(target, data)
+        return _create_exclusive(target, data, FILE_MODE if private else 0o644)
     finally:
         os.unlink(tmp)
 
 
-def _create_exclusive(target: str, data: bytes) -> bool:
+def _create_exclusive(target: str, data: bytes, mode: int) -> bool:
     try:
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     except FileExistsError:
         return False
     with os.fdopen(fd, "wb") as f:

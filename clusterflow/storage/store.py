@@ -58,7 +58,7 @@ from typing import Any
 
 import fsspec
 
-from clusterflow.storage import confined, diskfull, durable
+from clusterflow.storage import confined, diskfull, durable, private
 from clusterflow.storage import manifest as schema
 from clusterflow.storage.names import DCP, MANIFEST
 from clusterflow.storage.worker import Worker
@@ -109,6 +109,7 @@ class CheckpointStore:
         check: Callable[[Checkpoint], None] | None = None,
         codec: durable.Codec | None = None,
         readable: bool = True,
+        private: bool = False,
     ) -> None:
         """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
         "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too;
@@ -117,8 +118,12 @@ class CheckpointStore:
         and read (``storage.tensors.TORCH`` in the job); None where only steps and manifests are
         read (the login side), or only bytes saved; ``readable``: manifests indented for a human
         who opens one, else compact (json's C encoder: several times faster for a manifest that
-        holds the config, which snapshots every few steps write)."""
+        holds the config, which snapshots every few steps write); ``private``: a local store that
+        only this user may read, on a node others share (snapshots in memory): its folders are
+        made private (``private.py``: exclusive creation, mode 0700; the root is used only when
+        it is private), its files 0600."""
         self.check = check
+        self.private = private
         self.readable = readable
         self.codec = codec
         if keep_last < 2:
@@ -297,7 +302,10 @@ class CheckpointStore:
     def _new_staging(self, step: int, files: Mapping[str, Any]) -> str:
         tmp = self._p(f".tmp-step-{step}-{uuid.uuid4().hex[:8]}")
         try:
-            if self.local:
+            if self.local and self.private:
+                private.make(self.root)
+                private.make(tmp)
+            elif self.local:
                 os.makedirs(tmp)  # with the root; the random name is new
             else:
                 self.fs.makedirs(self.root, exist_ok=True)
@@ -321,7 +329,12 @@ class CheckpointStore:
             listing.update(
                 {
                     name: durable.write_file(
-                        f"{tmp}/{name}", payload, self.fsync, self._remote_fs, self.codec
+                        f"{tmp}/{name}",
+                        payload,
+                        self.fsync,
+                        self._remote_fs,
+                        self.codec,
+                        self.private,
                     )
                     for name, payload in files.items()
                 }
@@ -338,6 +351,7 @@ class CheckpointStore:
                 json.dumps(manifest, indent=1 if self.readable else None, sort_keys=True),
                 self.fsync,
                 self._remote_fs,
+                private=self.private,
             )
             if self.local and self.fsync:
                 durable.fsync_dir(tmp)

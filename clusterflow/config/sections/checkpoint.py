@@ -85,7 +85,8 @@ class CheckpointConfig:
     memory_dir: str = doc(
         "/dev/shm",
         "Where each node keeps its snapshots and a peer's replicas (node-local memory); {node} "
-        "in it becomes the node's host name.",
+        "in it becomes the node's host name. The run's folder there is made by the run, 0700, "
+        "its files 0600; a folder others can change is never used (docs/restarts.md).",
         kind=RESOURCE,
         why="where the snapshots live",
     )
