@@ -434,7 +434,7 @@ def test_a_commit_is_recorded_before_the_checkpoints_are_pruned(tmp_path):
         {"optimizer": opt, "train": state},
         state,
         steps_per_epoch=100,
-        after_commit=lambda step: said.append(("timeline", step)),
+        after_commit=lambda step, seconds: said.append(("timeline", step)),
     )
     prune = ck.store.prune
     ck.store.prune = lambda: (said.append(("prune", state.global_step)), prune())
