@@ -163,12 +163,15 @@ def test_an_end_closer_than_two_saves_and_the_margin_stops_the_run_for_the_time_
     assert stop.stop_record(StopReason.PREEMPTED) == {"signal_at": None}
 
 
-def test_a_sigterm_with_the_end_near_requeues_as_a_time_limit_and_ctrl_c_still_wins():
+def test_a_signal_with_the_end_near_keeps_its_own_reason():
+    """A SIGTERM near the end stays a preemption (it may be Slurm's own requeue under way, which
+    a second requeue would fail), and Ctrl-C still wins."""
     clock = _Clock(1000.0)
     watch, _ = _watch(1005.0, clock)
     stop = preemption.Preemption(end=watch)
-    stop._handle(signal.SIGTERM, None)
     assert stop.reason() == StopReason.TIMEOUT
+    stop._handle(signal.SIGTERM, None)
+    assert stop.reason() == StopReason.PREEMPTED and stop.requested
     stop._handle(signal.SIGINT, None)
     assert stop.reason() == StopReason.INTERRUPTED
     # Slurm's signal before the end came near: the signal began the stop.

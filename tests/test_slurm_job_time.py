@@ -169,8 +169,9 @@ def test_ten_time_limits_with_a_short_signal_lead_and_a_slow_save_lose_no_step(c
     tls = timeline.read_all(rundir.RunPaths(d)).records
     assert [x["reason"] for x in stops] == ["timeout"] * LIMITS, stops
     for k, (stop, end) in enumerate(zip(stops, ends, strict=True)):
-        # Begun by the job's own watch of its end, saved and requeued before it.
-        assert stop["how"] == "end" and stop["end_at"] == end, stop
+        # Saved and requeued before the end, begun by the job's own watch of it (or by Slurm's
+        # signal, when its check every 30 s happened to come first: it signals up to 30 s early).
+        assert stop["how"] in ("end", "signal") and stop["end_at"] == end, stop
         assert stop["save_s"] >= 2 and stop["at"] < end, stop
         # Each attempt resumes at exactly the step the one before saved at its stop: no step lost.
         assert stop["attempt"] == k and tls[k + 1]["restored_step"] == stop["step"], (stop, tls)
@@ -183,7 +184,7 @@ def test_ten_time_limits_with_a_short_signal_lead_and_a_slow_save_lose_no_step(c
             "shared",
             stop["step"],
         )
-        assert f["how"] == "end" and f["lost_s"] == pytest.approx(f["recovery_s"], abs=1e-3), f
+        assert f["how"] == stop["how"] and f["lost_s"] == pytest.approx(f["recovery_s"], abs=1e-3)
     for epoch in s["samples"]["epochs"]:  # each sample once per epoch
         ranges = sorted((r["start"], r["end"]) for r in epoch["ranges"])
         assert ranges[0][0] == 0 and ranges[-1][1] == epoch["samples"], epoch

@@ -241,14 +241,15 @@ class Preemption:
         if self._cancel_requested():
             return StopReason.CANCELLED
         said = _reason_of(self.signum)
-        # The job's end near upgrades a plain SIGTERM, as the time-limit signal does.
-        if REASONS.index(said) < REASONS.index(StopReason.TIMEOUT) and self._end_near():
+        # The job's end near stops a run nothing else stops. A SIGTERM near the end stays a
+        # preemption: it may be Slurm's own requeue under way, which a second requeue would fail.
+        if not said and self._end_near():
             return StopReason.TIMEOUT
         return said
 
     def why(self, reason: str) -> str:
         """What the log says when the loop stops for the agreed ``reason``."""
-        if reason == StopReason.TIMEOUT and not self.is_timeout and self._end_near():
+        if reason == StopReason.TIMEOUT and self.signum is None and self._end_near():
             return "the job's end is closer than a save"
         return WHY.get(reason, reason)
 
