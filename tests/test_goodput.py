@@ -444,7 +444,7 @@ def _faulty_run(d):
     rundir.append_jsonl(paths.stops, {**stop, "attempt": 8, "reason": "node_failure", "rank": 1,
                         "node": "node2", "error": "CUDA error", "at": 1841.0})  # fmt: skip
     faults.note(paths, 9, faults.FaultKind.NO_PROGRESS, at=1960.0, step=70,
-                message="step 71 failed 3 times")  # fmt: skip
+                message="step 71 failed 3 times", samples=[3, 17])  # fmt: skip
     rundir.append_jsonl(paths.stops, {**stop, "attempt": 9, "reason": "interrupted"})
     return paths
 
@@ -469,7 +469,7 @@ def test_each_attempts_fault_is_named_from_the_record_of_its_witness(tmp_path):
     assert by[0]["in_job"] and (by[0]["rank"], by[0]["host"]) == (1, "node2")
     assert by[3]["how"] == "end" and by[3]["end_at"] == 1349.0 and by[3]["save_s"] == 2.0
     assert "9.0 s away, closer than two saves of 2.0 s" in by[3]["message"]
-    assert (by[8]["rank"], by[8]["host"]) == (1, "node2")
+    assert (by[8]["rank"], by[8]["host"]) == (1, "node2") and by[9]["samples"] == [3, 17]
     # Where the state came from, how long until training again, the steps trained again.
     assert (by[0]["restored_from"], by[0]["restored_where"]) == ("memory", "memory of node1")
     assert by[0]["recovered_by"] == 1 and by[0]["recovery_s"] == 1115.0 - 1100.0

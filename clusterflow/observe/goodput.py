@@ -26,6 +26,8 @@ ever negative and the parts add up to the attempt's wall time exactly:
   where a record says it, since a copy of the run dir gives every file the copy's time), else
   the last sign of life: the last record, the first error, or the rank logs' last write (not
   taken when it is later than the next attempt's start: a copy's time).
+- Each attempt's fault (``rundir/faults.py``) is charged what it cost (:func:`charge`): the time
+  from the fault to training again and the steps trained again, each second to one fault only.
 - An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
   its allocation to its end is ``other``: the records cannot split it. ``warnings`` says so, with
   the seconds, for every attempt whose damaged timeline left time in ``other``.

@@ -37,6 +37,7 @@ Each fault is a dict (times in seconds since 1970, durations in seconds; None wh
     step             the last step the attempt trained (for a stop: the step it saved)
     in_job           a restart inside the job's allocation followed (``restarts.jsonl``)
     end_at, save_s   a time-limit stop: Slurm's end as the job knew it, a save's measured time
+    samples          a ``no_progress`` fault noted with them: the indices of the batch it failed on
     how              a time-limit stop: ``signal`` (Slurm's --signal) or ``end`` (the job's own
                      watch of its end)
     next_attempt     the attempt that began after it (None: none yet)
@@ -121,6 +122,10 @@ NOTE = records.Schema(
         "host": records.TEXT,
         "message": records.TEXT,
         "step": records.INT,
+        "samples": records.Check(
+            "a list of sample indices",
+            lambda v: isinstance(v, list) and all(records.INT.test(x) for x in v),
+        ),
     },
     required=("attempt", "kind"),
 )
@@ -132,7 +137,8 @@ _CRASH, _NODE = "crash", "node"
 def note(paths: RunPaths, attempt: int, kind: FaultKind, **fields: object) -> None:
     """Record that ``kind`` ended ``attempt`` (``RUN_DIR/faults.jsonl``), for a fault no other
     record names (``no_progress``: the driver's verdict over several attempts); ``fields``:
-    ``at`` (default now), ``rank``, ``host``, ``message``, ``step``."""
+    ``at`` (default now), ``rank``, ``host``, ``message``, ``step``, ``samples`` (the indices of
+    the batch it failed on)."""
     records.append_jsonl(
         paths.faults, {"attempt": attempt, "kind": str(kind), "at": time.time(), **fields}
     )
@@ -289,7 +295,7 @@ def _recovery(
         "job_id": rec.get("job_id", tl.get("job_id")),
         "step": step,
         "in_job": bool(said.get("in_job")),
-        **{k: said[k] for k in ("how", "end_at", "save_s") if k in said},
+        **{k: said[k] for k in ("how", "end_at", "save_s", "samples") if k in said},
         "next_attempt": later[0] if later else None,
         "recovered_by": None,
         "recovered_at": None,
