@@ -157,11 +157,8 @@ def _said_kind(first: dict[str, Any] | None) -> FaultKind:
         return FaultKind.ERROR
     if first.get("kind") == Cause.STALL:
         return FaultKind.HANG
-    return (
-        FaultKind.DISK_FULL
-        if diskfull.said_full(str(first.get("error") or ""))
-        else (FaultKind.ERROR)
-    )
+    full = diskfull.said_full(str(first.get("error") or ""))
+    return FaultKind.DISK_FULL if full else FaultKind.ERROR
 
 
 def _from_restart(r: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any]:
@@ -169,12 +166,9 @@ def _from_restart(r: dict[str, Any], first: dict[str, Any] | None) -> dict[str, 
     if cause == _CRASH:
         # srun saw a task end by a signal first; a rank that named its own error before it
         # (a full disk) is the cause.
-        recorded = first is not None and first.get("kind") != Cause.STALL
-        kind = (
-            _said_kind(first)
-            if recorded and r.get("error") == first.get("error")
-            else (FaultKind.KILLED)
-        )
+        named = first is not None and first.get("kind") != Cause.STALL
+        own = named and r.get("error") == first.get("error")
+        kind = _said_kind(first) if own else FaultKind.KILLED
     elif cause == Cause.STALL:
         kind = FaultKind.HANG
     elif cause == _NODE:
