@@ -393,13 +393,13 @@ def _trained(n, restored=0, last=None, tier=None, outcome=None, **more):
 
 
 def _faulty_run(d):
-    """Ten attempts of one Slurm job, each ended by another fault, as their witnesses record
-    them; the last completes."""
+    """Eleven attempts of one Slurm job, each ended by a fault as its witness records it (but
+    attempt 9, which the user stopped after its fault's note); the last completes."""
     paths = _records(
         d,
         [
             {**JOB, "attempt": n, "restart_count": n, "started_at": 1000.0 + 100 * n}
-            for n in range(11)
+            for n in range(12)
         ],
         [
             _trained(0, last=12),
@@ -412,7 +412,8 @@ def _faulty_run(d):
             _trained(7, restored=64),
             _trained(8, restored=70),
             _trained(9, restored=70, outcome="interrupted"),
-            _trained(10, restored=80, last=90, outcome="completed"),
+            _trained(10, restored=80, last=90),
+            _trained(11, restored=88, last=95, outcome="completed"),
         ],
     )
     restart = {"event": "restart", "job_id": "7", "restart": 1}
@@ -439,6 +440,8 @@ def _faulty_run(d):
     full = "no space left on /dev/sdb1 (mounted at /scratch) writing checkpoint step 70"
     first_error.record(paths, 6, 0, full, host="node1", time=1650.0)
     # attempt 7: no record at all (the whole job SIGKILLed), a later attempt began
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]"
+    first_error.record(paths, 10, 1, lost, host="node2", time=2070.0)  # a peer killed itself
     first_error.record(paths, 8, 1, "CUDA error: an illegal memory access", host="node2",
                        time=1840.0)  # fmt: skip
     rundir.append_jsonl(paths.stops, {**stop, "attempt": 8, "reason": "node_failure", "rank": 1,
@@ -464,12 +467,17 @@ def test_each_attempts_fault_is_named_from_the_record_of_its_witness(tmp_path):
         (7, "killed", 1725.0),
         (8, "node_lost", 1841.0),
         (9, "no_progress", 1960.0),
-    ], kinds  # attempt 9's Ctrl-C after it is the user's, not a fault; attempt 10 completed
+        (10, "killed", 2070.0),  # rank 1 saw its peer's connection close: the peer died
+    ], kinds  # attempt 9's Ctrl-C after it is the user's, not a fault; attempt 11 completed
     by = {f["attempt"]: f for f in found}
     assert by[0]["in_job"] and (by[0]["rank"], by[0]["host"]) == (1, "node2")
     assert by[3]["how"] == "end" and by[3]["end_at"] == 1349.0 and by[3]["save_s"] == 2.0
     assert "9.0 s away, closer than two saves of 2.0 s" in by[3]["message"]
     assert (by[8]["rank"], by[8]["host"]) == (1, "node2") and by[9]["samples"] == [3, 17]
+    assert (
+        by[10]["rank"] is None
+        and "a peer ended without a word; rank 1 on node2 saw" in (by[10]["message"])
+    )
     # Where the state came from, how long until training again, the steps trained again.
     assert (by[0]["restored_from"], by[0]["restored_where"]) == ("memory", "memory of node1")
     assert by[0]["recovered_by"] == 1 and by[0]["recovery_s"] == 1115.0 - 1100.0
@@ -826,6 +834,7 @@ def test_an_attempt_dead_in_start_up_counts_from_its_processes_start(lagging):
     # Two faults, one recovery: the kill's downtime ends where the start-up death begins, and the
     # steps the third launch trained again are the kill's (the dead launch trained none).
     kill, death = book["faults"]
+    # (killed: rank 0 died without a word; rank 1 recorded first, its peer's connection closed)
     assert (kill["kind"], death["kind"], kill["recovered_by"], death["recovered_by"]) == (
         "killed",
         "error",

@@ -19,7 +19,9 @@ A fault is read from the records its witnesses already write, first that applies
 |                                                   | ``node_failure``: ``node_lost``; a user's    |
 |                                                   | Ctrl-C or cancel is no fault                 |
 | ``errors/first.attempt<A>.json`` (the first rank  | ``stall``: ``hang``; a full disk:            |
-| that failed)                                      | ``disk_full``; else ``error``                |
+| that failed)                                      | ``disk_full``; a peer's connection lost      |
+|                                                   | (gloo, NCCL): ``killed`` (a peer died        |
+|                                                   | without a word); else ``error``              |
 | none, and a later attempt began                   | ``killed`` (SIGKILL of the job, its node     |
 |                                                   | lost with it: nothing could write)           |
 
@@ -151,14 +153,39 @@ def _kind(value: object, default: FaultKind) -> FaultKind:
         return default
 
 
+# What a rank's collective says when a peer vanished (gloo, NCCL, a socket): a rank that records
+# it first was the victim of a peer that died without a word (SIGKILL, the OOM killer).
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+)
+
+
 def _said_kind(first: dict[str, Any] | None) -> FaultKind:
-    """The kind a first-error record names: a stall, a full disk, or another error."""
+    """The kind a first-error record names: a stall, a full disk, a peer that vanished (killed),
+    or another error."""
     if first is None:
         return FaultKind.ERROR
     if first.get("kind") == Cause.STALL:
         return FaultKind.HANG
-    full = diskfull.said_full(str(first.get("error") or ""))
-    return FaultKind.DISK_FULL if full else FaultKind.ERROR
+    said = str(first.get("error") or "")
+    if diskfull.said_full(said):
+        return FaultKind.DISK_FULL
+    return FaultKind.KILLED if any(w in said for w in _PEER_LOST) else FaultKind.ERROR
+
+
+def _from_first(first: dict[str, Any]) -> dict[str, Any]:
+    kind = _said_kind(first)
+    said = {"kind": kind, "at": first.get("time"), "message": first.get("error")}
+    if kind == FaultKind.KILLED:  # the record names the victim, not the rank that died
+        said["message"] = (
+            f"a peer ended without a word; rank {first.get('rank')} on {first.get('host')} "
+            f"saw: {first.get('error')}"
+        )
+        return said
+    return {**said, "rank": first.get("rank"), "host": first.get("host")}
 
 
 def _from_restart(r: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any]:
@@ -246,13 +273,7 @@ def read(paths: RunPaths, tls: timeline.Timelines | None = None) -> list[dict[st
         elif n in stops:
             said = _from_stop(stops[n])
         elif first is not None:
-            said = {
-                "kind": _said_kind(first),
-                "at": first.get("time"),
-                "rank": first.get("rank"),
-                "host": first.get("host"),
-                "message": first.get("error"),
-            }
+            said = _from_first(first)
         elif later and not tl.get("outcome"):
             said = {
                 "kind": FaultKind.KILLED,
