@@ -437,6 +437,16 @@ def check_a_killed_and_resumed_run_shows_two_attempts_and_the_restart(
     )
     assert "after attempt 0 ended without a record (killed)" in rows[1], rows
     assert "resumed from step" in rows[1] and "no record (killed)" in rows[0], rows
+    # The kill is the first attempt's fault: when, the time until training again, and the disk
+    # checkpoint the second attempt took its state from.
+    fault = until(
+        "the kill's recovery on the page",
+        lambda: (f := texts(driver, "#attempts tbody tr td.fault")) and "again after" in f[0] and f,
+    )
+    restored = rundir.read_object(live.paths.timeline_file(1))[0]["restored_step"]
+    assert fault[0].startswith("killed at "), fault
+    assert f"from the disk checkpoint at step {restored};" in fault[0], fault
+    assert "step(s) trained again; charged " in fault[0] and fault[1] == "–", fault
     notes = driver.execute_script(
         "return document.getElementById('chart-attempts').layout.annotations.map((a) => a.text);"
     )

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import clihelp
 import pytest
@@ -19,10 +20,12 @@ from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
 from clusterflow.goodput import main as goodput_main
+from clusterflow.manage import status as status_command
 from clusterflow.observe import goodput, phases
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.timeline import AttemptTimeline
-from clusterflow.rundir import stragglers, timeline
+from clusterflow.rundir import faults, first_error, stragglers, timeline
+from clusterflow.rundir.states import Cause
 
 WINDOW_S = 2.0
 # The test tasks (tests/testtasks.py) on the path of every process a run starts.
@@ -363,6 +366,180 @@ def test_negative_seconds_in_a_timeline_are_named_and_never_make_a_negative_part
     assert row["seconds"]["startup"] == 10 and row["seconds"]["other"] == 20
 
 
+# -- each attempt's fault, and what the ledger charges it --------------------------------------
+
+JOB = {"job_id": "7", "source": "slurm", "world_size": 2}
+
+
+def _trained(n, restored=0, last=None, tier=None, outcome=None, **more):
+    """Attempt n's timeline: restored at 1000 + 100 n + 5, first step 10 s later, one step a
+    second up to ``last``."""
+    last = restored + 10 if last is None else last
+    tl = {
+        "attempt": n,
+        "job_id": "7",
+        "world_size": 2,
+        "process_started_at": 1000.0 + 100 * n,
+        "restored_step": restored,
+        "first_step_at": 1000.0 + 100 * n + 15,
+        "last_step": last,
+        "written_at": 1000.0 + 100 * n + 15 + (last - restored),
+        "seconds": {"train": float(last - restored)},
+        **({"restored_from": tier[0], "restored_where": tier[1]} if tier else {}),
+        **({"outcome": outcome, "ended_at": 1000.0 + 100 * n + 60} if outcome else {}),
+        **more,
+    }
+    return tl
+
+
+def _faulty_run(d):
+    """Eleven attempts of one Slurm job, each ended by a fault as its witness records it (but
+    attempt 9, which the user stopped after its fault's note); the last completes."""
+    paths = _records(
+        d,
+        [
+            {**JOB, "attempt": n, "restart_count": n, "started_at": 1000.0 + 100 * n}
+            for n in range(12)
+        ],
+        [
+            _trained(0, last=12),
+            _trained(1, restored=12, tier=("memory", "memory of node1")),
+            _trained(2, restored=20, tier=("replica", "replica of node1 on node3")),
+            _trained(3, restored=30, tier=("shared", "shared filesystem"), outcome="timeout"),
+            _trained(4, restored=40, outcome="preempted"),
+            _trained(5, restored=50, outcome="preempted"),
+            _trained(6, restored=60),
+            _trained(7, restored=64),
+            _trained(8, restored=70),
+            _trained(9, restored=70, outcome="interrupted"),
+            _trained(10, restored=80, last=90),
+            _trained(11, restored=88, last=95, outcome="completed"),
+        ],
+    )
+    restart = {"event": "restart", "job_id": "7", "restart": 1}
+    rundir.append_jsonl(
+        paths.restarts,
+        {**restart, "failed_attempt": 0, "next_attempt": 1, "cause": "crash", "rank": 1,
+         "host": "node2", "error": "Killed", "fault_at": 1100.0},
+    )  # fmt: skip
+    first_error.record(paths, 1, 0, "rank 0 on node1 stalled 30 s", host="node1",
+                       kind=Cause.STALL, time=1199.0)  # fmt: skip
+    rundir.append_jsonl(
+        paths.restarts,
+        {**restart, "failed_attempt": 1, "next_attempt": 2, "cause": "stall", "rank": 0,
+         "host": "node1", "error": "rank 0 on node1 stalled 30 s", "fault_at": 1201.0},
+    )  # fmt: skip
+    stop = {"job_id": "7"}
+    rundir.append_jsonl(paths.stops, {**stop, "attempt": 3, "reason": "timeout", "how": "end",
+                        "due_at": 1340.0, "end_at": 1349.0, "save_s": 2.0, "step": 40,
+                        "at": 1344.0})  # fmt: skip
+    rundir.append_jsonl(paths.stops, {**stop, "attempt": 4, "reason": "preempted",
+                        "slurm_state": "RUNNING", "signal_at": 1450.0, "step": 50})  # fmt: skip
+    rundir.append_jsonl(paths.stops, {**stop, "attempt": 5, "reason": "preempted",
+                        "slurm_state": "COMPLETING", "signal_at": 1550.0, "step": 60})  # fmt: skip
+    full = "no space left on /dev/sdb1 (mounted at /scratch) writing checkpoint step 70"
+    first_error.record(paths, 6, 0, full, host="node1", time=1650.0)
+    # attempt 7: no record at all (the whole job SIGKILLed), a later attempt began
+    lost = "RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]"
+    first_error.record(paths, 10, 1, lost, host="node2", time=2070.0)  # a peer killed itself
+    first_error.record(paths, 8, 1, "CUDA error: an illegal memory access", host="node2",
+                       time=1840.0)  # fmt: skip
+    rundir.append_jsonl(paths.stops, {**stop, "attempt": 8, "reason": "node_failure", "rank": 1,
+                        "node": "node2", "error": "CUDA error", "at": 1841.0})  # fmt: skip
+    faults.note(paths, 9, faults.FaultKind.NO_PROGRESS, at=1960.0, step=70,
+                message="step 71 failed 3 times", samples=[3, 17])  # fmt: skip
+    rundir.append_jsonl(paths.stops, {**stop, "attempt": 9, "reason": "interrupted"})
+    return paths
+
+
+def test_each_attempts_fault_is_named_from_the_record_of_its_witness(tmp_path):
+    paths = _faulty_run(tmp_path / "run")
+    found = faults.read(paths)
+    kinds = [(f["attempt"], f["kind"], f["at"]) for f in found]
+    assert kinds == [
+        (0, "killed", 1100.0),  # srun saw rank 1 end by a signal; the driver restarted
+        (1, "hang", 1201.0),
+        (2, "killed", 1225.0),  # nothing recorded: its timeline's last write
+        (3, "time_limit", 1340.0),  # decided by the job's watch of its end
+        (4, "preemption", 1450.0),  # Slurm still ran the job: it requeued itself
+        (5, "requeue", 1550.0),  # Slurm requeued it (scontrol requeue)
+        (6, "disk_full", 1650.0),
+        (7, "killed", 1725.0),
+        (8, "node_lost", 1841.0),
+        (9, "no_progress", 1960.0),
+        (10, "killed", 2070.0),  # rank 1 saw its peer's connection close: the peer died
+    ], kinds  # attempt 9's Ctrl-C after it is the user's, not a fault; attempt 11 completed
+    by = {f["attempt"]: f for f in found}
+    assert by[0]["in_job"] and (by[0]["rank"], by[0]["host"]) == (1, "node2")
+    assert by[3]["how"] == "end" and by[3]["end_at"] == 1349.0 and by[3]["save_s"] == 2.0
+    assert "9.0 s away, closer than two saves of 2.0 s" in by[3]["message"]
+    assert (by[8]["rank"], by[8]["host"]) == (1, "node2") and by[9]["samples"] == [3, 17]
+    assert (
+        by[10]["rank"] is None
+        and "a peer ended without a word; rank 1 on node2 saw" in (by[10]["message"])
+    )
+    # Where the state came from, how long until training again, the steps trained again.
+    assert (by[0]["restored_from"], by[0]["restored_where"]) == ("memory", "memory of node1")
+    assert by[0]["recovered_by"] == 1 and by[0]["recovery_s"] == 1115.0 - 1100.0
+    assert by[0]["steps_lost"] == 0 and by[2]["steps_lost"] == 0  # 12 -> 12, 30 -> 30
+    assert by[1]["restored_from"] == "replica" and by[3]["restored_from"] == "shared"
+    assert by[3]["step"] == 40 and by[3]["steps_lost"] == 0
+    assert by[6]["steps_lost"] == 70 - 64 and by[7]["restored_step"] == 70
+    said = faults.describe(by[0])
+    assert said == (
+        "attempt 0: killed, rank 1 on node2 at "
+        + time.strftime("%H:%M:%S", time.localtime(1100.0))
+        + " (Killed); training again 15.0 s later (attempt 1, in the job) from the memory "
+        "snapshot at step 12 (memory of node1); 0 step(s) trained again"
+    )
+    assert "from the disk checkpoint at step 40" in faults.describe(by[3])
+
+
+def test_the_ledger_charges_each_fault_its_downtime_and_the_steps_trained_again(tmp_path):
+    """Attempt 0 is killed after step 20 (commit 16), attempt 1 dies in its start-up, attempt 2
+    resumes from step 16: fault 0's downtime ends at fault 1, fault 1's at attempt 2's first
+    step, and attempt 2's four steps trained again are fault 0's (fault 1 lost none)."""
+    local = {"job_id": "local", "source": "local", "world_size": 2}
+    tl0 = _trained(0, last=20, commit={"step": 16, "at": 1031.0, "seconds": {"train": 16.0}})
+    tl2 = _trained(2, restored=16, last=40, outcome="completed")
+    attempts = [{**local, "attempt": n, "started_at": 1000.0 + 100 * n} for n in range(3)]
+    paths = _records(tmp_path / "run", attempts, [tl0, tl2])
+    first_error.record(paths, 1, 0, "ValueError: bad config in the task", host="h", time=1110.0)
+    book = goodput.ledger(paths, running=False)
+    f0, f1 = book["faults"]
+    assert (f0["kind"], f0["at"], f0["steps_lost"]) == ("killed", 1035.0, 4)
+    assert (f1["kind"], f1["at"], f1["steps_lost"]) == ("error", 1110.0, None)
+    assert f0["recovered_by"] == f1["recovered_by"] == 2 and f0["recovery_s"] == 1215.0 - 1035.0
+    assert book["attempts"][2]["seconds"]["recomputed"] == pytest.approx(4.0)
+    assert f0["downtime_s"] == 1110.0 - 1035.0 and f0["retrained_s"] == pytest.approx(4.0)
+    assert f1["downtime_s"] == 1215.0 - 1110.0 and f1["retrained_s"] == 0
+    assert f0["lost_s"] == pytest.approx(75.0 + 4.0) and f0["lost_gpu_s"] == pytest.approx(158.0)
+    assert [r["fault"] for r in book["attempts"]] == [f0, f1, None]
+    assert book["faults_by_kind"] == {
+        "killed": {"count": 1, "lost_s": f0["lost_s"], "lost_gpu_s": f0["lost_gpu_s"]},
+        "error": {"count": 1, "lost_s": 105.0, "lost_gpu_s": 210.0},
+    }
+    table = goodput.render(book)
+    assert (
+        f"fault: {faults.describe(f0)}; charged 79.0 s (75.0 s without training + 4.0 s "
+        "training steps again)"
+    ) in table, table
+    # status shows the same faults, charged, and sums them up by kind.
+    shown = status_command.collect(paths, queue_state=lambda job: None)
+    assert shown["faults"] == book["faults"]
+    text = status_command.render(shown)
+    assert "faults       2: killed x1, error x1; 184.0 s lost to them" in text, text
+    assert f"fault        {faults.describe(f1)}" in text, text
+    # While the run still recovers, the time since the fault is charged until now.
+    st = goodput.ledger(_records(tmp_path / "now", attempts[:1], [tl0]), running=False)
+    assert st["faults"] == []  # nothing says attempt 0 ended: no later attempt, no record
+    rundir.append_jsonl(rundir.RunPaths(str(tmp_path / "now")).attempts, {**local, "attempt": 1})
+    (waiting,) = goodput.ledger(rundir.RunPaths(str(tmp_path / "now")), running=True, now=1100.0)[
+        "faults"
+    ]
+    assert waiting["recovered_by"] is None and waiting["downtime_s"] == 1100.0 - 1035.0
+
+
 def test_a_straggler_is_named_once_after_its_window_and_a_recovered_rank_starts_over(tmp_path):
     paths = rundir.RunPaths(str(tmp_path))
 
@@ -434,7 +611,7 @@ def test_a_commit_is_recorded_before_the_checkpoints_are_pruned(tmp_path):
         {"optimizer": opt, "train": state},
         state,
         steps_per_epoch=100,
-        after_commit=lambda step: said.append(("timeline", step)),
+        after_commit=lambda step, seconds: said.append(("timeline", step)),
     )
     prune = ck.store.prune
     ck.store.prune = lambda: (said.append(("prune", state.global_step)), prune())
@@ -509,6 +686,29 @@ def test_every_attempt_of_a_killed_and_resumed_run_sums_to_its_wall_time(resumed
     assert book["total"]["gpu_seconds"]["productive"] == pytest.approx(
         2 * book["total"]["seconds"]["productive"]
     )
+
+
+def test_the_kill_is_a_fault_charged_its_downtime_and_the_steps_trained_again(resumed):
+    """SIGKILL left no record of the kill: the fault is the killed attempt's, at its last record;
+    the next attempt resumed from the disk checkpoint at step 8 and trained the steps after it
+    again, which the ledger charges to the kill with the time until that attempt's first step."""
+    d, book = resumed
+    first, second = book["attempts"]
+    tls = timeline.read_all(rundir.RunPaths(d)).records
+    (f,) = book["faults"]
+    assert (f["attempt"], f["kind"], f["at"]) == (0, "killed", tls[0]["written_at"])
+    assert f["recovered_by"] == 1 and f["restored_step"] == 8 and f["restored_from"] == "shared"
+    assert f["steps_lost"] == first["steps"]["last"] - 8 > 0
+    assert f["recovery_s"] == pytest.approx(tls[1]["first_step_at"] - f["at"], abs=1e-3)
+    assert f["downtime_s"] == pytest.approx(f["recovery_s"], abs=1e-3)
+    assert f["retrained_s"] == pytest.approx(second["seconds"]["recomputed"]) and f["retrained_s"]
+    assert first["fault"] == f and second["fault"] is None
+    assert book["faults_by_kind"]["killed"]["count"] == 1
+    table = run_cli("clusterflow.goodput", d).stdout
+    assert f"fault: {faults.describe(f)}; charged {f['lost_s']:.1f} s" in table, table
+    assert "from the disk checkpoint at step 8" in table, table
+    shown = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
+    assert [(g["kind"], g["restored_step"]) for g in shown["faults"]] == [("killed", 8)]
 
 
 STARTUP_PHASES = [
@@ -631,6 +831,19 @@ def test_an_attempt_dead_in_start_up_counts_from_its_processes_start(lagging):
     assert began < recs[1]["started_at"]
     assert dead["seconds"]["startup"] >= recs[1]["started_at"] - began
     assert dead["wall_s"] == pytest.approx(dead["seconds"]["queue_wait"] + dead["ended_at"] - began)
+    # Two faults, one recovery: the kill's downtime ends where the start-up death begins, and the
+    # steps the third launch trained again are the kill's (the dead launch trained none).
+    kill, death = book["faults"]
+    # (killed: rank 0 died without a word; rank 1 recorded first, its peer's connection closed)
+    assert (kill["kind"], death["kind"], kill["recovered_by"], death["recovered_by"]) == (
+        "killed",
+        "error",
+        2,
+        2,
+    )
+    assert death["steps_lost"] is None and death["retrained_s"] == 0
+    assert kill["retrained_s"] == pytest.approx(book["attempts"][2]["seconds"]["recomputed"])
+    assert kill["downtime_s"] + death["downtime_s"] == pytest.approx(kill["recovery_s"], abs=1e-3)
 
 
 # -- a real run with rank 1 made three times as slow per step --------------------------------------

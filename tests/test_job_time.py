@@ -1,10 +1,21 @@
-"""The job's time as status reads it from squeue (one call for every job asked), and the run's
-own estimate of its end; the real cluster's answers are checked in test_slurm_job_time.py."""
+"""The job's time as status reads it from squeue (one call for every job asked), the run's own
+estimate of its end, and the job's own watch of Slurm's end against its measured saves; the real
+cluster's answers are checked in test_slurm_job_time.py."""
+
+import signal
 
 import pytest
+import torch
 
+from clusterflow import rundir
+from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
+from clusterflow.checkpoint.train_state import TrainState
+from clusterflow.config.job_config import load
 from clusterflow.manage import status
+from clusterflow.rundir import timeline
+from clusterflow.rundir.states import StopHow, StopReason
 from clusterflow.slurm import commands
+from clusterflow.train import preemption
 
 
 @pytest.mark.parametrize(
@@ -87,3 +98,108 @@ def test_the_runs_own_estimate_is_the_steps_left_at_the_median_step_time():
     quiet = _running(ranks=[{"rank": 0, "phase": "train", "silent": True, "step_time_s": 1.0}])
     assert status._finish(quiet, epochs=3)["eta_s"] is None
     assert status.hms(93784.4) == "1-2:03:04" and status.hms(59) == "0:00:59"
+
+
+# -- the job's own end: read from Slurm, weighed against its saves ------------------------------
+
+
+def test_the_jobs_end_is_slurms_end_time_asked_again_at_each_call(fake_slurm):
+    fields = "JobId=7 JobState=RUNNING TimeLimit=00:10:00 StartTime=2026-01-02T10:00:00"
+    fake_slurm.answer("scontrol", stdout=f"{fields} EndTime=2026-01-02T10:10:00\n")
+    end = commands.job_end("7")
+    assert end.end_at == commands.slurm_time("2026-01-02T10:10:00") and end.limit == "00:10:00"
+    # An admin's `scontrol update JobId=7 EndTime=...` (or TimeLimit=...): the next call sees it.
+    fake_slurm.answer("scontrol", stdout=f"{fields} EndTime=2026-01-02T10:04:30\n")
+    assert commands.job_end("7").end_at == commands.slurm_time("2026-01-02T10:04:30")
+    assert fake_slurm.calls() == ["scontrol show job -o 7"] * 2
+    unlimited = "JobId=7 JobState=RUNNING TimeLimit=UNLIMITED EndTime=Unknown\n"
+    fake_slurm.answer("scontrol", stdout=unlimited)
+    assert commands.job_end("7") == commands.JobEnd(None, "UNLIMITED")
+    fake_slurm.answer("scontrol", stderr="slurm_load_jobs error: Unable to contact\n", code=1)
+    assert commands.job_end("7") is None  # no answer: the watch keeps the end it knew
+
+
+class _Clock:
+    def __init__(self, now):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def _watch(end_at, clock, save_s=3.0, margin_s=5.0):
+    answers = [commands.JobEnd(end_at, "0:10:00")]
+    watch = preemption.EndWatch(lambda: answers[-1], every_s=60, margin_s=margin_s, clock=clock)
+    watch.save_s = lambda: save_s
+    watch.ask()
+    return watch, answers
+
+
+def test_an_end_closer_than_two_saves_and_the_margin_stops_the_run_for_the_time_limit():
+    """Two saves (the write in flight, then the stop's own) plus the margin: 3 s + 3 s + 5 s."""
+    clock = _Clock(1000.0)
+    watch, answers = _watch(1600.0, clock)
+    stop = preemption.Preemption(end=watch)
+    assert watch.needed_s() == 11 and not stop.requested and stop.reason() == ""
+    clock.now = 1588.0  # 12 s left
+    assert not stop.requested
+    # The admin brings the end forward; the watch sees it at its next question to Slurm.
+    answers.append(commands.JobEnd(1598.0, "0:10:00"))
+    watch.ask()
+    assert watch.end_at == 1598.0
+    assert stop.requested and stop.reason() == StopReason.TIMEOUT
+    assert "10.0 s away, closer than two saves (3.0 s each" in watch.said, watch.said
+    answers.append(commands.JobEnd(1900.0, "0:15:00"))  # extended after the stop was decided:
+    watch.ask()
+    assert stop.reason() == StopReason.TIMEOUT  # the ranks may have agreed already: it stays
+    said = stop.stop_record(StopReason.TIMEOUT)
+    assert said == {
+        "signal_at": None,
+        "how": StopHow.END,
+        "end_at": 1900.0,
+        "save_s": 3.0,
+        "due_at": 1588.0,
+    }
+    assert stop.stop_record(StopReason.PREEMPTED) == {"signal_at": None}
+
+
+def test_a_signal_with_the_end_near_keeps_its_own_reason():
+    """A SIGTERM near the end stays a preemption (it may be Slurm's own requeue under way, which
+    a second requeue would fail), and Ctrl-C still wins."""
+    clock = _Clock(1000.0)
+    watch, _ = _watch(1005.0, clock)
+    stop = preemption.Preemption(end=watch)
+    assert stop.reason() == StopReason.TIMEOUT
+    stop._handle(signal.SIGTERM, None)
+    assert stop.reason() == StopReason.PREEMPTED and stop.requested
+    stop._handle(signal.SIGINT, None)
+    assert stop.reason() == StopReason.INTERRUPTED
+    # Slurm's signal before the end came near: the signal began the stop.
+    early = preemption.Preemption(end=_watch(1600.0, clock)[0])
+    early._handle(signal.SIGUSR2, None)
+    assert early.stop_record(StopReason.TIMEOUT)["how"] == StopHow.SIGNAL
+    # No end known (no time limit, or Slurm never answered): only the signals count.
+    assert not preemption.Preemption(end=_watch(None, clock)[0]).requested
+
+
+def test_a_save_takes_what_the_checkpointer_measured_else_what_an_earlier_attempt_did(tmp_path):
+    cfg = load(None, [f"run.dir={tmp_path}", "checkpoint.every_steps=1", "checkpoint.async=false"])
+    paths = rundir.RunPaths(cfg.run.dir)
+    timeline.write(paths, {"attempt": 0, "write_s": 7.5})
+    model = torch.nn.Linear(3, 2)
+    state = TrainState()
+    seen = []
+    ck = Checkpointer(
+        cfg,
+        paths,
+        model,
+        {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "train": state},
+        state,
+        steps_per_epoch=100,
+        after_commit=lambda step, seconds: seen.append(seconds),
+    )
+    assert ck.save_s() == 7.5  # nothing measured in this attempt yet
+    state.step_done()
+    ck.save(STEP)
+    (measured,) = seen
+    assert 0 < measured < 7.5 and ck.save_s() == measured

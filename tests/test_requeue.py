@@ -107,9 +107,9 @@ def test_after_stop_counts_time_limit_stops_in_one_place(tmp_path):
 
     paths = rundir.RunPaths(str(tmp_path))
     env = DistEnv.from_env({})
-    assert after_stop(paths, "timeout", env, {}, LIMIT, 12.5) == "timeout"
-    assert after_stop(paths, "preempted", env, {}, LIMIT, None) == "preempted"
-    assert after_stop(paths, "completed", env, {}, LIMIT, None) == "completed"
+    assert after_stop(paths, "timeout", env, {}, LIMIT, {"signal_at": 12.5}) == "timeout"
+    assert after_stop(paths, "preempted", env, {}, LIMIT) == "preempted"
+    assert after_stop(paths, "completed", env, {}, LIMIT) == "completed"
     stops = [json.loads(line) for line in open(paths.stops)]
     assert [s["reason"] for s in stops] == ["timeout", "preempted"] and stops[0][
         "signal_at"
@@ -159,13 +159,13 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
     env = DistEnv.from_env(environ)
     assert env.source == "slurm"
     paths = rundir.RunPaths(str(tmp_path))
-    assert after_stop(paths, "timeout", env, environ, LIMIT, None) == "requeue-outside"
+    assert after_stop(paths, "timeout", env, environ, LIMIT) == "requeue-outside"
     assert rundir.read_json(paths.status)["state"] == "requeued"
     assert marker.exists()  # the templates requeue on it whatever srun's exit status says
     marker.unlink()
     # Preempted (SIGTERM): saved, and the batch script is asked to requeue too; exiting 0 would
     # end the job as COMPLETED, never to come back.
-    assert after_stop(paths, "preempted", env, environ, LIMIT, None) == "requeue-outside"
+    assert after_stop(paths, "preempted", env, environ, LIMIT) == "requeue-outside"
     assert rundir.read_json(paths.status)["state"] == "requeued" and marker.exists()
     assert EXIT_REQUEUE_OUTSIDE == 75  # what slurm_templates/train.sbatch tests for
 
@@ -242,9 +242,9 @@ def test_after_stop_names_the_command_that_resumes_a_job_slurm_does_not_requeue(
     environ.update(SLURM_LOCALID="0", SLURM_NODEID="0", SLURM_JOB_NODELIST="node1")
     environ.update(SLURM_JOB_NUM_NODES="1", SLURM_TASKS_PER_NODE="1")
     paths = rundir.RunPaths(str(tmp_path))
-    assert after_stop(paths, "preempted", DistEnv.from_env(environ), environ, LIMIT, 1.0) == (
-        "failed"
-    )
+    assert after_stop(
+        paths, "preempted", DistEnv.from_env(environ), environ, LIMIT, {"signal_at": 1.0}
+    ) == ("failed")
     st = rundir.read_json(paths.status)
     assert st["state"] == "failed", st
     assert st["error"] == (

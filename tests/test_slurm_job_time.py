@@ -1,8 +1,11 @@
 """The job's time as Slurm gives it, on the real local cluster: a pending job's reason and the
 start Slurm expects (``squeue --start``), a running job's time left, within seconds of
 squeue's own answer asked beside it, in `status` and in the dashboard's job panel (its catalog,
-which asks squeue once for all its runs)."""
+which asks squeue once for all its runs); and ten time limits, each brought forward by an
+admin's ``scontrol update``, survived with no step lost although the save is slower than
+Slurm's --signal lead."""
 
+import itertools
 import os
 import re
 import subprocess
@@ -11,8 +14,10 @@ import time
 import pytest
 from conftest import run_cli
 from dashboards import poll_until
-from slurmjobs import live_status, scmd, status, submit, wait_until
+from slurmjobs import ENDED, job_fields, live_status, scmd, sha256, status, submit, wait_until
 
+from clusterflow import rundir
+from clusterflow.rundir import timeline
 from clusterflow.slurm.commands import slurm_duration, slurm_time
 from clusterflow.web import catalog as web_catalog
 from clusterflow.web import views
@@ -88,3 +93,103 @@ def _panel(cat):
     """The one run's page as the dashboard sends it (None before its first collect)."""
     run = next(iter(cat.runs.values()), None)
     return views.detail(run) if run is not None and run.status else None
+
+
+# Ten time limits: each attempt trains, then the test brings the job's end to WINDOW_S from now
+# (as an admin's `scontrol update` does); Slurm's --signal comes 1 s before it (if at all: Slurm
+# looks at its time limits every 30 s), shorter than the slowed save.
+LIMITS, WINDOW_S = 10, 13
+TIME_LIMITED = (
+    "task.target=testtasks:SlowSave",
+    "task.params.step_sleep=0.4",
+    "task.params.save_sleep=2",
+    "train.epochs=20",
+    "mining.every_epochs=5",
+    "checkpoint.every_steps=8",
+    "cluster.signal_delay_s=1",
+    "cluster.end_check_s=1",
+    "cluster.end_margin_s=5",
+    f"cluster.max_timeout_requeues={LIMITS}",
+)
+
+
+def _trained(run_dir, attempt, committed):
+    """Attempt ``attempt`` trains (its first step recorded), and has committed a checkpoint when
+    ``committed`` (so that it measured a save)."""
+    tl = timeline.read_all(rundir.RunPaths(run_dir)).records.get(attempt, {})
+    s = live_status(run_dir)
+    return (
+        s.get("attempt") == attempt
+        and s.get("state") == "running"
+        and "first_step_at" in tl
+        and (not committed or "commit" in tl)
+    )
+
+
+def _ended(job):
+    fields = job_fields(job)
+    return fields.get("JobState") in ENDED and fields
+
+
+@pytest.mark.slow
+def test_ten_time_limits_with_a_short_signal_lead_and_a_slow_save_lose_no_step(cluster, tmp_path):
+    """The job reads its end from Slurm again every second: an end brought forward is seen,
+    and the run stops, saves and requeues itself before it, each attempt resuming at exactly the
+    step the one before saved; each sample once per epoch; the weights of an uninterrupted run
+    of the same config trained beside it."""
+    d, ref = str(tmp_path / "run"), str(tmp_path / "reference")
+    same = [o for o in TIME_LIMITED if not o.startswith(("task.params", "cluster."))]
+    ref_job, _ = submit(ref, *same, "task.params.step_sleep=0", "task.params.save_sleep=0")
+    job, _ = submit(d, *TIME_LIMITED)
+    ends = []
+    try:
+        for k in range(LIMITS):
+            wait_until(f"attempt {k} training", lambda k=k: _trained(d, k, k == 0), job_id=job)
+            end = int(time.time()) + WINDOW_S
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(end))
+            scmd("scontrol", "update", f"JobId={job}", f"EndTime={stamp}")
+            assert job_fields(job)["EndTime"] == stamp
+            ends.append(end)
+            wait_until(
+                f"time-limit stop {k + 1}",
+                lambda k=k: len(rundir.read_jsonl(rundir.RunPaths(d).stops)) > k,
+                job_id=job,
+            )
+        # An admin gives the job time again: the last attempt trains to the end.
+        scmd("scontrol", "update", f"JobId={job}", "TimeLimit=10")
+        fields = wait_until(f"job {job} to end", lambda: _ended(job), timeout=600, job_id=job)
+        assert fields["JobState"] == "COMPLETED", fields  # never TIMEOUT
+        # (long done, and maybe forgotten by Slurm: its run dir says)
+        wait_until("the reference run", lambda: live_status(ref).get("state") == "completed")
+    finally:
+        subprocess.run(["scancel", job, ref_job], check=False)
+    s = status(d)
+    assert s["state"] == "completed" and s["attempts"] == LIMITS + 1, s
+    stops = rundir.read_jsonl(rundir.RunPaths(d).stops)
+    tls = timeline.read_all(rundir.RunPaths(d)).records
+    assert [x["reason"] for x in stops] == ["timeout"] * LIMITS, stops
+    for k, (stop, end) in enumerate(zip(stops, ends, strict=True)):
+        # Saved and requeued before the end (without the watch, the stop comes when Slurm ends
+        # the job for its time limit, up to 30 s after it, and only KillWait lets the save
+        # through), begun by the job's own watch of it (or by Slurm's signal, when its check
+        # every 30 s happened to come first: it signals up to 30 s early).
+        assert stop["at"] < end, (k, stop, end)
+        assert stop["how"] in ("end", "signal") and stop["end_at"] == end, stop
+        assert stop["save_s"] >= 2, stop
+        # Each attempt resumes at exactly the step the one before saved at its stop: no step lost.
+        assert stop["attempt"] == k and tls[k + 1]["restored_step"] == stop["step"], (stop, tls)
+        assert tls[k]["last_step"] == stop["step"] > tls[k]["restored_step"], (k, stop, tls[k])
+    # Each a time-limit fault in status: back training from the disk checkpoint of its stop.
+    assert [f["kind"] for f in s["faults"]] == ["time_limit"] * LIMITS, s["faults"]
+    for f, stop in zip(s["faults"], stops, strict=True):
+        assert (f["steps_lost"], f["restored_from"], f["restored_step"]) == (
+            0,
+            "shared",
+            stop["step"],
+        )
+        assert f["how"] == stop["how"] and f["lost_s"] == pytest.approx(f["recovery_s"], abs=1e-3)
+    for epoch in s["samples"]["epochs"]:  # each sample once per epoch
+        ranges = sorted((r["start"], r["end"]) for r in epoch["ranges"])
+        assert ranges[0][0] == 0 and ranges[-1][1] == epoch["samples"], epoch
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges)), epoch
+    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref, "model.pt"))

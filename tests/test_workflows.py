@@ -210,7 +210,7 @@ def test_a_cancelled_run_is_never_requeued(tmp_path, fake_slurm):
         "SLURM_NTASKS_PER_NODE": "1",
     }
     env = DistEnv(source="slurm", job_id="99999")
-    assert after_stop(paths, "timeout", env, environ, limit=5, signal_at=None) == "timeout"
+    assert after_stop(paths, "timeout", env, environ, limit=5) == "timeout"
     assert rundir.read_json(paths.status)["state"] == "cancelled"
     assert not os.path.exists(paths.stops) or "requeue" not in open(paths.stops).read()
     assert not [c for c in fake_slurm.calls() if "requeue" in c], fake_slurm.calls()

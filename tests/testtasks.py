@@ -109,6 +109,24 @@ class HangInSave(Slow):
         durable.write_file = write
 
 
+class SlowSave(Slow):
+    """Slow, and every checkpoint write of ``model.pt`` takes ``save_sleep`` seconds longer (a
+    large state on a slow filesystem): a save longer than Slurm's --signal lead. Sleeping changes
+    no byte written."""
+
+    def __init__(self, seed=0, save_sleep=2.0, **params):
+        super().__init__(seed, **params)
+        delay = float(save_sleep)
+        plain_write = durable.write_file
+
+        def write(path, payload, fsync=True, fs=None, codec=None):
+            if f"{os.sep}.tmp-step-" in path and path.endswith("model.pt"):
+                time.sleep(delay)
+            return plain_write(path, payload, fsync, fs, codec)
+
+        durable.write_file = write
+
+
 class HangInShardedSave(Slow):
     """train.parallel=fsdp: rank 1 writes its shards of step ``hang_at_step`` into the staging
     folder, then hangs until killed (rank 0 waits for it before committing); with

@@ -65,7 +65,7 @@ from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
-from clusterflow.rundir import transitions
+from clusterflow.rundir import timeline, transitions
 from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
@@ -102,7 +102,7 @@ class Checkpointer:
         attempt: int = 0,
         tracker: phases.Phases | None = None,
         before_commit: Callable[[str], None] | None = None,
-        after_commit: Callable[[int], None] | None = None,
+        after_commit: Callable[[int, float | None], None] | None = None,
     ) -> None:
         c = cfg.checkpoint
         self.store = CheckpointStore(
@@ -146,9 +146,10 @@ class Checkpointer:
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
-        # Rank 0, with the step, as soon as a checkpoint is published (on the write thread when
-        # the save runs in the background): the attempt's timeline.
-        self.after_commit = after_commit or (lambda step: None)
+        # Rank 0, with the step and the seconds its write took until then, as soon as a
+        # checkpoint is published (on the write thread when the save runs in the background):
+        # the attempt's timeline.
+        self.after_commit = after_commit or (lambda step, seconds: None)
         self.paths = paths
         self.writes = BackgroundWrite()
         self.staging = None
@@ -161,6 +162,14 @@ class Checkpointer:
         # Where a background write may be in flight: rank 0, or every rank when sharded.
         self._writes_here = dist.rank() == 0 or self.sharded is not None
         self._last_write_s: float | None = None
+        # How long a write takes, for the watch of the job's end (save_s): when the write under
+        # way started (rank 0), the longest one measured, and the longest an earlier attempt of
+        # the run measured (its timeline), until this attempt has measured its own.
+        self._write_started: float | None = None
+        self._longest_write_s = 0.0
+        self._earlier_write_s = (
+            timeline.longest_write(timeline.read_all(paths)) if dist.rank() == 0 else 0.0
+        )
         self._rounds_saved = 0  # mining rounds in the last saved state (set again by restore)
         # checkpoint.memory_every_steps: snapshots in the nodes' memory (memory.py), between the
         # shared filesystem's checkpoints.
@@ -171,6 +180,14 @@ class Checkpointer:
         )
         # Where the last restore read the state: (memory | replica | shared, where, step).
         self.restored_from: tuple[str, str, int] | None = None
+
+    def save_s(self) -> float:
+        """Rank 0: how long a checkpoint write takes, as measured from its start to its publish
+        (the longest of this attempt's, else of an earlier attempt's; a write in flight for longer
+        counts with its time so far); 0 before any was measured."""
+        started = self._write_started
+        flight = time.perf_counter() - started if started is not None and self.writes.busy else 0
+        return max(self._longest_write_s or self._earlier_write_s, flight)
 
     def due(self, event: str) -> bool:
         if event != STEP:
@@ -313,6 +330,7 @@ class Checkpointer:
         if dist.rank() == 0:
             files, meta = self._stamped(files, meta, ident, step)
         t0 = time.perf_counter()
+        self._write_started = t0
         listed, mine = {}, None
         try:
             listed = self.sharded.write(
@@ -382,6 +400,7 @@ class Checkpointer:
 
     def _start_write(self, rngs: list[RngState] | None) -> None:
         """Rank 0: snapshot the state and commit it on the background thread."""
+        self._write_started = time.perf_counter()
         step = self.progress.global_step
         files, meta = self._stamped(self._files(rngs), self._meta(), identity.new_id(), step)
         try:
@@ -514,9 +533,14 @@ class Checkpointer:
         )
 
     def _published(self, step: int) -> None:
-        """Rank 0, as soon as a save published ``step`` (before pruning): the attempt's timeline
-        records the commit, then RUN_DIR/best points at the best step."""
-        self.after_commit(step)
+        """Rank 0, as soon as a save published ``step`` (before pruning): the write's time is
+        measured, the attempt's timeline records the commit, then RUN_DIR/best points at the best
+        step."""
+        started, seconds = self._write_started, None
+        if started is not None:  # not the clean-up's publish of a staged folder at the start
+            seconds = time.perf_counter() - started
+            self._longest_write_s = max(self._longest_write_s, seconds)
+        self.after_commit(step, seconds)
         if self.cfg.checkpoint.best is not None:
             self._point_best()
 
@@ -542,6 +566,8 @@ class Checkpointer:
         self, step: int, files: Mapping[str, Any], meta: Mapping[str, Any], how: str
     ) -> float:
         t0 = time.perf_counter()
+        if not how:  # a synchronous write (one in the background started with its snapshot)
+            self._write_started = t0
         # Objects, not bytes: the store streams them through torch.save, hashing as it writes.
         path = self.store.save(step, files, meta)
         seconds = time.perf_counter() - t0

@@ -50,8 +50,11 @@ from clusterflow.rundir import (
     states,
     transitions,
 )
+from clusterflow.rundir import timeline as rundir_timeline
 from clusterflow.rundir.states import State, StopReason
-from clusterflow.train.preemption import Preemption
+from clusterflow.slurm import commands as slurm_commands
+from clusterflow.slurm import jobids
+from clusterflow.train.preemption import EndWatch, Preemption
 from clusterflow.train.session import Amp, Run
 
 log = logging.getLogger("clusterflow")
@@ -126,9 +129,11 @@ class Attempt:
             return False
         self.attempt = _start(env, self.cfg, paths, self.device)
         _threads(env, self.environ)
-        # Rank 0 looks for the user's cancel while training; the agreement tells the others.
+        # Rank 0 looks for the user's cancel, and watches the job's end, while training; the
+        # agreement tells the others.
         self.preemption = Preemption(
-            (lambda: cancel_marker.is_cancelled(paths)) if env.is_main else None
+            (lambda: cancel_marker.is_cancelled(paths)) if env.is_main else None,
+            end=_end_watch(env, self.cfg, paths, self.environ),
         ).install()
         self.startup.mark(timeline.RUN_DIR)
         return True
@@ -164,13 +169,16 @@ class Attempt:
         outcome, and the group is shut down. Returns (the job's outcome, the exit status)."""
         self._unwatch(None)
         if self.env.is_main:
+            stop = self.preemption.stop_record(outcome)
+            if self.run is not None:
+                stop["step"] = self.run.global_step
             outcome = after_stop(
                 self.paths,
                 outcome,
                 self.env,
                 self.environ,
                 self.cfg.cluster.max_timeout_requeues,
-                self.preemption.received_at,
+                stop,
             )
             _let_go(self.paths, self.environ, outcome)
             _tell(self.events, self.paths, self.attempt, outcome)
@@ -208,8 +216,10 @@ class Attempt:
         )
 
     def _unwatch(self, exc: BaseException | None) -> None:
-        """Stop watching the rank; with ``exc``, as the watch sees a failure (a rank that fails
-        leaves its flight recorder beside the stalled one's)."""
+        """Stop watching the rank (and the job's end); with ``exc``, as the watch sees a failure
+        (a rank that fails leaves its flight recorder beside the stalled one's)."""
+        if self.preemption.end is not None:
+            self.preemption.end.close()
         watch, self._watch = self._watch, None
         if watch is None:
             return
@@ -217,6 +227,24 @@ class Attempt:
             watch.__exit__(None, None, None)
         else:
             watch.__exit__(type(exc), exc, exc.__traceback__)
+
+
+def _end_watch(
+    env: DistEnv, cfg: Config, paths: rundir.RunPaths, environ: Mapping[str, str]
+) -> EndWatch | None:
+    """Rank 0 of a Slurm job (``cluster.end_check_s`` > 0): the watch of the job's end, started
+    (its first question to Slurm goes out at once, on its own thread). Until this attempt's
+    checkpointer measures a save, a save takes what the run's earlier attempts measured."""
+    target = jobids.requeue_target(environ) if env.source in ("slurm", "torchrun") else None
+    every = cfg.cluster.end_check_s
+    if not env.is_main or not target or every <= 0:
+        return None
+    watch = EndWatch(
+        functools.partial(slurm_commands.job_end, target), every, cfg.cluster.end_margin_s
+    )
+    earlier = rundir_timeline.longest_write(rundir_timeline.read_all(paths))
+    watch.save_s = lambda: earlier
+    return watch.start()
 
 
 def setup_logging(paths: rundir.RunPaths, rank: int, attempt: int) -> None:

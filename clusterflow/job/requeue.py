@@ -21,7 +21,7 @@ from clusterflow import rundir
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import EXIT_REQUEUE_OUTSIDE
 from clusterflow.rundir import cancel_marker, saved_config, transitions
-from clusterflow.rundir.states import State, StopReason
+from clusterflow.rundir.states import State, StopHow, StopReason
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
@@ -113,16 +113,15 @@ def after_stop(
     env: DistEnv,
     environ: Mapping[str, str],
     limit: int,
-    signal_at: float | None,
+    stop: Mapping[str, object] | None = None,
 ) -> str:
     """Rank 0: record the outcome and carry out :func:`decide`'s action; returns the job's outcome.
-    ``env``: this job's; ``environ``: the environment it was read from."""
+    ``env``: this job's; ``environ``: the environment it was read from; ``stop``: what the stop's
+    line in stops.jsonl says of how it came about (``Preemption.stop_record``: ``signal_at``, and
+    for a time-limit stop ``how``, ``end_at``, ``save_s``, ``due_at``; the attempt and the step
+    reached)."""
     # An array task is requeued as A_T: the bare array id would requeue every task of the array.
     job_id = (jobids.requeue_target(environ) or "") if env.source in ("slurm", "torchrun") else ""
-    timeouts = 0
-    if outcome != State.COMPLETED:
-        rundir.record_stop(paths, reason=outcome, job_id=env.job_id, signal_at=signal_at)
-        timeouts = rundir.count_stops(paths, StopReason.TIMEOUT)
     slurm_state, interactive, ends = None, False, None
     if job_id:  # Slurm is asked only what the decision needs
         slurm_state = ""
@@ -134,6 +133,13 @@ def after_stop(
             slurm_state = NO_SCONTROL
         if outcome in (StopReason.PREEMPTED, StopReason.TIMEOUT):
             interactive = slurm_commands.is_batch(job_id) is False
+    timeouts = 0
+    if outcome != State.COMPLETED:
+        # Slurm's JobState tells a preemption (still RUNNING: the job requeues itself) from
+        # Slurm's own requeue (COMPLETING) in the run's fault records (rundir/faults.py).
+        said = {"slurm_state": slurm_state} if slurm_state not in (None, "", NO_SCONTROL) else {}
+        rundir.record_stop(paths, reason=outcome, job_id=env.job_id, **dict(stop or {}), **said)
+        timeouts = rundir.count_stops(paths, StopReason.TIMEOUT)
     action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive, ends)
     # The user's cancel wins over any requeue.
     if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths):
@@ -141,7 +147,10 @@ def after_stop(
         log.info("run cancelled by the user (%s): not requeued", paths.cancelled)
         return action.outcome
     if action.requeue:
-        return requeue(job_id, paths, action.why) or action.outcome
+        why = action.why
+        if outcome == StopReason.TIMEOUT and (stop or {}).get("how") == StopHow.END:
+            why = "the job's end came closer than a save"
+        return requeue(job_id, paths, why) or action.outcome
     if interactive:
         transitions.mark_stopped(paths)
         log.warning(

@@ -25,6 +25,7 @@ from clusterflow.observe import goodput
 from clusterflow.observe.trackers.state import received_steps
 from clusterflow.rundir import (
     cancel_marker,
+    faults,
     first_error,
     frozen_code,
     records,
@@ -289,20 +290,23 @@ def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     return lines
 
 
-def _goodput(paths: rundir.RunPaths, state: str, notes: list[str]) -> dict[str, Any] | None:
+def _goodput(
+    paths: rundir.RunPaths, state: str, notes: list[str]
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The run's goodput from its own records (no Slurm query: ``clusterflow goodput`` adds
-    Slurm's start and end times); None before any attempt recorded its time. The records it read
-    that are damaged (its timelines) join ``notes``."""
+    Slurm's start and end times), None before any attempt recorded its time; and each attempt's
+    fault with the time it cost (``rundir/faults.py``, charged by the ledger). The records it
+    read that are damaged (its timelines) join ``notes``."""
     book = goodput.ledger(paths, running=state == State.RUNNING)
     notes += [d for d in book["damaged_records"] if d not in notes]
     if not book["attempts"]:
-        return None
+        return None, book["faults"]
     total = book["total"]
     return {
         "ratio": total["ratio"],
         "productive_gpu_s": total["gpu_seconds"]["productive"],
         "allocated_gpu_s": total["allocated_gpu_s"],
-    }
+    }, book["faults"]
 
 
 def collect(
@@ -406,7 +410,7 @@ def collect(
         "script": _script(config),
         "updated_at": st.get("updated_at"),
     }
-    out["goodput"] = _goodput(paths, decided.state, notes)
+    out["goodput"], out["faults"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
     ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
@@ -541,6 +545,31 @@ def _restarts_said(done: list[dict[str, Any]]) -> str:
     )
 
 
+# The faults `status` shows a line each (the newest); the rest are summed up by kind.
+FAULT_LINES = 3
+
+
+def _fault_lines(s: dict[str, Any]) -> list[str]:
+    """Each of the newest faults in a line, after one that counts them all by kind and what
+    they cost."""
+    found = s.get("faults") or []
+    if not found:
+        return []
+    counts: dict[str, int] = {}
+    for f in found:
+        label = faults.LABELS.get(f["kind"], str(f["kind"]))
+        counts[label] = counts.get(label, 0) + 1
+    lost = sum(f.get("lost_s") or 0.0 for f in found)
+    lines = [
+        f"faults       {len(found)}: "
+        + ", ".join(f"{k} x{n}" for k, n in counts.items())
+        + f"; {lost:.1f} s lost to them (clusterflow goodput {s['run_dir']} charges each)"
+    ]
+    for f in found[-FAULT_LINES:]:
+        lines.append(f"fault        {faults.describe(f)}")
+    return lines
+
+
 def render(s: dict[str, Any]) -> str:
     lines = [
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
@@ -559,6 +588,7 @@ def render(s: dict[str, Any]) -> str:
             f"excluded     {', '.join(s['excluded_nodes'])} (left out of the job after a node "
             "failure: stops.jsonl says which rank and why)"
         )
+    lines += _fault_lines(s)
     lines += _ledger_lines(s["samples"])
     if s["latest_checkpoint"]:
         age = (

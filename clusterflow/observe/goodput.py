@@ -26,6 +26,8 @@ ever negative and the parts add up to the attempt's wall time exactly:
   where a record says it, since a copy of the run dir gives every file the copy's time), else
   the last sign of life: the last record, the first error, or the rank logs' last write (not
   taken when it is later than the next attempt's start: a copy's time).
+- Each attempt's fault (``rundir/faults.py``) is charged what it cost (:func:`charge`): the time
+  from the fault to training again and the steps trained again, each second to one fault only.
 - An attempt whose timeline is unreadable is named in ``damaged_records``, and its time from
   its allocation to its end is ``other``: the records cannot split it. ``warnings`` says so, with
   the seconds, for every attempt whose damaged timeline left time in ``other``.
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from clusterflow import rundir
-from clusterflow.rundir import first_error, records, restarts, stragglers, timeline
+from clusterflow.rundir import faults, first_error, records, restarts, stragglers, timeline
 from clusterflow.rundir.states import COMPLETED, RUNNING, Cause
 from clusterflow.slurm.jobids import SLURM_SOURCES
 
@@ -203,10 +205,15 @@ def ledger(
         row["restart_in_job"] = _restart(back, a, failed)
         rows.append(row)
         prev, high = (a, row), max(high, a.last_step)
+    charged = charge(faults.read(paths, tls), {r["attempt"]: r for r in rows}, running, now)
+    for row in rows:
+        row["fault"] = next((f for f in charged if f["attempt"] == row["attempt"]), None)
     return {
         "run_dir": paths.root,
         "attempts": rows,
         "total": _total(rows),
+        "faults": charged,
+        "faults_by_kind": by_kind(charged),
         "damaged_records": damaged,
         "warnings": [
             f"attempt {r['attempt']}: {r['seconds']['other']:.1f} s of its "
@@ -216,6 +223,64 @@ def ledger(
             if (why := tls.damaged_attempts.get(r["attempt"])) and r["seconds"]["other"] > 0
         ],
     }
+
+
+def charge(
+    found: list[dict[str, Any]],
+    rows: Mapping[int, dict[str, Any]],
+    running: bool,
+    now: float,
+) -> list[dict[str, Any]]:
+    """Each fault (``rundir/faults.py``) with the time it cost: ``downtime_s``, from the fault to
+    the first step of the attempt that recovered (or, sooner, the next fault of an attempt that
+    never trained; while the run still recovers, until now), and ``retrained_s``, the steps that
+    attempt trained again (its ``recomputed`` seconds, charged to the first fault it recovered
+    from: a fault of an attempt that trained nothing lost no step); ``lost_s`` is their sum,
+    ``lost_gpu_s`` the same over the ranks of the failed and of the recovering attempt. Each
+    second is charged to one fault at most."""
+    out, claimed = [], set()
+    for i, f in enumerate(found):
+        by = f.get("recovered_by")
+        cut = [
+            g["at"]
+            for g in found[i + 1 :]
+            if g.get("at") is not None and (by is None or g["attempt"] < by)
+        ]
+        until = min([*cut, *([f["recovered_at"]] if by is not None else [])], default=None)
+        if until is None and running and by is None:
+            until = now
+        at = f.get("at")
+        down = max(0.0, until - at) if at is not None and until is not None else 0.0
+        again = 0.0
+        if by is not None and by not in claimed and by in rows:
+            claimed.add(by)
+            again = float(rows[by]["seconds"]["recomputed"])
+        ranks = rows[f["attempt"]]["ranks"] if f["attempt"] in rows else 1
+        back = rows[by]["ranks"] if by in rows else ranks
+        out.append(
+            {
+                **f,
+                "downtime_s": down,
+                "retrained_s": again,
+                "lost_s": down + again,
+                "lost_gpu_s": down * ranks + again * back,
+            }
+        )
+    return out
+
+
+def by_kind(charged: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The faults' count and lost time per kind, in the order the kinds are declared."""
+    out: dict[str, dict[str, float]] = {}
+    for kind in faults.FaultKind:
+        these = [f for f in charged if f["kind"] == kind]
+        if these:
+            out[str(kind)] = {
+                "count": len(these),
+                "lost_s": sum(f["lost_s"] for f in these),
+                "lost_gpu_s": sum(f["lost_gpu_s"] for f in these),
+            }
+    return out
 
 
 def _restart(
@@ -500,6 +565,13 @@ def render(book: dict[str, Any]) -> str:
             lines.append(
                 f"restart in job: attempt {r['attempt']} after a {back.get('cause')}{rank}{host}: "
                 f"{took}{came}{lost}{out}"
+            )
+        f = r.get("fault")
+        if f is not None:
+            lines.append(
+                f"fault: {faults.describe(f)}; charged {f['lost_s']:.1f} s "
+                f"({f['downtime_s']:.1f} s without training + {f['retrained_s']:.1f} s training "
+                "steps again)"
             )
         phases = r.get("startup_phases") or {}
         if phases:

@@ -108,7 +108,7 @@ class NullTimeline:
     def progress(self, step: int) -> None:
         pass
 
-    def committed(self, step: int) -> None:
+    def committed(self, step: int, write_s: float | None = None) -> None:
         pass
 
     def ended(self, outcome: str, step: int, writer: NullWriter) -> None:
@@ -191,9 +191,13 @@ class AttemptTimeline(NullTimeline):
         if time.monotonic() - self._written >= self.WRITE_EVERY_S:
             self._write(last_step=step)
 
-    def committed(self, step: int) -> None:
+    def committed(self, step: int, write_s: float | None = None) -> None:
+        """Checkpoint ``step`` was published, its write having taken ``write_s`` seconds until
+        then (None: not measured)."""
         commit = {"step": step, "at": time.time(), "seconds": self._since_first()}
-        self._write(fsync=True, commit=commit, last_step=step)
+        longest = max(float(self.rec.get("write_s") or 0.0), write_s or 0.0)
+        more = {"write_s": round(longest, 3)} if longest else {}
+        self._write(fsync=True, commit=commit, last_step=step, **more)
 
     def ended(self, outcome: str, step: int, writer: NullWriter) -> None:
         """The loop ended: the last record; the run's goodput so far goes to the writer

@@ -6,6 +6,7 @@
 - ``records.py``: the records' schemas, attempts, stops, per-rank errors, damage-proof readers;
 - ``first_error.py``: the attempt's first cause, recorded once;
 - ``restarts.py``: restarts inside a job's allocation, and the time each took to train again;
+- ``faults.py``: each attempt's fault (what ended it, when, the time to train again, from where);
 - ``submissions.py``: which Slurm job holds the run now (submissions and attempts);
 - ``cancel_marker.py``: a user cancelled the run, for good;
 - ``lease.py``: one job per run dir;

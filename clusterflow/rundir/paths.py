@@ -27,6 +27,8 @@ Inside ``RUN_DIR``:
                                   by rank 0
     restarts.jsonl                one line per restart inside a job's allocation, and when its
                                   attempt trained again (see restarts.py)
+    faults.jsonl                  a fault no other record names (no progress), one line each
+                                  (see faults.py, which reads every attempt's fault)
     submissions.jsonl             one line per Slurm job submit made for this run (see
                                   submissions.py)
     status.json                   the latest progress, rewritten atomically by rank 0
@@ -147,6 +149,10 @@ class RunPaths:
     @property
     def restarts(self) -> str:
         return self._p("restarts.jsonl")
+
+    @property
+    def faults(self) -> str:
+        return self._p("faults.jsonl")
 
     @property
     def status(self) -> str:

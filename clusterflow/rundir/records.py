@@ -546,7 +546,9 @@ def record_attempt(paths: RunPaths, **fields: object) -> int:
 
 
 def record_stop(paths: RunPaths, **fields: object) -> None:
-    append_jsonl(paths.stops, fields)
+    """A line of stops.jsonl: ``reason`` and what the caller says of the stop, with the attempt
+    that stopped (the newest) and when, unless given."""
+    append_jsonl(paths.stops, {"attempt": current_attempt(paths), "at": time.time(), **fields})
 
 
 def count_stops(paths: RunPaths, reason: str) -> int:

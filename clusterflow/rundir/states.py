@@ -59,6 +59,13 @@ class StopReason(Name):
     NODE_FAILURE = "node_failure"  # a node's fault; the job requeued without that node
 
 
+class StopHow(Name):
+    """How a time-limit stop came about: the ``how`` of its stops.jsonl line."""
+
+    SIGNAL = "signal"  # Slurm's --signal (SIGUSR2) ahead of the time limit, or SIGUSR1
+    END = "end"  # the job's own watch of its end: closer than two saves and the margin
+
+
 class Cause(Name):
     """The ``kind`` of an attempt's first cause (errors/first.attempt<A>.json)."""
 

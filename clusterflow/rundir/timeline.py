@@ -22,6 +22,9 @@ loop ends; a kill leaves the last one. Fields (times in seconds since 1970, dura
                                       mining, checkpoint), as of this write
     commit                            the newest checkpoint it committed: step, at, and the
                                       phase seconds at that moment
+    write_s                           the longest checkpoint write it measured, from the write's
+                                      start to its publish (a later attempt's first estimate of
+                                      a save, for the watch of the job's end)
     ended_at, outcome                 when the loop ended and how (completed, preempted, ...)
 
 Readers get the fields that fit :data:`TIMELINE` (records.py's checked readers): a field that
@@ -71,6 +74,7 @@ TIMELINE = records.Schema(
         "written_at": records.TIME,
         "seconds": _SECONDS,
         "commit": _COMMIT,
+        "write_s": records.SECONDS,
         "ended_at": records.TIME,
         "outcome": records.TEXT,
     },
@@ -121,6 +125,11 @@ def read_all(paths: RunPaths) -> Timelines:
             out.records[n] = rec
     out.records = dict(sorted(out.records.items()))
     return out
+
+
+def longest_write(tls: Timelines) -> float:
+    """The longest checkpoint write any attempt recorded (0: none)."""
+    return max((float(r.get("write_s") or 0.0) for r in tls.records.values()), default=0.0)
 
 
 def restored_from(tls: Timelines, attempts: int) -> list[str | None]:

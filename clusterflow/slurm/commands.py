@@ -293,6 +293,27 @@ def job_fields(job_id: str, timeout_s: float = 30) -> dict[str, str]:
     return {key: value for key, value in pairs} if out.ok else {}
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """When Slurm ends a running job: ``end_at`` in seconds since 1970 (``scontrol show job``'s
+    EndTime: its start plus its time limit, or what an admin set with ``scontrol update``), None
+    for a job without a time limit; ``limit``: its TimeLimit as Slurm writes it."""
+
+    end_at: float | None
+    limit: str = ""
+
+
+def job_end(job_id: str, timeout_s: float = 10) -> JobEnd | None:
+    """Slurm's end of the running job ``job_id`` (an array task as ``A_T``), asked again at each
+    call, so that a time limit an admin changed is seen; None when Slurm does not answer."""
+    fields = job_fields(job_id, timeout_s)
+    if "EndTime" not in fields:
+        return None
+    limit = fields.get("TimeLimit", "")
+    unlimited = limit in ("UNLIMITED", "INFINITE") or fields["EndTime"] == "Unknown"
+    return JobEnd(None if unlimited else slurm_time(fields["EndTime"]), limit)
+
+
 def hostnames(expression: str, timeout_s: float = 10) -> list[str] | None:
     """The node names of a Slurm host list (``node[1-3],gpu7``), through ``scontrol show
     hostnames``; [] for an empty or ``(null)`` list, None when scontrol does not answer."""

@@ -31,6 +31,15 @@ def cause(exc: BaseException | None) -> OSError | None:
     return None
 
 
+# How a full disk reads in an error's text: this module's own sentences, and the OS's words.
+_SAID = (*_FULL.values(), "No space left on device", "Disk quota exceeded", "[Errno 28]")
+
+
+def said_full(text: str) -> bool:
+    """Whether an error's text (a failed rank's record) says the disk was full."""
+    return any(words in text for words in _SAID)
+
+
 def payload_bytes(obj: object) -> int:
     """About how many bytes ``obj`` takes on disk: its tensors' and byte strings' sizes."""
     if hasattr(obj, "element_size") and hasattr(obj, "numel"):

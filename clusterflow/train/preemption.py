@@ -12,6 +12,13 @@ preemption, ``scontrol requeue`` or ``scancel``: save and exit quickly; Slurm re
 itself when the job allows it. SIGINT (Ctrl-C in the terminal of ``submit --local``) means "stop
 here": save and end ``stopped``, never requeued.
 
+The job's end (``EndWatch``, rank 0 of a Slurm job): Slurm's end time, read again every
+``cluster.end_check_s`` on a thread of its own (an admin's ``scontrol update TimeLimit=...`` is
+seen there), compared at each agreement with the time a stop needs: two saves as this run
+measured them (the write in flight, then the stop's own) plus ``cluster.end_margin_s``. Once the
+end is closer, the reason is ``timeout``, as for the time-limit signal: the ranks agree, save and
+requeue, whether or not Slurm's ``--signal`` came (its lead may be shorter than a save).
+
 A user's cancel (``RUN_DIR/cancelled.json``, written by ``clusterflow cancel``) reaches a running
 job as one more reason, ``cancelled``: rank 0 looks for the marker at most every
 ``AGREE_EVERY_S`` seconds when the loop asks for its flag, and the agreement carries it to every
@@ -20,15 +27,21 @@ rank (a local run cannot be scancelled, so the job must see the marker itself).
 
 from __future__ import annotations
 
+import logging
 import signal
+import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import AsyncMax
 from clusterflow.distributed.workers import STOP_SIGNALS
-from clusterflow.rundir.states import StopReason
+from clusterflow.rundir.states import StopHow, StopReason
+from clusterflow.slurm.commands import JobEnd
+
+log = logging.getLogger("clusterflow")
 
 TIMEOUT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 # SIGTERM, SIGINT and the time-limit signals: the ranks' DataLoader workers outlive them
@@ -63,6 +76,93 @@ def _reason_of(signum: int | None) -> str:
     return StopReason.TIMEOUT if signum in TIMEOUT_SIGNALS else StopReason.PREEMPTED
 
 
+class EndWatch:
+    """Rank 0's watch of the job's end: ``read`` asks Slurm (``slurm.commands.job_end``) on a
+    thread every ``every_s`` seconds; :meth:`due` (at each agreement: a clock read, no I/O) says
+    whether the end is closer than a stop needs, ``margin_s`` plus two saves as ``save_s``
+    measures them (the write in flight, then the stop's own). Once due it stays due, and
+    :attr:`said` says why."""
+
+    def __init__(
+        self,
+        read: Callable[[], JobEnd | None],
+        every_s: float,
+        margin_s: float,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._read, self.every_s, self.margin_s, self._clock = read, every_s, margin_s, clock
+        self.end_at: float | None = None
+        self.save_s: Callable[[], float] = lambda: 0.0
+        self.due_at: float | None = None
+        self.said = ""
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> EndWatch:
+        self._thread = threading.Thread(target=self._watch, name="job-end", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.is_set():
+            self.ask()
+            self._closed.wait(self.every_s)
+
+    def ask(self) -> None:
+        """Read Slurm's end once (the thread's work; a test calls it directly)."""
+        try:
+            answer = self._read()
+        except Exception as exc:  # noqa: BLE001 - a question, never a reason to stop training
+            log.warning("could not read the job's end time from Slurm: %s", exc)
+            answer = None
+        if answer is not None and answer.end_at != self.end_at:
+            if self.end_at is not None or answer.end_at is not None:
+                log.info(
+                    "Slurm ends this job at %s (time limit %s)",
+                    _clock(answer.end_at),
+                    answer.limit or "?",
+                )
+            self.end_at = answer.end_at
+
+    def needed_s(self) -> float:
+        return self.margin_s + 2 * self.save_s()
+
+    def due(self) -> bool:
+        if self.due_at is not None:
+            return True
+        end = self.end_at
+        if end is None:
+            return False
+        now = self._clock()
+        left, needed = end - now, self.needed_s()
+        if left > needed:
+            return False
+        self.due_at = now
+        self.said = (
+            f"the job's end ({_clock(end)}, Slurm's EndTime) is {max(0.0, left):.1f} s away, "
+            f"closer than two saves ({self.save_s():.1f} s each, as measured) plus "
+            f"cluster.end_margin_s ({self.margin_s:g} s): saving and requeueing before it"
+        )
+        log.warning("%s", self.said)
+        return True
+
+    def record(self) -> dict[str, Any]:
+        """What a time-limit stop's line in stops.jsonl says of the end: when it was, how long a
+        save took, and when the stop was decided (``due_at``, None: the signal came first)."""
+        return {
+            "end_at": self.end_at,
+            "save_s": round(self.save_s(), 3),
+            "due_at": self.due_at,
+        }
+
+
+def _clock(t: float | None) -> str:
+    return "none" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
 class Preemption:
     """``cancelled``: rank 0's question "did the user cancel the run?" (the marker), asked at most
     every ``check_every_s`` seconds; None on the other ranks, which hear it through the
@@ -73,6 +173,7 @@ class Preemption:
         cancelled: Callable[[], bool] | None = None,
         check_every_s: float = AGREE_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
+        end: EndWatch | None = None,
     ) -> None:
         self.signum: int | None = None
         self.received_at: float | None = None
@@ -80,6 +181,7 @@ class Preemption:
         self._cancelled, self._check_every_s, self._clock = cancelled, check_every_s, clock
         self._checked_at: float | None = None
         self.cancel_seen = False
+        self.end = end  # rank 0 of a Slurm job with a time limit: the watch of its end
 
     def install(self) -> Preemption:
         """Install after submitit's own handlers (submitit only logs SIGTERM, and its SIGUSR2
@@ -124,9 +226,12 @@ class Preemption:
             self.cancel_seen = bool(self._cancelled())
         return self.cancel_seen
 
+    def _end_near(self) -> bool:
+        return self.end is not None and self.end.due()
+
     @property
     def requested(self) -> bool:
-        return self.signum is not None or self._cancel_requested()
+        return self.signum is not None or self._cancel_requested() or self._end_near()
 
     @property
     def is_timeout(self) -> bool:
@@ -135,7 +240,44 @@ class Preemption:
     def reason(self) -> str:
         if self._cancel_requested():
             return StopReason.CANCELLED
-        return _reason_of(self.signum)
+        said = _reason_of(self.signum)
+        # The job's end near stops a run nothing else stops. A SIGTERM near the end stays a
+        # preemption: it may be Slurm's own requeue under way, which a second requeue would fail.
+        if not said and self._end_near():
+            return StopReason.TIMEOUT
+        return said
+
+    def why(self, reason: str) -> str:
+        """What the log says when the loop stops for the agreed ``reason``."""
+        if reason == StopReason.TIMEOUT and self.signum is None and self._end_near():
+            return "the job's end is closer than a save"
+        return WHY.get(reason, reason)
+
+    def measure_saves(self, save_s: Callable[[], float]) -> None:
+        """How long a save takes, as the checkpointer measures it (the watch of the job's end
+        needs it)."""
+        if self.end is not None:
+            self.end.save_s = save_s
+
+    def stop_record(self, reason: str) -> dict[str, Any]:
+        """What a stop's line in stops.jsonl says of how it came about (``reason``: the agreed
+        one): when this rank's signal came, and for a time-limit stop whether Slurm's signal or
+        the job's own watch of its end began it (``how``), with the end and the save time."""
+        out: dict[str, Any] = {"signal_at": self.received_at}
+        if reason != StopReason.TIMEOUT:
+            return out
+        watched = self.end is not None and self.end.due_at is not None
+        signalled_first = (
+            self.is_timeout
+            and self.received_at is not None
+            and self.end is not None
+            and self.end.due_at is not None
+            and self.received_at <= self.end.due_at
+        )
+        out["how"] = StopHow.END if watched and not signalled_first else StopHow.SIGNAL
+        if self.end is not None:
+            out.update(self.end.record())
+        return out
 
 
 class StopAgreement:

@@ -34,7 +34,7 @@ from clusterflow.storage.tensors import TORCH
 from clusterflow.train import parallel
 from clusterflow.train.call_order import Call, CallOrder, Phase
 from clusterflow.train.finite import FiniteGuard
-from clusterflow.train.preemption import WHY, StopAgreement
+from clusterflow.train.preemption import StopAgreement
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -111,6 +111,8 @@ class Saves:
             before_commit=self._commit_check,
             after_commit=self.reporter.timeline.committed,
         )
+        # The watch of the job's end (rank 0 of a Slurm job) needs to know how long a save takes.
+        self.stop_agreement.preemption.measure_saves(self.checkpointer.save_s)
         resumed = self.checkpointer.restore(data)
         if resumed:  # the state restored is a committed one
             self.saved_at = (self.state.global_step, self.state.position)
@@ -160,7 +162,7 @@ class Saves:
         """Every rank agreed to stop at a step boundary: save that step, end the job."""
         log.warning(
             "%s: saving at global step %d and stopping",
-            WHY.get(reason, reason),
+            self.stop_agreement.preemption.why(reason),
             self.state.global_step,
         )
         if self.saved_now():  # resumed after an epoch's last step: the checkpoint holds it
@@ -174,7 +176,7 @@ class Saves:
         """A stop agreed at an epoch's end, whose checkpoint holds the state."""
         log.warning(
             "%s: saved at global step %d (the end of epoch %d) and stopping",
-            WHY.get(reason, reason),
+            self.stop_agreement.preemption.why(reason),
             self.state.global_step,
             self.state.epoch,
         )
@@ -184,7 +186,7 @@ class Saves:
         """A signal cut the round after epoch ``finished`` short: the next attempt resumes at the
         loop's end of that epoch (the code after the loop runs again, on the states as the loop
         ended them) and continues the round from its files."""
-        why = WHY.get(reason, reason)
+        why = self.stop_agreement.preemption.why(reason)
         if self.saved_now():
             # Saved at the epoch's last step (LOOP_END), or the checkpoint this attempt resumed
             # from.

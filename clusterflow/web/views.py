@@ -18,6 +18,7 @@ from clusterflow.launch import gpus as gpu_choice
 from clusterflow.manage import goodput as goodput_command
 from clusterflow.manage import sweep_status
 from clusterflow.observe import goodput
+from clusterflow.rundir import faults
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.sweeps import sweep as sweep_axes
 from clusterflow.web import configs
@@ -92,6 +93,7 @@ ATTEMPT = (
     "ratio",
     "steps",
     "restart_in_job",
+    "fault",
     "stragglers",
 )
 FIRST_ERROR = ("rank", "host", "error", "kind", "time", "step", "phase")
@@ -225,6 +227,7 @@ def detail(run: Run) -> dict[str, Any]:
             "attempts_detail": attempts,
             "goodput_total": _pick(ledger.get("total") or {}, ("seconds", "ratio", "wall_s")),
             "goodput_warnings": ledger.get("warnings") or [],
+            "fault_labels": {str(k): v for k, v in faults.LABELS.items()},
             "categories": list(goodput.CATEGORIES),
             "labels": goodput.LABELS,
             "colours": goodput_command.COLOURS,

@@ -86,6 +86,22 @@ class ClusterConfig:
         kind=RESOURCE,
         why="when the time-limit signal comes; saving is exact at any step",
     )
+    end_check_s: float = doc(
+        60.0,
+        "Rank 0 of a Slurm job reads the job's end (scontrol show job's EndTime) this often, so "
+        "that a time limit an admin changes is seen; when the end is closer than two saves (as "
+        "the run measured them) plus end_margin_s, the ranks save and the job requeues itself, "
+        "whether or not the --signal came; 0: only the signal (docs/preemption.md).",
+        kind=RESOURCE,
+        why="how often the job asks Slurm for its end; saving is exact at any step",
+    )
+    end_margin_s: float = doc(
+        30.0,
+        "Seconds kept before the job's end beyond two saves: the agreement to stop, an eval or "
+        "a mining round that does not stop at once, the requeue itself.",
+        kind=RESOURCE,
+        why="how long before the end the job stops; saving is exact at any step",
+    )
     max_timeout_requeues: int = doc(
         5,
         "How many times a run may requeue itself after "
@@ -208,6 +224,8 @@ class ClusterConfig:
             self.signal_delay_s,
             f"must be between 0 and the time limit ({self.time_min * 60} s)",
         )
+        check(self.end_check_s >= 0, "cluster.end_check_s", self.end_check_s, "must be >= 0")
+        check(self.end_margin_s >= 0, "cluster.end_margin_s", self.end_margin_s, "must be >= 0")
         check(
             self.max_timeout_requeues >= 0,
             "cluster.max_timeout_requeues",

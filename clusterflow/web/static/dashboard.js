@@ -749,6 +749,28 @@ function runPage() {
     return parts.join("; ");
   }
 
+  // The fault that ended an attempt (rundir/faults.py, charged by the goodput ledger): its kind,
+  // where, when, the time to train again, where the state came from, what it cost.
+  function faultText(f, labels) {
+    if (!f) return "–";
+    const where = (f.rank !== null && f.rank !== undefined ? `, rank ${f.rank}` : "") +
+      (f.host ? ` on ${f.host}` : "");
+    const when = f.at ? new Date(f.at * 1000).toLocaleTimeString() : "?";
+    const step = f.restored_step;
+    const from = f.recovered_by === null || f.recovered_by === undefined ? null
+      : f.restored_from === "memory" ? `the memory snapshot at step ${step}`
+      : f.restored_from === "replica" ? `a peer's replica at step ${step}`
+      : f.restored_from === "shared" ? `the disk checkpoint at step ${step}`
+      : "step 0 (no checkpoint)";
+    const parts = [`${labels[f.kind] || f.kind}${where} at ${when}`];
+    if (from === null) parts.push("not training again yet");
+    else parts.push((f.recovery_s !== null && f.recovery_s !== undefined
+      ? `training again after ${f.recovery_s.toFixed(1)} s` : "training again") + ` from ${from}`);
+    if (f.steps_lost !== null && f.steps_lost !== undefined) parts.push(`${f.steps_lost} step(s) trained again`);
+    if (f.lost_s !== undefined) parts.push(`charged ${f.lost_s.toFixed(1)} s`);
+    return parts.join("; ");
+  }
+
   function renderAttempts(s) {
     const attempts = s.attempts_detail || [];
     const body = document.querySelector("#attempts tbody");
@@ -756,6 +778,7 @@ function runPage() {
       el("td", {}, a.attempt), el("td", {}, a.job_id || "–"), el("td", {}, a.ranks),
       el("td", {}, a.outcome || (i === attempts.length - 1 && s.state === "running" ? "running" : "no record (killed)")),
       el("td", { class: "wrap" }, a.first_error ? `rank ${a.first_error.rank}: ${a.first_error.error}` : "–"),
+      el("td", { class: "wrap fault" }, faultText(a.fault, s.fault_labels || {})),
       el("td", {}, a.steps ? `${a.steps.restored} → ${a.steps.last}` : "–"),
       el("td", {}, a.steps ? a.steps.recomputed : "–"),
       el("td", {}, a.steps ? a.steps.lost : "–"),
