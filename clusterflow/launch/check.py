@@ -11,14 +11,14 @@ what differs, and the likely cause in the script's terms (docs/own-loop.md#what-
 resume).
 
 The plan (:func:`plan`): checkpoints every N//2 steps (``checkpoint.every_steps``; the epochs'
-ends add theirs), the kill half way between the first one and N, so that the resume restores a
-checkpoint before the kill and trains the steps after it again. Three runs: N steps, the kill's
-steps, and N minus the checkpoint's: at most 2.25 N steps in all (N=8: 8 + 6 + 4). The runs get
-their own run dirs in a folder beside ``run.dir`` (kept when not exact, and with ``--keep``), with
-``train.log_every_steps=1`` (each step's loss on its own), no snapshots in memory (the resume
-reads the shared checkpoint), and no trackers or ``observe.on_event`` command. What a rank does
-in them is ``train/probe.py``'s; the tensors are compared by ``checkpoint/compare.py``, which the
-entry module hands in (this side imports no torch).
+ends add theirs), the kill half way between the first one and the next, so that the resume
+restores a checkpoint before the kill and trains the steps after it again. Three runs: N steps,
+the kill's steps, and N minus the checkpoint's: at most 2.25 N steps in all (N=8: 8 + 6 + 4).
+The runs get their own run dirs in a folder beside ``run.dir`` (kept when not exact, and with
+``--keep``), with ``train.log_every_steps=1`` (each step's loss on its own), no snapshots in
+memory (the resume reads the shared checkpoint), and no trackers or ``observe.on_event``
+command. What a rank does in them is ``train/probe.py``'s; the tensors are compared by
+``checkpoint/compare.py``, which the entry module hands in (this side imports no torch).
 """
 
 from __future__ import annotations
@@ -85,9 +85,10 @@ class Plan:
 
 
 def plan(steps: int) -> Plan:
-    """The kill half way between the first checkpoint (N//2) and N, never on a checkpoint."""
+    """The kill half way between the first checkpoint (N//2) and the next, never on one: the
+    three runs train 2 N + N//4 steps at most."""
     every = steps // 2
-    return Plan(steps, every, every + max(1, (steps - every) // 2))
+    return Plan(steps, every, every + max(1, every // 2))
 
 
 # -- one run --------------------------------------------------------------------------------------
@@ -347,21 +348,7 @@ def _after_resume(e: Evidence, d: Difference) -> str:
             "otherwise than the uninterrupted one"
         )
     if "inputs" in d.fields:
-        ahead = e.reference.get(d.rank, {}).get(d.step + 1)
-        if ahead is not None and _same(ahead.get("inputs"), b and b.get("inputs")):
-            return where + (
-                f"{on} batch after the resume is the one the uninterrupted run trained at step "
-                f"{d.step + 1} (loss {_loss(b)} vs {_loss(a)}): a value drawn before run.step "
-                "and carried over to the next step (a prefetch) is in no checkpoint, so the "
-                "resume draws it again, one step ahead; draw each step's batch after the previous "
-                "run.step (at the top of the loop)"
-            )
-        return where + (
-            f"{on} batch differs from the uninterrupted run's (loss {_loss(b)} vs {_loss(a)}): "
-            "it follows a state no checkpoint holds: a counter or position of the script's own "
-            "(an unregistered counter), a random generator of its own, or a file read live; "
-            "register it with run.restore(..., name=obj)"
-        )
+        return where + _batch_cause(e, d, a, b)
     if "lr" in d.fields:
         return where + (
             f"the learning rate is {_lr(b)} after the resume and {_lr(a)} in the uninterrupted "
@@ -374,6 +361,49 @@ def _after_resume(e: Evidence, d: Difference) -> str:
         "the same batch and learning rate: a state the step uses is not in the checkpoint (a "
         "state not registered: the optimizer, a scheduler, another model or a dict not passed "
         "to run.restore), or a nondeterministic kernel"
+    )
+
+
+def _batch_cause(e: Evidence, d: Difference, a: Row | None, b: Row | None) -> str:
+    """Why a batch after the resume differs: carried over from before ``run.step`` (the
+    uninterrupted run's forward took a variable the script held, new, at the step before; or
+    the resume trains the next step's batch), started over (it is an earlier step's batch), or
+    a state of the script's own."""
+    on, losses = _on(d.rank, e.ranks), f"loss {_loss(b)} vs {_loss(a)}"
+    mine = e.reference.get(d.rank, {})
+    carried = list((a or {}).get("carried") or [])
+    ahead = mine.get(d.step + 1)
+    if carried or (ahead is not None and _same(ahead.get("inputs"), (b or {}).get("inputs"))):
+        held = ", ".join(carried)
+        how = (
+            f"the uninterrupted run's step {d.step} trained {held}, which the script drew during "
+            f"step {d.step - 1}, before its run.step, and kept in a variable"
+            if carried
+            else f"the resume trains the batch the uninterrupted run trained at step {d.step + 1}"
+        )
+        return (
+            f"{on} batch differs ({losses}): {how}: a value drawn before run.step and carried "
+            "over to the next step (a prefetch) is in no checkpoint, so the resume draws it "
+            "anew from streams that have moved on; draw each step's batch after the previous "
+            "run.step (at the top of the loop)"
+        )
+    again = [
+        s
+        for s, row in sorted(mine.items())
+        if s < d.step and _same(row.get("inputs"), (b or {}).get("inputs"))
+    ]
+    if again:
+        return (
+            f"{on} batch after the resume is the one of step {again[0]} ({losses}): what picks "
+            "the batches started over: a counter, position or random generator of the script's "
+            "own that no checkpoint holds (an unregistered counter); register it with "
+            "run.restore(..., name=obj)"
+        )
+    return (
+        f"{on} batch differs from the uninterrupted run's ({losses}): it follows a state no "
+        "checkpoint holds: a counter or position of the script's own (an unregistered counter), "
+        "a random generator of its own, or a file read live; register it with "
+        "run.restore(..., name=obj)"
     )
 
 
@@ -488,9 +518,20 @@ def run_check(cfg: Config, steps: int, compare: Compare, folder: str) -> tuple[b
     )
     exact, line = verdict(evidence)
     if not exact and final:
-        shown = "; ".join(final[:8]) + (f"; and {len(final) - 8} more" if len(final) > 8 else "")
-        line += f"\nthe final state differs in: {shown}"
+        line += f"\nthe final state differs in: {by_state(final)}"
     return exact, line
+
+
+def by_state(found: list[str]) -> str:
+    """``compare.differences``'s list, by registered state: ``model (4 entries, e.g. ...);
+    rng of rank 0 (1 entry, ...)``."""
+    groups: dict[str, list[str]] = {}
+    for entry in found:
+        groups.setdefault(entry.split("[", 1)[0].split(" (", 1)[0], []).append(entry)
+    return "; ".join(
+        f"{name} ({len(items)} {'entry' if len(items) == 1 else 'entries'}, e.g. {items[0]})"
+        for name, items in groups.items()
+    )
 
 
 def _restored(killed: Ran, resumed: bool) -> int:

@@ -5,8 +5,12 @@ the check before it launches the run):
 - each step's record, one JSON line per step in ``RUN_DIR/check/rank<R>.jsonl``: the attempt, the
   step, this rank's loss of the step (the loop's sum, which the check's ``train.log_every_steps=1``
   clears at every step), the learning rate of every parameter group of every registered
-  optimizer, and a digest of what the forwards of the set-up models took since the previous
-  step (the batch, whoever drew it: ``run.loader``, a ``get_batch`` of the script's own);
+  optimizer, a digest of what the forwards of the set-up models took since the previous step
+  (the batch, whoever drew it: ``run.loader``, a ``get_batch`` of the script's own), and
+  ``carried``: the script's variables whose tensors those forwards took although the script
+  held them, new, at the previous ``run.step`` (a batch drawn before ``run.step`` and carried
+  over to the next step: the script's frame is the first one outside clusterflow that called
+  ``run.step``);
 - the halt at step ``S``, in ``run.step``: the state saved there when ``save`` (a stop's
   checkpoint, synchronous), the write in flight landed (the checkpoint before it committed),
   ``{"halted": S}`` recorded, and once every rank recorded it, each one SIGKILLs itself: the
@@ -25,7 +29,9 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -42,6 +48,40 @@ log = logging.getLogger("clusterflow.trainer")
 
 # How long a halting rank waits for the others to record their halt before it ends anyway.
 HALT_WAIT_S = 60.0
+# clusterflow's own code: the script's frame is the first caller outside it.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# A script's variables held at run.step: name -> a weak reference to its tensor.
+Held = dict[str, "weakref.ref[torch.Tensor]"]
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    """The tensors in ``value`` (nested in tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    if isinstance(value, dict):
+        return [t for item in value.values() for t in _tensors(item)]
+    return []
+
+
+def _held_by_script() -> Held:
+    """The tensors the script's frame holds in its variables now (a tuple's or list's items as
+    ``name[i]``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame = frame.f_back
+    if frame is None:
+        return {}
+    held: Held = {}
+    for name, value in frame.f_locals.items():
+        if isinstance(value, torch.Tensor):
+            held[name] = weakref.ref(value)
+        elif isinstance(value, (tuple, list)) and len(value) <= 16:
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    held[f"{name}[{i}]"] = weakref.ref(item)
+    return held
 
 
 def _digest_into(h: Hasher, value: object) -> None:
@@ -74,6 +114,10 @@ class Probe:
         self.save = bool(plan.get("save"))
         self._inputs = hashlib.sha256()
         self._file = rundir.open_jsonl(paths.check_trace(rank))
+        # What the script held at the last run.step, and at the one before.
+        self._held: Held = {}
+        self._held_before: Held = {}
+        self._carried: set[str] = set()
 
     @classmethod
     def of(cls, paths: rundir.RunPaths, rank: int, world: int, attempt: int) -> Probe | None:
@@ -86,6 +130,11 @@ class Probe:
 
     def saw(self, inputs: object) -> None:
         _digest_into(self._inputs, inputs)
+        for t in _tensors(inputs):
+            for name, ref in self._held.items():
+                new = all(old() is not t for old in self._held_before.values())
+                if ref() is t and new:
+                    self._carried.add(name)
 
     def _write(self, row: dict[str, Any]) -> None:
         self._file.write((json.dumps({"attempt": self.attempt, **row}) + "\n").encode())
@@ -96,10 +145,11 @@ class Probe:
         halt when it is the plan's step."""
         loss = float(window.loss) if window.losses else None
         lrs = [float(g["lr"]) for o in saves.optimizers for g in o.param_groups]
-        self._write(
-            {"step": step, "loss": loss, "lr": lrs, "inputs": self._inputs.hexdigest()[:16]}
-        )
-        self._inputs = hashlib.sha256()
+        inputs = self._inputs.hexdigest()[:16]
+        carried = sorted(self._carried)
+        self._write({"step": step, "loss": loss, "lr": lrs, "inputs": inputs, "carried": carried})
+        self._inputs, self._carried = hashlib.sha256(), set()
+        self._held_before, self._held = self._held, _held_by_script()
 
     def halt_due(self, step: int) -> bool:
         return step == self.halt_at
