@@ -37,7 +37,14 @@ from typing import Any, Protocol
 
 from clusterflow import rundir
 from clusterflow.config.job_config import Config, from_dict
-from clusterflow.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_TERMINATED, UserError
+from clusterflow.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_JOB_FAILED,
+    EXIT_OK,
+    EXIT_TERMINATED,
+    UserError,
+)
 from clusterflow.launch import gpus, jobs, local
 from clusterflow.launch.submit import check_task, prepare_run_dir
 from clusterflow.rundir import (
@@ -180,11 +187,21 @@ class Runs:
             completed = int(status.get("global_step") or 0)
         if halted is None and completed is None:
             why = first_error.cause(paths, status, attempt) or "see its logs"
-            raise UserError(
+            raise ScriptFailed(
                 f"the script failed in the check's run {name!r} (attempt {attempt}): {why}; "
-                f"its logs: {paths.logs}, the launch's output: {self.log}"
+                f"its logs: {paths.logs}, the launch's output: {self.log}",
+                code,
             )
         return Ran(paths, cfg.checkpoint_dir, attempt, halted, completed, trace)
+
+
+class ScriptFailed(Exception):
+    """A run of the check failed (the script raised, or refused its input): the check ends with
+    that run's exit status (1, or 2 for bad input) and its cause."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code if code in (EXIT_JOB_FAILED, EXIT_BAD_INPUT) else EXIT_JOB_FAILED
 
 
 class Stopped(Exception):
@@ -489,9 +506,7 @@ def run_check(cfg: Config, steps: int, compare: Compare, folder: str) -> tuple[b
     _say(f"resumed to step {p.steps} (run 3 of 3)")
     try:
         resumed = runs.launch("resumed", p.every, p.steps, save=True)
-    except UserError as exc:
-        if rundir.attempt_count(killed.paths) > killed.attempt + 1:
-            raise  # the resume started, then failed: the script's own failure
+    except UserError as exc:  # refused before it started: a changed file, another config
         refused = str(exc)
     files.append(script_files.named(cfg.script.args))
     restored = _restored(killed, resumed is not None)
@@ -562,6 +577,9 @@ def main(argv: list[str] | None, compare: Compare) -> int:
     except Stopped as stopped:
         print(f"check interrupted; its runs are in {folder}", file=sys.stderr)
         return stopped.code
+    except ScriptFailed as failed:
+        print(f"error: {failed} (the check's runs are in {folder})", file=sys.stderr)
+        return failed.code
     except UserError as exc:
         raise UserError(f"{exc} (the check's runs are in {folder})") from None
     if exact and not args.keep:
