@@ -100,7 +100,7 @@ def plan(steps: int) -> Plan:
 
 # -- one run --------------------------------------------------------------------------------------
 
-# A step's record on one rank (train/probe.py): loss, lr, inputs.
+# A step's record on one rank (train/probe.py): loss, lr, inputs, carried.
 Row = dict[str, Any]
 # rank -> step -> its record.
 Trace = dict[int, dict[int, Row]]
@@ -117,10 +117,6 @@ class Ran:
     halted: int | None
     completed: int | None
     trace: Trace = field(default_factory=dict)
-
-    @property
-    def last(self) -> int:
-        return self.halted or self.completed or 0
 
 
 def _read_trace(paths: rundir.RunPaths, ranks: int, attempt: int) -> tuple[Trace, int | None]:
@@ -162,8 +158,8 @@ class Runs:
 
     def launch(self, name: str, every: int, halt_at: int, save: bool) -> Ran:
         """Run ``name`` here (a first start, or its resume) until it halts at ``halt_at`` (saved
-        there when ``save``), completes or fails; UserError when it fails (naming why) or when
-        its launch is refused."""
+        there when ``save``) or completes; ScriptFailed when it fails (naming why), UserError
+        when its launch is refused (a changed file, another config), Stopped on Ctrl-C."""
         cfg = self.config(name, every)
         paths = rundir.RunPaths(cfg.run.dir)
         with (
