@@ -7,8 +7,8 @@ process) at a step between two checkpoints and resumed to step N. Every step's l
 rate and batch, and the final state (the model, every registered state, each rank's random
 streams) are compared with the uninterrupted run's, tensor by tensor. Exit 0 with a line
 beginning "exact", or 1 with one beginning "not exact:" that names the first step that differs,
-what differs, and the likely cause in the script's terms (docs/own-loop.md#what-breaks-an-exact-
-resume).
+what differs, and the likely cause in the script's terms (docs/own-loop.md: "What breaks an
+exact resume").
 
 The plan (:func:`plan`): checkpoints every N//2 steps (``checkpoint.every_steps``; the epochs'
 ends add theirs), the kill half way between the first one and the next, so that the resume
