@@ -1,5 +1,5 @@
-"""``clusterflow submit|run|status|logs|cancel|export|goodput|dashboard ...``: the console script,
-the same as ``python -m clusterflow.<command>``."""
+"""``clusterflow submit|run|status|logs|cancel|export|goodput|dashboard|check ...``: the console
+script, the same as ``python -m clusterflow.<command>``."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ COMMANDS = {
     "export": "clusterflow.checkpoint.export",
     "goodput": "clusterflow.manage.goodput",
     "dashboard": "clusterflow.web.server",
+    "check": "clusterflow.check",
 }
 
-USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput,dashboard} ...
+USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput,dashboard,check} ...
 
   clusterflow submit CONFIG.yaml [KEY=VALUE ...] [--local] [--dry-run] [--wait] [--sweep ...]
   clusterflow run    CONFIG.yaml [KEY=VALUE ...] [--check]
@@ -33,6 +34,8 @@ USAGE = """usage: clusterflow {submit,run,status,logs,cancel,export,goodput,dash
   clusterflow dashboard PATH [PATH ...] [--host 127.0.0.1] [--port 0] [--root-path PREFIX]
                     [--token-file F]
   clusterflow dashboard --list
+  clusterflow check  --script train.py [CONFIG.yaml] [KEY=VALUE ...] [--steps N] [-- ARGS]
+  clusterflow check  CONFIG.yaml [KEY=VALUE ...] [--steps N]
 
 'clusterflow COMMAND --help' shows each command's options and examples.
 """

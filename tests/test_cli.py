@@ -35,7 +35,9 @@ def run_dir(tiny_one_process_model):
     return os.path.dirname(tiny_one_process_model)
 
 
-@pytest.mark.parametrize("cmd,flag", [("logs", "--rank"), ("cancel", "RUN_DIR|SWEEP_DIR")])
+@pytest.mark.parametrize(
+    "cmd,flag", [("logs", "--rank"), ("cancel", "RUN_DIR|SWEEP_DIR"), ("check", "--steps N")]
+)
 def test_the_console_script_shows_each_commands_help(cmd, flag):
     out = script(cmd, "--help")
     assert out.returncode == 0, out.stdout + out.stderr

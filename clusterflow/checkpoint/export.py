@@ -152,8 +152,14 @@ def step_folder_state(folder: str) -> tuple[dict[str, Any], int]:
 def _gather_shards(folder: str, name: str) -> dict[str, Any]:
     """The ``name`` entries (``model``, ``ema``) of a DCP checkpoint as whole tensors, read in
     one process (empty when it has none)."""
-    reader = dcp.FileSystemReader(folder)
     prefix = f"{name}."
+    return {key[len(prefix) :]: t for key, t in shard_tensors(folder, prefix).items()}
+
+
+def shard_tensors(folder: str, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP checkpoint whose key starts with ``prefix``, whole, by its key, read
+    in one process (empty when it has none)."""
+    reader = dcp.FileSystemReader(folder)
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in reader.read_metadata().state_dict_metadata.items()
@@ -164,7 +170,7 @@ def _gather_shards(folder: str, name: str) -> dict[str, Any]:
     with warnings.catch_warnings(), plain_errors():  # "... to load in a single process": yes
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return {key[len(prefix) :]: t for key, t in state.items()}
+    return state
 
 
 def out_format(out: str, fmt: str | None) -> str:

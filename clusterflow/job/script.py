@@ -38,7 +38,7 @@ from clusterflow.checkpoint.rng import seed_everything
 from clusterflow.config.job_config import Config, from_dict, task_keys_set
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job.attempt import Attempt, exit_code, record_failure
-from clusterflow.rundir import frozen_code
+from clusterflow.rundir import frozen_code, script_files
 from clusterflow.rundir.states import State
 from clusterflow.train.builders import amp_dtype
 from clusterflow.train.session import Run, RunStopped
@@ -174,8 +174,8 @@ def by_hand(
     argv: list[str],
 ) -> Config:
     """The config of a script started by hand (python, torchrun, srun): defaults < ``config`` <
-    ``overrides``; the running script and its arguments; run.dir runs/<script name> unless
-    given."""
+    ``overrides``; the running script, its arguments and the files they name
+    (``script_files.py``); run.dir runs/<script name> unless given."""
     raw = _raw(config, overrides)
     script = argv[0] if argv and argv[0].endswith(".py") else ""
     section = raw.setdefault("script", {})
@@ -183,6 +183,8 @@ def by_hand(
         raise UserError("clusterflow.start(script=...): give the script section as a mapping")
     section.setdefault("path", os.path.normpath(script) if script else "")
     section.setdefault("args", argv[1:] if script else [])
+    if isinstance(section["args"], (list, tuple)):
+        section.setdefault("files", script_files.named(section["args"]))
     run = raw.setdefault("run", {})
     if isinstance(run, dict) and "dir" not in run and script:
         run["dir"] = f"runs/{os.path.splitext(os.path.basename(script))[0]}"

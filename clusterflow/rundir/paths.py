@@ -64,6 +64,10 @@ Inside ``RUN_DIR``:
                                   once, mode 0600 (see ``storage/snapshots.py``)
     config.yaml.damaged-*         a config.yaml that could not be read, set aside (see
                                   saved_config.py)
+    check/plan.json               only in the runs of ``clusterflow check``: the step to halt
+                                  at, written by the check before each launch; with it every
+                                  rank records each step in check/rank<R>.jsonl (see
+                                  ``train/probe.py``, ``launch/check.py``)
 
 The small records ``status`` reads (status.json, attempts, stops, errors) are written and read
 by records.py.
@@ -229,6 +233,13 @@ class RunPaths:
     @property
     def event_log(self) -> str:
         return self._p("logs", "events.log")
+
+    @property
+    def check_plan(self) -> str:
+        return self._p("check", "plan.json")
+
+    def check_trace(self, rank: int) -> str:
+        return self._p("check", f"rank{rank}.jsonl")
 
     def event_file(self, attempt: int, event: str) -> str:
         return self._p("events", f"attempt{attempt}.{event}.json")

@@ -32,6 +32,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.config.yaml_file import MAX_BYTES
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
+from clusterflow.rundir import script_files
 from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
@@ -98,8 +99,9 @@ def load_script(
     args: list[str] | tuple[str, ...] = (),
 ) -> Config:
     """The config of ``--script SCRIPT [CONFIG.yaml] [KEY=VALUE ...] [-- ARGS]``: defaults, then
-    run.dir ``runs/<script name>``, then the optional file, the script and its arguments, the
-    overrides. A script that is not a readable Python file is refused here."""
+    run.dir ``runs/<script name>``, then the optional file, the script, its arguments and the
+    files they name (``script_files.py``), the overrides. A script that is not a readable Python
+    file is refused here."""
     if not script.endswith(".py") or not os.path.isfile(script):
         why = "is not a Python file (.py)" if not script.endswith(".py") else "does not exist"
         raise UserError(
@@ -110,7 +112,13 @@ def load_script(
     cfg = cfgmod.load(
         path,
         overrides,
-        given={"script": {"path": os.path.normpath(script), "args": list(args)}},
+        given={
+            "script": {
+                "path": os.path.normpath(script),
+                "args": list(args),
+                "files": script_files.named(args),
+            }
+        },
         defaults={"run": {"dir": f"runs/{stem}"}},
     )
     return _in_its_folder(cfg, path, overrides)
@@ -253,7 +261,10 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     YAML that may have been edited since), with a note. A run that committed no checkpoint yet
     has nothing to resume: a different config replaces its config.yaml, with a note (a first
     start that failed on a bad task parameter can be fixed and resubmitted into the same run
-    dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
+    dir). The files the script's arguments named when the run started (``script.files``) must be
+    as they were: a resume on a changed one is refused (``script_files.py``), the launch's own
+    digests are not compared (a file created since, by the run itself, is no change).
+    ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
     saved = read(cfg.run.dir, set_aside=write)
     if saved is None:
         if write:
@@ -269,6 +280,10 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         if write:
             write_config(cfg)
         return cfg, False
+    script_files.refuse_changed(saved.script.files, cfg.run.dir)
+    asked = cfg.to_dict()
+    asked["script"]["files"] = dict(saved.script.files)
+    cfg = cfgmod.from_dict(asked)
     changed = cfgmod.check_resume(
         saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
     )

@@ -61,6 +61,7 @@ from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.loader import Loader, check_arguments, step_samples
 from clusterflow.train.models import Models, Units
 from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
+from clusterflow.train.probe import Probe
 from clusterflow.train.saves import Ending, RunStopped, Saves
 from clusterflow.train.stream import POSITION, StreamLoader
 from clusterflow.train.window import LossWindow
@@ -127,6 +128,8 @@ class Run:
             self.order,
         )
         self.mining = LoopMining(cfg, paths, device, amp, self.stop, self.phases)
+        # clusterflow check's records and halt, in its runs only (train/probe.py).
+        self.probe = Probe.of(paths, self.rank, self.world_size, attempt)
         self.total_epochs = 0
         self.models = Models(cfg, device, amp)
         # run.autocast's precision, and the GradScaler fp16 needs (a no-op otherwise), saved with
@@ -223,7 +226,8 @@ class Run:
         model (a GAN's two, each with its optimizer). Every rank then draws from a random stream
         of its own (dropout, augmentations)."""
         self.order.enter(Call.SETUP)
-        mark = ForwardMark(self.reporter.clock)
+        clock = self.reporter.clock
+        mark = ForwardMark(clock) if self.probe is None else self.probe.mark(clock)
         wrapped = self.models.setup(model, optimizer, shard_units, mark)
         if self.own_loop:  # the script's code up to here built its model
             self.startup.mark(MODEL)
@@ -485,6 +489,8 @@ class Run:
         self.window.throughput.add(self.account.count_step(self.attempt))
         s = self.state
         self.reporter.step_counted(s.global_step)
+        if self.probe is not None:
+            self.probe.stepped(s.global_step, self.window, self.saves)
         if self.reporter.log_due(s.global_step, s.step_in_epoch, self.steps_per_epoch):
             self._log_interval()
             self.window.clear()
@@ -509,6 +515,8 @@ class Run:
                     reason = self.stop.agree()
         if reason:
             self.saves.stop(reason)
+        if self.probe is not None and self.probe.halt_due(s.global_step):
+            self.probe.halt(s.global_step, self.saves)
 
     def _log_interval(self) -> None:
         rep = self.window.throughput.report()
