@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from conftest import DEEP_LISTS, billion_laughs
 from dashboards import (
     add_metrics,
     get,
@@ -561,13 +562,22 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
     elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this run's")
     os.remove(fifos.status)
     os.symlink(elsewhere.status, fifos.status)
+    # config.yaml as clusterflow never writes it: a billion laughs (expanded wherever it is
+    # walked: the run's page, its config rows) and lists nested past any stack.
+    said = {
+        "laughs": "it holds a YAML anchor or alias ('lol0', line 1)",
+        "deep": "it nests deeper than 100 levels",
+    }
+    for name, config in (("laughs", billion_laughs()), ("deep", DEEP_LISTS)):
+        with open(make_run(runs / name).config, "w") as f:
+            f.write(config)
     with served([runs]) as s:
         # all found and read once (a poll reads for at most its budget: on a loaded machine the
         # hostile run can take one poll's whole budget)
         assert poll_until(
             s.catalog,
             lambda: (
-                len(s.catalog.runs) == 3
+                len(s.catalog.runs) == 5
                 and all(r.status is not None or r.problem for r in s.catalog.runs.values())
             ),
         )
@@ -576,6 +586,13 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         assert code == 200
         rows = {r["name"]: r for r in json.loads(body)["runs"]}
         assert rows["runs/good"]["state"] == "running"
+        for name, why in said.items():
+            assert rows[f"runs/{name}"]["state"] == "running", rows[f"runs/{name}"]
+            code, body, _ = get(f"{s.url}/api/run/{ids[f'runs/{name}']}?token={s.token}")
+            shown = json.loads(body)
+            assert code == 200 and shown["config"] == [], shown["config"][:3]
+            (line,) = [d for d in shown["damaged_records"] if "config.yaml" in d]
+            assert line.startswith(f"config.yaml is damaged ({why}"), line
         code, body, _ = get(f"{s.url}/api/run/{ids['runs/bad']}?token={s.token}")
         bad = json.loads(body)
         assert code == 200 and (bad["problem"] or bad["damaged_records"]), bad
@@ -597,10 +614,10 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
         text = "".join(t for e, d in events if e == "log" for t in d["items"])
         assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
-        # The compare page over all three: their names and the good run's metrics.
+        # The compare page over all five: their names and the good run's metrics.
         every = ",".join(ids.values())
         code, body, _ = get(f"{s.url}/api/compare?runs={every}&token={s.token}")
-        assert code == 200 and len(json.loads(body)["runs"]) == 3, body
+        assert code == 200 and len(json.loads(body)["runs"]) == 5, body
         url = f"{s.url}/api/stream?compare={every}&token={s.token}"
         events = sse_events(
             url, lambda ev: any(d.get("run") == ids["runs/good"] for e, d in ev if e == "metrics")

@@ -8,6 +8,15 @@ which means "the folder holding this file". The run dir of a launch is the one i
 (``python -m clusterflow.run runs/x/config.yaml``); never a path read from inside the run dir.
 A relative ``checkpoint.dir`` lies inside the run dir too (``config.checkpoint_root``).
 
+A ``config.yaml`` is read as the plain YAML clusterflow writes (``yaml.safe_dump`` of
+``Config.to_dict``, whose values are fresh copies: no anchors or aliases, a few levels deep),
+within :data:`~clusterflow.config.yaml_file.MAX_BYTES`. One that holds an anchor or an alias, or
+nests deeper than :data:`~clusterflow.config.yaml_file.MAX_DEPTH` levels, is no config
+clusterflow wrote: it is damaged, refused from its YAML events before anything is built from it
+(a "billion laughs" of a few KB would expand to gigabytes wherever it is walked, and deep nesting
+would exhaust the stack of the reader that builds it), so ``status`` and the dashboard name it
+and go on.
+
 A ``config.yaml`` that cannot be read (garbage bytes, not a mapping, invalid values) must not
 block the run: it is set aside as ``config.yaml.damaged-<time>`` with a warning and written
 anew from the config given now; the checkpoint restore still checks that config against the one
@@ -29,7 +38,7 @@ import yaml
 
 from clusterflow import config as cfgmod
 from clusterflow.config.job_config import Config
-from clusterflow.config.yaml_file import MAX_BYTES
+from clusterflow.config.yaml_file import MAX_BYTES, MAX_DEPTH
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
 from clusterflow.storage import confined, durable
@@ -143,10 +152,51 @@ def write_config(cfg: Config) -> None:
     )
 
 
+class NotWritten(ValueError):
+    """YAML that clusterflow never writes into config.yaml (an anchor or an alias, nesting
+    beyond :data:`MAX_DEPTH`); its text says what was found."""
+
+
+# PyYAML's event parser: libyaml's where it is compiled in, which scans nesting without recursion.
+_EVENTS = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_written(text: str) -> None:
+    """NotWritten for YAML that :func:`write_config` never writes, seen from its events alone
+    (nothing is built, no alias followed), at the first one that is not."""
+    too_deep = NotWritten(
+        f"it nests deeper than {MAX_DEPTH} levels, which no config clusterflow writes does"
+    )
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_EVENTS):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise NotWritten(
+                    f"it holds a YAML anchor or alias ({event.anchor!r}, line {line}), which "
+                    "clusterflow never writes"
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise too_deep
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        # libyaml stops at 1000 levels of its own, sooner than the events above reach them
+        # while it scans ahead in a flow collection: the same refusal.
+        if "nesting" in str(exc.problem):
+            raise too_deep from None
+        raise
+
+
 def _parse(target: str) -> Any:
     """config.yaml's YAML; OSError for one that is no regular file of the run dir (a link, a
-    FIFO: ``storage/confined.py``) or larger than a config may be."""
-    return yaml.safe_load(confined.read_bytes(target, limit=MAX_BYTES).decode("utf-8"))
+    FIFO: ``storage/confined.py``) or larger than a config may be, NotWritten for YAML that
+    clusterflow does not write (:func:`_check_written`)."""
+    text = confined.read_bytes(target, limit=MAX_BYTES).decode("utf-8")
+    _check_written(text)
+    return yaml.safe_load(text)
 
 
 def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
@@ -157,6 +207,12 @@ def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
         data = _parse(paths.config)
     except confined.Refused as exc:
         return {}, exc.why
+    except NotWritten as exc:
+        return {}, str(exc)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        return {}, f"not valid YAML{where}: {exc.problem or exc.context}"
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
         return {}, type(exc).__name__
     if not isinstance(data, dict):
