@@ -26,7 +26,7 @@ from clusterflow.manage import logs, status
 from clusterflow.rundir import records
 from clusterflow.slurm import commands
 from clusterflow.web import catalog as web_catalog
-from clusterflow.web import discover, guard, views
+from clusterflow.web import discover, guard, server, views
 from clusterflow.web.configs import MASK
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
@@ -80,6 +80,31 @@ def test_a_path_that_is_missing_or_a_file_is_refused_in_one_line(tmp_path, cli):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         discover.check_paths([str(tmp_path / "f")])
+
+
+def test_a_token_file_that_is_a_fifo_is_refused_before_it_is_opened(tmp_path, cli):
+    """Opened for reading, a FIFO waits for a writer: the command would hang before printing
+    anything. It says what the file is, in one line, at once."""
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo, 0o600)
+    os.symlink(fifo, tmp_path / "link")  # the token file a link leads to: the same
+    for given in (fifo, tmp_path / "link"):
+        out = cli("clusterflow.dashboard", str(tmp_path), "--token-file", str(given), timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr == (
+            f"error: --token-file {str(given)!r} is a FIFO (named pipe), not a regular file; give "
+            "a file holding the token\n"
+        )
+
+
+@pytest.mark.parametrize("given", ["/a/%2e%2e/b", "%2E%2e/", "/node/%252e%252E", "/a%2f..%2fb"])
+def test_a_root_path_that_steps_up_when_decoded_is_refused(given):
+    with pytest.raises(UserError) as refused:
+        server.root_path(given)
+    said = str(refused.value)
+    assert said.startswith(f"--root-path {given!r} holds the segment ") and "\n" not in said
+    assert "percent-decoded), which steps out of the path" in said, said
+    assert server.root_path("/node/gpu1/8765/") == "/node/gpu1/8765"
 
 
 # -- the readers that follow files ----------------------------------------------------------------
