@@ -8,6 +8,7 @@ once per epoch as the script itself recorded it; every misuse refused with one l
 import difflib
 import glob
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -259,6 +260,23 @@ def test_a_dataloader_of_the_users_own_is_refused_naming_run_loader(tmp_path):
         assert f"run.loader(..., {key}=...)" in message and "bypass" in message
     message = refused(lambda: a_run(tmp_path, "dl").loader(DataLoader(Items()), 8))
     assert "takes a dataset, not a DataLoader" in message
+
+
+def test_finish_stops_the_workers_a_loop_left_in_mid_epoch(tmp_path):
+    """Persistent workers of a loop of run.steps that ends in mid-epoch: still running after
+    the loop (the loader keeps its iterator), stopped by run.finish() (the exit would send them
+    a SIGTERM they outlive and wait for them: tests/test_own_loop_stream.py runs that)."""
+    run = a_run(tmp_path, "workers")
+    model, opt, _ = set_up(run)
+    loader = run.loader(Items(), batch_size=4, num_workers=1, persistent_workers=True)
+    run.restore(model=model, optimizer=opt)
+    for x, _i in run.steps(loader, 3):  # 3 of the epoch's 16 steps
+        train_step(model, opt, x)
+        run.step()
+    workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+    assert len(workers) == 1, workers
+    assert run.finish() == "completed"
+    assert not [p for p in workers if p.is_alive()], workers
 
 
 def test_a_step_missing_or_twice_is_refused(tmp_path):

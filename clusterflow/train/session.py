@@ -663,11 +663,13 @@ class Run:
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> str:
         """The end of the run: the last state committed (saved now if the loop left before an
-        epoch's end), ``RUN_DIR/model.pt`` written (the whole model, gathered under fsdp), the job
-        ended. Returns the job's outcome (``completed``)."""
+        epoch's end), ``RUN_DIR/model.pt`` written (the whole model, gathered under fsdp), the
+        loader's workers stopped, the job ended. Returns the job's outcome (``completed``)."""
         self.order.enter(Call.FINISH)
         self.reporter.report(running=True)
         self.saves.finish()
+        if self._loader is not None:  # its workers, once its position is saved
+            self._loader.shutdown()
         outcome, _ = self.saves.end(State.COMPLETED)
         return outcome
 
