@@ -279,6 +279,30 @@ def test_finish_stops_the_workers_a_loop_left_in_mid_epoch(tmp_path):
     assert not [p for p in workers if p.is_alive()], workers
 
 
+def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_path, caplog):
+    def steps(run, max_steps):
+        model, opt, _ = set_up(run)
+        loader = run.loader(Items(), batch_size=4)
+        run.restore(model=model, optimizer=opt)
+        for x, _i in run.steps(loader, max_steps):
+            train_step(model, opt, x)
+            run.step()
+        return run.finish()
+
+    first = a_run(tmp_path, "steps")
+    assert steps(first, 6) == "completed" and first.global_step == 6
+    again = Run(first.config, first.paths, torch.device("cpu"), 1, Preemption(), lambda o: (o, 0))
+    caplog.clear()
+    assert steps(again, 4) == "completed" and again.global_step == 6
+    said = [r.getMessage() for r in caplog.records if "max_steps" in r.getMessage()]
+    line = (
+        "run.steps(loader, 4): the run has taken 6 steps already, more than max_steps, so this "
+        "loop trains none and run.finish() ends the run at step 6; to train 4 steps, start a new "
+        "run.dir"
+    )
+    assert said == [line], said
+
+
 def test_a_step_missing_or_twice_is_refused(tmp_path):
     run = a_run(tmp_path, "steps")
     model, opt, _ = set_up(run)

@@ -29,6 +29,7 @@ work to the part that owns it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -64,6 +65,8 @@ from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreemen
 from clusterflow.train.saves import Ending, RunStopped, Saves
 from clusterflow.train.stream import POSITION, StreamLoader
 from clusterflow.train.window import LossWindow
+
+log = logging.getLogger("clusterflow.trainer")
 
 # What the mining embed and the sharded model may compute in, besides the script's own autocast.
 Amp = torch.dtype | None
@@ -541,6 +544,16 @@ class Run:
             )
         self.order.enter(Call.STEPS)
         self._counts_steps = True
+        if max_steps < self.state.global_step and self.rank == 0:
+            log.warning(
+                "run.steps(loader, %d): the run has taken %d steps already, more than max_steps, "
+                "so this loop trains none and run.finish() ends the run at step %d; to train "
+                "%d steps, start a new run.dir",
+                max_steps,
+                self.state.global_step,
+                self.state.global_step,
+                max_steps,
+            )
         if loader.stream:  # one epoch of the run's steps, in the stream's order
             loader.n = max(max_steps, self.state.global_step) * loader.batch_size
         self._plan_epoch()
