@@ -45,6 +45,8 @@ from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
 HEADER = "# clusterflow run config"
+# How a run that continues is configured, when nothing changed (resolve).
+SAME = "the same config"
 _NOTE = (
     f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
     "# that holds this file, wherever it is moved or copied.\n"
@@ -300,8 +302,10 @@ def _checkpoints_moved(saved: Config, cfg: Config) -> bool:
     )
 
 
-def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
-    """The config to run and whether the run dir already held a run. An existing run continues
+def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, str]:
+    """The config to run, and "" for a new run, or how the run it continues is configured when
+    the run dir already held one ("the same config", "the same config but for resources: ...",
+    for ``submit``'s line saying it resumes). An existing run continues
     with its saved config; a different experiment is refused (``config.check_resume``); changed
     resources (``config/fingerprint.py``: cluster.*, workers, intervals) are taken, with a note,
     and config.yaml is rewritten with them; where the run dir is may change
@@ -314,7 +318,7 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     if saved is None:
         if write:
             write_config(cfg)
-        return cfg, False
+        return cfg, ""
     diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
     if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
         print(
@@ -324,7 +328,7 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         )
         if write:
             write_config(cfg)
-        return cfg, False
+        return cfg, ""
     changed = cfgmod.check_resume(
         saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
     )
@@ -338,9 +342,9 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         resumed = cfgmod.resume_config(saved, cfg)
         if write:
             write_config(resumed)
-        return resumed, True
+        return resumed, f"{SAME} but for checkpoint.dir ({cfg.checkpoint_dir})"
     if relaunch or not changed:
-        return cfgmod.resume_config(saved, cfg), True
+        return cfgmod.resume_config(saved, cfg), SAME
     # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
     # with them, and config.yaml says what it runs with now.
     print(
@@ -350,4 +354,4 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     )
     if write:
         write_config(cfg)
-    return cfg, True
+    return cfg, f"{SAME} but for resources: {'; '.join(map(str, changed))}"
