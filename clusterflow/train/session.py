@@ -706,6 +706,7 @@ class Run:
         s = self.state
         return {
             "epoch": s.epoch,
+            "epochs": self.total_epochs,  # the loop's: run.epochs(n), or those run.steps reaches
             "global_step": s.global_step,
             "step_in_epoch": s.step_in_epoch,
             "steps_per_epoch": self.steps_per_epoch,
