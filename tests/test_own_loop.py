@@ -145,7 +145,10 @@ def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_p
 
     resumed = restored_step(d, 1)
     assert max(committed) <= resumed < k, (committed, resumed)
-    assert f"/step-{resumed}: epoch {resumed // 6}, step {resumed % 6} of the epoch" in rank0_log(d)
+    assert (
+        f"/step-{resumed}: epoch {resumed // 6 + 1}, step {resumed % 6} of the epoch"
+        in rank0_log(d)
+    )
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
     # What the script saw after the resume: the uninterrupted run's batches from that step on.
     mine, plain = seen(d), seen(uninterrupted)
