@@ -269,6 +269,20 @@ def cli():
     return run_cli
 
 
+def billion_laughs():
+    """A config.yaml of under 1 KB whose aliases expand to a billion strings ("billion laughs"),
+    a mapping of sections as clusterflow's own."""
+    lines = ["lol0: &lol0 [" + ", ".join(["lol"] * 10) + "]"]
+    for i in range(1, 9):
+        lines.append(f"lol{i}: &lol{i} [" + ", ".join([f"*lol{i - 1}"] * 10) + "]")
+    lines += ["run: {dir: .}", "train: {epochs: 3}", "task: {params: {lol: *lol8}}"]
+    return "\n".join(lines) + "\n"
+
+
+# A config.yaml of 30,000 lists nested in each other (a reader that recurses runs out of stack).
+DEEP_LISTS = "run: {dir: .}\ntrain: " + "[" * 30_000 + "]" * 30_000 + "\n"
+
+
 def write_status_record(run_dir, **fields):
     """A status.json as a job left it (a fixture record: any state, any fields, as another
     version or a hand could have written it); the package itself writes it only through

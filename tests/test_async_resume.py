@@ -99,7 +99,7 @@ def test_kill_during_a_background_write_resumes_from_the_previous_commit(
     assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
     logs = rank0_log(d)
     assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-8-" in logs
-    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)
+    assert re.search(r"resumed from \S+/step-6: epoch 2, step 0 of the epoch", logs)
     assert same_weights(weights(d), weights(reference))
 
 
@@ -141,7 +141,7 @@ def test_a_full_disk_is_reported_and_loses_no_committed_step(tmp_path, monkeypat
         )  # its files match their digests
         subprocess.run(["mount", "-o", "remount,size=64m", str(fs)], check=True)  # space is freed
         assert launch.run(1, "configs/tiny.yaml", over, d) == [0]
-        assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", rank0_log(d))
+        assert re.search(r"resumed from \S+/step-6: epoch 2, step 0 of the epoch", rank0_log(d))
     plain = str(tmp_path / "plain")
     assert launch.run(1, "configs/tiny.yaml", [f"run.dir={plain}", *HIDDEN], plain) == [0]
     assert same_weights(weights(d), weights(plain))

@@ -8,6 +8,7 @@ import socket
 import time
 
 import pytest
+from conftest import DEEP_LISTS, billion_laughs
 from dashboards import (
     PLANTED,
     add_metrics,
@@ -28,7 +29,7 @@ from clusterflow.manage import logs, status
 from clusterflow.rundir import records
 from clusterflow.slurm import commands
 from clusterflow.web import catalog as web_catalog
-from clusterflow.web import discover, guard, views
+from clusterflow.web import discover, guard, server, views
 from clusterflow.web.feeds import LogFeed, MetricFeed
 
 # -- finding runs ---------------------------------------------------------------------------------
@@ -81,6 +82,31 @@ def test_a_path_that_is_missing_or_a_file_is_refused_in_one_line(tmp_path, cli):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UserError, match="is a file"):
         discover.check_paths([str(tmp_path / "f")])
+
+
+def test_a_token_file_that_is_a_fifo_is_refused_before_it_is_opened(tmp_path, cli):
+    """Opened for reading, a FIFO waits for a writer: the command would hang before printing
+    anything. It says what the file is, in one line, at once."""
+    fifo = tmp_path / "token"
+    os.mkfifo(fifo, 0o600)
+    os.symlink(fifo, tmp_path / "link")  # the token file a link leads to: the same
+    for given in (fifo, tmp_path / "link"):
+        out = cli("clusterflow.dashboard", str(tmp_path), "--token-file", str(given), timeout=120)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+        assert out.stderr == (
+            f"error: --token-file {str(given)!r} is a FIFO (named pipe), not a regular file; give "
+            "a file holding the token\n"
+        )
+
+
+@pytest.mark.parametrize("given", ["/a/%2e%2e/b", "%2E%2e/", "/node/%252e%252E", "/a%2f..%2fb"])
+def test_a_root_path_that_steps_up_when_decoded_is_refused(given):
+    with pytest.raises(UserError) as refused:
+        server.root_path(given)
+    said = str(refused.value)
+    assert said.startswith(f"--root-path {given!r} holds the segment ") and "\n" not in said
+    assert "percent-decoded), which steps out of the path" in said, said
+    assert server.root_path("/node/gpu1/8765/") == "/node/gpu1/8765"
 
 
 # -- the readers that follow files ----------------------------------------------------------------
@@ -625,13 +651,22 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
     elsewhere = make_run(tmp_path / "elsewhere", state="failed", error="not this run's")
     os.remove(fifos.status)
     os.symlink(elsewhere.status, fifos.status)
+    # config.yaml as clusterflow never writes it: a billion laughs (expanded wherever it is
+    # walked: the run's page, its config rows) and lists nested past any stack.
+    said = {
+        "laughs": "it holds a YAML anchor or alias ('lol0', line 1)",
+        "deep": "it nests deeper than 100 levels",
+    }
+    for name, config in (("laughs", billion_laughs()), ("deep", DEEP_LISTS)):
+        with open(make_run(runs / name).config, "w") as f:
+            f.write(config)
     with served([runs]) as s:
         # all found and read once (a poll reads for at most its budget: on a loaded machine the
         # hostile run can take one poll's whole budget)
         assert poll_until(
             s.catalog,
             lambda: (
-                len(s.catalog.runs) == 3
+                len(s.catalog.runs) == 5
                 and all(r.status is not None or r.problem for r in s.catalog.runs.values())
             ),
         )
@@ -640,6 +675,13 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         assert code == 200
         rows = {r["name"]: r for r in json.loads(body)["runs"]}
         assert rows["runs/good"]["state"] == "running"
+        for name, why in said.items():
+            assert rows[f"runs/{name}"]["state"] == "running", rows[f"runs/{name}"]
+            code, body, _ = get(f"{s.url}/api/run/{ids[f'runs/{name}']}?token={s.token}")
+            shown = json.loads(body)
+            assert code == 200 and shown["config"] == [], shown["config"][:3]
+            (line,) = [d for d in shown["damaged_records"] if "config.yaml" in d]
+            assert line.startswith(f"config.yaml is damaged ({why}"), line
         code, body, _ = get(f"{s.url}/api/run/{ids['runs/bad']}?token={s.token}")
         bad = json.loads(body)
         assert code == 200 and (bad["problem"] or bad["damaged_records"]), bad
@@ -661,10 +703,10 @@ def test_a_hostile_run_dir_never_stops_the_server_nor_the_other_runs(tmp_path):
         events = sse_events(url, lambda ev: {"summary", "metrics", "log"} <= {e for e, _ in ev})
         text = "".join(t for e, d in events if e == "log" for t in d["items"])
         assert "rank0.attempt0.log is a FIFO (named pipe), not a regular file: not shown" in text
-        # The compare page over all three: their names and the good run's metrics.
+        # The compare page over all five: their names and the good run's metrics.
         every = ",".join(ids.values())
         code, body, _ = get(f"{s.url}/api/compare?runs={every}&token={s.token}")
-        assert code == 200 and len(json.loads(body)["runs"]) == 3, body
+        assert code == 200 and len(json.loads(body)["runs"]) == 5, body
         url = f"{s.url}/api/stream?compare={every}&token={s.token}"
         events = sse_events(
             url, lambda ev: any(d.get("run") == ids["runs/good"] for e, d in ev if e == "metrics")

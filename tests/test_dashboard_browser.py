@@ -492,6 +492,20 @@ def check_the_own_loop_examples_show_their_charts_and_logs(runs, live, dashboard
     with served(list(dirs.values())) as s:
         assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 2)
         driver.get(f"{s.url}/?token={s.token}")
+        # ddp_classifier's loop was run.epochs(1) (config.yaml keeps train.epochs' default, 4):
+        # its row shows the script's one epoch.
+        row = until(
+            "ddp_classifier's progress",
+            lambda: next(
+                (
+                    t
+                    for t in texts(driver, "#runs tbody tr")
+                    if "ddp_classifier" in t and "epoch" in t
+                ),
+                None,
+            ),
+        )
+        assert "epoch 1/1, step " in row, row
         for run in list(s.catalog.runs.values()):
             driver.get(f"{s.url}/run/{run.id}")
             until(f"{run.name}'s loss chart", lambda: _last_step(driver))
@@ -501,6 +515,9 @@ def check_the_own_loop_examples_show_their_charts_and_logs(runs, live, dashboard
             )
             assert driver.find_element("id", "live").text == "live"
             assert texts(driver, "#card-state .v") == ["completed"]
+            if "ddp_classifier" in run.name:
+                (progress,) = texts(driver, "#card-progress .v")
+                assert progress.startswith("epoch 1/1, step "), progress
 
 
 def check_a_folder_with_no_runs_says_so(runs, live, dashboard, driver, examples):

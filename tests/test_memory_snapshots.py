@@ -525,7 +525,7 @@ def test_a_killed_rank_resumes_from_its_nodes_memory(killed, tiny_two_rank_run, 
     d, memory = _copy(killed, tmp_path)
     log = _resume(d, memory)
     assert _said(log, "resumed from") == [
-        "resumed from the memory of node-a, node-b (step 9): epoch 1, step 3 of the epoch, "
+        "resumed from the memory of node-a, node-b (step 9): epoch 2, step 3 of the epoch, "
         + "global step 9"
     ]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
@@ -586,7 +586,7 @@ def test_a_folder_another_user_made_is_never_read(killed, tiny_two_rank_run, tmp
     ]
     assert _said(log, "resumed from") == [
         "resumed from the replica on node-b (rank 0) and memory of node-b (rank 1) (step 9): "
-        + "epoch 1, step 3 of the epoch, global step 9"
+        + "epoch 2, step 3 of the epoch, global step 9"
     ]
     assert not _said(log, "damaged checkpoint") and not _said(log, " is damaged (")
     assert _status(d)["restored_from"] == [None, "replica"]
@@ -630,7 +630,7 @@ def test_damaged_snapshots_fall_back_one_copy_then_one_tier(killed, tiny_two_ran
     ]
     assert _said(log, "resumed from") == [
         "resumed from the replica on node-b (rank 0) and memory of node-b (rank 1) (step 9): "
-        + "epoch 1, step 3 of the epoch, global step 9"
+        + "epoch 2, step 3 of the epoch, global step 9"
     ]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
 
@@ -653,7 +653,7 @@ def test_damaged_snapshots_fall_back_one_copy_then_one_tier(killed, tiny_two_ran
         "falling back to the shared filesystem"
     )
     assert _said(log, "resumed from") == [
-        f"resumed from {d}/checkpoints/step-8: epoch 1, step 2 of the epoch, global step 8"
+        f"resumed from {d}/checkpoints/step-8: epoch 2, step 2 of the epoch, global step 8"
     ]
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(tiny_two_rank_run, "model.pt"))
     assert _status(d)["restored_from"] == [None, "shared"]

@@ -8,6 +8,7 @@ once per epoch as the script itself recorded it; every misuse refused with one l
 import difflib
 import glob
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -144,7 +145,10 @@ def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_p
 
     resumed = restored_step(d, 1)
     assert max(committed) <= resumed < k, (committed, resumed)
-    assert f"/step-{resumed}: epoch {resumed // 6}, step {resumed % 6} of the epoch" in rank0_log(d)
+    assert (
+        f"/step-{resumed}: epoch {resumed // 6 + 1}, step {resumed % 6} of the epoch"
+        in rank0_log(d)
+    )
     assert weights_equal(os.path.join(d, "model.pt"), os.path.join(uninterrupted, "model.pt"))
     # What the script saw after the resume: the uninterrupted run's batches from that step on.
     mine, plain = seen(d), seen(uninterrupted)
@@ -259,6 +263,47 @@ def test_a_dataloader_of_the_users_own_is_refused_naming_run_loader(tmp_path):
         assert f"run.loader(..., {key}=...)" in message and "bypass" in message
     message = refused(lambda: a_run(tmp_path, "dl").loader(DataLoader(Items()), 8))
     assert "takes a dataset, not a DataLoader" in message
+
+
+def test_finish_stops_the_workers_a_loop_left_in_mid_epoch(tmp_path):
+    """Persistent workers of a loop of run.steps that ends in mid-epoch: still running after
+    the loop (the loader keeps its iterator), stopped by run.finish() (the exit would send them
+    a SIGTERM they outlive and wait for them: tests/test_own_loop_stream.py runs that)."""
+    run = a_run(tmp_path, "workers")
+    model, opt, _ = set_up(run)
+    loader = run.loader(Items(), batch_size=4, num_workers=1, persistent_workers=True)
+    run.restore(model=model, optimizer=opt)
+    for x, _i in run.steps(loader, 3):  # 3 of the epoch's 16 steps
+        train_step(model, opt, x)
+        run.step()
+    workers = [p for p in multiprocessing.active_children() if p.is_alive()]
+    assert len(workers) == 1, workers
+    assert run.finish() == "completed"
+    assert not [p for p in workers if p.is_alive()], workers
+
+
+def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_path, caplog):
+    def steps(run, max_steps):
+        model, opt, _ = set_up(run)
+        loader = run.loader(Items(), batch_size=4)
+        run.restore(model=model, optimizer=opt)
+        for x, _i in run.steps(loader, max_steps):
+            train_step(model, opt, x)
+            run.step()
+        return run.finish()
+
+    first = a_run(tmp_path, "steps")
+    assert steps(first, 6) == "completed" and first.global_step == 6
+    again = Run(first.config, first.paths, torch.device("cpu"), 1, Preemption(), lambda o: (o, 0))
+    caplog.clear()
+    assert steps(again, 4) == "completed" and again.global_step == 6
+    said = [r.getMessage() for r in caplog.records if "max_steps" in r.getMessage()]
+    line = (
+        "run.steps(loader, 4): the run has taken 6 steps already, more than max_steps, so this "
+        "loop trains none and run.finish() ends the run at step 6; to train 4 steps, start a new "
+        "run.dir"
+    )
+    assert said == [line], said
 
 
 def test_a_step_missing_or_twice_is_refused(tmp_path):

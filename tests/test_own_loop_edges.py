@@ -114,7 +114,7 @@ def test_stops_at_an_epochs_last_step_or_in_its_round_resume_bitwise_on_two_rank
     log = rank0_log(d)
     for step in (6, 12):  # each round stop resumed at its epoch's last step, the loop's end
         assert f"saved at global step {step} (in the mining round after epoch" in log
-        assert f"/step-{step}: epoch {step // 3 - 1}, step 3 of the epoch" in log
+        assert f"/step-{step}: epoch {step // 3}, step 3 of the epoch" in log
     assert "saved at global step 9 (the end of epoch 3)" in log
 
 

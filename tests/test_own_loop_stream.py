@@ -1,11 +1,13 @@
 """run.loader over a stream (an IterableDataset; tests/ownloop/stream.py on 2 real ranks): each
 rank's position saved per rank and resumed bitwise after SIGKILL in mid-pass, every item trained
 once per pass as the script recorded it; a resume on another world size refused in one line; a
-stream without a state of its own taken with one warning; epochs over a stream refused."""
+stream without a state of its own taken with one warning, and a script started by hand whose
+loop leaves its DataLoader worker in mid-pass ends; epochs over a stream refused."""
 
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import launch
@@ -85,21 +87,24 @@ def test_a_stream_resumes_bitwise_after_sigkill_and_refuses_another_world_size(
         ]
 
 
-def test_a_stream_without_a_state_is_taken_with_one_warning(tmp_path):
-    d = str(tmp_path / "run")
-    os.makedirs(d + "-seen")
-    out = run_cli(
-        "clusterflow.run",
-        "--script",
-        SCRIPT,
-        f"run.dir={d}",
-        "--",
-        "--stateless",
-        "--max-steps",
-        "3",
-        env={"SEEN_DIR": d + "-seen"},
+def test_a_stream_without_a_state_is_taken_with_one_warning_and_its_workers_end(tmp_path):
+    """The script started by hand (``python stream.py``, as torchrun or srun start it), its
+    stream read by a DataLoader worker, its 3 steps ending in mid-pass: the process ends once
+    the run completed. Its workers outlive the stop signals (distributed/workers.py), so the
+    exit's SIGTERM to them would leave it waiting for them forever: run.finish() stops them."""
+    os.makedirs(tmp_path / "seen")
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--stateless", "--max-steps", "3", "--workers", "1"],
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "SEEN_DIR": str(tmp_path / "seen")},
+        capture_output=True,
+        text=True,
+        timeout=300,  # a run of seconds: a process left waiting for its workers never ends
     )
+    d = str(tmp_path / "runs" / "stream")  # run.dir by hand: runs/<script name>
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "run completed" in rank0_log(d)
     warned = [x for x in rank0_log(d).splitlines() if "the stream has no state_dict()" in x]
     assert len(warned) == 1 and "run.loader(Items)" in warned[0], warned
     assert "exact only if it yields the same items in the same order every time" in warned[0]

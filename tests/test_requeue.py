@@ -63,7 +63,7 @@ TABLE = [
         0,
         Action("preempted", "requeued"),
     ),  # scontrol requeue under way
-    ("preempted", "slurm", "CANCELLED", 0, Action("preempted", "stopped")),  # scancel
+    ("preempted", "slurm", "CANCELLED", 0, Action("cancelled", "cancelled")),  # scancel
     ("preempted", "slurm", "", 0, Action("preempted", "requeued")),  # scontrol did not answer
     # a container without scontrol: the batch script outside requeues (exit 75)
     (
@@ -174,6 +174,10 @@ def test_without_scontrol_in_path_the_batch_script_is_asked_to_requeue(tmp_path,
 BATCH_KILLED = {"JobState": "COMPLETING", "Reason": "NonZeroExitCode", "Restarts": "0",
                 "ExitCode": "137:0", "Requeue": "1"}  # fmt: skip
 REQUEUING = {"JobState": "COMPLETING", "Reason": "None", "Restarts": "1", "ExitCode": "0:0"}
+# ... after a plain scancel (the cancel's SIGTERM ended the batch script), and after a `kill` of
+# the batch script (SIGTERM too, but Slurm names a failed launch).
+SCANCELLED = {"JobState": "COMPLETING", "Reason": "None", "Restarts": "0", "ExitCode": "0:15"}
+TERM_KILLED = {**SCANCELLED, "Reason": "JobLaunchFailure"}
 ENDS = (
     "Slurm ends job 7 without requeueing it (JobState COMPLETING, ExitCode 137:0, Reason "
     "NonZeroExitCode; Restarts 0)"
@@ -191,7 +195,13 @@ ENDS = (
         ({**BATCH_KILLED, "JobState": "FAILED"}, 0, ENDS.replace("COMPLETING", "FAILED")),
         ({**BATCH_KILLED, "JobState": "RUNNING"}, 0, None),  # a preemption's grace time
         ({**BATCH_KILLED, "JobState": "PENDING"}, 0, None),
-        ({**BATCH_KILLED, "JobState": "CANCELLED"}, 0, None),  # scancel: stopped, not failed
+        ({**BATCH_KILLED, "JobState": "CANCELLED"}, 0, None),  # scancel: cancelled, not failed
+        (SCANCELLED, 0, None),  # scancel, as the job's own ranks see it
+        (
+            TERM_KILLED,
+            0,
+            ENDS.replace("137:0", "0:15").replace("NonZeroExitCode", "JobLaunchFailure"),
+        ),
         ({**BATCH_KILLED, "Restarts": ""}, 0, None),  # Slurm did not say
         ({}, 0, None),  # scontrol did not answer
     ],
@@ -200,6 +210,28 @@ def test_slurm_says_when_it_ends_a_job_without_a_requeue(fields, restart_count, 
     from clusterflow.slurm.commands import not_requeued
 
     assert not_requeued("7", fields, restart_count) == expected
+
+
+@pytest.mark.parametrize(
+    "fields, restart_count, expected",
+    [
+        (SCANCELLED, 0, True),
+        ({**SCANCELLED, "JobState": "CANCELLED"}, 0, True),
+        ({**SCANCELLED, "Restarts": "2"}, 1, False),  # a requeue counted beyond this attempt
+        ({**SCANCELLED, "Restarts": "2"}, 2, True),  # ... or up to it: this attempt's own
+        (TERM_KILLED, 0, False),  # the batch script killed with SIGTERM
+        (BATCH_KILLED, 0, False),
+        (REQUEUING, 0, False),
+        ({**SCANCELLED, "JobState": "RUNNING"}, 0, False),  # scancel --signal: still running
+        ({}, 0, False),
+    ],
+)
+def test_a_plain_scancel_is_told_from_the_fields_the_jobs_ranks_see(
+    fields, restart_count, expected
+):
+    from clusterflow.slurm.commands import cancelled
+
+    assert cancelled(fields, restart_count) is expected
 
 
 @pytest.mark.parametrize(
@@ -218,7 +250,7 @@ def test_slurm_says_when_it_ends_a_job_without_a_requeue(fields, restart_count, 
             ENDS,
             Action("preempted", "requeued", requeue=True, why="the preemption signal (SIGTERM)"),
         ),
-        ("CANCELLED", ENDS, Action("preempted", "stopped")),
+        ("CANCELLED", ENDS, Action("cancelled", "cancelled")),  # scancel
     ],
 )
 def test_a_sigterm_that_ends_the_job_for_good_is_a_failure_not_a_requeue(slurm_state, ends, want):

@@ -61,7 +61,7 @@ def test_stop_at_the_last_step_of_an_epoch_never_repeats_its_mining_round(
     assert "saving at global step 6 and stopping" in logs
     assert len(re.findall(r"mining after epoch 1:", logs)) == 1, logs
     assert re.search(
-        r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs
+        r"resumed from \S+/step-6: epoch 2, step 0 of the epoch", logs
     )  # the state after mining
     assert same_weights(weights(d), weights(uninterrupted))
 

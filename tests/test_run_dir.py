@@ -103,15 +103,20 @@ def test_copied_run_dir_resumes_from_its_own_checkpoints_with_submit(tmp_path, r
     killed_at_step_10(a)
     shutil.copytree(a, c)
     before = tree(a)
-    # The copy's own config.yaml as the config file: the run lives where that file lies.
+    # The copy's own config.yaml as the config file: the run lives where that file lies; a
+    # longer time limit is a resource, taken on resume and named as the one difference.
     out = run_cli(
         "clusterflow.submit",
         os.path.join(c, "config.yaml"),
+        "cluster.time_min=30",
         "--local",
         env={"PYTHONPATH": os.path.join(REPO, "tests")},
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"run dir {c} exists with the same config: resuming" in out.stdout
+    assert (
+        f"run dir {c} exists with the same config but for resources: cluster.time_min 10 -> 30: "
+        "resuming from its newest checkpoint"
+    ) in out.stdout.splitlines(), out.stdout
     assert tree(a) == before  # the original is untouched
     assert sha(os.path.join(c, "model.pt")) == reference
     assert attempts(c) == 2 and attempts(a) == 1

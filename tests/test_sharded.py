@@ -111,7 +111,7 @@ def test_sigterm_mid_epoch_resumes_bitwise(reference, tmp_path, tasks_path):
     assert not os.path.exists(os.path.join(d, "model.pt"))
     assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
     assert re.search(
-        rf"resumed from \S+/step-{stop}: epoch 1, step {stop - 6} of the epoch", rank0_log(d)
+        rf"resumed from \S+/step-{stop}: epoch 2, step {stop - 6} of the epoch", rank0_log(d)
     )
     assert same_weights(weights(d), weights(reference))
 
@@ -158,7 +158,7 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
     assert launch.run(2, "configs/tiny.yaml", over, d) == [0, 0]
     logs = rank0_log(d)
     assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-8-" in logs
-    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)
+    assert re.search(r"resumed from \S+/step-6: epoch 2, step 0 of the epoch", logs)
     assert same_weights(weights(d), weights(reference))
 
 
@@ -302,7 +302,7 @@ def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
     assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
     logs = rank0_log(d)
     assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
-    assert re.search(r"resumed from \S+/step-16: epoch 2, step 4 of the epoch", logs), logs
+    assert re.search(r"resumed from \S+/step-16: epoch 3, step 4 of the epoch", logs), logs
     assert same_weights(weights(d), weights(reference))
 
 

@@ -1,9 +1,9 @@
 """The job's time as Slurm gives it, on the real local cluster: a pending job's reason and the
 start Slurm expects (``squeue --start``), a running job's time left, within seconds of
 squeue's own answer asked beside it, in `status` and in the dashboard's job panel (its catalog,
-which asks squeue once for all its runs); and ten time limits, each brought forward by an
-admin's ``scontrol update``, survived with no step lost although the save is slower than
-Slurm's --signal lead."""
+which asks squeue once for all its runs); then a plain scancel, which the run reads as
+cancelled; and ten time limits, each brought forward by an admin's ``scontrol update``,
+survived with no step lost although the save is slower than Slurm's --signal lead."""
 
 import itertools
 import os
@@ -14,7 +14,17 @@ import time
 import pytest
 from conftest import run_cli
 from dashboards import poll_until
-from slurmjobs import ENDED, job_fields, live_status, scmd, sha256, status, submit, wait_until
+from slurmjobs import (
+    ENDED,
+    job_fields,
+    live_status,
+    scmd,
+    sha256,
+    status,
+    submit,
+    wait_gone,
+    wait_until,
+)
 
 from clusterflow import rundir
 from clusterflow.rundir import timeline
@@ -83,6 +93,16 @@ def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_lef
         shown = panel["left_s"] - (time.time() - panel["asked_at"])
         assert abs(shown - left) <= 5, (panel, left)
         assert panel["nodes"] == nodes and panel["time_limit_s"] == 600
+        # A plain scancel ends the job: its ranks save the step reached and stop, and the run
+        # reads cancelled, not failed (the job shows them COMPLETING, as the end of a job whose
+        # batch script died would).
+        scmd("scancel", job)
+        os.unlink(gate)
+        wait_gone(job)
+        s = status(d)
+        assert (s["state"], s["error"]) == ("cancelled", None), s
+        assert s["latest_checkpoint"].endswith(f"/step-{s['global_step']}"), s
+        assert "state        cancelled" in plain_status(d)
     finally:
         subprocess.run(["scancel", job], check=False)
         if gate.exists():

@@ -199,7 +199,7 @@ def test_sigkill_during_checkpoint_write_keeps_the_previous_one(
     assert s["state"] == "completed" and s["attempts"] == 2, s
     logs = rank0_logs(d)
     assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-12-" in logs
-    assert re.search(r"resumed from \S+/step-8: epoch 1, step 2 of the epoch", logs)
+    assert re.search(r"resumed from \S+/step-8: epoch 2, step 2 of the epoch", logs)
     assert_same_weights(d, reference_run)
 
 
@@ -215,7 +215,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_commit(
     assert out.returncode == 0, out.stdout + out.stderr
     logs = rank0_logs(d)
     assert "removed unfinished checkpoint folders left by a killed writer: .tmp-step-8-" in logs
-    assert re.search(r"resumed from \S+/step-6: epoch 1, step 0 of the epoch", logs)
+    assert re.search(r"resumed from \S+/step-6: epoch 2, step 0 of the epoch", logs)
     assert_same_weights(d, reference_run)
 
 

@@ -12,7 +12,7 @@ import time
 
 import clihelp
 import pytest
-from conftest import REPO, run_cli
+from conftest import DEEP_LISTS, REPO, billion_laughs, run_cli
 
 from clusterflow.cancel import main as cancel_main
 from clusterflow.launch import stages
@@ -595,6 +595,33 @@ def test_a_fifo_in_place_of_any_record_never_blocks_a_reader(completed):
     s = json.loads(status(completed, "--json"))  # the command itself answers
     assert s["state"] == "completed"
     assert "status.json is a FIFO (named pipe), not a regular file" in s["damaged_records"]
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        (billion_laughs(), "it holds a YAML anchor or alias ('lol0', line 1)"),
+        (DEEP_LISTS, "it nests deeper than 100 levels"),
+    ],
+    ids=["aliases", "nesting"],
+)
+def test_a_config_yaml_clusterflow_never_writes_is_one_damaged_line(
+    completed, capsys, config, said
+):
+    """A billion laughs would expand wherever the config is walked, 30,000 nested lists exhaust
+    the stack of a reader that recurses: either is named as damaged in one line (in-process:
+    what the command prints), and the run's state still comes from what is committed."""
+    with open(os.path.join(completed, "config.yaml"), "w") as f:
+        f.write(config)
+    assert status_main([completed]) == 0
+    out = capsys.readouterr().out
+    assert "state        completed" in out, out
+    (line,) = [x for x in out.splitlines() if "config.yaml" in x]
+    assert line.startswith(f"warning      config.yaml is damaged ({said}"), line
+    assert status_main([completed, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["state"] == "completed" and s["script"] is None, s
+    assert any(said in d for d in s["damaged_records"]), s["damaged_records"]
 
 
 def answers(call, timeout):

@@ -3,6 +3,7 @@ neither crash status nor block a resume; under --local a dead rank ends the job 
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,8 @@ import launch
 import pytest
 from conftest import REPO, run_cli, weights_equal
 from test_on_event import fired, notify_script
+
+from clusterflow.manage.status import render
 
 
 @pytest.fixture(autouse=True)
@@ -104,6 +107,20 @@ def test_damaged_records_neither_crash_status_nor_block_resume(
     out = run_cli("clusterflow.run", "configs/tiny.yaml", *over)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "config.yaml is damaged" in out.stderr and "resumed from" in out.stdout
+    # Every line counts epochs from 1, as the steps' log lines do: step 8 of tiny.yaml's 6-step
+    # epochs is step 2 of epoch 2, in status, in the resume's line, and the next step's line.
+    epoch, step = 8 // 6 + 1, 8 % 6
+    progress = r"^progress +epoch (\d+)/3, step (\d+)/\S+ of the epoch, global step 8$"
+    said = [
+        re.search(progress, render(s), re.MULTILINE),
+        re.search(r"resumed from \S+/step-8: epoch (\d+), step (\d+) of the epoch", out.stdout),
+        re.search(r"epoch (\d+) step (\d+)/6 \(global 9\)", out.stdout),
+    ]
+    assert [m and tuple(map(int, m.groups())) for m in said] == [
+        (epoch, step),
+        (epoch, step),
+        (epoch, step + 1),
+    ], (render(s), out.stdout)
     assert weights_equal(os.path.join(d, "model.pt"), tiny_one_process_model)
     s = status(d)
     assert s["state"] == "completed" and s["attempts"] >= 1

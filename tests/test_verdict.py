@@ -223,11 +223,11 @@ SLURM_TABLE = [
     # completing with a requeue counted (scontrol requeue), or pending again: it comes back
     (seen("COMPLETING|None", replace(COMPLETING, attempts=2)), True, "requeued", None),
     (seen("", replace(SLURM_FAILED, state="PENDING")), True, "requeued", None),
-    # scancel of a requeued job: stopped, nothing brings it back
+    # scancel of a requeued job: cancelled, nothing brings it back
     (
         seen("", Verdict("CANCELLED", "scontrol")),
         True,
-        "stopped",
+        "cancelled",
         ended(Verdict("CANCELLED", "scontrol")),
     ),
     # Slurm forgot the job, which is not queued: it never comes back

@@ -148,11 +148,11 @@ def test_resources_may_change_on_resume_result_keys_may_not(tmp_path, capsys):
         "configs/tiny.yaml", [f"run.dir={d}", "cluster.time_min=30", "cluster.partition=high"]
     )
     got, resumed = saved_config.resolve(longer)
-    assert resumed and got.cluster.time_min == 30
-    assert (
-        'resumes with changed resources: cluster.partition "" -> "high"; cluster.time_min 10 -> 30'
-        in capsys.readouterr().err
-    )
+    changed = 'cluster.partition "" -> "high"; cluster.time_min 10 -> 30'
+    assert got.cluster.time_min == 30
+    assert resumed == f"the same config but for resources: {changed}"  # submit's line says so
+    assert f"resumes with changed resources: {changed}" in capsys.readouterr().err
+    assert saved_config.resolve(longer)[1] == "the same config"  # config.yaml says it now
     assert saved_config.read(d).cluster.time_min == 30  # config.yaml says what it runs with now
     with pytest.raises(UserError, match=r"different config \(train.lr 0.003 -> 0.1\)"):
         saved_config.resolve(config.load("configs/tiny.yaml", [f"run.dir={d}", "train.lr=0.1"]))

@@ -192,7 +192,7 @@ class Restorer:
             log.info(
                 "resumed from %s: epoch %d, step %d of the epoch, global step %d",
                 head.path,
-                p.epoch,
+                p.epoch + 1,  # counted from 1, as the log lines of the steps count it
                 p.step_in_epoch,
                 p.global_step,
             )

@@ -234,8 +234,8 @@ class GlobalBatchSampler(Sampler[list[int]]):
         smallest = min((size for _, size in self.plan.batches_from(0)), default=0)
         if smallest < self.world * self.grad_accum:
             raise UserError(
-                f"epoch {epoch} has a global batch of {smallest} samples, fewer than world size "
-                f"x {self.key.accumulate} = {self.world} x {self.grad_accum}: some rank would "
+                f"epoch {epoch + 1} has a global batch of {smallest} samples, fewer than world "
+                f"size x {self.key.accumulate} = {self.world} x {self.grad_accum}: some rank would "
                 f"have no sample; resume with fewer processes, or with the {self.key.name} it "
                 "started with"
             )

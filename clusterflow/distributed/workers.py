@@ -16,7 +16,10 @@ leaves, so a worker only has to outlive them:
   handlers are in place, and the rank receives one that came meanwhile once its workers run.
 
 A worker whose rank is gone ends by itself (torch's watchdog in the worker sees its parent
-change), and SIGKILL (Slurm's, after ``KillWait``) ends it as any process.
+change), and SIGKILL (Slurm's, after ``KillWait``) ends it as any process. A rank that ends its
+run shuts its workers down itself (:func:`shut_down`): left to the interpreter's exit, a
+process that leaves normally (``python train.py``, torchrun) would send its daemonic workers
+SIGTERM, which they outlive, and wait for them forever.
 """
 
 from __future__ import annotations
@@ -68,3 +71,13 @@ def started(loader: DataLoader) -> Iterator[Any]:
         return iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def shut_down(batches: Iterator[Any]) -> None:
+    """Stop the worker processes behind ``batches`` (a DataLoader's iterator) now and wait for
+    them, as torch does when such an iterator is collected: they leave their loop when told to,
+    so no stop signal is needed. Nothing for an iterator without workers, or one already shut
+    down."""
+    stop = getattr(batches, "_shutdown_workers", None)
+    if callable(stop):
+        stop()

@@ -89,13 +89,14 @@ def decide(
     # Slurm requeues a preempted job only if it is still running when the grace time ends; one that
     # saved and exited early is recorded as COMPLETED and never comes back. So while the job still
     # runs (preemption, or a bare SIGTERM) it requeues itself. COMPLETING means a requeue is already
-    # under way (scontrol requeue); CANCELLED means the user ended it with scancel.
+    # under way (scontrol requeue); CANCELLED means the user ended it with scancel (after_stop
+    # tells a cancel from the COMPLETING it shows its own ranks: slurm.commands.cancelled).
     # Without scontrol the job cannot tell whether Slurm will bring it back: ask the batch script
     # outside to requeue it (an early exit after the save would otherwise end the job for good).
     if slurm_state in ("RUNNING", NO_SCONTROL):
         return Action(outcome, State.REQUEUED, requeue=True, why="the preemption signal (SIGTERM)")
-    if slurm_state == "CANCELLED":
-        return Action(outcome, State.STOPPED)
+    if slurm_state == "CANCELLED":  # saved; submitting the same config resumes it
+        return Action(StopReason.CANCELLED, State.CANCELLED)
     # The SIGTERM was the job's end, not a preemption: its batch step died (the OOM killer on the
     # batch node, a kill of the batch script) and nothing runs the job again.
     if ends is not None:
@@ -128,6 +129,8 @@ def after_stop(
         if outcome == StopReason.PREEMPTED:
             fields = slurm_commands.job_fields(job_id)
             slurm_state = fields.get("JobState", "")
+            if slurm_commands.cancelled(fields, env.attempt):
+                slurm_state = "CANCELLED"
             ends = slurm_commands.not_requeued(job_id, fields, env.attempt)
         if outcome == StopReason.PREEMPTED and not slurm_commands.available("scontrol"):
             slurm_state = NO_SCONTROL
@@ -165,7 +168,9 @@ def after_stop(
         log.error("%s", error)
         transitions.mark_failed(paths, error=error)
         return action.outcome
-    if outcome == StopReason.PREEMPTED and slurm_state is not None:
+    if action.state == State.CANCELLED:
+        log.info("job %s was cancelled (scancel); %s", job_id, saved_config.how_to_resume(paths))
+    elif outcome == StopReason.PREEMPTED and slurm_state is not None:
         log.info(
             "job %s is %s; leaving its fate to Slurm", job_id, slurm_state or "in an unknown state"
         )

@@ -179,12 +179,13 @@ def check_cluster(cfg: Config) -> None:
 # -- the run directory -------------------------------------------------------------------------
 
 
-def prepare_run_dir(cfg: Config, paths: rundir.RunPaths, hold: bool = False) -> tuple[Config, bool]:
+def prepare_run_dir(cfg: Config, paths: rundir.RunPaths, hold: bool = False) -> tuple[Config, str]:
     """Refuse a run dir that a live job holds (before writing anything), then create RUN_DIR and
-    write config.yaml once. Returns the config to run, and True when resuming an existing run (a
-    different config is refused: saved_config.resolve). The job takes the lease when it starts;
-    with ``hold`` (``--local``) this process takes it first, so that of two submissions at once
-    the later one is refused before it writes anything, and hands it to its job."""
+    write config.yaml once. Returns the config to run, and how it is configured when resuming an
+    existing run, "" otherwise (a different config is refused: saved_config.resolve). The job
+    takes the lease when it starts; with ``hold`` (``--local``) this process takes it first, so
+    that of two submissions at once the later one is refused before it writes anything, and
+    hands it to its job."""
     if hold:
         lease.hold_for_launch(paths, lambda note: print(f"note: {note}", file=sys.stderr))
     else:
@@ -310,10 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     paths = rundir.RunPaths(cfg.run.dir)
     cfg, resumed = prepare_run_dir(cfg, paths, hold=args.local)
     if resumed:
-        print(
-            f"run dir {cfg.run.dir} exists with the same config: "
-            "resuming from its newest checkpoint"
-        )
+        print(f"run dir {cfg.run.dir} exists with {resumed}: resuming from its newest checkpoint")
     # Submitting a run again is the explicit way back from a cancel.
     cancel_marker.clear(paths)
     frozen_code.take(paths, cfg.task.target, cfg.run.snapshot_code, script=cfg.script.path)

@@ -416,7 +416,10 @@ def collect(
     ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
     listed = queued(job_id) if queued is not None and queue else None
     out["job"] = _job(listed) if listed is not None else None
-    out.update(_finish(out, _epochs(newest, config)))
+    epochs = _epochs(st, newest, config)
+    out["epochs"] = epochs
+    out["current_epoch"] = current_epoch(out["epoch"], epochs, decided.state == State.COMPLETED)
+    out.update(_finish(out, epochs))
     return out
 
 
@@ -428,14 +431,25 @@ def _job(q: slurm_commands.QueuedJob) -> dict[str, Any]:
     return job
 
 
-def _epochs(manifest: dict[str, Any], config: dict[str, Any]) -> int | None:
-    """The epochs the run trains: its checkpoints' (a script's ``run.epochs(n)``), else
-    config.yaml's train.epochs."""
-    epochs = manifest.get("epochs")
-    if not _is_int(epochs):
-        train = config.get("train")
-        epochs = train.get("epochs") if isinstance(train, dict) else None
+def _epochs(st: dict[str, Any], manifest: dict[str, Any], config: dict[str, Any]) -> int | None:
+    """The epochs the run's loop trains (a script's ``run.epochs(n)``, not config.yaml's
+    train.epochs): as its last status write and its checkpoints record them, else config.yaml's
+    train.epochs."""
+    for epochs in (st.get("epochs"), manifest.get("epochs")):
+        if _is_int(epochs) and epochs > 0:
+            return epochs
+    train = config.get("train")
+    epochs = train.get("epochs") if isinstance(train, dict) else None
     return epochs if _is_int(epochs) and epochs > 0 else None
+
+
+def current_epoch(epoch: int, epochs: int | None, completed: bool) -> int:
+    """The epoch a run is in, counted from 1 as its log lines count it (``epoch 2 step 3/6``),
+    from ``epoch``, the epochs finished: the one being trained (or about to be), the last one
+    once all ``epochs`` are done or the run ``completed``."""
+    if completed:
+        return max(epoch, 1)
+    return min(epoch + 1, epochs) if epochs else epoch + 1
 
 
 def _finish(s: dict[str, Any], epochs: int | None) -> dict[str, Any]:
@@ -575,8 +589,10 @@ def render(s: dict[str, Any]) -> str:
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
         f"attempts     {s['attempts']}" + _restarts_said(s["restarts"]),
         (
-            f"progress     epoch {s['epoch']}, step {s['step_in_epoch']}/{s['steps_per_epoch']} "
-            f"of the epoch, global step {s['global_step']}"
+            f"progress     epoch {s['current_epoch']}"
+            + (f"/{s['epochs']}" if s.get("epochs") else "")
+            + f", step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step "
+            f"{s['global_step']}"
         ),
         f"world        {s['world_size']} rank(s) on {', '.join(s['hosts']) or '?'}",
         *_job_lines(s),

@@ -36,6 +36,7 @@ def row(
         "member": member["name"],
         "state": s.get("state") or (State.PENDING if job_id else "not submitted"),
         "epoch": s.get("epoch"),
+        "current_epoch": s.get("current_epoch"),
         "global_step": s.get("global_step"),
         "last_loss": s.get("last_loss"),
         "nmi": mining.get("nmi"),
@@ -103,7 +104,7 @@ def render(table: list[dict[str, Any]], keys: list[str]) -> str:
     short = labels(keys)
     columns = [(short[k], lambda r, k=k: _cell(r.get(k))) for k in keys] + [
         ("state", lambda r: r["state"]),
-        ("epoch", lambda r: _cell(r["epoch"])),
+        ("epoch", lambda r: _cell(r["current_epoch"])),
         ("step", lambda r: _cell(r["global_step"])),
         ("loss", lambda r: _cell(r["last_loss"], 4)),
         ("nmi", lambda r: _cell(r["nmi"], 3)),

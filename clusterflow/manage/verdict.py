@@ -17,7 +17,7 @@ status.json may not. :func:`decide` weighs them, in this order:
 | squeue: RUNNING, COMPLETING, CONFIGURING or gone        |                           |
 | no live process; squeue not PENDING; recorded running,  | failed                    |
 | or nothing once an attempt or checkpoint exists         |                           |
-| recorded requeued, squeue not PENDING nor RUNNING, and  | failed (stopped when      |
+| recorded requeued, squeue not PENDING nor RUNNING, and  | failed (cancelled when    |
 | Slurm's record (sacct, scontrol) shows no requeue       | Slurm says CANCELLED)     |
 | (``slurm_says``)                                        |                           |
 | recorded requeued, squeue COMPLETING, Slurm counted a   | requeued                  |
@@ -58,7 +58,6 @@ from clusterflow.rundir.states import (
     PENDING,
     REQUEUED,
     RUNNING,
-    STOPPED,
     Cause,
 )
 from clusterflow.slurm import outcome
@@ -131,8 +130,8 @@ def needs_slurm(e: Evidence) -> bool:
 def slurm_says(e: Evidence) -> str | None:
     """The state Slurm's record gives a job that the run's record calls requeued: requeued while
     it comes back (queued again, or a requeue counted beyond the runs the records know), failed
-    (stopped, when cancelled) once it ended without one; None when not asked, or it cannot
-    tell."""
+    (cancelled, when scancel ended it) once it ended without one; None when not asked, or it
+    cannot tell."""
     v = e.slurm
     if v is None or not needs_slurm(e):
         return None
@@ -140,7 +139,7 @@ def slurm_says(e: Evidence) -> str | None:
         return REQUEUED
     if v.state == "UNKNOWN":  # Slurm forgot the job: gone from the queue, it never comes back
         return FAILED if e.queue == "" else None
-    return STOPPED if v.state == "CANCELLED" else FAILED
+    return CANCELLED if v.state == "CANCELLED" else FAILED
 
 
 def needs_liveness(e: Evidence) -> bool:
@@ -162,7 +161,7 @@ def decide(e: Evidence) -> Verdict:
         note = CANCEL_REQUESTED  # never "cancelled" while a live process trains
     elif e.cancelled and state != COMPLETED:
         state = CANCELLED
-    if slurm in (FAILED, STOPPED) and state == slurm and e.slurm is not None:
+    if slurm in (FAILED, CANCELLED) and state == slurm and e.slurm is not None:
         said = e.slurm.line()
         error = (
             f"Slurm ended job {e.job_id} without requeueing it ({said}), although the run "

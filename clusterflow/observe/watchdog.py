@@ -56,6 +56,12 @@ WAIT_PATHS = (
     "clusterflow/distributed/groups.py",  # the stop agreement's wait for its started all-reduce
 )
 FR_BUFFER = "2000"  # entries in the flight recorder's ring buffer (PyTorch's recommendation)
+# The flight recorder's variables by the name torch reads (2.13: c10d/FlightRecorder.hpp, and its
+# writer of dumps), with the older name it still reads, and warns about, on every rank.
+FR_OLDER_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
 log = logging.getLogger("clusterflow.watchdog")
 T = TypeVar("T")
 
@@ -276,19 +282,22 @@ def flight_recorder_env(
 ) -> dict[str, str]:
     """Variables to export before ``init_process_group`` so the flight recorder records, and so
     NCCL's own timeout dump lands in RUN_DIR/stalls/attempt<A>/ (torch appends the rank to the
-    prefix; the folder is created here, torch does not). Both the current names (TORCH_FR_*) and
-    the older NCCL-only ones; a variable the user set is kept."""
+    prefix; the folder is created here, torch does not). Only the names torch reads now
+    (:data:`FR_OLDER_NAMES`: torch warns on every rank for an older one); a variable the user
+    set, under either name, is kept."""
     prefix = paths.nccl_trace_prefix(attempt)
     if make_folder:  # else observer.py makes it later, once the job holds the run dir
         os.makedirs(os.path.dirname(prefix), exist_ok=True)
     wanted = {
         "TORCH_FR_BUFFER_SIZE": FR_BUFFER,
-        "TORCH_NCCL_TRACE_BUFFER_SIZE": FR_BUFFER,
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         "TORCH_FR_DUMP_TEMP_FILE": prefix,
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
     }
-    return {k: v for k, v in wanted.items() if k not in environ}
+    return {
+        k: v
+        for k, v in wanted.items()
+        if k not in environ and FR_OLDER_NAMES.get(k, "") not in environ
+    }
 
 
 def _c10d() -> ModuleType | None:

@@ -135,6 +135,7 @@ STATUS = Schema(
             k: INT
             for k in (
                 "epoch",
+                "epochs",
                 "global_step",
                 "step_in_epoch",
                 "steps_per_epoch",

@@ -8,6 +8,15 @@ which means "the folder holding this file". The run dir of a launch is the one i
 (``python -m clusterflow.run runs/x/config.yaml``); never a path read from inside the run dir.
 A relative ``checkpoint.dir`` lies inside the run dir too (``config.checkpoint_root``).
 
+A ``config.yaml`` is read as the plain YAML clusterflow writes (``yaml.safe_dump`` of
+``Config.to_dict``, whose values are fresh copies: no anchors or aliases, a few levels deep),
+within :data:`~clusterflow.config.yaml_file.MAX_BYTES`. One that holds an anchor or an alias, or
+nests deeper than :data:`~clusterflow.config.yaml_file.MAX_DEPTH` levels, is no config
+clusterflow wrote: it is damaged, refused from its YAML events before anything is built from it
+(a "billion laughs" of a few KB would expand to gigabytes wherever it is walked, and deep nesting
+would exhaust the stack of the reader that builds it), so ``status`` and the dashboard name it
+and go on.
+
 A ``config.yaml`` that cannot be read (garbage bytes, not a mapping, invalid values) must not
 block the run: it is set aside as ``config.yaml.damaged-<time>`` with a warning and written
 anew from the config given now; the checkpoint restore still checks that config against the one
@@ -29,7 +38,7 @@ import yaml
 
 from clusterflow import config as cfgmod
 from clusterflow.config.job_config import Config
-from clusterflow.config.yaml_file import MAX_BYTES
+from clusterflow.config.yaml_file import MAX_BYTES, MAX_DEPTH
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
 from clusterflow.rundir import script_files
@@ -37,6 +46,8 @@ from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
 HEADER = "# clusterflow run config"
+# How a run that continues is configured, when nothing changed (resolve).
+SAME = "the same config"
 _NOTE = (
     f"{HEADER}: written once, when the run started. run.dir is '.': the run lives in the folder\n"
     "# that holds this file, wherever it is moved or copied.\n"
@@ -151,10 +162,51 @@ def write_config(cfg: Config) -> None:
     )
 
 
+class NotWritten(ValueError):
+    """YAML that clusterflow never writes into config.yaml (an anchor or an alias, nesting
+    beyond :data:`MAX_DEPTH`); its text says what was found."""
+
+
+# PyYAML's event parser: libyaml's where it is compiled in, which scans nesting without recursion.
+_EVENTS = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _check_written(text: str) -> None:
+    """NotWritten for YAML that :func:`write_config` never writes, seen from its events alone
+    (nothing is built, no alias followed), at the first one that is not."""
+    too_deep = NotWritten(
+        f"it nests deeper than {MAX_DEPTH} levels, which no config clusterflow writes does"
+    )
+    depth = 0
+    try:
+        for event in yaml.parse(text, Loader=_EVENTS):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+                line = event.start_mark.line + 1 if event.start_mark else "?"
+                raise NotWritten(
+                    f"it holds a YAML anchor or alias ({event.anchor!r}, line {line}), which "
+                    "clusterflow never writes"
+                )
+            if isinstance(event, yaml.CollectionStartEvent):
+                depth += 1
+                if depth > MAX_DEPTH:
+                    raise too_deep
+            elif isinstance(event, yaml.CollectionEndEvent):
+                depth -= 1
+    except yaml.MarkedYAMLError as exc:
+        # libyaml stops at 1000 levels of its own, sooner than the events above reach them
+        # while it scans ahead in a flow collection: the same refusal.
+        if "nesting" in str(exc.problem):
+            raise too_deep from None
+        raise
+
+
 def _parse(target: str) -> Any:
     """config.yaml's YAML; OSError for one that is no regular file of the run dir (a link, a
-    FIFO: ``storage/confined.py``) or larger than a config may be."""
-    return yaml.safe_load(confined.read_bytes(target, limit=MAX_BYTES).decode("utf-8"))
+    FIFO: ``storage/confined.py``) or larger than a config may be, NotWritten for YAML that
+    clusterflow does not write (:func:`_check_written`)."""
+    text = confined.read_bytes(target, limit=MAX_BYTES).decode("utf-8")
+    _check_written(text)
+    return yaml.safe_load(text)
 
 
 def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
@@ -165,6 +217,12 @@ def read_plain(paths: rundir.RunPaths) -> tuple[dict[str, Any], str]:
         data = _parse(paths.config)
     except confined.Refused as exc:
         return {}, exc.why
+    except NotWritten as exc:
+        return {}, str(exc)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        return {}, f"not valid YAML{where}: {exc.problem or exc.context}"
     except (OSError, ValueError, yaml.YAMLError) as exc:  # ValueError: bytes that are not UTF-8
         return {}, type(exc).__name__
     if not isinstance(data, dict):
@@ -252,8 +310,10 @@ def _checkpoints_moved(saved: Config, cfg: Config) -> bool:
     )
 
 
-def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
-    """The config to run and whether the run dir already held a run. An existing run continues
+def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, str]:
+    """The config to run, and "" for a new run, or how the run it continues is configured when
+    the run dir already held one ("the same config", "the same config but for resources: ...",
+    for ``submit``'s line saying it resumes). An existing run continues
     with its saved config; a different experiment is refused (``config.check_resume``); changed
     resources (``config/fingerprint.py``: cluster.*, workers, intervals) are taken, with a note,
     and config.yaml is rewritten with them; where the run dir is may change
@@ -269,7 +329,7 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     if saved is None:
         if write:
             write_config(cfg)
-        return cfg, False
+        return cfg, ""
     diffs = cfgmod.differences(saved.to_dict(), cfg.to_dict())
     if diffs and not relaunch and not _has_checkpoint(cfgmod.resume_config(saved, cfg)):
         print(
@@ -279,7 +339,7 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         )
         if write:
             write_config(cfg)
-        return cfg, False
+        return cfg, ""
     script_files.refuse_changed(saved.script.files, cfg.run.dir)
     asked = cfg.to_dict()
     asked["script"]["files"] = dict(saved.script.files)
@@ -297,9 +357,9 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         resumed = cfgmod.resume_config(saved, cfg)
         if write:
             write_config(resumed)
-        return resumed, True
+        return resumed, f"{SAME} but for checkpoint.dir ({cfg.checkpoint_dir})"
     if relaunch or not changed:
-        return cfgmod.resume_config(saved, cfg), True
+        return cfgmod.resume_config(saved, cfg), SAME
     # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
     # with them, and config.yaml says what it runs with now.
     print(
@@ -309,4 +369,4 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     )
     if write:
         write_config(cfg)
-    return cfg, True
+    return cfg, f"{SAME} but for resources: {'; '.join(map(str, changed))}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterable, Mapping
@@ -248,15 +249,36 @@ def available(name: str) -> bool:
 _LIVE = ("RUNNING", "PENDING", "CONFIGURING", "SUSPENDED", "RESIZING", "REQUEUED", "REQUEUE_")
 
 
+def cancelled(fields: Mapping[str, str], restart_count: int) -> bool:
+    """Whether ``scontrol show job``'s ``fields``, seen by the job's own attempt ``restart_count``,
+    say the job was cancelled (a plain ``scancel``): CANCELLED, or COMPLETING with no requeue
+    counted beyond that attempt after the cancel's SIGTERM ended the batch script (ExitCode
+    ``0:15``, Reason None). A job's own processes hold it in COMPLETING until they end, so its
+    ranks never see CANCELLED themselves; a batch script that died otherwise ends with a code
+    (``137:0``, Reason NonZeroExitCode) or another signal, and a requeue counts a restart."""
+    state, restarts = fields.get("JobState", ""), fields.get("Restarts", "")
+    if state == "CANCELLED":
+        return True
+    return (
+        state == "COMPLETING"
+        and restarts.isdigit()
+        and int(restarts) <= restart_count
+        and fields.get("ExitCode") == f"0:{int(signal.SIGTERM)}"
+        and fields.get("Reason") == "None"
+    )
+
+
 def not_requeued(job_id: str, fields: Mapping[str, str], restart_count: int) -> str | None:
     """Slurm's words that the job is ending, or ended, for good, from ``scontrol show job``'s
     ``fields`` seen by the job's own attempt ``restart_count`` (SLURM_RESTART_COUNT); None while
-    it runs, when it was cancelled, when Slurm counted a requeue beyond that attempt (Restarts:
-    ``scontrol requeue`` or a preemption under way), or when the fields do not say. Both a requeue
-    and the end of a job whose batch script died show COMPLETING while the steps are being
-    ended; only the requeue counts a restart."""
+    it runs, when it was cancelled (:func:`cancelled`), when Slurm counted a requeue beyond that
+    attempt (Restarts: ``scontrol requeue`` or a preemption under way), or when the fields do
+    not say. Both a requeue and the end of a job whose batch script died show COMPLETING while
+    the steps are being ended; only the requeue counts a restart."""
     state, restarts = fields.get("JobState", ""), fields.get("Restarts", "")
-    if not state or state.startswith(_LIVE) or state == "CANCELLED" or not restarts.isdigit():
+    if not state or state.startswith(_LIVE) or cancelled(fields, restart_count):
+        return None
+    if not restarts.isdigit():
         return None
     if int(restarts) > restart_count:
         return None

@@ -73,6 +73,7 @@ class Loader:
             key=key,
         )
         self._persistent: DataLoader | None = None
+        self._live: Iterator[Any] | None = None  # the epoch's batches, its workers behind them
 
     def __len__(self) -> int:
         """The batches left in this epoch (all of them at its start), from where the run is: a
@@ -85,7 +86,15 @@ class Loader:
 
     def batches(self, epoch: int) -> Iterator[Any]:
         """This rank's micro-batches of ``epoch`` from the position reached."""
-        return workers.started(self.dataloader(epoch))
+        self._live = workers.started(self.dataloader(epoch))
+        return self._live
+
+    def shutdown(self) -> None:
+        """The DataLoader's worker processes stopped (``run.finish``: a loop that left in
+        mid-epoch, or persistent workers, keeps them)."""
+        if self._live is not None:
+            workers.shut_down(self._live)
+        self._live = self._persistent = None
 
     def dataloader(self, epoch: int) -> DataLoader:
         """This epoch's DataLoader; with persistent workers, one per attempt."""

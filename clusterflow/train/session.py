@@ -29,6 +29,7 @@ work to the part that owns it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -65,6 +66,8 @@ from clusterflow.train.probe import Probe
 from clusterflow.train.saves import Ending, RunStopped, Saves
 from clusterflow.train.stream import POSITION, StreamLoader
 from clusterflow.train.window import LossWindow
+
+log = logging.getLogger("clusterflow.trainer")
 
 # What the mining embed and the sharded model may compute in, besides the script's own autocast.
 Amp = torch.dtype | None
@@ -549,6 +552,16 @@ class Run:
             )
         self.order.enter(Call.STEPS)
         self._counts_steps = True
+        if max_steps < self.state.global_step and self.rank == 0:
+            log.warning(
+                "run.steps(loader, %d): the run has taken %d steps already, more than max_steps, "
+                "so this loop trains none and run.finish() ends the run at step %d; to train "
+                "%d steps, start a new run.dir",
+                max_steps,
+                self.state.global_step,
+                self.state.global_step,
+                max_steps,
+            )
         if loader.stream:  # one epoch of the run's steps, in the stream's order
             loader.n = max(max_steps, self.state.global_step) * loader.batch_size
         self._plan_epoch()
@@ -671,11 +684,13 @@ class Run:
     # -- the end ------------------------------------------------------------------------------
     def finish(self) -> str:
         """The end of the run: the last state committed (saved now if the loop left before an
-        epoch's end), ``RUN_DIR/model.pt`` written (the whole model, gathered under fsdp), the job
-        ended. Returns the job's outcome (``completed``)."""
+        epoch's end), ``RUN_DIR/model.pt`` written (the whole model, gathered under fsdp), the
+        loader's workers stopped, the job ended. Returns the job's outcome (``completed``)."""
         self.order.enter(Call.FINISH)
         self.reporter.report(running=True)
         self.saves.finish()
+        if self._loader is not None:  # its workers, once its position is saved
+            self._loader.shutdown()
         outcome, _ = self.saves.end(State.COMPLETED)
         return outcome
 
@@ -699,6 +714,7 @@ class Run:
         s = self.state
         return {
             "epoch": s.epoch,
+            "epochs": self.total_epochs,  # the loop's: run.epochs(n), or those run.steps reaches
             "global_step": s.global_step,
             "step_in_epoch": s.step_in_epoch,
             "steps_per_epoch": self.steps_per_epoch,

@@ -70,6 +70,7 @@ class StreamLoader:
         self.n = batch_size  # the samples the run's steps take: set by run.steps
         self.passes = 0  # this rank's passes over its stream finished
         self.resumed_at: int | None = None  # the attempt whose position a resume restored
+        self._live: Iterator[Any] | None = None  # the pass being read, its workers behind it
         if kwargs.get("num_workers", 0) > 0:
             # The job's stop signals reach the workers too: the rank stops, they outlive them.
             kwargs["worker_init_fn"] = workers.quiet(kwargs.get("worker_init_fn"))
@@ -99,7 +100,8 @@ class StreamLoader:
         """This rank's micro-batches, pass after pass."""
         while True:
             got = False
-            for items in workers.started(self.loader):
+            self._live = workers.started(self.loader)
+            for items in self._live:
                 got = True
                 yield items
             if not got:
@@ -109,6 +111,13 @@ class StreamLoader:
                     "least one batch"
                 )
             self.passes += 1
+
+    def shutdown(self) -> None:
+        """The loader's worker processes stopped (``run.finish``: a loop of ``run.steps`` ends in
+        mid-pass, and the loader keeps the pass's iterator for its ``state_dict``)."""
+        if self._live is not None:
+            workers.shut_down(self._live)
+        self._live = None
 
     def position(self) -> dict[str, Any]:
         """This rank's place in its stream, as a checkpoint keeps it."""

@@ -194,8 +194,6 @@ class Run:
         """Collect again; True when what the pages show changed."""
         sig = self.sig
         key = _stat(self.paths.config)
-        if self.plain is None or key != self.plain_key:
-            self.plain, self.plain_key = saved_config.read_plain(self.paths), key
         asked: set[str] = set()
 
         def queue_state(job_id: str) -> str | None:
@@ -204,6 +202,8 @@ class Run:
 
         problem, got = "", None
         try:
+            if self.plain is None or key != self.plain_key:
+                self.plain, self.plain_key = saved_config.read_plain(self.paths), key
             got = run_status.collect(self.paths, queue_state, self.plain, queue.job)
         except UserError as exc:
             problem = str(exc)

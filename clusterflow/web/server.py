@@ -37,12 +37,14 @@ import stat
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from clusterflow.errors import EXIT_OK, UserError, cli
 from clusterflow.manage import cancel as run_cancel
 from clusterflow.observe import nvml
+from clusterflow.storage import confined
 from clusterflow.web import running, views
 from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot, Sweep
 from clusterflow.web.feeds import Delta
@@ -165,28 +167,48 @@ class RootPath:
         await self.app(scope, receive, send)
 
 
+def _decoded(segment: str) -> str:
+    """A path segment as a proxy or a browser may read it: percent-decoded until nothing changes
+    (``%252e`` is ``%2e`` once decoded, ``.`` twice)."""
+    for _ in range(8):
+        plain = urllib.parse.unquote(segment)
+        if plain == segment:
+            break
+        segment = plain
+    return segment
+
+
 def root_path(text: str) -> str:
-    """``--root-path`` as the pages use it: "" or "/a/b" (no trailing slash)."""
+    """``--root-path`` as the pages use it: "" or "/a/b" (no trailing slash). No segment is
+    ``.`` or ``..``, as written or percent-decoded (``%2e%2e``, ``a%2f..``)."""
     root = "/" + text.strip().strip("/") if text.strip().strip("/") else ""
-    if not ROOT_PATH.match(root) or "/../" in root + "/" or "/./" in root + "/":
-        raise UserError(
-            f"--root-path {text!r} is not a path a proxy serves under; give it as the proxy "
-            "addresses the dashboard, e.g. --root-path /node/gpu1/8765"
-        )
+    fix = "give it as the proxy addresses the dashboard, e.g. --root-path /node/gpu1/8765"
+    if not ROOT_PATH.match(root):
+        raise UserError(f"--root-path {text!r} is not a path a proxy serves under; {fix}")
+    for segment in root.split("/")[1:]:
+        plain = _decoded(segment)
+        if {".", ".."} & set(re.split(r"[/\\]", plain)):
+            said = "" if plain == segment else f" (read as {plain!r} once percent-decoded)"
+            raise UserError(
+                f"--root-path {text!r} holds the segment {segment!r}{said}, which steps out of "
+                f"the path instead of naming a folder of it; {fix}"
+            )
     return root
 
 
 def read_token(path: str) -> str:
     """The token in ``path`` (``--token-file``): a file of this user's that nobody else may
-    read, holding 16 to 512 URL-safe characters (letters, digits, ``._~-``)."""
+    read, holding 16 to 512 URL-safe characters (letters, digits, ``._~-``). Opened as a run
+    dir's records are (``storage/confined.py``), at the place its links lead to: a FIFO, a
+    device or a folder is refused from its ``stat`` before it is opened, never waited on."""
     try:
-        st = os.stat(path)
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(4096).strip()
+        with confined.open_file(os.path.realpath(path)) as f:
+            st = os.fstat(f.fileno())
+            text = f.read(4096).decode("utf-8", errors="replace").strip()
+    except confined.Refused as exc:
+        raise UserError(f"--token-file {path!r} {exc.why}; give a file holding the token") from None
     except OSError as exc:
         raise UserError(f"--token-file {path!r} cannot be read ({exc.strerror})") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise UserError(f"--token-file {path!r} is not a file; give a file holding the token")
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
         owner = "another user's" if st.st_uid != os.getuid() else "readable by others"
         raise UserError(

@@ -37,6 +37,8 @@ ROW = (
     "error",
     "job_id",
     "epoch",
+    "current_epoch",
+    "epochs",
     "global_step",
     "step_in_epoch",
     "steps_per_epoch",
@@ -120,12 +122,6 @@ def _pick(source: dict[str, Any], keys: Iterable[str]) -> dict[str, Any]:
     return {k: source.get(k) for k in keys if k in source}
 
 
-def _epochs(run: Run) -> int | None:
-    train = run.config.get("train")
-    epochs = train.get("epochs") if isinstance(train, dict) else None
-    return epochs if isinstance(epochs, int) and not isinstance(epochs, bool) else None
-
-
 def _last_heartbeat(ranks: list[dict[str, Any]]) -> float | None:
     times = [r["time"] for r in ranks if isinstance(r.get("time"), (int, float))]
     return max(times) if times else None
@@ -143,7 +139,6 @@ def row(run: Run) -> dict[str, Any]:
             "sweep": None if run.found.sweep is None else ident(run.found.sweep),
             "problem": run.problem,
             **_pick(s, ROW),
-            "epochs": _epochs(run),
             "goodput": good.get("ratio"),
             "last_heartbeat": _last_heartbeat(ranks),
             "stragglers": sum(1 for r in ranks if r.get("straggler")),
@@ -176,7 +171,10 @@ def sweep(entry: Sweep, runs: dict[str, Run]) -> dict[str, Any]:
                 "member": m["member"],
                 "id": ids.get(m["member"]),
                 "values": {k: sweep_status.show(v) for k, v in values.items()},
-                **_pick(m, ("state", "epoch", "global_step", "last_loss", "nmi", "ari", "job_id")),
+                **_pick(
+                    m,
+                    ("state", "current_epoch", "global_step", "last_loss", "nmi", "ari", "job_id"),
+                ),
             }
         )
     return cleaned(

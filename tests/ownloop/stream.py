@@ -4,7 +4,7 @@ each pass; run.steps counts the optimizer steps.
 
 SEEN_DIR: every rank records the item ids of each optimizer step; HOLD_AT_STEP=k: rank 0 writes
 SEEN_DIR/held before step k's optimizer step and waits there. --stateless: the same stream without
-a state of its own.
+a state of its own; --workers N: read by N DataLoader workers.
 """
 
 import argparse
@@ -53,6 +53,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=5, help="items per rank and micro-batch")
     p.add_argument("--accum", type=int, default=2)
     p.add_argument("--stateless", action="store_true")
+    p.add_argument("--workers", type=int, default=0, help="the DataLoader's num_workers")
     args = p.parse_args()
     seen = os.environ["SEEN_DIR"]
     hold = int(os.environ.get("HOLD_AT_STEP", "0"))
@@ -65,7 +66,9 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = run.setup(model, optimizer)
     data = (Items if args.stateless else StatefulItems)(run.rank, run.world_size)
-    loader = run.loader(data, batch_size=args.batch, accumulate=args.accum)
+    loader = run.loader(
+        data, batch_size=args.batch, accumulate=args.accum, num_workers=args.workers
+    )
     run.restore(model=model, optimizer=optimizer)
 
     log = open(os.path.join(seen, f"rank{run.rank}.jsonl"), "a")

@@ -325,7 +325,7 @@ function runsPage() {
         el("td", { title: r.error || r.note || r.problem || "" }, stateBadge(r.state)),
         el("td", {}, p === null ? "–" : [el("span", { class: "bar" },
           el("span", { style: `width:${100 * p}%` })),
-          `epoch ${r.epoch}/${r.epochs}, step ${r.global_step}`]),
+          `epoch ${r.current_epoch}/${r.epochs}, step ${r.global_step}`]),
         el("td", {}, num(r.world_size), marks.length ? " · " + marks.join(", ") : ""),
         el("td", {}, pct(r.goodput)),
         el("td", {}, ageCell(r.last_heartbeat)),
@@ -360,7 +360,7 @@ function runsPage() {
               checked: chosen.has(m.id) ? "checked" : null, onchange: (e) => choose(m.id, e.target.checked) }) : ""),
             el("td", {}, m.id ? bell(m.id, render) : ""),
             ...keys.map((k) => el("td", {}, m.values[k])),
-            el("td", {}, stateBadge(m.state)), el("td", {}, num(m.epoch)),
+            el("td", {}, stateBadge(m.state)), el("td", {}, num(m.current_epoch)),
             el("td", {}, num(m.global_step)), el("td", {}, num(m.last_loss, 4)),
             el("td", {}, num(m.nmi, 3)), el("td", {}, num(m.ari, 3)),
             el("td", {}, m.id ? el("a", { href: ROOT + "/run/" + m.id }, m.member) : m.member))))));
@@ -581,7 +581,7 @@ function runPage() {
       : "";
     document.getElementById("summary").replaceChildren(
       card("state", stateBadge(s.state), "card-state"),
-      card("progress", `epoch ${num(s.epoch)}/${num(s.epochs)}, step ${num(s.global_step)}${p}`, "card-progress"),
+      card("progress", `epoch ${num(s.current_epoch)}/${num(s.epochs)}, step ${num(s.global_step)}${p}`, "card-progress"),
       card("ranks", `${num(s.world_size)} on ${(s.hosts || []).join(", ") || "?"}`),
       card("attempts", num(s.attempts), "card-attempts"),
       card("goodput", pct(s.goodput)),
