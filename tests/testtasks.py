@@ -89,7 +89,7 @@ class HangInSave(Slow):
         marker = f"{os.sep}.tmp-step-{int(hang_at_step)}-"
         plain_write = durable.write_file
 
-        def write(path, payload, fsync=True, fs=None, codec=None):
+        def write(path, payload, fsync=True, fs=None, codec=None, **options):
             # Hang once per run dir: the resubmitted run writes this step again and must get
             # through.
             run_dir = os.path.dirname(
@@ -104,7 +104,7 @@ class HangInSave(Slow):
                     f.flush()
                     os.fsync(f.fileno())
                 time.sleep(3600)
-            return plain_write(path, payload, fsync, fs, codec)
+            return plain_write(path, payload, fsync, fs, codec, **options)
 
         durable.write_file = write
 
@@ -119,10 +119,10 @@ class SlowSave(Slow):
         delay = float(save_sleep)
         plain_write = durable.write_file
 
-        def write(path, payload, fsync=True, fs=None, codec=None):
+        def write(path, payload, fsync=True, fs=None, codec=None, **options):
             if f"{os.sep}.tmp-step-" in path and path.endswith("model.pt"):
                 time.sleep(delay)
-            return plain_write(path, payload, fsync, fs, codec)
+            return plain_write(path, payload, fsync, fs, codec, **options)
 
         durable.write_file = write
 

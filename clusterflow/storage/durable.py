@@ -301,6 +301,7 @@ def write_file(
     fsync: bool = True,
     fs: AbstractFileSystem | None = None,
     codec: Codec | None = None,
+    *,
     private: bool = False,
 ) -> dict[str, Any]:
     """Write ``payload`` (bytes, str, or any object ``codec`` dumps) to ``path``; returns the

@@ -334,7 +334,7 @@ class CheckpointStore:
                         self.fsync,
                         self._remote_fs,
                         self.codec,
-                        self.private,
+                        private=self.private,
                     )
                     for name, payload in files.items()
                 }

@@ -84,6 +84,8 @@ class Saves:
         self.steps_done_rng: RngState | None = None
         self._before_commit: list[Callable[[str], None]] = []
         self.at_finish: list[Callable[[], None]] = []
+        # What the attempt's end releases, whatever the reason (the loader's workers).
+        self.at_close: list[Callable[[], None]] = []
         self.streams: list[str] = []  # the script's own random streams (rng.track)
         self._closed = False
 
@@ -260,11 +262,13 @@ class Saves:
         dist.barrier()
 
     def close(self, outcome: str) -> bool:
-        """At the end of the attempt, whatever the reason: the reports, the write in flight.
-        False when closed already."""
+        """At the end of the attempt, whatever the reason: the ``at_close`` releases, the
+        reports, the write in flight. False when closed already."""
         if self._closed:
             return False
         self._closed = True
+        for release in self.at_close:
+            release()
         rng.untrack(self.streams)
         self.reporter.close(outcome)
         if self.checkpointer is not None:

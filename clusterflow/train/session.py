@@ -143,6 +143,9 @@ class Run:
         )
         self._counts_steps = False  # the loop is run.steps (no epochs of the script's own)
         self._loader: Loader | None = None
+        # A stop leaves the loop with the loader's iterator held: its workers are stopped at the
+        # attempt's end, whatever the reason, or the interpreter's exit waits for them forever.
+        self.saves.at_close.append(self._stop_loader)
         self._resumed = False
         # A stop agreed at an epoch's last step: saved there, before the loop's end-of-epoch work
         # (the task trainer: its eval and mining resume in a fresh attempt), or at the epoch's end
@@ -689,10 +692,12 @@ class Run:
         self.order.enter(Call.FINISH)
         self.reporter.report(running=True)
         self.saves.finish()
-        if self._loader is not None:  # its workers, once its position is saved
-            self._loader.shutdown()
-        outcome, _ = self.saves.end(State.COMPLETED)
+        outcome, _ = self.saves.end(State.COMPLETED)  # the loader's workers stopped there
         return outcome
+
+    def _stop_loader(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown()
 
     def close(self, outcome: str) -> None:
         """At the end of the attempt, whatever the reason: the profile, the attempt's timeline,
