@@ -15,7 +15,13 @@ node needs.
 
 from __future__ import annotations
 
+import random
+
 from clusterflow.version import __version__
+
+# Python's global random stream as the script had it when it imported clusterflow: start() tells
+# a seed the script gave it before start() from none (train/seeds.py).
+RANDOM_AT_IMPORT = random.getstate()
 
 __all__ = ["Run", "RunStopped", "__version__", "start"]
 

@@ -23,6 +23,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -32,6 +33,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.config.yaml_file import MAX_BYTES
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
+from clusterflow.rundir import states
 from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
@@ -244,6 +246,61 @@ def _checkpoints_moved(saved: Config, cfg: Config) -> bool:
     )
 
 
+def ends_run(manifest: Mapping[str, Any]) -> bool:
+    """Whether a committed checkpoint holds its run's end: every step of a loop of
+    ``run.steps(..., max_steps)`` taken (its ``max_steps``), or every epoch trained (its
+    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
+    config's train.epochs)."""
+    steps, step = manifest.get("max_steps"), manifest.get("global_step")
+    if _is_int(steps):
+        return _is_int(step) and step >= steps > 0
+    config = manifest.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        epochs = train.get("epochs") if isinstance(train, dict) else None
+    epoch = manifest.get("epoch")
+    return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def completed_at(run_dir: str) -> int | None:
+    """The global step a completed run ended at (status.json's state ``completed``), or None."""
+    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
+    if status.get("state") != states.COMPLETED:
+        return None
+    step = status.get("global_step")
+    return step if _is_int(step) else 0
+
+
+def nothing_to_train(cfg: Config) -> int | None:
+    """The step a completed run ended at when ``cfg`` asks for nothing more (none of
+    ``config.TRAIN_ON``'s keys changed: no more epochs, the script's arguments as they were), or
+    None. Reads only."""
+    step = completed_at(cfg.run.dir)
+    saved = read(cfg.run.dir, set_aside=False) if step is not None else None
+    if saved is None:
+        return None
+    old, new = saved.to_dict(), cfg.to_dict()
+    for name in cfgmod.TRAIN_ON:
+        section, key = name.split(".")
+        if old.get(section, {}).get(key) != new.get(section, {}).get(key):
+            return None
+    return step
+
+
+def nothing_to_train_said(run_dir: str, step: int) -> str:
+    """What a launch of a completed run that asks for nothing more says."""
+    return (
+        f"run dir {run_dir} already completed at step {step}: nothing to train; to train on, "
+        "launch it with more epochs or steps (the script's arguments, or train.epochs, may "
+        "change on a completed run: docs/own-loop.md#a-completed-run)"
+    )
+
+
 def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, bool]:
     """The config to run and whether the run dir already held a run. An existing run continues
     with its saved config; a different experiment is refused (``config.check_resume``); changed
@@ -253,7 +310,8 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     YAML that may have been edited since), with a note. A run that committed no checkpoint yet
     has nothing to resume: a different config replaces its config.yaml, with a note (a first
     start that failed on a bad task parameter can be fixed and resubmitted into the same run
-    dir). ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
+    dir). A completed run may change ``config.TRAIN_ON``'s keys: it trains on, with a note.
+    ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
     saved = read(cfg.run.dir, set_aside=write)
     if saved is None:
         if write:
@@ -269,8 +327,13 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         if write:
             write_config(cfg)
         return cfg, False
+    done = completed_at(cfg.run.dir)
     changed = cfgmod.check_resume(
-        saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
+        saved.to_dict(),
+        cfg.to_dict(),
+        f"run dir {cfg.run.dir!r}",
+        relaunch=relaunch,
+        completed=done is not None,
     )
     moved = _checkpoints_moved(saved, cfg)
     if moved and not changed:
@@ -285,13 +348,22 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         return resumed, True
     if relaunch or not changed:
         return cfgmod.resume_config(saved, cfg), True
-    # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
-    # with them, and config.yaml says what it runs with now.
-    print(
-        f"note: run dir {cfg.run.dir!r} resumes with changed resources: "
-        f"{'; '.join(map(str, changed))}",
-        file=sys.stderr,
-    )
+    # Only resources changed (a longer time limit, another partition, fewer nodes), or a completed
+    # run trains on: the run resumes with them, and config.yaml says what it runs with now.
+    more = [c for c in changed if c.key in cfgmod.TRAIN_ON]
+    if more:
+        print(
+            f"note: run dir {cfg.run.dir!r} completed at step {done} and trains on: "
+            f"{'; '.join(map(str, more))}",
+            file=sys.stderr,
+        )
+    rest = [c for c in changed if c.key not in cfgmod.TRAIN_ON]
+    if rest:
+        print(
+            f"note: run dir {cfg.run.dir!r} resumes with changed resources: "
+            f"{'; '.join(map(str, rest))}",
+            file=sys.stderr,
+        )
     if write:
         write_config(cfg)
     return cfg, True
