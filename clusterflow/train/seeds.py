@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 import clusterflow
-from clusterflow.checkpoint.rng import rank_seed
+from clusterflow.checkpoint.rng import rank_seed, seed_everything
 
 # Seeds below this are a script's (see above); start() marks its own torch seed above it.
 SCRIPT_SEEDS = 2**32
@@ -82,7 +82,10 @@ class GlobalSeeds:
         """The first ``run.setup``: a stream of this rank's own for each generator the script
         has not seeded (nor, NumPy's and Python's, drawn from) by now."""
         seed = rank_seed(self.run_seed, rank)
-        if not self.torch and not (self.script and _torch_seeded()):
+        if not self.script:
+            seed_everything(seed)
+            return
+        if not self.torch and not _torch_seeded():
             torch.manual_seed(seed)
         left = self._numpy_left
         if not self.numpy and (left is None or _same_numpy(np.random.get_state(), left)):

@@ -745,13 +745,13 @@ class Run:
         the labels on every rank. Returns the labels (int64, -1 for none) or None when no round is
         due; ``run.labels`` keeps the last round's. A stop during the round saves and ends the
         job (:class:`RunStopped`); the next attempt continues the round."""
-        self.order.enter(Call.MINE)
-        if self._counts_steps:
+        if self._counts_steps and self.order.phase not in (Phase.FINISHED, Phase.STOPPED):
             raise UserError(
                 "run.mine(...) came inside run.steps(...), which has no place "
                 "between epochs: mine in `for epoch in run.epochs(n):` after the loop over "
                 "run.loader"
             )
+        self.order.enter(Call.MINE)
         left = self.account.steps_left()
         if left:
             raise UserError(
