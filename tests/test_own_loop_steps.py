@@ -321,10 +321,11 @@ def test_a_seed_after_run_restore_does_not_move_the_resumed_streams(tmp_path):
     resumed at, as if it had never stopped."""
     drawn = {}
     for attempt in (0, 1):
-        cfg = load(None, [f"run.dir={tmp_path}", "script.path=train.py", CONFIG[0]])
-        run = Run(
-            cfg, rundir.RunPaths(cfg.run.dir), torch.device("cpu"), attempt, Preemption(), None
+        cfg = load(
+            None, [f"run.dir={tmp_path}", "script.path=train.py", "checkpoint.every_steps=2"]
         )
+        paths, cpu = rundir.RunPaths(cfg.run.dir), torch.device("cpu")
+        run = Run(cfg, paths, cpu, attempt, Preemption(), lambda outcome: (outcome, 0))
         model, opt, _ = set_up(run)
         resumed = run.restore(model=model, optimizer=opt)
         assert resumed == bool(attempt)
