@@ -15,13 +15,8 @@ node needs.
 
 from __future__ import annotations
 
-import random
-
+from clusterflow import at_import  # noqa: F401 - the random stream as the script had it
 from clusterflow.version import __version__
-
-# Python's global random stream as the script had it when it imported clusterflow: start() tells
-# a seed the script gave it before start() from none (train/seeds.py).
-RANDOM_AT_IMPORT = random.getstate()
 
 __all__ = ["Run", "RunStopped", "__version__", "start"]
 

@@ -17,8 +17,8 @@ How a seed the script set is told from none, for each generator:
 - NumPy's global generator: before ``start``, one that ``np.random.seed`` (or ``set_state``)
   seeded holds no ``SeedSequence``, where numpy's own seeding from entropy at import does; after
   ``start``, a state other than the one ``start`` left when ``run.setup`` comes.
-- Python's ``random``: its state when ``clusterflow`` was imported (``clusterflow/__init__.py``
-  keeps it) against its state at ``start``; after ``start``, as NumPy's.
+- Python's ``random``: its state when ``clusterflow`` was imported (``at_import.py`` keeps it)
+  against its state at ``start``; after ``start``, as NumPy's.
 
 A draw from NumPy's or Python's generator between ``start`` and ``run.setup`` counts as the
 script's use of it, which it then keeps as it is.
@@ -31,7 +31,7 @@ import random
 import numpy as np
 import torch
 
-import clusterflow
+from clusterflow import at_import
 from clusterflow.checkpoint.rng import rank_seed, seed_everything
 
 # Seeds below this are a script's (see above); start() marks its own torch seed above it.
@@ -68,7 +68,7 @@ class GlobalSeeds:
         not seed before it."""
         if self.script:
             self.torch, self.numpy = _torch_seeded(), _numpy_seeded()
-            self.python = random.getstate() != clusterflow.RANDOM_AT_IMPORT
+            self.python = random.getstate() != at_import.RANDOM
         if not self.torch:
             torch.manual_seed(self.run_seed + SCRIPT_SEEDS if self.script else self.run_seed)
         if not self.numpy:

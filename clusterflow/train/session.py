@@ -355,6 +355,8 @@ class Run:
         """Batches of ``run.loader`` outside the loop (a look at one, as ``next(iter(loader))``
         takes it from a DataLoader): the ones the run trains next, counted nowhere. A model's
         forward between two of them is a loop of the script's own, refused."""
+        if self.order.phase in (Phase.FINISHED, Phase.STOPPED):
+            self.order.check(Call.ITERATE)  # the run has ended: refused
         if loader.stream:
             raise UserError(
                 f"next(iter(loader)) of a stream (run.loader of a "
