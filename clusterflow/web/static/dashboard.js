@@ -273,6 +273,14 @@ function tell(r) {
   n.onclick = () => { window.focus(); window.location.href = ROOT + "/run/" + r.id; };
 }
 
+// How far a run is, 0 to 1 (null when its length is unknown): its steps of run.steps(max_steps),
+// else its epochs.
+function progress(r) {
+  if (r.max_steps) return Math.min(1, r.global_step / r.max_steps);
+  if (!r.epochs || !r.steps_per_epoch) return null;
+  return Math.min(1, (r.epoch + (r.step_in_epoch || 0) / r.steps_per_epoch) / r.epochs);
+}
+
 function runsPage() {
   const rows = new Map();
   const sweeps = new Map();
@@ -286,12 +294,6 @@ function runsPage() {
     if (on) chosen.add(id); else chosen.delete(id);
     compareButton.disabled = chosen.size < 1;
     compareButton.textContent = chosen.size ? `compare the ${chosen.size} chosen run(s)` : "compare the chosen runs";
-  }
-
-  function progress(r) {
-    if (r.max_steps) return Math.min(1, r.global_step / r.max_steps); // a loop that counts steps
-    if (!r.epochs || !r.steps_per_epoch) return null;
-    return Math.min(1, (r.epoch + (r.step_in_epoch || 0) / r.steps_per_epoch) / r.epochs);
   }
 
   function value(r, key) {
