@@ -181,6 +181,19 @@ def test_loader_batch_size_is_the_value_passed_and_a_look_at_a_batch_counts_noth
     )
 
 
+def test_the_scripts_own_seed_is_kept_on_every_rank(uninterrupted):
+    # converted_ddp.py seeds torch itself after clusterflow.start() (torch.manual_seed(0), as
+    # plain_ddp.py does on every rank): run.setup keeps it, so both ranks' streams, drawn the same
+    # number of times (dropout, the noise augmentation), end alike; per-rank streams would not.
+    store = CheckpointStore(os.path.join(uninterrupted, "checkpoints"))
+    state = torch.load(
+        os.path.join(store.step_path(max(store.steps())), "train_state.pt"), weights_only=True
+    )
+    first, second = state["rng"]
+    assert torch.equal(first["torch"], second["torch"])
+    assert first["python"] != second["python"]  # not seeded by the script: a stream per rank
+
+
 def test_a_completed_run_launched_again_on_two_ranks_trains_nothing(uninterrupted):
     before = open(os.path.join(uninterrupted, "attempts.jsonl")).read()
     status = open(os.path.join(uninterrupted, "status.json")).read()

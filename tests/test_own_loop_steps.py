@@ -389,3 +389,33 @@ def test_a_loop_without_a_loader_after_run_loader_is_refused_naming_the_loader_f
 def test_the_timeline_records_a_loop_without_a_loader(one_rank):
     records = timeline.read_all(rundir.RunPaths(one_rank[1])).records
     assert records[0]["last_step"] == STEPS
+
+
+@pytest.mark.slow
+def test_the_dashboard_says_steps_for_a_loop_without_a_loader(one_rank):
+    from dashboards import browser, close_browser, get, poll_until, served
+    from test_dashboard_browser import texts, until
+
+    with served([os.path.dirname(one_rank[1])]) as s:
+        assert poll_until(s.catalog, lambda: len(s.catalog.runs) == 1)
+        (run_id,) = s.catalog.runs
+        code, body, _ = get(f"{s.url}/api/run/{run_id}?token={s.token}")
+        assert code == 200, body
+        run = json.loads(body)
+        assert (run["max_steps"], run["global_step"]) == (STEPS, STEPS), run
+        assert run["samples"]["steps"] == [
+            {"start": 0, "end": STEPS, "attempt": 0, "world_size": 1}
+        ]
+        driver = browser()
+        try:
+            driver.get(f"{s.url}/?token={s.token}")
+            until("the run's row", lambda: f"step {STEPS}/{STEPS}" in driver.page_source)
+            driver.get(f"{s.url}/run/{run_id}?token={s.token}")
+            card = until("the progress card", lambda: texts(driver, "#card-progress .v"))
+            assert card == [f"step {STEPS}/{STEPS} (100%)"], card
+            shown = "return !document.getElementById('samples-section').hidden"
+            until(
+                "the chart of the steps each attempt trained", lambda: driver.execute_script(shown)
+            )
+        finally:
+            close_browser(driver)
