@@ -5,8 +5,8 @@ A script that seeds a global generator itself (``torch.manual_seed(1337 + rank)`
 first ``run.setup``, keeps what it set: converted, it draws the numbers it drew before. Each
 generator the script leaves alone gets ``run.seed`` at ``start`` (the same initial weights on
 every rank) and a stream of its own on each rank at the first ``run.setup`` (dropout,
-augmentations). A seed set after ``run.setup`` simply replaces the per-rank one. A task's job
-seeds nothing of its own: every generator is the run's.
+augmentations). A seed set after ``run.setup`` simply replaces the per-rank one. A task has no
+seeds of its own: its job gives every generator its stream per rank (``script=False``).
 
 How a seed the script set is told from none, for each generator:
 
