@@ -2,13 +2,18 @@
 
     python benchmarks/own_loop.py                      # 2 ranks, 5 pairs of whole runs
     python benchmarks/own_loop.py --pairs 3 --epochs 2 --nproc 4
+    python benchmarks/own_loop.py --pairs 0 --fixed-pairs 0 --step-pairs 5   # step-based only
 
 ``benchmarks/own_loop/bare.py`` is a plain DDP script (an MLP of three layers, 1536 wide, on
 synthetic data, AdamW, ``DistributedSampler``): a step of 64 samples a rank takes tens of
 milliseconds on a CPU core, not a toy's one. ``converted.py`` is the same script converted
 (docs/own-loop.md), with clusterflow's defaults: the epoch plan, DDP with fixed buckets, a
 checkpoint every 100 steps and at each epoch's end (in the background), a log every 10 steps,
-heartbeats, the stall watchdog, TensorBoard and status, ``model.pt`` at the end.
+heartbeats, the stall watchdog, TensorBoard and status, ``model.pt`` at the end. The step-based
+case (``--step-pairs``, ``--steps``) is the same model in nanoGPT's style, ``bare_steps.py``: no
+Dataset, rows drawn with ``torch.randint``, two micro-batches a step of its own accumulation,
+the next micro-batch drawn during the forward; ``converted_steps.py`` converts it with
+``run.steps(max_steps)`` and no loader.
 
 Two measures, each of whole ``torchrun`` launches from start to the last process's exit
 (start-up, rendezvous, training, saves, shutdown), the converted one into a fresh run dir, the
@@ -18,6 +23,7 @@ slows both:
 - whole runs of about ten seconds (``--epochs``, ``--samples``): the converted over the bare, for
   the whole run and for the training loop alone (first step to the end of the last epoch, as each
   script's rank 0 prints it);
+- whole step-based runs (``--step-pairs``, ``--steps``): the same two ratios;
 - the fixed cost (``--fixed-pairs``): runs of one step, start to exit; the converted's seconds
   above the bare's, and where they go: each side's :data:`SEGMENTS` (torchrun starting the
   worker, imports, ``clusterflow.start()`` or ``init_process_group``, the model and data, the
@@ -44,6 +50,7 @@ import time
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "own_loop")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BARE, CONVERTED = "bare.py", "converted.py"
+BARE_STEPS, CONVERTED_STEPS = "bare_steps.py", "converted_steps.py"
 # Where a run's seconds go, from rank 0's marks (each script prints them) and the launch: torchrun
 # starting the worker; the script's imports; clusterflow.start() against init_process_group (the
 # converted one imports clusterflow's job side here); the model, optimizer, data and restore; the
@@ -87,20 +94,29 @@ def whole_run(script: str, nproc: int, args: list[str]) -> dict[str, float]:
         marks = ["t_launch", "t_start", "t_imports", "t_joined", "t_ready", "t_loop", "t_end"]
         for (a, b), name in zip(zip(marks, [*marks[1:], "t_exit"]), SEGMENTS):
             got[name] = got[b] - got[a]
-        timeline = os.path.join(cwd, "runs", "converted", "timeline", "attempt0.json")
+        name = os.path.splitext(script)[0]
+        timeline = os.path.join(cwd, "runs", name, "timeline", "attempt0.json")
         if os.path.exists(timeline):
             record = json.load(open(timeline))
             got.update({f"startup/{k}": v for k, v in record["startup"].items()})
     return got
 
 
-def pairs(count: int, nproc: int, args: list[str], label: str) -> dict[str, list[dict[str, float]]]:
-    """``count`` pairs of whole runs of both scripts, alternating which goes first."""
+def pairs(
+    count: int,
+    nproc: int,
+    args: list[str],
+    label: str,
+    scripts: tuple[str, str] = (BARE, CONVERTED),
+) -> dict[str, list[dict[str, float]]]:
+    """``count`` pairs of whole runs of both ``scripts`` (bare, converted), alternating which goes
+    first; the runs by bare and converted (:data:`BARE`, :data:`CONVERTED`)."""
+    bare, converted = scripts
     runs: dict[str, list[dict[str, float]]] = {BARE: [], CONVERTED: []}
     for i in range(count):
-        order = (BARE, CONVERTED) if i % 2 == 0 else (CONVERTED, BARE)
+        order = (bare, converted) if i % 2 == 0 else (converted, bare)
         for name in order:
-            runs[name].append(whole_run(name, nproc, args))
+            runs[BARE if name == bare else CONVERTED].append(whole_run(name, nproc, args))
         b, c = runs[BARE][-1], runs[CONVERTED][-1]
         print(
             f"{label} pair {i + 1} ({order[0]} first): whole run bare {b['whole_s']:.2f} s, "
@@ -141,6 +157,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--samples", type=int, default=16384)
     p.add_argument("--width", type=int, default=1536)
+    p.add_argument("--step-pairs", type=int, default=5, help="pairs of the step-based case")
+    p.add_argument("--steps", type=int, default=128, help="the step-based case's steps")
     a = p.parse_args()
     print(f"load average (1 min) at the start: {load()}; {os.cpu_count()} CPUs", flush=True)
     width = ["--width", str(a.width)]
@@ -150,19 +168,23 @@ def main() -> None:
     fixed = pairs(a.fixed_pairs, a.nproc, one_step, "one step")
     args = ["--epochs", str(a.epochs), "--samples", str(a.samples), *width]
     runs = pairs(a.pairs, a.nproc, args, "whole run")
+    counted = ["--steps", str(a.steps), *width]
+    steps = pairs(a.step_pairs, a.nproc, counted, "step-based", (BARE_STEPS, CONVERTED_STEPS))
 
     if a.pairs:
-        report_whole(runs, a)
+        report_whole(runs, f"{a.epochs} epoch(s) of {a.samples} samples", a)
+    if a.step_pairs:
+        report_whole(steps, f"step-based, {a.steps} steps of 2 micro-batches", a)
     if a.fixed_pairs:
         report_fixed(fixed)
     print(f"load average (1 min) at the end: {load()}")
 
 
-def report_whole(runs: dict[str, list[dict[str, float]]], a: argparse.Namespace) -> None:
+def report_whole(runs: dict[str, list[dict[str, float]]], case: str, a: argparse.Namespace) -> None:
     b, c = runs[BARE], runs[CONVERTED]
     step_ms = 1000 * median(b, "loop_s") / median(b, "steps")
     print(
-        f"{a.nproc} ranks, {a.epochs} epoch(s) of {a.samples} samples, width {a.width}: a bare "
+        f"{a.nproc} ranks, {case}, width {a.width}: a bare "
         f"step {step_ms:.1f} ms; whole run median bare {median(b, 'whole_s'):.2f} s, converted "
         f"{median(c, 'whole_s'):.2f} s; loop median bare {median(b, 'loop_s'):.2f} s, converted "
         f"{median(c, 'loop_s'):.2f} s"
@@ -170,12 +192,12 @@ def report_whole(runs: dict[str, list[dict[str, float]]], a: argparse.Namespace)
     ratios = [y["whole_s"] / x["whole_s"] for x, y in zip(b, c)]
     loop_ratios = [y["loop_s"] / x["loop_s"] for x, y in zip(b, c)]
     print(
-        "whole runs, converted / bare: median of the pairs' ratios "
+        f"{case}: whole runs, converted / bare: median of the pairs' ratios "
         f"{statistics.median(ratios):.3f}x, ratio of the medians "
         f"{median(c, 'whole_s') / median(b, 'whole_s'):.3f}x"
     )
     print(
-        "loops alone, converted / bare: median of the pairs' ratios "
+        f"{case}: loops alone, converted / bare: median of the pairs' ratios "
         f"{statistics.median(loop_ratios):.3f}x, ratio of the medians "
         f"{median(c, 'loop_s') / median(b, 'loop_s'):.3f}x"
     )

@@ -15,6 +15,7 @@ node needs.
 
 from __future__ import annotations
 
+from clusterflow import at_import  # noqa: F401 - the random stream as the script had it
 from clusterflow.version import __version__
 
 __all__ = ["Run", "RunStopped", "__version__", "start"]

@@ -30,6 +30,8 @@ CALLS = {
     "iter": Call.ITERATE,
     "batch": Call.BATCH,
     "last": Call.LAST_BATCH,
+    "counted": Call.COUNTED_STEP,
+    "retake": Call.RETAKE,
     "step": Call.STEP,
     "mine": Call.MINE,
     "end": Call.EPOCH_END,
@@ -74,17 +76,17 @@ stop   -caught -caught -caught -caught -caught -caught   -caught
 """
 # ... and inside it.
 INSIDE = """
-       begin   iter     batch    last     step     mine       end      loopend
-open   -order  -iter    -order   -order   -outside -mineout   -order   -order
-rest   -order  -iter    -order   -order   -outside -mineout   -order   -order
-btwn   epoch   -iter    -order   -order   -outside -mineout   -order   done
-epoch  -order  epoch    micro    due      -own     epoch      btwn     done
-micro  -missing -missing micro   due      -part    -minefirst -missing -missing
-due    -missing -missing -missing -missing stepd   -minefirst -missing -missing
-stepd  -order  stepd    micro    due      -double  stepd      btwn     done
-done   -order  -iter    -order   -order   -outside -mineout   -order   -order
-fin    -ended  -ended   -ended   -ended   -ended   -ended     -ended   -ended
-stop   -caught -caught  -caught  -caught  -caught  -caught    -caught  -caught
+       begin   iter     batch    last     counted  retake   step     mine       end      loopend
+open   -order  -iter    -order   -order   -order   -order   -outside -mineout   -order   -order
+rest   -order  -iter    -order   -order   -order   -order   -outside -mineout   -order   -order
+btwn   epoch   -iter    -order   -order   -order   -order   -outside -mineout   -order   done
+epoch  -order  epoch    micro    due      due      -order   -own     epoch      btwn     done
+micro  -missing -missing micro   due      -missing epoch    -part    -minefirst -missing -missing
+due    -missing -missing -missing -missing -missing epoch   stepd    -minefirst -missing -missing
+stepd  -order  stepd    micro    due      due      -order   -double  stepd      btwn     done
+done   -order  -iter    -order   -order   -order   -order   -outside -mineout   -order   -order
+fin    -ended  -ended   -ended   -ended   -ended   -ended   -ended   -ended     -ended   -ended
+stop   -caught -caught  -caught  -caught  -caught  -caught  -caught  -caught    -caught  -caught
 """
 
 FACTS = {"step": 7, "micro": 2, "accumulate": 4, "epoch": 2, "left": 3}

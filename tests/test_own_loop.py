@@ -131,8 +131,11 @@ def test_the_conversion_changes_at_most_15_lines_and_the_docs_show_its_diff():
 
 
 def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_path):
-    # Mid-epoch steps of epochs 2 and 3 (6 steps each): the kill comes before run.step.
-    k = random.choice([s for s in range(7, 18) if s % 6])
+    # Mid-epoch steps of epochs 2 and 3 (6 steps each) whose last save (every 4 steps) is in
+    # mid-epoch too: the kill comes before run.step, and the resumed attempt starts in mid-epoch,
+    # where the script's look at the epoch's first batch (next(iter(loader))) must not move the
+    # random streams its augmentation draws from.
+    k = random.choice([s for s in range(7, 18) if s % 6 and (s - 1) // 4 * 4 % 6])
     print(f"\nSIGKILL of both ranks at global step {k}")
     d = str(tmp_path / "run")
     procs = start(2, d, env={"HOLD_AT_STEP": str(k)})
@@ -157,6 +160,53 @@ def test_sigkill_at_a_random_mid_epoch_step_resumes_bitwise(uninterrupted, tmp_p
         assert [(r["epoch"], r["index"]) for r in second] == [
             (r["epoch"], r["index"]) for r in plain[rank][resumed:]
         ]
+
+
+def test_loader_batch_size_is_the_value_passed_and_a_look_at_a_batch_counts_nothing(
+    uninterrupted,
+):
+    # Each epoch's start, on each of 2 ranks: len(loader) batches, the first looked at, and
+    # loader.batch_size as the DataLoader it replaces has it (16 a rank, not the step's 32).
+    for rank in (0, 1):
+        log = "".join(
+            open(p).read()
+            for p in glob.glob(os.path.join(uninterrupted, "logs", f"rank{rank}.attempt0.log"))
+        )
+        for epoch in range(EPOCHS):
+            assert f"[rank {rank}] epoch {epoch}: 6 batches of 16 (16)" in log, log[-2000:]
+    # The looks trained nothing: each epoch's samples once, 6 steps of 32, the last of 40.
+    ledger = json.load(open(os.path.join(uninterrupted, "sample_ledger.json")))
+    assert [[(r["start"], r["end"]) for r in e["ranges"]] for e in ledger["epochs"]] == [
+        [(0, 200)]
+    ] * EPOCHS
+    assert (
+        json.loads(run_cli("clusterflow.status", uninterrupted, "--json").stdout)["global_step"]
+        == 6 * EPOCHS
+    )
+
+
+def test_the_scripts_own_seed_is_kept_on_every_rank(uninterrupted):
+    # converted_ddp.py seeds torch itself after clusterflow.start() (torch.manual_seed(0), as
+    # plain_ddp.py does on every rank): run.setup keeps it, so both ranks' streams, drawn the same
+    # number of times (dropout, the noise augmentation), end alike; per-rank streams would not.
+    store = CheckpointStore(os.path.join(uninterrupted, "checkpoints"))
+    state = torch.load(
+        os.path.join(store.step_path(max(store.steps())), "train_state.pt"), weights_only=True
+    )
+    first, second = state["rng"]
+    assert torch.equal(first["torch"], second["torch"])
+    assert first["python"] != second["python"]  # not seeded by the script: a stream per rank
+
+
+def test_a_completed_run_launched_again_on_two_ranks_trains_nothing(uninterrupted):
+    before = open(os.path.join(uninterrupted, "attempts.jsonl")).read()
+    status = open(os.path.join(uninterrupted, "status.json")).read()
+    procs = start(2, uninterrupted)
+    assert launch.wait(procs) == [0, 0]
+    said = "".join(open(p).read() for p in glob.glob(uninterrupted + "-logs/launch-rank0-*"))
+    assert f"run dir {uninterrupted} already completed at step 18: nothing to train" in said
+    assert open(os.path.join(uninterrupted, "attempts.jsonl")).read() == before
+    assert open(os.path.join(uninterrupted, "status.json")).read() == status
 
 
 def test_stopped_mid_epoch_and_resumed_on_three_ranks_each_sample_is_trained_once_per_epoch(
@@ -306,6 +356,55 @@ def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_
     assert said == [line], said
 
 
+def test_a_look_at_a_batch_counts_nothing_and_batch_size_is_the_value_passed(tmp_path):
+    run = a_run(tmp_path, "look")
+    model, opt, _ = set_up(run)
+    loader = run.loader(Items(), batch_size=8)
+    assert (loader.batch_size, loader.global_batch_size, len(loader)) == (8, 8, 8)
+    grouped = a_run(tmp_path, "global").loader(Items(), global_batch_size=16, accumulate=2)
+    assert (grouped.batch_size, grouped.global_batch_size) == (8, 16)
+    _, first = next(iter(loader))  # before run.restore: the batch the loop trains first
+    run.restore(model=model, optimizer=opt)
+    trained = []
+    for _ in run.epochs(2):
+        _, look = next(iter(loader))  # at the epoch's start: its first batch, counted nowhere
+        for x, index in loader:
+            trained.append(index)
+            if len(trained) == 1:
+                assert torch.equal(index, first) and torch.equal(index, look)
+            train_step(model, opt, x)
+            run.step()
+        assert torch.equal(trained[-8], look)
+    assert run.global_step == 16
+    assert sorted(torch.cat(trained[:8]).tolist()) == list(range(64))
+    ledger = run.state.ledger.epochs
+    assert [[(r["start"], r["end"]) for r in e["ranges"]] for e in ledger] == [[(0, 64)]] * 2
+
+
+def test_a_batch_that_reached_the_model_is_a_steps_and_a_stream_cannot_be_looked_at(tmp_path):
+    run = a_run(tmp_path, "reached")
+    model, opt, _ = set_up(run)
+    loader = run.loader(Items(), batch_size=8)
+    looking = iter(loader)
+    x, _ = next(looking)
+    model(x)  # a forward on a batch outside the loop, then the next: a loop of the script's own
+    message = refused(next, looking)
+    assert message.startswith("run.loader is iterated inside `for epoch in run.epochs(n):`")
+    run.restore(model=model, optimizer=opt)
+    for _ in run.epochs(1):
+        x, _ = next(iter(loader))
+        train_step(model, opt, x)  # trained on, and no run.step
+        assert "run.step() was not called after global step 1" in refused(next, iter(loader))
+        break
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(range(100))
+
+    stream = a_run(tmp_path, "stream").loader(Stream(), batch_size=4)
+    assert "would move each rank's position in its stream" in refused(next, iter(stream))
+
+
 def test_a_step_missing_or_twice_is_refused(tmp_path):
     run = a_run(tmp_path, "steps")
     model, opt, _ = set_up(run)
@@ -435,6 +534,31 @@ for epoch in run.epochs(1):
         run.step()
 run.finish()
 """
+
+
+def test_a_completed_run_launched_again_trains_nothing_and_says_how_to_train_on(tmp_path):
+    script = tmp_path / "argv.py"
+    script.write_text(ARGV_SCRIPT)
+    d = str(tmp_path / "run")
+    launch_it = ("--script", str(script), f"run.dir={d}", "--", "--lr", "0.1")
+    assert run_cli("clusterflow.run", *launch_it).returncode == 0
+    attempts = open(os.path.join(d, "attempts.jsonl")).read()
+    for command in ("clusterflow.run", "clusterflow.submit"):
+        local = ("--local",) if command == "clusterflow.submit" else ()
+        out = run_cli(command, *local, *launch_it)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert out.stdout.strip().splitlines()[-1] == (
+            f"run dir {d} already completed at step 2: nothing to train; to train on, launch it "
+            "with more epochs or steps (the script's arguments, or train.epochs, may change on a "
+            "completed run: docs/own-loop.md#a-completed-run)"
+        ), out.stdout
+        assert open(os.path.join(d, "attempts.jsonl")).read() == attempts, command
+    # Other arguments train on (here: nothing more to train, the script's one epoch is done).
+    out = run_cli("clusterflow.run", *launch_it[:-2], "--lr", "0.2")
+    assert out.returncode == 0, out.stderr
+    said = 'completed at step 2 and trains on: script.args ["--lr", "0.1"] -> ["--lr", "0.2"]'
+    assert said in out.stderr, out.stderr
+    assert json.loads(run_cli("clusterflow.status", d, "--json").stdout)["attempts"] == 2
 
 
 def test_the_scripts_own_arguments_reach_it_untouched(tmp_path):

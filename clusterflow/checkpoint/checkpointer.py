@@ -143,6 +143,8 @@ class Checkpointer:
         # The run's epochs (a script's run.epochs(n) says how many): in each manifest, so that
         # status can tell a run's last checkpoint.
         self.total_epochs = cfg.train.epochs
+        # A loop without a loader (run.steps(max_steps)): its length in steps, in each manifest.
+        self.max_steps: int | None = None
         self.phases = tracker or phases.Phases()
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
@@ -490,6 +492,7 @@ class Checkpointer:
         return {
             "epoch": p.epoch,
             "epochs": self.total_epochs,
+            **({"max_steps": self.max_steps} if self.max_steps is not None else {}),
             "step_in_epoch": p.step_in_epoch,
             "global_step": p.global_step,
             "position": list(p.position),

@@ -7,8 +7,8 @@ model's weights (``model.pt``; a sharded checkpoint's every tensor), each regist
 (``train``), and every rank's random streams (``rng``: Python's, NumPy's, torch's, CUDA's and the
 script's own generators). Tensors are equal when their dtype, shape and bytes are (a NaN equals
 the same NaN). What legitimately differs between two runs of the same experiment is left out:
-each save's id (``identity.py``), which attempt trained which range of the sample ledger (the
-ranges themselves are compared), and the seconds a mining round took.
+each save's id (``identity.py``), which attempt trained which range of the sample ledger or of
+a loop's steps (the ranges themselves are compared), and the seconds a mining round took.
 """
 
 from __future__ import annotations
@@ -27,21 +27,29 @@ from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 SHOWN = 8
 
 
+def _merged(ranges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Ranges without who trained them: merged where they follow each other at one world size
+    and batch size."""
+    merged: list[dict[str, Any]] = []
+    for r in ranges:
+        key = (r.get("world_size"), r.get("batch_size"))
+        last = merged[-1] if merged else None
+        if last and last["end"] == r.get("start") and key == last["key"]:
+            last["end"] = r.get("end")
+        else:
+            merged.append({"start": r.get("start"), "end": r.get("end"), "key": key})
+    return merged
+
+
 def _ledger(epochs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The ledger without who trained what: each epoch's ranges merged where they follow each
-    other at one world size and batch size."""
-    out = []
-    for epoch in epochs:
-        merged: list[dict[str, Any]] = []
-        for r in epoch.get("ranges") or []:
-            key = (r.get("world_size"), r.get("batch_size"))
-            last = merged[-1] if merged else None
-            if last and last["end"] == r.get("start") and key == last["key"]:
-                last["end"] = r.get("end")
-            else:
-                merged.append({"start": r.get("start"), "end": r.get("end"), "key": key})
-        out.append({**{k: v for k, v in epoch.items() if k != "ranges"}, "ranges": merged})
-    return out
+    """The ledger without who trained what: each epoch's ranges merged (``_merged``)."""
+    return [
+        {
+            **{k: v for k, v in epoch.items() if k != "ranges"},
+            "ranges": _merged(epoch.get("ranges") or []),
+        }
+        for epoch in epochs
+    ]
 
 
 def comparable(train_state: Mapping[str, Any]) -> dict[str, Any]:
@@ -51,6 +59,8 @@ def comparable(train_state: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(train, dict):
         train = dict(train)
         train["ledger"] = _ledger(train.get("ledger") or [])
+        if "ledger_steps" in train:  # a loop without a loader: the steps, not who took them
+            train["ledger_steps"] = _merged(train["ledger_steps"] or [])
         train["mining_history"] = [
             {k: v for k, v in (h or {}).items() if k != "seconds"}
             for h in train.get("mining_history") or []

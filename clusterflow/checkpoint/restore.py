@@ -41,6 +41,7 @@ from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.errors import RunFailed, UserError
+from clusterflow.rundir import saved_config
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
 from clusterflow.storage.store import Checkpoint, CheckpointStore, position
 
@@ -390,7 +391,9 @@ class Restorer:
                 raise ValueError("the manifest's config is not a mapping")
             # As the manifest holds it (JSON: string keys, lists).
             now = json.loads(json.dumps(self.cfg.to_dict()))
-            cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}")
+            # A run's last checkpoint may train on (more epochs, a script's new arguments).
+            end = saved_config.ends_run(manifest)
+            cfgmod.check_resume(manifest["config"], now, f"checkpoint {path}", completed=end)
             return
         # Manifests of older versions carry only a hash, which cannot say what differs (or whether
         # a key was merely added by a newer clusterflow): a mismatch is a warning, not a refusal.

@@ -35,6 +35,18 @@ class SampleLedger:
     range."""
 
     epochs: list[dict[str, Any]] = field(default_factory=list)
+    # A loop without a loader (run.steps(max_steps)) has no samples to name: the steps its
+    # attempts trained, {"start", "end", "attempt", "world_size"} (steps start + 1 .. end).
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def record_step(self, step: int, attempt: int, world: int) -> None:
+        """Global step ``step`` trained (a loop without a loader)."""
+        last = self.steps[-1] if self.steps else None
+        follows = last and last["end"] == step - 1
+        if follows and (last["attempt"], last["world_size"]) == (attempt, world):
+            last["end"] = step
+            return
+        self.steps.append({"start": step - 1, "end": step, "attempt": attempt, "world_size": world})
 
     def record(
         self,
@@ -79,7 +91,12 @@ class SampleLedger:
     def record_file(self, global_step: int) -> dict[str, Any]:
         """What ``RUN_DIR/sample_ledger.json`` holds (docs/data.md): the ledger as of the
         committed checkpoint of ``global_step``."""
-        return {"format": LEDGER_FORMAT, "global_step": global_step, "epochs": self.state_dict()}
+        return {
+            "format": LEDGER_FORMAT,
+            "global_step": global_step,
+            "epochs": self.state_dict(),
+            **({"steps": [dict(r) for r in self.steps]} if self.steps else {}),
+        }
 
 
 @dataclass
@@ -123,6 +140,7 @@ class TrainState:
             "sample_in_epoch": self.sample_in_epoch,
             "plan": [list(s) for s in self.plan],
             "ledger": self.ledger.state_dict(),
+            **({"ledger_steps": [dict(r) for r in self.ledger.steps]} if self.ledger.steps else {}),
             "labels": torch.from_numpy(self.labels) if self.labels is not None else None,
             "mining_history": self.mining_history,
             "data": self.data.record() if self.data is not None else None,
@@ -138,6 +156,7 @@ class TrainState:
         self.sample_in_epoch = sd.get("sample_in_epoch")
         self.plan = [list(s) for s in sd.get("plan") or []]
         self.ledger.load_state_dict(sd.get("ledger") or [])
+        self.ledger.steps = [dict(r) for r in sd.get("ledger_steps") or []]
         self.labels = sd["labels"].numpy() if sd["labels"] is not None else None
         self.mining_history = list(sd["mining_history"])
         self.data = DataIdentity.from_record(sd.get("data"))

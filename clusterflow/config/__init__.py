@@ -12,6 +12,7 @@
 
 from clusterflow.config.job_config import (
     SECTIONS,
+    TRAIN_ON,
     Config,
     build,
     check_resume,
@@ -41,6 +42,7 @@ from clusterflow.config.sections import (
 
 __all__ = [
     "SECTIONS",
+    "TRAIN_ON",
     "CheckpointConfig",
     "ClusterConfig",
     "Config",

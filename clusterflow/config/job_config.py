@@ -181,6 +181,12 @@ MAY_CHANGE_ON_RESUME: frozenset[str] = frozenset(
 )
 
 
+# Keys a completed run may change when it is launched again: it then trains on from its last
+# step, with more epochs (a task's train.epochs; its schedule spans the new total) or with a
+# script's arguments that ask for more (--max-steps 2000); the same config trains nothing.
+TRAIN_ON: frozenset[str] = frozenset({"train.epochs", "script.args"})
+
+
 def differences(saved: Mapping[str, Any], requested: Mapping[str, Any]) -> list[str]:
     """``section.key: old -> new`` for each key both configs hold with different values, outside
     ``MAY_CHANGE_ON_RESUME``. A key only one side holds (added or removed by another clusterflow
@@ -221,7 +227,11 @@ def _both_hold(
 
 
 def check_resume(
-    saved: Mapping[str, Any], requested: Mapping[str, Any], what: str, relaunch: bool = False
+    saved: Mapping[str, Any],
+    requested: Mapping[str, Any],
+    what: str,
+    relaunch: bool = False,
+    completed: bool = False,
 ) -> list[fingerprint.Change]:
     """The one config-consistency rule, shared by the ``submit`` and ``run`` commands and the
     checkpoint restore: a run continues only with the experiment it started with. Keys that
@@ -231,11 +241,15 @@ def check_resume(
     side (a run dir, a checkpoint). A relaunch of the same job by its launcher (a Slurm requeue
     re-runs the sbatch script, which re-reads a YAML file the user may have edited since) runs on
     the saved config with a note; any other result change is refused, naming the keys, except a
-    new ``train.batch_size`` where ``requested`` sets ``train.allow_batch_size_change``."""
+    new ``train.batch_size`` where ``requested`` sets ``train.allow_batch_size_change``, and, for
+    a ``completed`` run that trains on, ``TRAIN_ON``'s keys."""
 
     result, other = fingerprint.compare(saved, requested)
     result, rebatched = fingerprint.allowed_batch_size_change(result, requested)
     other += rebatched
+    if completed:
+        other += [c for c in result if c.key in TRAIN_ON]
+        result = [c for c in result if c.key not in TRAIN_ON]
     result = [
         c for c in result if _both_hold(c, saved, requested) and c.key not in MAY_CHANGE_ON_RESUME
     ]

@@ -55,6 +55,7 @@ from clusterflow.rundir.states import State, StopReason
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.train.preemption import EndWatch, Preemption
+from clusterflow.train.seeds import GlobalSeeds
 from clusterflow.train.session import Amp, Run
 
 log = logging.getLogger("clusterflow")
@@ -111,21 +112,26 @@ class Attempt:
 
     def begin(self) -> bool:
         """Collective. Join the group, take the run dir, record the attempt, install the stop
-        signals. False when the user cancelled the run before this job started: the job has
-        ended then (``outcome`` cancelled)."""
+        signals. False when the user cancelled the run before this job started, or when the run
+        completed and this launch asks for nothing more: the job has ended then (``outcome``
+        cancelled, or completed), no attempt recorded."""
         env, paths = self.env, self.paths
         # The flight recorder reads its variables when the group starts.
         observe.before_init(paths, self.environ)
         self.device = dist.init(env, self.cfg.dist.backend, self.cfg.dist.timeout_s)
         self.startup.mark(timeline.RENDEZVOUS)
         # Every rank runs on rank 0's resolved config, never on a file re-read later.
-        self.cfg = from_dict(_take_run_dir(env, self.cfg, paths, self.environ))
+        answer, done = _take_run_dir(env, self.cfg, paths, self.environ)
+        self.cfg = from_dict(answer)
         self.held = True
         self.events = events.OnEvent(
             self.cfg.observe.on_event, paths, f"rank {env.rank} on {socket.gethostname()}"
         )
         if _cancelled_before_start(env, paths):
             self.outcome = _end_cancelled(paths, env, self.environ)
+            return False
+        if done is not None:
+            self.outcome = _end_completed(paths, env, done)
             return False
         self.attempt = _start(env, self.cfg, paths, self.device)
         _threads(env, self.environ)
@@ -138,9 +144,9 @@ class Attempt:
         self.startup.mark(timeline.RUN_DIR)
         return True
 
-    def open_run(self, amp: Amp, what: str) -> Run:
+    def open_run(self, amp: Amp, what: str, seeds: GlobalSeeds | None = None) -> Run:
         """The run that trains in this attempt, watched (heartbeats, stall watchdog) until the
-        attempt ends."""
+        attempt ends; ``seeds``: a script's global random streams (None: a task's)."""
         run = Run(
             self.cfg,
             self.paths,
@@ -151,6 +157,7 @@ class Attempt:
             amp=amp,
             what=what,
             startup=self.startup,
+            seeds=seeds,
         )
         stalled = functools.partial(
             _requeue_after_stall, cfg=self.cfg, paths=self.paths, env=self.env, environ=self.environ
@@ -354,18 +361,20 @@ def _start(env: DistEnv, cfg: Config, paths: rundir.RunPaths, device: torch.devi
 
 def _take_run_dir(
     env: DistEnv, cfg: Config, paths: rundir.RunPaths, environ: Mapping[str, str]
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int | None]:
     """Collective. Rank 0 takes the run dir's lease (one job per run dir), then resolves the
-    config against the saved one (writing it on a first start); every rank gets that config, or
-    the reason this job may not run there."""
+    config against the saved one (writing it on a first start); every rank gets that config and,
+    for a completed run that this launch asks nothing more of, the step it completed at; or the
+    reason this job may not run there."""
 
     answer: Any = None
     if env.is_main:
         try:
             lease.hold(paths, env, cfg.run.lease_s, dict(environ))
             relaunch = env.attempt > 0 or env.restart_in_job > 0
-            answer, _ = saved_config.resolve(cfg, relaunch=relaunch)
-            answer = answer.to_dict()
+            done = saved_config.nothing_to_train(cfg)
+            resolved, _ = saved_config.resolve(cfg, relaunch=relaunch)
+            answer = (resolved.to_dict(), done)
         except (UserError, OSError) as exc:
             # Every rank must hear it, or the others wait for rank 0.
             lease.release(paths)
@@ -377,7 +386,18 @@ def _take_run_dir(
     answer = dist.broadcast_object(answer)
     if isinstance(answer, str):
         raise UserError(answer)
-    return answer
+    return answer[0], answer[1]
+
+
+def _end_completed(paths: rundir.RunPaths, env: DistEnv, step: int) -> str:
+    """End the job of a completed run launched again with nothing more to train: said on rank 0,
+    nothing recorded, the run dir released; outcome ``completed`` (the process exits 0)."""
+    if env.is_main:
+        print(saved_config.nothing_to_train_said(paths.root, step), flush=True)
+        lease.release(paths)
+    dist.barrier()
+    dist.shutdown()
+    return states.COMPLETED
 
 
 def _cancelled_before_start(env: DistEnv, paths: rundir.RunPaths) -> bool:

@@ -5,8 +5,9 @@ and :func:`run_script`, which runs a script as a job's program (``submit --scrip
 ``start`` is the job's side of a run: an :class:`~clusterflow.job.attempt.Attempt` (process group,
 run dir, attempt record, stop signals, heartbeats and watchdog) and the
 :class:`~clusterflow.train.session.Run` it opens; every rank starts with the same random streams
-(``run.seed``). Its config is the job's when a job runs the script (the config ``submit`` or
-``run`` resolved; the script's own arguments to ``start`` are then ignored, each with a warning),
+(``run.seed``), but those the script seeded itself (``train/seeds.py``). Its config is the
+job's when a job runs the script (the config ``submit`` or ``run`` resolved; the script's own
+arguments to ``start`` are then ignored, each with a warning),
 otherwise the defaults, then ``config`` (a YAML file, a mapping or a Config), then ``overrides``
 (``**{"train.log_every_steps": 10}`` or ``checkpoint={"every_steps": 50}``); ``script.path`` and
 ``script.args`` are the running script's and ``run.dir`` defaults to ``runs/<script name>``.
@@ -34,13 +35,13 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow import rundir
-from clusterflow.checkpoint.rng import seed_everything
 from clusterflow.config.job_config import Config, from_dict, task_keys_set
 from clusterflow.errors import EXIT_BAD_INPUT, EXIT_JOB_FAILED, RunFailed, UserError
 from clusterflow.job.attempt import Attempt, exit_code, record_failure
 from clusterflow.rundir import frozen_code, script_files
 from clusterflow.rundir.states import State
 from clusterflow.train.builders import amp_dtype
+from clusterflow.train.seeds import GlobalSeeds
 from clusterflow.train.session import Run, RunStopped
 
 log = logging.getLogger("clusterflow")
@@ -99,7 +100,9 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
         if not job.begin():
             outcome = job.outcome or ""
             raise RunStopped(outcome, exit_code(outcome))
-        run = job.open_run(_amp(job.cfg, job.device), _what(job.cfg))
+        seeds = GlobalSeeds(job.cfg.run.seed, script=True)
+        seeds.at_start()  # the script's own seeds kept; run.seed for the others
+        run = job.open_run(_amp(job.cfg, job.device), _what(job.cfg), seeds)
         for line in ignored:
             if run.rank == 0:
                 log.warning("%s", line)
@@ -111,7 +114,6 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
                 _what(job.cfg),
                 ", ".join(unread),
             )
-        seed_everything(job.cfg.run.seed)  # identical initial weights on every rank
     except RunStopped:
         raise
     except BaseException as exc:

@@ -397,7 +397,8 @@ def _batch_cause(e: Evidence, d: Difference, a: Row | None, b: Row | None) -> st
         return (
             f"{on} batch differs ({losses}): {how}: a value drawn before run.step and carried "
             "over to the next step (a prefetch) is in no checkpoint, so the resume draws it "
-            "anew from streams that have moved on; draw each step's batch after the previous "
+            "anew, where the random streams are not where they were; draw each step's batch "
+            "after the previous "
             "run.step (at the top of the loop)"
         )
     again = [

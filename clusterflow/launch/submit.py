@@ -309,7 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         else None
     )
     paths = rundir.RunPaths(cfg.run.dir)
+    done = saved_config.nothing_to_train(cfg)
     cfg, resumed = prepare_run_dir(cfg, paths, hold=args.local)
+    if done is not None:  # a completed run that this submission asks nothing more of
+        lease.release(paths)
+        print(saved_config.nothing_to_train_said(cfg.run.dir, done))
+        return EXIT_OK
     if resumed:
         print(f"run dir {cfg.run.dir} exists with {resumed}: resuming from its newest checkpoint")
     # Submitting a run again is the explicit way back from a cancel.

@@ -66,16 +66,8 @@ def _checkpoints(root: str) -> tuple[list[str], list[str], dict[str, Any]]:
 
 
 def _last_step_of_run(manifest: dict[str, Any]) -> bool:
-    """Whether a committed checkpoint is the run's last one: every epoch of the run trained (its
-    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
-    config's train.epochs, which may not change on a resume)."""
-    config = manifest.get("config")
-    train = config.get("train") if isinstance(config, dict) else None
-    epochs = manifest.get("epochs")
-    if not _is_int(epochs):
-        epochs = train.get("epochs") if isinstance(train, dict) else None
-    epoch = manifest.get("epoch")
-    return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
+    """Whether a committed checkpoint is the run's last one (``saved_config.ends_run``)."""
+    return saved_config.ends_run(manifest)
 
 
 def _is_int(v: object) -> bool:
@@ -261,7 +253,16 @@ def _samples(paths: rundir.RunPaths, notes: list[str]) -> dict[str, Any] | None:
 
 def _ledger_lines(ledger: dict[str, Any] | None, shown: int = 2) -> list[str]:
     """The last ``shown`` epochs of the ledger, one line each: its ranges and who trained them;
-    the earlier ones summed up in one line (shown in full when there is only one)."""
+    the earlier ones summed up in one line (shown in full when there is only one). A loop
+    without a loader trains steps, not samples: the steps each attempt trained."""
+    if ledger and ledger.get("steps"):
+        runs = ", ".join(
+            f"{r['start'] + 1}-{r['end']} attempt {r['attempt']} on {r['world_size']} rank(s)"
+            for r in ledger["steps"]
+        )
+        return [
+            f"steps        {sum(r['end'] - r['start'] for r in ledger['steps'])} trained: {runs}"
+        ]
     if not ledger or not ledger["epochs"]:
         return []
     epochs = ledger["epochs"]
@@ -384,6 +385,8 @@ def collect(
         "job_id": job_id,
         **progress,
         "steps_per_epoch": st.get("steps_per_epoch"),
+        # A loop of run.steps(max_steps), without a loader: its unit is the step.
+        "max_steps": _max_steps(st, newest),
         "attempts": len(attempts),
         "world_size": st.get("world_size", last.get("world_size")),
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
@@ -452,14 +455,26 @@ def current_epoch(epoch: int, epochs: int | None, completed: bool) -> int:
     return min(epoch + 1, epochs) if epochs else epoch + 1
 
 
+def _max_steps(st: dict[str, Any], manifest: dict[str, Any]) -> int | None:
+    """The steps of a run whose loop counts steps (``run.steps(max_steps)``): status.json's, else
+    its newest checkpoint's; None for a run of epochs."""
+    for steps in (st.get("max_steps"), manifest.get("max_steps")):
+        if _is_int(steps) and steps > 0:
+            return steps
+    return None
+
+
 def _finish(s: dict[str, Any], epochs: int | None) -> dict[str, Any]:
     """The run's own estimate of what is left while it trains: ``steps_left`` of its epochs, and
     ``eta_s``, those steps at the training ranks' median step time of their heartbeats (steps
     only: eval, mining and checkpoints come on top)."""
     spe = s.get("steps_per_epoch")
-    if epochs is None or not _is_int(spe) or not spe:
+    if s.get("max_steps"):
+        left = max(0, s["max_steps"] - s["global_step"])
+    elif epochs is None or not _is_int(spe) or not spe:
         return {"steps_left": None, "eta_s": None}
-    left = max(0, (epochs - s["epoch"]) * spe - s["step_in_epoch"])
+    else:
+        left = max(0, (epochs - s["epoch"]) * spe - s["step_in_epoch"])
     times = sorted(
         r["step_time_s"]
         for r in s.get("ranks") or []
@@ -589,7 +604,9 @@ def render(s: dict[str, Any]) -> str:
         f"state        {s['state']}" + (f"  (job {s['job_id']})" if s["job_id"] else ""),
         f"attempts     {s['attempts']}" + _restarts_said(s["restarts"]),
         (
-            f"progress     epoch {s['current_epoch']}"
+            f"progress     step {s['global_step']} of {s['max_steps']}"
+            if s.get("max_steps")
+            else f"progress     epoch {s['current_epoch']}"
             + (f"/{s['epochs']}" if s.get("epochs") else "")
             + f", step {s['step_in_epoch']}/{s['steps_per_epoch']} of the epoch, global step "
             f"{s['global_step']}"

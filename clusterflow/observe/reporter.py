@@ -25,7 +25,8 @@ from clusterflow.rundir import restarts, transitions
 log = logging.getLogger("clusterflow.trainer")
 
 # Where the run is, as status.json and the log line show it: epoch, global_step, step_in_epoch,
-# steps_per_epoch.
+# steps_per_epoch; and max_steps for a loop without a loader (run.steps(max_steps)), whose unit
+# is the step.
 Progress = Callable[[], dict[str, int]]
 
 
@@ -35,6 +36,7 @@ class StepClock:
     seconds the step waited for its batches, for the heartbeat's data wait."""
 
     def __init__(self) -> None:
+        self.forwards = 0  # forwards of a set-up model so far (a peek at a batch has none)
         self.reset()
 
     def reset(self) -> None:
@@ -44,6 +46,7 @@ class StepClock:
 
     def forward_ended(self) -> None:
         self.busy_until, self.waited_until = time.perf_counter(), dist.waited_s()
+        self.forwards += 1
 
     def asking(self, first_of_step: bool) -> float:
         """The loop asks for a batch: a step's first batch is waited for from the step's start
@@ -186,34 +189,59 @@ class Reporter:
         lr: float | None,
     ) -> None:
         """A log step: ``reduced``, the loop's means over every rank since the last one, with
-        ``rate`` (samples a second per rank, averaged)."""
+        ``rate`` (samples a second per rank, averaged). A loop without a loader counts steps, not
+        samples: its rate is in steps a second."""
         p = self.progress()
         rate = reduced.pop("rate") * self.world_size
+        counted = p.get("max_steps")
+        unit: dict[str, float] = (
+            {"perf/steps_per_s": 1.0 / max(step_time_s, 1e-9)}
+            if counted
+            else {
+                "perf/samples_per_s_total": rate,
+                "perf/samples_per_s_rank0": rate_rank,
+                "train/epoch": p["epoch"] + p["step_in_epoch"] / max(1, p["steps_per_epoch"]),
+            }
+        )
         out = {
             **reduced,
             **({"train/lr": float(lr)} if lr is not None else {}),
-            "perf/samples_per_s_total": rate,
-            "perf/samples_per_s_rank0": rate_rank,
+            **unit,
             "perf/step_time_s": step_time_s,
-            "train/epoch": p["epoch"] + p["step_in_epoch"] / max(1, p["steps_per_epoch"]),
             **gpu_stats(),
             **self.phases.scalars(),
         }
         self.log(out)
-        if self.rank == 0:
+        said = (
+            f" loss {out['train/loss']:.4f}" if "train/loss" in out else "",
+            f" lr {out['train/lr']:.2e}" if "train/lr" in out else "",
+        )
+        if self.rank == 0 and counted:
+            log.info(
+                "step %d/%d%s%s %.2f steps/s",
+                p["global_step"],
+                counted,
+                *said,
+                out["perf/steps_per_s"],
+            )
+        elif self.rank == 0:
             log.info(
                 "epoch %d step %d/%d (global %d)%s%s %.0f samples/s",
                 p["epoch"] + 1,
                 p["step_in_epoch"],
                 p["steps_per_epoch"],
                 p["global_step"],
-                f" loss {out['train/loss']:.4f}" if "train/loss" in out else "",
-                f" lr {out['train/lr']:.2e}" if "train/lr" in out else "",
+                *said,
                 out["perf/samples_per_s_total"],
             )
+        rated = (
+            {"steps_per_s": out["perf/steps_per_s"]}
+            if counted
+            else {"samples_per_s": out["perf/samples_per_s_total"]}
+        )
         self._logged = {
             **({"last_loss": out["train/loss"]} if "train/loss" in out else {}),
-            "samples_per_s": out["perf/samples_per_s_total"],
+            **rated,
         }
         # Each write is a rename: milliseconds on ext4 or NFS, so at most one a second.
         if self._progress_due.due():

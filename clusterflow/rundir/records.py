@@ -139,11 +139,12 @@ STATUS = Schema(
                 "global_step",
                 "step_in_epoch",
                 "steps_per_epoch",
+                "max_steps",
                 "attempt",
                 "exit_code",
             )
         },
-        **{k: NUMBER for k in ("last_loss", "samples_per_s")},
+        **{k: NUMBER for k in ("last_loss", "samples_per_s", "steps_per_s")},
         "updated_at": TIME,
         "world_size": RANKS,
         "hosts": TEXTS,
@@ -157,6 +158,14 @@ def _ledger_range(v: object) -> bool:
     return (
         isinstance(v, dict)
         and all(_is_int(v.get(k)) for k in ("start", "end", "attempt", "world_size", "batch_size"))
+        and 0 <= v["start"] <= v["end"]
+    )
+
+
+def _step_range(v: object) -> bool:
+    return (
+        isinstance(v, dict)
+        and all(_is_int(v.get(k)) for k in ("start", "end", "attempt", "world_size"))
         and 0 <= v["start"] <= v["end"]
     )
 
@@ -176,6 +185,8 @@ LEDGER = Schema(
         "format": INT,
         "global_step": INT,
         "epochs": Check("a list of epochs", _list_of(LEDGER_EPOCH.fits)),
+        # A loop without a loader: the steps each attempt trained.
+        "steps": Check("a list of step ranges", _list_of(_step_range)),
     },
     required=("epochs",),
 )

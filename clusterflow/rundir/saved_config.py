@@ -32,6 +32,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -41,7 +42,7 @@ from clusterflow.config.job_config import Config
 from clusterflow.config.yaml_file import MAX_BYTES, MAX_DEPTH
 from clusterflow.errors import UserError
 from clusterflow.rundir import records as rundir
-from clusterflow.rundir import script_files
+from clusterflow.rundir import script_files, states
 from clusterflow.storage import confined, durable
 from clusterflow.storage.store import CheckpointStore
 
@@ -310,6 +311,61 @@ def _checkpoints_moved(saved: Config, cfg: Config) -> bool:
     )
 
 
+def ends_run(manifest: Mapping[str, Any]) -> bool:
+    """Whether a committed checkpoint holds its run's end: every step of a loop of
+    ``run.steps(..., max_steps)`` taken (its ``max_steps``), or every epoch trained (its
+    ``epochs``, which a script's ``run.epochs(n)`` sets; a manifest of an older version: its
+    config's train.epochs)."""
+    steps, step = manifest.get("max_steps"), manifest.get("global_step")
+    if _is_int(steps):
+        return _is_int(step) and step >= steps > 0
+    config = manifest.get("config")
+    train = config.get("train") if isinstance(config, dict) else None
+    epochs = manifest.get("epochs")
+    if not _is_int(epochs):
+        epochs = train.get("epochs") if isinstance(train, dict) else None
+    epoch = manifest.get("epoch")
+    return _is_int(epochs) and _is_int(epoch) and epoch >= epochs > 0
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def completed_at(run_dir: str) -> int | None:
+    """The global step a completed run ended at (status.json's state ``completed``), or None."""
+    status, _ = rundir.read_object(rundir.RunPaths(run_dir).status)
+    if status.get("state") != states.COMPLETED:
+        return None
+    step = status.get("global_step")
+    return step if _is_int(step) else 0
+
+
+def nothing_to_train(cfg: Config) -> int | None:
+    """The step a completed run ended at when ``cfg`` asks for nothing more (none of
+    ``config.TRAIN_ON``'s keys changed: no more epochs, the script's arguments as they were), or
+    None. Reads only."""
+    step = completed_at(cfg.run.dir)
+    saved = read(cfg.run.dir, set_aside=False) if step is not None else None
+    if saved is None:
+        return None
+    old, new = saved.to_dict(), cfg.to_dict()
+    for name in cfgmod.TRAIN_ON:
+        section, key = name.split(".")
+        if old.get(section, {}).get(key) != new.get(section, {}).get(key):
+            return None
+    return step
+
+
+def nothing_to_train_said(run_dir: str, step: int) -> str:
+    """What a launch of a completed run that asks for nothing more says."""
+    return (
+        f"run dir {run_dir} already completed at step {step}: nothing to train; to train on, "
+        "launch it with more epochs or steps (the script's arguments, or train.epochs, may "
+        "change on a completed run: docs/own-loop.md#a-completed-run)"
+    )
+
+
 def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Config, str]:
     """The config to run, and "" for a new run, or how the run it continues is configured when
     the run dir already held one ("the same config", "the same config but for resources: ...",
@@ -323,7 +379,8 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     start that failed on a bad task parameter can be fixed and resubmitted into the same run
     dir). The files the script's arguments named when the run started (``script.files``) must be
     as they were: a resume on a changed one is refused (``script_files.py``), the launch's own
-    digests are not compared (a file created since, by the run itself, is no change).
+    digests are not compared (a file created since, by the run itself, is no change). A
+    completed run may change ``config.TRAIN_ON``'s keys: it trains on, with a note.
     ``write=False`` decides without writing anything (``--dry-run``, ``--check``)."""
     saved = read(cfg.run.dir, set_aside=write)
     if saved is None:
@@ -344,8 +401,13 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
     asked = cfg.to_dict()
     asked["script"]["files"] = dict(saved.script.files)
     cfg = cfgmod.from_dict(asked)
+    done = completed_at(cfg.run.dir)
     changed = cfgmod.check_resume(
-        saved.to_dict(), cfg.to_dict(), f"run dir {cfg.run.dir!r}", relaunch=relaunch
+        saved.to_dict(),
+        cfg.to_dict(),
+        f"run dir {cfg.run.dir!r}",
+        relaunch=relaunch,
+        completed=done is not None,
     )
     moved = _checkpoints_moved(saved, cfg)
     if moved and not changed:
@@ -360,13 +422,22 @@ def resolve(cfg: Config, relaunch: bool = False, write: bool = True) -> tuple[Co
         return resumed, f"{SAME} but for checkpoint.dir ({cfg.checkpoint_dir})"
     if relaunch or not changed:
         return cfgmod.resume_config(saved, cfg), SAME
-    # Only resources changed (a longer time limit, another partition, fewer nodes): the run resumes
-    # with them, and config.yaml says what it runs with now.
-    print(
-        f"note: run dir {cfg.run.dir!r} resumes with changed resources: "
-        f"{'; '.join(map(str, changed))}",
-        file=sys.stderr,
-    )
+    # Only resources changed (a longer time limit, another partition, fewer nodes), or a completed
+    # run trains on: the run resumes with them, and config.yaml says what it runs with now.
+    more = [c for c in changed if c.key in cfgmod.TRAIN_ON]
+    if more:
+        print(
+            f"note: run dir {cfg.run.dir!r} completed at step {done} and trains on: "
+            f"{'; '.join(map(str, more))}",
+            file=sys.stderr,
+        )
+    rest = [c for c in changed if c.key not in cfgmod.TRAIN_ON]
+    if rest:
+        print(
+            f"note: run dir {cfg.run.dir!r} resumes with changed resources: "
+            f"{'; '.join(map(str, rest))}",
+            file=sys.stderr,
+        )
     if write:
         write_config(cfg)
     return cfg, f"{SAME} but for resources: {'; '.join(map(str, changed))}"

@@ -11,6 +11,8 @@
 - ``stream.py``: ``run.loader`` over an ``IterableDataset`` (torchdata's ``StatefulDataLoader``),
   each rank's position saved per rank;
 - ``models.py``: the models ``run.setup`` placed and wrapped, one call per model, compiled or not;
+- ``seeds.py``: whose seeds the global random streams carry: a script's own kept, the others
+  ``run.seed`` at ``start`` and per rank at ``run.setup``;
 - ``saves.py``: when the loop's events commit a checkpoint, how an agreed stop ends the job
   (:class:`RunStopped`), the run's end;
 - ``trainer.py``: :class:`Trainer`: a task's loop on a Run (its model, optimizer, schedule, AMP,

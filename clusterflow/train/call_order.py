@@ -4,6 +4,8 @@ out of order (:func:`refusal`), naming the fix. ``tests/test_call_order.py`` rea
 
     OPEN --restore--> RESTORED --epochs|steps--> BETWEEN --epoch begins--> EPOCH
     EPOCH|STEPPED --a batch--> MICRO ... --a step's last batch--> STEP_DUE --run.step--> STEPPED
+    EPOCH|STEPPED --a step of run.steps(max_steps)--> STEP_DUE      (a loop without a loader)
+    MICRO|STEP_DUE --a new iteration of run.loader--> EPOCH  (the batches no step counted: again)
     EPOCH|STEPPED --the epoch ends--> BETWEEN --the loop ends--> LOOP_DONE --finish--> FINISHED
     any live phase --an agreed stop--> STOPPED
 
@@ -43,6 +45,8 @@ class Call(enum.Enum):
     ITERATE = "iterating run.loader"
     BATCH = "a batch of run.loader"  # a micro-batch that is not its step's last
     LAST_BATCH = "the last batch of a step"
+    COUNTED_STEP = "a step of run.steps(max_steps)"  # an iteration of a loop without a loader
+    RETAKE = "a new iteration of run.loader"  # after batches that no run.step counted
     STEP = "run.step"
     MINE = "run.mine"
     EPOCH_END = "the end of an epoch"
@@ -68,7 +72,10 @@ TRANSITIONS: dict[tuple[Phase, Call], Phase] = {
     **{(p, C.ITERATE): p for p in _IN_EPOCH},
     **{(p, C.BATCH): P.MICRO for p in (*_IN_EPOCH, P.MICRO)},
     **{(p, C.LAST_BATCH): P.STEP_DUE for p in (*_IN_EPOCH, P.MICRO)},
+    **{(p, C.COUNTED_STEP): P.STEP_DUE for p in _IN_EPOCH},
     (P.STEP_DUE, C.STEP): P.STEPPED,
+    # A peek at a batch (next(iter(loader))) that reached no model: fetched again by the loop.
+    **{(p, C.RETAKE): P.EPOCH for p in (P.MICRO, P.STEP_DUE)},
     **{(p, C.MINE): p for p in _IN_EPOCH},
     **{(p, C.EPOCH_END): P.BETWEEN for p in _IN_EPOCH},
     # run.steps leaves in mid-epoch at max_steps; a script may break out of its epochs loop.
@@ -78,13 +85,19 @@ TRANSITIONS: dict[tuple[Phase, Call], Phase] = {
 }
 
 # What a refusal's message may name: the step being taken, the micro-batches of it that came,
-# the run.loader accumulate, the epoch (1-based), its steps left, the run's outcome.
+# the run.loader accumulate, the epoch (1-based), its steps left, the run's outcome, and
+# "counted": a loop of run.steps(max_steps), without a loader.
 Facts = Mapping[str, object]
 
 _STEP_MISSING = (
     "run.step() was not called after global step {step}'s batch of run.loader: call "
     "run.step(loss=...) once after each optimizer.step() (a step of several batches: "
     "run.loader(..., accumulate=N)), or a resume cannot know which samples were trained"
+)
+_COUNTED_STEP_MISSING = (
+    "run.step() was not called in step {step} of run.steps(max_steps): call run.step(loss=...) "
+    "once in each iteration of the loop, after optimizer.step(), or a resume cannot know which "
+    "steps were trained"
 )
 _AFTER_RESTORE = {
     C.SETUP: "run.setup(...) came after run.restore: set every model up first, then register "
@@ -98,7 +111,7 @@ _OUTSIDE_EPOCH = {
     "batch in run.steps(loader, max_steps):` (the epoch plan needs the epoch and the position "
     "the run reached)",
     C.STEP: "run.step() came outside `for epoch in run.epochs(n):` (or run.steps); call it after "
-    "each optimizer step of the loop over run.loader",
+    "each optimizer step of the loop",
     C.MINE: "run.mine(...) belongs inside `for epoch in run.epochs(n):`, after the epoch's steps",
 }
 _IN_LOOP = (P.BETWEEN, P.EPOCH, P.MICRO, P.STEP_DUE, P.STEPPED)
@@ -136,7 +149,7 @@ def refusal(phase: Phase, call: Call, facts: Facts) -> str:
         if phase is P.LOOP_DONE:
             return (
                 f"{name}(...) came after the run's loop ended: one loop of run.epochs(n) or "
-                "run.steps(loader, max_steps) trains a run (a resume skips what it trained); "
+                "run.steps(...) trains a run (a resume skips what it trained); "
                 "give it the whole length of the run, then call run.finish()"
             )
         return (
@@ -149,7 +162,7 @@ def refusal(phase: Phase, call: Call, facts: Facts) -> str:
                 f"run.mine(...) came before the end of epoch {f.get('epoch')}'s steps "
                 f"({f.get('left')} left): call it after the loop over run.loader"
             )
-        return _STEP_MISSING.format(**f)
+        return (_COUNTED_STEP_MISSING if f.get("counted") else _STEP_MISSING).format(**f)
     if call is C.STEP:
         if phase is P.MICRO:
             return (

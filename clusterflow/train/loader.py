@@ -38,14 +38,19 @@ class Loader:
     """What ``run.loader`` returns for a map-style dataset: iterate it once in each epoch of
     ``run.epochs``; it yields this rank's slice of each global micro-batch, from the position
     the run reached. ``iterate(loader)`` is the run's iteration (which counts what each step
-    takes), ``left()`` the batches left in the epoch."""
+    takes), ``left()`` the batches left in the epoch.
+
+    ``batch_size`` is each rank's batch, as ``DataLoader(dataset, batch_size)`` has it (the value
+    ``run.loader`` was given, or ``global_batch_size / (world size x accumulate)``);
+    ``global_batch_size`` the samples of one optimizer step on all ranks. An epoch's last step
+    also takes the samples left over (``distributed/sampler.py``): its batches hold more."""
 
     stream = False
 
     def __init__(
         self,
         dataset: Dataset,
-        batch_size: int,
+        global_batch_size: int,
         accumulate: int,
         rank: int,
         world: int,
@@ -56,7 +61,12 @@ class Loader:
         iterate: Callable[[Loader], Iterator[Any]],
         left: Callable[[], int | None],
     ) -> None:
-        self.dataset, self.batch_size, self.accumulate = dataset, batch_size, accumulate
+        self.dataset, self.global_batch_size, self.accumulate = (
+            dataset,
+            global_batch_size,
+            accumulate,
+        )
+        self.batch_size = global_batch_size // (world * accumulate)
         self.rank, self.seed, self.set_epoch, self.kwargs = rank, seed, set_epoch, kwargs
         self._iterate, self._left = iterate, left
         self.n = len(dataset)  # type: ignore[arg-type]
@@ -64,7 +74,7 @@ class Loader:
         self.data = identify(dataset)  # type: ignore[arg-type]
         self.sampler = GlobalBatchSampler(
             self.n,
-            batch_size,
+            global_batch_size,
             rank,
             world,
             seed,

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from clusterflow.checkpoint.rng import rank_seed, seed_everything
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.errors import UserError
@@ -21,8 +20,14 @@ Units = Sequence[torch.nn.Module] | Callable[[torch.nn.Module], Sequence[torch.n
 
 
 class Models:
-    def __init__(self, cfg: Config, device: torch.device, amp: torch.dtype | None) -> None:
-        self.cfg, self.device, self.amp = cfg, device, amp
+    def __init__(
+        self,
+        cfg: Config,
+        device: torch.device,
+        amp: torch.dtype | None,
+        seed_ranks: Callable[[int], None],
+    ) -> None:
+        self.cfg, self.device, self.amp, self.seed_ranks = cfg, device, amp, seed_ranks
         self.world = dist.world()
         self._plain: dict[int, torch.nn.Module] = {}  # setup's input and output -> the module
         self._wrapper: dict[int, torch.nn.Module] = {}  # the module -> what setup returned
@@ -79,8 +84,8 @@ class Models:
         # On the compiled module, when there is one: the hook runs outside its graphs.
         runs.register_forward_hook(hook)
         if not self._seeded:
-            # Distinct per-rank streams from here on.
-            seed_everything(rank_seed(cfg.run.seed, dist.rank()))
+            # Distinct per-rank streams from here on (train/seeds.py: a script's own seeds kept).
+            self.seed_ranks(dist.rank())
             self._seeded = True
         return wrapped
 

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset, IterableDataset
 from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer, registered, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
-from clusterflow.checkpoint.rng import capture_rng
+from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
@@ -64,6 +64,7 @@ from clusterflow.train.models import Models, Units
 from clusterflow.train.preemption import AGREE_EVERY_S, Preemption, StopAgreement
 from clusterflow.train.probe import Probe
 from clusterflow.train.saves import Ending, RunStopped, Saves
+from clusterflow.train.seeds import GlobalSeeds
 from clusterflow.train.stream import POSITION, StreamLoader
 from clusterflow.train.window import LossWindow
 
@@ -90,6 +91,7 @@ class Run:
         amp: Amp = None,
         what: str = "",
         startup: Startup | None = None,
+        seeds: GlobalSeeds | None = None,
     ) -> None:
         self.config, self.paths, self.device, self.attempt = cfg, paths, device, attempt
         self.rank, self.world_size = dist.rank(), dist.world()
@@ -134,7 +136,9 @@ class Run:
         # clusterflow check's records and halt, in its runs only (train/probe.py).
         self.probe = Probe.of(paths, self.rank, self.world_size, attempt)
         self.total_epochs = 0
-        self.models = Models(cfg, device, amp)
+        # The global random streams: the script's own seeds kept (train/seeds.py).
+        self.seeds = seeds or GlobalSeeds(cfg.run.seed, script=False)
+        self.models = Models(cfg, device, amp, self.seeds.at_setup)
         # run.autocast's precision, and the GradScaler fp16 needs (a no-op otherwise), saved with
         # every checkpoint when it scales.
         self.autocast_dtype = builders.amp_dtype(cfg.train.amp, device)
@@ -147,6 +151,13 @@ class Run:
         # attempt's end, whatever the reason, or the interpreter's exit waits for them forever.
         self.saves.at_close.append(self._stop_loader)
         self._resumed = False
+        # The random streams the resumed checkpoint restored: set again when the loop starts,
+        # whatever the script drew or seeded after run.restore.
+        self._restored_rng: RngState | None = None
+        self._iterations = 0  # iterations of run.loader begun
+        # The iteration whose batches no step counted yet: the random streams and the model
+        # forwards when it began (its batches may be fetched again while no model saw them).
+        self._fresh: tuple[RngState, int] | None = None
         # A stop agreed at an epoch's last step: saved there, before the loop's end-of-epoch work
         # (the task trainer: its eval and mining resume in a fresh attempt), or at the epoch's end
         # after it (a script: a resume never starts in an epoch whose steps are all done, where a
@@ -312,8 +323,23 @@ class Run:
         return self._loader
 
     def _iterate(self, loader: Loader | StreamLoader) -> Iterator[Any]:
-        """This epoch's batches from the position reached; counts what each step takes."""
+        """This epoch's batches from the position reached; counts what each step takes. Outside
+        an epoch: a look at the batches (:meth:`_peek`). A new iteration after batches that no
+        ``run.step`` counted and no model saw (``next(iter(loader))`` at an epoch's start, as a
+        DataLoader allows) fetches them again, on the random streams as they were."""
+        if not self.order.in_epoch:
+            yield from self._peek(loader)
+            return
+        fresh = self._fresh
+        if self.order.mid_step and fresh is not None and fresh[1] == self.reporter.clock.forwards:
+            self.order.enter(Call.RETAKE)
+            self.account.retake()
+            restore_rng(fresh[0])
         self.order.enter(Call.ITERATE)
+        self._iterations += 1
+        mine = self._iterations
+        # Until its first step is counted, this iteration's batches may be fetched again.
+        self._fresh = None if loader.stream else (capture_rng(), self.reporter.clock.forwards)
         self.account.batches_begin(loader)
         batches = loader.batches(self.state.epoch)
         while True:
@@ -327,8 +353,37 @@ class Run:
             first = self.account.batch_came()
             self.reporter.batch_came(self.state.global_step + 1 if first else None)
             yield items
+            if mine != self._iterations:
+                raise UserError(
+                    "an iterator of run.loader was used after a newer iteration of run.loader "
+                    "began: iterate the newest one (`for batch in loader:`)"
+                )
             if loader.stream and self.account.micro == 0 and not self.account.steps_left():
                 return  # a stream has no end of its own: not one item past the run's steps
+
+    def _peek(self, loader: Loader | StreamLoader) -> Iterator[Any]:
+        """Batches of ``run.loader`` outside the loop (a look at one, as ``next(iter(loader))``
+        takes it from a DataLoader): the ones the run trains next, counted nowhere. A model's
+        forward between two of them is a loop of the script's own, refused."""
+        if self.order.phase in (Phase.FINISHED, Phase.STOPPED):
+            self.order.check(Call.ITERATE)  # the run has ended: refused
+        if loader.stream:
+            raise UserError(
+                f"next(iter(loader)) of a stream (run.loader of a "
+                f"{type(loader.dataset).__name__}) outside the loop would move each rank's "
+                "position in its stream, which a resume restores; look at a batch inside `for "
+                "batch in run.steps(loader, max_steps):` instead"
+            )
+        s, forwards = self.state, self.reporter.clock.forwards
+        loader.sampler.set_epoch(s.epoch, s.sample_in_epoch or 0, self.account.epoch_plan())
+        for items in loader.batches(s.epoch):
+            yield items
+            if self.reporter.clock.forwards != forwards:
+                self.order.check(Call.ITERATE)  # a loop outside run.epochs: refused
+                raise UserError(
+                    "an iterator of run.loader begun outside the loop was used inside it: "
+                    "iterate run.loader anew inside `for epoch in run.epochs(n):`"
+                )
 
     # -- state --------------------------------------------------------------------------------
     def restore(
@@ -390,6 +445,7 @@ class Run:
         self._forget_mined_rounds()
         self.guard.start(self.state.global_step)
         self._resumed = resumed
+        self._restored_rng = capture_rng() if resumed else None
         self.mining.resumed(len(self.state.mining_history))
         return resumed
 
@@ -426,6 +482,10 @@ class Run:
         self.order.enter(Call.LOOP_END)
 
     def _loop_starts(self, total_epochs: int) -> None:
+        if self._restored_rng is not None:
+            # At the step boundary the checkpoint holds: what the script drew or seeded since
+            # run.restore (a seed after it, a look at a batch) does not move the resumed streams.
+            restore_rng(self._restored_rng)
         self.total_epochs = total_epochs
         assert self.checkpointer is not None
         self.checkpointer.total_epochs = total_epochs
@@ -488,6 +548,7 @@ class Run:
         ``metrics`` at the log cadence (kept on the device until then), save when a checkpoint is
         due; when every rank agreed to stop, save, end the job and raise :class:`RunStopped`."""
         self.order.enter(Call.STEP)
+        self._fresh = None
         if loss is not None:
             self.guard.observe(loss if torch.is_tensor(loss) else torch.tensor(float(loss)))
         if loss is not None or metrics:
@@ -536,23 +597,49 @@ class Run:
         lr = optimizers[0].param_groups[0]["lr"] if optimizers else None
         self.reporter.interval(reduced, rep["samples_per_s_rank"], rep["step_time_s"], lr)
 
-    def steps(self, loader: Loader | StreamLoader, max_steps: int) -> Iterator[Any]:
-        """``loader``'s batches until the run has taken ``max_steps`` optimizer steps in all,
-        across epoch boundaries, from where it left off; ``run.step`` after each optimizer step,
-        as in ``run.epochs``. Each epoch's end, when the loop reaches it, and the loop's end at
-        an epoch's last step, run :meth:`_end_epoch` (the epoch's checkpoint, the ranks'
-        agreement on a stop); ``run.finish`` saves a loop that ends in mid-epoch."""
+    @overload
+    def steps(self, loader: int, max_steps: None = None) -> Iterator[int]: ...
+
+    @overload
+    def steps(self, loader: Loader | StreamLoader, max_steps: int) -> Iterator[Any]: ...
+
+    def steps(
+        self, loader: Loader | StreamLoader | int, max_steps: int | None = None
+    ) -> Iterator[Any]:
+        """``run.steps(loader, max_steps)``: ``loader``'s batches until the run has taken
+        ``max_steps`` optimizer steps in all, across epoch boundaries, from where it left off;
+        ``run.step`` after each optimizer step, as in ``run.epochs``. Each epoch's end, when the
+        loop reaches it, and the loop's end at an epoch's last step, run :meth:`_end_epoch`
+        (the epoch's checkpoint, the ranks' agreement on a stop); ``run.finish`` saves a loop
+        that ends in mid-epoch.
+
+        ``run.steps(max_steps)``, without a loader (a script that draws its own batches): the
+        step about to be taken (0-based, ``run.global_step``) until the run has taken
+        ``max_steps``; ``run.step`` once in each iteration. Its unit is the step: checkpoints
+        every ``checkpoint.every_steps``, the ledger records the steps each attempt trained, and
+        a resume continues at the step reached with every rank's random streams."""
         self.order.check(Call.STEPS)
-        if loader is None or loader is not self._loader:
+        if max_steps is None and isinstance(loader, int) and not isinstance(loader, bool):
+            if loader < 1:
+                raise UserError(
+                    f"run.steps({loader!r}): give the optimizer steps of the whole run, an int >= 1"
+                )
+            return self._counted(loader)
+        if _count(loader) or loader is None or loader is not self._loader:
+            given = repr(loader) if isinstance(loader, int) else type(loader).__name__
             raise UserError(
-                "run.steps(loader, max_steps): give the loader that run.loader returned (the "
-                f"epoch plan's), not a {type(loader).__name__}"
+                f"run.steps({given}, ...): give the loader that run.loader returned (the epoch "
+                "plan's) and the run's optimizer steps, run.steps(loader, max_steps), or only "
+                "the steps of a loop without a loader, run.steps(max_steps)"
             )
-        if not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1:
+        if not _count(max_steps):
             raise UserError(
                 f"run.steps(loader, {max_steps!r}): give the optimizer steps of the whole run, "
                 "an int >= 1"
             )
+        return self._steps_of(loader, max_steps)  # type: ignore[arg-type]
+
+    def _steps_of(self, loader: Loader | StreamLoader, max_steps: int) -> Iterator[Any]:
         self.order.enter(Call.STEPS)
         self._counts_steps = True
         if max_steps < self.state.global_step and self.rank == 0:
@@ -566,7 +653,7 @@ class Run:
                 max_steps,
             )
         if loader.stream:  # one epoch of the run's steps, in the stream's order
-            loader.n = max(max_steps, self.state.global_step) * loader.batch_size
+            loader.n = max(max_steps, self.state.global_step) * loader.global_batch_size
         self._plan_epoch()
         self._loop_starts(self.account.epochs_for(max_steps))
         while self.state.global_step < max_steps:
@@ -579,14 +666,55 @@ class Run:
                 self._end_epoch()  # the epoch's checkpoint; a stop agreed here ends the job
         self.order.enter(Call.LOOP_END)
 
+    def _counted(self, max_steps: int) -> Iterator[int]:
+        """``run.steps(max_steps)``: a loop without a loader, one epoch of the run's steps."""
+        if self._loader is not None:
+            raise UserError(
+                f"run.steps({max_steps}) came with a run.loader made: a loop over it takes the "
+                f"loader, run.steps(loader, {max_steps}); run.steps({max_steps}) alone is for a "
+                "script that draws its own batches (no run.loader)"
+            )
+        return self._count_steps(max_steps)
+
+    def _count_steps(self, max_steps: int) -> Iterator[int]:
+        self.order.enter(Call.STEPS)
+        self._counts_steps = True
+        self.account.count_to(max_steps)
+        if self.checkpointer is not None:
+            self.checkpointer.steps_per_epoch = self.account.steps_per_epoch
+            self.checkpointer.max_steps = max_steps
+        self._loop_starts(1)
+        self._begin_epoch()
+        while self.state.global_step < max_steps:
+            self.order.enter(Call.COUNTED_STEP)
+            self.reporter.batch_came(self.state.global_step + 1)
+            yield self.state.global_step
+        self.order.enter(Call.LOOP_END)
+
     # -- helpers of the loop ------------------------------------------------------------------
-    def accumulate(self, model: torch.nn.Module) -> contextlib.AbstractContextManager[None]:
+    def accumulate(
+        self, model: torch.nn.Module, last: bool | None = None
+    ) -> contextlib.AbstractContextManager[None]:
         """Around each micro-batch's forward and backward: ``model``'s gradients are
-        synchronized across ranks only on the last micro-batch of an optimizer step
-        (``run.loader(..., accumulate=k)``), once per step (DDP's ``no_sync``, FSDP2's
-        ``set_requires_gradient_sync``)."""
-        last = self.order.phase is not Phase.MICRO
-        return parallel.gradient_sync(self.models.wrapper(model), last)
+        synchronized across ranks only on the last micro-batch of an optimizer step, once per
+        step (DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``). Which micro-batch is
+        the last: ``run.loader(..., accumulate=k)`` counts them; a loop of
+        ``run.steps(max_steps)``, whose script draws its own micro-batches, says it with
+        ``last``."""
+        counted = self.account.max_steps is not None
+        if counted and last is None:
+            raise UserError(
+                "run.accumulate(model) in run.steps(max_steps) has no loader to count the "
+                "micro-batches of a step: say which is the last, run.accumulate(model, "
+                "last=micro == accumulation_steps - 1)"
+            )
+        if not counted and last is not None:
+            raise UserError(
+                f"run.accumulate(model, last={last!r}): run.loader(..., accumulate=k) counts the "
+                "micro-batches of a step; leave last= out"
+            )
+        sync = last if last is not None else self.order.phase is not Phase.MICRO
+        return parallel.gradient_sync(self.models.wrapper(model), sync)
 
     def autocast(self) -> contextlib.AbstractContextManager[None]:
         """Around a forward and its loss: ``train.amp``'s precision on the run's device (``auto``:
@@ -643,13 +771,13 @@ class Run:
         the labels on every rank. Returns the labels (int64, -1 for none) or None when no round is
         due; ``run.labels`` keeps the last round's. A stop during the round saves and ends the
         job (:class:`RunStopped`); the next attempt continues the round."""
-        self.order.enter(Call.MINE)
-        if self._counts_steps:
+        if self._counts_steps and self.order.phase not in (Phase.FINISHED, Phase.STOPPED):
             raise UserError(
-                "run.mine(...) came inside run.steps(loader, max_steps), which has no place "
+                "run.mine(...) came inside run.steps(...), which has no place "
                 "between epochs: mine in `for epoch in run.epochs(n):` after the loop over "
                 "run.loader"
             )
+        self.order.enter(Call.MINE)
         left = self.account.steps_left()
         if left:
             raise UserError(
@@ -717,12 +845,14 @@ class Run:
 
     def _progress(self) -> dict[str, int]:
         s = self.state
+        counted = self.account.max_steps
         return {
             "epoch": s.epoch,
             "epochs": self.total_epochs,  # the loop's: run.epochs(n), or those run.steps reaches
             "global_step": s.global_step,
             "step_in_epoch": s.step_in_epoch,
             "steps_per_epoch": self.steps_per_epoch,
+            **({"max_steps": counted} if counted is not None else {}),
         }
 
     def _note(self, scalars: Mapping[str, float]) -> None:
@@ -747,11 +877,17 @@ class Run:
             "accumulate": self._loader.accumulate if self._loader is not None else 1,
             "epoch": self.state.epoch + 1,
             "left": self.account.steps_left(),
+            "counted": self.account.max_steps is not None,
         }
 
 
 def _cuda(device: torch.device) -> bool:
     return device.type == "cuda"
+
+
+def _count(value: object) -> bool:
+    """An int >= 1 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 __all__ = ["Amp", "Ending", "Run", "RunStopped"]

@@ -43,9 +43,9 @@ def has_state(dataset: IterableDataset) -> bool:
 
 
 class StreamLoader:
-    """What ``run.loader`` returns for an ``IterableDataset``. ``batch_size``: the samples of one
-    optimizer step on all ranks (each rank's micro-batch is ``batch_size / (world x
-    accumulate)``)."""
+    """What ``run.loader`` returns for an ``IterableDataset``. ``global_batch_size``: the samples
+    of one optimizer step on all ranks; ``batch_size`` each rank's micro-batch, ``global_batch_size
+    / (world x accumulate)`` (as ``DataLoader``'s)."""
 
     stream = True
     set_epoch = None
@@ -53,7 +53,7 @@ class StreamLoader:
     def __init__(
         self,
         dataset: IterableDataset,
-        batch_size: int,
+        global_batch_size: int,
         accumulate: int,
         rank: int,
         world: int,
@@ -62,12 +62,17 @@ class StreamLoader:
         kwargs: dict[str, Any],
         iterate: Callable[[StreamLoader], Iterator[Any]],
     ) -> None:
-        self.dataset, self.batch_size, self.accumulate = dataset, batch_size, accumulate
+        self.dataset, self.global_batch_size, self.accumulate = (
+            dataset,
+            global_batch_size,
+            accumulate,
+        )
+        self.batch_size = global_batch_size // (world * accumulate)
         self.rank, self.world, self.attempt, self._iterate = rank, world, attempt, iterate
         digest = getattr(dataset, "data_digest", None)
         # A stream's identity: no length (0), and its own digest when it offers one.
         self.data = DataIdentity(0, digest() if callable(digest) else None)
-        self.n = batch_size  # the samples the run's steps take: set by run.steps
+        self.n = global_batch_size  # the samples the run's steps take: set by run.steps
         self.passes = 0  # this rank's passes over its stream finished
         self.resumed_at: int | None = None  # the attempt whose position a resume restored
         self._live: Iterator[Any] | None = None  # the pass being read, its workers behind it
@@ -78,7 +83,7 @@ class StreamLoader:
             warnings.simplefilter("ignore", UserWarning)
             self.loader = StatefulDataLoader(
                 dataset,
-                batch_size=batch_size // (world * accumulate),
+                batch_size=self.batch_size,
                 generator=torch.Generator().manual_seed(rank_seed(seed, rank)),
                 **kwargs,
             )

@@ -42,6 +42,7 @@ ROW = (
     "global_step",
     "step_in_epoch",
     "steps_per_epoch",
+    "max_steps",  # a loop of run.steps(max_steps): its unit is the step
     "attempts",
     "world_size",
     "last_loss",

@@ -9,7 +9,7 @@ tests/test_check.py has `clusterflow check` say so, and name what each flag brea
 --config PATH: a JSON file {"lr": ...} read at the start; --rewrite-config-at S: at step S the
   script writes that file anew with another lr (as a script that saves its settings back does).
 
-The loop iterates a run.loader over range(n), one item a step, as today's API counts steps."""
+The loop is run.steps(max_steps): no loader, the step its unit."""
 
 import argparse
 import json
@@ -39,7 +39,6 @@ def main():
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model, optimizer = run.setup(model, optimizer)
-    steps = run.loader(range(args.steps), batch_size=1)
     counters = {"iter": 0}
     if args.unregistered_counter:
         run.restore(model=model, optimizer=optimizer)
@@ -51,7 +50,7 @@ def main():
         return x, torch.sin(x).sum(1, keepdim=True)
 
     x, y = get_batch() if args.prefetch else (None, None)
-    for _ in run.steps(steps, args.steps):
+    for _ in run.steps(args.steps):
         if not args.prefetch:
             x, y = get_batch()
         for group in optimizer.param_groups:

@@ -1,7 +1,9 @@
 """A small classifier on synthetic blobs, trained with DDP (torchrun --nproc-per-node 2 FILE):
-SGD with momentum, a step schedule, dropout. plain_ddp.py is the script as users arrive with it,
-converted_ddp.py the same script converted to clusterflow (docs/own-loop.md);
-tests/test_own_loop.py counts the lines that differ and runs the conversion.
+SGD with momentum, a step schedule, dropout, a noise augmentation, a look at the first batch of
+each epoch (as the PyTorch DDP tutorial prints its batch size). plain_ddp.py is the script as
+users arrive with it, converted_ddp.py the same script converted to clusterflow
+(docs/own-loop.md); tests/test_own_loop.py counts the lines that differ and runs the
+conversion.
 
 For the tests only (environment variables, so the script's arguments stay those of the run):
 SEEN_DIR, where every rank records the indices of each batch it trained (what the script saw);
@@ -31,7 +33,7 @@ class Blobs(Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
-        return self.x[i], self.y[i], i
+        return self.x[i] + 0.01 * torch.randn(self.x.shape[1]), self.y[i], i
 
 
 steps = 0
@@ -73,6 +75,8 @@ def main():
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, num_workers=args.workers)
 
     for epoch in range(args.epochs):
+        b_sz = len(next(iter(loader))[0])
+        print(f"[rank {rank}] epoch {epoch}: {len(loader)} batches of {b_sz} ({loader.batch_size})")
         sampler.set_epoch(epoch)
         for x, y, index in loader:
             loss = torch.nn.functional.cross_entropy(model(x), y)

@@ -273,6 +273,14 @@ function tell(r) {
   n.onclick = () => { window.focus(); window.location.href = ROOT + "/run/" + r.id; };
 }
 
+// How far a run is, 0 to 1 (null when its length is unknown): its steps of run.steps(max_steps),
+// else its epochs.
+function progress(r) {
+  if (r.max_steps) return Math.min(1, r.global_step / r.max_steps);
+  if (!r.epochs || !r.steps_per_epoch) return null;
+  return Math.min(1, (r.epoch + (r.step_in_epoch || 0) / r.steps_per_epoch) / r.epochs);
+}
+
 function runsPage() {
   const rows = new Map();
   const sweeps = new Map();
@@ -286,11 +294,6 @@ function runsPage() {
     if (on) chosen.add(id); else chosen.delete(id);
     compareButton.disabled = chosen.size < 1;
     compareButton.textContent = chosen.size ? `compare the ${chosen.size} chosen run(s)` : "compare the chosen runs";
-  }
-
-  function progress(r) {
-    if (!r.epochs || !r.steps_per_epoch) return null;
-    return Math.min(1, (r.epoch + (r.step_in_epoch || 0) / r.steps_per_epoch) / r.epochs);
   }
 
   function value(r, key) {
@@ -325,7 +328,7 @@ function runsPage() {
         el("td", { title: r.error || r.note || r.problem || "" }, stateBadge(r.state)),
         el("td", {}, p === null ? "–" : [el("span", { class: "bar" },
           el("span", { style: `width:${100 * p}%` })),
-          `epoch ${r.current_epoch}/${r.epochs}, step ${r.global_step}`]),
+          r.max_steps ? `step ${r.global_step}/${r.max_steps}` : `epoch ${r.current_epoch}/${r.epochs}, step ${r.global_step}`]),
         el("td", {}, num(r.world_size), marks.length ? " · " + marks.join(", ") : ""),
         el("td", {}, pct(r.goodput)),
         el("td", {}, ageCell(r.last_heartbeat)),
@@ -576,12 +579,11 @@ function runPage() {
       document.getElementById("run-name").textContent = s.name;
       document.title = `${s.name} · clusterflow`;
     }
-    const p = s.epochs && s.steps_per_epoch
-      ? ` (${(100 * Math.min(1, (s.epoch + (s.step_in_epoch || 0) / s.steps_per_epoch) / s.epochs)).toFixed(0)}%)`
-      : "";
+    const p = progress(s) === null ? "" : ` (${(100 * progress(s)).toFixed(0)}%)`;
     document.getElementById("summary").replaceChildren(
       card("state", stateBadge(s.state), "card-state"),
-      card("progress", `epoch ${num(s.current_epoch)}/${num(s.epochs)}, step ${num(s.global_step)}${p}`, "card-progress"),
+      card("progress", s.max_steps ? `step ${num(s.global_step)}/${num(s.max_steps)}${p}`
+        : `epoch ${num(s.current_epoch)}/${num(s.epochs)}, step ${num(s.global_step)}${p}`, "card-progress"),
       card("ranks", `${num(s.world_size)} on ${(s.hosts || []).join(", ") || "?"}`),
       card("attempts", num(s.attempts), "card-attempts"),
       card("goodput", pct(s.goodput)),
@@ -869,6 +871,7 @@ function runPage() {
   }
 
   function renderSamples(s) {
+    if (s.samples && s.samples.steps) return renderSteps(s);
     const epochs = (s.samples && s.samples.epochs) || [];
     document.getElementById("samples-section").hidden = !epochs.length;
     if (!epochs.length) return;
@@ -896,6 +899,31 @@ function runPage() {
       legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
       title: { text: "position in the epoch's sample order", font: { size: 11 }, x: 0.01, xanchor: "left" },
       yaxis: { autorange: "reversed" }, margin: { l: 70, r: 12, t: 30, b: 50 } });
+  }
+
+  // A loop without a loader (run.steps(max_steps)): the steps each attempt trained, no samples.
+  function renderSteps(s) {
+    const runs = s.samples.steps;
+    document.getElementById("samples-section").hidden = !runs.length;
+    const byAttempt = new Map();
+    for (const r of runs) {
+      if (!byAttempt.has(r.attempt)) {
+        byAttempt.set(r.attempt, { type: "bar", orientation: "h", y: [], x: [], base: [], customdata: [],
+          name: `attempt ${r.attempt}`,
+          hovertemplate: "steps %{customdata} by " + `attempt ${r.attempt}<extra></extra>` });
+      }
+      const t = byAttempt.get(r.attempt);
+      t.y.push("steps"); t.base.push(r.start); t.x.push(r.end - r.start); t.customdata.push(`${r.start + 1}-${r.end}`);
+    }
+    const trained = runs.length ? runs[runs.length - 1].end : 0;
+    const rest = { type: "bar", orientation: "h", y: [], x: [], base: [], name: "not trained yet",
+      marker: { color: "#e3e6ea" }, hovertemplate: "%{x} steps not trained yet<extra></extra>" };
+    if (s.max_steps > trained) { rest.y.push("steps"); rest.base.push(trained); rest.x.push(s.max_steps - trained); }
+    document.getElementById("chart-samples").style.height = "136px";
+    chart("chart-samples", [...byAttempt.values(), rest], { barmode: "overlay", showlegend: true,
+      legend: { orientation: "h", y: -0.12, yanchor: "top" }, xaxis: { title: { text: "" } },
+      title: { text: "the run's steps, by the attempt that trained them", font: { size: 11 }, x: 0.01, xanchor: "left" },
+      margin: { l: 70, r: 12, t: 30, b: 50 } });
   }
 
   function onMetrics(d) {
