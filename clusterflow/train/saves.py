@@ -111,6 +111,8 @@ class Saves:
             before_commit=self._commit_check,
             after_commit=self.reporter.timeline.committed,
         )
+        if self.checkpointer.memory is not None:
+            self.checkpointer.memory.on_commit = self.reporter.inflight.committed
         resumed = self.checkpointer.restore(data)
         if resumed:  # the state restored is a committed one
             self.saved_at = (self.state.global_step, self.state.position)
