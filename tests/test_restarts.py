@@ -40,6 +40,14 @@ ECC = {"rank": 1, "host": "node2", "error": "CUDA error: uncorrectable ECC error
 STALL = {"rank": 1, "host": "node2", "error": "rank 1 on node2 stalled", "kind": "stall", "time": 5}
 TASK = {"rank": 1, "host": "node2", "error": "task.target 'x:T' failed in loss: ValueError"}
 BAD_INPUT = {"rank": 0, "host": "node1", "error": "task.params.size = 3: ...", "exit_code": 2}
+FULL = {
+    "rank": 0,
+    "host": "node1",
+    "time": 5.0,
+    "error": "no space left on tmpfs (mounted at /ck) writing checkpoint step 8 to "
+    "/ck/run/checkpoints/step-8 (it needs about 0.3 MB, 0.0 MB free); free space there and "
+    "resubmit: the run resumes from its last committed checkpoint",
+}
 
 
 @pytest.mark.parametrize(
@@ -57,6 +65,8 @@ BAD_INPUT = {"rank": 0, "host": "node1", "error": "task.params.size = 3: ...", "
         ("failed", ECC, KILLED, ("node", "node2", True)),
         # a record written after srun's report of a signal is the kill's consequence
         ("failed", {**STALL, "time": 9}, KILLED, ("crash", "node2", False)),
+        # a full disk: the step runs again where it ran, once the disk has room
+        ("failed", FULL, (0, "node1", "Exited with exit code 1"), ("disk", "node1", False)),
         ("failed", TASK, EXITED, None),  # the task's own exception: fails as before
         ("failed", BAD_INPUT, None, None),
         ("failed", None, EXITED, None),  # nothing names a cause
@@ -542,3 +552,20 @@ def test_a_step_that_keeps_failing_without_progress_ends_the_job_failed(
     assert "restart 1 in job 77 after rank 1 on node2: Killed (crash)" in said, said
     assert "try 2 of at most 2" in said, said
     assert "not restarted in the job after rank 1 on node2: Killed (crash): no progress" in said
+
+
+def test_a_full_disk_is_waited_for_until_it_has_room(tmp_path, monkeypatch, capsys):
+    cfg = from_dict({"run": {"dir": str(tmp_path)}, "cluster": {"nodes": 1}})
+    d = Driver(cfg, ["srun", "x"], {"SLURM_JOB_NODELIST": "node1"})
+    fault = classify("failed", FULL, (0, "node1", "Exited with exit code 1"), 7.0)
+    assert fault.room == ("/ck/run/checkpoints/step-8", 300_000)
+    free = iter([0, 1000, 17 * 2**20])
+    monkeypatch.setattr(restarts_module.diskfull, "free_bytes", lambda path: next(free))
+    monkeypatch.setattr(restarts_module, "ROOM_POLL_S", 0.01)
+    assert d._room(fault.room)
+    said = capsys.readouterr().err
+    assert "waiting for room on /ck/run/checkpoints/step-8's filesystem" in said, said
+    assert f"{17 * 2**20} bytes free on /ck/run/checkpoints/step-8's filesystem" in said
+    monkeypatch.setattr(restarts_module.diskfull, "free_bytes", lambda path: 0)
+    monkeypatch.setattr(restarts_module, "ROOM_WAIT_S", 0.05)
+    assert not d._room(fault.room)

@@ -91,7 +91,7 @@ from clusterflow.rundir import (
 )
 from clusterflow.rundir.states import Cause
 from clusterflow.slurm import steps
-from clusterflow.storage import snapshots
+from clusterflow.storage import diskfull, snapshots
 
 # Set for each step: "1" when a node fault in it restarts the job inside the allocation without
 # that node (a restart is left and a spare healthy node exists); the failing rank then does not
@@ -99,7 +99,11 @@ from clusterflow.storage import snapshots
 NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
 
 # The causes a restart names in restarts.jsonl; a stall is the first-error record's own kind.
-CRASH, NODE, STALL = "crash", node_fault.NODE, Cause.STALL
+CRASH, NODE, STALL, DISK = "crash", node_fault.NODE, Cause.STALL, "disk"
+# A job stopped by a full disk (a checkpoint it could not write) restarts once the disk has room
+# for twice what the write needed (at least ROOM_MIN_BYTES), looked at every ROOM_POLL_S, for at
+# most ROOM_WAIT_S; the allocation waits meanwhile, instead of the job failing.
+ROOM_WAIT_S, ROOM_POLL_S, ROOM_MIN_BYTES = 1800.0, 1.0, 16 * 2**20
 # How long after srun's first report of a failed task (an exit code or a signal) the driver waits
 # for the step's first-error record: the rank that names the cause writes it before it exits, but
 # the batch node may see it a moment later (a shared filesystem's lag, a loaded node still
@@ -134,6 +138,8 @@ class Fault:
     # Otherwise: the host is left out where a spare allows (False: it runs the next step too,
     # as a rank that only waited for a peer does).
     avoid: bool = True
+    # A full disk: (the path a write could not fill, the bytes it needed).
+    room: tuple[str, int] | None = None
 
 
 def classify(
@@ -189,6 +195,9 @@ def _recorded(
         return Fault(STALL, rank, host, error, at, leave_out=not waiting, avoid=not waiting)
     if node_fault.device_error(error) is not None:
         return Fault(NODE, rank, host, error, at, leave_out=True)
+    full = diskfull.said_full(error)
+    if full is not None:  # nothing the node did: the step runs again where it ran
+        return Fault(DISK, rank, host, error, at, leave_out=False, avoid=False, room=full)
     return None
 
 
@@ -357,6 +366,8 @@ class Driver:
             verdict = self._judge(fault, nodes, attempt) if fault is not None else None
             if fault is not None and verdict is not None and verdict.gave_up:
                 return self._gave_up(fault, verdict, end)
+            if fault is not None and fault.room is not None and not self._room(fault.room):
+                return self._not_restarted(fault, end, f"no room on {fault.room[0]}")
             p, unfit = self._place(fault)
             if not p.restart:
                 if fault is not None and self._requeue(fault, p):
@@ -389,6 +400,27 @@ class Driver:
             error=fault.error,
             at=fault.at,
         )
+
+    def _room(self, room: tuple[str, int]) -> bool:
+        """Wait until the full disk behind ``room`` (a path, the bytes a write needed) has room
+        again; False when it has none after ``ROOM_WAIT_S``, or the job is told to stop."""
+        path, needed = room
+        want = max(2 * needed, ROOM_MIN_BYTES)
+        free = diskfull.free_bytes(path)
+        if free is not None and free >= want:
+            return True
+        _say(
+            f"waiting for room on {path}'s filesystem before the restart ({free} bytes free, "
+            f"{want} wanted; at most {ROOM_WAIT_S:.0f} s)"
+        )
+        until = time.monotonic() + ROOM_WAIT_S
+        while time.monotonic() < until and not self.signalled:
+            time.sleep(ROOM_POLL_S)
+            free = diskfull.free_bytes(path)
+            if free is not None and free >= want:
+                _say(f"{free} bytes free on {path}'s filesystem: restarting")
+                return True
+        return False
 
     def _place(self, fault: Fault | None) -> tuple[Plan, dict[str, str]]:
         """Where the next step runs: :func:`plan`'s nodes, each checked first

@@ -23,7 +23,8 @@ heartbeat too: while it waits, a rank given ``peers`` (rank 0 and the first rank
 node, ``heartbeat.watches_peers``) reads its peers' heartbeats, and as soon as one has been quiet
 long enough (``heartbeat.quiet_after``) it records at once, naming that rank first (``silent_rank``,
 ``silent_host``, ``silent_s`` in the record): the batch step's driver leaves that rank's node
-out of the restart, and the wait is the watchdog's limit, not the limit and the grace.
+out of the restart, and the wait is the watchdog's limit, not the limit and the grace (nor a
+longer allowance of its phase, the mining wait's: a peer's silence is never the phase's).
 The loop thread is stuck, not the watchdog: os._exit from this thread works even while the main
 thread sleeps or waits in C code that released the GIL; a thread that holds the GIL forever stops
 this one too, and then the peers' heartbeats (and dist.timeout_s) are what is left.
@@ -140,13 +141,21 @@ class Watchdog:
             if count == 0:
                 continue  # armed by the first beat: start-up is dist.timeout_s's business
             idle = time.monotonic() - at
-            if idle < self.limit(phase):
+            if idle < min(self.stall_s, self.limit(phase)):
                 continue
             frame = sys._current_frames().get(self.loop_thread)
-            waiting = waiting_in_collective(frame) or active_collective()
-            silent = self._silent_peer() if waiting else None
-            if waiting and silent is None and idle < self.limit(phase) + self.victim_grace_s:
-                continue
+            if idle < self.limit(phase):
+                # A phase allowed longer (the mining wait) waits for a peer that stopped no
+                # longer than any other: its silence is never the phase's.
+                waiting = waiting_in_collective(frame)
+                silent = self._silent_peer() if waiting else None
+                if silent is None:
+                    continue
+            else:
+                waiting = waiting_in_collective(frame) or active_collective()
+                silent = self._silent_peer() if waiting else None
+                if waiting and silent is None and idle < self.limit(phase) + self.victim_grace_s:
+                    continue
             if self._stop.is_set():
                 return
             self.fire(idle, step, phase, frame, waiting, silent)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 
 from clusterflow.errors import RunFailed
@@ -90,6 +91,30 @@ def describe(exc: BaseException, what: str, path: str, needed: int, local: bool 
         f"{_FULL[err.errno]} on {device} writing {what} to {path} "
         f"(it needs about {_mb(needed)}{free})"
     )
+
+
+# The sentence :func:`describe` writes, read back by the restart driver (``job/restarts.py``),
+# which restarts a job that stopped on a full disk once the disk has room again.
+_SAID = re.compile(
+    r"(?:no space left|disk quota exceeded) on .+? writing .+? to (?P<path>\S+) "
+    r"\(it needs about (?P<mb>[\d.]+) MB"
+)
+
+
+def said_full(message: str) -> tuple[str, int] | None:
+    """(the path, the bytes it needed) of a full disk that ``message`` names in
+    :func:`describe`'s words; None for any other message."""
+    m = _SAID.search(message)
+    return (m.group("path"), int(float(m.group("mb")) * 1e6)) if m else None
+
+
+def free_bytes(path: str) -> int | None:
+    """The bytes free on the filesystem that holds ``path`` (or the nearest folder above it that
+    exists); None when that cannot be asked."""
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return None
 
 
 def raise_if_full(
