@@ -69,9 +69,14 @@ sys.path.insert(0, REPO)
 
 from clusterflow import rundir
 from clusterflow.distributed.sampler import EpochPlan, GlobalBatchSampler
-from clusterflow.rundir import restarts, timeline, tries
+from clusterflow.rundir import inflight, restarts, timeline, tries
 
 KINDS = ("kill", "hang", "node", "requeue", "preempt", "timelimit", "diskfull", "poison")
+# The faults a restart inside the job cures: each comes once the warm standby is ready (the
+# steady state of a run whose faults are minutes or hours apart), so that it measures the warm
+# restart, not an attempt's first seconds.
+IN_JOB = {"kill", "hang", "node", "diskfull", "poison"}
+STANDBY_WAIT_S = 90.0
 # A hang leaves its node out for the rest of the allocation; after it, a hang or a node lost
 # (which a restart then uses again, having no spare left) must wait for a fresh allocation.
 LEAVE_OUT, FRESH = {"hang", "node"}, {"requeue", "preempt", "timelimit"}
@@ -287,6 +292,8 @@ class Chaos:
         print(f"faults in order (seed {self.a.seed}): {', '.join(kinds)}", flush=True)
         self.jobs.append(submit(self.d, [*self.common(), *self.chaos_keys()]))
         for kind in kinds:
+            if kind in IN_JOB:
+                self._standby_ready()
             self._training_for(self.rng.uniform(*self.a.gap_s))
             if self._ended():
                 print(f"the run ended before the {kind} fault", flush=True)
@@ -310,6 +317,28 @@ class Chaos:
 
     def _ended(self) -> bool:
         return _status(self.d).get("state") == "completed" or not queued(self.jobs[-1])
+
+    def _batch_log(self) -> str:
+        job = self.jobs[-1]
+        try:
+            with open(os.path.join(self.d, "logs", "slurm", job, f"{job}_0_log.err")) as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def _standby_ready(self) -> None:
+        """Wait (at most STANDBY_WAIT_S) until the driver said a warm standby is ready since the
+        job's last restart."""
+
+        def ready() -> bool:
+            text = self._batch_log()
+            last = max(text.rfind("clusterflow: restart "), text.rfind("srun step on "))
+            return "warm standby ready:" in text[last:] or self._ended()
+
+        try:
+            _until("the warm standby", ready, timeout=STANDBY_WAIT_S)
+        except SystemExit:
+            print("no warm standby ready: the fault meets a cold restart", flush=True)
 
     def _training_for(self, seconds: float) -> None:
         """Wait until the current attempt trained for ``seconds`` since its first step."""
@@ -385,7 +414,7 @@ class Chaos:
         nodes = sorted({p[0] for p in procs} - {batch})
         node = self.rng.choice(nodes)
         f = self._fault("node", f"{node} lost (ranks and standby killed, memory emptied)", attempt)
-        for pid in _processes_on(node):
+        for pid in _processes_on(node, self.jobs[-1]):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -446,12 +475,14 @@ class Chaos:
         return f
 
     def _poison(self) -> Fault:
-        """A sample of a batch three steps ahead crashes its reader from now on; once the run
-        gave up, fixed, and the run resubmitted (the command status names)."""
-        st = _status(self.d)
+        """A sample of a batch five steps ahead (of what rank 0's in-flight record says it
+        trains) crashes its reader from now on; once the run gave up, it is fixed and the run
+        resubmitted (the command status names)."""
         n = self.a.identities * 8
-        step_in_epoch, per = int(st["step_in_epoch"]), int(st["steps_per_epoch"])
-        epoch, ahead = int(st["epoch"]), step_in_epoch + 3
+        per = n // 32  # no leftover: every epoch has this many steps
+        now = inflight.read(self.paths, 0) or {}
+        epoch = int(now.get("epoch", 0))
+        ahead = int(now.get("step", 1)) - 1 - epoch * per + 5  # the batch's index in its epoch
         if ahead >= per:
             epoch, ahead = epoch + 1, ahead - per
         rank = self.rng.randrange(2)
@@ -479,8 +510,8 @@ class Chaos:
         return f
 
     def _batch_node(self) -> str:
-        nodes = job_fields(self.jobs[-1]).get("NodeList", "node1")
-        return _run(["scontrol", "show", "hostnames", nodes]).stdout.split()[0]
+        """The node of the job's batch step (its driver)."""
+        return job_fields(self.jobs[-1]).get("BatchHost", "node1")
 
     # -- the report ---------------------------------------------------------------------------
     def _line(self, f: Fault) -> str:
@@ -501,19 +532,20 @@ def _seconds(text: str) -> float:
     return (int(days) if days else 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
 
 
-def _processes_on(node: str) -> list[int]:
-    """The clusterflow processes (ranks, the warm standby) that Slurm started on ``node``."""
+def _processes_on(node: str, job: str) -> list[int]:
+    """The processes of ``job``'s steps on ``node`` (its ranks, its warm standby; slurmstepd
+    has slurmd's environment, not the job's)."""
     out = []
+    wanted = {f"SLURMD_NODENAME={node}".encode(), f"SLURM_JOB_ID={job}".encode()}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
+                env = set(f.read().split(b"\0"))
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
         except OSError:
             continue
-        mine = f"SLURMD_NODENAME={node}".encode() in env and b"clusterflow" in cmd
-        if mine and b"clusterflow.job.restarts" not in cmd:  # never the batch step's driver
+        if wanted <= env and b"clusterflow.job.restarts" not in cmd:  # never the driver
             out.append(int(pid))
     return out
 
@@ -587,8 +619,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated fault kinds")
-    p.add_argument("--epochs", type=int, default=10)
-    p.add_argument("--identities", type=int, default=64, help="8 samples each, 32 a step")
+    p.add_argument("--epochs", type=int, default=14)
+    p.add_argument("--identities", type=int, default=96, help="8 samples each, 32 a step")
     p.add_argument("--step-sleep", type=float, default=0.3, help="seconds a step sleeps")
     p.add_argument("--mining-every", type=int, default=2, help="mining.every_epochs")
     p.add_argument("--every-steps", type=int, default=8, help="checkpoint.every_steps")

@@ -14,9 +14,10 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 |-------------------------------------------------------|--------|------------------------------|
 | ended on purpose: completed, requeued, stopped,       | none   | (no restart: as before)      |
 | cancelled, or this driver got SIGTERM                 |        |                              |
-| first-error record, written before srun reported a    | stall  | the silent rank's node, left |
-| signal: the stall watchdog ended a rank while another |        | out where a spare allows     |
-| rank's heartbeat had gone silent (a frozen process)   |        |                              |
+| first-error record, written before srun reported a    | stall  | the silent rank's node,      |
+| signal: the stall watchdog ended a rank while another |        | always left out              |
+| rank's heartbeat had gone silent (a frozen process;   |        |                              |
+| the waiting rank's watchdog names it itself)          |        |                              |
 | first-error record, written before srun reported a    | stall  | left out unless the rank was |
 | signal: the stall watchdog ended a rank               |        | waiting for its peers (then  |
 |                                                       |        | used again)                  |
@@ -26,8 +27,10 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 | killer, segfault)                                     |        | allows                       |
 | first-error record: a stall or device error after it  | stall, | as above                     |
 |                                                       | node   |                              |
+| first-error record: a full disk (a checkpoint it      | disk   | used again, once the disk    |
+| could not write)                                      |        | has room (:meth:`_room`)     |
 | anything else (the task's exception, bad input, a     | none   | (no restart: fails as        |
-| full disk, a diverged loss)                           |        | before)                      |
+| diverged loss)                                        |        | before)                      |
 
 srun kills a step's other tasks after one ends badly, so a stall or device error recorded before
 srun's first report of a signal is the step's cause and the signal its consequence. A rank
@@ -38,10 +41,15 @@ itself: its peers wait for it in a collective until their own watchdog fires, so
 is checked against the step's heartbeats, and a rank whose heartbeat had gone silent when the
 record was written (:func:`silent_peer`) is named instead.
 
-A restart happens while ``cluster.restarts_in_job`` allows (counted per Slurm attempt) and enough
-healthy nodes remain; otherwise the job ends as it did without this driver: a node fault requeues
-the job without its node (``node_fault.py``: the failing rank does it, since the driver tells each
-step through :data:`NODE_FAULT_RESTARTS_ENV` whether it would restart one), anything else fails.
+Each curable fault is judged in the run's tries (``rundir/tries.py``): a fault after the run
+committed a newer step than at the fault before is restarted however many came before; the same
+step failing ``cluster.restarts_in_job + 1`` times in a row with nothing committed between ends
+the run failed, with "no progress", the step and the samples of its batch (restarts here and
+requeues counted together). A restart happens while enough healthy nodes remain, each node it
+is about to use checked first (``job/nodecheck.py``: one that fails is left out and named);
+otherwise a node fault requeues the job without its node (``node_fault.py``: the failing rank
+does it, since the driver tells each step through :data:`NODE_FAULT_RESTARTS_ENV` whether it
+would restart one; the driver does it for a frozen rank), and anything else fails.
 Nodes left out besides the faulty one come from :func:`extra_left_out` (the place for stragglers);
 they are left out only where enough nodes remain.
 
