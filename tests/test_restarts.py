@@ -569,3 +569,44 @@ def test_a_full_disk_is_waited_for_until_it_has_room(tmp_path, monkeypatch, caps
     monkeypatch.setattr(restarts_module.diskfull, "free_bytes", lambda path: 0)
     monkeypatch.setattr(restarts_module, "ROOM_WAIT_S", 0.05)
     assert not d._room(fault.room)
+
+
+def test_a_frozen_rank_without_a_spare_is_requeued_without_its_node_by_the_driver(
+    tmp_path, monkeypatch, fake_slurm
+):
+    """No spare and cluster.shrink=false: the frozen rank cannot requeue the job itself, so the
+    driver does, leaving the frozen rank's node out; the fault is one try of the step."""
+    monkeypatch.setattr(restarts_module, "RECORD_WAIT_S", 0.2)
+    fake_slurm.answer(
+        "scontrol",
+        stdout="JobId=77 BatchFlag=1 Partition=wide NumNodes=2 ExcNodeList=(null) "
+        "ReqNodeList=(null)\n",
+    )
+    fake_slurm.answer("sinfo", stdout="node[1-3]\n")
+    srun = tmp_path / "srun"
+    srun.write_text(
+        "#!/bin/sh\necho 'srun: error: node1: task 0: Exited with exit code 86' >&2\nexit 86\n"
+    )
+    srun.chmod(0o755)
+    run = tmp_path / "run"
+    cluster = {"nodes": 2, "shrink": False}
+    cfg = from_dict({"run": {"dir": str(run)}, "cluster": cluster, "dist": {"stall_s": 10}})
+    run.mkdir()
+    (run / "config.yaml").write_text("run: {dir: .}\n")
+    environ = {**os.environ, "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_ID": "77"}
+    d = Driver(cfg, [str(srun), "x"], environ)
+    first_error.record(
+        d.paths, 0, 0, "rank 1 on node2 stopped: no heartbeat for 12 s, no progress (...); ...",
+        host="node1", kind=Cause.STALL, time=time.time() + 5, waiting="all_gather (...)",
+        silent_rank=1, silent_host="node2", silent_s=12.0,
+    )  # fmt: skip
+    assert d.run() == 0  # requeued: the job comes back without node2
+    calls = fake_slurm.calls()
+    assert "scontrol requeue 77" in calls, calls
+    assert "scontrol update JobId=77 ExcNodeList=node2" in calls, calls
+    record, _ = rundir.read_object(d.paths.status)
+    assert record["state"] == "requeued", record
+    (fault,) = tries_module.read(d.paths)
+    assert (fault["rank"], fault["host"], fault["cause"]) == (1, "node2", "stall"), fault
+    assert fault["tries"] == 1, fault
+    assert restarts.read(d.paths) == []  # no restart inside the job

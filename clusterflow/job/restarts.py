@@ -519,12 +519,17 @@ class Driver:
             return False
         _say(f"no restart in the job after {_what(fault)} ({p.why}): requeueing it")
         # The fault is in the run's tries already (_judge): not counted again.
-        return node_fault.requeue_without(
+        requeued = node_fault.requeue_without(
             self.paths,
             self.environ,
             node_fault.Fault(fault.rank, fault.host, fault.error),
             self.cfg.cluster.max_node_failures,
         )
+        if requeued:
+            said = f"node {fault.host} left out and the job requeued: {_what(fault)}"
+            self.events.fire(events.REQUEUED, rundir.current_attempt(self.paths), said)
+            self.events.settle()
+        return requeued
 
     # -- the steps ------------------------------------------------------------------------------
 
