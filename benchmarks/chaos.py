@@ -37,8 +37,10 @@ lost comes only after a requeue, a preemption or a time limit (a fresh allocatio
 left, the restart would shrink the run to one node, which is not bitwise equal to an
 uninterrupted run.
 
-Printed per fault: the time from the fault to training again and the steps trained again (from
-``metrics.jsonl``'s steps, the timelines' first steps and restored steps, and ``restarts.jsonl``);
+Printed per fault: the time from the fault to training again (for a requeue, a preemption and
+the time limit: from the signal the ranks got, ``stops.jsonl``, split into Slurm's hold and the
+new processes' start-up) and the steps trained again (from ``metrics.jsonl``'s steps, the
+timelines' first steps and restored steps, and ``restarts.jsonl``);
 for the run: the effective training time (the reference's wall time over the chaos run's) and the
 time lost per fault; checked at the end: the weights bitwise equal to the reference, each sample
 once per epoch (``RUN_DIR/sample_ledger.json``'s ranges tile every epoch's order), and no command
@@ -96,10 +98,17 @@ class Fault:
     reached_step: int | None = None  # the newest step trained before it
     how: str = ""  # restart in the job, requeue, ...
     recorded: dict[str, Any] = field(default_factory=dict)  # its restarts.jsonl line
+    # A stop on a signal (requeue, preemption, time limit): when the ranks got it (stops.jsonl),
+    # the fault's moment; then Slurm's hold (the signal to the next attempt's processes) and the
+    # new processes' start-up (to their first step).
+    signal_at: float | None = None
+    hold_s: float | None = None
+    startup_s: float | None = None
 
     @property
     def back_s(self) -> float | None:
-        return None if self.back_at is None else round(self.back_at - self.at, 2)
+        since = self.signal_at if self.signal_at is not None else self.at
+        return None if self.back_at is None else round(self.back_at - since, 2)
 
     @property
     def steps_again(self) -> int | None:
@@ -379,9 +388,24 @@ class Chaos:
         rec = [r for r in restarts.read(self.paths) if r.get("next_attempt") == a]
         if rec:
             f.recorded = rec[0]
-            f.how = f"restart in the job ({rec[0]['cause']}, on {','.join(rec[0]['nodes'])})"
+            warm = {True: ", warm", False: ", new processes"}.get(rec[0].get("warm"), "")
+            f.how = f"restart in the job ({rec[0]['cause']}, on {','.join(rec[0]['nodes'])}{warm})"
         elif f.kind != "poison":
-            f.how = "requeued"
+            signals = [
+                float(x["signal_at"])
+                for x in _read_jsonl(self.paths.stops)
+                if float(x.get("signal_at") or 0) >= f.at
+            ]
+            f.signal_at = min(signals) if signals else None
+            started = float(tl.get("process_started_at") or f.back_at)
+            if f.signal_at is not None:
+                f.hold_s = round(started - f.signal_at, 2)
+            f.startup_s = round(f.back_at - started, 2)
+            f.how = (
+                f"requeued: Slurm's hold {f.hold_s} s, start-up {f.startup_s} s"
+                if f.hold_s is not None
+                else "requeued"
+            )
 
     def _ranks(self) -> tuple[int, list[list[Any]]]:
         """The current attempt and its ranks' [host, pid, ...]."""
@@ -496,7 +520,8 @@ class Chaos:
             json.dump({"index": index, "epoch": epoch}, out)
         job = self.jobs[-1]
         _until("the run to give up on the poisoned step", lambda: not queued(job), timeout=900)
-        said = tries.gave_up(self.paths, self._attempt()) or ""
+        f.attempt = self._attempt()  # the last try: training again is the resubmission's
+        said = tries.gave_up(self.paths, f.attempt) or ""
         shown = _run([sys.executable, "-m", "clusterflow.status", self.d], env=_env()).stdout
         f.recorded = {"status": said, "named": str(index) in said and "no progress" in shown}
         os.remove(self.poison_file)  # the data fixed
@@ -506,7 +531,11 @@ class Chaos:
         self.typed.append(command)
         out = _run([sys.executable, "-m", "clusterflow.submit", self.paths.config], env=_env())
         self.jobs.append(re.search(r"submitted job (\d+)", out.stdout).group(1))  # type: ignore[union-attr]
-        f.how = "failed: no progress; fixed and resubmitted"
+        last = tries.latest(self.paths) or {}
+        f.how = (
+            f"failed after {last.get('tries')} tries of step {last.get('step')}: no progress; "
+            "fixed and resubmitted"
+        )
         return f
 
     def _batch_node(self) -> str:
@@ -517,7 +546,8 @@ class Chaos:
     def _line(self, f: Fault) -> str:
         steps = f.steps_again
         return (
-            f"{f.kind:>9}: {f.detail}; back training {f.back_s:.1f} s after it, "
+            f"{f.kind:>9}: {f.detail}; back training {f.back_s:.1f} s after "
+            f"{'the signal it sent' if f.signal_at is not None else 'it'}, "
             f"{steps if steps is not None else '?'} step(s) trained again (step {f.reached_step} "
             f"reached, {f.restored_step} restored), {f.how}"
         )
