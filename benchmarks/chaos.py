@@ -78,7 +78,6 @@ KINDS = ("kill", "hang", "node", "requeue", "preempt", "timelimit", "diskfull", 
 # steady state of a run whose faults are minutes or hours apart), so that it measures the warm
 # restart, not an attempt's first seconds.
 IN_JOB = {"kill", "hang", "node", "diskfull", "poison"}
-STANDBY_WAIT_S = 90.0
 # A hang leaves its node out for the rest of the allocation; after it, a hang or a node lost
 # (which a restart then uses again, having no spare left) must wait for a fresh allocation.
 LEAVE_OUT, FRESH = {"hang", "node"}, {"requeue", "preempt", "timelimit"}
@@ -301,7 +300,7 @@ class Chaos:
         print(f"faults in order (seed {self.a.seed}): {', '.join(kinds)}", flush=True)
         self.jobs.append(submit(self.d, [*self.common(), *self.chaos_keys()]))
         for kind in kinds:
-            if kind in IN_JOB:
+            if kind in IN_JOB and self.a.standby_wait_s > 0:
                 self._standby_ready()
             self._training_for(self.rng.uniform(*self.a.gap_s))
             if self._ended():
@@ -336,8 +335,8 @@ class Chaos:
             return ""
 
     def _standby_ready(self) -> None:
-        """Wait (at most STANDBY_WAIT_S) until the driver said a warm standby is ready since the
-        job's last restart."""
+        """Wait (at most ``--standby-wait-s``) until the driver said a warm standby is ready since
+        the job's last restart."""
 
         def ready() -> bool:
             text = self._batch_log()
@@ -345,7 +344,7 @@ class Chaos:
             return "warm standby ready:" in text[last:] or self._ended()
 
         try:
-            _until("the warm standby", ready, timeout=STANDBY_WAIT_S)
+            _until("the warm standby", ready, timeout=self.a.standby_wait_s)
         except SystemExit:
             print("no warm standby ready: the fault meets a cold restart", flush=True)
 
@@ -662,6 +661,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gap-s", type=float, nargs=2, default=(2.0, 5.0),
                    help="seconds of training before each fault: a seeded uniform draw")  # fmt: skip
     p.add_argument("--full-s", type=float, default=60.0, help="the checkpoint folder full")
+    p.add_argument(
+        "--standby-wait-s",
+        type=float,
+        default=90.0,
+        help="wait at most this long for the warm standby before a fault a restart in the job "
+        "cures; 0: do not wait (a short run, whose faults may meet cold restarts)",
+    )
     p.add_argument("--json", help="write the report here")
     p.add_argument("--root", help="a folder for the runs (kept); default: a temporary one")
     a = p.parse_args(argv)

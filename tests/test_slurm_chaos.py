@@ -27,7 +27,8 @@ def test_a_short_chaos_run_survives_each_fault_bitwise_with_no_command_typed(
         [
             "--seed", "2", "--kinds", "kill,node,hang", "--epochs", "3", "--identities", "24",
             "--mining-every", "1", "--every-steps", "4", "--step-sleep", "0.5",
-            "--gap-s", "1", "2", "--reference", ref_dir, "--root", str(tmp_path),
+            "--gap-s", "1", "2", "--standby-wait-s", "0", "--reference", ref_dir,
+            "--root", str(tmp_path),
         ]
     )  # fmt: skip
     assert r.state == "completed", r
