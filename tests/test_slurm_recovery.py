@@ -278,7 +278,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
         "cluster.partition=wide",
         "cluster.spare_nodes=1",
         "cluster.warm_restarts=true",  # configs/tiny.yaml keeps none
-        "cluster.restarts_in_job=5",  # one left in attempt 4: it keeps a standby
+        "cluster.restarts_in_job=5",
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
         f"checkpoint.memory_dir={memory}/{{node}}",
@@ -324,7 +324,8 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
     ]
     batch = open(batch_log).read()
     assert re.search(
-        rf"restart 3 of 5 .*; new processes: the warm standby is not usable: its process 0 on "
+        rf"restart 3 in job {job} .*; new processes: the warm standby is not usable: its "
+        rf"process 0 on "
         rf"node\d \(pid {frozen}\) did not answer within 3 s \(hung or stopped\)",
         batch,
     ), batch

@@ -31,7 +31,9 @@ def test_the_in_flight_record_is_rewritten_in_place_and_read_back(tmp_path):
     paths = rundir.RunPaths(str(tmp_path))
     rec = inflight.InFlight(paths, 1, attempt=3)
     rec.note(7, 1, 0, list(range(100, 140)))
-    rec.committed(6)
+    rec.committed(6)  # said at once, before the next note (a crash may come first)
+    assert inflight.read(paths, 1)["snapshot"] == 6
+    assert inflight.read(paths, 1)["indices"] == list(range(100, 140))
     rec.note(8, 1, 1, [5, 9])  # shorter than the record before: its tail is not read
     assert inflight.read(paths, 1) == {
         "attempt": 3, "step": 8, "epoch": 1, "micro": 1, "snapshot": 6, "indices": [5, 9],

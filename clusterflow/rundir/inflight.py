@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from clusterflow.storage import confined
 
 MAGIC = b"cfinfl1\0"
 _HEAD = struct.Struct("<8sqqqqqq")
+# The snapshot field, rewritten alone by the snapshot thread: after the magic and four fields.
+_SNAPSHOT, _SNAPSHOT_AT = struct.Struct("<q"), 8 + 4 * 8
 # A rank's slice of one micro-batch: a few thousand indices at most in practice.
 _LIMIT = 64 * 2**20
 
@@ -39,12 +42,14 @@ class InFlight:
     """``InFlight(paths, rank, attempt).note(step, epoch, micro, indices)`` before each batch.
 
     ``snapshot`` is the newest step this rank committed into its node's memory, as the snapshot
-    thread last said (:meth:`committed`); it goes out with the next note. A write that fails (a
-    full disk, a run dir gone) turns the record off for the attempt: it is a hint, never a reason
-    to stop training."""
+    thread last said (:meth:`committed`, which writes it into the record at once: a crash right
+    after a commit must not hide the progress). A write that fails (a full disk, a run dir gone)
+    turns the record off for the attempt: it is a hint, never a reason to stop training."""
 
     def __init__(self, paths: RunPaths, rank: int, attempt: int) -> None:
         self.attempt, self.snapshot = attempt, -1
+        self._lock = threading.Lock()  # the loop's note and the snapshot thread's field
+        self._written = False  # a record is in the file: the field has its place
         self._fd: int | None = None
         try:
             os.makedirs(paths.inflight, exist_ok=True)
@@ -58,20 +63,35 @@ class InFlight:
 
     def committed(self, step: int) -> None:
         """The snapshot thread: this rank's share of ``step`` is committed in its node's
-        memory."""
-        self.snapshot = max(self.snapshot, step)
+        memory; the record says so now (one 8-byte ``pwrite``)."""
+        with self._lock:
+            self.snapshot = max(self.snapshot, step)
+            if self._fd is None or not self._written:
+                return
+            try:
+                os.pwrite(self._fd, _SNAPSHOT.pack(self.snapshot), _SNAPSHOT_AT)
+            except OSError:
+                self._close()
 
     def note(self, step: int, epoch: int, micro: int, indices: Sequence[int] | None) -> None:
         if self._fd is None:
             return
         body = array.array("q", indices).tobytes() if indices is not None else b""
-        head = _HEAD.pack(MAGIC, self.attempt, step, epoch, micro, self.snapshot, len(body) // 8)
-        try:
-            os.pwrite(self._fd, head + body, 0)
-        except OSError:
-            self.close()
+        with self._lock:
+            head = _HEAD.pack(
+                MAGIC, self.attempt, step, epoch, micro, self.snapshot, len(body) // 8
+            )
+            try:
+                os.pwrite(self._fd, head + body, 0)
+                self._written = True
+            except OSError:
+                self._close()
 
     def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             try:
