@@ -9,16 +9,19 @@ all_reduce), ``embed`` (as ranks, but rank 1 hangs in embedding_batch during the
 phase), ``agree`` (the stop agreement's all-reduce, started at one step and read at the next, on a
 gloo side group: rank 1 beats once more a second after rank 0's last beat and then sleeps in
 sleeping_in_loss at step 3 without starting its reduce; rank 0 waits for it in
-``AsyncMax.finish``, and its stall clock started first).
+``AsyncMax.finish``, and its stall clock started first), ``frozen`` (as ranks, but rank 1
+stops itself with SIGSTOP at step 3, its heartbeat thread with it; rank 0's watchdog reads the
+heartbeats and names rank 1; its victim's grace is ten minutes, so only that reading ends it).
 """
 
 import os
+import signal
 import socket
 import sys
 import time
 
 from clusterflow import rundir
-from clusterflow.observe.heartbeat import Heartbeat
+from clusterflow.observe.heartbeat import Heartbeat, quiet_after, quietest, read_ranks
 from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
 from clusterflow.rundir import first_error
 
@@ -63,7 +66,9 @@ def ranks(run_dir, mode, hb, rank):
     for step in range(1, 6):
         if mode == "embed" and step == 3:
             hb.beat(step - 1, "mining embed")  # the embedding loop beats once per batch
-        if rank == 1 and step == 3:
+        if rank == 1 and step == 3 and mode == "frozen":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif rank == 1 and step == 3:
             sleeping_in_loss() if mode == "ranks" else embedding_batch()
         dist.all_reduce(t)
         hb.beat(step, "mining embed" if mode == "embed" and step >= 3 else "train")
@@ -86,17 +91,26 @@ def agree(hb, rank):
 def main():
     run_dir, mode, stall_s = sys.argv[1], sys.argv[2], float(sys.argv[3])
     rank = int(os.environ.get("RANK", "0"))
-    hb = Heartbeat(rundir.RunPaths(run_dir), rank, every_s=0.2)
+    paths = rundir.RunPaths(run_dir)
+    hb = Heartbeat(paths, rank, every_s=0.2)
     log_file = os.path.join(run_dir, "logs", f"rank{rank}.attempt0.log")
     os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    started, world = time.time(), int(os.environ.get("WORLD_SIZE", "1"))
+
+    def silent():  # as observe/observer.py reads them for rank 0
+        beats = read_ranks(paths, 0.2, since=started, world_size=world)
+        return quietest(beats, time.time(), quiet_after(0.2, stall_s), rank, started)
+
     wd = Watchdog(
         hb.progress,
-        rundir.RunPaths(run_dir),
+        paths,
         rank,
         stall_s=stall_s,
         log_file=log_file,
         allowances={"mining wait": stall_s * 10},
-        victim_grace_s=stall_s * 2,
+        victim_grace_s=600 if mode == "frozen" else stall_s * 2,
+        peers=silent if mode == "frozen" else None,
+        peers_every_s=0.2,
     )
     try:
         with wd:

@@ -7,9 +7,11 @@ this machine's /dev/shm, so memory_dir=.../{node} keeps them apart):
   rank 0, then rank 1: every restart restores from the nodes' memory or a peer's replica, never
   reading the shared filesystem, loses at most 2 steps, and the run ends bitwise equal to an
   uninterrupted one;
-- a job of two nodes and no spare whose rank 1 is frozen (SIGSTOP): the restart leaves node2 out
-  and the job goes on alone on node1 (cluster.shrink), every sample once per epoch, as the task
-  recorded it; status says it shrank;
+- a job of two nodes and a spare whose rank 1 is frozen (SIGSTOP) right after a heartbeat: the
+  waiting rank's watchdog names it from its quiet heartbeat, the restart leaves node2 out, the
+  spare fails its node check (its memory folder is a file) and is left out too, and the job goes
+  on alone on node1 (cluster.shrink), every sample once per epoch, as the task recorded it;
+  status says it shrank;
 - warm restarts (cluster.warm_restarts): a job of two nodes and a spare whose ranks 1, 0, 1, 0
   are killed; each kill waits for the driver's warm standby to be ready, and the third finds one
   of its processes frozen: three restarts hand the ranks to the standby's processes, the third
@@ -41,8 +43,9 @@ from slurmjobs import (
     wait_until,
 )
 
+from clusterflow import rundir
 from clusterflow.distributed.sampler import EpochPlan
-from clusterflow.rundir import RunPaths
+from clusterflow.rundir import RunPaths, first_error
 from clusterflow.storage import snapshots
 
 pytestmark = pytest.mark.slurm
@@ -183,44 +186,72 @@ def _each_sample_once(d, n, batch_size):
 
 
 @pytest.mark.slow
-def test_without_a_spare_a_frozen_ranks_node_is_left_out_and_the_job_shrinks(
+def test_a_frozen_rank_is_named_by_its_waiting_peer_and_an_unfit_spare_is_left_out(
     cluster, memory, tmp_path
 ):
+    """Rank 1 SIGSTOPped right after it wrote a heartbeat (the default period, 10 s; the
+    watchdog's limit 10 s): the waiting rank 0's watchdog reads the heartbeats and names rank 1,
+    whose heartbeat is then 10 to 20 s old (the driver's own reading wanted more than two periods
+    and 2 s, 22 s, and blamed rank 0); node2 is left out. The spare node3's memory folder is a
+    file: its check before the restart names it and leaves it out, no spare is left, and the job
+    goes on alone on node1 (cluster.shrink), every sample once per epoch, as the task recorded
+    it; status says it shrank."""
     d = str(tmp_path / "run")
+    os.makedirs(memory)
+    with open(os.path.join(memory, "node3"), "w") as f:
+        f.write("a file where node3's memory folder should be")
     job, out = submit(
         d,
+        "cluster.partition=wide",
+        "cluster.spare_nodes=1",
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
         f"checkpoint.memory_dir={memory}/{{node}}",
         "task.target=testtasks:SeenSlow",
         f"task.params.run_dir={d}",
-        "task.params.step_sleep=0.3",
+        "task.params.step_sleep=0.5",
+        "train.epochs=6",
         "dist.stall_s=10",
-        "dist.heartbeat_s=0.5",
     )
     assert out.returncode == 0, out.stdout + out.stderr
     wait_until("step 3", lambda: (live_status(d).get("global_step") or 0) >= 3, job_id=job)
     (first,) = read_jsonl(os.path.join(d, "attempts.jsonl"))
     host, pid, _ = first["procs"][1]
     assert host == "node2" and first["world_size"] == 2
+    beat = os.path.join(d, "heartbeats", "rank1.json")
+    written = json.load(open(beat))["time"]
+
+    def fresh_in_training():
+        rec = json.load(open(beat))
+        return rec["time"] > written and rec["phase"] == "train"
+
+    wait_until("a heartbeat of rank 1 in training", fresh_in_training, job_id=job)
     os.kill(pid, signal.SIGSTOP)
     wait_gone(job, timeout=600)
 
     s = status(d)
     assert s["state"] == "completed" and s["attempts"] == 2, s
+    rec = first_error.read(rundir.RunPaths(d), 0)
+    assert (rec["rank"], rec["host"], rec["silent_rank"], rec["silent_host"]) == (
+        0, "node1", 1, "node2",
+    ), rec  # fmt: skip
+    assert rec["error"].startswith("rank 1 on node2 stopped: no heartbeat for "), rec["error"]
     (r,) = s["restarts"]
     assert (r["cause"], r["rank"], r["host"]) == ("stall", 1, "node2"), r
     assert (r["nodes"], r["left_out"], r["world_size"], r["shrunk"]) == (
-        ["node1"],
-        ["node2"],
-        1,
-        True,
-    ), r
+        ["node1"], ["node2", "node3"], 1, True,
+    ), r  # fmt: skip
+    folder = os.path.basename(snapshots.run_folder(memory, d, "node3"))
+    assert r["unfit"] == {
+        "node3": f"the memory folder {memory}/node3/{folder} is not usable: {memory}/node3 is "
+        "not a folder"
+    }, r
     assert s["world_size"] == 1 and s["hosts"] == ["node1"], s
     assert s["restored_from"] == [None, "replica"], s["restored_from"]
     shown = run_cli("clusterflow.status", d).stdout
     assert "shrunk to 1 rank(s) on 1 node(s): no spare node was left (cluster.shrink" in shown
     batch_log = open(os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")).read()
+    assert "clusterflow: node node3 left out of the restart: the memory folder " in batch_log
     assert "no spare node left: continuing on 1 of 2 nodes, 1 rank(s) instead of 2" in batch_log
     ledger = _each_sample_once(d, 24 * 8, 32)
     worlds = {(r["attempt"], r["world_size"]) for e in ledger["epochs"] for r in e["ranges"]}
@@ -253,7 +284,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
         "cluster.partition=wide",
         "cluster.spare_nodes=1",
         "cluster.warm_restarts=true",  # configs/tiny.yaml keeps none
-        "cluster.restarts_in_job=5",  # one left in attempt 4: it keeps a standby
+        "cluster.restarts_in_job=5",
         "checkpoint.async=false",
         "checkpoint.memory_every_steps=2",
         f"checkpoint.memory_dir={memory}/{{node}}",
@@ -299,7 +330,8 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
     ]
     batch = open(batch_log).read()
     assert re.search(
-        rf"restart 3 of 5 .*; new processes: the warm standby is not usable: its process 0 on "
+        rf"restart 3 in job {job} .*; new processes: the warm standby is not usable: its "
+        rf"process 0 on "
         rf"node\d \(pid {frozen}\) did not answer within 3 s \(hung or stopped\)",
         batch,
     ), batch

@@ -4,7 +4,13 @@ same Slurm job, from the newest checkpoint, on node1 and the spare node3 (node2 
 the restart and the time from the fault to the next step, and ends bitwise equal to an
 uninterrupted run. A frozen rank (SIGSTOP) is named by its silent heartbeat and its node left
 out; the batch step's driver killed ends the run failed (Slurm does not requeue it), with the
-command that resumes it."""
+command that resumes it.
+
+Restart budgets count faults without progress (rundir/tries.py): a run killed once, then crashed
+by a poisoned sample in every try of one step, restarts after each fault that followed progress
+and ends failed after the third try of that step, naming the step and the samples of its batch.
+(A rank frozen right after a heartbeat, named by the rank that waits for it, and a spare that
+fails its node check: tests/test_slurm_recovery.py.)"""
 
 import json
 import os
@@ -19,6 +25,7 @@ from conftest import REPO, run_cli
 from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_gone, wait_until
 
 from clusterflow import rundir
+from clusterflow.distributed.sampler import GlobalBatchSampler
 from clusterflow.rundir import restarts
 
 pytestmark = pytest.mark.slurm
@@ -194,3 +201,64 @@ def test_a_frozen_rank_is_left_out_then_a_killed_driver_ends_the_run_failed(
     )
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
+
+
+@pytest.mark.slow
+def test_faults_after_progress_restart_and_a_poisoned_step_ends_failed_naming_its_samples(
+    cluster, tmp_path
+):
+    """Rank 1 SIGKILLed at step 3 or later (the run's first fault), then sample P, which crashes
+    native code (a segfault) whenever it is read in epoch 2, kills rank 1 in step 10 three times.
+    Four faults with cluster.restarts_in_job=2: the second followed progress (snapshots of steps
+    after the kill), so it restarts too; the third and fourth followed none, and the fourth is
+    the step's third try: failed, "no progress at step 10" and rank 1's slice of that batch, as
+    the epoch plan cuts it (computed here), in status."""
+    plan = GlobalBatchSampler(24 * 8, 32, 1, 2, 1)
+    plan.set_epoch(1)
+    batch = list(plan)[3]  # step 10: epoch 2's fourth step, rank 1's slice
+    d = str(tmp_path / "run")
+    memory = f"/dev/shm/clusterflow-test-{os.path.basename(tmp_path)}"
+    job, out = submit(
+        d,
+        "cluster.partition=wide",
+        "cluster.spare_nodes=1",
+        "cluster.restarts_in_job=2",
+        "checkpoint.memory_every_steps=2",
+        f"checkpoint.memory_dir={memory}/{{node}}",
+        "task.target=testtasks:PoisonedSample",
+        f"task.params.poison={batch[5]}",
+        "task.params.step_sleep=0.3",
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    try:
+        wait_until("step 3", lambda: (live_status(d).get("global_step") or 0) >= 3, job_id=job)
+        (first,) = read_jsonl(os.path.join(d, "attempts.jsonl"))
+        os.kill(first["procs"][1][1], signal.SIGKILL)
+        wait_gone(job, timeout=600)
+    finally:
+        subprocess.run(["rm", "-rf", memory], check=False)
+
+    s = status(d)
+    assert s["state"] == "failed" and s["attempts"] == 4, s
+    said = s["error"]
+    assert said.startswith("no progress at step 10: tried 3 times with no newer step committed"), (
+        said
+    )
+    assert "(cluster.restarts_in_job=2 restarts of one step" in said, said
+    assert "Segmentation fault" in said and "(crash)" in said, said
+    slice_ = ", ".join(str(i) for i in batch)
+    assert f"the batch it died on (epoch 2) held samples rank 1's slice: {slice_}: " in said, said
+    assert said.endswith(f"python -m clusterflow.submit {d}/config.yaml"), said
+    assert s["tries"]["gave_up"] and s["tries"]["indices"] == {"1": batch}, s["tries"]
+    # three restarts in the job (one more than restarts_in_job), then none
+    rs = s["restarts"]
+    assert [r["cause"] for r in rs] == ["crash"] * 3, rs
+    assert [(r["tries"], r["progress"]) for r in rs] == [(1, True), (1, True), (2, False)], rs
+    assert [r.get("died_on") for r in rs][1:] == [10, 10], rs
+    attempts = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    assert {a["job_id"] for a in attempts} == {job}, attempts  # no requeue: the same job
+    log = open(os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")).read()
+    assert "no progress since the last fault: try 3 of step 10 of at most 3" in log, log[-3000:]
+    assert "not restarted in the job after rank 1 on " in log
+    shown = run_cli("clusterflow.status", d).stdout
+    assert "no progress at step 10" in shown, shown

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +16,7 @@ from conftest import REPO
 from clusterflow import rundir
 from clusterflow.distributed import free_port
 from clusterflow.errors import EXIT_STALLED
+from clusterflow.observe.heartbeat import quiet_after
 from clusterflow.observe.watchdog import (
     _active_in,
     describe_frame,
@@ -124,6 +126,32 @@ def test_two_ranks_the_stalled_one_is_named_not_the_peer_waiting_for_it(tmp_path
     assert first_error.headline(rec) == rec["error"]
     # The recorder's variables by the names torch reads: no rank warns about an older one.
     assert not [line for out in outs for line in out.splitlines() if "is deprecated" in line]
+
+
+def test_a_frozen_peer_is_named_by_its_quiet_heartbeat_not_the_rank_waiting_for_it(tmp_path):
+    """Rank 1 stops (SIGSTOP) before its third all_reduce, its heartbeat thread with it; rank 0
+    waits for it in the collective. Rank 0's watchdog reads the heartbeats and names rank 1 as
+    soon as it has been quiet long enough, without the victim's grace (ten minutes here: only
+    that reading ends rank 0 within the test's wait)."""
+    port = str(free_port())
+    procs = [
+        _run(tmp_path, "frozen", RANK=str(r), WORLD_SIZE="2", MASTER_PORT=port) for r in (0, 1)
+    ]
+    try:
+        out, _ = procs[0].communicate(timeout=180)
+    finally:
+        procs[1].kill()  # SIGKILL ends a stopped process
+        procs[1].communicate(timeout=60)
+    assert procs[0].returncode == EXIT_STALLED, out
+    rec = first_error.read(rundir.RunPaths(str(tmp_path)), 0)
+    assert rec["rank"] == 0 and rec["kind"] == "stall" and rec["step"] == 2, rec
+    assert (rec["silent_rank"], rec["silent_host"]) == (1, socket.gethostname()), rec
+    assert rec["silent_s"] > quiet_after(0.2, STALL_S), rec
+    assert rec["error"].startswith(
+        f"rank 1 on {socket.gethostname()} stopped: no heartbeat for "
+    ), rec["error"]
+    assert "no progress (a frozen process or node); rank 0 on " in rec["error"]
+    assert "waiting in " in rec["error"]
 
 
 def test_a_rank_waiting_for_the_stop_agreement_is_a_victim_not_the_cause(tmp_path):

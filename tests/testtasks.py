@@ -4,6 +4,7 @@ Each trains exactly like PseudoIDTask (same weights at every step), so their fin
 can be compared bitwise with a plain run of the same config.
 """
 
+import ctypes
 import hashlib
 import json
 import os
@@ -769,3 +770,46 @@ class FailWhenFileAppears(Slow):
         if self.fail_file and os.path.exists(self.fail_file):
             raise ValueError(f"failing on purpose: {self.fail_file} appeared")
         return super().loss(model, batch, labels)
+
+
+class _PoisonedIdentities(SyntheticIdentities):
+    """SyntheticIdentities whose sample ``poison`` crashes the process that reads it in epoch
+    ``poison_epoch``: a segfault in native code (a read of address 0), as a corrupt record does
+    in a C decoder, which no Python handler can catch. With ``poison_file``, the poison is the
+    ``{"index", "epoch"}`` that file holds (looked at once a second; none while it is absent):
+    a test poisons a sample mid-run and fixes it again."""
+
+    poison, poison_epoch, poison_file = -1, -1, ""
+    _looked_at = 0.0
+
+    def __getitem__(self, index):
+        if self.poison_file and time.monotonic() - self._looked_at >= 1.0:
+            self._looked_at = time.monotonic()
+            try:
+                with open(self.poison_file) as f:
+                    rec = json.load(f)
+                self.poison, self.poison_epoch = int(rec["index"]), int(rec["epoch"])
+            except (OSError, ValueError, KeyError):
+                self.poison = -1
+        if index == self.poison and self.epoch == self.poison_epoch:
+            ctypes.string_at(0)
+        return super().__getitem__(index)
+
+
+class PoisonedSample(Slow):
+    """Slow (``step_sleep`` seconds a step) over a training set whose sample ``poison`` crashes
+    the rank that reads it in epoch ``poison_epoch`` (0-based), every time: the run's tries of
+    that step end it (``rundir/tries.py``); or the sample ``poison_file`` names while it exists
+    (benchmarks/chaos.py). Elsewhere it trains as PseudoIDTask."""
+
+    def __init__(self, seed=0, poison=-1, poison_epoch=1, poison_file="", **params):
+        super().__init__(seed, **params)
+        self.poison, self.poison_epoch = int(poison), int(poison_epoch)
+        self.poison_file = str(poison_file)
+
+    def train_dataset(self):
+        if self._train is None:
+            self._train = _PoisonedIdentities(self.seed, **self.data_args, split=0)
+            self._train.poison, self._train.poison_epoch = self.poison, self.poison_epoch
+            self._train.poison_file = self.poison_file
+        return self._train

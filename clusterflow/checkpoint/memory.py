@@ -32,7 +32,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,9 @@ class MemorySnapshots:
         self._older_left = True  # older attempts' snapshots may be on this node
         # Seconds the loop spent taking snapshots, and how many were taken, since last read.
         self.loop_s, self.taken = 0.0, 0
+        # Told each step whose snapshot this rank committed (on the snapshot thread): the
+        # run's in-flight record (rundir/inflight.py), which says whether a crash lost progress.
+        self.on_commit: Callable[[int], None] = lambda step: None
         # Rank 0's snapshots carry the config, which a restore checks as a checkpoint's.
         self._meta_base: dict[str, Any] = (
             {"config_hash": cfg.fingerprint(), "config": portable(cfg.to_dict())}
@@ -285,6 +288,7 @@ class MemorySnapshots:
         path = self.store.save(step, state, meta)
         if path is None:
             return
+        self.on_commit(step)
         if self._older_left:
             self._drop_older()
         if self.peer is None:

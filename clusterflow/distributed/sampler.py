@@ -223,6 +223,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.plan = EpochPlan.of(n, batch_size)
         self.epoch = 0
         self.position = 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, its order), once per epoch
+        # (epoch, position, plan) and the global batches from there, for slice_at
+        self._batches: tuple[tuple[int, int, EpochPlan], list[tuple[int, int]]] | None = None
 
     def set_epoch(self, epoch: int, position: int = 0, plan: EpochPlan | None = None) -> None:
         """Iterate ``epoch`` from sample ``position`` of its order (a batch boundary of
@@ -243,15 +246,48 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return len(self.plan.batches_from(self.position)) * self.grad_accum
 
-    def __iter__(self) -> Iterator[list[int]]:
-        # Once per epoch, not once per batch.
-        order = self.order(self.seed, self.epoch)
-        order = order.tolist() if hasattr(order, "tolist") else list(order)
+    def _epoch_order(self) -> list[int]:
+        """The epoch's order as a list, computed once per epoch (the iteration and
+        :meth:`slice_at` share it)."""
+        if self._order is None or self._order[0] != self.epoch:
+            order = self.order(self.seed, self.epoch)
+            self._order = (
+                self.epoch,
+                order.tolist() if hasattr(order, "tolist") else list(order),
+            )
+        return self._order[1]
+
+    def _slices(self) -> Iterator[tuple[int, int]]:
+        """(start, stop) in the epoch's order of this rank's slice of each micro-batch, from the
+        position on."""
         for start, size in self.plan.batches_from(self.position):
             for micro in split(size, self.grad_accum):
                 part = shard_range(micro, self.rank, self.world)
-                yield order[start + part.start : start + part.stop]
+                yield start + part.start, start + part.stop
                 start += micro
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self._epoch_order()
+        for a, b in self._slices():
+            yield order[a:b]
+
+    def slice_at(self, k: int) -> list[int] | None:
+        """The indices of this rank's ``k``-th micro-batch (from 0) of the iteration from the
+        position, as :meth:`__iter__` yields it; None past the epoch's end. What a rank records
+        before it fetches a batch (``rundir/inflight.py``): the samples a crash in that batch
+        died on. The global batches from the position are listed once per iteration."""
+        key = (self.epoch, self.position, self.plan)
+        if self._batches is None or self._batches[0] != key:
+            self._batches = (key, self.plan.batches_from(self.position))
+        batches = self._batches[1]
+        step, micro = divmod(k, self.grad_accum)
+        if not 0 <= step < len(batches):
+            return None
+        start, size = batches[step]
+        sizes = split(size, self.grad_accum)
+        start += sum(sizes[:micro])
+        part = shard_range(sizes[micro], self.rank, self.world)
+        return self._epoch_order()[start + part.start : start + part.stop]
 
 
 class WithEpoch(Sampler[list[tuple[int, int]]]):

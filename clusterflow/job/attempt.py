@@ -163,7 +163,13 @@ class Attempt:
             _requeue_after_stall, cfg=self.cfg, paths=self.paths, env=self.env, environ=self.environ
         )
         watcher = observe.Observer(
-            self.cfg, self.paths, self.env.rank, self.attempt, self.device, after_stall=stalled
+            self.cfg,
+            self.paths,
+            self.env.rank,
+            self.attempt,
+            self.device,
+            after_stall=stalled,
+            world=(self.env.world_size, self.env.local_world_size),
         )
         self._watch = watcher.watching(run.phases)
         self._watch.__enter__()
@@ -474,6 +480,7 @@ def record_failure(
                     environ,
                     node_fault.Fault(rank, host, f.message),
                     cfg.cluster.max_node_failures,
+                    cfg.cluster.restarts_in_job or None,
                 )
             )
             if requeued:
@@ -532,6 +539,7 @@ def _requeue_after_stall(
         environ,
         node_fault.Fault(env.rank, rec["host"], cause),
         cfg.cluster.max_node_failures,
+        cfg.cluster.restarts_in_job or None,
     ):
         notify = events.OnEvent(cfg.observe.on_event, paths, f"rank {env.rank} on {rec['host']}")
         notify.fire(events.REQUEUED, _attempt_of(paths), f"node {rec['host']} left out: {cause}")

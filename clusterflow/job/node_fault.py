@@ -37,7 +37,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from clusterflow import rundir
-from clusterflow.rundir import transitions
+from clusterflow.distributed.env import RESTART_IN_JOB_ENV
+from clusterflow.rundir import transitions, tries
+from clusterflow.rundir.restarts import RestartCause
 from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 
@@ -147,6 +149,13 @@ def _facts(job_id: str, paths: rundir.RunPaths) -> Facts:
     )
 
 
+def _world_size(paths: rundir.RunPaths) -> int:
+    """The attempt's ranks, as status.json recorded them at its start."""
+    status, _ = rundir.read_object(paths.status)
+    size = status.get("world_size")
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 @dataclass(frozen=True)
 class Fault:
     """A node fault: rank ``rank`` on ``host`` failed with ``cause`` (one line)."""
@@ -157,14 +166,44 @@ class Fault:
 
 
 def requeue_without(
-    paths: rundir.RunPaths, environ: Mapping[str, str], fault: Fault, limit: int
+    paths: rundir.RunPaths,
+    environ: Mapping[str, str],
+    fault: Fault,
+    limit: int,
+    tries_limit: int | None = None,
 ) -> bool:
     """``fault`` is its attempt's first cause: requeue the job with ``fault.host`` excluded.
     True when the job was requeued (the caller ends its process); False when it was not (the
-    reason is logged; the job fails as it would have)."""
+    reason is logged; the job fails as it would have). ``tries_limit``
+    (``cluster.restarts_in_job``, None: not counted): the fault counts in the run's tries of one
+    step (``rundir/tries.py``), and a step that failed that often without progress is not
+    requeued again."""
     job_id = jobids.requeue_target(environ)
     if not job_id:
         return False
+    if tries_limit is not None:
+        verdict = tries.judge(
+            paths,
+            fault=tries.fault_id(
+                environ.get("SLURM_JOB_ID", ""),
+                environ.get("SLURM_RESTART_COUNT", 0),
+                environ.get(RESTART_IN_JOB_ENV, 0),
+            ),
+            attempt=rundir.current_attempt(paths),
+            world_size=_world_size(paths),
+            limit=tries_limit,
+            job_id=job_id,
+            cause=RestartCause.NODE,
+            rank=fault.rank,
+            host=fault.host,
+            error=fault.cause,
+        )
+        if verdict.gave_up:
+            log.error(
+                "node %s failed (%s); not requeued: %s", fault.host, fault.cause, verdict.said
+            )
+            transitions.mark_failed(paths, error=verdict.said)
+            return False
     facts = _facts(job_id, paths)
     p = plan(fault.host, facts, limit)
     if not p.requeue:

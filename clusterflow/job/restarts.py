@@ -14,9 +14,10 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 |-------------------------------------------------------|--------|------------------------------|
 | ended on purpose: completed, requeued, stopped,       | none   | (no restart: as before)      |
 | cancelled, or this driver got SIGTERM                 |        |                              |
-| first-error record, written before srun reported a    | stall  | the silent rank's node, left |
-| signal: the stall watchdog ended a rank while another |        | out where a spare allows     |
-| rank's heartbeat had gone silent (a frozen process)   |        |                              |
+| first-error record, written before srun reported a    | stall  | the silent rank's node,      |
+| signal: the stall watchdog ended a rank while another |        | always left out              |
+| rank's heartbeat had gone silent (a frozen process;   |        |                              |
+| the waiting rank's watchdog names it itself)          |        |                              |
 | first-error record, written before srun reported a    | stall  | left out unless the rank was |
 | signal: the stall watchdog ended a rank               |        | waiting for its peers (then  |
 |                                                       |        | used again)                  |
@@ -26,8 +27,10 @@ step fails, :func:`classify` names the fault from what the run dir and srun reco
 | killer, segfault)                                     |        | allows                       |
 | first-error record: a stall or device error after it  | stall, | as above                     |
 |                                                       | node   |                              |
+| first-error record: a full disk (a checkpoint it      | disk   | used again, once the disk    |
+| could not write)                                      |        | has room (:meth:`_room`)     |
 | anything else (the task's exception, bad input, a     | none   | (no restart: fails as        |
-| full disk, a diverged loss)                           |        | before)                      |
+| diverged loss)                                        |        | before)                      |
 
 srun kills a step's other tasks after one ends badly, so a stall or device error recorded before
 srun's first report of a signal is the step's cause and the signal its consequence. A rank
@@ -38,10 +41,15 @@ itself: its peers wait for it in a collective until their own watchdog fires, so
 is checked against the step's heartbeats, and a rank whose heartbeat had gone silent when the
 record was written (:func:`silent_peer`) is named instead.
 
-A restart happens while ``cluster.restarts_in_job`` allows (counted per Slurm attempt) and enough
-healthy nodes remain; otherwise the job ends as it did without this driver: a node fault requeues
-the job without its node (``node_fault.py``: the failing rank does it, since the driver tells each
-step through :data:`NODE_FAULT_RESTARTS_ENV` whether it would restart one), anything else fails.
+Each curable fault is judged in the run's tries (``rundir/tries.py``): a fault after the run
+committed a newer step than at the fault before is restarted however many came before; the same
+step failing ``cluster.restarts_in_job + 1`` times in a row with nothing committed between ends
+the run failed, with "no progress", the step and the samples of its batch (restarts here and
+requeues counted together). A restart happens while enough healthy nodes remain, each node it
+is about to use checked first (``job/nodecheck.py``: one that fails is left out and named);
+otherwise a node fault requeues the job without its node (``node_fault.py``: the failing rank
+does it, since the driver tells each step through :data:`NODE_FAULT_RESTARTS_ENV` whether it
+would restart one; the driver does it for a frozen rank), and anything else fails.
 Nodes left out besides the faulty one come from :func:`extra_left_out` (the place for stragglers);
 they are left out only where enough nodes remain.
 
@@ -73,9 +81,9 @@ from typing import Any
 
 from clusterflow import rundir
 from clusterflow.config.job_config import Config
-from clusterflow.distributed.env import RESTART_IN_JOB_ENV
+from clusterflow.distributed.env import RESTART_IN_JOB_ENV, derive_port
 from clusterflow.errors import UserError
-from clusterflow.job import node_fault
+from clusterflow.job import node_fault, nodecheck
 from clusterflow.job.standby import Program, Standby, program
 from clusterflow.observe import events, heartbeat
 from clusterflow.rundir import (
@@ -87,17 +95,22 @@ from clusterflow.rundir import (
     stragglers,
     timeline,
     transitions,
+    tries,
 )
+from clusterflow.rundir.restarts import RestartCause
 from clusterflow.rundir.states import Cause
 from clusterflow.slurm import steps
+from clusterflow.storage import diskfull, snapshots
 
 # Set for each step: "1" when a node fault in it restarts the job inside the allocation without
 # that node (a restart is left and a spare healthy node exists); the failing rank then does not
 # requeue the job itself.
 NODE_FAULT_RESTARTS_ENV = "CLUSTERFLOW_NODE_FAULT_RESTARTS"
 
-# The causes a restart names in restarts.jsonl; a stall is the first-error record's own kind.
-CRASH, NODE, STALL = "crash", "node", Cause.STALL
+# A job stopped by a full disk (a checkpoint it could not write) restarts once the disk has room
+# for twice what the write needed (at least ROOM_MIN_BYTES), looked at every ROOM_POLL_S, for at
+# most ROOM_WAIT_S; the allocation waits meanwhile, instead of the job failing.
+ROOM_WAIT_S, ROOM_POLL_S, ROOM_MIN_BYTES = 1800.0, 1.0, 16 * 2**20
 # How long after srun's first report of a failed task (an exit code or a signal) the driver waits
 # for the step's first-error record: the rank that names the cause writes it before it exits, but
 # the batch node may see it a moment later (a shared filesystem's lag, a loaded node still
@@ -112,6 +125,9 @@ KILLED_RECORD_WAIT_S = 0.5
 # step (before, its imports would compete with the ranks' start-up for the nodes' CPUs), or this
 # long after the step started, whichever comes first.
 STANDBY_AFTER_S = 60.0
+# How long the check of the nodes a restart is about to use may take (``job/nodecheck.py``: a
+# tenth of a second on a healthy node); a node that has not answered by then is left out.
+NODE_CHECK_S = 20.0
 POLL_S = 0.5
 _ON_PURPOSE = (states.COMPLETED, states.REQUEUED, states.STOPPED, states.CANCELLED)
 
@@ -129,6 +145,8 @@ class Fault:
     # Otherwise: the host is left out where a spare allows (False: it runs the next step too,
     # as a rank that only waited for a peer does).
     avoid: bool = True
+    # A full disk: (the path a write could not fill, the bytes it needed).
+    room: tuple[str, int] | None = None
 
 
 def classify(
@@ -150,7 +168,7 @@ def classify(
     if signalled and (recorded is None or srun_at is None or recorded.at > srun_at):
         assert srun_first is not None
         rank, host, what = srun_first
-        return Fault(CRASH, rank, host, what, srun_at or time.time(), leave_out=False)
+        return Fault(RestartCause.CRASH, rank, host, what, srun_at or time.time(), leave_out=False)
     return recorded
 
 
@@ -163,6 +181,17 @@ def _recorded(
         return None
     rank, host, error = first.get("rank"), first.get("host"), str(first.get("error", ""))
     at = float(first.get("time") or time.time())
+    if first.get("kind") == Cause.STALL and first.get("silent_host"):
+        # The waiting rank's watchdog read its peers' heartbeats and named the one that
+        # stopped (observe/watchdog.py): the cause, whose node is left out.
+        return Fault(
+            RestartCause.STALL,
+            first.get("silent_rank"),
+            str(first["silent_host"]),
+            error,
+            at,
+            leave_out=True,
+        )
     if first.get("kind") == Cause.STALL and silent is not None:
         # A frozen process (SIGSTOP, a thread holding the GIL, a hung node) cannot end itself:
         # its peers wait for it until their own watchdog fires. Its silent heartbeat names it.
@@ -172,29 +201,33 @@ def _recorded(
             + (", which waited for it" if first.get("waiting") else "")
             + " (a frozen process or node)"
         )
-        return Fault(STALL, peer, node, said, at, leave_out=False)
+        return Fault(RestartCause.STALL, peer, node, said, at, leave_out=True)
     if first.get("kind") == Cause.STALL:
         waiting = bool(first.get("waiting"))
-        return Fault(STALL, rank, host, error, at, leave_out=not waiting, avoid=not waiting)
+        return Fault(
+            RestartCause.STALL, rank, host, error, at, leave_out=not waiting, avoid=not waiting
+        )
     if node_fault.device_error(error) is not None:
-        return Fault(NODE, rank, host, error, at, leave_out=True)
+        return Fault(RestartCause.NODE, rank, host, error, at, leave_out=True)
+    full = diskfull.said_full(error)
+    if full is not None:  # nothing the node did: the step runs again where it ran
+        return Fault(
+            RestartCause.DISK, rank, host, error, at, leave_out=False, avoid=False, room=full
+        )
     return None
 
 
-# A heartbeat older than this many of its periods, and this margin, when a stall was recorded
-# was silent then: a live rank's writer thread writes once a period whatever its loop does.
-SILENT_PERIODS, SILENT_MARGIN_S = 2, 2.0
-
-
 def silent_peer(
-    first: Mapping[str, Any], heartbeats: Sequence[Mapping[str, Any]]
+    first: Mapping[str, Any],
+    heartbeats: Sequence[Mapping[str, Any]],
+    stall_s: float | None = None,
 ) -> tuple[int, str, float] | None:
     """(rank, node, seconds) of the rank, other than the one ``first`` (a stall's first-error
     record) names, whose heartbeat had been quiet longest when that record was written, if any
-    had been quiet for more than ``SILENT_PERIODS`` of its periods plus ``SILENT_MARGIN_S``;
-    ``heartbeats``: the step's heartbeat records (``time``, ``heartbeat_s``, and the longest
-    pause between two writes, ``paused_from``/``paused_to``: a frozen rank that Slurm's SIGCONT
-    woke before its end wrote again after the record)."""
+    had been quiet for longer than ``heartbeat.quiet_after`` its period and ``stall_s`` (the
+    watchdog's limit); ``heartbeats``: the step's heartbeat records (``time``, ``heartbeat_s``,
+    and the longest pause between two writes, ``paused_from``/``paused_to``: a frozen rank that
+    Slurm's SIGCONT woke before its end wrote again after the record)."""
     at = float(first.get("time") or 0)
     quiet = []
     for hb in heartbeats:
@@ -206,7 +239,7 @@ def silent_peer(
         if since > at and None not in paused and float(paused[0]) <= at <= float(paused[1]):
             since = float(paused[0])  # it wrote again after the record, not during the pause
         age = at - since
-        if every_s > 0 and age > SILENT_PERIODS * every_s + SILENT_MARGIN_S:
+        if every_s > 0 and age > heartbeat.quiet_after(every_s, stall_s):
             quiet.append((age, int(hb["rank"]), str(hb["host"])))
     if not quiet:
         return None
@@ -225,26 +258,22 @@ class Plan:
 
 def plan(
     fault: Fault | None,
-    used: int,
-    limit: int,
     allocation: Sequence[str],
     needed: int,
     faulty: Sequence[str] = (),
     avoid: Sequence[str] = (),
     shrink: bool = False,
 ) -> Plan:
-    """Whether to restart after ``fault``, and on which nodes. ``used``: restarts this Slurm
-    attempt made so far; ``limit``: cluster.restarts_in_job; ``faulty``: nodes an earlier node
-    fault or stall put out of use; ``avoid``: nodes to leave out only where enough others remain
-    (stragglers, a crashed rank's node, earlier crashes), in order of preference; ``shrink``
-    (cluster.shrink): when too few healthy nodes remain, run on those there are, and leave a
-    frozen rank's node out even without a spare (a crash's node is used again: nothing says it is
-    at fault)."""
+    """Whether to restart after ``fault``, and on which nodes (how many times one step may be
+    tried is :mod:`clusterflow.rundir.tries`' to say, before). ``faulty``: nodes an earlier node
+    fault, stall or node check put out of use; ``avoid``: nodes to leave out only where enough
+    others remain (stragglers, a crashed rank's node, earlier crashes), in order of preference;
+    ``shrink`` (cluster.shrink): when too few healthy nodes remain, run on those there are, and
+    leave a frozen rank's node out even without a spare (a crash's node is used again: nothing
+    says it is at fault)."""
     if fault is None:
         return Plan(False, why="not a failure a restart cures")
-    if used >= limit:
-        return Plan(False, why=f"no restart left (cluster.restarts_in_job={limit})")
-    suspect = fault.leave_out or (shrink and fault.cause == STALL and fault.avoid)
+    suspect = fault.leave_out or (shrink and fault.cause == RestartCause.STALL and fault.avoid)
     hard = set(faulty) | ({fault.host} if suspect and fault.host else set())
     healthy = [h for h in allocation if h not in hard]
     if len(healthy) < needed:
@@ -272,7 +301,6 @@ def extra_left_out(cfg: Config, paths: rundir.RunPaths) -> list[str]:
 
 
 def node_fault_restarts(
-    used: int,
     limit: int,
     allocation: Sequence[str],
     needed: int,
@@ -280,9 +308,10 @@ def node_fault_restarts(
     shrink: bool = False,
 ) -> bool:
     """Whether a node fault in the next step would be restarted here without its node (on fewer
-    nodes, with ``shrink``)."""
+    nodes, with ``shrink``); ``limit``: cluster.restarts_in_job (0: never). A step that already
+    failed too often without progress is the driver's to end, not the rank's to requeue."""
     healthy = [h for h in allocation if h not in set(faulty)]
-    return used < limit and len(healthy) - 1 >= (1 if shrink else needed)
+    return limit > 0 and len(healthy) - 1 >= (1 if shrink else needed)
 
 
 class Driver:
@@ -348,31 +377,167 @@ class Driver:
                 self._forget_snapshots(sorted(ran - set(nodes)))
                 return end.returncode
             fault = self._fault(end)
+            if fault is not None and self.limit == 0:
+                return self._not_restarted(fault, end, "cluster.restarts_in_job=0")
+            verdict = self._judge(fault, nodes, attempt) if fault is not None else None
+            if fault is not None and verdict is not None and verdict.gave_up:
+                return self._gave_up(fault, verdict, end)
+            if fault is not None and fault.room is not None and not self._room(fault.room):
+                return self._not_restarted(fault, end, f"no room on {fault.room[0]}")
+            p, unfit = self._place(fault)
+            if not p.restart:
+                if fault is not None and self._requeue(fault, p):
+                    return 0
+                return self._not_restarted(fault, end, p.why)
+            assert fault is not None
+            self.used += 1
+            self._remember(fault, p)
+            cold_why = self._standby_check(p.nodes)
+            self._record(fault, self.used, p, cold_why, verdict, unfit)
+            nodes = p.nodes
+            attempt = rundir.attempt_count(self.paths)
+            step = self._warm(nodes) if cold_why is None else self._cold(nodes)
+
+    def _judge(self, fault: Fault, nodes: Sequence[str], attempt: int) -> tries.Verdict:
+        """The fault of the step on ``nodes`` (whose rank 0 records ``attempt``) in the run's
+        tries (``rundir/tries.py``): whether the run made progress since the fault before, and
+        whether it gives up on a step that keeps failing."""
+        job_id = self.environ.get("SLURM_JOB_ID", "")
+        return tries.judge(
+            self.paths,
+            fault=tries.fault_id(job_id, self.environ.get("SLURM_RESTART_COUNT", 0), self.used),
+            attempt=attempt,
+            world_size=len(nodes) * self.per_node,
+            limit=self.limit,
+            job_id=job_id,
+            cause=fault.cause,
+            rank=fault.rank,
+            host=fault.host,
+            error=fault.error,
+            at=fault.at,
+        )
+
+    def _room(self, room: tuple[str, int]) -> bool:
+        """Wait until the full disk behind ``room`` (a path, the bytes a write needed) has room
+        again; False when it has none after ``ROOM_WAIT_S``, or the job is told to stop."""
+        path, needed = room
+        want = max(2 * needed, ROOM_MIN_BYTES)
+        free = diskfull.free_bytes(path)
+        if free is not None and free >= want:
+            return True
+        _say(
+            f"waiting for room on {path}'s filesystem before the restart ({free} bytes free, "
+            f"{want} wanted; at most {ROOM_WAIT_S:.0f} s)"
+        )
+        until = time.monotonic() + ROOM_WAIT_S
+        while time.monotonic() < until and not self.signalled:
+            time.sleep(ROOM_POLL_S)
+            free = diskfull.free_bytes(path)
+            if free is not None and free >= want:
+                _say(f"{free} bytes free on {path}'s filesystem: restarting")
+                return True
+        return False
+
+    def _place(self, fault: Fault | None) -> tuple[Plan, dict[str, str]]:
+        """Where the next step runs: :func:`plan`'s nodes, each checked first
+        (``job/nodecheck.py``); a node that fails its check is left out, named, and the plan
+        made again without it. Also the nodes left out so, and why."""
+        unfit: dict[str, str] = {}
+        checked: set[str] = set()
+        while True:
             p = plan(
                 fault,
-                self.used,
-                self.limit,
                 self.allocation,
                 self.needed,
                 self.faulty,
                 self.avoid + self.left_out(self.cfg, self.paths),
                 self.cfg.cluster.shrink,
             )
-            if not p.restart:
-                if fault is not None:
-                    _say(f"not restarted in the job after {_what(fault)}: {p.why}")
-                said = _what(fault) if fault is not None else f"exit status {end.exit_status}"
-                self.events.fire(events.FAILED, rundir.current_attempt(self.paths), said)
-                self.events.settle()
-                return end.exit_status
-            assert fault is not None
-            self.used += 1
-            self._remember(fault, p)
-            cold_why = self._standby_check(p.nodes)
-            self._record(fault, self.used, p, cold_why)
-            nodes = p.nodes
-            attempt = rundir.attempt_count(self.paths)
-            step = self._warm(nodes) if cold_why is None else self._cold(nodes)
+            new = [n for n in p.nodes if n not in checked]
+            if not p.restart or not new:
+                return p, unfit
+            found = self._check_nodes(new, p.nodes[0])
+            checked.update(new)
+            for node, why in found.items():
+                _say(f"node {node} left out of the restart: {why}")
+                unfit[node] = why
+                self.faulty.append(node)
+            if not found:
+                return p, unfit
+
+    def _check_nodes(self, nodes: Sequence[str], master: str) -> dict[str, str]:
+        """Why each of ``nodes`` is unfit for the next step (``job/nodecheck.py``; ``master``
+        hosts its rendezvous), by one srun step on them."""
+        c = self.cfg.checkpoint
+        argv = [
+            sys.executable,
+            "-m",
+            "clusterflow.job.nodecheck",
+            "--probe",
+            self.paths.node_probe("{node}"),
+            "--port-on",
+            master,
+            "--port",
+            str(self._next_port()),
+            "--gpus",
+            str(self.cfg.cluster.gpus_per_node),
+        ]
+        if c.memory_every_steps > 0:
+            argv += ["--memory", snapshots.run_folder(c.memory_dir, self.cfg.run.dir, "{node}")]
+        output, answered = steps.check_on(nodes, argv, self.environ, self.command[0], NODE_CHECK_S)
+        return nodecheck.verdicts(nodes, output, answered)
+
+    def _next_port(self) -> int:
+        """The rendezvous port of the step after this restart (``distributed/env.py``)."""
+        if self.environ.get("MASTER_PORT", "").isdigit():
+            return int(self.environ["MASTER_PORT"])
+        attempt = self.environ.get("SLURM_RESTART_COUNT", "0")
+        return derive_port(
+            self.environ.get("SLURM_JOB_ID", ""),
+            int(attempt) if attempt.isdigit() else 0,
+            self.used + 1,
+        )
+
+    def _not_restarted(self, fault: Fault | None, end: steps.StepEnd, why: str) -> int:
+        """The job ends as it would have without the driver."""
+        if fault is not None:
+            _say(f"not restarted in the job after {_what(fault)}: {why}")
+        said = _what(fault) if fault is not None else f"exit status {end.exit_status}"
+        self.events.fire(events.FAILED, rundir.current_attempt(self.paths), said)
+        self.events.settle()
+        return end.exit_status
+
+    def _gave_up(self, fault: Fault, verdict: tries.Verdict, end: steps.StepEnd) -> int:
+        """The same step failed too often without progress: the run ends failed, saying at
+        which step and which samples its batch held."""
+        _say(f"not restarted in the job after {_what(fault)}: {verdict.said}")
+        transitions.mark_failed(self.paths, error=verdict.said, exit_code=end.exit_status)
+        self.events.fire(events.FAILED, rundir.current_attempt(self.paths), verdict.said)
+        self.events.settle()
+        return end.exit_status
+
+    def _requeue(self, fault: Fault, p: Plan) -> bool:
+        """Too few healthy nodes for a restart here after a node's fault (a frozen rank, a
+        device error, nodes that failed their check): requeue the job without the failed node,
+        as a rank requeues it after its own node's fault (``node_fault.py``). True when
+        requeued."""
+        if not (fault.leave_out and fault.host and fault.rank is not None):
+            return False
+        if not self.cfg.cluster.exclude_failed_nodes:
+            return False
+        _say(f"no restart in the job after {_what(fault)} ({p.why}): requeueing it")
+        # The fault is in the run's tries already (_judge): not counted again.
+        requeued = node_fault.requeue_without(
+            self.paths,
+            self.environ,
+            node_fault.Fault(fault.rank, fault.host, fault.error),
+            self.cfg.cluster.max_node_failures,
+        )
+        if requeued:
+            said = f"node {fault.host} left out and the job requeued: {_what(fault)}"
+            self.events.fire(events.REQUEUED, rundir.current_attempt(self.paths), said)
+            self.events.settle()
+        return requeued
 
     # -- the steps ------------------------------------------------------------------------------
 
@@ -399,7 +564,7 @@ class Driver:
     def _watch(self, step: steps.Step, attempt: int) -> steps.StepEnd:
         """Wait for the step's end, starting the standby for the next restart once ``attempt``
         (the step's) trained its first step."""
-        due = self.warm is not None and self.used < self.limit
+        due = self.warm is not None
         while True:
             end = step.wait(POLL_S)
             if end is not None:
@@ -491,7 +656,7 @@ class Driver:
     def _step_variables(self, used: int) -> dict[str, str]:
         """The driver's own variables for the step after ``used`` restarts."""
         restarts_node_fault = node_fault_restarts(
-            used, self.limit, self.allocation, self.needed, self.faulty, self.cfg.cluster.shrink
+            self.limit, self.allocation, self.needed, self.faulty, self.cfg.cluster.shrink
         )
         return {
             RESTART_IN_JOB_ENV: str(used),
@@ -517,7 +682,7 @@ class Driver:
             beats = heartbeat.read_ranks(
                 self.paths, self.cfg.dist.heartbeat_s, since=end.started_at
             )
-            silent = silent_peer(first, beats)
+            silent = silent_peer(first, beats, self.cfg.dist.stall_limit_s)
         return classify(status.get("state"), first, end.first_failure, end.failed_at, silent)
 
     def _first_error(self, since: float, until: float) -> dict[str, Any] | None:
@@ -541,10 +706,19 @@ class Driver:
         elif fault.avoid:
             self.avoid.append(fault.host)
 
-    def _record(self, fault: Fault, used: int, p: Plan, cold_why: str | None = "") -> None:
+    def _record(
+        self,
+        fault: Fault,
+        used: int,
+        p: Plan,
+        cold_why: str | None = "",
+        verdict: tries.Verdict | None = None,
+        unfit: Mapping[str, str] | None = None,
+    ) -> None:
         """Record the restart (restarts.jsonl, the new attempt's start in status.json) and say it
         in the batch output; ``cold_why``: None when the warm standby's processes become the
-        ranks, else why new processes start ("" with warm restarts off)."""
+        ranks, else why new processes start ("" with warm restarts off); ``verdict``: the
+        fault's place in the run's tries; ``unfit``: nodes their check left out, and why."""
         job_id = self.environ.get("SLURM_JOB_ID", "")
         failed = rundir.current_attempt(self.paths)
         restarts.record_restart(
@@ -564,6 +738,13 @@ class Driver:
             world_size=len(p.nodes) * self.per_node,
             **({"shrunk": True} if p.shrunk else {}),
             **({} if self.warm is None else {"warm": cold_why is None}),
+            **(
+                {"tries": verdict.tries, "progress": verdict.progress}
+                if verdict is not None
+                else {}
+            ),
+            **({"died_on": verdict.step} if verdict is not None and verdict.step else {}),
+            **({"unfit": dict(unfit)} if unfit else {}),
         )
         # An attempt begins; the failed one's cause stays in its first-error record and in
         # restarts.jsonl.
@@ -587,8 +768,8 @@ class Driver:
         elif cold_why:
             out += f"; new processes: {cold_why}"
         said = (
-            f"restart {used} of {self.limit} in job {job_id} after {_what(fault)}: resuming "
-            f"from the newest checkpoint on {', '.join(p.nodes)}{out}"
+            f"restart {used} in job {job_id} after {_what(fault)}: resuming from the newest "
+            f"checkpoint on {', '.join(p.nodes)}{out}{_tried(verdict, self.limit)}"
         )
         _say(said)
         self.events.fire(events.REQUEUED, failed, said)
@@ -596,6 +777,15 @@ class Driver:
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         # Slurm signals the step itself; the driver waits for it to save and end, then stops.
         self.signalled = True
+
+
+def _tried(verdict: tries.Verdict | None, limit: int) -> str:
+    """How this fault counts against the run's tries of one step."""
+    if verdict is None:
+        return ""
+    at = f" of step {verdict.step}" if verdict.step is not None else ""
+    since = "progress" if verdict.progress else "no progress"
+    return f"; {since} since the last fault: try {verdict.tries + 1}{at} of at most {limit + 1}"
 
 
 def _what(fault: Fault) -> str:

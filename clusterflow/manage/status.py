@@ -33,6 +33,7 @@ from clusterflow.rundir import (
     saved_config,
     submissions,
     timeline,
+    tries,
 )
 from clusterflow.rundir.states import State
 from clusterflow.slurm import commands as slurm_commands
@@ -362,6 +363,7 @@ def collect(
         job_id=job_id,
         slurm_runs=_runs_known(attempts, job_id),
         resume=saved_config.how_to_resume(paths),
+        gave_up=tries.gave_up(paths, rundir.current_attempt(paths)),
     )
     asked = None
     if verdict.needs_slurm(evidence):
@@ -392,6 +394,7 @@ def collect(
         "hosts": st.get("hosts") or sorted(set(last.get("hosts") or [])),
         "excluded_nodes": rundir.excluded_nodes(paths),
         "restarts": _restarts(paths, tls),
+        "tries": tries.latest(paths),
         "restored_from": timeline.restored_from(tls, len(attempts)),
         "latest_checkpoint": latest,
         "latest_checkpoint_age_s": time.time() - os.path.getmtime(latest)

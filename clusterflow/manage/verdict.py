@@ -84,6 +84,8 @@ class Evidence:
     slurm: outcome.Verdict | None = None  # Slurm's record of it, asked when ``needs_slurm``
     slurm_runs: int = 0  # the runs of that job the records know (its highest restart count + 1)
     resume: str = ""  # how to resume the run (``saved_config.how_to_resume``)
+    # Why the run gave up on a step that kept failing without progress (``rundir/tries.py``)
+    gave_up: str | None = None
 
 
 @dataclass(frozen=True)
@@ -169,8 +171,12 @@ def decide(e: Evidence) -> Verdict:
         )
         return Verdict(state, error, note=note)
     rec = e.first_error
+    if e.gave_up and state == FAILED:
+        return Verdict(state, e.gave_up, note=note)
     if rec is not None and rec.get("kind") == Cause.STALL and state in (FAILED, RUNNING):
         facts = {k: rec.get(k) for k in ("rank", "host", "step", "phase", "stalled_s", "where")}
+        if rec.get("silent_host"):  # the rank that stopped, not the one that waited for it
+            facts.update(rank=rec.get("silent_rank"), host=rec["silent_host"])
         return Verdict(state, first_error.headline(rec), facts, note)
     if state == FAILED:
         error = _with_srun(first_error.worded(e.recorded_error, e.first_error), e.srun_first)

@@ -52,6 +52,45 @@ from clusterflow.storage import durable
 
 PHASES = ("train", "eval", "mining embed", "mining wait", "checkpoint")
 SILENT_FLOOR_S = 30.0  # clock skew between nodes and NFS attribute caching stay well below this
+# A rank whose heartbeat has been quiet for more than SILENT_PERIODS of its periods plus
+# SILENT_MARGIN_S, and for at least SILENT_SHARE of the stall watchdog's limit, while a peer
+# waits for it in a collective, stopped (SIGSTOP, a thread holding the GIL, a hung node): a live
+# rank's writer thread writes once a period whatever its loop does. The share of the limit
+# keeps a shared filesystem's caches (a heartbeat seen tens of seconds late) from naming a live
+# rank where the limit is minutes.
+SILENT_PERIODS, SILENT_MARGIN_S, SILENT_SHARE = 1.5, 2.0, 0.5
+
+
+def quiet_after(heartbeat_s: float, stall_s: float | None) -> float:
+    """How long a rank's heartbeat must have been quiet for that rank to be called stopped."""
+    return max(SILENT_PERIODS * heartbeat_s + SILENT_MARGIN_S, SILENT_SHARE * (stall_s or 0.0))
+
+
+def quietest(
+    records: list[dict[str, Any]], now: float, quiet_s: float, exclude: int, since: float
+) -> tuple[int, str, float] | None:
+    """(rank, host, seconds) of the rank, other than ``exclude``, whose heartbeat has been quiet
+    longest at ``now``, if that is more than ``quiet_s``; a rank with no heartbeat since
+    ``since`` (the attempt's start) has been quiet since then. Pure."""
+    quiet = []
+    for rec in records:
+        if rec.get("rank") == exclude:
+            continue
+        age = now - float(rec.get("time") or since)
+        if age > quiet_s:
+            quiet.append((age, int(rec["rank"]), str(rec.get("host") or "?")))
+    if not quiet:
+        return None
+    age, rank, host = max(quiet)
+    return rank, host, round(age, 1)
+
+
+def watches_peers(rank: int, world: int, local_world: int) -> bool:
+    """Whether this rank's watchdog reads its peers' heartbeats while it waits for them: rank 0
+    and the first rank of the second node (a hung node takes all its ranks; two readers of
+    every heartbeat, not one per rank, keep a hang of thousands of ranks off the shared
+    filesystem)."""
+    return rank in (0, min(world - 1, max(1, local_world)))
 
 
 class Progress:

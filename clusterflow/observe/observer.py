@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -34,7 +35,15 @@ from clusterflow import rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import RunFailed, UserError
 from clusterflow.observe import events, nvml, phases
-from clusterflow.observe.heartbeat import Heartbeat, Progress, tensorboard_scalars
+from clusterflow.observe.heartbeat import (
+    Heartbeat,
+    Progress,
+    quiet_after,
+    quietest,
+    read_ranks,
+    tensorboard_scalars,
+    watches_peers,
+)
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.watchdog import (
     Watchdog,
@@ -107,7 +116,10 @@ class Observer:
         attempt: int,
         device: torch.device,
         after_stall: Callable[[dict[str, Any]], None] | None = None,
+        world: tuple[int, int] = (1, 1),
     ) -> None:
+        """``world``: (ranks, ranks on this node): rank 0 and the first rank of the second node
+        read their peers' heartbeats while they wait for them (``heartbeat.watches_peers``)."""
         self.rank, self.attempt = rank, attempt
         self.after_stall = after_stall
         self.host = socket.gethostname()
@@ -127,6 +139,14 @@ class Observer:
             ).update
         self.progress = self.heartbeat.progress if self.heartbeat is not None else Progress()
         limit = d.stall_limit_s
+        self.started_at = time.time()
+        self.world_size = world[0]
+        self._quiet_s = quiet_after(d.heartbeat_s, limit)
+        peers = (
+            self._silent_peer
+            if self.heartbeat is not None and watches_peers(rank, *world)
+            else None
+        )
         self.watchdog = (
             Watchdog(
                 self.progress,
@@ -138,10 +158,20 @@ class Observer:
                 allowances=phase_allowances(cfg.mining.timeout_s, limit),
                 log_file=paths.log_file(rank, attempt),
                 on_stall=self._record,
+                peers=peers,
+                peers_every_s=max(0.2, min(5.0, d.heartbeat_s / 2)),
             )
             if limit
             else None
         )
+
+    def _silent_peer(self) -> tuple[int, str, float] | None:
+        """The peer whose heartbeat has been quiet longest, if it stopped (``quiet_after``)."""
+        assert self.heartbeat is not None
+        beats = read_ranks(
+            self.paths, self.heartbeat.every_s, since=self.started_at, world_size=self.world_size
+        )
+        return quietest(beats, time.time(), self._quiet_s, self.rank, self.started_at)
 
     def _record(self, rec: dict[str, Any]) -> None:
         """The stalled rank's own error record: `status` lists it, `submit --local` names it;

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from clusterflow import rundir
 from clusterflow.config.job_config import Config
@@ -21,6 +21,7 @@ from clusterflow.observe.metrics import Every, NullWriter, gpu_stats, writer_for
 from clusterflow.observe.profiling import NoProfile, profile_for
 from clusterflow.observe.timeline import FIRST_BATCH, FIRST_STEP, Startup, timeline_for
 from clusterflow.rundir import restarts, transitions
+from clusterflow.rundir.inflight import InFlight
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -123,6 +124,9 @@ class Reporter:
         # and the run's end record the last logged loss even when the cadence skipped its write.
         self._logged: dict[str, float] = {}
         self._first_batch = self._first_step = True
+        # The step this rank is about to train and its samples, for a crash that leaves nothing
+        # else (rundir/inflight.py).
+        self.inflight = InFlight(paths, self.rank, attempt)
 
     # -- the loop's events ------------------------------------------------------------------
     def loop_starts(self, purge_step: int) -> None:
@@ -133,6 +137,11 @@ class Reporter:
             self.cfg.train.profile_window, self.rank, self.attempt, self.paths, self.cuda
         )
         self.report(running=True)
+
+    def batch_asked(self, step: int, epoch: int, micro: int, indices: Sequence[int] | None) -> None:
+        """The loop asks for micro-batch ``micro`` of ``step`` (its samples ``indices``): the
+        in-flight record, before the batch is fetched."""
+        self.inflight.note(step, epoch, micro, indices)
 
     def batch_came(self, step_begins: int | None) -> None:
         """A batch of the run's loader came; ``step_begins``: the step it starts, if it is the
@@ -272,5 +281,6 @@ class Reporter:
         self.profile.close()
         step = self.progress()["global_step"]
         self.timeline.ended(outcome, step, self._writer or NullWriter())
+        self.inflight.close()
         if self._writer is not None:
             self._writer.close(outcome)

@@ -18,6 +18,13 @@ phase's own allowance: the mining wait is legitimately long) the thread
 
 A rank whose main thread waits inside a collective is more likely a victim of a peer than the cause,
 so it waits ``victim_grace_s`` longer: the peer that stopped outside a collective records first.
+A peer that cannot record (stopped by SIGSTOP, a thread holding the GIL, a hung node) stops its
+heartbeat too: while it waits, a rank given ``peers`` (rank 0 and the first rank of the second
+node, ``heartbeat.watches_peers``) reads its peers' heartbeats, and as soon as one has been quiet
+long enough (``heartbeat.quiet_after``) it records at once, naming that rank first (``silent_rank``,
+``silent_host``, ``silent_s`` in the record): the batch step's driver leaves that rank's node
+out of the restart, and the wait is the watchdog's limit, not the limit and the grace (nor a
+longer allowance of its phase, the mining wait's: a peer's silence is never the phase's).
 The loop thread is stuck, not the watchdog: os._exit from this thread works even while the main
 thread sleeps or waits in C code that released the GIL; a thread that holds the GIL forever stops
 this one too, and then the peers' heartbeats (and dist.timeout_s) are what is left.
@@ -90,6 +97,8 @@ class Watchdog:
         victim_grace_s: float | None = None,
         on_stall: Callable[[dict[str, Any]], None] | None = None,
         loop_thread: int | None = None,
+        peers: Callable[[], tuple[int, str, float] | None] | None = None,
+        peers_every_s: float = 1.0,
     ) -> None:
         self.progress, self.paths, self.rank, self.attempt = progress, paths, rank, attempt
         self.stall_s, self.allowances = float(stall_s), dict(allowances or {})
@@ -99,6 +108,10 @@ class Watchdog:
             default_victim_grace_s(self.stall_s) if victim_grace_s is None else victim_grace_s
         )
         self.loop_thread = loop_thread or threading.main_thread().ident
+        # (rank, host, seconds) of a peer whose heartbeat went quiet, read at most once every
+        # peers_every_s while this rank waits for its peers past its limit.
+        self.peers, self.peers_every_s = peers, peers_every_s
+        self._peers_read_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"clusterflow-watchdog-{rank}", daemon=True
@@ -134,20 +147,48 @@ class Watchdog:
             if count == 0:
                 continue  # armed by the first beat: start-up is dist.timeout_s's business
             idle = time.monotonic() - at
-            if idle < self.limit(phase):
+            if idle < min(self.stall_s, self.limit(phase)):
                 continue
             frame = sys._current_frames().get(self.loop_thread)
-            waiting = waiting_in_collective(frame) or active_collective()
-            if waiting and idle < self.limit(phase) + self.victim_grace_s:
-                continue
+            if idle < self.limit(phase):
+                # A phase allowed longer (the mining wait) waits for a peer that stopped no
+                # longer than any other: its silence is never the phase's.
+                waiting = waiting_in_collective(frame)
+                silent = self._silent_peer() if waiting else None
+                if silent is None:
+                    continue
+            else:
+                waiting = waiting_in_collective(frame) or active_collective()
+                silent = self._silent_peer() if waiting else None
+                if waiting and silent is None and idle < self.limit(phase) + self.victim_grace_s:
+                    continue
             if self._stop.is_set():
                 return
-            self.fire(idle, step, phase, frame, waiting)
+            self.fire(idle, step, phase, frame, waiting, silent)
+
+    def _silent_peer(self) -> tuple[int, str, float] | None:
+        """A peer that stopped, by its quiet heartbeat (read at most once every
+        ``peers_every_s``)."""
+        now = time.monotonic()
+        if self.peers is None or now - self._peers_read_at < self.peers_every_s:
+            return None
+        self._peers_read_at = now
+        try:
+            return self.peers()
+        except Exception:  # noqa: BLE001 - a reader's failure must not stop the watchdog
+            return None
 
     def fire(
-        self, idle: float, step: int, phase: str, frame: FrameType | None, waiting: str | None
+        self,
+        idle: float,
+        step: int,
+        phase: str,
+        frame: FrameType | None,
+        waiting: str | None,
+        silent: tuple[int, str, float] | None = None,
     ) -> None:
-        """Record, dump, exit. Each step is guarded: a full disk must not keep a hung rank alive."""
+        """Record, dump, exit. Each step is guarded: a full disk must not keep a hung rank alive.
+        ``silent``: (rank, host, seconds) of the peer whose heartbeat went quiet, the cause."""
         where = describe_frame(frame)
         msg = (
             f"rank {self.rank} on {self.host} stalled {int(idle)} s at step {step} in {phase} "
@@ -155,6 +196,11 @@ class Watchdog:
         )
         if waiting:
             msg += f", waiting in {waiting} for its peers"
+        if silent is not None:
+            msg = (
+                f"rank {silent[0]} on {silent[1]} stopped: no heartbeat for {silent[2]:.0f} s, "
+                f"no progress (a frozen process or node); {msg}"
+            )
         stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
         record = {
             "step": step,
@@ -164,6 +210,8 @@ class Watchdog:
             "waiting": waiting,  # a collective it waited in: more likely a peer's victim
             "traceback": stack,
         }
+        if silent is not None:
+            record.update(silent_rank=silent[0], silent_host=silent[1], silent_s=silent[2])
         paths = self.paths
         stalls = paths.stalls(self.attempt)
         _guard(

@@ -65,6 +65,7 @@ from typing import Any
 
 from clusterflow.rundir import first_error, records, restarts, timeline
 from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.restarts import RestartCause
 from clusterflow.rundir.states import Cause, Name, StopHow, StopReason
 from clusterflow.storage import diskfull
 
@@ -131,9 +132,6 @@ NOTE = records.Schema(
     },
     required=("attempt", "kind"),
 )
-# The causes restarts.jsonl names besides a stall (job/restarts.py's CRASH and NODE): a task
-# srun saw end by a signal first, a node's device error.
-_CRASH, _NODE = "crash", "node"
 
 
 def note(paths: RunPaths, attempt: int, kind: FaultKind, **fields: object) -> None:
@@ -171,7 +169,7 @@ def _said_kind(first: dict[str, Any] | None) -> FaultKind:
     if first.get("kind") == Cause.STALL:
         return FaultKind.HANG
     said = str(first.get("error") or "")
-    if diskfull.said_full(said):
+    if diskfull.says_full(said):
         return FaultKind.DISK_FULL
     return FaultKind.KILLED if any(w in said for w in _PEER_LOST) else FaultKind.ERROR
 
@@ -190,16 +188,18 @@ def _from_first(first: dict[str, Any]) -> dict[str, Any]:
 
 def _from_restart(r: dict[str, Any], first: dict[str, Any] | None) -> dict[str, Any]:
     cause = r.get("cause")
-    if cause == _CRASH:
+    if cause == RestartCause.CRASH:
         # srun saw a task end by a signal first; a rank that named its own error before it
         # (a full disk) is the cause.
         named = first is not None and first.get("kind") != Cause.STALL
         own = named and r.get("error") == first.get("error")
         kind = _said_kind(first) if own else FaultKind.KILLED
-    elif cause == Cause.STALL:
+    elif cause == RestartCause.STALL:
         kind = FaultKind.HANG
-    elif cause == _NODE:
+    elif cause == RestartCause.NODE:
         kind = FaultKind.NODE_LOST
+    elif cause == RestartCause.DISK:
+        kind = FaultKind.DISK_FULL
     else:
         kind = _kind(cause, _said_kind(first))
     return {

@@ -41,6 +41,14 @@ Inside ``RUN_DIR``:
                                   every Python warning of that rank and attempt (torch's too),
                                   whole, with where it was raised; the log has one line each
     heartbeats/rank<R>.json       each rank's latest heartbeat (see ``observe/heartbeat.py``)
+    inflight/rank<R>.bin          the step each rank is about to train and its slice of that
+                                  step's batch, rewritten in place before each batch (see
+                                  inflight.py)
+    tries.jsonl                   one line per fault that ended an attempt: the step it died
+                                  on, whether the run made progress since the fault before,
+                                  how many times that step was tried (see tries.py)
+    .nodecheck-<host>-<pid>       a node's probe of the run dir before a restart uses it, gone
+                                  a moment later (see ``job/nodecheck.py``)
     timeline/attempt<A>.json      when attempt A started, restored, trained its first step,
                                   committed, ended, and its seconds per phase; rewritten by
                                   rank 0 (see timeline.py; the goodput ledger reads it)
@@ -258,6 +266,21 @@ class RunPaths:
 
     def heartbeat_file(self, rank: int) -> str:
         return self._p("heartbeats", f"rank{rank}.json")
+
+    @property
+    def inflight(self) -> str:
+        return self._p("inflight")
+
+    def inflight_file(self, rank: int) -> str:
+        return self._p("inflight", f"rank{rank}.bin")
+
+    @property
+    def tries(self) -> str:
+        return self._p("tries.jsonl")
+
+    def node_probe(self, host: str) -> str:
+        """A node's probe of the run dir (``job/nodecheck.py`` adds its process id)."""
+        return self._p(f".nodecheck-{host}")
 
     def timeline_file(self, attempt: int) -> str:
         return self._p("timeline", f"attempt{attempt}.json")

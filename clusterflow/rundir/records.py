@@ -223,6 +223,9 @@ FIRST_ERROR = Schema(
         "phase": TEXT,
         "stalled_s": NUMBER,
         "where": TEXT,
+        "silent_rank": INT,
+        "silent_host": TEXT,
+        "silent_s": NUMBER,
     },
     required=("rank", "error"),
 )

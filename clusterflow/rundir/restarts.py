@@ -3,9 +3,10 @@
     RUN_DIR/restarts.jsonl     one JSON line per event, appended:
 
     {"event": "restart", "job_id": "123", "restart": 1, "failed_attempt": 0, "next_attempt": 1,
-     "cause": "crash" | "node" | "stall", "rank": 1, "host": "node2", "error": "Killed",
+     "cause": "crash" | "node" | "stall" | "disk", "rank": 1, "host": "node2", "error": "Killed",
      "fault_at": <time>, "restart_at": <time>, "nodes": ["node1", "node3"],
-     "left_out": ["node2"], "world_size": 2, "shrunk": true, "warm": true}
+     "left_out": ["node2"], "world_size": 2, "shrunk": true, "warm": true, "tries": 1,
+     "progress": true, "died_on": 13, "unfit": {"node3": "the run dir is not writable ..."}}
         written by the batch step's driver (``clusterflow/job/restarts.py``) when it starts a new
         srun step after a failure: ``fault_at`` is when the fault was seen (the first-error
         record's time, or the moment srun reported the task that ended first), ``restart_at`` when
@@ -13,7 +14,10 @@
         nodes it does not use (the failed node, a straggler), ``world_size`` its ranks, and
         ``shrunk`` (only when true) that it runs on fewer nodes than ``cluster.nodes`` because no
         spare was left (``cluster.shrink``), ``warm`` (with ``cluster.warm_restarts``) whether the
-        processes of the driver's warm standby became the ranks (false: new processes).
+        processes of the driver's warm standby became the ranks (false: new processes),
+        ``tries`` the faults in a row without progress this one ends (``tries.py``: 1 after
+        progress), ``died_on`` the step the failed attempt died on, ``unfit`` the nodes their
+        check before the restart left out, and why (``job/nodecheck.py``).
     {"event": "first_step", "attempt": 1, "step": 9, "at": <time>}
         written by rank 0 of an attempt that a restart started, when that attempt's first
         training step ends.
@@ -30,8 +34,19 @@ from typing import Any
 
 from clusterflow.rundir import records
 from clusterflow.rundir.paths import RunPaths
+from clusterflow.rundir.states import Cause, Name
 
 RESTART, FIRST_STEP = "restart", "first_step"
+
+
+class RestartCause(Name):
+    """The fault a restart follows (``cause`` of a restart, and of a try in ``tries.jsonl``)."""
+
+    CRASH = "crash"  # srun saw a task end first (a signal, an exit), nothing named a cause before
+    NODE = "node"  # a node's fault: a device error, the node gone
+    STALL = Cause.STALL.value  # the stall watchdog ended a rank that made no progress
+    DISK = "disk"  # a full disk: the restart waits for room
+
 
 RESTART_RECORD = records.Schema(
     {
@@ -51,6 +66,10 @@ RESTART_RECORD = records.Schema(
         "world_size": records.RANKS,
         "shrunk": records.FLAG,
         "warm": records.FLAG,
+        "tries": records.INT,
+        "progress": records.FLAG,
+        "unfit": records.OBJECT,
+        "died_on": records.INT,
         "attempt": records.INT,
         "step": records.INT,
         "at": records.TIME,

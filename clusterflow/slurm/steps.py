@@ -320,3 +320,36 @@ def run_on(nodes: Sequence[str], argv: Sequence[str], env: Mapping[str, str], sr
         return subprocess.run(line, env=dict(env), check=False, timeout=60).returncode
     except subprocess.TimeoutExpired:
         return 124
+
+
+def check_on(
+    nodes: Sequence[str],
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    srun: str,
+    timeout_s: float,
+) -> tuple[str, bool]:
+    """Run ``argv`` once on each of ``nodes`` beside any step there (``--overlap``), for at most
+    ``timeout_s`` (a hung node must not hold a restart): what the tasks printed, and whether the
+    step ended in time. The step runs without srun's --kill-on-bad-exit, so one node's failure
+    leaves the others' answers."""
+    line = [
+        srun,
+        "--overlap",
+        "--kill-on-bad-exit=0",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={','.join(nodes)}",
+        *argv,
+    ]
+    try:
+        out = subprocess.run(
+            line, env=dict(env), check=False, timeout=timeout_s, capture_output=True, text=True
+        )
+    except subprocess.TimeoutExpired as exc:
+        text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        return text, False
+    except OSError as exc:
+        return f"srun could not start: {exc}", True
+    return out.stdout, True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 
 from clusterflow.errors import RunFailed
@@ -32,12 +33,12 @@ def cause(exc: BaseException | None) -> OSError | None:
 
 
 # How a full disk reads in an error's text: this module's own sentences, and the OS's words.
-_SAID = (*_FULL.values(), "No space left on device", "Disk quota exceeded", "[Errno 28]")
+_WORDS = (*_FULL.values(), "No space left on device", "Disk quota exceeded", "[Errno 28]")
 
 
-def said_full(text: str) -> bool:
-    """Whether an error's text (a failed rank's record) says the disk was full."""
-    return any(words in text for words in _SAID)
+def says_full(text: str) -> bool:
+    """Whether an error's text (a failed rank's record) says the disk was full, in any words."""
+    return any(words in text for words in _WORDS)
 
 
 def payload_bytes(obj: object) -> int:
@@ -99,6 +100,30 @@ def describe(exc: BaseException, what: str, path: str, needed: int, local: bool 
         f"{_FULL[err.errno]} on {device} writing {what} to {path} "
         f"(it needs about {_mb(needed)}{free})"
     )
+
+
+# The sentence :func:`describe` writes, read back by the restart driver (``job/restarts.py``),
+# which restarts a job that stopped on a full disk once the disk has room again.
+_SENTENCE = re.compile(
+    r"(?:no space left|disk quota exceeded) on .+? writing .+? to (?P<path>\S+) "
+    r"\(it needs about (?P<mb>[\d.]+) MB"
+)
+
+
+def said_full(message: str) -> tuple[str, int] | None:
+    """(the path, the bytes it needed) of a full disk that ``message`` names in
+    :func:`describe`'s words; None for any other message."""
+    m = _SENTENCE.search(message)
+    return (m.group("path"), int(float(m.group("mb")) * 1e6)) if m else None
+
+
+def free_bytes(path: str) -> int | None:
+    """The bytes free on the filesystem that holds ``path`` (or the nearest folder above it that
+    exists); None when that cannot be asked."""
+    try:
+        return shutil.disk_usage(_existing(path)).free
+    except OSError:
+        return None
 
 
 def raise_if_full(

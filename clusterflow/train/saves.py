@@ -115,6 +115,8 @@ class Saves:
         )
         # The watch of the job's end (rank 0 of a Slurm job) needs to know how long a save takes.
         self.stop_agreement.preemption.measure_saves(self.checkpointer.save_s)
+        if self.checkpointer.memory is not None:
+            self.checkpointer.memory.on_commit = self.reporter.inflight.committed
         resumed = self.checkpointer.restore(data)
         if resumed:  # the state restored is a committed one
             self.saved_at = (self.state.global_step, self.state.position)

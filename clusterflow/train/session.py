@@ -342,7 +342,15 @@ class Run:
         self._fresh = None if loader.stream else (capture_rng(), self.reporter.clock.forwards)
         self.account.batches_begin(loader)
         batches = loader.batches(self.state.epoch)
+        k = 0  # micro-batches asked for in this iteration
         while True:
+            self.reporter.batch_asked(
+                self.state.global_step + 1,
+                self.state.epoch,
+                self.account.micro,
+                None if loader.stream else loader.sampler.slice_at(k),
+            )
+            k += 1
             asked = self.reporter.clock.asking(first_of_step=self.account.micro == 0)
             try:
                 items = next(batches)

@@ -125,12 +125,16 @@ class ClusterConfig:
     )
     restarts_in_job: int = doc(
         2,
-        "How many times a job restarts its training step inside its own allocation (a new srun "
-        "step from the newest checkpoint) after a failure a restart can cure: a rank killed by a "
-        "signal, a device error, a hang the stall watchdog ended. Only when none is left, or too "
-        "few healthy nodes remain, is the job requeued as before; 0: never (docs/restarts.md).",
+        "How many times one step is restarted when it fails again without progress: after a "
+        "failure a restart can cure (a rank killed by a signal, a device error, a hang, a full "
+        "disk) the job starts a new srun step from the newest checkpoint inside its allocation "
+        "(or requeues itself when too few healthy nodes remain); a failure after a newer step "
+        "was committed is restarted however many came before, and the same step failing "
+        "restarts_in_job + 1 times in a row, restarts in the job and requeues counted "
+        "together, ends the run failed with 'no progress' and its batch's samples; 0: never "
+        "restart inside the job (docs/restarts.md).",
         kind=RESOURCE,
-        why="how often a failure restarts the job inside its allocation; a restart resumes exactly",
+        why="how often a step that keeps failing is tried again; a restart resumes exactly",
     )
     spare_nodes: int = doc(
         0,
