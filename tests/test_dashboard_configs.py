@@ -1,8 +1,12 @@
 """What the dashboard shows of a run's config: rows with every secret masked by the one rule
 (its cases: test_masking.py), and the keys that tell runs apart (the compare view's legend)."""
 
+import json
+import os
+
 from clusterflow.config.masking import MASK
-from clusterflow.web import configs
+from clusterflow.rundir import RunPaths
+from clusterflow.web import catalog, configs, discover
 
 
 def test_rows_mask_every_secret_and_keep_the_rest():
@@ -38,3 +42,17 @@ def test_the_keys_that_tell_runs_apart():
         "trackers.wandb.api_key": MASK,
         "train.max_tokens": "64",  # a count tells runs apart
     }
+
+
+def test_a_damaged_sweep_index_is_named_with_its_secrets_masked(tmp_path):
+    """A sweep.json damaged so that its refusal quotes a member, secret and all: the Runs page's
+    problem line names the damage, not the secret."""
+    root = tmp_path / "sweep"
+    root.mkdir()
+    member = {"name": "a/b", "values": {"trackers.wandb.api_key": "hunter2-secret"}}
+    index = {"version": 1, "keys": ["trackers.wandb.api_key"], "members": [member]}
+    (root / os.path.basename(RunPaths(str(root)).sweep_index)).write_text(json.dumps(index))
+    sweep = catalog.Sweep(discover.Found("sweep", str(root), "sweep"))
+    sweep.update()
+    assert "is damaged: a member is" in sweep.problem, sweep.problem
+    assert "hunter2-secret" not in sweep.problem and MASK in sweep.problem, sweep.problem

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from clusterflow import rundir
+from clusterflow.config import masking
 from clusterflow.errors import UserError
 from clusterflow.manage import status as run_status
 from clusterflow.observe import goodput
@@ -206,9 +207,10 @@ class Run:
                 self.plain, self.plain_key = saved_config.read_plain(self.paths), key
             got = run_status.collect(self.paths, queue_state, self.plain, queue.job)
         except UserError as exc:
-            problem = str(exc)
+            problem = masking.mask_text(str(exc))  # a damaged record's text may quote a secret
         except Exception as exc:  # noqa: BLE001 - one run dir a reader chokes on must not stop the others
-            problem = f"its records could not be read ({type(exc).__name__}: {exc})"
+            said = masking.mask_text(str(exc))
+            problem = f"its records could not be read ({type(exc).__name__}: {said})"
         if self.watchers:
             self._watched_records(got)
         self.collected_sig, self.collected_at, self.jobs = sig, now, asked
@@ -267,7 +269,7 @@ class Sweep:
         try:
             self.index, self.problem = sweep_index.read_index(self.paths), ""
         except UserError as exc:
-            self.index, self.problem = None, str(exc)
+            self.index, self.problem = None, masking.mask_text(str(exc))
         self.version += 1
         return True
 
