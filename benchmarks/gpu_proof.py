@@ -1,4 +1,4 @@
-"""The GPU proof: every figure a lent GPU should give, in one command, with a report.
+"""The GPU proof: every figure a GPU machine should give, in one command, with a report.
 
     python benchmarks/gpu_proof.py --out /tmp/proof            # every figure
     python benchmarks/gpu_proof.py --out /tmp/proof --quick    # small sizes (the suite's test)
@@ -8,7 +8,7 @@
 On a GPU machine each figure is taken at its real size; on a machine without one the script runs
 each figure's CPU equivalent at a small size and marks the GPU figure "not taken" with the reason,
 so the code of every figure runs in the test suite and never rots. docs/benchmarks.md says what
-each figure means, its goal, and how to run this on a lent GPU with the wheels it needs.
+each figure means, its goal, and how to run this on a GPU machine with the wheels it needs.
 
 Figures, most valuable first (each in a child process of its own, with a time limit, so that a
 crash, a hang or a CUDA error in one leaves the others standing):
@@ -25,8 +25,8 @@ crash, a hang or a CUDA error in one leaves the others standing):
                       share of GPU memory (which DDP, given the same share, cannot)
 
 ``DIR/proof.json`` (every figure's values) and ``DIR/proof.md`` (one table) are rewritten after
-each figure, so a lease that ends early still leaves what was taken. ``--budget-s`` stops
-starting figures that could outlast it (the device tool's calls end after 10 minutes).
+each figure, so a run cut short still leaves what was taken. ``--budget-s`` stops starting
+figures that could outlast it (a machine held for a fixed time: give it that time).
 """
 
 from __future__ import annotations
