@@ -30,7 +30,7 @@ from multirank import run_ranks
 HOST_SIDE = (
     "torch/optim/optimizer.py:_get_value",
     "torch/utils/data/dataloader.py:__init__",
-    "sampler.py:__iter__",
+    "sampler.py:_epoch_order",
 )
 READS = ("item", "__float__", "__int__", "__index__", "__bool__", "tolist", "cpu", "numpy")
 
