@@ -369,3 +369,23 @@ def test_a_holder_that_was_taken_over_finds_out_at_its_next_renewal(tmp_path):
     assert os.path.exists(
         os.path.join(rundir.RunPaths(d).lease, f"gen-{held.gen + 1}.json")
     )  # never removes the new holder's
+
+
+@pytest.mark.slow
+def test_a_completed_task_run_given_more_epochs_trains_them_then_says_it_is_done(
+    tiny_two_rank_run, tmp_path
+):
+    """A completed run submitted again with train.epochs raised trains the new epochs (submit
+    rewrites config.yaml before the job starts: the job still sees what the run completed with),
+    and the same command once more trains nothing, saying so."""
+    d = str(tmp_path / "run")
+    shutil.copytree(tiny_two_rank_run, d, symlinks=True)
+    more = ("clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", "train.epochs=4", "--local")
+    out = run_cli(*more)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "completed at step 18 and trains on: train.epochs 3 -> 4" in out.stderr, out.stderr
+    status = json.load(open(os.path.join(d, "status.json")))
+    assert (status["state"], status["global_step"], status["epoch"]) == ("completed", 24, 4)
+    again = run_cli(*more)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"run dir {d} already completed at step 24: nothing to train" in again.stdout

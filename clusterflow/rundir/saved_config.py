@@ -344,17 +344,30 @@ def completed_at(run_dir: str) -> int | None:
 def nothing_to_train(cfg: Config) -> int | None:
     """The step a completed run ended at when ``cfg`` asks for nothing more (none of
     ``config.TRAIN_ON``'s keys changed: no more epochs, the script's arguments as they were), or
-    None. Reads only."""
+    None. Reads only. What the run completed with is its newest checkpoint's config (a launch
+    asking for more epochs has rewritten config.yaml before its job starts); config.yaml's where
+    that cannot be read."""
     step = completed_at(cfg.run.dir)
     saved = read(cfg.run.dir, set_aside=False) if step is not None else None
     if saved is None:
         return None
-    old, new = saved.to_dict(), cfg.to_dict()
+    old, new = _completed_with(cfgmod.resume_config(saved, cfg)) or saved.to_dict(), cfg.to_dict()
     for name in cfgmod.TRAIN_ON:
         section, key = name.split(".")
         if old.get(section, {}).get(key) != new.get(section, {}).get(key):
             return None
     return step
+
+
+def _completed_with(cfg: Config) -> dict[str, Any] | None:
+    """The config the newest committed checkpoint of ``cfg``'s run was saved with; None when
+    there is none or it cannot be read."""
+    try:
+        manifest = CheckpointStore(cfg.checkpoint_dir, cfg.checkpoint.keep_last).newest_manifest()
+    except Exception:  # noqa: BLE001 - an unreachable store or a missing fsspec package
+        return None
+    config = manifest.get("config") if manifest else None
+    return config if isinstance(config, dict) else None
 
 
 def nothing_to_train_said(run_dir: str, step: int) -> str:
