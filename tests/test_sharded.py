@@ -291,13 +291,16 @@ def _unlist(path):
 def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
     reference, tmp_path, name, damage, says
 ):
-    """The finished reference run, copied; one file of its newest checkpoint (step 18) damaged
-    and model.pt removed: the run is resumed from step 16 with a warning naming the file, and
-    ends with the same weights."""
+    """The finished reference run, copied as a run stopped after its last checkpoint (model.pt
+    removed, state stopped); one file of that checkpoint (step 18) damaged: the run is resumed
+    from step 16 with a warning naming the file, and ends with the same weights."""
     import shutil
 
     d = str(tmp_path / "run")
     shutil.copytree(reference, d, ignore=shutil.ignore_patterns("model.pt"))
+    status = json.load(open(os.path.join(d, "status.json")))
+    with open(os.path.join(d, "status.json"), "w") as f:
+        json.dump({**status, "state": "stopped"}, f)  # a completed run would train nothing
     damage(os.path.join(d, "checkpoints", "step-18", name))
     assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
     logs = rank0_log(d)
