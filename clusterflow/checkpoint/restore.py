@@ -34,7 +34,7 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.data_identity import DataIdentity, Position, judge_resume
-from clusterflow.checkpoint.memory import SHARED, MemorySnapshots
+from clusterflow.checkpoint.memory import SHARED, MemoryRestore
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
@@ -77,7 +77,7 @@ class Restorer:
         store: CheckpointStore,
         sharded: ShardedState | None = None,
         data: DataIdentity | None = None,
-        memory: MemorySnapshots | None = None,
+        memory: MemoryRestore | None = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
