@@ -10,6 +10,7 @@ Slurm cluster are in tests/test_slurm_recovery.py."""
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -109,6 +110,25 @@ def test_sets_newer_than_a_later_attempts_restore_were_abandoned(tmp_path):
         (REPLICA, "n1", 2),
     ]
     assert me._sets(gathered, (8, (1, 2, 8))) == []  # the shared is newer
+
+
+@pytest.mark.parametrize(
+    "restored, unreadable, expected",
+    [
+        ({}, set(), {2: math.inf, 1: math.inf, 0: math.inf}),  # no resume went back
+        # Attempt 2 resumed from step 4: attempts 0 and 1 keep their steps up to 4 only.
+        ({0: 0, 1: 8, 2: 4}, set(), {2: math.inf, 1: 4, 0: 4}),
+        # Attempt 1's timeline cannot be read: nothing of attempt 0 is trusted.
+        ({2: 6}, {1}, {2: math.inf, 1: 6, 0: -1}),
+    ],
+)
+def test_the_bounds_of_each_earlier_attempt_come_from_the_later_resumes(
+    restored, unreadable, expected
+):
+    records = timeline.Timelines(
+        records={a: {"restored_step": s} for a, s in restored.items()}, unreadable=unreadable
+    )
+    assert history_bounds(records, 3) == expected
 
 
 def test_replicas_arrive_verified_and_two_generations_stay(tmp_path):
