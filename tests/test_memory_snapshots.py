@@ -10,6 +10,7 @@ Slurm cluster are in tests/test_slurm_recovery.py."""
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -22,7 +23,6 @@ import tempfile
 import textwrap
 import threading
 import time
-import types
 import uuid
 from types import SimpleNamespace
 
@@ -32,7 +32,7 @@ import torch
 from conftest import REPO, weights_equal
 
 from clusterflow.checkpoint import identity
-from clusterflow.checkpoint.memory import MemorySnapshots, peer_of
+from clusterflow.checkpoint.memory import MemoryRestore, MemorySnapshots, history_bounds, peer_of
 from clusterflow.distributed.env import address_toward
 from clusterflow.manage.status import collect
 from clusterflow.rundir import RunPaths, timeline
@@ -95,8 +95,7 @@ def test_sets_newer_than_a_later_attempts_restore_were_abandoned(tmp_path):
     paths = RunPaths(str(tmp_path))
     for attempt, restored in ((0, 0), (1, 8), (2, 4)):
         timeline.write(paths, {"attempt": attempt, "restored_step": restored})
-    me = SimpleNamespace(paths=paths, attempt=3)
-    me._bounds = types.MethodType(MemorySnapshots._bounds, me)
+    me = MemoryRestore(None, 3, history_bounds(timeline.read_all(paths), 3))
     at = (1, 4, 10)  # a position; every set below is at least as new as the shared (4, (0, 4, 4))
     gathered = [
         ("n1", [(Key(OWN, 1, 0, 2), 10, at), (Key(REPLICA, 1, 1, 2), 10, at)]),
@@ -104,13 +103,32 @@ def test_sets_newer_than_a_later_attempts_restore_were_abandoned(tmp_path):
         ("n1", [(Key(OWN, 2, 0, 2), 6, at), (Key(REPLICA, 2, 1, 2), 6, at)]),
         ("n2", [(Key(OWN, 2, 1, 2), 6, at), (Key(REPLICA, 2, 0, 2), 6, at)]),
     ]
-    sets = MemorySnapshots._sets(me, gathered, (4, (0, 4, 4)))
+    sets = me._sets(gathered, (4, (0, 4, 4)))
     assert [(s[0][0].step, s[0][0].key.attempt) for s in sets] == [(6, 2)]
     assert [(c.key.kind, c.node, c.reader) for c in sets[0][1]] == [
         (OWN, "n2", 3),
         (REPLICA, "n1", 2),
     ]
-    assert MemorySnapshots._sets(me, gathered, (8, (1, 2, 8))) == []  # the shared is newer
+    assert me._sets(gathered, (8, (1, 2, 8))) == []  # the shared is newer
+
+
+@pytest.mark.parametrize(
+    "restored, unreadable, expected",
+    [
+        ({}, set(), {2: math.inf, 1: math.inf, 0: math.inf}),  # no resume went back
+        # Attempt 2 resumed from step 4: attempts 0 and 1 keep their steps up to 4 only.
+        ({0: 0, 1: 8, 2: 4}, set(), {2: math.inf, 1: 4, 0: 4}),
+        # Attempt 1's timeline cannot be read: nothing of attempt 0 is trusted.
+        ({2: 6}, {1}, {2: math.inf, 1: 6, 0: -1}),
+    ],
+)
+def test_the_bounds_of_each_earlier_attempt_come_from_the_later_resumes(
+    restored, unreadable, expected
+):
+    records = timeline.Timelines(
+        records={a: {"restored_step": s} for a, s in restored.items()}, unreadable=unreadable
+    )
+    assert history_bounds(records, 3) == expected
 
 
 def test_replicas_arrive_verified_and_two_generations_stay(tmp_path):

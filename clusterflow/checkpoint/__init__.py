@@ -6,7 +6,10 @@
 - ``background.py``: one write at a time on a thread, its outcome never lost;
 - ``restore.py``: which checkpoint to resume (the newest that verifies, fits and loads on every
   rank), read once and broadcast, applied everywhere or nowhere;
-- ``train_state.py``: counters, pseudo-labels and mining history (:class:`TrainState`);
+- ``memory.py``: snapshots in the nodes' memory: taking them (:class:`MemorySnapshots`) and
+  restoring from them (:class:`MemoryRestore`, bounded by the run's history);
+- ``train_state.py``: counters, pseudo-labels and mining history (:class:`TrainState`), and the
+  one rule for a save every N steps (``save_due``);
 - ``rng.py``: every random stream captured and restored in a ``weights_only``-safe form.
 
 The commit protocol itself (staging folders, manifests, publishing) is ``storage/store.py``.

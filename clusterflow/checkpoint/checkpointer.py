@@ -54,7 +54,7 @@ from clusterflow import rundir
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.background import BackgroundWrite
 from clusterflow.checkpoint.data_identity import DataIdentity
-from clusterflow.checkpoint.memory import MemorySnapshots
+from clusterflow.checkpoint.memory import MemoryRestore, MemorySnapshots, history_bounds
 from clusterflow.checkpoint.restore import Restorer
 from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState, holds_shards
@@ -194,8 +194,7 @@ class Checkpointer:
     def due(self, event: str) -> bool:
         if event != STEP:
             return True
-        p = self.progress
-        return p.global_step % self.every_steps == 0 and p.step_in_epoch < self.steps_per_epoch
+        return self.progress.save_due(self.every_steps, self.steps_per_epoch)
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, event: str) -> dict[str, float]:
@@ -599,8 +598,7 @@ class Checkpointer:
         """Collective, at the start of every attempt (``restore.Restorer``): ``data`` is the
         identity of the data this attempt trains on, which the checkpoint's must match
         (``data_identity.py``). Returns True when resumed."""
-        if self.memory is not None:
-            self.memory.connect()
+        memory = self._memory_restore()
         restorer = Restorer(
             self.cfg,
             self.model,
@@ -609,12 +607,12 @@ class Checkpointer:
             self.store,
             self.sharded,
             data,
-            self.memory,
+            memory,
         )
         resumed = restorer.restore()
         self.restored_from = restorer.restored_from
-        if self.memory is not None:
-            self.memory.forget_after(self.progress.global_step)
+        if memory is not None:
+            memory.forget_after(self.progress.global_step)
         # keep_best: the metric as of the step resumed from (a newer step may have been skipped
         # as damaged, and its value belongs to steps this attempt trains again).
         restored = (
@@ -626,6 +624,16 @@ class Checkpointer:
             self.metrics = dict(restored["metrics"])
         self._rounds_saved = len(self.progress.mining_history)
         return resumed
+
+    def _memory_restore(self) -> MemoryRestore | None:
+        """Collective, with snapshots in memory: this node's snapshots found (``connect``) and the
+        restore from them, bounded by the run's history (rank 0 reads the attempts' timelines:
+        the steps a later attempt's resume abandoned are never restored)."""
+        if self.memory is None:
+            return None
+        self.memory.connect()
+        records = timeline.read_all(self.paths) if dist.rank() == 0 else timeline.Timelines()
+        return MemoryRestore(self.memory.local, self.attempt, history_bounds(records, self.attempt))
 
     def committed_steps(self) -> list[int]:
         """The committed steps once rank 0's write in flight has landed (for a failure message that

@@ -15,7 +15,11 @@ optimizer state (the next ``optimizer.step`` waits for that copy only), serialis
 snapshot into the node's memory, commits it and sends it to the peer. A snapshot due while the
 previous one is still being written or sent is skipped (said once in the log), never waited for.
 
-Restoring (:meth:`MemorySnapshots.assemble`, collective, before the shared filesystem is read):
+Taking them is :class:`MemorySnapshots`; restoring from them, :class:`MemoryRestore`, built by
+the checkpointer's restore over the node's snapshots that the taker found, with the bounds of
+:func:`history_bounds` (which the caller computes from the attempts' timelines).
+
+Restoring (:meth:`MemoryRestore.assemble`, collective, before the shared filesystem is read):
 every rank lists the snapshots on its node; rank 0 finds the newest complete set that is at
 least as new as the newest shared checkpoint and that no later attempt abandoned (an attempt
 that resumed from an older step makes the newer snapshots of the attempts before it a future that
@@ -96,8 +100,10 @@ def peer_of(rank: int, hosts: list[str]) -> int | None:
 
 
 class MemorySnapshots:
-    """This rank's snapshots in memory for one attempt (``attempt``); ``model`` and ``states``:
-    the checkpointer's (rank 0 snapshots them), ``progress``: the run's counters."""
+    """Taking this rank's snapshots in memory for one attempt (``attempt``), and keeping its
+    peers' replicas; ``model`` and ``states``: the checkpointer's (rank 0 snapshots them),
+    ``progress``: the run's counters. After :meth:`connect`, ``local`` is this node's snapshots,
+    which a :class:`MemoryRestore` reads."""
 
     def __init__(
         self,
@@ -226,9 +232,7 @@ class MemorySnapshots:
 
     # -- taking -----------------------------------------------------------------------------
     def due(self, steps_per_epoch: int) -> bool:
-        p = self.progress
-        due = p.global_step % self.every == 0 and p.step_in_epoch < steps_per_epoch
-        return due and self.store is not None
+        return self.progress.save_due(self.every, steps_per_epoch) and self.store is not None
 
     def take(self, rng: dict[str, Any]) -> None:
         """On the loop's thread, at a step boundary where a snapshot is due: capture this rank's
@@ -348,7 +352,36 @@ class MemorySnapshots:
         self.loop_s, self.taken = 0.0, 0
         return out
 
-    # -- restoring --------------------------------------------------------------------------
+
+def history_bounds(records: timeline.Timelines, attempt: int) -> dict[int, float]:
+    """For each attempt before ``attempt``, the newest of its steps still in the run's history
+    (``records``: the attempts' timelines): a later attempt that resumed from an older step
+    abandoned the steps after it; an unreadable timeline leaves none of the attempts before it."""
+    bound: dict[int, float] = {}
+    low = math.inf
+    for earlier in range(attempt - 1, -1, -1):
+        bound[earlier] = low
+        if earlier in records.unreadable:
+            low = -1
+        restored = records.records.get(earlier, {}).get("restored_step")
+        if isinstance(restored, int):
+            low = min(low, restored)
+    return bound
+
+
+class MemoryRestore:
+    """The restore from the snapshots in the nodes' memory, before the shared filesystem is read.
+    ``local``: this node's snapshots (None: this node keeps none this attempt); ``attempt``: this
+    attempt, whose own snapshots are never read; ``bounds``: for each earlier attempt, the newest
+    of its steps still in the run's history (:func:`history_bounds`, needed on rank 0 only)."""
+
+    def __init__(
+        self, local: NodeSnapshots | None, attempt: int, bounds: Mapping[int, float]
+    ) -> None:
+        self.local, self.attempt, self.bounds = local, attempt, dict(bounds)
+        self.rank = dist.rank()
+        self.node = snapshots.node_name()
+
     def assemble(
         self, newest_shared: tuple[int, tuple[int, ...]] | None
     ) -> tuple[Checkpoint | None, Restored | None]:
@@ -410,7 +443,7 @@ class MemorySnapshots:
     ) -> list[dict[int, list[Copy]]]:
         """Rank 0: every complete set a restore may use, newest first: each old rank's copies,
         its own node's first."""
-        bound = self._bounds()
+        bound = self.bounds
         found: dict[tuple[int, int, int], dict[int, list[Copy]]] = {}
         for reader, (node, listed) in enumerate(gathered):
             for key, step, pos in listed:
@@ -441,21 +474,6 @@ class MemorySnapshots:
                 copies.sort(key=lambda c: (c.key.kind != OWN, c.reader))
             complete.append(ranks)
         return complete
-
-    def _bounds(self) -> dict[int, float]:
-        """Rank 0: for each earlier attempt, the newest of its steps still in the run's history:
-        a later attempt that resumed from an older step abandoned the steps after it."""
-        records = timeline.read_all(self.paths)
-        bound: dict[int, float] = {}
-        low = math.inf
-        for attempt in range(self.attempt - 1, -1, -1):
-            bound[attempt] = low
-            if attempt in records.unreadable:
-                low = -1
-            restored = records.records.get(attempt, {}).get("restored_step")
-            if isinstance(restored, int):
-                low = min(low, restored)
-        return bound
 
     def _plan(
         self, sets: list[dict[int, list[Copy]]], bad: set[tuple[str, str, int]]

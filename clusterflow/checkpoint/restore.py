@@ -34,7 +34,7 @@ import torch
 
 from clusterflow import config as cfgmod
 from clusterflow.checkpoint.data_identity import DataIdentity, Position, judge_resume
-from clusterflow.checkpoint.memory import SHARED, MemorySnapshots
+from clusterflow.checkpoint.memory import SHARED, MemoryRestore, Restored
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.sharded import ShardedState
 from clusterflow.checkpoint.train_state import TrainState
@@ -77,7 +77,7 @@ class Restorer:
         store: CheckpointStore,
         sharded: ShardedState | None = None,
         data: DataIdentity | None = None,
-        memory: MemorySnapshots | None = None,
+        memory: MemoryRestore | None = None,
     ) -> None:
         self.cfg, self.model, self.states, self.progress, self.store = (
             cfg,
@@ -105,101 +105,114 @@ class Restorer:
         Each is skipped with a warning naming it (and set aside when the run reaches its step
         again), and the previous one is tried; a skipped checkpoint leaves the model, the states
         and the RNG as they were."""
-        skipped: set[int] = set()
-        damaged: dict[int, str] = {}  # rank 0: step -> why it was skipped
+        newest = self._newest_committed()
+        first, restored = self.memory.assemble(newest) if self.memory else (None, None)
+        self._first_tier = restored.tier if restored else SHARED
+        skips = _Skips(self.store)
+        while True:
+            head, state, mine = self._receive_candidate(skips, first)
+            if head.path is None:
+                self.progress.data = self.data
+                return False
+            assert state is not None
+            problem, undo, load_model = self._apply_everywhere(head, state, mine)
+            if dist.any_rank(bool(problem)):
+                if undo is not None:
+                    undo()
+                why = problem or "another rank could not load it (see its log)"
+                skips.skip(head.path, head.step, why, head.tier)
+                if head.tier != SHARED:
+                    first = None  # the shared filesystem next
+                continue
+            load_model()
+            self._resumed(head, mine is not None, restored)
+            return True
+
+    def _newest_committed(self) -> tuple[int, tuple[int, ...]] | None:
+        """Collective: rank 0 finishes what a killed writer left; every rank learns the newest
+        committed step and its position (None when there is none), or raises rank 0's error."""
         newest, failure = self._prepare() if dist.rank() == 0 else (None, None)
         newest = dist.broadcast_object(newest)
         if failure is not None:
             raise failure
         if isinstance(newest, str):
             raise RuntimeError(f"rank 0 could not read the checkpoints: {newest}")
-        first, restored = self.memory.assemble(newest) if self.memory else (None, None)
-        self._first_tier = restored.tier if restored else SHARED
-        while True:
-            head, state, rngs, failure = (
-                self._read(skipped, damaged, first)
-                if dist.rank() == 0
-                else (Found(), None, None, None)
+        return newest
+
+    def _receive_candidate(
+        self, skips: _Skips, first: Checkpoint | None
+    ) -> tuple[Found, dict[str, Any] | None, RngState | None]:
+        """Collective: the next checkpoint to try, as rank 0 read it (``_read``), on every rank:
+        what it is, its state, and this rank's RNG state (None on another world size); ``path``
+        None when there is none. Raises on every rank what rank 0 found that refuses the run."""
+        head, state, rngs, failure = (
+            self._read(skips, first) if dist.rank() == 0 else (Found(), None, None, None)
+        )
+        head = dist.broadcast_object(head)
+        if failure is not None:
+            raise failure
+        if head.user_error:
+            raise UserError(head.user_error)
+        if head.refused:
+            raise RunFailed(head.refused)
+        if head.error:
+            raise RuntimeError(f"rank 0 could not read the checkpoint: {head.error}")
+        if head.path is None:
+            return head, None, None
+        mine = dist.scatter_object(rngs) if head.world_size == dist.world() else None
+        return head, dist.broadcast_state(state), mine
+
+    def _apply_everywhere(
+        self, head: Found, state: Mapping[str, Any], mine: RngState | None
+    ) -> tuple[str, Callable[[], None] | None, Callable[[], None]]:
+        """Collective: this rank applies the registered states and its RNG, and reads its shards
+        when sharded. Returns (this rank's problem, "" when none; how to undo what was applied;
+        how to load the model once every rank has applied without a problem)."""
+        problem, undo = self._apply(state[TRAIN_STATE], mine)
+        if self.sharded is None:
+            # Keys and shapes were checked by rank 0: it cannot half-apply.
+            return problem, undo, lambda: self.model.load_state_dict(state[MODEL])
+        load_shards: Callable[[], None] = lambda: None  # never run: a problem skips the load
+        try:  # collective: every rank reads, whatever its own states said
+            load_shards = self.sharded.read(head.folder)
+        except Exception as exc:  # noqa: BLE001 - any failure makes it unloadable
+            problem = problem or (
+                f"its shards do not load on rank {dist.rank()} ({type(exc).__name__}: "
+                f"{str(exc)[:300]})"
             )
-            head = dist.broadcast_object(head)
-            if failure is not None:
-                raise failure
-            if head.user_error:
-                raise UserError(head.user_error)
-            if head.refused:
-                raise RunFailed(head.refused)
-            if head.error:
-                raise RuntimeError(f"rank 0 could not read the checkpoint: {head.error}")
-            if head.path is None:
-                self.progress.data = self.data
-                return False
-            mine = dist.scatter_object(rngs) if head.world_size == dist.world() else None
-            state = dist.broadcast_state(state)
-            problem, undo = self._apply(state[TRAIN_STATE], mine)
-            load_shards = None
-            if self.sharded is not None:
-                try:  # collective: every rank reads, whatever its own states said
-                    load_shards = self.sharded.read(head.folder)
-                except Exception as exc:  # noqa: BLE001 - any failure makes it unloadable
-                    problem = problem or (
-                        f"its shards do not load on rank {dist.rank()} ({type(exc).__name__}: "
-                        f"{str(exc)[:300]})"
-                    )
-            if dist.any_rank(bool(problem)):
-                if undo is not None:
-                    undo()
-                why = problem or "another rank could not load it (see its log)"
-                if head.tier != SHARED:
-                    log.warning(
-                        "skipping %s: %s; falling back to the shared filesystem", head.path, why
-                    )
-                    first = None
-                    continue
-                log.warning(
-                    "skipping damaged checkpoint %s: %s; %s",
-                    head.path,
-                    why,
-                    self.store.fallback(head.step, skipped),
-                )
-                # Set aside, like a bad digest, when the run gets there again.
-                self.store.refused[head.step] = why
-                skipped.add(head.step)
-                damaged[head.step] = why
-                continue
-            if load_shards is not None:
-                load_shards()
-            else:
-                # Keys and shapes were checked by rank 0: it cannot half-apply.
-                self.model.load_state_dict(state[MODEL])
-            if mine is None:
-                log.warning(
-                    "resuming with %d ranks from a checkpoint of %d; "
-                    "per-rank RNG streams are re-derived",
-                    dist.world(),
-                    head.world_size,
-                )
-            p = self.progress
-            if head.new_data:
-                dropped = len(p.labels) if p.labels is not None else 0
-                p.labels = None
-                log.warning(
-                    "resumed on new data (data.allow_change=true): the pseudo-labels of %d "
-                    "samples dropped; epoch %d trains as before the first mining round",
-                    dropped,
-                    p.epoch + 1,
-                )
-            if self.data is not None:
-                p.data = self.data
-            log.info(
-                "resumed from %s: epoch %d, step %d of the epoch, global step %d",
-                head.path,
-                p.epoch + 1,  # counted from 1, as the log lines of the steps count it
-                p.step_in_epoch,
-                p.global_step,
+        return problem, undo, load_shards
+
+    def _resumed(self, head: Found, own_rng: bool, restored: Restored | None) -> None:
+        """After the checkpoint ``head`` loaded on every rank: its data and labels settled, the
+        resume said, and where it came from recorded."""
+        if not own_rng:
+            log.warning(
+                "resuming with %d ranks from a checkpoint of %d; "
+                "per-rank RNG streams are re-derived",
+                dist.world(),
+                head.world_size,
             )
-            where = restored.where if head.tier != SHARED and restored else head.path
-            self.restored_from = (head.tier, where, head.step)
-            return True
+        p = self.progress
+        if head.new_data:
+            dropped = len(p.labels) if p.labels is not None else 0
+            p.labels = None
+            log.warning(
+                "resumed on new data (data.allow_change=true): the pseudo-labels of %d "
+                "samples dropped; epoch %d trains as before the first mining round",
+                dropped,
+                p.epoch + 1,
+            )
+        if self.data is not None:
+            p.data = self.data
+        log.info(
+            "resumed from %s: epoch %d, step %d of the epoch, global step %d",
+            head.path,
+            p.epoch + 1,  # counted from 1, as the log lines of the steps count it
+            p.step_in_epoch,
+            p.global_step,
+        )
+        where = restored.where if head.tier != SHARED and restored else head.path
+        self.restored_from = (head.tier, where, head.step)
 
     def _apply(
         self, saved: Mapping[str, Any], rng: RngState | None
@@ -266,50 +279,23 @@ class Restorer:
             return f"{type(exc).__name__}: {exc}", exc
 
     def _read(
-        self, skipped: set[int], damaged: dict[int, str], first: Checkpoint | None = None
+        self, skips: _Skips, first: Checkpoint | None = None
     ) -> tuple[Found, dict[str, Any] | None, list[RngState] | None, BaseException | None]:
-        """Rank 0: ``first`` (a snapshot set from memory), then the newest committed step (not in
-        ``skipped``) that verifies and fits; each committed one that does not goes into
-        ``damaged``. Returns (what every rank needs to know, the state without RNG, each rank's
-        RNG, rank 0's error)."""
+        """Rank 0: ``first`` (a snapshot set from memory), then the newest committed step not
+        skipped yet that verifies and fits; each one that does not is skipped (``skips``).
+        Returns (what every rank needs to know, the state without RNG, each rank's RNG, rank 0's
+        error)."""
         try:
             from_memory = [first] if first is not None else []
             for ckpt in itertools.chain(
-                from_memory, self.store.candidates(skip=skipped, damaged=damaged)
+                from_memory, self.store.candidates(skip=skips.steps, damaged=skips.damaged)
             ):
                 memory = ckpt is first
+                tier = self._first_tier if memory else SHARED
                 try:
-                    self._check_config(ckpt.path, ckpt.manifest)
-                    model_state, saved = (
-                        ckpt.objects.get(MODEL),
-                        ckpt.objects.get(TRAIN_STATE),
-                    )
-                    self._check_format(ckpt.manifest, model_state)
-                    self._parts(saved)
-                    world = saved.get("world_size")
-                    if (
-                        not isinstance(world, int)
-                        or not isinstance(saved.get("rng"), list)
-                        or len(saved["rng"]) != world
-                    ):
-                        raise ValueError("train_state.pt has no RNG state for each of its ranks")
+                    model_state, saved = self._verify(ckpt)
                 except ValueError as exc:
-                    if memory:
-                        log.warning(
-                            "skipping %s: %s; falling back to the shared filesystem",
-                            ckpt.path,
-                            exc,
-                        )
-                        continue
-                    log.warning(
-                        "skipping damaged checkpoint %s: %s; %s",
-                        ckpt.path,
-                        exc,
-                        self.store.fallback(ckpt.step, skipped),
-                    )
-                    self.store.refused[ckpt.step] = str(exc)
-                    skipped.add(ckpt.step)
-                    damaged[ckpt.step] = str(exc)
+                    skips.skip(ckpt.path, ckpt.step, str(exc), tier)
                     continue
                 new_data = self._check_data(ckpt.path, self._parts(saved)[self._progress_name()])
                 saved = dict(saved)
@@ -318,23 +304,41 @@ class Restorer:
                     Found(
                         ckpt.path,
                         ckpt.step,
-                        world,
+                        saved["world_size"],
                         self.store.step_path(ckpt.step),
                         new_data=new_data,
-                        tier=self._first_tier if memory else SHARED,
+                        tier=tier,
                     ),
                     {MODEL: model_state, TRAIN_STATE: saved},
                     rngs,
                     None,
                 )
-            if damaged:
-                return Found(refused=self._refusal(damaged)), None, None, None
+            if skips.damaged:
+                return Found(refused=self._refusal(skips.damaged)), None, None, None
             return Found(), None, None, None
         except UserError as exc:
             return Found(user_error=str(exc)), None, None, exc
         # The other ranks must not wait for a broadcast that never comes.
         except Exception as exc:  # noqa: BLE001
             return Found(error=f"{type(exc).__name__}: {exc}"), None, None, exc
+
+    def _verify(self, ckpt: Checkpoint) -> tuple[object, dict[str, Any]]:
+        """Rank 0: ``ckpt``'s model state and train state, when its config, its kind and its model
+        fit this run and its train state holds every registered state and an RNG state per rank;
+        ValueError naming what does not (UserError for a config the resume refuses)."""
+        self._check_config(ckpt.path, ckpt.manifest)
+        model_state, saved = ckpt.objects.get(MODEL), ckpt.objects.get(TRAIN_STATE)
+        self._check_format(ckpt.manifest, model_state)
+        self._parts(saved)
+        assert isinstance(saved, dict)  # _parts refuses anything else
+        world = saved.get("world_size")
+        if (
+            not isinstance(world, int)
+            or not isinstance(saved.get("rng"), list)
+            or len(saved["rng"]) != world
+        ):
+            raise ValueError("train_state.pt has no RNG state for each of its ranks")
+        return model_state, saved
 
     def _refusal(self, damaged: Mapping[int, str]) -> str:
         """One line: every checkpoint is damaged, each step and why, and the way to start afresh
@@ -406,6 +410,33 @@ class Restorer:
                 got,
                 want,
             )
+
+
+class _Skips:
+    """The checkpoints one restore skipped as damaged, and the one way each is skipped: a warning
+    naming it and what comes next; a shared step is also set aside in the store (moved away,
+    like a bad digest, when the run reaches its step again), not tried again (``steps``) and
+    named with its reason in the refusal when none is left (``damaged``, rank 0's)."""
+
+    def __init__(self, store: CheckpointStore) -> None:
+        self.store = store
+        self.steps: set[int] = set()
+        self.damaged: dict[int, str] = {}  # step -> why
+
+    def skip(self, path: str, step: int, why: str, tier: str) -> None:
+        """Skip the checkpoint at ``path`` (``step``, read from ``tier``) because of ``why``."""
+        if tier != SHARED:  # a snapshot set: the shared filesystem is next
+            log.warning("skipping %s: %s; falling back to the shared filesystem", path, why)
+            return
+        log.warning(
+            "skipping damaged checkpoint %s: %s; %s",
+            path,
+            why,
+            self.store.fallback(step, self.steps),
+        )
+        self.store.refused[step] = why
+        self.steps.add(step)
+        self.damaged[step] = why
 
 
 def check_fits(model: torch.nn.Module, state: object) -> None:

@@ -121,6 +121,12 @@ class TrainState:
         later."""
         return (self.epoch, self.step_in_epoch)
 
+    def save_due(self, every: int, steps_per_epoch: int) -> bool:
+        """Whether a save every ``every`` steps (a checkpoint on disk, a snapshot in memory) falls
+        on the step just done: a multiple of ``every``, but for an epoch's last step, which the
+        end-of-epoch checkpoint saves after the epoch's end (eval, mining) instead."""
+        return self.global_step % every == 0 and self.step_in_epoch < steps_per_epoch
+
     def step_done(self, samples: int = 0) -> None:
         self.step_in_epoch += 1
         self.global_step += 1

@@ -15,9 +15,11 @@
   ``run.seed`` at ``start`` and per rank at ``run.setup``;
 - ``saves.py``: when the loop's events commit a checkpoint, how an agreed stop ends the job
   (:class:`RunStopped`), the run's end;
-- ``trainer.py``: :class:`Trainer`: a task's loop on a Run (its model, optimizer, schedule, AMP,
-  accumulation, EMA, eval; then mining and the epoch's save, which the Run does);
-- ``builders.py``: the model, optimizer, lr schedule, AMP dtype, ``task.init_from``;
+- ``trainer.py``: :class:`Trainer`: a task's loop on a Run (its model, optimizer, schedule,
+  accumulation, EMA, eval, in the run's precision; then mining and the epoch's save, which the
+  Run does);
+- ``builders.py``: the model, optimizer, lr schedule, ``task.init_from``, and the run's one
+  :class:`Precision` (autocast dtype and GradScaler);
 - ``parallel.py``: DDP or FSDP2 (``train.parallel``), and the few places the loop touches a
   sharded model;
 - ``ema.py``: the exponential moving average of the weights (``train.ema_decay``);

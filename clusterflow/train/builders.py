@@ -6,6 +6,7 @@ same weights).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import math
@@ -35,6 +36,23 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     if setting == "auto":
         return torch.bfloat16 if device.type == "cuda" else None
     return {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[setting]
+
+
+class Precision:
+    """``train.amp`` on a device, built once by the run (``Run.precision``) and used by whatever
+    loop trains on it, a script's or the task trainer: the dtype of the autocast around a forward
+    and its loss, and the one GradScaler that fp16 needs (a pass-through otherwise), which the
+    loop steps and every checkpoint saves."""
+
+    def __init__(self, setting: str, device: torch.device) -> None:
+        self.device_type = device.type
+        self.dtype = amp_dtype(setting, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=self.dtype == torch.float16)
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """Around a forward and its loss: autocast to ``dtype`` (nothing when it is None)."""
+        dtype = self.dtype
+        return torch.autocast(self.device_type, dtype=dtype, enabled=dtype is not None)
 
 
 def build_model(cfg: Config, task: Task, device: torch.device) -> torch.nn.Module:

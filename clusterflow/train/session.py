@@ -139,12 +139,11 @@ class Run:
         # The global random streams: the script's own seeds kept (train/seeds.py).
         self.seeds = seeds or GlobalSeeds(cfg.run.seed, script=False)
         self.models = Models(cfg, device, amp, self.seeds.at_setup)
-        # run.autocast's precision, and the GradScaler fp16 needs (a no-op otherwise), saved with
-        # every checkpoint when it scales.
-        self.autocast_dtype = builders.amp_dtype(cfg.train.amp, device)
-        self.scaler = torch.amp.GradScaler(
-            device.type, enabled=self.autocast_dtype == torch.float16
-        )
+        # run.autocast's precision and run.scaler, the GradScaler fp16 needs (a no-op otherwise):
+        # the only ones of the run, which the task trainer uses too; saved with every checkpoint
+        # when it scales.
+        self.precision = builders.Precision(cfg.train.amp, device)
+        self.scaler = self.precision.scaler
         self._counts_steps = False  # the loop is run.steps (no epochs of the script's own)
         self._loader: Loader | None = None
         # A stop leaves the loop with the loader's iterator held: its workers are stopped at the
@@ -728,8 +727,7 @@ class Run:
         """Around a forward and its loss: ``train.amp``'s precision on the run's device (``auto``:
         bf16 on a GPU, nothing on a CPU; ``none``: nothing). With fp16, step the optimizer
         through ``run.scaler``."""
-        dtype = self.autocast_dtype
-        return torch.autocast(self.device.type, dtype=dtype, enabled=dtype is not None)
+        return self.precision.autocast()
 
     @property
     def is_main(self) -> bool:

@@ -1,8 +1,9 @@
 """The training loop of a task (DDP or sharded: ``parallel.py``): what runs on every rank between
 rendezvous and exit. It is a user of the library API's :class:`Run` (``session.py``), as a script
 of the user's own is: the run sets the model up, plans the data, restores, counts steps, saves,
-stops and mines; this module is the task's loop on top (its model, optimizer, schedule, AMP,
-gradient accumulation, EMA, evaluation).
+stops and mines; this module is the task's loop on top (its model, optimizer, schedule,
+gradient accumulation, EMA, evaluation), in the run's precision (``run.autocast``,
+``run.scaler``: one GradScaler, stepped here and saved with every checkpoint).
 
 A fresh start and a resume go through the same code: the run restores the newest committed
 checkpoint, if any, and the loop continues from its epoch and the number of samples of that
@@ -87,8 +88,10 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, builders.lr_schedule(t, n * t.epochs, run.samples_trained)
         )
-        self.amp = run.amp
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp == torch.float16)
+        # The run's precision: its autocast around the forward, and its GradScaler, the one
+        # stepped here and saved with every checkpoint (registered as "scaler" below).
+        self.amp = run.precision.dtype  # the evaluation's autocast
+        self.scaler = run.scaler
         # The labels array that self._labels holds on the device.
         self._labels_of: np.ndarray | None = None
         self._labels: torch.Tensor | None = None
@@ -180,7 +183,7 @@ class Trainer:
             labels = labels[batch["index"]]
         sync = last_micro or self.world == 1
         with parallel.gradient_sync(self.model, sync):
-            with torch.autocast(self.device.type, dtype=self.amp, enabled=self.amp is not None):
+            with self.run.autocast():
                 loss, metrics = self.task.loss(self.model, batch, labels)
             weighted = loss * weight if weight != 1 else loss
             self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()

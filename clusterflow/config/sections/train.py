@@ -3,9 +3,9 @@
 Read by the task trainer (``train/trainer.py``, ``train/builders.py``), all of them; a script's
 loop sets its own batch, optimizer and schedule and reads only the keys not marked
 ``applies=TASK``:
-``parallel`` (``train/models.py``), ``amp`` (``run.autocast``, ``train/session.py``),
-``log_every_steps``, ``profile`` and ``progress_bar`` (``observe/reporter.py``, the mining
-round's bar) and ``on_nonfinite`` (``train/finite.py``).
+``parallel`` (``train/models.py``), ``amp`` (``run.autocast``: ``train/builders.py``'s
+``Precision``), ``log_every_steps``, ``profile`` and ``progress_bar`` (``observe/reporter.py``,
+the mining round's bar) and ``on_nonfinite`` (``train/finite.py``).
 """
 
 from __future__ import annotations
