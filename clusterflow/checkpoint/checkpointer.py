@@ -60,16 +60,16 @@ from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState, holds_shards
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline, transitions
 from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
-from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.store import AlsoKeep, CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
 log = logging.getLogger("clusterflow.checkpointer")
@@ -93,25 +93,23 @@ class Stateful(Protocol):
 class Checkpointer:
     def __init__(
         self,
-        cfg: Config,
-        paths: rundir.RunPaths,
+        ctx: JobContext,
         model: torch.nn.Module,
         states: Mapping[str, Stateful],
-        progress: TrainState,
+        state: TrainState,
+        *,
         steps_per_epoch: int,
-        attempt: int = 0,
-        tracker: phases.Phases | None = None,
         before_commit: Callable[[str], None] | None = None,
         after_commit: Callable[[int, float | None], None] | None = None,
     ) -> None:
+        cfg, paths, attempt, progress = ctx.cfg, ctx.paths, ctx.attempt, state
         c = cfg.checkpoint
         self.store = CheckpointStore(
             cfg.checkpoint_dir,
             c.keep_last,
             c.fsync,
-            c.keep_every_steps,
-            c.best,
-            identity.check,
+            also_keep=AlsoKeep(c.keep_every_steps, c.best),
+            check=identity.check,
             codec=TORCH,
         )
         # The keep_best metric's latest logged value, saved in each manifest (``note``).
@@ -145,7 +143,7 @@ class Checkpointer:
         self.total_epochs = cfg.train.epochs
         # A loop without a loader (run.steps(max_steps)): its length in steps, in each manifest.
         self.max_steps: int | None = None
-        self.phases = tracker or phases.Phases()
+        self.phases = ctx.phases
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
         # Rank 0, with the step and the seconds its write took until then, as soon as a
@@ -607,9 +605,9 @@ class Checkpointer:
             self.states,
             self.progress,
             self.store,
-            self.sharded,
-            data,
-            self.memory,
+            sharded=self.sharded,
+            data=data,
+            memory=self.memory,
         )
         resumed = restorer.restore()
         self.restored_from = restorer.restored_from

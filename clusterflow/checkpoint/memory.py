@@ -97,7 +97,7 @@ def peer_of(rank: int, hosts: list[str]) -> int | None:
 
 class MemorySnapshots:
     """This rank's snapshots in memory for one attempt (``attempt``); ``model`` and ``states``:
-    the checkpointer's (rank 0 snapshots them), ``progress``: the run's counters."""
+    the checkpointer's (rank 0 snapshots them), ``state``: the run's counters."""
 
     def __init__(
         self,
@@ -105,12 +105,12 @@ class MemorySnapshots:
         paths: rundir.RunPaths,
         model: torch.nn.Module,
         states: Mapping[str, Any],
-        progress: TrainState,
+        state: TrainState,
         attempt: int,
     ) -> None:
         c = cfg.checkpoint
         self.every, self.paths, self.attempt = c.memory_every_steps, paths, attempt
-        self.model, self.states, self.progress = model, dict(states), progress
+        self.model, self.states, self.progress = model, dict(states), state
         self.rank, self.world = dist.rank(), dist.world()
         self.node = snapshots.node_name()
         self.memory_dir = c.memory_dir
@@ -295,7 +295,15 @@ class MemorySnapshots:
             return
         peer, node, address = self.peer
         try:
-            replica.send(address, self.token, self.key, step, path, self.timeout_s, self.here)
+            replica.send(
+                address,
+                self.token,
+                self.key,
+                step,
+                path,
+                timeout_s=self.timeout_s,
+                source=self.here,
+            )
         except (replica.ReplicaError, OSError) as exc:
             self._say_failed(step, exc, f"replica on {node} (rank {peer})")
 

@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
-from clusterflow.config.sections import DataConfig, MiningConfig
+from clusterflow.config.sections import DataConfig
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed import workers
 from clusterflow.distributed.groups import Subgroup
@@ -61,6 +61,8 @@ from clusterflow.mining.rounds import RoundFiles, SearchBlocks, forget_rounds, r
 from clusterflow.mining.sharded_curves import sharded_resolve
 from clusterflow.mining.sharded_graph import mutual_edges, sharded_clusters
 from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
+from clusterflow.observe.observer import mining_wait_timeout_s
 from clusterflow.tasks import Task
 
 log = logging.getLogger("clusterflow.mining")
@@ -94,28 +96,26 @@ def embed_shard(
     task: Task,
     model: torch.nn.Module,
     dataset: Dataset,
-    rank: int,
-    world: int,
     batch: int,
     device: torch.device,
     amp_dtype: torch.dtype | None,
-    progress: tqdm | None = None,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    tick: Callable[[], None] | None = None,
+    *,
+    data: DataConfig | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """This rank's contiguous shard: (indices, float32 embeddings).
 
-    Built to keep a GPU fed: the DataLoader decodes in ``num_workers`` processes into pinned
-    memory, batches go to the device with non-blocking copies, and each batch's embeddings go
-    back with a non-blocking copy into one preallocated (pinned) host array, synchronised once at
-    the end, so the host never waits for the device inside the loop. No collective runs here:
-    ``progress`` (rank 0's bar) advances by this rank's batches times the world size (shards
-    differ by at most one sample), so no rank ever waits for another's progress. Indices are the
-    host copies of the batch's ``index``, in shard order. ``tick()`` is called once per batch (the
-    heartbeat: a rank stuck in one batch is a stall)."""
-    shard = shard_range(len(dataset), rank, world)
-    pin = pin_memory and device.type == "cuda"
+    Built to keep a GPU fed: the DataLoader decodes in ``data.num_workers`` processes into
+    pinned memory (``data.pin_memory``; None: in this process, unpinned), batches go to the
+    device with non-blocking copies, and each batch's embeddings go back with a non-blocking
+    copy into one preallocated (pinned) host array, synchronised once at the end, so the host
+    never waits for the device inside the loop. No collective runs here. Indices are the host
+    copies of the batch's ``index``, in shard order. ``on_batch(samples)`` is called once per
+    batch with its samples (rank 0's progress bar; the heartbeat: a rank stuck in one batch is
+    a stall)."""
+    shard = shard_range(len(dataset), dist.rank(), dist.world())
+    num_workers = data.num_workers if data is not None else 0
+    pin = data is not None and data.pin_memory and device.type == "cuda"
     loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(dataset, list(shard)),
         batch_size=batch,
@@ -143,10 +143,8 @@ def embed_shard(
                 host = torch.empty((len(shard), *z.shape[1:]), dtype=torch.float32, pin_memory=pin)
             host[done : done + len(z)].copy_(z, non_blocking=True)
             done += len(z)
-            if progress is not None:
-                progress.update(min(len(z) * world, progress.total - progress.n))
-            if tick is not None:
-                tick()
+            if on_batch is not None:
+                on_batch(len(z))
     if device.type == "cuda":
         # The one wait: every copy into `host` has landed.
         torch.cuda.current_stream(device).synchronize()
@@ -314,35 +312,31 @@ class ShardedSearch:
 
 
 class Miner:
-    """The mining stage of one trainer: when a round is due, and running it. ``rounds_dir``:
-    where rounds keep their work until their labels are committed (None: nowhere)."""
+    """The mining stage of one trainer: when a round is due, and running it. It reads the job's
+    ``mining`` section, the embedding DataLoader's workers and pinned memory (``data``), rank 0's
+    progress bar (``train.progress_bar``), where rounds keep their work until their labels are
+    committed (the run's mining rounds folder with ``mining.resume``, fsynced as checkpoints
+    are), and how long ranks wait for rank 0's search."""
 
     def __init__(
         self,
-        cfg: MiningConfig,
+        ctx: JobContext,
         device: torch.device,
         amp_dtype: torch.dtype | None,
         stop: StopVote,
-        tracker: phases.Phases | None = None,
-        progress_bar: bool = True,
-        rounds_dir: str | None = None,
-        fsync: bool = True,
-        data: DataConfig | None = None,
-        wait_timeout_s: int | None = None,
     ) -> None:
+        job = ctx.cfg
+        cfg = job.mining
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
         # The data section: worker processes and pinned memory for the embedding's DataLoader.
-        self.loader_args = (
-            {"num_workers": data.num_workers, "pin_memory": data.pin_memory}
-            if data is not None
-            else {}
-        )
-        self.phases = tracker or phases.Phases()
-        self.progress_bar = progress_bar
-        self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
+        self.data = job.data
+        self.phases = ctx.phases
+        self.progress_bar = job.train.progress_bar
+        self.rounds_dir = ctx.paths.mining_rounds if cfg.resume else None
+        self.fsync = job.checkpoint.fsync
         # Ranks wait here for rank 0's search: on mining.timeout_s, or longer with the watchdog
         # (observe.observer.mining_wait_timeout_s), so that rank 0's watchdog names a hung search.
-        self.group = Subgroup(wait_timeout_s or cfg.timeout_s)
+        self.group = Subgroup(mining_wait_timeout_s(cfg.timeout_s, job.dist.stall_limit_s))
         self.params = KnnParams.from_config(cfg)
         self.search: Rank0Search | SpreadSearch | ShardedSearch = (
             SpreadSearch(self.params, device)
@@ -544,18 +538,23 @@ class Miner:
         with self.phases.enter(phases.MINING_EMBED):
             t0 = time.perf_counter()
             bar = self._bar(len(dataset), epoch)
+
+            def on_batch(samples: int) -> None:
+                # Shards differ by at most one sample: rank 0's bar counts its batches times
+                # the world size, so no rank ever waits for another's progress.
+                if bar is not None:
+                    bar.update(min(samples * dist.world(), bar.total - bar.n))
+                self.phases.tick()
+
             indices, emb = embed_shard(
                 task,
                 model,
                 dataset,
-                dist.rank(),
-                dist.world(),
                 self.cfg.embed_batch,
                 self.device,
                 self.amp,
-                bar,
-                tick=self.phases.tick,
-                **self.loader_args,
+                data=self.data,
+                on_batch=on_batch,
             )
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
