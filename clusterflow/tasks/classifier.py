@@ -92,7 +92,13 @@ class ClassifierTask(Task):
         self.classes = identities
         self.counts = long_tail_counts(identities, samples_per_identity, imbalance)
         self.data_args = identity_data(
-            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
+            identities,
+            input_dim,
+            id_dim,
+            nuisance_dim=nuisance_dim,
+            nuisance_scale=nuisance_scale,
+            noise=noise,
+            keep=keep,
         )
         self.eval_per_class = eval_samples_per_identity
         self.hidden, self.embed_dim = hidden, embed_dim

@@ -140,6 +140,7 @@ def identity_data(
     identities: int,
     input_dim: int,
     id_dim: int,
+    *,
     nuisance_dim: int,
     nuisance_scale: float,
     noise: float,
@@ -179,7 +180,13 @@ class PseudoIDTask(Task):
     ) -> None:
         self.seed = seed
         shape = identity_data(
-            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
+            identities,
+            input_dim,
+            id_dim,
+            nuisance_dim=nuisance_dim,
+            nuisance_scale=nuisance_scale,
+            noise=noise,
+            keep=keep,
         )
         self.data_args = {**shape, "samples_per_identity": samples_per_identity}
         self.hidden, self.embed_dim, self.temperature = hidden, embed_dim, temperature

@@ -33,6 +33,7 @@ class SyntheticActivations(Dataset):
         features: int,
         active: float,
         noise: float,
+        *,
         split: int = 0,
     ) -> None:
         rng = np.random.default_rng([seed, 21])
