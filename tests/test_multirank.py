@@ -200,6 +200,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
 
     from clusterflow.distributed import comm as dist
     from clusterflow.distributed.sampler import shard_range
+    from clusterflow.mining.knn import SearchHooks
     from clusterflow.mining.knn.torch_engine import distributed_search
 
     x = _knn_data(n)
@@ -213,7 +214,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
         torch.device("cpu"),
         query_batch=query_batch,
         db_chunk=16,
-        should_abort=lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at,
+        hooks=SearchHooks(lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at),
     )
     return None if out is None else (out[0].tolist(), out[1].tolist())
 

@@ -52,7 +52,7 @@ from clusterflow.mining.clustering import (
     normalize,
     tie_warning,
 )
-from clusterflow.mining.knn import KnnParams
+from clusterflow.mining.knn import KnnParams, SearchHooks
 from clusterflow.mining.knn.sharded import sharded_search
 from clusterflow.mining.knn.torch_engine import distributed_search
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
@@ -79,6 +79,16 @@ class Round:
 
     labels: np.ndarray
     stats: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EmbeddedShard:
+    """This rank's part of a round's embeddings: the dataset ``indices`` it embedded, their rows
+    (``emb``), and whether they were read back from the round's files (``reused``)."""
+
+    indices: np.ndarray
+    emb: np.ndarray
+    reused: bool
 
 
 class StopVote(Protocol):
@@ -172,6 +182,7 @@ class Rank0Search:
         emb: np.ndarray,
         n: int,
         dim: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -209,6 +220,7 @@ class SpreadSearch:
         emb: np.ndarray,
         n: int,
         dim: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -231,9 +243,7 @@ class SpreadSearch:
             self.params.k,
             self.device,
             query_batch=self.params.query_batch,
-            should_abort=should_abort,
-            timings=timings,
-            blocks=blocks,
+            hooks=SearchHooks(should_abort, timings, blocks),
         )
         if blocks is not None:
             blocks.flush()
@@ -280,6 +290,7 @@ class ShardedSearch:
         indices: np.ndarray,
         emb: np.ndarray,
         n: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -296,10 +307,7 @@ class ShardedSearch:
             self.params,
             engine,
             self.device if engine == "torch" else "cpu",
-            should_abort=should_abort,
-            timings=timings,
-            blocks=blocks,
-            tick=self.tick,
+            hooks=SearchHooks(should_abort, timings, blocks, self.tick),
         )
         if blocks is not None:
             blocks.flush()  # on a signal too: the grace period keeps the finished blocks
@@ -392,14 +400,23 @@ class Miner:
         if self.stop.agree():
             return None
         if isinstance(self.search, ShardedSearch):
-            return self._sharded(task, indices, emb, n, epoch, embed_times, reused, seconds, files)
+            shard = EmbeddedShard(indices, emb, reused)
+            return self._sharded(
+                task, shard, n, epoch, embed_times=embed_times, seconds=seconds, files=files
+            )
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine, x = self.search(
-                indices, emb, n, dim, lambda: self.stop.requested, seconds, files
+                indices,
+                emb,
+                n,
+                dim,
+                should_abort=lambda: self.stop.requested,
+                seconds=seconds,
+                files=files,
             )
             labels, stats = (
-                self._cluster(task, lists, x, n, epoch, engine, seconds)
+                self._cluster(task, lists, x, n, epoch, engine=engine, seconds=seconds)
                 if lists is not None
                 else (None, None)
             )
@@ -424,12 +441,11 @@ class Miner:
     def _sharded(
         self,
         task: Task,
-        indices: np.ndarray,
-        emb: np.ndarray,
+        shard: EmbeddedShard,
         n: int,
         epoch: int,
+        *,
         embed_times: list[tuple[int, float]] | None,
-        reused: bool,
         seconds: dict[str, Any],
         files: RoundFiles | None,
     ) -> Round | None:
@@ -437,10 +453,16 @@ class Miner:
         mutual graph, the curve and the labels across ranks; the labels are then gathered and
         broadcast (the sampler draws any sample on any rank), and the stats computed from them
         on every rank."""
+        indices, emb, reused = shard.indices, shard.emb, shard.reused
         c = self.cfg
         with self.phases.enter(phases.MINING_SEARCH):
             lists, offsets, engine = self.search(
-                indices, emb, n, lambda: self.stop.requested, seconds, files
+                indices,
+                emb,
+                n,
+                should_abort=lambda: self.stop.requested,
+                seconds=seconds,
+                files=files,
             )
         if lists is None:
             return None  # every rank saw the abort at the same query block
@@ -579,6 +601,7 @@ class Miner:
         x: np.ndarray | None,
         n: int,
         epoch: int,
+        *,
         engine: str,
         seconds: dict[str, Any],
     ) -> tuple[np.ndarray, dict[str, Any]]:
