@@ -85,6 +85,7 @@ class SparseAutoencoderTask(Task):
     def __init__(
         self,
         seed: int = 0,
+        *,
         samples: int = 20000,
         dim: int = 64,
         features: int = 256,
