@@ -105,10 +105,8 @@ class Reporter:
         note: Callable[[Mapping[str, float]], None],
         cuda: bool,
     ) -> None:
-        self.ctx = ctx
-        self.cfg, self.paths, self.attempt = ctx.cfg, ctx.paths, ctx.attempt
-        self.phases = ctx.phases
         paths, attempt = ctx.paths, ctx.attempt
+        self.cfg, self.paths, self.attempt, self.phases = ctx.cfg, paths, attempt, ctx.phases
         self.rank, self.world_size = dist.rank(), dist.world()
         self.startup, self.progress, self.note, self.cuda = startup, progress, note, cuda
         # Rank 0's record of this attempt in time, for the goodput ledger.
