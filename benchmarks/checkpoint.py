@@ -152,6 +152,7 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
     from clusterflow import config, rundir
     from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
     from clusterflow.checkpoint.train_state import TrainState
+    from clusterflow.observe.context import JobContext
 
     torch.manual_seed(0)
     width = 4096
@@ -174,8 +175,7 @@ def bench_stall(root: str, params: int, repeats: int, batch: int) -> dict:
         None, [f"run.dir={root}/stall-run", "checkpoint.every_steps=1", "checkpoint.keep_last=2"]
     )
     ck = Checkpointer(
-        cfg,
-        rundir.RunPaths(cfg.run.dir),
+        JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
         model,
         {"optimizer": opt, "train": progress},
         progress,

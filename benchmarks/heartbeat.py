@@ -25,7 +25,7 @@ sys.path.insert(0, REPO)
 import torch
 
 from clusterflow.observe.heartbeat import Heartbeat
-from clusterflow.observe.watchdog import Watchdog
+from clusterflow.observe.watchdog import StallLimits, Watchdog
 
 
 def run(
@@ -66,7 +66,7 @@ def main() -> None:
     batches = [torch.randn(64, a.width) for _ in range(a.steps)]
     run_dir = a.dir or tempfile.mkdtemp(prefix="bench-heartbeat-")
     hb = Heartbeat(run_dir, 0, "bench", a.every)
-    wd = Watchdog(hb.progress, run_dir, 0, stall_s=600).start()
+    wd = Watchdog(hb.progress, run_dir, 0, StallLimits(600)).start()
     run(model, opt, batches[:20], None)  # warm-up
     plain, observed = [], []
     for _ in range(a.repeats):

@@ -60,9 +60,7 @@ def _embed_rate(n: int) -> float:
     ds = task.embed_dataset()
     dist.barrier()
     t0 = time.perf_counter()
-    idx, emb = embed_shard(
-        task, model, ds, dist.rank(), dist.world(), 1024, torch.device("cpu"), None
-    )
+    idx, emb = embed_shard(task, model, ds, 1024, torch.device("cpu"), None)
     dist.gather_rows(idx, emb, len(ds), emb.shape[1])
     return len(ds) / (time.perf_counter() - t0)
 

@@ -47,9 +47,11 @@ def digits() -> tuple[np.ndarray, np.ndarray]:
 
 def identities(nuisance_scale: float) -> tuple[np.ndarray, np.ndarray]:
     """The demo's synthetic identities (200 x 20, run.seed 0) as raw inputs, before any encoder."""
-    from clusterflow.tasks.pseudo_id import SyntheticIdentities
+    from clusterflow.tasks.pseudo_id import IdentityWorld, SyntheticIdentities
 
-    ds = SyntheticIdentities(0, 200, 20, 64, 8, 16, nuisance_scale, 0.1, augment=False)
+    ds = SyntheticIdentities(
+        0, IdentityWorld(200, 64, 8, 16, nuisance_scale, 0.1), 20, augment=False
+    )
     return ds.base, ds.labels
 
 

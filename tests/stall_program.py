@@ -22,7 +22,13 @@ import time
 
 from clusterflow import rundir
 from clusterflow.observe.heartbeat import Heartbeat, quiet_after, quietest, read_ranks
-from clusterflow.observe.watchdog import Watchdog, dump_flight_recorder, flight_recorder_env
+from clusterflow.observe.watchdog import (
+    PeerWatch,
+    StallLimits,
+    Watchdog,
+    dump_flight_recorder,
+    flight_recorder_env,
+)
 from clusterflow.rundir import first_error
 
 
@@ -105,12 +111,13 @@ def main():
         hb.progress,
         paths,
         rank,
-        stall_s=stall_s,
+        StallLimits(
+            stall_s,
+            allowances={"mining wait": stall_s * 10},
+            victim_grace_s=600 if mode == "frozen" else stall_s * 2,
+        ),
         log_file=log_file,
-        allowances={"mining wait": stall_s * 10},
-        victim_grace_s=600 if mode == "frozen" else stall_s * 2,
-        peers=silent if mode == "frozen" else None,
-        peers_every_s=0.2,
+        peers=PeerWatch(silent, every_s=0.2) if mode == "frozen" else None,
     )
     try:
         with wd:

@@ -16,6 +16,7 @@ from clusterflow import config, rundir
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer, CheckpointWriteError
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.distributed import comm as dist
+from clusterflow.observe.context import JobContext
 
 
 def build(run_dir, ckpt_dir="", seed=0, **over):
@@ -36,8 +37,7 @@ def build(run_dir, ckpt_dir="", seed=0, **over):
     progress = TrainState()
     return (
         Checkpointer(
-            cfg,
-            rundir.RunPaths(cfg.run.dir),
+            JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
             model,
             {"optimizer": opt, "train": progress},
             progress,

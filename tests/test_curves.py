@@ -222,9 +222,9 @@ def test_auto_on_noise_invents_no_giant_cluster():
 
 
 def test_auto_beats_06_on_demo_like_identities():
-    from clusterflow.tasks.pseudo_id import SyntheticIdentities
+    from clusterflow.tasks.pseudo_id import IdentityWorld, SyntheticIdentities
 
-    ds = SyntheticIdentities(0, 200, 20, 64, 8, 16, 0.5, 0.1, augment=False)
+    ds = SyntheticIdentities(0, IdentityWorld(200, 64, 8, 16, 0.5, 0.1), 20, augment=False)
     sims, ids = faiss_search(normalize(ds.base), 10)
     t, _ = curves.resolve_threshold(sims, ids, "auto")
     auto, fixed = (quality(today(sims, ids, v)[0], ds.labels) for v in (t, 0.6))

@@ -147,9 +147,9 @@ def test_on_the_digits_and_the_demo_identities():
     assert quality(labels, y)["nmi"] > 0.75
     again, _ = finch_clusters(x, sims, ids)
     np.testing.assert_array_equal(labels, again)
-    from clusterflow.tasks.pseudo_id import SyntheticIdentities
+    from clusterflow.tasks.pseudo_id import IdentityWorld, SyntheticIdentities
 
-    ds = SyntheticIdentities(0, 200, 20, 64, 8, 16, 0.5, 0.1, augment=False)
+    ds = SyntheticIdentities(0, IdentityWorld(200, 64, 8, 16, 0.5, 0.1), 20, augment=False)
     x = normalize(ds.base)
     sims, ids = faiss_search(x, 10)
     labels, _info = finch_clusters(x, sims, ids)

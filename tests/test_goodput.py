@@ -22,6 +22,7 @@ from clusterflow.errors import UserError
 from clusterflow.goodput import main as goodput_main
 from clusterflow.manage import status as status_command
 from clusterflow.observe import goodput, phases
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.timeline import AttemptTimeline
 from clusterflow.rundir import faults, first_error, stragglers, timeline
@@ -583,13 +584,13 @@ def test_each_timeline_write_carries_the_step_the_loop_has_trained(tmp_path):
     """The commit of step 8, reported from the save's write thread after the loop trained step 10
     (no progress write between: they are at most one a second), records step 10 as trained."""
     paths = rundir.RunPaths(str(tmp_path))
-    tracker = phases.Phases()
-    tl = AttemptTimeline(paths, 3, tracker, world_size=1)
+    clock = phases.Phases()
+    tl = AttemptTimeline(paths, 3, clock, world_size=1)
     tl.restored(0, 0.1)
-    tracker.tick(1)
+    clock.tick(1)
     tl.first_step(1)
     for step in range(2, 11):
-        tracker.tick(step)
+        clock.tick(step)
         tl.progress(step)
     tl.committed(8)
     rec = timeline.read_all(paths).records[3]
@@ -605,8 +606,7 @@ def test_a_commit_is_recorded_before_the_checkpoints_are_pruned(tmp_path):
     state = TrainState()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ck = Checkpointer(
-        cfg,
-        rundir.RunPaths(cfg.run.dir),
+        JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
         model,
         {"optimizer": opt, "train": state},
         state,

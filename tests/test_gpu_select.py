@@ -326,21 +326,29 @@ def test_a_count_that_does_not_fit_is_refused(overrides, message):
 def test_the_estimate_counts_parameters_gradients_optimizer_and_activations(monkeypatch):
     """A model known by hand (testtasks:MemoryProbe: 64 -> 256 -> 8): parameters exactly, the
     optimizer's moments per parameter, and activations that grow with the batch."""
-    from clusterflow.train import memory
+    from clusterflow.train import memory_estimate
 
     monkeypatch.syspath_prepend(os.path.join(REPO, "tests"))
     probe = ["task.target=testtasks:MemoryProbe", "cluster.tasks_per_node=2"]
     params = (64 * 256 + 256 + 256 * 8 + 8) * 4
-    adamw = memory.estimate(config.load(None, [*probe, "train.batch_size=8", "train.amp=none"]))
+    adamw = memory_estimate.estimate(
+        config.load(None, [*probe, "train.batch_size=8", "train.amp=none"])
+    )
     assert adamw["parameters"] == adamw["gradients"] == params
     assert adamw["optimizer state"] == 2 * params
     # Autograd keeps, per sample, at least the input (64) and the hidden layer (256) in fp32.
     assert 4 * (64 + 256) * 4 <= adamw["activations of one batch"] <= 4 * (64 + 2 * 256 + 8) * 4
-    sgd = memory.estimate(config.load(None, [*probe, "train.optimizer=sgd", "train.amp=none"]))
+    sgd = memory_estimate.estimate(
+        config.load(None, [*probe, "train.optimizer=sgd", "train.amp=none"])
+    )
     assert sgd["optimizer state"] == params
-    big = memory.estimate(config.load(None, [*probe, "train.batch_size=64", "train.amp=none"]))
+    big = memory_estimate.estimate(
+        config.load(None, [*probe, "train.batch_size=64", "train.amp=none"])
+    )
     assert big["activations of one batch"] == 8 * adamw["activations of one batch"]
-    bf16 = memory.estimate(config.load(None, [*probe, "train.batch_size=64", "train.amp=bf16"]))
+    bf16 = memory_estimate.estimate(
+        config.load(None, [*probe, "train.batch_size=64", "train.amp=bf16"])
+    )
     assert 2 * bf16["activations of one batch"] == big["activations of one batch"]
 
 

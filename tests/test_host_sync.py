@@ -105,6 +105,7 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     from clusterflow import config, rundir
     from clusterflow.checkpoint import checkpointer
     from clusterflow.distributed import comm as dist
+    from clusterflow.observe.context import JobContext
     from clusterflow.tasks import load_task
     from clusterflow.train import builders
     from clusterflow.train.preemption import Preemption
@@ -116,10 +117,8 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     device = torch.device(device)
     task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
     run = Run(
-        cfg,
-        rundir.RunPaths(run_dir),
+        JobContext(cfg, rundir.RunPaths(run_dir)),
         device,
-        0,
         Preemption(),
         lambda outcome: (outcome, 0),  # the job's end: nothing to requeue here
         amp=builders.amp_dtype(cfg.train.amp, device),

@@ -12,6 +12,7 @@ from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.config.job_config import load
 from clusterflow.manage import status
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline
 from clusterflow.rundir.states import StopHow, StopReason
 from clusterflow.slurm import commands
@@ -190,8 +191,7 @@ def test_a_save_takes_what_the_checkpointer_measured_else_what_an_earlier_attemp
     state = TrainState()
     seen = []
     ck = Checkpointer(
-        cfg,
-        paths,
+        JobContext(cfg, paths),
         model,
         {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "train": state},
         state,

@@ -73,12 +73,13 @@ def ranks():
 
 
 def test_one_process_equals_the_definition_at_every_split():
+    from clusterflow.mining.knn import SearchHooks
     from clusterflow.mining.knn.torch_engine import torch_search
 
     x = _data()
     want_s, want_i = _definition(x, K)
     timings = {}
-    got_s, got_i = torch_search(x, K, device="cpu", timings=timings)
+    got_s, got_i = torch_search(x, K, device="cpu", hooks=SearchHooks(timings=timings))
     np.testing.assert_array_equal(got_i, want_i)
     np.testing.assert_array_equal(got_s, want_s)
     assert timings["rechecked"] > 0  # the near-ties made the engine search rows again

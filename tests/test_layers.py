@@ -32,7 +32,7 @@ LAZY_ALLOWED = {
     ("clusterflow.cli", "clusterflow.manage.cancel"),
     ("clusterflow.cli", "clusterflow.web.server"),
     ("clusterflow.launch.jobs", "clusterflow.job.job"),
-    ("clusterflow.launch.jobs", "clusterflow.train.memory"),
+    ("clusterflow.launch.jobs", "clusterflow.train.memory_estimate"),
 }
 
 

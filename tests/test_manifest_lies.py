@@ -18,6 +18,7 @@ from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.errors import RunFailed
+from clusterflow.observe.context import JobContext
 from clusterflow.storage import manifest
 from clusterflow.storage.tensors import serialize
 
@@ -32,8 +33,7 @@ def make(run_dir, out=4):
     state = TrainState()
     return (
         Checkpointer(
-            cfg,
-            rundir.RunPaths(cfg.run.dir),
+            JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
             model,
             {"optimizer": opt, "train": state},
             state,

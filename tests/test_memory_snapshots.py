@@ -384,7 +384,9 @@ _SEND = textwrap.dedent(
 
     host, port, folder, token, source = sys.argv[1:6]
     try:
-        replica.send((host, int(port)), token, Key("own", 0, 1, 2), 4, folder, 60, source)
+        replica.send(
+            (host, int(port)), token, Key("own", 0, 1, 2), 4, folder, timeout_s=60, source=source
+        )
         print("sent")
     except (replica.ReplicaError, OSError) as exc:
         print("refused:", type(exc).__name__, exc)

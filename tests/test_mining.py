@@ -102,6 +102,7 @@ def test_torch_engine_splits_query_batches_over_several_devices():
     """What every local GPU does on a GPU node, with two CPU "devices": the same exact result,
     and a signal still stops the search between query batches."""
     from clusterflow.mining import normalize
+    from clusterflow.mining.knn import SearchHooks
     from clusterflow.mining.knn.torch_engine import torch_search
 
     x = normalize(blobs(n=601, d=32)[0])
@@ -116,7 +117,7 @@ def test_torch_engine_splits_query_batches_over_several_devices():
             8,
             query_batch=50,
             device=["cpu", "cpu"],
-            should_abort=lambda: calls.append(1) or len(calls) > 3,
+            hooks=SearchHooks(lambda: calls.append(1) or len(calls) > 3),
         )
         is None
     )

@@ -14,7 +14,7 @@ from conftest import REPO
 from multirank import run_ranks
 
 from clusterflow.mining.clustering import normalize
-from clusterflow.mining.knn import KnnParams, search
+from clusterflow.mining.knn import KnnParams, SearchHooks, search
 from clusterflow.mining.rounds import RoundFiles, forget_rounds
 
 
@@ -116,9 +116,11 @@ def _spread(n, k, root, abort_rank, abort_after):
         "cpu",
         query_batch=16,
         db_chunk=16,
-        timings=timings,
-        should_abort=lambda: rank == abort_rank and len(calls.append(1) or calls) > abort_after,
-        blocks=blocks,
+        hooks=SearchHooks(
+            lambda: rank == abort_rank and len(calls.append(1) or calls) > abort_after,
+            timings,
+            blocks,
+        ),
     )
     blocks.flush()
     return None if out is None else (out[0].tolist(), out[1].tolist()), timings["blocks_skipped"]

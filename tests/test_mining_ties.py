@@ -41,5 +41,5 @@ def test_a_mining_round_on_identical_embeddings_logs_it(caplog):
     miner = SimpleNamespace(cfg=MiningConfig(k=k, threshold=0.5), params=None)
     task = SimpleNamespace(ground_truth=lambda: None)
     with caplog.at_level(logging.WARNING, logger="clusterflow"):
-        Miner._cluster(miner, task, (sims, ids), None, n, 3, "torch", {})
+        Miner._cluster(miner, task, (sims, ids), None, n, 3, engine="torch", seconds={})
     assert "identical" in caplog.text and "60 samples" in caplog.text, caplog.text

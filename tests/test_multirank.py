@@ -44,6 +44,7 @@ class IndexTask:
 def _embed_and_gather(n, batch, workers):
     import torch
 
+    from clusterflow.config.sections import DataConfig
     from clusterflow.distributed import comm as dist
     from clusterflow.mining.stage import embed_shard
 
@@ -52,13 +53,10 @@ def _embed_and_gather(n, batch, workers):
         task,
         torch.nn.Identity(),
         task.embed_dataset(),
-        dist.rank(),
-        dist.world(),
         batch,
         torch.device("cpu"),
         None,
-        num_workers=workers,
-        pin_memory=True,
+        data=DataConfig(num_workers=workers, pin_memory=True),
     )
     full = dist.gather_rows(idx, emb, n, 2)
     return idx.tolist(), None if full is None else full[:, 0].tolist()
@@ -79,10 +77,26 @@ def test_every_index_embedded_exactly_once(ranks, n, batch, workers):
     assert res[1][1] is None and res[2][1] is None  # other ranks hold only their shard
 
 
+def _context(mining):
+    """The job a Miner runs in: the ``mining`` section given, no progress bar, no rounds kept on
+    disk, and ranks wait for rank 0's search on ``mining.timeout_s`` (no watchdog)."""
+    from clusterflow import config, rundir
+    from clusterflow.observe.context import JobContext
+
+    cfg = config.load(
+        None,
+        given={
+            "mining": {**mining, "resume": False},
+            "train": {"progress_bar": False},
+            "dist": {"stall_s": 0},
+        },
+    )
+    return JobContext(cfg, rundir.RunPaths(cfg.run.dir))
+
+
 def _mine(params, search="rank0"):
     import torch
 
-    from clusterflow import config
     from clusterflow.distributed import comm as dist
     from clusterflow.mining.stage import Miner
     from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -91,9 +105,8 @@ def _mine(params, search="rank0"):
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, **params)
     model = task.build_model()
-    cfg = config.MiningConfig(k=5, threshold=0.5, embed_batch=97, search=search, timeout_s=60)
-    cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(
+    mining = {"k": 5, "threshold": 0.5, "embed_batch": 97, "search": search, "timeout_s": 60}
+    out = Miner(_context(mining), torch.device("cpu"), None, StopAgreement(Preemption())).run(
         task, model, epoch=1
     )
     return out.labels.tolist(), {k: out.stats[k] for k in ("num_clusters", "nmi")}, dist.world()
@@ -120,16 +133,14 @@ def test_mining_end_to_end_same_labels_whatever_world_size(ranks):
 def _mine_with(mining):
     import torch
 
-    from clusterflow import config
     from clusterflow.mining.stage import Miner
     from clusterflow.tasks.pseudo_id import PseudoIDTask
     from clusterflow.train.preemption import Preemption, StopAgreement
 
     torch.manual_seed(0)
     task = PseudoIDTask(seed=0, identities=40, samples_per_identity=6)
-    cfg = config.MiningConfig(k=5, embed_batch=97, timeout_s=60, **mining)
-    cpu = torch.device("cpu")
-    out = Miner(cfg, cpu, None, StopAgreement(Preemption()), progress_bar=False).run(
+    ctx = _context(dict(k=5, embed_batch=97, timeout_s=60, **mining))
+    out = Miner(ctx, torch.device("cpu"), None, StopAgreement(Preemption())).run(
         task, task.build_model(), epoch=1
     )
     s = out.stats
@@ -189,6 +200,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
 
     from clusterflow.distributed import comm as dist
     from clusterflow.distributed.sampler import shard_range
+    from clusterflow.mining.knn import SearchHooks
     from clusterflow.mining.knn.torch_engine import distributed_search
 
     x = _knn_data(n)
@@ -202,7 +214,7 @@ def _distributed_knn(n, k, query_batch, abort_at):
         torch.device("cpu"),
         query_batch=query_batch,
         db_chunk=16,
-        should_abort=lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at,
+        hooks=SearchHooks(lambda: rank == 1 and (calls.append(1) or len(calls)) > abort_at),
     )
     return None if out is None else (out[0].tolist(), out[1].tolist())
 

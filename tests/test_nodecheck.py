@@ -18,7 +18,7 @@ def test_a_fit_node_has_no_problem_and_leaves_nothing_behind(tmp_path):
     run.mkdir()
     memory.mkdir()
     probe = str(run / ".nodecheck-{node}")
-    found = nodecheck.problems("node1", probe, [str(memory / "{node}" / "run-x")], gpus=0)
+    found = nodecheck.problems("node1", probe, memory=[str(memory / "{node}" / "run-x")], gpus=0)
     assert found == []
     assert os.listdir(run) == [] and os.listdir(memory) == []  # probes removed
 
@@ -27,7 +27,7 @@ def test_an_unusable_run_dir_or_memory_folder_is_named(tmp_path):
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where a folder should be")
     found = nodecheck.problems(
-        "node2", str(blocked / ".nodecheck-{node}"), [str(blocked / "{node}" / "run-x")]
+        "node2", str(blocked / ".nodecheck-{node}"), memory=[str(blocked / "{node}" / "run-x")]
     )
     assert found[0].startswith(f"the run dir is not writable from here ({blocked}: "), found
     assert found[1] == (

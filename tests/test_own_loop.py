@@ -27,6 +27,7 @@ from clusterflow import rundir
 from clusterflow.config import load
 from clusterflow.distributed.sampler import EpochPlan
 from clusterflow.errors import UserError
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.train.preemption import Preemption
@@ -262,10 +263,8 @@ def a_run(tmp_path, name):
     cfg = load(None, [f"run.dir={tmp_path / name}", "script.path=train.py"])
     os.makedirs(cfg.run.dir)
     return Run(
-        cfg,
-        rundir.RunPaths(cfg.run.dir),
+        JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
         torch.device("cpu"),
-        0,
         Preemption(),
         lambda outcome: (outcome, 0),
     )
@@ -344,7 +343,12 @@ def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_
 
     first = a_run(tmp_path, "steps")
     assert steps(first, 6) == "completed" and first.global_step == 6
-    again = Run(first.config, first.paths, torch.device("cpu"), 1, Preemption(), lambda o: (o, 0))
+    again = Run(
+        JobContext(first.config, first.paths, 1),
+        torch.device("cpu"),
+        Preemption(),
+        lambda o: (o, 0),
+    )
     caplog.clear()
     assert steps(again, 4) == "completed" and again.global_step == 6
     said = [r.getMessage() for r in caplog.records if "max_steps" in r.getMessage()]

@@ -25,6 +25,7 @@ from conftest import REPO, run_cli, weights_equal
 from clusterflow import rundir
 from clusterflow.config import load
 from clusterflow.job import failure
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.timeline import AttemptTimeline
 from clusterflow.rundir import cancel_marker, timeline
 from clusterflow.storage.store import CheckpointStore
@@ -283,7 +284,9 @@ def test_the_goodput_record_follows_every_step_and_a_scripts_data_is_its_own_pha
     )
     os.makedirs(cfg.run.dir)
     paths = rundir.RunPaths(cfg.run.dir)
-    run = Run(cfg, paths, torch.device("cpu"), 0, Preemption(), lambda outcome: (outcome, 0))
+    run = Run(
+        JobContext(cfg, paths), torch.device("cpu"), Preemption(), lambda outcome: (outcome, 0)
+    )
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = run.setup(model, opt)

@@ -145,13 +145,17 @@ def test_the_helpers_in_one_process(tmp_path, capsys):
 def test_autocast_follows_train_amp(tmp_path):
     from clusterflow import rundir
     from clusterflow.config import load
+    from clusterflow.observe.context import JobContext
     from clusterflow.train.preemption import Preemption
     from clusterflow.train.session import Run
 
     cfg = load(None, [f"run.dir={tmp_path / 'r'}", "script.path=train.py", "train.amp=bf16"])
     os.makedirs(cfg.run.dir)
     run = Run(
-        cfg, rundir.RunPaths(cfg.run.dir), torch.device("cpu"), 0, Preemption(), lambda o: (o, 0)
+        JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
+        torch.device("cpu"),
+        Preemption(),
+        lambda o: (o, 0),
     )
     with run.autocast():
         assert torch.get_autocast_dtype("cpu") == torch.bfloat16

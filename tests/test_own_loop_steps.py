@@ -28,6 +28,7 @@ from test_own_loop import a_run, refused, restored_step, set_up
 
 from clusterflow import rundir
 from clusterflow.config import load
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.train.preemption import Preemption
@@ -325,7 +326,7 @@ def test_a_seed_after_run_restore_does_not_move_the_resumed_streams(tmp_path):
             None, [f"run.dir={tmp_path}", "script.path=train.py", "checkpoint.every_steps=2"]
         )
         paths, cpu = rundir.RunPaths(cfg.run.dir), torch.device("cpu")
-        run = Run(cfg, paths, cpu, attempt, Preemption(), lambda outcome: (outcome, 0))
+        run = Run(JobContext(cfg, paths, attempt), cpu, Preemption(), lambda outcome: (outcome, 0))
         model, opt, _ = set_up(run)
         resumed = run.restore(model=model, optimizer=opt)
         assert resumed == bool(attempt)

@@ -26,7 +26,7 @@ def _epoch(n, batch, world, accum, position=0, plan=None, epoch=1):
     """Every rank's micro-batches of one epoch from ``position``: [step][micro][rank]."""
     ranks = []
     for rank in range(world):
-        s = GlobalBatchSampler(n, batch, rank, world, 5, accum)
+        s = GlobalBatchSampler(n, batch, rank, world, 5, grad_accum=accum)
         s.set_epoch(epoch, position, plan)
         ranks.append(list(s))
     steps = len(ranks[0]) // accum
@@ -115,9 +115,9 @@ def test_weights_make_the_mean_over_the_step_whatever_the_split():
 def test_the_ledger_keeps_one_range_per_attempt_world_and_batch():
     ledger, data = SampleLedger(), DataIdentity(206, "ab" * 32)
     for start, end, attempt, world in ((0, 52, 0, 2), (52, 104, 0, 2), (104, 155, 1, 3)):
-        ledger.record(0, data, start, end, attempt, world, 48)
-    ledger.record(0, data, 155, 206, 1, 3, 48)
-    ledger.record(1, data, 0, 52, 1, 3, 48)
+        ledger.record(0, data, start, end, attempt=attempt, world=world, batch=48)
+    ledger.record(0, data, 155, 206, attempt=1, world=3, batch=48)
+    ledger.record(1, data, 0, 52, attempt=1, world=3, batch=48)
     assert [(e["samples"], e["digest"]) for e in ledger.epochs] == [(206, "ab" * 32)] * 2
     assert [(r["start"], r["end"], r["attempt"]) for r in ledger.epochs[0]["ranges"]] == [
         (0, 104, 0),

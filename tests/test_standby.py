@@ -188,7 +188,9 @@ def test_a_standby_still_importing_is_ended_when_it_is_closed(tmp_path, capfd):
     slow.write_text("import time\ntime.sleep(2)\n")
     env["PYTHONPATH"] = f"{tmp_path}{os.pathsep}{env.get('PYTHONPATH', '')}"
     said = []
-    warm = standby.Standby(prog, ["node9"], 1, env, "slowimport", str(tmp_path), said.append)
+    warm = standby.Standby(
+        prog, ["node9"], 1, env, preload="slowimport", run_dir=str(tmp_path), say=said.append
+    )
     try:
         warm.close()
         assert warm.step.proc.poll() is not None  # ended, not left to finish its imports

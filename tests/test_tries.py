@@ -20,7 +20,9 @@ def test_a_micro_batch_is_named_before_it_is_fetched_as_the_sampler_yields_it(
     accumulate, world, position
 ):
     for rank in range(world):
-        s = GlobalBatchSampler(203, 24 if accumulate != 3 else 36, rank, world, 3, accumulate)
+        s = GlobalBatchSampler(
+            203, 24 if accumulate != 3 else 36, rank, world, 3, grad_accum=accumulate
+        )
         s.set_epoch(2, position)
         yielded = list(s)
         assert [s.slice_at(k) for k in range(len(yielded))] == yielded
@@ -112,8 +114,8 @@ def test_a_step_that_keeps_failing_gives_up_after_the_limit_naming_its_samples(t
     paths = rundir.RunPaths(str(tmp_path))
     with open(paths.config, "w") as f:
         f.write("run: {dir: .}\n")
-    fault = {"world_size": 2, "limit": 2, "job_id": "41", "cause": "crash", "rank": 1,
-             "host": "node2", "error": "Segmentation fault"}  # fmt: skip
+    fault = {"world_size": 2, "limit": 2, "job_id": "41",
+             "failure": tries.Failure("crash", 1, "node2", "Segmentation fault")}  # fmt: skip
     # attempt 0 trained from scratch and committed snapshot 12, then died in step 13
     _attempt(paths, 0, 0, 13, snapshot=12)
     v = tries.judge(paths, fault="41:0:0", attempt=0, **fault)
@@ -138,8 +140,8 @@ def test_a_step_that_keeps_failing_gives_up_after_the_limit_naming_its_samples(t
 
 def test_a_fault_after_progress_is_tried_again_however_many_came_before(tmp_path):
     paths = rundir.RunPaths(str(tmp_path))
-    fault = {"world_size": 2, "limit": 1, "job_id": "7", "cause": "crash", "rank": 0,
-             "host": "node1", "error": "Killed"}  # fmt: skip
+    fault = {"world_size": 2, "limit": 1, "job_id": "7",
+             "failure": tries.Failure("crash", 0, "node1", "Killed")}  # fmt: skip
     for attempt in range(6):  # each attempt commits two steps more than it resumed from
         _attempt(paths, attempt, 2 * attempt, 2 * attempt + 3, snapshot=2 * attempt + 2)
         v = tries.judge(paths, fault=f"7:0:{attempt}", attempt=attempt, **fault)
@@ -153,8 +155,8 @@ def test_a_step_that_dies_before_its_attempt_is_recorded_is_tried_as_any_other(t
     """A crash in start-up leaves no attempt, timeline or in-flight record: each failed step is
     still one try (its own fault id), with nothing new committed."""
     paths = rundir.RunPaths(str(tmp_path))
-    fault = {"world_size": 2, "limit": 2, "job_id": "9", "cause": "crash", "rank": None,
-             "host": None, "error": "Killed"}  # fmt: skip
+    fault = {"world_size": 2, "limit": 2, "job_id": "9",
+             "failure": tries.Failure("crash", None, None, "Killed")}  # fmt: skip
     verdicts = [tries.judge(paths, fault=f"9:0:{n}", attempt=0, **fault) for n in range(3)]
     assert [(v.tries, v.gave_up) for v in verdicts] == [(1, False), (2, False), (3, True)]
     assert verdicts[-1].said.startswith("no progress past step 0: tried 3 times"), verdicts[-1]

@@ -60,16 +60,16 @@ from clusterflow.checkpoint.rng import RngState, capture_rng
 from clusterflow.checkpoint.sharded import ShardedState, holds_shards
 from clusterflow.checkpoint.staging import Staging
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed.groups import Subgroup
 from clusterflow.errors import RunFailed
 from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline, transitions
 from clusterflow.rundir.saved_config import portable
 from clusterflow.storage import durable
 from clusterflow.storage.names import DCP, MODEL, TRAIN_STATE
-from clusterflow.storage.store import CheckpointStore
+from clusterflow.storage.store import AlsoKeep, CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
 log = logging.getLogger("clusterflow.checkpointer")
@@ -93,25 +93,23 @@ class Stateful(Protocol):
 class Checkpointer:
     def __init__(
         self,
-        cfg: Config,
-        paths: rundir.RunPaths,
+        ctx: JobContext,
         model: torch.nn.Module,
         states: Mapping[str, Stateful],
-        progress: TrainState,
+        state: TrainState,
+        *,
         steps_per_epoch: int,
-        attempt: int = 0,
-        tracker: phases.Phases | None = None,
         before_commit: Callable[[str], None] | None = None,
         after_commit: Callable[[int, float | None], None] | None = None,
     ) -> None:
+        cfg, paths, attempt = ctx.cfg, ctx.paths, ctx.attempt
         c = cfg.checkpoint
         self.store = CheckpointStore(
             cfg.checkpoint_dir,
             c.keep_last,
             c.fsync,
-            c.keep_every_steps,
-            c.best,
-            identity.check,
+            also_keep=AlsoKeep(c.keep_every_steps, c.best),
+            check=identity.check,
             codec=TORCH,
         )
         # The keep_best metric's latest logged value, saved in each manifest (``note``).
@@ -120,7 +118,7 @@ class Checkpointer:
         self.warned_best = False
         if dist.rank() == 0:
             self.store.after_publish = self._published
-        self.cfg, self.model, self.states, self.progress = cfg, model, dict(states), progress
+        self.cfg, self.model, self.states, self.state = cfg, model, dict(states), state
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
         if cfg.train.parallel == "fsdp":
@@ -145,7 +143,7 @@ class Checkpointer:
         self.total_epochs = cfg.train.epochs
         # A loop without a loader (run.steps(max_steps)): its length in steps, in each manifest.
         self.max_steps: int | None = None
-        self.phases = tracker or phases.Phases()
+        self.phases = ctx.phases
         # Collective; raises to refuse a state (the trainer: non-finite).
         self.before_commit = before_commit
         # Rank 0, with the step and the seconds its write took until then, as soon as a
@@ -176,7 +174,7 @@ class Checkpointer:
         # checkpoint.memory_every_steps: snapshots in the nodes' memory (memory.py), between the
         # shared filesystem's checkpoints.
         self.memory = (
-            MemorySnapshots(cfg, paths, model, self.states, progress, attempt)
+            MemorySnapshots(cfg, paths, model, self.states, state, attempt)
             if c.memory_every_steps > 0 and self.sharded is None
             else None
         )
@@ -194,7 +192,7 @@ class Checkpointer:
     def due(self, event: str) -> bool:
         if event != STEP:
             return True
-        return self.progress.save_due(self.every_steps, self.steps_per_epoch)
+        return self.state.save_due(self.every_steps, self.steps_per_epoch)
 
     # -- saving -------------------------------------------------------------------------------
     def save(self, event: str) -> dict[str, float]:
@@ -240,7 +238,7 @@ class Checkpointer:
         """True when the state holds a mining round no earlier save held: that save is written
         synchronously, so no kill can make the run mine that round again (a round costs far more
         than a write)."""
-        rounds = len(self.progress.mining_history)
+        rounds = len(self.state.mining_history)
         new, self._rounds_saved = rounds > self._rounds_saved, rounds
         return new
 
@@ -279,10 +277,10 @@ class Checkpointer:
             log.warning(
                 "writing checkpoint step %d synchronously: "
                 "the background write before it failed (%s)",
-                self.progress.global_step,
+                self.state.global_step,
                 retry_of,
             )
-        step, meta = self.progress.global_step, {**self._meta(), "format": DCP}
+        step, meta = self.state.global_step, {**self._meta(), "format": DCP}
         files = self._files(rngs) if dist.rank() == 0 else None
         error = self._sharded_save(step, meta, None, files, _MAIN, retry_of)
         if error:
@@ -294,7 +292,7 @@ class Checkpointer:
     def _start_sharded(self, rngs: list[RngState] | None) -> None:
         """Every rank: copy its shards (and rank 0 the small states) now, and write them on a
         background thread that talks over its own process group, while the loop goes on."""
-        step, meta = self.progress.global_step, {**self._meta(), "format": DCP}
+        step, meta = self.state.global_step, {**self._meta(), "format": DCP}
         shards = self.sharded.snapshot()
         files = copy.deepcopy(self._files(rngs)) if dist.rank() == 0 else None
 
@@ -402,7 +400,7 @@ class Checkpointer:
     def _start_write(self, rngs: list[RngState] | None) -> None:
         """Rank 0: snapshot the state and commit it on the background thread."""
         self._write_started = time.perf_counter()
-        step = self.progress.global_step
+        step = self.state.global_step
         files, meta = self._stamped(self._files(rngs), self._meta(), identity.new_id(), step)
         try:
             snap = self.staging.take(files)
@@ -437,7 +435,7 @@ class Checkpointer:
         rank."""
         error = None
         if dist.rank() == 0:
-            step = self.progress.global_step
+            step = self.state.global_step
             if retry_of:
                 log.warning(
                     "writing checkpoint step %d synchronously: "
@@ -487,7 +485,7 @@ class Checkpointer:
 
     def _meta(self) -> dict[str, Any]:
         self._warn_unlogged_best()
-        p = self.progress
+        p = self.state
         return {
             "epoch": p.epoch,
             "epochs": self.total_epochs,
@@ -522,7 +520,7 @@ class Checkpointer:
         if best is None or self.warned_best or best[0] in self.metrics:
             return
         every = (c.train.eval_every_epochs, c.mining.start_epoch + c.mining.every_epochs - 1)
-        if self.progress.epoch < max(1, *every):
+        if self.state.epoch < max(1, *every):
             return
         self.warned_best = True
         log.warning(
@@ -530,7 +528,7 @@ class Checkpointer:
             "checkpoint is kept as the best one; metrics logged: %s",
             self.cfg.checkpoint.keep_best,
             best[0],
-            self.progress.epoch,
+            self.state.epoch,
             ", ".join(sorted(self.logged)) or "none",
         )
 
@@ -603,26 +601,26 @@ class Checkpointer:
             self.cfg,
             self.model,
             self.states,
-            self.progress,
+            self.state,
             self.store,
-            self.sharded,
-            data,
-            memory,
+            sharded=self.sharded,
+            data=data,
+            memory=memory,
         )
         resumed = restorer.restore()
         self.restored_from = restorer.restored_from
         if memory is not None:
-            memory.forget_after(self.progress.global_step)
+            memory.forget_after(self.state.global_step)
         # keep_best: the metric as of the step resumed from (a newer step may have been skipped
         # as damaged, and its value belongs to steps this attempt trains again).
         restored = (
-            self.store.manifest(self.progress.global_step)
+            self.store.manifest(self.state.global_step)
             if resumed and self.cfg.checkpoint.best
             else None
         )
         if restored and isinstance(restored.get("metrics"), dict):
             self.metrics = dict(restored["metrics"])
-        self._rounds_saved = len(self.progress.mining_history)
+        self._rounds_saved = len(self.state.mining_history)
         return resumed
 
     def _memory_restore(self) -> MemoryRestore | None:

@@ -233,6 +233,7 @@ def _write(out: str, payload: dict[str, torch.Tensor] | bytes) -> None:
 def export(
     run_dir: str,
     out: str,
+    *,
     step: int | None = None,
     fmt: str | None = None,
     dtype: str | None = None,
@@ -289,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not os.path.isdir(args.run_dir):
         raise UserError(f"RUN_DIR {args.run_dir!r} is not a directory; give a run's run.dir")
-    step = export(args.run_dir, args.out, args.step, args.fmt, args.dtype, args.weights, args.force)
+    step = export(
+        args.run_dir,
+        args.out,
+        step=args.step,
+        fmt=args.fmt,
+        dtype=args.dtype,
+        weights=args.weights,
+        force=args.force,
+    )
     print(f"wrote the model of checkpoint step {step} of {args.run_dir} to {args.out}")
     return 0

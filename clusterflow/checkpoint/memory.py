@@ -102,7 +102,7 @@ def peer_of(rank: int, hosts: list[str]) -> int | None:
 class MemorySnapshots:
     """Taking this rank's snapshots in memory for one attempt (``attempt``), and keeping its
     peers' replicas; ``model`` and ``states``: the checkpointer's (rank 0 snapshots them),
-    ``progress``: the run's counters. After :meth:`connect`, ``local`` is this node's snapshots,
+    ``state``: the run's counters. After :meth:`connect`, ``local`` is this node's snapshots,
     which a :class:`MemoryRestore` reads."""
 
     def __init__(
@@ -111,12 +111,12 @@ class MemorySnapshots:
         paths: rundir.RunPaths,
         model: torch.nn.Module,
         states: Mapping[str, Any],
-        progress: TrainState,
+        state: TrainState,
         attempt: int,
     ) -> None:
         c = cfg.checkpoint
         self.every, self.paths, self.attempt = c.memory_every_steps, paths, attempt
-        self.model, self.states, self.progress = model, dict(states), progress
+        self.model, self.states, self.state = model, dict(states), state
         self.rank, self.world = dist.rank(), dist.world()
         self.node = snapshots.node_name()
         self.memory_dir = c.memory_dir
@@ -232,13 +232,13 @@ class MemorySnapshots:
 
     # -- taking -----------------------------------------------------------------------------
     def due(self, steps_per_epoch: int) -> bool:
-        return self.progress.save_due(self.every, steps_per_epoch) and self.store is not None
+        return self.state.save_due(self.every, steps_per_epoch) and self.store is not None
 
     def take(self, rng: dict[str, Any]) -> None:
         """On the loop's thread, at a step boundary where a snapshot is due: capture this rank's
         share (``rng``: its random streams now) and commit it on the snapshot thread."""
         t0 = time.perf_counter()
-        step = self.progress.global_step
+        step = self.state.global_step
         if self._writer.busy:
             if not self._skipped_said:
                 self._skipped_said = True
@@ -263,10 +263,10 @@ class MemorySnapshots:
             "rank": self.rank,
             "world_size": self.world,
             "attempt": self.attempt,
-            "epoch": self.progress.epoch,
-            "step_in_epoch": self.progress.step_in_epoch,
+            "epoch": self.state.epoch,
+            "step_in_epoch": self.state.step_in_epoch,
             "global_step": step,
-            "position": list(self.progress.position),
+            "position": list(self.state.position),
         }
         snap = self.staging.take(files) if self.staging is not None else None
         staging = self.staging
@@ -299,7 +299,15 @@ class MemorySnapshots:
             return
         peer, node, address = self.peer
         try:
-            replica.send(address, self.token, self.key, step, path, self.timeout_s, self.here)
+            replica.send(
+                address,
+                self.token,
+                self.key,
+                step,
+                path,
+                timeout_s=self.timeout_s,
+                source=self.here,
+            )
         except (replica.ReplicaError, OSError) as exc:
             self._say_failed(step, exc, f"replica on {node} (rank {peer})")
 

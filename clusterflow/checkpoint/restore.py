@@ -65,7 +65,7 @@ class Found:
 
 
 class Restorer:
-    """One restore: ``states`` are the checkpointer's registered states (``progress`` among
+    """One restore: ``states`` are the checkpointer's registered states (``state`` among
     them); ``data``: the identity of the data this attempt trains on (None: not compared)."""
 
     def __init__(
@@ -73,8 +73,9 @@ class Restorer:
         cfg: Config,
         model: torch.nn.Module,
         states: Mapping[str, Any],
-        progress: TrainState,
+        state: TrainState,
         store: CheckpointStore,
+        *,
         sharded: ShardedState | None = None,
         data: DataIdentity | None = None,
         memory: MemoryRestore | None = None,
@@ -83,7 +84,7 @@ class Restorer:
             cfg,
             model,
             states,
-            progress,
+            state,
             store,
         )
         # train.parallel=fsdp: the model and optimizers come from every rank's shards.

@@ -54,6 +54,7 @@ class SampleLedger:
         data: DataIdentity,
         start: int,
         end: int,
+        *,
         attempt: int,
         world: int,
         batch: int,

@@ -2,12 +2,12 @@
 
 Training: an epoch is one order of all ``n`` indices, a deterministic function of (seed, epoch)
 (:func:`epoch_permutation`, or the train dataset's own ``epoch_order(seed, epoch)``, e.g. one
-that keeps shards together). :class:`EpochPlan` cuts that order into ``n // batch_size`` global
-batches without dropping or repeating a sample: each of ``batch_size`` samples, but the epoch's
-last, which also takes the ``n % batch_size`` left over. A step's batch is split into
+that keeps shards together). :class:`EpochPlan` cuts that order into ``n // global_batch`` global
+batches without dropping or repeating a sample: each of ``global_batch`` samples, but the epoch's
+last, which also takes the ``n % global_batch`` left over. A step's batch is split into
 ``grad_accum`` micro-batches and each micro-batch into ``world`` contiguous slices of sizes that
-differ by at most one: with ``batch_size`` a multiple of world x grad_accum and no batch smaller
-than ``batch_size``, every rank gets at least one sample of every micro-batch, so every rank runs
+differ by at most one: with ``global_batch`` a multiple of world x grad_accum and no batch smaller
+than ``global_batch``, every rank gets at least one sample of every micro-batch, so every rank runs
 the same forwards, backwards and collectives, whatever ``n`` is. Only the epoch's last step can
 have uneven slices.
 
@@ -88,19 +88,19 @@ RANK_BATCH = BatchKey(
 
 
 def check_fits(
-    n: int, batch_size: int, per_step: int, target: str, key: BatchKey = TASK_BATCH
+    n: int, global_batch: int, per_step: int, target: str, key: BatchKey = TASK_BATCH
 ) -> None:
-    """An epoch needs at least one global batch (``batch_size`` samples); ``per_step``
+    """An epoch needs at least one global batch (``global_batch`` samples); ``per_step``
     (world size x grad_accum) must divide the batch."""
     # The config checks cluster.*; torchrun may start another number of processes.
-    seen = key.seen(batch_size)
-    if batch_size % per_step:
+    seen = key.seen(global_batch)
+    if global_batch % per_step:
         raise UserError(
             f"{seen} must be divisible by world size x {key.accumulate} = {per_step} (the "
             f"processes this job runs); try "
-            f"{key.set_to(max(per_step, batch_size // per_step * per_step))}"
+            f"{key.set_to(max(per_step, global_batch // per_step * per_step))}"
         )
-    if n >= batch_size:
+    if n >= global_batch:
         return
     fit = n // per_step * per_step
     fix = (
@@ -143,9 +143,9 @@ class EpochPlan:
     segments: tuple[tuple[int, int], ...]
 
     @classmethod
-    def of(cls, n: int, batch_size: int, segments: Sequence[Sequence[int]] = ()) -> EpochPlan:
-        """The plan saved as ``segments`` (a checkpoint's), or one segment of ``batch_size``."""
-        return cls(n, tuple((int(a), int(b)) for a, b in segments) or ((0, batch_size),))
+    def of(cls, n: int, global_batch: int, segments: Sequence[Sequence[int]] = ()) -> EpochPlan:
+        """The plan saved as ``segments`` (a checkpoint's), or one segment of ``global_batch``."""
+        return cls(n, tuple((int(a), int(b)) for a, b in segments) or ((0, global_batch),))
 
     def _segment(self, i: int) -> list[int]:
         start, batch = self.segments[i]
@@ -175,14 +175,14 @@ class EpochPlan:
         i = bounds.index(position)
         return [(a, b - a) for a, b in zip(bounds[i:-1], bounds[i + 1 :])]
 
-    def with_batch(self, position: int, batch_size: int) -> EpochPlan:
+    def with_batch(self, position: int, global_batch: int) -> EpochPlan:
         """The plan from ``position`` on with another batch size: a new segment there, unless
-        fewer than ``batch_size`` samples remain (the epoch ends with the batches planned)."""
-        if batch_size == self.segments[-1][1] or self.n - position < batch_size:
+        fewer than ``global_batch`` samples remain (the epoch ends with the batches planned)."""
+        if global_batch == self.segments[-1][1] or self.n - position < global_batch:
             return self
         self.batches_from(position)  # a batch boundary, or ValueError
         kept = tuple(s for s in self.segments if s[0] < position)
-        return EpochPlan(self.n, (*kept, (position, batch_size)))
+        return EpochPlan(self.n, (*kept, (position, global_batch)))
 
     def as_list(self) -> list[list[int]]:
         return [list(s) for s in self.segments]
@@ -196,31 +196,50 @@ def share(count: int, world: int, grad_accum: int, step_samples: int) -> float:
     return count * world * grad_accum / step_samples
 
 
+@dataclass(frozen=True)
+class Batching:
+    """One optimizer step's samples and how they split: ``global_batch`` samples on all ranks
+    together, in ``accumulate`` micro-batches on each of ``world`` ranks; ``rank``: this one;
+    ``seed``: the run's (the epoch order and the loader's worker seeds)."""
+
+    global_batch: int
+    accumulate: int
+    rank: int
+    world: int
+    seed: int
+
+    @property
+    def rank_batch(self) -> int:
+        """Each rank's micro-batch, as ``DataLoader``'s ``batch_size``."""
+        return self.global_batch // (self.world * self.accumulate)
+
+
 class GlobalBatchSampler(Sampler[list[int]]):
     """Yields this rank's slice of each global micro-batch, from the epoch's position on."""
 
     def __init__(
         self,
         n: int,
-        batch_size: int,
+        global_batch: int,
         rank: int,
         world: int,
         seed: int,
+        *,
         grad_accum: int = 1,
         order: Callable[[int, int], Order] | None = None,
         key: BatchKey = TASK_BATCH,
     ) -> None:
-        if batch_size % (world * grad_accum):
+        if global_batch % (world * grad_accum):
             raise ValueError(
-                f"batch {batch_size} not divisible by world size x grad_accum "
+                f"batch {global_batch} not divisible by world size x grad_accum "
                 f"{world} x {grad_accum}"
             )
-        if n < batch_size:
-            raise ValueError(f"dataset of {n} samples is smaller than one batch of {batch_size}")
+        if n < global_batch:
+            raise ValueError(f"dataset of {n} samples is smaller than one batch of {global_batch}")
         self.n, self.rank, self.world, self.seed, self.grad_accum = n, rank, world, seed, grad_accum
         self.key = key  # for messages
         self.order = order or (lambda seed, epoch: epoch_permutation(n, seed, epoch))
-        self.plan = EpochPlan.of(n, batch_size)
+        self.plan = EpochPlan.of(n, global_batch)
         self.epoch = 0
         self.position = 0
         self._order: tuple[int, list[int]] | None = None  # (epoch, its order), once per epoch

@@ -42,6 +42,7 @@ from clusterflow.job import failure, node_fault, restarts
 from clusterflow.job.requeue import REQUEUE_OUTSIDE, after_stop
 from clusterflow.observe import events, timeline
 from clusterflow.observe import observer as observe
+from clusterflow.observe.context import JobContext
 from clusterflow.rundir import (
     cancel_marker,
     first_error,
@@ -148,10 +149,8 @@ class Attempt:
         """The run that trains in this attempt, watched (heartbeats, stall watchdog) until the
         attempt ends; ``seeds``: a script's global random streams (None: a task's)."""
         run = Run(
-            self.cfg,
-            self.paths,
+            JobContext(self.cfg, self.paths, self.attempt),
             self.device,
-            self.attempt,
             self.preemption,
             self.end,
             amp=amp,
@@ -445,6 +444,7 @@ def record_failure(
     paths: rundir.RunPaths,
     rank: int,
     environ: Mapping[str, str],
+    *,
     write: bool = True,
     code_file: str | None = None,
 ) -> None:

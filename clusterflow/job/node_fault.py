@@ -193,10 +193,7 @@ def requeue_without(
             world_size=_world_size(paths),
             limit=tries_limit,
             job_id=job_id,
-            cause=RestartCause.NODE,
-            rank=fault.rank,
-            host=fault.host,
-            error=fault.cause,
+            failure=tries.Failure(RestartCause.NODE, fault.rank, fault.host, fault.cause),
         )
         if verdict.gave_up:
             log.error(

@@ -114,6 +114,7 @@ def nvidia_gpus() -> list[str]:
 def problems(
     node: str,
     probe: str,
+    *,
     memory: Sequence[str] = (),
     port_on: str = "",
     port: int = 0,
@@ -165,7 +166,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=0)
     args = p.parse_args(argv)
     node = node_name()
-    found = problems(node, args.probe, args.memory, args.port_on, args.port, args.gpus)
+    found = problems(
+        node,
+        args.probe,
+        memory=args.memory,
+        port_on=args.port_on,
+        port=args.port,
+        gpus=args.gpus,
+    )
     print(json.dumps({"node": node, "problems": found}), flush=True)
     return 0
 

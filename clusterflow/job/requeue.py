@@ -55,6 +55,7 @@ def decide(
     slurm_state: str | None,
     timeouts: int,
     limit: int,
+    *,
     interactive: bool = False,
     ends: str | None = None,
 ) -> Action:
@@ -143,7 +144,9 @@ def after_stop(
         said = {"slurm_state": slurm_state} if slurm_state not in (None, "", NO_SCONTROL) else {}
         rundir.record_stop(paths, reason=outcome, job_id=env.job_id, **dict(stop or {}), **said)
         timeouts = rundir.count_stops(paths, StopReason.TIMEOUT)
-    action = decide(outcome, env.source, slurm_state, timeouts, limit, interactive, ends)
+    action = decide(
+        outcome, env.source, slurm_state, timeouts, limit, interactive=interactive, ends=ends
+    )
     # The user's cancel wins over any requeue.
     if outcome != State.COMPLETED and cancel_marker.is_cancelled(paths):
         transitions.mark_cancelled(paths)

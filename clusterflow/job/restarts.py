@@ -410,11 +410,7 @@ class Driver:
             world_size=len(nodes) * self.per_node,
             limit=self.limit,
             job_id=job_id,
-            cause=fault.cause,
-            rank=fault.rank,
-            host=fault.host,
-            error=fault.error,
-            at=fault.at,
+            failure=tries.Failure(fault.cause, fault.rank, fault.host, fault.error, at=fault.at),
         )
 
     def _room(self, room: tuple[str, int]) -> bool:
@@ -593,9 +589,9 @@ class Driver:
                 nodes,
                 self.per_node,
                 self._env(self.used),
-                self.cfg.task.target.partition(":")[0] if not self.cfg.script.path else "",
-                self.cfg.run.dir,
-                _say,
+                preload=self.cfg.task.target.partition(":")[0] if not self.cfg.script.path else "",
+                run_dir=self.cfg.run.dir,
+                say=_say,
             )
         except OSError as exc:
             _say(f"no warm standby: {exc}; a restart starts new processes")

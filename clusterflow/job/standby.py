@@ -150,6 +150,7 @@ class Standby:
         nodes: Sequence[str],
         per_node: int,
         environ: Mapping[str, str],
+        *,
         preload: str,
         run_dir: str,
         say: Callable[[str], None],

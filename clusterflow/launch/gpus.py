@@ -3,7 +3,7 @@
 A pure function over an NVML snapshot (see ``observe/nvml.py``), so every case is table-tested
 without a GPU:
 
-    need = Need(train.memory.estimate(cfg))   # what one process needs, by part
+    need = Need(train.memory_estimate.estimate(cfg))   # what one process needs, by part
     sel = select_gpus(nvml.read_snapshot(), want=2, request="auto", need=need)  # or [0, 2]
     sel.env_for(local_rank)   # {"CUDA_VISIBLE_DEVICES": "GPU-<uuid>",
                               #  "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
@@ -84,7 +84,7 @@ CONTEXT_MB = 1024
 
 @dataclass(frozen=True)
 class Need:
-    """What one process of the run needs on its GPU: bytes by part (``train/memory.py``'s
+    """What one process of the run needs on its GPU: bytes by part (``train/memory_estimate.py``'s
     estimate), and the margin for the CUDA context."""
 
     parts: Mapping[str, int]
@@ -159,7 +159,15 @@ def select_gpus(
     reasons = {i: why for i, (_, why) in verdicts.items()}
     by_index = {int(g["index"]): g for g in snapshot}
     if request == "auto" or isinstance(request, int):
-        chosen = _auto(snapshot, verdicts, reasons, want, cuda_visible_devices, asked, need)
+        chosen = _auto(
+            snapshot,
+            verdicts,
+            reasons,
+            want,
+            cuda_visible_devices=cuda_visible_devices,
+            asked=asked,
+            need=need,
+        )
     else:
         chosen = _explicit(request, verdicts, by_index, want, need)
     return Selection(tuple(chosen), tuple(by_index[i].get("uuid") for i in chosen), reasons, need)
@@ -174,6 +182,7 @@ def _auto(
     verdicts: Mapping[int, tuple[bool, str]],
     reasons: dict[int, str],
     want: int,
+    *,
     cuda_visible_devices: str | None,
     asked: str,
     need: Need | None,

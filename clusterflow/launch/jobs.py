@@ -2,9 +2,9 @@
 ``submit --local`` on GPUs, the memory one of its processes will need.
 
 Both are loaded only at that moment: ``clusterflow.job.job`` imports the trainer, and
-``clusterflow.train.memory`` builds the task's model, each with torch, which the login node's
-commands never need (``import clusterflow.submit`` stays light). A local job imports torch in
-this process a moment later anyway (submitit pickles the job here).
+``clusterflow.train.memory_estimate`` builds the task's model, each with torch, which the login
+node's commands never need (``import clusterflow.submit`` stays light). A local job imports
+torch in this process a moment later anyway (submitit pickles the job here).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ def job_for(cfg: Config) -> Any:
 
 
 def memory_need(cfg: Config) -> Need | None:
-    """What one process of ``cfg``'s run needs on its GPU (``train/memory.py``); None for a
+    """What one process of ``cfg``'s run needs on its GPU (``train/memory_estimate.py``); None for a
     script of the user's own (``submit --script``), whose model is unknown before it runs (its
     task.target is only the default task, which it never trains)."""
     if cfg.script.path:
         return None
-    from clusterflow.train import memory  # torch: only for a --local run on GPUs
+    from clusterflow.train import memory_estimate  # torch: only for a --local run on GPUs
 
-    return Need(memory.estimate(cfg))
+    return Need(memory_estimate.estimate(cfg))

@@ -59,6 +59,7 @@ def extend(
     data: dict[str, Any],
     last: dict[str, Any],
     queue: str | None,
+    *,
     damaged: list[str] | None = None,
     asked: slurm_outcome.Verdict | None = None,
 ) -> None:

@@ -419,7 +419,9 @@ def collect(
     out["goodput"], out["faults"] = _goodput(paths, decided.state, notes)
     if decided.stalled is not None:
         out["stalled"] = decided.stalled
-    ranks.extend(out, paths, config, last, queue, notes, asked)  # ranks, Slurm's verdict
+    ranks.extend(
+        out, paths, config, last, queue, damaged=notes, asked=asked
+    )  # ranks, Slurm's verdict
     listed = queued(job_id) if queued is not None and queue else None
     out["job"] = _job(listed) if listed is not None else None
     epochs = _epochs(st, newest, config)

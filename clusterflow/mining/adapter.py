@@ -18,13 +18,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from clusterflow import rundir
-from clusterflow.config.job_config import Config
 from clusterflow.errors import UserError
 from clusterflow.mining import figure
 from clusterflow.mining.stage import Miner, Round, StopVote, for_status
-from clusterflow.observe import phases
-from clusterflow.observe.observer import mining_wait_timeout_s
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.reporter import Reporter
 from clusterflow.tasks import Task
 
@@ -83,27 +80,10 @@ class LoopMining:
     """The mining rounds of one attempt's loop on this rank."""
 
     def __init__(
-        self,
-        cfg: Config,
-        paths: rundir.RunPaths,
-        device: torch.device,
-        amp: torch.dtype | None,
-        stop: StopVote,
-        tracker: phases.Phases,
+        self, ctx: JobContext, device: torch.device, amp: torch.dtype | None, stop: StopVote
     ) -> None:
         self.device = device
-        self.miner = Miner(
-            cfg.mining,
-            device,
-            amp,
-            stop,
-            tracker,
-            progress_bar=cfg.train.progress_bar,
-            rounds_dir=paths.mining_rounds,
-            fsync=cfg.checkpoint.fsync,
-            data=cfg.data,
-            wait_timeout_s=mining_wait_timeout_s(cfg.mining.timeout_s, cfg.dist.stall_limit_s),
-        )
+        self.miner = Miner(ctx, device, amp, stop)
         # Whether the script calls run.mine after its loop: True from its first call (or a
         # round in the state restored), False once an epoch due to mine ended without one, None
         # until then.

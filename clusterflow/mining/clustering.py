@@ -142,22 +142,20 @@ def mutual_knn_clusters(
     embeddings: np.ndarray,
     k: int,
     threshold: float | str,
-    index: str = "flat",
     *,
-    engine: str = "auto",
     singletons: str = "cluster",
     max_cluster_size: int = 0,
-    query_batch: int = 65536,
     timings: dict | None = None,
-    **index_args: int | bool,
+    **knn_args: str | int | bool,
 ) -> np.ndarray:
     """Pseudo-labels from the mutual k-NN graph (see the module docstring for the definition).
 
     ``embeddings``: float32 (N, d). Returns int64 (N,). ``threshold``: a cosine similarity, or
     ``"auto"`` (the threshold of highest modularity on the round's curve, docs/mining.md). With
     ``singletons="ignore"`` samples without any kept edge get -1; ``max_cluster_size`` splits
-    giant chained components. ``index_args``: the FAISS knobs of
-    :class:`clusterflow.mining.knn.KnnParams` (nlist, nprobe, hnsw_m, ef_search, use_gpu);
+    giant chained components. ``knn_args``: how the neighbours are found, the fields of
+    :class:`clusterflow.mining.knn.KnnParams` but ``k`` (engine, index, query_batch and the
+    FAISS knobs nlist, nprobe, hnsw_m, ef_search, use_gpu; each defaults to KnnParams');
     ``timings`` receives seconds per phase and the engine used.
     """
 
@@ -166,7 +164,7 @@ def mutual_knn_clusters(
         raise ValueError(f"embeddings must be a non-empty (N, d) array, got shape {emb.shape}")
     if isinstance(threshold, str) and threshold != "auto":
         raise ValueError(f"threshold must be a number or 'auto', got {threshold!r}")
-    params = knn.KnnParams(k=k, engine=engine, index=index, query_batch=query_batch, **index_args)
+    params = knn.KnnParams(k=k, **knn_args)  # type: ignore[arg-type]
     timings = {} if timings is None else timings
     t0 = time.perf_counter()
     x = normalize(emb)

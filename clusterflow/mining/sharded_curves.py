@@ -80,7 +80,7 @@ def sharded_curve(
         same = pu == pv
         inside += float(out_w[same].sum())
         out_u, out_v, out_w = out_u[~same], out_v[~same], out_w[~same]
-        point = _point(parent, volume, code, classes, offsets, total, n)
+        point = _point(parent, volume, code, classes, offsets=offsets, total=total, n=n)
         sums = dist.all_reduce_sum([kept, inside, *point[:-1]])
         largest = dist.all_reduce_dict({"largest": point[-1]}, op="max")["largest"]
         rows.append((sums, largest))
@@ -104,6 +104,7 @@ def _point(
     volume: np.ndarray,
     code: np.ndarray | None,
     classes: np.ndarray | None,
+    *,
     offsets: tuple[int, ...],
     total: float,
     n: int,

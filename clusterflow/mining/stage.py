@@ -38,7 +38,7 @@ from torch.utils.data import Dataset
 from tqdm import tqdm
 
 from clusterflow.checkpoint.rng import capture_rng, restore_rng
-from clusterflow.config.sections import DataConfig, MiningConfig
+from clusterflow.config.sections import DataConfig
 from clusterflow.distributed import comm as dist
 from clusterflow.distributed import workers
 from clusterflow.distributed.groups import Subgroup
@@ -52,7 +52,7 @@ from clusterflow.mining.clustering import (
     normalize,
     tie_warning,
 )
-from clusterflow.mining.knn import KnnParams
+from clusterflow.mining.knn import KnnParams, SearchHooks
 from clusterflow.mining.knn.sharded import sharded_search
 from clusterflow.mining.knn.torch_engine import distributed_search
 from clusterflow.mining.mutual_graph import edges_at, mutual_graph
@@ -61,6 +61,8 @@ from clusterflow.mining.rounds import RoundFiles, SearchBlocks, forget_rounds, r
 from clusterflow.mining.sharded_curves import sharded_resolve
 from clusterflow.mining.sharded_graph import mutual_edges, sharded_clusters
 from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
+from clusterflow.observe.observer import mining_wait_timeout_s
 from clusterflow.tasks import Task
 
 log = logging.getLogger("clusterflow.mining")
@@ -79,6 +81,16 @@ class Round:
     stats: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class EmbeddedShard:
+    """This rank's part of a round's embeddings: the dataset ``indices`` it embedded, their rows
+    (``emb``), and whether they were read back from the round's files (``reused``)."""
+
+    indices: np.ndarray
+    emb: np.ndarray
+    reused: bool
+
+
 class StopVote(Protocol):
     """What a round asks of the trainer's stop agreement (``train.preemption.StopAgreement``):
     ``agree()``, collective, the reason all ranks stop for ("" to go on), at the round's one
@@ -94,28 +106,26 @@ def embed_shard(
     task: Task,
     model: torch.nn.Module,
     dataset: Dataset,
-    rank: int,
-    world: int,
     batch: int,
     device: torch.device,
     amp_dtype: torch.dtype | None,
-    progress: tqdm | None = None,
-    num_workers: int = 0,
-    pin_memory: bool = False,
-    tick: Callable[[], None] | None = None,
+    *,
+    data: DataConfig | None = None,
+    on_batch: Callable[[int], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """This rank's contiguous shard: (indices, float32 embeddings).
 
-    Built to keep a GPU fed: the DataLoader decodes in ``num_workers`` processes into pinned
-    memory, batches go to the device with non-blocking copies, and each batch's embeddings go
-    back with a non-blocking copy into one preallocated (pinned) host array, synchronised once at
-    the end, so the host never waits for the device inside the loop. No collective runs here:
-    ``progress`` (rank 0's bar) advances by this rank's batches times the world size (shards
-    differ by at most one sample), so no rank ever waits for another's progress. Indices are the
-    host copies of the batch's ``index``, in shard order. ``tick()`` is called once per batch (the
-    heartbeat: a rank stuck in one batch is a stall)."""
-    shard = shard_range(len(dataset), rank, world)
-    pin = pin_memory and device.type == "cuda"
+    Built to keep a GPU fed: the DataLoader decodes in ``data.num_workers`` processes into
+    pinned memory (``data.pin_memory``; None: in this process, unpinned), batches go to the
+    device with non-blocking copies, and each batch's embeddings go back with a non-blocking
+    copy into one preallocated (pinned) host array, synchronised once at the end, so the host
+    never waits for the device inside the loop. No collective runs here. Indices are the host
+    copies of the batch's ``index``, in shard order. ``on_batch(samples)`` is called once per
+    batch with its samples (rank 0's progress bar; the heartbeat: a rank stuck in one batch is
+    a stall)."""
+    shard = shard_range(len(dataset), dist.rank(), dist.world())
+    num_workers = data.num_workers if data is not None else 0
+    pin = data is not None and data.pin_memory and device.type == "cuda"
     loader = torch.utils.data.DataLoader(
         torch.utils.data.Subset(dataset, list(shard)),
         batch_size=batch,
@@ -143,10 +153,8 @@ def embed_shard(
                 host = torch.empty((len(shard), *z.shape[1:]), dtype=torch.float32, pin_memory=pin)
             host[done : done + len(z)].copy_(z, non_blocking=True)
             done += len(z)
-            if progress is not None:
-                progress.update(min(len(z) * world, progress.total - progress.n))
-            if tick is not None:
-                tick()
+            if on_batch is not None:
+                on_batch(len(z))
     if device.type == "cuda":
         # The one wait: every copy into `host` has landed.
         torch.cuda.current_stream(device).synchronize()
@@ -174,6 +182,7 @@ class Rank0Search:
         emb: np.ndarray,
         n: int,
         dim: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -211,6 +220,7 @@ class SpreadSearch:
         emb: np.ndarray,
         n: int,
         dim: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -233,9 +243,7 @@ class SpreadSearch:
             self.params.k,
             self.device,
             query_batch=self.params.query_batch,
-            should_abort=should_abort,
-            timings=timings,
-            blocks=blocks,
+            hooks=SearchHooks(should_abort, timings, blocks),
         )
         if blocks is not None:
             blocks.flush()
@@ -282,6 +290,7 @@ class ShardedSearch:
         indices: np.ndarray,
         emb: np.ndarray,
         n: int,
+        *,
         should_abort: Callable[[], bool],
         seconds: dict[str, Any],
         files: RoundFiles | None,
@@ -298,10 +307,7 @@ class ShardedSearch:
             self.params,
             engine,
             self.device if engine == "torch" else "cpu",
-            should_abort=should_abort,
-            timings=timings,
-            blocks=blocks,
-            tick=self.tick,
+            hooks=SearchHooks(should_abort, timings, blocks, self.tick),
         )
         if blocks is not None:
             blocks.flush()  # on a signal too: the grace period keeps the finished blocks
@@ -314,35 +320,31 @@ class ShardedSearch:
 
 
 class Miner:
-    """The mining stage of one trainer: when a round is due, and running it. ``rounds_dir``:
-    where rounds keep their work until their labels are committed (None: nowhere)."""
+    """The mining stage of one trainer: when a round is due, and running it. It reads the job's
+    ``mining`` section, the embedding DataLoader's workers and pinned memory (``data``), rank 0's
+    progress bar (``train.progress_bar``), where rounds keep their work until their labels are
+    committed (the run's mining rounds folder with ``mining.resume``, fsynced as checkpoints
+    are), and how long ranks wait for rank 0's search."""
 
     def __init__(
         self,
-        cfg: MiningConfig,
+        ctx: JobContext,
         device: torch.device,
         amp_dtype: torch.dtype | None,
         stop: StopVote,
-        tracker: phases.Phases | None = None,
-        progress_bar: bool = True,
-        rounds_dir: str | None = None,
-        fsync: bool = True,
-        data: DataConfig | None = None,
-        wait_timeout_s: int | None = None,
     ) -> None:
+        job = ctx.cfg
+        cfg = job.mining
         self.cfg, self.device, self.amp, self.stop = cfg, device, amp_dtype, stop
         # The data section: worker processes and pinned memory for the embedding's DataLoader.
-        self.loader_args = (
-            {"num_workers": data.num_workers, "pin_memory": data.pin_memory}
-            if data is not None
-            else {}
-        )
-        self.phases = tracker or phases.Phases()
-        self.progress_bar = progress_bar
-        self.rounds_dir, self.fsync = (rounds_dir if cfg.resume else None), fsync
+        self.data = job.data
+        self.phases = ctx.phases
+        self.progress_bar = job.train.progress_bar
+        self.rounds_dir = ctx.paths.mining_rounds if cfg.resume else None
+        self.fsync = job.checkpoint.fsync
         # Ranks wait here for rank 0's search: on mining.timeout_s, or longer with the watchdog
         # (observe.observer.mining_wait_timeout_s), so that rank 0's watchdog names a hung search.
-        self.group = Subgroup(wait_timeout_s or cfg.timeout_s)
+        self.group = Subgroup(mining_wait_timeout_s(cfg.timeout_s, job.dist.stall_limit_s))
         self.params = KnnParams.from_config(cfg)
         self.search: Rank0Search | SpreadSearch | ShardedSearch = (
             SpreadSearch(self.params, device)
@@ -398,14 +400,23 @@ class Miner:
         if self.stop.agree():
             return None
         if isinstance(self.search, ShardedSearch):
-            return self._sharded(task, indices, emb, n, epoch, embed_times, reused, seconds, files)
+            shard = EmbeddedShard(indices, emb, reused)
+            return self._sharded(
+                task, shard, n, epoch, embed_times=embed_times, seconds=seconds, files=files
+            )
         dim = int(dist.broadcast_object(emb.shape[1] if dist.rank() == 0 else None))
         with self.phases.enter(phases.MINING_SEARCH):
             lists, engine, x = self.search(
-                indices, emb, n, dim, lambda: self.stop.requested, seconds, files
+                indices,
+                emb,
+                n,
+                dim,
+                should_abort=lambda: self.stop.requested,
+                seconds=seconds,
+                files=files,
             )
             labels, stats = (
-                self._cluster(task, lists, x, n, epoch, engine, seconds)
+                self._cluster(task, lists, x, n, epoch, engine=engine, seconds=seconds)
                 if lists is not None
                 else (None, None)
             )
@@ -430,12 +441,11 @@ class Miner:
     def _sharded(
         self,
         task: Task,
-        indices: np.ndarray,
-        emb: np.ndarray,
+        shard: EmbeddedShard,
         n: int,
         epoch: int,
+        *,
         embed_times: list[tuple[int, float]] | None,
-        reused: bool,
         seconds: dict[str, Any],
         files: RoundFiles | None,
     ) -> Round | None:
@@ -443,10 +453,16 @@ class Miner:
         mutual graph, the curve and the labels across ranks; the labels are then gathered and
         broadcast (the sampler draws any sample on any rank), and the stats computed from them
         on every rank."""
+        indices, emb, reused = shard.indices, shard.emb, shard.reused
         c = self.cfg
         with self.phases.enter(phases.MINING_SEARCH):
             lists, offsets, engine = self.search(
-                indices, emb, n, lambda: self.stop.requested, seconds, files
+                indices,
+                emb,
+                n,
+                should_abort=lambda: self.stop.requested,
+                seconds=seconds,
+                files=files,
             )
         if lists is None:
             return None  # every rank saw the abort at the same query block
@@ -544,18 +560,23 @@ class Miner:
         with self.phases.enter(phases.MINING_EMBED):
             t0 = time.perf_counter()
             bar = self._bar(len(dataset), epoch)
+
+            def on_batch(samples: int) -> None:
+                # Shards differ by at most one sample: rank 0's bar counts its batches times
+                # the world size, so no rank ever waits for another's progress.
+                if bar is not None:
+                    bar.update(min(samples * dist.world(), bar.total - bar.n))
+                self.phases.tick()
+
             indices, emb = embed_shard(
                 task,
                 model,
                 dataset,
-                dist.rank(),
-                dist.world(),
                 self.cfg.embed_batch,
                 self.device,
                 self.amp,
-                bar,
-                tick=self.phases.tick,
-                **self.loader_args,
+                data=self.data,
+                on_batch=on_batch,
             )
             seconds["embed"] = time.perf_counter() - t0
             if bar is not None:
@@ -580,6 +601,7 @@ class Miner:
         x: np.ndarray | None,
         n: int,
         epoch: int,
+        *,
         engine: str,
         seconds: dict[str, Any],
     ) -> tuple[np.ndarray, dict[str, Any]]:

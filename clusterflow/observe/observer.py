@@ -34,7 +34,7 @@ import torch
 from clusterflow import rundir
 from clusterflow.config.job_config import Config
 from clusterflow.errors import RunFailed, UserError
-from clusterflow.observe import events, nvml, phases
+from clusterflow.observe import events, nvml
 from clusterflow.observe.heartbeat import (
     Heartbeat,
     Progress,
@@ -44,8 +44,11 @@ from clusterflow.observe.heartbeat import (
     tensorboard_scalars,
     watches_peers,
 )
+from clusterflow.observe.phases import MINING_GRAPH, MINING_SEARCH, MINING_WAIT, Phases
 from clusterflow.observe.stragglers import StragglerWatch
 from clusterflow.observe.watchdog import (
+    PeerWatch,
+    StallLimits,
     Watchdog,
     default_victim_grace_s,
     dump_flight_recorder,
@@ -98,9 +101,9 @@ def phase_allowances(mining_timeout_s: int, stall_limit_s: float) -> dict[str, f
     ``mining.timeout_s``; the wait outlasts the wait's own collective, whose timeout error names
     the wait if the search's rank is gone silently."""
     return {
-        phases.MINING_SEARCH: float(mining_timeout_s),
-        phases.MINING_GRAPH: float(mining_timeout_s),
-        phases.MINING_WAIT: mining_wait_timeout_s(mining_timeout_s, stall_limit_s) + stall_limit_s,
+        MINING_SEARCH: float(mining_timeout_s),
+        MINING_GRAPH: float(mining_timeout_s),
+        MINING_WAIT: mining_wait_timeout_s(mining_timeout_s, stall_limit_s) + stall_limit_s,
     }
 
 
@@ -115,6 +118,7 @@ class Observer:
         rank: int,
         attempt: int,
         device: torch.device,
+        *,
         after_stall: Callable[[dict[str, Any]], None] | None = None,
         world: tuple[int, int] = (1, 1),
     ) -> None:
@@ -143,7 +147,7 @@ class Observer:
         self.world_size = world[0]
         self._quiet_s = quiet_after(d.heartbeat_s, limit)
         peers = (
-            self._silent_peer
+            PeerWatch(self._silent_peer, every_s=max(0.2, min(5.0, d.heartbeat_s / 2)))
             if self.heartbeat is not None and watches_peers(rank, *world)
             else None
         )
@@ -152,14 +156,11 @@ class Observer:
                 self.progress,
                 paths,
                 rank,
-                stall_s=limit,
+                StallLimits(limit, allowances=phase_allowances(cfg.mining.timeout_s, limit)),
                 attempt=attempt,
-                host=self.host,
-                allowances=phase_allowances(cfg.mining.timeout_s, limit),
                 log_file=paths.log_file(rank, attempt),
                 on_stall=self._record,
                 peers=peers,
-                peers_every_s=max(0.2, min(5.0, d.heartbeat_s / 2)),
             )
             if limit
             else None
@@ -189,14 +190,15 @@ class Observer:
         return tensorboard_scalars(self.heartbeat.ranks()) if self.heartbeat is not None else {}
 
     @contextlib.contextmanager
-    def watching(self, tracker: phases.Phases) -> Iterator[None]:
-        """Heartbeats and the watchdog around the training loop that ``tracker`` follows."""
+    def watching(self, phases: Phases) -> Iterator[None]:
+        """Heartbeats and the watchdog around the training loop whose stretches of work
+        ``phases`` marks."""
         if self.heartbeat is None and self.watchdog is None:
             yield
             return
         # Where NCCL's own dump on timeout goes.
         os.makedirs(self.paths.stalls(self.attempt), exist_ok=True)
-        tracker.beat, tracker.scalars = self.progress.bump, self.scalars
+        phases.beat, phases.scalars = self.progress.bump, self.scalars
         try:
             with self.watchdog if self.watchdog is not None else contextlib.nullcontext():
                 yield
@@ -205,7 +207,7 @@ class Observer:
                 self._dump_recorder()
             raise
         finally:
-            tracker.beat, tracker.scalars = phases._nothing, dict
+            phases.unwatch()
             if self.heartbeat is not None:
                 self.heartbeat.close()
 

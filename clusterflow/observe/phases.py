@@ -49,6 +49,10 @@ class Phases:
         # Rank 0 with heartbeats: every rank's, for TensorBoard.
         self.scalars: Callable[[], dict[str, Any]] = dict
 
+    def unwatch(self) -> None:
+        """No heartbeat hears the phases any more (the observer's watch ended)."""
+        self.beat, self.scalars = _nothing, dict
+
     @contextlib.contextmanager
     def enter(self, name: str) -> Iterator[None]:
         outer, outer_since = self.current, self.since

@@ -13,10 +13,8 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from clusterflow import rundir
-from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
-from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.metrics import Every, NullWriter, gpu_stats, writer_for
 from clusterflow.observe.profiling import NoProfile, profile_for
 from clusterflow.observe.timeline import FIRST_BATCH, FIRST_STEP, Startup, timeline_for
@@ -100,21 +98,20 @@ class Reporter:
 
     def __init__(
         self,
-        cfg: Config,
-        paths: rundir.RunPaths,
-        attempt: int,
-        tracker: phases.Phases,
+        ctx: JobContext,
         startup: Startup,
+        *,
         progress: Progress,
         note: Callable[[Mapping[str, float]], None],
         cuda: bool,
     ) -> None:
-        self.cfg, self.paths, self.attempt, self.phases = cfg, paths, attempt, tracker
+        paths, attempt = ctx.paths, ctx.attempt
+        self.cfg, self.paths, self.attempt, self.phases = ctx.cfg, paths, attempt, ctx.phases
         self.rank, self.world_size = dist.rank(), dist.world()
         self.startup, self.progress, self.note, self.cuda = startup, progress, note, cuda
         # Rank 0's record of this attempt in time, for the goodput ledger.
         self.timeline = timeline_for(
-            self.rank == 0, paths, attempt, tracker, startup, world_size=self.world_size
+            self.rank == 0, paths, attempt, ctx.phases, startup, world_size=self.world_size
         )
         self.clock = StepClock()
         self._writer: NullWriter | None = None

@@ -22,6 +22,7 @@ from typing import Any
 from clusterflow import rundir
 from clusterflow.observe import goodput, phases
 from clusterflow.observe.metrics import NullWriter
+from clusterflow.observe.phases import Phases
 from clusterflow.rundir import timeline as record
 
 log = logging.getLogger("clusterflow.goodput")
@@ -123,11 +124,11 @@ class AttemptTimeline(NullTimeline):
         self,
         paths: rundir.RunPaths,
         attempt: int,
-        tracker: phases.Phases,
+        phases: Phases,
         startup: Startup | None = None,
         **fields: object,
     ) -> None:
-        self.paths, self.phases = paths, tracker
+        self.paths, self.phases = paths, phases
         self.startup = startup or Startup(process_started_at())
         self._lock = threading.Lock()
         self._base: dict[str, float] | None = None  # phase seconds at the first step
@@ -213,10 +214,10 @@ def timeline_for(
     is_main: bool,
     paths: rundir.RunPaths,
     attempt: int,
-    tracker: phases.Phases,
+    phases: Phases,
     startup: Startup | None = None,
     **fields: object,
 ) -> NullTimeline:
     if not is_main:
         return NullTimeline()
-    return AttemptTimeline(paths, attempt, tracker, startup, **fields)
+    return AttemptTimeline(paths, attempt, phases, startup, **fields)

@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import FrameType, ModuleType, TracebackType
 from typing import Any, TypeVar
 
@@ -78,39 +79,55 @@ def default_victim_grace_s(stall_s: float) -> float:
     return max(10.0, 0.25 * stall_s)
 
 
+@dataclass(frozen=True)
+class StallLimits:
+    """When a rank counts as stalled: no step for ``stall_s`` seconds, or for its phase's own
+    allowance (``allowances``: phase -> seconds, e.g. the mining wait's); ``victim_grace_s``:
+    how much longer a rank that waits in a collective is given before its watchdog ends it
+    (None: :func:`default_victim_grace_s`)."""
+
+    stall_s: float
+    allowances: Mapping[str, float] | None = None
+    victim_grace_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PeerWatch:
+    """``quiet()``: (rank, host, seconds) of a peer whose heartbeat went quiet, or None; read at
+    most once every ``every_s`` while this rank waits for its peers past its limit."""
+
+    quiet: Callable[[], tuple[int, str, float] | None]
+    every_s: float = 1.0
+
+
 class Watchdog:
-    """``with Watchdog(heartbeat.progress, paths, rank, stall_s=...):`` around the loop (or
-    ``start()`` and ``stop()``); an exception leaving the block stops it before anyone handles
-    it."""
+    """``with Watchdog(heartbeat.progress, paths, rank, StallLimits(stall_s)):`` around the loop
+    (or ``start()`` and ``stop()``); an exception leaving the block stops it before anyone
+    handles it. It watches the main thread, the loop's."""
 
     def __init__(
         self,
         progress: Progress,
         paths: rundir.RunPaths,
         rank: int,
+        limits: StallLimits,
         *,
-        stall_s: float,
         attempt: int = 0,
-        host: str | None = None,
-        allowances: Mapping[str, float] | None = None,
         log_file: str | None = None,
-        victim_grace_s: float | None = None,
         on_stall: Callable[[dict[str, Any]], None] | None = None,
-        loop_thread: int | None = None,
-        peers: Callable[[], tuple[int, str, float] | None] | None = None,
-        peers_every_s: float = 1.0,
+        peers: PeerWatch | None = None,
     ) -> None:
         self.progress, self.paths, self.rank, self.attempt = progress, paths, rank, attempt
-        self.stall_s, self.allowances = float(stall_s), dict(allowances or {})
-        self.host = host or socket.gethostname()
+        self.stall_s, self.allowances = float(limits.stall_s), dict(limits.allowances or {})
+        self.host = socket.gethostname()
         self.log_file, self.on_stall = log_file, on_stall
-        self.victim_grace_s = (
-            default_victim_grace_s(self.stall_s) if victim_grace_s is None else victim_grace_s
-        )
-        self.loop_thread = loop_thread or threading.main_thread().ident
+        grace = limits.victim_grace_s
+        self.victim_grace_s = default_victim_grace_s(self.stall_s) if grace is None else grace
+        self.loop_thread = threading.main_thread().ident
         # (rank, host, seconds) of a peer whose heartbeat went quiet, read at most once every
         # peers_every_s while this rank waits for its peers past its limit.
-        self.peers, self.peers_every_s = peers, peers_every_s
+        self.peers = peers.quiet if peers is not None else None
+        self.peers_every_s = peers.every_s if peers is not None else 1.0
         self._peers_read_at = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(

@@ -168,6 +168,19 @@ def count(previous: Mapping[str, Any] | None, committed: int) -> tuple[int, bool
     return (1 if progress else int(previous.get("tries", 0)) + 1), progress
 
 
+@dataclass(frozen=True)
+class Failure:
+    """What ended a step, as its line in the tries records it: ``cause`` (crash, node, stall),
+    the rank that failed and its host (None where not known), its one-line ``error``, and when
+    it was seen (``at``, seconds since 1970; None: now)."""
+
+    cause: str
+    rank: int | None
+    host: str | None
+    error: str
+    at: float | None = None
+
+
 def judge(
     paths: RunPaths,
     *,
@@ -176,16 +189,13 @@ def judge(
     world_size: int,
     limit: int,
     job_id: str,
-    cause: str,
-    rank: int | None,
-    host: str | None,
-    error: str,
-    at: float | None = None,
+    failure: Failure,
 ) -> Verdict:
     """Record the fault of the srun step ``fault`` (:func:`fault_id`), whose rank 0 records
     attempt ``attempt``, once (a second call reads the first one's line back), and say whether
     the run gives up: more than ``limit`` (``cluster.restarts_in_job``) restarts of one step
     without progress."""
+    rank, host = failure.rank, failure.host
     lines = read(paths)
     for line in reversed(lines):
         if line.get("fault") == fault:
@@ -202,11 +212,11 @@ def judge(
         "fault": fault,
         "attempt": attempt,
         "job_id": job_id,
-        "at": at if at is not None else time.time(),
-        "cause": cause,
+        "at": failure.at if failure.at is not None else time.time(),
+        "cause": failure.cause,
         **({"rank": rank} if rank is not None else {}),
         **({"host": host} if host else {}),
-        "error": error,
+        "error": failure.error,
         "committed": committed,
         **({"step": step, "epoch": epoch} if step is not None else {}),
         "indices": indices,

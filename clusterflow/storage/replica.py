@@ -78,6 +78,7 @@ def send(
     key: Key,
     step: int,
     folder: str,
+    *,
     timeout_s: float = 60.0,
     source: str | None = None,
 ) -> None:

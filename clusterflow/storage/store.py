@@ -98,21 +98,30 @@ def _versions(codec: durable.Codec | None) -> dict[str, str]:
 _DELETER = Worker("clusterflow-deleter")
 
 
+@dataclass(frozen=True)
+class AlsoKeep:
+    """The steps a store keeps besides its newest ``keep_last``: ``every``: the multiples of it
+    (0: none); ``best``: (metric, "min" | "max"), the step whose manifest's ``metrics`` holds the
+    best value (``checkpoint.keep_every_steps`` and ``checkpoint.keep_best``)."""
+
+    every: int = 0
+    best: tuple[str, str] | None = None
+
+
 class CheckpointStore:
     def __init__(
         self,
         root: str,
         keep_last: int = 3,
         fsync: bool = True,
-        keep_every: int = 0,
-        best: tuple[str, str] | None = None,
+        *,
+        also_keep: AlsoKeep | None = None,
         check: Callable[[Checkpoint], None] | None = None,
         codec: durable.Codec | None = None,
         readable: bool = True,
         private: bool = False,
     ) -> None:
-        """``keep_every``: steps that are multiples of it are kept too; ``best``: (metric,
-        "min" | "max"), the step whose manifest's ``metrics`` holds the best value is kept too;
+        """``also_keep``: the steps kept besides the newest ``keep_last`` (none when None);
         ``check``: what a step must satisfy beyond its manifest, sizes and digests to be read
         (raises ValueError naming what is wrong); ``codec``: how the files' objects are written
         and read (``storage.tensors.TORCH`` in the job); None where only steps and manifests are
@@ -128,7 +137,7 @@ class CheckpointStore:
         self.codec = codec
         if keep_last < 2:
             raise ValueError("keep_last must be >= 2")
-        self.keep_every, self.best = keep_every, best
+        self.keep_every, self.best = (also_keep.every, also_keep.best) if also_keep else (0, None)
         # Called with the step as soon as a save published it, before pruning (rank 0: the
         # attempt's timeline records the commit, RUN_DIR/best points at the best step).
         self.after_publish: Callable[[int], None] | None = None

@@ -68,6 +68,7 @@ class ClassifierTask(Task):
     def __init__(
         self,
         seed: int = 0,
+        *,
         identities: Identities = 100,
         samples_per_identity: Identities = 20,
         imbalance: Annotated[float, Range(1)] = 1.0,
@@ -91,9 +92,18 @@ class ClassifierTask(Task):
             )
         self.classes = identities
         self.counts = long_tail_counts(identities, samples_per_identity, imbalance)
-        self.data_args = identity_data(
-            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
-        )
+        # SyntheticIdentities' arguments after the seed, but the samples per identity.
+        self.data_args = {
+            "world": identity_data(
+                identities,
+                input_dim,
+                id_dim,
+                nuisance_dim=nuisance_dim,
+                nuisance_scale=nuisance_scale,
+                noise=noise,
+                keep=keep,
+            )
+        }
         self.eval_per_class = eval_samples_per_identity
         self.hidden, self.embed_dim = hidden, embed_dim
         self.label_smoothing, self.train_backbone = label_smoothing, train_backbone
@@ -111,7 +121,9 @@ class ClassifierTask(Task):
         self._train: SyntheticIdentities | None = None
 
     def build_model(self) -> nn.Module:
-        model = Classifier(self.data_args["input_dim"], self.hidden, self.embed_dim, self.classes)
+        model = Classifier(
+            self.data_args["world"].input_dim, self.hidden, self.embed_dim, self.classes
+        )
         if not self.train_backbone:  # a linear probe on a stage-1 encoder
             for p in model.net.parameters():
                 p.requires_grad_(False)

@@ -31,6 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import numpy as np
@@ -381,6 +382,19 @@ Limit = Annotated[int, Range(0, what="a number of images, 0 for all")]
 ScanLimit = Annotated[float, Range(0, what="the longest the scan of root may take, 0: no limit")]
 
 
+@dataclass(frozen=True)
+class EncoderShape:
+    """The encoder an image task builds: ``backbone`` (small or resnet18) ``width`` channels wide
+    (0: the backbone's default), over ``channels`` x ``image_size`` x ``image_size`` images, to
+    ``embed_dim``."""
+
+    backbone: str
+    width: int
+    channels: int
+    image_size: int
+    embed_dim: int
+
+
 class ImageFolderTask(Task):
     """Parameters (``task.params``): root, image_size, channels, backbone, width, embed_dim,
     temperature, crop_scale, flip, rotate_deg, jitter, limit, make_digits, scan_limit_s
@@ -389,6 +403,7 @@ class ImageFolderTask(Task):
     def __init__(
         self,
         seed: int = 0,
+        *,
         root: str = "",
         image_size: ImageSize = 32,
         channels: Channels = 3,
@@ -408,16 +423,14 @@ class ImageFolderTask(Task):
             seed,
             root,
             "set it to a folder of images, e.g. task.params.root=data/digits",
-            image_size,
-            channels,
-            backbone,
-            width,
-            embed_dim,
+            EncoderShape(backbone, width, channels, image_size, embed_dim),
             temperature,
-            crop_scale,
-            flip,
-            rotate_deg,
-            jitter,
+            Augment(
+                crop_scale=float(crop_scale),
+                flip=flip,
+                rotate_deg=float(rotate_deg),
+                jitter=float(jitter),
+            ),
         )
         if make_digits and (
             not os.path.exists(root) or (os.path.isdir(root) and not os.listdir(root))
@@ -450,22 +463,16 @@ class ImageFolderTask(Task):
         seed: int,
         root: str,
         what_root: str,
-        image_size: int,
-        channels: int,
-        backbone: str,
-        width: int,
-        embed_dim: int,
+        shape: EncoderShape,
         temperature: float,
-        crop_scale: float,
-        flip: bool,
-        rotate_deg: float,
-        jitter: float,
+        augment: Augment,
     ) -> None:
         """Keep the parameters that do not depend on where the images are; root and width are
         checked here, the others by their annotations when the task is loaded (and at submit)."""
         task = type(self).__name__
         self.seed = seed
         _check(isinstance(root, str) and root != "", "root", root, what_root, task)
+        backbone, width = shape.backbone, shape.width
         _check(
             _is_int(width) and (width == 0 or width >= 4),
             "width",
@@ -474,18 +481,17 @@ class ImageFolderTask(Task):
             task=task,
         )
         self.root = root
-        self.image_size, self.channels, self.temperature = image_size, channels, temperature
+        self.image_size, self.channels, self.temperature = (
+            shape.image_size,
+            shape.channels,
+            temperature,
+        )
         self.backbone, self.width, self.embed_dim = (
             backbone,
             width or (32 if backbone == "small" else 64),
-            embed_dim,
+            shape.embed_dim,
         )
-        self.augment = Augment(
-            crop_scale=float(crop_scale),
-            flip=flip,
-            rotate_deg=float(rotate_deg),
-            jitter=float(jitter),
-        )
+        self.augment = augment
         self._train: ImageItems | None = None
         self._embed: ImageItems | None = None
 
@@ -539,6 +545,7 @@ class ImageShardsTask(ImageFolderTask):
     def __init__(
         self,
         seed: int = 0,
+        *,
         root: str = "",
         image_size: ImageSize = 32,
         channels: Channels = 3,
@@ -559,16 +566,14 @@ class ImageShardsTask(ImageFolderTask):
             seed,
             root,
             "set it to a folder of shards written by python -m clusterflow.tasks.shards",
-            image_size,
-            channels,
-            backbone,
-            width,
-            embed_dim,
+            EncoderShape(backbone, width, channels, image_size, embed_dim),
             temperature,
-            crop_scale,
-            flip,
-            rotate_deg,
-            jitter,
+            Augment(
+                crop_scale=float(crop_scale),
+                flip=flip,
+                rotate_deg=float(rotate_deg),
+                jitter=float(jitter),
+            ),
         )
         # ImageFolderTask's folder parameters, so that one config serves both tasks; a shard
         # folder is packed beforehand and not scanned (scan_limit_s has nothing to limit).

@@ -17,6 +17,7 @@ never on which rank draws it, so 1 and N processes see the same data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import numpy as np
@@ -28,23 +29,38 @@ from clusterflow.tasks import Range, Task
 from clusterflow.tasks.losses import supcon_loss
 
 
+@dataclass(frozen=True)
+class IdentityWorld:
+    """The synthetic world the samples come from: ``identities`` identities, each a code of
+    ``id_dim`` dimensions, seen in ``input_dim`` dimensions with ``nuisance_dim`` nuisance
+    dimensions at ``nuisance_scale``, ``noise`` on top; ``keep``: how much of a sample's nuisance
+    an augmented view keeps."""
+
+    identities: int
+    input_dim: int
+    id_dim: int
+    nuisance_dim: int
+    nuisance_scale: float
+    noise: float
+    keep: float = 0.5
+
+
 class SyntheticIdentities(Dataset):
-    """``identities`` x ``samples_per_identity`` samples of dimension ``input_dim``, shuffled."""
+    """``world.identities`` x ``samples_per_identity`` samples of dimension ``world.input_dim``,
+    shuffled."""
 
     def __init__(
         self,
         seed: int,
-        identities: int,
+        world: IdentityWorld,
         samples_per_identity: int | np.ndarray,
-        input_dim: int,
-        id_dim: int,
-        nuisance_dim: int,
-        nuisance_scale: float,
-        noise: float,
-        keep: float = 0.5,
+        *,
         augment: bool = True,
         split: int = 0,
     ) -> None:
+        identities, input_dim, id_dim = world.identities, world.input_dim, world.id_dim
+        nuisance_dim, nuisance_scale = world.nuisance_dim, world.nuisance_scale
+        noise, keep = world.noise, world.keep
         rng = np.random.default_rng([seed, 7])  # the world: shared by every split
         self.A = rng.standard_normal((id_dim, input_dim)).astype(np.float32) / np.sqrt(id_dim)
         self.B = rng.standard_normal((nuisance_dim, input_dim)).astype(np.float32) / np.sqrt(
@@ -140,22 +156,23 @@ def identity_data(
     identities: int,
     input_dim: int,
     id_dim: int,
+    *,
     nuisance_dim: int,
     nuisance_scale: float,
     noise: float,
     keep: float,
-) -> dict[str, Any]:
-    """SyntheticIdentities' arguments from a task's parameters; ``nuisance_dim`` 0 means no
+) -> IdentityWorld:
+    """SyntheticIdentities' world from a task's parameters; ``nuisance_dim`` 0 means no
     nuisance: one nuisance dimension at scale 0."""
-    return {
-        "identities": identities,
-        "input_dim": input_dim,
-        "id_dim": id_dim,
-        "nuisance_dim": max(nuisance_dim, 1),
-        "nuisance_scale": nuisance_scale if nuisance_dim else 0.0,
-        "noise": noise,
-        "keep": keep,
-    }
+    return IdentityWorld(
+        identities,
+        input_dim,
+        id_dim,
+        nuisance_dim=max(nuisance_dim, 1),
+        nuisance_scale=nuisance_scale if nuisance_dim else 0.0,
+        noise=noise,
+        keep=keep,
+    )
 
 
 class PseudoIDTask(Task):
@@ -165,6 +182,7 @@ class PseudoIDTask(Task):
     def __init__(
         self,
         seed: int = 0,
+        *,
         identities: Identities = 100,
         samples_per_identity: Identities = 20,
         input_dim: InputDim = 64,
@@ -179,15 +197,22 @@ class PseudoIDTask(Task):
     ) -> None:
         self.seed = seed
         shape = identity_data(
-            identities, input_dim, id_dim, nuisance_dim, nuisance_scale, noise, keep
+            identities,
+            input_dim,
+            id_dim,
+            nuisance_dim=nuisance_dim,
+            nuisance_scale=nuisance_scale,
+            noise=noise,
+            keep=keep,
         )
-        self.data_args = {**shape, "samples_per_identity": samples_per_identity}
+        # SyntheticIdentities' arguments after the seed.
+        self.data_args = {"world": shape, "samples_per_identity": samples_per_identity}
         self.hidden, self.embed_dim, self.temperature = hidden, embed_dim, temperature
         self._train: SyntheticIdentities | None = None
         self._embed: SyntheticIdentities | None = None
 
     def build_model(self) -> nn.Module:
-        return Encoder(self.data_args["input_dim"], self.hidden, self.embed_dim)
+        return Encoder(self.data_args["world"].input_dim, self.hidden, self.embed_dim)
 
     def train_dataset(self) -> SyntheticIdentities:
         if self._train is None:

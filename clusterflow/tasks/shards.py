@@ -94,6 +94,7 @@ def _write_shard(
     url: str,
     src: str,
     files: list[str],
+    *,
     labels: np.ndarray | None,
     first: int,
     packing: str,
@@ -150,9 +151,9 @@ def write_shards(src: str, out: str, shard_size: int, seed: int = 0) -> dict[str
             shard_format.join(root, name),
             src,
             part,
-            labels[first : first + shard_size] if labels is not None else None,
-            first,
-            packing,
+            labels=labels[first : first + shard_size] if labels is not None else None,
+            first=first,
+            packing=packing,
         )
         shards.append({"name": name, "samples": len(part), "bytes": nbytes})
         offsets += off

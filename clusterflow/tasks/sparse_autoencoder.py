@@ -33,6 +33,7 @@ class SyntheticActivations(Dataset):
         features: int,
         active: float,
         noise: float,
+        *,
         split: int = 0,
     ) -> None:
         rng = np.random.default_rng([seed, 21])
@@ -84,6 +85,7 @@ class SparseAutoencoderTask(Task):
     def __init__(
         self,
         seed: int = 0,
+        *,
         samples: int = 20000,
         dim: int = 64,
         features: int = 256,

@@ -145,9 +145,9 @@ class Accounting:
             loader.data,
             start,
             start + size,
-            attempt,
-            self.world,
-            loader.global_batch_size,
+            attempt=attempt,
+            world=self.world,
+            batch=loader.global_batch_size,
         )
         return mine
 

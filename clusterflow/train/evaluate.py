@@ -31,6 +31,7 @@ def evaluate(
     device: torch.device,
     amp: torch.dtype | None,
     batch_size: int,
+    *,
     tick: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Collective: every rank must call it. Returns the same metrics on every rank. ``tick()``

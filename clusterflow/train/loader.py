@@ -21,6 +21,7 @@ from clusterflow.checkpoint.rng import rank_seed
 from clusterflow.distributed import workers
 from clusterflow.distributed.sampler import (
     RANK_BATCH,
+    Batching,
     BatchKey,
     EpochItems,
     GlobalBatchSampler,
@@ -50,35 +51,33 @@ class Loader:
     def __init__(
         self,
         dataset: Dataset,
-        global_batch_size: int,
-        accumulate: int,
-        rank: int,
-        world: int,
-        seed: int,
+        batching: Batching,
         key: BatchKey,
+        *,
         set_epoch: Callable[[int], None] | None,
         kwargs: dict[str, Any],
         iterate: Callable[[Loader], Iterator[Any]],
         left: Callable[[], int | None],
     ) -> None:
+        b = batching
         self.dataset, self.global_batch_size, self.accumulate = (
             dataset,
-            global_batch_size,
-            accumulate,
+            b.global_batch,
+            b.accumulate,
         )
-        self.batch_size = global_batch_size // (world * accumulate)
-        self.rank, self.seed, self.set_epoch, self.kwargs = rank, seed, set_epoch, kwargs
+        self.batch_size = b.rank_batch
+        self.rank, self.seed, self.set_epoch, self.kwargs = b.rank, b.seed, set_epoch, kwargs
         self._iterate, self._left = iterate, left
         self.n = len(dataset)  # type: ignore[arg-type]
         # What a checkpoint records of the data, and a resume compares with it.
         self.data = identify(dataset)  # type: ignore[arg-type]
         self.sampler = GlobalBatchSampler(
             self.n,
-            global_batch_size,
-            rank,
-            world,
-            seed,
-            accumulate,
+            b.global_batch,
+            b.rank,
+            b.world,
+            b.seed,
+            grad_accum=b.accumulate,
             order=lambda seed, epoch: epoch_order(dataset, seed, epoch),
             key=key,
         )
@@ -174,6 +173,7 @@ def step_samples(
     global_batch_size: object,
     accumulate: int,
     world: int,
+    *,
     what: str,
     key: BatchKey,
 ) -> tuple[int, BatchKey]:

@@ -19,15 +19,13 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from clusterflow import rundir
 from clusterflow.checkpoint import checkpointer, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
 from clusterflow.checkpoint.data_identity import DataIdentity
 from clusterflow.checkpoint.rng import RngState, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
-from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.reporter import Reporter
 from clusterflow.storage import durable
 from clusterflow.storage.tensors import TORCH
@@ -61,18 +59,18 @@ class Saves:
 
     def __init__(
         self,
-        cfg: Config,
-        paths: rundir.RunPaths,
-        attempt: int,
-        tracker: phases.Phases,
+        ctx: JobContext,
         state: TrainState,
+        *,
         stop: StopAgreement,
         ending: Ending,
         reporter: Reporter,
         guard: FiniteGuard,
         order: CallOrder,
     ) -> None:
-        self.cfg, self.paths, self.attempt, self.phases = cfg, paths, attempt, tracker
+        self.ctx = ctx
+        self.cfg, self.paths, self.attempt = ctx.cfg, ctx.paths, ctx.attempt
+        self.phases = ctx.phases
         self.state, self.stop_agreement, self._ending = state, stop, ending
         self.reporter, self.guard, self.order = reporter, guard, order
         self.checkpointer: Checkpointer | None = None
@@ -102,14 +100,11 @@ class Saves:
         self.module = module
         self.optimizers = [o for o in states.values() if isinstance(o, torch.optim.Optimizer)]
         self.checkpointer = Checkpointer(
-            self.cfg,
-            self.paths,
+            self.ctx,
             module,
             states,
             self.state,
-            max(1, steps_per_epoch),
-            self.attempt,
-            self.phases,
+            steps_per_epoch=max(1, steps_per_epoch),
             before_commit=self._commit_check,
             after_commit=self.reporter.timeline.committed,
         )

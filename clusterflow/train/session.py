@@ -44,12 +44,12 @@ from clusterflow.checkpoint import checkpointer, registered, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
-from clusterflow.config.job_config import Config
 from clusterflow.distributed import comm as dist
-from clusterflow.distributed.sampler import LOADER_BATCH, TASK_BATCH, EpochPlan
+from clusterflow.distributed.sampler import LOADER_BATCH, TASK_BATCH, Batching, EpochPlan
 from clusterflow.errors import UserError
 from clusterflow.mining.adapter import LoopMining
 from clusterflow.observe import phases
+from clusterflow.observe.context import JobContext
 from clusterflow.observe.metrics import NullWriter
 from clusterflow.observe.reporter import ForwardMark, Reporter
 from clusterflow.observe.timeline import MODEL, RESTORE, TASK_DATA, Startup, process_started_at
@@ -76,23 +76,24 @@ Amp = torch.dtype | None
 
 class Run:
     """One attempt's training, on this rank. Built by ``clusterflow.start()`` (a script) or
-    ``run_job`` (a task); ``ending`` is the job's end. ``amp``: the precision of a sharded model's
-    forward and of the mining embed (None: as the model is); ``what``: the task or script, for
-    messages."""
+    ``run_job`` (a task); ``ctx``: the job's config, run dir, attempt and the phase clock every
+    part of the run marks its time on; ``ending`` is the job's end. ``amp``: the precision of a
+    sharded model's forward and of the mining embed (None: as the model is); ``what``: the task
+    or script, for messages."""
 
     def __init__(
         self,
-        cfg: Config,
-        paths: rundir.RunPaths,
+        ctx: JobContext,
         device: torch.device,
-        attempt: int,
         preemption: Preemption,
         ending: Ending,
+        *,
         amp: Amp = None,
         what: str = "",
         startup: Startup | None = None,
         seeds: GlobalSeeds | None = None,
     ) -> None:
+        cfg, paths, attempt = ctx.cfg, ctx.paths, ctx.attempt
         self.config, self.paths, self.device, self.attempt = cfg, paths, device, attempt
         self.rank, self.world_size = dist.rank(), dist.world()
         self.run_dir = paths.root
@@ -101,7 +102,7 @@ class Run:
         # What the messages about the batch name: a script's run.loader argument, or the task's
         # config key.
         self.batch_key = LOADER_BATCH if self.own_loop else TASK_BATCH
-        self.phases = phases.Phases()
+        self.phases = ctx.phases
         # Where the start-up went, marked up to the first step (the attempt marked its part).
         self.startup = startup or Startup(process_started_at())
         self.state = TrainState()
@@ -111,28 +112,22 @@ class Run:
         self.order = CallOrder(self._facts)
         self.account = Accounting(self.state, self.rank, self.world_size)
         self.reporter = Reporter(
-            cfg,
-            paths,
-            attempt,
-            self.phases,
+            ctx,
             self.startup,
-            self._progress,
-            self._note,
-            _cuda(device),
+            progress=self._progress,
+            note=self._note,
+            cuda=_cuda(device),
         )
         self.saves = Saves(
-            cfg,
-            paths,
-            attempt,
-            self.phases,
+            ctx,
             self.state,
-            self.stop,
-            ending,
-            self.reporter,
-            self.guard,
-            self.order,
+            stop=self.stop,
+            ending=ending,
+            reporter=self.reporter,
+            guard=self.guard,
+            order=self.order,
         )
-        self.mining = LoopMining(cfg, paths, device, amp, self.stop, self.phases)
+        self.mining = LoopMining(ctx, device, amp, self.stop)
         # clusterflow check's records and halt, in its runs only (train/probe.py).
         self.probe = Probe.of(paths, self.rank, self.world_size, attempt)
         self.total_epochs = 0
@@ -288,34 +283,27 @@ class Run:
             global_batch_size,
             accumulate,
             self.world_size,
-            self.what or "the dataset",
-            self.batch_key,
+            what=self.what or "the dataset",
+            key=self.batch_key,
         )
+        batching = Batching(total, accumulate, self.rank, self.world_size, self.config.run.seed)
         if stream:
             self._loader = self.account.loader = StreamLoader(
                 dataset,  # type: ignore[arg-type]
-                total,
-                accumulate,
-                self.rank,
-                self.world_size,
-                self.config.run.seed,
+                batching,
                 self.attempt,
-                kwargs,
-                self._iterate,
+                kwargs=kwargs,
+                iterate=self._iterate,
             )
             return self._loader
         self._loader = self.account.loader = Loader(
             dataset,
-            total,
-            accumulate,
-            self.rank,
-            self.world_size,
-            self.config.run.seed,
+            batching,
             key,
-            set_epoch if set_epoch is not None else getattr(dataset, "set_epoch", None),
-            kwargs,
-            self._iterate,
-            self.account.batches_left,
+            set_epoch=set_epoch if set_epoch is not None else getattr(dataset, "set_epoch", None),
+            kwargs=kwargs,
+            iterate=self._iterate,
+            left=self.account.batches_left,
         )
         if self.own_loop:  # the script's code since its last call built its data
             self.startup.mark(TASK_DATA)

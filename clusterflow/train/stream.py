@@ -28,6 +28,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from clusterflow.checkpoint.data_identity import DataIdentity
 from clusterflow.checkpoint.rng import rank_seed
 from clusterflow.distributed import workers
+from clusterflow.distributed.sampler import Batching
 from clusterflow.errors import UserError
 
 log = logging.getLogger("clusterflow.trainer")
@@ -53,26 +54,25 @@ class StreamLoader:
     def __init__(
         self,
         dataset: IterableDataset,
-        global_batch_size: int,
-        accumulate: int,
-        rank: int,
-        world: int,
-        seed: int,
+        batching: Batching,
         attempt: int,
+        *,
         kwargs: dict[str, Any],
         iterate: Callable[[StreamLoader], Iterator[Any]],
     ) -> None:
+        b = batching
+        rank, world, seed = b.rank, b.world, b.seed
         self.dataset, self.global_batch_size, self.accumulate = (
             dataset,
-            global_batch_size,
-            accumulate,
+            b.global_batch,
+            b.accumulate,
         )
-        self.batch_size = global_batch_size // (world * accumulate)
+        self.batch_size = b.rank_batch
         self.rank, self.world, self.attempt, self._iterate = rank, world, attempt, iterate
         digest = getattr(dataset, "data_digest", None)
         # A stream's identity: no length (0), and its own digest when it offers one.
         self.data = DataIdentity(0, digest() if callable(digest) else None)
-        self.n = global_batch_size  # the samples the run's steps take: set by run.steps
+        self.n = b.global_batch  # the samples the run's steps take: set by run.steps
         self.passes = 0  # this rank's passes over its stream finished
         self.resumed_at: int | None = None  # the attempt whose position a resume restored
         self._live: Iterator[Any] | None = None  # the pass being read, its workers behind it

@@ -271,7 +271,7 @@ class Trainer:
                 self.device,
                 self.amp,
                 self.micro_global // self.world,
-                self.phases.tick,
+                tick=self.phases.tick,
             )
         return {k if "/" in k else f"eval/{k}": v for k, v in metrics.items()}
 

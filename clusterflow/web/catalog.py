@@ -143,7 +143,7 @@ def _settled(job: Queued | None) -> tuple[object, ...] | None:
     return (job.line, job.time_limit_s, job.start_at, job.nodes, job.scheduled_nodes)
 
 
-class Run:
+class RunEntry:
     """One run dir as the dashboard holds it."""
 
     def __init__(self, found: discover.Found) -> None:
@@ -288,7 +288,7 @@ class Catalog:
         self.snapshot = snapshot
         self.queue = queue or QueueCache()
         self.lock = threading.Lock()
-        self.runs: dict[str, Run] = {}
+        self.runs: dict[str, RunEntry] = {}
         self.sweeps: dict[str, Sweep] = {}
         self.version = 0  # the set of runs and sweeps
         self.gpus: list[dict[str, Any]] | None = None
@@ -348,7 +348,7 @@ class Catalog:
             runs = {f.id: f for f in found.values() if f.kind == discover.RUN}
             sweeps = {f.id: f for f in found.values() if f.kind == discover.SWEEP}
             self.runs = {
-                i: self.runs[i] if i in self.runs and self.runs[i].found == f else Run(f)
+                i: self.runs[i] if i in self.runs and self.runs[i].found == f else RunEntry(f)
                 for i, f in runs.items()
             }
             self.sweeps = {

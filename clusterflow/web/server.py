@@ -46,7 +46,7 @@ from clusterflow.manage import cancel as run_cancel
 from clusterflow.observe import nvml
 from clusterflow.storage import confined
 from clusterflow.web import running, views
-from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, Run, Snapshot, Sweep
+from clusterflow.web.catalog import WATCHED_POLL_S, Catalog, RunEntry, Snapshot, Sweep
 from clusterflow.web.feeds import Delta
 from clusterflow.web.guard import HEADER, WILDCARDS, Asgi, Guard, Hosts, Receive, Scope, Send
 
@@ -286,7 +286,7 @@ class Dashboard:
         )
         return self.responses.HTMLResponse(html, headers={"cache-control": "no-store"})
 
-    def _run(self, request: Request) -> Run:
+    def _run(self, request: Request) -> RunEntry:
         run = self.catalog.runs.get(request.path_params["run_id"])
         if run is None:
             raise self.not_found(404, "no such run under the dashboard's paths")
@@ -507,7 +507,7 @@ class Dashboard:
                 cat.watch(run_id, None, -1, follow=True)
 
     def _feeds(
-        self, run: Run, rank: int, metrics_at: tuple[int, int], log_at: tuple[int, int]
+        self, run: RunEntry, rank: int, metrics_at: tuple[int, int], log_at: tuple[int, int]
     ) -> tuple[Delta | None, Delta | None]:
         with self.catalog.lock:
             metrics = run.metrics.since(*metrics_at) if run.metrics is not None else None
@@ -517,7 +517,7 @@ class Dashboard:
 
 
 def _changed(
-    entries: list[Run] | list[Sweep],
+    entries: list[RunEntry] | list[Sweep],
     view: Callable[[Any], dict[str, Any]],
     sent: dict[str, str],
 ) -> list[dict[str, Any]]:
@@ -545,7 +545,7 @@ def _compared(ids: str | None, sweep: str | None) -> tuple[list[str], str | None
     return [i for i in given if RUN_ID.match(i)], None
 
 
-def _entries(cat: Catalog, ids: Iterable[str], sweep: str | None) -> list[Run | Sweep]:
+def _entries(cat: Catalog, ids: Iterable[str], sweep: str | None) -> list[RunEntry | Sweep]:
     """What a compare page shows, as the catalog holds it now (their versions say when to send
     the page's runs again)."""
     entry = cat.sweeps.get(sweep) if sweep else None

@@ -22,7 +22,7 @@ from clusterflow.rundir import faults
 from clusterflow.sweeps import index as sweep_index
 from clusterflow.sweeps import sweep as sweep_axes
 from clusterflow.web import configs
-from clusterflow.web.catalog import Catalog, Run, Sweep
+from clusterflow.web.catalog import Catalog, RunEntry, Sweep
 from clusterflow.web.discover import ident
 
 # Runs one compare page shows at most (each one's metrics are followed while it is open).
@@ -128,7 +128,7 @@ def _last_heartbeat(ranks: list[dict[str, Any]]) -> float | None:
     return max(times) if times else None
 
 
-def row(run: Run) -> dict[str, Any]:
+def row(run: RunEntry) -> dict[str, Any]:
     """One line of the Runs page."""
     s = run.status or {}
     good = s.get("goodput") or {}
@@ -149,7 +149,7 @@ def row(run: Run) -> dict[str, Any]:
     )
 
 
-def sweep(entry: Sweep, runs: dict[str, Run]) -> dict[str, Any]:
+def sweep(entry: Sweep, runs: dict[str, RunEntry]) -> dict[str, Any]:
     """A sweep's group on the Runs page: its keys and one row per member
     (``manage.sweep_status.rows``), with the member's run id when it has a run dir."""
     index = entry.index
@@ -203,7 +203,7 @@ def runs_page(catalog: Catalog) -> dict[str, Any]:
     }
 
 
-def detail(run: Run) -> dict[str, Any]:
+def detail(run: RunEntry) -> dict[str, Any]:
     """A run's page, but for its feeds (metrics and logs, sent as they grow)."""
     s = run.status or {}
     ledger = run.ledger or {}
@@ -355,7 +355,7 @@ def gpus(catalog: Catalog) -> list[dict[str, Any]] | None:
     if snapshot is None:
         return None
     host = socket.gethostname()
-    holders: dict[int, tuple[Run, int]] = {}
+    holders: dict[int, tuple[RunEntry, int]] = {}
     for run in list(catalog.runs.values()):
         for r in (run.status or {}).get("ranks") or []:
             if r.get("host") == host and isinstance(r.get("pid"), int) and not r.get("silent"):

@@ -2,7 +2,8 @@
 
 Read by ``slurm/sbatch.py`` (the sbatch parameters), ``launch/`` (``submit.py``, ``local.py``,
 ``gpus.py``), ``job/`` (``attempt.py``, ``restarts.py``, ``requeue.py``) and
-``train/memory.py`` (the memory a process needs). Every key applies to a task and to a script.
+``train/memory_estimate.py`` (the memory a process needs). Every key applies to a task and to a
+script.
 """
 
 from __future__ import annotations

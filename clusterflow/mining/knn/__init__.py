@@ -22,13 +22,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
+from clusterflow.mining.knn.common import Blocks, KnnParams, SearchHooks, k_others
 from clusterflow.mining.knn.faiss_engine import faiss_search
 from clusterflow.mining.knn.torch_engine import torch_search
 
 log = logging.getLogger("clusterflow.knn")
 
-__all__ = ["Blocks", "KnnParams", "choose_engine", "faiss_available", "k_others", "search"]
+__all__ = [
+    "Blocks",
+    "KnnParams",
+    "SearchHooks",
+    "choose_engine",
+    "faiss_available",
+    "k_others",
+    "search",
+]
 
 
 def faiss_available() -> bool:
@@ -88,8 +96,6 @@ def search(
             x,
             params.k,
             query_batch=params.query_batch,
-            should_abort=should_abort,
-            timings=timings,
-            blocks=blocks,
+            hooks=SearchHooks(should_abort, timings, blocks),
         )
     return faiss_search(x, params, should_abort=should_abort, timings=timings, blocks=blocks)

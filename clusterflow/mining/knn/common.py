@@ -3,8 +3,9 @@ own id is dropped from its results."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -54,6 +55,21 @@ class Blocks(Protocol):
 
     def put(self, start: int, sims: np.ndarray, ids: np.ndarray) -> None:
         """The block of queries from ``start``, just computed."""
+
+
+@dataclass(frozen=True)
+class SearchHooks:
+    """The caller's side of a long search: ``should_abort()``, checked before each query block
+    (None: never); ``timings``, filled with where the time went; ``blocks``, the finished query
+    blocks an earlier attempt kept; ``tick()``, once per ring hop (the heartbeat)."""
+
+    should_abort: Callable[[], bool] | None = None
+    timings: dict[str, Any] | None = None
+    blocks: Blocks | None = None
+    tick: Callable[[], None] | None = None
+
+
+NO_HOOKS = SearchHooks()
 
 
 def _drop_self(

@@ -27,14 +27,13 @@ skips the blocks their owners already have; an abort is agreed at the start of a
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from clusterflow.distributed import comm as dist
-from clusterflow.mining.knn.common import Blocks, KnnParams, k_others
+from clusterflow.mining.knn.common import NO_HOOKS, Blocks, KnnParams, SearchHooks, k_others
 from clusterflow.mining.knn.faiss_engine import build_faiss_index
 from clusterflow.mining.knn.torch_engine import ExactRows, _sizes, scoring_dtype
 
@@ -149,15 +148,19 @@ def sharded_search(
     params: KnnParams,
     engine: str,
     device: torch.device | str = "cpu",
-    should_abort: Callable[[], bool] | None = None,
-    timings: dict | None = None,
-    blocks: Blocks | None = None,
-    tick: Callable[[], None] | None = None,
+    *,
+    hooks: SearchHooks = NO_HOOKS,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The k nearest others of this rank's rows (global ids), searched against every rank's
     shard; collective. ``engine``: ``torch`` or ``faiss`` (``knn.choose_engine``). None on every
-    rank when any rank's ``should_abort`` said so (checked before each round). ``tick()``: once
-    per hop (the heartbeat)."""
+    rank when any rank's ``hooks.should_abort`` said so (checked before each round);
+    ``hooks.tick()``: once per hop (the heartbeat)."""
+    should_abort, timings, blocks, tick = (
+        hooks.should_abort,
+        hooks.timings,
+        hooks.blocks,
+        hooks.tick,
+    )
     t0 = time.perf_counter()
     rank, world = dist.rank(), dist.world()
     n, d, k = offsets[-1], x_local.shape[1], params.k

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from clusterflow.distributed import comm as dist
-from clusterflow.mining.knn.common import Blocks, k_others
+from clusterflow.mining.knn.common import NO_HOOKS, Blocks, SearchHooks, k_others
 
 # fp32's unit roundoff; and bf16's, for inputs or outputs rounded to it.
 _U32, _U16 = 2.0**-24, 2.0**-8
@@ -403,19 +402,19 @@ def torch_search(
     x: np.ndarray,
     k: int,
     query_batch: int = 65536,
-    should_abort: Callable[[], bool] | None = None,
-    timings: dict | None = None,
+    *,
+    hooks: SearchHooks = NO_HOOKS,
     device: str | list[str] | None = None,
     db_chunk: int = 262144,
     candidate_dtype: str = "auto",
-    blocks: Blocks | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """Exact k nearest others of every row of ``x``; None when ``should_abort`` said so.
+    """Exact k nearest others of every row of ``x``; None when ``hooks.should_abort`` said so.
 
     ``device`` may name several devices: each holds a copy of the database and takes every n-th
     query batch, on its own thread (CUDA kernels and copies release the GIL), so the search scales
     with the GPUs of the node.
     """
+    should_abort, timings, blocks = hooks.should_abort, hooks.timings, hooks.blocks
     t0 = time.perf_counter()
     n = x.shape[0]
     devices = _devices(device)
@@ -478,9 +477,8 @@ def distributed_search(
     device: torch.device | str,
     query_batch: int = 65536,
     db_chunk: int = 65536,
-    should_abort: Callable[[], bool] | None = None,
-    timings: dict | None = None,
-    blocks: Blocks | None = None,
+    *,
+    hooks: SearchHooks = NO_HOOKS,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """Exact k-NN spread over every rank (collective: all ranks call it).
 
@@ -491,6 +489,7 @@ def distributed_search(
     said so (checked before each block). ``blocks``: each rank's own finished blocks (the owner
     keeps a block); every rank skips the blocks some owner already has.
     """
+    should_abort, timings, blocks = hooks.should_abort, hooks.timings, hooks.blocks
     t0 = time.perf_counter()
     rank, world = dist.rank(), dist.world()
     n, d = offsets[-1], x_local.shape[1]
