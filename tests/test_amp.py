@@ -10,6 +10,7 @@ from conftest import REPO
 
 from clusterflow import config, rundir
 from clusterflow.checkpoint.registered import AMP_SCALER
+from clusterflow.observe.context import JobContext
 from clusterflow.storage.names import TRAIN_STATE
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.tasks import load_task
@@ -28,10 +29,8 @@ def _trainer(run_dir: str, attempt: int) -> Trainer:
     os.makedirs(run_dir, exist_ok=True)
     device = torch.device("cpu")
     run = Run(
-        cfg,
-        rundir.RunPaths(run_dir),
+        JobContext(cfg, rundir.RunPaths(run_dir), attempt),
         device,
-        attempt,
         Preemption(),
         lambda outcome: (outcome, 0),  # the job's end: nothing to requeue here
         amp=torch.float16,

@@ -241,7 +241,7 @@ def test_a_frozen_rank_is_named_by_its_waiting_peer_and_an_unfit_spare_is_left_o
     assert (r["nodes"], r["left_out"], r["world_size"], r["shrunk"]) == (
         ["node1"], ["node2", "node3"], 1, True,
     ), r  # fmt: skip
-    folder = os.path.basename(snapshots.run_folder(memory, d, "node3"))
+    folder = os.path.basename(_folder(memory, d, "node3"))
     assert r["unfit"] == {
         "node3": f"the memory folder {memory}/node3/{folder} is not usable: {memory}/node3 is "
         "not a folder"

@@ -479,9 +479,22 @@ class Driver:
             str(self.cfg.cluster.gpus_per_node),
         ]
         if c.memory_every_steps > 0:
-            argv += ["--memory", snapshots.run_folder(c.memory_dir, self.cfg.run.dir, "{node}")]
+            argv += ["--memory", self._memory_folder()]
         output, answered = steps.check_on(nodes, argv, self.environ, self.command[0], NODE_CHECK_S)
         return nodecheck.verdicts(nodes, output, answered)
+
+    def _memory_folder(self) -> str:
+        """The run's memory folder on each node (``{node}`` left in), for the check to probe:
+        the memory_dir itself until the run has drawn its folders' key (or when its record
+        cannot be read: the attempt's own refusal names it)."""
+        c = self.cfg.checkpoint
+        try:
+            key = snapshots.folder_key(self.paths.memory_key)
+        except ValueError:
+            key = None
+        if key is None:
+            return c.memory_dir
+        return snapshots.run_folder(c.memory_dir, self.cfg.run.dir, "{node}", key)
 
     def _next_port(self) -> int:
         """The rendezvous port of the step after this restart (``distributed/env.py``)."""
