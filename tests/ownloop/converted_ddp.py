@@ -75,7 +75,8 @@ def main():
     run.restore(model=model, optimizer=optimizer, scheduler=scheduler)
 
     for epoch in run.epochs(args.epochs):
-        b_sz = len(next(iter(loader))[0])
+        first = next(iter(loader), None)  # None in an epoch entered again for its mining round
+        b_sz = len(first[0]) if first is not None else 0
         print(f"[rank {rank}] epoch {epoch}: {len(loader)} batches of {b_sz} ({loader.batch_size})")
         for x, y, index in loader:
             loss = torch.nn.functional.cross_entropy(model(x), y)
