@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 
+import clihelp
 import pytest
 import torch
 
@@ -18,6 +19,7 @@ from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.checkpointer import STEP, Checkpointer
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.errors import RunFailed
+from clusterflow.manage.status import main as status_main
 from clusterflow.observe.context import JobContext
 from clusterflow.storage import manifest
 from clusterflow.storage.tensors import serialize
@@ -153,7 +155,23 @@ def lie_rng_missing(tmp_path):
     replace_file(tmp_path, "train_state.pt", saved)
 
 
+def flip_a_bit(tmp_path):
+    """Bit rot: one bit of model.pt flipped, its manifest entry as written."""
+    path = step8(tmp_path) / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def tear_train_state(tmp_path):
+    """A torn write: train_state.pt cut to half its size."""
+    path = step8(tmp_path) / "train_state.pt"
+    os.truncate(path, path.stat().st_size // 2)
+
+
 LIES = {
+    "a flipped bit": (flip_a_bit, "model.pt does not match its blake3 digest"),
+    "a torn train_state.pt": (tear_train_state, "train_state.pt has"),
     "files empty": (lambda t: edit_manifest(t, lambda m: {**m, "files": {}}), "lists no files"),
     "a list": (lambda t: edit_manifest(t, lambda m: []), "JSON list, not an object"),
     "entry without size": (
@@ -350,4 +368,8 @@ def test_a_run_resumes_past_lying_checkpoints_bitwise(
     # Reached again, each refused step is set aside for inspection and committed anew.
     assert f"checkpoint {d}/checkpoints/step-8 is damaged (model.pt does not fit the model" in log
     assert len([n for n in os.listdir(d / "checkpoints") if n.startswith("damaged-step-")]) == 2
+    code, out, err = clihelp.call(status_main, [str(d), "--json"])
+    assert code == 0, err
+    damaged = sorted(os.path.basename(p)[:14] for p in json.loads(out)["damaged_checkpoints"])
+    assert damaged == ["damaged-step-6", "damaged-step-8"]
     assert weights_equal(d / "model.pt", tiny_one_process_model)

@@ -5,6 +5,7 @@ second model are saved and restored sharded, on 2 ranks and after 2 -> 3 ranks; 
 torch.compile before or after run.setup (CPU, inductor)."""
 
 import os
+import shutil
 import signal
 import sys
 import time
@@ -91,13 +92,15 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
     assert store.newest_manifest()["format"] == "dcp"
     assert not {"ema", "discriminator", "opt_d", "optimizer"} & set(state), sorted(state)
 
-    two = str(tmp_path / "two")
-    killed_at(two, 9, config=fsdp)
+    # One kill serves both resumes: a copy of the killed run dir (and of what its script saw)
+    # resumes on 3 ranks, the run dir itself on 2.
+    two, three = str(tmp_path / "two"), str(tmp_path / "three")
+    committed = killed_at(two, 9, config=fsdp)
+    for suffix in ("", "-seen"):
+        shutil.copytree(two + suffix, three + suffix, symlinks=True)
     assert launch.wait(start(two, config=fsdp)) == [0, 0], rank0_log(two)[-3000:]
     check_resumed(two, plain, 18)
 
-    three = str(tmp_path / "three")
-    committed = killed_at(three, 9, config=fsdp)
     assert launch.wait(start(three, world=3, config=fsdp)) == [0, 0, 0], rank0_log(three)[-3000:]
     resumed = restored_step(three, 1)
     assert committed <= resumed < 9, (committed, resumed)

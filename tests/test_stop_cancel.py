@@ -158,12 +158,14 @@ def _logged_a_step(run_dir):
         return False
 
 
-def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path):
+def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path, tiny_two_rank_run):
     """Ctrl-C (SIGINT to the terminal's process group) on `submit configs/tiny.yaml --local`
     once a step is logged: no traceback, state `stopped`, a checkpoint at the step reached and
     a line saying how to resume; running the same command again completes with the weights of an
-    uninterrupted run. (The ranks are held still with SIGSTOP from the moment the step is seen
-    until the group has been signalled, so that the run cannot finish first.)"""
+    uninterrupted run (the session's 2-rank reference: an uninterrupted `submit --local` run of
+    tiny.yaml gives its weights bitwise, test_run_dir.py's killed-holder test shows). (The ranks
+    are held still with SIGSTOP from the moment the step is seen until the group has been
+    signalled, so that the run cannot finish first.)"""
     run_dir = str(tmp_path / "run")
     proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
     try:
@@ -191,10 +193,8 @@ def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path):
 
     again = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", "--local")
     assert again.returncode == 0, again.stdout + again.stderr
-    ref = str(tmp_path / "ref")
-    plain = run_cli("clusterflow.submit", "configs/tiny.yaml", f"run.dir={ref}", "--local")
-    assert plain.returncode == 0, plain.stdout + plain.stderr
-    assert weights_equal(os.path.join(run_dir, "model.pt"), os.path.join(ref, "model.pt"))
+    ref = os.path.join(tiny_two_rank_run, "model.pt")
+    assert weights_equal(os.path.join(run_dir, "model.pt"), ref)
 
 
 def test_logs_follow_ends_after_the_job_is_killed_with_sigkill(tmp_path):
