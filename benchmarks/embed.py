@@ -59,11 +59,11 @@ def bare(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
 
 
 def ours(task, model, dataset, batch: int, workers: int, device) -> np.ndarray:
+    from clusterflow.config.sections.data import DataConfig
     from clusterflow.mining.stage import embed_shard
 
-    return embed_shard(
-        task, model, dataset, 0, 1, batch, device, None, None, num_workers=workers, pin_memory=True
-    )[1]
+    data = DataConfig(num_workers=workers, pin_memory=True)
+    return embed_shard(task, model, dataset, batch, device, None, data=data)[1]
 
 
 def timed(fn, *args) -> float:
