@@ -25,15 +25,21 @@ def _env():
 
 
 def _start(args, out_dir):
-    """`python -m clusterflow.submit ...` in its own process group, as a terminal starts it."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "clusterflow.submit", *args],
-        cwd=REPO,
-        env=_env(),
-        stdout=open(os.path.join(out_dir, "stdout.txt"), "w"),
-        stderr=open(os.path.join(out_dir, "stderr.txt"), "w"),
-        start_new_session=True,
-    )
+    """`python -m clusterflow.submit ...` in its own process group, as a terminal starts it: with
+    SIGINT's default disposition whatever the test process's (a child inherits an ignored
+    SIGINT, and a Ctrl-C before submit installs its own handler would then be lost)."""
+    held = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "clusterflow.submit", *args],
+            cwd=REPO,
+            env=_env(),
+            stdout=open(os.path.join(out_dir, "stdout.txt"), "w"),
+            stderr=open(os.path.join(out_dir, "stderr.txt"), "w"),
+            start_new_session=True,
+        )
+    finally:
+        signal.signal(signal.SIGINT, held)
     proc.out_dir = out_dir
     return proc
 
