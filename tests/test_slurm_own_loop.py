@@ -62,12 +62,6 @@ def at(run_dir, step, attempt):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug (issue 58, open): after the requeue, the in-job restart of this script "
-    "(DataLoader workers, a look at each epoch's batch) resumes mid-epoch with step 9's loss "
-    "off in the 4th digit; strict: the test fails again once it passes",
-)
 def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(cluster, tmp_path):
     # The uninterrupted reference trains beside the run under test (one core of each node each).
     ref = str(tmp_path / "reference")

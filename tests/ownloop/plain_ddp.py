@@ -33,7 +33,12 @@ class Blobs(Dataset):
         return len(self.y)
 
     def __getitem__(self, i):
-        return self.x[i] + 0.01 * torch.randn(self.x.shape[1]), self.y[i], i
+        # Noise from the global stream in the main process (a resume must restore it); in a
+        # DataLoader worker, from the item's index: a worker started at a resumed position
+        # must give each item what the uninterrupted run's worker gave it.
+        worker = torch.utils.data.get_worker_info()
+        g = None if worker is None else torch.Generator().manual_seed(int(i))
+        return self.x[i] + 0.01 * torch.randn(self.x.shape[1], generator=g), self.y[i], i
 
 
 steps = 0
