@@ -1,10 +1,12 @@
 import contextlib
+import json
 import os
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -52,6 +54,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
     items.sort(key=rank)  # stable: file order within each rank
+
+
+# CLUSTERFLOW_TEST_TIMELINE=FILE: each test's worker, start and end (wall clock) appended to FILE as
+# a JSON line, setup and teardown included; tests/timeline.py reads it back as each worker's chain,
+# which shows the group that ends the suite.
+TIMELINE = "CLUSTERFLOW_TEST_TIMELINE"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path, start = os.environ.get(TIMELINE), time.time()
+    try:
+        return (yield)
+    finally:
+        if path:
+            line = {
+                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                "test": item.nodeid,
+                "group": _group(item),
+                "start": start,
+                "end": time.time(),
+            }
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
 
 # Outside the Slurm group no test may reach the live cluster: its queue holds the Slurm tests' real
@@ -287,7 +313,6 @@ def write_status_record(run_dir, **fields):
     """A status.json as a job left it (a fixture record: any state, any fields, as another
     version or a hand could have written it); the package itself writes it only through
     clusterflow/rundir/transitions.py."""
-    import json
 
     os.makedirs(run_dir, exist_ok=True)
     with open(os.path.join(run_dir, "status.json"), "w") as f:
