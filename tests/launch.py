@@ -127,7 +127,9 @@ def popen(argv, env, cwd, out):
         return subprocess.Popen(
             argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
-    key = _at_start(env)
+    # Ranks of even and odd RANK fork from two servers: each interpreter draws its own hash seed,
+    # so neighbouring ranks iterate a set of strings in different orders, as started ranks do.
+    key = (_at_start(env), int(env.get("RANK", "0")) % 2)
     if key not in _SERVERS:
         _SERVERS[key] = _Server(env)
     return _SERVERS[key].start(argv, env, cwd, out)

@@ -122,3 +122,17 @@ def test_a_forked_rank_is_signalled_by_its_pid_and_group(tmp_path, probe, sig):
     launch.kill([p], sig)
     assert p.wait(60) == -sig, out.read_text()
     p.kill()  # a rank that has ended is not signalled again (its pid may be another's)
+
+
+def test_neighbouring_forked_ranks_hash_strings_apart(tmp_path):
+    """Started ranks each draw a hash seed: a set of strings iterates in another order on each,
+    which code that ranks must agree on has to survive. Forked ranks of neighbouring RANKs come
+    from two servers, so they differ as started ranks do."""
+    script = tmp_path / "hash.py"
+    script.write_text('import os\nprint(os.environ["RANK"], hash("clusterflow"))\n')
+    procs = launch.start(2, None, [], str(tmp_path / "logs"), command=[sys.executable, str(script)])
+    assert launch.wait(procs, timeout=120) == [0, 0]
+    assert all(isinstance(p, launch.Forked) for p in procs)
+    logs = sorted((tmp_path / "logs").iterdir())
+    hashes = dict(line.split() for log in logs for line in log.read_text().splitlines())
+    assert set(hashes) == {"0", "1"} and hashes["0"] != hashes["1"], hashes
