@@ -370,8 +370,9 @@ def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_
 
     first = a_run(tmp_path, "steps")
     assert steps(first, 6) == "completed" and first.global_step == 6
+    first_of = RunInternals(first)
     again = Run(
-        JobContext(first.config, first.paths, 1),
+        JobContext(first_of.config, first_of.paths, 1),
         torch.device("cpu"),
         Preemption(),
         lambda o: (o, 0),
