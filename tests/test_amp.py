@@ -15,7 +15,7 @@ from clusterflow.storage.names import TRAIN_STATE
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.tasks import load_task
 from clusterflow.train.preemption import Preemption
-from clusterflow.train.session import Run
+from clusterflow.train.session import Run, RunInternals
 from clusterflow.train.trainer import Trainer
 
 # tiny: 6 steps an epoch; one epoch, a checkpoint every 3 steps and at the epoch's end.
@@ -35,14 +35,16 @@ def _trainer(run_dir: str, attempt: int) -> Trainer:
         lambda outcome: (outcome, 0),  # the job's end: nothing to requeue here
         amp=torch.float16,
     )
-    return Trainer(run, load_task(cfg.task.target, cfg.run.seed, cfg.task.params))
+    task = load_task(cfg.task.target, cfg.run.seed, cfg.task.params)
+    return Trainer(run, RunInternals(run), task)
 
 
 def test_the_task_trainer_steps_and_saves_the_runs_one_scaler(tmp_path):
     run_dir = str(tmp_path / "run")
     trainer = _trainer(run_dir, 0)
     run = trainer.run
-    assert trainer.scaler is run.scaler is run.precision.scaler and run.scaler.is_enabled()
+    precision = trainer.internals.precision
+    assert trainer.scaler is run.scaler is precision.scaler and run.scaler.is_enabled()
     with run.autocast():
         assert torch.get_autocast_dtype("cpu") == torch.float16
     fresh = torch.amp.GradScaler("cpu").state_dict()
@@ -50,7 +52,7 @@ def test_the_task_trainer_steps_and_saves_the_runs_one_scaler(tmp_path):
     stepped = run.scaler.state_dict()
     assert stepped["_growth_tracker"] + (stepped["scale"] < fresh["scale"]) > 0, stepped
 
-    store = CheckpointStore(run.paths.checkpoints)
+    store = CheckpointStore(rundir.RunPaths(run_dir).checkpoints)
     saved = torch.load(
         os.path.join(store.step_path(store.steps()[-1]), TRAIN_STATE), weights_only=True
     )

@@ -109,7 +109,8 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
     from clusterflow.tasks import load_task
     from clusterflow.train import builders
     from clusterflow.train.preemption import Preemption
-    from clusterflow.train.session import Run
+    from clusterflow.train.saves import Saves
+    from clusterflow.train.session import Run, RunInternals
     from clusterflow.train.trainer import Trainer
 
     cfg = config.load(config_path, [f"run.dir={run_dir}", *overrides])
@@ -123,31 +124,33 @@ def _train_counting(config_path, run_dir, overrides, device="cpu"):
         lambda outcome: (outcome, 0),  # the job's end: nothing to requeue here
         amp=builders.amp_dtype(cfg.train.amp, device),
     )
-    trainer = Trainer(run, task)
+    internals = RunInternals(run)
+    trainer = Trainer(run, internals, task)
     calls, steps = [], {}
-    save, dataloader = run.saves.save, trainer.loader.dataloader
+    save, dataloader = Saves.save, trainer.loader.dataloader
 
     def start_of_loop(epoch):
         calls.clear()  # what the end-of-epoch work read belongs to no step
         return dataloader(epoch)
 
-    def end_of_step(event):
-        save(event)
+    def end_of_step(saves, event):
+        save(saves, event)
         if event == checkpointer.STEP:
-            logs = run.reporter.log_due(
-                run.global_step, run.state.step_in_epoch, run.steps_per_epoch
+            logs = saves.reporter.log_due(
+                run.global_step, internals.state.step_in_epoch, internals.steps_per_epoch
             )
-            kind = "log" if logs else "save" if run.checkpointer.due(event) else "plain"
+            kind = "log" if logs else "save" if saves.checkpointer.due(event) else "plain"
             steps[run.global_step] = (kind, list(calls))
             calls.clear()
 
-    run.saves.save, trainer.loader.dataloader = end_of_step, start_of_loop
+    Saves.save, trainer.loader.dataloader = end_of_step, start_of_loop
     restore = _patch(calls, trainer.device)
     try:
         with _cuda_syncs_counted(device, calls):
             outcome = trainer.fit()
     finally:
         restore()
+        Saves.save = save
     assert outcome == "completed" and dist.world() in (1, 2)
     return steps
 

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.train.preemption import Preemption
-from clusterflow.train.session import Run
+from clusterflow.train.session import Run, RunInternals
 
 HERE = os.path.join(REPO, "tests", "ownloop")
 PLAIN, CONVERTED = os.path.join(HERE, "plain_ddp.py"), os.path.join(HERE, "converted_ddp.py")
@@ -290,6 +291,32 @@ def refused(fn, *args, **kwargs):
     return message
 
 
+def documented_api():
+    """The names ``run.NAME`` that docs/own-loop.md documents in "What each call does and
+    guarantees" (up to the next page section): the first column of its tables (the calls, the
+    helpers) and its "Also:" paragraph."""
+    with open(os.path.join(REPO, "docs", "own-loop.md")) as f:
+        text = f.read()
+    _, found, rest = text.partition("\n## What each call does and guarantees\n")
+    assert found, "docs/own-loop.md lost its section 'What each call does and guarantees'"
+    section = rest.split("\n## ", 1)[0]
+    cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| ")]
+    also = [par for par in section.split("\n\n") if par.startswith("Also:")]
+    return set(re.findall(r"\brun\.(\w+)", " ".join(cells + also)))
+
+
+def test_runs_public_names_are_exactly_the_api_docs_own_loop_documents(tmp_path):
+    """A script sees the library API and nothing else: what clusterflow's own code needs beyond
+    it is RunInternals."""
+    run = a_run(tmp_path, "surface")
+    public = {name for name in dir(run) if not name.startswith("_")}
+    documented = documented_api()
+    assert public == documented, (
+        f"public, not in docs/own-loop.md: {sorted(public - documented)}; "
+        f"documented, not public: {sorted(documented - public)}"
+    )
+
+
 def test_a_dataloader_of_the_users_own_is_refused_naming_run_loader(tmp_path):
     run = a_run(tmp_path, "own")
     model, opt, _ = set_up(run)
@@ -343,8 +370,9 @@ def test_a_resume_with_max_steps_below_the_step_reached_says_so_in_one_line(tmp_
 
     first = a_run(tmp_path, "steps")
     assert steps(first, 6) == "completed" and first.global_step == 6
+    first_of = RunInternals(first)
     again = Run(
-        JobContext(first.config, first.paths, 1),
+        JobContext(first_of.config, first_of.paths, 1),
         torch.device("cpu"),
         Preemption(),
         lambda o: (o, 0),
@@ -381,7 +409,7 @@ def test_a_look_at_a_batch_counts_nothing_and_batch_size_is_the_value_passed(tmp
         assert torch.equal(trained[-8], look)
     assert run.global_step == 16
     assert sorted(torch.cat(trained[:8]).tolist()) == list(range(64))
-    ledger = run.state.ledger.epochs
+    ledger = RunInternals(run).state.ledger.epochs
     assert [[(r["start"], r["end"]) for r in e["ranges"]] for e in ledger] == [[(0, 64)]] * 2
 
 

@@ -105,7 +105,7 @@ def test_fsdp_saves_the_second_model_and_the_ema_sharded_and_resumes_them_on_2_a
     resumed = restored_step(three, 1)
     assert committed <= resumed < 9, (committed, resumed)
     # The EMA 3 ranks began from, resharded: the one 2 ranks had at the step resumed.
-    assert same(saved(three, "start-attempt1.pt"), saved(three, f"ema-step{resumed}.pt"))
+    assert same(saved(three, f"start-step{resumed}.pt"), saved(three, f"ema-step{resumed}.pt"))
     assert "resuming with 3 ranks from a checkpoint of 2" in rank0_log(three)
 
 

@@ -32,7 +32,7 @@ from clusterflow.observe.context import JobContext
 from clusterflow.rundir import timeline
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.train.preemption import Preemption
-from clusterflow.train.session import Run
+from clusterflow.train.session import Run, RunInternals
 
 HERE = os.path.join(REPO, "tests", "ownloop")
 PLAIN, CONVERTED = os.path.join(HERE, "plain_gpt.py"), os.path.join(HERE, "converted_gpt.py")
@@ -339,7 +339,7 @@ def test_a_seed_after_run_restore_does_not_move_the_resumed_streams(tmp_path):
             run.step()
             if attempt == 0 and step == 2:
                 break  # the first attempt ends after step 3, its checkpoint of step 2 kept
-        run.saves.checkpointer.wait()
+        RunInternals(run).wait_for_write()
     assert [len(drawn[s]) for s in range(4)] == [1, 1, 2, 1]
     assert drawn[2][0] == drawn[2][1]
 

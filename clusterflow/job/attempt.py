@@ -57,7 +57,7 @@ from clusterflow.slurm import commands as slurm_commands
 from clusterflow.slurm import jobids
 from clusterflow.train.preemption import EndWatch, Preemption
 from clusterflow.train.seeds import GlobalSeeds
-from clusterflow.train.session import Amp, Run
+from clusterflow.train.session import Amp, Run, RunInternals
 
 log = logging.getLogger("clusterflow")
 
@@ -107,6 +107,7 @@ class Attempt:
         self.attempt = 0
         self.preemption = Preemption()
         self.run: Run | None = None
+        self.internals: RunInternals | None = None  # the run's, for the trainer and the close
         self.outcome: str | None = None
         self._watch: AbstractContextManager[None] | None = None
         self.events = events.OnEvent("", self.paths)
@@ -145,11 +146,16 @@ class Attempt:
         self.startup.mark(timeline.RUN_DIR)
         return True
 
-    def open_run(self, amp: Amp, what: str, seeds: GlobalSeeds | None = None) -> Run:
+    def open_run(
+        self, amp: Amp, what: str, seeds: GlobalSeeds | None = None
+    ) -> tuple[Run, RunInternals]:
         """The run that trains in this attempt, watched (heartbeats, stall watchdog) until the
-        attempt ends; ``seeds``: a script's global random streams (None: a task's)."""
+        attempt ends, with its :class:`RunInternals` (what the task trainer and the attempt's close
+        need beyond the library API); ``seeds``: a script's global random streams (None: a
+        task's)."""
+        ctx = JobContext(self.cfg, self.paths, self.attempt)
         run = Run(
-            JobContext(self.cfg, self.paths, self.attempt),
+            ctx,
             self.device,
             self.preemption,
             self.end,
@@ -170,10 +176,10 @@ class Attempt:
             after_stall=stalled,
             world=(self.env.world_size, self.env.local_world_size),
         )
-        self._watch = watcher.watching(run.phases)
+        self._watch = watcher.watching(ctx.phases)
         self._watch.__enter__()
-        self.run = run
-        return run
+        self.run, self.internals = run, RunInternals(run)
+        return run, self.internals
 
     def end(self, outcome: str) -> tuple[str, int]:
         """Collective. The attempt ended with ``outcome`` (completed, or the agreed stop reason):
@@ -207,9 +213,9 @@ class Attempt:
         """``exc`` ends this rank's attempt: the run closed, the run dir let go (rank 0), who
         failed and why recorded (``record_failure``: a SystemExit with the exit status for a
         failure it names in one line)."""
-        if self.run is not None:
+        if self.internals is not None:
             try:
-                self.run.close(State.FAILED)
+                self.internals.close(State.FAILED)
             except Exception as closing:  # noqa: BLE001 - the failure being recorded comes first
                 # A writer that failed with the same cause (TensorBoard's thread out of file
                 # descriptors) raises it again on close; the record names the first one.

@@ -72,8 +72,10 @@ def run_job(config: Mapping[str, Any] | Config, environ: Mapping[str, str] | Non
         if task is None:
             outcome, _ = job.end(_stopped_while_building(job.preemption))
             return outcome
-        run = job.open_run(builders.amp_dtype(cfg.train.amp, job.device), cfg.task.target)
-        return Trainer(run, task).fit()
+        run, internals = job.open_run(
+            builders.amp_dtype(cfg.train.amp, job.device), cfg.task.target
+        )
+        return Trainer(run, internals, task).fit()
     except BaseException as exc:
         job.fail(exc)
         raise

@@ -102,7 +102,7 @@ def start(config: str | Mapping[str, Any] | Config | None = None, **overrides: o
             raise RunStopped(outcome, exit_code(outcome))
         seeds = GlobalSeeds(job.cfg.run.seed, script=True)
         seeds.at_start()  # the script's own seeds kept; run.seed for the others
-        run = job.open_run(_amp(job.cfg, job.device), _what(job.cfg), seeds)
+        run, _ = job.open_run(_amp(job.cfg, job.device), _what(job.cfg), seeds)
         for line in ignored:
             if run.rank == 0:
                 log.warning("%s", line)
@@ -295,8 +295,8 @@ def _guard(job: Attempt) -> None:
 
 
 def _write_done(job: Attempt) -> None:
-    if job.outcome is None and job.run is not None and job.run.checkpointer is not None:
-        job.run.checkpointer.wait()
+    if job.outcome is None and job.internals is not None:
+        job.internals.wait_for_write()
 
 
 def _at_exit(job: Attempt) -> None:

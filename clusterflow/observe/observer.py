@@ -2,9 +2,10 @@
 
 ``job/attempt.py`` calls :func:`before_init` before the process group starts (the flight
 recorder reads its variables there) and watches the run (a task's trainer or a script of the
-user's own) with ``Observer(...).watching(run.phases)``. The pieces themselves live in
-heartbeat.py (per-rank files, no collective), watchdog.py (stacks, first cause, exit 86) and
-phases.py (what the loop is doing); this module only wires them to the config:
+user's own) with ``Observer(...).watching(ctx.phases)``, the phases of the attempt's
+``JobContext``. The pieces themselves live in heartbeat.py (per-rank files, no collective),
+watchdog.py (stacks, first cause, exit 86) and phases.py (what the loop is doing); this module
+only wires them to the config:
 
 - ``dist.heartbeat_s`` (0: off): each rank's RUN_DIR/heartbeats/rank<R>.json; rank 0 also reads
   every rank's file on its heartbeat thread and logs per-rank step time and per-GPU memory and

@@ -39,10 +39,10 @@ def amp_dtype(setting: str, device: torch.device) -> torch.dtype | None:
 
 
 class Precision:
-    """``train.amp`` on a device, built once by the run (``Run.precision``) and used by whatever
-    loop trains on it, a script's or the task trainer: the dtype of the autocast around a forward
-    and its loss, and the one GradScaler that fp16 needs (a pass-through otherwise), which the
-    loop steps and every checkpoint saves."""
+    """``train.amp`` on a device, built once by the run (``RunInternals.precision``) and used by
+    whatever loop trains on it, a script's or the task trainer: the dtype of the autocast around
+    a forward and its loss, and the one GradScaler that fp16 needs (a pass-through otherwise),
+    which the loop steps and every checkpoint saves."""
 
     def __init__(self, setting: str, device: torch.device) -> None:
         self.device_type = device.type

@@ -7,8 +7,8 @@ side of ``checkpoint/checkpointer.py`` (which decides whether a save is due and 
 - :meth:`Saves.stop`: an agreed stop saves the step (unless a save holds it already), ends the
   job and raises :class:`RunStopped`; :meth:`stop_in_round` is the same inside a mining round.
 - :meth:`Saves.finish`: the last write committed, ``RUN_DIR/model.pt``, the job ended.
-- before each commit (collective): the metrics flushed, no non-finite state, the hooks of
-  ``run.before_commit``.
+- before each commit (collective): the metrics flushed, no non-finite state, the hooks given
+  to :meth:`Saves.before_commit`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The training loop of a task (DDP or sharded: ``parallel.py``): what runs on every rank between
-rendezvous and exit. It is a user of the library API's :class:`Run` (``session.py``), as a script
-of the user's own is: the run sets the model up, plans the data, restores, counts steps, saves,
-stops and mines; this module is the task's loop on top (its model, optimizer, schedule,
-gradient accumulation, EMA, evaluation), in the run's precision (``run.autocast``,
-``run.scaler``: one GradScaler, stepped here and saved with every checkpoint).
+rendezvous and exit. It is a user of the library API's :class:`Run` (``session.py``), as a script of
+the user's own is (what it needs beyond that API, the run's :class:`RunInternals` gives it): the run
+sets the model up, plans the data, restores, counts steps, saves, stops and mines; this module is
+the task's loop on top (its model, optimizer, schedule, gradient accumulation, EMA, evaluation), in
+the run's precision (``run.autocast``, ``run.scaler``: one GradScaler, stepped here and saved with
+every checkpoint).
 
 A fresh start and a resume go through the same code: the run restores the newest committed
 checkpoint, if any, and the loop continues from its epoch and the number of samples of that
@@ -45,7 +46,7 @@ from clusterflow.tasks import Task
 from clusterflow.train import builders, parallel
 from clusterflow.train.ema import EMA
 from clusterflow.train.evaluate import evaluate
-from clusterflow.train.session import Run, RunStopped
+from clusterflow.train.session import Run, RunInternals, RunStopped
 
 log = logging.getLogger("clusterflow.trainer")
 
@@ -57,9 +58,13 @@ def _to(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 class Trainer:
-    def __init__(self, run: Run, task: Task) -> None:
-        self.run, self.task = run, task
-        cfg = self.cfg = run.config
+    """A task's loop on ``run``, through its library API; ``internals``: what the loop needs of
+    the run beyond that API (the config, the guard and loss window it feeds, the step's global
+    batch, the eval report, a stop before the end-of-epoch work)."""
+
+    def __init__(self, run: Run, internals: RunInternals, task: Task) -> None:
+        self.run, self.internals, self.task = run, internals, task
+        cfg = self.cfg = internals.config
         self.device, self.rank, self.world = run.device, run.rank, run.world_size
         seed_everything(cfg.run.seed)  # identical initial weights on every rank
         module = builders.build_model(cfg, task, self.device)
@@ -86,27 +91,27 @@ class Trainer:
         n = len(self.dataset)
         # The schedule's progress counts the samples trained, the step being taken included.
         self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, builders.lr_schedule(t, n * t.epochs, run.samples_trained)
+            self.opt, builders.lr_schedule(t, n * t.epochs, internals.samples_trained)
         )
         # The run's precision: its autocast around the forward, and its GradScaler, the one
         # stepped here and saved with every checkpoint (registered as "scaler" below).
-        self.amp = run.precision.dtype  # the evaluation's autocast
+        self.amp = internals.precision.dtype  # the evaluation's autocast
         self.scaler = run.scaler
         # The labels array that self._labels holds on the device.
         self._labels_of: np.ndarray | None = None
         self._labels: torch.Tensor | None = None
         if self.ema is not None:
-            run.at_finish(self._write_ema)
+            internals.at_finish(self._write_ema)
         # A stop at an epoch's last step saves before the eval and mining, which a resume redoes.
-        run.stop_before_epoch_end = True
+        internals.stop_before_epoch_end()
 
     @property
     def phases(self) -> phases.Phases:
-        return self.run.phases
+        return self.internals.phases
 
     @property
     def state(self) -> TrainState:
-        return self.run.state
+        return self.internals.state
 
     # -- the loop -----------------------------------------------------------------------------
     def fit(self) -> str:
@@ -138,8 +143,9 @@ class Trainer:
         batch, micros = (0, 0), [0]
         for items in self.loader:
             if micro == 0:
-                # Each step's global batch: (first sample, size), for the loss weights.
-                batch = self.run.global_batch or batch  # set by the loader's first micro-batch
+                # Each step's global batch: (first sample, size), for the loss weights, set by
+                # the loader's first micro-batch.
+                batch = self.internals.global_batch or batch
                 micros = split(batch[1], accumulate)
             # Every rank's share of this micro-batch, for losses that gather rows across ranks.
             rows = split(micros[micro], self.world)
@@ -161,7 +167,7 @@ class Trainer:
         if self.rank != 0 or not self.cfg.train.progress_bar:
             return None
         return tqdm(
-            total=self.run.steps_per_epoch,
+            total=self.internals.steps_per_epoch,
             initial=self.state.step_in_epoch,
             unit="step",
             leave=False,
@@ -187,8 +193,8 @@ class Trainer:
                 loss, metrics = self.task.loss(self.model, batch, labels)
             weighted = loss * weight if weight != 1 else loss
             self.scaler.scale(weighted / self.cfg.train.grad_accum).backward()
-        self.run.guard.observe(loss)
-        self.run.window.add(loss, metrics)
+        self.internals.guard.observe(loss)
+        self.internals.window.add(loss, metrics)
 
     def _device_labels(self) -> torch.Tensor | None:
         """The pseudo-labels of every sample, copied to the device once per mining round (or
@@ -208,7 +214,7 @@ class Trainer:
         if self.cfg.train.grad_clip:
             self.scaler.unscale_(self.opt)
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.train.grad_clip)
-        guard, params = self.run.guard, self.module.parameters()
+        guard, params = self.internals.guard, self.module.parameters()
         if guard.policy != "skip_step" or guard.step_ok(
             parallel.local_grads(params) if self.sharded else params,
             self.scaler,
@@ -223,7 +229,7 @@ class Trainer:
     def _check_finite(self) -> None:
         """Collective: every loss since the last check, every weight and optimizer tensor finite,
         or the run stops here (eval and mining never run on non-finite weights)."""
-        self.run.guard.check(self.state.global_step, self._state_tensors())
+        self.internals.guard.check(self.state.global_step, self._state_tensors())
 
     def _state_tensors(self) -> Iterator[object]:
         yield from parallel.local(self.module.parameters())
@@ -237,7 +243,7 @@ class Trainer:
         self._check_finite()
         if self.cfg.train.eval_every_epochs and finished % self.cfg.train.eval_every_epochs == 0:
             self._evaluate()
-        if self.run.mining_due(self.task.can_embed):
+        if self.internals.mining_due(self.task.can_embed):
             teacher = self.ema.swapped() if self.cfg.mining.embed_with == "ema" else None
             with teacher or contextlib.nullcontext():
                 self.run.mine(self.task)
@@ -260,7 +266,7 @@ class Trainer:
                 self.state.epoch + 1,
                 ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()),
             )
-        self.run.report(eval=metrics)
+        self.internals.report(eval=metrics)
 
     def _eval_pass(self, ds: Dataset) -> dict[str, float]:
         with self.phases.enter(phases.EVAL), parallel.gathered(self.module):
@@ -279,4 +285,4 @@ class Trainer:
         """At the end of the run, beside model.pt: the EMA weights (gathered under fsdp)."""
         ema = self.ema.full_state(self.module) if self.ema is not None else None
         if ema is not None and self.rank == 0:
-            durable.write_atomic(self.run.paths.model_ema, ema, codec=TORCH)
+            durable.write_atomic(self.internals.paths.model_ema, ema, codec=TORCH)

@@ -3,9 +3,9 @@ optimizer), an EMA of the generator's weights kept by the script (a dict of tens
 train.parallel=fsdp), and optionally torch.compile before or after run.setup (docs/own-loop.md).
 
 SEEN_DIR: rank 0 writes, at the start of each attempt, the EMA it begins from (gathered whole:
-``start-attempt<A>.pt``), and after each step the EMA (``ema-step<k>.pt``), the discriminator's
-weights (``d-step<k>.pt``); HOLD_AT_STEP=k: rank 0 writes SEEN_DIR/held before step k's optimizer
-steps and waits there.
+``start-step<k>.pt``, k the step restored, 0 on a fresh start), and after each step the EMA
+(``ema-step<k>.pt``), the discriminator's weights (``d-step<k>.pt``); HOLD_AT_STEP=k: rank 0
+writes SEEN_DIR/held before step k's optimizer steps and waits there.
 """
 
 import argparse
@@ -73,7 +73,7 @@ def main() -> None:
     run.restore(model=g, optimizer=opt_g, discriminator=d, opt_d=opt_d, ema=ema, noise=noise)
     whole_ema = {n: whole(t) for n, t in ema.items()}
     if run.is_main:
-        torch.save(whole_ema, os.path.join(seen, f"start-attempt{run.attempt}.pt"))
+        torch.save(whole_ema, os.path.join(seen, f"start-step{run.global_step}.pt"))
 
     for _ in run.epochs(args.epochs):
         for real in loader:
