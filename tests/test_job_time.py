@@ -193,7 +193,7 @@ def test_a_save_takes_what_the_checkpointer_measured_else_what_an_earlier_attemp
     ck = Checkpointer(
         JobContext(cfg, paths),
         model,
-        {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "train": state},
+        {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)},
         state,
         steps_per_epoch=100,
         after_commit=lambda step, seconds: seen.append(seconds),
