@@ -131,7 +131,7 @@ class _Clock:
 def _watch(end_at, clock, save_s=3.0, margin_s=5.0):
     answers = [commands.JobEnd(end_at, "0:10:00")]
     watch = preemption.EndWatch(lambda: answers[-1], every_s=60, margin_s=margin_s, clock=clock)
-    watch.save_s = lambda: save_s
+    watch.measure_saves(lambda: save_s)
     watch.ask()
     return watch, answers
 
