@@ -39,7 +39,7 @@ def build(run_dir, ckpt_dir="", seed=0, **over):
         Checkpointer(
             JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
             model,
-            {"optimizer": opt, "train": progress},
+            {"optimizer": opt},
             progress,
             steps_per_epoch=100,
         ),

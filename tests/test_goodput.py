@@ -608,7 +608,7 @@ def test_a_commit_is_recorded_before_the_checkpoints_are_pruned(tmp_path):
     ck = Checkpointer(
         JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
         model,
-        {"optimizer": opt, "train": state},
+        {"optimizer": opt},
         state,
         steps_per_epoch=100,
         after_commit=lambda step, seconds: said.append(("timeline", step)),

@@ -131,7 +131,7 @@ class _Clock:
 def _watch(end_at, clock, save_s=3.0, margin_s=5.0):
     answers = [commands.JobEnd(end_at, "0:10:00")]
     watch = preemption.EndWatch(lambda: answers[-1], every_s=60, margin_s=margin_s, clock=clock)
-    watch.save_s = lambda: save_s
+    watch.measure_saves(lambda: save_s)
     watch.ask()
     return watch, answers
 
@@ -193,7 +193,7 @@ def test_a_save_takes_what_the_checkpointer_measured_else_what_an_earlier_attemp
     ck = Checkpointer(
         JobContext(cfg, paths),
         model,
-        {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "train": state},
+        {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1)},
         state,
         steps_per_epoch=100,
         after_commit=lambda step, seconds: seen.append(seconds),

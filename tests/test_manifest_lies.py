@@ -37,7 +37,7 @@ def make(run_dir, out=4):
         Checkpointer(
             JobContext(cfg, rundir.RunPaths(cfg.run.dir)),
             model,
-            {"optimizer": opt, "train": state},
+            {"optimizer": opt},
             state,
             steps_per_epoch=100,
         ),

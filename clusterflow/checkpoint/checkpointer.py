@@ -75,6 +75,8 @@ from clusterflow.storage.tensors import TORCH
 log = logging.getLogger("clusterflow.checkpointer")
 
 STEP, LOOP_END, EPOCH_END, STOP = "step", "loop end", "epoch end", "stop"
+# The name the train state (the run's counters) has in a checkpoint's train_state.pt.
+TRAIN = "train"
 
 
 class CheckpointWriteError(RunFailed):
@@ -101,7 +103,11 @@ class Checkpointer:
         steps_per_epoch: int,
         before_commit: Callable[[str], None] | None = None,
         after_commit: Callable[[int, float | None], None] | None = None,
+        after_snapshot: Callable[[int], None] | None = None,
     ) -> None:
+        """``states``: what a checkpoint holds besides the model, by name; ``state``, the run's
+        counters, is saved with them as :data:`TRAIN`. ``after_snapshot``: told each step whose
+        snapshot in memory this rank committed (``checkpoint.memory_every_steps``)."""
         cfg, paths, attempt = ctx.cfg, ctx.paths, ctx.attempt
         c = cfg.checkpoint
         self.store = CheckpointStore(
@@ -118,7 +124,7 @@ class Checkpointer:
         self.warned_best = False
         if dist.rank() == 0:
             self.store.after_publish = self._published
-        self.cfg, self.model, self.states, self.state = cfg, model, dict(states), state
+        self.cfg, self.model, self.states, self.state = cfg, model, {**states, TRAIN: state}, state
         # train.parallel=fsdp: the model and optimizers are written by every rank (sharded.py).
         self.sharded: ShardedState | None = None
         if cfg.train.parallel == "fsdp":
@@ -174,12 +180,31 @@ class Checkpointer:
         # checkpoint.memory_every_steps: snapshots in the nodes' memory (memory.py), between the
         # shared filesystem's checkpoints.
         self.memory = (
-            MemorySnapshots(cfg, paths, model, self.states, state, attempt)
+            MemorySnapshots(
+                cfg, paths, model, self.states, state, attempt, on_commit=after_snapshot
+            )
             if c.memory_every_steps > 0 and self.sharded is None
             else None
         )
         # Where the last restore read the state: (memory | replica | shared, where, step).
         self.restored_from: tuple[str, str, int] | None = None
+
+    # -- the loop's length ----------------------------------------------------------------------
+    def loop_starts(self, total_epochs: int) -> None:
+        """The run's loop starts and reaches ``total_epochs`` (a script's ``run.epochs(n)``, or
+        the epochs ``run.steps`` reaches): in each manifest, so that status can tell the run's
+        last checkpoint."""
+        self.total_epochs = total_epochs
+
+    def epoch_planned(self, steps_per_epoch: int) -> None:
+        """The current epoch has ``steps_per_epoch`` optimizer steps: a step save is never due at
+        its last (the end-of-epoch save takes it)."""
+        self.steps_per_epoch = steps_per_epoch
+
+    def counts_steps(self, max_steps: int) -> None:
+        """A loop without a loader (``run.steps(max_steps)``): its length in steps, in each
+        manifest."""
+        self.max_steps = max_steps
 
     def save_s(self) -> float:
         """Rank 0: how long a checkpoint write takes, as measured from its start to its publish

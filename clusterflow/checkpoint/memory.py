@@ -113,6 +113,8 @@ class MemorySnapshots:
         states: Mapping[str, Any],
         state: TrainState,
         attempt: int,
+        *,
+        on_commit: Callable[[int], None] | None = None,
     ) -> None:
         c = cfg.checkpoint
         self.every, self.paths, self.attempt = c.memory_every_steps, paths, attempt
@@ -144,7 +146,7 @@ class MemorySnapshots:
         self.loop_s, self.taken = 0.0, 0
         # Told each step whose snapshot this rank committed (on the snapshot thread): the
         # run's in-flight record (rundir/inflight.py), which says whether a crash lost progress.
-        self.on_commit: Callable[[int], None] = lambda step: None
+        self.on_commit: Callable[[int], None] = on_commit or (lambda step: None)
         # Rank 0's snapshots carry the config, which a restore checks as a checkpoint's.
         self._meta_base: dict[str, Any] = (
             {"config_hash": cfg.fingerprint(), "config": portable(cfg.to_dict())}

@@ -21,13 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from clusterflow.checkpoint.checkpointer import Stateful
+from clusterflow.checkpoint.checkpointer import TRAIN, Stateful
 from clusterflow.errors import UserError
 
 # The GradScaler of run.autocast's fp16 (run.scaler), registered by the run itself.
 AMP_SCALER = "amp_scaler"
 # Names a checkpoint's train_state.pt holds besides the registered states.
-RESERVED = ("model", "train", "rng", "world_size", AMP_SCALER)
+RESERVED = ("model", TRAIN, "rng", "world_size", AMP_SCALER)
 
 # A random stream as (its state now, set it).
 Stream = tuple[Callable[[], object], Callable[[object], None]]

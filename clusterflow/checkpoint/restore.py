@@ -435,7 +435,7 @@ class _Skips:
             why,
             self.store.fallback(step, self.steps),
         )
-        self.store.refused[step] = why
+        self.store.refuse(step, why)
         self.steps.add(step)
         self.damaged[step] = why
 

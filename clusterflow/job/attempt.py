@@ -261,7 +261,7 @@ def _end_watch(
         functools.partial(slurm_commands.job_end, target), every, cfg.cluster.end_margin_s
     )
     earlier = rundir_timeline.longest_write(rundir_timeline.read_all(paths))
-    watch.save_s = lambda: earlier
+    watch.measure_saves(lambda: earlier)
     return watch.start()
 
 

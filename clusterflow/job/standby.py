@@ -314,8 +314,7 @@ class Standby:
             if key not in needed:
                 with contextlib.suppress(OSError):
                     p.send({"do": "exit"})
-        self.step.on_failure = on_failure
-        self.step.became(nodes, tasks)
+        self.step.became(nodes, tasks, on_failure)
         self._forget()
         return self.step
 

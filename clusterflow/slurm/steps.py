@@ -131,11 +131,17 @@ class Step:
         self._reader = threading.Thread(target=self._forward, daemon=True)
         self._reader.start()
 
-    def became(self, nodes: Sequence[str], ranks: Mapping[int, int]) -> None:
+    def became(
+        self,
+        nodes: Sequence[str],
+        ranks: Mapping[int, int],
+        on_failure: Callable[[Step, tuple[int, str, str]], None] | None = None,
+    ) -> None:
         """From now on a training step on ``nodes``, whose srun task ``t`` is rank
         ``ranks[t]``; the other tasks are not ranks (their reports are passed on, never read as
-        a rank's failure)."""
+        a rank's failure). ``on_failure``: as the constructor takes it."""
         with self._lock:
+            self.on_failure = on_failure
             self.ranks = dict(ranks)
             self.prefix = ""
             self.started_at = time.time()

@@ -152,7 +152,7 @@ class CheckpointStore:
         self._remote_fs = None if self.local else self.fs
         self._deleting: list[threading.Event] = []  # set when deleted
         # step -> why its reader refused it: damaged too, moved aside when reached.
-        self.refused: dict[int, str] = {}
+        self._refused: dict[int, str] = {}
 
     # -- paths --------------------------------------------------------------------------------
     def _p(self, *parts: str) -> str:
@@ -237,8 +237,8 @@ class CheckpointStore:
             return True
         try:
             # Verified, but the reader could not load it (checkpoint/restore.py).
-            if step in self.refused:
-                raise ValueError(self.refused.pop(step))
+            if step in self._refused:
+                raise ValueError(self._refused.pop(step))
             old = self.verify(step).manifest
         except ValueError as exc:
             # A run that resumed from an older step because this one was damaged reaches it again:
@@ -603,6 +603,11 @@ class CheckpointStore:
                     damaged[step] = str(exc)
                 continue
             yield ckpt
+
+    def refuse(self, step: int, why: str) -> None:
+        """The reader could not load committed ``step`` (``why``), though it verified: damaged
+        too, so a save that reaches the step again moves it aside and commits it anew."""
+        self._refused[step] = why
 
     def fallback(self, step: int, skip: set[int] | frozenset[int] = frozenset()) -> str:
         """What a reader that skips ``step`` does next, for its warning: an older committed step

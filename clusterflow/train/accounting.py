@@ -34,6 +34,10 @@ class Accounting:
         self._steps: Iterator[tuple[int, int]] = iter(())
         self.max_steps: int | None = None  # run.steps(max_steps): the steps of a loaderless run
 
+    def counts_batches_of(self, loader: Loader | StreamLoader) -> None:
+        """``run.loader``'s loader, whose epochs this plans and whose batches it counts."""
+        self.loader = loader
+
     def count_to(self, max_steps: int) -> None:
         """A loop of ``run.steps(max_steps)``, without a loader: one epoch of the run's steps."""
         self.max_steps = max_steps

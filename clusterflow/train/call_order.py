@@ -214,6 +214,13 @@ class CallOrder:
         self.phase = self.check(call)
         return self.phase
 
+    def end(self, outcome: str) -> None:
+        """The run ended with the job's ``outcome`` (an agreed stop, or the end after
+        ``run.finish``): every later call is refused, naming it."""
+        self.outcome = outcome
+        if self.phase is not P.FINISHED:
+            self.enter(C.STOP)
+
     def allows(self, call: Call) -> bool:
         return (self.phase, call) in TRANSITIONS
 

@@ -79,9 +79,9 @@ def _reason_of(signum: int | None) -> str:
 class EndWatch:
     """Rank 0's watch of the job's end: ``read`` asks Slurm (``slurm.commands.job_end``) on a
     thread every ``every_s`` seconds; :meth:`due` (at each agreement: a clock read, no I/O) says
-    whether the end is closer than a stop needs, ``margin_s`` plus two saves as ``save_s``
-    measures them (the write in flight, then the stop's own). Once due it stays due, and
-    :attr:`said` says why."""
+    whether the end is closer than a stop needs, ``margin_s`` plus two saves as
+    :meth:`measure_saves` says they take (the write in flight, then the stop's own). Once due it
+    stays due, and :attr:`said` says why."""
 
     def __init__(
         self,
@@ -92,11 +92,16 @@ class EndWatch:
     ) -> None:
         self._read, self.every_s, self.margin_s, self._clock = read, every_s, margin_s, clock
         self.end_at: float | None = None
-        self.save_s: Callable[[], float] = lambda: 0.0
+        self._save_s: Callable[[], float] = lambda: 0.0
         self.due_at: float | None = None
         self.said = ""
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def measure_saves(self, save_s: Callable[[], float]) -> None:
+        """How long a save takes from now on: the checkpointer's measure, or before it is made
+        the longest write of an earlier attempt."""
+        self._save_s = save_s
 
     def start(self) -> EndWatch:
         self._thread = threading.Thread(target=self._watch, name="job-end", daemon=True)
@@ -128,7 +133,7 @@ class EndWatch:
             self.end_at = answer.end_at
 
     def needed_s(self) -> float:
-        return self.margin_s + 2 * self.save_s()
+        return self.margin_s + 2 * self._save_s()
 
     def due(self) -> bool:
         if self.due_at is not None:
@@ -143,7 +148,7 @@ class EndWatch:
         self.due_at = now
         self.said = (
             f"the job's end ({_clock(end)}, Slurm's EndTime) is {max(0.0, left):.1f} s away, "
-            f"closer than two saves ({self.save_s():.1f} s each, as measured) plus "
+            f"closer than two saves ({self._save_s():.1f} s each, as measured) plus "
             f"cluster.end_margin_s ({self.margin_s:g} s): saving and requeueing before it"
         )
         log.warning("%s", self.said)
@@ -154,7 +159,7 @@ class EndWatch:
         save took, and when the stop was decided (``due_at``, None: the signal came first)."""
         return {
             "end_at": self.end_at,
-            "save_s": round(self.save_s(), 3),
+            "save_s": round(self._save_s(), 3),
             "due_at": self.due_at,
         }
 
@@ -257,7 +262,7 @@ class Preemption:
         """How long a save takes, as the checkpointer measures it (the watch of the job's end
         needs it)."""
         if self.end is not None:
-            self.end.save_s = save_s
+            self.end.measure_saves(save_s)
 
     def stop_record(self, reason: str) -> dict[str, Any]:
         """What a stop's line in stops.jsonl says of how it came about (``reason``: the agreed

@@ -22,7 +22,8 @@ import torch
 from clusterflow.checkpoint import checkpointer, rng
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
 from clusterflow.checkpoint.data_identity import DataIdentity
-from clusterflow.checkpoint.rng import RngState, restore_rng
+from clusterflow.checkpoint.registered import Stream
+from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.distributed import comm as dist
 from clusterflow.observe.context import JobContext
@@ -30,7 +31,7 @@ from clusterflow.observe.reporter import Reporter
 from clusterflow.storage import durable
 from clusterflow.storage.tensors import TORCH
 from clusterflow.train import parallel
-from clusterflow.train.call_order import Call, CallOrder, Phase
+from clusterflow.train.call_order import CallOrder
 from clusterflow.train.finite import FiniteGuard
 from clusterflow.train.preemption import StopAgreement
 
@@ -79,12 +80,12 @@ class Saves:
         # The (global step, position) of the newest state a save holds (committed or in flight).
         self.saved_at: tuple[int, tuple[int, int]] | None = None
         # The random streams as the epoch's last step left them (a round cut short goes back).
-        self.steps_done_rng: RngState | None = None
+        self._steps_done_rng: RngState | None = None
         self._before_commit: list[Callable[[str], None]] = []
         self.at_finish: list[Callable[[], None]] = []
         # What the attempt's end releases, whatever the reason (the loader's workers).
         self.at_close: list[Callable[[], None]] = []
-        self.streams: list[str] = []  # the script's own random streams (rng.track)
+        self._streams: list[str] = []  # the script's own random streams (rng.track)
         self._closed = False
 
     # -- registering and restoring ----------------------------------------------------------
@@ -107,15 +108,21 @@ class Saves:
             steps_per_epoch=max(1, steps_per_epoch),
             before_commit=self._commit_check,
             after_commit=self.reporter.timeline.committed,
+            after_snapshot=self.reporter.inflight.committed,
         )
         # The watch of the job's end (rank 0 of a Slurm job) needs to know how long a save takes.
         self.stop_agreement.preemption.measure_saves(self.checkpointer.save_s)
-        if self.checkpointer.memory is not None:
-            self.checkpointer.memory.on_commit = self.reporter.inflight.committed
         resumed = self.checkpointer.restore(data)
         if resumed:  # the state restored is a committed one
             self.saved_at = (self.state.global_step, self.state.position)
         return resumed
+
+    def track(self, streams: Mapping[str, Stream]) -> None:
+        """The script's own random streams (and a stream loader's place), saved per rank in every
+        checkpoint beside the global ones until the attempt closes."""
+        for name, (get, put) in streams.items():
+            rng.track(name, get, put)
+        self._streams = list(streams)
 
     def before_commit(self, check: Callable[[str], None]) -> None:
         self._before_commit.append(check)
@@ -151,6 +158,11 @@ class Saves:
         if event in (checkpointer.EPOCH_END, checkpointer.STOP):
             # Where a stop or an epoch's end left the run, whatever the progress cadence skipped.
             self.reporter.report()
+
+    def steps_done(self) -> None:
+        """The epoch's last step is done: the random streams as it left them, which a mining
+        round cut short by a stop goes back to (:meth:`stop_in_round`)."""
+        self._steps_done_rng = capture_rng()
 
     def saved_now(self) -> bool:
         """Whether a save holds the state as it is (committed, or its write in flight)."""
@@ -194,8 +206,8 @@ class Saves:
         elif before_epoch_end:
             # The task trainer: its eval before the round changes no registered state, only the
             # random streams, which go back to the last step's.
-            if self.steps_done_rng is not None:
-                restore_rng(self.steps_done_rng)
+            if self._steps_done_rng is not None:
+                restore_rng(self._steps_done_rng)
             self.save(checkpointer.STOP)
         else:
             # A script that had not called run.mine in an epoch due to mine: its loop's end was
@@ -231,9 +243,7 @@ class Saves:
         """The attempt's end (the run closed, the job's ending): every later call is refused."""
         self.close(outcome)
         final, code = self._ending(outcome)
-        self.order.outcome = final
-        if self.order.phase is not Phase.FINISHED:
-            self.order.enter(Call.STOP)
+        self.order.end(final)
         return final, code
 
     # -- the end ----------------------------------------------------------------------------
@@ -266,7 +276,7 @@ class Saves:
         self._closed = True
         for release in self.at_close:
             release()
-        rng.untrack(self.streams)
+        rng.untrack(self._streams)
         self.reporter.close(outcome)
         if self.checkpointer is not None:
             self.checkpointer.close()

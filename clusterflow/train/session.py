@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import Dataset, IterableDataset
 
 from clusterflow import rundir
-from clusterflow.checkpoint import checkpointer, registered, rng
+from clusterflow.checkpoint import checkpointer, registered
 from clusterflow.checkpoint.checkpointer import Checkpointer, Stateful
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
@@ -268,15 +268,16 @@ class Run:
         )
         batching = Batching(total, accumulate, self.rank, self.world_size, self._config.run.seed)
         if stream:
-            self._loader = self._account.loader = StreamLoader(
+            self._loader = StreamLoader(
                 dataset,  # type: ignore[arg-type]
                 batching,
                 self._attempt,
                 kwargs=kwargs,
                 iterate=self._iterate,
             )
+            self._account.counts_batches_of(self._loader)
             return self._loader
-        self._loader = self._account.loader = Loader(
+        self._loader = Loader(
             dataset,
             batching,
             key,
@@ -285,6 +286,7 @@ class Run:
             iterate=self._iterate,
             left=self._account.batches_left,
         )
+        self._account.counts_batches_of(self._loader)
         if self._own_loop:  # the script's code since its last call built its data
             self._startup.mark(TASK_DATA)
         return self._loader
@@ -396,13 +398,10 @@ class Run:
         self._order.enter(Call.RESTORE)
         if self.scaler.is_enabled() and all(o is not self.scaler for o in kept.values()):
             kept[registered.AMP_SCALER] = self.scaler
-        kept["train"] = self._state
         loader = self._loader
         if loader is not None and loader.stream:  # each rank's place in its stream
             streams[POSITION] = (loader.position, loader.go_to)
-        for name, (get, put) in streams.items():
-            rng.track(name, get, put)
-        self._saves.streams = list(streams)
+        self._saves.track(streams)
         self._startup.mark(MODEL)
         t0 = time.monotonic()
         resumed = self._saves.register(
@@ -455,14 +454,14 @@ class Run:
             restore_rng(self._restored_rng)
         self._total_epochs = total_epochs
         assert self._checkpointer is not None
-        self._checkpointer.total_epochs = total_epochs
+        self._checkpointer.loop_starts(total_epochs)
         self._plan_epoch()
         self._reporter.loop_starts(self._purge_step())  # the first step this attempt logs
 
     def _plan_epoch(self) -> None:
         self._account.plan_epoch()
         if self._checkpointer is not None:
-            self._checkpointer.steps_per_epoch = self._account.steps_per_epoch
+            self._checkpointer.epoch_planned(self._account.steps_per_epoch)
 
     def _purge_step(self) -> int:
         """The resumed step itself is logged again only when its end-of-epoch work is redone."""
@@ -481,7 +480,7 @@ class Run:
         self._phases.set(phases.TRAIN)
         self._reporter.clock.reset()
         if self._account.steps_left() == 0:  # resumed after the epoch's last step, before its end
-            self._saves.steps_done_rng = capture_rng()
+            self._saves.steps_done()
             reason = self._stop.agree()
             if reason:
                 self._saves.stop(reason)
@@ -541,7 +540,7 @@ class Run:
             self._saves.save(checkpointer.LOOP_END if loop_end else checkpointer.STEP)
             if last:
                 # A round cut short is redone from here, the loop's eval included.
-                self._saves.steps_done_rng = capture_rng()
+                self._saves.steps_done()
                 if self._stop_before_epoch_end:
                     # After the last step, the reduce in flight is read at once (blocking costs
                     # nothing here): a signal during the last step stops before the
@@ -648,8 +647,7 @@ class Run:
         self._counts_steps = True
         self._account.count_to(max_steps)
         if self._checkpointer is not None:
-            self._checkpointer.steps_per_epoch = self._account.steps_per_epoch
-            self._checkpointer.max_steps = max_steps
+            self._checkpointer.counts_steps(max_steps)
         self._loop_starts(1)
         self._begin_epoch()
         while self._state.global_step < max_steps:
