@@ -7,8 +7,7 @@ side of ``checkpoint/checkpointer.py`` (which decides whether a save is due and 
 - :meth:`Saves.stop`: an agreed stop saves the step (unless a save holds it already), ends the
   job and raises :class:`RunStopped`; :meth:`stop_in_round` is the same inside a mining round.
 - :meth:`Saves.finish`: the last write committed, ``RUN_DIR/model.pt``, the job ended.
-- before each commit (collective): the metrics flushed, no non-finite state, the hooks given
-  to :meth:`Saves.before_commit`.
+- before each commit (collective): the metrics flushed, no non-finite state.
 """
 
 from __future__ import annotations
@@ -81,7 +80,6 @@ class Saves:
         self.saved_at: tuple[int, tuple[int, int]] | None = None
         # The random streams as the epoch's last step left them (a round cut short goes back).
         self._steps_done_rng: RngState | None = None
-        self._before_commit: list[Callable[[str], None]] = []
         self.at_finish: list[Callable[[], None]] = []
         # What the attempt's end releases, whatever the reason (the loader's workers).
         self.at_close: list[Callable[[], None]] = []
@@ -124,16 +122,11 @@ class Saves:
             rng.track(name, get, put)
         self._streams = list(streams)
 
-    def before_commit(self, check: Callable[[str], None]) -> None:
-        self._before_commit.append(check)
-
     def _commit_check(self, event: str) -> None:
         # Every point up to a checkpoint is on disk: a resume logs only later steps again.
         self.reporter.writer.flush()
         # A non-finite state is never committed.
         self.guard.check(self.state.global_step, self.state_tensors())
-        for check in self._before_commit:
-            check(event)
 
     def state_tensors(self) -> Iterator[object]:
         """This rank's part of every weight and optimizer tensor (its shards under fsdp)."""
