@@ -1,6 +1,6 @@
-"""The goodput ledger and the straggler watch: pure checks over written records, then two real
-2-rank local runs shared by every assertion on them (one killed and resumed with no slow rank,
-one with rank 1 made three times as slow per step)."""
+"""The goodput ledger and the straggler watch: pure checks over written records, then real 2-rank
+local runs: one killed and resumed with no slow rank and one with rank 1 made three times as slow
+per step (each shared by every assertion on it), and one launch that dies in start-up."""
 
 import json
 import os
