@@ -267,46 +267,71 @@ def _unlist(path):
         json.dump(manifest, f)
 
 
-@pytest.mark.parametrize(
-    "name, damage, says",
-    [
-        ("__1_0.distcp", _flip, "__1_0.distcp does not match its blake3 digest"),
-        ("__0_0.distcp", _truncate, "__0_0.distcp has "),
-        ("__1_0.distcp", os.remove, "__1_0.distcp is missing"),
-        (".metadata", os.remove, ".metadata is missing"),
-        ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
-        ("__1_0.distcp", _forge, "its shards do not load on rank "),
-        ("__1_0.distcp", _copy_from_step_16, "__1_0.distcp belongs to step 16's checkpoint"),
-    ],
-    ids=[
-        "flipped-byte",
-        "truncated",
-        "missing-shard",
-        "missing-metadata",
-        "lying-manifest",
-        "forged-shard",
-        "shard-of-step-16",
-    ],
-)
-def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
-    reference, tmp_path, name, damage, says
-):
+def _stopped_copy_damaged(reference, tmp_path, name, damage):
     """The finished reference run, copied as a run stopped after its last checkpoint (model.pt
-    removed, state stopped); one file of that checkpoint (step 18) damaged: the run is resumed
-    from step 16 with a warning naming the file, and ends with the same weights."""
+    removed, state stopped: a completed run would train nothing); ``name`` of step 18 damaged."""
     import shutil
 
     d = str(tmp_path / "run")
     shutil.copytree(reference, d, ignore=shutil.ignore_patterns("model.pt"))
     status = json.load(open(os.path.join(d, "status.json")))
     with open(os.path.join(d, "status.json"), "w") as f:
-        json.dump({**status, "state": "stopped"}, f)  # a completed run would train nothing
+        json.dump({**status, "state": "stopped"}, f)
     damage(os.path.join(d, "checkpoints", "step-18", name))
+    return d
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__1_0.distcp", _flip, "__1_0.distcp does not match its blake3 digest"),
+        ("__1_0.distcp", _forge, "its shards do not load on rank "),
+    ],
+    ids=["flipped-byte", "forged-shard"],
+)
+def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
+    reference, tmp_path, name, damage, says
+):
+    """One file of the last checkpoint (step 18) damaged: the run is resumed from step 16 with a
+    warning naming the file, and ends with the same weights. Two real resumes: a shard its
+    manifest's digest refuses (the store's verification, which every reader shares) and a forged
+    shard that verifies but does not load (only a real DCP load on the ranks finds it); the other
+    damage the verification finds is checked in-process below."""
+    d = _stopped_copy_damaged(reference, tmp_path, name, damage)
     assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
     logs = rank0_log(d)
     assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
     assert re.search(r"resumed from \S+/step-16: epoch 3, step 4 of the epoch", logs), logs
     assert same_weights(weights(d), weights(reference))
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__0_0.distcp", _truncate, "__0_0.distcp has "),
+        ("__1_0.distcp", os.remove, "__1_0.distcp is missing"),
+        (".metadata", os.remove, ".metadata is missing"),
+        ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
+        ("__1_0.distcp", _copy_from_step_16, "__1_0.distcp belongs to step 16's checkpoint"),
+    ],
+    ids=["truncated", "missing-shard", "missing-metadata", "lying-manifest", "shard-of-step-16"],
+)
+def test_a_damaged_shard_fails_the_verification_a_resume_skips_it_by(
+    reference, tmp_path, caplog, name, damage, says
+):
+    """The same damage to step 18, read in-process through the store's verification that a
+    resume reads its candidates by (CheckpointStore.candidates, as the flipped byte above shows
+    end to end): step 18 is refused naming the file, skipped with the resume's warning, and step
+    16 is the newest that verifies."""
+    from clusterflow.checkpoint.export import model_state
+    from clusterflow.errors import UserError
+
+    d = _stopped_copy_damaged(reference, tmp_path, name, damage)
+    with pytest.raises(UserError, match=re.escape(says)):
+        model_state(d, 18)
+    assert model_state(d)[1] == 16
+    skipped = rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}.*falling back to the"
+    assert re.search(skipped, caplog.text), caplog.text
 
 
 @pytest.mark.parametrize(
