@@ -14,6 +14,7 @@ import threading
 import time
 import urllib.request
 
+import launch
 import pytest
 import yaml
 from conftest import REPO, run_cli
@@ -302,24 +303,18 @@ def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path
     port = free_port()
     server = start_server(tmp_path, port)
     d = str(tmp_path / "run")
-    job = subprocess.Popen(
-        [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"]
-        + [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
-        + [f"trackers.mlflow.uri=http://127.0.0.1:{port}"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # One rank by tests/launch.py: the tracker runs inside the rank, whatever started it.
+    overrides = [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
+    overrides += [f"trackers.mlflow.uri=http://127.0.0.1:{port}"]
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    (job,) = launch.start(1, "configs/tiny.yaml", overrides, str(tmp_path / "logs"), env=env)
     try:
         while not read_metrics(d) if os.path.exists(f"{d}/metrics.jsonl") else True:
-            assert job.poll() is None, job.stdout.read()
+            assert job.poll() is None, glob.glob(f"{tmp_path}/logs/*")
             time.sleep(0.2)
     finally:
         stop_server(server)  # the server goes down in mid-run
-    out, _ = job.communicate(timeout=600)
-    assert job.returncode == 0, out
+    assert launch.wait([job]) == [0], open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert os.path.exists(os.path.join(d, "model.pt"))
     log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert "tracker mlflow failed" in log and "training goes on" in log, log[-3000:]
