@@ -12,7 +12,11 @@ import time
 import launch
 import pytest
 import torch
+from clihelp import call
 from conftest import REPO
+
+from clusterflow.checkpoint.export import main as export_main
+from clusterflow.launch import submit
 
 FSDP = ["train.parallel=fsdp"]
 
@@ -173,28 +177,25 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
         (["checkpoint.dir=memory://ck"], "checkpoint.dir = 'memory://ck': train.parallel=fsdp"),
     ],
 )
-def test_submit_refuses_what_fsdp_cannot_run(cli, tmp_path, overrides, says):
+def test_submit_refuses_what_fsdp_cannot_run(tmp_path, monkeypatch, overrides, says):
+    """In-process (tests/clihelp.call, as python -m runs it): a refusal ends before anything
+    starts."""
     d = str(tmp_path / "run")
-    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
-    out = cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        "--local",
-        f"run.dir={d}",
-        *FSDP,
-        *overrides,
-        env=env,
+    monkeypatch.chdir(REPO)
+    code, out, err = call(
+        submit.main, ["configs/tiny.yaml", "--local", f"run.dir={d}", *FSDP, *overrides]
     )
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
     assert not os.path.exists(d)  # nothing written
 
 
-def test_submit_refuses_an_unknown_parallel_mode(cli, tmp_path):
-    out = cli("clusterflow.submit", "configs/tiny.yaml", "--local", "train.parallel=zero3")
-    assert out.returncode == 2
-    assert "train.parallel = 'zero3': must be one of ddp, fsdp" in out.stderr, out.stderr
+def test_submit_refuses_an_unknown_parallel_mode(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, _, err = call(submit.main, ["configs/tiny.yaml", "--local", "train.parallel=zero3"])
+    assert code == 2
+    assert "train.parallel = 'zero3': must be one of ddp, fsdp" in err, err
 
 
 def _flip(path):
@@ -468,18 +469,19 @@ def test_init_from_an_unfinished_sharded_run_takes_its_newest_checkpoint(saved_o
 
 
 def test_export_writes_one_file_equal_to_the_gathered_weights(
-    reference, tiny_one_process_model, tmp_path, cli
+    reference, tiny_one_process_model, tmp_path
 ):
     """A sharded checkpoint (the newest, and --step 16) and a one-file one, as .pt and as
-    safetensors, in fp32 and bf16: each loads into the plain model and equals the weights."""
+    safetensors, in fp32 and bf16: each loads into the plain model and equals the weights.
+    `clusterflow export` runs in-process (tests/clihelp.call, as python -m runs it)."""
     from safetensors.torch import load_file
 
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     def export(run_dir, *args):
-        out = cli("clusterflow.export", run_dir, *args)
-        assert out.returncode == 0, out.stdout + out.stderr
-        return out.stdout
+        code, out, err = call(export_main, [run_dir, *args])
+        assert code == 0, out + err
+        return out
 
     final = weights(reference)
     pt, st, bf = (str(tmp_path / n) for n in ("m.pt", "m.safetensors", "bf16.pt"))
@@ -505,7 +507,7 @@ def test_export_writes_one_file_equal_to_the_gathered_weights(
     assert same_weights(torch.load(pt, weights_only=True), weights(one_file_run))
 
 
-def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
+def test_export_says_what_is_wrong_in_one_line(reference, tmp_path):
     for args, says in [
         (
             (reference, str(tmp_path / "x.pt"), "--step", "7"),
@@ -513,10 +515,10 @@ def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
         ),
         ((str(tmp_path), str(tmp_path / "x.pt")), "is not a run dir"),
     ]:
-        out = cli("clusterflow.export", *args)
-        assert out.returncode == 2, out.stdout + out.stderr
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and says in lines[0], out.stderr
+        code, out, err = call(export_main, list(args))
+        assert code == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], err
         assert not os.path.exists(tmp_path / "x.pt")
 
 
