@@ -468,12 +468,11 @@ def test_init_from_an_unfinished_sharded_run_takes_its_newest_checkpoint(saved_o
     assert same_weights(plain.state_dict(), saved)
 
 
-def test_export_writes_one_file_equal_to_the_gathered_weights(
-    reference, tiny_one_process_model, tmp_path
-):
-    """A sharded checkpoint (the newest, and --step 16) and a one-file one, as .pt and as
-    safetensors, in fp32 and bf16: each loads into the plain model and equals the weights.
-    `clusterflow export` runs in-process (tests/clihelp.call, as python -m runs it)."""
+def test_export_writes_one_file_equal_to_the_gathered_weights(reference, tmp_path):
+    """A sharded checkpoint (the newest, and --step 16), as .pt and as safetensors, in fp32 and
+    bf16: each loads into the plain model and equals the weights (a one-file checkpoint's export
+    is test_export.py's). `clusterflow export` runs in-process (tests/clihelp.call, as python -m
+    runs it)."""
     from safetensors.torch import load_file
 
     from clusterflow.tasks.pseudo_id import PseudoIDTask
@@ -502,9 +501,6 @@ def test_export_writes_one_file_equal_to_the_gathered_weights(
     step16 = saved_model(os.path.join(reference, "checkpoints", "step-16"), tmp_path)
     assert same_weights(torch.load(old, weights_only=True), step16)
     assert not same_weights(step16, final)
-    one_file_run = os.path.dirname(tiny_one_process_model)
-    export(one_file_run, pt, "--format", "pt", "--force")
-    assert same_weights(torch.load(pt, weights_only=True), weights(one_file_run))
 
 
 def test_export_says_what_is_wrong_in_one_line(reference, tmp_path):
