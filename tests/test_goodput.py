@@ -739,7 +739,9 @@ def test_each_attempt_records_its_start_up_by_phase(resumed):
     # attempts.jsonl holds the first start of the attempt's ranks' processes, before rank 0's
     # record of the attempt: where the start-up of an attempt dead before its timeline begins.
     recs = [json.loads(line) for line in open(rundir.RunPaths(d).attempts)]
-    for rec, tl in zip(recs, records, strict=True):
+    assert [rec["attempt"] for rec in recs] == sorted(records) == [0, 1]
+    for rec in recs:
+        tl = records[rec["attempt"]]
         assert rec["process_started_at"] <= tl["process_started_at"] < rec["started_at"]
     for row in book["attempts"]:
         rec, got = records[row["attempt"]], row["startup_phases"]
