@@ -8,8 +8,10 @@ import shutil
 
 import pytest
 import yaml
-from clihelp import one_error_line
+from clihelp import call, one_error_line
 from conftest import REPO, run_cli
+
+from clusterflow.launch import submit
 
 KILL9 = {
     "CLUSTERFLOW_TEST_KILL_AT": "9"
@@ -33,7 +35,9 @@ def rank0_logs(run_dir):
     return "".join(open(os.path.join(logs, f)).read() for f in names)
 
 
-def test_a_changed_checkpoint_dir_is_refused_until_the_checkpoints_are_moved(tmp_path):
+def test_a_changed_checkpoint_dir_is_refused_until_the_checkpoints_are_moved(tmp_path, monkeypatch):
+    """The two refusals end before anything starts: submit runs in-process for them
+    (tests/clihelp.call, as python -m runs it); the resume is a real submit --local."""
     run_dir, old, new = tmp_path / "run", tmp_path / "ckpt-a", tmp_path / "ckpt-b"
     first = ["configs/tiny.yaml", f"run.dir={run_dir}", *TINY]
     killed = run_cli("clusterflow.run", *first, f"checkpoint.dir={old}", env=KILL9)
@@ -41,11 +45,12 @@ def test_a_changed_checkpoint_dir_is_refused_until_the_checkpoints_are_moved(tmp
     assert steps(old) == [4, 6, 8]
     saved = open(run_dir / "config.yaml").read()
 
-    res = run_cli("clusterflow.submit", *first, f"checkpoint.dir={new}", "--local")
-    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
-    line = one_error_line(res.stderr)
+    monkeypatch.chdir(REPO)
+    code, out, err = call(submit.main, [*first, f"checkpoint.dir={new}", "--local"])
+    assert code == 2, out[-2000:] + err[-2000:]
+    line = one_error_line(err)
     assert str(old) in line and str(new) in line and "step-8" in line and "mv " in line, line
-    assert "resuming" not in res.stdout and not os.path.exists(new)
+    assert "resuming" not in out and not os.path.exists(new)
     assert open(run_dir / "config.yaml").read() == saved
 
     # The checkpoints moved as the error says: the run resumes from step 8 in the new dir.
@@ -57,5 +62,5 @@ def test_a_changed_checkpoint_dir_is_refused_until_the_checkpoints_are_moved(tmp
     assert "global step 8" in rank0_logs(run_dir)
     assert yaml.safe_load(open(run_dir / "config.yaml"))["checkpoint"]["dir"] == str(new)
     # The original command now names the dir the checkpoints left.
-    res = run_cli("clusterflow.submit", *first, f"checkpoint.dir={old}", "--local")
-    assert res.returncode == 2 and str(new) in one_error_line(res.stderr), res.stderr
+    code, _, err = call(submit.main, [*first, f"checkpoint.dir={old}", "--local"])
+    assert code == 2 and str(new) in one_error_line(err), err

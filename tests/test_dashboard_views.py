@@ -530,6 +530,9 @@ LINK = '<a href="https://evil.example/">a link</a>'
 BOLD = "<b>bold</b><br>"
 
 
+# In the xdist group of the module's other page tests (conftest._group), so the one browser and
+# the real runs are started once, not again in a group of its own.
+@pytest.mark.usefixtures("board")
 def test_a_sweeps_hostile_values_names_and_tags_are_text_on_the_compare_page(page, tmp_path):
     """A sweep (its records only) whose swept values, member names and metric tag are HTML:
     its compare page plots them (a value that is no number is a category of the axis) and no

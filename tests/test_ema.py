@@ -10,7 +10,10 @@ import re
 import launch
 import pytest
 import torch
+from clihelp import call
 from conftest import REPO
+
+from clusterflow.launch import submit
 
 
 def load(path):
@@ -67,7 +70,7 @@ def test_sigkill_and_resume_end_with_model_and_ema_bitwise_equal(
     assert same(load(tmp_path / "ema.pt"), ema)
 
 
-def test_mining_embeds_with_the_ema_weights_when_asked(tmp_path, cli):
+def test_mining_embeds_with_the_ema_weights_when_asked(tmp_path, cli, monkeypatch):
     """The same run with mining.embed_with=model and =ema: the first round's labels differ (the
     teacher's embedding is not the student's); and ema without train.ema_decay is refused."""
     labels = {}
@@ -87,8 +90,8 @@ def test_mining_embeds_with_the_ema_weights_when_asked(tmp_path, cli):
         labels[who] = state["train"]["labels"]
     assert labels["model"] is not None and labels["ema"] is not None
     assert not torch.equal(labels["model"], labels["ema"])
-    out = cli("clusterflow.submit", "configs/tiny.yaml", "--dry-run", "mining.embed_with=ema")
-    assert out.returncode == 2
-    assert "mining.embed_with = 'ema': embedding with the EMA weights needs train.ema_decay" in (
-        out.stderr
-    )
+    # in-process (tests/clihelp.call, as python -m runs it): a refusal starts nothing
+    monkeypatch.chdir(REPO)
+    code, _, err = call(submit.main, ["configs/tiny.yaml", "--dry-run", "mining.embed_with=ema"])
+    assert code == 2
+    assert "mining.embed_with = 'ema': embedding with the EMA weights needs train.ema_decay" in err

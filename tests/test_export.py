@@ -134,6 +134,9 @@ def test_an_existing_out_is_kept_unless_force(run, tmp_path, capsys):
     assert out.read_text() == "keep me"
     assert main([run, str(out), "--force"]) == 0
     assert same(torch.load(out, weights_only=True), newest_weights(run))
+    assert main([run, str(out), "--format", "pt", "--force"]) == 0
+    final = torch.load(os.path.join(run, "model.pt"), weights_only=True)
+    assert same(torch.load(out, weights_only=True), final)  # the run's own final weights
 
 
 def test_a_refused_step_is_not_offered_among_the_choices(own_run, tmp_path, capsys):

@@ -328,23 +328,18 @@ def test_two_real_ranks_see_each_other_through_their_heartbeats(tmp_path):
 def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
     """A real 3-rank local run: rank 1 keeps a core busy on a thread of its own, rank 2 waits
     for a slow dataset, rank 0 does neither. While it trains, their heartbeats and `status
-    --ranks` show rank 1's CPU use and rank 2's data wait, and nobody else's."""
-    import contextlib
+    --ranks` show rank 1's CPU use and rank 2's data wait, and nobody else's. (Ranks by
+    tests/launch.py: each rank measures its own process, whatever started it.)"""
     import re
     import signal
     import subprocess
     import sys
 
+    import launch
     from conftest import REPO
 
     d = str(tmp_path / "run")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(REPO, "tests"), env.get("PYTHONPATH", "")])
-    args = [
-        sys.executable,
-        "-m",
-        "clusterflow.submit",
-        "configs/tiny.yaml",
+    over = [
         f"run.dir={d}",
         "task.target=testtasks:Unequal",
         "task.params.hungry_rank=1",
@@ -357,17 +352,14 @@ def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
         "train.eval_every_epochs=0",
         "checkpoint.every_steps=1000",
         "dist.heartbeat_s=0.5",
-        "--local",
     ]
-    log = open(tmp_path / "submit.txt", "w")
-    proc = subprocess.Popen(
-        args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    procs = launch.start(3, "configs/tiny.yaml", over, str(tmp_path / "logs"), env=env)
     paths = rundir.RunPaths(d)
     try:
         deadline, first = time.monotonic() + 240, None
         while True:
-            assert proc.poll() is None, (tmp_path / "submit.txt").read_text()
+            assert all(p.poll() is None for p in procs), [p.poll() for p in procs]
             ranks = read_ranks(paths, 0.5) if os.path.isdir(paths.heartbeats) else []
             # Two writes in training after step 12: a window of steady steps on every rank.
             if len(ranks) == 3 and all((r.get("step") or 0) >= 12 for r in ranks):
@@ -383,16 +375,14 @@ def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
             [sys.executable, "-m", "clusterflow.status", d, "--ranks"],
             check=False,
             cwd=REPO,
-            env=env,
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert table.returncode == 0, table.stderr
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
+        launch.kill(procs, signal.SIGKILL)
+        launch.wait(procs, timeout=120)
     cpu, wait = {}, {}
     for r in ranks:
         assert r["rss_bytes"] > 50 * 2**20, r  # torch alone takes more

@@ -1,23 +1,23 @@
-"""mining.search=sharded in real runs (submit --local, 2 ranks): the weights, labels and round
+"""mining.search=sharded in real runs (2 ranks, tests/launch.py): the weights, labels and round
 stats of a run whose mining rounds ran across ranks equal those of the same run searched on
 rank 0 (exact engine)."""
 
 import os
 
+import launch
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
-RUN = ["configs/tiny.yaml", "--local", "mining.engine=torch", "mining.query_batch=32"]
+RUN = ["cluster.tasks_per_node=2", "mining.engine=torch", "mining.query_batch=32"]
 
 
 def _run(run_dir, *over):
-    res = run_cli("clusterflow.submit", *RUN, f"run.dir={run_dir}", *over)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    codes = launch.run(2, "configs/tiny.yaml", [*RUN, f"run.dir={run_dir}", *over], run_dir)
+    assert codes == [0, 0], open(os.path.join(run_dir, "logs", "rank0.attempt0.log")).read()
     state = (
         CheckpointStore(os.path.join(run_dir, "checkpoints"), codec=TORCH)
         .latest()
@@ -49,7 +49,6 @@ def test_a_rank_killed_in_the_exchange_resumes_from_the_finished_blocks(tmp_path
     """Rank 1 is SIGKILLed right after its 2nd of 3 query blocks (192 samples, 32 per block),
     while rank 0 waits for it in the ring: rank 0 fails, the relaunch reads both ranks' embeddings
     and 2 blocks each back, searches the last round and ends as an uninterrupted run."""
-    import launch
     from conftest import REPO
     from test_mining_resume import same_run
 

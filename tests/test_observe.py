@@ -7,12 +7,14 @@ import re
 import time
 
 import pytest
-from conftest import run_cli
+from clihelp import call
+from conftest import REPO, run_cli
 from test_on_event import fired, notify_script
 
 from clusterflow import rundir
 from clusterflow.config.job_config import load
 from clusterflow.errors import UserError
+from clusterflow.launch import submit
 from clusterflow.manage import ranks as rank_status
 from clusterflow.manage import verdict
 from clusterflow.observe import phases
@@ -225,17 +227,13 @@ def test_a_stalled_rank_ends_a_local_job_fast_and_is_named(tmp_path):
     assert stalled["by"].startswith("rank 1 on ") and "stalled" in stalled["message"]
 
 
-def test_local_gpus_are_chosen_before_anything_is_written(tmp_path):
+def test_local_gpus_are_chosen_before_anything_is_written(tmp_path, monkeypatch):
     d = str(tmp_path / "run")
-    out = run_cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        f"run.dir={d}",
-        "cluster.gpus_per_node=2",
-        "--local",
-    )
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "cluster.gpus_per_node=2 asks for GPUs, but NVML sees none on this machine" in out.stderr
+    monkeypatch.chdir(REPO)  # in-process (tests/clihelp.call, as python -m runs it)
+    args = ["configs/tiny.yaml", f"run.dir={d}", "cluster.gpus_per_node=2", "--local"]
+    code, _, err = call(submit.main, args)
+    assert code == 2 and "Traceback" not in err, err
+    assert "cluster.gpus_per_node=2 asks for GPUs, but NVML sees none on this machine" in err
     assert not os.path.exists(d)
 
 

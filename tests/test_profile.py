@@ -7,10 +7,13 @@ import re
 
 import launch
 import pytest
-from conftest import run_cli
+from clihelp import call
+from conftest import REPO
 
 from clusterflow import config
 from clusterflow.errors import UserError
+from clusterflow.job import run
+from clusterflow.launch import submit
 
 
 def test_a_profiled_run_traces_exactly_the_window_on_the_chosen_rank(tmp_path):
@@ -43,15 +46,19 @@ def test_a_profile_naming_a_rank_the_run_does_not_have_is_refused():
     config.load("configs/tiny.yaml", ["train.profile=3-5@1", "cluster.tasks_per_node=2"])
 
 
-@pytest.mark.parametrize("command", ["clusterflow.submit", "clusterflow.run"])
-def test_a_window_past_the_last_step_is_refused_before_anything_is_written(tmp_path, command):
+@pytest.mark.parametrize("command", ["submit", "run"])
+def test_a_window_past_the_last_step_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, command
+):
     """tiny.yaml: 192 samples / 32 = 6 steps an epoch, 3 epochs: steps 1-18. A window from step
-    19 on would profile nothing."""
+    19 on would profile nothing. `submit --local` and `run --check` run in-process
+    (tests/clihelp.call, as python -m runs them): a refusal ends before anything starts."""
     d = str(tmp_path / "run")
-    extra = ["--local"] if command == "clusterflow.submit" else ["--check"]
-    out = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=19-20")
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert out.stderr.strip().splitlines() == [
+    main, extra = (submit.main, "--local") if command == "submit" else (run.main, "--check")
+    monkeypatch.chdir(REPO)
+    code, out, err = call(main, ["configs/tiny.yaml", extra, f"run.dir={d}", "train.profile=19-20"])
+    assert code == 2, out + err
+    assert err.strip().splitlines() == [
         (
             "error: train.profile = '19-20': starts after the run's last step: 3 epoch(s) x 6 "
             "steps (192 samples / train.batch_size 32) = 18 steps; profile steps within 1-18, "
@@ -59,8 +66,10 @@ def test_a_window_past_the_last_step_is_refused_before_anything_is_written(tmp_p
         )
     ]
     assert not os.path.exists(d)
-    ok = run_cli(command, "configs/tiny.yaml", *extra, f"run.dir={d}", "train.profile=18-25")
-    assert ok.returncode == 0, ok.stdout + ok.stderr  # a window the run reaches: it is traced
-    assert command != "clusterflow.submit" or os.listdir(os.path.join(d, "profile")) == [
-        "rank0.attempt0.steps18-18.pt.trace.json"
-    ]
+    extra = "--dry-run" if command == "submit" else "--check"
+    code, out, err = call(main, ["configs/tiny.yaml", extra, f"run.dir={d}", "train.profile=18-25"])
+    assert code == 0, out + err
+    if command == "submit":  # a window the run reaches: it is traced, up to the run's last step
+        over = [f"run.dir={d}", "train.profile=18-25"]
+        assert launch.run(2, "configs/tiny.yaml", over, str(tmp_path / "logs")) == [0, 0]
+        assert os.listdir(os.path.join(d, "profile")) == ["rank0.attempt0.steps18-18.pt.trace.json"]

@@ -8,8 +8,10 @@ import re
 import launch
 import pytest
 import torch
+from clihelp import call
 from conftest import REPO
 
+from clusterflow.launch import submit
 from clusterflow.observe.metrics import read_metrics
 
 RETAIN = [
@@ -70,16 +72,12 @@ def test_kills_around_pruning_keep_the_rule_best_and_every_resume(
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_bad_keep_best_is_refused_at_submit(cli, tmp_path):
-    out = cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        "--dry-run",
-        f"run.dir={tmp_path}/run",
-        "checkpoint.keep_best=eval/view_cos",
-    )
-    assert out.returncode == 2
-    assert "checkpoint.keep_best" in out.stderr and "METRIC:max" in out.stderr, out.stderr
+def test_a_bad_keep_best_is_refused_at_submit(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)  # in-process (tests/clihelp.call, as python -m runs it)
+    args = ["configs/tiny.yaml", "--dry-run", f"run.dir={tmp_path}/run"]
+    code, _, err = call(submit.main, [*args, "checkpoint.keep_best=eval/view_cos"])
+    assert code == 2
+    assert "checkpoint.keep_best" in err and "METRIC:max" in err, err
 
 
 def test_a_keep_best_metric_never_logged_is_named_once_with_the_logged_ones(tmp_path):

@@ -2,11 +2,13 @@
 with one line (exit 2), or the task's traceback under one line naming task.target (exit 1), the
 same exit status from `run` and `submit --local` (issue 12)."""
 
+import contextlib
 import os
 import subprocess
 import sys
 
 import fsspec
+import launch
 import pytest
 from clihelp import call, one_error_line
 from conftest import REPO, tmpfs
@@ -56,15 +58,17 @@ def test_run_dir_that_is_a_file_or_under_one(tmp_path):
     assert "checkpoint.dir" in both_refuse([f"run.dir={tmp_path}/ok", f"checkpoint.dir={f}/ck"])
 
 
-def test_real_submit_and_run_refuse_a_bad_run_dir(cli, tmp_path):
-    """Not only the dry run and the check: the commands that would start a job refuse too."""
+def test_real_submit_and_run_refuse_a_bad_run_dir(tmp_path):
+    """Not only the dry run and the check: the commands that would start a job refuse too
+    (in-process, tests/clihelp.call, as python -m runs them: a refusal ends before anything
+    starts)."""
     f = tmp_path / "file"
     f.write_text("x")
-    for cmd in (["clusterflow.submit", "--local"], ["clusterflow.submit"], ["clusterflow.run"]):
-        out = cli(*cmd, "configs/tiny.yaml", f"run.dir={f}/run", env=TESTS_ENV)
-        assert out.returncode == 2 and "Traceback" not in out.stderr, (cmd, out.stderr)
+    for main, extra in ((submit.main, ["--local"]), (submit.main, []), (run.main, [])):
+        code, _, err = call(main, [*extra, "configs/tiny.yaml", f"run.dir={f}/run"])
+        assert code == 2 and "Traceback" not in err, (main, extra, err)
         assert (
-            one_error_line(out.stderr)
+            one_error_line(err)
             == f"error: run.dir = '{f}/run' lies under '{f}', which is a file, not a "
             f"directory; pick another path, or move the file away"
         )
@@ -209,9 +213,16 @@ def test_task_params_are_read_as_their_annotated_types(tmp_path):
     assert code == 0 and "with 32 training samples" in out, err
 
 
-def _task_module(tmp_path, name, body):
+@contextlib.contextmanager
+def _importable(monkeypatch, tmp_path, name, body):
+    """The task module ``name`` written in ``tmp_path`` and importable in this process, for the
+    in-process commands (tests/clihelp.call); forgotten again afterwards."""
     (tmp_path / f"{name}.py").write_text(body)
-    return {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.path.join(REPO, 'tests')}"}
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
 
 
 @pytest.mark.parametrize(
@@ -245,21 +256,14 @@ def _task_module(tmp_path, name, body):
     ],
 )
 def test_task_code_failing_keeps_its_traceback_under_one_line(
-    cli, tmp_path, name, body, header, shown
+    monkeypatch, tmp_path, name, body, header, shown
 ):
-    env = _task_module(tmp_path, name, body)
-    out = cli(
-        "clusterflow.run",
-        "configs/tiny.yaml",
-        *TINY,
-        f"run.dir={tmp_path}/r",
-        f"task.target={name}:T",
-        "--check",
-        env=env,
-    )
-    assert out.returncode == 1, out.stderr
-    first, rest = out.stderr.split("\n", 1)
-    assert first.startswith(f"error: {header}"), out.stderr
+    args = ["configs/tiny.yaml", *TINY, f"run.dir={tmp_path}/r", f"task.target={name}:T"]
+    with _importable(monkeypatch, tmp_path, name, body):
+        code, _, err = call(run.main, [*args, "--check"])
+    assert code == 1, err
+    first, rest = err.split("\n", 1)
+    assert first.startswith(f"error: {header}"), err
     assert "Traceback (most recent call last)" in rest and shown in rest
     assert "not found" not in first
 
@@ -493,37 +497,27 @@ def test_one_of_takes_its_values_and_no_lookalike():
     assert flag.holds(True) and not flag.holds(1)
 
 
-def test_a_users_task_declares_its_ranges_in_its_annotations(cli, tmp_path):
-    env = _task_module(
-        tmp_path,
-        "ranged",
+def test_a_users_task_declares_its_ranges_in_its_annotations(monkeypatch, tmp_path):
+    body = (
         "from typing import Annotated\n"
         "from clusterflow.tasks import Range\n"
         "from testtasks import Tiny\n"
         "class T(Tiny):\n"
         "    def __init__(self, seed=0, size: Annotated[int, Range(8, 64)] = 16,\n"
         "                 dropout: Annotated[float, Range(0, 1, open_max=True)] = 0.0):\n"
-        "        super().__init__(seed, size=size)\n",
+        "        super().__init__(seed, size=size)\n"
     )
-    base = ["configs/tiny.yaml", *TINY, "task.target=ranged:T"]
-    for value, want in [
-        ("size=65", "task.params.size = 65 is out of range for T: must be >= 8 and <= 64"),
-        ("dropout=1", "task.params.dropout = 1 is out of range for T: must be >= 0 and < 1"),
-    ]:
-        out = cli(
-            "clusterflow.submit",
-            *base,
-            "--local",
-            f"run.dir={tmp_path}/r",
-            f"task.params.{value}",
-            env=env,
-        )
-        assert out.returncode == 2 and out.stderr.strip() == f"error: {want}", out.stderr
-        assert not (tmp_path / "r").exists()
-    out = cli(
-        "clusterflow.run", *base, f"run.dir={tmp_path}/r", "task.params.size=8", "--check", env=env
-    )
-    assert out.returncode == 0, out.stderr
+    base = ["configs/tiny.yaml", *TINY, "task.target=ranged:T", f"run.dir={tmp_path}/r"]
+    with _importable(monkeypatch, tmp_path, "ranged", body):
+        for value, want in [
+            ("size=65", "task.params.size = 65 is out of range for T: must be >= 8 and <= 64"),
+            ("dropout=1", "task.params.dropout = 1 is out of range for T: must be >= 0 and < 1"),
+        ]:
+            code, _, err = call(submit.main, [*base, "--local", f"task.params.{value}"])
+            assert code == 2 and err.strip() == f"error: {want}", err
+            assert not (tmp_path / "r").exists()
+        code, _, err = call(run.main, [*base, "task.params.size=8", "--check"])
+    assert code == 0, err
 
 
 def test_a_warning_of_many_lines_is_one_line_on_the_console_and_whole_in_the_log(cli, tmp_path):
@@ -554,7 +548,8 @@ def test_a_warning_of_many_lines_is_one_line_on_the_console_and_whole_in_the_log
 
 def test_a_model_with_parameters_its_loss_never_uses_names_the_key_that_allows_it(cli, tmp_path):
     """Two DDP ranks, a layer the loss never uses: one line naming dist.find_unused_parameters
-    (DDP's own error names its constructor's argument), exit 2; with the key the run trains."""
+    (DDP's own error names its constructor's argument), exit 2 through `submit --local`; with the
+    key the run trains (two ranks by tests/launch.py: the route was proven by the refusal)."""
     unused = [*TINY, "task.target=testtasks:UnusedParameter", "cluster.tasks_per_node=2"]
     out = cli(
         "clusterflow.submit",
@@ -568,13 +563,7 @@ def test_a_model_with_parameters_its_loss_never_uses_names_the_key_that_allows_i
     status = rundir.read_json(rundir.RunPaths(f"{tmp_path}/a").status, {})
     assert "the model has parameters that got no gradient" in status["error"], status
     assert "dist.find_unused_parameters=true" in status["error"], status
-    out = cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        *unused,
-        f"run.dir={tmp_path}/b",
-        "--local",
-        "dist.find_unused_parameters=true",
-        env=TESTS_ENV,
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
+    with_key = [*unused, f"run.dir={tmp_path}/b", "dist.find_unused_parameters=true"]
+    codes = launch.run(2, TINY_YAML, with_key, str(tmp_path / "logs"), env=TESTS_ENV)
+    assert codes == [0, 0], open(rundir.RunPaths(f"{tmp_path}/b").log_file(0, 0)).read()[-3000:]
+    assert os.path.exists(rundir.RunPaths(f"{tmp_path}/b").model)

@@ -12,7 +12,11 @@ import time
 import launch
 import pytest
 import torch
-from conftest import REPO, run_cli
+from clihelp import call
+from conftest import REPO
+
+from clusterflow.checkpoint.export import main as export_main
+from clusterflow.launch import submit
 
 FSDP = ["train.parallel=fsdp"]
 
@@ -173,28 +177,25 @@ def test_sigkill_during_a_sharded_write_keeps_the_previous_checkpoint(
         (["checkpoint.dir=memory://ck"], "checkpoint.dir = 'memory://ck': train.parallel=fsdp"),
     ],
 )
-def test_submit_refuses_what_fsdp_cannot_run(cli, tmp_path, overrides, says):
+def test_submit_refuses_what_fsdp_cannot_run(tmp_path, monkeypatch, overrides, says):
+    """In-process (tests/clihelp.call, as python -m runs it): a refusal ends before anything
+    starts."""
     d = str(tmp_path / "run")
-    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
-    out = cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        "--local",
-        f"run.dir={d}",
-        *FSDP,
-        *overrides,
-        env=env,
+    monkeypatch.chdir(REPO)
+    code, out, err = call(
+        submit.main, ["configs/tiny.yaml", "--local", f"run.dir={d}", *FSDP, *overrides]
     )
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], out.stderr
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], err
     assert not os.path.exists(d)  # nothing written
 
 
-def test_submit_refuses_an_unknown_parallel_mode(cli, tmp_path):
-    out = cli("clusterflow.submit", "configs/tiny.yaml", "--local", "train.parallel=zero3")
-    assert out.returncode == 2
-    assert "train.parallel = 'zero3': must be one of ddp, fsdp" in out.stderr, out.stderr
+def test_submit_refuses_an_unknown_parallel_mode(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    code, _, err = call(submit.main, ["configs/tiny.yaml", "--local", "train.parallel=zero3"])
+    assert code == 2
+    assert "train.parallel = 'zero3': must be one of ddp, fsdp" in err, err
 
 
 def _flip(path):
@@ -267,46 +268,71 @@ def _unlist(path):
         json.dump(manifest, f)
 
 
-@pytest.mark.parametrize(
-    "name, damage, says",
-    [
-        ("__1_0.distcp", _flip, "__1_0.distcp does not match its blake3 digest"),
-        ("__0_0.distcp", _truncate, "__0_0.distcp has "),
-        ("__1_0.distcp", os.remove, "__1_0.distcp is missing"),
-        (".metadata", os.remove, ".metadata is missing"),
-        ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
-        ("__1_0.distcp", _forge, "its shards do not load on rank "),
-        ("__1_0.distcp", _copy_from_step_16, "__1_0.distcp belongs to step 16's checkpoint"),
-    ],
-    ids=[
-        "flipped-byte",
-        "truncated",
-        "missing-shard",
-        "missing-metadata",
-        "lying-manifest",
-        "forged-shard",
-        "shard-of-step-16",
-    ],
-)
-def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
-    reference, tmp_path, name, damage, says
-):
+def _stopped_copy_damaged(reference, tmp_path, name, damage):
     """The finished reference run, copied as a run stopped after its last checkpoint (model.pt
-    removed, state stopped); one file of that checkpoint (step 18) damaged: the run is resumed
-    from step 16 with a warning naming the file, and ends with the same weights."""
+    removed, state stopped: a completed run would train nothing); ``name`` of step 18 damaged."""
     import shutil
 
     d = str(tmp_path / "run")
     shutil.copytree(reference, d, ignore=shutil.ignore_patterns("model.pt"))
     status = json.load(open(os.path.join(d, "status.json")))
     with open(os.path.join(d, "status.json"), "w") as f:
-        json.dump({**status, "state": "stopped"}, f)  # a completed run would train nothing
+        json.dump({**status, "state": "stopped"}, f)
     damage(os.path.join(d, "checkpoints", "step-18", name))
+    return d
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__1_0.distcp", _flip, "__1_0.distcp does not match its blake3 digest"),
+        ("__1_0.distcp", _forge, "its shards do not load on rank "),
+    ],
+    ids=["flipped-byte", "forged-shard"],
+)
+def test_a_damaged_shard_is_skipped_named_and_the_previous_checkpoint_used(
+    reference, tmp_path, name, damage, says
+):
+    """One file of the last checkpoint (step 18) damaged: the run is resumed from step 16 with a
+    warning naming the file, and ends with the same weights. Two real resumes: a shard its
+    manifest's digest refuses (the store's verification, which every reader shares) and a forged
+    shard that verifies but does not load (only a real DCP load on the ranks finds it); the other
+    damage the verification finds is checked in-process below."""
+    d = _stopped_copy_damaged(reference, tmp_path, name, damage)
     assert launch.run(2, "configs/tiny.yaml", [f"run.dir={d}", *FSDP], d) == [0, 0]
     logs = rank0_log(d)
     assert re.search(rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}", logs), logs
     assert re.search(r"resumed from \S+/step-16: epoch 3, step 4 of the epoch", logs), logs
     assert same_weights(weights(d), weights(reference))
+
+
+@pytest.mark.parametrize(
+    "name, damage, says",
+    [
+        ("__0_0.distcp", _truncate, "__0_0.distcp has "),
+        ("__1_0.distcp", os.remove, "__1_0.distcp is missing"),
+        (".metadata", os.remove, ".metadata is missing"),
+        ("__0_0.distcp", _lie_about_size, "__0_0.distcp has "),
+        ("__1_0.distcp", _copy_from_step_16, "__1_0.distcp belongs to step 16's checkpoint"),
+    ],
+    ids=["truncated", "missing-shard", "missing-metadata", "lying-manifest", "shard-of-step-16"],
+)
+def test_a_damaged_shard_fails_the_verification_a_resume_skips_it_by(
+    reference, tmp_path, caplog, name, damage, says
+):
+    """The same damage to step 18, read in-process through the store's verification that a
+    resume reads its candidates by (CheckpointStore.candidates, as the flipped byte above shows
+    end to end): step 18 is refused naming the file, skipped with the resume's warning, and step
+    16 is the newest that verifies."""
+    from clusterflow.checkpoint.export import model_state
+    from clusterflow.errors import UserError
+
+    d = _stopped_copy_damaged(reference, tmp_path, name, damage)
+    with pytest.raises(UserError, match=re.escape(says)):
+        model_state(d, 18)
+    assert model_state(d)[1] == 16
+    skipped = rf"skipping damaged checkpoint \S+/step-18: {re.escape(says)}.*falling back to the"
+    assert re.search(skipped, caplog.text), caplog.text
 
 
 @pytest.mark.parametrize(
@@ -383,9 +409,9 @@ def saved_on_4(tmp_path_factory):
         "task.params.signals=0:9:TERM",
     ]
     env = {"PYTHONPATH": os.path.join(REPO, "tests")}
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", "--local", *over, env=env)
+    launch.run(4, "configs/tiny.yaml", over, d + ".launch", env=env)
     stop = re.search(r"saving at global step (\d+) and stopping", rank0_log(d))
-    assert stop, out.stdout + out.stderr
+    assert stop, rank0_log(d)
     shutil.copytree(d, d + ".saved")
     return d, d + ".saved", int(stop.group(1))
 
@@ -396,9 +422,9 @@ RESHARD = ["task.target=testtasks:DumpRestored", "train.batch_size=24"]
 
 @pytest.mark.parametrize("world", [3, 2])
 def test_a_run_saved_on_4_ranks_resumes_on_fewer_with_the_saved_values(saved_on_4, tmp_path, world):
-    """The stop checkpoint of 4 ranks, resumed through submit --local with 3 or 2 ranks: DCP
-    reshards it, the parameters the resumed ranks hold before their first step equal the saved
-    ones exactly, and the run completes."""
+    """The stop checkpoint of 4 ranks, resumed with 3 or 2 ranks (tests/launch.py: resharding is
+    the ranks' own work, whatever started them): DCP reshards it, the parameters the resumed
+    ranks hold before their first step equal the saved ones exactly, and the run completes."""
     import shutil
 
     d, saved_copy, stop = saved_on_4
@@ -413,9 +439,9 @@ def test_a_run_saved_on_4_ranks_resumes_on_fewer_with_the_saved_values(saved_on_
         f"task.params.run_dir={d}",
         "task.params.signals=0:9:TERM",
     ]
-    out = run_cli("clusterflow.submit", "configs/tiny.yaml", "--local", *over, env=env)
-    assert out.returncode == 0, out.stdout + out.stderr
+    codes = launch.run(world, "configs/tiny.yaml", over, str(tmp_path / "launch"), env=env)
     logs = rank0_log(d)
+    assert codes == [0] * world, logs
     assert f"resuming with {world} ranks from a checkpoint of 4" in logs, logs
     assert re.search(rf"resumed from \S+/step-{stop}: ", logs), logs
     saved = saved_model(os.path.join(saved_copy, "checkpoints", f"step-{stop}"), tmp_path)
@@ -442,19 +468,19 @@ def test_init_from_an_unfinished_sharded_run_takes_its_newest_checkpoint(saved_o
     assert same_weights(plain.state_dict(), saved)
 
 
-def test_export_writes_one_file_equal_to_the_gathered_weights(
-    reference, tiny_one_process_model, tmp_path, cli
-):
-    """A sharded checkpoint (the newest, and --step 16) and a one-file one, as .pt and as
-    safetensors, in fp32 and bf16: each loads into the plain model and equals the weights."""
+def test_export_writes_one_file_equal_to_the_gathered_weights(reference, tmp_path):
+    """A sharded checkpoint (the newest, and --step 16), as .pt and as safetensors, in fp32 and
+    bf16: each loads into the plain model and equals the weights (a one-file checkpoint's export
+    is test_export.py's). `clusterflow export` runs in-process (tests/clihelp.call, as python -m
+    runs it)."""
     from safetensors.torch import load_file
 
     from clusterflow.tasks.pseudo_id import PseudoIDTask
 
     def export(run_dir, *args):
-        out = cli("clusterflow.export", run_dir, *args)
-        assert out.returncode == 0, out.stdout + out.stderr
-        return out.stdout
+        code, out, err = call(export_main, [run_dir, *args])
+        assert code == 0, out + err
+        return out
 
     final = weights(reference)
     pt, st, bf = (str(tmp_path / n) for n in ("m.pt", "m.safetensors", "bf16.pt"))
@@ -475,12 +501,9 @@ def test_export_writes_one_file_equal_to_the_gathered_weights(
     step16 = saved_model(os.path.join(reference, "checkpoints", "step-16"), tmp_path)
     assert same_weights(torch.load(old, weights_only=True), step16)
     assert not same_weights(step16, final)
-    one_file_run = os.path.dirname(tiny_one_process_model)
-    export(one_file_run, pt, "--format", "pt", "--force")
-    assert same_weights(torch.load(pt, weights_only=True), weights(one_file_run))
 
 
-def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
+def test_export_says_what_is_wrong_in_one_line(reference, tmp_path):
     for args, says in [
         (
             (reference, str(tmp_path / "x.pt"), "--step", "7"),
@@ -488,10 +511,10 @@ def test_export_says_what_is_wrong_in_one_line(reference, tmp_path, cli):
         ),
         ((str(tmp_path), str(tmp_path / "x.pt")), "is not a run dir"),
     ]:
-        out = cli("clusterflow.export", *args)
-        assert out.returncode == 2, out.stdout + out.stderr
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1 and says in lines[0], out.stderr
+        code, out, err = call(export_main, list(args))
+        assert code == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and says in lines[0], err
         assert not os.path.exists(tmp_path / "x.pt")
 
 

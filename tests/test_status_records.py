@@ -12,7 +12,7 @@ import time
 
 import clihelp
 import pytest
-from conftest import DEEP_LISTS, REPO, billion_laughs, run_cli
+from conftest import DEEP_LISTS, REPO, billion_laughs
 
 from clusterflow.cancel import main as cancel_main
 from clusterflow.launch import stages
@@ -39,9 +39,11 @@ def completed(completed_run, tmp_path):
 
 
 def status(run_dir, *flags):
-    out = run_cli("clusterflow.status", run_dir, *flags)
-    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stdout + out.stderr
-    return out.stdout
+    """`clusterflow status RUN_DIR FLAGS` in this process (tests/clihelp.call, as python -m runs
+    it; test_fuzz_cli checks the harness against real processes): its stdout."""
+    code, out, err = clihelp.call(status_main, [run_dir, *flags])
+    assert code == 0 and "Traceback" not in err, out + err
+    return out
 
 
 def damage_status(run_dir, how):
@@ -55,7 +57,7 @@ def damage_status(run_dir, how):
 
 
 @pytest.mark.parametrize("how", ["empty", "directory", "JSON list"])
-def test_a_completed_run_reads_completed_whatever_status_json_holds(completed, how):
+def test_a_completed_run_reads_completed_whatever_status_json_holds(completed, how, monkeypatch):
     damage_status(completed, how)
     s = json.loads(status(completed, "--json"))
     assert s["state"] == "completed" and s["error"] is None and s["alive"] is None, s
@@ -65,16 +67,10 @@ def test_a_completed_run_reads_completed_whatever_status_json_holds(completed, h
     assert "state        completed" in status(completed)
     # --after accepts it: a completed earlier stage needs no dependency, --local included.
     assert stages.dependency([completed], local=True) is None
-    out = run_cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        f"run.dir={completed}-next",
-        "--after",
-        completed,
-        "--local",
-        "--dry-run",
-    )
-    assert out.returncode == 0 and "--after" not in out.stderr, out.stdout + out.stderr
+    monkeypatch.chdir(REPO)
+    args = ["configs/tiny.yaml", f"run.dir={completed}-next", "--after", completed]
+    code, out, err = clihelp.call(submit_main, [*args, "--local", "--dry-run"])
+    assert code == 0 and "--after" not in err, out + err
 
 
 def test_progress_after_a_kill_comes_from_the_newest_committed_checkpoint(completed):

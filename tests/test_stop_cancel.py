@@ -11,9 +11,11 @@ import sys
 import time
 
 import pytest
+from clihelp import call
 from conftest import REPO, run_cli, weights_equal
 
 from clusterflow import rundir
+from clusterflow.launch import submit
 from clusterflow.rundir import cancel_marker, lease
 
 
@@ -205,9 +207,11 @@ def test_ctrl_c_on_submit_local_saves_stops_and_resumes_exactly(tmp_path, tiny_t
 
 def test_logs_follow_ends_after_the_job_is_killed_with_sigkill(tmp_path):
     """`logs -f` of a local run whose processes are all killed with kill -9 (nothing of the job
-    can record its end) ends, saying what status saw, instead of following forever."""
+    can record its end) ends, saying what status saw, instead of following forever. (One rank:
+    a second proves nothing more about the follower.)"""
     run_dir = str(tmp_path / "run")
-    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    args = ["configs/tiny.yaml", f"run.dir={run_dir}", "cluster.tasks_per_node=1", "--local"]
+    proc = _start(args, str(tmp_path))
     follower = None
     try:
         _until(lambda: _logged_a_step(run_dir), proc)
@@ -305,20 +309,24 @@ def test_sigterm_to_submit_local_alone_stops_the_ranks_with_a_save(tmp_path):
         assert [json.loads(line)["reason"] for line in f] == ["preempted"]
 
 
-def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it(tmp_path):
-    """The refusal names `clusterflow cancel RUN_DIR`, and that cancel does stop the local run."""
+def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it(
+    tmp_path, monkeypatch
+):
+    """The refusal names `clusterflow cancel RUN_DIR`, and that cancel does stop the local run.
+    (One rank: that every rank stops is the sweep-cancel test's claim. The second submit is
+    refused before anything starts: it runs in-process, tests/clihelp.call.)"""
     run_dir = str(tmp_path / "run")
-    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    args = ["configs/tiny.yaml", f"run.dir={run_dir}", "cluster.tasks_per_node=1", "--local"]
+    proc = _start(args, str(tmp_path))
     try:
         _until(lambda: _logged_a_step(run_dir), proc)
         record = _attempt(run_dir)
         _signal_ranks(record, signal.SIGSTOP)
         try:
-            again = run_cli(
-                "clusterflow.submit", "configs/tiny.yaml", f"run.dir={run_dir}", "--local"
-            )
-            assert again.returncode == 2, again.stdout + again.stderr
-            assert f"python -m clusterflow.cancel {run_dir}" in again.stderr
+            monkeypatch.chdir(REPO)
+            code, out, err = call(submit.main, args)
+            assert code == 2, out + err
+            assert f"python -m clusterflow.cancel {run_dir}" in err
             assert run_cli("clusterflow.cancel", run_dir).returncode == 0
         finally:
             _signal_ranks(record, signal.SIGCONT)
@@ -333,9 +341,11 @@ def test_a_second_submit_into_a_running_local_run_names_the_cancel_that_stops_it
 
 def test_ctrl_c_while_the_local_job_starts_is_not_lost(tmp_path):
     """Ctrl-C right after `submit --local` began starting the job (its submitit folder exists,
-    the ranks may not): held back, not lost; the ranks stop at their first steps, `stopped`."""
+    the rank may not): held back, not lost; the rank stops at its first steps, `stopped`. (One
+    rank: a second proves nothing more about the held-back signal.)"""
     run_dir = str(tmp_path / "run")
-    proc = _start(["configs/tiny.yaml", f"run.dir={run_dir}", "--local"], str(tmp_path))
+    args = ["configs/tiny.yaml", f"run.dir={run_dir}", "cluster.tasks_per_node=1", "--local"]
+    proc = _start(args, str(tmp_path))
     try:
         _until(lambda: os.path.exists(os.path.join(run_dir, "logs", "submitit")), proc)
         os.killpg(proc.pid, signal.SIGINT)

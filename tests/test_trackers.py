@@ -14,8 +14,10 @@ import threading
 import time
 import urllib.request
 
+import launch
 import pytest
 import yaml
+from clihelp import call
 from conftest import REPO, run_cli
 from mlflow.tracking import MlflowClient
 
@@ -24,12 +26,24 @@ from clusterflow.distributed import free_port
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.run import _check_trackers
+from clusterflow.launch import submit
 from clusterflow.manage.status import collect, render
 from clusterflow.observe.metrics import read_metrics
 from clusterflow.observe.trackers import mlflow_run
 from clusterflow.rundir.paths import RunPaths
 
 STEPS = 18  # tiny.yaml: 3 epochs of 6 steps
+
+
+def refused(monkeypatch, run_dir, *extra):
+    """(exit status, stdout, stderr) of ``submit_local(run_dir, *extra)`` run in this process
+    (tests/clihelp.call, as ``python -m`` would run it): for refusals at submit, which end before
+    anything starts."""
+    monkeypatch.chdir(REPO)
+    args = ["configs/tiny.yaml", "--local", f"run.dir={run_dir}", "task.target=testtasks:Signals"]
+    return call(
+        submit.main, [*args, f"task.params.run_dir={run_dir}", "task.params.signals=", *extra]
+    )
 
 
 def submit_local(run_dir, *extra, signals="", env=None):
@@ -182,11 +196,11 @@ def test_a_killed_and_resumed_run_is_one_mlflow_run_with_each_step_once(mlflow_s
         ("sqlite:/mlflow.db", "a SQLite URI is sqlite:///"),
     ],
 )
-def test_an_mlflow_uri_mlflow_cannot_open_is_refused_at_submit(tmp_path, uri, why):
+def test_an_mlflow_uri_mlflow_cannot_open_is_refused_at_submit(tmp_path, monkeypatch, uri, why):
     d = str(tmp_path / "run")
-    out = submit_local(d, f"trackers.mlflow.uri={uri}")
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == 2 and len(lines) == 1, out.stdout + out.stderr
+    code, out, err = refused(monkeypatch, d, f"trackers.mlflow.uri={uri}")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, out + err
     assert lines[0].startswith(f"error: trackers.mlflow.uri = {uri!r}: {why}"), lines
     assert not os.path.exists(d)
 
@@ -228,72 +242,60 @@ def test_status_warns_about_a_tracker_that_never_received_a_step(tmp_path):
     ]
 
 
-def test_a_missing_tracker_server_is_refused_at_submit(tmp_path):
+def test_a_missing_tracker_server_is_refused_at_submit(tmp_path, monkeypatch):
     d = str(tmp_path / "run")
     dead = f"http://127.0.0.1:{free_port()}"
-    out = submit_local(d, f"trackers.mlflow.uri={dead}")
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
+    code, out, err = refused(monkeypatch, d, f"trackers.mlflow.uri={dead}")
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and dead in lines[0] and "no tracking server" in lines[0], lines
     assert not os.path.exists(d)
 
 
 @pytest.mark.parametrize("name, key", [("mlflow", "uri=sqlite:///x.db"), ("wandb", "project=p")])
-def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, name, key):
+def test_a_tracker_whose_package_is_missing_is_refused_at_submit(tmp_path, monkeypatch, name, key):
     """The package hidden the way Python documents it: ``sys.modules[name] = None``."""
     d = str(tmp_path / "run")
-    code = (
-        f"import sys; sys.modules[{name!r}] = None; from clusterflow.submit import main; "
-        "sys.exit(main(sys.argv[1:]))"
+    monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.chdir(REPO)
+    code, out, err = call(
+        submit.main, ["configs/tiny.yaml", "--local", f"run.dir={d}", f"trackers.{name}.{key}"]
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code, "configs/tiny.yaml", "--local", f"run.dir={d}"]
-        + [f"trackers.{name}.{key}"],
-        check=False,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and f"clusterflow[{name}]" in lines[0], lines
     assert not os.path.exists(d)
 
 
-def test_wandb_online_without_an_api_key_is_refused_at_submit(tmp_path):
+def test_wandb_online_without_an_api_key_is_refused_at_submit(tmp_path, monkeypatch):
     """No WANDB_API_KEY and no netrc entry: exit 2 with one line; either one lets it through."""
     home, d = tmp_path / "home", str(tmp_path / "run")
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "NETRC"}
-    env.update(HOME=str(home), PYTHONPATH=os.path.join(REPO, "tests"))
-    command = [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--dry-run"]
-    command += [f"run.dir={d}", "trackers.wandb.project=p"]
+    for k in [k for k in os.environ if k.startswith("WANDB_")] + ["NETRC"]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(REPO)
 
-    def submit(**extra):
-        return subprocess.run(
-            command,
-            check=False,
-            cwd=REPO,
-            env={**env, **extra},
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    def dry_run(**extra):
+        with monkeypatch.context() as m:
+            for k, v in extra.items():
+                m.setenv(k, v)
+            args = ["configs/tiny.yaml", "--dry-run", f"run.dir={d}", "trackers.wandb.project=p"]
+            return call(submit.main, args)
 
-    out = submit()
-    assert out.returncode == 2, out.stdout + out.stderr
-    lines = out.stderr.strip().splitlines()
+    code, out, err = dry_run()
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "no W&B API key is set for api.wandb.ai" in lines[0], lines
     assert f"no entry in {home}/.netrc" in lines[0] and "wandb login" in lines[0], lines
-    assert submit(WANDB_API_KEY="k" * 40).returncode == 0
+    assert dry_run(WANDB_API_KEY="k" * 40)[0] == 0
     netrc = home / ".netrc"
     netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
     netrc.chmod(0o600)
-    assert submit().returncode == 0
+    assert dry_run()[0] == 0
     # another W&B server (WANDB_BASE_URL) needs its own entry
-    out = submit(WANDB_BASE_URL="https://wandb.example.org")
-    assert out.returncode == 2 and "for wandb.example.org" in out.stderr, out.stderr
+    code, _, err = dry_run(WANDB_BASE_URL="https://wandb.example.org")
+    assert code == 2 and "for wandb.example.org" in err, err
     assert not os.path.exists(d)
 
 
@@ -302,24 +304,18 @@ def test_a_tracker_server_that_dies_mid_run_costs_a_warning_not_the_run(tmp_path
     port = free_port()
     server = start_server(tmp_path, port)
     d = str(tmp_path / "run")
-    job = subprocess.Popen(
-        [sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", "--local"]
-        + [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
-        + [f"trackers.mlflow.uri=http://127.0.0.1:{port}"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": os.path.join(REPO, "tests")},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    # One rank by tests/launch.py: the tracker runs inside the rank, whatever started it.
+    overrides = [f"run.dir={d}", "cluster.tasks_per_node=1", "task.target=testtasks:Slow"]
+    overrides += [f"trackers.mlflow.uri=http://127.0.0.1:{port}"]
+    env = {"PYTHONPATH": os.path.join(REPO, "tests")}
+    (job,) = launch.start(1, "configs/tiny.yaml", overrides, str(tmp_path / "logs"), env=env)
     try:
         while not read_metrics(d) if os.path.exists(f"{d}/metrics.jsonl") else True:
-            assert job.poll() is None, job.stdout.read()
+            assert job.poll() is None, glob.glob(f"{tmp_path}/logs/*")
             time.sleep(0.2)
     finally:
         stop_server(server)  # the server goes down in mid-run
-    out, _ = job.communicate(timeout=600)
-    assert job.returncode == 0, out
+    assert launch.wait([job]) == [0], open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert os.path.exists(os.path.join(d, "model.pt"))
     log = open(os.path.join(d, "logs", "rank0.attempt0.log")).read()
     assert "tracker mlflow failed" in log and "training goes on" in log, log[-3000:]

@@ -4,25 +4,47 @@ run that is never requeued. The Slurm side is in test_slurm_workflows.py."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import launch
 import pytest
+from clihelp import call
 from conftest import REPO
 
 from clusterflow import config, rundir
 from clusterflow.distributed.env import DistEnv
 from clusterflow.errors import UserError
 from clusterflow.job.requeue import after_stop
+from clusterflow.launch import submit
 from clusterflow.rundir import cancel_marker, saved_config
+from clusterflow.status import main as status_main
 
 TESTS_ENV = {"PYTHONPATH": os.path.join(REPO, "tests")}
+
+
+@pytest.fixture
+def here(monkeypatch):
+    """`python -m clusterflow.submit|status ARGS` in this process (tests/clihelp.call, as python
+    -m runs it; test_fuzz_cli checks the harness against real processes), for what ends before a
+    job starts: dry runs, refusals, resubmissions with nothing to run, status. Returns what
+    ``cli`` returns: returncode, stdout, stderr."""
+    monkeypatch.chdir(REPO)
+    mains = {"clusterflow.submit": submit.main, "clusterflow.status": status_main}
+
+    def run(module, *args):
+        code, out, err = call(mains[module], list(args))
+        return SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+    return run
+
+
 SMALL = ["train.epochs=1", "cluster.tasks_per_node=1"]
 AXES = ["--sweep", "train.lr=0.001,0.003", "--sweep", "mining.k=3,5"]
 
 
-def test_sweep_dry_run_lists_members_and_prints_one_array_script(cli, tmp_path):
+def test_sweep_dry_run_lists_members_and_prints_one_array_script(here, tmp_path):
     d = tmp_path / "sw"
-    out = cli(
+    out = here(
         "clusterflow.submit",
         "configs/tiny.yaml",
         f"run.dir={d}",
@@ -38,9 +60,9 @@ def test_sweep_dry_run_lists_members_and_prints_one_array_script(cli, tmp_path):
     assert not d.exists()  # a dry run writes nothing
 
 
-def test_an_invalid_member_submits_nothing(cli, tmp_path):
+def test_an_invalid_member_submits_nothing(here, tmp_path):
     d = tmp_path / "sw"
-    out = cli(
+    out = here(
         "clusterflow.submit",
         "configs/tiny.yaml",
         f"run.dir={d}",
@@ -55,11 +77,13 @@ def test_an_invalid_member_submits_nothing(cli, tmp_path):
         and "member mining.k=0: mining.k = 0: must be >= 1" in out.stderr
     )
     assert not d.exists()
-    out = cli("clusterflow.submit", "configs/tiny.yaml", *SMALL, "--max-parallel", "2", "--local")
+    out = here("clusterflow.submit", "configs/tiny.yaml", *SMALL, "--max-parallel", "2", "--local")
     assert out.returncode == 2 and "--max-parallel" in out.stderr and "needs --sweep" in out.stderr
 
 
-def test_local_sweep_runs_members_in_turn_and_a_resubmission_skips_completed_ones(cli, tmp_path):
+def test_local_sweep_runs_members_in_turn_and_a_resubmission_skips_completed_ones(
+    cli, here, tmp_path
+):
     d = tmp_path / "sw"
     args = (
         "clusterflow.submit",
@@ -72,31 +96,31 @@ def test_local_sweep_runs_members_in_turn_and_a_resubmission_skips_completed_one
     )
     out = cli(*args)
     assert out.returncode == 0, out.stderr
-    rows = json.loads(cli("clusterflow.status", str(d), "--json").stdout)
+    rows = json.loads(here("clusterflow.status", str(d), "--json").stdout)
     assert [r["train.lr"] for r in rows] == [0.001, 0.003] and {r["state"] for r in rows} == {
         "completed"
     }
     assert all(os.path.isfile(os.path.join(r["run_dir"], "model.pt")) for r in rows)
-    table = cli("clusterflow.status", str(d)).stdout
+    table = here("clusterflow.status", str(d)).stdout
     assert "2 member(s), 2 completed" in table and "lr" in table.splitlines()[0]
-    again = cli(*args)
+    again = here(*args)
     assert (
         again.returncode == 0
         and again.stdout.count("skip (completed)") == 2
         and "nothing to submit" in again.stdout
     )
     # the same sweep with another time limit is the same sweep (a resource), still nothing to run
-    longer = cli(*args, "cluster.time_min=30")
+    longer = here(*args, "cluster.time_min=30")
     assert longer.returncode == 0 and "nothing to submit" in longer.stdout
     assert "cluster.time_min 10 -> 30" in longer.stderr
-    other = cli(*args[:-1], "train.epochs=2", "--local")
+    other = here(*args[:-1], "train.epochs=2", "--local")
     assert (
         other.returncode == 2
         and "holds a sweep with another config (train.epochs 1 -> 2)" in other.stderr
     )
 
 
-def test_stage_two_after_stage_one_locally(cli, tmp_path):
+def test_stage_two_after_stage_one_locally(cli, here, tmp_path):
     s1, s2 = tmp_path / "s1", tmp_path / "s2"
     small = [
         "cluster.tasks_per_node=1",
@@ -104,7 +128,7 @@ def test_stage_two_after_stage_one_locally(cli, tmp_path):
         "task.params.identities=24",
         "task.params.samples_per_identity=8",
     ]
-    early = cli(
+    early = here(
         "clusterflow.submit",
         "configs/two_stage_2_classifier.yaml",
         f"run.dir={s2}",
