@@ -794,7 +794,7 @@ def test_an_attempt_dead_in_start_up_counts_from_its_processes_start(tmp_path):
     attempt beside a kill are checked on written records above; this is the record a real death
     in start-up leaves.)"""
     d = str(tmp_path / "run")
-    overrides = [f"run.dir={d}", *TASK, "task.target=testtasks:KillBeforePublish"]
+    overrides = [f"run.dir={d}", *TASK, "task.target=testtasks:FailAtStart"]
     codes = launch.run(
         2, "configs/tiny.yaml", overrides, str(tmp_path / "logs"),
         env={**ENV, "CLUSTERFLOW_TEST_FAIL_START": "1"},

@@ -17,9 +17,7 @@ import torch
 import torch.distributed as tdist
 
 from clusterflow.mining import knn
-from clusterflow.observe.timeline import AttemptTimeline
 from clusterflow.storage import durable, tensors
-from clusterflow.storage.store import CheckpointStore
 from clusterflow.tasks import images
 from clusterflow.tasks.images import ImageFolderTask, ImageShardsTask
 from clusterflow.tasks.pseudo_id import PseudoIDTask, SyntheticIdentities
@@ -651,32 +649,15 @@ class SlowRankKill(KillAtEnv):
         return super().loss(model, batch, labels)
 
 
-class KillBeforePublish(SlowRankKill):
-    """SlowRankKill with two faults that its environment turns on, for the goodput ledger.
-
-    ``$CLUSTERFLOW_TEST_KILL_PUBLISH=N``: rank 0 SIGKILLs itself when its checkpoint store is about
-    to publish step N (the staged folder complete, its rename not done: the next start publishes
-    it and resumes from it), and records no progress between commits, so its timeline is exactly
-    one commit behind the commit that the next attempt resumes from.
-    ``$CLUSTERFLOW_TEST_FAIL_START=1``: the task raises while it is built, so the attempt dies in
-    start-up, seconds after its processes started and before its first record."""
+class FailAtStart(SlowRankKill):
+    """SlowRankKill that raises while it is built when ``$CLUSTERFLOW_TEST_FAIL_START=1``: the
+    attempt dies in start-up, seconds after its processes started and before its first record
+    (the goodput ledger's start-up death)."""
 
     def __init__(self, seed=0, **params):
         if os.environ.get("CLUSTERFLOW_TEST_FAIL_START"):
             raise RuntimeError("the task failed while it was built (CLUSTERFLOW_TEST_FAIL_START)")
         super().__init__(seed, **params)
-        at = os.environ.get("CLUSTERFLOW_TEST_KILL_PUBLISH")
-        if not at:
-            return
-        AttemptTimeline.WRITE_EVERY_S = float("inf")
-        publish = CheckpointStore._publish
-
-        def killed_before_publishing(store, staged, step):
-            if step == int(at) and os.path.basename(store.root.rstrip("/")) == "checkpoints":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return publish(store, staged, step)
-
-        CheckpointStore._publish = killed_before_publishing
 
 
 class MemoryProbe:
