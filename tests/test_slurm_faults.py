@@ -100,27 +100,32 @@ def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run
     from clusterflow.rundir import lease
 
     d = str(tmp_path / "run")
-    job, _out = submit(d, "task.target=testtasks:Slow", "task.params.step_sleep=0.4")
-    holder = wait_until(
-        "the job to take the run dir",
-        lambda: (lease.current(rundir.RunPaths(d))[1] or {}).get("slurm_job"),
-        job_id=job,
-    )
-    assert holder == job
-    second = run_cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        f"run.dir={d}",
-        *TWO_NODES,
-        "task.target=testtasks:Slow",
-        "task.params.step_sleep=0.4",
-        env=env(),
-    )
-    assert second.returncode == 2, second.stdout + second.stderr
-    assert (
-        f"is held by Slurm job {job} (pid " in second.stderr
-        and f"Slurm job {job} is RUNNING" in second.stderr
-    )
+    gate = tmp_path / "gate"
+    gate.touch()  # every loss call waits while it exists: the job holds the run dir meanwhile
+    held = ("task.target=testtasks:Gated", f"task.params.gate={gate}")
+    try:
+        job, _out = submit(d, *held)
+        holder = wait_until(
+            "the job to take the run dir",
+            lambda: (lease.current(rundir.RunPaths(d))[1] or {}).get("slurm_job"),
+            job_id=job,
+        )
+        assert holder == job
+        second = run_cli(
+            "clusterflow.submit",
+            "configs/tiny.yaml",
+            f"run.dir={d}",
+            *TWO_NODES,
+            *held,
+            env=env(),
+        )
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert (
+            f"is held by Slurm job {job} (pid " in second.stderr
+            and f"Slurm job {job} is RUNNING" in second.stderr
+        )
+    finally:
+        os.unlink(gate)  # the job trains on to its end
     wait_until(
         "the first job to complete",
         lambda: live_status(d).get("state") == "completed",

@@ -20,7 +20,9 @@ def test_sharded_run_on_two_nodes_resumes_after_a_requeue_bitwise(cluster, tmp_p
     ref_job, _ = submit(ref, *FSDP, *SLOW, "task.params.step_sleep=0")
 
     d = str(tmp_path / "run")
-    job, _ = submit(d, *FSDP, *SLOW)
+    # Slowed in attempt 0 only, so that the requeue lands in mid-epoch; the requeued attempt
+    # trains the rest at full speed.
+    job, _ = submit(d, *FSDP, *SLOW, f"task.params.run_dir={d}", "task.params.slow_attempts=1")
     wait_until(
         "mid-epoch 1",
         lambda: (

@@ -127,7 +127,9 @@ def test_torchrun_template_stops_every_worker_and_resumes_exactly(cluster, refer
         ["sbatch", "--parsable", "-N", "2", "--ntasks-per-node=1"]
         + [f"--output={tmp_path}/slurm-%j.out"]
         + [os.path.join(REPO, "slurm_templates", "torchrun.sbatch"), "configs/tiny.yaml"]
-        + [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.5"],
+        + [f"run.dir={d}", "task.target=testtasks:Slow", "task.params.step_sleep=0.5"]
+        # slowed in attempt 0 only (the signal lands in mid-epoch); the requeued one at full speed
+        + [f"task.params.run_dir={d}", "task.params.slow_attempts=1"],
         check=False,
         cwd=REPO,
         env={**os.environ, **env()},

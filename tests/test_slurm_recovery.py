@@ -210,6 +210,7 @@ def test_a_frozen_rank_is_named_by_its_waiting_peer_and_an_unfit_spare_is_left_o
         "task.target=testtasks:SeenSlow",
         f"task.params.run_dir={d}",
         "task.params.step_sleep=0.5",
+        "task.params.slow_attempts=1",  # the shrunk attempt after the freeze at full speed
         "train.epochs=6",
         "dist.stall_s=10",
     )
@@ -296,6 +297,7 @@ def test_warm_restarts_hand_the_ranks_to_a_standby_and_fall_back_when_it_hangs(
         # opens its gate; attempt 4 holds at its second call while the test signals the job
         "task.params.kill=0@3/1,1@3/0,2@3/1,3@3/0",
         "task.params.hold=4@2",
+        "task.params.slow_attempts=5",  # the requeued attempt after the signal at full speed
     )
     assert out.returncode == 0, out.stdout + out.stderr
     batch_log = os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")

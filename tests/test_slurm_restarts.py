@@ -138,6 +138,8 @@ def test_a_frozen_rank_is_left_out_then_a_killed_driver_ends_the_run_failed(
             sys.executable, "-m", "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}",
             *TWO_NODES, "cluster.partition=wide", "cluster.spare_nodes=1",
             "task.target=testtasks:Slow", "task.params.step_sleep=0.5", "checkpoint.async=false",
+            # slowed while the test acts (the freeze, then the driver's kill); the resume not
+            f"task.params.run_dir={d}", "task.params.slow_attempts=2",
             "dist.stall_s=10", "dist.heartbeat_s=0.5", "--wait",
         ],
         cwd=REPO, env={**e, **env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -40,6 +40,12 @@ HANG = (
 )
 
 
+def slowed(run_dir, attempts):
+    """SLOW's sleep in the first ``attempts`` attempts only, those the test signals in
+    mid-epoch; the attempt after them trains the rest at full speed."""
+    return (f"task.params.run_dir={run_dir}", f"task.params.slow_attempts={attempts}")
+
+
 def at_step(run_dir, step, attempt=0):
     s = live_status(run_dir)
     return (
@@ -73,7 +79,7 @@ def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_pat
     end (the weights stay the reference's)."""
     d = str(tmp_path / "run")
     command, told = notify_script(str(tmp_path))
-    job, _ = submit(d, *SLOW, "data.num_workers=1", f"observe.on_event={command}")
+    job, _ = submit(d, *SLOW, *slowed(d, 2), "data.num_workers=1", f"observe.on_event={command}")
     wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
     # Slurm sends SIGTERM to every process of the job (the workers too), then requeues it.
     scmd("scontrol", "requeue", job)
@@ -98,7 +104,7 @@ def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_pat
 
 def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_path):
     d = str(tmp_path / "run")
-    job, _ = submit(d, *SLOW)
+    job, _ = submit(d, *SLOW, *slowed(d, 1))
     wait_until("mid-epoch 2", lambda: at_step(d, 8), job_id=job)
     high = scmd(
         "sbatch",

@@ -48,15 +48,35 @@ class AbortInLoss(PseudoIDTask):
         return super().loss(model, batch, labels)
 
 
-class Slow(PseudoIDTask):
-    """Sleeps ``step_sleep`` seconds per step, so a test can signal a run in mid-epoch."""
+def attempt_of(run_dir):
+    """The attempt this process runs: one line of ``RUN_DIR/attempts.jsonl`` per attempt begun
+    (its own is there before its first step)."""
+    with open(os.path.join(run_dir, "attempts.jsonl")) as f:
+        return len(f.readlines()) - 1
 
-    def __init__(self, seed=0, step_sleep=0.5, **params):
+
+class Slow(PseudoIDTask):
+    """Sleeps ``step_sleep`` seconds per step, so a test can signal a run in mid-epoch. With
+    ``slow_attempts`` N >= 0 (and ``run_dir``), only attempts 0..N-1 are slow: the attempts after
+    the test's last signal train at full speed."""
+
+    def __init__(self, seed=0, step_sleep=0.5, run_dir="", slow_attempts=-1, **params):
         super().__init__(seed, **params)
         self.step_sleep = float(step_sleep)
+        self._slow_run_dir, self._slow_attempts = run_dir, int(slow_attempts)
+        self._slow = None
+
+    def slow(self):
+        """Whether this attempt is slowed (asked at its first step, then remembered)."""
+        if self._slow is None:
+            self._slow = self._slow_attempts < 0 or (
+                attempt_of(self._slow_run_dir) < self._slow_attempts
+            )
+        return self._slow
 
     def loss(self, model, batch, labels):
-        time.sleep(self.step_sleep)
+        if self.slow():
+            time.sleep(self.step_sleep)
         return super().loss(model, batch, labels)
 
 
@@ -110,8 +130,8 @@ class HangInSave(Slow):
 
 class SlowSave(Slow):
     """Slow, and every checkpoint write of ``model.pt`` takes ``save_sleep`` seconds longer (a
-    large state on a slow filesystem): a save longer than Slurm's --signal lead. Sleeping changes
-    no byte written."""
+    large state on a slow filesystem): a save longer than Slurm's --signal lead; in the slowed
+    attempts only (``slow_attempts``). Sleeping changes no byte written."""
 
     def __init__(self, seed=0, save_sleep=2.0, **params):
         super().__init__(seed, **params)
@@ -119,7 +139,7 @@ class SlowSave(Slow):
         plain_write = durable.write_file
 
         def write(path, payload, fsync=True, fs=None, codec=None, **options):
-            if f"{os.sep}.tmp-step-" in path and path.endswith("model.pt"):
+            if f"{os.sep}.tmp-step-" in path and path.endswith("model.pt") and self.slow():
                 time.sleep(delay)
             return plain_write(path, payload, fsync, fs, codec, **options)
 
@@ -565,7 +585,7 @@ class SeenSlow(_Seen, Slow):
     """Slow (``step_sleep`` per step) and recording its batches (``_Seen``)."""
 
     def __init__(self, seed=0, run_dir="", kill="", step_sleep=0.3, gates="", hold="", **params):
-        super().__init__(seed, step_sleep, **params)
+        super().__init__(seed, step_sleep, run_dir, **params)
         self._seen_setup(run_dir, kill, gates, hold)
 
 

@@ -12,6 +12,9 @@
 # job that holds a spare node; node3 is in no other partition, so "low" still has two nodes). Idempotent: running "up" twice changes nothing. Needs root.
 # bf_interval=1: a requeued job is started by the backfill scheduler (the main one leaves it), every
 # 30 s by default; every second here, so the requeue tests wait for the job, not the scheduler.
+# cred_expire=5 (Slurm's least; 120 by default): a requeued job is held for cred_expire + 1 s
+# before it may start again (its old credential must expire on the nodes first), so each requeue
+# of the tests waits 6 s. A step's launch must reach its slurmd within those 5 s of its credential.
 set -euo pipefail
 
 BR=cfbr0
@@ -71,7 +74,7 @@ config() {
 ClusterName=clusterflow-test
 SlurmctldHost=$CTL_HOST($CTL_IP)
 AuthType=auth/munge
-AuthInfo=cred_expire=10
+AuthInfo=cred_expire=5
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
