@@ -3,9 +3,15 @@ ranks."""
 
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
 import time
 
+import launch
 import pytest
+from conftest import REPO
 
 from clusterflow import rundir
 from clusterflow.observe.heartbeat import (
@@ -330,14 +336,6 @@ def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
     for a slow dataset, rank 0 does neither. While it trains, their heartbeats and `status
     --ranks` show rank 1's CPU use and rank 2's data wait, and nobody else's. (Ranks by
     tests/launch.py: each rank measures its own process, whatever started it.)"""
-    import re
-    import signal
-    import subprocess
-    import sys
-
-    import launch
-    from conftest import REPO
-
     d = str(tmp_path / "run")
     over = [
         f"run.dir={d}",
@@ -387,7 +385,8 @@ def test_cpu_use_memory_and_data_wait_are_each_ranks_own(tmp_path):
     for r in ranks:
         assert r["rss_bytes"] > 50 * 2**20, r  # torch alone takes more
         cpu[r["rank"]], wait[r["rank"]] = r["cpu_percent"], r["data_wait_fraction"]
-    assert cpu[1] > 40 and cpu[1] > 2 * max(cpu[0], cpu[2]), cpu
+    # Relative, not a share of a core: on a busy machine the hungry thread gets what is left.
+    assert cpu[1] > 2 * max(cpu[0], cpu[2]), cpu
     assert wait[2] > 0.4 and wait[2] > 3 * max(wait[0], wait[1]), wait
     rows = {}
     for line in table.stdout.splitlines()[1:4]:

@@ -67,10 +67,13 @@ def plain(world, out_dir):
 
 
 def losses(log_dir):
-    """What rank 0 printed: [(iteration, loss), ...] in the order printed, over every launch."""
+    """What rank 0 printed: [(iteration, loss), ...] in the order printed, over every launch.
+    The loss has six decimals; a log line of clusterflow's background write may follow it before
+    its newline (stdout and stderr share the file)."""
     files = sorted(glob.glob(os.path.join(log_dir, "launch-rank0-*.txt")), key=os.path.getmtime)
     text = "".join(open(f).read() for f in files)
-    return [(int(i), v) for i, v in re.findall(r"^iter (\d+): loss (\S+)$", text, re.MULTILINE)]
+    found = re.findall(r"^iter (\d+): loss (-?\d+\.\d{6}|nan|-?inf)", text, re.MULTILINE)
+    return [(int(i), v) for i, v in found]
 
 
 def printed(log_dir):

@@ -75,6 +75,8 @@ def start_server(where, port, host="127.0.0.1"):
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        # No job runner: its worker processes (each importing MLflow) serve nothing a test uses.
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
     )
     while True:
         try:
