@@ -117,7 +117,7 @@ def clusterflow_rank(argv: list[str]) -> None:
 
     def timed_end_epoch(self):
         out = end_epoch(self)
-        if self._state.epoch == self._total_epochs:
+        if self.epoch == self._total_epochs:
             times.append(time.perf_counter())  # the last epoch's end: its checkpoint is committed
         return out
 
