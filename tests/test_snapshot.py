@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -249,3 +250,35 @@ def test_a_missing_snapshot_is_a_clear_error(repo, tmp_path):
     shutil.rmtree(os.path.join(run_dir, "code", m["version"]))
     with pytest.raises(UserError, match="is missing or incomplete; submit the run again"):
         snapshot.activate(RunPaths(run_dir), environ={})
+
+
+def test_activating_while_another_thread_imports(repo, tmp_path):
+    """A rank activates the snapshot while a thread of its process still adds to sys.modules
+    (as a warm standby's preloaded modules do): the snapshot's modules are forgotten all the
+    same, and nothing fails."""
+    run_dir = str(tmp_path / "run")
+    snapshot.take(RunPaths(run_dir), "mytasks.task:Task")
+    stop = threading.Event()
+
+    def imports():
+        n = 0
+        while not stop.is_set():
+            sys.modules[f"_clusterflow_test_racer_{n % 64}"] = sys
+            sys.modules.pop(f"_clusterflow_test_racer_{(n + 32) % 64}", None)
+            n += 1
+
+    racer = threading.Thread(target=imports, daemon=True)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # hand the GIL over as often as CPython allows
+    racer.start()
+    try:
+        for _ in range(100):
+            sys.modules["mytasks.stale"] = sys
+            snapshot.activate(RunPaths(run_dir), environ={})
+            assert "mytasks.stale" not in sys.modules
+    finally:
+        stop.set()
+        racer.join()
+        sys.setswitchinterval(old)
+        for n in range(64):
+            sys.modules.pop(f"_clusterflow_test_racer_{n}", None)

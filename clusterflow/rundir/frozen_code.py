@@ -336,10 +336,11 @@ def activate(
     if path in sys.path:
         sys.path.remove(path)
     sys.path.insert(0, path)
-    for name in [
-        n for n in sys.modules if n == info["module"] or n.startswith(info["module"] + ".")
-    ]:
-        del sys.modules[name]
+    # A copy of the names first: another thread of this process may import meanwhile (a warm
+    # standby's preloading leaves threads that do), and a dict must not change while iterated.
+    for name in list(sys.modules):
+        if name == info["module"] or name.startswith(info["module"] + "."):
+            sys.modules.pop(name, None)
     importlib.invalidate_caches()
     env = os.environ if environ is None else environ
     env["PYTHONPATH"] = os.pathsep.join(
