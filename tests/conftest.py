@@ -384,3 +384,25 @@ def reference_run(cluster, tmp_path_factory):
     _, out = submit(d, wait=True)
     assert out.returncode == 0, out.stdout + out.stderr
     return d, out
+
+
+# One node, all of it, two ranks, no restart inside the job: the shape of the runs that leave a
+# bad node out on requeue (tests/test_slurm_node_exclusion.py).
+ONE_NODE = (
+    "cluster.nodes=1",
+    "cluster.tasks_per_node=2",
+    "cluster.exclusive=true",
+    "cluster.restarts_in_job=0",
+)
+
+
+@pytest.fixture(scope="session")
+def one_node_reference(cluster, tmp_path_factory):
+    """An uninterrupted run of configs/tiny.yaml on one node with two ranks (``ONE_NODE``):
+    submit's route on one node, and what a run moved from node to node must reproduce."""
+    from slurmjobs import submit
+
+    d = str(tmp_path_factory.mktemp("one_node_reference") / "run")
+    _, out = submit(d, *ONE_NODE, wait=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return d, out

@@ -483,26 +483,13 @@ class KillWhenFileAppears(PseudoIDTask):
         return super().loss(model, batch, labels)
 
 
-class DeviceErrorOnHost(PseudoIDTask):
-    """Raises the error PyTorch raises for a GPU's uncorrectable ECC error at the loss call ``at``
-    (1-based, per process) of every process that runs on the node ``host``; elsewhere it trains
-    like PseudoIDTask."""
-
-    calls = 0
-
-    def __init__(self, seed=0, host="", at=7, **params):
-        super().__init__(seed, **params)
-        self.host, self.at = str(host), int(at)
-
-    def loss(self, model, batch, labels):
-        self.calls += 1
-        if self.calls == self.at and socket.gethostname() == self.host:
-            raise RuntimeError(
-                "CUDA error: uncorrectable ECC error encountered\n"
-                "CUDA kernel errors might be asynchronously reported at some other API call, so "
-                "the stacktrace below might be incorrect."
-            )
-        return super().loss(model, batch, labels)
+def ecc_error():
+    """The error PyTorch raises for a GPU's uncorrectable ECC error."""
+    return RuntimeError(
+        "CUDA error: uncorrectable ECC error encountered\n"
+        "CUDA kernel errors might be asynchronously reported at some other API call, so "
+        "the stacktrace below might be incorrect."
+    )
 
 
 class StallOnHost(StallOnRank1):
@@ -514,6 +501,21 @@ class StallOnHost(StallOnRank1):
 
     def _me(self):
         return super()._me() if socket.gethostname() == self.host else -1
+
+
+class DeviceErrorThenStall(StallOnHost):
+    """Two bad nodes for one run: at the loss call ``at`` (1-based, per process) every process on
+    ``device_host`` raises a GPU's uncorrectable ECC error (as DeviceErrorOnHost), and rank 1 on
+    ``host`` sleeps forever (StallOnHost); elsewhere it trains like PseudoIDTask."""
+
+    def __init__(self, seed=0, device_host="", **params):
+        super().__init__(seed, **params)
+        self.device_host = str(device_host)
+
+    def loss(self, model, batch, labels):
+        if self.calls + 1 == self.at and socket.gethostname() == self.device_host:
+            raise ecc_error()
+        return super().loss(model, batch, labels)
 
 
 class _Seen:
