@@ -88,6 +88,7 @@ def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_
     assert not os.path.exists(a)
     s = status(b)
     assert s["state"] == "completed" and s["attempts"] == 2
+    assert s["world_size"] == 2 and s["hosts"] == ["node1", "node2"], s  # the template's route
     assert (
         "resumed from " + os.path.join(b, "checkpoints", "step-8")
         in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
