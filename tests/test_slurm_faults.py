@@ -1,5 +1,6 @@
 """Faults users cause, on the real two-node Slurm cluster: a rank killed (srun names it first), a
-moved run dir resumed through the sbatch template, a second job on a held run dir."""
+moved run dir resumed through the sbatch template. (A second job on a held run dir is refused in
+test_slurm_job_time.py, on the job that proves its time.)"""
 
 import os
 import shutil
@@ -10,12 +11,9 @@ from conftest import REPO, run_cli
 from slurmjobs import (
     TWO_NODES,
     env,
-    live_status,
     sbatch_wait,
     sha256,
     status,
-    submit,
-    wait_until,
 )
 
 from clusterflow import rundir
@@ -95,43 +93,3 @@ def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_
     )
     ref_dir, _ = reference_run
     assert sha256(os.path.join(b, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
-
-
-def test_a_second_submission_of_a_held_run_dir_is_refused(cluster, reference_run, tmp_path):
-    from clusterflow.rundir import lease
-
-    d = str(tmp_path / "run")
-    gate = tmp_path / "gate"
-    gate.touch()  # every loss call waits while it exists: the job holds the run dir meanwhile
-    held = ("task.target=testtasks:Gated", f"task.params.gate={gate}")
-    try:
-        job, _out = submit(d, *held)
-        holder = wait_until(
-            "the job to take the run dir",
-            lambda: (lease.current(rundir.RunPaths(d))[1] or {}).get("slurm_job"),
-            job_id=job,
-        )
-        assert holder == job
-        second = run_cli(
-            "clusterflow.submit",
-            "configs/tiny.yaml",
-            f"run.dir={d}",
-            *TWO_NODES,
-            *held,
-            env=env(),
-        )
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert (
-            f"is held by Slurm job {job} (pid " in second.stderr
-            and f"Slurm job {job} is RUNNING" in second.stderr
-        )
-    finally:
-        os.unlink(gate)  # the job trains on to its end
-    wait_until(
-        "the first job to complete",
-        lambda: live_status(d).get("state") == "completed",
-        timeout=400,
-        job_id=job,
-    )
-    ref_dir, _ = reference_run
-    assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))

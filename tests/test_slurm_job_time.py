@@ -1,7 +1,8 @@
 """The job's time as Slurm gives it, on the real local cluster: a pending job's reason and the
 start Slurm expects (``squeue --start``), a running job's time left, within seconds of
 squeue's own answer asked beside it, in `status` and in the dashboard's job panel (its catalog,
-which asks squeue once for all its runs); then a plain scancel, which the run reads as
+which asks squeue once for all its runs); while it runs, a second submission of its run dir is
+refused, naming it, and changes nothing there; then a plain scancel, which the run reads as
 cancelled; and ten time limits, each brought forward by an admin's ``scontrol update``,
 survived with no step lost although the save is slower than Slurm's --signal lead."""
 
@@ -16,6 +17,8 @@ from conftest import run_cli
 from dashboards import poll_until
 from slurmjobs import (
     ENDED,
+    TWO_NODES,
+    env,
     job_fields,
     live_status,
     scmd,
@@ -27,7 +30,7 @@ from slurmjobs import (
 )
 
 from clusterflow import rundir
-from clusterflow.rundir import timeline
+from clusterflow.rundir import lease, timeline
 from clusterflow.slurm.commands import slurm_duration, slurm_time
 from clusterflow.web import catalog as web_catalog
 from clusterflow.web import views
@@ -41,19 +44,22 @@ def plain_status(run_dir):
     return out.stdout
 
 
-def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_left(
+def test_a_pending_then_running_job_shows_its_time_refuses_a_second_job_and_reads_scancel_cancelled(
     cluster, tmp_path
 ):
+    """One job, kept running by a gate, carries three proofs in turn: pending, its reason and
+    the start Slurm expects; running, its time left and nodes, and one job per run dir (a second
+    submission is refused and writes nothing there); then a plain scancel read as cancelled."""
     d = str(tmp_path / "run")
     gate = tmp_path / "gate"
     gate.touch()  # every loss call waits while it exists: the job stays running for the checks
-    job, _ = submit(
-        d,
+    gated = (
         "task.target=testtasks:Gated",
         f"task.params.gate={gate}",
         "mining.enabled=false",
         "cluster.sbatch_extra={begin: now+900}",
     )
+    job, _ = submit(d, *gated)
     try:
         s = status(d)
         start, reason = scmd("squeue", "--start", "-h", "-j", job, "-o", "%S|%r").split("|")
@@ -93,6 +99,27 @@ def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_lef
         shown = panel["left_s"] - (time.time() - panel["asked_at"])
         assert abs(shown - left) <= 5, (panel, left)
         assert panel["nodes"] == nodes and panel["time_limit_s"] == 600
+        # One job per run dir: the job holds it, and the same submission again is refused before
+        # it writes anything there (the run dir as it was: the run goes on as this job's alone;
+        # test_run_dir.py proves, locally, that such a run still completes bitwise).
+        paths = rundir.RunPaths(d)
+        holder = wait_until(
+            "the job to take the run dir",
+            lambda: (lease.current(paths)[1] or {}).get("slurm_job"),
+            job_id=job,
+        )
+        assert holder == job
+        kept = [_read(paths.config), _read(paths.submissions)]
+        second = run_cli(
+            "clusterflow.submit", "configs/tiny.yaml", f"run.dir={d}", *TWO_NODES, *gated, env=env()
+        )
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert (
+            f"is held by Slurm job {job} (pid " in second.stderr
+            and f"Slurm job {job} is RUNNING" in second.stderr
+        ), second.stderr
+        assert [_read(paths.config), _read(paths.submissions)] == kept
+        assert (lease.current(paths)[1] or {}).get("slurm_job") == job
         # A plain scancel ends the job: its ranks save the step reached and stop, and the run
         # reads cancelled, not failed (the job shows them COMPLETING, as the end of a job whose
         # batch script died would).
@@ -100,13 +127,18 @@ def test_a_pending_job_shows_its_reason_and_start_and_a_running_one_its_time_lef
         os.unlink(gate)
         wait_gone(job)
         s = status(d)
-        assert (s["state"], s["error"]) == ("cancelled", None), s
+        assert (s["state"], s["error"], s["attempts"]) == ("cancelled", None, 1), s
         assert s["latest_checkpoint"].endswith(f"/step-{s['global_step']}"), s
         assert "state        cancelled" in plain_status(d)
     finally:
         subprocess.run(["scancel", job], check=False)
         if gate.exists():
             os.unlink(gate)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _panel(cat):
