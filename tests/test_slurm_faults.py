@@ -26,9 +26,10 @@ KILL_TASK = ("task.target=testtasks:KillAtEnv", "checkpoint.async=false")
 
 
 def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
-    """Also: the task kills rank 1 in step 2 of every attempt, a step that keeps failing with
-    nothing committed between: after cluster.restarts_in_job (one here) restarts of it, the job
-    fails, "no progress" at step 2, naming the rank srun saw end first."""
+    """Rank 1 SIGKILLed in step 2 of the first attempt: srun names it, not rank 0 that it ends,
+    and the job restarts on the same nodes (no spare). In the next attempt the task itself raises
+    on rank 1 (a ValueError in its loss): no restart cures that, the job fails fast, exit 1, and
+    status names the task's own failure first, not rank 0's."""
     d = str(tmp_path / "run")
     t0 = time.time()
     out = run_cli(
@@ -36,27 +37,45 @@ def test_a_rank_killed_on_slurm_is_named_first_not_its_peer(cluster, tmp_path):
         "configs/tiny.yaml",
         f"run.dir={d}",
         *TWO_NODES,
-        *KILL_TASK,
+        "task.target=testtasks:KilledThenCrashOnRank1",
+        f"task.params.run_dir={d}",
+        "checkpoint.async=false",
         "cluster.restarts_in_job=1",
+        "dist.timeout_s=60",
         "--wait",
-        env={**env(), "CLUSTERFLOW_TEST_KILL_AT": "2", "CLUSTERFLOW_TEST_KILL_RANK": "1"},
+        env=env(),
     )
+    ended = time.time()
     assert out.returncode == 1, out.stdout + out.stderr
-    # srun --kill-on-bad-exit ends rank 0 at once, not after dist.timeout_s (600 s)
-    assert time.time() - t0 < 600
+    assert ended - t0 < 600  # not at the time limit (cluster.time_min=10)
     s = status(d)
     assert s["state"] == "failed" and s["attempts"] == 2, s
-    assert s["error"].startswith("no progress at step 2: tried 2 times"), s["error"]
-    assert "the last time rank 1 on node2: Killed (crash)" in s["error"], s["error"]
-    (restart,) = restarts.read(rundir.RunPaths(d))  # one restart, then no more
-    assert (restart["cause"], restart["host"], restart["nodes"]) == (
+    (restart,) = restarts.read(rundir.RunPaths(d))  # one restart: the kill's, not the error's
+    assert (restart["cause"], restart["rank"], restart["host"], restart["error"]) == (
         "crash",
+        1,
         "node2",
-        ["node1", "node2"],
-    )  # no spare: the same nodes again
-    assert "not restarted in the job after rank 1 on node2: Killed (crash): no progress" in (
-        open(os.path.join(d, "logs", "slurm", s["job_id"], f"{s['job_id']}_0_log.err")).read()
-    )
+        "Killed",
+    ), restart  # srun's first report: the killed rank, not rank 0 that srun ended after it
+    assert restart["nodes"] == ["node1", "node2"], restart  # no spare: the same nodes again
+    # srun --kill-on-bad-exit ends rank 0 at once, not after dist.timeout_s (60 s here)
+    assert restart["restart_at"] - restart["fault_at"] < 60, restart
+    job = s["job_id"]
+    batch_log = open(os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")).read()
+    assert (
+        f"restart 1 in job {job} after rank 1 on node2: Killed (crash): resuming from the "
+        "newest checkpoint on node1, node2"
+    ) in batch_log, batch_log[-3000:]
+    # The task's own failure in the restarted attempt ends the job within the process-group
+    # timeout of its first step, not at the time limit, and is not restarted.
+    assert ended - restart["first_step_at"] < 60 + 30, (ended, restart)
+    assert "restart 2 in job" not in batch_log, batch_log[-3000:]
+    assert any(e["rank"] == 1 and "deliberate failure" in e["error"] for e in s["errors"]), s
+    # the first cause, not rank 0's: the task's own failure, named with the method it raised in
+    assert s["error"].startswith(
+        "rank 1: task.target 'testtasks:KilledThenCrashOnRank1' failed in loss"
+    ), s["error"]
+    assert "ValueError: deliberate failure" in s["error"], s["error"]
 
 
 def sbatch_template(run_dir, log_dir, extra_env=None):

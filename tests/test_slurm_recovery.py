@@ -4,9 +4,11 @@ this machine's /dev/shm, so memory_dir=.../{node} keeps them apart):
 
 - a job of two nodes and a spare, killed three times in one run: node2 lost first (its rank
   SIGKILLed and its memory emptied, the shared filesystem's newest checkpoint truncated), then
-  rank 0, then rank 1: every restart restores from the nodes' memory or a peer's replica, never
-  reading the shared filesystem, loses at most 2 steps, and the run ends bitwise equal to an
-  uninterrupted one;
+  rank 0, then rank 1: every restart is a new srun step in the same Slurm job (no requeue), on
+  the nodes left after the failed one (the spare first), records the fault, the nodes left out
+  and the time from the fault to the next step, restores from the nodes' memory or a peer's
+  replica, never reading the shared filesystem, loses at most 2 steps, and the run ends bitwise
+  equal to an uninterrupted one; the goodput ledger books each restart within its allocation;
 - a job of two nodes and a spare whose rank 1 is frozen (SIGSTOP) right after a heartbeat: the
   waiting rank's watchdog names it from its quiet heartbeat, the restart leaves node2 out, the
   spare fails its node check (its memory folder is a file) and is left out too, and the job goes
@@ -28,6 +30,7 @@ import re
 import shutil
 import signal
 import statistics
+import time
 import uuid
 
 import pytest
@@ -45,7 +48,7 @@ from slurmjobs import (
 
 from clusterflow import rundir
 from clusterflow.distributed.sampler import EpochPlan
-from clusterflow.rundir import RunPaths, first_error
+from clusterflow.rundir import RunPaths, first_error, restarts
 from clusterflow.storage import snapshots
 
 pytestmark = pytest.mark.slurm
@@ -79,7 +82,7 @@ def _gone(pid):
 
 
 @pytest.mark.slow
-def test_three_crashes_restore_from_memory_and_replicas_bitwise(
+def test_three_crashes_restart_in_the_job_on_the_spare_from_memory_and_replicas_bitwise(
     cluster, reference_run, memory, tmp_path
 ):
     d = str(tmp_path / "run")
@@ -106,7 +109,16 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
     assert host == "node2"
     # node2 is lost: its rank killed itself, and its memory goes with it. The shared
     # filesystem's newest checkpoint is damaged too: a restore that read it would say so.
-    wait_until("rank 1's kill", lambda: _gone(pid), timeout=300, job_id=job)
+    alive = [time.time()]  # a moment before rank 1 was last seen alive: before its kill
+
+    def killed():
+        now = time.time()
+        if _gone(pid):
+            return True
+        alive[0] = now
+        return False
+
+    wait_until("rank 1's kill", killed, timeout=300, job_id=job)
     shutil.rmtree(_folder(memory, d, "node2"))
     with open(os.path.join(d, "checkpoints", "step-8", "model.pt"), "r+b") as f:
         f.truncate(64)
@@ -114,6 +126,28 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
 
     s = status(d)
     assert s["state"] == "completed" and s["attempts"] == 4, s
+    attempts = read_jsonl(os.path.join(d, "attempts.jsonl"))
+    assert [a["job_id"] for a in attempts] == [job] * 4, attempts  # no requeue, no new job
+    assert [a.get("restart_in_job") for a in attempts] == [0, 1, 2, 3], attempts
+    assert [sorted(set(a["hosts"])) for a in attempts] == [
+        ["node1", "node2"],
+        ["node1", "node3"],  # on the spare
+        ["node2", "node3"],
+        ["node1", "node2"],
+    ], attempts
+    rs = restarts.read(rundir.RunPaths(d))
+    assert [(r["cause"], r["left_out"]) for r in rs] == [
+        ("crash", ["node2"]),
+        ("crash", ["node1"]),
+        ("crash", ["node3"]),
+    ], rs
+    assert [(r["failed_attempt"], r["next_attempt"]) for r in rs] == [(0, 1), (1, 2), (2, 3)], rs
+    # Each fault was seen after its kill (the first after rank 1 was last seen alive, the others
+    # after the attempt they ended trained its first step), and training resumed after the
+    # restart.
+    seen_after = [alive[0]] + [r["first_step_at"] for r in rs[:-1]]
+    for r, after in zip(rs, seen_after, strict=True):
+        assert after < r["fault_at"] <= r["restart_at"] < r["first_step_at"], (after, r)
     assert s["restored_from"] == [None, "replica", "replica", "replica"], s["restored_from"]
     got = [
         (r["rank"], r["host"], r["nodes"], r["restored_step"], r["first_step"])
@@ -146,11 +180,26 @@ def test_three_crashes_restore_from_memory_and_replicas_bitwise(
     # The goodput ledger's count comes from the timeline, written at most once a second: it may
     # be short, never over.
     out = run_cli("clusterflow.goodput", d, "--json", env=env())
+    assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(out.stdout)["attempts"]
     said = [r["restart_in_job"]["steps_lost"] for r in rows[1:]]
     assert all(0 <= x <= y for x, y in zip(said, lost, strict=True)), (said, lost)
     print("recovery_s", [r["recovery_s"] for r in s["restarts"]])
+    # The issue's bound (back training within 60 s); a requeue alone waits longer.
     assert all(0 < r["recovery_s"] < 60 for r in s["restarts"]), s["restarts"]
+    # The ledger: each attempt's parts sum to its wall time, and each restart is in it, its
+    # allocation the previous attempt's.
+    for row in rows:
+        assert abs(sum(row["seconds"].values()) - row["wall_s"]) <= 0.01 * row["wall_s"], row
+    assert rows[0]["restart_in_job"] is None
+    for row, r in zip(rows[1:], rs, strict=True):
+        back = row["restart_in_job"]
+        assert (back["recovery_s"], back["left_out"]) == (r["recovery_s"], r["left_out"]), back
+        assert row["sources"]["allocated"] == "previous attempt's end (same allocation)", row
+    shown = run_cli("clusterflow.goodput", d, env=env()).stdout
+    for a, (rank, host) in enumerate([(1, "node2"), (0, "node1"), (1, "node3")], 1):
+        line = f"restart in job: attempt {a} after a crash of rank {rank} on {host}: back training"
+        assert line in shown, shown
     ref_dir, _ = reference_run
     assert sha256(os.path.join(d, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))
     # The run completed: its snapshots left the nodes' memory, node3's too, which the last

@@ -35,6 +35,23 @@ class CrashOnRank1(PseudoIDTask):
         return super().loss(model, batch, labels)
 
 
+class KilledThenCrashOnRank1(CrashOnRank1):
+    """Rank 1 SIGKILLs itself at its second step in the run's first attempt (``run_dir``), as a
+    rank killed from outside dies; in every later attempt it raises at its third step as
+    CrashOnRank1 does: one job restarts after the kill, then fails on the task's own error."""
+
+    def __init__(self, seed=0, run_dir="", **params):
+        super().__init__(seed, **params)
+        self.run_dir = run_dir
+
+    def loss(self, model, batch, labels):
+        rank1 = tdist.is_initialized() and tdist.get_rank() == 1
+        # the second call: CrashOnRank1 counts this one next
+        if rank1 and self.calls == 1 and attempt_of(self.run_dir) == 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch, labels)
+
+
 class AbortInLoss(PseudoIDTask):
     """Aborts (SIGABRT, as a library's failed assertion in native code does) at its second
     step."""
