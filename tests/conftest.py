@@ -379,8 +379,7 @@ def cluster():
 # others share the two cores with it, and a Slurm job waits on the CPU it is given (under the
 # suite's load a job ran 3-4 times slower than alone). The Slurm daemons (and so every job
 # process they start), and the worker running the Slurm tests (and so the commands it runs),
-# get the CPU first; the other workers run in what is left. (A nice value counts across
-# sessions only with the kernel's autogroups off: tests/run.sh turns them off for the run.)
+# get the CPU first; the other workers run in what is left, with minutes to spare.
 SLURM_NICE = -5
 
 

@@ -54,17 +54,7 @@ rm -f "$SYSTEM_LOG"
 # cores pay; tests/conftest.py groups what must run in one worker (the Slurm cluster's tests, a
 # shared run's readers). CLUSTERFLOW_TEST_WORKERS=0 runs everything in this one process.
 WORKERS=${CLUSTERFLOW_TEST_WORKERS:-4}
-# The Slurm tests' jobs first on the CPU: tests/conftest.py sets nice -5 on the Slurm daemons
-# (their jobs inherit it) and on the worker running those tests. A nice value counts across the
-# machine only without the kernel's autogroups, which share the CPU equally between sessions, and
-# each step of a Slurm job is a session of its own: off for the run (as root), on again after.
-AUTOGROUP=/proc/sys/kernel/sched_autogroup_enabled
-if [ -w "$AUTOGROUP" ] && [ "$(cat "$AUTOGROUP")" = 1 ]; then
-  echo 0 >"$AUTOGROUP"
-  trap 'echo 1 >"$AUTOGROUP"' EXIT
-fi
 if [ "$WORKERS" = 0 ]; then
-  python -m pytest -q -rs "$@"
-else
-  python -m pytest -q -rs -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
+  exec python -m pytest -q -rs "$@"
 fi
+exec python -m pytest -q -rs -n "$WORKERS" --dist loadgroup --no-loadscope-reorder "$@"
