@@ -372,30 +372,6 @@ def cluster():
         timeout=600,
     )
     assert out.returncode == 0, out.stderr
-    _slurm_first_on_the_cpus()
-
-
-# The suite ends when its Slurm group ends: one worker runs those tests in series while the
-# others share the two cores with it, and a Slurm job waits on the CPU it is given (under the
-# suite's load a job ran 3-4 times slower than alone). The Slurm daemons (and so every job
-# process they start), and the worker running the Slurm tests (and so the commands it runs),
-# get the CPU first; the other workers run in what is left, with minutes to spare.
-SLURM_NICE = -5
-
-
-def _slurm_first_on_the_cpus():
-    if os.getpriority(os.PRIO_PROCESS, 0) <= SLURM_NICE:
-        return
-    own = [str(os.getpid())]
-    daemons = subprocess.run(
-        ["pgrep", "-x", "slurmd|slurmctld"], check=False, capture_output=True, text=True
-    ).stdout.split()
-    for pid in own + daemons:
-        # Linux keeps a nice value per thread, and a new thread or child takes its creator's.
-        with contextlib.suppress(OSError):
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with contextlib.suppress(OSError):
-                    os.setpriority(os.PRIO_PROCESS, int(tid), SLURM_NICE)
 
 
 @pytest.fixture(scope="session")
