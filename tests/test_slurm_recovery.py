@@ -297,7 +297,12 @@ def test_a_frozen_rank_is_named_by_its_waiting_peer_and_an_unfit_spare_is_left_o
         "not a folder"
     }, r
     assert s["world_size"] == 1 and s["hosts"] == ["node1"], s
-    assert s["restored_from"] == [None, "replica"], s["restored_from"]
+    # From node1's replica of rank 1's snapshot, unless the shared filesystem held a state as new
+    # (an epoch's end, every 6 steps).
+    assert s["restored_from"][0] is None, s["restored_from"]
+    assert s["restored_from"][1] == "replica" or (
+        s["restored_from"][1] == "shared" and r["restored_step"] % 6 == 0
+    ), (s["restored_from"], r)
     shown = run_cli("clusterflow.status", d).stdout
     assert "shrunk to 1 rank(s) on 1 node(s): no spare node was left (cluster.shrink" in shown
     batch_log = open(os.path.join(d, "logs", "slurm", job, f"{job}_0_log.err")).read()
