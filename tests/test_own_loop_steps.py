@@ -164,7 +164,7 @@ def kill_and_resume(world, reference, tmp_path):
     assert launch.wait(procs) == [-signal.SIGKILL] * world
     # The newest save committed before the kill (one still written in the background is lost,
     # as a kill loses it): where the resume must start.
-    saved = [int(n[5:]) for n in os.listdir(os.path.join(d, "checkpoints")) if n[5:].isdigit()]
+    saved = CheckpointStore(os.path.join(d, "checkpoints")).steps()
     assert launch.wait(converted(world, d)) == [0] * world, printed(d + "-logs")[-3000:]
 
     resumed = restored_step(d, 1)
