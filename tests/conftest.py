@@ -58,13 +58,49 @@ def pytest_collection_modifyitems(config, items):
 
 # CLUSTERFLOW_TEST_TIMELINE=FILE: each test's worker, start and end (wall clock) appended to FILE as
 # a JSON line, setup and teardown included; tests/timeline.py reads it back as each worker's chain,
-# which shows the group that ends the suite.
+# which shows the group that ends the suite. Where the cgroup v1 CPU accounting is writable (root),
+# each worker runs in a cgroup of its own and the line also holds the CPU seconds the test's
+# processes spent: the worker's and every process it started, whatever their session (ranks, rank
+# servers, commands), but not a Slurm job's (slurmd starts those), the suite's CPU budget by test.
 TIMELINE = "CLUSTERFLOW_TEST_TIMELINE"
+CPUACCT = "/sys/fs/cgroup/cpuacct"
+
+
+class _WorkerCPU:
+    """This worker's own accounting cgroup, opened at its first test (None where there is none)."""
+
+    usage = None
+
+    @classmethod
+    def seconds(cls):
+        if cls.usage is None:
+            cls.usage = cls._open() or ""
+        if not cls.usage:
+            return None
+        with open(cls.usage) as f:
+            return int(f.read()) / 1e9
+
+    @staticmethod
+    def _open():
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        parent = os.path.join(CPUACCT, "clusterflow-tests")
+        group = os.path.join(parent, f"{worker}-{os.getpid()}")
+        try:
+            for old in os.listdir(parent) if os.path.isdir(parent) else ():
+                with contextlib.suppress(OSError):  # an earlier suite's: gone once it is empty
+                    os.rmdir(os.path.join(parent, old))
+            os.makedirs(group, exist_ok=True)
+            with open(os.path.join(group, "cgroup.procs"), "w") as f:
+                f.write(str(os.getpid()))
+        except OSError:
+            return None
+        return os.path.join(group, "cpuacct.usage")
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    path, start = os.environ.get(TIMELINE), time.time()
+    path = os.environ.get(TIMELINE)
+    start, cpu = time.time(), _WorkerCPU.seconds() if path else None
     try:
         return (yield)
     finally:
@@ -76,6 +112,8 @@ def pytest_runtest_protocol(item, nextitem):
                 "start": start,
                 "end": time.time(),
             }
+            if cpu is not None:
+                line["cpu"] = round(_WorkerCPU.seconds() - cpu, 2)
             with open(path, "a") as f:
                 f.write(json.dumps(line) + "\n")
 

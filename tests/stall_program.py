@@ -73,6 +73,9 @@ def ranks(run_dir, mode, hb, rank):
         if mode == "embed" and step == 3:
             hb.beat(step - 1, "mining embed")  # the embedding loop beats once per batch
         if rank == 1 and step == 3 and mode == "frozen":
+            # A heartbeat on record first, as a rank that trained a while has (on a loaded machine
+            # the writer thread may not have written one yet): the frozen rank is named by it.
+            hb.write()
             os.kill(os.getpid(), signal.SIGSTOP)
         elif rank == 1 and step == 3:
             sleeping_in_loss() if mode == "ranks" else embedding_batch()

@@ -1,6 +1,7 @@
 """Faults users cause, on the real two-node Slurm cluster: a rank killed (srun names it first), a
-moved run dir resumed through the sbatch template. (A second job on a held run dir is refused in
-test_slurm_job_time.py, on the job that proves its time.)"""
+moved run dir resumed through the sbatch template (a run that mines sharded across both nodes, and
+ends with the weights of the same run searched on rank 0). (A second job on a held run dir is
+refused in test_slurm_job_time.py, on the job that proves its time.)"""
 
 import os
 import shutil
@@ -88,12 +89,16 @@ def sbatch_template(run_dir, log_dir, extra_env=None):
         "configs/tiny.yaml",
         f"run.dir={run_dir}",
         *KILL_TASK,
+        "mining.search=sharded",
         "cluster.restarts_in_job=0",  # the kill ends the job: it is resumed by a second one
     ]
     return sbatch_wait(cmd, env={**os.environ, **env(), **(extra_env or {})})
 
 
 def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_run, tmp_path):
+    """Killed in step 10, moved, resumed by a second template job from the moved dir's own
+    checkpoint. Its mining rounds are searched across both nodes (a rank a node), and the run
+    still ends with the weights of the session's reference, searched on rank 0."""
     a, b = str(tmp_path / "runA"), str(tmp_path / "runB")
     first = sbatch_template(
         a, tmp_path, {"CLUSTERFLOW_TEST_KILL_AT": "10"}
@@ -110,5 +115,9 @@ def test_a_moved_run_dir_resumes_through_the_sbatch_template(cluster, reference_
         "resumed from " + os.path.join(b, "checkpoints", "step-8")
         in open(os.path.join(b, "logs", "rank0.attempt1.log")).read()
     )
+    assert len(s["mining"]) == 2 and all("sharded over 2 ranks" in m["engine"] for m in s["mining"])
+    assert all(m["hooking_rounds"] >= 1 for m in s["mining"]), s["mining"]
     ref_dir, _ = reference_run
+    want = [(m["num_clusters"], m["largest_cluster"]) for m in status(ref_dir)["mining"]]
+    assert [(m["num_clusters"], m["largest_cluster"]) for m in s["mining"]] == want, s["mining"]
     assert sha256(os.path.join(b, "model.pt")) == sha256(os.path.join(ref_dir, "model.pt"))

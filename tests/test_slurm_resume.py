@@ -1,10 +1,10 @@
 """Preemption proofs on the real local Slurm cluster: every interrupted run must end with a
 model.pt bitwise equal to the uninterrupted reference run of the same config and topology.
 
-(a) `scontrol requeue` in mid-epoch, then the time-limit signal (SIGUSR2), which makes rank 0
-    requeue the job itself, with a DataLoader worker a rank (Slurm signals it too); (b) real
-    preemption by an --exclusive job in the high partition;
-(c) SIGKILL of the whole job (scancel --full) in the middle of a synchronous checkpoint write
+(a) in one job: real preemption by an --exclusive job in the high partition, `scontrol requeue`
+    in mid-epoch, then the time-limit signal (SIGUSR2), which makes rank 0 requeue the job itself,
+    with a DataLoader worker a rank (Slurm signals it too);
+(b) SIGKILL of the whole job (scancel --full) in the middle of a synchronous checkpoint write
     (after a mining round).
 
 Proven locally, not again here: a kill during a background write
@@ -74,38 +74,24 @@ def stop_and_resume_steps(run_dir):
     return saved, resumed
 
 
-def test_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_path):
-    """Also: observe.on_event runs its command on a compute node for each requeue and for the
-    end (the weights stay the reference's)."""
+def test_preemption_then_scontrol_requeue_then_time_limit_signal(cluster, reference_run, tmp_path):
+    """One job stopped three ways, each in mid-epoch, each attempt resuming at the step the one
+    before saved: preempted by an --exclusive job in the high partition, requeued by `scontrol
+    requeue` (Slurm sends SIGTERM to every process of the job, its DataLoader workers too), then
+    sent the time-limit signal, on which rank 0 requeues the job itself. Also: observe.on_event
+    runs its command on a compute node for each requeue and for the end (the weights stay the
+    reference's)."""
     d = str(tmp_path / "run")
     command, told = notify_script(str(tmp_path))
-    job, _ = submit(d, *SLOW, *slowed(d, 2), "data.num_workers=1", f"observe.on_event={command}")
+    job, _ = submit(
+        d,
+        *SLOW,
+        "task.params.step_sleep=0.6",  # the signal of the third attempt lands 5 steps from the end
+        *slowed(d, 3),
+        "data.num_workers=1",
+        f"observe.on_event={command}",
+    )
     wait_until("mid-epoch 1", lambda: at_step(d, 3), job_id=job)
-    # Slurm sends SIGTERM to every process of the job (the workers too), then requeues it.
-    scmd("scontrol", "requeue", job)
-    wait_until("the requeued attempt in mid-epoch 2", lambda: at_step(d, 9, attempt=1), job_id=job)
-    # What Slurm sends ahead of the time limit (--signal=USR2@...): rank 0 requeues the job itself.
-    scmd("scancel", "--signal=USR2", job)
-    wait_gone(job)
-    s = status(d)
-    assert s["state"] == "completed" and s["attempts"] == 3, s
-    reasons = [json.loads(line)["reason"] for line in open(os.path.join(d, "stops.jsonl"))]
-    assert reasons == ["preempted", "timeout"]
-    assert f"requeued job {job} after the time-limit signal" in rank0_logs(d)
-    saved, resumed = stop_and_resume_steps(d)
-    assert len(saved) == 2 and saved == resumed, (saved, resumed)  # no step lost, none repeated
-    assert_same_weights(d, reference_run)
-    assert [line[:3] for line in fired(told)] == [
-        ("requeued", "0", d),
-        ("requeued", "1", d),
-        ("completed", "2", d),
-    ]
-
-
-def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_path):
-    d = str(tmp_path / "run")
-    job, _ = submit(d, *SLOW, *slowed(d, 1))
-    wait_until("mid-epoch 2", lambda: at_step(d, 8), job_id=job)
     high = scmd(
         "sbatch",
         "--parsable",
@@ -120,14 +106,27 @@ def test_preemption_by_exclusive_high_priority_job(cluster, reference_run, tmp_p
         "--wrap",
         "hostname; sleep 2",
     )
-    wait_gone(high)
-    wait_gone(job)
+    wait_until("the preempted attempt in mid-epoch 2", lambda: at_step(d, 8, 1), job_id=job)
     assert os.path.exists(tmp_path / f"high-{high}.out")  # the preemptor really ran
+    scmd("scontrol", "requeue", job)
+    wait_until("the requeued attempt in epoch 3", lambda: at_step(d, 13, 2), job_id=job)
+    # What Slurm sends ahead of the time limit (--signal=USR2@...): rank 0 requeues the job itself.
+    scmd("scancel", "--signal=USR2", job)
+    wait_gone(job)
     s = status(d)
-    assert s["state"] == "completed" and s["attempts"] == 2, s
+    assert s["state"] == "completed" and s["attempts"] == 4, s
+    reasons = [json.loads(line)["reason"] for line in open(os.path.join(d, "stops.jsonl"))]
+    assert reasons == ["preempted", "preempted", "timeout"]
+    assert f"requeued job {job} after the time-limit signal" in rank0_logs(d)
     saved, resumed = stop_and_resume_steps(d)
-    assert len(saved) == 1 and saved == resumed, (saved, resumed)
+    assert len(saved) == 3 and saved == resumed, (saved, resumed)  # no step lost, none repeated
     assert_same_weights(d, reference_run)
+    assert [line[:3] for line in fired(told)] == [
+        ("requeued", "0", d),
+        ("requeued", "1", d),
+        ("requeued", "2", d),
+        ("completed", "3", d),
+    ]
 
 
 def half_written(ckpts, step):

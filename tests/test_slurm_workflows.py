@@ -194,11 +194,13 @@ def test_cancel_leaves_cancelled_and_nothing_requeues(cluster, tmp_path):
     assert not queue(job)
 
 
-@pytest.mark.slow  # ~50 s: a sweep of two, a preemption, and an uninterrupted twin
+@pytest.mark.slow  # ~40 s: a sweep of two twins, one preempted
 def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_its_twin(
     cluster, tmp_path
 ):
-    d, twin = str(tmp_path / "sweep"), str(tmp_path / "twin")
+    """The two members differ only in how often they log, which changes no weight: the member
+    preempted in mid-epoch ends bitwise equal to its twin, which ran uninterrupted beside it."""
+    d = str(tmp_path / "sweep")
     one_node = (
         "cluster.nodes=1",
         "cluster.tasks_per_node=1",
@@ -211,13 +213,13 @@ def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_it
         f"run.dir={d}",
         *one_node,
         "--sweep",
-        "train.lr=0.001,0.003",
+        "train.log_every_steps=1,3",
         env=env(),
     )
     assert out.returncode == 0, out.stdout + out.stderr
     array = re.search(r"submitted job array (\d+): 2 member\(s\)", out.stdout).group(1)
     rows = json.loads(run_cli("clusterflow.status", d, "--json").stdout)
-    first = rows[0]["run_dir"]
+    first, twin = rows[0]["run_dir"], rows[1]["run_dir"]
     wait_until("member 0 in mid-epoch 2", lambda: at_step(first, 8), job_id=array)
     node = live_status(first)["hosts"][0]
     high = scmd(
@@ -243,14 +245,4 @@ def test_a_preempted_sweep_member_is_requeued_alone_and_ends_bitwise_equal_to_it
     assert [r["state"] for r in rows] == ["completed", "completed"], rows
     attempts = [len(open(os.path.join(r["run_dir"], "attempts.jsonl")).readlines()) for r in rows]
     assert attempts == [2, 1], attempts  # only the preempted array task came back
-    out = run_cli(
-        "clusterflow.submit",
-        "configs/tiny.yaml",
-        f"run.dir={twin}",
-        *one_node,
-        "train.lr=0.001",
-        "--wait",
-        env=env(),
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
     assert sha256(os.path.join(first, "model.pt")) == sha256(os.path.join(twin, "model.pt"))

@@ -4,7 +4,8 @@
     python tests/timeline.py /tmp/t.jsonl
 
 Prints, per worker, when its first test started and its last ended (seconds from the suite's
-first start), the seconds it spent in tests, and its groups by time; then which worker ended last.
+first start), the seconds it spent in tests, and its groups by time; then which worker ended last,
+and, where the timeline holds CPU seconds, the files whose tests cost the most CPU.
 """
 
 import collections
@@ -32,6 +33,13 @@ def main(path: str, top: int = 8) -> None:
             print(f"    {seconds:7.1f} s  {group[:90]}")
     worker = max(ends, key=ends.get)
     print(f"last to end: {worker} at {ends[worker]:.0f} s")
+    cpu = collections.Counter()
+    for t in tests:
+        cpu[t["test"].split("::")[0]] += t.get("cpu", 0.0)
+    if sum(cpu.values()):
+        print(f"CPU seconds in tests: {sum(cpu.values()):.0f} (Slurm jobs' not counted); by file:")
+        for name, seconds in cpu.most_common(top * 3):
+            print(f"    {seconds:7.1f} s  {name}")
 
 
 if __name__ == "__main__":
