@@ -17,7 +17,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # would otherwise queue behind or preempt each other); tests that share a module- or
 # session-scoped fixture (a run they only read) are grouped by it, so it is built once; every
 # other test is a group of its own. Groups are handed out longest first: the Slurm group, then
-# those with a slow test, then the rest in file order.
+# those with a slow test, then the rest in file order. In the Slurm group, whose chain ends the
+# suite, a test marked `cpu_bound` (its time follows the machine's load more than Slurm's waits)
+# runs last: by then the other workers are done and its jobs have the CPUs to themselves.
 SLURM_GROUP = "slurm-cluster"
 _SHARED_SCOPES = ("module", "package", "session")
 # Session fixtures that are cheap or that every worker may build for itself.
@@ -49,7 +51,9 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item):
         group = groups[item.nodeid]
-        return 0 if group == SLURM_GROUP else 1 if group in slow else 2
+        if group == SLURM_GROUP:
+            return 0, item.get_closest_marker("cpu_bound") is not None
+        return 1 if group in slow else 2, False
 
     for item in items:
         item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))

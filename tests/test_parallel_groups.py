@@ -1,7 +1,8 @@
 """The suite's parallel groups hold as pytest-xdist runs them: tests/run.sh's options and
 tests/conftest.py's grouping, run by a real pytest with three workers over a file of probes. A
 pytest or pytest-xdist that ignores the groups would run the Slurm cluster's tests at once in
-several workers (preempting and queueing behind each other) and build a shared run twice."""
+several workers (preempting and queueing behind each other) and build a shared run twice; the
+Slurm group's `cpu_bound` tests run at its end."""
 
 import collections
 import os
@@ -43,6 +44,11 @@ def probe(kind):
     time.sleep(0.3)
     with open(os.environ["PROBE_LOG"], "a") as f:
         f.write(f"{kind} {os.environ['PYTEST_XDIST_WORKER']}\\n")
+
+
+@pytest.mark.cpu_bound
+def test_on_the_cluster_heavy(cluster):
+    probe("cluster-last")
 
 
 @pytest.mark.parametrize("i", range(4))
@@ -87,9 +93,11 @@ def test_groups_stay_in_one_worker_and_the_rest_spread(tmp_path):
     )
     assert out.returncode == 0, out.stdout + out.stderr
     workers = collections.defaultdict(set)
-    for line in log.read_text().splitlines():
-        kind, worker = line.split()
-        workers[kind].add(worker)
+    lines = [line.split() for line in log.read_text().splitlines()]
+    for kind, worker in lines:
+        workers[kind.removesuffix("-last")].add(worker)
     assert len(workers["cluster"]) == 1, workers  # the Slurm group: one worker, in turn
+    # ... a cpu_bound test of it last, although its file puts it first
+    assert [kind for kind, _ in lines if kind.startswith("cluster")][-1] == "cluster-last", lines
     assert len(workers["shared"]) == 1, workers  # a shared module fixture: built once
     assert len(set().union(*workers.values())) > 1, workers  # and yet in parallel

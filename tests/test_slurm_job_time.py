@@ -187,6 +187,7 @@ def _ended(job):
 
 
 @pytest.mark.slow
+@pytest.mark.cpu_bound  # ten attempts' start-ups: 190 s alone, 260-300 s beside the other workers
 def test_ten_time_limits_with_a_short_signal_lead_and_a_slow_save_lose_no_step(cluster, tmp_path):
     """The job reads its end from Slurm again every second: an end brought forward is seen,
     and the run stops, saves and requeues itself before it, each attempt resuming at exactly the
