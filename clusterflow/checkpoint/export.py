@@ -25,15 +25,14 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save as safetensors_save
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from clusterflow.checkpoint import identity
 from clusterflow.checkpoint.sharded import plain_errors
 from clusterflow.config.job_config import Config
 from clusterflow.config.paths import check_local_dir
 from clusterflow.config.sections import is_url
+from clusterflow.distributed import sharding
 from clusterflow.errors import RunFailed, UserError, cli
 from clusterflow.rundir import saved_config
 from clusterflow.storage import diskfull, durable
@@ -159,11 +158,12 @@ def _gather_shards(folder: str, name: str) -> dict[str, Any]:
 def shard_tensors(folder: str, prefix: str = "") -> dict[str, torch.Tensor]:
     """Every tensor of a DCP checkpoint whose key starts with ``prefix``, whole, by its key, read
     in one process (empty when it has none)."""
+    dcp = sharding.dcp()
     reader = dcp.FileSystemReader(folder)
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)
         for key, meta in reader.read_metadata().state_dict_metadata.items()
-        if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)
+        if key.startswith(prefix) and isinstance(meta, dcp.metadata.TensorStorageMetadata)
     }
     if not state:
         return {}

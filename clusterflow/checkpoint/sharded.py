@@ -20,26 +20,21 @@ loaded them, so a checkpoint that fails to load on any rank leaves every rank's 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed import ProcessGroup
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import sharding
 from clusterflow.storage import durable
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
 METADATA = ".metadata"  # DCP's global plan, written by rank 0
 TAGS = "checkpoint"  # the DCP state's entry of each rank's id and step: checkpoint.rank<R>
@@ -63,7 +58,7 @@ def holds_shards(obj: object) -> bool:
         return False
 
     def walk(v: object) -> bool:
-        if isinstance(v, DTensor):
+        if sharding.is_dtensor(v):
             return True
         if isinstance(v, dict):
             return any(walk(x) for x in v.values())
@@ -93,10 +88,11 @@ class ShardedState:
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: each rank's shards, keyed by parameter name (what DCP reshards by)."""
-        out = {"model": get_model_state_dict(self.model)}
+        state_dicts = sharding.state_dicts()
+        out = {"model": state_dicts.get_model_state_dict(self.model)}
         for name, obj in self.states.items():
             out[name] = (
-                get_optimizer_state_dict(self.model_of.get(name, self.model), obj)
+                state_dicts.get_optimizer_state_dict(self.model_of.get(name, self.model), obj)
                 if isinstance(obj, torch.optim.Optimizer)
                 else obj.state_dict()
             )
@@ -122,9 +118,9 @@ class ShardedState:
         state = self.state_dict() if state is None else state
         if tag is not None:
             state = {**state, TAGS: {f"rank{dist.rank()}": dict(tag)}}
-        writer = _Writer(folder, fsync, tag["id"] if tag is not None else None)
+        writer = _writer_class()(folder, fsync, tag["id"] if tag is not None else None)
         with plain_errors():
-            dcp.save(state, storage_writer=writer, process_group=group)
+            sharding.dcp().save(state, storage_writer=writer, process_group=group)
         mine = sorted(f for f in os.listdir(folder) if f.startswith(f"__{dist.rank()}_"))
         if dist.rank() == 0:
             mine.append(METADATA)
@@ -134,33 +130,39 @@ class ShardedState:
         """Collective: load the shards this rank needs from ``folder`` into copies. Returns what
         puts them into the model and optimizers; raises when they do not load."""
         target = _clone(self.state_dict())
+        dcp, state_dicts = sharding.dcp(), sharding.state_dicts()
         with plain_errors():
             dcp.load(target, storage_reader=dcp.FileSystemReader(folder))
 
         def apply() -> None:
-            set_model_state_dict(self.model, target["model"])
+            state_dicts.set_model_state_dict(self.model, target["model"])
             for name, obj in self.states.items():
                 if isinstance(obj, torch.optim.Optimizer):
-                    set_optimizer_state_dict(self.model_of.get(name, self.model), obj, target[name])
+                    model = self.model_of.get(name, self.model)
+                    state_dicts.set_optimizer_state_dict(model, obj, target[name])
                 else:
                     obj.load_state_dict(target[name])
 
         return apply
 
 
-class _Writer(dcp.FileSystemWriter):
+@functools.cache
+def _writer_class() -> type:
     """DCP's writer of one file per rank, whose ``.metadata`` records ``ident`` (the checkpoint's
-    id) as its save id."""
+    id) as its save id (a class made at the first write: its base is DCP's)."""
 
-    def __init__(self, folder: str, fsync: bool, ident: str | None) -> None:
-        super().__init__(folder, single_file_per_rank=True, sync_files=fsync, thread_count=1)
-        self.ident = ident
+    class Writer(sharding.dcp().FileSystemWriter):
+        def __init__(self, folder: str, fsync: bool, ident: str | None) -> None:
+            super().__init__(folder, single_file_per_rank=True, sync_files=fsync, thread_count=1)
+            self.ident = ident
 
-    def storage_meta(self) -> StorageMeta | None:
-        meta = super().storage_meta()
-        if self.ident is not None and meta is not None:
-            meta.save_id = self.ident
-        return meta
+        def storage_meta(self) -> StorageMeta | None:
+            meta = super().storage_meta()
+            if self.ident is not None and meta is not None:
+                meta.save_id = self.ident
+            return meta
+
+    return Writer
 
 
 def carried(
@@ -169,6 +171,7 @@ def carried(
     """(the save id ``.metadata`` records, each ``.distcp`` file in ``files`` -> the tag it holds,
     None for none), read in this process. ValueError when ``.metadata`` names a file that
     ``files`` (the manifest) does not list, or when they cannot be read."""
+    dcp = sharding.dcp()
     reader = dcp.FileSystemReader(folder)
     try:
         meta = reader.read_metadata()
@@ -204,7 +207,9 @@ def plain_errors() -> Iterator[None]:
     else the lowest failed rank's), so a full disk or a damaged file reads as what it is."""
     try:
         yield
-    except CheckpointException as exc:
+    except BaseException as exc:
+        if not sharding.is_checkpoint_failure(exc):
+            raise
         failures = exc.failures
         mine = failures.get(dist.rank()) or failures[min(failures)]
         raise mine[0] from None

@@ -38,8 +38,8 @@ import time
 
 import numpy as np
 import torch
-from torch.distributed.fsdp import FSDPModule
 
+from clusterflow.distributed import sharding
 from clusterflow.storage.store import CheckpointStore
 from clusterflow.storage.tensors import TORCH
 
@@ -59,7 +59,7 @@ def round_key(
     h = hashlib.sha256()
     # An FSDP2 module's state_dict() reshards it: inside the embed's gathered window that would
     # free the gathered parameters and make the next forward gather them again (a collective).
-    fsdp = isinstance(model, FSDPModule)
+    fsdp = sharding.is_fsdp(model)
     tensors = (
         itertools.chain(model.named_parameters(), model.named_buffers())
         if fsdp

@@ -21,14 +21,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from clusterflow.config.sections import DistConfig
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import sharding
 from clusterflow.errors import UserError
 from clusterflow.tasks import Task, check_can_shard
 
@@ -93,7 +91,7 @@ def _fix_buckets(ddp: DDP) -> None:
 
 def is_wrapped(model: torch.nn.Module) -> bool:
     """A DDP wrapper or a sharded module: a model set up already."""
-    return isinstance(model, (DDP, FSDPModule))
+    return isinstance(model, DDP) or sharding.is_fsdp(model)
 
 
 def rebind(
@@ -158,19 +156,20 @@ def wrap_fsdp(
     if world == 1:
         dist.init_alone(device)
     mesh = init_device_mesh(device.type, (world,))
+    fsdp = sharding.fsdp()
     mp = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if amp == torch.bfloat16
-        else MixedPrecisionPolicy()
+        else fsdp.MixedPrecisionPolicy()
     )
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp)
-    fully_shard(module, mesh=mesh, mp_policy=mp)
+        fsdp.fully_shard(unit, mesh=mesh, mp_policy=mp)
+    fsdp.fully_shard(module, mesh=mesh, mp_policy=mp)
     return module
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return sharding.is_fsdp(model)
 
 
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
@@ -178,8 +177,8 @@ def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractCont
     (the last micro-batch of an optimizer step)."""
     if isinstance(model, DDP) and not sync:
         return model.no_sync()
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(sync)
+    if sharding.is_fsdp(model):
+        model.set_requires_gradient_sync(sync)  # type: ignore[operator]
     return contextlib.nullcontext()
 
 
@@ -195,7 +194,7 @@ def local(tensors: Iterable[object]) -> Iterator[object]:
     """This rank's part of each tensor (a DTensor's local shard; a plain tensor, or anything
     else an optimizer's state holds, itself)."""
     for t in tensors:
-        yield t.to_local() if isinstance(t, DTensor) else t
+        yield t.to_local() if sharding.is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def local_grads(params: Iterable[torch.nn.Parameter]) -> Iterator[_Grad]:
@@ -203,7 +202,7 @@ def local_grads(params: Iterable[torch.nn.Parameter]) -> Iterator[_Grad]:
     shard."""
     for p in params:
         g = p.grad
-        yield _Grad(g.to_local() if isinstance(g, DTensor) else g)
+        yield _Grad(g.to_local() if sharding.is_dtensor(g) else g)  # type: ignore[union-attr]
 
 
 class _Grad:
@@ -218,7 +217,7 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
     """The whole model on every rank for a while (evaluation, the mining embed): every sharded
     module is gathered once and kept gathered, so its forwards run no collective and ranks may
     run different numbers of batches; sharded again on exit. A no-op for an unsharded model."""
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    units: list[Any] = [m for m in model.modules() if sharding.is_fsdp(m)]
     for m in units:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()
@@ -235,9 +234,10 @@ def gathered(model: torch.nn.Module) -> Iterator[None]:
 def full_state_dict(model: torch.nn.Module) -> dict[str, Any] | None:
     """Collective for a sharded model: its whole state_dict on CPU on rank 0 (None elsewhere);
     the plain ``state_dict()`` otherwise."""
-    if not isinstance(model, FSDPModule):
+    if not sharding.is_fsdp(model):
         return model.state_dict()
-    sd = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state_dicts = sharding.state_dicts()
+    sd = state_dicts.get_model_state_dict(
+        model, options=state_dicts.StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     return sd or None
