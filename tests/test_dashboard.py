@@ -824,7 +824,10 @@ def test_a_folder_with_no_runs_says_what_was_searched(tmp_path):
     assert cat.version == 1  # the streams send the page again: it now says nothing was found
 
 
-def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path):
+def test_squeue_is_asked_once_for_every_run_not_once_per_run(tmp_path, monkeypatch):
+    """Even when each round collects one run (a loaded node, many runs), the first ask waits
+    for every run's job."""
+    monkeypatch.setattr(web_catalog, "BUDGET_S", 0.0)
     asked = []
 
     def ask(ids):

@@ -107,7 +107,8 @@ class QueueCache:
         self.ask = ask
         self.answers: dict[str, Queued | None] = {}
         self.wanted: dict[str, float] = {}
-        self.asked_at = 0.0
+        self.asked_at: float | None = None
+        self.held_at: float | None = None  # a new job waits for the runs not yet collected
 
     def state(self, job_id: str) -> str | None:
         """``STATE|REASON``, "" when squeue does not list the job, None before an answer."""
@@ -120,13 +121,21 @@ class QueueCache:
     def job(self, job_id: str) -> Queued | None:
         return self.answers.get(str(job_id))
 
-    def refresh(self, now: float) -> set[str]:
+    def refresh(self, now: float, waiting: bool = False) -> set[str]:
         """Ask squeue when due; the jobs whose answer changed (state, reason, limit, nodes or
-        expected start)."""
-        new = any(j not in self.answers for j in self.wanted)
-        if not self.wanted or (now - self.asked_at < QUEUE_EVERY_S and not new):
+        expected start). A job no answer has yet is asked about at once, unless ``waiting``:
+        runs not collected yet will name theirs soon, and one call asks for all of them (it
+        waits for them at most :data:`QUEUE_EVERY_S`)."""
+        if not self.wanted:
             return set()
-        self.asked_at = now
+        due = self.asked_at is not None and now - self.asked_at >= QUEUE_EVERY_S
+        new = any(j not in self.answers for j in self.wanted)
+        if new and waiting:
+            self.held_at = now if self.held_at is None else self.held_at
+            new = now - self.held_at >= QUEUE_EVERY_S
+        if not (due or new):
+            return set()
+        self.asked_at, self.held_at = now, None
         self.wanted = {j: t for j, t in self.wanted.items() if now - t < 10 * QUEUE_EVERY_S}
         answers = self.ask(list(self.wanted)) or {}
         changed = {
@@ -330,7 +339,8 @@ class Catalog:
         full = now - self._polled >= POLL_EVERY_S
         if full:
             self._polled = now
-        for job in self.queue.refresh(now):
+        waiting = any(r.status is None and not r.problem for r in self.runs.values())
+        for job in self.queue.refresh(now, waiting):
             for run in list(self.runs.values()):
                 if job in run.jobs:
                     run.collected_sig = None  # its job's answer changed: collect again
@@ -374,11 +384,11 @@ class Catalog:
         due.sort(key=lambda r: (not r.watchers, r.status is not None, r.changed_at))
         changed = False
         start = time.perf_counter()
-        for run in due:
-            if time.perf_counter() - start > BUDGET_S:
-                break
+        for run in due:  # at least one a round, however slow
             # No lock: a collect publishes whole new objects, which pages read as they are.
             changed |= run.collect(self.queue, now)
+            if time.perf_counter() - start > BUDGET_S:
+                break
         return changed
 
     def _feed(self, now: float) -> bool:
