@@ -55,6 +55,22 @@ def live_status(run_dir):
         return {}
 
 
+def at_step(run_dir, step, attempt=0):
+    """Attempt ``attempt`` is running and has reached ``step``."""
+    s = live_status(run_dir)
+    return (
+        s.get("attempt") == attempt
+        and (s.get("global_step") or 0) >= step
+        and s.get("state") == "running"
+    )
+
+
+def read_jsonl(path):
+    """A record file's lines, each one JSON object (a line that is not fails the test)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def wait_until(what, predicate, timeout=240, job_id=None):
     t0 = time.time()
     while time.time() - t0 < timeout:

@@ -11,7 +11,7 @@ import re
 
 import pytest
 from conftest import ONE_NODE, run_cli
-from slurmjobs import sha256, status, submit
+from slurmjobs import read_jsonl, sha256, status, submit
 
 pytestmark = pytest.mark.slurm
 
@@ -29,11 +29,6 @@ TWO_BAD_NODES = (
     "dist.stall_s=10",
     "dist.heartbeat_s=0.5",
 )
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def test_a_device_error_then_a_stalled_rank_leave_out_two_nodes_on_requeue(

@@ -14,7 +14,17 @@ import time
 
 import pytest
 from conftest import REPO, run_cli
-from slurmjobs import TWO_NODES, env, live_status, rank0_logs, scmd, sha256, status, wait_gone
+from slurmjobs import (
+    TWO_NODES,
+    at_step,
+    env,
+    rank0_logs,
+    read_jsonl,
+    scmd,
+    sha256,
+    status,
+    wait_gone,
+)
 from slurmjobs import wait_until as wait_for
 
 from clusterflow import rundir
@@ -48,20 +58,6 @@ def submit_script(run_dir, *overrides, extra_env=None):
     return m.group(1), out
 
 
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def at(run_dir, step, attempt):
-    s = live_status(run_dir)
-    return (
-        s.get("attempt") == attempt
-        and (s.get("global_step") or 0) >= step
-        and s.get("state") == "running"
-    )
-
-
 def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(cluster, tmp_path):
     # The uninterrupted reference trains beside the run under test (one core of each node each).
     ref = str(tmp_path / "reference")
@@ -74,9 +70,9 @@ def test_a_script_is_requeued_after_preemption_and_restarted_in_its_allocation(c
         "cluster.spare_nodes=1",
         extra_env={"STEP_SLEEP_S": "0.3"},
     )
-    wait_for("mid-epoch 1", lambda: at(d, 3, 0), job_id=job)
+    wait_for("mid-epoch 1", lambda: at_step(d, 3, 0), job_id=job)
     scmd("scontrol", "requeue", job)  # SIGTERM to every task, then Slurm requeues the job
-    wait_for("the requeued attempt in mid-epoch 2", lambda: at(d, 9, 1), job_id=job)
+    wait_for("the requeued attempt in mid-epoch 2", lambda: at_step(d, 9, 1), job_id=job)
     second = read_jsonl(os.path.join(d, "attempts.jsonl"))[1]
     host, pid, _ = second["procs"][1]  # rank 1's process (the nodes share this machine's pids)
     os.kill(pid, signal.SIGKILL)

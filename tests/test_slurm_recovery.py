@@ -38,6 +38,7 @@ from conftest import run_cli
 from slurmjobs import (
     env,
     live_status,
+    read_jsonl,
     scmd,
     sha256,
     status,
@@ -52,11 +53,6 @@ from clusterflow.rundir import RunPaths, first_error, restarts
 from clusterflow.storage import snapshots
 
 pytestmark = pytest.mark.slurm
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 @pytest.fixture

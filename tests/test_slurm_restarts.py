@@ -21,16 +21,21 @@ import sys
 
 import pytest
 from conftest import REPO, run_cli
-from slurmjobs import TWO_NODES, env, live_status, sha256, status, submit, wait_gone, wait_until
+from slurmjobs import (
+    TWO_NODES,
+    env,
+    live_status,
+    read_jsonl,
+    sha256,
+    status,
+    submit,
+    wait_gone,
+    wait_until,
+)
 
 from clusterflow.distributed.sampler import GlobalBatchSampler
 
 pytestmark = pytest.mark.slurm
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def test_spares_beyond_the_partition_are_refused_before_anything_is_submitted(cluster, tmp_path):

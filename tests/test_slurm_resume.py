@@ -21,7 +21,16 @@ import re
 import shutil
 
 import pytest
-from slurmjobs import live_status, rank0_logs, scmd, sha256, status, submit, wait_gone, wait_until
+from slurmjobs import (
+    at_step,
+    rank0_logs,
+    scmd,
+    sha256,
+    status,
+    submit,
+    wait_gone,
+    wait_until,
+)
 from test_on_event import fired, notify_script
 
 from clusterflow.storage.store import CheckpointStore
@@ -44,15 +53,6 @@ def slowed(run_dir, attempts):
     """SLOW's sleep in the first ``attempts`` attempts only, those the test signals in
     mid-epoch; the attempt after them trains the rest at full speed."""
     return (f"task.params.run_dir={run_dir}", f"task.params.slow_attempts={attempts}")
-
-
-def at_step(run_dir, step, attempt=0):
-    s = live_status(run_dir)
-    return (
-        s.get("attempt") == attempt
-        and s.get("global_step", 0) >= step
-        and s.get("state") == "running"
-    )
 
 
 def assert_same_weights(run_dir, reference_run):

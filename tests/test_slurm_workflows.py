@@ -18,6 +18,7 @@ import pytest
 from conftest import run_cli
 from slurmjobs import (
     TWO_NODES,
+    at_step,
     env,
     live_status,
     queue,
@@ -39,15 +40,6 @@ ONE_TASK = (
     "cluster.time_min=10",
 )
 SLOW = ("task.target=testtasks:Slow", "task.params.step_sleep=0.3")
-
-
-def at_step(run_dir, step, attempt=0):
-    s = live_status(run_dir)
-    return (
-        s.get("attempt") == attempt
-        and s.get("global_step", 0) >= step
-        and s.get("state") == "running"
-    )
 
 
 def sweep_submit(sweep_dir, *extra):
