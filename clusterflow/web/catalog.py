@@ -185,11 +185,16 @@ class RunEntry:
         return (self.status or {}).get("state")
 
     @property
+    def unread(self) -> bool:
+        """No collect has read its records yet."""
+        return self.status is None and not self.problem
+
+    @property
     def config(self) -> dict[str, Any]:
         return self.plain[0] if self.plain else {}
 
     def due(self, now: float) -> bool:
-        if self.status is None and not self.problem:
+        if self.unread:
             return True
         since = now - self.collected_at
         watched = self.watchers > 0
@@ -339,7 +344,7 @@ class Catalog:
         full = now - self._polled >= POLL_EVERY_S
         if full:
             self._polled = now
-        waiting = any(r.status is None and not r.problem for r in self.runs.values())
+        waiting = any(r.unread for r in self.runs.values())
         for job in self.queue.refresh(now, waiting):
             for run in list(self.runs.values()):
                 if job in run.jobs:
