@@ -22,22 +22,25 @@ def loaded(module: str, name: str) -> Any:
     return getattr(found, name) if found is not None else None
 
 
+def _instance(obj: object, module: str, name: str) -> bool:
+    """Whether ``obj`` is a ``module.name``: never, while ``module`` is not imported."""
+    cls = loaded(module, name)
+    return cls is not None and isinstance(obj, cls)
+
+
 def is_fsdp(module: torch.nn.Module) -> bool:
     """Whether ``module`` is one ``fully_shard`` sharded (an FSDPModule)."""
-    cls = loaded("torch.distributed.fsdp", "FSDPModule")
-    return cls is not None and isinstance(module, cls)
+    return _instance(module, "torch.distributed.fsdp", "FSDPModule")
 
 
 def is_dtensor(obj: object) -> bool:
     """Whether ``obj`` is a DTensor (a sharded parameter, gradient or optimizer state)."""
-    cls = loaded("torch.distributed.tensor", "DTensor")
-    return cls is not None and isinstance(obj, cls)
+    return _instance(obj, "torch.distributed.tensor", "DTensor")
 
 
 def is_checkpoint_failure(exc: BaseException) -> bool:
     """Whether ``exc`` is DCP's CheckpointException (every failed rank's traceback)."""
-    cls = loaded("torch.distributed.checkpoint.api", "CheckpointException")
-    return cls is not None and isinstance(exc, cls)
+    return _instance(exc, "torch.distributed.checkpoint.api", "CheckpointException")
 
 
 def fsdp() -> ModuleType:

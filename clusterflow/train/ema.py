@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
+from clusterflow.distributed import sharding
 from clusterflow.train import parallel
 
 
@@ -32,7 +33,7 @@ class EMA:
         with torch.no_grad():
             self.shadow = [p.detach().clone() for p in self.params]
         # The checkpointer saves a sharded EMA with the model's shards.
-        self.sharded = parallel.is_sharded(module)
+        self.sharded = sharding.is_fsdp(module)
 
     def update(self) -> None:
         """After an optimizer step: every average moves towards its parameter."""

@@ -168,10 +168,6 @@ def wrap_fsdp(
     return module
 
 
-def is_sharded(model: torch.nn.Module) -> bool:
-    return sharding.is_fsdp(model)
-
-
 def gradient_sync(model: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[None]:
     """Around one micro-batch's backward: gradients are reduced across ranks only when ``sync``
     (the last micro-batch of an optimizer step)."""

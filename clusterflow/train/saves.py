@@ -25,6 +25,7 @@ from clusterflow.checkpoint.registered import Stream
 from clusterflow.checkpoint.rng import RngState, capture_rng, restore_rng
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import sharding
 from clusterflow.observe.context import JobContext
 from clusterflow.observe.reporter import Reporter
 from clusterflow.storage import durable
@@ -249,7 +250,7 @@ class Saves:
             self.save(checkpointer.STOP)
         self.checkpointer.finish()  # the last checkpoint is committed before the run counts as done
         # Under fsdp: the whole model, gathered (collective), so model.pt loads into the plain one.
-        sharded = parallel.is_sharded(self.module)
+        sharded = sharding.is_fsdp(self.module)
         weights = parallel.full_state_dict(self.module) if sharded else None
         if dist.rank() == 0:
             durable.write_atomic(

@@ -38,6 +38,7 @@ from tqdm import tqdm
 from clusterflow.checkpoint.rng import seed_everything
 from clusterflow.checkpoint.train_state import TrainState
 from clusterflow.distributed import comm as dist
+from clusterflow.distributed import sharding
 from clusterflow.distributed.sampler import share, split
 from clusterflow.observe import phases
 from clusterflow.storage import durable
@@ -72,7 +73,7 @@ class Trainer:
         # Distinct per-rank streams from here on (run.setup).
         self.model = run.setup(module, shard_units=lambda m: parallel.shard_units(task, m, target))
         self.module = run.unwrap(self.model)
-        self.sharded = parallel.is_sharded(self.module)
+        self.sharded = sharding.is_fsdp(self.module)
         t, d = cfg.train, cfg.data
         self.opt = builders.build_optimizer(t, self.module, self.world)
         self.ema = EMA(self.module, t.ema_decay) if t.ema_decay else None
